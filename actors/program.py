@@ -1,0 +1,144 @@
+"""The stage actor's instruction set: pipeline actions and their text form.
+
+A *program* is the ordered list of :class:`Action` one stage actor (one rank) runs
+for one training step. Schedules (``schedulers/``) are written in this instruction
+set; the stage actor executes it. This module is a leaf: standard library only, so
+that ``actors/`` can import it without importing any scheduling policy.
+
+Every action prints in a compact form and parses back::
+
+    1F3          stage 1, forward, micro-batch 3
+    1B3          stage 1, full backward (input and weight gradients)
+    1I3  1W3     the two halves of a split backward: input gradient, weight gradient
+    1SEND_F3     stage 1 sends its output activation of micro-batch 3 to stage 2
+    2RECV_F3     stage 2 waits for that activation to have arrived
+    2SEND_B3     stage 2 sends its input gradient of micro-batch 3 to stage 1
+    1RECV_B3     stage 1 waits for that gradient to have arrived
+    0BARRIER     gradient-accumulation barrier (no micro-batch)
+    0REDUCE      data-parallel gradient reduction
+    0STEP        optimizer step
+
+``stage`` is always the *model* stage (the virtual stage when a rank holds several);
+:func:`stage_to_rank` says which rank owns it.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+
+__all__ = [
+    "COMM_KINDS",
+    "COMPUTE_KINDS",
+    "TAIL_KINDS",
+    "Action",
+    "ActionKind",
+    "Program",
+    "stage_to_rank",
+]
+
+
+class ActionKind(enum.Enum):
+    """What an action does; the value is its text in an action's compact form."""
+
+    F = "F"
+    B = "B"
+    I = "I"  # noqa: E741 - the upstream name for the input-gradient half of B
+    W = "W"
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+    BARRIER = "BARRIER"
+    REDUCE = "REDUCE"
+    STEP = "STEP"
+
+
+COMPUTE_KINDS = frozenset({ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W})
+COMM_KINDS = frozenset(
+    {ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B}
+)
+# The per-step tail every rank ends with, in this order; these have no micro-batch.
+TAIL_KINDS = frozenset({ActionKind.BARRIER, ActionKind.REDUCE, ActionKind.STEP})
+
+# Longest names first so that "BARRIER" is not read as "B" + garbage.
+_KIND_PATTERN = "|".join(
+    sorted((re.escape(kind.value) for kind in ActionKind), key=len, reverse=True)
+)
+_ACTION_RE = re.compile(rf"(\d+)({_KIND_PATTERN})(\d+)?")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Action:
+    """One instruction of a stage actor's program.
+
+    Attributes:
+        stage: the model stage the action belongs to (virtual stage when interleaved).
+        kind: what to do.
+        microbatch: the micro-batch index; ``None`` exactly for the tail kinds
+            (``BARRIER``, ``REDUCE``, ``STEP``).
+    """
+
+    stage: int
+    kind: ActionKind
+    microbatch: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.stage < 0:
+            raise ValueError(f"stage must be >= 0, got {self.stage}")
+        if self.kind in TAIL_KINDS:
+            if self.microbatch is not None:
+                raise ValueError(f"{self.kind.value} takes no micro-batch, got {self.microbatch}")
+        elif self.microbatch is None or self.microbatch < 0:
+            raise ValueError(
+                f"{self.kind.value} needs a micro-batch index >= 0, got {self.microbatch}"
+            )
+
+    def __str__(self) -> str:
+        micro = "" if self.microbatch is None else str(self.microbatch)
+        return f"{self.stage}{self.kind.value}{micro}"
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        """Parse the compact form (``1F3``, ``0SEND_B2``, ``0STEP``) back into an action.
+
+        Raises:
+            ValueError: ``text`` is not an action; the message quotes it.
+        """
+        match = _ACTION_RE.fullmatch(text.strip())
+        if match is None:
+            raise ValueError(
+                f"not an action: {text!r} (expected e.g. '1F3', '0SEND_B2' or '0STEP')"
+            )
+        stage, kind, micro = match.groups()
+        try:
+            return cls(
+                stage=int(stage),
+                kind=ActionKind(kind),
+                microbatch=None if micro is None else int(micro),
+            )
+        except ValueError as exc:
+            raise ValueError(f"not an action: {text!r} ({exc})") from None
+
+
+# One rank's instruction list for one training step.
+Program = list[Action]
+
+
+def stage_to_rank(stage: int, num_ranks: int) -> int:
+    """The rank that owns model ``stage`` when stages are placed round-robin.
+
+    Without interleaving (as many stages as ranks) rank ``r`` runs stage ``r``. With
+    ``V`` virtual stages per rank there are ``num_ranks * V`` model stages and stage
+    ``s`` lives on rank ``s % num_ranks`` (Megatron's placement), so neighbouring
+    stages are always on neighbouring ranks.
+
+    Raises:
+        ValueError: ``num_ranks`` < 1 or ``stage`` < 0.
+    """
+    if num_ranks < 1:
+        raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
+    if stage < 0:
+        raise ValueError(f"stage must be >= 0, got {stage}")
+    return stage % num_ranks

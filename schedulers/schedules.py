@@ -1,0 +1,337 @@
+# python -m schedulers.schedules --schedule 1f1b --stages 4 --microbatches 8
+"""Pipeline schedules as data: generators, lowering passes, and a command-line view.
+
+A generator is a pure function of the number of stages (ranks), micro-batches and,
+for interleaving, virtual stages per rank. It returns a *compute-only* schedule,
+``dict[rank, list[Action]]`` of F/B (or F/I/W) actions. Passes turn that into what a
+stage actor executes: :func:`add_send_recv` inserts the transfers and
+:func:`add_step_tail` the barrier, gradient reduction and optimizer step.
+:func:`build_schedule` does all of it by name, so one executor runs every schedule.
+
+The command line prints a schedule's grid, its simulated makespan and its bubble
+fraction (unit costs ``F=1, B=2`` unless told otherwise)::
+
+    python -m schedulers.schedules --schedule interleaved --stages 4 --microbatches 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+
+from actors.program import Action, ActionKind
+from schedulers.dataflow import Schedule, infer_layout
+from schedulers.grid import format_grid, parse_grid
+from schedulers.simulate import Costs, simulate, to_ascii, to_chrome_trace
+
+__all__ = [
+    "SCHEDULES",
+    "add_send_recv",
+    "add_step_tail",
+    "build_schedule",
+    "format_grid",
+    "gpipe",
+    "interleaved_1f1b",
+    "main",
+    "one_f_one_b",
+    "parse_grid",
+    "zero_bubble_h1",
+]
+
+_F, _B, _I, _W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
+
+
+def _act(stage: int, kind: ActionKind, microbatch: int | None = None) -> Action:
+    return Action(stage=stage, kind=kind, microbatch=microbatch)
+
+
+def _check_sizes(name: str, num_stages: int, num_microbatches: int) -> None:
+    if num_stages < 1:
+        raise ValueError(f"{name} needs num_stages >= 1, got {num_stages}")
+    if num_microbatches < 1:
+        raise ValueError(f"{name} needs num_microbatches >= 1, got {num_microbatches}")
+
+
+def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
+    """GPipe (fill-drain): every forward, then every backward.
+
+    Stage ``s`` holds all ``num_microbatches`` activations at the turn. Bubble with
+    uniform costs: ``(p-1)/(m+p-1)``.
+
+    Raises:
+        ValueError: a count is below 1.
+    """
+    _check_sizes("gpipe", num_stages, num_microbatches)
+    micros = range(num_microbatches)
+    return {
+        s: [_act(s, _F, m) for m in micros] + [_act(s, _B, m) for m in micros]
+        for s in range(num_stages)
+    }
+
+
+def _one_f_one_b_order(stage: int, num_stages: int, num_microbatches: int) -> list[tuple[str, int]]:
+    """1F1B's order on one stage as ("F"|"B", micro-batch) pairs."""
+    warmup = min(num_stages - stage - 1, num_microbatches)
+    order = [("F", m) for m in range(warmup)]
+    for m in range(num_microbatches - warmup):
+        order += [("F", warmup + m), ("B", m)]
+    order += [("B", m) for m in range(num_microbatches - warmup, num_microbatches)]
+    return order
+
+
+def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
+    """1F1B (PipeDream-Flush; DeepSpeed's TrainSchedule, Megatron's default).
+
+    Stage ``s`` runs ``p-s-1`` warm-up forwards, then alternates one forward and one
+    backward, then drains the backwards. Same bubble as GPipe, ``(p-1)/(m+p-1)``
+    with uniform costs, but stage ``s`` holds at most ``p-s`` activations.
+
+    Raises:
+        ValueError: a count is below 1.
+    """
+    _check_sizes("1F1B", num_stages, num_microbatches)
+    kinds = {"F": _F, "B": _B}
+    return {
+        s: [_act(s, kinds[k], m) for k, m in _one_f_one_b_order(s, num_stages, num_microbatches)]
+        for s in range(num_stages)
+    }
+
+
+def interleaved_1f1b(
+    num_stages: int, num_microbatches: int, num_virtual_stages: int = 2
+) -> Schedule:
+    """Interleaved 1F1B (Megatron's virtual pipeline stages).
+
+    Each of the ``num_stages`` ranks holds ``num_virtual_stages`` (``V``) model stages:
+    model stage ``s`` is on rank ``s % num_stages``. Micro-batches advance in groups of
+    ``num_stages`` through each of a rank's chunks in turn; the warm-up is longer
+    than 1F1B's, and the bubble shrinks by a factor of about ``V``. With ``V == 1``
+    this is :func:`one_f_one_b`.
+
+    Raises:
+        ValueError: a count is below 1, or ``num_microbatches`` is not a multiple of
+            ``num_stages`` (which the grouping needs).
+    """
+    _check_sizes("interleaved 1F1B", num_stages, num_microbatches)
+    if num_virtual_stages < 1:
+        raise ValueError(
+            f"interleaved 1F1B needs num_virtual_stages >= 1, got {num_virtual_stages}"
+        )
+    if num_virtual_stages == 1:
+        return one_f_one_b(num_stages, num_microbatches)
+    if num_microbatches % num_stages:
+        below = num_microbatches - num_microbatches % num_stages
+        options = [n for n in (below, below + num_stages, below + 2 * num_stages) if n > 0]
+        raise ValueError(
+            "interleaved 1F1B needs num_microbatches to be a multiple of num_stages "
+            f"({num_stages}); got {num_microbatches}, try "
+            + " or ".join(str(n) for n in options[:2])
+        )
+    p, v = num_stages, num_virtual_stages
+    total = v * num_microbatches  # forwards (and backwards) per rank
+
+    def unit(rank: int, k: int, forward: bool) -> Action:
+        # The k-th forward (or backward) on a rank: groups of p micro-batches sweep
+        # the rank's chunks, first to last for forwards and last to first backwards.
+        chunk = (k // p) % v
+        micro = (k // (p * v)) * p + k % p
+        if forward:
+            return _act(chunk * p + rank, _F, micro)
+        return _act((v - 1 - chunk) * p + rank, _B, micro)
+
+    schedule: Schedule = {}
+    for rank in range(p):
+        warmup = min((p - rank - 1) * 2 + (v - 1) * p, total)
+        program = [unit(rank, k, True) for k in range(warmup)]
+        for k in range(total - warmup):
+            program += [unit(rank, warmup + k, True), unit(rank, k, False)]
+        program += [unit(rank, k, False) for k in range(total - warmup, total)]
+        schedule[rank] = program
+    return schedule
+
+
+def zero_bubble_h1(num_stages: int, num_microbatches: int) -> Schedule:
+    """ZB-H1 from "Zero Bubble Pipeline Parallelism" (arXiv 2401.10241).
+
+    Backward is split into ``I`` (input gradient, which the previous stage waits for)
+    and ``W`` (weight gradient, which nobody waits for). Forwards and ``I`` follow
+    1F1B's order; stage ``s`` defers its ``W`` by ``s`` micro-batches and drains them
+    at the end, where 1F1B's cool-down would leave it idle. Every stage then holds at
+    most ``p`` activations (1F1B's peak, now on every stage) and, with
+    ``F = I = W``, the bubble is about a third of 1F1B's: ``(p-1)/(3m+p-1)`` for
+    ``m >= p``.
+
+    Raises:
+        ValueError: a count is below 1.
+    """
+    _check_sizes("zero-bubble H1", num_stages, num_microbatches)
+    schedule: Schedule = {}
+    for s in range(num_stages):
+        program: list[Action] = []
+        pending: list[int] = []  # micro-batches whose W is still to run
+        for kind, m in _one_f_one_b_order(s, num_stages, num_microbatches):
+            if kind == "F":
+                program.append(_act(s, _F, m))
+                continue
+            program.append(_act(s, _I, m))
+            pending.append(m)
+            if len(pending) > s:
+                program.append(_act(s, _W, pending.pop(0)))
+        program += [_act(s, _W, m) for m in pending]
+        schedule[s] = program
+    return schedule
+
+
+Generator = Callable[..., Schedule]
+SCHEDULES: dict[str, Generator] = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "interleaved": interleaved_1f1b,
+    "zero_bubble": zero_bubble_h1,
+}
+
+
+def add_send_recv(schedule: Schedule) -> Schedule:
+    """Lower a compute-only schedule: insert the sends and receives between ranks.
+
+    A send follows the compute that produces the value (``sSEND_Fm`` after ``sFm``,
+    ``sSEND_Bm`` after ``sBm`` or ``sIm``); the receive comes right before the compute
+    that needs it (the executor posts receives early; ``RECV`` means "wait until it
+    has arrived"). Neighbouring stages on the same rank hand values over locally,
+    and the first and last stage read inputs and compute the loss themselves.
+    """
+    layout = infer_layout(schedule)
+    last = layout.num_stages - 1
+
+    def crosses(stage: int, other: int) -> bool:
+        return 0 <= other <= last and layout.crosses_ranks(stage, other)
+
+    lowered: Schedule = {}
+    for rank, program in schedule.items():
+        out: list[Action] = []
+        for a in program:
+            s, m = a.stage, a.microbatch
+            if a.kind is _F and crosses(s, s - 1):
+                out.append(_act(s, ActionKind.RECV_F, m))
+            if a.kind in (_B, _I) and crosses(s, s + 1):
+                out.append(_act(s, ActionKind.RECV_B, m))
+            out.append(a)
+            if a.kind is _F and crosses(s, s + 1):
+                out.append(_act(s, ActionKind.SEND_F, m))
+            if a.kind in (_B, _I) and crosses(s, s - 1):
+                out.append(_act(s, ActionKind.SEND_B, m))
+        lowered[rank] = out
+    return lowered
+
+
+def add_step_tail(schedule: Schedule) -> Schedule:
+    """Append the accumulation barrier, gradient reduction and optimizer step to
+    every rank's program (the tail actions carry the rank's first stage, ``rank``)."""
+    tail = (ActionKind.BARRIER, ActionKind.REDUCE, ActionKind.STEP)
+    return {rank: [*program, *(_act(rank, k) for k in tail)] for rank, program in schedule.items()}
+
+
+def build_schedule(
+    name: str,
+    num_stages: int,
+    num_microbatches: int,
+    num_virtual_stages: int | None = None,
+) -> Schedule:
+    """Generate schedule ``name`` and lower it into programs ready to execute.
+
+    Args:
+        name: a key of :data:`SCHEDULES`.
+        num_stages: pipeline ranks (stage actors).
+        num_microbatches: micro-batches per optimizer step.
+        num_virtual_stages: model stages per rank; only ``"interleaved"`` takes more
+            than one (default 2).
+
+    Raises:
+        ValueError: unknown name, or arguments the schedule cannot take.
+    """
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    if name == "interleaved":
+        compute = interleaved_1f1b(num_stages, num_microbatches, num_virtual_stages or 2)
+    elif num_virtual_stages not in (None, 1):
+        raise ValueError(
+            f"schedule {name!r} runs one stage per rank; use 'interleaved' for "
+            f"num_virtual_stages={num_virtual_stages}"
+        )
+    else:
+        compute = SCHEDULES[name](num_stages, num_microbatches)
+    return add_step_tail(add_send_recv(compute))
+
+
+def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m schedulers.schedules",
+        description="Print a pipeline schedule, its simulated makespan and its bubble fraction.",
+    )
+    parser.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b")
+    parser.add_argument("--stages", type=int, default=4, help="pipeline ranks")
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument(
+        "--virtual-stages", type=int, default=None, help="interleaved only (default 2)"
+    )
+    parser.add_argument("--forward", type=float, default=1.0, help="F cost")
+    parser.add_argument("--backward", type=float, default=2.0, help="B cost")
+    parser.add_argument("--input-grad", type=float, default=1.0, help="I cost (zero_bubble)")
+    parser.add_argument("--weight-grad", type=float, default=1.0, help="W cost (zero_bubble)")
+    parser.add_argument("--latency", type=float, default=0.0, help="link latency, seconds")
+    parser.add_argument("--bandwidth", type=float, default=float("inf"), help="link bytes/second")
+    parser.add_argument("--activation-bytes", type=float, default=0.0)
+    parser.add_argument("--codec-ratio", type=float, default=1.0, help="encoded / raw size")
+    parser.add_argument(
+        "--lowered", action="store_true", help="print sends, receives and the step tail"
+    )
+    parser.add_argument("--width", type=int, default=72, help="ASCII chart width")
+    parser.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace JSON")
+    args = parser.parse_args(argv)
+    try:
+        args.costs = Costs(
+            forward=args.forward,
+            backward=args.backward,
+            input_grad=args.input_grad,
+            weight_grad=args.weight_grad,
+            latency_s=args.latency,
+            bandwidth=args.bandwidth,
+            activation_bytes=args.activation_bytes,
+            codec_ratio=args.codec_ratio,
+        )
+        args.program = build_schedule(
+            args.schedule, args.stages, args.microbatches, args.virtual_stages
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse, build, simulate, print; returns the exit status."""
+    args = _parse_args(argv)
+    lowered = args.program
+    shown = lowered if args.lowered else _compute_only(lowered)
+    result = simulate(lowered, args.costs)
+    print(f"{args.schedule}: {args.stages} stages x {args.microbatches} micro-batches")
+    print(format_grid(shown))
+    print(to_ascii(result, width=args.width))
+    print(f"makespan: {result.makespan:g}")
+    print(f"peak_stash: {' '.join(str(n) for n in result.peak_stash)}")
+    print(f"bubble_fraction: {result.bubble_fraction:.4f}")
+    if args.trace:
+        with open(args.trace, "w", encoding="utf-8") as f:
+            json.dump(to_chrome_trace(result), f)
+        print(f"trace: {args.trace}")
+    return 0
+
+
+def _compute_only(schedule: Schedule) -> Schedule:
+    keep = (_F, _B, _I, _W)
+    return {rank: [a for a in program if a.kind in keep] for rank, program in schedule.items()}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

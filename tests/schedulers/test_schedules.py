@@ -1,0 +1,201 @@
+"""Tests for schedulers/schedules.py: generators, lowering passes, the registry and the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from actors.program import COMM_KINDS, Action, ActionKind
+from schedulers.dataflow import Schedule
+from schedulers.grid import format_grid, parse_grid
+from schedulers.schedules import (
+    SCHEDULES,
+    add_send_recv,
+    add_step_tail,
+    build_schedule,
+    gpipe,
+    interleaved_1f1b,
+    main,
+    one_f_one_b,
+    zero_bubble_h1,
+)
+from schedulers.validate import validate
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Expected schedules, written the way the grid prints them.
+EXPECTED: dict[tuple[Callable[[int, int], Schedule], int, int], str] = {
+    (gpipe, 2, 4): """
+        0: 0F0 0F1 0F2 0F3 -   -   0B0 0B1 0B2 0B3
+        1: -   1F0 1F1 1F2 1F3 1B0 1B1 1B2 1B3
+    """,
+    (one_f_one_b, 2, 4): """
+        0: 0F0 0F1 -   0B0 0F2 0B1 0F3 0B2 -   0B3
+        1: -   1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3
+    """,
+    (one_f_one_b, 3, 2): """
+        0: 0F0 0F1 -   -   -   0B0 -   0B1
+        1: -   1F0 1F1 -   1B0 -   1B1
+        2: -   -   2F0 2B0 2F1 2B1
+    """,
+    (zero_bubble_h1, 2, 4): """
+        0: 0F0 0F1 -   0I0 0W0 0F2 0I1 0W1 0F3 0I2 0W2 0I3 0W3
+        1: -   1F0 1I0 1F1 1I1 1W0 1F2 1I2 1W1 1F3 1I3 1W2 1W3
+    """,
+    (interleaved_1f1b, 2, 4): """
+        0: 0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 -   2B2 -   2B3 0B2 0B3
+        1: -   1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3
+    """,
+    (interleaved_1f1b, 1, 2): "0: 0F0 1F0 1B0 0F1 0B0 1F1 1B1 0B1",
+}
+
+
+@pytest.mark.parametrize(("generator", "num_stages", "num_microbatches"), list(EXPECTED))
+def test_small_schedules_match_their_text(
+    generator: Callable[[int, int], Schedule], num_stages: int, num_microbatches: int
+) -> None:
+    text = EXPECTED[generator, num_stages, num_microbatches]
+    schedule = generator(num_stages, num_microbatches)
+    assert schedule == parse_grid(text)
+    assert format_grid(schedule) == "\n".join(line.strip() for line in text.strip().splitlines())
+
+
+def test_registry_names_every_generator() -> None:
+    assert SCHEDULES == {
+        "gpipe": gpipe,
+        "1f1b": one_f_one_b,
+        "interleaved": interleaved_1f1b,
+        "zero_bubble": zero_bubble_h1,
+    }
+
+
+def test_interleaving_by_one_is_1f1b() -> None:
+    assert interleaved_1f1b(4, 6, num_virtual_stages=1) == one_f_one_b(4, 6)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: gpipe(0, 4), "num_stages >= 1, got 0"),
+        (lambda: one_f_one_b(4, 0), "num_microbatches >= 1, got 0"),
+        (lambda: zero_bubble_h1(-1, 4), "num_stages >= 1"),
+        (lambda: interleaved_1f1b(4, 6), r"multiple of num_stages \(4\); got 6, try 4 or 8"),
+        (lambda: interleaved_1f1b(4, 2), r"multiple of num_stages \(4\); got 2, try 4 or 8"),
+        (lambda: interleaved_1f1b(4, 8, num_virtual_stages=0), "num_virtual_stages >= 1"),
+        (lambda: build_schedule("pipedream", 4, 8), "unknown schedule 'pipedream'; choose one of"),
+        (lambda: build_schedule("1f1b", 4, 8, num_virtual_stages=2), "use 'interleaved'"),
+    ],
+)
+def test_impossible_arguments_say_what_would_work(call: Callable[[], object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def _sizes(draw: st.DrawFn, name: str) -> tuple[int, int, int | None]:
+    num_stages = draw(st.integers(1, 6))
+    if name == "interleaved":
+        virtual = draw(st.integers(1, 3))
+        return num_stages, num_stages * draw(st.integers(1, 3)), virtual
+    return num_stages, draw(st.integers(1, 12)), None
+
+
+@st.composite
+def generated(draw: st.DrawFn) -> tuple[str, int, int, int | None]:
+    name = draw(st.sampled_from(sorted(SCHEDULES)))
+    return (name, *_sizes(draw, name))
+
+
+@settings(max_examples=200)
+@given(generated())
+def test_every_generated_schedule_validates(case: tuple[str, int, int, int | None]) -> None:
+    name, num_stages, num_microbatches, virtual = case
+    lowered = build_schedule(name, num_stages, num_microbatches, virtual)
+    layout = validate(lowered)
+    assert layout.num_ranks == num_stages and layout.num_microbatches == num_microbatches
+    assert layout.num_stages == num_stages * (virtual or 1)
+    extra = {"num_virtual_stages": virtual} if virtual else {}
+    validate(SCHEDULES[name](num_stages, num_microbatches, **extra))
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_lowering_puts_receives_before_and_sends_after_compute(name: str) -> None:
+    lowered = build_schedule(name, 4, 8)
+    for rank, program in lowered.items():
+        assert [str(a) for a in program[-3:]] == [f"{rank}BARRIER", f"{rank}REDUCE", f"{rank}STEP"]
+        for i, a in enumerate(program):
+            if a.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
+                consumer = program[i + 1]
+                assert consumer.stage == a.stage and consumer.microbatch == a.microbatch
+                is_forward = a.kind is ActionKind.RECV_F
+                needs_it = {ActionKind.F} if is_forward else {ActionKind.B, ActionKind.I}
+                assert consumer.kind in needs_it
+            if a.kind in (ActionKind.SEND_F, ActionKind.SEND_B):
+                producer = program[i - 1]
+                assert producer.stage == a.stage and producer.microbatch == a.microbatch
+
+
+def test_lowering_counts() -> None:
+    # 4 stages, 8 micro-batches: 3 links, each carries 8 activations and 8 gradients.
+    lowered = add_send_recv(one_f_one_b(4, 8))
+    kinds = [a.kind for p in lowered.values() for a in p]
+    for kind in COMM_KINDS:
+        assert kinds.count(kind) == 3 * 8
+
+
+@pytest.mark.parametrize(("num_stages", "num_virtual_stages"), [(1, 1), (1, 2), (1, 3)])
+def test_stages_sharing_a_rank_hand_over_locally(num_stages: int, num_virtual_stages: int) -> None:
+    compute = interleaved_1f1b(num_stages, 3, num_virtual_stages)
+    assert add_send_recv(compute) == compute
+
+
+def test_split_backward_sends_after_input_grad() -> None:
+    lowered = add_send_recv(zero_bubble_h1(2, 1))
+    assert lowered == parse_grid(
+        """
+        0: 0F0 0SEND_F0 0RECV_B0 0I0 0W0
+        1: 1RECV_F0 1F0 1I0 1SEND_B0 1W0
+        """
+    )
+
+
+def test_step_tail_is_appended_per_rank() -> None:
+    assert add_step_tail({0: [Action.parse("0F0")], 1: []}) == parse_grid(
+        "0: 0F0 0BARRIER 0REDUCE 0STEP\n1: 1BARRIER 1REDUCE 1STEP"
+    )
+
+
+def test_main_prints_grid_makespan_and_bubble(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    trace = tmp_path / "trace.json"
+    argv = ["--schedule", "interleaved", "--stages", "2", "--microbatches", "4"]
+    assert main([*argv, "--trace", str(trace)]) == 0
+    out = capsys.readouterr().out
+    assert "0: 0F0 0F1 2F0" in out
+    assert "makespan: 27" in out and "bubble_fraction: 0.1111" in out.splitlines()
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {e["tid"] for e in events if e["ph"] == "X"} == {0, 1}
+
+
+def test_main_rejects_impossible_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--schedule", "interleaved", "--stages", "4", "--microbatches", "6"])
+    assert info.value.code == 2
+    assert "try 4 or 8" in capsys.readouterr().err
+
+
+def test_command_line_prints_the_1f1b_bubble() -> None:
+    command = [sys.executable, "-m", "schedulers.schedules"]
+    command += ["--schedule", "1f1b", "--stages", "4", "--microbatches", "8"]
+    done = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=120, check=True
+    )
+    assert "bubble_fraction: 0.2727" in done.stdout.splitlines()
+    assert done.stderr == ""
