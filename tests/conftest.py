@@ -1,6 +1,7 @@
 """Shared test settings: hypothesis profiles (CI runs the long one)."""
 from __future__ import annotations
 
+import asyncio
 import os
 
 import torch
@@ -13,3 +14,13 @@ settings.register_profile(
     "ci", deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
 )
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
+
+
+def pytest_asyncio_loop_factories(config: object, item: object) -> dict[str, object]:
+    """Runs the channel suite on both loops and everything else on the runtime's own."""
+    from transport.loop import new_event_loop
+
+    factories: dict[str, object] = {"uvloop": new_event_loop}
+    if getattr(item, "module", None) is not None and item.module.__name__.endswith("test_channel"):  # type: ignore[attr-defined]
+        factories["asyncio"] = asyncio.new_event_loop
+    return factories

@@ -1,0 +1,173 @@
+# Run: python -m benchmarks.transport   (or: make bench)
+"""One-way channel throughput against raw pyzmq, and codec speed, measured in one run.
+
+Two processes: this one sends, a spawned one receives. For each tensor size the same
+PUSH/PULL socket pair is driven twice — once through actorpipe's channel (msgpack
+header + zero-copy tensor frame, asyncio on uvloop, decoded back into a tensor) and
+once through raw blocking pyzmq sending the tensor's buffer with ``copy=False`` —
+alternating trials so machine noise hits both alike. The receiver times each block
+from its first message to its last. The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import shutil
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import torch
+import zmq
+
+from transport.channel import open_receiver, open_sender
+from transport.codecs import CODEC_NAMES, get_codec
+from transport.loop import run
+
+SIZES = {"64KiB": 64 << 10, "1MiB": 1 << 20, "16MiB": 16 << 20}
+BYTES_PER_TRIAL = 512 << 20
+
+
+def _count(size: int) -> int:
+    return max(32, BYTES_PER_TRIAL // size)
+
+
+def _raw_receive(address: str, plan: list[tuple[int, int]], results: Any, ready: Any) -> None:
+    torch.set_num_threads(1)
+    sock = zmq.Context.instance().socket(zmq.PULL)
+    sock.setsockopt(zmq.RCVHWM, 64)
+    sock.bind(address)
+    ready.put(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+    for size, count in plan:
+        sock.recv(copy=False)
+        start = time.perf_counter()
+        for _ in range(count - 1):
+            frame = sock.recv(copy=False)
+        results.put(((count - 1) * size, time.perf_counter() - start, len(frame)))
+    sock.close(linger=0)
+
+
+def _channel_receive(address: str, plan: list[tuple[int, int]], results: Any, ready: Any) -> None:
+    torch.set_num_threads(1)
+
+    async def main() -> None:
+        async with open_receiver(address, hwm=64) as rx:
+            ready.put(rx.address)
+            for size, count in plan:
+                await rx.receive()
+                start = time.perf_counter()
+                for _ in range(count - 1):
+                    tensor = await rx.receive()
+                results.put(((count - 1) * size, time.perf_counter() - start, tensor.numel() * 4))
+
+    run(main())
+
+
+def _raw_send(address: str, plan: list[tuple[int, int]]) -> None:
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.setsockopt(zmq.SNDHWM, 64)
+    sock.connect(address)
+    for size, count in plan:
+        buf = memoryview(torch.ones(size // 4).numpy())
+        for _ in range(count):
+            sock.send(buf, copy=False)
+    sock.close(linger=-1)
+
+
+async def _channel_send(address: str, plan: list[tuple[int, int]]) -> None:
+    async with open_sender(address, hwm=64, linger_ms=-1) as tx:
+        for size, count in plan:
+            tensor = torch.ones(size // 4)
+            for _ in range(count):
+                await tx.send(tensor)
+
+
+def measure_throughput(kind: str, plan: list[tuple[int, int]]) -> list[float]:
+    """One trial: bytes/s per block of ``plan`` for ``kind`` ('channel' or 'raw')."""
+    ctx = mp.get_context("spawn")
+    results, ready = ctx.Queue(), ctx.Queue()
+    target = _channel_receive if kind == "channel" else _raw_receive
+    tempdir = tempfile.mkdtemp(prefix="actorpipe-bench-")
+    proc = ctx.Process(target=target, args=(f"ipc://{tempdir}/sock", plan, results, ready))
+    proc.start()
+    try:
+        address = ready.get(timeout=60)
+        if kind == "channel":
+            run(_channel_send(address, plan))
+        else:
+            _raw_send(address, plan)
+        rates = []
+        for size, _ in plan:
+            nbytes, seconds, last = results.get(timeout=120)
+            assert last == size, "receiver saw a wrong-sized message"
+            rates.append(nbytes / seconds)
+        return rates
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        shutil.rmtree(tempdir, ignore_errors=True)
+
+
+def measure_codecs(numel: int = 4 << 20, repeats: int = 5) -> dict[str, tuple[float, float]]:
+    """Encode+decode GB/s of float32 input and encoded/raw size ratio, per codec."""
+    torch.manual_seed(0)
+    tensor = torch.randn(numel)
+    raw_bytes = numel * 4
+    out: dict[str, tuple[float, float]] = {}
+    for name in CODEC_NAMES:
+        codec = get_codec(name)
+        codec.decode(codec.encode(tensor))  # warm up allocator and kernels
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            encoded = codec.encode(tensor)
+            codec.decode(encoded)
+            times.append(time.perf_counter() - start)
+        out[name] = (raw_bytes / statistics.median(times) / 1e9, encoded.nbytes / raw_bytes)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=3, help="alternating trials per transport")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    plan = [(size, _count(size)) for size in SIZES.values()]
+    samples: dict[str, list[list[float]]] = {"channel": [], "raw": []}
+    for _ in range(args.trials):
+        for kind in ("raw", "channel"):
+            samples[kind].append(measure_throughput(kind, plan))
+    medians = {kind: [statistics.median(t[i] for t in trials) / 1e9 for i in range(len(plan))]
+               for kind, trials in samples.items()}
+
+    print(f"one-way throughput, ipc, PUSH/PULL, median of {args.trials} trials (GB/s)")
+    print(f"{'size':>8} {'raw pyzmq':>10} {'channel':>10} {'ratio':>7}")
+    for i, label in enumerate(SIZES):
+        raw, chan = medians["raw"][i], medians["channel"][i]
+        print(f"{label:>8} {raw:>10.2f} {chan:>10.2f} {chan / raw:>7.2f}")
+
+    codecs = measure_codecs()
+    print("\ncodec encode+decode, 16 MiB float32, 1 thread")
+    print(f"{'codec':>6} {'GB/s':>8} {'size ratio':>11}")
+    for name, (gbps, ratio) in codecs.items():
+        print(f"{name:>6} {gbps:>8.2f} {ratio:>11.4f}")
+
+    summary: dict[str, float] = {}
+    for i, label in enumerate(SIZES):
+        summary[f"channel_GBps_{label}"] = round(medians["channel"][i], 3)
+        summary[f"raw_GBps_{label}"] = round(medians["raw"][i], 3)
+        summary[f"channel_vs_raw_{label}"] = round(medians["channel"][i] / medians["raw"][i], 3)
+    for name, (gbps, ratio) in codecs.items():
+        summary[f"{name}_GBps"] = round(gbps, 3)
+        summary[f"{name}_size_ratio"] = round(ratio, 4)
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
