@@ -1,0 +1,172 @@
+"""The actor base class, the ``@endpoint`` marker and the per-actor mailbox loop.
+
+An actor handles one message at a time, in arrival order, in its own task; an
+endpoint marked ``concurrent=True`` runs in a task of its own as soon as it arrives
+(for queries that must be answered while a long call runs, such as a status probe).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from actors._errors import BadArguments, MailboxFull, UnknownEndpoint
+
+if TYPE_CHECKING:
+    from actors._ref import ActorRef
+    from actors._runtime import Runtime
+
+__all__ = ["Actor", "endpoint"]
+
+log = logging.getLogger(__name__)
+
+F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+DEFAULT_MAILBOX_SIZE = 4096
+_ENDPOINT_ATTR = "__actor_endpoint__"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _EndpointInfo:
+    concurrent: bool
+
+
+def endpoint(fn: F | None = None, *, concurrent: bool = False) -> Any:
+    """Marks an async method as callable from anywhere in the cluster.
+
+    Args:
+        concurrent: run each call in its own task instead of queueing it behind the
+            actor's other messages.
+    """
+
+    def mark(f: F) -> F:
+        if not inspect.iscoroutinefunction(f):
+            raise TypeError(f"@endpoint {f.__qualname__} must be an async def")
+        setattr(f, _ENDPOINT_ATTR, _EndpointInfo(concurrent=concurrent))
+        return f  # type: ignore[return-value]
+
+    return mark(fn) if fn is not None else mark
+
+
+@dataclass(slots=True, kw_only=True)
+class Call:
+    """One delivered request: the method to run and where its outcome goes."""
+
+    method: str
+    args: list[Any]
+    kwargs: dict[str, Any]
+    reply: Callable[[bool, Any], Awaitable[None]] | None  # None for tell
+
+
+class Actor:
+    """Base class: subclass it and mark async methods with :func:`endpoint`.
+
+    Hooks, all optional: :meth:`on_start` before the first message, :meth:`on_stop`
+    after the last, :meth:`on_failure` when an endpoint raised (the error also goes
+    back to the caller, and the actor keeps serving).
+    """
+
+    mailbox_size: int = DEFAULT_MAILBOX_SIZE
+
+    # Set by the runtime when the actor is spawned.
+    name: str
+    runtime: Runtime
+    ref: ActorRef
+    # Set by a node's agent when it spawns the actor: the node's device and allow-list.
+    node_context: Any = None
+
+    async def on_start(self) -> None:
+        """Runs before the actor takes its first message; raising aborts the spawn."""
+
+    async def on_stop(self) -> None:
+        """Runs once the actor has stopped taking messages."""
+
+    async def on_failure(self, method: str, error: BaseException) -> None:
+        """Runs when endpoint ``method`` raised ``error``."""
+        log.debug("%s.%s raised %r", self.name, method, error)
+
+    @classmethod
+    def endpoints(cls) -> dict[str, bool]:
+        """The endpoint names of this class, each with whether it is concurrent."""
+        found: dict[str, bool] = {}
+        for attr in dir(cls):
+            info = getattr(getattr(cls, attr, None), _ENDPOINT_ATTR, None)
+            if isinstance(info, _EndpointInfo):
+                found[attr] = info.concurrent
+        return found
+
+
+class Mailbox:
+    """Runs one actor's calls: sequential ones in order, concurrent ones at once."""
+
+    def __init__(self, actor: Actor, spawn_task: Callable[[Awaitable[None]], asyncio.Task[None]]) -> None:
+        self.actor = actor
+        self._endpoints = type(actor).endpoints()
+        # inspect.signature costs tens of microseconds: once per endpoint, not per call.
+        self._signatures = {name: inspect.signature(getattr(actor, name)) for name in self._endpoints}
+        self._queue: asyncio.Queue[Call] = asyncio.Queue(actor.mailbox_size)
+        self._spawn_task = spawn_task
+
+    def deliver(self, call: Call) -> None:
+        """Queues ``call`` or starts it (concurrent endpoints).
+
+        Raises:
+            UnknownEndpoint: no such endpoint (checked here, so the caller hears at once).
+            MailboxFull: the mailbox is at its bound.
+        """
+        concurrent = self._endpoints.get(call.method)
+        if concurrent is None:
+            known = ", ".join(sorted(self._endpoints)) or "none"
+            raise UnknownEndpoint(
+                f"actor {self.actor.name!r} ({type(self.actor).__name__}) has no endpoint "
+                f"{call.method!r}; its endpoints: {known}"
+            )
+        if concurrent:
+            self._spawn_task(self.run_call(call))
+            return
+        try:
+            self._queue.put_nowait(call)
+        except asyncio.QueueFull:
+            raise MailboxFull(
+                f"actor {self.actor.name!r} has {self._queue.qsize()} messages waiting"
+            ) from None
+
+    async def run(self) -> None:
+        """Takes messages one by one until cancelled."""
+        while True:
+            call = await self._queue.get()
+            await self.run_call(call)
+
+    async def run_call(self, call: Call) -> None:
+        method = getattr(self.actor, call.method)
+        signature = self._signatures[call.method]
+        try:
+            bound = signature.bind(*call.args, **call.kwargs)
+        except TypeError as exc:
+            log.warning("%s.%s: bad arguments: %s", self.actor.name, call.method, exc)
+            error = BadArguments(f"{type(self.actor).__name__}.{call.method}{signature}: {exc}")
+            if call.reply is not None:
+                await call.reply(False, error)
+            return
+        try:
+            result = await method(*bound.args, **bound.kwargs)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            await self._fail(call, exc)
+            return
+        if call.reply is not None:
+            await call.reply(True, result)
+
+    async def _fail(self, call: Call, exc: Exception) -> None:
+        if call.reply is None:
+            log.error("%s.%s (told, no one to answer) raised", self.actor.name, call.method, exc_info=exc)
+        try:
+            await self.actor.on_failure(call.method, exc)
+        except Exception:
+            log.exception("%s.on_failure raised", self.actor.name)
+        if call.reply is not None:
+            await call.reply(False, exc)

@@ -1,0 +1,156 @@
+"""The errors an actor call can raise at the caller, and how they cross the wire.
+
+Errors travel as data (a kind, the remote type name, message and traceback text),
+never as pickled objects. The caller rebuilds only the classes named in
+:data:`ERROR_KINDS`; anything else arrives as :class:`RemoteError`.
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any
+
+__all__ = [
+    "ActorError",
+    "ActorStopped",
+    "ActorTimeout",
+    "BadArguments",
+    "MailboxFull",
+    "NotAllowed",
+    "RemoteError",
+    "StepFailed",
+    "UnknownActor",
+    "UnknownEndpoint",
+    "error_from_wire",
+    "error_to_wire",
+]
+
+
+class ActorError(Exception):
+    """Base of every error an actor call raises at the caller.
+
+    Attributes:
+        remote_type: the qualified type name of the exception on the remote side.
+        remote_traceback: the remote traceback as text ('' when raised locally).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        remote_type: str = "",
+        remote_traceback: str = "",
+        details: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.remote_type = remote_type or type(self).__name__
+        self.remote_traceback = remote_traceback
+        self.details: dict[str, Any] = details or {}  # plain data; travels with the error
+
+    def __str__(self) -> str:
+        if not self.remote_traceback:
+            return self.message
+        return f"{self.message}\n--- remote traceback ---\n{self.remote_traceback.rstrip()}"
+
+
+class RemoteError(ActorError):
+    """An endpoint raised; ``remote_type`` names the original exception's type."""
+
+    def __str__(self) -> str:
+        head = f"{self.remote_type}: {self.message}"
+        if not self.remote_traceback:
+            return head
+        return f"{head}\n--- remote traceback ---\n{self.remote_traceback.rstrip()}"
+
+
+class UnknownActor(ActorError):
+    """No actor of that name lives at that address."""
+
+
+class UnknownEndpoint(ActorError):
+    """The actor has no endpoint of that name."""
+
+
+class BadArguments(ActorError, TypeError):
+    """The arguments do not bind to the endpoint's signature."""
+
+
+class ActorTimeout(ActorError, TimeoutError):
+    """No reply came within the timeout."""
+
+
+class ActorStopped(ActorError):
+    """The actor (or the runtime hosting it) stopped before it replied."""
+
+
+class MailboxFull(ActorError):
+    """The actor's mailbox is at its bound; retry later or send less at once."""
+
+
+class NotAllowed(ActorError, PermissionError):
+    """An import path or actor class the node does not admit."""
+
+
+class StepFailed(ActorError):
+    """A training step failed; nothing was applied. ``stage``, ``action`` and ``cause`` say where and why."""
+
+    @property
+    def stage(self) -> int | None:
+        return self.details.get("stage")
+
+    @property
+    def action(self) -> str | None:
+        return self.details.get("action")
+
+    @property
+    def cause(self) -> str:
+        return str(self.details.get("cause", ""))
+
+
+ERROR_KINDS: dict[str, type[ActorError]] = {
+    cls.__name__: cls
+    for cls in (
+        RemoteError,
+        UnknownActor,
+        UnknownEndpoint,
+        BadArguments,
+        ActorTimeout,
+        ActorStopped,
+        MailboxFull,
+        NotAllowed,
+        StepFailed,
+    )
+}
+
+
+def error_to_wire(exc: BaseException) -> dict[str, Any]:
+    """Describes ``exc`` as msgpack-able data."""
+    if isinstance(exc, ActorError):
+        # The runtime's own errors (unknown endpoint, bad arguments…) say all there is
+        # to say; their traceback would only show the runtime's insides.
+        kind, remote_type, message = type(exc).__name__, exc.remote_type, exc.message
+        text = exc.remote_traceback
+    else:
+        kind = "RemoteError"
+        remote_type = f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins.")
+        message = str(exc)
+        text = "".join(traceback.format_exception(exc))
+    if kind not in ERROR_KINDS:
+        kind = "RemoteError"
+    details = exc.details if isinstance(exc, ActorError) else {}
+    return {"kind": kind, "type": remote_type, "message": message, "traceback": text, "details": details}
+
+
+def error_from_wire(data: Any) -> ActorError:
+    """Rebuilds an error sent by :func:`error_to_wire`; anything odd becomes RemoteError."""
+    if not isinstance(data, dict):
+        return RemoteError(f"malformed error reply: {data!r:.200}")
+    cls = ERROR_KINDS.get(str(data.get("kind")), RemoteError)
+    details = data.get("details")
+    return cls(
+        str(data.get("message", "")),
+        remote_type=str(data.get("type", "")),
+        remote_traceback=str(data.get("traceback", "")),
+        details=details if isinstance(details, dict) else None,
+    )

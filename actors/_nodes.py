@@ -1,0 +1,214 @@
+"""The head actor (membership, heartbeats, events) and the worker's node actor (spawning)."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from actors._actor import Actor, endpoint
+from actors._errors import ActorError, ActorStopped, NotAllowed
+from actors._registry import actor_class, load_object, registered_actors
+
+__all__ = ["HEAD", "NODE", "HeadActor", "NodeActor", "NodeContext", "NodeInfo", "node_info"]
+
+log = logging.getLogger(__name__)
+
+HEAD = "head"  # the head actor's name in the head node's runtime
+NODE = "node"  # the node actor's name in every worker's runtime
+
+
+@dataclass(slots=True, kw_only=True)
+class NodeInfo:
+    """What a worker tells the head about itself when it registers."""
+
+    name: str
+    address: str
+    device: str
+    pid: int
+    host: str
+    memory_bytes: int
+    state: str = "alive"  # alive | lost | left
+    last_heartbeat_age_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeContext:
+    """What an actor spawned on a node may know of it: its device and (live) allow-list."""
+
+    name: str
+    device: str
+    allow_list: list[str]  # the node agent's own list: admissions show up here
+
+    @property
+    def allow(self) -> tuple[str, ...]:
+        return tuple(self.allow_list)
+
+
+def node_info(name: str, address: str, device: str) -> NodeInfo:
+    """Describes this process as a node."""
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        memory = 0
+    return NodeInfo(
+        name=name, address=address, device=device, pid=os.getpid(), host=socket.gethostname(), memory_bytes=memory
+    )
+
+
+class HeadActor(Actor):
+    """Keeps the membership list, notices silent nodes, and tells subscribers."""
+
+    def __init__(self, *, heartbeat_interval: float = 0.5, heartbeat_timeout: float = 2.0) -> None:
+        if heartbeat_timeout <= heartbeat_interval:
+            raise ValueError(
+                f"heartbeat timeout ({heartbeat_timeout}s) must exceed the interval ({heartbeat_interval}s)"
+            )
+        self.heartbeat_interval = heartbeat_interval
+        self.heartbeat_timeout = heartbeat_timeout
+        self._nodes: dict[str, NodeInfo] = {}
+        self._last_seen: dict[str, float] = {}
+        self._subscribers: set[tuple[str, str]] = set()
+
+    async def on_start(self) -> None:
+        self.runtime.spawn_task(self._watch(), name="heartbeat watch")
+
+    @endpoint
+    async def register(self, info: dict[str, Any]) -> dict[str, float]:
+        """A worker joins (or re-joins); returns the heartbeat settings it must keep."""
+        node = NodeInfo(**{k: info[k] for k in ("name", "address", "device", "pid", "host", "memory_bytes")})
+        previous = self._nodes.get(node.name)
+        if previous is not None and previous.state == "alive" and previous.pid != node.pid:
+            raise ValueError(f"a live node is already named {node.name!r} (pid {previous.pid}); pick another --name")
+        self._nodes[node.name] = node
+        self._last_seen[node.name] = time.monotonic()
+        log.info("node %s joined from %s (%s, pid %d)", node.name, node.host, node.device, node.pid)
+        self._publish({"type": "node_joined", "node": node.name})
+        return {"heartbeat_interval": self.heartbeat_interval, "heartbeat_timeout": self.heartbeat_timeout}
+
+    @endpoint
+    async def heartbeat(self, name: str) -> bool:
+        """Returns False when the head does not know ``name`` (it must register again)."""
+        node = self._nodes.get(name)
+        if node is None or node.state != "alive":
+            return False
+        self._last_seen[name] = time.monotonic()
+        return True
+
+    @endpoint
+    async def deregister(self, name: str) -> None:
+        node = self._nodes.get(name)
+        if node is not None and node.state == "alive":
+            node.state = "left"
+            log.info("node %s left", name)
+            self._publish({"type": "node_left", "node": name})
+
+    @endpoint(concurrent=True)
+    async def nodes(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        out = []
+        for name, node in self._nodes.items():
+            node.last_heartbeat_age_s = round(now - self._last_seen[name], 3)
+            out.append(asdict(node))
+        return out
+
+    @endpoint
+    async def subscribe(self, address: str, actor: str) -> None:
+        """Sends every later event to ``actor.on_event(event)`` at ``address``."""
+        self._subscribers.add((address, actor))
+
+    @endpoint
+    async def unsubscribe(self, address: str, actor: str) -> None:
+        self._subscribers.discard((address, actor))
+
+    async def _watch(self) -> None:
+        tick = min(self.heartbeat_interval, self.heartbeat_timeout / 8)
+        while True:
+            before = time.monotonic()
+            await asyncio.sleep(tick)
+            now = time.monotonic()
+            if now - before > tick + self.heartbeat_interval:
+                # This loop itself stalled (a busy machine, a long call): heartbeats
+                # that arrived meanwhile are still queued, so silence proves nothing.
+                stall = now - before - tick
+                self._last_seen = {name: seen + stall for name, seen in self._last_seen.items()}
+                continue
+            for name, node in self._nodes.items():
+                silent = now - self._last_seen[name]
+                if node.state == "alive" and silent > self.heartbeat_timeout:
+                    node.state = "lost"
+                    log.warning("node %s lost: no heartbeat for %.1fs", name, silent)
+                    self.runtime.fail_calls_to(node.address, ActorStopped(f"node {name} was lost"))
+                    self._publish({"type": "node_lost", "node": name, "silent_s": round(silent, 3)})
+
+    def _publish(self, event: dict[str, Any]) -> None:
+        event = {**event, "time": time.time()}
+        for address, actor in list(self._subscribers):
+            self.runtime.spawn_task(self._notify(address, actor, event), name="notify")
+
+    async def _notify(self, address: str, actor: str, event: dict[str, Any]) -> None:
+        try:
+            await asyncio.wait_for(self.runtime.ref(address, actor).tell("on_event", event), 2.0)
+        except (TimeoutError, ActorError):
+            log.info("dropping subscriber %s at %s: it does not take events", actor, address)
+            self._subscribers.discard((address, actor))
+
+
+class NodeActor(Actor):
+    """A worker's agent: spawns registered actor classes on the head's request."""
+
+    def __init__(self, info: NodeInfo, allow: tuple[str, ...], stop: asyncio.Event, admit_token: str = "") -> None:
+        self.info = info
+        self.allow = list(allow)
+        self._stop = stop
+        self._admit_token = admit_token
+
+    @endpoint
+    async def spawn(self, class_name: str, actor_name: str, kwargs: dict[str, Any]) -> list[str]:
+        """Builds actor ``class_name`` (from the registry) as ``actor_name``; returns its ref."""
+        cls = actor_class(class_name)
+        actor = cls(**kwargs)
+        actor.node_context = NodeContext(name=self.info.name, device=self.info.device, allow_list=self.allow)
+        ref = await self.runtime.spawn(actor, actor_name)
+        return ref.to_wire()
+
+    @endpoint
+    async def stop_actor(self, actor_name: str) -> None:
+        await self.runtime.stop_actor(actor_name)
+
+    @endpoint(concurrent=True)
+    async def describe(self) -> dict[str, Any]:
+        return {**asdict(self.info), "actors": self.runtime.actor_names(), "registry": registered_actors(),
+                "allow": list(self.allow)}
+
+    @endpoint
+    async def check_import(self, path: str) -> str:
+        """Resolves ``path`` against this node's allow-list (raises NotAllowed if refused)."""
+        obj = load_object(path, self.allow)
+        return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__name__)}"
+
+    @endpoint
+    async def admit(self, token: str, prefixes: list[str]) -> list[str]:
+        """Adds module prefixes to the allow-list, for the holder of the node's admission token.
+
+        A LocalCluster starts its nodes with a fresh token (in the environment, not on
+        the command line) so that it can admit the factories a job names; a node
+        started by hand has none and admits nothing this way.
+
+        Raises:
+            NotAllowed: no token, or the wrong one.
+        """
+        if not self._admit_token or not hmac.compare_digest(token, self._admit_token):
+            raise NotAllowed(f"node {self.info.name} does not admit prefixes on request; start it with --allow")
+        self.allow.extend(p for p in prefixes if p not in self.allow)  # in place: contexts share it
+        return list(self.allow)
+
+    @endpoint
+    async def shutdown(self) -> None:
+        """Stops this node process cleanly (after replying)."""
+        asyncio.get_running_loop().call_soon(self._stop.set)

@@ -1,0 +1,145 @@
+"""The life of a node process: open a runtime, host the head or node actor, stop on a signal."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import os
+import signal
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from actors._errors import ActorError
+from actors._ref import ActorRef
+from actors._nodes import HEAD, NODE, HeadActor, NodeActor, node_info
+from actors._registry import registered_actors
+from actors._runtime import open_runtime
+
+__all__ = ["ADMIT_TOKEN_ENV", "HeadConfig", "WorkerConfig", "serve_head", "serve_worker"]
+
+log = logging.getLogger(__name__)
+
+
+ADMIT_TOKEN_ENV = "ACTORPIPE_ADMIT_TOKEN"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HeadConfig:
+    bind: str
+    allow_remote: bool = False
+    heartbeat_interval: float = 0.5
+    heartbeat_timeout: float = 2.0
+    address_file: str | None = None
+    allow: tuple[str, ...] = ()
+    plugins: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerConfig:
+    join: str
+    name: str
+    device: str = "cpu"
+    bind: str = "tcp://127.0.0.1:0"
+    allow_remote: bool = False
+    allow: tuple[str, ...] = ()
+    head_timeout: float = 30.0
+
+
+def _stop_on_signals() -> asyncio.Event:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+def _write_atomically(path: str, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".addr-")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+async def serve_head(config: HeadConfig) -> None:
+    """Runs the head node until SIGINT or SIGTERM."""
+    stop = _stop_on_signals()
+    async with open_runtime(config.bind, allow_remote=config.allow_remote) as runtime:
+        head = HeadActor(heartbeat_interval=config.heartbeat_interval, heartbeat_timeout=config.heartbeat_timeout)
+        await runtime.spawn(head, HEAD)
+        # The head is also a node of sorts: its agent spawns the actors it hosts (the
+        # scheduler, from a plugin module) with the head's own allow-list.
+        agent = NodeActor(node_info("head", runtime.address, "cpu"), config.allow, stop,
+                          os.environ.pop(ADMIT_TOKEN_ENV, ""))
+        await runtime.spawn(agent, NODE)
+        for module in config.plugins:
+            importlib.import_module(module)
+        if "scheduler" in registered_actors():
+            await agent.spawn("scheduler", "scheduler", {})
+        log.info("head listening at %s", runtime.address)
+        print(f"actorpipe head listening at {runtime.address}", flush=True)
+        if config.address_file:
+            _write_atomically(config.address_file, runtime.address)
+        await stop.wait()
+        log.info("head stopping")
+
+
+async def serve_worker(config: WorkerConfig) -> None:
+    """Runs a worker node: registers, heartbeats, and serves until told to stop.
+
+    Raises:
+        TimeoutError: the head could not be reached for ``head_timeout`` seconds.
+    """
+    stop = _stop_on_signals()
+    async with open_runtime(config.bind, allow_remote=config.allow_remote) as runtime:
+        info = node_info(config.name, runtime.address, config.device)
+        await runtime.spawn(NodeActor(info, config.allow, stop, os.environ.pop(ADMIT_TOKEN_ENV, "")), NODE)
+        head = runtime.ref(config.join, HEAD)
+        settings = await _register(head, asdict(info), config.head_timeout, stop)
+        if settings is None:
+            return
+        runtime.spawn_task(_heartbeat(head, config, asdict(info), settings, stop), name="heartbeat")
+        await stop.wait()
+        log.info("node stopping")
+        try:
+            await head.ask("deregister", config.name, timeout=1.0)
+        except (ActorError, OSError):
+            pass
+
+
+async def _register(
+    head: ActorRef, info: dict[str, Any], head_timeout: float, stop: asyncio.Event
+) -> dict[str, Any] | None:
+    deadline = time.monotonic() + head_timeout
+    while not stop.is_set():
+        try:
+            settings: dict[str, Any] = await head.ask("register", info, timeout=1.0)
+            log.info("registered with the head at %s", head.address)
+            return settings
+        except ActorError as exc:
+            if time.monotonic() > deadline or not isinstance(exc, TimeoutError):
+                raise
+            log.info("head at %s not answering yet; retrying", head.address)
+    return None
+
+
+async def _heartbeat(
+    head: ActorRef, config: WorkerConfig, info: dict[str, Any], settings: dict[str, Any], stop: asyncio.Event
+) -> None:
+    interval = float(settings["heartbeat_interval"])
+    last_ok = time.monotonic()
+    while True:
+        try:
+            known = await head.ask("heartbeat", config.name, timeout=max(interval, 1.0))
+            last_ok = time.monotonic()
+            if not known:
+                log.warning("the head forgot this node; registering again")
+                await head.ask("register", info, timeout=1.0)
+        except ActorError as exc:
+            if time.monotonic() - last_ok > config.head_timeout:
+                log.error("head unreachable for %.0fs (%s); stopping", config.head_timeout, exc)
+                stop.set()
+                return
+        await asyncio.sleep(interval)

@@ -1,0 +1,321 @@
+"""The driver's view of a cluster: ``Cluster.connect`` to a running head, or ``LocalCluster``.
+
+Example::
+
+    async with LocalCluster(nodes=2) as cluster:
+        ref = await cluster.spawn("node0", "probe", "p")
+        assert await ref.ask("echo", 42) == 42
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Generator, Iterable, Sequence
+from typing import Any
+
+from actors._actor import Actor, endpoint
+from actors._errors import ActorTimeout
+from actors._nodes import HEAD, NODE
+from actors._serve import ADMIT_TOKEN_ENV
+from actors.job import Job
+from actors._ref import ActorRef
+from actors._runtime import Runtime, open_runtime
+
+__all__ = ["Cluster", "LocalCluster"]
+
+log = logging.getLogger(__name__)
+
+SCHEDULER = "scheduler"  # the scheduler actor's name in the head's runtime
+
+
+class _EventSink(Actor):
+    """Receives the head's events into a bounded queue the driver reads."""
+
+    def __init__(self, queue: asyncio.Queue[dict[str, Any]]) -> None:
+        self.queue = queue
+
+    @endpoint
+    async def on_event(self, event: dict[str, Any]) -> None:
+        if self.queue.full():  # keep the newest: a driver that stopped reading lost only old news
+            self.queue.get_nowait()
+        self.queue.put_nowait(event)
+
+
+class Cluster:
+    """A driver's connection to a head node; close it with ``close()`` or ``async with``."""
+
+    def __init__(self, runtime: Runtime, head: ActorRef, stack: contextlib.AsyncExitStack) -> None:
+        self.runtime = runtime
+        self.head = head
+        self.scheduler = runtime.ref(head.address, SCHEDULER)
+        self._stack = stack
+        self._events: asyncio.Queue[dict[str, Any]] | None = None
+        self._admit_token = ""  # set by LocalCluster, which may admit a job's factories
+
+    async def train(self, **spec: Any) -> Job:
+        """Starts a training job; returns its handle.
+
+        Keyword arguments (see the README for all): ``model`` and ``model_kwargs``,
+        ``loss``, ``optimizer=(path, kwargs)``, ``pipeline_stages``, ``schedule``
+        (``gpipe``, ``1f1b``, ``interleaved``, ``zero_bubble``), ``micro_batches``,
+        ``seed``, ``activation_codec``, ``gradient_codec``, ``data`` and ``data_kwargs``.
+        Factories are named by import path (``package.module:callable``).
+
+        Raises:
+            RemoteError: a bad argument (its message names it) or too few nodes.
+            NotAllowed: a factory outside the nodes' allow-list.
+        """
+        if self._admit_token:
+            await self._admit(_modules_named(spec))
+        info = await self.scheduler.ask("create_job", spec, timeout=600)
+        return Job(self, self.scheduler, info, spec)
+
+    async def _admit(self, prefixes: list[str]) -> None:
+        nodes = [n for n in await self.nodes() if n["state"] == "alive"]
+        agents = [self.node_ref(n) for n in nodes] + [self.runtime.ref(self.head.address, NODE)]
+        await asyncio.gather(*(agent.ask("admit", self._admit_token, prefixes, timeout=30) for agent in agents))
+
+    @staticmethod
+    def connect(address: str, *, bind: str = "tcp://127.0.0.1:0", timeout: float = 10.0) -> _Connecting:
+        """Attaches to the head at ``address``; use as ``await`` or ``async with``.
+
+        Args:
+            bind: where this driver listens for replies; it must be reachable from the
+                head (the default suits a head on this machine).
+            timeout: seconds to wait for the head to answer.
+
+        Raises:
+            ActorTimeout: the head did not answer within ``timeout``.
+        """
+        return _Connecting(address, bind, timeout)
+
+    async def nodes(self) -> list[dict[str, Any]]:
+        """Every node the head knows: name, address, device, pid, host, memory, state."""
+        nodes: list[dict[str, Any]] = await self.head.ask("nodes", timeout=10.0)
+        return nodes
+
+    async def wait_for_nodes(self, count: int, *, timeout: float = 60.0) -> list[dict[str, Any]]:
+        """Waits until ``count`` nodes are alive; returns them."""
+        deadline = time.monotonic() + timeout
+        while True:
+            alive = [n for n in await self.nodes() if n["state"] == "alive"]
+            if len(alive) >= count:
+                return alive
+            if time.monotonic() > deadline:
+                raise ActorTimeout(f"{len(alive)} of {count} nodes joined within {timeout}s")
+            await asyncio.sleep(0.05)
+
+    def node_ref(self, node: dict[str, Any]) -> ActorRef:
+        """The node actor of a node listed by :meth:`nodes`."""
+        return self.runtime.ref(node["address"], NODE)
+
+    async def spawn(self, node_name: str, class_name: str, actor_name: str, **kwargs: Any) -> ActorRef:
+        """Starts a registered actor class on a node; returns a ref to it."""
+        node = next((n for n in await self.nodes() if n["name"] == node_name and n["state"] == "alive"), None)
+        if node is None:
+            raise ValueError(f"no live node named {node_name!r}")
+        address, name = await self.node_ref(node).ask("spawn", class_name, actor_name, kwargs, timeout=60.0)
+        return self.runtime.ref(address, name)
+
+    async def events(self) -> AsyncIterator[dict[str, Any]]:
+        """Yields the head's events (node_joined, node_left, node_lost, …) from now on."""
+        if self._events is None:
+            self._events = asyncio.Queue(1024)
+            sink = await self.runtime.spawn(_EventSink(self._events), "events")
+            await self.head.ask("subscribe", sink.address, sink.name, timeout=10.0)
+        while True:
+            yield await self._events.get()
+
+    async def close(self) -> None:
+        await self._stack.aclose()
+
+    async def __aenter__(self) -> Cluster:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+
+def _modules_named(spec: dict[str, Any]) -> list[str]:
+    """The modules of the import paths a job spec names (model, loss, optimizer, data)."""
+    paths = [spec.get("model"), spec.get("loss"), spec.get("data")]
+    optimizer = spec.get("optimizer")
+    paths.append(optimizer if isinstance(optimizer, str) else optimizer[0] if optimizer else None)
+    return sorted({p.partition(":")[0] for p in paths if isinstance(p, str) and ":" in p})
+
+
+class _Connecting:
+    """``Cluster.connect(...)``: awaitable, and an async context manager."""
+
+    def __init__(self, address: str, bind: str, timeout: float) -> None:
+        self._args = (address, bind, timeout)
+        self._cluster: Cluster | None = None
+
+    async def _open(self) -> Cluster:
+        address, bind, timeout = self._args
+        stack = contextlib.AsyncExitStack()
+        try:
+            runtime = await stack.enter_async_context(open_runtime(bind))
+            head = runtime.ref(address, HEAD)
+            await head.ask("nodes", timeout=timeout)
+        except BaseException:
+            await stack.aclose()
+            raise
+        return Cluster(runtime, head, stack)
+
+    def __await__(self) -> Generator[Any, None, Cluster]:
+        return self._open().__await__()
+
+    async def __aenter__(self) -> Cluster:
+        self._cluster = await self._open()
+        return self._cluster
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._cluster is not None:
+            await self._cluster.close()
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Linux: the child gets SIGTERM if the driver dies, so no node outlives it."""
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class LocalCluster:
+    """A head and ``nodes`` workers as subprocesses on this machine, for the life of a block.
+
+    Args:
+        nodes: how many worker nodes to start.
+        allow: extra module prefixes the workers admit (``--allow``).
+        heartbeat_timeout: seconds of silence before the head marks a node lost.
+        startup_timeout: seconds to wait for every node to register.
+        log_level: the nodes' logging level (default WARNING: quiet).
+
+    On exit, whether the block finished, raised or was cancelled (Ctrl-C), every
+    process is stopped (SIGTERM, then SIGKILL after a grace period) and waited for.
+    """
+
+    def __init__(
+        self,
+        nodes: int = 2,
+        *,
+        allow: Iterable[str] = (),
+        heartbeat_timeout: float = 2.0,
+        startup_timeout: float = 60.0,
+        log_level: str = "WARNING",
+    ) -> None:
+        if nodes < 0:
+            raise ValueError(f"nodes must be >= 0, got {nodes}")
+        self.num_nodes = nodes
+        self.allow = tuple(allow)
+        self.heartbeat_timeout = heartbeat_timeout
+        self.startup_timeout = startup_timeout
+        self.log_level = log_level
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self.address = ""
+        self._tempdir: str | None = None
+        self._cluster: Cluster | None = None
+        self._admit_token = secrets.token_hex(16)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes.values()]
+
+    async def __aenter__(self) -> Cluster:
+        try:
+            return await self._start()
+        except BaseException:
+            await self._stop()
+            raise
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self._stop()
+
+    async def _start(self) -> Cluster:
+        self._tempdir = tempfile.mkdtemp(prefix="actorpipe-cluster-")
+        address_file = os.path.join(self._tempdir, "head.address")
+        self._launch("head", ["--head", "--bind", "tcp://127.0.0.1:0", "--address-file", address_file,
+                              "--heartbeat-timeout", str(self.heartbeat_timeout)])
+        self.address = await self._wait_for_file(address_file)
+        allow = [arg for prefix in self.allow for arg in ("--allow", prefix)]
+        for i in range(self.num_nodes):
+            self._launch(f"node{i}", ["--join", self.address, "--name", f"node{i}", *allow])
+        self._cluster = await Cluster.connect(self.address)
+        self._cluster._admit_token = self._admit_token
+        deadline = time.monotonic() + self.startup_timeout
+        while len([n for n in await self._cluster.nodes() if n["state"] == "alive"]) < self.num_nodes:
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not every node registered within {self.startup_timeout}s")
+            await asyncio.sleep(0.05)
+        return self._cluster
+
+    def _launch(self, name: str, args: Sequence[str]) -> None:
+        command = [sys.executable, "-m", "actors.node", *args, "--log-level", self.log_level]
+        self.processes[name] = subprocess.Popen(
+            command,
+            env={**os.environ, ADMIT_TOKEN_ENV: self._admit_token},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            # A terminal's Ctrl-C reaches the driver only; the driver then stops the nodes.
+            start_new_session=True,
+        )
+
+    def _check_alive(self) -> None:
+        for name, proc in self.processes.items():
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with code {proc.returncode} during start-up; see its log above")
+
+    async def _wait_for_file(self, path: str) -> str:
+        deadline = time.monotonic() + self.startup_timeout
+        while not os.path.exists(path):
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the head did not start within {self.startup_timeout}s")
+            await asyncio.sleep(0.02)
+        with open(path) as f:
+            return f.read().strip()
+
+    async def _stop(self) -> None:
+        # Shielded: a Ctrl-C that cancelled the driver must not cut the clean-up short.
+        await asyncio.shield(self._stop_unshielded())
+
+    async def _stop_unshielded(self) -> None:
+        if self._cluster is not None:
+            cluster, self._cluster = self._cluster, None
+            with contextlib.suppress(Exception):
+                await cluster.close()
+        workers = [p for name, p in self.processes.items() if name != "head"]
+        head = [p for name, p in self.processes.items() if name == "head"]
+        for group in (workers, head):  # workers first, so they can say goodbye to the head
+            for proc in group:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            await asyncio.to_thread(_reap, group, 5.0)
+        self.processes.clear()
+        if self._tempdir is not None:
+            shutil.rmtree(self._tempdir, ignore_errors=True)
+            self._tempdir = None
+
+
+def _reap(processes: list[subprocess.Popen[bytes]], grace: float) -> None:
+    deadline = time.monotonic() + grace
+    for proc in processes:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("pid %d ignored SIGTERM for %.0fs; killing it", proc.pid, grace)
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,68 @@
+# Run: python -m actors.node --head --bind tcp://127.0.0.1:5555
+#      python -m actors.node --join tcp://127.0.0.1:5555 --name worker0 [--device cpu]
+"""A node process: the head (membership, later the scheduler) or a worker that hosts actors."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from actors._registry import DEFAULT_ALLOW
+from actors._serve import HeadConfig, WorkerConfig, serve_head, serve_worker
+from transport.loop import run
+
+import actors.probe  # noqa: F401  (registers the built-in actor classes)
+import actors.stage  # noqa: F401
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m actors.node", description=__doc__)
+    role = parser.add_mutually_exclusive_group(required=True)
+    role.add_argument("--head", action="store_true", help="start the head node")
+    role.add_argument("--join", metavar="ADDRESS", help="start a worker that joins the head at ADDRESS")
+    parser.add_argument("--bind", help="address to listen on (head default tcp://127.0.0.1:5555, "
+                        "worker default tcp://127.0.0.1:0, i.e. any free port)")
+    parser.add_argument("--name", help="worker name (default: HOSTNAME-PID)")
+    parser.add_argument("--device", default="cpu", help="torch device this worker computes on: cpu or cuda:K")
+    parser.add_argument("--allow", action="append", default=[], metavar="PREFIX",
+                        help="admit factories under this module prefix (repeatable); "
+                        f"always admitted: {', '.join(DEFAULT_ALLOW)}")
+    parser.add_argument("--allow-remote", action="store_true",
+                        help="permit binding an address that is not loopback")
+    parser.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds between heartbeats (head)")
+    parser.add_argument("--heartbeat-timeout", type=float, default=2.0,
+                        help="seconds of silence before the head marks a node lost")
+    parser.add_argument("--head-timeout", type=float, default=30.0,
+                        help="seconds a worker keeps trying an unreachable head before it stops")
+    parser.add_argument("--address-file", help="head: write the bound address to this file once listening")
+    parser.add_argument("--plugin", action="append", default=None, metavar="MODULE",
+                        help="head: import MODULE at start-up to register the actors it hosts "
+                        "(repeatable; default: schedulers.scheduler, the scheduler actor)")
+    parser.add_argument("--log-level", default=os.environ.get("ACTORPIPE_LOG", "INFO"), help="logging level")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    name = "head" if args.head else (args.name or f"{os.uname().nodename}-{os.getpid()}")
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format=f"%(asctime)s [{name}] %(levelname)s %(name)s: %(message)s")
+    if args.head:
+        head = HeadConfig(bind=args.bind or "tcp://127.0.0.1:5555", allow_remote=args.allow_remote,
+                            heartbeat_interval=args.heartbeat_interval,
+                            heartbeat_timeout=args.heartbeat_timeout, address_file=args.address_file,
+                            allow=DEFAULT_ALLOW + tuple(args.allow),
+                            plugins=tuple(args.plugin if args.plugin is not None else ["schedulers.scheduler"]))
+        run(serve_head(head))
+    else:
+        worker = WorkerConfig(join=args.join, name=name, device=args.device,
+                              bind=args.bind or "tcp://127.0.0.1:0", allow_remote=args.allow_remote,
+                              allow=DEFAULT_ALLOW + tuple(args.allow), head_timeout=args.head_timeout)
+        run(serve_worker(worker))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

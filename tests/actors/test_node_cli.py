@@ -1,0 +1,40 @@
+"""The node command line: --help, and a clean stop on SIGTERM and SIGINT."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+
+def test_sigterm_and_sigint_stop_a_node_cleanly(tmp_path: object) -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        address_file = f"{tmp_path}/addr-{sig}"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "actors.node", "--head", "--bind", "ipc://", "--address-file", address_file],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        try:
+            line = proc.stdout.readline()  # type: ignore[union-attr]
+            assert line.startswith("actorpipe head listening at ipc://")
+            socket_path = line.split("ipc://")[1].strip()
+            assert os.path.exists(socket_path)
+            proc.send_signal(sig)
+            assert proc.wait(timeout=20) == 0
+            assert not os.path.exists(socket_path)
+            assert "[head] INFO actors._serve: head stopping" in proc.stderr.read()  # type: ignore[union-attr]
+        finally:
+            proc.kill()
+            proc.wait()
+
+
+def test_help_documents_every_flag() -> None:
+    out = subprocess.run([sys.executable, "-m", "actors.node", "--help"], capture_output=True, text=True, check=True)
+    for flag in ("--head", "--join", "--bind", "--name", "--device", "--allow", "--allow-remote",
+                 "--heartbeat-interval", "--heartbeat-timeout", "--head-timeout", "--address-file", "--log-level"):
+        assert flag in out.stdout

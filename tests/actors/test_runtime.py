@@ -1,0 +1,293 @@
+"""Tests for the actor runtime in one process: two runtimes talk over real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import torch
+import zmq
+import zmq.asyncio
+
+from actors import (
+    Actor,
+    ActorRef,
+    ActorStopped,
+    ActorTimeout,
+    BadArguments,
+    MailboxFull,
+    RemoteError,
+    Runtime,
+    UnknownActor,
+    UnknownEndpoint,
+    endpoint,
+    open_runtime,
+)
+from actors.probe import ProbeActor
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Counter(Actor):
+    def __init__(self) -> None:
+        self.value = 0
+        self.events: list[str] = []
+        self.gate = asyncio.Event()
+        self.entered = asyncio.Event()
+
+    async def on_start(self) -> None:
+        self.events.append("start")
+
+    async def on_stop(self) -> None:
+        self.events.append("stop")
+
+    async def on_failure(self, method: str, error: BaseException) -> None:
+        self.events.append(f"failure {method} {type(error).__name__}")
+
+    @endpoint
+    async def add(self, amount: int, *, times: int = 1) -> int:
+        self.value += amount * times
+        return self.value
+
+    @endpoint
+    async def slow_add(self, amount: int) -> int:
+        before = self.value
+        await asyncio.sleep(0.001)  # yields: a second call must still wait its turn
+        self.value = before + amount
+        return self.value
+
+    @endpoint
+    async def wait_gate(self) -> str:
+        self.entered.set()
+        await self.gate.wait()
+        return "opened"
+
+    @endpoint(concurrent=True)
+    async def open_gate(self) -> None:
+        self.gate.set()
+
+    @endpoint
+    async def divide(self, a: float, b: float) -> float:
+        return a / b
+
+    @endpoint
+    async def scale(self, tensor: torch.Tensor, factor: float) -> torch.Tensor:
+        return tensor * factor
+
+    @endpoint
+    async def unsendable(self) -> object:
+        return object()
+
+    def not_an_endpoint(self) -> None:
+        pass
+
+
+class SmallCounter(Counter):
+    mailbox_size = 8
+
+
+@pytest.fixture
+async def runtimes() -> AsyncIterator[tuple[Runtime, Runtime]]:
+    async with open_runtime("ipc://") as server, open_runtime("tcp://127.0.0.1:0") as client:
+        yield server, client
+
+
+async def spawn_counter(server: Runtime, client: Runtime) -> tuple[Counter, ActorRef]:
+    counter = Counter()
+    ref = await server.spawn(counter, "counter")
+    return counter, client.ref(ref.address, ref.name)
+
+
+async def test_round_trip_with_args_kwargs_and_tensors(runtimes: tuple[Runtime, Runtime]) -> None:
+    counter, ref = await spawn_counter(*runtimes)
+    assert await ref.ask("add", 2, times=3) == 6
+    out = await ref.ask("scale", torch.arange(4.0), 2.0)
+    assert torch.equal(out, torch.arange(4.0) * 2)
+    assert counter.events == ["start"]
+
+
+async def test_local_calls_do_not_touch_the_network(runtimes: tuple[Runtime, Runtime]) -> None:
+    server, _ = runtimes
+    counter = Counter()
+    ref = await server.spawn(counter, "local")
+    tensor = torch.ones(3)
+    out = await ref.ask("scale", tensor, 1.0)
+    assert await ref.ask("add", 1) == 1
+    assert server._receiver.statistics().messages == 0  # nothing went through the socket
+    assert torch.equal(out, tensor)
+
+
+async def test_remote_exception_carries_type_message_and_traceback(runtimes: tuple[Runtime, Runtime]) -> None:
+    counter, ref = await spawn_counter(*runtimes)
+    with pytest.raises(RemoteError) as info:
+        await ref.ask("divide", 1.0, 0.0)
+    error = info.value
+    assert error.remote_type == "ZeroDivisionError"
+    assert "float division by zero" in error.message
+    assert "in divide" in error.remote_traceback and "return a / b" in error.remote_traceback
+    assert "ZeroDivisionError" in str(error)
+    assert counter.events[-1] == "failure divide ZeroDivisionError"
+    assert await ref.ask("add", 1) == 1  # still serving
+
+
+@pytest.mark.parametrize(
+    "method,args,kwargs,error,match",
+    [
+        ("nope", [], {}, UnknownEndpoint, "has no endpoint 'nope'; its endpoints: add"),
+        ("not_an_endpoint", [], {}, UnknownEndpoint, "not_an_endpoint"),
+        ("_mailboxes", [], {}, UnknownEndpoint, "_mailboxes"),
+        ("add", [], {}, BadArguments, "missing a required argument: 'amount'"),
+        ("add", [1, 2], {}, BadArguments, "too many positional arguments"),
+        ("add", [1], {"bogus": 1}, BadArguments, "unexpected keyword argument 'bogus'"),
+    ],
+)
+async def test_bad_calls_get_clear_errors_and_the_actor_keeps_serving(
+    runtimes: tuple[Runtime, Runtime], method: str, args: list[Any], kwargs: dict[str, Any],
+    error: type[Exception], match: str,
+) -> None:
+    _, ref = await spawn_counter(*runtimes)
+    with pytest.raises(error, match=match):
+        await ref.ask(method, *args, **kwargs)
+    assert await ref.ask("add", 5) == 5
+
+
+async def test_unknown_actor(runtimes: tuple[Runtime, Runtime]) -> None:
+    server, client = runtimes
+    await spawn_counter(server, client)
+    with pytest.raises(UnknownActor, match="no actor named 'ghost'.*running: counter"):
+        await client.ref(server.address, "ghost").ask("add", 1)
+
+
+async def test_unsendable_result_becomes_an_error(runtimes: tuple[Runtime, Runtime]) -> None:
+    _, ref = await spawn_counter(*runtimes)
+    with pytest.raises(RemoteError, match="cannot send an object of type object"):
+        await ref.ask("unsendable")
+
+
+async def test_messages_are_handled_one_at_a_time_in_order(runtimes: tuple[Runtime, Runtime]) -> None:
+    server, client = runtimes
+    counter, ref = await spawn_counter(server, client)
+    async with open_runtime("ipc://") as other:
+        ref2 = other.ref(ref.address, ref.name)
+        # slow_add reads, yields, then writes: interleaving would lose updates.
+        results = await asyncio.gather(*(r.ask("slow_add", 1) for _ in range(50) for r in (ref, ref2)))
+    assert counter.value == 100
+    assert sorted(results) == list(range(1, 101))
+
+
+async def test_per_sender_order_under_concurrent_senders(runtimes: tuple[Runtime, Runtime]) -> None:
+    server, client = runtimes
+    ref = await server.spawn(ProbeActor(), "log")
+    async with open_runtime("ipc://") as other:
+        senders = {"a": client.ref(ref.address, "log"), "b": other.ref(ref.address, "log")}
+
+        async def send_all(tag: str) -> None:
+            for i in range(100):
+                await senders[tag].tell("record", [tag, i])
+
+        await asyncio.gather(send_all("a"), send_all("b"))
+        seen = await senders["a"].ask("recorded")
+    for tag in "ab":
+        assert [i for t, i in seen if t == tag] == list(range(100))
+
+
+async def test_concurrent_endpoint_runs_while_a_call_is_in_progress(runtimes: tuple[Runtime, Runtime]) -> None:
+    _, ref = await spawn_counter(*runtimes)
+    waiting = asyncio.ensure_future(ref.ask("wait_gate"))
+    await ref.ask("open_gate", timeout=5)  # would deadlock if it queued behind wait_gate
+    assert await waiting == "opened"
+
+
+async def test_ask_times_out_with_a_typed_error(runtimes: tuple[Runtime, Runtime]) -> None:
+    _, ref = await spawn_counter(*runtimes)
+    with pytest.raises(ActorTimeout, match="no reply from counter.wait_gate"):
+        await ref.ask("wait_gate", timeout=0.1)
+    await ref.ask("open_gate")
+
+
+async def test_unreachable_peer_times_out(runtimes: tuple[Runtime, Runtime], tmp_path: Any) -> None:
+    _, client = runtimes
+    with pytest.raises(ActorTimeout):
+        await client.ref(f"ipc://{tmp_path}/nobody", "x").ask("ping", timeout=0.2)
+
+
+async def test_full_mailbox_refuses_instead_of_growing(runtimes: tuple[Runtime, Runtime]) -> None:
+    server, client = runtimes
+    counter = SmallCounter()
+    ref = await server.spawn(counter, "small")
+    blocked = [asyncio.ensure_future(ref.ask("wait_gate"))]
+    await counter.entered.wait()  # one call running, the mailbox empty
+    blocked += [asyncio.ensure_future(ref.ask("wait_gate")) for _ in range(SmallCounter.mailbox_size)]
+    await asyncio.sleep(0)
+    with pytest.raises(MailboxFull):
+        await ref.ask("add", 1)
+    counter.gate.set()
+    assert await asyncio.gather(*blocked) == ["opened"] * len(blocked)
+
+
+async def test_malformed_frames_are_dropped_and_the_runtime_keeps_serving(runtimes: tuple[Runtime, Runtime]) -> None:
+    server, client = runtimes
+    _, ref = await spawn_counter(server, client)
+    raw = zmq.asyncio.Context.instance().socket(zmq.PUSH)
+    try:
+        raw.connect(server.address)
+        for frames in ([b"\xc1"], [b"\x93\x01\x90\xc4\x01\xc1"], [b"\x93\x01\x90\xc4\x01\x01"], [b""]):
+            await raw.send_multipart(frames)
+        assert await ref.ask("add", 7, timeout=5) == 7
+    finally:
+        raw.close(linger=0)
+
+
+async def test_stop_actor_runs_on_stop_and_fails_later_calls(runtimes: tuple[Runtime, Runtime]) -> None:
+    server, client = runtimes
+    counter, ref = await spawn_counter(server, client)
+    await server.stop_actor("counter")
+    assert counter.events == ["start", "stop"]
+    with pytest.raises(UnknownActor):
+        await ref.ask("add", 1)
+
+
+async def test_failing_on_start_aborts_the_spawn() -> None:
+    class Broken(Actor):
+        async def on_start(self) -> None:
+            raise RuntimeError("cannot start")
+
+    async with open_runtime("ipc://") as runtime:
+        with pytest.raises(RuntimeError, match="cannot start"):
+            await runtime.spawn(Broken(), "broken")
+        assert runtime.actor_names() == []
+
+
+async def test_duplicate_name_is_refused() -> None:
+    async with open_runtime("ipc://") as runtime:
+        await runtime.spawn(Counter(), "c")
+        with pytest.raises(ValueError, match="already runs"):
+            await runtime.spawn(Counter(), "c")
+
+
+async def test_endpoint_must_be_async() -> None:
+    with pytest.raises(TypeError, match="must be an async def"):
+        endpoint(lambda self: None)
+
+
+async def test_close_stops_actors_fails_pending_calls_and_leaves_nothing_behind() -> None:
+    threads_before = threading.active_count()
+    tasks_before = asyncio.all_tasks()
+    counter = Counter()
+    async with open_runtime("ipc://") as server:
+        async with open_runtime("ipc://") as client:
+            ref = await server.spawn(counter, "c")
+            pending = asyncio.ensure_future(client.ref(ref.address, "c").ask("wait_gate"))
+            await asyncio.sleep(0.05)
+        with pytest.raises(ActorStopped):
+            await pending
+        path = server.address.removeprefix("ipc://")
+    assert counter.events == ["start", "stop"]
+    assert asyncio.all_tasks() == tasks_before
+    assert threading.active_count() == threads_before
+    import os
+
+    assert not os.path.exists(path)
