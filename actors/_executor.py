@@ -1,0 +1,274 @@
+"""The one executor: runs a stage actor's program (any schedule) for one training step.
+
+Compute (F, B, I, W, the optimizer step) runs on one worker thread per stage actor,
+so the event loop stays free to receive activations, answer heartbeats and serve
+control calls while the stage computes; transfers therefore overlap compute.
+Sends are posted as soon as the value exists and never wait for the receiver to
+use it; a RECV waits only until its value has arrived.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from actors.program import Action, ActionKind
+
+__all__ = ["Inbox", "StageModel", "StepExecutor", "StepTrace"]
+
+T = TypeVar("T")
+_K = ActionKind
+
+
+class Inbox:
+    """Values other stages sent here, keyed (step, kind, stage, micro-batch), bounded."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._slots: dict[tuple[int, str, int, int], asyncio.Future[torch.Tensor]] = {}
+
+    def _slot(self, key: tuple[int, str, int, int]) -> asyncio.Future[torch.Tensor]:
+        slot = self._slots.get(key)
+        if slot is None:
+            if len(self._slots) >= self._limit:
+                raise RuntimeError(f"inbox full ({self._limit} values waiting); a peer sends what no program needs")
+            slot = self._slots[key] = asyncio.get_running_loop().create_future()
+        return slot
+
+    def put(self, key: tuple[int, str, int, int], value: torch.Tensor) -> None:
+        slot = self._slot(key)
+        if slot.done():
+            raise ValueError(f"value {key} delivered twice")
+        slot.set_result(value)
+
+    async def take(self, key: tuple[int, str, int, int]) -> torch.Tensor:
+        value = await self._slot(key)
+        del self._slots[key]
+        return value
+
+    def drop_step(self, step: int) -> None:
+        """Forgets everything of ``step`` (an aborted step's leftovers)."""
+        for key in [k for k in self._slots if k[0] <= step]:
+            self._slots.pop(key).cancel()
+
+
+@dataclass(slots=True)
+class StageModel:
+    """What one stage actor computes with: its model stages, loss and optimizer."""
+
+    modules: Mapping[int, nn.Module]  # model stage -> its layers
+    num_stages: int  # model stages in the whole pipeline
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    optimizer: torch.optim.Optimizer
+    device: torch.device
+
+
+@dataclass(slots=True)
+class StepTrace:
+    """What one step did on one stage actor, for StepStats and traces."""
+
+    spans: list[tuple[str, float, float]] = field(default_factory=list)  # action, start, end (s from step start)
+    losses: dict[int, float] = field(default_factory=dict)
+    bytes_sent: dict[str, int] = field(default_factory=dict)  # "F 0->1" / "B 1->0" -> bytes
+    peak_stash: int = 0
+    busy_s: float = 0.0
+    elapsed_s: float = 0.0
+
+
+Send = Callable[[int, Action, torch.Tensor], Awaitable[int]]  # step, action, value -> bytes
+
+
+class StepExecutor:
+    """Runs programs for one stage actor; one step at a time.
+
+    Args:
+        model: the stage's modules, loss and optimizer.
+        inbox: where peers' values arrive.
+        send: posts a value to the stage a SEND action names; returns bytes sent.
+        num_microbatches: micro-batches per step (the loss of each is scaled by its inverse).
+        thread: a one-worker pool for compute; the executor owns it from now on.
+    """
+
+    def __init__(
+        self, model: StageModel, inbox: Inbox, send: Send, num_microbatches: int, thread: ThreadPoolExecutor
+    ) -> None:
+        self.model = model
+        self.inbox = inbox
+        self._send = send
+        self.num_microbatches = num_microbatches
+        self._thread = thread  # one worker: compute runs in program order
+        self.current: Action | None = None
+        self.done_actions: int = 0
+        # Per-step state.
+        self._stash: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+        self._pending_grads: dict[tuple[int, int], torch.Tensor | None] = {}
+        self._values: dict[tuple[str, int, int], torch.Tensor] = {}
+
+    async def compute(self, fn: Callable[..., T], *args: Any) -> T:
+        """Runs ``fn`` on the compute thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+    async def run(
+        self,
+        step: int,
+        program: Sequence[Action],
+        inputs: Sequence[torch.Tensor] | None,
+        targets: Sequence[torch.Tensor] | None,
+    ) -> StepTrace:
+        """Runs ``program`` up to and including its BARRIER; the rest runs in :meth:`finish`.
+
+        Raises:
+            ActionFailed: an action raised; it names the action.
+        """
+        trace = StepTrace()
+        start = time.perf_counter()
+        self._inputs, self._targets = inputs, targets
+        self.done_actions = 0
+        for action in program:
+            if action.kind is _K.BARRIER:
+                break
+            self.current = action
+            t0 = time.perf_counter()
+            try:
+                await self._execute(step, action, trace)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                raise ActionFailed(action, exc) from exc
+            t1 = time.perf_counter()
+            trace.spans.append((str(action), t0 - start, t1 - start))
+            if action.kind in (_K.F, _K.B, _K.I, _K.W):
+                trace.busy_s += t1 - t0
+            trace.peak_stash = max(trace.peak_stash, len(self._stash))
+            self.done_actions += 1
+        self.current = None
+        trace.elapsed_s = time.perf_counter() - start
+        if self._stash or self._values:
+            leftover = sorted(map(str, list(self._stash) + list(self._values)))
+            raise ActionFailed(Action(stage=program[0].stage, kind=_K.BARRIER),
+                               RuntimeError(f"program ended with values still held: {leftover}"))
+        return trace
+
+    async def finish(self, program: Sequence[Action], reduce: Callable[[], Awaitable[None]]) -> None:
+        """Runs the tail after the barrier: gradient reduction, then the optimizer step."""
+        for action in program:
+            if action.kind is _K.REDUCE:
+                await reduce()
+            elif action.kind is _K.STEP:
+                await self.compute(self._optimizer_step)
+
+    async def reset(self, step: int) -> None:
+        """Drops a failed or aborted step: stash, values, gradients (after any compute in flight)."""
+        self.inbox.drop_step(step)
+        await self.compute(self._clear)
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=False, cancel_futures=True)
+
+    # -- actions -------------------------------------------------------------------
+
+    async def _execute(self, step: int, action: Action, trace: StepTrace) -> None:
+        s, m, kind = action.stage, action.microbatch, action.kind
+        assert m is not None
+        if kind is _K.F:
+            loss = await self.compute(self._forward, s, m, self._input_of(s, m), self._target_of(s, m))
+            if loss is not None:
+                trace.losses[m] = loss
+        elif kind in (_K.B, _K.I):
+            grad = None if s == self.model.num_stages - 1 else self._values.pop(("B", s + 1, m))
+            grad_in = await self.compute(self._backward, s, m, grad, kind is _K.I)
+            if grad_in is not None:
+                self._values[("B", s, m)] = grad_in
+        elif kind is _K.W:
+            await self.compute(self._weight_backward, s, m)
+        elif kind in (_K.RECV_F, _K.RECV_B):
+            tag = "F" if kind is _K.RECV_F else "B"
+            source = s - 1 if tag == "F" else s + 1
+            value = await self.inbox.take((step, tag, s, m))
+            self._values[(tag, source, m)] = value.to(self.model.device, non_blocking=True)
+        elif kind in (_K.SEND_F, _K.SEND_B):
+            tag = "F" if kind is _K.SEND_F else "B"
+            value = self._values.pop((tag, s, m))
+            nbytes = await self._send(step, action, value)
+            edge = f"{tag} {s}->{s + 1 if tag == 'F' else s - 1}"
+            trace.bytes_sent[edge] = trace.bytes_sent.get(edge, 0) + nbytes
+
+    def _input_of(self, stage: int, mb: int) -> torch.Tensor:
+        if stage == 0:
+            if self._inputs is None:
+                raise RuntimeError("stage 0 has no inputs for this step")
+            return self._inputs[mb].to(self.model.device, non_blocking=True)
+        return self._values.pop(("F", stage - 1, mb))
+
+    def _target_of(self, stage: int, mb: int) -> torch.Tensor | None:
+        if stage != self.model.num_stages - 1:
+            return None
+        if self._targets is None:
+            raise RuntimeError("the last stage has no targets for this step")
+        return self._targets[mb].to(self.model.device, non_blocking=True)
+
+    # -- compute (on the compute thread) --------------------------------------------
+
+    def _forward(self, stage: int, mb: int, x: torch.Tensor, target: torch.Tensor | None) -> float | None:
+        if stage > 0 and x.is_floating_point():
+            # A fresh leaf: its .grad is the gradient this stage sends upstream.
+            x = x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            out = self.model.modules[stage](x)
+            if target is None:
+                self._stash[(stage, mb)] = (x if stage > 0 else None, out)
+                self._values[("F", stage, mb)] = out.detach()
+                return None
+            loss = self.model.loss_fn(out, target)
+            # The step's loss is the mean over micro-batches, as one process computes
+            # it on the whole batch; each micro-batch's gradient is scaled to match.
+            self._stash[(stage, mb)] = (x if stage > 0 else None, loss / self.num_microbatches)
+            return float(loss.detach())
+
+    def _backward(self, stage: int, mb: int, grad: torch.Tensor | None, input_only: bool) -> torch.Tensor | None:
+        key = (stage, mb)
+        x, out = self._stash[key]
+        if input_only:
+            # I: the input gradient alone, which the upstream stage is waiting for;
+            # the graph stays alive for W.
+            self._pending_grads[key] = grad
+            if x is None:
+                return None
+            (grad_in,) = torch.autograd.grad(out, x, grad, retain_graph=True)
+            return grad_in
+        del self._stash[key]
+        torch.autograd.backward(out, grad)
+        return None if x is None else x.grad
+
+    def _weight_backward(self, stage: int, mb: int) -> None:
+        key = (stage, mb)
+        _, out = self._stash.pop(key)
+        grad = self._pending_grads.pop(key)
+        params = [p for p in self.model.modules[stage].parameters() if p.requires_grad]
+        torch.autograd.backward(out, grad, inputs=params)
+
+    def _optimizer_step(self) -> None:
+        self.model.optimizer.step()
+        self.model.optimizer.zero_grad(set_to_none=True)
+
+    def _clear(self) -> None:
+        self._stash.clear()
+        self._pending_grads.clear()
+        self._values.clear()
+        self.model.optimizer.zero_grad(set_to_none=True)
+
+
+class ActionFailed(Exception):
+    """An action of a program raised; carries the action and the cause."""
+
+    def __init__(self, action: Action, cause: BaseException) -> None:
+        super().__init__(f"{action}: {type(cause).__name__}: {cause}")
+        self.action = action
+        self.cause = cause

@@ -1,0 +1,278 @@
+"""The stage actor: owns a slice of the model and runs the programs the scheduler sends.
+
+A stage actor builds its layers from a model factory named by import path (only
+those its node's allow-list admits), takes one program per step, trades activations
+and gradients directly with its neighbour stages, and steps its optimizer only when
+the scheduler releases the accumulation barrier.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import resource
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from actors._actor import Actor, endpoint
+from actors._errors import error_to_wire
+from actors._executor import ActionFailed, Inbox, StageModel, StepExecutor
+from actors._registry import DEFAULT_ALLOW, load_object, register_actor
+from actors._ref import ActorRef
+from actors.program import Action, ActionKind, stage_to_rank
+from transport.codecs import get_codec
+from transport.wire import Coded
+
+__all__ = ["StageActor", "StageConfig"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageConfig:
+    """Everything a stage actor is built from; travels as msgpack, so plain data only."""
+
+    job: str
+    rank: int
+    num_ranks: int
+    bounds: list[list[int]]  # per model stage: [first layer, end layer)
+    model: str
+    model_kwargs: dict[str, Any] = field(default_factory=dict)
+    loss: str = "torch.nn.functional:mse_loss"
+    optimizer: list[Any] = field(default_factory=lambda: ["torch.optim:SGD", {"lr": 0.01}])
+    num_microbatches: int = 1
+    seed: int = 0
+    activation_codec: str = "none"
+    gradient_codec: str = "none"
+    data: str | None = None
+    data_kwargs: dict[str, Any] = field(default_factory=dict)
+    threads: int | None = 1
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.bounds)
+
+    @property
+    def stages(self) -> list[int]:
+        """The model stages this rank holds (several when interleaved)."""
+        return [s for s in range(self.num_stages) if stage_to_rank(s, self.num_ranks) == self.rank]
+
+
+def build_layers(config: StageConfig, allow: Sequence[str]) -> list[nn.Module]:
+    """Builds the whole model from its factory with the job's seed and returns its layers.
+
+    Every stage builds the same model from the same seed, so the slices it keeps hold
+    exactly the weights one process would start from.
+    """
+    factory = load_object(config.model, allow)
+    torch.manual_seed(config.seed)
+    model = factory(**config.model_kwargs)
+    layers = list(model.children()) if isinstance(model, nn.Sequential) else list(model)
+    if config.bounds[-1][1] != len(layers):
+        raise ValueError(
+            f"the partition covers {config.bounds[-1][1]} layers but {config.model} built {len(layers)}"
+        )
+    return layers
+
+
+@register_actor("stage")
+class StageActor(Actor):
+    """One pipeline stage (or several, interleaved) of one job, on one node."""
+
+    def __init__(self, **config: Any) -> None:
+        self.config = StageConfig(**config)
+        for codec in (self.config.activation_codec, self.config.gradient_codec):
+            get_codec(codec)  # fail at build time, not mid-step
+        self.peers: list[ActorRef] = []
+        self.executor: StepExecutor | None = None
+        self._layer_names: dict[int, int] = {}  # id(layer) -> global layer index
+        self._data: Any = None
+        self._program: list[Action] = []
+        self._running: tuple[int, asyncio.Task[Any]] | None = None
+
+    async def on_start(self) -> None:
+        context = self.node_context
+        allow = context.allow if context is not None else DEFAULT_ALLOW
+        device = torch.device(context.device if context is not None else "cpu")
+        # Importing the factory and building the model take seconds: on the compute
+        # thread, so that this node keeps heartbeating meanwhile.
+        thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{self.config.rank}-compute")
+        try:
+            model = await asyncio.get_running_loop().run_in_executor(thread, self._build, allow, device)
+        except BaseException:
+            thread.shutdown(wait=False)
+            raise
+        cfg = self.config
+        limit = 4 * cfg.num_microbatches * max(1, len(cfg.stages)) + 16
+        self.executor = StepExecutor(model, Inbox(limit), self._send, cfg.num_microbatches, thread)
+
+    def _build(self, allow: Sequence[str], device: torch.device) -> StageModel:
+        cfg = self.config
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        layers = build_layers(cfg, allow)
+        modules = {}
+        for s in cfg.stages:
+            first, end = cfg.bounds[s]
+            modules[s] = nn.Sequential(*layers[first:end]).to(device)
+        self._held = {i: layers[i] for s in cfg.stages for i in range(*cfg.bounds[s])}
+        params = [p for module in modules.values() for p in module.parameters()]
+        optimizer_cls = load_object(cfg.optimizer[0], allow)
+        optimizer = optimizer_cls(params, **dict(cfg.optimizer[1] if len(cfg.optimizer) > 1 else {}))
+        loss_fn = load_object(cfg.loss, allow)
+        if cfg.data is not None and (0 in cfg.stages or cfg.num_stages - 1 in cfg.stages):
+            self._data = load_object(cfg.data, allow)(**cfg.data_kwargs)
+        log.info("stage %s/%d of job %s: model stages %s, %d parameters", cfg.rank, cfg.num_ranks,
+                 cfg.job, cfg.stages, sum(p.numel() for p in params))
+        return StageModel(modules=modules, num_stages=cfg.num_stages, loss_fn=loss_fn,
+                          optimizer=optimizer, device=device)
+
+    async def on_stop(self) -> None:
+        if self.executor is not None:
+            self.executor.close()
+
+    # -- set-up ----------------------------------------------------------------------
+
+    @endpoint
+    async def connect(self, peers: list[list[str]]) -> None:
+        """Learns every rank's stage actor, indexed by rank."""
+        if len(peers) != self.config.num_ranks:
+            raise ValueError(f"expected {self.config.num_ranks} peers, got {len(peers)}")
+        self.peers = [self.runtime.ref(address, name) for address, name in peers]
+
+    # -- one step ----------------------------------------------------------------------
+
+    @endpoint
+    async def run_step(
+        self,
+        step: int,
+        program: list[str],
+        inputs: list[torch.Tensor] | None = None,
+        targets: list[torch.Tensor] | None = None,
+        data_step: int | None = None,
+    ) -> dict[str, Any]:
+        """Runs ``program`` up to its barrier; returns the step's trace, or what failed.
+
+        Returns:
+            ``{"ok": True, ...trace}``, or ``{"ok": False, "action", "error"}`` when an
+            action raised, or ``{"ok": False, "aborted": True}`` after :meth:`abort_step`.
+        """
+        assert self.executor is not None
+        actions = [Action.parse(text) for text in program]
+        if data_step is not None:
+            inputs, targets = self._read_data(data_step)
+        # The program runs in a task of its own so that abort_step can cancel it
+        # without cancelling this endpoint (and with it the mailbox).
+        task = self.runtime.spawn_task(self.executor.run(step, actions, inputs, targets), name=f"step {step}")
+        self._running = (step, task)
+        try:
+            await asyncio.wait({task})
+        finally:
+            self._running = None
+        if task.cancelled() or isinstance(task.exception(), ActionFailed):
+            await self.executor.reset(step)
+        if task.cancelled():
+            return {"ok": False, "aborted": True}
+        failure = task.exception()
+        if isinstance(failure, ActionFailed):
+            log.warning("step %d failed at %s: %s", step, failure.action, failure.cause)
+            return {"ok": False, "action": str(failure.action), "error": error_to_wire(failure.cause)}
+        trace = task.result()
+        self._program = actions
+        return {
+            "ok": True,
+            "losses": [trace.losses[m] for m in sorted(trace.losses)],
+            "busy_s": trace.busy_s,
+            "elapsed_s": trace.elapsed_s,
+            "peak_stash": trace.peak_stash,
+            "bytes_sent": trace.bytes_sent,
+            "spans": [list(span) for span in trace.spans],
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        }
+
+    @endpoint
+    async def finish_step(self, step: int) -> None:
+        """The barrier is released: reduce gradients and step the optimizer."""
+        assert self.executor is not None
+        await self.executor.finish(self._program, self._reduce)
+
+    @endpoint(concurrent=True)
+    async def abort_step(self, step: int) -> None:
+        """Another member failed: stop this step and forget its values and gradients."""
+        assert self.executor is not None
+        running = self._running
+        if running is not None and running[0] == step:
+            running[1].cancel()  # run_step resets once the program has stopped
+        else:
+            await self.executor.reset(step)
+
+    @endpoint(concurrent=True)
+    async def deliver(self, step: int, kind: str, stage: int, microbatch: int, value: torch.Tensor) -> None:
+        """A neighbour's activation (kind "F") or input gradient ("B") for ``stage``."""
+        assert self.executor is not None
+        if kind not in ("F", "B") or stage not in self.config.stages:
+            raise ValueError(f"rank {self.config.rank} holds stages {self.config.stages}, not a {kind} for {stage}")
+        self.executor.inbox.put((step, kind, stage, microbatch), value)
+
+    @endpoint(concurrent=True)
+    async def progress(self) -> dict[str, Any]:
+        """What the stage is doing now (answered even mid-step)."""
+        executor = self.executor
+        return {
+            "rank": self.config.rank,
+            "current": None if executor is None or executor.current is None else str(executor.current),
+            "done": 0 if executor is None else executor.done_actions,
+        }
+
+    # -- state -------------------------------------------------------------------------
+
+    @endpoint
+    async def state_dict(self) -> dict[str, torch.Tensor]:
+        """This stage's share of the model's state, under the unpartitioned model's keys."""
+        assert self.executor is not None
+        return await self.executor.compute(self._state_dict)
+
+    @endpoint
+    async def load_state_dict(self, state: dict[str, torch.Tensor]) -> list[str]:
+        """Loads the entries this stage holds; returns the keys it took."""
+        assert self.executor is not None
+        return await self.executor.compute(self._load_state_dict, state)
+
+    def _state_dict(self) -> dict[str, torch.Tensor]:
+        return {f"{i}.{k}": v.detach().cpu() for i, layer in self._held.items() for k, v in layer.state_dict().items()}
+
+    def _load_state_dict(self, state: dict[str, torch.Tensor]) -> list[str]:
+        taken = []
+        for i, layer in self._held.items():
+            prefix = f"{i}."
+            mine = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+            layer.load_state_dict(mine, strict=True)
+            taken += [prefix + k for k in mine]
+        return taken
+
+    # -- helpers ----------------------------------------------------------------------
+
+    async def _send(self, step: int, action: Action, value: torch.Tensor) -> int:
+        cfg = self.config
+        forward = action.kind is ActionKind.SEND_F
+        target_stage = action.stage + 1 if forward else action.stage - 1
+        peer = self.peers[stage_to_rank(target_stage, cfg.num_ranks)]
+        codec = cfg.activation_codec if forward else cfg.gradient_codec
+        return await peer.tell("deliver", step, "F" if forward else "B", target_stage,
+                               action.microbatch, Coded(value, codec))
+
+    async def _reduce(self) -> None:
+        """Data-parallel gradient reduction: nothing to do with one replica."""
+
+    def _read_data(self, data_step: int) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
+        if self._data is None:
+            raise ValueError(f"job {self.config.job} has no data factory")
+        inputs, targets = self._data(data_step)
+        m = self.config.num_microbatches
+        return (list(inputs.chunk(m)) if 0 in self.config.stages else None,
+                list(targets.chunk(m)) if self.config.num_stages - 1 in self.config.stages else None)

@@ -1,0 +1,346 @@
+"""The scheduler actor, on the head node: places jobs, compiles programs, drives steps.
+
+For each step it sends every stage actor its program (and the micro-batches the
+first and last stage need), waits at the accumulation barrier for all of them,
+then releases the optimizer step. It is never in the per-action path: activations
+and gradients go directly between stage actors. A stage that fails, a node that is
+lost or a step that outlives its timeout fails the step everywhere with a
+:class:`~actors.StepFailed` that names the stage, the action and the cause.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from actors._actor import Actor, endpoint
+from actors._errors import ActorError, StepFailed, error_from_wire
+from actors._nodes import HEAD, NODE
+from actors._ref import ActorRef
+from actors._registry import DEFAULT_ALLOW, load_object, register_actor
+from actors.program import stage_to_rank
+from schedulers.jobs import JobSpec
+from schedulers.partition import partition_by_parameters, partition_uniform
+from schedulers.schedules import build_schedule
+
+__all__ = ["SchedulerActor"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Job:
+    id: str
+    spec: JobSpec
+    stages: list[ActorRef]  # by rank
+    nodes: list[str]  # by rank
+    bounds: list[list[int]]
+    programs: dict[int, list[str]]
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    next_step: int = 0
+    last_trace: list[dict[str, Any]] = field(default_factory=list)
+
+
+@register_actor("scheduler")
+class SchedulerActor(Actor):
+    """Places jobs on nodes and runs their steps."""
+
+    def __init__(self) -> None:
+        self._jobs: dict[str, _Job] = {}
+        self._ids = itertools.count()
+
+    def _allow(self) -> tuple[str, ...]:
+        context = self.node_context
+        return context.allow if context is not None else DEFAULT_ALLOW
+
+    @endpoint
+    async def create_job(self, spec: dict[str, Any]) -> dict[str, Any]:
+        """Validates ``spec``, places its stage actors and builds them; returns the job's layout.
+
+        Raises:
+            ValueError: a bad spec, or too few nodes for the job.
+            NotAllowed: a factory outside the allow-list.
+        """
+        job_spec = JobSpec.from_kwargs(spec)
+        # Importing the factory can take seconds: off the loop, so heartbeats go on.
+        bounds = await asyncio.to_thread(self._partition, job_spec)
+        nodes = await self._place(job_spec.pipeline_stages)
+        job_id = f"job{next(self._ids)}"
+        schedule = build_schedule(job_spec.schedule, job_spec.pipeline_stages, job_spec.micro_batches,
+                                  job_spec.num_virtual_stages if job_spec.schedule == "interleaved" else None)
+        programs = {rank: [str(a) for a in program] for rank, program in schedule.items()}
+        stages = await self._spawn_stages(job_id, job_spec, bounds, nodes)
+        peers = [ref.to_wire() for ref in stages]
+        await asyncio.gather(*(ref.ask("connect", peers, timeout=30) for ref in stages))
+        self._jobs[job_id] = _Job(id=job_id, spec=job_spec, stages=stages, nodes=[n["name"] for n in nodes],
+                                  bounds=bounds, programs=programs)
+        log.info("%s: %s on %s", job_id, job_spec.schedule, ", ".join(n["name"] for n in nodes))
+        return {"job": job_id, "bounds": bounds, "nodes": [n["name"] for n in nodes]}
+
+    def _partition(self, spec: JobSpec) -> list[list[int]]:
+        factory = load_object(spec.model, self._allow())
+        with torch.device("meta"):  # count layers and parameters without allocating them
+            model = factory(**spec.model_kwargs)
+        layers = list(model.children()) if isinstance(model, torch.nn.Sequential) else list(model)
+        if spec.partition_method == "uniform":
+            bounds = partition_uniform(len(layers), spec.num_model_stages)
+        else:
+            bounds = partition_by_parameters(layers, spec.num_model_stages)
+        return [list(b) for b in bounds]
+
+    async def _place(self, num_ranks: int) -> list[dict[str, Any]]:
+        head = self.runtime.ref(self.runtime.address, HEAD)
+        alive = sorted((n for n in await head.ask("nodes") if n["state"] == "alive"), key=lambda n: n["name"])
+        busy = {name for job in self._jobs.values() for name in job.nodes}
+        alive.sort(key=lambda n: n["name"] in busy)  # free nodes first, then shared ones
+        if len(alive) < num_ranks:
+            raise ValueError(
+                f"this job needs {num_ranks} nodes (one stage actor each) but the cluster has "
+                f"{len(alive)} alive; start more nodes or use fewer pipeline_stages"
+            )
+        return alive[:num_ranks]
+
+    async def _spawn_stages(
+        self, job_id: str, spec: JobSpec, bounds: list[list[int]], nodes: list[dict[str, Any]]
+    ) -> list[ActorRef]:
+        async def spawn(rank: int, node: dict[str, Any]) -> ActorRef:
+            config = {
+                "job": job_id, "rank": rank, "num_ranks": spec.pipeline_stages, "bounds": bounds,
+                "model": spec.model, "model_kwargs": spec.model_kwargs, "loss": spec.loss,
+                "optimizer": list(spec.optimizer), "num_microbatches": spec.micro_batches, "seed": spec.seed,
+                "activation_codec": spec.activation_codec, "gradient_codec": spec.gradient_codec,
+                "data": spec.data, "data_kwargs": spec.data_kwargs, "threads": spec.threads_per_stage,
+            }
+            agent = self.runtime.ref(node["address"], NODE)
+            address, name = await agent.ask("spawn", "stage", f"{job_id}.stage{rank}", config, timeout=300)
+            return self.runtime.ref(address, name)
+
+        results = await asyncio.gather(*(spawn(r, n) for r, n in enumerate(nodes)), return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            await self._stop_stages([r for r in results if isinstance(r, ActorRef)])
+            raise failed[0]
+        return [r for r in results if isinstance(r, ActorRef)]
+
+    async def _stop_stages(self, stages: list[ActorRef]) -> None:
+        async def stop(ref: ActorRef) -> None:
+            try:
+                await self.runtime.ref(ref.address, NODE).ask("stop_actor", ref.name, timeout=10)
+            except ActorError as exc:
+                log.info("could not stop %s: %s", ref.name, exc)
+
+        await asyncio.gather(*(stop(ref) for ref in stages))
+
+    # -- steps ---------------------------------------------------------------------------
+
+    @endpoint(concurrent=True)
+    async def step(
+        self, job_id: str, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None
+    ) -> dict[str, Any]:
+        """Runs one optimizer step of ``job_id`` on a global batch (or the job's data factory).
+
+        Raises:
+            ValueError: a batch that does not split into the job's micro-batches.
+            StepFailed: a stage failed, a node was lost or the step timed out.
+        """
+        job = self._job(job_id)
+        async with job.lock:
+            step = job.next_step
+            job.next_step += 1
+            calls = self._step_calls(job, step, inputs, targets)
+            started = time.perf_counter()
+            results = await self._run_to_barrier(job, step, calls)
+            await self._release(job, step)
+            elapsed = time.perf_counter() - started
+        job.last_trace = results
+        return _step_stats(step, results, elapsed)
+
+    def _step_calls(
+        self, job: _Job, step: int, inputs: torch.Tensor | None, targets: torch.Tensor | None
+    ) -> dict[int, dict[str, Any]]:
+        spec = job.spec
+        first, last = stage_to_rank(0, spec.pipeline_stages), stage_to_rank(spec.num_model_stages - 1,
+                                                                            spec.pipeline_stages)
+        calls: dict[int, dict[str, Any]] = {rank: {} for rank in range(spec.pipeline_stages)}
+        if inputs is None and targets is None:
+            if spec.data is None:
+                raise ValueError("step() needs inputs and targets, or a job started with data='pkg.mod:factory'")
+            for call in calls.values():
+                call["data_step"] = step
+            return calls
+        if inputs is None or targets is None:
+            raise ValueError("step() takes both inputs and targets, or neither (to read the data factory)")
+        calls[first]["inputs"] = _split(inputs, spec.micro_batches, "inputs")
+        calls[last]["targets"] = _split(targets, spec.micro_batches, "targets")
+        return calls
+
+    async def _run_to_barrier(self, job: _Job, step: int, calls: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+        tasks = {
+            rank: asyncio.ensure_future(job.stages[rank].ask("run_step", step, job.programs[rank], **kwargs))
+            for rank, kwargs in calls.items()
+        }
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + job.spec.step_timeout_s
+        try:
+            pending: set[asyncio.Future[Any]] = set(tasks.values())
+            failure: StepFailed | None = None
+            while pending and failure is None:
+                done, pending = await asyncio.wait(pending, timeout=max(0.0, deadline - loop.time()),
+                                                   return_when=asyncio.FIRST_COMPLETED)
+                failure = self._first_failure(tasks) if done else await self._timeout_failure(job)
+            results = [] if failure else [tasks[rank].result() for rank in sorted(tasks)]
+            if failure is None and not all(r["ok"] for r in results):
+                failure = StepFailed("step aborted on request", details={"stage": None, "action": None,
+                                                                          "cause": "aborted"})
+            if failure is not None:
+                await self._abort(job, step, tasks)
+                raise failure
+            return results
+        finally:
+            for task in tasks.values():
+                task.cancel()
+
+    def _first_failure(self, tasks: Mapping[int, asyncio.Future[Any]]) -> StepFailed | None:
+        for rank, task in tasks.items():
+            if not task.done():
+                continue
+            exc = task.exception()
+            if exc is not None:
+                cause = f"{type(exc).__name__}: {exc}" if not isinstance(exc, ActorError) else \
+                    f"{exc.remote_type}: {exc.message}"
+                return _failed(rank, None, cause)
+            result = task.result()
+            if not result["ok"] and not result.get("aborted"):
+                error = error_from_wire(result["error"])
+                return _failed(rank, result["action"], f"{error.remote_type}: {error.message}",
+                               error.remote_traceback)
+        return None
+
+    async def _timeout_failure(self, job: _Job) -> StepFailed:
+        async def where(ref: ActorRef) -> str:
+            try:
+                progress = await ref.ask("progress", timeout=5)
+                return f"stage {progress['rank']} at {progress['current'] or 'the barrier'}"
+            except ActorError as exc:
+                return f"{ref.name} did not answer ({exc.message})"
+
+        report = await asyncio.gather(*(where(ref) for ref in job.stages))
+        return StepFailed(
+            f"step timed out after {job.spec.step_timeout_s}s: " + "; ".join(report),
+            details={"stage": None, "action": None, "cause": "timeout", "where": report},
+        )
+
+    async def _abort(self, job: _Job, step: int, tasks: Mapping[int, asyncio.Future[Any]]) -> None:
+        async def abort(ref: ActorRef) -> None:
+            try:
+                await ref.ask("abort_step", step, timeout=5)
+            except ActorError as exc:
+                log.info("abort of %s: %s", ref.name, exc)
+
+        alive = await self._alive_nodes()
+        reachable = [rank for rank, node in enumerate(job.nodes) if node in alive]
+        await asyncio.gather(*(abort(job.stages[rank]) for rank in reachable))
+        waiting = [tasks[rank] for rank in reachable if rank in tasks]
+        if waiting:
+            await asyncio.wait(waiting, timeout=5)
+
+    async def _alive_nodes(self) -> set[str]:
+        head = self.runtime.ref(self.runtime.address, HEAD)
+        return {n["name"] for n in await head.ask("nodes") if n["state"] == "alive"}
+
+    async def _release(self, job: _Job, step: int) -> None:
+        results = await asyncio.gather(*(ref.ask("finish_step", step, timeout=job.spec.step_timeout_s)
+                                         for ref in job.stages), return_exceptions=True)
+        for rank, result in enumerate(results):
+            if isinstance(result, BaseException):
+                raise _failed(rank, "STEP", f"{type(result).__name__}: {result}")
+
+    # -- state and life -------------------------------------------------------------------
+
+    @endpoint(concurrent=True)
+    async def state_dict(self, job_id: str) -> dict[str, torch.Tensor]:
+        """The whole model's state, gathered from the stages, under the unpartitioned keys."""
+        job = self._job(job_id)
+        async with job.lock:
+            parts = await asyncio.gather(*(ref.ask("state_dict", timeout=300) for ref in job.stages))
+        state: dict[str, torch.Tensor] = {}
+        for part in parts:
+            state.update(part)
+        return dict(sorted(state.items(), key=lambda kv: _key_order(kv[0])))
+
+    @endpoint(concurrent=True)
+    async def load_state_dict(self, job_id: str, state: dict[str, torch.Tensor]) -> None:
+        """Loads a whole-model state into the stages; every key must be taken exactly once."""
+        job = self._job(job_id)
+        async with job.lock:
+            taken = await asyncio.gather(*(ref.ask("load_state_dict", state, timeout=300) for ref in job.stages))
+        missing = set(state) - {k for keys in taken for k in keys}
+        if missing:
+            raise KeyError(f"keys no stage holds: {sorted(missing)[:10]}")
+
+    @endpoint(concurrent=True)
+    async def close_job(self, job_id: str) -> None:
+        job = self._jobs.pop(job_id, None)
+        if job is not None:
+            async with job.lock:
+                await self._stop_stages(job.stages)
+
+    @endpoint(concurrent=True)
+    async def jobs(self) -> list[dict[str, Any]]:
+        return [{"job": j.id, "nodes": j.nodes, "steps": j.next_step, "schedule": j.spec.schedule,
+                 "stages": [ref.to_wire() for ref in j.stages]} for j in self._jobs.values()]
+
+    def _job(self, job_id: str) -> _Job:
+        job = self._jobs.get(job_id)
+        if job is None:
+            raise KeyError(f"no job {job_id!r}; running: {', '.join(self._jobs) or 'none'}")
+        return job
+
+
+def _split(batch: torch.Tensor, num_microbatches: int, what: str) -> list[torch.Tensor]:
+    if batch.dim() == 0 or batch.shape[0] % num_microbatches:
+        raise ValueError(
+            f"{what} of shape {tuple(batch.shape)} do not split into {num_microbatches} equal micro-batches; "
+            f"the batch size must be a multiple of micro_batches"
+        )
+    return list(batch.chunk(num_microbatches))
+
+
+def _failed(rank: int, action: str | None, cause: str, traceback: str = "") -> StepFailed:
+    where = f"stage {rank}" + (f" at {action}" if action else "")
+    return StepFailed(f"step failed: {where}: {cause}", remote_traceback=traceback,
+                      details={"stage": rank, "action": action, "cause": cause})
+
+
+def _key_order(key: str) -> int:
+    """Layer index of a state key; the sort is stable, so each layer keeps its own order."""
+    head = key.partition(".")[0]
+    return int(head) if head.isdigit() else 1 << 30
+
+
+def _step_stats(step: int, results: list[dict[str, Any]], elapsed: float) -> dict[str, Any]:
+    losses = [loss for r in results for loss in r["losses"]]
+    span = max(r["elapsed_s"] for r in results)
+    busy = sum(r["busy_s"] for r in results)
+    bytes_per_edge: dict[str, int] = {}
+    for r in results:
+        for edge, n in r["bytes_sent"].items():
+            bytes_per_edge[edge] = bytes_per_edge.get(edge, 0) + n
+    return {
+        "step": step,
+        "loss": sum(losses) / len(losses) if losses else float("nan"),
+        "step_time_s": elapsed,
+        "bubble_fraction": max(0.0, 1.0 - busy / (len(results) * span)) if span > 0 else 0.0,
+        "bytes_sent": sum(bytes_per_edge.values()),
+        "bytes_per_edge": bytes_per_edge,
+        "peak_stash": [r["peak_stash"] for r in results],
+        "peak_rss_bytes": [r["peak_rss_bytes"] for r in results],
+        "busy_s": [r["busy_s"] for r in results],
+    }

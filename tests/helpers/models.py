@@ -1,0 +1,50 @@
+"""Model factories for tests, named by import path like any user's."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+
+class Explode(nn.Module):
+    """Raises on its ``at``-th forward call (counting from 1), passes through otherwise."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at = at
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.at:
+            raise RuntimeError(f"boom on call {self.calls}")
+        return x
+
+
+class Stall(nn.Module):
+    """Sleeps on every forward: keeps a step busy long enough to act during it."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.seconds)
+        return x
+
+
+def linear_stack(layers: int = 4, dim: int = 8) -> nn.Sequential:
+    return nn.Sequential(*[nn.Linear(dim, dim) for _ in range(layers)])
+
+
+def exploding(layers: int = 4, dim: int = 8, explode_layer: int = 3, at: int = 2) -> nn.Sequential:
+    """A linear stack whose layer ``explode_layer`` raises on its ``at``-th forward."""
+    stack = [nn.Linear(dim, dim) for _ in range(layers)]
+    stack[explode_layer] = nn.Sequential(nn.Linear(dim, dim), Explode(at))
+    return nn.Sequential(*stack)
+
+
+def stalling(layers: int = 2, dim: int = 8, seconds: float = 0.5) -> nn.Sequential:
+    return nn.Sequential(*[nn.Sequential(nn.Linear(dim, dim), Stall(seconds)) for _ in range(layers)])

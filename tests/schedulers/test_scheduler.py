@@ -1,0 +1,177 @@
+"""The scheduler actor: job placement, data paths, checkpoints, and failures that name their cause."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import pytest_asyncio
+import torch
+
+from actors import Cluster, LocalCluster, NotAllowed, RemoteError, StepFailed
+from examples.data import regression_batches
+from examples.models import residual_mlp
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.asyncio(loop_scope="module")]
+
+SMALL = {"blocks": 4, "dim": 16, "hidden": 32}
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def cluster() -> AsyncIterator[Cluster]:
+    async with LocalCluster(nodes=2) as cluster:
+        yield cluster
+
+
+def batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(8, 4, 16, generator=gen), torch.randn(8, 4, 16, generator=gen)
+
+
+async def test_stage_that_raises_fails_the_step_with_stage_action_and_cause(cluster: Cluster) -> None:
+    job = await cluster.train(model="tests.helpers.models:exploding", model_kwargs={"at": 3},
+                              pipeline_stages=2, micro_batches=4, schedule="1f1b")
+    try:
+        x, y = torch.randn(8, 8), torch.randn(8, 8)
+        before = await job.state_dict()
+        with pytest.raises(StepFailed) as info:
+            await job.step(x, y)  # layer 3 lives on stage 1 and raises on its third forward: 1F2
+        error = info.value
+        assert error.stage == 1 and error.action == "1F2"
+        assert "RuntimeError: boom on call 3" in error.cause
+        assert "boom on call 3" in str(error) and "helpers/models.py" in error.remote_traceback
+        after = await job.state_dict()
+        for key in before:  # nothing was applied anywhere
+            assert torch.equal(before[key], after[key])
+        stats = await job.step(x, y)  # the job goes on: the next step works
+        assert stats.step == 1 and stats.loss > 0
+    finally:
+        await job.close()
+
+
+async def test_stages_can_read_their_own_data(cluster: Cluster) -> None:
+    data_kwargs = {"batch_size": 8, "seq": 4, "dim": 16, "seed": 3}
+    job = await cluster.train(model="examples.models:residual_mlp", model_kwargs=SMALL,
+                              optimizer=("torch.optim:SGD", {"lr": 0.1}), pipeline_stages=2, micro_batches=4,
+                              data="examples.data:regression_batches", data_kwargs=data_kwargs)
+    try:
+        losses = [(await job.step()).loss for _ in range(2)]
+        state = await job.state_dict()
+    finally:
+        await job.close()
+    torch.manual_seed(0)
+    model = residual_mlp(**SMALL)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    read = regression_batches(**data_kwargs)
+    expected = []
+    for step in range(2):
+        x, y = read(step)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        expected.append(loss.item())
+    assert losses == pytest.approx(expected, rel=1e-5)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6)
+
+
+async def test_load_state_dict_save_and_load(cluster: Cluster, tmp_path: object) -> None:
+    job = await cluster.train(model="examples.models:residual_mlp", model_kwargs=SMALL, pipeline_stages=2,
+                              micro_batches=2, seed=1)
+    try:
+        torch.manual_seed(7)
+        other = residual_mlp(**SMALL).state_dict()
+        await job.load_state_dict(other)
+        loaded = await job.state_dict()
+        assert all(torch.equal(loaded[k], other[k]) for k in other)
+        directory = f"{tmp_path}/ckpt"
+        await job.save(directory)
+        assert sorted(os.listdir(directory)) == ["job.json", "model.pt"]
+        await job.step(*batch())
+        await job.save(directory)  # overwrites atomically
+        assert not [n for n in os.listdir(str(tmp_path)) if n.startswith(".")]  # no staging left behind
+        trained = await job.state_dict()
+        await job.load_state_dict(other)
+        await job.load(directory)
+        restored = await job.state_dict()
+        assert all(torch.equal(restored[k], trained[k]) for k in trained)
+        with pytest.raises(RemoteError, match="keys no stage holds"):
+            await job.load_state_dict({**other, "99.weight": torch.zeros(1)})
+    finally:
+        await job.close()
+
+
+async def test_batch_that_does_not_split_is_a_clear_error(cluster: Cluster) -> None:
+    job = await cluster.train(model="examples.models:residual_mlp", model_kwargs=SMALL, pipeline_stages=2,
+                              micro_batches=3)
+    try:
+        with pytest.raises(RemoteError, match="multiple of micro_batches"):
+            await job.step(*batch())
+        with pytest.raises(RemoteError, match="needs inputs and targets"):
+            await job.step()
+    finally:
+        await job.close()
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"pipeline_stages": 3}, "needs 3 nodes .* has 2 alive"),
+        ({"schedule": "2f2b"}, "unknown schedule '2f2b'"),
+        ({"micro_batches": 0}, "micro_batches must be an int >= 1"),
+        ({"learning_rate": 1}, "unknown train\\(\\) argument\\(s\\) learning_rate"),
+        ({"pipeline_stages": 2, "model_kwargs": {"blocks": 1}}, "cannot split 1 layers into 2 stages"),
+        ({"pipeline_stages": 2, "schedule": "interleaved", "micro_batches": 3}, "multiple of"),
+    ],
+)
+async def test_bad_jobs_are_refused_with_a_clear_error(cluster: Cluster, kwargs: dict, match: str) -> None:
+    spec = {"model": "examples.models:residual_mlp", "model_kwargs": SMALL, "pipeline_stages": 1, **kwargs}
+    with pytest.raises(RemoteError, match=match):
+        await cluster.train(**spec)
+
+
+async def test_factory_outside_the_allow_list_is_refused_with_how_to_admit_it(cluster: Cluster) -> None:
+    async with Cluster.connect(cluster.head.address) as stranger:  # no admission token: a hand-started cluster
+        # The allow-list is checked before anything is imported, so the module need not exist.
+        with pytest.raises(NotAllowed, match="start the node with --allow tests.not_admitted"):
+            await stranger.train(model="tests.not_admitted:linear_stack", pipeline_stages=1)
+        with pytest.raises(NotAllowed, match="--allow os"):
+            await stranger.train(model="os:system", pipeline_stages=1)
+
+
+async def test_node_lost_mid_step_fails_the_step_promptly() -> None:
+    lc = LocalCluster(nodes=2, heartbeat_timeout=1.0)
+    async with lc as cluster:
+        job = await cluster.train(model="tests.helpers.models:stalling", model_kwargs={"seconds": 0.5},
+                                  pipeline_stages=2, micro_batches=8, schedule="gpipe")
+        victim = lc.processes[job.nodes[1]].pid
+        step = asyncio.ensure_future(job.step(torch.randn(8, 8), torch.randn(8, 8)))
+        await asyncio.sleep(1.0)
+        started = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        with pytest.raises(StepFailed) as info:
+            await asyncio.wait_for(step, 30)
+        assert time.monotonic() - started < 10
+        assert info.value.stage == 1 and "lost" in info.value.cause
+
+
+async def test_stages_answer_control_calls_while_they_compute(cluster: Cluster) -> None:
+    job = await cluster.train(model="tests.helpers.models:stalling", model_kwargs={"seconds": 0.3},
+                              pipeline_stages=2, micro_batches=4, schedule="gpipe")
+    try:
+        step = asyncio.ensure_future(job.step(torch.randn(8, 8), torch.randn(8, 8)))
+        await asyncio.sleep(0.5)
+        stage0 = cluster.runtime.ref(*(await cluster.scheduler.ask("jobs"))[0]["stages"][0])
+        started = time.monotonic()
+        progress = await stage0.ask("progress", timeout=5)
+        assert time.monotonic() - started < 0.25  # answered between two 0.3 s forwards
+        assert progress["current"] is not None and not step.done()
+        assert all(n["state"] == "alive" for n in await cluster.nodes())
+        await step
+    finally:
+        await job.close()
