@@ -10,22 +10,25 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU wheel first: an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,examples]'
 	touch $(STAMP)
 
 setup: $(STAMP)
 
 test: $(STAMP)
+	$(PY) -m mypy
 	$(PY) -m pytest -q -p no:cacheprovider
 
 typecheck: $(STAMP)
 	$(PY) -m mypy
 
 demo: $(STAMP)
-	$(PY) -m examples.transport_demo
+	$(PY) -m examples.train_gpt
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.transport
+	$(PY) -m benchmarks.actors
+	$(PY) -m benchmarks.pipeline
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .hypothesis

@@ -129,6 +129,7 @@ class StepExecutor:
         """
         trace = StepTrace()
         start = time.perf_counter()
+        self.inbox.drop_step(step - 1)  # late arrivals of an aborted earlier step
         self._inputs, self._targets = inputs, targets
         self.done_actions = 0
         for action in program:

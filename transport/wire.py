@@ -107,8 +107,10 @@ def encode_message(
         if isinstance(obj, Coded):
             encoded = get_codec(obj.codec).encode(obj.tensor.detach())
         elif isinstance(obj, torch.Tensor):
-            name = codec if obj.is_floating_point() and obj.dtype in _LOSSY_INPUTS else "none"
-            encoded = get_codec(name).encode(obj.detach())
+            chosen = get_codec(codec)
+            if obj.dtype not in chosen.dtypes:  # e.g. integer tensors under a lossy default
+                chosen = get_codec("none")
+            encoded = chosen.encode(obj.detach())
         else:
             raise TypeError(
                 f"cannot send an object of type {type(obj).__qualname__}: messages hold "
@@ -168,9 +170,6 @@ def decode_message(frames: Sequence[Any], *, max_bytes: int = DEFAULT_MAX_MESSAG
         raise
     except Exception as exc:  # msgpack raises many types for corrupt input
         raise WireError(f"malformed message body: {type(exc).__name__}: {exc}") from None
-
-
-_LOSSY_INPUTS = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16})
 
 
 def _table_row(encoded: Encoded) -> list[Any]:

@@ -189,6 +189,8 @@ async def test_per_sender_order_under_concurrent_senders(runtimes: tuple[Runtime
                 await senders[tag].tell("record", [tag, i])
 
         await asyncio.gather(send_all("a"), send_all("b"))
+        # Order holds per sender, so a reply to each sender means its tells are in.
+        await senders["b"].ask("ping")
         seen = await senders["a"].ask("recorded")
     for tag in "ab":
         assert [i for t, i in seen if t == tag] == list(range(100))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import msgpack
@@ -166,9 +167,10 @@ def test_malformed_input_raises_wire_error(frames: list[bytes], match: str) -> N
         decode_message(frames)
 
 
-def _valid_frames() -> list[bytes]:
+@functools.cache
+def _valid_frames() -> tuple[bytes, ...]:
     payload = {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": [1, "x", torch.ones(3, dtype=torch.int8)]}
-    return as_bytes(encode_message(payload)) + as_bytes(encode_message(Coded(torch.randn(300), "int4")))[1:]
+    return tuple(as_bytes(encode_message(payload)) + as_bytes(encode_message(Coded(torch.randn(300), "int4")))[1:])
 
 
 def _mutate(frames: list[bytes], data: st.DataObject) -> list[bytes]:
@@ -200,7 +202,7 @@ def _mutate(frames: list[bytes], data: st.DataObject) -> list[bytes]:
 @settings(max_examples=FUZZ_EXAMPLES)
 @given(st.data())
 def test_fuzz_mutated_messages_raise_only_wire_error(data: st.DataObject) -> None:
-    frames = _valid_frames()
+    frames = list(_valid_frames())
     for _ in range(data.draw(st.integers(1, 3))):
         frames = _mutate(frames, data) or [b""]
     try:

@@ -1,0 +1,286 @@
+# Run: python -m benchmarks.pipeline            (add --steps 4 --stages 2 for a quick look)
+"""The reference workload under actorpipe, torch.distributed.pipelining and one process.
+
+Peers, all measured in one run on the reference workload (DESIGN.md):
+- one process: the plain full-batch training step, one thread;
+- ``torch.distributed.pipelining``: ``Schedule1F1B`` and ``ScheduleGPipe`` over gloo,
+  one process per stage, 8 micro-batches;
+- actorpipe: a ``LocalCluster`` with one node per stage, schedules ``1f1b`` and ``gpipe``.
+
+Every peer starts and stays up; after the warm-up steps the timed steps run in rounds,
+each round a few steps of every peer in a rotated order, so that the machine's noise
+hits every peer alike. A step time is the driver's wall time for actorpipe and the
+slowest rank's (after a barrier) for torch; samples/s is 64 / the median step time.
+The trained parameters of every peer are compared with one process's afterwards.
+The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import importlib.util
+import json
+import statistics
+import tempfile
+import time
+from typing import Any, Protocol
+
+import torch
+
+from benchmarks._torch_pipelining import BATCH_SHAPE, NUM_BLOCKS, NUM_MICROBATCHES, SCHEDULES, TorchPeer, reference_batch
+from transport.loop import run
+
+MODEL = "examples.models:residual_mlp"
+BATCH_SIZE = BATCH_SHAPE[0]
+MAX_REL_DIFF = 1e-4  # float32 reassociation across micro-batches stays far below this
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class PeerResult:
+    """What one peer measured: step times, peak RSS per rank, distance from one process."""
+
+    name: str
+    num_stages: int
+    schedule: str
+    step_times_s: list[float]
+    peak_rss_bytes: list[int]
+    bubble_fraction: float | None = None
+    max_rel_diff: float | None = None
+
+    @property
+    def samples_per_s(self) -> float:
+        return BATCH_SIZE / statistics.median(self.step_times_s)
+
+
+class Peer(Protocol):
+    """One contender, kept up for the whole run so that its rounds can interleave."""
+
+    name: str
+    num_stages: int
+    schedule: str
+
+    async def start(self) -> None: ...
+    async def run(self, num_steps: int) -> list[float]: ...
+    async def finish(self) -> list[int]: ...
+    def trained_state(self) -> dict[str, torch.Tensor] | None: ...
+    async def aclose(self) -> None: ...
+
+
+class ActorpipePeer:
+    """A ``LocalCluster`` of ``num_stages`` nodes training the reference workload as one job."""
+
+    def __init__(self, *, num_stages: int, schedule: str) -> None:
+        self.num_stages, self.schedule = num_stages, schedule
+        self.name = f"actorpipe_{schedule}_{num_stages}stages"
+        self.inputs, self.targets = reference_batch()
+        self.bubble_fractions: list[float] = []
+        self._stack = contextlib.AsyncExitStack()
+        self._job: Any = None
+        self._last_stats: Any = None
+        self._state: dict[str, torch.Tensor] | None = None
+
+    async def start(self) -> None:
+        """Starts the cluster and submits the job."""
+        from actors import LocalCluster
+
+        cluster = await self._stack.enter_async_context(LocalCluster(nodes=self.num_stages))
+        self._job = await cluster.train(
+            model=MODEL, model_kwargs={"blocks": NUM_BLOCKS, "dim": BATCH_SHAPE[-1]},
+            loss="torch.nn.functional:mse_loss", optimizer=("torch.optim:SGD", {"lr": 0.01}),
+            pipeline_stages=self.num_stages, schedule=self.schedule, micro_batches=NUM_MICROBATCHES, seed=0)
+        self._stack.push_async_callback(self._job.close)
+
+    async def run(self, num_steps: int) -> list[float]:
+        """Runs ``num_steps`` steps; returns the driver's wall time of each."""
+        times = []
+        for _ in range(num_steps):
+            start = time.perf_counter()
+            self._last_stats = await self._job.step(self.inputs, self.targets)
+            times.append(time.perf_counter() - start)
+            self.bubble_fractions.append(float(self._last_stats.bubble_fraction))
+        return times
+
+    async def finish(self) -> list[int]:
+        """Gathers the trained model (where the job offers it); returns peak RSS per stage."""
+        if hasattr(self._job, "state_dict"):
+            self._state = dict(await self._job.state_dict())
+        return [int(rss) for rss in self._last_stats.peak_rss_bytes]
+
+    def trained_state(self) -> dict[str, torch.Tensor] | None:
+        return self._state
+
+    async def aclose(self) -> None:
+        await self._stack.aclose()
+
+
+def actorpipe_missing() -> str | None:
+    """Why the actorpipe peer cannot run in this tree yet, or None when it can."""
+    if importlib.util.find_spec("examples.models") is None:
+        return "examples/models.py does not exist yet"
+    try:
+        from actors import Cluster
+    except ImportError as exc:
+        return f"actors does not import: {exc}"
+    if not hasattr(Cluster, "train"):
+        return "actors.Cluster.train does not exist yet"
+    return None
+
+
+def make_peers(args: argparse.Namespace, state_dir: str) -> list[Peer]:
+    """Every peer the flags ask for; one process first, as the others' reference."""
+    peers: list[Peer] = [TorchPeer(num_stages=1, schedule="-", state_dir=state_dir)]
+    for num_stages in args.stages:
+        for schedule in SCHEDULES:
+            if not args.skip_torch:
+                peers.append(TorchPeer(num_stages=num_stages, schedule=schedule, state_dir=state_dir))
+            if not args.skip_actorpipe:
+                peers.append(ActorpipePeer(num_stages=num_stages, schedule=schedule))
+    return peers
+
+
+def split_steps(num_steps: int, num_rounds: int) -> list[int]:
+    """``num_steps`` as ``num_rounds`` (or fewer) nearly equal, non-empty blocks."""
+    base, extra = divmod(num_steps, num_rounds)
+    return [base + (i < extra) for i in range(num_rounds) if base + (i < extra)]
+
+
+async def measure(peers: list[Peer], *, warmup: int, steps: int, rounds: int) -> list[PeerResult]:
+    """Starts every peer, runs warm-up then interleaved timed rounds, stops them; returns results."""
+    times: dict[str, list[float]] = {peer.name: [] for peer in peers}
+    async with contextlib.AsyncExitStack() as stack:
+        for peer in peers:
+            stack.push_async_callback(peer.aclose)
+            print(f"starting {peer.name}", flush=True)
+            await peer.start()
+        for peer in peers:
+            await peer.run(warmup)
+        for index, block in enumerate(split_steps(steps, rounds)):
+            shift = index % len(peers)
+            for peer in peers[shift:] + peers[:shift]:
+                times[peer.name] += await peer.run(block)
+            print(f"round {index + 1}: {block} steps of each peer done", flush=True)
+        results = []
+        for peer in peers:
+            rss = await peer.finish()
+            bubbles = getattr(peer, "bubble_fractions", None)
+            results.append(PeerResult(
+                name=peer.name, num_stages=peer.num_stages, schedule=peer.schedule,
+                step_times_s=times[peer.name], peak_rss_bytes=rss,
+                bubble_fraction=statistics.median(bubbles) if bubbles else None))
+    return results
+
+
+def max_rel_diff(state: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
+    """The largest ``|a - b| / |b|`` (Frobenius norms) over the tensors of two state dicts.
+
+    Raises:
+        ValueError: the two hold different tensor names.
+    """
+    if state.keys() != reference.keys():
+        raise ValueError(f"different parameter names: {sorted(state.keys() ^ reference.keys())[:6]}")
+    return max(float((state[k].float() - reference[k]).norm() / reference[k].norm().clamp_min(1e-30))
+               for k in reference)
+
+
+def check_exactness(peers: list[Peer], results: list[PeerResult]) -> list[PeerResult]:
+    """Adds each peer's distance from one process; asserts the torch peers' is float32 noise."""
+    reference = peers[0].trained_state()
+    assert reference is not None and peers[0].name == "single_process"
+    checked = []
+    for peer, result in zip(peers, results):
+        state = peer.trained_state()
+        diff = None if state is None or peer is peers[0] else max_rel_diff(state, reference)
+        if diff is not None and peer.name.startswith("torch_"):
+            assert diff < MAX_REL_DIFF, f"{peer.name} trained to other parameters: {diff:.3g} relative"
+        checked.append(dataclasses.replace(result, max_rel_diff=diff))
+    return checked
+
+
+def ratio(numerator: PeerResult | None, denominator: PeerResult | None) -> float | None:
+    """samples/s of ``numerator`` over ``denominator``'s; None where either did not run."""
+    if numerator is None or denominator is None:
+        return None
+    return round(numerator.samples_per_s / denominator.samples_per_s, 3)
+
+
+def print_table(results: list[PeerResult]) -> None:
+    """One row per peer: throughput, median step, bubble, peak RSS per rank, distance from one process."""
+    print(f"\n{'peer':<28} {'stages':>6} {'schedule':>8} {'samples/s':>9} {'median ms':>9} {'bubble':>6} "
+          f"{'rel diff':>8}  peak RSS MiB per rank")
+    for r in results:
+        bubble = "-" if r.bubble_fraction is None else f"{r.bubble_fraction:.2f}"
+        diff = "-" if r.max_rel_diff is None else f"{r.max_rel_diff:.1e}"
+        rss = " / ".join(f"{b / 2**20:.0f}" for b in r.peak_rss_bytes)
+        print(f"{r.name:<28} {r.num_stages:>6} {r.schedule:>8} {r.samples_per_s:>9.1f} "
+              f"{statistics.median(r.step_times_s) * 1e3:>9.0f} {bubble:>6} {diff:>8}  {rss}")
+
+
+def summarize(results: list[PeerResult], stage_counts: list[int]) -> dict[str, Any]:
+    """The JSON summary: ratios actorpipe/torch and actorpipe/one process, then each peer's raw figures."""
+    by_name = {r.name: r for r in results}
+    single = by_name["single_process"]
+    summary: dict[str, Any] = {}
+    for num_stages in sorted(set(stage_counts) | {2, 4}):
+        for schedule in SCHEDULES:
+            key = f"{schedule}_{num_stages}stages"
+            summary[f"vs_torch_{key}"] = ratio(by_name.get(f"actorpipe_{key}"), by_name.get(f"torch_{key}"))
+        summary[f"vs_single_process_{num_stages}stages"] = ratio(by_name.get(f"actorpipe_1f1b_{num_stages}stages"), single)
+    for r in results:
+        summary[f"{r.name}_samples_per_s"] = round(r.samples_per_s, 2)
+        summary[f"{r.name}_median_step_ms"] = round(statistics.median(r.step_times_s) * 1e3, 1)
+        summary[f"{r.name}_peak_rss_mib"] = [round(b / 2**20) for b in r.peak_rss_bytes]
+        if r.bubble_fraction is not None:
+            summary[f"{r.name}_bubble_fraction"] = round(r.bubble_fraction, 3)
+        if r.max_rel_diff is not None:
+            summary[f"{r.name}_max_rel_diff"] = float(f"{r.max_rel_diff:.2g}")
+    return summary
+
+
+def print_ratios(summary: dict[str, Any]) -> None:
+    """The ratios, one a line, before the JSON."""
+    print()
+    for key, value in summary.items():
+        if key.startswith("vs_"):
+            print(f"{key:<28} {'-' if value is None else f'{value:.3f}x'}")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per peer")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per peer first")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds the timed steps are split into")
+    parser.add_argument("--stages", type=int, nargs="+", default=[2, 4], help="pipeline stage counts")
+    parser.add_argument("--skip-torch", action="store_true", help="no torch.distributed.pipelining peers")
+    parser.add_argument("--skip-actorpipe", action="store_true", help="no actorpipe peers")
+    args = parser.parse_args()
+    if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
+        parser.error("--steps and --rounds must be >= 1, --warmup >= 0")
+    if any(n < 2 or NUM_BLOCKS % n for n in args.stages):
+        parser.error(f"--stages must divide the {NUM_BLOCKS} blocks into 2 or more stages, got {args.stages}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    started = time.perf_counter()
+    missing = None if args.skip_actorpipe else actorpipe_missing()
+    if missing:
+        print(f"actorpipe peers skipped: {missing}; their figures print as null")
+        args.skip_actorpipe = True
+    with tempfile.TemporaryDirectory(prefix="actorpipe-bench-") as state_dir:
+        peers = make_peers(args, state_dir)
+        results = run(measure(peers, warmup=args.warmup, steps=args.steps, rounds=args.rounds))
+        results = check_exactness(peers, results)
+    print_table(results)
+    summary = summarize(results, args.stages)
+    print_ratios(summary)
+    summary.update(steps=args.steps, warmup=args.warmup, rounds=args.rounds,
+                   wall_s=round(time.perf_counter() - started, 1), actorpipe_skipped=missing)
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
