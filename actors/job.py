@@ -36,6 +36,10 @@ class StepStats:
         peak_stash: per rank, the most micro-batch activations held at once.
         peak_rss_bytes: per rank, the stage process's peak resident memory.
         busy_s: per rank, seconds spent computing.
+        codec_stats: per edge and direction (``"F 0->1"``, ``"B 1->0"``): the codec,
+            ``bytes`` on the wire, ``raw_bytes`` (the tensors' own size), their
+            ``ratio``, and ``rel_error``, the norm of (decoded - sent) over the norm
+            of what was sent (0 for ``none``).
     """
 
     step: int
@@ -47,6 +51,7 @@ class StepStats:
     peak_stash: list[int] = field(default_factory=list)
     peak_rss_bytes: list[int] = field(default_factory=list)
     busy_s: list[float] = field(default_factory=list)
+    codec_stats: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StepStats:

@@ -25,8 +25,7 @@ from actors._executor import ActionFailed, Inbox, StageModel, StepExecutor
 from actors._registry import DEFAULT_ALLOW, load_object, register_actor
 from actors._ref import ActorRef
 from actors.program import Action, ActionKind, stage_to_rank
-from transport.codecs import get_codec
-from transport.wire import Coded
+from transport.codecs import Encoded, ErrorFeedback, get_codec
 
 __all__ = ["StageActor", "StageConfig"]
 
@@ -47,8 +46,10 @@ class StageConfig:
     optimizer: list[Any] = field(default_factory=lambda: ["torch.optim:SGD", {"lr": 0.01}])
     num_microbatches: int = 1
     seed: int = 0
-    activation_codec: str = "none"
-    gradient_codec: str = "none"
+    activation_codec: list[str] = field(default_factory=list)  # one per stage boundary
+    gradient_codec: list[str] = field(default_factory=list)
+    error_feedback: bool = False  # on gradient boundaries with a lossy codec
+    measure_codec_error: bool = True
     data: str | None = None
     data_kwargs: dict[str, Any] = field(default_factory=dict)
     threads: int | None = 1
@@ -86,8 +87,15 @@ class StageActor(Actor):
 
     def __init__(self, **config: Any) -> None:
         self.config = StageConfig(**config)
-        for codec in (self.config.activation_codec, self.config.gradient_codec):
-            get_codec(codec)  # fail at build time, not mid-step
+        edges = self.config.num_stages - 1
+        for codecs in (self.config.activation_codec, self.config.gradient_codec):
+            if len(codecs) != edges:
+                raise ValueError(f"expected one codec per boundary ({edges}), got {codecs}")
+            for codec in codecs:
+                get_codec(codec)  # fail at build time, not mid-step
+        # Gradient error feedback: one residual per boundary and micro-batch slot.
+        self._feedback = {edge: ErrorFeedback(codec) for edge, codec in enumerate(self.config.gradient_codec)}
+        self._edge_stats: dict[str, dict[str, Any]] = {}
         self.peers: list[ActorRef] = []
         self.executor: StepExecutor | None = None
         self._layer_names: dict[int, int] = {}  # id(layer) -> global layer index
@@ -166,6 +174,7 @@ class StageActor(Actor):
         actions = [Action.parse(text) for text in program]
         if data_step is not None:
             inputs, targets = self._read_data(data_step)
+        self._edge_stats = {}
         # The program runs in a task of its own so that abort_step can cancel it
         # without cancelling this endpoint (and with it the mailbox).
         task = self.runtime.spawn_task(self.executor.run(step, actions, inputs, targets), name=f"step {step}")
@@ -193,6 +202,7 @@ class StageActor(Actor):
             "bytes_sent": trace.bytes_sent,
             "spans": [list(span) for span in trace.spans],
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "codec_stats": self._edge_stats,
         }
 
     @endpoint
@@ -261,10 +271,37 @@ class StageActor(Actor):
         cfg = self.config
         forward = action.kind is ActionKind.SEND_F
         target_stage = action.stage + 1 if forward else action.stage - 1
+        edge = min(action.stage, target_stage)
+        codec = (cfg.activation_codec if forward else cfg.gradient_codec)[edge]
+        assert self.executor is not None and action.microbatch is not None
+        payload: Any = value
+        sq_err = 0.0
+        if codec != "none":
+            # Quantize on the compute thread: the loop stays free to receive.
+            payload, sq_err = await self.executor.compute(self._encode, forward, edge, action.microbatch,
+                                                          value, codec)
         peer = self.peers[stage_to_rank(target_stage, cfg.num_ranks)]
-        codec = cfg.activation_codec if forward else cfg.gradient_codec
-        return await peer.tell("deliver", step, "F" if forward else "B", target_stage,
-                               action.microbatch, Coded(value, codec))
+        nbytes = await peer.tell("deliver", step, "F" if forward else "B", target_stage, action.microbatch, payload)
+        name = f"{'F' if forward else 'B'} {action.stage}->{target_stage}"
+        stats = self._edge_stats.setdefault(name, {"codec": codec, "bytes": 0, "raw_bytes": 0,
+                                                   "sq_err": 0.0, "sq_norm": 0.0})
+        stats["bytes"] += nbytes
+        stats["raw_bytes"] += value.numel() * value.element_size()
+        stats["sq_err"] += sq_err
+        if codec != "none" and cfg.measure_codec_error:
+            stats["sq_norm"] += float(value.double().pow(2).sum())
+        return nbytes
+
+    def _encode(self, forward: bool, edge: int, microbatch: int, value: torch.Tensor, codec: str) -> tuple[Encoded, float]:
+        """Encodes one value for the wire; returns it and its squared error (0 unless measured)."""
+        if not forward and self.config.error_feedback:
+            encoded = self._feedback[edge].encode(value, stream=microbatch)
+        else:
+            encoded = get_codec(codec).encode(value)
+        if not self.config.measure_codec_error:
+            return encoded, 0.0
+        decoded = get_codec(codec).decode(encoded).to(value.device)
+        return encoded, float((decoded.double() - value.double()).pow(2).sum())
 
     async def _reduce(self) -> None:
         """Data-parallel gradient reduction: nothing to do with one replica."""

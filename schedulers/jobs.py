@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from schedulers.schedules import SCHEDULES
+from transport.codecs import CODEC_NAMES
 
 __all__ = ["PARTITION_METHODS", "JobSpec"]
 
@@ -27,8 +28,10 @@ class JobSpec:
     micro_batches: int = 1
     virtual_stages: int | None = None
     partition_method: str = "parameters"
-    activation_codec: str = "none"
-    gradient_codec: str = "none"
+    activation_codec: str | list[str] = "none"
+    gradient_codec: str | list[str] = "none"
+    error_feedback: bool = False
+    measure_codec_error: bool = True
     seed: int = 0
     data: str | None = None
     data_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -68,6 +71,27 @@ class JobSpec:
             raise ValueError(f"partition_method must be one of {', '.join(PARTITION_METHODS)}")
         if self.step_timeout_s <= 0:
             raise ValueError(f"step_timeout_s must be > 0, got {self.step_timeout_s}")
+        self.edge_codecs("activation_codec")
+        self.edge_codecs("gradient_codec")
+
+    def edge_codecs(self, name: str) -> list[str]:
+        """``activation_codec`` or ``gradient_codec`` as one codec per stage boundary.
+
+        Raises:
+            ValueError: an unknown codec, or a list whose length is not the number of boundaries.
+        """
+        value = getattr(self, name)
+        edges = self.num_model_stages - 1
+        codecs = [value] * edges if isinstance(value, str) else list(value)
+        if len(codecs) != edges:
+            raise ValueError(
+                f"{name} lists {len(codecs)} codecs but the pipeline has {edges} stage boundaries "
+                f"({self.num_model_stages} model stages); give one per boundary or a single name"
+            )
+        for codec in codecs:
+            if codec not in CODEC_NAMES:
+                raise ValueError(f"{name}: unknown codec {codec!r}; choose from {', '.join(CODEC_NAMES)}")
+        return codecs
 
     @property
     def num_virtual_stages(self) -> int:

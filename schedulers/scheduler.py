@@ -115,7 +115,9 @@ class SchedulerActor(Actor):
                 "job": job_id, "rank": rank, "num_ranks": spec.pipeline_stages, "bounds": bounds,
                 "model": spec.model, "model_kwargs": spec.model_kwargs, "loss": spec.loss,
                 "optimizer": list(spec.optimizer), "num_microbatches": spec.micro_batches, "seed": spec.seed,
-                "activation_codec": spec.activation_codec, "gradient_codec": spec.gradient_codec,
+                "activation_codec": spec.edge_codecs("activation_codec"),
+                "gradient_codec": spec.edge_codecs("gradient_codec"),
+                "error_feedback": spec.error_feedback, "measure_codec_error": spec.measure_codec_error,
                 "data": spec.data, "data_kwargs": spec.data_kwargs, "threads": spec.threads_per_stage,
             }
             agent = self.runtime.ref(node["address"], NODE)
@@ -343,4 +345,20 @@ def _step_stats(step: int, results: list[dict[str, Any]], elapsed: float) -> dic
         "peak_stash": [r["peak_stash"] for r in results],
         "peak_rss_bytes": [r["peak_rss_bytes"] for r in results],
         "busy_s": [r["busy_s"] for r in results],
+        "codec_stats": _codec_stats(results),
     }
+
+
+def _codec_stats(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per edge and direction: codec, bytes on the wire vs raw, and the relative error sent."""
+    out: dict[str, dict[str, Any]] = {}
+    for r in results:
+        for edge, e in r.get("codec_stats", {}).items():
+            out[edge] = {
+                "codec": e["codec"],
+                "bytes": e["bytes"],
+                "raw_bytes": e["raw_bytes"],
+                "ratio": e["bytes"] / e["raw_bytes"] if e["raw_bytes"] else 1.0,
+                "rel_error": (e["sq_err"] / e["sq_norm"]) ** 0.5 if e["sq_norm"] > 0 else 0.0,
+            }
+    return dict(sorted(out.items()))

@@ -85,7 +85,8 @@ def encode_message(
 
     Args:
         payload: msgpack types and tensors, nested in lists, tuples and dicts.
-            Wrap a tensor in :class:`Coded` to pick its codec.
+            Wrap a tensor in :class:`Coded` to pick its codec, or pass an
+            :class:`~transport.codecs.Encoded` to send one encoded already.
         codec: the codec for floating tensors not wrapped in :class:`Coded`;
             other tensors always travel raw.
         max_bytes: the largest message, header and frames together.
@@ -104,7 +105,9 @@ def encode_message(
     frames: list[Any] = []
 
     def add_tensor(obj: Any) -> msgpack.ExtType:
-        if isinstance(obj, Coded):
+        if isinstance(obj, Encoded):  # encoded already (e.g. on a compute thread)
+            encoded = obj
+        elif isinstance(obj, Coded):
             encoded = get_codec(obj.codec).encode(obj.tensor.detach())
         elif isinstance(obj, torch.Tensor):
             chosen = get_codec(codec)

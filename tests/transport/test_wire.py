@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transport.codecs import CodecError
+from transport.codecs import CodecError, decode, encode
 from transport.wire import (
     DTYPES,
     Coded,
@@ -102,6 +102,13 @@ def test_coded_marks_one_tensor() -> None:
     out = roundtrip({"x": Coded(x, "bf16"), "y": y})
     assert out["x"].dtype == torch.float32 and torch.equal(out["y"], y)  # type: ignore[index]
     torch.testing.assert_close(out["x"], x, rtol=2**-8, atol=0)  # type: ignore[index]
+
+
+def test_pre_encoded_tensor_travels_as_is() -> None:
+    x = torch.randn(1000)
+    encoded = encode(x, "int8")
+    out = roundtrip({"x": encoded})
+    assert torch.equal(out["x"], decode(encoded))  # type: ignore[index]
 
 
 def test_requires_grad_tensor_is_sent_detached() -> None:

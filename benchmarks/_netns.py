@@ -1,0 +1,190 @@
+# Run: python -m benchmarks._netns sink ADDRESS                  (started by the benchmarks, inside a namespace)
+#      python -m benchmarks._netns source ADDRESS PORT NUM_BYTES
+"""Two network namespaces joined by a rate-limited veth pair, for benchmarks that need a slow link.
+
+``open_link(make_link(os.getpid()))`` creates namespaces ``ap-a-PID`` and ``ap-b-PID``
+with one veth end in each (``10.213.7.1/30`` and ``10.213.7.2/30``: addresses that exist
+only inside these namespaces) and deletes both on exit, whatever happened. ``set_rate``
+shapes both veth ends with a token bucket (egress shaping works per direction, so both
+ends are shaped); ``measure_throughput`` times a plain TCP transfer across the link.
+Everything here shells out to iproute2 (``ip``, ``tc``) and needs root.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "Link", "LinkError", "make_link", "open_link", "set_rate", "parse_rate", "rate_label", "tbf_args",
+    "netns_exec", "unavailable_reason", "measure_throughput", "qdisc_drops", "start_process", "stop_processes",
+]
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
+_CHUNK = 1 << 20
+
+
+class LinkError(RuntimeError):
+    """Setting up, shaping or measuring the link failed; the message has the command and its error."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Link:
+    """Names and addresses of the two namespaces and the veth pair between them."""
+
+    ns_a: str
+    ns_b: str
+    dev_a: str
+    dev_b: str
+    addr_a: str
+    addr_b: str
+    prefix_len: int = 30
+
+
+def make_link(tag: int | str, *, subnet: str = "10.213.7") -> Link:
+    """A link named after ``tag`` (e.g. the pid); interface names stay within Linux's 15 characters."""
+    return Link(ns_a=f"ap-a-{tag}", ns_b=f"ap-b-{tag}", dev_a=f"apa{tag}"[:15], dev_b=f"apb{tag}"[:15],
+                addr_a=f"{subnet}.1", addr_b=f"{subnet}.2")
+
+
+def parse_rate(text: str) -> int | None:
+    """``"100mbit"`` -> 100_000_000 bits/s; ``"unlimited"`` -> None (the bare veth).
+
+    Raises:
+        ValueError: not a positive number with a unit of bit, kbit, mbit or gbit.
+    """
+    cleaned = text.strip().lower()
+    if cleaned in ("unlimited", "none", "inf"):
+        return None
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(bit|kbit|mbit|gbit)", cleaned)
+    if match is None or float(match.group(1)) <= 0:
+        raise ValueError(f"bad link rate {text!r}: use e.g. 100mbit, 1gbit, 500kbit or unlimited")
+    return round(float(match.group(1)) * _UNITS[match.group(2)])
+
+
+def rate_label(rate_bps: int | None) -> str:
+    """The short name of a rate, usable in JSON keys: ``1gbit``, ``100mbit``, ``unlimited``."""
+    if rate_bps is None:
+        return "unlimited"
+    for unit in ("gbit", "mbit", "kbit"):
+        if rate_bps % _UNITS[unit] == 0:
+            return f"{rate_bps // _UNITS[unit]}{unit}"
+    return f"{rate_bps}bit"
+
+
+def tbf_args(rate_bps: int) -> list[str]:
+    """``tc ... tbf`` parameters for ``rate_bps``.
+
+    The bucket holds 2 ms at the rate (at least 32 KiB, so a full-size segment always
+    fits): a larger bucket lets whole micro-batches pass at veth speed after an idle
+    moment and the link would look faster than its rate. The queue holds 50 ms.
+    """
+    burst = max(32 * 1024, rate_bps // 8 * 2 // 1000)
+    return ["tbf", "rate", f"{rate_bps}bit", "burst", str(burst), "latency", "50ms"]
+
+
+def netns_exec(namespace: str, argv: Sequence[str]) -> list[str]:
+    """``argv`` run inside ``namespace`` (``ip netns exec`` execs it: the pid is the command's)."""
+    return ["ip", "netns", "exec", namespace, *argv]
+
+
+def setup_commands(link: Link) -> list[list[str]]:
+    """The iproute2 commands that create ``link``, in order."""
+    a, b = link.ns_a, link.ns_b
+    return [
+        ["ip", "netns", "add", a],
+        ["ip", "netns", "add", b],
+        ["ip", "link", "add", link.dev_a, "netns", a, "type", "veth", "peer", "name", link.dev_b, "netns", b],
+        ["ip", "-n", a, "addr", "add", f"{link.addr_a}/{link.prefix_len}", "dev", link.dev_a],
+        ["ip", "-n", b, "addr", "add", f"{link.addr_b}/{link.prefix_len}", "dev", link.dev_b],
+        ["ip", "-n", a, "link", "set", "lo", "up"],
+        ["ip", "-n", b, "link", "set", "lo", "up"],
+        ["ip", "-n", a, "link", "set", link.dev_a, "up"],
+        ["ip", "-n", b, "link", "set", link.dev_b, "up"],
+    ]
+
+
+def teardown_commands(link: Link) -> list[list[str]]:
+    """Deleting the namespaces; the veth pair goes with them."""
+    return [["ip", "netns", "del", link.ns_a], ["ip", "netns", "del", link.ns_b]]
+
+
+def unavailable_reason() -> str | None:
+    """Why namespaces cannot be made here (not root, no iproute2), or None if they may be."""
+    if not sys.platform.startswith("linux"):
+        return f"network namespaces need Linux, this is {sys.platform}"
+    if os.geteuid() != 0:
+        return "network namespaces and tc need root (run as root, or with CAP_NET_ADMIN and CAP_SYS_ADMIN)"
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        return f"iproute2 is not installed ({' and '.join(missing)} not found on PATH)"
+    return None
+
+
+def _run(argv: Sequence[str], *, check: bool = True, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+    """Runs one command; raises LinkError with its stderr when ``check`` and it fails."""
+    done = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout)
+    if check and done.returncode != 0:
+        raise LinkError(f"{' '.join(argv)} failed ({done.returncode}): {done.stderr.strip()}")
+    return done
+
+
+def namespaces_left(link: Link) -> list[str]:
+    """Which of the link's namespaces still exist."""
+    listed = _run(["ip", "netns", "list"], check=False).stdout
+    names = {line.split()[0] for line in listed.splitlines() if line.strip()}
+    return [ns for ns in (link.ns_a, link.ns_b) if ns in names]
+
+
+@contextlib.contextmanager
+def open_link(link: Link) -> Iterator[Link]:
+    """Creates ``link`` for the life of the block and deletes it after, whatever happened.
+
+    Stop every process started inside the namespaces before the block ends: a
+    namespace lives on while a process holds it.
+
+    Raises:
+        LinkError: a set-up command failed (what was made is deleted again), or a
+            namespace could not be deleted afterwards.
+    """
+    try:
+        for argv in setup_commands(link):
+            _run(argv)
+        yield link
+    finally:
+        for argv in teardown_commands(link):
+            _run(argv, check=False)
+        left = namespaces_left(link)
+        if left:
+            raise LinkError(f"could not delete namespaces {left}; remove them with: ip netns del NAME")
+
+
+def set_rate(link: Link, rate_bps: int | None) -> None:
+    """Shapes both veth ends to ``rate_bps`` (None: removes the shaping)."""
+    for ns, dev in ((link.ns_a, link.dev_a), (link.ns_b, link.dev_b)):
+        if rate_bps is None:
+            _run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], check=False)  # fails if none: fine
+        else:
+            _run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", *tbf_args(rate_bps)])
+
+
+def qdisc_drops(link: Link) -> int:
+    """Packets the shaping qdiscs of both ends dropped so far (0 without shaping)."""
+    total = 0
+    for ns, dev in ((link.ns_a, link.dev_a), (link.ns_b, link.dev_b)):
+        shown = _run(["tc", "-n", ns, "-s", "-j", "qdisc", "show", "dev", dev], check=False).stdout
+        with contextlib.suppress(ValueError):
+            total += sum(int(q.get("drops", 0)) for q in json.loads(shown or "[]") if q.get("root"))
+    return total
