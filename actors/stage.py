@@ -24,6 +24,8 @@ from actors._errors import error_to_wire
 from actors._executor import ActionFailed, Inbox, StageModel, StepExecutor
 from actors._registry import DEFAULT_ALLOW, load_object, register_actor
 from actors._ref import ActorRef
+from actors.mesh import Mesh
+from actors.parallel import ProcessGroups, average_gradients, join_process_groups, leave_process_groups
 from actors.program import Action, ActionKind, stage_to_rank
 from transport.codecs import Encoded, ErrorFeedback, get_codec
 
@@ -53,6 +55,12 @@ class StageConfig:
     data: str | None = None
     data_kwargs: dict[str, Any] = field(default_factory=dict)
     threads: int | None = 1
+    # The mesh, as [pipeline, tensor, data] sizes, and this actor's global rank in it.
+    mesh: list[int] = field(default_factory=lambda: [1, 1, 1])
+    global_rank: int = 0
+    # torch.distributed rendezvous: {"store": "HOST:PORT", "backend": "gloo", "timeout_s": 600}.
+    dist: dict[str, Any] | None = None
+    bucket_bytes: int = 25 << 20
 
     @property
     def num_stages(self) -> int:
@@ -96,6 +104,7 @@ class StageActor(Actor):
         # Gradient error feedback: one residual per boundary and micro-batch slot.
         self._feedback = {edge: ErrorFeedback(codec) for edge, codec in enumerate(self.config.gradient_codec)}
         self._edge_stats: dict[str, dict[str, Any]] = {}
+        self._groups: ProcessGroups | None = None
         self.peers: list[ActorRef] = []
         self.executor: StepExecutor | None = None
         self._layer_names: dict[int, int] = {}  # id(layer) -> global layer index
@@ -123,6 +132,9 @@ class StageActor(Actor):
         cfg = self.config
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
+        if cfg.dist is not None:
+            self._groups = join_process_groups(cfg.dist, Mesh(**dict(zip(("pipeline", "tensor", "data"), cfg.mesh))),
+                                               cfg.global_rank, cfg.job)
         layers = build_layers(cfg, allow)
         modules = {}
         for s in cfg.stages:
@@ -142,6 +154,8 @@ class StageActor(Actor):
 
     async def on_stop(self) -> None:
         if self.executor is not None:
+            if self._groups is not None:
+                await self.executor.compute(leave_process_groups)
             self.executor.close()
 
     # -- set-up ----------------------------------------------------------------------
@@ -163,6 +177,7 @@ class StageActor(Actor):
         inputs: list[torch.Tensor] | None = None,
         targets: list[torch.Tensor] | None = None,
         data_step: int | None = None,
+        data_shard: list[int] | None = None,
     ) -> dict[str, Any]:
         """Runs ``program`` up to its barrier; returns the step's trace, or what failed.
 
@@ -173,7 +188,7 @@ class StageActor(Actor):
         assert self.executor is not None
         actions = [Action.parse(text) for text in program]
         if data_step is not None:
-            inputs, targets = self._read_data(data_step)
+            inputs, targets = self._read_data(data_step, data_shard or [0, 1])
         self._edge_stats = {}
         # The program runs in a task of its own so that abort_step can cancel it
         # without cancelling this endpoint (and with it the mailbox).
@@ -304,12 +319,20 @@ class StageActor(Actor):
         return encoded, float((decoded.double() - value.double()).pow(2).sum())
 
     async def _reduce(self) -> None:
-        """Data-parallel gradient reduction: nothing to do with one replica."""
+        """Data-parallel gradient reduction: bucketed all-reduce averages across replicas."""
+        assert self.executor is not None
+        if self._groups is not None and self._groups.data_size > 1:
+            params = [p for m in self.executor.model.modules.values() for p in m.parameters()]
+            await self.executor.compute(average_gradients, params, self._groups, self.config.bucket_bytes)
 
-    def _read_data(self, data_step: int) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
+    def _read_data(
+        self, data_step: int, shard: list[int]
+    ) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
         if self._data is None:
             raise ValueError(f"job {self.config.job} has no data factory")
         inputs, targets = self._data(data_step)
+        index, count = shard  # this replica's share of the global batch
+        inputs, targets = inputs.chunk(count)[index], targets.chunk(count)[index]
         m = self.config.num_microbatches
         return (list(inputs.chunk(m)) if 0 in self.config.stages else None,
                 list(targets.chunk(m)) if self.config.num_stages - 1 in self.config.stages else None)

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 __all__ = [
     "Link", "LinkError", "make_link", "open_link", "set_rate", "parse_rate", "rate_label", "tbf_args",
-    "netns_exec", "unavailable_reason", "measure_throughput", "qdisc_drops", "start_process", "stop_processes",
+    "netns_exec", "namespaces_left", "unavailable_reason", "measure_throughput", "qdisc_drops", "start_process",
+    "stop_processes",
 ]
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -156,8 +157,8 @@ def open_link(link: Link) -> Iterator[Link]:
     namespace lives on while a process holds it.
 
     Raises:
-        LinkError: a set-up command failed (what was made is deleted again), or a
-            namespace could not be deleted afterwards.
+        LinkError: a set-up command failed (what was made is deleted again).
+        RuntimeError: a namespace could not be deleted afterwards.
     """
     try:
         for argv in setup_commands(link):
@@ -168,7 +169,7 @@ def open_link(link: Link) -> Iterator[Link]:
             _run(argv, check=False)
         left = namespaces_left(link)
         if left:
-            raise LinkError(f"could not delete namespaces {left}; remove them with: ip netns del NAME")
+            raise RuntimeError(f"could not delete namespaces {left}; remove them with: ip netns del NAME")
 
 
 def set_rate(link: Link, rate_bps: int | None) -> None:
@@ -188,3 +189,111 @@ def qdisc_drops(link: Link) -> int:
         with contextlib.suppress(ValueError):
             total += sum(int(q.get("drops", 0)) for q in json.loads(shown or "[]") if q.get("root"))
     return total
+
+
+# --- processes inside the namespaces ---------------------------------------------
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Linux: the child gets SIGTERM if this process dies, so no child outlives the benchmark."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
+def start_process(
+    namespace: str, argv: Sequence[str], *, log_path: str | None = None, stdout: int | None = subprocess.DEVNULL,
+) -> subprocess.Popen[bytes]:
+    """Starts ``argv`` inside ``namespace``, in the repository root, in its own session.
+
+    Its own session: a terminal's Ctrl-C reaches the benchmark only, which then stops
+    its children in order. stderr goes to ``log_path`` when given.
+    """
+    log = open(log_path, "ab") if log_path else None  # noqa: SIM115 - the child owns it from here
+    try:
+        return subprocess.Popen(netns_exec(namespace, argv), cwd=REPO_ROOT, stdin=subprocess.DEVNULL,
+                                stdout=stdout, stderr=log, start_new_session=True,
+                                preexec_fn=_die_with_parent)
+    finally:
+        if log is not None:
+            log.close()
+
+
+def stop_processes(processes: Sequence[subprocess.Popen[bytes]], *, grace: float = 5.0) -> None:
+    """SIGTERM to each live process, then SIGKILL to those still alive after ``grace`` seconds."""
+    for proc in processes:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for proc in processes:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def measure_throughput(link: Link, num_bytes: int, *, timeout: float = 60.0) -> float:
+    """Bits per second of one TCP transfer of ``num_bytes`` from namespace A to B.
+
+    The clock runs from connecting until the receiver confirms it has every byte.
+
+    Raises:
+        LinkError: the transfer failed or took longer than ``timeout``.
+    """
+    python = [sys.executable, "-m", "benchmarks._netns"]
+    sink = start_process(link.ns_b, [*python, "sink", link.addr_b], stdout=subprocess.PIPE)
+    try:
+        assert sink.stdout is not None
+        port = sink.stdout.readline().decode().strip()
+        if not port.isdigit():
+            raise LinkError(f"the receiver in {link.ns_b} did not start (exit code {sink.poll()})")
+        source = subprocess.run(netns_exec(link.ns_a, [*python, "source", link.addr_b, port, str(num_bytes)]),
+                                cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
+        if source.returncode != 0:
+            raise LinkError(f"the transfer across {link.dev_a} failed: {source.stderr.strip()[-500:]}")
+        seconds = float(json.loads(source.stdout.strip().splitlines()[-1])["seconds"])
+        return num_bytes * 8 / seconds
+    except subprocess.TimeoutExpired as exc:
+        raise LinkError(f"the transfer of {num_bytes} bytes took over {timeout}s") from exc
+    finally:
+        stop_processes([sink], grace=2.0)
+        if sink.stdout is not None:
+            sink.stdout.close()
+
+
+def _sink(address: str) -> None:
+    """Accepts one connection, reads to its end, answers the byte count (8 bytes, big-endian)."""
+    with socket.create_server((address, 0)) as server:
+        print(server.getsockname()[1], flush=True)
+        connection, _ = server.accept()
+        with connection:
+            buffer, total = bytearray(_CHUNK), 0
+            while received := connection.recv_into(buffer):
+                total += received
+            connection.sendall(total.to_bytes(8, "big"))
+
+
+def _source(address: str, port: int, num_bytes: int) -> None:
+    """Sends ``num_bytes`` to the sink and prints the seconds until it confirmed them, as JSON."""
+    chunk = memoryview(bytes(_CHUNK))
+    start = time.perf_counter()
+    with socket.create_connection((address, port), timeout=60) as connection:
+        left = num_bytes
+        while left:
+            connection.sendall(chunk[: min(left, _CHUNK)])
+            left -= min(left, _CHUNK)
+        connection.shutdown(socket.SHUT_WR)
+        confirmed = int.from_bytes(connection.recv(8), "big")
+    seconds = time.perf_counter() - start
+    if confirmed != num_bytes:
+        raise SystemExit(f"the sink received {confirmed} of {num_bytes} bytes")
+    print(json.dumps({"bytes": num_bytes, "seconds": seconds}), flush=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "sink":
+        _sink(sys.argv[2])
+    elif len(sys.argv) == 5 and sys.argv[1] == "source":
+        _source(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    else:
+        sys.exit(__doc__.splitlines()[0] + "\nusage: python -m benchmarks._netns sink ADDRESS | "
+                 "source ADDRESS PORT NUM_BYTES")

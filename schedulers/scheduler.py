@@ -11,6 +11,7 @@ lost or a step that outlives its timeout fails the step everywhere with a
 from __future__ import annotations
 
 import asyncio
+import datetime
 import itertools
 import logging
 import time
@@ -19,12 +20,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from actors._actor import Actor, endpoint
 from actors._errors import ActorError, StepFailed, error_from_wire
 from actors._nodes import HEAD, NODE
 from actors._ref import ActorRef
 from actors._registry import DEFAULT_ALLOW, load_object, register_actor
+from actors.mesh import Mesh
 from actors.program import stage_to_rank
 from schedulers.jobs import JobSpec
 from schedulers.partition import partition_by_parameters, partition_uniform
@@ -39,13 +42,15 @@ log = logging.getLogger(__name__)
 class _Job:
     id: str
     spec: JobSpec
-    stages: list[ActorRef]  # by rank
-    nodes: list[str]  # by rank
+    mesh: Mesh
+    stages: list[ActorRef]  # by global rank in the mesh
+    nodes: list[str]  # by global rank
     bounds: list[list[int]]
     programs: dict[int, list[str]]
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     next_step: int = 0
     last_trace: list[dict[str, Any]] = field(default_factory=list)
+    store: Any = None  # the torch.distributed rendezvous this job's stages use, if any
 
 
 @register_actor("scheduler")
@@ -69,20 +74,35 @@ class SchedulerActor(Actor):
             NotAllowed: a factory outside the allow-list.
         """
         job_spec = JobSpec.from_kwargs(spec)
+        mesh = Mesh(pipeline=job_spec.pipeline_stages, tensor=job_spec.tensor_parallel, data=job_spec.data_parallel)
         # Importing the factory can take seconds: off the loop, so heartbeats go on.
         bounds = await asyncio.to_thread(self._partition, job_spec)
-        nodes = await self._place(job_spec.pipeline_stages)
+        nodes = await self._place(mesh)
         job_id = f"job{next(self._ids)}"
         schedule = build_schedule(job_spec.schedule, job_spec.pipeline_stages, job_spec.micro_batches,
                                   job_spec.num_virtual_stages if job_spec.schedule == "interleaved" else None)
         programs = {rank: [str(a) for a in program] for rank, program in schedule.items()}
-        stages = await self._spawn_stages(job_id, job_spec, bounds, nodes)
-        peers = [ref.to_wire() for ref in stages]
-        await asyncio.gather(*(ref.ask("connect", peers, timeout=30) for ref in stages))
-        self._jobs[job_id] = _Job(id=job_id, spec=job_spec, stages=stages, nodes=[n["name"] for n in nodes],
-                                  bounds=bounds, programs=programs)
+        store, dist_config = self._rendezvous(job_spec, mesh)
+        stages = await self._spawn_stages(job_id, job_spec, mesh, bounds, nodes, dist_config)
+        await asyncio.gather(*(
+            ref.ask("connect", [stages[r].to_wire() for r in mesh.pipeline_ranks(c.data, c.tensor)], timeout=30)
+            for ref, c in ((ref, mesh.coords(g)) for g, ref in enumerate(stages))
+        ))
+        self._jobs[job_id] = _Job(id=job_id, spec=job_spec, mesh=mesh, stages=stages,
+                                  nodes=[n["name"] for n in nodes], bounds=bounds, programs=programs, store=store)
         log.info("%s: %s on %s", job_id, job_spec.schedule, ", ".join(n["name"] for n in nodes))
         return {"job": job_id, "bounds": bounds, "nodes": [n["name"] for n in nodes]}
+
+    def _rendezvous(self, spec: JobSpec, mesh: Mesh) -> tuple[Any, dict[str, Any] | None]:
+        """A torch.distributed store on the head for a job whose mesh needs collectives."""
+        if mesh.tensor == 1 and mesh.data == 1:
+            return None, None
+        host = self.runtime.address.removeprefix("tcp://").rpartition(":")[0] if \
+            self.runtime.address.startswith("tcp://") else "127.0.0.1"
+        timeout = datetime.timedelta(seconds=spec.step_timeout_s)
+        store = dist.TCPStore(host, 0, world_size=mesh.size, is_master=True, timeout=timeout,
+                              wait_for_workers=False)
+        return store, {"store": f"{host}:{store.port}", "backend": "gloo", "timeout_s": spec.step_timeout_s}
 
     def _partition(self, spec: JobSpec) -> list[list[int]]:
         factory = load_object(spec.model, self._allow())
@@ -95,24 +115,28 @@ class SchedulerActor(Actor):
             bounds = partition_by_parameters(layers, spec.num_model_stages)
         return [list(b) for b in bounds]
 
-    async def _place(self, num_ranks: int) -> list[dict[str, Any]]:
+    async def _place(self, mesh: Mesh) -> list[dict[str, Any]]:
         head = self.runtime.ref(self.runtime.address, HEAD)
         alive = sorted((n for n in await head.ask("nodes") if n["state"] == "alive"), key=lambda n: n["name"])
         busy = {name for job in self._jobs.values() for name in job.nodes}
         alive.sort(key=lambda n: n["name"] in busy)  # free nodes first, then shared ones
-        if len(alive) < num_ranks:
+        if len(alive) < mesh.size:
             raise ValueError(
-                f"this job needs {num_ranks} nodes (one stage actor each) but the cluster has "
-                f"{len(alive)} alive; start more nodes or use fewer pipeline_stages"
+                f"this job needs {mesh.size} nodes ({mesh.pipeline} pipeline x {mesh.tensor} tensor x "
+                f"{mesh.data} data, one stage actor each) but the cluster has {len(alive)} alive; "
+                "start more nodes or shrink the mesh"
             )
-        return alive[:num_ranks]
+        return alive[:mesh.size]
 
     async def _spawn_stages(
-        self, job_id: str, spec: JobSpec, bounds: list[list[int]], nodes: list[dict[str, Any]]
+        self, job_id: str, spec: JobSpec, mesh: Mesh, bounds: list[list[int]], nodes: list[dict[str, Any]],
+        dist_config: dict[str, Any] | None,
     ) -> list[ActorRef]:
         async def spawn(rank: int, node: dict[str, Any]) -> ActorRef:
             config = {
-                "job": job_id, "rank": rank, "num_ranks": spec.pipeline_stages, "bounds": bounds,
+                "job": job_id, "rank": mesh.coords(rank).pipeline, "num_ranks": spec.pipeline_stages,
+                "mesh": [mesh.pipeline, mesh.tensor, mesh.data], "global_rank": rank, "dist": dist_config,
+                "bounds": bounds,
                 "model": spec.model, "model_kwargs": spec.model_kwargs, "loss": spec.loss,
                 "optimizer": list(spec.optimizer), "num_microbatches": spec.micro_batches, "seed": spec.seed,
                 "activation_codec": spec.edge_codecs("activation_codec"),
@@ -121,7 +145,7 @@ class SchedulerActor(Actor):
                 "data": spec.data, "data_kwargs": spec.data_kwargs, "threads": spec.threads_per_stage,
             }
             agent = self.runtime.ref(node["address"], NODE)
-            address, name = await agent.ask("spawn", "stage", f"{job_id}.stage{rank}", config, timeout=300)
+            address, name = await agent.ask("spawn", "stage", f"{job_id}.rank{rank}", config, timeout=300)
             return self.runtime.ref(address, name)
 
         results = await asyncio.gather(*(spawn(r, n) for r, n in enumerate(nodes)), return_exceptions=True)
@@ -162,30 +186,40 @@ class SchedulerActor(Actor):
             await self._release(job, step)
             elapsed = time.perf_counter() - started
         job.last_trace = results
-        return _step_stats(step, results, elapsed)
+        # One loss per replica: the last stage's first tensor-parallel shard reports it.
+        reporters = [r for g, r in enumerate(results) if job.mesh.coords(g).tensor == 0]
+        return _step_stats(step, results, reporters, elapsed)
 
     def _step_calls(
         self, job: _Job, step: int, inputs: torch.Tensor | None, targets: torch.Tensor | None
     ) -> dict[int, dict[str, Any]]:
-        spec = job.spec
-        first, last = stage_to_rank(0, spec.pipeline_stages), stage_to_rank(spec.num_model_stages - 1,
-                                                                            spec.pipeline_stages)
-        calls: dict[int, dict[str, Any]] = {rank: {} for rank in range(spec.pipeline_stages)}
+        spec, mesh = job.spec, job.mesh
+        first, last = stage_to_rank(0, mesh.pipeline), stage_to_rank(spec.num_model_stages - 1, mesh.pipeline)
+        calls: dict[int, dict[str, Any]] = {rank: {} for rank in range(mesh.size)}
         if inputs is None and targets is None:
             if spec.data is None:
                 raise ValueError("step() needs inputs and targets, or a job started with data='pkg.mod:factory'")
-            for call in calls.values():
+            for rank, call in calls.items():
                 call["data_step"] = step
+                call["data_shard"] = [mesh.coords(rank).data, mesh.data]
             return calls
         if inputs is None or targets is None:
             raise ValueError("step() takes both inputs and targets, or neither (to read the data factory)")
-        calls[first]["inputs"] = _split(inputs, spec.micro_batches, "inputs")
-        calls[last]["targets"] = _split(targets, spec.micro_batches, "targets")
+        # Each data-parallel replica trains on its own shard of the global batch.
+        input_shards = _split(inputs, mesh.data, "inputs", "data_parallel")
+        target_shards = _split(targets, mesh.data, "targets", "data_parallel")
+        for rank, call in calls.items():
+            c = mesh.coords(rank)
+            if c.pipeline == first:
+                call["inputs"] = _split(input_shards[c.data], spec.micro_batches, "inputs")
+            if c.pipeline == last:
+                call["targets"] = _split(target_shards[c.data], spec.micro_batches, "targets")
         return calls
 
     async def _run_to_barrier(self, job: _Job, step: int, calls: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
         tasks = {
-            rank: asyncio.ensure_future(job.stages[rank].ask("run_step", step, job.programs[rank], **kwargs))
+            rank: asyncio.ensure_future(job.stages[rank].ask(
+                "run_step", step, job.programs[job.mesh.coords(rank).pipeline], **kwargs))
             for rank, kwargs in calls.items()
         }
         loop = asyncio.get_running_loop()
@@ -196,7 +230,7 @@ class SchedulerActor(Actor):
             while pending and failure is None:
                 done, pending = await asyncio.wait(pending, timeout=max(0.0, deadline - loop.time()),
                                                    return_when=asyncio.FIRST_COMPLETED)
-                failure = self._first_failure(tasks) if done else await self._timeout_failure(job)
+                failure = self._first_failure(job, tasks) if done else await self._timeout_failure(job)
             results = [] if failure else [tasks[rank].result() for rank in sorted(tasks)]
             if failure is None and not all(r["ok"] for r in results):
                 failure = StepFailed("step aborted on request", details={"stage": None, "action": None,
@@ -209,7 +243,7 @@ class SchedulerActor(Actor):
             for task in tasks.values():
                 task.cancel()
 
-    def _first_failure(self, tasks: Mapping[int, asyncio.Future[Any]]) -> StepFailed | None:
+    def _first_failure(self, job: _Job, tasks: Mapping[int, asyncio.Future[Any]]) -> StepFailed | None:
         for rank, task in tasks.items():
             if not task.done():
                 continue
@@ -217,11 +251,11 @@ class SchedulerActor(Actor):
             if exc is not None:
                 cause = f"{type(exc).__name__}: {exc}" if not isinstance(exc, ActorError) else \
                     f"{exc.remote_type}: {exc.message}"
-                return _failed(rank, None, cause)
+                return _failed(job.mesh, rank, None, cause)
             result = task.result()
             if not result["ok"] and not result.get("aborted"):
                 error = error_from_wire(result["error"])
-                return _failed(rank, result["action"], f"{error.remote_type}: {error.message}",
+                return _failed(job.mesh, rank, result["action"], f"{error.remote_type}: {error.message}",
                                error.remote_traceback)
         return None
 
@@ -262,7 +296,7 @@ class SchedulerActor(Actor):
                                          for ref in job.stages), return_exceptions=True)
         for rank, result in enumerate(results):
             if isinstance(result, BaseException):
-                raise _failed(rank, "STEP", f"{type(result).__name__}: {result}")
+                raise _failed(job.mesh, rank, "REDUCE/STEP", f"{type(result).__name__}: {result}")
 
     # -- state and life -------------------------------------------------------------------
 
@@ -270,8 +304,9 @@ class SchedulerActor(Actor):
     async def state_dict(self, job_id: str) -> dict[str, torch.Tensor]:
         """The whole model's state, gathered from the stages, under the unpartitioned keys."""
         job = self._job(job_id)
+        replica = [job.stages[g] for g in range(job.mesh.size) if job.mesh.coords(g).data == 0]
         async with job.lock:
-            parts = await asyncio.gather(*(ref.ask("state_dict", timeout=300) for ref in job.stages))
+            parts = await asyncio.gather(*(ref.ask("state_dict", timeout=300) for ref in replica))
         state: dict[str, torch.Tensor] = {}
         for part in parts:
             state.update(part)
@@ -293,11 +328,13 @@ class SchedulerActor(Actor):
         if job is not None:
             async with job.lock:
                 await self._stop_stages(job.stages)
+            job.store = None  # the rendezvous server goes with its last reference
 
     @endpoint(concurrent=True)
     async def jobs(self) -> list[dict[str, Any]]:
         return [{"job": j.id, "nodes": j.nodes, "steps": j.next_step, "schedule": j.spec.schedule,
-                 "stages": [ref.to_wire() for ref in j.stages]} for j in self._jobs.values()]
+                 "stages": [ref.to_wire() for ref in j.stages],
+                 "mesh": [j.mesh.pipeline, j.mesh.tensor, j.mesh.data]} for j in self._jobs.values()]
 
     def _job(self, job_id: str) -> _Job:
         job = self._jobs.get(job_id)
@@ -306,19 +343,22 @@ class SchedulerActor(Actor):
         return job
 
 
-def _split(batch: torch.Tensor, num_microbatches: int, what: str) -> list[torch.Tensor]:
-    if batch.dim() == 0 or batch.shape[0] % num_microbatches:
+def _split(batch: torch.Tensor, parts: int, what: str, name: str = "micro_batches") -> list[torch.Tensor]:
+    if batch.dim() == 0 or batch.shape[0] % parts:
         raise ValueError(
-            f"{what} of shape {tuple(batch.shape)} do not split into {num_microbatches} equal micro-batches; "
-            f"the batch size must be a multiple of micro_batches"
+            f"{what} of shape {tuple(batch.shape)} do not split into {parts} equal parts; "
+            f"the batch size must be a multiple of {name}"
+            + (" times data_parallel" if name == "micro_batches" else " (times micro_batches)")
         )
-    return list(batch.chunk(num_microbatches))
+    return list(batch.chunk(parts))
 
 
-def _failed(rank: int, action: str | None, cause: str, traceback: str = "") -> StepFailed:
-    where = f"stage {rank}" + (f" at {action}" if action else "")
+def _failed(mesh: Mesh, rank: int, action: str | None, cause: str, traceback: str = "") -> StepFailed:
+    where = mesh.describe(rank) + (f" at {action}" if action else "")
+    coords = mesh.coords(rank)
     return StepFailed(f"step failed: {where}: {cause}", remote_traceback=traceback,
-                      details={"stage": rank, "action": action, "cause": cause})
+                      details={"stage": coords.pipeline, "member": rank, "tensor": coords.tensor,
+                               "data": coords.data, "action": action, "cause": cause})
 
 
 def _key_order(key: str) -> int:
@@ -327,8 +367,10 @@ def _key_order(key: str) -> int:
     return int(head) if head.isdigit() else 1 << 30
 
 
-def _step_stats(step: int, results: list[dict[str, Any]], elapsed: float) -> dict[str, Any]:
-    losses = [loss for r in results for loss in r["losses"]]
+def _step_stats(
+    step: int, results: list[dict[str, Any]], reporters: list[dict[str, Any]], elapsed: float
+) -> dict[str, Any]:
+    losses = [loss for r in reporters for loss in r["losses"]]
     span = max(r["elapsed_s"] for r in results)
     busy = sum(r["busy_s"] for r in results)
     bytes_per_edge: dict[str, int] = {}

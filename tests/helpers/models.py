@@ -48,3 +48,19 @@ def exploding(layers: int = 4, dim: int = 8, explode_layer: int = 3, at: int = 2
 
 def stalling(layers: int = 2, dim: int = 8, seconds: float = 0.5) -> nn.Sequential:
     return nn.Sequential(*[nn.Sequential(nn.Linear(dim, dim), Stall(seconds)) for _ in range(layers)])
+
+
+class RejectNonFinite(nn.Module):
+    """Raises on an input with NaN or inf: a fault that only some data triggers."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.isfinite(x).all():
+            raise ValueError("non-finite input")
+        return x
+
+
+def guarded(layers: int = 2, dim: int = 8) -> nn.Sequential:
+    """A linear stack that refuses non-finite inputs in its last layer."""
+    stack: list[nn.Module] = [nn.Linear(dim, dim) for _ in range(layers)]
+    stack[-1] = nn.Sequential(RejectNonFinite(), stack[-1])
+    return nn.Sequential(*stack)

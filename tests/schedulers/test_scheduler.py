@@ -175,3 +175,21 @@ async def test_stages_answer_control_calls_while_they_compute(cluster: Cluster) 
         await step
     finally:
         await job.close()
+
+
+async def test_failure_in_one_replica_fails_the_step_everywhere_and_names_it(cluster: Cluster) -> None:
+    job = await cluster.train(model="tests.helpers.models:guarded", pipeline_stages=1, data_parallel=2,
+                              micro_batches=2, optimizer=("torch.optim:SGD", {"lr": 0.1}))
+    try:
+        x, y = torch.randn(8, 8), torch.randn(8, 8)
+        before = await job.state_dict()
+        bad = x.clone()
+        bad[6] = float("nan")  # in the second half: replica 1's shard, its micro-batch 1
+        with pytest.raises(StepFailed, match="stage 0 dp 1 at 0F1: ValueError: non-finite input") as info:
+            await job.step(bad, y)
+        assert info.value.details["data"] == 1 and info.value.action == "0F1"
+        after = await job.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)  # no replica stepped
+        await job.step(x, y)  # both replicas carry on in step
+    finally:
+        await job.close()

@@ -95,3 +95,31 @@ async def test_pipeline_training_equals_one_process(
     for key, value in expected_state.items():
         torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
     assert losses == pytest.approx(expected_losses, rel=1e-5)
+
+
+MESHES = [
+    pytest.param(2, 1, 2, "1f1b", id="pp2-dp2-1f1b"),
+    pytest.param(1, 1, 2, "gpipe", id="pp1-dp2"),
+    pytest.param(2, 1, 2, "zero_bubble", id="pp2-dp2-zero_bubble"),
+]
+
+
+@pytest.mark.parametrize("pipeline,tensor,data,schedule", MESHES)
+async def test_mesh_training_equals_one_process(
+    cluster: Cluster, pipeline: int, tensor: int, data: int, schedule: str
+) -> None:
+    optimizer = OPTIMIZERS["adam"]
+    expected_state, expected_losses = train_single_process(optimizer)
+    job = await cluster.train(
+        model="examples.models:residual_mlp", model_kwargs=MODEL_KWARGS, optimizer=optimizer,
+        pipeline_stages=pipeline, tensor_parallel=tensor, data_parallel=data, schedule=schedule,
+        micro_batches=4, seed=0,
+    )
+    try:
+        losses = [(await job.step(x, y)).loss for x, y in batches()]
+        state = await job.state_dict()
+    finally:
+        await job.close()
+    for key, value in expected_state.items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+    assert losses == pytest.approx(expected_losses, rel=1e-5)

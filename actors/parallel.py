@@ -1,0 +1,97 @@
+"""torch.distributed for a job's mesh: joining its groups, and data-parallel gradient averaging.
+
+Every stage actor of a job joins one process group spanning the job's mesh, with the
+head's store as the rendezvous, then builds every tensor- and data-parallel
+subgroup in the same order (as torch requires) and keeps its own.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from actors.mesh import Mesh
+
+__all__ = ["ProcessGroups", "average_gradients", "join_process_groups", "leave_process_groups"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ProcessGroups:
+    """The groups one stage actor belongs to."""
+
+    data: Any  # ProcessGroup of this stage's data-parallel replicas
+    tensor: Any  # ProcessGroup of this stage's tensor-parallel shards
+    data_size: int
+    tensor_size: int
+
+
+def join_process_groups(config: dict[str, Any], mesh: Mesh, rank: int, job: str) -> ProcessGroups:
+    """Joins the job's process group and its subgroups; blocks until every member has.
+
+    Args:
+        config: ``{"store": "HOST:PORT", "backend": "gloo" | "nccl", "timeout_s": float}``.
+
+    Raises:
+        RuntimeError: this process already belongs to another job's process group.
+    """
+    if dist.is_initialized():
+        raise RuntimeError("this node already runs a stage of another distributed job; give each job its own nodes")
+    host, _, port = str(config["store"]).rpartition(":")
+    timeout = datetime.timedelta(seconds=float(config.get("timeout_s", 600)))
+    store = dist.TCPStore(host, int(port), world_size=mesh.size, is_master=False, timeout=timeout)
+    dist.init_process_group(backend=config.get("backend", "gloo"), store=dist.PrefixStore(job, store),
+                            rank=rank, world_size=mesh.size, timeout=timeout)
+    mine = {}
+    for kind, groups in (("tensor", mesh.tensor_groups()), ("data", mesh.data_groups())):
+        for ranks in groups:
+            group = dist.new_group(ranks)  # every rank creates every group, in order
+            if rank in ranks:
+                mine[kind] = group
+    log.info("joined %s's process group as rank %d of %d", job, rank, mesh.size)
+    return ProcessGroups(data=mine["data"], tensor=mine["tensor"], data_size=mesh.data, tensor_size=mesh.tensor)
+
+
+def leave_process_groups() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def average_gradients(params: Sequence[torch.Tensor], groups: ProcessGroups, bucket_bytes: int) -> None:
+    """Averages gradients across the data-parallel group, a bucket per collective.
+
+    Parameters are packed in order into flat buckets of at most ``bucket_bytes`` (one
+    parameter larger than that gets a bucket of its own), so a model costs a handful of
+    all-reduces rather than one per parameter.
+    """
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)  # every replica must take part in every bucket
+        nbytes = p.grad.numel() * p.grad.element_size()
+        if bucket and (size + nbytes > bucket_bytes or p.grad.dtype != bucket[0].dtype):
+            _reduce_bucket(bucket, groups)
+            bucket, size = [], 0
+        bucket.append(p.grad)
+        size += nbytes
+    if bucket:
+        _reduce_bucket(bucket, groups)
+
+
+def _reduce_bucket(grads: list[torch.Tensor], groups: ProcessGroups) -> None:
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=groups.data)
+    flat /= groups.data_size
+    offset = 0
+    for g in grads:
+        n = g.numel()
+        g.copy_(flat[offset:offset + n].view_as(g))
+        offset += n
