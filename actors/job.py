@@ -40,6 +40,8 @@ class StepStats:
             ``bytes`` on the wire, ``raw_bytes`` (the tensors' own size), their
             ``ratio``, and ``rel_error``, the norm of (decoded - sent) over the norm
             of what was sent (0 for ``none``).
+        reduce_bytes: bytes all replicas put on the wire for the data-parallel
+            gradient reduction (encoded bytes with a lossy ``reduce_codec``).
     """
 
     step: int
@@ -52,6 +54,7 @@ class StepStats:
     peak_rss_bytes: list[int] = field(default_factory=list)
     busy_s: list[float] = field(default_factory=list)
     codec_stats: dict[str, dict[str, Any]] = field(default_factory=dict)
+    reduce_bytes: int = 0
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StepStats:

@@ -10,13 +10,14 @@ from __future__ import annotations
 import datetime
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from actors.mesh import Mesh
+from transport.codecs import ErrorFeedback
 
 __all__ = ["ProcessGroups", "average_gradients", "join_process_groups", "leave_process_groups"]
 
@@ -64,34 +65,63 @@ def leave_process_groups() -> None:
         dist.destroy_process_group()
 
 
-def average_gradients(params: Sequence[torch.Tensor], groups: ProcessGroups, bucket_bytes: int) -> None:
+def average_gradients(
+    params: Sequence[torch.Tensor],
+    groups: ProcessGroups,
+    bucket_bytes: int,
+    feedback: ErrorFeedback | None = None,
+) -> int:
     """Averages gradients across the data-parallel group, a bucket per collective.
 
     Parameters are packed in order into flat buckets of at most ``bucket_bytes`` (one
     parameter larger than that gets a bucket of its own), so a model costs a handful of
     all-reduces rather than one per parameter.
+
+    Args:
+        feedback: a lossy codec with error feedback (one residual per bucket): each
+            replica then sends its bucket encoded, gathers every replica's encoding and
+            averages the decoded buckets, as ZeRO++'s quantized gradients do; every
+            replica decodes the same bytes, so all still step identically.
+
+    Returns:
+        The bytes this replica contributed to the wire (the flat buckets' bytes when raw).
     """
     bucket: list[torch.Tensor] = []
-    size = 0
+    size = sent = index = 0
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)  # every replica must take part in every bucket
         nbytes = p.grad.numel() * p.grad.element_size()
         if bucket and (size + nbytes > bucket_bytes or p.grad.dtype != bucket[0].dtype):
-            _reduce_bucket(bucket, groups)
-            bucket, size = [], 0
+            sent += _reduce_bucket(bucket, groups, feedback, index)
+            bucket, size, index = [], 0, index + 1
         bucket.append(p.grad)
         size += nbytes
     if bucket:
-        _reduce_bucket(bucket, groups)
+        sent += _reduce_bucket(bucket, groups, feedback, index)
+    return sent
 
 
-def _reduce_bucket(grads: list[torch.Tensor], groups: ProcessGroups) -> None:
+def _reduce_bucket(grads: list[torch.Tensor], groups: ProcessGroups, feedback: ErrorFeedback | None,
+                   index: int) -> int:
     flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=groups.data)
+    if feedback is None or not feedback.codec.lossy:
+        dist.all_reduce(flat, group=groups.data)
+        sent = flat.numel() * flat.element_size()
+    else:
+        encoded = feedback.encode(flat, stream=index)
+        replicas = [[torch.empty_like(frame) for _ in range(groups.data_size)] for frame in encoded.frames]
+        for gathered, frame in zip(replicas, encoded.frames):
+            dist.all_gather(gathered, frame.contiguous(), group=groups.data)
+        flat.zero_()
+        for r in range(groups.data_size):
+            frames = tuple(gathered[r] for gathered in replicas)
+            flat += feedback.codec.decode(replace(encoded, frames=frames)).reshape(-1)
+        sent = encoded.nbytes
     flat /= groups.data_size
     offset = 0
     for g in grads:
         n = g.numel()
         g.copy_(flat[offset:offset + n].view_as(g))
         offset += n
+    return sent

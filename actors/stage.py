@@ -61,6 +61,7 @@ class StageConfig:
     # torch.distributed rendezvous: {"store": "HOST:PORT", "backend": "gloo", "timeout_s": 600}.
     dist: dict[str, Any] | None = None
     bucket_bytes: int = 25 << 20
+    reduce_codec: str = "none"  # data-parallel gradient codec (with error feedback when lossy)
 
     @property
     def num_stages(self) -> int:
@@ -105,6 +106,9 @@ class StageActor(Actor):
         self._feedback = {edge: ErrorFeedback(codec) for edge, codec in enumerate(self.config.gradient_codec)}
         self._edge_stats: dict[str, dict[str, Any]] = {}
         self._groups: ProcessGroups | None = None
+        codec = self.config.reduce_codec
+        self._reduce_feedback = ErrorFeedback(codec) if get_codec(codec).lossy else None
+        self._reduced_bytes = 0
         self.peers: list[ActorRef] = []
         self.executor: StepExecutor | None = None
         self._layer_names: dict[int, int] = {}  # id(layer) -> global layer index
@@ -221,10 +225,16 @@ class StageActor(Actor):
         }
 
     @endpoint
-    async def finish_step(self, step: int) -> None:
-        """The barrier is released: reduce gradients and step the optimizer."""
+    async def finish_step(self, step: int) -> int:
+        """The barrier is released: reduce gradients and step the optimizer.
+
+        Returns:
+            The bytes this stage sent for the data-parallel reduction.
+        """
         assert self.executor is not None
+        self._reduced_bytes = 0
         await self.executor.finish(self._program, self._reduce)
+        return self._reduced_bytes
 
     @endpoint(concurrent=True)
     async def abort_step(self, step: int) -> None:
@@ -323,7 +333,8 @@ class StageActor(Actor):
         assert self.executor is not None
         if self._groups is not None and self._groups.data_size > 1:
             params = [p for m in self.executor.model.modules.values() for p in m.parameters()]
-            await self.executor.compute(average_gradients, params, self._groups, self.config.bucket_bytes)
+            self._reduced_bytes = await self.executor.compute(
+                average_gradients, params, self._groups, self.config.bucket_bytes, self._reduce_feedback)
 
     def _read_data(
         self, data_step: int, shard: list[int]

@@ -32,6 +32,7 @@ class JobSpec:
     gradient_codec: str | list[str] = "none"
     error_feedback: bool = False
     measure_codec_error: bool = True
+    reduce_codec: str = "none"
     seed: int = 0
     data: str | None = None
     data_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -73,6 +74,8 @@ class JobSpec:
             raise ValueError(f"step_timeout_s must be > 0, got {self.step_timeout_s}")
         self.edge_codecs("activation_codec")
         self.edge_codecs("gradient_codec")
+        if self.reduce_codec not in CODEC_NAMES:
+            raise ValueError(f"reduce_codec: unknown codec {self.reduce_codec!r}; choose from {', '.join(CODEC_NAMES)}")
 
     def edge_codecs(self, name: str) -> list[str]:
         """``activation_codec`` or ``gradient_codec`` as one codec per stage boundary.

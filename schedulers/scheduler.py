@@ -142,6 +142,7 @@ class SchedulerActor(Actor):
                 "activation_codec": spec.edge_codecs("activation_codec"),
                 "gradient_codec": spec.edge_codecs("gradient_codec"),
                 "error_feedback": spec.error_feedback, "measure_codec_error": spec.measure_codec_error,
+                "reduce_codec": spec.reduce_codec,
                 "data": spec.data, "data_kwargs": spec.data_kwargs, "threads": spec.threads_per_stage,
             }
             agent = self.runtime.ref(node["address"], NODE)
@@ -183,12 +184,12 @@ class SchedulerActor(Actor):
             calls = self._step_calls(job, step, inputs, targets)
             started = time.perf_counter()
             results = await self._run_to_barrier(job, step, calls)
-            await self._release(job, step)
+            reduced_bytes = await self._release(job, step)
             elapsed = time.perf_counter() - started
         job.last_trace = results
         # One loss per replica: the last stage's first tensor-parallel shard reports it.
         reporters = [r for g, r in enumerate(results) if job.mesh.coords(g).tensor == 0]
-        return _step_stats(step, results, reporters, elapsed)
+        return {**_step_stats(step, results, reporters, elapsed), "reduce_bytes": reduced_bytes}
 
     def _step_calls(
         self, job: _Job, step: int, inputs: torch.Tensor | None, targets: torch.Tensor | None
@@ -291,12 +292,14 @@ class SchedulerActor(Actor):
         head = self.runtime.ref(self.runtime.address, HEAD)
         return {n["name"] for n in await head.ask("nodes") if n["state"] == "alive"}
 
-    async def _release(self, job: _Job, step: int) -> None:
+    async def _release(self, job: _Job, step: int) -> int:
+        """Releases the barrier everywhere; returns the bytes the data-parallel reduction sent."""
         results = await asyncio.gather(*(ref.ask("finish_step", step, timeout=job.spec.step_timeout_s)
                                          for ref in job.stages), return_exceptions=True)
         for rank, result in enumerate(results):
             if isinstance(result, BaseException):
                 raise _failed(job.mesh, rank, "REDUCE/STEP", f"{type(result).__name__}: {result}")
+        return sum(r for r in results if isinstance(r, int))
 
     # -- state and life -------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+import torch
 
 from actors import Cluster, LocalCluster, RemoteError
 from examples.data import regression_batches
@@ -126,3 +127,27 @@ async def test_codecs_can_differ_per_boundary(cluster: Cluster) -> None:
 async def test_bad_codec_arguments_are_refused(cluster: Cluster, codecs: dict[str, Any], match: str) -> None:
     with pytest.raises(RemoteError, match=match):
         await cluster.train(model="examples.models:residual_mlp", model_kwargs=MODEL, pipeline_stages=2, **codecs)
+
+
+async def test_quantized_data_parallel_reduction_keeps_replicas_identical(cluster: Cluster) -> None:
+    async def run(codec: str) -> tuple[float, int, list[dict[str, Any]]]:
+        job = await cluster.train(
+            model="examples.models:residual_mlp", model_kwargs=MODEL, optimizer=("torch.optim:Adam", {"lr": 3e-3}),
+            pipeline_stages=1, data_parallel=2, micro_batches=2, data="examples.data:regression_batches",
+            data_kwargs=DATA, reduce_codec=codec,
+        )
+        try:
+            for _ in range(STEPS):
+                stats = await job.step()
+            (info,) = [j for j in await cluster.scheduler.ask("jobs") if j["job"] == job.id]
+            replicas = [await cluster.runtime.ref(*ref).ask("state_dict") for ref in info["stages"]]
+            return stats.loss, stats.reduce_bytes, replicas
+        finally:
+            await job.close()
+
+    raw_loss, raw_bytes, _ = await run("none")
+    loss, nbytes, replicas = await run("int8")
+    assert nbytes <= 0.27 * raw_bytes
+    assert abs(loss - raw_loss) / raw_loss <= 0.02, (loss, raw_loss)
+    for key in replicas[0]:  # every replica decoded the same bytes, so all stepped alike
+        assert torch.equal(replicas[0][key], replicas[1][key]), key
