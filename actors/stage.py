@@ -9,9 +9,10 @@ the scheduler releases the accumulation barrier.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import resource
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,7 @@ from actors._ref import ActorRef
 from actors.mesh import Mesh
 from actors.parallel import ProcessGroups, average_gradients, join_process_groups, leave_process_groups
 from actors.program import Action, ActionKind, stage_to_rank
+from actors.tensor_parallel import shard_for_tensor_parallel, tp_shard_specs
 from transport.codecs import Encoded, ErrorFeedback, get_codec
 
 __all__ = ["StageActor", "StageConfig"]
@@ -73,16 +75,23 @@ class StageConfig:
         return [s for s in range(self.num_stages) if stage_to_rank(s, self.num_ranks) == self.rank]
 
 
-def build_layers(config: StageConfig, allow: Sequence[str]) -> list[nn.Module]:
+def build_layers(
+    config: StageConfig, allow: Sequence[str], shard: Callable[[nn.Sequential], nn.Sequential] | None = None
+) -> list[nn.Module]:
     """Builds the whole model from its factory with the job's seed and returns its layers.
 
     Every stage builds the same model from the same seed, so the slices it keeps hold
-    exactly the weights one process would start from.
+    exactly the weights one process would start from; ``shard`` then cuts a
+    tensor-parallel rank's share out of the whole model (it knows layers by position).
     """
     factory = load_object(config.model, allow)
     torch.manual_seed(config.seed)
     model = factory(**config.model_kwargs)
-    layers = list(model.children()) if isinstance(model, nn.Sequential) else list(model)
+    if not isinstance(model, nn.Sequential):
+        model = nn.Sequential(*model)
+    if shard is not None:
+        model = shard(model)
+    layers = list(model.children())
     if config.bounds[-1][1] != len(layers):
         raise ValueError(
             f"the partition covers {config.bounds[-1][1]} layers but {config.model} built {len(layers)}"
@@ -106,6 +115,7 @@ class StageActor(Actor):
         self._feedback = {edge: ErrorFeedback(codec) for edge, codec in enumerate(self.config.gradient_codec)}
         self._edge_stats: dict[str, dict[str, Any]] = {}
         self._groups: ProcessGroups | None = None
+        self._specs: dict[str, list[int]] = {}
         codec = self.config.reduce_codec
         self._reduce_feedback = ErrorFeedback(codec) if get_codec(codec).lossy else None
         self._reduced_bytes = 0
@@ -136,15 +146,22 @@ class StageActor(Actor):
         cfg = self.config
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
+        shard = None
         if cfg.dist is not None:
-            self._groups = join_process_groups(cfg.dist, Mesh(**dict(zip(("pipeline", "tensor", "data"), cfg.mesh))),
-                                               cfg.global_rank, cfg.job)
-        layers = build_layers(cfg, allow)
+            mesh = Mesh(**dict(zip(("pipeline", "tensor", "data"), cfg.mesh)))
+            groups = self._groups = join_process_groups(cfg.dist, mesh, cfg.global_rank, cfg.job)
+            if mesh.tensor > 1:
+                tp_rank = mesh.coords(cfg.global_rank).tensor
+                shard = functools.partial(shard_for_tensor_parallel, rank=tp_rank, world=mesh.tensor,
+                                          group=groups.tensor)
+        layers = build_layers(cfg, allow, shard)
         modules = {}
         for s in cfg.stages:
             first, end = cfg.bounds[s]
             modules[s] = nn.Sequential(*layers[first:end]).to(device)
         self._held = {i: layers[i] for s in cfg.stages for i in range(*cfg.bounds[s])}
+        self._specs = {f"{i}.{key}": list(spec) for i, layer in self._held.items()
+                       for key, spec in tp_shard_specs(layer).items()}
         params = [p for module in modules.values() for p in module.parameters()]
         optimizer_cls = load_object(cfg.optimizer[0], allow)
         optimizer = optimizer_cls(params, **dict(cfg.optimizer[1] if len(cfg.optimizer) > 1 else {}))
@@ -271,6 +288,11 @@ class StageActor(Actor):
         """This stage's share of the model's state, under the unpartitioned model's keys."""
         assert self.executor is not None
         return await self.executor.compute(self._state_dict)
+
+    @endpoint
+    async def shard_specs(self) -> dict[str, list[int]]:
+        """How this stage's tensor-parallel parameters are split: key -> [dim, world, num_fused]."""
+        return self._specs
 
     @endpoint
     async def load_state_dict(self, state: dict[str, torch.Tensor]) -> list[str]:

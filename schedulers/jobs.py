@@ -64,8 +64,6 @@ class JobSpec:
         for name in ("pipeline_stages", "tensor_parallel", "data_parallel", "micro_batches"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
-        if self.tensor_parallel != 1:
-            raise ValueError("tensor_parallel > 1 is not available yet; use 1")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
         if self.partition_method not in PARTITION_METHODS:

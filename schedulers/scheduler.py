@@ -27,8 +27,9 @@ from actors._errors import ActorError, StepFailed, error_from_wire
 from actors._nodes import HEAD, NODE
 from actors._ref import ActorRef
 from actors._registry import DEFAULT_ALLOW, load_object, register_actor
-from actors.mesh import Mesh
+from actors.mesh import Coords, Mesh
 from actors.program import stage_to_rank
+from actors.tensor_parallel import ShardSpec, gather_tensor_parallel_state, shard_state
 from schedulers.jobs import JobSpec
 from schedulers.partition import partition_by_parameters, partition_uniform
 from schedulers.schedules import build_schedule
@@ -305,25 +306,48 @@ class SchedulerActor(Actor):
 
     @endpoint(concurrent=True)
     async def state_dict(self, job_id: str) -> dict[str, torch.Tensor]:
-        """The whole model's state, gathered from the stages, under the unpartitioned keys."""
+        """The whole model's state, gathered from the stages, under the unpartitioned keys.
+
+        Tensor-parallel shards are put back together; data-parallel replica 0 speaks for all.
+        """
         job = self._job(job_id)
-        replica = [job.stages[g] for g in range(job.mesh.size) if job.mesh.coords(g).data == 0]
+        mesh = job.mesh
         async with job.lock:
-            parts = await asyncio.gather(*(ref.ask("state_dict", timeout=300) for ref in replica))
-        state: dict[str, torch.Tensor] = {}
-        for part in parts:
-            state.update(part)
+            specs = await self._shard_specs(job)
+            state: dict[str, torch.Tensor] = {}
+            for p in range(mesh.pipeline):
+                shards = await asyncio.gather(*(job.stages[mesh.rank(Coords(0, p, t))].ask("state_dict", timeout=300)
+                                                for t in range(mesh.tensor)))
+                state.update(gather_tensor_parallel_state(list(shards), specs) if mesh.tensor > 1 else shards[0])
         return dict(sorted(state.items(), key=lambda kv: _key_order(kv[0])))
 
     @endpoint(concurrent=True)
     async def load_state_dict(self, job_id: str, state: dict[str, torch.Tensor]) -> None:
-        """Loads a whole-model state into the stages; every key must be taken exactly once."""
+        """Loads a whole-model state into every member; every key must be taken."""
         job = self._job(job_id)
+        mesh = job.mesh
         async with job.lock:
-            taken = await asyncio.gather(*(ref.ask("load_state_dict", state, timeout=300) for ref in job.stages))
+            specs = await self._shard_specs(job)
+
+            def part(rank: int) -> dict[str, torch.Tensor]:
+                c = mesh.coords(rank)
+                held = {str(i) for s, (first, end) in enumerate(job.bounds)
+                        if stage_to_rank(s, mesh.pipeline) == c.pipeline for i in range(first, end)}
+                mine = {k: v for k, v in state.items() if k.partition(".")[0] in held}
+                return shard_state(mine, c.tensor, mesh.tensor, specs) if mesh.tensor > 1 else mine
+
+            taken = await asyncio.gather(*(ref.ask("load_state_dict", part(g), timeout=300)
+                                           for g, ref in enumerate(job.stages)))
         missing = set(state) - {k for keys in taken for k in keys}
         if missing:
             raise KeyError(f"keys no stage holds: {sorted(missing)[:10]}")
+
+    async def _shard_specs(self, job: _Job) -> dict[str, ShardSpec]:
+        if job.mesh.tensor == 1:
+            return {}
+        parts = await asyncio.gather(*(job.stages[job.mesh.rank(Coords(0, p, 0))].ask("shard_specs", timeout=60)
+                                       for p in range(job.mesh.pipeline)))
+        return {key: ShardSpec(*spec) for part in parts for key, spec in part.items()}
 
     @endpoint(concurrent=True)
     async def close_job(self, job_id: str) -> None:

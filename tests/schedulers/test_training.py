@@ -138,8 +138,12 @@ MESHES = [
     pytest.param("mlp", 2, 1, 2, "1f1b", id="mlp-pp2-dp2-1f1b"),
     pytest.param("mlp", 1, 1, 2, "gpipe", id="mlp-pp1-dp2"),
     pytest.param("mlp", 2, 1, 2, "zero_bubble", id="mlp-pp2-dp2-zero_bubble"),
+    pytest.param("mlp", 2, 2, 1, "1f1b", id="mlp-pp2-tp2"),
+    pytest.param("mlp", 1, 2, 2, "1f1b", id="mlp-tp2-dp2"),
     pytest.param("gpt", 2, 1, 1, "1f1b", id="gpt-pp2"),
     pytest.param("gpt", 2, 1, 2, "1f1b", id="gpt-pp2-dp2"),
+    pytest.param("gpt", 2, 2, 1, "1f1b", id="gpt-pp2-tp2"),
+    pytest.param("gpt", 1, 2, 2, "gpipe", id="gpt-tp2-dp2"),
 ]
 
 
@@ -163,3 +167,24 @@ async def test_mesh_training_equals_one_process(
     for key, value in expected_state.items():
         torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
     assert losses == pytest.approx(expected_losses, rel=1e-5)
+
+
+async def test_full_mesh_of_eight_equals_one_process() -> None:
+    """(P,T,D) = (2,2,2): eight node processes, oversubscribed on a small machine but exact."""
+    async with LocalCluster(nodes=8) as eight:
+        for workload in WORKLOADS.values():
+            expected_state, expected_losses = train_reference(workload)
+            job = await eight.train(
+                model=workload["model"], model_kwargs=workload["kwargs"], loss=workload["loss"],
+                optimizer=workload["optimizer"], pipeline_stages=2, tensor_parallel=2, data_parallel=2,
+                schedule="1f1b", micro_batches=4, seed=0,
+            )
+            losses = [(await job.step(x, y)).loss for x, y in workload["batches"]()]
+            state = await job.state_dict()
+            await job.load_state_dict(expected_state)  # sharded back out to every member
+            reloaded = await job.state_dict()
+            await job.close()
+            for key, value in expected_state.items():
+                torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+                assert torch.equal(reloaded[key], value), key
+            assert losses == pytest.approx(expected_losses, rel=1e-5)
