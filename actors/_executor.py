@@ -80,6 +80,7 @@ class StepTrace:
     peak_stash: int = 0
     busy_s: float = 0.0
     elapsed_s: float = 0.0
+    started_at: float = 0.0  # this node's wall clock (time.time()) at the step's start
 
 
 Send = Callable[[int, Action, torch.Tensor], Awaitable[int]]  # step, action, value -> bytes
@@ -127,7 +128,7 @@ class StepExecutor:
         Raises:
             ActionFailed: an action raised; it names the action.
         """
-        trace = StepTrace()
+        trace = StepTrace(started_at=time.time())
         start = time.perf_counter()
         self.inbox.drop_step(step - 1)  # late arrivals of an aborted earlier step
         self._inputs, self._targets = inputs, targets

@@ -12,6 +12,7 @@ import asyncio
 import functools
 import logging
 import resource
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -237,6 +238,7 @@ class StageActor(Actor):
             "peak_stash": trace.peak_stash,
             "bytes_sent": trace.bytes_sent,
             "spans": [list(span) for span in trace.spans],
+            "started_at": trace.started_at,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "codec_stats": self._edge_stats,
         }
@@ -270,6 +272,11 @@ class StageActor(Actor):
         if kind not in ("F", "B") or stage not in self.config.stages:
             raise ValueError(f"rank {self.config.rank} holds stages {self.config.stages}, not a {kind} for {stage}")
         self.executor.inbox.put((step, kind, stage, microbatch), value)
+
+    @endpoint(concurrent=True)
+    async def clock(self) -> float:
+        """This node's wall clock, for estimating its offset from the head's by round trips."""
+        return time.time()
 
     @endpoint(concurrent=True)
     async def progress(self) -> dict[str, Any]:
