@@ -53,6 +53,12 @@ class Inbox:
         del self._slots[key]
         return value
 
+    def fail(self, key: tuple[int, str, int, int], error: BaseException) -> None:
+        """Makes the RECV waiting for ``key`` raise ``error`` (its transfer failed)."""
+        slot = self._slot(key)
+        if not slot.done():
+            slot.set_exception(error)
+
     def drop_step(self, step: int) -> None:
         """Forgets everything of ``step`` (an aborted step's leftovers)."""
         for key in [k for k in self._slots if k[0] <= step]:

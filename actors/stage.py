@@ -26,7 +26,8 @@ from actors._errors import error_to_wire
 from actors._executor import ActionFailed, Inbox, StageModel, StepExecutor
 from actors._registry import DEFAULT_ALLOW, load_object, register_actor
 from actors._ref import ActorRef
-from actors.mesh import Mesh
+from actors.mesh import Coords, Mesh
+from actors.p2p import DistLink
 from actors.parallel import ProcessGroups, average_gradients, join_process_groups, leave_process_groups
 from actors.program import Action, ActionKind, stage_to_rank
 from actors.tensor_parallel import shard_for_tensor_parallel, tp_shard_specs
@@ -65,6 +66,7 @@ class StageConfig:
     dist: dict[str, Any] | None = None
     bucket_bytes: int = 25 << 20
     reduce_codec: str = "none"  # data-parallel gradient codec (with error feedback when lossy)
+    transport: str = "zmq"  # stage-to-stage tensors: "zmq" (actor messages) or "dist" (torch.distributed p2p)
 
     @property
     def num_stages(self) -> int:
@@ -117,6 +119,8 @@ class StageActor(Actor):
         self._edge_stats: dict[str, dict[str, Any]] = {}
         self._groups: ProcessGroups | None = None
         self._specs: dict[str, list[int]] = {}
+        self._link = DistLink() if self.config.transport == "dist" else None
+        self._mesh = Mesh(**dict(zip(("pipeline", "tensor", "data"), self.config.mesh)))
         codec = self.config.reduce_codec
         self._reduce_feedback = ErrorFeedback(codec) if get_codec(codec).lossy else None
         self._reduced_bytes = 0
@@ -179,6 +183,8 @@ class StageActor(Actor):
             if self._groups is not None:
                 await self.executor.compute(leave_process_groups)
             self.executor.close()
+        if self._link is not None:
+            self._link.close()
 
     # -- set-up ----------------------------------------------------------------------
 
@@ -229,6 +235,8 @@ class StageActor(Actor):
             log.warning("step %d failed at %s: %s", step, failure.action, failure.cause)
             return {"ok": False, "action": str(failure.action), "error": error_to_wire(failure.cause)}
         trace = task.result()
+        if self._link is not None:
+            await self._link.flush()
         self._program = actions
         return {
             "ok": True,
@@ -272,6 +280,28 @@ class StageActor(Actor):
         if kind not in ("F", "B") or stage not in self.config.stages:
             raise ValueError(f"rank {self.config.rank} holds stages {self.config.stages}, not a {kind} for {stage}")
         self.executor.inbox.put((step, kind, stage, microbatch), value)
+
+    @endpoint(concurrent=True)
+    async def deliver_header(self, step: int, kind: str, stage: int, microbatch: int, header: dict[str, Any]) -> None:
+        """A neighbour posted a tensor over torch.distributed: post the matching receive."""
+        assert self.executor is not None and self._link is not None
+        if kind not in ("F", "B") or stage not in self.config.stages:
+            raise ValueError(f"rank {self.config.rank} holds stages {self.config.stages}, not a {kind} for {stage}")
+        me = self._mesh.coords(self.config.global_rank)
+        source_stage = stage - 1 if kind == "F" else stage + 1
+        src = self._mesh.rank(Coords(me.data, stage_to_rank(source_stage, self.config.num_ranks), me.tensor))
+        key = (step, kind, stage, microbatch)
+        self.runtime.spawn_task(self._receive_dist(key, header, src), name=f"p2p {key}")
+
+    async def _receive_dist(self, key: tuple[int, str, int, int], header: dict[str, Any], src: int) -> None:
+        assert self.executor is not None and self._link is not None
+        step, kind, stage, microbatch = key
+        try:
+            value = await self._link.receive(header, src, step, kind, stage, microbatch)
+        except Exception as exc:
+            self.executor.inbox.fail(key, exc)
+            return
+        self.executor.inbox.put(key, value)
 
     @endpoint(concurrent=True)
     async def clock(self) -> float:
@@ -334,8 +364,18 @@ class StageActor(Actor):
             # Quantize on the compute thread: the loop stays free to receive.
             payload, sq_err = await self.executor.compute(self._encode, forward, edge, action.microbatch,
                                                           value, codec)
-        peer = self.peers[stage_to_rank(target_stage, cfg.num_ranks)]
-        nbytes = await peer.tell("deliver", step, "F" if forward else "B", target_stage, action.microbatch, payload)
+        target_rank = stage_to_rank(target_stage, cfg.num_ranks)
+        peer = self.peers[target_rank]
+        tag = "F" if forward else "B"
+        if self._link is None:
+            nbytes = await peer.tell("deliver", step, tag, target_stage, action.microbatch, payload)
+        else:
+            encoded = payload if isinstance(payload, Encoded) else get_codec("none").encode(value)
+            me = self._mesh.coords(cfg.global_rank)
+            dst = self._mesh.rank(Coords(me.data, target_rank, me.tensor))
+            header = self._link.send(encoded, dst, step, tag, target_stage, action.microbatch)
+            nbytes = encoded.nbytes + await peer.tell("deliver_header", step, tag, target_stage, action.microbatch,
+                                                      header)
         name = f"{'F' if forward else 'B'} {action.stage}->{target_stage}"
         stats = self._edge_stats.setdefault(name, {"codec": codec, "bytes": 0, "raw_bytes": 0,
                                                    "sq_err": 0.0, "sq_norm": 0.0})

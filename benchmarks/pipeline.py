@@ -72,9 +72,10 @@ class Peer(Protocol):
 class ActorpipePeer:
     """A ``LocalCluster`` of ``num_stages`` nodes training the reference workload as one job."""
 
-    def __init__(self, *, num_stages: int, schedule: str) -> None:
-        self.num_stages, self.schedule = num_stages, schedule
-        self.name = f"actorpipe_{schedule}_{num_stages}stages"
+    def __init__(self, *, num_stages: int, schedule: str, transport: str = "zmq") -> None:
+        self.num_stages, self.schedule, self.transport = num_stages, schedule, transport
+        suffix = "" if transport == "zmq" else f"_{transport}"
+        self.name = f"actorpipe_{schedule}_{num_stages}stages{suffix}"
         self.inputs, self.targets = reference_batch()
         self.bubble_fractions: list[float] = []
         self._stack = contextlib.AsyncExitStack()
@@ -90,7 +91,8 @@ class ActorpipePeer:
         self._job = await cluster.train(
             model=MODEL, model_kwargs={"blocks": NUM_BLOCKS, "dim": BATCH_SHAPE[-1]},
             loss="torch.nn.functional:mse_loss", optimizer=("torch.optim:SGD", {"lr": 0.01}),
-            pipeline_stages=self.num_stages, schedule=self.schedule, micro_batches=NUM_MICROBATCHES, seed=0)
+            pipeline_stages=self.num_stages, schedule=self.schedule, micro_batches=NUM_MICROBATCHES, seed=0,
+            transport=self.transport)
         self._stack.push_async_callback(self._job.close)
 
     async def run(self, num_steps: int) -> list[float]:
@@ -138,6 +140,9 @@ def make_peers(args: argparse.Namespace, state_dir: str) -> list[Peer]:
                 peers.append(TorchPeer(num_stages=num_stages, schedule=schedule, state_dir=state_dir))
             if not args.skip_actorpipe:
                 peers.append(ActorpipePeer(num_stages=num_stages, schedule=schedule))
+        if not args.skip_actorpipe and num_stages == 2:
+            # Stage-to-stage tensors over torch.distributed (gloo) instead of ZeroMQ.
+            peers.append(ActorpipePeer(num_stages=2, schedule="1f1b", transport="dist"))
     return peers
 
 
@@ -228,6 +233,8 @@ def summarize(results: list[PeerResult], stage_counts: list[int]) -> dict[str, A
             key = f"{schedule}_{num_stages}stages"
             summary[f"vs_torch_{key}"] = ratio(by_name.get(f"actorpipe_{key}"), by_name.get(f"torch_{key}"))
         summary[f"vs_single_process_{num_stages}stages"] = ratio(by_name.get(f"actorpipe_1f1b_{num_stages}stages"), single)
+    summary["dist_vs_zmq_1f1b_2stages"] = ratio(by_name.get("actorpipe_1f1b_2stages_dist"),
+                                                by_name.get("actorpipe_1f1b_2stages"))
     for r in results:
         summary[f"{r.name}_samples_per_s"] = round(r.samples_per_s, 2)
         summary[f"{r.name}_median_step_ms"] = round(statistics.median(r.step_times_s) * 1e3, 1)

@@ -33,6 +33,7 @@ class JobSpec:
     error_feedback: bool = False
     measure_codec_error: bool = True
     reduce_codec: str = "none"
+    transport: str = "zmq"
     seed: int = 0
     data: str | None = None
     data_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -72,6 +73,8 @@ class JobSpec:
             raise ValueError(f"step_timeout_s must be > 0, got {self.step_timeout_s}")
         self.edge_codecs("activation_codec")
         self.edge_codecs("gradient_codec")
+        if self.transport not in ("zmq", "dist"):
+            raise ValueError(f"transport must be 'zmq' or 'dist', got {self.transport!r}")
         if self.reduce_codec not in CODEC_NAMES:
             raise ValueError(f"reduce_codec: unknown codec {self.reduce_codec!r}; choose from {', '.join(CODEC_NAMES)}")
 

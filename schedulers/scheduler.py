@@ -96,7 +96,7 @@ class SchedulerActor(Actor):
 
     def _rendezvous(self, spec: JobSpec, mesh: Mesh) -> tuple[Any, dict[str, Any] | None]:
         """A torch.distributed store on the head for a job whose mesh needs collectives."""
-        if mesh.tensor == 1 and mesh.data == 1:
+        if mesh.tensor == 1 and mesh.data == 1 and spec.transport == "zmq":
             return None, None
         host = self.runtime.address.removeprefix("tcp://").rpartition(":")[0] if \
             self.runtime.address.startswith("tcp://") else "127.0.0.1"
@@ -143,7 +143,7 @@ class SchedulerActor(Actor):
                 "activation_codec": spec.edge_codecs("activation_codec"),
                 "gradient_codec": spec.edge_codecs("gradient_codec"),
                 "error_feedback": spec.error_feedback, "measure_codec_error": spec.measure_codec_error,
-                "reduce_codec": spec.reduce_codec,
+                "reduce_codec": spec.reduce_codec, "transport": spec.transport,
                 "data": spec.data, "data_kwargs": spec.data_kwargs, "threads": spec.threads_per_stage,
             }
             agent = self.runtime.ref(node["address"], NODE)

@@ -62,22 +62,26 @@ def train_single_process(optimizer: tuple[str, dict[str, Any]]) -> tuple[dict[st
 
 
 CASES = [
-    pytest.param(schedule, stages, micro, opt, id=f"{schedule}-{stages}stages-{micro}mb-{opt}")
+    pytest.param(schedule, stages, micro, opt, "zmq", id=f"{schedule}-{stages}stages-{micro}mb-{opt}")
     for schedule, stages, micro, opt in itertools.product(
         ["gpipe", "1f1b", "interleaved", "zero_bubble"], [2, 4], [4, 8], OPTIMIZERS
     )
+] + [
+    # The same executor over torch.distributed point-to-point instead of actor messages.
+    pytest.param(schedule, stages, 8, "adam", "dist", id=f"{schedule}-{stages}stages-8mb-adam-dist")
+    for schedule, stages in [("1f1b", 2), ("gpipe", 4), ("interleaved", 2), ("zero_bubble", 4)]
 ]
 
 
-@pytest.mark.parametrize("schedule,stages,micro_batches,optimizer", CASES)
+@pytest.mark.parametrize("schedule,stages,micro_batches,optimizer,transport", CASES)
 async def test_pipeline_training_equals_one_process(
-    cluster: Cluster, schedule: str, stages: int, micro_batches: int, optimizer: str
+    cluster: Cluster, schedule: str, stages: int, micro_batches: int, optimizer: str, transport: str
 ) -> None:
     expected_state, expected_losses = train_single_process(OPTIMIZERS[optimizer])
     job = await cluster.train(
         model="examples.models:residual_mlp", model_kwargs=MODEL_KWARGS,
         loss="torch.nn.functional:mse_loss", optimizer=OPTIMIZERS[optimizer],
-        pipeline_stages=stages, schedule=schedule, micro_batches=micro_batches, seed=0,
+        pipeline_stages=stages, schedule=schedule, micro_batches=micro_batches, seed=0, transport=transport,
     )
     # Each stage frees a micro-batch's stash at its backward: the measured peaks are
     # the ones the schedule implies.
