@@ -87,18 +87,21 @@ class Cluster:
         await asyncio.gather(*(agent.ask("admit", self._admit_token, prefixes, timeout=30) for agent in agents))
 
     @staticmethod
-    def connect(address: str, *, bind: str = "tcp://127.0.0.1:0", timeout: float = 10.0) -> _Connecting:
+    def connect(
+        address: str, *, bind: str = "tcp://127.0.0.1:0", allow_remote: bool = False, timeout: float = 10.0
+    ) -> _Connecting:
         """Attaches to the head at ``address``; use as ``await`` or ``async with``.
 
         Args:
             bind: where this driver listens for replies; it must be reachable from the
                 head (the default suits a head on this machine).
+            allow_remote: permit a ``bind`` address that is not loopback.
             timeout: seconds to wait for the head to answer.
 
         Raises:
             ActorTimeout: the head did not answer within ``timeout``.
         """
-        return _Connecting(address, bind, timeout)
+        return _Connecting(address, bind, timeout, allow_remote)
 
     async def nodes(self) -> list[dict[str, Any]]:
         """Every node the head knows: name, address, device, pid, host, memory, state."""
@@ -158,15 +161,16 @@ def _modules_named(spec: dict[str, Any]) -> list[str]:
 class _Connecting:
     """``Cluster.connect(...)``: awaitable, and an async context manager."""
 
-    def __init__(self, address: str, bind: str, timeout: float) -> None:
+    def __init__(self, address: str, bind: str, timeout: float, allow_remote: bool) -> None:
         self._args = (address, bind, timeout)
+        self._allow_remote = allow_remote
         self._cluster: Cluster | None = None
 
     async def _open(self) -> Cluster:
         address, bind, timeout = self._args
         stack = contextlib.AsyncExitStack()
         try:
-            runtime = await stack.enter_async_context(open_runtime(bind))
+            runtime = await stack.enter_async_context(open_runtime(bind, allow_remote=self._allow_remote))
             head = runtime.ref(address, HEAD)
             await head.ask("nodes", timeout=timeout)
         except BaseException:

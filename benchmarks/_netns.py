@@ -22,14 +22,15 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 __all__ = [
     "Link", "LinkError", "make_link", "open_link", "set_rate", "parse_rate", "rate_label", "tbf_args",
-    "netns_exec", "namespaces_left", "unavailable_reason", "measure_throughput", "qdisc_drops", "start_process",
-    "stop_processes",
+    "netns_exec", "namespaces_left", "signals_deferred", "unavailable_reason", "measure_throughput",
+    "qdisc_drops", "setup_commands", "start_process", "stop_processes",
 ]
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -117,11 +118,6 @@ def setup_commands(link: Link) -> list[list[str]]:
     ]
 
 
-def teardown_commands(link: Link) -> list[list[str]]:
-    """Deleting the namespaces; the veth pair goes with them."""
-    return [["ip", "netns", "del", link.ns_a], ["ip", "netns", "del", link.ns_b]]
-
-
 def unavailable_reason() -> str | None:
     """Why namespaces cannot be made here (not root, no iproute2), or None if they may be."""
     if not sys.platform.startswith("linux"):
@@ -150,6 +146,29 @@ def namespaces_left(link: Link) -> list[str]:
 
 
 @contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Holds SIGINT and SIGTERM back for the block, so a second Ctrl-C cannot cut a clean-up short.
+
+    The first signal that arrives meanwhile is raised again when the block ends, under
+    the handler it would have met. Python runs signal handlers in the main thread only,
+    so elsewhere this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    previous = {sig: signal.signal(sig, lambda sig, _frame: pending.append(sig))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)  # None: set outside Python
+        if pending:
+            signal.raise_signal(pending[0])
+
+
+@contextlib.contextmanager
 def open_link(link: Link) -> Iterator[Link]:
     """Creates ``link`` for the life of the block and deletes it after, whatever happened.
 
@@ -160,14 +179,19 @@ def open_link(link: Link) -> Iterator[Link]:
         LinkError: a set-up command failed (what was made is deleted again).
         RuntimeError: a namespace could not be deleted afterwards.
     """
+    created: list[str] = []  # only these are deleted: a namespace of that name made by another run stays
     try:
-        for argv in setup_commands(link):
-            _run(argv)
+        with signals_deferred():  # a Ctrl-C between making a namespace and noting it would leak it
+            for argv in setup_commands(link):
+                _run(argv)
+                if argv[:3] == ["ip", "netns", "add"]:
+                    created.append(argv[3])
         yield link
     finally:
-        for argv in teardown_commands(link):
-            _run(argv, check=False)
-        left = namespaces_left(link)
+        with signals_deferred():
+            for namespace in created:
+                _run(["ip", "netns", "del", namespace], check=False)
+            left = [ns for ns in namespaces_left(link) if ns in created]
         if left:
             raise RuntimeError(f"could not delete namespaces {left}; remove them with: ip netns del NAME")
 
@@ -255,7 +279,8 @@ def measure_throughput(link: Link, num_bytes: int, *, timeout: float = 60.0) -> 
     except subprocess.TimeoutExpired as exc:
         raise LinkError(f"the transfer of {num_bytes} bytes took over {timeout}s") from exc
     finally:
-        stop_processes([sink], grace=2.0)
+        with signals_deferred():
+            stop_processes([sink], grace=2.0)
         if sink.stdout is not None:
             sink.stdout.close()
 

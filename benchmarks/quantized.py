@@ -16,7 +16,8 @@ regression task (``examples.data:regression_batches``) from the same seed on the
 batches, the stages reading the batches themselves so that only activations and
 gradients cross the link. The steps run in rounds, one step of every job per round in
 a rotated order, so that the machine's noise hits every codec alike. Reported per
-codec: the median step time, the bytes on the wire against ``none``, the relative
+codec: the median step time (and the best: on a shared, loaded machine the fastest
+step is the least disturbed one), the bytes on the wire against ``none``, the relative
 error of what crossed (the stages' own ``codec_stats``), the final loss and its
 difference from ``none``. The last line printed is one JSON object.
 """
@@ -42,6 +43,7 @@ from transport.codecs import CODEC_NAMES
 MODEL = "examples.models:residual_mlp"
 DATA = "examples.data:regression_batches"
 DEFAULT_RATES = "unlimited,1gbit,100mbit"
+DRIVER_TIMEOUT_S = 1800  # one link's comparison; a step that hangs fails sooner, by the job's step timeout
 REQUIRED_KEYS = ("int8_bytes_ratio", "int4_bytes_ratio", "int8_loss_delta_pct", "int8_speedup_slow_link")
 
 
@@ -50,7 +52,7 @@ class BenchConfig:
     """The workload and how long to measure it; the same for every codec and link."""
 
     codecs: tuple[str, ...]
-    steps: int = 8
+    steps: int = 10
     warmup: int = 1
     blocks: int = 4
     dim: int = 256
@@ -145,6 +147,7 @@ def summarize(runs: list[CodecRun]) -> list[dict[str, Any]]:
         errors = {d: statistics.fmean(v) if v else None for d, v in run.rel_errors.items()}
         rows.append({
             "codec": run.codec, "step_s": step, "speedup": base_step / step,
+            "best_step_s": min(run.step_times_s), "best_speedup": min(base.step_times_s) / min(run.step_times_s),
             "bytes_ratio": run.bytes_sent / base.bytes_sent if base.bytes_sent else None,
             "rel_error_f": errors.get("F"), "rel_error_b": errors.get("B"),
             "final_loss": run.losses[-1], "loss_delta_pct": 100 * (run.losses[-1] - base_loss) / base_loss,
@@ -165,12 +168,13 @@ def format_table(result: LinkResult) -> str:
         heading = (f"### {result.label}: {shaped}, measured {result.measured_bps / 1e6:,.0f} Mbit/s; "
                    f"{result.shaper_drops} packets dropped by the shaper during the steps")
     lines = [heading, "",
-             "| codec | step s (median) | speedup vs none | bytes vs none | rel err F | rel err B "
-             "| final loss | loss delta % |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| codec | step s (median) | speedup vs none | best step s | best speedup | bytes vs none "
+             "| rel err F | rel err B | final loss | loss delta % |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in result.rows:
         lines.append(
-            f"| {row['codec']} | {row['step_s']:.3f} | {row['speedup']:.2f} | {_cell(row['bytes_ratio'], '.3f')} "
+            f"| {row['codec']} | {row['step_s']:.3f} | {row['speedup']:.2f} | {row['best_step_s']:.3f} "
+            f"| {row['best_speedup']:.2f} | {_cell(row['bytes_ratio'], '.3f')} "
             f"| {_cell(row['rel_error_f'], '.2e')} | {_cell(row['rel_error_b'], '.2e')} "
             f"| {row['final_loss']:.5f} | {row['loss_delta_pct']:+.3f} |")
     return "\n".join(lines)
@@ -224,8 +228,9 @@ def start_nodes(link: _netns.Link, workdir: str, processes: list[subprocess.Pope
     """
     address_file = os.path.join(workdir, "head.address")
     common = ["--allow-remote", "--log-level", "WARNING"]
-    processes.append(_netns.start_process(link.ns_a, _python_module(
-        "actors.node", "--head", "--bind", f"tcp://{link.addr_a}:0", "--address-file", address_file, *common)))
+    with _netns.signals_deferred():  # a Ctrl-C between the start and the append would orphan the process
+        processes.append(_netns.start_process(link.ns_a, _python_module(
+            "actors.node", "--head", "--bind", f"tcp://{link.addr_a}:0", "--address-file", address_file, *common)))
     deadline = time.monotonic() + 60.0
     while not os.path.exists(address_file):
         if processes[0].poll() is not None or time.monotonic() > deadline:
@@ -234,8 +239,9 @@ def start_nodes(link: _netns.Link, workdir: str, processes: list[subprocess.Pope
     with open(address_file) as f:
         address = f.read().strip()
     for name, ns, addr in (("node0", link.ns_a, link.addr_a), ("node1", link.ns_b, link.addr_b)):
-        processes.append(_netns.start_process(ns, _python_module(
-            "actors.node", "--join", address, "--name", name, "--bind", f"tcp://{addr}:0", *common)))
+        with _netns.signals_deferred():
+            processes.append(_netns.start_process(ns, _python_module(
+                "actors.node", "--join", address, "--name", name, "--bind", f"tcp://{addr}:0", *common)))
     return address
 
 
@@ -254,13 +260,18 @@ def measure_link(link: _netns.Link, rate_bps: int | None, head: str, cfg: BenchC
     print(f"link {label}: measured {measured / 1e6:,.0f} Mbit/s with a plain TCP transfer", flush=True)
     drops_before = _netns.qdisc_drops(link)
     result_file = os.path.join(workdir, f"{label}.json")
-    driver = _netns.start_process(link.ns_a, _python_module(
-        "benchmarks.quantized", "--inner", "--connect", head, "--label", label,
-        "--result-file", result_file, "--inner-config", cfg.to_json()), stdout=None)
+    drivers: list[subprocess.Popen[bytes]] = []
     try:
-        code = driver.wait()
+        with _netns.signals_deferred():
+            drivers.append(_netns.start_process(link.ns_a, _python_module(
+                "benchmarks.quantized", "--inner", "--connect", head, "--label", label,
+                "--result-file", result_file, "--inner-config", cfg.to_json()), stdout=None))
+        code = drivers[0].wait(timeout=DRIVER_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"the driver for link {label} did not finish within {DRIVER_TIMEOUT_S}s") from None
     finally:
-        _netns.stop_processes([driver])
+        with _netns.signals_deferred():
+            _netns.stop_processes(drivers)
     if code != 0:
         raise RuntimeError(f"the driver for link {label} failed with exit code {code}; see its output above")
     with open(result_file) as f:
@@ -284,8 +295,9 @@ def run_netns(rates: list[int | None], cfg: BenchConfig) -> list[LinkResult]:
             head = start_nodes(link, workdir, processes)
             return [measure_link(link, rate, head, cfg, workdir) for rate in rates]
         finally:
-            _netns.stop_processes(processes[1:])  # the workers first, so they can say goodbye to the head
-            _netns.stop_processes(processes[:1])
+            with _netns.signals_deferred():
+                _netns.stop_processes(processes[1:])  # the workers first, so they can say goodbye to the head
+                _netns.stop_processes(processes[:1])
 
 
 # --- report -----------------------------------------------------------------------
@@ -303,7 +315,8 @@ def summary_json(results: list[LinkResult], *, mode: str, reason: str | None, cf
     measured, None when no link could be made (loopback only).
     """
     slowest = min(results, key=lambda r: float("inf") if r.rate_bps is None else r.rate_bps)
-    out: dict[str, Any] = {"mode": mode, "loopback_reason": reason, "slow_link": slowest.label if mode == "netns" else None}
+    out: dict[str, Any] = {"mode": mode, "loopback_reason": reason,
+                           "slow_link": slowest.label if mode == "netns" else None}
     for row in slowest.rows:
         codec = row["codec"]
         errors = [e for e in (row["rel_error_f"], row["rel_error_b"]) if e is not None]
@@ -311,6 +324,7 @@ def summary_json(results: list[LinkResult], *, mode: str, reason: str | None, cf
         out[f"{codec}_loss_delta_pct"] = row["loss_delta_pct"]
         out[f"{codec}_rel_error"] = max(errors) if errors else None
         out[f"{codec}_speedup_slow_link"] = row["speedup"] if mode == "netns" else None
+        out[f"{codec}_best_speedup_slow_link"] = row["best_speedup"] if mode == "netns" else None
     for result in results:
         if result.measured_bps is not None:
             out[f"link_mbit_{result.label}"] = result.measured_bps / 1e6
@@ -318,8 +332,9 @@ def summary_json(results: list[LinkResult], *, mode: str, reason: str | None, cf
         for row in result.rows:
             out[f"{row['codec']}_step_s_{result.label}"] = row["step_s"]
             out[f"{row['codec']}_speedup_{result.label}"] = row["speedup"]
+            out[f"{row['codec']}_best_step_s_{result.label}"] = row["best_step_s"]
     losses = [[row["final_loss"] for row in result.rows] for result in results]
-    out["losses_identical_across_links"] = all(l == losses[0] for l in losses)
+    out["losses_identical_across_links"] = all(l == losses[0] for l in losses) if len(losses) > 1 else None
     for key in REQUIRED_KEYS:  # a codec left out of --codecs still has its key
         out.setdefault(key, None)
     out.update(model=f"residual_mlp blocks={cfg.blocks} dim={cfg.dim}", batch=[cfg.batch_size, cfg.seq, cfg.dim],
@@ -335,7 +350,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rates", default=DEFAULT_RATES,
                         help=f"comma-separated link rates, each shaped in turn (default {DEFAULT_RATES}); "
                         "units bit, kbit, mbit, gbit; 'unlimited' is the bare veth")
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per codec and link (default 8)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per codec and link (default 10)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
     parser.add_argument("--codecs", default=",".join(CODEC_NAMES),
                         help=f"comma-separated codecs (default all: {','.join(CODEC_NAMES)}); none is always added")
@@ -343,7 +358,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="skip the namespaces and shaped links; measure on loopback only")
     parser.add_argument("--dim", type=int, default=256, help="model width (default 256; the reference is 512)")
     parser.add_argument("--blocks", type=int, default=4, help="residual blocks (default 4; the reference is 8)")
-    parser.add_argument("--lr", type=float, default=0.5, help="SGD learning rate (default 0.5: the loss moves in few steps)")
+    parser.add_argument("--lr", type=float, default=0.5,
+                        help="SGD learning rate (default 0.5: the loss moves within a few steps)")
     for hidden in ("--connect", "--label", "--result-file", "--inner-config"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     parser.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)  # the driver, inside namespace A
@@ -397,15 +413,24 @@ def main(argv: list[str] | None = None) -> None:
     # SIGTERM unwinds like Ctrl-C, so the namespaces and nodes are removed either way.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     cfg = args.config
-    started = time.monotonic()
+    started, load_before = time.monotonic(), os.getloadavg()[0]
     print(f"residual_mlp blocks={cfg.blocks} dim={cfg.dim}, batch {cfg.batch_size}x{cfg.seq}x{cfg.dim} in "
           f"{cfg.micro_batches} micro-batches, 2 stages 1F1B, SGD lr {cfg.lr}; {cfg.warmup} warm-up + "
           f"{cfg.steps} timed steps per codec: {', '.join(cfg.codecs)}", flush=True)
-    results, mode, reason = measure(args, cfg)
+    try:
+        results, mode, reason = measure(args, cfg)
+    except KeyboardInterrupt:
+        print("interrupted; the namespaces and node processes are removed", file=sys.stderr)
+        raise SystemExit(130) from None
     for result in results:
         print("\n" + format_table(result))
     print()
-    print(json.dumps(summary_json(results, mode=mode, reason=reason, cfg=cfg, wall_s=time.monotonic() - started)))
+    # Other work on this machine moves step times more than a fast link does: say how busy it was.
+    load = {"load_avg_1min_start": load_before, "load_avg_1min_end": os.getloadavg()[0], "num_cpus": os.cpu_count()}
+    print(f"1-minute load average: {load['load_avg_1min_start']:.1f} at the start, "
+          f"{load['load_avg_1min_end']:.1f} at the end, on {os.cpu_count()} CPUs")
+    summary = summary_json(results, mode=mode, reason=reason, cfg=cfg, wall_s=time.monotonic() - started)
+    print(json.dumps({**summary, **{k: _rounded(v) for k, v in load.items()}}))
 
 
 if __name__ == "__main__":
