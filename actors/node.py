@@ -65,4 +65,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Everything this process owns is closed by now; a compute thread may still sit in
+    # a native call (a collective whose peer died), and joining it at interpreter exit
+    # would keep a stopped node alive. Flush and leave without waiting for it.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -32,6 +32,7 @@ class ProcessGroups:
     tensor: Any  # ProcessGroup of this stage's tensor-parallel shards
     data_size: int
     tensor_size: int
+    buffers: dict[int, torch.Tensor] = field(default_factory=dict)  # flat gradient buckets, by index
 
 
 def join_process_groups(config: dict[str, Any], mesh: Mesh, rank: int, job: str) -> ProcessGroups:
@@ -102,9 +103,19 @@ def average_gradients(
     return sent
 
 
+def _flat_buffer(groups: ProcessGroups, index: int, numel: int, like: torch.Tensor) -> torch.Tensor:
+    """The bucket's flat buffer, kept across steps: a fresh tens-of-MB tensor each step
+    costs page faults that take longer than the copy into it."""
+    buffer = groups.buffers.get(index)
+    if buffer is None or buffer.numel() != numel or buffer.dtype != like.dtype or buffer.device != like.device:
+        buffer = groups.buffers[index] = torch.empty(numel, dtype=like.dtype, device=like.device)
+    return buffer
+
+
 def _reduce_bucket(grads: list[torch.Tensor], groups: ProcessGroups, feedback: ErrorFeedback | None,
                    index: int) -> int:
-    flat = torch.cat([g.reshape(-1) for g in grads])
+    flat = _flat_buffer(groups, index, sum(g.numel() for g in grads), grads[0])
+    torch.cat([g.reshape(-1) for g in grads], out=flat)
     if feedback is None or not feedback.codec.lossy:
         dist.all_reduce(flat, group=groups.data)
         sent = flat.numel() * flat.element_size()

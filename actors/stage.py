@@ -181,7 +181,10 @@ class StageActor(Actor):
     async def on_stop(self) -> None:
         if self.executor is not None:
             if self._groups is not None:
-                await self.executor.compute(leave_process_groups)
+                try:  # a collective stuck on a lost peer must not hold up the stop
+                    await asyncio.wait_for(self.executor.compute(leave_process_groups), 5.0)
+                except TimeoutError:
+                    log.warning("could not leave the process group cleanly (a collective is stuck); stopping anyway")
             self.executor.close()
         if self._link is not None:
             self._link.close()

@@ -1,0 +1,245 @@
+"""The peers of ``benchmarks.mesh``: an actorpipe job on a (P, T, D) mesh, and the DP reduction.
+
+``MeshPeer`` keeps a ``LocalCluster`` of ``P * T * D`` nodes and one job on it up for
+the whole run, like the actorpipe peer of ``benchmarks.pipeline``, so that its timed
+steps can interleave with the other peers'. ``measure_reduction`` times
+``actors.parallel.average_gradients`` on the reference model's gradients against one
+raw gloo ``all_reduce`` of the same bytes, in two spawned processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import statistics
+import tempfile
+import time
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from benchmarks._torch_pipelining import BATCH_SHAPE, DIM, NUM_BLOCKS, build_model, reference_batch
+
+MODEL = "examples.models:residual_mlp"
+MICROBATCH_SIZE = 8  # DESIGN.md: 8 micro-batches of 8; each data-parallel replica keeps micro-batches of 8
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MeshShape:
+    """A job's mesh: pipeline stages, tensor-parallel and data-parallel degrees."""
+
+    pipeline: int
+    tensor: int
+    data: int
+
+    @classmethod
+    def parse(cls, text: str) -> MeshShape:
+        """``"P,T,D"`` to a shape.
+
+        Raises:
+            ValueError: not three positive integers, or a batch that does not split.
+        """
+        try:
+            pipeline, tensor, data = (int(part) for part in text.split(","))
+        except ValueError:
+            raise ValueError(f"a mesh is P,T,D (three integers), got {text!r}") from None
+        shape = cls(pipeline, tensor, data)
+        if min(pipeline, tensor, data) < 1 or pipeline > NUM_BLOCKS:
+            raise ValueError(f"mesh {text!r}: sizes must be >= 1 and P <= {NUM_BLOCKS} blocks")
+        if BATCH_SHAPE[0] % (data * MICROBATCH_SIZE):
+            raise ValueError(f"mesh {text!r}: the batch of {BATCH_SHAPE[0]} does not split into {data} replicas "
+                             f"of micro-batches of {MICROBATCH_SIZE}")
+        return shape
+
+    @property
+    def size(self) -> int:
+        return self.pipeline * self.tensor * self.data
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches per replica, so that every micro-batch holds ``MICROBATCH_SIZE`` samples."""
+        return BATCH_SHAPE[0] // (self.data * MICROBATCH_SIZE)
+
+    def __str__(self) -> str:
+        return f"({self.pipeline},{self.tensor},{self.data})"
+
+
+def unavailable_reason(exc: BaseException) -> str | None:
+    """The message of an error that says a mesh degree is not built yet; None for any other error.
+
+    A tree without tensor parallelism answers ``cluster.train(tensor_parallel=2)`` with a
+    ``RemoteError`` saying ``tensor_parallel > 1 is not available yet``; that peer is then
+    reported as null rather than failing the run. Every other error is a real failure.
+    """
+    message = str(getattr(exc, "message", exc))
+    if "tensor_parallel" in message and "not available" in message:
+        return message.splitlines()[0]
+    return None
+
+
+class MeshPeer:
+    """A ``LocalCluster`` of ``P * T * D`` nodes training the reference workload as one 1F1B job."""
+
+    def __init__(self, shape: MeshShape) -> None:
+        self.shape = shape
+        self.name = f"actorpipe_p{shape.pipeline}t{shape.tensor}d{shape.data}"
+        self.inputs, self.targets = reference_batch()
+        self.bubble_fractions: list[float] = []
+        self._stack = contextlib.AsyncExitStack()
+        self._job: Any = None
+        self._last_stats: Any = None
+        self._state: dict[str, torch.Tensor] | None = None
+
+    async def start(self) -> None:
+        """Starts the cluster and submits the job (closes the cluster again if that fails)."""
+        from actors import LocalCluster
+
+        try:
+            cluster = await self._stack.enter_async_context(LocalCluster(nodes=self.shape.size))
+            self._job = await cluster.train(
+                model=MODEL, model_kwargs={"blocks": NUM_BLOCKS, "dim": DIM},
+                loss="torch.nn.functional:mse_loss", optimizer=("torch.optim:SGD", {"lr": 0.01}),
+                pipeline_stages=self.shape.pipeline, tensor_parallel=self.shape.tensor,
+                data_parallel=self.shape.data, schedule="1f1b", micro_batches=self.shape.num_microbatches,
+                seed=0)
+            self._stack.push_async_callback(self._job.close)
+        except BaseException:
+            await self._stack.aclose()
+            raise
+
+    async def run(self, num_steps: int) -> list[float]:
+        """Runs ``num_steps`` steps; returns the driver's wall time of each."""
+        times = []
+        for _ in range(num_steps):
+            start = time.perf_counter()
+            self._last_stats = await self._job.step(self.inputs, self.targets)
+            times.append(time.perf_counter() - start)
+            self.bubble_fractions.append(float(self._last_stats.bubble_fraction))
+        return times
+
+    async def finish(self) -> list[int]:
+        """Gathers the trained model; returns peak RSS per global mesh rank (bytes)."""
+        self._state = dict(await self._job.state_dict())
+        return [int(rss) for rss in self._last_stats.peak_rss_bytes]
+
+    def trained_state(self) -> dict[str, torch.Tensor] | None:
+        return self._state
+
+    async def aclose(self) -> None:
+        await self._stack.aclose()
+
+
+# --- the data-parallel gradient reduction against raw gloo -------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ReductionResult:
+    """Median seconds per variant (``raw`` or ``bucket_<MiB>``) to reduce ``num_bytes`` of gradients."""
+
+    num_bytes: int
+    median_s: dict[str, float]
+    reps: int
+
+    def gbps(self, variant: str) -> float:
+        return self.num_bytes / self.median_s[variant] / 1e9
+
+
+def _reduction_worker(rank: int, store_path: str, bucket_mib: list[int], reps: int, results: Any) -> None:
+    """One of two ranks: times every variant ``reps`` times, rotated; rank 0 reports the slowest rank's medians."""
+    from actors.parallel import ProcessGroups, average_gradients
+
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2,
+                                timeout=datetime.timedelta(seconds=120))
+        groups = ProcessGroups(data=dist.new_group([0, 1]), tensor=None, data_size=2, tensor_size=1)
+        params = list(build_model().parameters())
+        generator = torch.Generator().manual_seed(rank)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=generator)
+        num_floats = sum(p.numel() for p in params)
+        flat = torch.randn(num_floats, generator=generator)
+
+        def raw() -> None:
+            # Summing doubles the values each rep: 2**(reps + 1) stays far inside float32.
+            dist.all_reduce(flat, group=groups.data)
+
+        variants = {"raw": raw} | {
+            f"bucket_{mib}": (lambda b=mib << 20: average_gradients(params, groups, b)) for mib in bucket_mib}
+        names = list(variants)
+        times: dict[str, list[float]] = {name: [] for name in names}
+        for rep in range(reps + 1):  # the first rep warms up and is dropped
+            shift = rep % len(names)
+            for name in names[shift:] + names[:shift]:
+                dist.barrier(group=groups.data)
+                start = time.perf_counter()
+                variants[name]()
+                if rep:
+                    times[name].append(time.perf_counter() - start)
+        # The slowest rank's time per rep: a collective ends when its last member does.
+        table = torch.tensor([times[name] for name in names], dtype=torch.float64)
+        dist.all_reduce(table, op=dist.ReduceOp.MAX, group=groups.data)
+        if rank == 0:
+            medians = {name: statistics.median(row.tolist()) for name, row in zip(names, table)}
+            results.put(("done", rank, (num_floats * 4, medians)))
+        else:
+            results.put(("done", rank, None))
+    except BaseException:
+        results.put(("error", rank, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def measure_reduction(bucket_mib: list[int], *, reps: int = 7, timeout: float = 300.0) -> ReductionResult:
+    """Times the bucketed DP reduction per bucket size against a raw all-reduce, in two processes.
+
+    Raises:
+        RuntimeError: a rank failed (with its traceback), died, or the whole took over ``timeout``.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="actorpipe-bench-reduce-") as tmp:
+        store = os.path.join(tmp, "store")
+        processes = [ctx.Process(target=_reduction_worker, args=(rank, store, bucket_mib, reps, results),
+                                 name=f"dp_reduce.rank{rank}", daemon=True) for rank in range(2)]
+        replies: dict[int, Any] = {}
+        try:
+            for process in processes:
+                process.start()
+            replies = _collect(results, processes, time.monotonic() + timeout)
+        finally:
+            for process in processes:  # a rank left waiting in gloo for a failed peer never returns: kill it
+                if process.pid is not None:
+                    process.join(timeout=5.0 if len(replies) == len(processes) else 0.0)
+                    if process.is_alive():
+                        process.kill()
+                        process.join()
+            results.close()
+            results.join_thread()
+    num_bytes, medians = replies[0]
+    return ReductionResult(num_bytes=num_bytes, median_s=medians, reps=reps)
+
+
+def _collect(results: Any, processes: list[Any], deadline: float) -> dict[int, Any]:
+    replies: dict[int, Any] = {}
+    while len(replies) < len(processes):
+        try:
+            kind, rank, payload = results.get(timeout=0.5)
+        except queue.Empty:
+            for process in processes:
+                if process.exitcode:
+                    raise RuntimeError(f"{process.name} exited with code {process.exitcode}") from None
+            if time.monotonic() > deadline:
+                raise RuntimeError("the reduction benchmark did not finish in time") from None
+            continue
+        if kind == "error":
+            raise RuntimeError(f"dp_reduce rank {rank} failed:\n{payload}")
+        replies[rank] = payload
+    return replies
