@@ -14,8 +14,9 @@ and the int4 packing relies on it. Decoding runs on CPU; encoding runs on the
 tensor's device and moves only the frames to CPU.
 
 On CPU, int8 and int4 run C kernels (`transport/_native/`, compiled on first use;
-about 5x faster) that write exactly the bytes of the torch path, which other devices,
-and machines without a C compiler, use.
+3x and 6x faster at 16 MiB). They write the same bytes as the torch path, which other
+devices and machines without a C compiler use, except in blocks holding NaN, which
+decode to NaN either way.
 """
 from __future__ import annotations
 
@@ -274,9 +275,10 @@ class _BlockCodec(Codec):
 
     Frames: (values, float32 scales). The values frame holds exactly the tensor's
     element count (int4: half of it, rounded up); the zero padding of the last block
-    exists only during the computation (a copy of the input when numel % block != 0).
-    Inputs are quantized in float32. NaN or inf in a block makes that block's decoded
-    values garbage (NaN or inf mostly), never an exception.
+    exists only during the computation (the torch path copies the input when numel %
+    block != 0). Inputs are quantized in float32. NaN or inf in a block makes that
+    block's decoded values garbage (NaN or inf mostly), never an exception. Codecs with
+    `native_bits` run the C kernels of transport/_native on CPU when they load.
     """
 
     lossy = True
@@ -315,7 +317,7 @@ class _BlockCodec(Codec):
     def encode(self, tensor: torch.Tensor) -> Encoded:
         dtype = self._check_dtype(tensor.dtype)
         flat = tensor.detach().to(torch.float32, memory_format=torch.contiguous_format).reshape(-1)
-        kernels = self._kernels(flat.device)
+        kernels = self._kernels(flat.device.type)
         if kernels is not None:
             assert self.native_bits is not None
             values, scale = kernels.encode(flat, bits=self.native_bits, block=self.block,
@@ -325,9 +327,9 @@ class _BlockCodec(Codec):
         return Encoded(codec=self.name, dtype=dtype, shape=tuple(tensor.shape),
                        params={"block": self.block}, frames=(_as_frame(values), _as_frame(scale)))
 
-    def _kernels(self, device: torch.device) -> _native.BlockQuantKernels | None:
-        """The C kernels when this codec has them and `device` is the CPU, else None."""
-        if self.native_bits is None or device.type != "cpu":
+    def _kernels(self, device_type: str) -> _native.BlockQuantKernels | None:
+        """The C kernels when this codec has them and the device is the CPU, else None."""
+        if self.native_bits is None or device_type != "cpu":
             return None
         return _native.blockquant()
 
@@ -355,7 +357,7 @@ class _BlockCodec(Codec):
         block = self._check_block(encoded.params)
         scale = _frame_as(encoded.frames[1], torch.float32)
         numel = math.prod(encoded.shape)
-        kernels = self._kernels(torch.device("cpu"))
+        kernels = self._kernels("cpu")
         if kernels is not None:
             assert self.native_bits is not None
             flat = kernels.decode(encoded.frames[0], scale, bits=self.native_bits, numel=numel,
@@ -380,22 +382,24 @@ class _BlockCodec(Codec):
         """Turn a values frame padded to whole blocks into float32 [blocks, block]."""
 
 
-def _round_to_int8_elementwise(scaled: torch.Tensor, qmax: int, zero_point: int) -> torch.Tensor:
-    """Return round-half-even(scaled) clamped to ±qmax, plus zero_point, as flat int8."""
-    return scaled.round().clamp_(-qmax, qmax).add_(zero_point).to(torch.int8).reshape(-1)
+def _round_to_int8_elementwise(scaled: torch.Tensor, qmax: int) -> torch.Tensor:
+    """Return round-half-even(scaled) clamped to ±qmax as flat int8."""
+    return scaled.round().clamp_(-qmax, qmax).to(torch.int8).reshape(-1)
 
 
-def _round_to_int8(scaled: torch.Tensor, qmax: int, zero_point: int) -> torch.Tensor:
-    """`_round_to_int8_elementwise`, fast on CPU; `scaled` must be within ±qmax."""
+def _round_to_int8(scaled: torch.Tensor, qmax: int) -> torch.Tensor:
+    """`_round_to_int8_elementwise`, fast on CPU, where it saturates to [-128, 127] instead.
+
+    Equal to the elementwise version wherever |scaled| <= qmax.
+    """
     if scaled.device.type != "cpu":
-        return _round_to_int8_elementwise(scaled, qmax, zero_point)
-    # On CPU, fbgemm's per-tensor quantize (scale 1) rounds, offsets and saturates in
-    # one vectorised pass, ~5x faster than round/clamp/cast. quantize_per_channel would
+        return _round_to_int8_elementwise(scaled, qmax)
+    # On CPU, fbgemm's per-tensor quantize (scale 1) rounds and saturates in one
+    # vectorised pass, ~5x faster than round/clamp/cast. quantize_per_channel would
     # apply the block scales itself but is a scalar loop (~1 GB/s) in torch 2.13.
-    # It saturates to [-128, 127] (NaN becomes -128), and adds the zero point before
-    # rounding, so a value within a float32 ulp of a tie may round the other way: still
-    # within the error bound, but not always bit-identical to the elementwise path.
-    quantized = torch.quantize_per_tensor(scaled, 1.0, zero_point, torch.qint8)
+    # NaN becomes 127. No zero point: torch 2.13's fbgemm adds it before rounding and
+    # 2.11's after, which moves values within a float32 ulp of a tie.
+    quantized = torch.quantize_per_tensor(scaled, 1.0, 0, torch.qint8)
     # int_repr() would copy, slowly; alias the quantized storage as int8 instead.
     # (quantized.view(torch.int8) looks equivalent but returns a tensor that segfaults.)
     return torch.empty(0, dtype=torch.int8).set_(
@@ -424,7 +428,7 @@ class Int8Codec(_BlockCodec):
     native_bits = 8
 
     def _encode_values(self, scaled: torch.Tensor) -> torch.Tensor:
-        return _round_to_int8(scaled, 127, 0)
+        return _round_to_int8(scaled, 127)
 
     def _decode_values(self, frame: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
         return _dequantize_int8(frame.view(torch.int8).view(-1, block), scale, 0)
@@ -471,10 +475,11 @@ class Int4Codec(_BlockCodec):
         return (numel + 1) // 2
 
     def _encode_values(self, scaled: torch.Tensor) -> torch.Tensor:
-        # Offset values 1..15 leave each byte's high nibble clear, so for an element
-        # pair read as one little-endian int16 w, the packed byte is the low byte of
-        # w | (w >> 4). Measured 4x faster than masking strided halves.
-        pairs = _round_to_int8(scaled, 7, 8).view(torch.int16)
+        # The clamp keeps ±inf at ±7 (fbgemm saturates to int8's range). Offset values
+        # 1..15 leave each byte's high nibble clear, so for an element pair read as one
+        # little-endian int16 w, the packed byte is the low byte of w | (w >> 4).
+        # Measured 4x faster than masking strided halves.
+        pairs = _round_to_int8(scaled, 7).clamp_(-7, 7).add_(8).view(torch.int16)
         return (pairs >> 4).bitwise_or_(pairs).to(torch.uint8)
 
     def _decode_values(self, frame: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:

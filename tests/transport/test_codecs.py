@@ -4,9 +4,14 @@ Run: .venv/bin/python -m pytest -q tests/transport/test_codecs.py
 """
 from __future__ import annotations
 
+import logging
+import os
+import shutil
 import subprocess
 import sys
+from contextlib import AbstractContextManager
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -15,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import array_shapes, arrays
 
-from transport import codecs
+from transport import _native, codecs
 from transport.codecs import (
     CODEC_NAMES, CodecError, Encoded, ErrorFeedback, decode, encode, get_codec,
 )
@@ -264,23 +269,26 @@ def test_fp16_saturates_instead_of_overflowing_and_leaves_fp16_input_alone() -> 
     assert h[0].isinf()  # the caller's tensor is not clamped in place
 
 
-@pytest.mark.parametrize("codec", ("int8", "int4"))
-def test_fast_rounding_matches_elementwise_reference(codec: str) -> None:
-    # The CPU path goes through fbgemm's quantize; other devices use the elementwise
-    # version. Both round half to even. fbgemm adds the zero point (int4: 8) before
-    # rounding, so a value within a float32 ulp of a tie may round the other way.
-    qmax, zero_point = QMAX[codec], {"int8": 0, "int4": 8}[codec]
+@pytest.mark.parametrize("qmax", (127, 7))
+def test_fast_rounding_matches_elementwise_reference(qmax: int) -> None:
+    # The torch path on CPU rounds with fbgemm's quantize; other devices use the
+    # elementwise version. Both round half to even, exactly: with no zero point in
+    # fbgemm, values within an ulp of a tie round the same in every torch version.
     scaled = torch.randn(256, 256) * qmax / 3
-    scaled[0, :6] = torch.tensor([0.5, 1.5, -0.5, -2.5, qmax, -qmax])
-    scaled[0, 6] = -2.500000238418579  # one float32 ulp past a tie: -3 exactly, -2 in fbgemm
+    scaled[0, :7] = torch.tensor([0.5, 1.5, -0.5, -2.5, qmax, -qmax, -2.500000238418579])
     scaled = scaled.clamp(-qmax, qmax).reshape(-1)
-    fast = codecs._round_to_int8(scaled.clone(), qmax, zero_point)
-    reference = codecs._round_to_int8_elementwise(scaled.clone(), qmax, zero_point)
-    assert fast[:6].tolist() == [v + zero_point for v in (0, 2, 0, -2, qmax, -qmax)]
-    differs = fast != reference
-    assert ((fast.int() - reference.int()).abs() <= 1).all()
-    assert ((scaled[differs].abs() % 1 - 0.5).abs() < 1e-6).all()
-    assert differs.sum() <= (1 if zero_point else 0)
+    fast = codecs._round_to_int8(scaled.clone(), qmax)
+    assert fast[:7].tolist() == [0, 2, 0, -2, qmax, -qmax, -3]
+    assert torch.equal(fast, codecs._round_to_int8_elementwise(scaled.clone(), qmax))
+
+
+def test_int4_rounds_before_adding_its_offset() -> None:
+    # absmax 7 gives a scale of 1; -2.5 - 1 ulp + 8 would round to 5.5, then to 6 (-2).
+    x = torch.tensor([7.0, -2.500000238418579, 2.5, -3.5])
+    expected = torch.tensor([7.0, -3.0, 2.0, -4.0])
+    assert torch.equal(decode(encode(x, "int4")), expected)
+    with torch_path():
+        assert torch.equal(decode(encode(x, "int4")), expected)
 
 
 # --- validation ----------------------------------------------------------------------
@@ -481,6 +489,171 @@ def test_error_feedback_with_lossless_codec_just_encodes() -> None:
         ErrorFeedback("gzip")
 
 
+# --- C kernels (transport/_native) ----------------------------------------------------
+
+
+NATIVE_CODECS = ("int8", "int4")
+NATIVE_BLOCKS = {"int8": (1, 7, 256), "int4": (2, 6, 256)}
+HAS_COMPILER = bool(os.environ.get("CC")) or any(shutil.which(c) for c in ("cc", "gcc", "clang"))
+requires_native = pytest.mark.skipif(
+    _native.blockquant() is None, reason="no C kernels: int8 and int4 run their torch path"
+)
+
+
+def torch_path() -> AbstractContextManager[object]:
+    """A context in which the codecs find no C kernels and take their torch path."""
+    return mock.patch.object(_native, "blockquant", lambda: None)
+
+
+def assert_same_encoding(native: Encoded, reference: Encoded) -> None:
+    """Frames equal byte for byte, except the values of blocks whose scale is NaN.
+
+    Such blocks decode to NaN whatever their values, and torch's NaN payloads and
+    NaN rounding vary with shapes and CPUs, so only NaN-ness is compared there.
+    """
+    (values, scales), (ref_values, ref_scales) = native.frames, reference.frames
+    nan = scales.view(torch.float32).isnan()
+    assert torch.equal(nan, ref_scales.view(torch.float32).isnan())
+    assert torch.equal(scales.view(torch.int32)[~nan], ref_scales.view(torch.int32)[~nan])
+    block = int(native.params["block"])
+    bytes_per_block = block if native.codec == "int8" else block // 2
+    keep = (~nan).repeat_interleave(bytes_per_block)[: values.numel()]
+    assert torch.equal(values[keep], ref_values[keep])
+
+
+def assert_same_decoding(encoded: Encoded) -> None:
+    """Both native decodes, cached and streaming stores, equal the torch path's."""
+    with torch_path():
+        reference = decode(encoded)
+    for stream_min_bytes in (0, 1 << 62):
+        with mock.patch.object(_native, "STREAM_MIN_BYTES", stream_min_bytes):
+            native = decode(encoded)
+        torch.testing.assert_close(native, reference, rtol=0, atol=0, equal_nan=True)
+
+
+def with_specials(n: int) -> torch.Tensor:
+    x = torch.randn(n)
+    x[3], x[300], x[600], x[900] = float("nan"), float("inf"), -float("inf"), float("nan")
+    x[901] = float("inf")
+    return x
+
+
+def near_ties(qmax: int) -> torch.Tensor:
+    """A block whose scaled values x * (1 / scale) all land within an ulp of a tie.
+
+    The absmax 3 * qmax makes 1 / scale float32(1/3), so (k + 0.5) * 3 scales to
+    k + 0.5 rounded; rounding the exact product instead (a fused multiply-add, or an
+    offset added before rounding) moves about half of them to the other integer.
+    """
+    return torch.tensor([3.0 * qmax] + [3 * (k + 0.5) for k in range(-qmax, qmax)])
+
+
+NATIVE_INPUTS = {
+    "empty": lambda: torch.empty(0),
+    "one": lambda: torch.tensor([0.3]),
+    "partial_block": lambda: torch.randn(3 * 256 + 37) * 5,
+    "odd_2d": lambda: torch.randn(3, 333),
+    "non_contiguous": lambda: torch.randn(50, 60)[::3, 1::2],
+    "expanded": lambda: torch.randn(7, 1).expand(7, 300),
+    # absmax 127 (int8) and 7 (int4) give a scale of exactly 1: every .5 is a tie.
+    "int8_ties": lambda: torch.arange(-254, 255).float() / 2,
+    "int4_ties": lambda: (torch.arange(-14, 15).float() / 2).repeat(20),
+    "int8_near_ties": lambda: near_ties(127),
+    "int4_near_ties": lambda: near_ties(7).repeat(17),
+    "tiny_and_huge": lambda: torch.tensor([1e-40, -3e-39, 0.0, -0.0] * 64 + [3.4e38, -1.0] * 128),
+    "zeros": lambda: torch.zeros(600),
+    "nan_and_inf": lambda: with_specials(4 * 256 + 3),
+    "float64": lambda: (torch.randn(1000) * 1e3).double(),
+    "float16": lambda: torch.randn(1000).half(),
+    "bfloat16": lambda: torch.randn(1000).bfloat16(),
+}
+
+
+def test_native_kernels_load_where_a_compiler_exists() -> None:
+    if not HAS_COMPILER or os.environ.get("ACTORPIPE_NATIVE") == "0":
+        pytest.skip("no C compiler, or the kernels are turned off")
+    kernels = _native.blockquant()
+    assert kernels is not None and kernels.path.exists()
+
+
+@requires_native
+@pytest.mark.parametrize(
+    "codec,block", [(c, b) for c in NATIVE_CODECS for b in NATIVE_BLOCKS[c]]
+)
+@pytest.mark.parametrize("case", NATIVE_INPUTS)
+def test_native_frames_match_the_torch_path(codec: str, block: int, case: str) -> None:
+    x = NATIVE_INPUTS[case]()
+    codec_ = make_codec(codec, block)
+    native = codec_.encode(x)
+    with torch_path():
+        reference = codec_.encode(x)
+    check_frames(native)
+    assert (native.dtype, native.shape, native.params) == (x.dtype, x.shape, {"block": block})
+    assert_same_encoding(native, reference)
+    assert_same_decoding(native)
+
+
+@requires_native
+def test_native_frames_match_the_torch_path_at_benchmark_size() -> None:
+    x = torch.randn(1 << 22)
+    native = encode(x, "int8")
+    with torch_path():
+        reference = encode(x, "int8")
+    assert all(torch.equal(a, b) for a, b in zip(native.frames, reference.frames))
+    assert_same_decoding(native)
+
+
+@pytest.mark.parametrize("cc", ["/nonexistent/cc", "false"])
+def test_loader_falls_back_with_a_warning_when_the_build_fails(
+    cc: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("CC", cc)
+    monkeypatch.setenv("ACTORPIPE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("ACTORPIPE_NATIVE", raising=False)
+    with caplog.at_level(logging.WARNING, logger=_native.__name__):
+        assert _native._load() is None
+    assert len(caplog.records) == 1 and "torch path" in caplog.records[0].getMessage()
+    assert not list(tmp_path.glob("*.so")) and not list(tmp_path.glob("*.tmp"))
+
+
+def test_loader_is_off_when_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ACTORPIPE_NATIVE", "0")
+    assert _native._load() is None
+
+
+@requires_native
+def test_loader_compiles_once_then_reuses_the_cached_library(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("ACTORPIPE_CACHE_DIR", str(tmp_path))
+    first = _native._load()
+    assert first is not None and first.path.parent == tmp_path
+
+    def no_compiler(*args: object, **kwargs: object) -> None:
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(subprocess, "run", no_compiler)
+    second = _native._load()
+    assert second is not None and second.path == first.path
+
+
+@pytest.mark.slow
+@requires_native
+def test_concurrent_processes_build_one_library(tmp_path: Path) -> None:
+    code = "from transport import _native; print(_native.blockquant().path)"
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "ACTORPIPE_CACHE_DIR": str(tmp_path)}
+    processes = [
+        subprocess.Popen([sys.executable, "-c", code], cwd=root, env=env, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for _ in range(3)
+    ]
+    outputs = [process.communicate(timeout=50) for process in processes]
+    assert all(process.returncode == 0 for process in processes), outputs
+    assert len({stdout for stdout, _ in outputs}) == 1
+    assert [path.suffix for path in tmp_path.iterdir() if path.suffix != ".lock"] == [".so"]
+
+
 # --- properties ----------------------------------------------------------------------
 
 
@@ -553,3 +726,48 @@ def test_property_any_bytes_of_the_right_size_decode_without_raising(
     )
     y = decode(Encoded(codec=codec, dtype=dtype, shape=shape, params=params, frames=frames))
     assert y.shape == shape and y.dtype == dtype
+
+
+ANY_FLOAT32 = arrays(
+    np.float32,
+    array_shapes(min_dims=1, max_dims=2, min_side=0, max_side=40),
+    elements=st.floats(width=32),  # NaN, inf, subnormals and huge values included
+)
+
+
+@requires_native
+@settings(max_examples=200)
+@given(data=ANY_FLOAT32, codec=st.sampled_from(NATIVE_CODECS), block=st.sampled_from([2, 6, 256]))
+def test_property_native_frames_match_the_torch_path(
+    data: np.ndarray, codec: str, block: int
+) -> None:
+    x = torch.from_numpy(data)
+    codec_ = make_codec(codec, block)
+    native = codec_.encode(x)
+    with torch_path():
+        reference = codec_.encode(x)
+    assert_same_encoding(native, reference)
+    assert_same_decoding(native)
+
+
+@requires_native
+@settings(max_examples=200)
+@given(
+    codec=st.sampled_from(NATIVE_CODECS),
+    numel=st.integers(0, 600),
+    block=st.sampled_from([2, 6, 256]),
+    data=st.data(),
+)
+def test_property_native_decodes_any_bytes_like_the_torch_path(
+    codec: str, numel: int, block: int, data: st.DataObject
+) -> None:
+    params: dict[str, int | float | str] = {"block": block}
+    sizes = get_codec(codec).frame_sizes(torch.float32, (numel,), params)
+    frames = tuple(
+        torch.frombuffer(bytearray(data.draw(st.binary(min_size=n, max_size=n))) or bytearray(1),
+                         dtype=torch.uint8)[:n]
+        for n in sizes
+    )
+    assert_same_decoding(
+        Encoded(codec=codec, dtype=torch.float32, shape=(numel,), params=params, frames=frames)
+    )
