@@ -42,6 +42,10 @@ class Inbox:
             slot = self._slots[key] = asyncio.get_running_loop().create_future()
         return slot
 
+    def resize(self, limit: int) -> None:
+        """Sets how many values may wait at once (it scales with the micro-batch count)."""
+        self._limit = limit
+
     def put(self, key: tuple[int, str, int, int], value: torch.Tensor) -> None:
         slot = self._slot(key)
         if slot.done():

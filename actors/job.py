@@ -123,6 +123,12 @@ class Job:
         state = torch.load(os.path.join(os.fspath(directory), _CHECKPOINT_FILE), weights_only=True)
         await self.load_state_dict(state)
 
+    async def trace(self, path: str | os.PathLike[str]) -> None:
+        """Writes the last step's measured timeline as Chrome/Perfetto trace JSON (on the head's clock)."""
+        trace = await self._scheduler.ask("trace", self.id, timeout=60)
+        with open(path, "w") as f:
+            json.dump(trace, f)
+
     async def close(self) -> None:
         """Stops the job's stage actors."""
         await self._scheduler.ask("close_job", self.id, timeout=60)

@@ -120,6 +120,8 @@ class StageActor(Actor):
         self._groups: ProcessGroups | None = None
         self._specs: dict[str, list[int]] = {}
         self._link = DistLink() if self.config.transport == "dist" else None
+        self._step = -1
+        self._codecs = {"F": list(self.config.activation_codec), "B": list(self.config.gradient_codec)}
         self._mesh = Mesh(**dict(zip(("pipeline", "tensor", "data"), self.config.mesh)))
         codec = self.config.reduce_codec
         self._reduce_feedback = ErrorFeedback(codec) if get_codec(codec).lossy else None
@@ -144,8 +146,12 @@ class StageActor(Actor):
             thread.shutdown(wait=False)
             raise
         cfg = self.config
-        limit = 4 * cfg.num_microbatches * max(1, len(cfg.stages)) + 16
-        self.executor = StepExecutor(model, Inbox(limit), self._send, cfg.num_microbatches, thread)
+        self.executor = StepExecutor(model, Inbox(self._inbox_limit(cfg.num_microbatches)), self._send,
+                                     cfg.num_microbatches, thread)
+
+    def _inbox_limit(self, num_microbatches: int) -> int:
+        # Each micro-batch brings at most one activation and one gradient per held stage.
+        return 4 * num_microbatches * max(1, len(self.config.stages)) + 16
 
     def _build(self, allow: Sequence[str], device: torch.device) -> StageModel:
         cfg = self.config
@@ -209,6 +215,7 @@ class StageActor(Actor):
         targets: list[torch.Tensor] | None = None,
         data_step: int | None = None,
         data_shard: list[int] | None = None,
+        num_microbatches: int | None = None,
     ) -> dict[str, Any]:
         """Runs ``program`` up to its barrier; returns the step's trace, or what failed.
 
@@ -218,6 +225,12 @@ class StageActor(Actor):
         """
         assert self.executor is not None
         actions = [Action.parse(text) for text in program]
+        self._step = step
+        if num_microbatches is not None:  # changed on a running job (at the barrier, by the scheduler)
+            if num_microbatches < 1:
+                raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
+            self.executor.num_microbatches = num_microbatches
+            self.executor.inbox.resize(self._inbox_limit(num_microbatches))
         if data_step is not None:
             inputs, targets = self._read_data(data_step, data_shard or [0, 1])
         self._edge_stats = {}
@@ -306,6 +319,22 @@ class StageActor(Actor):
             return
         self.executor.inbox.put(key, value)
 
+    @endpoint
+    async def set_codecs(self, activation_codec: list[str], gradient_codec: list[str]) -> None:
+        """Changes the boundaries' codecs from the next step on (called at the barrier).
+
+        A gradient boundary whose codec changes starts its error feedback afresh.
+        """
+        for codecs in (activation_codec, gradient_codec):
+            if len(codecs) != self.config.num_stages - 1:
+                raise ValueError(f"expected one codec per boundary ({self.config.num_stages - 1}), got {codecs}")
+            for codec in codecs:
+                get_codec(codec)
+        for edge, codec in enumerate(gradient_codec):
+            if codec != self._codecs["B"][edge]:
+                self._feedback[edge] = ErrorFeedback(codec)
+        self._codecs = {"F": list(activation_codec), "B": list(gradient_codec)}
+
     @endpoint(concurrent=True)
     async def clock(self) -> float:
         """This node's wall clock, for estimating its offset from the head's by round trips."""
@@ -317,6 +346,7 @@ class StageActor(Actor):
         executor = self.executor
         return {
             "rank": self.config.rank,
+            "step": self._step,
             "current": None if executor is None or executor.current is None else str(executor.current),
             "done": 0 if executor is None else executor.done_actions,
         }
@@ -359,7 +389,7 @@ class StageActor(Actor):
         forward = action.kind is ActionKind.SEND_F
         target_stage = action.stage + 1 if forward else action.stage - 1
         edge = min(action.stage, target_stage)
-        codec = (cfg.activation_codec if forward else cfg.gradient_codec)[edge]
+        codec = self._codecs["F" if forward else "B"][edge]
         assert self.executor is not None and action.microbatch is not None
         payload: Any = value
         sq_err = 0.0
@@ -416,6 +446,7 @@ class StageActor(Actor):
         inputs, targets = self._data(data_step)
         index, count = shard  # this replica's share of the global batch
         inputs, targets = inputs.chunk(count)[index], targets.chunk(count)[index]
-        m = self.config.num_microbatches
+        assert self.executor is not None
+        m = self.executor.num_microbatches
         return (list(inputs.chunk(m)) if 0 in self.config.stages else None,
                 list(targets.chunk(m)) if self.config.num_stages - 1 in self.config.stages else None)

@@ -30,6 +30,7 @@ from actors._registry import DEFAULT_ALLOW, load_object, register_actor
 from actors.mesh import Coords, Mesh
 from actors.program import stage_to_rank
 from actors.tensor_parallel import ShardSpec, gather_tensor_parallel_state, shard_state
+from schedulers.control import ControlEndpoints, JobControl, Subscribers
 from schedulers.jobs import JobSpec
 from schedulers.partition import partition_by_parameters, partition_uniform
 from schedulers.schedules import build_schedule
@@ -52,15 +53,17 @@ class _Job:
     next_step: int = 0
     last_trace: list[dict[str, Any]] = field(default_factory=list)
     store: Any = None  # the torch.distributed rendezvous this job's stages use, if any
+    control: JobControl = field(default_factory=lambda: JobControl(stage_micro_batches=0))  # the console's controls
 
 
 @register_actor("scheduler")
-class SchedulerActor(Actor):
-    """Places jobs on nodes and runs their steps."""
+class SchedulerActor(ControlEndpoints, Actor):
+    """Places jobs on nodes and runs their steps (and, from :class:`ControlEndpoints`, the console's controls)."""
 
     def __init__(self) -> None:
         self._jobs: dict[str, _Job] = {}
         self._ids = itertools.count()
+        self._subscribers = Subscribers()
 
     def _allow(self) -> tuple[str, ...]:
         context = self.node_context
@@ -90,8 +93,10 @@ class SchedulerActor(Actor):
             for ref, c in ((ref, mesh.coords(g)) for g, ref in enumerate(stages))
         ))
         self._jobs[job_id] = _Job(id=job_id, spec=job_spec, mesh=mesh, stages=stages,
-                                  nodes=[n["name"] for n in nodes], bounds=bounds, programs=programs, store=store)
+                                  nodes=[n["name"] for n in nodes], bounds=bounds, programs=programs, store=store,
+                                  control=JobControl(stage_micro_batches=job_spec.micro_batches))
         log.info("%s: %s on %s", job_id, job_spec.schedule, ", ".join(n["name"] for n in nodes))
+        self._publish({"type": "job_created", "job": job_id, "nodes": [n["name"] for n in nodes]})
         return {"job": job_id, "bounds": bounds, "nodes": [n["name"] for n in nodes]}
 
     def _rendezvous(self, spec: JobSpec, mesh: Mesh) -> tuple[Any, dict[str, Any] | None]:
@@ -180,17 +185,26 @@ class SchedulerActor(Actor):
         """
         job = self._job(job_id)
         async with job.lock:
+            await self._apply_pending(job)  # settings changed with set_option take effect here, between steps
             step = job.next_step
             job.next_step += 1
             calls = self._step_calls(job, step, inputs, targets)
+            for call in calls.values():
+                call.update(self._step_kwargs(job))
             started = time.perf_counter()
-            results = await self._run_to_barrier(job, step, calls)
-            reduced_bytes = await self._release(job, step)
+            try:
+                results = await self._run_to_barrier(job, step, calls)
+                reduced_bytes = await self._release(job, step)
+            except StepFailed as failure:
+                raise self._step_failed(job, step, failure) from None
             elapsed = time.perf_counter() - started
         job.last_trace = results
         # One loss per replica: the last stage's first tensor-parallel shard reports it.
         reporters = [r for g, r in enumerate(results) if job.mesh.coords(g).tensor == 0]
-        return {**_step_stats(step, results, reporters, elapsed), "reduce_bytes": reduced_bytes}
+        stats = {**_step_stats(step, results, reporters, elapsed), "reduce_bytes": reduced_bytes}
+        samples = inputs.shape[0] if inputs is not None else job.spec.data_kwargs.get("batch_size")
+        self._step_finished(job, stats, samples if isinstance(samples, int) else None)
+        return stats
 
     def _step_calls(
         self, job: _Job, step: int, inputs: torch.Tensor | None, targets: torch.Tensor | None
@@ -262,17 +276,11 @@ class SchedulerActor(Actor):
         return None
 
     async def _timeout_failure(self, job: _Job) -> StepFailed:
-        async def where(ref: ActorRef) -> str:
-            try:
-                progress = await ref.ask("progress", timeout=5)
-                return f"stage {progress['rank']} at {progress['current'] or 'the barrier'}"
-            except ActorError as exc:
-                return f"{ref.name} did not answer ({exc.message})"
-
-        report = await asyncio.gather(*(where(ref) for ref in job.stages))
+        # Hang forensics: where each stage is, which send or receive never matched, the marked grid.
+        report, lines = await self._hang_report(job)
         return StepFailed(
-            f"step timed out after {job.spec.step_timeout_s}s: " + "; ".join(report),
-            details={"stage": None, "action": None, "cause": "timeout", "where": report},
+            f"step timed out after {job.spec.step_timeout_s}s:\n{report}",
+            details={"stage": None, "action": None, "cause": "timeout", "where": lines},
         )
 
     async def _abort(self, job: _Job, step: int, tasks: Mapping[int, asyncio.Future[Any]]) -> None:
@@ -353,9 +361,11 @@ class SchedulerActor(Actor):
     async def close_job(self, job_id: str) -> None:
         job = self._jobs.pop(job_id, None)
         if job is not None:
+            self._cancel_run(job)
             async with job.lock:
                 await self._stop_stages(job.stages)
             job.store = None  # the rendezvous server goes with its last reference
+            self._publish({"type": "job_closed", "job": job_id})
 
     @endpoint(concurrent=True)
     async def jobs(self) -> list[dict[str, Any]]:

@@ -1,0 +1,346 @@
+"""The console's commands: one table, each entry with its usage, help and argument kinds.
+
+A command is ``name ARG...``, words split like a shell's; ``;`` separates commands on
+one line. Wherever a command takes a JOB, ``last`` names the job this console
+submitted last (for scripts: ``submit cfg.json; run last 10``). Handlers raise :class:`~schedulers.console.session.CommandError` for what
+the user should fix; the message says how.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shlex
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from actors.job import Job
+from schedulers.config import ConfigError, load_config
+from schedulers.console import render
+from schedulers.console.session import CommandError, Session
+from schedulers.control import SETTABLE
+from schedulers.trace import plot_trace
+
+__all__ = ["COMMANDS", "Command", "execute", "split_commands"]
+
+Handler = Callable[[Session, list[str]], Awaitable[bool | None]]  # True: leave the console
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Command:
+    """One console command.
+
+    Attributes:
+        usage: e.g. ``"run JOB N"``.
+        summary: one line for ``help``.
+        details: what ``help NAME`` adds.
+        args: the kind of each positional argument, for completion: ``job``, ``key``,
+            ``value``, ``path``, ``command``, ``int`` or ``flag``.
+        min_args, max_args: how many words may follow the name.
+    """
+
+    name: str
+    usage: str
+    summary: str
+    details: str
+    args: tuple[str, ...]
+    min_args: int
+    max_args: int
+    handler: Handler
+
+
+COMMANDS: dict[str, Command] = {}
+
+
+def command(usage: str, summary: str, details: str = "", *, args: tuple[str, ...] = (),
+            min_args: int = 0, max_args: int | None = None) -> Callable[[Handler], Handler]:
+    """Registers a handler under the first word of ``usage``."""
+    def register(handler: Handler) -> Handler:
+        name = usage.split()[0]
+        COMMANDS[name] = Command(name=name, usage=usage, summary=summary, details=details, args=args,
+                                 min_args=min_args, max_args=len(args) if max_args is None else max_args,
+                                 handler=handler)
+        return handler
+    return register
+
+
+def split_commands(line: str) -> list[list[str]]:
+    """``'run job0 5; status'`` -> ``[["run", "job0", "5"], ["status"]]``, quoting as a shell does.
+
+    Raises:
+        CommandError: unbalanced quotes.
+    """
+    lexer = shlex.shlex(line, posix=True, punctuation_chars=";")
+    lexer.whitespace_split = True
+    commands: list[list[str]] = [[]]
+    try:
+        for token in lexer:
+            if token and set(token) == {";"}:
+                commands.append([])
+            else:
+                commands[-1].append(token)
+    except ValueError as exc:
+        raise CommandError(f"cannot split {line!r}: {exc}") from None
+    return [c for c in commands if c]
+
+
+async def execute(session: Session, words: list[str]) -> bool:
+    """Runs one command; returns True when the console should end.
+
+    Raises:
+        CommandError: unknown command, wrong arguments, or the command failed.
+    """
+    name, args = words[0], words[1:]
+    cmd = COMMANDS.get(name)
+    if cmd is None:
+        raise CommandError(f"unknown command {name!r}; try 'help' (commands: {', '.join(sorted(COMMANDS))})")
+    if not cmd.min_args <= len(args) <= cmd.max_args:
+        raise CommandError(f"usage: {cmd.usage}")
+    args = [session.resolve_job(a) if kind == "job" else a for a, kind in zip(args, cmd.args)] + args[len(cmd.args):]
+    return bool(await cmd.handler(session, args))
+
+
+def _print(session: Session, text: str) -> None:
+    session.out.print(text, markup=False, highlight=False, soft_wrap=True)
+
+
+# -- the cluster ------------------------------------------------------------------------
+
+
+@command("help [COMMAND]", "list the commands, or explain one", args=("command",))
+async def _help(session: Session, args: list[str]) -> None:
+    if args:
+        cmd = COMMANDS.get(args[0])
+        if cmd is None:
+            raise CommandError(f"no command {args[0]!r}; commands: {', '.join(sorted(COMMANDS))}")
+        _print(session, f"{cmd.usage}\n  {cmd.summary}" + (f"\n  {cmd.details}" if cmd.details else ""))
+        return
+    unique = {cmd.name: cmd for cmd in COMMANDS.values()}.values()  # aliases (exit) once
+    width = max(len(c.usage) for c in unique)
+    for cmd in unique:
+        _print(session, f"  {cmd.usage.ljust(width)}  {cmd.summary}")
+    _print(session, "Separate commands with ';'. Tab completes commands, jobs, keys and paths.")
+
+
+@command("nodes", "the cluster's nodes: name, state, device, host, pid, memory, last heartbeat")
+async def _nodes(session: Session, args: list[str]) -> None:
+    session.out.print(render.nodes_table(await session.cluster.nodes()))
+
+
+@command("jobs", "every job: schedule, mesh, nodes, steps, state")
+async def _jobs(session: Session, args: list[str]) -> None:
+    infos = await session.refresh()
+    if not infos:
+        _print(session, "no jobs; start one with 'submit CONFIG.json'")
+        return
+    session.out.print(render.jobs_table(infos))
+
+
+@command("status [JOB] [--actions]", "the last step: loss, step time, samples/s, bubble, bytes per edge",
+         "Without JOB, one line per job. --actions asks every stage where it is now and prints the programs' "
+         "grid with each stage's action marked, naming any send or receive that never matched (hang forensics).",
+         args=("job", "flag"), max_args=2)
+async def _status(session: Session, args: list[str]) -> None:
+    actions = "--actions" in args
+    args = [a for a in args if a != "--actions"]
+    if not args and not actions:
+        infos = await session.refresh()
+        if not infos:
+            _print(session, "no jobs")
+            return
+        session.out.print(render.status_table(infos))
+        return
+    job_id = session.job_arg(args, "status JOB [--actions]")
+    for line in render.job_detail(await session.describe(job_id)):
+        _print(session, line)
+    if actions:
+        where = await session.ask("where", job_id)
+        _print(session, where["report"])
+
+
+@command("schedule [JOB]", "the job's compiled schedule as a stage-by-time grid", args=("job",))
+async def _schedule(session: Session, args: list[str]) -> None:
+    info = await session.describe(session.job_arg(args, "schedule JOB"))
+    _print(session, render.schedule_grid(info))
+
+
+# -- jobs ---------------------------------------------------------------------------------
+
+
+@command("submit CONFIG.json", "start a job from a DeepSpeed-style JSON config",
+         "See schedulers/config.py and examples/gpt_config.json for the keys. Afterwards the job name "
+         "'last' stands for this job, e.g. 'submit cfg.json; run last 10'.", args=("path",), min_args=1)
+async def _submit(session: Session, args: list[str]) -> None:
+    try:
+        spec = load_config(args[0])
+    except (ConfigError, OSError) as exc:
+        raise CommandError(f"{args[0]}: {exc}") from None
+    _print(session, f"submitting {spec['model']} on {spec['pipeline_stages']} stages ...")
+    try:
+        job = await session.cluster.train(**spec)
+    except Exception as exc:  # noqa: BLE001 - whatever refused the job, the user reads why
+        raise CommandError(f"{args[0]}: the scheduler refused the job: {getattr(exc, 'message', exc)}") from None
+    if job.id not in session.job_ids:
+        session.job_ids.append(job.id)
+    session.last_submitted = job.id
+    _print(session, f"submitted {job.id}: {spec['schedule']}, {spec['micro_batches']} micro-batches, "
+                    f"stages on {', '.join(job.nodes)}, layers {job.bounds}")
+
+
+@command("run JOB N", "take N steps from the job's data factory, with a progress bar",
+         "At the prompt the run goes on in the background (progress in the bottom bar, steps in the feed; "
+         "'wait JOB' blocks until it ends). With --exec it waits, and a failed step fails the command.",
+         args=("job", "int"), min_args=2)
+async def _run(session: Session, args: list[str]) -> None:
+    job_id, steps = args[0], _int_arg(args[1], "N")
+    await session.ask("run", job_id, steps)
+    if session.interactive:
+        _print(session, f"{job_id}: running {steps} steps ('pause {job_id}', 'wait {job_id}', 'stop {job_id}')")
+        return
+    await _wait_for_run(session, job_id)
+
+
+@command("wait JOB", "block until the job's run ends; fails if it failed", args=("job",), min_args=1)
+async def _wait(session: Session, args: list[str]) -> None:
+    await _wait_for_run(session, args[0])
+
+
+@command("pause JOB", "hold the job's run at the next accumulation barrier", args=("job",), min_args=1)
+async def _pause(session: Session, args: list[str]) -> None:
+    state = await session.ask("pause", args[0])
+    running = (state.get("run") or {}).get("active")
+    _print(session, f"{args[0]}: " + ("pausing after the step in progress" if running else "paused"))
+
+
+@command("resume JOB", "let a paused run go on", args=("job",), min_args=1)
+async def _resume(session: Session, args: list[str]) -> None:
+    await session.ask("resume", args[0])
+    _print(session, f"{args[0]}: resumed")
+
+
+@command("stop JOB", "end the job's run after the step in progress", args=("job",), min_args=1)
+async def _stop(session: Session, args: list[str]) -> None:
+    await session.ask("stop_run", args[0])
+    _print(session, f"{args[0]}: stopping after the step in progress")
+
+
+@command("set JOB KEY VALUE", f"change {', '.join(SETTABLE)} at the next barrier",
+         "The job keeps its weights and optimizer state; the change applies before the next step. "
+         "Codecs take a name or a comma-separated list (one per stage boundary).",
+         args=("job", "key", "value"), min_args=3)
+async def _set(session: Session, args: list[str]) -> None:
+    job_id, key, value = args
+    answer = await session.ask("set_option", job_id, key, value)
+    when = "after the step in progress reaches its barrier" if answer.get("stepping") else \
+        f"before step {answer.get('next_step')}"
+    _print(session, f"{job_id}: {key}={answer['value']} set; it applies at the next barrier ({when})")
+
+
+@command("checkpoint JOB DIR", "save the whole model to DIR (atomically), at the next barrier",
+         args=("job", "path"), min_args=2)
+async def _checkpoint(session: Session, args: list[str]) -> None:
+    info = await session.describe(args[0])
+    job = Job(session.cluster, session.scheduler, info, info["spec"])
+    try:
+        await job.save(args[1])
+    except OSError as exc:
+        raise CommandError(f"cannot write {args[1]}: {exc}") from None
+    _print(session, f"{args[0]}: checkpoint of step {info['steps']} written to {args[1]}")
+
+
+@command("close JOB", "stop the job's stage actors", args=("job",), min_args=1)
+async def _close(session: Session, args: list[str]) -> None:
+    await session.ask("close_job", args[0])
+    session.job_ids = [j for j in session.job_ids if j != args[0]]
+    _print(session, f"{args[0]}: closed")
+
+
+# -- traces ---------------------------------------------------------------------------------
+
+
+@command("trace JOB FILE", "write the last step's measured timeline as Chrome/Perfetto trace JSON",
+         "One track per stage actor, a span per action, transfers as flow arrows; every node's clock is "
+         "aligned to the head's. Open it at https://ui.perfetto.dev.", args=("job", "path"), min_args=2)
+async def _trace(session: Session, args: list[str]) -> None:
+    trace = await session.ask("trace", args[0])
+    _write_json(args[1], trace)
+    events = trace["traceEvents"]
+    tracks = sum(1 for e in events if e.get("name") == "thread_name")
+    spans = sum(1 for e in events if e.get("ph") == "X")
+    flows = sum(1 for e in events if e.get("ph") == "s")
+    offsets = ", ".join(f"{name} {1e3 * off:+.2f} ms" for name, off in trace["otherData"]["clock_offsets_s"].items())
+    _print(session, f"{args[0]}: wrote {args[1]}: step {trace['otherData'].get('step')}, {tracks} tracks, "
+                    f"{spans} spans, {flows} transfers (clock offsets: {offsets})")
+
+
+@command("plot JOB FILE.png", "draw the last step's timeline as a PNG: stages as rows, idle time visible",
+         args=("job", "path"), min_args=2)
+async def _plot(session: Session, args: list[str]) -> None:
+    trace = await session.ask("trace", args[0])
+    try:
+        await asyncio.to_thread(plot_trace, trace, args[1])
+    except ImportError:
+        raise CommandError("plot needs matplotlib: pip install matplotlib") from None
+    except OSError as exc:
+        raise CommandError(f"cannot write {args[1]}: {exc}") from None
+    _print(session, f"{args[0]}: wrote {args[1]} ({os.path.getsize(args[1])} bytes)")
+
+
+@command("quit", "leave the console, also 'exit' or Ctrl-D (jobs keep running)")
+async def _quit(session: Session, args: list[str]) -> bool:
+    return True
+
+
+COMMANDS["exit"] = COMMANDS["quit"]
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def _int_arg(text: str, name: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise CommandError(f"{name} must be a whole number, got {text!r}") from None
+    if value < 1:
+        raise CommandError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+def _write_json(path: str, data: Any) -> None:
+    try:
+        directory = os.path.dirname(os.path.abspath(path))
+        os.makedirs(directory, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError as exc:
+        raise CommandError(f"cannot write {path}: {exc}") from None
+
+
+async def _wait_for_run(session: Session, job_id: str) -> None:
+    """Polls the job until its run ends; a bar on stderr when a script waits, the feed when a person does."""
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[loss]}"),
+               TimeElapsedColumn())
+    bar = Progress(*columns, console=Console(stderr=True), transient=True, disable=session.interactive)
+    with bar:
+        task = bar.add_task(job_id, total=None, loss="")
+        while True:
+            info = await session.describe(job_id)
+            run = info.get("run") or {}
+            loss = (info.get("last_stats") or {}).get("loss")
+            bar.update(task, completed=run.get("done", 0), total=run.get("target"),
+                       loss="" if loss is None else f"loss {loss:.4f}" + (" (paused)" if info.get("paused") else ""))
+            if not run.get("active"):
+                break
+            await asyncio.sleep(0.2)
+    if not run:
+        raise CommandError(f"{job_id} has no run; start one with 'run {job_id} N'")
+    if run.get("error"):
+        raise CommandError(f"{job_id}: run failed after {run['done']}/{run['target']} steps: {run['error']}")
+    last = f", loss {loss:.4f}" if loss is not None else ""
+    _print(session, f"{job_id}: ran {run['done']}/{run['target']} steps (now at step {info['steps']}){last}")

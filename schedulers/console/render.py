@@ -1,0 +1,171 @@
+"""What the console prints: tables, one-line events, progress bars. Pure functions of the data."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rich.table import Table
+
+from actors.program import Action
+from schedulers.grid import format_grid
+
+__all__ = [
+    "event_line", "format_bytes", "job_status", "jobs_table", "nodes_table", "progress_bar", "schedule_grid",
+    "status_table",
+]
+
+
+def format_bytes(n: float | None) -> str:
+    """``1536`` -> ``"1.5 KiB"``."""
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _number(value: Any, spec: str = ".4f", missing: str = "-") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return missing
+    return format(value, spec)
+
+
+def progress_bar(done: int, total: int, width: int = 20) -> str:
+    """``[######--------------] 6/20`` as plain text, for the toolbar and logs."""
+    filled = 0 if total <= 0 else min(width, round(width * done / total))
+    return f"[{'#' * filled}{'-' * (width - filled)}] {done}/{total}"
+
+
+def nodes_table(nodes: Sequence[Mapping[str, Any]]) -> Table:
+    """The head's nodes: name, state, device, host, pid, memory, last heartbeat."""
+    table = Table(title="nodes", title_justify="left")
+    for column in ("name", "state", "device", "host", "pid", "memory", "last heartbeat"):
+        table.add_column(column, justify="right" if column in ("pid", "memory", "last heartbeat") else "left")
+    for n in sorted(nodes, key=lambda n: str(n.get("name"))):
+        table.add_row(str(n.get("name")), str(n.get("state")), str(n.get("device")), str(n.get("host")),
+                      str(n.get("pid")), format_bytes(n.get("memory_bytes")),
+                      f"{float(n.get('last_heartbeat_age_s', 0.0)):.1f} s ago")
+    return table
+
+
+def job_status(info: Mapping[str, Any]) -> str:
+    """One word for where a job is: running 3/10, paused, failed, idle."""
+    run = info.get("run") or {}
+    if run.get("active"):
+        state = f"running {run.get('done', 0)}/{run.get('target', 0)}"
+        return state + (" (paused)" if info.get("paused") else "")
+    if info.get("paused"):
+        return "paused"
+    if run.get("error"):
+        return "failed"
+    return "idle"
+
+
+def jobs_table(infos: Sequence[Mapping[str, Any]]) -> Table:
+    """Every job: schedule, mesh, nodes, steps taken, state."""
+    table = Table(title="jobs", title_justify="left")
+    for column in ("job", "schedule", "micro-batches", "mesh (p x t x d)", "nodes", "steps", "state"):
+        table.add_column(column)
+    for info in infos:
+        spec = info.get("spec", {})
+        table.add_row(str(info["job"]), str(spec.get("schedule")), str(spec.get("micro_batches")),
+                      " x ".join(map(str, info.get("mesh", []))), ", ".join(info.get("nodes", [])),
+                      str(info.get("steps")), job_status(info))
+    return table
+
+
+def status_table(infos: Sequence[Mapping[str, Any]]) -> Table:
+    """Every job's last step: loss, step time, samples/s, bubble."""
+    table = Table(title="status", title_justify="left")
+    for column in ("job", "step", "loss", "step time", "samples/s", "bubble", "state"):
+        table.add_column(column, justify="left" if column in ("job", "state") else "right")
+    for info in infos:
+        stats = info.get("last_stats") or {}
+        table.add_row(str(info["job"]), _number(stats.get("step"), "d"), _number(stats.get("loss")),
+                      _number(stats.get("step_time_s"), ".3f") + " s" if stats else "-",
+                      _number(stats.get("samples_per_s"), ".1f"),
+                      _number(stats.get("bubble_fraction"), ".1%"), job_status(info))
+    return table
+
+
+def job_detail(info: Mapping[str, Any]) -> list[str]:
+    """A job's status as lines: layout, last step, run, pending settings, bytes per edge."""
+    spec, stats = info.get("spec", {}), info.get("last_stats") or {}
+    mesh = info.get("mesh", [1, 1, 1])
+    lines = [
+        f"{info['job']}: {spec.get('model')} | schedule {spec.get('schedule')}, {spec.get('micro_batches')} "
+        f"micro-batches | {mesh[0]} stages x {mesh[1]} tp x {mesh[2]} dp on {', '.join(info.get('nodes', []))} "
+        f"| codecs {spec.get('activation_codec')}/{spec.get('gradient_codec')} | {job_status(info)}",
+    ]
+    if stats:
+        lines.append(
+            f"step {stats.get('step')}: loss {_number(stats.get('loss'))}, step time "
+            f"{_number(stats.get('step_time_s'), '.3f')} s, {_number(stats.get('samples_per_s'), '.1f')} samples/s, "
+            f"bubble {_number(stats.get('bubble_fraction'), '.1%')}, {format_bytes(stats.get('bytes_sent'))} "
+            f"between stages (schedule {stats.get('schedule')}, {stats.get('micro_batches')} micro-batches)")
+        edges = stats.get("bytes_per_edge") or {}
+        if edges:
+            lines.append("bytes per edge: " + ", ".join(f"{edge} {format_bytes(n)}" for edge, n in sorted(edges.items())))
+    else:
+        lines.append(f"no step finished yet ({info.get('steps', 0)} started)")
+    run = info.get("run")
+    if run:
+        outcome = "running" if run.get("active") else ("failed: " + str(run["error"]) if run.get("error") else "finished")
+        lines.append(f"run: {progress_bar(run.get('done', 0), run.get('target', 0))} {outcome}")
+    if info.get("pending"):
+        lines.append("pending until the next barrier: "
+                     + ", ".join(f"{k}={v}" for k, v in sorted(info["pending"].items())))
+    return lines
+
+
+def schedule_grid(info: Mapping[str, Any]) -> str:
+    """The job's compiled programs as a stage-by-time grid, with a one-line header."""
+    spec = info.get("spec", {})
+    programs = {rank: [Action.parse(a) for a in program] for rank, program in enumerate(info.get("programs", []))}
+    header = (f"{info['job']}: {spec.get('schedule')}, {len(programs)} stages, {spec.get('micro_batches')} "
+              "micro-batches (one column per action slot; - idle)")
+    return header + "\n" + format_grid(programs)
+
+
+def event_line(event: Mapping[str, Any]) -> str | None:
+    """One line for an event from the head or the scheduler (None: not worth a line)."""
+    kind, job = event.get("type"), event.get("job")
+    if kind == "node_joined":
+        return f"+ node {event.get('node')} joined"
+    if kind == "node_left":
+        return f"- node {event.get('node')} left"
+    if kind == "node_lost":
+        return f"! node {event.get('node')} lost (silent {_number(event.get('silent_s'), '.1f')} s)"
+    if kind == "step_finished":
+        run = event.get("run")
+        where = f" [{run['done']}/{run['target']}]" if run else ""
+        return (f"{job} step {event.get('step')}{where} {event.get('schedule')}: loss {_number(event.get('loss'))}, "
+                f"{_number(event.get('step_time_s'), '.3f')} s, bubble {_number(event.get('bubble_fraction'), '.0%')}")
+    if kind == "job_failed":
+        return f"! {job} step {event.get('step')} failed: {event.get('error')}"
+    if kind == "job_created":
+        return f"+ {job} created on {', '.join(event.get('nodes', []))}"
+    if kind == "job_closed":
+        return f"- {job} closed"
+    if kind == "job_paused":
+        return f"{job} paused before step {event.get('step')}"
+    if kind == "job_resumed":
+        return f"{job} resumed at step {event.get('step')}"
+    if kind == "run_started":
+        return f"{job} run of {event.get('steps')} steps started" + (" (paused)" if event.get("paused") else "")
+    if kind == "run_finished":
+        outcome = {"done": "finished", "stopped": "stopped", "failed": "failed", "cancelled": "cancelled"}
+        return f"{job} run {outcome.get(str(event.get('reason')), event.get('reason'))} after {event.get('done')}/" \
+               f"{event.get('target')} steps"
+    if kind == "setting_pending":
+        return f"{job}: {event.get('key')}={event.get('value')} requested; it applies at the next barrier"
+    if kind == "settings_applied":
+        changes = ", ".join(f"{k}={v}" for k, v in sorted((event.get("changes") or {}).items()))
+        return f"{job}: now {changes}, from step {event.get('step')} on"
+    if kind == "setting_rejected":
+        return f"! {job}: {event.get('error')}"
+    return None

@@ -1,0 +1,187 @@
+"""A console's connection to a cluster: the scheduler, the live event feed, what completion knows."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from rich.console import Console
+
+from actors._actor import Actor, endpoint
+from actors._errors import ActorError
+from actors._ref import ActorRef
+from actors.cluster import Cluster
+
+__all__ = ["CommandError", "Session", "open_session"]
+
+EventHandler = Callable[[dict[str, Any]], None]
+
+
+class CommandError(Exception):
+    """A command the user got wrong, or that failed; the message says what to do."""
+
+
+class _Feed(Actor):
+    """Receives the head's and the scheduler's events and hands them to the console."""
+
+    def __init__(self, handler: EventHandler) -> None:
+        self.handler = handler
+
+    @endpoint
+    async def on_event(self, event: dict[str, Any]) -> None:
+        self.handler(event)
+
+
+class Session:
+    """What every command works with.
+
+    Attributes:
+        cluster: the connection to the head.
+        out: where commands print (stdout, through prompt_toolkit when interactive).
+        interactive: a person at a prompt (``run`` returns at once) or a script (``run`` waits).
+        job_ids: the jobs the scheduler had when last asked (for completion).
+        runs: per job, the latest run progress the feed reported (for the toolbar).
+    """
+
+    def __init__(self, cluster: Cluster, out: Console, *, interactive: bool) -> None:
+        self.cluster = cluster
+        self.scheduler: ActorRef = cluster.scheduler
+        self.out = out
+        self.interactive = interactive
+        self.job_ids: list[str] = []
+        self.runs: dict[str, dict[str, Any]] = {}
+        self.num_nodes = 0
+        self.last_submitted: str | None = None  # what the job name "last" stands for
+        self.on_event: EventHandler | None = None
+        self._feed: ActorRef | None = None
+
+    @property
+    def address(self) -> str:
+        return self.cluster.head.address
+
+    async def ask(self, method: str, *args: Any, timeout: float = 60.0) -> Any:
+        """Calls the scheduler; a remote error becomes a :class:`CommandError` with its message."""
+        try:
+            return await self.scheduler.ask(method, *args, timeout=timeout)
+        except ActorError as exc:
+            raise CommandError(_message(exc)) from None
+
+    async def refresh(self) -> list[dict[str, Any]]:
+        """Fetches every job's description (and remembers the names and node count)."""
+        listed = await self.ask("jobs")
+        infos = []
+        for entry in listed:
+            try:
+                infos.append(await self.ask("describe", entry["job"]))
+            except CommandError:  # closed in between
+                continue
+        self.job_ids = [info["job"] for info in infos]
+        for info in infos:
+            if info.get("run"):
+                self.runs[info["job"]] = {**info["run"], "paused": info.get("paused", False),
+                                          "loss": (info.get("last_stats") or {}).get("loss")}
+        nodes = await self.cluster.nodes()
+        self.num_nodes = sum(1 for n in nodes if n["state"] == "alive")
+        return infos
+
+    async def describe(self, job_id: str) -> dict[str, Any]:
+        info: dict[str, Any] = await self.ask("describe", job_id)
+        return info
+
+    def resolve_job(self, name: str) -> str:
+        """A job name as typed: ``last`` is the job this console submitted last.
+
+        Raises:
+            CommandError: ``last`` before any ``submit``.
+        """
+        if name != "last":
+            return name
+        if self.last_submitted is None:
+            raise CommandError("'last' names the job this console submitted last, but it has submitted none")
+        return self.last_submitted
+
+    def job_arg(self, args: list[str], usage: str) -> str:
+        """The job a command names, or the only one there is."""
+        if args:
+            return args[0]
+        if len(self.job_ids) == 1:
+            return self.job_ids[0]
+        raise CommandError(f"which job? usage: {usage}; jobs: {', '.join(self.job_ids) or 'none'}")
+
+    async def start_feed(self) -> None:
+        """Subscribes to the head's node events and the scheduler's job events."""
+        self._feed = await self.cluster.runtime.spawn(_Feed(self._dispatch), "console-feed")
+        await self.cluster.head.ask("subscribe", self._feed.address, self._feed.name, timeout=10)
+        await self.scheduler.ask("subscribe", self._feed.address, self._feed.name, timeout=10)
+
+    async def stop_feed(self) -> None:
+        if self._feed is None:
+            return
+        for ref in (self.cluster.head, self.scheduler):
+            with contextlib.suppress(ActorError, OSError):
+                await ref.ask("unsubscribe", self._feed.address, self._feed.name, timeout=2)
+        self._feed = None
+
+    def _dispatch(self, event: dict[str, Any]) -> None:
+        self._track(event)
+        if self.on_event is not None:
+            self.on_event(event)
+
+    def _track(self, event: dict[str, Any]) -> None:
+        """Keeps completion and the toolbar current from the events alone."""
+        kind, job = event.get("type"), event.get("job")
+        if kind == "job_created" and job not in self.job_ids:
+            self.job_ids.append(str(job))
+        elif kind == "job_closed":
+            self.job_ids = [j for j in self.job_ids if j != job]
+            self.runs.pop(str(job), None)
+        elif kind == "node_joined":
+            self.num_nodes += 1
+        elif kind in ("node_left", "node_lost"):
+            self.num_nodes = max(0, self.num_nodes - 1)
+        elif kind == "run_started":
+            self.runs[str(job)] = {"done": 0, "target": event.get("steps", 0), "active": True,
+                                   "paused": event.get("paused", False), "loss": None}
+        elif str(job) in self.runs:
+            run = self.runs[str(job)]
+            if kind == "step_finished" and event.get("run"):
+                run.update(done=event["run"]["done"], loss=event.get("loss"))
+            elif kind == "job_paused":
+                run["paused"] = True
+            elif kind == "job_resumed":
+                run["paused"] = False
+            elif kind == "run_finished":
+                run.update(active=False, done=event.get("done", run["done"]))
+
+
+def _message(exc: ActorError) -> str:
+    """The remote error's message; a KeyError's comes quoted (its str is the key's repr)."""
+    message = exc.message
+    if exc.remote_type == "KeyError" and len(message) > 1 and message[0] == message[-1] and message[0] in "'\"":
+        return message[1:-1]
+    return message
+
+
+@contextlib.asynccontextmanager
+async def open_session(address: str, out: Console, *, interactive: bool, bind: str = "tcp://127.0.0.1:0",
+                       allow_remote: bool = False, timeout: float = 10.0) -> AsyncIterator[Session]:
+    """Connects to the head at ``address`` and subscribes to its events, for the life of the block.
+
+    Raises:
+        CommandError: the head did not answer.
+    """
+    try:
+        cluster = await Cluster.connect(address, bind=bind, allow_remote=allow_remote, timeout=timeout)
+    except (ActorError, OSError) as exc:
+        raise CommandError(f"cannot reach the head at {address}: {exc}; is `python -m actors.node --head` "
+                           "running there?") from None
+    session = Session(cluster, out, interactive=interactive)
+    try:
+        if interactive:
+            await session.start_feed()
+        await session.refresh()
+        yield session
+    finally:
+        await session.stop_feed()
+        await cluster.close()

@@ -1,0 +1,403 @@
+"""The console, driven as a person drives it: through a pseudo-terminal, against a LocalCluster.
+
+One cluster (head + 2 nodes) serves the module from a background thread; each test
+starts ``python -m schedulers.console --connect ADDRESS`` in a pty (pexpect) or, for
+``--exec``, as a plain subprocess, and reads what it prints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pexpect
+import pytest
+
+from prompt_toolkit.completion import CompleteEvent
+from prompt_toolkit.document import Document
+
+from actors import LocalCluster
+from schedulers.console.commands import execute, split_commands
+from schedulers.console.render import event_line
+from schedulers.console.repl import ConsoleCompleter
+from schedulers.console.session import CommandError, Session
+from schedulers.schedules import build_schedule
+from transport.loop import run
+
+pytestmark = pytest.mark.timeout(120)
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPT = "actorpipe>"  # the renderer moves the cursor instead of printing the trailing space
+CPR_REQUEST = "\x1b[6n"
+
+SMALL_CONFIG: dict[str, Any] = {
+    "train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,  # so 4 micro-batches
+    "optimizer": {"type": "SGD", "params": {"lr": 0.05}},
+    "model": {"factory": "examples.models:residual_mlp", "kwargs": {"blocks": 4, "dim": 16, "hidden": 32}},
+    "data": {"factory": "examples.data:regression_batches", "kwargs": {"seq": 4, "dim": 16, "learnable": True}},
+    "pipeline": {"stages": 2, "schedule": "1f1b"},
+}
+
+
+class _ClusterThread:
+    """A LocalCluster on its own event loop in a thread, so that the tests can block on pexpect."""
+
+    def __init__(self) -> None:
+        self.address = ""
+        self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._serve, name="local-cluster", daemon=True)
+
+    def __enter__(self) -> str:
+        self._thread.start()
+        if not self._ready.wait(90) or self._error is not None:
+            raise RuntimeError("the LocalCluster did not start") from self._error
+        return self.address
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(60)
+
+    def _serve(self) -> None:
+        try:
+            run(self._main())
+        except BaseException as exc:  # noqa: BLE001 - reported to the fixture
+            self._error = exc
+            self._ready.set()
+
+    async def _main(self) -> None:
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        async with LocalCluster(nodes=2) as cluster:
+            # What a person would do with --allow: the hang test names a model under tests.helpers.
+            await cluster._admit(["tests.helpers"])
+            self.address = cluster.head.address
+            self._ready.set()
+            await self._stop.wait()
+
+
+@pytest.fixture(scope="module")
+def head_address() -> Iterator[str]:
+    with _ClusterThread() as address:
+        yield address
+
+
+class Terminal:
+    """The console in a pseudo-terminal: type, and wait for text on the screen.
+
+    What the console writes is read as a person sees it: escape sequences (colours,
+    cursor moves) are dropped before matching, so ``schedule`` matches even when
+    completion drew ``sched`` and ``ule`` separately. prompt_toolkit asks the
+    terminal where its cursor is (CPR) each time it draws a prompt; a real terminal
+    answers, and so does this one, so that the bottom bar (which needs the answer)
+    is drawn as a person would see it.
+    """
+
+    def __init__(self, address: str, tmp_path: Path) -> None:
+        env = {**os.environ, "TERM": "xterm", "NO_COLOR": "1", "COLUMNS": "200", "LINES": "50"}
+        self.child = pexpect.spawn(
+            sys.executable, ["-m", "schedulers.console", "--connect", address, "--history", str(tmp_path / "hist")],
+            cwd=str(ROOT), env=env, dimensions=(50, 200), encoding="utf-8", timeout=60)
+        self.raw = ""
+        self.text = ""  # the screen's text so far, escapes removed
+        self.pos = 0  # where the next expect starts looking
+        self._answered = 0
+
+    def expect(self, pattern: str, timeout: float = 60) -> re.Match[str]:
+        """Waits for ``pattern`` after the last match; returns the match."""
+        regex = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        while True:
+            match = regex.search(self.text, self.pos)
+            if match is not None:
+                self.pos = match.end()
+                return match
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{pattern!r} did not appear; the screen ends with:\n{self.text[-3000:]}")
+            try:
+                self.raw += self.child.read_nonblocking(65536, timeout=0.2)
+            except pexpect.TIMEOUT:
+                continue
+            while self._answered < self.raw.count(CPR_REQUEST):
+                self.child.send("\x1b[50;1R")  # the cursor is on the bottom row
+                self._answered += 1
+            last = self.raw.rfind("\x1b")  # an escape cut in two by the read waits for its end
+            complete = self.raw if last < 0 or _ESCAPES.match(self.raw, last) else self.raw[:last]
+            self.text = _ESCAPES.sub("", complete)
+
+    def command(self, line: str, *patterns: str) -> list[re.Match[str]]:
+        """Types ``line``, waits for each pattern in turn, then for the next prompt."""
+        self.child.sendline(line)
+        matches = [self.expect(p) for p in patterns]
+        self.expect(PROMPT)
+        return matches
+
+    def close(self, tmp_path: Path) -> None:
+        (tmp_path / "screen.txt").write_text(self.text)  # what the screen showed, for a failure
+        if self.child.isalive():
+            self.child.terminate(force=True)
+
+
+_ESCAPES = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[()][A-Z0-9]|\x1b[=>]|\r")
+
+
+def exec_console(address: str, script: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "schedulers.console", "--connect", address, "--history", "",
+                           "--exec", script], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_a_session_at_the_prompt(head_address: str, tmp_path: Path) -> None:
+    config = tmp_path / "small.json"
+    config.write_text(json.dumps(SMALL_CONFIG))
+    term = Terminal(head_address, tmp_path)
+    try:
+        term.expect(r"connected to .*: 2 nodes, 0 jobs")
+        term.expect(PROMPT)
+        term.command("help", r"set JOB KEY VALUE +change micro_batches, schedule", r"plot JOB FILE\.png")
+        term.command("help run", r"run JOB N\s+take N steps")
+        term.command("nodes", r"node0 +│ alive", r"node1 +│ alive")
+        (submitted,) = term.command(f"submit {config}", r"submitted (job\d+): 1f1b, 4 micro-batches")
+        job = submitted.group(1)
+
+        # Tab completes the command, then the job's name.
+        term.child.send("sched\t")
+        term.expect("schedule")
+        term.child.send(" \t")
+        term.expect(job)
+        term.command("", rf"{job}: 1f1b, 2 stages, 4 micro-batches", r"1: -\s+-\s+1RECV_F0")
+
+        # A long run in the background: steps in the feed, a progress bar in the bottom bar.
+        term.command(f"run {job} 2000", rf"{job}: running 2000 steps")
+        term.expect(rf"{job} step \d+ \[\d+/2000\] 1f1b: loss \d")
+        term.expect(rf"{job} \[[#-]+\] \d+/2000 loss")
+        # The feed prints above a half-typed line without breaking it.
+        term.child.send(f"status {job[:2]}")
+        term.expect(rf"{job} step \d+ \[\d+/2000\]")
+        term.expect(rf"{job} step \d+ \[\d+/2000\]")
+        term.child.send(f"{job[2:]}\r")
+        term.expect(rf"{job}: examples.models:residual_mlp \| schedule 1f1b")
+        term.expect(PROMPT)
+        term.command(f"pause {job}")
+        paused_at = int(term.expect(rf"{job} paused before step (\d+)").group(1))
+        term.command(f"set {job} activation_codec int8",
+                     rf"{job}: activation_codec=int8 set; it applies at the next barrier")
+        term.command(f"set {job} schedule gpipe", rf"{job}: schedule=gpipe set; it applies at the next barrier")
+        term.command(f"status {job}", r"running \d+/2000 \(paused\)", r"pending until the next barrier: .*schedule=gpipe")
+        term.command(f"resume {job}")
+        term.expect(rf"{job}: now .*schedule=gpipe.*, from step {paused_at} on")
+        term.expect(rf"{job} step {paused_at} \[\d+/2000\] gpipe: loss")  # the very next step ran gpipe
+        term.command(f"stop {job}")
+        term.expect(rf"{job} run stopped after \d+/2000 steps")
+
+        gpipe_row = r"0: 0F0 +0SEND_F0 +0F1 +0SEND_F1 +0F2"  # every forward first: not 1F1B's order
+        term.command(f"schedule {job}", rf"{job}: gpipe, 2 stages", gpipe_row)
+        term.child.send("\x1b[A")  # history: the same command again
+        term.expect(f"schedule {job}")
+        term.command("", gpipe_row)
+        _, edges = term.command(f"status {job}", r"loss \d+\.\d+, step time [\d.]+ s, [\d.]+ samples/s, bubble [\d.]+%",
+                                r"bytes per edge: B 1->0 ([\d.]+) (KiB|B), F 0->1 ([\d.]+) (KiB|B)")
+        # int8 activations since the barrier: the forward edge carries a quarter of the raw
+        # gradient's tensor bytes, plus message headers that weigh on tensors this small.
+        scale = {"B": 1, "KiB": 1024}
+        gradient_bytes = float(edges.group(1)) * scale[edges.group(2)]
+        activation_bytes = float(edges.group(3)) * scale[edges.group(4)]
+        assert activation_bytes < 0.5 * gradient_bytes, edges.group(0)
+
+        trace_path, png_path, checkpoint = tmp_path / "step.json", tmp_path / "step.png", tmp_path / "ckpt"
+        term.command(f"trace {job} {trace_path}", r"wrote .*: step \d+, 2 tracks, 32 spans, 8 transfers")
+        term.command(f"plot {job} {png_path}", rf"wrote {re.escape(str(png_path))}")
+        term.command(f"checkpoint {job} {checkpoint}", r"checkpoint of step \d+ written")
+        term.command(f"close {job}", rf"{job}: closed")
+        term.child.sendline("quit")
+        term.child.expect(pexpect.EOF, timeout=30)
+        term.child.close()
+        assert term.child.exitstatus == 0
+    finally:
+        term.close(tmp_path)
+
+    _check_trace(json.loads(trace_path.read_text()), schedule="gpipe")
+    _check_png(png_path)
+    assert (checkpoint / "model.pt").is_file() and (checkpoint / "job.json").is_file()
+
+
+def _check_trace(trace: dict[str, Any], *, schedule: str) -> None:
+    """One track per stage, exactly the program's actions as spans, a flow per transfer."""
+    events = trace["traceEvents"]
+    tracks = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    assert sorted(tracks.values()) == ["stage 0 (node0)", "stage 1 (node1)"] or \
+        sorted(tracks.values()) == ["stage 0 (node1)", "stage 1 (node0)"]
+    programs = build_schedule(schedule, 2, 4)
+    for tid, name in tracks.items():
+        rank = int(name.split()[1])
+        expected = [str(a) for a in programs[rank] if a.kind.value not in ("BARRIER", "REDUCE", "STEP")]
+        spans = sorted((e for e in events if e.get("ph") == "X" and e["tid"] == tid), key=lambda e: e["ts"])
+        assert [e["name"] for e in spans] == expected  # in program order on the head's clock
+        assert all(e["dur"] >= 0 and e["args"]["microbatch"] is not None for e in spans)
+    flows = [e for e in events if e.get("ph") == "s"]
+    assert len(flows) == 8 and {e["ph"] for e in events if e.get("cat") == "transfer"} == {"s", "f"}
+    assert trace["otherData"]["schedule"] == schedule and set(trace["otherData"]["clock_offsets_s"]) == \
+        set(tracks.values())
+
+
+def _check_png(path: Path) -> None:
+    from PIL import Image
+
+    with Image.open(path) as image:
+        assert image.format == "PNG"
+        width, height = image.size
+    assert width == 1000 and 150 <= height <= 500
+
+
+@pytest.mark.slow
+def test_exec_runs_a_script_of_commands_and_the_example_config(head_address: str, tmp_path: Path) -> None:
+    trace_path = tmp_path / "gpt.json"
+    done = exec_console(head_address, f"submit examples/gpt_config.json; run last 2; status last; "
+                                      f"trace last {trace_path}; close last")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert re.search(r"submitted job\d+: 1f1b, 4 micro-batches", done.stdout)
+    assert re.search(r"job\d+: ran 2/2 steps \(now at step 2\), loss \d", done.stdout)
+    assert "examples.models:gpt | schedule 1f1b, 4 micro-batches" in done.stdout
+    _check_trace(json.loads(trace_path.read_text()), schedule="1f1b")
+
+
+@pytest.mark.slow
+def test_exec_fails_at_the_first_command_that_fails(head_address: str, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**SMALL_CONFIG, "train_batch_size": 30, "gradient_accumulation_steps": 4}))
+    scripts = {  # (unknown commands and bad usage are refused before any call: see the fast tests below)
+        "missing job": "nodes; status nosuchjob; jobs",
+        "bad config": f"submit {bad}",
+    }
+    with_threads: dict[str, subprocess.CompletedProcess[str]] = {}
+
+    def go(name: str) -> None:
+        with_threads[name] = exec_console(head_address, scripts[name])
+
+    threads = [threading.Thread(target=go, args=(name,)) for name in scripts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(100)
+    results = with_threads
+    assert all(r.returncode == 1 for r in results.values()), {k: r.stdout for k, r in results.items()}
+    missing = results["missing job"].stdout
+    assert "node0" in missing and "error: no job 'nosuchjob'; running:" in missing
+    assert "jobs" not in missing.split("error:")[1]  # nothing ran after the failure
+    assert "train_batch_size: expected 8 = train_micro_batch_size_per_gpu (2) * gradient_accumulation_steps " \
+           "(4) * data_parallel (1), got 30" in results["bad config"].stdout
+
+
+@pytest.mark.slow
+def test_a_hung_step_reports_where_each_stage_is_stuck(head_address: str, tmp_path: Path) -> None:
+    config = tmp_path / "stall.json"
+    config.write_text(json.dumps({
+        **SMALL_CONFIG, "step_timeout_s": 1.5,
+        # Every forward sleeps 3 s: at the timeout stage 0 is still in its first one.
+        "model": {"factory": "tests.helpers.models:stalling", "kwargs": {"layers": 2, "dim": 16, "seconds": 3.0}},
+    }))
+    done = exec_console(head_address, f"submit {config}; run last 1")
+    assert done.returncode == 1
+    out = done.stdout
+    assert "step timed out after 1.5s" in out
+    assert "stage 1 waits at 1RECV_F0: stage 0 never reached 0SEND_F0 (stuck at 0F0)" in out
+    assert "stage 0 is computing 0F0 (0 of 16 actions done)" in out
+    assert re.search(r"0: >0F0< +0SEND_F0", out) and re.search(r"1: -\s+-\s+>1RECV_F0<", out)
+
+
+# -- fast: no cluster --------------------------------------------------------------------
+
+
+class _Offline:
+    """Enough of a Session for what needs no cluster: job names for completion and ``last``."""
+
+    def __init__(self, job_ids: list[str]) -> None:
+        self.job_ids = job_ids
+        self.last_submitted: str | None = None
+
+    resolve_job = Session.resolve_job
+
+
+@pytest.mark.parametrize(("line", "expected"), [
+    ("jobs", [["jobs"]]),
+    ("run job0 5; status job0 --actions", [["run", "job0", "5"], ["status", "job0", "--actions"]]),
+    ("trace job0 'my trace.json';;quit;", [["trace", "job0", "my trace.json"], ["quit"]]),
+    ("  ", []),
+])
+def test_lines_split_into_commands_like_a_shell(line: str, expected: list[list[str]]) -> None:
+    assert split_commands(line) == expected
+
+
+@pytest.mark.parametrize(("words", "message"), [
+    (["frobnicate"], "unknown command 'frobnicate'; try 'help'"),
+    (["run"], "usage: run JOB N"),
+    (["set", "job0", "schedule"], "usage: set JOB KEY VALUE"),
+    (["status", "job0", "--actions", "more"], r"usage: status \[JOB\] \[--actions\]"),
+    (["run", "last", "5"], "'last' names the job this console submitted last, but it has submitted none"),
+])
+def test_wrong_commands_are_refused_before_anything_is_asked(words: list[str], message: str) -> None:
+    with pytest.raises(CommandError, match=message):
+        asyncio.run(execute(_Offline([]), words))  # type: ignore[arg-type]
+
+
+def test_an_unclosed_quote_is_refused() -> None:
+    with pytest.raises(CommandError, match="No closing quotation"):
+        split_commands("trace job0 'unclosed")
+
+
+@pytest.mark.parametrize(("typed", "expected"), [
+    ("", ["checkpoint", "close", "exit", "help", "jobs", "nodes", "pause", "plot", "quit", "resume", "run",
+          "schedule", "set", "status", "stop", "submit", "trace", "wait"]),
+    ("sch", ["schedule"]),
+    ("run job", ["job0", "job12"]),
+    ("pause job1", ["job12"]),
+    ("status ", ["job0", "job12", "--actions"]),
+    ("status job0 ", ["--actions"]),
+    ("set job0 ", ["micro_batches", "schedule", "activation_codec", "gradient_codec"]),
+    ("set job0 schedule ", ["gpipe", "1f1b", "interleaved", "zero_bubble"]),
+    ("set job0 gradient_codec in", ["int8", "int4"]),
+    ("help pa", ["pause"]),
+    ("jobs; res", ["resume"]),
+    ("run job0 5 ", []),
+])
+def test_tab_completes_commands_jobs_keys_and_values(typed: str, expected: list[str]) -> None:
+    completer = ConsoleCompleter(_Offline(["job0", "job12"]))  # type: ignore[arg-type]
+    found = [c.text for c in completer.get_completions(Document(typed, len(typed)), CompleteEvent())]
+    assert sorted(found) == sorted(expected)
+
+
+def test_tab_completes_paths(tmp_path: Path) -> None:
+    (tmp_path / "gpt_config.json").write_text("{}")
+    completer = ConsoleCompleter(_Offline([]))  # type: ignore[arg-type]
+    typed = f"submit {tmp_path}/gpt_"
+    found = [c.text for c in completer.get_completions(Document(typed, len(typed)), CompleteEvent())]
+    assert found == ["config.json"]
+
+
+@pytest.mark.parametrize(("event", "line"), [
+    ({"type": "node_joined", "node": "n2"}, "+ node n2 joined"),
+    ({"type": "node_lost", "node": "n1", "silent_s": 2.31}, "! node n1 lost (silent 2.3 s)"),
+    ({"type": "step_finished", "job": "job0", "step": 4, "loss": 1.5, "step_time_s": 0.0421, "bubble_fraction": 0.25,
+      "schedule": "1f1b", "run": {"done": 5, "target": 10}},
+     "job0 step 4 [5/10] 1f1b: loss 1.5000, 0.042 s, bubble 25%"),
+    ({"type": "job_failed", "job": "job0", "step": 3, "error": "step failed: stage 1 at 1F2: boom"},
+     "! job0 step 3 failed: step failed: stage 1 at 1F2: boom"),
+    ({"type": "settings_applied", "job": "job0", "step": 7, "changes": {"schedule": "gpipe"}},
+     "job0: now schedule=gpipe, from step 7 on"),
+    ({"type": "run_finished", "job": "job0", "done": 3, "target": 10, "reason": "stopped"},
+     "job0 run stopped after 3/10 steps"),
+    ({"type": "something_new"}, None),
+])
+def test_events_print_as_one_line(event: dict[str, Any], line: str | None) -> None:
+    assert event_line(event) == line

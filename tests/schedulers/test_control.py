@@ -1,0 +1,56 @@
+"""Settings a running job may change: checked at once, applied at the barrier."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from schedulers.control import compile_programs, plan_setting
+from schedulers.jobs import JobSpec
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def spec(**changes: Any) -> JobSpec:
+    base = {"model": "examples.models:residual_mlp", "pipeline_stages": 2, "micro_batches": 4,
+            "data": "examples.data:regression_batches", "data_kwargs": {"batch_size": 8}}
+    return JobSpec.from_kwargs({**base, **changes})
+
+
+@pytest.mark.parametrize(("key", "value", "field", "expected"), [
+    ("schedule", "gpipe", "schedule", "gpipe"),
+    ("schedule", "zero_bubble", "schedule", "zero_bubble"),
+    ("micro_batches", "8", "micro_batches", 8),
+    ("micro_batches", 2, "micro_batches", 2),
+    ("activation_codec", "int8", "activation_codec", "int8"),
+    ("gradient_codec", "int4", "gradient_codec", "int4"),
+])
+def test_settings_that_fit_give_the_new_spec(key: str, value: Any, field: str, expected: Any) -> None:
+    new = plan_setting(spec(), key, value, codecs_settable=True)
+    assert getattr(new, field) == expected
+    assert compile_programs(new)  # and it compiles
+
+
+@pytest.mark.parametrize(("base", "key", "value", "message"), [
+    ({}, "seed", "1", "cannot set 'seed' on a running job; settable: micro_batches, schedule"),
+    ({}, "micro_batches", "three", "micro_batches must be an integer >= 1, got 'three'"),
+    ({}, "micro_batches", "0", "micro_batches must be an integer >= 1"),
+    ({}, "micro_batches", "3", "batch_size 8 does not split into 3 micro-batches x data_parallel 1"),
+    ({}, "schedule", "2f2b", "unknown schedule '2f2b'"),
+    ({}, "schedule", "interleaved", "re-partitions the model"),
+    ({"schedule": "interleaved"}, "schedule", "1f1b", "re-partitions the model"),
+    ({"schedule": "interleaved", "data_kwargs": {"batch_size": 12}}, "micro_batches", "3", "multiple"),
+    ({}, "activation_codec", "int9", "unknown codec 'int9'"),
+])
+def test_settings_that_do_not_fit_are_refused_with_why(base: dict[str, Any], key: str, value: str,
+                                                        message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        plan_setting(spec(**base), key, value, codecs_settable=True)
+
+
+def test_codec_changes_need_stages_that_can_take_them() -> None:
+    with pytest.raises(ValueError, match="not supported yet .*no set_codecs endpoint.*start a new job"):
+        plan_setting(spec(), "activation_codec", "int8", codecs_settable=False)
+    new = plan_setting(spec(pipeline_stages=3), "gradient_codec", "int8,none", codecs_settable=True)
+    assert new.edge_codecs("gradient_codec") == ["int8", "none"]

@@ -1,0 +1,81 @@
+"""Hang forensics: what each stage waits for, which send never happened, and the marked grid."""
+
+from __future__ import annotations
+
+import pytest
+
+from schedulers.hang import StageProgress, diagnose
+from schedulers.schedules import build_schedule
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def programs(name: str = "1f1b", ranks: int = 2, microbatches: int = 4) -> dict[int, list[str]]:
+    return {rank: [str(a) for a in p] for rank, p in build_schedule(name, ranks, microbatches).items()}
+
+
+def at(rank: int, current: str | None, program: list[str] | None = None, done: int | None = None) -> StageProgress:
+    """A stage at ``current`` (index from its program when ``done`` is not given)."""
+    if done is None:
+        assert program is not None and current is not None
+        done = program.index(current)
+    return StageProgress(rank=rank, current=current, done=done)
+
+
+def test_a_receive_whose_send_was_never_reached_names_both_and_where_the_sender_is() -> None:
+    p = programs()
+    report = diagnose(p, {0: at(0, "0F3", p[0]), 1: at(1, "1RECV_F3", p[1])})
+    assert report.lines[0] == "stage 1 waits at 1RECV_F3: stage 0 never reached 0SEND_F3 (stuck at 0F3)"
+    assert report.lines[1] == f"stage 0 is computing 0F3 ({p[0].index('0F3')} of 16 actions done)"
+    assert ">0F3<" in report.grid and ">1RECV_F3<" in report.grid
+    assert report.marks == [(0, p[0].index("0F3")), (1, p[1].index("1RECV_F3"))]
+    assert not report.settled
+    assert str(report).endswith(report.grid)
+
+
+@pytest.mark.parametrize(("rank0", "rank1", "expected"), [
+    # Backward: stage 0 waits for stage 1's input gradient.
+    ("0RECV_B1", "1F1", "stage 0 waits at 0RECV_B1: stage 1 never reached 1SEND_B1 (stuck at 1F1)"),
+    # The sender is past its send: the value was lost on the way.
+    ("0RECV_B0", "1RECV_F2", "stage 0 waits at 0RECV_B0: stage 1 sent it (1SEND_B0 done) but it has not arrived"),
+    ("0RECV_B0", "1SEND_B0", "stage 0 waits at 0RECV_B0: stage 1 is sending it now (1SEND_B0)"),
+])
+def test_each_kind_of_unmatched_receive_is_explained(rank0: str, rank1: str, expected: str) -> None:
+    p = programs()
+    report = diagnose(p, {0: at(0, rank0, p[0]), 1: at(1, rank1, p[1])})
+    assert expected in report.lines
+
+
+def test_a_sender_at_the_barrier_or_silent_is_said_so() -> None:
+    p = programs("gpipe", 2, 2)
+    barrier = p[0].index("0BARRIER")
+    report = diagnose(p, {0: at(0, None, done=barrier), 1: at(1, "1RECV_F1", p[1])})
+    assert "stage 0 reached the barrier (8 of 8 actions done)" in report.lines
+    report = diagnose(p, {0: "job0.rank0 did not answer (timed out)", 1: at(1, "1RECV_F0", p[1])})
+    assert report.lines[0] == ("stage 1 waits at 1RECV_F0: stage 0 (job0.rank0 did not answer (timed out)) "
+                               "should send it at 0SEND_F0")
+    assert "stage 0: job0.rank0 did not answer (timed out)" in report.lines
+
+
+def test_a_stage_that_has_not_started_the_step_is_not_taken_for_one_that_sent() -> None:
+    p = programs()
+    stale = StageProgress(rank=0, current=None, done=p[0].index("0BARRIER"), stale=True)
+    report = diagnose(p, {0: stale, 1: at(1, "1RECV_F0", p[1])})
+    assert report.lines[0] == "stage 1 waits at 1RECV_F0: stage 0 never reached 0SEND_F0 (not started this step)"
+    assert "stage 0 has not started this step" in report.lines
+
+
+def test_every_stage_at_its_barrier_is_settled_and_idle_between_steps() -> None:
+    p = programs()
+    done = {r: at(r, None, done=p[r].index(f"{r}BARRIER")) for r in p}
+    assert diagnose(p, done).settled
+    idle = diagnose(p, done, running=False)
+    assert idle.lines[0].startswith("stage 0 is idle (its last step reached the barrier")
+    assert ">0BARRIER<" in idle.grid
+
+
+def test_interleaved_waits_look_up_the_virtual_stages_rank() -> None:
+    p = {rank: [str(a) for a in prog] for rank, prog in build_schedule("interleaved", 2, 4, 2).items()}
+    # Model stage 2 lives on rank 0 and waits for stage 1 (rank 1).
+    report = diagnose(p, {0: at(0, "2RECV_F0", p[0]), 1: at(1, "1F0", p[1])})
+    assert report.lines[0] == "stage 0 waits at 2RECV_F0: stage 1 never reached 1SEND_F0 (stuck at 1F0)"
