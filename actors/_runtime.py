@@ -31,7 +31,7 @@ from actors._errors import (
 )
 from actors._ref import ActorRef
 from transport.channel import ChannelClosed, Receiver, Sender, open_receiver, open_sender
-from transport.wire import DEFAULT_MAX_MESSAGE_BYTES, WireError
+from transport.wire import DEFAULT_MAX_MESSAGE_BYTES, WireError, decode_message
 
 __all__ = ["Runtime", "open_runtime"]
 
@@ -76,7 +76,7 @@ class Runtime:
         self._ids = itertools.count(1)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
-        self.spawn_task(self._receive_loop(), name=f"receive {self.address}")
+        receiver.pump(self._on_frames)
 
     # -- tasks ---------------------------------------------------------------------
 
@@ -204,19 +204,17 @@ class Runtime:
 
     # -- the receive side ------------------------------------------------------------
 
-    async def _receive_loop(self) -> None:
-        while True:
-            try:
-                message = await self._receiver.receive()
-            except WireError as exc:
-                log.warning("dropped a malformed message: %s", exc)
-                continue
-            except ChannelClosed:
-                return
-            try:
-                self._dispatch(message)
-            except Exception:  # a bug here must not stop the runtime from serving
-                log.exception("could not dispatch a message")
+    def _on_frames(self, frames: list[Any]) -> None:
+        """Decodes and dispatches one message, from the receiver's reader callback."""
+        try:
+            message = decode_message(frames, max_bytes=self._max_message_bytes)
+        except WireError as exc:
+            log.warning("dropped a malformed message: %s", exc)
+            return
+        try:
+            self._dispatch(message)
+        except Exception:  # a bug here must not stop the runtime from serving
+            log.exception("could not dispatch a message")
 
     def _dispatch(self, message: Any) -> None:
         kind = message.get("t") if isinstance(message, dict) else None
