@@ -25,7 +25,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import zmq
@@ -271,9 +271,7 @@ class Receiver:
         return decode_message(await self.receive_frames(), max_bytes=self._max_message_bytes)
 
     def statistics(self) -> ChannelStatistics:
-        return ChannelStatistics(
-            address=self._stats.address, messages=self._stats.messages, bytes=self._stats.bytes
-        )
+        return replace(self._stats)  # a snapshot
 
     async def aclose(self) -> None:
         """Closes the socket and removes any socket file and folder this end made."""
@@ -393,9 +391,7 @@ class Sender:
         return nbytes
 
     def statistics(self) -> ChannelStatistics:
-        return ChannelStatistics(
-            address=self._stats.address, messages=self._stats.messages, bytes=self._stats.bytes
-        )
+        return replace(self._stats)  # a snapshot
 
     async def aclose(self) -> None:
         """Closes the socket; messages already queued get up to ``linger_ms`` to leave."""

@@ -47,18 +47,7 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def train_single_process(optimizer: tuple[str, dict[str, Any]]) -> tuple[dict[str, torch.Tensor], list[float]]:
-    torch.manual_seed(0)
-    model = residual_mlp(**MODEL_KWARGS)
-    cls = getattr(torch.optim, optimizer[0].split(":")[1])
-    opt = cls(model.parameters(), **optimizer[1])
-    losses = []
-    for x, y in batches():
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return model.state_dict(), losses
+    return train_reference({**WORKLOADS["mlp"], "optimizer": optimizer})
 
 
 CASES = [
