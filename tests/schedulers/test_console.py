@@ -273,6 +273,18 @@ def test_exec_runs_a_script_of_commands_and_the_example_config(head_address: str
 
 
 @pytest.mark.slow
+def test_set_micro_batches_applies_at_the_barrier(head_address: str, tmp_path: Path) -> None:
+    config = tmp_path / "small.json"
+    config.write_text(json.dumps(SMALL_CONFIG))
+    done = exec_console(head_address, f"submit {config}; run last 1; set last micro_batches 8; "
+                                      "run last 1; status last; schedule last; close last")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert re.search(r"schedule 1f1b, 8 micro-batches", done.stdout)  # the job runs 8 now
+    assert re.search(r"0: .*0F7", done.stdout)  # and its programs have micro-batch 7
+    assert re.search(r"ran 1/1 steps \(now at step 2\), loss \d", done.stdout)
+
+
+@pytest.mark.slow
 def test_exec_fails_at_the_first_command_that_fails(head_address: str, tmp_path: Path) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({**SMALL_CONFIG, "train_batch_size": 30, "gradient_accumulation_steps": 4}))
