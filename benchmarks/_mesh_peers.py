@@ -9,7 +9,6 @@ raw gloo ``all_reduce`` of the same bytes, in two spawned processes.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime
 import multiprocessing as mp
@@ -24,9 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks._torch_pipelining import BATCH_SHAPE, DIM, NUM_BLOCKS, build_model, reference_batch
+from benchmarks._torch_pipelining import BATCH_SHAPE, NUM_BLOCKS, build_model
+from benchmarks.pipeline import ActorpipePeer
 
-MODEL = "examples.models:residual_mlp"
 MICROBATCH_SIZE = 8  # DESIGN.md: 8 micro-batches of 8; each data-parallel replica keeps micro-batches of 8
 
 
@@ -83,56 +82,14 @@ def unavailable_reason(exc: BaseException) -> str | None:
     return None
 
 
-class MeshPeer:
+class MeshPeer(ActorpipePeer):
     """A ``LocalCluster`` of ``P * T * D`` nodes training the reference workload as one 1F1B job."""
 
     def __init__(self, shape: MeshShape) -> None:
+        super().__init__(num_stages=shape.pipeline, schedule="1f1b", tensor_parallel=shape.tensor,
+                         data_parallel=shape.data, micro_batches=shape.num_microbatches,
+                         name=f"actorpipe_p{shape.pipeline}t{shape.tensor}d{shape.data}")
         self.shape = shape
-        self.name = f"actorpipe_p{shape.pipeline}t{shape.tensor}d{shape.data}"
-        self.inputs, self.targets = reference_batch()
-        self.bubble_fractions: list[float] = []
-        self._stack = contextlib.AsyncExitStack()
-        self._job: Any = None
-        self._last_stats: Any = None
-        self._state: dict[str, torch.Tensor] | None = None
-
-    async def start(self) -> None:
-        """Starts the cluster and submits the job (closes the cluster again if that fails)."""
-        from actors import LocalCluster
-
-        try:
-            cluster = await self._stack.enter_async_context(LocalCluster(nodes=self.shape.size))
-            self._job = await cluster.train(
-                model=MODEL, model_kwargs={"blocks": NUM_BLOCKS, "dim": DIM},
-                loss="torch.nn.functional:mse_loss", optimizer=("torch.optim:SGD", {"lr": 0.01}),
-                pipeline_stages=self.shape.pipeline, tensor_parallel=self.shape.tensor,
-                data_parallel=self.shape.data, schedule="1f1b", micro_batches=self.shape.num_microbatches,
-                seed=0)
-            self._stack.push_async_callback(self._job.close)
-        except BaseException:
-            await self._stack.aclose()
-            raise
-
-    async def run(self, num_steps: int) -> list[float]:
-        """Runs ``num_steps`` steps; returns the driver's wall time of each."""
-        times = []
-        for _ in range(num_steps):
-            start = time.perf_counter()
-            self._last_stats = await self._job.step(self.inputs, self.targets)
-            times.append(time.perf_counter() - start)
-            self.bubble_fractions.append(float(self._last_stats.bubble_fraction))
-        return times
-
-    async def finish(self) -> list[int]:
-        """Gathers the trained model; returns peak RSS per global mesh rank (bytes)."""
-        self._state = dict(await self._job.state_dict())
-        return [int(rss) for rss in self._last_stats.peak_rss_bytes]
-
-    def trained_state(self) -> dict[str, torch.Tensor] | None:
-        return self._state
-
-    async def aclose(self) -> None:
-        await self._stack.aclose()
 
 
 # --- the data-parallel gradient reduction against raw gloo -------------------------------

@@ -72,10 +72,21 @@ class Peer(Protocol):
 class ActorpipePeer:
     """A ``LocalCluster`` of ``num_stages`` nodes training the reference workload as one job."""
 
-    def __init__(self, *, num_stages: int, schedule: str, transport: str = "zmq") -> None:
+    def __init__(
+        self,
+        *,
+        num_stages: int,
+        schedule: str,
+        transport: str = "zmq",
+        tensor_parallel: int = 1,
+        data_parallel: int = 1,
+        micro_batches: int = NUM_MICROBATCHES,
+        name: str | None = None,
+    ) -> None:
         self.num_stages, self.schedule, self.transport = num_stages, schedule, transport
+        self.tensor_parallel, self.data_parallel, self.micro_batches = tensor_parallel, data_parallel, micro_batches
         suffix = "" if transport == "zmq" else f"_{transport}"
-        self.name = f"actorpipe_{schedule}_{num_stages}stages{suffix}"
+        self.name = name or f"actorpipe_{schedule}_{num_stages}stages{suffix}"
         self.inputs, self.targets = reference_batch()
         self.bubble_fractions: list[float] = []
         self._stack = contextlib.AsyncExitStack()
@@ -84,16 +95,22 @@ class ActorpipePeer:
         self._state: dict[str, torch.Tensor] | None = None
 
     async def start(self) -> None:
-        """Starts the cluster and submits the job."""
+        """Starts the cluster and submits the job (closes the cluster again if that fails)."""
         from actors import LocalCluster
 
-        cluster = await self._stack.enter_async_context(LocalCluster(nodes=self.num_stages))
-        self._job = await cluster.train(
-            model=MODEL, model_kwargs={"blocks": NUM_BLOCKS, "dim": BATCH_SHAPE[-1]},
-            loss="torch.nn.functional:mse_loss", optimizer=("torch.optim:SGD", {"lr": 0.01}),
-            pipeline_stages=self.num_stages, schedule=self.schedule, micro_batches=NUM_MICROBATCHES, seed=0,
-            transport=self.transport)
-        self._stack.push_async_callback(self._job.close)
+        try:
+            nodes = self.num_stages * self.tensor_parallel * self.data_parallel
+            cluster = await self._stack.enter_async_context(LocalCluster(nodes=nodes))
+            self._job = await cluster.train(
+                model=MODEL, model_kwargs={"blocks": NUM_BLOCKS, "dim": BATCH_SHAPE[-1]},
+                loss="torch.nn.functional:mse_loss", optimizer=("torch.optim:SGD", {"lr": 0.01}),
+                pipeline_stages=self.num_stages, tensor_parallel=self.tensor_parallel,
+                data_parallel=self.data_parallel, schedule=self.schedule, micro_batches=self.micro_batches,
+                seed=0, transport=self.transport)
+            self._stack.push_async_callback(self._job.close)
+        except BaseException:
+            await self._stack.aclose()
+            raise
 
     async def run(self, num_steps: int) -> list[float]:
         """Runs ``num_steps`` steps; returns the driver's wall time of each."""

@@ -37,7 +37,7 @@ def _count(size: int) -> int:
 
 def _raw_receive(address: str, plan: list[tuple[int, int]], results: Any, ready: Any) -> None:
     torch.set_num_threads(1)
-    sock = zmq.Context.instance().socket(zmq.PULL)
+    sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.PULL)
     sock.setsockopt(zmq.RCVHWM, 64)
     sock.bind(address)
     ready.put(sock.getsockopt_string(zmq.LAST_ENDPOINT))
@@ -67,11 +67,11 @@ def _channel_receive(address: str, plan: list[tuple[int, int]], results: Any, re
 
 
 def _raw_send(address: str, plan: list[tuple[int, int]]) -> None:
-    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.PUSH)
     sock.setsockopt(zmq.SNDHWM, 64)
     sock.connect(address)
     for size, count in plan:
-        buf = memoryview(torch.ones(size // 4).numpy())
+        buf = memoryview(torch.ones(size // 4).numpy())  # type: ignore[arg-type]
         for _ in range(count):
             sock.send(buf, copy=False)
     sock.close(linger=-1)
