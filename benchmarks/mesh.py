@@ -39,7 +39,7 @@ from typing import Any, Protocol
 
 from benchmarks._mesh_peers import MeshPeer, MeshShape, ReductionResult, measure_reduction, unavailable_reason
 from benchmarks._torch_pipelining import BATCH_SHAPE, TorchPeer
-from benchmarks.pipeline import max_rel_diff, split_steps
+from benchmarks.pipeline import max_rel_diff, run_rounds
 from transport.loop import run
 
 DEFAULT_MESHES = ("2,1,1", "1,2,1", "1,1,2", "2,2,1")
@@ -123,14 +123,7 @@ async def _measure(peers: list[Peer], *, warmup: int, steps: int, rounds: int) -
     async with contextlib.AsyncExitStack() as stack:
         skipped = await start_peers(peers, stack)
         running = [peer for peer in peers if peer.name not in skipped]
-        times: dict[str, list[float]] = {peer.name: [] for peer in running}
-        for peer in running:
-            await peer.run(warmup)
-        for index, block in enumerate(split_steps(steps, rounds)):
-            shift = index % len(running)
-            for peer in running[shift:] + running[:shift]:
-                times[peer.name] += await peer.run(block)
-            print(f"round {index + 1}: {block} steps of each peer done", flush=True)
+        times = await run_rounds(running, warmup=warmup, steps=steps, rounds=rounds)
         rss = {peer.name: await peer.finish() for peer in running}
         reference = peers[0].trained_state()
         assert reference is not None  # one process always saves its parameters

@@ -169,21 +169,28 @@ def split_steps(num_steps: int, num_rounds: int) -> list[int]:
     return [base + (i < extra) for i in range(num_rounds) if base + (i < extra)]
 
 
+async def run_rounds(peers: list[Any], *, warmup: int, steps: int, rounds: int) -> dict[str, list[float]]:
+    """Warm-up, then ``steps`` timed steps of every peer in rounds whose order rotates,
+    so that machine noise hits every peer alike; returns each peer's step times."""
+    times: dict[str, list[float]] = {peer.name: [] for peer in peers}
+    for peer in peers:
+        await peer.run(warmup)
+    for index, block in enumerate(split_steps(steps, rounds)):
+        shift = index % len(peers)
+        for peer in peers[shift:] + peers[:shift]:
+            times[peer.name] += await peer.run(block)
+        print(f"round {index + 1}: {block} steps of each peer done", flush=True)
+    return times
+
+
 async def measure(peers: list[Peer], *, warmup: int, steps: int, rounds: int) -> list[PeerResult]:
     """Starts every peer, runs warm-up then interleaved timed rounds, stops them; returns results."""
-    times: dict[str, list[float]] = {peer.name: [] for peer in peers}
     async with contextlib.AsyncExitStack() as stack:
         for peer in peers:
             stack.push_async_callback(peer.aclose)
             print(f"starting {peer.name}", flush=True)
             await peer.start()
-        for peer in peers:
-            await peer.run(warmup)
-        for index, block in enumerate(split_steps(steps, rounds)):
-            shift = index % len(peers)
-            for peer in peers[shift:] + peers[:shift]:
-                times[peer.name] += await peer.run(block)
-            print(f"round {index + 1}: {block} steps of each peer done", flush=True)
+        times = await run_rounds(peers, warmup=warmup, steps=steps, rounds=rounds)
         results = []
         for peer in peers:
             rss = await peer.finish()
