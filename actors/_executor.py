@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from actors import _wgrad
 from actors.program import Action, ActionKind
 
 __all__ = ["Inbox", "StageModel", "StepExecutor", "StepTrace"]
@@ -78,6 +79,9 @@ class StageModel:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     optimizer: torch.optim.Optimizer
     device: torch.device
+    # Set when the stage's nn.Linear weight gradients are fused (actors._wgrad): then I
+    # defers just the weight GEMMs and W runs them, without a second pass over the graph.
+    weight_grads: _wgrad.WeightGradients | None = None
 
 
 @dataclass(slots=True)
@@ -119,7 +123,8 @@ class StepExecutor:
         self.done_actions: int = 0
         # Per-step state.
         self._stash: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
-        self._pending_grads: dict[tuple[int, int], torch.Tensor | None] = {}
+        self._pending_grads: dict[tuple[int, int], torch.Tensor | None] = {}  # I -> W, plain autograd
+        self._pending_w: dict[tuple[int, int], list[_wgrad.PendingWeightGrad]] = {}  # I -> W, fused
         self._values: dict[tuple[str, int, int], torch.Tensor] = {}
 
     async def compute(self, fn: Callable[..., T], *args: Any) -> T:
@@ -158,12 +163,13 @@ class StepExecutor:
             trace.spans.append((str(action), t0 - start, t1 - start))
             if action.kind in (_K.F, _K.B, _K.I, _K.W):
                 trace.busy_s += t1 - t0
-            trace.peak_stash = max(trace.peak_stash, len(self._stash))
+            # A micro-batch between I and W still holds its activations (as W's inputs).
+            trace.peak_stash = max(trace.peak_stash, len(self._stash) + len(self._pending_w))
             self.done_actions += 1
         self.current = None
         trace.elapsed_s = time.perf_counter() - start
-        if self._stash or self._values:
-            leftover = sorted(map(str, list(self._stash) + list(self._values)))
+        if self._stash or self._values or self._pending_w:
+            leftover = sorted(map(str, list(self._stash) + list(self._values) + list(self._pending_w)))
             raise ActionFailed(Action(stage=program[0].stage, kind=_K.BARRIER),
                                RuntimeError(f"program ended with values still held: {leftover}"))
         return trace
@@ -246,21 +252,33 @@ class StepExecutor:
 
     def _backward(self, stage: int, mb: int, grad: torch.Tensor | None, input_only: bool) -> torch.Tensor | None:
         key = (stage, mb)
+        weight_grads = self.model.weight_grads
+        if not input_only:
+            x, out = self._stash.pop(key)
+            torch.autograd.backward(out, grad)
+            return None if x is None else x.grad
+        if weight_grads is not None:
+            # I: the whole backward except the linears' weight GEMMs, which wait for W;
+            # the graph is released here, W needs only the recorded pairs.
+            x, out = self._stash.pop(key)
+            with weight_grads.deferring() as pending:
+                torch.autograd.backward(out, grad)
+            self._pending_w[key] = pending
+            return None if x is None else x.grad
+        # I without fused linears: the input gradient alone, which the upstream stage is
+        # waiting for; the graph stays alive and W walks it again for the parameters.
         x, out = self._stash[key]
-        if input_only:
-            # I: the input gradient alone, which the upstream stage is waiting for;
-            # the graph stays alive for W.
-            self._pending_grads[key] = grad
-            if x is None:
-                return None
-            (grad_in,) = torch.autograd.grad(out, x, grad, retain_graph=True)
-            return grad_in
-        del self._stash[key]
-        torch.autograd.backward(out, grad)
-        return None if x is None else x.grad
+        self._pending_grads[key] = grad
+        if x is None:
+            return None
+        (grad_in,) = torch.autograd.grad(out, x, grad, retain_graph=True)
+        return grad_in
 
     def _weight_backward(self, stage: int, mb: int) -> None:
         key = (stage, mb)
+        if key in self._pending_w:
+            _wgrad.apply(self._pending_w.pop(key))
+            return
         _, out = self._stash.pop(key)
         grad = self._pending_grads.pop(key)
         params = [p for p in self.model.modules[stage].parameters() if p.requires_grad]
@@ -273,6 +291,7 @@ class StepExecutor:
     def _clear(self) -> None:
         self._stash.clear()
         self._pending_grads.clear()
+        self._pending_w.clear()
         self._values.clear()
         self.model.optimizer.zero_grad(set_to_none=True)
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from actors import _wgrad
 from actors._actor import Actor, endpoint
 from actors._errors import error_to_wire
 from actors._executor import ActionFailed, Inbox, StageModel, StepExecutor
@@ -59,6 +60,7 @@ class StageConfig:
     data: str | None = None
     data_kwargs: dict[str, Any] = field(default_factory=dict)
     threads: int | None = 1
+    gradient_accumulation_fusion: bool = True  # nn.Linear weight gradients via actors._wgrad
     # The mesh, as [pipeline, tensor, data] sizes, and this actor's global rank in it.
     mesh: list[int] = field(default_factory=lambda: [1, 1, 1])
     global_rank: int = 0
@@ -173,6 +175,11 @@ class StageActor(Actor):
         self._held = {i: layers[i] for s in cfg.stages for i in range(*cfg.bounds[s])}
         self._specs = {f"{i}.{key}": list(spec) for i, layer in self._held.items()
                        for key, spec in tp_shard_specs(layer).items()}
+        weight_grads = None
+        if cfg.gradient_accumulation_fusion:
+            weight_grads = _wgrad.WeightGradients()
+            for module in modules.values():
+                _wgrad.install(module, weight_grads)
         params = [p for module in modules.values() for p in module.parameters()]
         optimizer_cls = load_object(cfg.optimizer[0], allow)
         optimizer = optimizer_cls(params, **dict(cfg.optimizer[1] if len(cfg.optimizer) > 1 else {}))
@@ -182,7 +189,7 @@ class StageActor(Actor):
         log.info("stage %s/%d of job %s: model stages %s, %d parameters", cfg.rank, cfg.num_ranks,
                  cfg.job, cfg.stages, sum(p.numel() for p in params))
         return StageModel(modules=modules, num_stages=cfg.num_stages, loss_fn=loss_fn,
-                          optimizer=optimizer, device=device)
+                          optimizer=optimizer, device=device, weight_grads=weight_grads)
 
     async def on_stop(self) -> None:
         if self.executor is not None:

@@ -125,7 +125,8 @@ def compile_programs(spec: JobSpec) -> dict[int, list[str]]:
         ValueError: the schedule cannot take these sizes.
     """
     schedule = build_schedule(spec.schedule, spec.pipeline_stages, spec.micro_batches,
-                              spec.num_virtual_stages if spec.schedule == "interleaved" else None)
+                              spec.num_virtual_stages if spec.schedule == "interleaved" else None,
+                              split=spec.gradient_accumulation_fusion)
     return {rank: [str(a) for a in program] for rank, program in schedule.items()}
 
 

@@ -38,6 +38,7 @@ class JobSpec:
     data: str | None = None
     data_kwargs: dict[str, Any] = field(default_factory=dict)
     threads_per_stage: int | None = 1
+    gradient_accumulation_fusion: bool = True
     step_timeout_s: float = 600.0
 
     @classmethod

@@ -30,10 +30,9 @@ from actors._registry import DEFAULT_ALLOW, load_object, register_actor
 from actors.mesh import Coords, Mesh
 from actors.program import stage_to_rank
 from actors.tensor_parallel import ShardSpec, gather_tensor_parallel_state, shard_state
-from schedulers.control import ControlEndpoints, JobControl, Subscribers
+from schedulers.control import ControlEndpoints, JobControl, Subscribers, compile_programs
 from schedulers.jobs import JobSpec
 from schedulers.partition import partition_by_parameters, partition_uniform
-from schedulers.schedules import build_schedule
 
 __all__ = ["SchedulerActor"]
 
@@ -83,9 +82,7 @@ class SchedulerActor(ControlEndpoints, Actor):
         bounds = await asyncio.to_thread(self._partition, job_spec)
         nodes = await self._place(mesh)
         job_id = f"job{next(self._ids)}"
-        schedule = build_schedule(job_spec.schedule, job_spec.pipeline_stages, job_spec.micro_batches,
-                                  job_spec.num_virtual_stages if job_spec.schedule == "interleaved" else None)
-        programs = {rank: [str(a) for a in program] for rank, program in schedule.items()}
+        programs = compile_programs(job_spec)
         store, dist_config = self._rendezvous(job_spec, mesh)
         stages = await self._spawn_stages(job_id, job_spec, mesh, bounds, nodes, dist_config)
         await asyncio.gather(*(
@@ -150,6 +147,7 @@ class SchedulerActor(ControlEndpoints, Actor):
                 "error_feedback": spec.error_feedback, "measure_codec_error": spec.measure_codec_error,
                 "reduce_codec": spec.reduce_codec, "transport": spec.transport,
                 "data": spec.data, "data_kwargs": spec.data_kwargs, "threads": spec.threads_per_stage,
+                "gradient_accumulation_fusion": spec.gradient_accumulation_fusion,
             }
             agent = self.runtime.ref(node["address"], NODE)
             address, name = await agent.ask("spawn", "stage", f"{job_id}.rank{rank}", config, timeout=300)

@@ -30,6 +30,7 @@ __all__ = [
     "SCHEDULES",
     "add_send_recv",
     "add_step_tail",
+    "split_backward",
     "build_schedule",
     "format_grid",
     "gpipe",
@@ -226,6 +227,29 @@ def add_send_recv(schedule: Schedule) -> Schedule:
     return lowered
 
 
+def split_backward(schedule: Schedule) -> Schedule:
+    """Split each ``B`` whose input gradient goes to another rank into ``I`` then ``W``.
+
+    The order of the schedule stays as it is (1F1B stays 1F1B); only the upstream stage
+    gets its gradient sooner, since :func:`add_send_recv` then sends it right after
+    ``I``, before the weight GEMMs of ``W`` run. On two stages of 1F1B this takes ``W``
+    off the warm-up wait and the cool-down tail. A stage whose input comes from its own
+    rank (or the first stage, which sends nothing) keeps its ``B``. Run it before
+    :func:`add_send_recv`.
+    """
+    layout = infer_layout(schedule)
+    split: Schedule = {}
+    for rank, program in schedule.items():
+        out: list[Action] = []
+        for a in program:
+            if a.kind is _B and a.stage > 0 and layout.crosses_ranks(a.stage, a.stage - 1):
+                out += [_act(a.stage, _I, a.microbatch), _act(a.stage, _W, a.microbatch)]
+            else:
+                out.append(a)
+        split[rank] = out
+    return split
+
+
 def add_step_tail(schedule: Schedule) -> Schedule:
     """Append the accumulation barrier, gradient reduction and optimizer step to
     every rank's program (the tail actions carry the rank's first stage, ``rank``)."""
@@ -238,6 +262,8 @@ def build_schedule(
     num_stages: int,
     num_microbatches: int,
     num_virtual_stages: int | None = None,
+    *,
+    split: bool = False,
 ) -> Schedule:
     """Generate schedule ``name`` and lower it into programs ready to execute.
 
@@ -262,6 +288,8 @@ def build_schedule(
         )
     else:
         compute = SCHEDULES[name](num_stages, num_microbatches)
+    if split:
+        compute = split_backward(compute)
     return add_step_tail(add_send_recv(compute))
 
 
@@ -285,6 +313,11 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--activation-bytes", type=float, default=0.0)
     parser.add_argument("--codec-ratio", type=float, default=1.0, help="encoded / raw size")
     parser.add_argument(
+        "--split-backward", action="store_true",
+        help="split B into I, W where the input gradient leaves the rank (as jobs run with "
+        "gradient_accumulation_fusion)",
+    )
+    parser.add_argument(
         "--lowered", action="store_true", help="print sends, receives and the step tail"
     )
     parser.add_argument("--width", type=int, default=72, help="ASCII chart width")
@@ -302,7 +335,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             codec_ratio=args.codec_ratio,
         )
         args.program = build_schedule(
-            args.schedule, args.stages, args.microbatches, args.virtual_stages
+            args.schedule, args.stages, args.microbatches, args.virtual_stages,
+            split=args.split_backward,
         )
     except ValueError as exc:
         parser.error(str(exc))

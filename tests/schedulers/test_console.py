@@ -216,7 +216,8 @@ def test_a_session_at_the_prompt(head_address: str, tmp_path: Path) -> None:
         assert activation_bytes < 0.5 * gradient_bytes, edges.group(0)
 
         trace_path, png_path, checkpoint = tmp_path / "step.json", tmp_path / "step.png", tmp_path / "ckpt"
-        term.command(f"trace {job} {trace_path}", r"wrote .*: step \d+, 2 tracks, 32 spans, 8 transfers")
+        # 36 spans: stage 1 splits each B into I and W.
+        term.command(f"trace {job} {trace_path}", r"wrote .*: step \d+, 2 tracks, 36 spans, 8 transfers")
         term.command(f"plot {job} {png_path}", rf"wrote {re.escape(str(png_path))}")
         term.command(f"checkpoint {job} {checkpoint}", r"checkpoint of step \d+ written")
         term.command(f"close {job}", rf"{job}: closed")
@@ -238,7 +239,7 @@ def _check_trace(trace: dict[str, Any], *, schedule: str) -> None:
     tracks = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
     assert sorted(tracks.values()) == ["stage 0 (node0)", "stage 1 (node1)"] or \
         sorted(tracks.values()) == ["stage 0 (node1)", "stage 1 (node0)"]
-    programs = build_schedule(schedule, 2, 4)
+    programs = build_schedule(schedule, 2, 4, split=True)  # as jobs run by default
     for tid, name in tracks.items():
         rank = int(name.split()[1])
         expected = [str(a) for a in programs[rank] if a.kind.value not in ("BARRIER", "REDUCE", "STEP")]

@@ -24,8 +24,10 @@ from schedulers.schedules import (
     interleaved_1f1b,
     main,
     one_f_one_b,
+    split_backward,
     zero_bubble_h1,
 )
+from schedulers.simulate import simulate
 from schedulers.validate import validate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -165,6 +167,34 @@ def test_split_backward_sends_after_input_grad() -> None:
     )
 
 
+def test_split_backward_keeps_1f1b_order_and_sends_before_the_weight_gemms() -> None:
+    # Stage 0 sends no input gradient and keeps its B; stage 1's B becomes I, W with
+    # the send between them.
+    assert split_backward(one_f_one_b(2, 2)) == parse_grid(
+        """
+        0: 0F0 0F1 0B0 0B1
+        1: 1F0 1I0 1W0 1F1 1I1 1W1
+        """
+    )
+    lowered = build_schedule("1f1b", 2, 2, split=True)
+    assert lowered[1][:5] == parse_grid("1RECV_F0 1F0 1I0 1SEND_B0 1W0")[0]
+    validate(lowered)  # raises on a broken dependency
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved"])
+def test_split_backward_shortens_the_simulated_step(name: str) -> None:
+    plain, split = (simulate(build_schedule(name, 4, 8, split=s)) for s in (False, True))
+    assert split.makespan < plain.makespan
+    assert split.peak_stash == plain.peak_stash
+
+
+def test_split_backward_leaves_rank_local_boundaries_and_zero_bubble_alone() -> None:
+    local = interleaved_1f1b(1, 3, 2)  # both model stages on one rank
+    assert split_backward(local) == local
+    zb = zero_bubble_h1(4, 8)
+    assert split_backward(zb) == zb
+
+
 def test_step_tail_is_appended_per_rank() -> None:
     assert add_step_tail({0: [Action.parse("0F0")], 1: []}) == parse_grid(
         "0: 0F0 0BARRIER 0REDUCE 0STEP\n1: 1BARRIER 1REDUCE 1STEP"
@@ -189,6 +219,12 @@ def test_main_rejects_impossible_arguments(capsys: pytest.CaptureFixture[str]) -
         main(["--schedule", "interleaved", "--stages", "4", "--microbatches", "6"])
     assert info.value.code == 2
     assert "try 4 or 8" in capsys.readouterr().err
+
+
+def test_main_splits_backward_on_request(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--schedule", "1f1b", "--stages", "2", "--microbatches", "8", "--split-backward"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "makespan: 26" in out and "bubble_fraction: 0.0769" in out
 
 
 def test_command_line_prints_the_1f1b_bubble() -> None:

@@ -51,30 +51,36 @@ def train_single_process(optimizer: tuple[str, dict[str, Any]]) -> tuple[dict[st
 
 
 CASES = [
-    pytest.param(schedule, stages, micro, opt, "zmq", id=f"{schedule}-{stages}stages-{micro}mb-{opt}")
+    pytest.param(schedule, stages, micro, opt, "zmq", True, id=f"{schedule}-{stages}stages-{micro}mb-{opt}")
     for schedule, stages, micro, opt in itertools.product(
         ["gpipe", "1f1b", "interleaved", "zero_bubble"], [2, 4], [4, 8], OPTIMIZERS
     )
 ] + [
     # The same executor over torch.distributed point-to-point instead of actor messages.
-    pytest.param(schedule, stages, 8, "adam", "dist", id=f"{schedule}-{stages}stages-8mb-adam-dist")
+    pytest.param(schedule, stages, 8, "adam", "dist", True, id=f"{schedule}-{stages}stages-8mb-adam-dist")
     for schedule, stages in [("1f1b", 2), ("gpipe", 4), ("interleaved", 2), ("zero_bubble", 4)]
+] + [
+    # Plain autograd for every weight gradient: B unsplit, and zero-bubble's W walks the graph again.
+    pytest.param(schedule, stages, 8, "adam", "zmq", False, id=f"{schedule}-{stages}stages-8mb-adam-nofusion")
+    for schedule, stages in [("1f1b", 4), ("zero_bubble", 2), ("zero_bubble", 4)]
 ]
 
 
-@pytest.mark.parametrize("schedule,stages,micro_batches,optimizer,transport", CASES)
+@pytest.mark.parametrize("schedule,stages,micro_batches,optimizer,transport,fusion", CASES)
 async def test_pipeline_training_equals_one_process(
-    cluster: Cluster, schedule: str, stages: int, micro_batches: int, optimizer: str, transport: str
+    cluster: Cluster, schedule: str, stages: int, micro_batches: int, optimizer: str, transport: str, fusion: bool
 ) -> None:
     expected_state, expected_losses = train_single_process(OPTIMIZERS[optimizer])
     job = await cluster.train(
         model="examples.models:residual_mlp", model_kwargs=MODEL_KWARGS,
         loss="torch.nn.functional:mse_loss", optimizer=OPTIMIZERS[optimizer],
         pipeline_stages=stages, schedule=schedule, micro_batches=micro_batches, seed=0, transport=transport,
+        gradient_accumulation_fusion=fusion,
     )
-    # Each stage frees a micro-batch's stash at its backward: the measured peaks are
-    # the ones the schedule implies.
-    expected_stash = list(simulate(build_schedule(schedule, stages, micro_batches)).peak_stash)
+    # Each stage frees a micro-batch's stash at its backward (or, split, once W has run):
+    # the measured peaks are the ones the schedule implies.
+    program = build_schedule(schedule, stages, micro_batches, split=fusion)
+    expected_stash = list(simulate(program).peak_stash)
     try:
         losses = []
         for x, y in batches():

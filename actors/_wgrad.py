@@ -1,0 +1,134 @@
+"""Weight gradients of ``nn.Linear`` outside autograd's accumulation: fused, and deferrable.
+
+Two things plain autograd does not do (Megatron-LM does both, as "gradient
+accumulation fusion" and in its zero-bubble schedules):
+
+- **Fused accumulation.** Autograd computes each micro-batch's weight gradient into a
+  fresh buffer and then adds it into ``.grad`` in a second pass over memory. Here the
+  GEMM accumulates into ``.grad`` itself (``addmm_``), one pass, no temporary.
+- **Deferral.** A backward run inside :meth:`WeightGradients.deferring` computes
+  everything except the ``nn.Linear`` weight (and bias) gradients, which it records as
+  (output gradient, input) pairs. That is the ``I`` of a split backward: the input
+  gradient exists, and can be sent upstream, before the weight GEMMs run. ``W`` is
+  then :func:`apply` on the recorded pairs: only the weight GEMMs, without walking
+  the autograd graph again (which is released at ``I``).
+
+Only modules whose type is exactly ``nn.Linear`` are taken over (see :func:`install`);
+subclasses, tensor-parallel linears and other layers keep plain autograd. Hooks
+registered on a taken-over weight (``register_hook``, post-accumulate-grad hooks) do
+not fire, since autograd never accumulates that weight's gradient; double backward
+through these layers is not supported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["PendingWeightGrad", "WeightGradients", "apply", "install"]
+
+# One deferred weight GEMM: (weight or None, bias or None, output gradient, input).
+PendingWeightGrad = tuple[nn.Parameter | None, nn.Parameter | None, torch.Tensor, torch.Tensor]
+
+
+def _accumulate(param: torch.Tensor, value: torch.Tensor) -> None:
+    if param.grad is None:
+        param.grad = value
+    else:
+        param.grad.add_(value)
+
+
+@torch.no_grad()
+def _weight_grad(weight: torch.Tensor | None, bias: torch.Tensor | None,
+                 grad_out: torch.Tensor, inputs: torch.Tensor) -> None:
+    """``weight.grad += grad_outᵀ · inputs`` (one GEMM into ``.grad``) and ``bias.grad += Σ grad_out``."""
+    g = grad_out.reshape(-1, grad_out.shape[-1])
+    if weight is not None:
+        x = inputs.reshape(-1, inputs.shape[-1])
+        if weight.grad is None:
+            weight.grad = g.t().mm(x)
+        else:
+            weight.grad.addmm_(g.t(), x)
+    if bias is not None:
+        _accumulate(bias, g.sum(0))
+
+
+def apply(pending: list[PendingWeightGrad]) -> None:
+    """Runs deferred weight GEMMs (a ``W``) into the parameters' ``.grad``."""
+    for weight, bias, grad_out, inputs in pending:
+        _weight_grad(weight, bias, grad_out, inputs)
+    pending.clear()
+
+
+class WeightGradients:
+    """Where the taken-over linears of one stage put their weight gradients: straight
+    into ``.grad`` (fused), or, inside :meth:`deferring`, into a list for later."""
+
+    def __init__(self) -> None:
+        self._deferred: list[PendingWeightGrad] | None = None
+
+    @contextlib.contextmanager
+    def deferring(self) -> Iterator[list[PendingWeightGrad]]:
+        """Backward passes inside record their linear weight GEMMs in the yielded list
+        instead of running them; pass it to :func:`apply` later."""
+        if self._deferred is not None:
+            raise RuntimeError("already deferring weight gradients")
+        pending: list[PendingWeightGrad] = []
+        self._deferred = pending
+        try:
+            yield pending
+        finally:
+            self._deferred = None
+
+    def record(self, weight: torch.Tensor | None, bias: torch.Tensor | None,
+               grad_out: torch.Tensor, inputs: torch.Tensor) -> None:
+        if weight is None and bias is None:
+            return
+        if self._deferred is None:
+            _weight_grad(weight, bias, grad_out, inputs)
+        else:
+            self._deferred.append((weight, bias, grad_out, inputs))  # type: ignore[arg-type]
+
+
+class _Linear(torch.autograd.Function):
+    """``F.linear`` whose backward returns the input gradient and hands the parameter
+    gradients to a :class:`WeightGradients` (autograd never accumulates them)."""
+
+    @staticmethod
+    def forward(ctx: Any, inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                grads: WeightGradients) -> torch.Tensor:
+        ctx.save_for_backward(inputs, weight)
+        ctx.bias, ctx.grads = bias, grads
+        return F.linear(inputs, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+        inputs, weight = ctx.saved_tensors
+        grad_in = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
+        bias = ctx.bias if ctx.needs_input_grad[2] else None
+        ctx.grads.record(weight if ctx.needs_input_grad[1] else None, bias, grad_out, inputs)
+        return grad_in, None, None, None
+
+
+def _forward(module: nn.Linear, grads: WeightGradients, inputs: torch.Tensor) -> torch.Tensor:
+    if not torch.is_grad_enabled() or torch.is_autocast_enabled():
+        return F.linear(inputs, module.weight, module.bias)
+    out: torch.Tensor = _Linear.apply(inputs, module.weight, module.bias, grads)
+    return out
+
+
+def install(module: nn.Module, grads: WeightGradients) -> int:
+    """Routes the weight gradients of every ``nn.Linear`` in ``module`` (exact type
+    only) through ``grads``; returns how many linears were taken over."""
+    count = 0
+    for sub in module.modules():
+        if type(sub) is nn.Linear:
+            sub.forward = types.MethodType(lambda self, x: _forward(self, grads, x), sub)  # type: ignore[method-assign]
+            count += 1
+    return count
