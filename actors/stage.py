@@ -23,6 +23,7 @@ from torch import nn
 
 from actors import _wgrad
 from actors._actor import Actor, endpoint
+from actors._allocator import keep_freed_memory
 from actors._errors import error_to_wire
 from actors._executor import ActionFailed, Inbox, StageModel, StepExecutor
 from actors._registry import DEFAULT_ALLOW, load_object, register_actor
@@ -61,6 +62,7 @@ class StageConfig:
     data_kwargs: dict[str, Any] = field(default_factory=dict)
     threads: int | None = 1
     gradient_accumulation_fusion: bool = True  # nn.Linear weight gradients via actors._wgrad
+    keep_freed_memory: bool = True  # glibc malloc keeps freed buffers (actors._allocator)
     # The mesh, as [pipeline, tensor, data] sizes, and this actor's global rank in it.
     mesh: list[int] = field(default_factory=lambda: [1, 1, 1])
     global_rank: int = 0
@@ -159,6 +161,8 @@ class StageActor(Actor):
         cfg = self.config
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
+        if cfg.keep_freed_memory:
+            keep_freed_memory()
         shard = None
         if cfg.dist is not None:
             mesh = Mesh(**dict(zip(("pipeline", "tensor", "data"), cfg.mesh)))

@@ -39,6 +39,7 @@ class JobSpec:
     data_kwargs: dict[str, Any] = field(default_factory=dict)
     threads_per_stage: int | None = 1
     gradient_accumulation_fusion: bool = True
+    keep_freed_memory: bool = True
     step_timeout_s: float = 600.0
 
     @classmethod

@@ -148,6 +148,7 @@ class SchedulerActor(ControlEndpoints, Actor):
                 "reduce_codec": spec.reduce_codec, "transport": spec.transport,
                 "data": spec.data, "data_kwargs": spec.data_kwargs, "threads": spec.threads_per_stage,
                 "gradient_accumulation_fusion": spec.gradient_accumulation_fusion,
+                "keep_freed_memory": spec.keep_freed_memory,
             }
             agent = self.runtime.ref(node["address"], NODE)
             address, name = await agent.ask("spawn", "stage", f"{job_id}.rank{rank}", config, timeout=300)
