@@ -34,6 +34,7 @@ NUM_MICROBATCHES = 8
 LR = 0.01
 SEED = 0
 SCHEDULES = ("1f1b", "gpipe")
+COMPUTE_ONLY = "compute_only"  # each rank computes its stage's micro-batches, with no transfers
 
 
 def reference_batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,7 +73,14 @@ class _Trainer:
         self.optimizer = torch.optim.SGD(self.module.parameters(), lr=LR)
         self.inputs, self.targets = reference_batch()
         self.schedule: Any = None
-        if spec.num_stages > 1:
+        if spec.schedule == COMPUTE_ONLY:
+            # Stand-ins for what a pipeline would hand this stage: an input activation and an
+            # output gradient per micro-batch, of the real shapes.
+            gen = torch.Generator().manual_seed(SEED + rank)
+            micro = (BATCH_SHAPE[0] // NUM_MICROBATCHES, *BATCH_SHAPE[1:])
+            self.stand_ins = [(torch.randn(micro, generator=gen), torch.randn(micro, generator=gen))
+                              for _ in range(NUM_MICROBATCHES)]
+        elif spec.num_stages > 1:
             self.schedule = self._build_schedule()
 
     def _build_schedule(self) -> Any:
@@ -85,10 +93,12 @@ class _Trainer:
 
     def timed_step(self) -> float:
         """Runs one training step; returns its wall time on this rank (after a barrier)."""
-        if self.schedule is not None:
+        if self.spec.num_stages > 1:
             dist.barrier()
         start = time.perf_counter()
-        if self.schedule is None:
+        if self.spec.schedule == COMPUTE_ONLY:
+            self._compute_only()
+        elif self.schedule is None:
             F.mse_loss(self.module(self.inputs), self.targets).backward()
         elif self.rank == 0:
             self.schedule.step(self.inputs)
@@ -99,6 +109,18 @@ class _Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad()
         return time.perf_counter() - start
+
+    def _compute_only(self) -> None:
+        """This stage's share of a pipelined step without a pipeline: every micro-batch's
+        forward and backward back to back, nothing sent or waited for."""
+        last = self.rank == self.spec.num_stages - 1
+        for x, grad in self.stand_ins:
+            x = x.requires_grad_(self.rank > 0)
+            out = self.module(x)
+            if last:
+                (F.mse_loss(out, grad) / NUM_MICROBATCHES).backward()
+            else:
+                out.backward(grad)
 
     def save(self) -> None:
         """Writes this rank's trained parameters for the parent's exactness check."""
@@ -148,6 +170,8 @@ class TorchPeer:
     def __init__(self, *, num_stages: int, schedule: str, state_dir: str, timeout: float = 600.0) -> None:
         self.num_stages, self.schedule, self.timeout = num_stages, schedule, timeout
         self.name = "single_process" if num_stages == 1 else f"torch_{schedule}_{num_stages}stages"
+        if schedule == COMPUTE_ONLY:
+            self.name = f"{COMPUTE_ONLY}_{num_stages}stages"
         self._spec = WorkerSpec(num_stages=num_stages, schedule=schedule, state_dir=state_dir, name=self.name,
                                 init_method=f"file://{os.path.join(state_dir, self.name + '.store')}")
         ctx = mp.get_context("spawn")
@@ -209,8 +233,11 @@ class TorchPeer:
         self.send("finish")
         return await asyncio.to_thread(self.collect, "done")
 
-    def trained_state(self) -> dict[str, torch.Tensor]:
-        """The whole model's parameters after ``finish``, merged from every rank's slice."""
+    def trained_state(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's parameters after ``finish``, merged from every rank's slice
+        (None for the compute-only peer, which trains on stand-ins)."""
+        if self.schedule == COMPUTE_ONLY:
+            return None
         state: dict[str, torch.Tensor] = {}
         for rank in range(self.num_stages):
             state.update(torch.load(state_path(self._spec.state_dir, self.name, rank)))

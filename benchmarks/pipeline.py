@@ -5,7 +5,14 @@ Peers, all measured in one run on the reference workload (DESIGN.md):
 - one process: the plain full-batch training step, one thread;
 - ``torch.distributed.pipelining``: ``Schedule1F1B`` and ``ScheduleGPipe`` over gloo,
   one process per stage, 8 micro-batches;
-- actorpipe: a ``LocalCluster`` with one node per stage, schedules ``1f1b`` and ``gpipe``.
+- actorpipe: a ``LocalCluster`` with one node per stage, schedules ``1f1b`` and ``gpipe``;
+  at 2 stages also 1F1B over torch.distributed (``dist_vs_zmq``), ``zero_bubble``, and
+  1F1B with plain autograd and glibc's default allocator (``defaults_vs_plain``: what
+  ``gradient_accumulation_fusion`` and ``keep_freed_memory`` buy);
+- the ceiling at 2 stages (``compute_only``): two processes that each compute their
+  stage's 8 micro-batches back to back at the same time, with nothing sent and no
+  bubble. A 1F1B pipeline cannot beat it; ``*_vs_compute_only`` says how close each
+  pipeline comes.
 
 Every peer starts and stays up; after the warm-up steps the timed steps run in rounds,
 each round a few steps of every peer in a rotated order, so that the machine's noise
@@ -30,7 +37,15 @@ from typing import Any, Protocol
 
 import torch
 
-from benchmarks._torch_pipelining import BATCH_SHAPE, NUM_BLOCKS, NUM_MICROBATCHES, SCHEDULES, TorchPeer, reference_batch
+from benchmarks._torch_pipelining import (
+    BATCH_SHAPE,
+    COMPUTE_ONLY,
+    NUM_BLOCKS,
+    NUM_MICROBATCHES,
+    SCHEDULES,
+    TorchPeer,
+    reference_batch,
+)
 from transport.loop import run
 
 MODEL = "examples.models:residual_mlp"
@@ -82,8 +97,10 @@ class ActorpipePeer:
         data_parallel: int = 1,
         micro_batches: int = NUM_MICROBATCHES,
         name: str | None = None,
+        options: dict[str, Any] | None = None,
     ) -> None:
         self.num_stages, self.schedule, self.transport = num_stages, schedule, transport
+        self.options = dict(options or {})  # more cluster.train arguments
         self.tensor_parallel, self.data_parallel, self.micro_batches = tensor_parallel, data_parallel, micro_batches
         suffix = "" if transport == "zmq" else f"_{transport}"
         self.name = name or f"actorpipe_{schedule}_{num_stages}stages{suffix}"
@@ -106,7 +123,7 @@ class ActorpipePeer:
                 loss="torch.nn.functional:mse_loss", optimizer=("torch.optim:SGD", {"lr": 0.01}),
                 pipeline_stages=self.num_stages, tensor_parallel=self.tensor_parallel,
                 data_parallel=self.data_parallel, schedule=self.schedule, micro_batches=self.micro_batches,
-                seed=0, transport=self.transport)
+                seed=0, transport=self.transport, **self.options)
             self._stack.push_async_callback(self._job.close)
         except BaseException:
             await self._stack.aclose()
@@ -151,6 +168,10 @@ def actorpipe_missing() -> str | None:
 def make_peers(args: argparse.Namespace, state_dir: str) -> list[Peer]:
     """Every peer the flags ask for; one process first, as the others' reference."""
     peers: list[Peer] = [TorchPeer(num_stages=1, schedule="-", state_dir=state_dir)]
+    if 2 in args.stages:
+        # The ceiling: each stage's micro-batches computed back to back on both cores at
+        # once, with no pipeline (no bubble, no transfers).
+        peers.append(TorchPeer(num_stages=2, schedule=COMPUTE_ONLY, state_dir=state_dir))
     for num_stages in args.stages:
         for schedule in SCHEDULES:
             if not args.skip_torch:
@@ -160,6 +181,11 @@ def make_peers(args: argparse.Namespace, state_dir: str) -> list[Peer]:
         if not args.skip_actorpipe and num_stages == 2:
             # Stage-to-stage tensors over torch.distributed (gloo) instead of ZeroMQ.
             peers.append(ActorpipePeer(num_stages=2, schedule="1f1b", transport="dist"))
+            # ZB-H1, whose W runs only the deferred weight GEMMs.
+            peers.append(ActorpipePeer(num_stages=2, schedule="zero_bubble"))
+            # 1F1B with plain autograd and glibc's default allocator: what those two defaults buy.
+            peers.append(ActorpipePeer(num_stages=2, schedule="1f1b", name="actorpipe_1f1b_2stages_plain",
+                                       options={"gradient_accumulation_fusion": False, "keep_freed_memory": False}))
     return peers
 
 
@@ -259,6 +285,13 @@ def summarize(results: list[PeerResult], stage_counts: list[int]) -> dict[str, A
         summary[f"vs_single_process_{num_stages}stages"] = ratio(by_name.get(f"actorpipe_1f1b_{num_stages}stages"), single)
     summary["dist_vs_zmq_1f1b_2stages"] = ratio(by_name.get("actorpipe_1f1b_2stages_dist"),
                                                 by_name.get("actorpipe_1f1b_2stages"))
+    for name in ("actorpipe", "torch"):
+        summary[f"{name}_1f1b_vs_compute_only_2stages"] = ratio(by_name.get(f"{name}_1f1b_2stages"),
+                                                                by_name.get(f"{COMPUTE_ONLY}_2stages"))
+    summary["zero_bubble_vs_torch_1f1b_2stages"] = ratio(by_name.get("actorpipe_zero_bubble_2stages"),
+                                                         by_name.get("torch_1f1b_2stages"))
+    summary["defaults_vs_plain_1f1b_2stages"] = ratio(by_name.get("actorpipe_1f1b_2stages"),
+                                                      by_name.get("actorpipe_1f1b_2stages_plain"))
     for r in results:
         summary[f"{r.name}_samples_per_s"] = round(r.samples_per_s, 2)
         summary[f"{r.name}_median_step_ms"] = round(statistics.median(r.step_times_s) * 1e3, 1)
@@ -274,7 +307,7 @@ def print_ratios(summary: dict[str, Any]) -> None:
     """The ratios, one a line, before the JSON."""
     print()
     for key, value in summary.items():
-        if key.startswith("vs_"):
+        if key.startswith("vs_") or "_vs_" in key:
             print(f"{key:<28} {'-' if value is None else f'{value:.3f}x'}")
 
 
