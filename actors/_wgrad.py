@@ -34,7 +34,7 @@ from torch import nn
 __all__ = ["PendingWeightGrad", "WeightGradients", "apply", "install"]
 
 # One deferred weight GEMM: (weight or None, bias or None, output gradient, input).
-PendingWeightGrad = tuple[nn.Parameter | None, nn.Parameter | None, torch.Tensor, torch.Tensor]
+PendingWeightGrad = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]
 
 
 def _accumulate(param: torch.Tensor, value: torch.Tensor) -> None:
@@ -93,7 +93,7 @@ class WeightGradients:
         if self._deferred is None:
             _weight_grad(weight, bias, grad_out, inputs)
         else:
-            self._deferred.append((weight, bias, grad_out, inputs))  # type: ignore[arg-type]
+            self._deferred.append((weight, bias, grad_out, inputs))
 
 
 class _Linear(torch.autograd.Function):
