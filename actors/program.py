@@ -19,7 +19,8 @@ Every action prints in a compact form and parses back::
     0STEP        optimizer step
 
 ``stage`` is always the *model* stage (the virtual stage when a rank holds several);
-:func:`stage_to_rank` says which rank owns it.
+:func:`stage_to_rank` says which rank owns it, and :func:`transfer_partner` which
+action on which rank is the other end of a send or receive.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ __all__ = [
     "ActionKind",
     "Program",
     "stage_to_rank",
+    "transfer_partner",
 ]
 
 
@@ -56,11 +58,17 @@ class ActionKind(enum.Enum):
 
 
 COMPUTE_KINDS = frozenset({ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W})
-COMM_KINDS = frozenset(
-    {ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B}
-)
+# The other end of each transfer: its kind and its stage relative to this one.
+# Activations travel to the next stage, input gradients to the previous one.
+_PARTNERS = {
+    ActionKind.SEND_F: (ActionKind.RECV_F, +1),
+    ActionKind.RECV_F: (ActionKind.SEND_F, -1),
+    ActionKind.SEND_B: (ActionKind.RECV_B, -1),
+    ActionKind.RECV_B: (ActionKind.SEND_B, +1),
+}
+COMM_KINDS = frozenset(_PARTNERS)
 # The per-step tail every rank ends with, in this order; these have no micro-batch.
-TAIL_KINDS = frozenset({ActionKind.BARRIER, ActionKind.REDUCE, ActionKind.STEP})
+TAIL_KINDS = (ActionKind.BARRIER, ActionKind.REDUCE, ActionKind.STEP)
 
 # Longest names first so that "BARRIER" is not read as "B" + garbage.
 _KIND_PATTERN = "|".join(
@@ -142,3 +150,30 @@ def stage_to_rank(stage: int, num_ranks: int) -> int:
     if stage < 0:
         raise ValueError(f"stage must be >= 0, got {stage}")
     return stage % num_ranks
+
+
+def transfer_partner(action: Action, num_ranks: int) -> tuple[int, Action]:
+    """The other end of a send or receive, and the rank that runs it.
+
+    ``sSEND_Fm`` pairs with ``(s+1)RECV_Fm`` (the activation goes to the next stage)
+    and ``sSEND_Bm`` with ``(s-1)RECV_Bm`` (the input gradient goes to the previous
+    one), either way round; the partner runs on :func:`stage_to_rank` of its stage.
+    With 4 ranks, ``1SEND_F3`` pairs with ``2RECV_F3`` on rank 2, and ``4RECV_B0``
+    with ``5SEND_B0`` on rank 1. Whether a partner past the last stage exists is the
+    caller's to check: only the schedule knows its number of stages.
+
+    Returns:
+        ``(rank, action)`` of the partner.
+
+    Raises:
+        ValueError: ``action`` is not a send or receive, its partner would come
+            before stage 0, or ``num_ranks`` < 1.
+    """
+    if action.kind not in _PARTNERS:
+        raise ValueError(f"{action} is not a send or receive, so it has no partner")
+    kind, offset = _PARTNERS[action.kind]
+    stage = action.stage + offset
+    if stage < 0:
+        raise ValueError(f"{action} has no partner: no stage comes before stage 0")
+    partner = Action(stage=stage, kind=kind, microbatch=action.microbatch)
+    return stage_to_rank(stage, num_ranks), partner

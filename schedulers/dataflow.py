@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from actors.program import COMM_KINDS, TAIL_KINDS, Action, ActionKind
+from actors import COMM_KINDS, TAIL_KINDS, Action, ActionKind, transfer_partner
 
 __all__ = [
     "Layout",
@@ -115,10 +115,12 @@ def requirements(action: Action, layout: Layout) -> list[Action]:
         return [Action(stage=s, kind=_F, microbatch=m)]
     if kind is ActionKind.SEND_B:
         return [layout.input_grad(s, m)]
-    if kind is ActionKind.RECV_F:
-        return [Action(stage=s - 1, kind=ActionKind.SEND_F, microbatch=m)]
-    assert kind is ActionKind.RECV_B, kind
-    return [Action(stage=s + 1, kind=ActionKind.SEND_B, microbatch=m)]
+    assert kind in (ActionKind.RECV_F, ActionKind.RECV_B), kind
+    try:
+        _, send = transfer_partner(action, layout.num_ranks)
+    except ValueError:  # a receive on the first stage: nothing sends to it (validate says so)
+        return []
+    return [send]
 
 
 def link_destination(action: Action, layout: Layout) -> int | None:

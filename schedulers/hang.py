@@ -18,12 +18,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from actors.program import Action, ActionKind, stage_to_rank
+from actors import TAIL_KINDS, Action, ActionKind, transfer_partner
 from schedulers.grid import format_grid
 
 __all__ = ["HangReport", "StageProgress", "diagnose"]
 
-_RECV_FROM = {ActionKind.RECV_F: (ActionKind.SEND_F, -1), ActionKind.RECV_B: (ActionKind.SEND_B, +1)}
+_RECV_KINDS = (ActionKind.RECV_F, ActionKind.RECV_B)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -93,7 +93,7 @@ def diagnose(
 
 
 def _is_recv(text: str) -> bool:
-    return Action.parse(text).kind in _RECV_FROM
+    return Action.parse(text).kind in _RECV_KINDS
 
 
 def _position(program: Sequence[Action], state: StageProgress) -> int | None:
@@ -130,7 +130,7 @@ def _explain(
     num_ranks: int,
     running: bool,
 ) -> str:
-    total = sum(1 for a in program if a.kind not in (ActionKind.BARRIER, ActionKind.REDUCE, ActionKind.STEP))
+    total = sum(1 for a in program if a.kind not in TAIL_KINDS)
     if state.current is None:
         if state.stale:
             return f"stage {rank} has not started this step"
@@ -143,13 +143,10 @@ def _explain(
         return f"stage {rank} is idle"
     action = Action.parse(state.current)
     done = f"({state.done} of {total} actions done)"
-    if action.kind not in _RECV_FROM:
+    if action.kind not in _RECV_KINDS:
         verb = "is sending" if action.kind in (ActionKind.SEND_F, ActionKind.SEND_B) else "is computing"
         return f"stage {rank} {verb} {action} {done}"
-    send_kind, direction = _RECV_FROM[action.kind]
-    source_stage = action.stage + direction
-    send = Action(stage=source_stage, kind=send_kind, microbatch=action.microbatch)
-    source = stage_to_rank(source_stage, num_ranks)
+    source, send = transfer_partner(action, num_ranks)
     source_program = schedule.get(source, [])
     index = next((i for i, a in enumerate(source_program) if a == send), None)
     head = f"stage {rank} waits at {action}"

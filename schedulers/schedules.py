@@ -1,4 +1,4 @@
-# python -m schedulers.schedules --schedule 1f1b --stages 4 --microbatches 8
+# python -m schedulers.schedules --schedule 1f1b --stages 4 --micro-batches 8
 """Pipeline schedules as data: generators, lowering passes, and a command-line view.
 
 A generator is a pure function of the number of stages (ranks), micro-batches and,
@@ -11,7 +11,7 @@ stage actor executes: :func:`add_send_recv` inserts the transfers and
 The command line prints a schedule's grid, its simulated makespan and its bubble
 fraction (unit costs ``F=1, B=2`` unless told otherwise)::
 
-    python -m schedulers.schedules --schedule interleaved --stages 4 --microbatches 8
+    python -m schedulers.schedules --schedule interleaved --stages 4 --micro-batches 8
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
-from actors.program import Action, ActionKind
+from actors import TAIL_KINDS, Action, ActionKind
 from schedulers.dataflow import Schedule, infer_layout
 from schedulers.grid import format_grid, parse_grid
 from schedulers.simulate import Costs, simulate, to_ascii, to_chrome_trace
@@ -253,8 +254,10 @@ def split_backward(schedule: Schedule) -> Schedule:
 def add_step_tail(schedule: Schedule) -> Schedule:
     """Append the accumulation barrier, gradient reduction and optimizer step to
     every rank's program (the tail actions carry the rank's first stage, ``rank``)."""
-    tail = (ActionKind.BARRIER, ActionKind.REDUCE, ActionKind.STEP)
-    return {rank: [*program, *(_act(rank, k) for k in tail)] for rank, program in schedule.items()}
+    return {
+        rank: [*program, *(_act(rank, kind) for kind in TAIL_KINDS)]
+        for rank, program in schedule.items()
+    }
 
 
 def build_schedule(
@@ -293,6 +296,28 @@ def build_schedule(
     return add_step_tail(add_send_recv(compute))
 
 
+class _StoreWarningOnAlias(argparse.Action):
+    """Stores the value; warns on stderr when given under a deprecated spelling.
+
+    The first option string is the flag's name; every later one is a deprecated alias.
+    """
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        if option_string is not None and option_string != self.option_strings[0]:
+            print(
+                f"{parser.prog}: warning: {option_string} is deprecated; "
+                f"use {self.option_strings[0]}",
+                file=sys.stderr,
+            )
+        setattr(namespace, self.dest, values)
+
+
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m schedulers.schedules",
@@ -300,7 +325,10 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b")
     parser.add_argument("--stages", type=int, default=4, help="pipeline ranks")
-    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument(
+        "--micro-batches", "--microbatches", type=int, default=8, action=_StoreWarningOnAlias,
+        help="micro-batches per step (--microbatches is a deprecated alias)",
+    )
     parser.add_argument(
         "--virtual-stages", type=int, default=None, help="interleaved only (default 2)"
     )
@@ -335,7 +363,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             codec_ratio=args.codec_ratio,
         )
         args.program = build_schedule(
-            args.schedule, args.stages, args.microbatches, args.virtual_stages,
+            args.schedule, args.stages, args.micro_batches, args.virtual_stages,
             split=args.split_backward,
         )
     except ValueError as exc:
@@ -349,7 +377,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     lowered = args.program
     shown = lowered if args.lowered else _compute_only(lowered)
     result = simulate(lowered, args.costs)
-    print(f"{args.schedule}: {args.stages} stages x {args.microbatches} micro-batches")
+    print(f"{args.schedule}: {args.stages} stages x {args.micro_batches} micro-batches")
     print(format_grid(shown))
     print(to_ascii(result, width=args.width))
     print(f"makespan: {result.makespan:g}")

@@ -24,7 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.program import COMPUTE_KINDS, Action, ActionKind
+from actors import COMPUTE_KINDS, Action, ActionKind
+from schedulers import trace
 from schedulers.dataflow import Schedule, play
 from schedulers.validate import deadlock_error, validate
 
@@ -198,34 +199,34 @@ def _peak_stash(program: Sequence[Action]) -> int:
     return peak
 
 
-def to_chrome_trace(result: SimResult) -> dict[str, Any]:
-    """The timeline as Chrome/Perfetto trace JSON: one track per rank, a span per
-    action, and a flow arrow per transfer. Times are microseconds (1 s -> 1e6 us)."""
-    us = 1e6
-    events: list[dict[str, Any]] = [
-        {"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "pipeline schedule"}}
-    ]
-    for rank in range(len(result.ranks)):
-        name = {"name": f"rank {rank}"}
-        events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": rank, "args": name})
-    for e in result.events:
-        events.append(
-            {
-                "name": str(e.action),
-                "cat": e.action.kind.value,
-                "ph": "X",
-                "pid": 0,
-                "tid": e.rank,
-                "ts": e.start * us,
-                "dur": (e.end - e.start) * us,
-                "args": {"stage": e.action.stage, "microbatch": e.action.microbatch},
-            }
+def to_chrome_trace(result: SimResult, *, title: str = "pipeline schedule") -> dict[str, Any]:
+    """The timeline as Chrome/Perfetto trace JSON, in the format of a measured step.
+
+    Each rank becomes a :class:`~schedulers.trace.StageRecord` (track ``rank r``)
+    and :func:`schedulers.trace.to_chrome_trace` writes them: a span per action and a
+    flow arrow from each ``SEND`` to the ``RECV`` that took its value. Times are
+    microseconds (1 s -> 1e6 us). A compute-only schedule has no sends, so its trace
+    has no arrows; lower it with ``add_send_recv`` to see them. ``otherData`` says
+    ``clock: simulated`` and holds the makespan and bubble fraction.
+    """
+    records = [
+        trace.StageRecord(
+            member=rank,
+            name=f"rank {rank}",
+            pipeline_rank=rank,
+            started_at=0.0,
+            spans=[(str(e.action), e.start, e.end) for e in result.events if e.rank == rank],
         )
-    for flow_id, (src, dst, leaves, arrives, producer) in enumerate(result.transfers):
-        common = {"name": f"{producer} transfer", "cat": "transfer", "pid": 0, "id": flow_id}
-        events.append({**common, "ph": "s", "tid": src, "ts": leaves * us})
-        events.append({**common, "ph": "f", "bp": "e", "tid": dst, "ts": arrives * us})
-    return {"traceEvents": events, "displayTimeUnit": "ms"}
+        for rank in range(len(result.ranks))
+    ]
+    metadata = {
+        "clock": "simulated",
+        "makespan": result.makespan,
+        "bubble_fraction": result.bubble_fraction,
+    }
+    return trace.to_chrome_trace(
+        records, num_ranks=len(result.ranks), title=title, metadata=metadata
+    )
 
 
 def to_ascii(result: SimResult, width: int = 72) -> str:

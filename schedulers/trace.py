@@ -1,4 +1,8 @@
-"""A measured step as a Chrome/Perfetto trace and a PNG timeline: pure functions over step results.
+"""A step as a Chrome/Perfetto trace and a PNG timeline: pure functions over step results.
+
+This is the one trace writer: measured steps use it directly, and
+:func:`schedulers.simulate.to_chrome_trace` turns a simulated timeline into the same
+records (one per rank, on one clock) and writes them here.
 
 Each stage actor reports its spans ``[action, start_s, end_s]`` relative to its own
 wall clock at the step's start (``started_at``). Nodes' clocks disagree, so each is
@@ -19,7 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.program import Action, ActionKind, stage_to_rank
+from actors import Action, ActionKind, transfer_partner
 
 __all__ = ["StageRecord", "estimate_offset", "match_transfers", "plot_trace", "to_chrome_trace"]
 
@@ -98,12 +102,10 @@ def match_transfers(records: Sequence[StageRecord], num_ranks: int) -> list[tupl
             action = Action.parse(str(span[0]))
             if action.kind not in (ActionKind.SEND_F, ActionKind.SEND_B):
                 continue
-            forward = action.kind is ActionKind.SEND_F
-            target = action.stage + 1 if forward else action.stage - 1
-            receiver = by_place.get((record.replica, stage_to_rank(target, num_ranks)))
-            recv = f"{target}{'RECV_F' if forward else 'RECV_B'}{action.microbatch}"
-            if receiver is not None and (receiver, recv) in recv_at:
-                pairs.append((i, j, receiver, recv_at[receiver, recv]))
+            rank, recv = transfer_partner(action, num_ranks)
+            receiver = by_place.get((record.replica, rank))
+            if receiver is not None and (receiver, str(recv)) in recv_at:
+                pairs.append((i, j, receiver, recv_at[receiver, str(recv)]))
     return pairs
 
 
@@ -115,12 +117,14 @@ def to_chrome_trace(
     Times are microseconds from the earliest stage's start. Spans carry
     ``args = {stage, microbatch, kind}``; flows (``ph`` ``s``/``f``, category
     ``transfer``) run from each send's start to the end of the receive that took it.
+    ``otherData`` holds ``clock`` (``"head"``) and each track's ``clock_offsets_s``,
+    then ``metadata``, which may override them.
 
     Args:
         records: one per stage actor.
         num_ranks: pipeline ranks.
         title: the process name shown above the tracks.
-        metadata: extra facts for ``otherData`` (job, step, clock offsets...).
+        metadata: extra facts for ``otherData`` (job, step...).
     """
     origin = min((r.head_start for r in records), default=0.0)
     events: list[dict[str, Any]] = [{"ph": "M", "name": "process_name", "pid": 0, "args": {"name": title}}]
@@ -191,7 +195,7 @@ def plot_trace(trace: Mapping[str, Any], path: str | os.PathLike[str], *, title:
     ax.set_yticks(range(len(rows)), [names.get(t, f"member {t}") for t in rows])
     ax.invert_yaxis()
     ax.set_xlim(0, end_ms * 1.01 if end_ms else 1.0)
-    ax.set_xlabel("time (ms, head clock)")
+    ax.set_xlabel(f"time (ms, {trace.get('otherData', {}).get('clock', 'head')} clock)")
     process = next((e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"),
                    "pipeline step")
     ax.set_title(title or str(trace.get("otherData", {}).get("title", process)))

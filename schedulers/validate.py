@@ -22,19 +22,11 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Collection
 
-from actors.program import COMM_KINDS, TAIL_KINDS, Action, ActionKind
+from actors import COMM_KINDS, TAIL_KINDS, Action, ActionKind, transfer_partner
 from schedulers.dataflow import Layout, Position, Schedule, infer_layout, play, requirements
 from schedulers.grid import format_grid
 
 __all__ = ["DeadlockError", "ScheduleError", "validate"]
-
-_TAIL = [ActionKind.BARRIER, ActionKind.REDUCE, ActionKind.STEP]
-_PARTNER = {  # comm kind -> (partner kind, stage offset of the partner)
-    ActionKind.SEND_F: (ActionKind.RECV_F, +1),
-    ActionKind.RECV_F: (ActionKind.SEND_F, -1),
-    ActionKind.SEND_B: (ActionKind.RECV_B, -1),
-    ActionKind.RECV_B: (ActionKind.SEND_B, +1),
-}
 
 
 class ScheduleError(ValueError):
@@ -126,19 +118,21 @@ def _check_tail(schedule: Schedule) -> None:
     has_tail = {rank: any(a.kind in TAIL_KINDS for a in p) for rank, p in schedule.items()}
     if not any(has_tail.values()):
         return
+    size = len(TAIL_KINDS)
     for rank, program in schedule.items():
-        tail = program[-3:]
-        if [a.kind for a in tail] != _TAIL or any(a.stage != rank for a in tail):
+        tail = program[-size:]
+        if tuple(a.kind for a in tail) != TAIL_KINDS or any(a.stage != rank for a in tail):
             bad = [(rank, i) for i, a in enumerate(program) if a.kind in TAIL_KINDS]
             if not bad and program:
                 bad = [(rank, len(program) - 1)]
+            expected = " ".join(f"{rank}{kind.value}" for kind in TAIL_KINDS)
             raise ScheduleError(
-                f"rank {rank} must end with {rank}BARRIER {rank}REDUCE {rank}STEP, "
+                f"rank {rank} must end with {expected}, "
                 "after all its other actions, as every rank of a stepped schedule does",
                 schedule,
                 bad,
             )
-        extra = [(rank, i) for i, a in enumerate(program[:-3]) if a.kind in TAIL_KINDS]
+        extra = [(rank, i) for i, a in enumerate(program[:-size]) if a.kind in TAIL_KINDS]
         if extra:
             raise ScheduleError(f"rank {rank} has a second step tail", schedule, extra)
 
@@ -173,9 +167,12 @@ def _check_comm(schedule: Schedule, layout: Layout) -> None:
     for action, where in found.items():
         if action.kind not in COMM_KINDS:
             continue
-        partner_kind, offset = _PARTNER[action.kind]
-        peer = action.stage + offset
-        exists = 0 <= peer < layout.num_stages
+        try:
+            _, partner = transfer_partner(action, layout.num_ranks)
+        except ValueError as exc:  # the first stage's partner upstream
+            raise ScheduleError(str(exc), schedule, where) from None
+        peer = partner.stage
+        exists = peer < layout.num_stages
         if not exists or not layout.crosses_ranks(action.stage, peer):
             why = "is on the same rank" if exists else "does not exist"
             raise ScheduleError(
@@ -183,7 +180,6 @@ def _check_comm(schedule: Schedule, layout: Layout) -> None:
             )
         if len(where) > 1:
             raise ScheduleError(f"{action} appears {len(where)} times", schedule, where)
-        partner = Action(stage=peer, kind=partner_kind, microbatch=action.microbatch)
         if partner not in found:
             raise ScheduleError(f"{action} has no matching {partner}", schedule, where)
 

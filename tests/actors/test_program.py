@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.program import TAIL_KINDS, Action, ActionKind, stage_to_rank
+from actors.program import COMM_KINDS, TAIL_KINDS, Action, ActionKind, stage_to_rank, transfer_partner
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -97,6 +97,56 @@ def test_stage_to_rank_rejects_bad_arguments(stage: int, num_ranks: int) -> None
         stage_to_rank(stage, num_ranks)
 
 
+@pytest.mark.parametrize(
+    ("action", "num_ranks", "rank", "partner"),
+    [
+        # One stage per rank: activations go to the next stage, gradients to the previous.
+        ("0SEND_F3", 4, 1, "1RECV_F3"),
+        ("1RECV_F3", 4, 0, "0SEND_F3"),
+        ("2SEND_B0", 4, 1, "1RECV_B0"),
+        ("1RECV_B0", 4, 2, "2SEND_B0"),
+        ("3RECV_F7", 4, 2, "2SEND_F7"),
+        # Interleaved, 2 ranks x 2 virtual stages: stage 2 lives on rank 0, stage 3 on rank 1.
+        ("1SEND_F0", 2, 0, "2RECV_F0"),
+        ("2RECV_F0", 2, 1, "1SEND_F0"),
+        ("2SEND_B5", 2, 1, "1RECV_B5"),
+        ("1RECV_B5", 2, 0, "2SEND_B5"),
+        ("3SEND_B1", 2, 0, "2RECV_B1"),
+        # Past the last stage is the caller's to reject: only the schedule knows how many there are.
+        ("3SEND_F0", 4, 0, "4RECV_F0"),
+    ],
+)
+def test_transfer_partner_pairs_sends_with_receives(
+    action: str, num_ranks: int, rank: int, partner: str
+) -> None:
+    assert transfer_partner(Action.parse(action), num_ranks) == (rank, Action.parse(partner))
+    # The pairing is symmetric: the partner's partner is the action, on its own rank.
+    own_rank = stage_to_rank(Action.parse(action).stage, num_ranks)
+    assert transfer_partner(Action.parse(partner), num_ranks) == (own_rank, Action.parse(action))
+
+
+@pytest.mark.parametrize(
+    ("action", "num_ranks", "message"),
+    [
+        ("0SEND_B2", 4, "no stage comes before stage 0"),
+        ("0RECV_F2", 4, "no stage comes before stage 0"),
+        ("1F2", 4, "not a send or receive"),
+        ("0STEP", 4, "not a send or receive"),
+        ("0SEND_F0", 0, "num_ranks"),
+    ],
+)
+def test_transfer_partner_rejects_actions_without_one(action: str, num_ranks: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        transfer_partner(Action.parse(action), num_ranks)
+
+
+def test_every_comm_kind_has_a_partner_and_the_tail_is_ordered() -> None:
+    for kind in COMM_KINDS:
+        _, partner = transfer_partner(Action(stage=1, kind=kind, microbatch=0), 2)
+        assert partner.kind in COMM_KINDS and partner.kind is not kind
+    assert TAIL_KINDS == (ActionKind.BARRIER, ActionKind.REDUCE, ActionKind.STEP)
+
+
 def _imported_modules(path: Path) -> set[str]:
     tree = ast.parse(path.read_text(encoding="utf-8"))
     names: set[str] = set()
@@ -118,3 +168,38 @@ def test_lower_layers_never_import_schedulers(package: str) -> None:
     for path in sorted((ROOT / package).rglob("*.py")):
         roots = {name.split(".")[0] for name in _imported_modules(path)}
         assert "schedulers" not in roots, path
+
+
+def _code_strings(path: Path) -> list[str]:
+    """The string constants of a module that are not docstrings."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr)
+                  and isinstance(node.body[0].value, ast.Constant)}
+    return [node.value for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings]
+
+
+def test_the_runtime_names_no_module_above_it_in_code() -> None:
+    # The head's scheduler and the driver's job API come in through entry points (actors/plugins.py).
+    for path in sorted((ROOT / "actors").rglob("*.py")):
+        assert not [s for s in _code_strings(path) if "schedulers" in s], path
+
+
+def test_schedulers_use_only_what_actors_exports() -> None:
+    import actors
+
+    for path in sorted((ROOT / "schedulers").rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("actors"):
+                assert node.module == "actors", f"{path}: from {node.module} import ..."
+                assert all(alias.name in actors.__all__ for alias in node.names), path
+            elif isinstance(node, ast.Import):
+                assert not [a.name for a in node.names if a.name.startswith("actors.")], path
+
+
+def test_the_console_calls_no_endpoint_by_name() -> None:
+    for path in sorted((ROOT / "schedulers" / "console").rglob("*.py")):
+        assert 'ask("' not in path.read_text(encoding="utf-8"), path

@@ -205,7 +205,7 @@ def test_main_prints_grid_makespan_and_bubble(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     trace = tmp_path / "trace.json"
-    argv = ["--schedule", "interleaved", "--stages", "2", "--microbatches", "4"]
+    argv = ["--schedule", "interleaved", "--stages", "2", "--micro-batches", "4"]
     assert main([*argv, "--trace", str(trace)]) == 0
     out = capsys.readouterr().out
     assert "0: 0F0 0F1 2F0" in out
@@ -216,20 +216,33 @@ def test_main_prints_grid_makespan_and_bubble(
 
 def test_main_rejects_impossible_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
-        main(["--schedule", "interleaved", "--stages", "4", "--microbatches", "6"])
+        main(["--schedule", "interleaved", "--stages", "4", "--micro-batches", "6"])
     assert info.value.code == 2
     assert "try 4 or 8" in capsys.readouterr().err
 
 
 def test_main_splits_backward_on_request(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--schedule", "1f1b", "--stages", "2", "--microbatches", "8", "--split-backward"]) == 0
+    assert main(["--schedule", "1f1b", "--stages", "2", "--micro-batches", "8", "--split-backward"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert "makespan: 26" in out and "bubble_fraction: 0.0769" in out
 
 
+def test_old_micro_batches_flag_still_works_with_a_deprecation_warning(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["--schedule", "1f1b", "--stages", "2"]
+    assert main([*argv, "--micro-batches", "8"]) == 0
+    new = capsys.readouterr()
+    assert new.err == ""
+    assert main([*argv, "--microbatches", "8"]) == 0
+    old = capsys.readouterr()
+    assert old.out == new.out
+    assert "--microbatches is deprecated; use --micro-batches" in old.err
+
+
 def test_command_line_prints_the_1f1b_bubble() -> None:
     command = [sys.executable, "-m", "schedulers.schedules"]
-    command += ["--schedule", "1f1b", "--stages", "4", "--microbatches", "8"]
+    command += ["--schedule", "1f1b", "--stages", "4", "--micro-batches", "8"]
     done = subprocess.run(
         command, cwd=ROOT, capture_output=True, text=True, timeout=120, check=True
     )

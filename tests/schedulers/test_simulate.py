@@ -153,6 +153,22 @@ def test_chrome_trace_has_one_track_per_rank(name: str) -> None:
     assert len(flows) == 2 * len(result.transfers) == 2 * (2 * num_links * 8)
 
 
+def test_chrome_trace_is_written_like_a_measured_step() -> None:
+    # One writer for both: categories and args as schedulers.trace writes them,
+    # flows from each send to the receive that took its value.
+    result = simulate(build_schedule("1f1b", 2, 2))
+    events = to_chrome_trace(result)["traceEvents"]
+    spans = {e["name"]: e for e in events if e["ph"] == "X"}
+    assert spans["0F1"]["cat"] == "forward" and spans["0F1"]["args"]["kind"] == "F"
+    assert spans["1SEND_B0"]["cat"] == "send" and spans["0RECV_B0"]["cat"] == "recv"
+    assert spans["0STEP"]["cat"] == "tail"
+    flows = sorted(e["name"] for e in events if e["ph"] == "s")
+    assert flows == ["0SEND_F0 -> 1RECV_F0", "0SEND_F1 -> 1RECV_F1",
+                     "1SEND_B0 -> 0RECV_B0", "1SEND_B1 -> 0RECV_B1"]
+    other = to_chrome_trace(result)["otherData"]
+    assert other["clock"] == "simulated" and other["makespan"] == result.makespan
+
+
 def test_ascii_chart() -> None:
     result = simulate(one_f_one_b(2, 2))
     chart = to_ascii(result, width=9)

@@ -41,6 +41,8 @@ from schedulers.validate import DeadlockError, ScheduleError, validate
             ">0SEND_F0<",
         ),
         ("0: 0F0 0B0 0RECV_B0", "stage 1 does not exist", ">0RECV_B0<"),
+        ("0: 0F0 0B0 0SEND_B0\n1: 1F0 1B0", "no stage comes before stage 0", ">0SEND_B0<"),
+        ("0: 0RECV_F0 0F0 0B0\n1: 1F0 1B0", "no stage comes before stage 0", ">0RECV_F0<"),
         ("0: 0F0 0B0 0REDUCE 0BARRIER 0STEP", "rank 0 must end with 0BARRIER 0REDUCE", ">0REDUCE<"),
         ("0: 0F0 0B0 0BARRIER 0REDUCE 0STEP\n1: 1F0 1B0", "rank 1 must end with", ">1B0<"),
         (
