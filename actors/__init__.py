@@ -1,7 +1,12 @@
-"""The actor runtime: actors, refs, request/reply, nodes and clusters.
+"""The actor runtime: actors, refs, request/reply, nodes and clusters, and the stage actor.
 
 Public names are re-exported here from private modules, lazily (PEP 562), so that a
-leaf such as ``actors.program`` imports without pulling in torch and ZeroMQ.
+leaf such as ``actors.program`` imports without pulling in torch and ZeroMQ. The
+layer above (``schedulers/``) uses only these names.
+
+``Job`` and ``StepStats`` moved to ``schedulers`` (the driver-facing job API sits
+above the scheduler it talks to); ``actors.Job`` and ``actors.StepStats`` still
+resolve, with a DeprecationWarning, through the installed job plugin.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     "Actor": "actors._actor",
+    "Host": "actors._actor",
     "endpoint": "actors._actor",
     "ActorError": "actors._errors",
     "ActorStopped": "actors._errors",
@@ -27,17 +33,51 @@ _EXPORTS = {
     "Runtime": "actors._runtime",
     "open_runtime": "actors._runtime",
     "StepFailed": "actors._errors",
-    "Job": "actors.job",
-    "StepStats": "actors.job",
+    "error_from_wire": "actors._errors",
+    "Endpoint": "actors._ref",
+    "DEFAULT_ALLOW": "actors._registry",
+    "actor_class": "actors._registry",
+    "HEAD": "actors._nodes",
+    "NODE": "actors._nodes",
+    "HeadActor": "actors._nodes",
+    "NodeActor": "actors._nodes",
     "Cluster": "actors.cluster",
     "LocalCluster": "actors.cluster",
+    "Coords": "actors.mesh",
+    "Mesh": "actors.mesh",
+    "Action": "actors.program",
+    "ActionKind": "actors.program",
+    "COMM_KINDS": "actors.program",
+    "COMPUTE_KINDS": "actors.program",
+    "TAIL_KINDS": "actors.program",
+    "stage_to_rank": "actors.program",
+    "transfer_partner": "actors.program",
+    "RecordError": "actors.records",
+    "StageConfig": "actors.records",
+    "StageReport": "actors.records",
+    "WireRecord": "actors.records",
+    "StageActor": "actors.stage",
+    "ShardSpec": "actors.tensor_parallel",
+    "gather_tensor_parallel_state": "actors.tensor_parallel",
+    "shard_state": "actors.tensor_parallel",
 }
+# Moved up a layer; resolved through the job plugin (see actors.plugins), with a warning.
+_MOVED = {"Job": "Job", "StepStats": "StepStats"}
 
 __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
+    if module is None and name in _MOVED:
+        import warnings
+
+        from actors.plugins import job_api
+
+        api = job_api()
+        warnings.warn(f"actors.{name} moved to {api.__name__}.{name}; import it from there",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(api, _MOVED[name])
     if module is None:
         raise AttributeError(f"module 'actors' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
@@ -49,22 +89,73 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))
 
 
-if TYPE_CHECKING:
-    from actors._actor import Actor, endpoint
-    from actors._errors import (
-        ActorError,
-        ActorStopped,
-        ActorTimeout,
-        BadArguments,
-        MailboxFull,
-        NotAllowed,
-        RemoteError,
-        StepFailed,
-        UnknownActor,
-        UnknownEndpoint,
+if TYPE_CHECKING:  # explicit re-exports, for type checkers (the names resolve lazily above)
+    from actors._actor import (
+        Actor as Actor,
+        Host as Host,
+        endpoint as endpoint,
     )
-    from actors.job import Job, StepStats
-    from actors._ref import ActorRef
-    from actors._registry import load_object, register_actor
-    from actors._runtime import Runtime, open_runtime
-    from actors.cluster import Cluster, LocalCluster
+    from actors._errors import (
+        ActorError as ActorError,
+        ActorStopped as ActorStopped,
+        ActorTimeout as ActorTimeout,
+        BadArguments as BadArguments,
+        MailboxFull as MailboxFull,
+        NotAllowed as NotAllowed,
+        RemoteError as RemoteError,
+        StepFailed as StepFailed,
+        UnknownActor as UnknownActor,
+        UnknownEndpoint as UnknownEndpoint,
+        error_from_wire as error_from_wire,
+    )
+    from actors._nodes import (
+        HEAD as HEAD,
+        HeadActor as HeadActor,
+        NODE as NODE,
+        NodeActor as NodeActor,
+    )
+    from actors._ref import (
+        ActorRef as ActorRef,
+        Endpoint as Endpoint,
+    )
+    from actors._registry import (
+        DEFAULT_ALLOW as DEFAULT_ALLOW,
+        actor_class as actor_class,
+        load_object as load_object,
+        register_actor as register_actor,
+    )
+    from actors._runtime import (
+        Runtime as Runtime,
+        open_runtime as open_runtime,
+    )
+    from actors.cluster import (
+        Cluster as Cluster,
+        LocalCluster as LocalCluster,
+    )
+    from actors.mesh import (
+        Coords as Coords,
+        Mesh as Mesh,
+    )
+    from actors.program import (
+        Action as Action,
+        ActionKind as ActionKind,
+        COMM_KINDS as COMM_KINDS,
+        COMPUTE_KINDS as COMPUTE_KINDS,
+        TAIL_KINDS as TAIL_KINDS,
+        stage_to_rank as stage_to_rank,
+        transfer_partner as transfer_partner,
+    )
+    from actors.records import (
+        RecordError as RecordError,
+        StageConfig as StageConfig,
+        StageReport as StageReport,
+        WireRecord as WireRecord,
+    )
+    from actors.stage import (
+        StageActor as StageActor,
+    )
+    from actors.tensor_parallel import (
+        ShardSpec as ShardSpec,
+        gather_tensor_parallel_state as gather_tensor_parallel_state,
+        shard_state as shard_state,
+    )

@@ -10,15 +10,13 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar, overload
 
-from actors._errors import BadArguments, MailboxFull, UnknownEndpoint
+from actors._errors import ActorError, BadArguments, MailboxFull, UnknownEndpoint
+from actors._ref import ENDPOINT_ATTR, ActorRef
 
-if TYPE_CHECKING:
-    from actors._ref import ActorRef
-    from actors._runtime import Runtime
 
 __all__ = ["Actor", "endpoint"]
 
@@ -26,7 +24,7 @@ log = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 DEFAULT_MAILBOX_SIZE = 4096
-_ENDPOINT_ATTR = "__actor_endpoint__"
+_ENDPOINT_ATTR = ENDPOINT_ATTR
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -34,8 +32,18 @@ class _EndpointInfo:
     concurrent: bool
 
 
-def endpoint(fn: F | None = None, *, concurrent: bool = False) -> Any:
+@overload
+def endpoint(fn: F, /) -> F: ...
+
+
+@overload
+def endpoint(*, concurrent: bool = False) -> Callable[[F], F]: ...
+
+
+def endpoint(fn: F | None = None, /, *, concurrent: bool = False) -> Any:
     """Marks an async method as callable from anywhere in the cluster.
+
+    The method keeps its type, so callers can name it: ``ref.endpoint(Cls.method)``.
 
     Args:
         concurrent: run each call in its own task instead of queueing it behind the
@@ -49,6 +57,24 @@ def endpoint(fn: F | None = None, *, concurrent: bool = False) -> Any:
         return f  # type: ignore[return-value]
 
     return mark(fn) if fn is not None else mark
+
+
+class Host(Protocol):
+    """What an actor may ask of the runtime that hosts it (``self.runtime``)."""
+
+    address: str
+
+    def ref(self, address: str, name: str) -> ActorRef: ...
+
+    def spawn_task(self, coro: Coroutine[Any, Any, Any], *, name: str | None = None) -> asyncio.Task[Any]: ...
+
+    async def spawn(self, actor: Actor, name: str) -> ActorRef: ...
+
+    async def stop_actor(self, name: str) -> None: ...
+
+    def actor_names(self) -> list[str]: ...
+
+    def fail_calls_to(self, address: str, error: ActorError) -> int: ...
 
 
 @dataclass(slots=True, kw_only=True)
@@ -73,7 +99,7 @@ class Actor:
 
     # Set by the runtime when the actor is spawned.
     name: str
-    runtime: Runtime
+    runtime: Host
     ref: ActorRef
     # Set by a node's agent when it spawns the actor: the node's device and allow-list.
     node_context: Any = None

@@ -143,13 +143,20 @@ def error_to_wire(exc: BaseException) -> dict[str, Any]:
 
 
 def error_from_wire(data: Any) -> ActorError:
-    """Rebuilds an error sent by :func:`error_to_wire`; anything odd becomes RemoteError."""
+    """Rebuilds an error sent by :func:`error_to_wire`; anything odd becomes RemoteError.
+
+    A remote :class:`ActorTimeout` says it was the remote's: its message is prefixed
+    ``remote timeout:``, so a caller never mistakes it for its own call timing out.
+    """
     if not isinstance(data, dict):
         return RemoteError(f"malformed error reply: {data!r:.200}")
     cls = ERROR_KINDS.get(str(data.get("kind")), RemoteError)
     details = data.get("details")
+    message = str(data.get("message", ""))
+    if cls is ActorTimeout and not message.startswith("remote timeout: "):
+        message = "remote timeout: " + message
     return cls(
-        str(data.get("message", "")),
+        message,
         remote_type=str(data.get("type", "")),
         remote_traceback=str(data.get("traceback", "")),
         details=details if isinstance(details, dict) else None,

@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar
 
-if TYPE_CHECKING:
-    from actors._runtime import Runtime
+__all__ = ["ActorRef", "Caller", "Endpoint"]
 
-__all__ = ["ActorRef"]
+P = ParamSpec("P")
+R = TypeVar("R")
+ENDPOINT_ATTR = "__actor_endpoint__"  # set on a method by actors._actor.endpoint
+
+
+class Caller(Protocol):
+    """What a ref sends its calls through (the runtime that made it)."""
+
+    async def ask(
+        self, ref: ActorRef, method: str, args: list[Any], kwargs: dict[str, Any], *, timeout: float | None
+    ) -> Any: ...
+
+    async def tell(self, ref: ActorRef, method: str, args: list[Any], kwargs: dict[str, Any]) -> int: ...
 
 
 class ActorRef:
@@ -20,7 +32,7 @@ class ActorRef:
 
     __slots__ = ("address", "name", "_runtime")
 
-    def __init__(self, runtime: Runtime, address: str, name: str) -> None:
+    def __init__(self, runtime: Caller, address: str, name: str) -> None:
         self.address = address
         self.name = name
         self._runtime = runtime
@@ -48,6 +60,22 @@ class ActorRef:
         """
         return await self._runtime.tell(self, method, list(args), kwargs)
 
+    def endpoint(
+        self, method: Callable[Concatenate[Any, P], Awaitable[R]], *, timeout: float | None = None
+    ) -> Endpoint[P, R]:
+        """A typed handle on one of the actor's endpoints, named by the method itself.
+
+        ``await ref.endpoint(Counter.add, timeout=5).call(2)`` is ``ref.ask("add", 2,
+        timeout=5)`` with the arguments and the result checked by the type checker
+        against ``Counter.add``'s signature, and no method name in a string.
+
+        Raises:
+            TypeError: ``method`` is not marked with ``@endpoint``.
+        """
+        if getattr(method, ENDPOINT_ATTR, None) is None:
+            raise TypeError(f"{getattr(method, '__qualname__', method)!r} is not an @endpoint")
+        return Endpoint(self, method.__name__, timeout)
+
     def to_wire(self) -> list[str]:
         return [self.address, self.name]
 
@@ -59,3 +87,26 @@ class ActorRef:
 
     def __repr__(self) -> str:
         return f"ActorRef({self.name!r} @ {self.address})"
+
+
+class Endpoint(Generic[P, R]):
+    """One endpoint of the actor a ref names, typed by the method it was made from."""
+
+    __slots__ = ("ref", "method", "timeout")
+
+    def __init__(self, ref: ActorRef, method: str, timeout: float | None) -> None:
+        self.ref = ref
+        self.method = method
+        self.timeout = timeout
+
+    async def call(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        """Calls the endpoint and waits for its result (see :meth:`ActorRef.ask`)."""
+        result: R = await self.ref._runtime.ask(self.ref, self.method, list(args), kwargs, timeout=self.timeout)
+        return result
+
+    async def tell(self, *args: P.args, **kwargs: P.kwargs) -> int:
+        """Sends the call without waiting for its outcome; returns the bytes sent."""
+        return await self.ref._runtime.tell(self.ref, self.method, list(args), kwargs)
+
+    def __repr__(self) -> str:
+        return f"Endpoint({self.ref!r}.{self.method})"

@@ -147,8 +147,9 @@ class Runtime:
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         call_id = next(self._ids)
         self._pending[call_id] = (future, ref.address)
+        timer = asyncio.timeout(timeout)
         try:
-            async with asyncio.timeout(timeout):
+            async with timer:
                 if ref.address == self.address:
                     self._deliver_local(ref.name, Call(method=method, args=args, kwargs=kwargs,
                                                        reply=_resolve_into(future)))
@@ -156,6 +157,8 @@ class Runtime:
                     await self._send(ref.address, _request(call_id, ref.name, method, args, kwargs, self.address))
                 return await future
         except TimeoutError:
+            if not timer.expired():
+                raise  # the remote's own ActorTimeout (it waited for something): reported as the remote's
             raise ActorTimeout(
                 f"no reply from {ref.name}.{method} at {ref.address} within {timeout}s"
             ) from None

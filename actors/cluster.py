@@ -1,5 +1,9 @@
 """The driver's view of a cluster: ``Cluster.connect`` to a running head, or ``LocalCluster``.
 
+This is the generic part (nodes, spawning actors, events). The job API (``train``,
+``jobs``) is added by the installed ``cluster`` plugin (see :mod:`actors.plugins`):
+``Cluster.connect`` and ``LocalCluster`` build their connection as that subclass.
+
 Example::
 
     async with LocalCluster(nodes=2) as cluster:
@@ -22,21 +26,21 @@ import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Generator, Iterable, Sequence
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from actors._actor import Actor, endpoint
 from actors._errors import ActorTimeout
 from actors._nodes import HEAD, NODE
 from actors._serve import ADMIT_TOKEN_ENV
-from actors.job import Job
 from actors._ref import ActorRef
 from actors._runtime import Runtime, open_runtime
+from actors.plugins import GROUP, load_plugin
 
 __all__ = ["Cluster", "LocalCluster"]
 
 log = logging.getLogger(__name__)
 
-SCHEDULER = "scheduler"  # the scheduler actor's name in the head's runtime
+C = TypeVar("C", bound="Cluster")
 
 
 class _EventSink(Actor):
@@ -58,39 +62,33 @@ class Cluster:
     def __init__(self, runtime: Runtime, head: ActorRef, stack: contextlib.AsyncExitStack) -> None:
         self.runtime = runtime
         self.head = head
-        self.scheduler = runtime.ref(head.address, SCHEDULER)
         self._stack = stack
         self._events: asyncio.Queue[dict[str, Any]] | None = None
         self._admit_token = ""  # set by LocalCluster, which may admit a job's factories
 
-    async def train(self, **spec: Any) -> Job:
-        """Starts a training job; returns its handle.
+    async def admit(self, modules: Iterable[str]) -> None:
+        """Lets every live node (and the head) import factories from ``modules``.
 
-        Keyword arguments (see the README for all): ``model`` and ``model_kwargs``,
-        ``loss``, ``optimizer=(path, kwargs)``, ``pipeline_stages``, ``schedule``
-        (``gpipe``, ``1f1b``, ``interleaved``, ``zero_bubble``), ``micro_batches``,
-        ``seed``, ``activation_codec``, ``gradient_codec``, ``data`` and ``data_kwargs``.
-        Factories are named by import path (``package.module:callable``).
-
-        Raises:
-            RemoteError: a bad argument (its message names it) or too few nodes.
-            NotAllowed: a factory outside the nodes' allow-list.
+        Only a :class:`LocalCluster`'s own connection can: it holds the token its nodes
+        were started with. On a cluster started by hand this does nothing; start its
+        nodes with ``--allow PREFIX`` instead.
         """
-        if self._admit_token:
-            await self._admit(_modules_named(spec))
-        info = await self.scheduler.ask("create_job", spec, timeout=600)
-        return Job(self, self.scheduler, info, spec)
-
-    async def _admit(self, prefixes: list[str]) -> None:
+        if not self._admit_token:
+            return
+        prefixes = sorted(set(modules))
         nodes = [n for n in await self.nodes() if n["state"] == "alive"]
         agents = [self.node_ref(n) for n in nodes] + [self.runtime.ref(self.head.address, NODE)]
         await asyncio.gather(*(agent.ask("admit", self._admit_token, prefixes, timeout=30) for agent in agents))
 
-    @staticmethod
+    @classmethod
     def connect(
-        address: str, *, bind: str = "tcp://127.0.0.1:0", allow_remote: bool = False, timeout: float = 10.0
-    ) -> _Connecting:
+        cls: type[C], address: str, *, bind: str = "tcp://127.0.0.1:0", allow_remote: bool = False,
+        timeout: float = 10.0,
+    ) -> _Connecting[C]:
         """Attaches to the head at ``address``; use as ``await`` or ``async with``.
+
+        ``actors.Cluster.connect`` builds the installed plugin's subclass (with the job
+        API); a subclass's ``connect`` builds that subclass.
 
         Args:
             bind: where this driver listens for replies; it must be reachable from the
@@ -101,7 +99,8 @@ class Cluster:
         Raises:
             ActorTimeout: the head did not answer within ``timeout``.
         """
-        return _Connecting(address, bind, timeout, allow_remote)
+        target: type[C] = cluster_class() if cls is Cluster else cls  # type: ignore[assignment]
+        return _Connecting(target, address, bind, timeout, allow_remote)
 
     async def nodes(self) -> list[dict[str, Any]]:
         """Every node the head knows: name, address, device, pid, host, memory, state."""
@@ -150,23 +149,26 @@ class Cluster:
         await self.close()
 
 
-def _modules_named(spec: dict[str, Any]) -> list[str]:
-    """The modules of the import paths a job spec names (model, loss, optimizer, data)."""
-    paths = [spec.get("model"), spec.get("loss"), spec.get("data")]
-    optimizer = spec.get("optimizer")
-    paths.append(optimizer if isinstance(optimizer, str) else optimizer[0] if optimizer else None)
-    return sorted({p.partition(":")[0] for p in paths if isinstance(p, str) and ":" in p})
+def cluster_class() -> type[Cluster]:
+    """The class a driver's connection is built as: the installed ``cluster`` plugin's, or :class:`Cluster`."""
+    cls = load_plugin("cluster")
+    if cls is None:
+        return Cluster
+    if not (isinstance(cls, type) and issubclass(cls, Cluster)):
+        raise TypeError(f"the {GROUP} 'cluster' plugin {cls!r} is not a subclass of actors.Cluster")
+    return cls
 
 
-class _Connecting:
+class _Connecting(Generic[C]):
     """``Cluster.connect(...)``: awaitable, and an async context manager."""
 
-    def __init__(self, address: str, bind: str, timeout: float, allow_remote: bool) -> None:
+    def __init__(self, cls: type[C], address: str, bind: str, timeout: float, allow_remote: bool) -> None:
+        self._cls = cls
         self._args = (address, bind, timeout)
         self._allow_remote = allow_remote
-        self._cluster: Cluster | None = None
+        self._cluster: C | None = None
 
-    async def _open(self) -> Cluster:
+    async def _open(self) -> C:
         address, bind, timeout = self._args
         stack = contextlib.AsyncExitStack()
         try:
@@ -176,12 +178,12 @@ class _Connecting:
         except BaseException:
             await stack.aclose()
             raise
-        return Cluster(runtime, head, stack)
+        return self._cls(runtime, head, stack)
 
-    def __await__(self) -> Generator[Any, None, Cluster]:
+    def __await__(self) -> Generator[Any, None, C]:
         return self._open().__await__()
 
-    async def __aenter__(self) -> Cluster:
+    async def __aenter__(self) -> C:
         self._cluster = await self._open()
         return self._cluster
 
@@ -209,6 +211,8 @@ class LocalCluster:
     On exit, whether the block finished, raised or was cancelled (Ctrl-C), every
     process is stopped (SIGTERM, then SIGKILL after a grace period) and waited for.
     """
+
+    cluster_class: type[Cluster] | None = None  # None: the installed plugin's (see actors.plugins)
 
     def __init__(
         self,
@@ -255,7 +259,8 @@ class LocalCluster:
         allow = [arg for prefix in self.allow for arg in ("--allow", prefix)]
         for i in range(self.num_nodes):
             self._launch(f"node{i}", ["--join", self.address, "--name", f"node{i}", *allow])
-        self._cluster = await Cluster.connect(self.address)
+        cls = self.cluster_class or cluster_class()
+        self._cluster = await cls.connect(self.address)
         self._cluster._admit_token = self._admit_token
         deadline = time.monotonic() + self.startup_timeout
         while len([n for n in await self._cluster.nodes() if n["state"] == "alive"]) < self.num_nodes:

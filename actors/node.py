@@ -10,6 +10,7 @@ import os
 import sys
 
 from actors._registry import DEFAULT_ALLOW
+from actors.plugins import head_modules
 from actors._serve import HeadConfig, WorkerConfig, serve_head, serve_worker
 from transport.loop import run
 
@@ -39,7 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--address-file", help="head: write the bound address to this file once listening")
     parser.add_argument("--plugin", action="append", default=None, metavar="MODULE",
                         help="head: import MODULE at start-up to register the actors it hosts "
-                        "(repeatable; default: schedulers.scheduler, the scheduler actor)")
+                        "(repeatable; default: the installed 'head' plugin, the scheduler actor)")
     parser.add_argument("--log-level", default=os.environ.get("ACTORPIPE_LOG", "INFO"), help="logging level")
     return parser.parse_args(argv)
 
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
                             heartbeat_interval=args.heartbeat_interval,
                             heartbeat_timeout=args.heartbeat_timeout, address_file=args.address_file,
                             allow=DEFAULT_ALLOW + tuple(args.allow),
-                            plugins=tuple(args.plugin if args.plugin is not None else ["schedulers.scheduler"]))
+                            plugins=tuple(args.plugin) if args.plugin is not None else head_modules())
         run(serve_head(head))
     else:
         worker = WorkerConfig(join=args.join, name=name, device=args.device,

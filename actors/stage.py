@@ -15,7 +15,6 @@ import resource
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,54 +31,13 @@ from actors.mesh import Coords, Mesh
 from actors.p2p import DistLink
 from actors.parallel import ProcessGroups, average_gradients, join_process_groups, leave_process_groups
 from actors.program import Action, ActionKind, stage_to_rank
+from actors.records import StageConfig, StageReport
 from actors.tensor_parallel import shard_for_tensor_parallel, tp_shard_specs
 from transport.codecs import Encoded, ErrorFeedback, get_codec
 
 __all__ = ["StageActor", "StageConfig"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StageConfig:
-    """Everything a stage actor is built from; travels as msgpack, so plain data only."""
-
-    job: str
-    rank: int
-    num_ranks: int
-    bounds: list[list[int]]  # per model stage: [first layer, end layer)
-    model: str
-    model_kwargs: dict[str, Any] = field(default_factory=dict)
-    loss: str = "torch.nn.functional:mse_loss"
-    optimizer: list[Any] = field(default_factory=lambda: ["torch.optim:SGD", {"lr": 0.01}])
-    num_microbatches: int = 1
-    seed: int = 0
-    activation_codec: list[str] = field(default_factory=list)  # one per stage boundary
-    gradient_codec: list[str] = field(default_factory=list)
-    error_feedback: bool = False  # on gradient boundaries with a lossy codec
-    measure_codec_error: bool = True
-    data: str | None = None
-    data_kwargs: dict[str, Any] = field(default_factory=dict)
-    threads: int | None = 1
-    gradient_accumulation_fusion: bool = True  # nn.Linear weight gradients via actors._wgrad
-    keep_freed_memory: bool = True  # glibc malloc keeps freed buffers (actors._allocator)
-    # The mesh, as [pipeline, tensor, data] sizes, and this actor's global rank in it.
-    mesh: list[int] = field(default_factory=lambda: [1, 1, 1])
-    global_rank: int = 0
-    # torch.distributed rendezvous: {"store": "HOST:PORT", "backend": "gloo", "timeout_s": 600}.
-    dist: dict[str, Any] | None = None
-    bucket_bytes: int = 25 << 20
-    reduce_codec: str = "none"  # data-parallel gradient codec (with error feedback when lossy)
-    transport: str = "zmq"  # stage-to-stage tensors: "zmq" (actor messages) or "dist" (torch.distributed p2p)
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.bounds)
-
-    @property
-    def stages(self) -> list[int]:
-        """The model stages this rank holds (several when interleaved)."""
-        return [s for s in range(self.num_stages) if stage_to_rank(s, self.num_ranks) == self.rank]
 
 
 def build_layers(
@@ -111,7 +69,7 @@ class StageActor(Actor):
     """One pipeline stage (or several, interleaved) of one job, on one node."""
 
     def __init__(self, **config: Any) -> None:
-        self.config = StageConfig(**config)
+        self.config = StageConfig.from_wire(config)
         edges = self.config.num_stages - 1
         for codecs in (self.config.activation_codec, self.config.gradient_codec):
             if len(codecs) != edges:
@@ -143,15 +101,15 @@ class StageActor(Actor):
         device = torch.device(context.device if context is not None else "cpu")
         # Importing the factory and building the model take seconds: on the compute
         # thread, so that this node keeps heartbeating meanwhile.
-        thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{self.config.rank}-compute")
+        thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{self.config.pipeline_rank}-compute")
         try:
             model = await asyncio.get_running_loop().run_in_executor(thread, self._build, allow, device)
         except BaseException:
             thread.shutdown(wait=False)
             raise
         cfg = self.config
-        self.executor = StepExecutor(model, Inbox(self._inbox_limit(cfg.num_microbatches)), self._send,
-                                     cfg.num_microbatches, thread)
+        self.executor = StepExecutor(model, Inbox(self._inbox_limit(cfg.micro_batches)), self._send,
+                                     cfg.micro_batches, thread)
 
     def _inbox_limit(self, num_microbatches: int) -> int:
         # Each micro-batch brings at most one activation and one gradient per held stage.
@@ -159,8 +117,8 @@ class StageActor(Actor):
 
     def _build(self, allow: Sequence[str], device: torch.device) -> StageModel:
         cfg = self.config
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
+        if cfg.threads_per_stage:
+            torch.set_num_threads(cfg.threads_per_stage)
         if cfg.keep_freed_memory:
             keep_freed_memory()
         shard = None
@@ -190,7 +148,7 @@ class StageActor(Actor):
         loss_fn = load_object(cfg.loss, allow)
         if cfg.data is not None and (0 in cfg.stages or cfg.num_stages - 1 in cfg.stages):
             self._data = load_object(cfg.data, allow)(**cfg.data_kwargs)
-        log.info("stage %s/%d of job %s: model stages %s, %d parameters", cfg.rank, cfg.num_ranks,
+        log.info("stage %s/%d of job %s: model stages %s, %d parameters", cfg.pipeline_rank, cfg.pipeline_stages,
                  cfg.job, cfg.stages, sum(p.numel() for p in params))
         return StageModel(modules=modules, num_stages=cfg.num_stages, loss_fn=loss_fn,
                           optimizer=optimizer, device=device, weight_grads=weight_grads)
@@ -211,8 +169,8 @@ class StageActor(Actor):
     @endpoint
     async def connect(self, peers: list[list[str]]) -> None:
         """Learns every rank's stage actor, indexed by rank."""
-        if len(peers) != self.config.num_ranks:
-            raise ValueError(f"expected {self.config.num_ranks} peers, got {len(peers)}")
+        if len(peers) != self.config.pipeline_stages:
+            raise ValueError(f"expected {self.config.pipeline_stages} peers, got {len(peers)}")
         self.peers = [self.runtime.ref(address, name) for address, name in peers]
 
     # -- one step ----------------------------------------------------------------------
@@ -226,22 +184,26 @@ class StageActor(Actor):
         targets: list[torch.Tensor] | None = None,
         data_step: int | None = None,
         data_shard: list[int] | None = None,
-        num_microbatches: int | None = None,
+        micro_batches: int | None = None,
     ) -> dict[str, Any]:
-        """Runs ``program`` up to its barrier; returns the step's trace, or what failed.
+        """Runs ``program`` up to its barrier.
+
+        Args:
+            micro_batches: a count other than the one the stage was built with (changed
+                on a running job, at the barrier, by the scheduler).
 
         Returns:
-            ``{"ok": True, ...trace}``, or ``{"ok": False, "action", "error"}`` when an
-            action raised, or ``{"ok": False, "aborted": True}`` after :meth:`abort_step`.
+            A :class:`~actors.records.StageReport` as a map: the step's trace, or which
+            action failed and why, or that :meth:`abort_step` stopped it.
         """
         assert self.executor is not None
         actions = [Action.parse(text) for text in program]
         self._step = step
-        if num_microbatches is not None:  # changed on a running job (at the barrier, by the scheduler)
-            if num_microbatches < 1:
-                raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
-            self.executor.num_microbatches = num_microbatches
-            self.executor.inbox.resize(self._inbox_limit(num_microbatches))
+        if micro_batches is not None:
+            if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+                raise ValueError(f"micro_batches must be an int >= 1, got {micro_batches!r:.40}")
+            self.executor.num_microbatches = micro_batches
+            self.executor.inbox.resize(self._inbox_limit(micro_batches))
         if data_step is not None:
             inputs, targets = self._read_data(data_step, data_shard or [0, 1])
         self._edge_stats = {}
@@ -256,27 +218,28 @@ class StageActor(Actor):
         if task.cancelled() or isinstance(task.exception(), ActionFailed):
             await self.executor.reset(step)
         if task.cancelled():
-            return {"ok": False, "aborted": True}
+            return StageReport(status="aborted").to_wire()
         failure = task.exception()
         if isinstance(failure, ActionFailed):
             log.warning("step %d failed at %s: %s", step, failure.action, failure.cause)
-            return {"ok": False, "action": str(failure.action), "error": error_to_wire(failure.cause)}
+            return StageReport(status="failed", action=str(failure.action),
+                               error=error_to_wire(failure.cause)).to_wire()
         trace = task.result()
         if self._link is not None:
             await self._link.flush()
         self._program = actions
-        return {
-            "ok": True,
-            "losses": [trace.losses[m] for m in sorted(trace.losses)],
-            "busy_s": trace.busy_s,
-            "elapsed_s": trace.elapsed_s,
-            "peak_stash": trace.peak_stash,
-            "bytes_sent": trace.bytes_sent,
-            "spans": [list(span) for span in trace.spans],
-            "started_at": trace.started_at,
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "codec_stats": self._edge_stats,
-        }
+        return StageReport(
+            status="done",
+            losses=[trace.losses[m] for m in sorted(trace.losses)],
+            busy_s=trace.busy_s,
+            elapsed_s=trace.elapsed_s,
+            peak_stash=trace.peak_stash,
+            bytes_sent=trace.bytes_sent,
+            spans=[list(span) for span in trace.spans],
+            started_at=trace.started_at,
+            peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            codec_stats=self._edge_stats,
+        ).to_wire()
 
     @endpoint
     async def finish_step(self, step: int) -> int:
@@ -305,7 +268,7 @@ class StageActor(Actor):
         """A neighbour's activation (kind "F") or input gradient ("B") for ``stage``."""
         assert self.executor is not None
         if kind not in ("F", "B") or stage not in self.config.stages:
-            raise ValueError(f"rank {self.config.rank} holds stages {self.config.stages}, not a {kind} for {stage}")
+            raise ValueError(f"rank {self.config.pipeline_rank} holds stages {self.config.stages}, not a {kind} for {stage}")
         self.executor.inbox.put((step, kind, stage, microbatch), value)
 
     @endpoint(concurrent=True)
@@ -313,10 +276,10 @@ class StageActor(Actor):
         """A neighbour posted a tensor over torch.distributed: post the matching receive."""
         assert self.executor is not None and self._link is not None
         if kind not in ("F", "B") or stage not in self.config.stages:
-            raise ValueError(f"rank {self.config.rank} holds stages {self.config.stages}, not a {kind} for {stage}")
+            raise ValueError(f"rank {self.config.pipeline_rank} holds stages {self.config.stages}, not a {kind} for {stage}")
         me = self._mesh.coords(self.config.global_rank)
         source_stage = stage - 1 if kind == "F" else stage + 1
-        src = self._mesh.rank(Coords(me.data, stage_to_rank(source_stage, self.config.num_ranks), me.tensor))
+        src = self._mesh.rank(Coords(me.data, stage_to_rank(source_stage, self.config.pipeline_stages), me.tensor))
         key = (step, kind, stage, microbatch)
         self.runtime.spawn_task(self._receive_dist(key, header, src), name=f"p2p {key}")
 
@@ -356,7 +319,7 @@ class StageActor(Actor):
         """What the stage is doing now (answered even mid-step)."""
         executor = self.executor
         return {
-            "rank": self.config.rank,
+            "rank": self.config.pipeline_rank,
             "step": self._step,
             "current": None if executor is None or executor.current is None else str(executor.current),
             "done": 0 if executor is None else executor.done_actions,
@@ -385,13 +348,29 @@ class StageActor(Actor):
         return {f"{i}.{k}": v.detach().cpu() for i, layer in self._held.items() for k, v in layer.state_dict().items()}
 
     def _load_state_dict(self, state: dict[str, torch.Tensor]) -> list[str]:
-        taken = []
+        """Checks every held layer's entries first, then loads them; errors name keys as the whole model has them.
+
+        Raises:
+            KeyError: a key missing for, or unknown to, a held layer (``3.fc1.weight``).
+            ValueError: a tensor whose shape is not the parameter's.
+        """
+        parts: dict[int, dict[str, torch.Tensor]] = {}
         for i, layer in self._held.items():
             prefix = f"{i}."
             mine = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-            layer.load_state_dict(mine, strict=True)
-            taken += [prefix + k for k in mine]
-        return taken
+            own = layer.state_dict()
+            missing = [prefix + k for k in own if k not in mine]
+            unknown = [prefix + k for k in mine if k not in own]
+            if missing or unknown:
+                raise KeyError(f"layer {i}: missing {missing[:10]}, unknown {unknown[:10]}")
+            for k, v in mine.items():
+                if not isinstance(v, torch.Tensor) or v.shape != own[k].shape:
+                    shape = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+                    raise ValueError(f"{prefix}{k}: expected shape {tuple(own[k].shape)}, got {shape}")
+            parts[i] = mine
+        for i, mine in parts.items():
+            self._held[i].load_state_dict(mine, strict=True)
+        return [f"{i}.{k}" for i, mine in parts.items() for k in mine]
 
     # -- helpers ----------------------------------------------------------------------
 
@@ -408,7 +387,7 @@ class StageActor(Actor):
             # Quantize on the compute thread: the loop stays free to receive.
             payload, sq_err = await self.executor.compute(self._encode, forward, edge, action.microbatch,
                                                           value, codec)
-        target_rank = stage_to_rank(target_stage, cfg.num_ranks)
+        target_rank = stage_to_rank(target_stage, cfg.pipeline_stages)
         peer = self.peers[target_rank]
         tag = "F" if forward else "B"
         if self._link is None:

@@ -1,0 +1,68 @@
+"""Policy over the actor runtime: schedules as data, the scheduler actor, and the driver's job API.
+
+The job API is re-exported here, lazily (PEP 562), so that pure modules such as
+``schedulers.schedules`` import without torch or ZeroMQ::
+
+    from schedulers import JobSpec, LocalCluster
+
+    async with LocalCluster(nodes=2) as cluster:
+        job = await cluster.train(JobSpec(model="examples.models:residual_mlp", pipeline_stages=2))
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "Cluster": "schedulers.client",
+    "Job": "schedulers.client",
+    "LocalCluster": "schedulers.client",
+    "JobSpec": "schedulers.jobs",
+    "JobDescription": "schedulers.records",
+    "JobInfo": "schedulers.records",
+    "RunInfo": "schedulers.records",
+    "SettingChange": "schedulers.records",
+    "StepStats": "schedulers.records",
+    "WhereReport": "schedulers.records",
+    "ConfigError": "schedulers.config",
+    "load_config": "schedulers.config",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'schedulers' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+if TYPE_CHECKING:  # explicit re-exports, for type checkers (the names resolve lazily above)
+    from schedulers.client import (
+        Cluster as Cluster,
+        Job as Job,
+        LocalCluster as LocalCluster,
+    )
+    from schedulers.config import (
+        ConfigError as ConfigError,
+        load_config as load_config,
+    )
+    from schedulers.jobs import (
+        JobSpec as JobSpec,
+    )
+    from schedulers.records import (
+        JobDescription as JobDescription,
+        JobInfo as JobInfo,
+        RunInfo as RunInfo,
+        SettingChange as SettingChange,
+        StepStats as StepStats,
+        WhereReport as WhereReport,
+    )

@@ -1,4 +1,4 @@
-"""Jobs without Python: a DeepSpeed-style ``ds_config.json`` translated into ``cluster.train`` arguments.
+"""Jobs without Python: a DeepSpeed-style ``ds_config.json`` translated into a :class:`~schedulers.jobs.JobSpec`.
 
 The batch keys mean what they mean in DeepSpeed, and are checked the way DeepSpeed
 checks them: ``train_batch_size == train_micro_batch_size_per_gpu *
@@ -23,7 +23,7 @@ mesh and the wire codecs::
     }
 
 Everything here is pure: no files but the one :func:`load_config` reads, no imports
-of the factories. A key this module does not know is an error that names it (with
+of the factories. A key the file leaves out takes the spec's own default. A key this module does not know is an error that names it (with
 the nearest known key), and so is a batch size that does not add up (with the value
 that would).
 """
@@ -36,9 +36,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from schedulers.jobs import PARTITION_METHODS, JobSpec
-from schedulers.schedules import SCHEDULES
-from transport.codecs import CODEC_NAMES
+from schedulers.jobs import CODECS, PARTITION_METHODS, SCHEDULE_NAMES, TRANSPORTS, JobSpec
 
 __all__ = ["OPTIMIZERS", "BatchSizes", "ConfigError", "load_config", "resolve_batch_sizes", "translate_config"]
 
@@ -102,7 +100,7 @@ class BatchSizes(NamedTuple):
     accumulation_steps: int
 
 
-def load_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+def load_config(path: str | os.PathLike[str]) -> JobSpec:
     """Reads a JSON config and translates it (see :func:`translate_config`).
 
     Raises:
@@ -118,8 +116,8 @@ def load_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     return translate_config(config)
 
 
-def translate_config(config: Mapping[str, Any]) -> dict[str, Any]:
-    """A DeepSpeed-style config as ``cluster.train(**kwargs)`` arguments.
+def translate_config(config: Mapping[str, Any]) -> JobSpec:
+    """A DeepSpeed-style config as the job's spec (what ``cluster.train`` takes).
 
     Raises:
         ConfigError: an unknown or unsupported key, a missing ``model``, a value of
@@ -132,7 +130,7 @@ def translate_config(config: Mapping[str, Any]) -> dict[str, Any]:
     if "model" not in config:
         raise ConfigError("model", "missing; name the model factory, e.g. \"model\": \"examples.models:gpt\"")
     pipeline, mesh, codecs = sections["pipeline"], sections["mesh"], sections["codecs"]
-    data_parallel = _positive_int(mesh, "data_parallel", "mesh.", 1)
+    data_parallel = _positive_int(mesh, "data_parallel", "mesh.") if "data_parallel" in mesh else 1
     sizes = resolve_batch_sizes(
         train_batch_size=_optional_positive_int(config, "train_batch_size"),
         micro_batch_size=_optional_positive_int(config, "train_micro_batch_size_per_gpu"),
@@ -142,40 +140,38 @@ def translate_config(config: Mapping[str, Any]) -> dict[str, Any]:
     kwargs: dict[str, Any] = {
         "model": _path(sections["model"], "factory", "model."),
         "model_kwargs": _mapping(sections["model"], "kwargs", "model."),
-        "optimizer": _optimizer(sections["optimizer"]) if "optimizer" in config else ("torch.optim:SGD", {"lr": 0.01}),
-        "pipeline_stages": _positive_int(pipeline, "stages", "pipeline.", 1),
-        "tensor_parallel": _positive_int(mesh, "tensor_parallel", "mesh.", 1),
         "data_parallel": data_parallel,
-        "schedule": _choice(pipeline, "schedule", "pipeline.", tuple(SCHEDULES), "1f1b"),
         "micro_batches": sizes.accumulation_steps,
-        "partition_method": _choice(pipeline, "partition_method", "pipeline.", PARTITION_METHODS, "parameters"),
-        "activation_codec": _codec(codecs, "activation"),
-        "gradient_codec": _codec(codecs, "gradient"),
-        "reduce_codec": _codec(codecs, "reduce"),
-        "error_feedback": _bool(codecs, "error_feedback", "codecs.", False),
-        "measure_codec_error": _bool(codecs, "measure_error", "codecs.", True),
-        "seed": _int(config, "seed", "", 0),
     }
-    if "virtual_stages" in pipeline:
-        kwargs["virtual_stages"] = _positive_int(pipeline, "virtual_stages", "pipeline.", 2)
-    if "loss" in config:
-        kwargs["loss"] = _path(config, "loss", "")
-    if "transport" in config:
-        kwargs["transport"] = _choice(config, "transport", "", ("zmq", "dist"), "zmq")
-    if "threads_per_stage" in config:
-        kwargs["threads_per_stage"] = _positive_int(config, "threads_per_stage", "", 1)
-    if "step_timeout_s" in config:
-        timeout = config["step_timeout_s"]
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise ConfigError("step_timeout_s", f"expected a number of seconds > 0, got {timeout!r}")
-        kwargs["step_timeout_s"] = float(timeout)
+    if "optimizer" in config:
+        kwargs["optimizer"] = _optimizer(sections["optimizer"])
+    # Each key the file gives, checked here so the error names it; the rest keep the spec's defaults.
+    optional: list[tuple[str, Mapping[str, Any], str, str, Any]] = [
+        ("pipeline_stages", pipeline, "stages", "pipeline.", _positive_int),
+        ("tensor_parallel", mesh, "tensor_parallel", "mesh.", _positive_int),
+        ("schedule", pipeline, "schedule", "pipeline.", _choice(SCHEDULE_NAMES)),
+        ("partition_method", pipeline, "partition_method", "pipeline.", _choice(PARTITION_METHODS)),
+        ("virtual_stages", pipeline, "virtual_stages", "pipeline.", _positive_int),
+        ("activation_codec", codecs, "activation", "codecs.", _codec),
+        ("gradient_codec", codecs, "gradient", "codecs.", _codec),
+        ("reduce_codec", codecs, "reduce", "codecs.", _choice(CODECS)),
+        ("error_feedback", codecs, "error_feedback", "codecs.", _bool),
+        ("measure_codec_error", codecs, "measure_error", "codecs.", _bool),
+        ("seed", config, "seed", "", _int),
+        ("loss", config, "loss", "", _path),
+        ("transport", config, "transport", "", _choice(TRANSPORTS)),
+        ("threads_per_stage", config, "threads_per_stage", "", _positive_int),
+        ("step_timeout_s", config, "step_timeout_s", "", _seconds),
+    ]
+    for name, section, key, prefix, check in optional:
+        if key in section:
+            kwargs[name] = check(section, key, prefix)
     if "data" in config:
         kwargs["data"], kwargs["data_kwargs"] = _data(sections["data"], sizes.train_batch_size)
     try:
-        JobSpec.from_kwargs(kwargs)  # what no single key shows, e.g. a codec list of the wrong length
-    except ValueError as exc:
+        return JobSpec.from_kwargs(kwargs)  # what no single key shows, e.g. a codec list of the wrong length
+    except (TypeError, ValueError) as exc:
         raise ConfigError("config", str(exc)) from None
-    return kwargs
 
 
 def resolve_batch_sizes(
@@ -257,7 +253,7 @@ def _section(config: Mapping[str, Any], name: str) -> dict[str, Any]:
 def _path(section: Mapping[str, Any], key: str, prefix: str) -> str:
     value = section.get(key)
     if not isinstance(value, str) or value.count(":") != 1:
-        raise ConfigError(prefix + key, f"expected an import path 'package.module:name', got {value!r}")
+        raise ConfigError(prefix + key, f"expected an import path 'package.module:name', got {value!r:.60}")
     return value
 
 
@@ -268,45 +264,55 @@ def _mapping(section: Mapping[str, Any], key: str, prefix: str) -> dict[str, Any
     return dict(value)
 
 
-def _int(section: Mapping[str, Any], key: str, prefix: str, default: int) -> int:
-    value = section.get(key, default)
+def _int(section: Mapping[str, Any], key: str, prefix: str) -> int:
+    value = section.get(key)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(prefix + key, f"expected an integer, got {value!r}")
+        raise ConfigError(prefix + key, f"expected an integer, got {value!r:.60}")
     return value
 
 
-def _positive_int(section: Mapping[str, Any], key: str, prefix: str, default: int) -> int:
-    value = _int(section, key, prefix, default)
+def _positive_int(section: Mapping[str, Any], key: str, prefix: str) -> int:
+    value = _int(section, key, prefix)
     if value < 1:
         raise ConfigError(prefix + key, f"expected an integer >= 1, got {value}")
     return value
 
 
 def _optional_positive_int(section: Mapping[str, Any], key: str) -> int | None:
-    return None if section.get(key) is None else _positive_int(section, key, "", 1)
+    return None if section.get(key) is None else _positive_int(section, key, "")
 
 
-def _bool(section: Mapping[str, Any], key: str, prefix: str, default: bool) -> bool:
-    value = section.get(key, default)
+def _seconds(section: Mapping[str, Any], key: str, prefix: str) -> float:
+    value = section.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
+        raise ConfigError(prefix + key, f"expected a number of seconds > 0, got {value!r:.60}")
+    return float(value)
+
+
+def _bool(section: Mapping[str, Any], key: str, prefix: str) -> bool:
+    value = section.get(key)
     if not isinstance(value, bool):
-        raise ConfigError(prefix + key, f"expected true or false, got {value!r}")
+        raise ConfigError(prefix + key, f"expected true or false, got {value!r:.60}")
     return value
 
 
-def _choice(section: Mapping[str, Any], key: str, prefix: str, choices: tuple[str, ...], default: str) -> str:
-    value = section.get(key, default)
-    if value not in choices:
-        raise ConfigError(prefix + key, f"expected one of {', '.join(choices)}, got {value!r}")
-    return str(value)
+def _choice(choices: tuple[str, ...]) -> Any:
+    """A check that the value is one of ``choices``."""
+    def check(section: Mapping[str, Any], key: str, prefix: str) -> str:
+        value = section.get(key)
+        if value not in choices:
+            raise ConfigError(prefix + key, f"expected one of {', '.join(choices)}, got {value!r:.60}")
+        return str(value)
+    return check
 
 
-def _codec(codecs: Mapping[str, Any], key: str) -> str | list[str]:
-    value = codecs.get(key, "none")
+def _codec(codecs: Mapping[str, Any], key: str, prefix: str = "codecs.") -> str | list[str]:
+    value = codecs.get(key)
     names = [value] if isinstance(value, str) else value
-    if not isinstance(names, list) or not names or any(n not in CODEC_NAMES for n in names):
-        raise ConfigError(f"codecs.{key}", (
-            f"expected a codec name ({', '.join(CODEC_NAMES)}) or a list of one per stage boundary, got {value!r}"))
-    return value if isinstance(value, str) else list(value)
+    if not isinstance(names, list) or not names or any(n not in CODECS for n in names):
+        raise ConfigError(f"{prefix}{key}", (
+            f"expected a codec name ({', '.join(CODECS)}) or a list of one per stage boundary, got {value!r:.60}"))
+    return value if isinstance(value, str) else list(names)
 
 
 def _optimizer(section: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:

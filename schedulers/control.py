@@ -1,121 +1,62 @@
-"""The scheduler's job controls: runs, pause and resume, settings changed at the barrier, events.
+"""One job's controller: its steps, runs, pause and resume, settings changed at the barrier, state and traces.
 
-These are the parts of the scheduler actor that the console drives. A *run* is N
-steps the scheduler takes on its own from the job's data factory, in a task it owns;
-``pause`` holds the run before its next step (after the current step's barrier and
-optimizer step), ``resume`` lets it go on. ``set`` checks a new setting at once and
-applies it before the next step begins, so the stages never see a half-changed job
-and keep their weights and optimizer state. Subscribers hear every event as
-``on_event(event)``, like the head's.
+The scheduler actor owns one :class:`JobController` per job and hands each call to
+it. For each step the controller sends every stage actor its program (and the
+micro-batches the first and last stage need), waits at the accumulation barrier for
+all of them, then releases the optimizer step. It is never in the per-action path:
+activations and gradients go directly between stage actors. A stage that fails, a
+node that is lost or a step that outlives its timeout fails the step everywhere with
+a :class:`~actors.StepFailed` that names the stage, the action and the cause.
+
+A *run* is N steps the controller takes on its own from the job's data factory, in
+a task it owns; ``pause`` holds the run before its next step, ``resume`` lets it go
+on. ``set`` checks a new setting at once and applies it before the next step
+begins, so the stages never see a half-changed job and keep their weights and
+optimizer state.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from actors._actor import Actor, endpoint
-from actors._errors import ActorError, NotAllowed, StepFailed
-from actors._registry import actor_class
-from actors._runtime import Runtime
-from actors._ref import ActorRef
+from actors import (
+    ActorError,
+    ActorRef,
+    Coords,
+    Host,
+    Mesh,
+    ShardSpec,
+    StageActor,
+    StageReport,
+    StepFailed,
+    error_from_wire,
+    gather_tensor_parallel_state,
+    shard_state,
+    stage_to_rank,
+)
 from schedulers.hang import StageProgress, diagnose
 from schedulers.jobs import JobSpec
+from schedulers.records import JobDescription, RunInfo, SettingChange, StepStats, WhereReport
 from schedulers.schedules import build_schedule
+from schedulers.stepping import key_order, step_calls, step_failed, step_stats
 from schedulers.trace import StageRecord, estimate_offset, to_chrome_trace
 
-if TYPE_CHECKING:
-    from schedulers.scheduler import _Job
-
-__all__ = ["SETTABLE", "ControlEndpoints", "JobControl", "RunState", "Subscribers", "compile_programs",
-           "plan_setting"]
+__all__ = ["SETTABLE", "JobController", "RunState", "compile_programs", "plan_setting"]
 
 log = logging.getLogger(__name__)
 
 # What `set JOB KEY VALUE` may change on a running job.
 SETTABLE = ("micro_batches", "schedule", "activation_codec", "gradient_codec")
-CODEC_ENDPOINT = "set_codecs"  # the stage endpoint a codec change needs (stage.set_codecs(activation_codec, gradient_codec))
 CLOCK_PROBES = 5  # round trips per stage when estimating its clock offset
 
-
-@dataclass(slots=True)
-class RunState:
-    """A run of ``target`` steps the scheduler takes from the job's data factory."""
-
-    target: int
-    first_step: int
-    done: int = 0
-    stop: bool = False
-    finished: bool = False
-    error: str | None = None
-    task: asyncio.Task[Any] | None = None
-    wake: asyncio.Event = field(default_factory=asyncio.Event)  # set by resume and stop
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"target": self.target, "first_step": self.first_step, "done": self.done,
-                "active": not self.finished, "stopping": self.stop, "error": self.error}
-
-
-@dataclass(slots=True)
-class JobControl:
-    """Per-job state behind the console's controls.
-
-    Attributes:
-        stage_micro_batches: the micro-batch count the stage actors were built with;
-            a different count travels with each step as ``run_step(num_microbatches=...)``.
-        paused: a run holds before its next step while set.
-        pending: settings to apply before the next step, as text the user gave.
-        pending_spec: the job's spec once ``pending`` is applied.
-        run: the current or last run.
-        last_stats: the last step's statistics (with ``samples``, the global batch size, when known).
-    """
-
-    stage_micro_batches: int
-    paused: bool = False
-    pending: dict[str, Any] = field(default_factory=dict)
-    pending_spec: JobSpec | None = None
-    run: RunState | None = None
-    last_stats: dict[str, Any] | None = None
-
-    @property
-    def running(self) -> bool:
-        return self.run is not None and not self.run.finished
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"paused": self.paused, "pending": dict(self.pending),
-                "run": self.run.to_dict() if self.run else None, "last_stats": self.last_stats}
-
-
-class Subscribers:
-    """Actors that asked for events; one that stops taking them is dropped."""
-
-    def __init__(self) -> None:
-        self._actors: set[tuple[str, str]] = set()
-
-    def add(self, address: str, actor: str) -> None:
-        self._actors.add((address, actor))
-
-    def discard(self, address: str, actor: str) -> None:
-        self._actors.discard((address, actor))
-
-    def publish(self, runtime: Runtime, event: dict[str, Any]) -> None:
-        """Tells every subscriber ``event`` (with the head's time) without waiting for them."""
-        event = {**event, "time": time.time()}
-        for address, actor in list(self._actors):
-            runtime.spawn_task(self._notify(runtime, address, actor, event), name="scheduler notify")
-
-    async def _notify(self, runtime: Runtime, address: str, actor: str, event: dict[str, Any]) -> None:
-        try:
-            await asyncio.wait_for(runtime.ref(address, actor).tell("on_event", event), 2.0)
-        except Exception:  # noqa: BLE001 - gone, slow or closing: a subscriber never breaks the scheduler
-            log.info("dropping subscriber %s at %s: it does not take events", actor, address)
-            self.discard(address, actor)
+Publish = Callable[[dict[str, Any]], None]
 
 
 def compile_programs(spec: JobSpec) -> dict[int, list[str]]:
@@ -130,18 +71,17 @@ def compile_programs(spec: JobSpec) -> dict[int, list[str]]:
     return {rank: [str(a) for a in program] for rank, program in schedule.items()}
 
 
-def plan_setting(spec: JobSpec, key: str, value: Any, *, codecs_settable: bool) -> JobSpec:
+def plan_setting(spec: JobSpec, key: str, value: Any) -> JobSpec:
     """The spec a running job would have after ``set key value``, checked now.
 
     Args:
         spec: the job's spec, with any earlier pending settings applied.
         key: one of :data:`SETTABLE`.
         value: the new value; text is parsed (``"8"``, ``"gpipe"``, ``"int8"`` or ``"int8,none"``).
-        codecs_settable: whether the stage actors can change codecs (have ``set_codecs``).
 
     Raises:
-        ValueError: an unknown key, a value that does not parse or fit the job
-            (the message says which and what would), or a change the stages cannot make yet.
+        ValueError: an unknown key, or a value that does not parse or fit the job
+            (the message says which and what would).
     """
     if key not in SETTABLE:
         raise ValueError(f"cannot set {key!r} on a running job; settable: {', '.join(SETTABLE)}")
@@ -159,14 +99,12 @@ def plan_setting(spec: JobSpec, key: str, value: Any, *, codecs_settable: bool) 
             raise ValueError(
                 f"schedule={value}: switching between interleaved and one-stage-per-rank schedules "
                 "re-partitions the model; start a new job with that schedule instead")
-    else:
-        value = value.split(",") if isinstance(value, str) and "," in value else value
-        if not codecs_settable:
-            raise ValueError(
-                f"{key}: changing a codec on a running job is not supported yet (the stage actors have no "
-                f"{CODEC_ENDPOINT} endpoint); start a new job with {key}={value!r}")
-    new = dataclasses.replace(spec, **{key: value})
-    new.check()
+    elif isinstance(value, str) and "," in value:
+        value = value.split(",")
+    try:
+        new = spec.replace(**{key: value})
+    except TypeError as exc:
+        raise ValueError(str(exc)) from None
     compile_programs(new)  # e.g. interleaved needs micro_batches to be a multiple of the stages
     return new
 
@@ -175,88 +113,232 @@ def _parse_int(key: str, value: Any) -> int:
     try:
         number = int(value)
     except (TypeError, ValueError):
-        raise ValueError(f"{key} must be an integer >= 1, got {value!r}") from None
+        raise ValueError(f"{key} must be an integer >= 1, got {value!r:.40}") from None
     if number < 1 or isinstance(value, bool):
-        raise ValueError(f"{key} must be an integer >= 1, got {value!r}")
+        raise ValueError(f"{key} must be an integer >= 1, got {value!r:.40}")
     return number
 
 
-class ControlEndpoints(Actor):
-    """The scheduler's endpoints for consoles; :class:`~schedulers.scheduler.SchedulerActor` mixes them in.
+@dataclass(slots=True)
+class RunState:
+    """A run of ``target`` steps the controller takes from the job's data factory."""
 
-    Events (``on_event`` to every subscriber): ``job_created``, ``job_closed``,
-    ``step_finished`` (loss, time, bubble, run progress), ``job_failed`` (the step's
-    error), ``run_started``, ``run_finished``, ``job_paused``, ``job_resumed``,
-    ``setting_pending``, ``settings_applied``, ``setting_rejected``.
+    target: int
+    first_step: int
+    done: int = 0
+    stop: bool = False
+    finished: bool = False
+    error: str | None = None
+    task: asyncio.Task[Any] | None = None
+    wake: asyncio.Event = field(default_factory=asyncio.Event)  # set by resume and stop
+
+    def info(self) -> RunInfo:
+        return RunInfo(target=self.target, first_step=self.first_step, done=self.done, active=not self.finished,
+                       stopping=self.stop, error=self.error)
+
+
+class JobController:
+    """Everything about one job on the head: its stage actors, steps, run, settings and last trace.
+
+    Events go to ``publish``: ``step_finished`` (loss, time, bubble, run progress),
+    ``job_failed`` (the step's error), ``run_started``, ``run_finished``,
+    ``job_paused``, ``job_resumed``, ``setting_pending``, ``settings_applied``,
+    ``setting_rejected``.
     """
 
-    _subscribers: Subscribers
+    def __init__(
+        self,
+        *,
+        runtime: Host,
+        job_id: str,
+        spec: JobSpec,
+        stages: list[ActorRef],
+        nodes: list[str],
+        bounds: list[list[int]],
+        publish: Publish,
+        alive_nodes: Callable[[], Awaitable[set[str]]],
+        store: Any = None,
+    ) -> None:
+        self.runtime = runtime
+        self.id = job_id
+        self.spec = spec
+        self.mesh: Mesh = spec.mesh
+        self.stages = stages  # by global rank in the mesh
+        self.nodes = nodes  # by global rank
+        self.bounds = bounds
+        self.programs = compile_programs(spec)
+        self.store = store  # the torch.distributed rendezvous this job's stages use, if any
+        self.lock = asyncio.Lock()
+        self.next_step = 0
+        self.last_reports: list[StageReport] = []
+        self.last_stats: StepStats | None = None
+        self.stage_micro_batches = spec.micro_batches  # what the stage actors were built with
+        self.paused = False
+        self.pending: dict[str, Any] = {}
+        self.pending_spec: JobSpec | None = None
+        self.run_state: RunState | None = None
+        self._publish = publish
+        self._alive_nodes = alive_nodes
 
-    # -- provided by the scheduler ----------------------------------------------------
+    @property
+    def running(self) -> bool:
+        return self.run_state is not None and not self.run_state.finished
 
-    def _job(self, job_id: str) -> _Job:
-        raise NotImplementedError
+    # -- steps ---------------------------------------------------------------------------
 
-    async def step(self, job_id: str, inputs: torch.Tensor | None = None,
-                   targets: torch.Tensor | None = None) -> dict[str, Any]:
-        raise NotImplementedError
+    async def step(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> StepStats:
+        """Runs one optimizer step on a global batch (or the job's data factory).
 
-    # -- events -----------------------------------------------------------------------
+        Raises:
+            ValueError: a batch that does not split into the job's micro-batches.
+            StepFailed: a stage failed, a node was lost or the step timed out.
+        """
+        async with self.lock:
+            await self._apply_pending()  # settings changed with set take effect here, between steps
+            step = self.next_step
+            calls = step_calls(self.spec, step, inputs, targets)
+            self.next_step += 1
+            if self.spec.micro_batches != self.stage_micro_batches:
+                for call in calls.values():
+                    call["micro_batches"] = self.spec.micro_batches
+            started = time.perf_counter()
+            try:
+                reports = await self._run_to_barrier(step, calls)
+                reduce_bytes = await self._release(step)
+            except StepFailed as failure:
+                self._publish({"type": "job_failed", "job": self.id, "step": step, "error": str(failure)})
+                raise
+            elapsed = time.perf_counter() - started
+        self.last_reports = reports
+        samples = inputs.shape[0] if inputs is not None else self.spec.data_kwargs.get("batch_size")
+        stats = step_stats(self.spec, step, reports, elapsed, reduce_bytes,
+                           samples if isinstance(samples, int) else None)
+        self.last_stats = stats
+        self._step_finished(stats)
+        return stats
 
-    def _publish(self, event: dict[str, Any]) -> None:
-        self._subscribers.publish(self.runtime, event)
+    async def _run_to_barrier(self, step: int, calls: dict[int, dict[str, Any]]) -> list[StageReport]:
+        tasks = {
+            rank: asyncio.ensure_future(self.stages[rank].endpoint(StageActor.run_step).call(
+                step, self.programs[self.mesh.coords(rank).pipeline], **kwargs))
+            for rank, kwargs in calls.items()
+        }
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.spec.step_timeout_s
+        try:
+            pending: set[asyncio.Future[Any]] = set(tasks.values())
+            failure: StepFailed | None = None
+            while pending and failure is None:
+                done, pending = await asyncio.wait(pending, timeout=max(0.0, deadline - loop.time()),
+                                                   return_when=asyncio.FIRST_COMPLETED)
+                failure = self._first_failure(tasks) if done else await self._timeout_failure()
+            reports = [] if failure else [StageReport.from_wire(tasks[rank].result()) for rank in sorted(tasks)]
+            if failure is None and not all(r.status == "done" for r in reports):
+                failure = StepFailed("step aborted on request", details={"stage": None, "action": None,
+                                                                          "cause": "aborted"})
+            if failure is not None:
+                await self._abort(step, tasks)
+                raise failure
+            return reports
+        finally:
+            for task in tasks.values():
+                task.cancel()
 
-    @endpoint
-    async def subscribe(self, address: str, actor: str) -> None:
-        """Sends every later job event to ``actor.on_event(event)`` at ``address``."""
-        self._subscribers.add(address, actor)
+    def _first_failure(self, tasks: Mapping[int, asyncio.Future[Any]]) -> StepFailed | None:
+        for rank, task in tasks.items():
+            if not task.done():
+                continue
+            exc = task.exception()
+            if exc is not None:
+                cause = f"{type(exc).__name__}: {exc}" if not isinstance(exc, ActorError) else \
+                    f"{exc.remote_type}: {exc.message}"
+                return step_failed(self.mesh, rank, None, cause)
+            report = StageReport.from_wire(task.result())
+            if report.status == "failed":
+                error = error_from_wire(report.error)
+                return step_failed(self.mesh, rank, report.action, f"{error.remote_type}: {error.message}",
+                                   error.remote_traceback)
+        return None
 
-    @endpoint
-    async def unsubscribe(self, address: str, actor: str) -> None:
-        self._subscribers.discard(address, actor)
+    async def _timeout_failure(self) -> StepFailed:
+        # Hang forensics: where each stage is, which send or receive never matched, the marked grid.
+        report, lines = await self._hang_report()
+        return StepFailed(
+            f"step timed out after {self.spec.step_timeout_s}s:\n{report}",
+            details={"stage": None, "action": None, "cause": "timeout", "where": lines},
+        )
+
+    async def _abort(self, step: int, tasks: Mapping[int, asyncio.Future[Any]]) -> None:
+        async def abort(ref: ActorRef) -> None:
+            try:
+                await ref.endpoint(StageActor.abort_step, timeout=5).call(step)
+            except ActorError as exc:
+                log.info("abort of %s: %s", ref.name, exc)
+
+        alive = await self._alive_nodes()
+        reachable = [rank for rank, node in enumerate(self.nodes) if node in alive]
+        await asyncio.gather(*(abort(self.stages[rank]) for rank in reachable))
+        waiting = [tasks[rank] for rank in reachable if rank in tasks]
+        if waiting:
+            await asyncio.wait(waiting, timeout=5)
+
+    async def _release(self, step: int) -> int:
+        """Releases the barrier everywhere; returns the bytes the data-parallel reduction sent."""
+        results = await asyncio.gather(*(ref.endpoint(StageActor.finish_step, timeout=self.spec.step_timeout_s)
+                                         .call(step) for ref in self.stages), return_exceptions=True)
+        for rank, result in enumerate(results):
+            if isinstance(result, BaseException):
+                raise step_failed(self.mesh, rank, "REDUCE/STEP", f"{type(result).__name__}: {result}")
+        return sum(r for r in results if isinstance(r, int))
+
+    def _step_finished(self, stats: StepStats) -> None:
+        run = self.run_state
+        progress = None
+        if run is not None and not run.finished and stats.step >= run.first_step:
+            progress = {"done": stats.step - run.first_step + 1, "target": run.target}
+        self._publish({"type": "step_finished", "job": self.id, "step": stats.step, "loss": stats.loss,
+                       "step_time_s": stats.step_time_s, "bubble_fraction": stats.bubble_fraction,
+                       "samples_per_s": stats.samples_per_s, "schedule": stats.schedule, "run": progress})
 
     # -- queries ----------------------------------------------------------------------
 
-    @endpoint(concurrent=True)
-    async def describe(self, job_id: str) -> dict[str, Any]:
-        """Everything the console shows about a job: spec, layout, programs, run, last step."""
-        job = self._job(job_id)
-        return {
-            "job": job.id, "spec": job.spec.to_dict(), "bounds": job.bounds, "nodes": job.nodes,
-            "mesh": [job.mesh.pipeline, job.mesh.tensor, job.mesh.data], "steps": job.next_step,
-            "programs": [job.programs[rank] for rank in sorted(job.programs)], "stepping": job.lock.locked(),
-            "traced": bool(job.last_trace), **job.control.to_dict(),
-        }
+    def describe(self) -> JobDescription:
+        """Everything the console shows about the job."""
+        return JobDescription(
+            job=self.id, spec=self.spec, bounds=self.bounds, nodes=self.nodes,
+            mesh=[self.mesh.pipeline, self.mesh.tensor, self.mesh.data],
+            stages=[ref.to_wire() for ref in self.stages], steps=self.next_step,
+            programs=[self.programs[rank] for rank in sorted(self.programs)], stepping=self.lock.locked(),
+            traced=bool(self.last_reports), paused=self.paused, pending=dict(self.pending),
+            run=self.run_state.info() if self.run_state else None, last_stats=self.last_stats,
+        )
 
-    @endpoint(concurrent=True)
-    async def where(self, job_id: str) -> dict[str, Any]:
+    async def where(self) -> WhereReport:
         """Hang forensics: each stage's current action, what it waits for, and the marked grid."""
-        job = self._job(job_id)
-        text, lines = await self._hang_report(job)
-        return {"job": job.id, "stepping": job.lock.locked(), "report": text, "lines": lines}
+        text, lines = await self._hang_report()
+        return WhereReport(job=self.id, stepping=self.lock.locked(), report=text, lines=lines)
 
-    async def _hang_report(self, job: _Job) -> tuple[str, list[str]]:
+    async def _hang_report(self) -> tuple[str, list[str]]:
         """Asks every stage where it is; returns the full report and its per-stage lines."""
         async def progress(ref: ActorRef) -> dict[str, Any] | str:
             try:
-                answer: dict[str, Any] = await ref.ask("progress", timeout=5)
-                return answer
+                return await ref.endpoint(StageActor.progress, timeout=5).call()
             except ActorError as exc:
                 return f"{ref.name} did not answer ({exc.message})"
 
-        answers = await asyncio.gather(*(progress(ref) for ref in job.stages))
-        running = job.lock.locked()
-        step = job.next_step - 1 if running else None
+        answers = await asyncio.gather(*(progress(ref) for ref in self.stages))
+        running = self.lock.locked()
+        step = self.next_step - 1 if running else None
         replicas: dict[tuple[int, int], dict[int, StageProgress | str]] = {}
         for member, answer in enumerate(answers):
-            c = job.mesh.coords(member)
+            c = self.mesh.coords(member)
             replicas.setdefault((c.data, c.tensor), {})[c.pipeline] = answer if isinstance(answer, str) else \
                 StageProgress(rank=c.pipeline, current=answer.get("current"), done=int(answer.get("done", 0)),
                               stale=step is not None and answer.get("step", step) != step)
         lines: list[str] = []
         grids: list[tuple[bool, str]] = []
         for (data, tensor), found in sorted(replicas.items()):
-            report = diagnose(job.programs, found, running=running)
+            report = diagnose(self.programs, found, running=running)
             prefix = "" if len(replicas) == 1 else f"[dp {data} tp {tensor}] "
             lines += [prefix + line for line in report.lines]
             grids.append((report.settled, f"{prefix}programs, each stage's place marked >like this<:\n{report.grid}"))
@@ -265,42 +347,39 @@ class ControlEndpoints(Actor):
 
     # -- runs, pause and resume ---------------------------------------------------------
 
-    @endpoint(concurrent=True)
-    async def run(self, job_id: str, num_steps: int) -> dict[str, Any]:
+    def start_run(self, num_steps: int) -> RunInfo:
         """Starts ``num_steps`` steps from the job's data factory, in the background.
 
         Raises:
             ValueError: no data factory, a bad count, or a run already going.
         """
-        job = self._job(job_id)
-        if not isinstance(num_steps, int) or num_steps < 1:
-            raise ValueError(f"run needs a number of steps >= 1, got {num_steps!r}")
-        if job.spec.data is None:
-            raise ValueError(f"{job_id} has no data factory to run from; start it with data='pkg.mod:factory' "
+        if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
+            raise ValueError(f"run needs a number of steps >= 1, got {num_steps!r:.40}")
+        if self.spec.data is None:
+            raise ValueError(f"{self.id} has no data factory to run from; start it with data='pkg.mod:factory' "
                              "(or drive it with job.step(inputs, targets))")
-        control = job.control
-        if control.running:
-            assert control.run is not None
-            raise ValueError(f"{job_id} is already running ({control.run.done}/{control.run.target} steps); "
+        if self.running:
+            assert self.run_state is not None
+            raise ValueError(f"{self.id} is already running ({self.run_state.done}/{self.run_state.target} steps); "
                              f"wait for it or stop it first")
-        state = control.run = RunState(target=num_steps, first_step=job.next_step)
-        state.task = self.runtime.spawn_task(self._run_steps(job, state), name=f"{job_id} run")
-        self._publish({"type": "run_started", "job": job.id, "steps": num_steps, "paused": control.paused})
-        return state.to_dict()
+        state = self.run_state = RunState(target=num_steps, first_step=self.next_step)
+        state.task = self.runtime.spawn_task(self._run_steps(state), name=f"{self.id} run")
+        self._publish({"type": "run_started", "job": self.id, "steps": num_steps, "paused": self.paused})
+        return state.info()
 
-    async def _run_steps(self, job: _Job, state: RunState) -> None:
+    async def _run_steps(self, state: RunState) -> None:
         reason = "cancelled"
         try:
             while state.done < state.target and not state.stop:
-                if job.control.paused:
-                    self._publish({"type": "job_paused", "job": job.id, "step": job.next_step})
-                    while job.control.paused and not state.stop:
+                if self.paused:
+                    self._publish({"type": "job_paused", "job": self.id, "step": self.next_step})
+                    while self.paused and not state.stop:
                         state.wake.clear()
                         await state.wake.wait()
                     if state.stop:
                         break
-                    self._publish({"type": "job_resumed", "job": job.id, "step": job.next_step})
-                await self.step(job.id)
+                    self._publish({"type": "job_resumed", "job": self.id, "step": self.next_step})
+                await self.step()
                 state.done += 1
             reason = "done" if state.done == state.target else "stopped"
         except Exception as exc:  # noqa: BLE001 - a run reports whatever ended it
@@ -308,151 +387,157 @@ class ControlEndpoints(Actor):
             reason = "failed"
         finally:
             state.finished = True
-            self._publish({"type": "run_finished", "job": job.id, "done": state.done, "target": state.target,
+            self._publish({"type": "run_finished", "job": self.id, "done": state.done, "target": state.target,
                            "reason": reason, "error": state.error})
 
-    @endpoint(concurrent=True)
-    async def pause(self, job_id: str) -> dict[str, Any]:
+    def pause(self) -> JobDescription:
         """Holds the job's run before its next step (the current one finishes, optimizer step included)."""
-        job = self._job(job_id)
-        job.control.paused = True
-        if not job.control.running:
-            self._publish({"type": "job_paused", "job": job.id, "step": job.next_step})
-        return job.control.to_dict()
+        self.paused = True
+        if not self.running:
+            self._publish({"type": "job_paused", "job": self.id, "step": self.next_step})
+        return self.describe()
 
-    @endpoint(concurrent=True)
-    async def resume(self, job_id: str) -> dict[str, Any]:
+    def resume(self) -> JobDescription:
         """Lets a paused run go on."""
-        job = self._job(job_id)
-        job.control.paused = False
-        if job.control.run is not None:
-            job.control.run.wake.set()
-        if not job.control.running:
-            self._publish({"type": "job_resumed", "job": job.id, "step": job.next_step})
-        return job.control.to_dict()
+        self.paused = False
+        if self.run_state is not None:
+            self.run_state.wake.set()
+        if not self.running:
+            self._publish({"type": "job_resumed", "job": self.id, "step": self.next_step})
+        return self.describe()
 
-    @endpoint(concurrent=True)
-    async def stop_run(self, job_id: str) -> dict[str, Any]:
+    def stop_run(self) -> JobDescription:
         """Ends the job's run after its current step (and out of a pause)."""
-        job = self._job(job_id)
-        if job.control.run is not None:
-            job.control.run.stop = True
-            job.control.run.wake.set()
-        return job.control.to_dict()
-
-    def _cancel_run(self, job: _Job) -> None:
-        """Called when the job closes: its run ends at once."""
-        if job.control.run is not None and job.control.run.task is not None:
-            job.control.run.task.cancel()
+        if self.run_state is not None:
+            self.run_state.stop = True
+            self.run_state.wake.set()
+        return self.describe()
 
     # -- settings, applied at the barrier ---------------------------------------------------
 
-    @endpoint(concurrent=True)
-    async def set_option(self, job_id: str, key: str, value: Any) -> dict[str, Any]:
-        """Changes ``key`` (micro_batches, schedule, activation_codec, gradient_codec) from the next step on.
+    def set(self, key: str, value: Any) -> SettingChange:
+        """Changes ``key`` (one of :data:`SETTABLE`) from the next step on.
 
         Raises:
             ValueError: the key cannot change, or the value does not fit; nothing changes.
         """
-        job = self._job(job_id)
-        try:
-            stage_endpoints = actor_class("stage").endpoints()
-        except NotAllowed:
-            stage_endpoints = {}
-        base = job.control.pending_spec or job.spec
-        new = plan_setting(base, key, value, codecs_settable=CODEC_ENDPOINT in stage_endpoints)
-        job.control.pending_spec = new
-        job.control.pending[key] = getattr(new, key)
-        self._publish({"type": "setting_pending", "job": job.id, "key": key, "value": getattr(new, key)})
-        return {"job": job.id, "key": key, "value": getattr(new, key), "stepping": job.lock.locked(),
-                "next_step": job.next_step}
+        new = plan_setting(self.pending_spec or self.spec, key, value)
+        self.pending_spec = new
+        self.pending[key] = getattr(new, key)
+        self._publish({"type": "setting_pending", "job": self.id, "key": key, "value": getattr(new, key)})
+        return SettingChange(job=self.id, key=key, value=getattr(new, key), stepping=self.lock.locked(),
+                             next_step=self.next_step)
 
-    async def _apply_pending(self, job: _Job) -> None:
+    async def _apply_pending(self) -> None:
         """Before a step, under the job's lock: the pending settings take effect."""
-        control, new = job.control, job.control.pending_spec
+        new = self.pending_spec
         if new is None:
             return
-        changes = dict(control.pending)
-        control.pending.clear()
-        control.pending_spec = None
+        changes = dict(self.pending)
+        self.pending.clear()
+        self.pending_spec = None
         if "activation_codec" in changes or "gradient_codec" in changes:
             try:
-                await asyncio.gather(*(ref.ask(CODEC_ENDPOINT, activation_codec=new.edge_codecs("activation_codec"),
-                                               gradient_codec=new.edge_codecs("gradient_codec"), timeout=30)
-                                       for ref in job.stages))
+                await asyncio.gather(*(ref.endpoint(StageActor.set_codecs, timeout=30).call(
+                    new.edge_codecs("activation_codec"), new.edge_codecs("gradient_codec")) for ref in self.stages))
             except ActorError as exc:
-                self._publish({"type": "setting_rejected", "job": job.id, "key": "codecs",
+                self._publish({"type": "setting_rejected", "job": self.id, "key": "codecs",
                                "error": f"the stages refused the new codecs: {exc}"})
                 return
-        job.spec = new
-        job.programs = compile_programs(new)
-        self._publish({"type": "settings_applied", "job": job.id, "step": job.next_step, "changes": changes})
+        self.spec = new
+        self.programs = compile_programs(new)
+        self._publish({"type": "settings_applied", "job": self.id, "step": self.next_step, "changes": changes})
 
-    def _step_kwargs(self, job: _Job) -> dict[str, Any]:
-        """What every run_step call carries beyond the batch: a micro-batch count the stages were not built with."""
-        if job.spec.micro_batches == job.control.stage_micro_batches:
+    # -- state ---------------------------------------------------------------------------
+
+    async def state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state, gathered from the stages, under the unpartitioned keys.
+
+        Tensor-parallel shards are put back together; data-parallel replica 0 speaks for all.
+        """
+        mesh = self.mesh
+        async with self.lock:
+            specs = await self._shard_specs()
+            state: dict[str, torch.Tensor] = {}
+            for p in range(mesh.pipeline):
+                shards = await asyncio.gather(*(
+                    self.stages[mesh.rank(Coords(0, p, t))].endpoint(StageActor.state_dict, timeout=300).call()
+                    for t in range(mesh.tensor)))
+                state.update(gather_tensor_parallel_state(list(shards), specs) if mesh.tensor > 1 else shards[0])
+        return dict(sorted(state.items(), key=lambda kv: key_order(kv[0])))
+
+    async def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Loads a whole-model state into every member; every key must be taken.
+
+        Raises:
+            KeyError: keys no stage holds.
+        """
+        mesh = self.mesh
+        async with self.lock:
+            specs = await self._shard_specs()
+
+            def part(rank: int) -> dict[str, torch.Tensor]:
+                c = mesh.coords(rank)
+                held = {str(i) for s, (first, end) in enumerate(self.bounds)
+                        if stage_to_rank(s, mesh.pipeline) == c.pipeline for i in range(first, end)}
+                mine = {k: v for k, v in state.items() if k.partition(".")[0] in held}
+                return shard_state(mine, c.tensor, mesh.tensor, specs) if mesh.tensor > 1 else mine
+
+            taken = await asyncio.gather(*(ref.endpoint(StageActor.load_state_dict, timeout=300).call(part(g))
+                                           for g, ref in enumerate(self.stages)))
+        missing = set(state) - {k for keys in taken for k in keys}
+        if missing:
+            raise KeyError(f"keys no stage holds: {sorted(missing)[:10]}")
+
+    async def _shard_specs(self) -> dict[str, ShardSpec]:
+        if self.mesh.tensor == 1:
             return {}
-        return {"num_microbatches": job.spec.micro_batches}
-
-    def _step_failed(self, job: _Job, step: int, failure: StepFailed) -> StepFailed:
-        """Publishes a failed step; a micro-batch count the stages refused is undone, and said so."""
-        old, new = job.control.stage_micro_batches, job.spec.micro_batches
-        if old != new and "num_microbatches" in failure.cause:
-            message = (f"micro_batches={new} was not applied: the stage actors do not take "
-                       f"run_step(num_microbatches=...) yet ({failure.cause}); the job keeps micro_batches={old} "
-                       "and can go on")
-            job.spec = dataclasses.replace(job.spec, micro_batches=old)
-            job.programs = compile_programs(job.spec)
-            self._publish({"type": "setting_rejected", "job": job.id, "key": "micro_batches", "error": message})
-            failure = StepFailed(message, details={**failure.details, "cause": message})
-        self._publish({"type": "job_failed", "job": job.id, "step": step, "error": str(failure)})
-        return failure
-
-    def _step_finished(self, job: _Job, stats: dict[str, Any], samples: int | None) -> None:
-        elapsed = stats["step_time_s"]
-        stats["samples"] = samples
-        stats["samples_per_s"] = samples / elapsed if samples and elapsed > 0 else None
-        job.control.last_stats = {**stats, "schedule": job.spec.schedule, "micro_batches": job.spec.micro_batches}
-        run = job.control.run
-        progress = None
-        if run is not None and not run.finished and stats["step"] >= run.first_step:
-            progress = {"done": stats["step"] - run.first_step + 1, "target": run.target}
-        self._publish({"type": "step_finished", "job": job.id, "step": stats["step"], "loss": stats["loss"],
-                       "step_time_s": elapsed, "bubble_fraction": stats["bubble_fraction"],
-                       "samples_per_s": stats["samples_per_s"], "schedule": job.spec.schedule, "run": progress})
+        parts = await asyncio.gather(*(
+            self.stages[self.mesh.rank(Coords(0, p, 0))].endpoint(StageActor.shard_specs, timeout=60).call()
+            for p in range(self.mesh.pipeline)))
+        return {key: ShardSpec(*spec) for part in parts for key, spec in part.items()}
 
     # -- traces -----------------------------------------------------------------------------
 
-    @endpoint(concurrent=True)
-    async def trace(self, job_id: str) -> dict[str, Any]:
+    async def trace(self) -> dict[str, Any]:
         """The last step's measured timeline as Chrome/Perfetto trace JSON, on the head's clock.
 
         Raises:
             ValueError: the job has not finished a step yet.
         """
-        job = self._job(job_id)
-        results, stats = job.last_trace, job.control.last_stats or {}
-        if not results:
-            raise ValueError(f"{job_id} has not finished a step yet; run one ('run {job_id} 1'), then trace it")
-        clocks = await asyncio.gather(*(self._clock_offset(ref) for ref in job.stages))
-        mesh = job.mesh
+        reports, stats = self.last_reports, self.last_stats
+        if not reports or stats is None:
+            raise ValueError(f"{self.id} has not finished a step yet; run one ('run {self.id} 1'), then trace it")
+        clocks = await asyncio.gather(*(self._clock_offset(ref) for ref in self.stages))
+        mesh = self.mesh
         records = [
-            StageRecord(member=g, name=f"{mesh.describe(g)} ({job.nodes[g]})", pipeline_rank=mesh.coords(g).pipeline,
-                        replica=(mesh.coords(g).data, mesh.coords(g).tensor), started_at=float(r["started_at"]),
-                        offset_s=clocks[g][0], spans=r["spans"])
-            for g, r in enumerate(results)
+            StageRecord(member=g, name=f"{mesh.describe(g)} ({self.nodes[g]})", pipeline_rank=mesh.coords(g).pipeline,
+                        replica=(mesh.coords(g).data, mesh.coords(g).tensor), started_at=float(r.started_at),
+                        offset_s=clocks[g][0], spans=r.spans)
+            for g, r in enumerate(reports)
         ]
-        step = stats.get("step")
-        metadata = {"title": f"{job.id} step {step}", "job": job.id, "step": step,
-                    "schedule": stats.get("schedule"), "micro_batches": stats.get("micro_batches"),
-                    "bubble_fraction": stats.get("bubble_fraction"),
+        title = f"{self.id} step {stats.step}"
+        metadata = {"title": title, "job": self.id, "step": stats.step,
+                    "schedule": stats.schedule, "micro_batches": stats.micro_batches,
+                    "bubble_fraction": stats.bubble_fraction,
                     "clock_round_trips_s": {rec.name: rtt for rec, (_, rtt) in zip(records, clocks)}}
-        return to_chrome_trace(records, num_ranks=mesh.pipeline, title=f"{job.id} step {step}", metadata=metadata)
+        return to_chrome_trace(records, num_ranks=mesh.pipeline, title=title, metadata=metadata)
 
     async def _clock_offset(self, ref: ActorRef) -> tuple[float, float]:
         samples = []
+        clock = ref.endpoint(StageActor.clock, timeout=5)
         for _ in range(CLOCK_PROBES):
             sent = time.time()
-            remote = float(await ref.ask("clock", timeout=5))
+            remote = float(await clock.call())
             samples.append((sent, remote, time.time()))
         return estimate_offset(samples)
+
+    # -- life ----------------------------------------------------------------------------------
+
+    async def close(self, stop_stages: Callable[[list[ActorRef]], Awaitable[None]]) -> None:
+        """Ends the run at once, then stops the stage actors once no step holds the job."""
+        if self.run_state is not None and self.run_state.task is not None:
+            self.run_state.task.cancel()
+        async with self.lock:
+            await stop_stages(self.stages)
+        self.store = None  # the rendezvous server goes with its last reference

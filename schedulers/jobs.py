@@ -1,86 +1,192 @@
-"""A training job's specification: what ``cluster.train(...)`` accepts, checked up front."""
+"""A training job's specification: what ``cluster.train(...)`` takes, checked at the call.
+
+:class:`JobSpec` is the one source of truth for a job's settings. ``cluster.train``
+builds one (from a ``JobSpec`` or from keyword arguments) before anything is sent;
+the DeepSpeed-style config translator returns one; the scheduler derives each stage
+actor's :class:`~actors.StageConfig` from it with :func:`stage_config`; the README's
+argument table is generated from the docstrings under its fields
+(``python -m schedulers.jobs`` prints it, and a test keeps the README equal to it).
+
+Run: python -m schedulers.jobs      # the README's table of train() arguments
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+import ast
+import dataclasses
+import difflib
+import inspect
+import math
+import re
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, get_args
 
-from schedulers.schedules import SCHEDULES
-from transport.codecs import CODEC_NAMES
+from actors import Mesh, StageConfig
+from schedulers.schedules import build_schedule
 
-__all__ = ["PARTITION_METHODS", "JobSpec"]
+__all__ = [
+    "CODECS",
+    "PARTITION_METHODS",
+    "SCHEDULE_NAMES",
+    "TRANSPORTS",
+    "CodecName",
+    "JobSpec",
+    "PartitionMethod",
+    "ScheduleName",
+    "TransportName",
+    "argument_table",
+    "stage_config",
+]
 
-PARTITION_METHODS = ("parameters", "uniform")
+ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zero_bubble"]
+TransportName = Literal["zmq", "dist"]
+PartitionMethod = Literal["parameters", "uniform"]
+CodecName = Literal["none", "fp16", "bf16", "int8", "fp8", "int4"]
+
+SCHEDULE_NAMES: tuple[str, ...] = get_args(ScheduleName)
+TRANSPORTS: tuple[str, ...] = get_args(TransportName)
+PARTITION_METHODS: tuple[str, ...] = get_args(PartitionMethod)
+CODECS: tuple[str, ...] = get_args(CodecName)
+
+_IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+_SEED_RANGE = (0, 2**63 - 1)
+# Public spellings that were renamed: old name -> new name (accepted with a DeprecationWarning).
+_RENAMED = {"num_microbatches": "micro_batches", "threads": "threads_per_stage"}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class JobSpec:
-    """The keyword arguments of ``cluster.train``; see the README for each."""
+    """Everything a training job is built from; every field is checked when the spec is made.
+
+    Raises (on construction):
+        TypeError: a field of the wrong type; the message names the field.
+        ValueError: a value out of range or that does not fit the others; the message
+            names the field and what would work.
+    """
 
     model: str
+    """factory by import path (`package.module:callable`), returning an `nn.Sequential` (or a list of layers); each stage builds it from `seed` and keeps its slice"""
     model_kwargs: dict[str, Any] = field(default_factory=dict)
+    """keyword arguments of the model factory"""
     loss: str = "torch.nn.functional:mse_loss"
+    """`output, target -> scalar`, mean-reduced, by import path"""
     optimizer: tuple[str, dict[str, Any]] = ("torch.optim:SGD", {"lr": 0.01})
+    """`(path, kwargs)`, e.g. `("torch.optim:Adam", {"lr": 1e-3})`, or a bare path"""
     pipeline_stages: int = 1
+    """pipeline ranks; the mesh has `pipeline_stages * tensor_parallel * data_parallel` stage actors, one per node"""
     tensor_parallel: int = 1
+    """Megatron tensor-parallel degree (see "Data and tensor parallelism")"""
     data_parallel: int = 1
-    schedule: str = "1f1b"
+    """data-parallel replicas, each on its own shard of the global batch"""
+    schedule: ScheduleName = "1f1b"
+    """`gpipe`, `1f1b` (PipeDream-Flush), `interleaved` (Megatron's virtual stages), `zero_bubble` (ZB-H1)"""
     micro_batches: int = 1
+    """the global batch (each replica's share) is split into this many; gradients accumulate across them"""
     virtual_stages: int | None = None
-    partition_method: str = "parameters"
-    activation_codec: str | list[str] = "none"
-    gradient_codec: str | list[str] = "none"
+    """model stages per rank with `interleaved` (>= 2; default 2); only for that schedule"""
+    partition_method: PartitionMethod = "parameters"
+    """`parameters` (balance parameter counts, exactly) or `uniform` (balance layer counts)"""
+    activation_codec: CodecName | list[CodecName] = "none"
+    """wire codec for forward activations: one name for every stage boundary, or a list with one per boundary; `none` is exact"""
+    gradient_codec: CodecName | list[CodecName] = "none"
+    """wire codec for backward input-gradients, as `activation_codec`"""
     error_feedback: bool = False
+    """keep each gradient boundary's quantization residual per micro-batch slot and add it to that slot's next gradient"""
     measure_codec_error: bool = True
-    reduce_codec: str = "none"
-    transport: str = "zmq"
+    """decode what was sent and report its error (costs one decode per lossy send)"""
+    reduce_codec: CodecName = "none"
+    """codec for the data-parallel gradient reduction; `none` is an exact all-reduce"""
+    bucket_bytes: int = 25 << 20
+    """size of the flat buckets the data-parallel reduction averages gradients in"""
+    transport: TransportName = "zmq"
+    """stage-to-stage tensors as actor messages over ZeroMQ (`zmq`) or by `torch.distributed` point-to-point (`dist`)"""
     seed: int = 0
+    """seed every stage builds the model from, so each slice holds the weights one process would start from"""
     data: str | None = None
+    """a data factory by import path: `factory(**data_kwargs)` returns `batch(step) -> (inputs, targets)`; then `job.step()` takes no batch"""
     data_kwargs: dict[str, Any] = field(default_factory=dict)
+    """keyword arguments of the data factory"""
     threads_per_stage: int | None = 1
+    """torch intra-op threads in each stage process (`None`: torch's default)"""
     gradient_accumulation_fusion: bool = True
+    """as in Megatron: exact `nn.Linear` weight gradients accumulate into `.grad` with one GEMM, and a backward whose input gradient leaves the rank runs as `I` (sent at once) then `W`; off: plain autograd"""
     keep_freed_memory: bool = True
+    """stage processes set glibc's malloc to keep freed buffers instead of page-faulting them in again every micro-batch"""
     step_timeout_s: float = 600.0
+    """a step that takes longer fails with the stuck actions named"""
+
+    def __post_init__(self) -> None:
+        _check_path("model", self.model)
+        _check_kwargs("model_kwargs", self.model_kwargs)
+        _check_path("loss", self.loss)
+        object.__setattr__(self, "optimizer", _optimizer(self.optimizer))
+        for name in ("pipeline_stages", "tensor_parallel", "data_parallel", "micro_batches"):
+            _check_int(name, getattr(self, name), minimum=1)
+        _check_choice("schedule", self.schedule, SCHEDULE_NAMES, "schedule")
+        if self.virtual_stages is not None:
+            _check_int("virtual_stages", self.virtual_stages, minimum=2)
+            if self.schedule != "interleaved":
+                raise ValueError(f"virtual_stages={self.virtual_stages} applies only to schedule='interleaved', "
+                                 f"not {self.schedule!r}; leave it out or use the interleaved schedule")
+        _check_choice("partition_method", self.partition_method, PARTITION_METHODS)
+        for name in ("error_feedback", "measure_codec_error", "gradient_accumulation_fusion", "keep_freed_memory"):
+            _check_bool(name, getattr(self, name))
+        edges: tuple[Literal["activation_codec", "gradient_codec"], ...] = ("activation_codec", "gradient_codec")
+        for name in edges:
+            value = getattr(self, name)
+            if isinstance(value, tuple):
+                value = list(value)
+                object.__setattr__(self, name, value)
+            self.edge_codecs(name)
+        _check_choice("reduce_codec", self.reduce_codec, CODECS, "codec")
+        _check_int("bucket_bytes", self.bucket_bytes, minimum=1)
+        _check_choice("transport", self.transport, TRANSPORTS)
+        _check_int("seed", self.seed, minimum=_SEED_RANGE[0], maximum=_SEED_RANGE[1])
+        if self.data is not None:
+            _check_path("data", self.data)
+        _check_kwargs("data_kwargs", self.data_kwargs)
+        if self.threads_per_stage is not None:
+            _check_int("threads_per_stage", self.threads_per_stage, minimum=1)
+        _check_seconds("step_timeout_s", self.step_timeout_s)
+        # The schedule's own limits (e.g. interleaved needs micro_batches to be a multiple of the stages).
+        build_schedule(self.schedule, self.pipeline_stages, self.micro_batches,
+                       self.num_virtual_stages if self.schedule == "interleaved" else None)
 
     @classmethod
-    def from_kwargs(cls, kwargs: dict[str, Any]) -> JobSpec:
-        """Builds and checks a spec.
+    def from_kwargs(cls, kwargs: Mapping[str, Any]) -> JobSpec:
+        """A spec from ``cluster.train``'s keyword arguments.
+
+        Old spellings (``num_microbatches``, ``threads``) still work, with a DeprecationWarning.
 
         Raises:
-            ValueError: an unknown key or a value that cannot work; the message says
-                which and what would.
+            TypeError: an unknown argument (the message suggests the nearest known one),
+                a missing ``model``, or a value of the wrong type.
+            ValueError: a value that cannot work.
         """
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise ValueError(f"unknown train() argument(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        if "model" not in kwargs:
-            raise ValueError("train() needs model='package.module:factory'")
         args = dict(kwargs)
-        if "optimizer" in args:
-            args["optimizer"] = _optimizer(args["optimizer"])
-        spec = cls(**args)
-        spec.check()
-        return spec
+        for old, new in _RENAMED.items():
+            if old in args:
+                if new in args:
+                    raise TypeError(f"train() got both {old}= and {new}=; {old} is the old name of {new}")
+                warnings.warn(f"train({old}=...) is deprecated; call it {new}", DeprecationWarning, stacklevel=3)
+                args[new] = args.pop(old)
+        known = [f.name for f in fields(cls)]
+        for name in args:
+            if name not in known:
+                near = difflib.get_close_matches(str(name), known, n=1)
+                hint = f"; did you mean {near[0]}?" if near else f"; known arguments: {', '.join(known)}"
+                raise TypeError(f"train() got an unknown argument {name!r}{hint}")
+        if "model" not in args:
+            raise TypeError("train() needs model='package.module:factory'")
+        return cls(**args)
 
-    def check(self) -> None:
-        for name in ("pipeline_stages", "tensor_parallel", "data_parallel", "micro_batches"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
-        if self.partition_method not in PARTITION_METHODS:
-            raise ValueError(f"partition_method must be one of {', '.join(PARTITION_METHODS)}")
-        if self.step_timeout_s <= 0:
-            raise ValueError(f"step_timeout_s must be > 0, got {self.step_timeout_s}")
-        self.edge_codecs("activation_codec")
-        self.edge_codecs("gradient_codec")
-        if self.transport not in ("zmq", "dist"):
-            raise ValueError(f"transport must be 'zmq' or 'dist', got {self.transport!r}")
-        if self.reduce_codec not in CODEC_NAMES:
-            raise ValueError(f"reduce_codec: unknown codec {self.reduce_codec!r}; choose from {', '.join(CODEC_NAMES)}")
+    def replace(self, **changes: Any) -> JobSpec:
+        """A copy with ``changes`` applied, checked like a new spec."""
+        return dataclasses.replace(self, **changes)
 
-    def edge_codecs(self, name: str) -> list[str]:
+    def edge_codecs(self, name: Literal["activation_codec", "gradient_codec"]) -> list[str]:
         """``activation_codec`` or ``gradient_codec`` as one codec per stage boundary.
 
         Raises:
@@ -88,15 +194,20 @@ class JobSpec:
         """
         value = getattr(self, name)
         edges = self.num_model_stages - 1
-        codecs = [value] * edges if isinstance(value, str) else list(value)
+        if isinstance(value, str):
+            _check_choice(name, value, CODECS, "codec")
+            codecs = [value] * edges
+        elif isinstance(value, list):
+            codecs = list(value)
+        else:
+            raise TypeError(f"{name} must be a codec name or a list of them, got {_show(value)}")
+        for codec in codecs:
+            _check_choice(name, codec, CODECS, "codec")
         if len(codecs) != edges:
             raise ValueError(
                 f"{name} lists {len(codecs)} codecs but the pipeline has {edges} stage boundaries "
                 f"({self.num_model_stages} model stages); give one per boundary or a single name"
             )
-        for codec in codecs:
-            if codec not in CODEC_NAMES:
-                raise ValueError(f"{name}: unknown codec {codec!r}; choose from {', '.join(CODEC_NAMES)}")
         return codecs
 
     @property
@@ -109,13 +220,150 @@ class JobSpec:
     def num_model_stages(self) -> int:
         return self.pipeline_stages * self.num_virtual_stages
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    @property
+    def mesh(self) -> Mesh:
+        return Mesh(pipeline=self.pipeline_stages, tensor=self.tensor_parallel, data=self.data_parallel)
+
+    @property
+    def factory_modules(self) -> list[str]:
+        """The modules of the import paths this spec names (model, loss, optimizer, data)."""
+        paths = [self.model, self.loss, self.optimizer[0], self.data]
+        return sorted({p.partition(":")[0] for p in paths if p is not None})
+
+    def to_wire(self) -> dict[str, Any]:
+        """Plain data for msgpack (``JobSpec.from_wire`` takes it back)."""
+        data = dataclasses.asdict(self)
+        data["optimizer"] = [self.optimizer[0], dict(self.optimizer[1])]
+        return data
+
+    @classmethod
+    def from_wire(cls, data: Any) -> JobSpec:
+        """The spec :meth:`to_wire` sent; checked like any other.
+
+        Raises:
+            TypeError, ValueError: not a spec, or one with unknown keys or bad values.
+        """
+        if not isinstance(data, dict):
+            raise TypeError(f"a job spec must be a mapping, got {_show(data)}")
+        return cls.from_kwargs(data)
+
+
+def stage_config(
+    spec: JobSpec,
+    *,
+    job: str,
+    global_rank: int,
+    bounds: Sequence[Sequence[int]],
+    dist: Mapping[str, Any] | None,
+) -> StageConfig:
+    """The configuration of the stage actor at ``global_rank`` of ``spec``'s mesh: the one derivation."""
+    mesh = spec.mesh
+    return StageConfig(
+        job=job, pipeline_rank=mesh.coords(global_rank).pipeline, pipeline_stages=spec.pipeline_stages,
+        mesh=[mesh.pipeline, mesh.tensor, mesh.data], global_rank=global_rank,
+        bounds=[list(b) for b in bounds], dist=dict(dist) if dist is not None else None,
+        model=spec.model, model_kwargs=dict(spec.model_kwargs), loss=spec.loss,
+        optimizer=[spec.optimizer[0], dict(spec.optimizer[1])], micro_batches=spec.micro_batches, seed=spec.seed,
+        activation_codec=spec.edge_codecs("activation_codec"), gradient_codec=spec.edge_codecs("gradient_codec"),
+        error_feedback=spec.error_feedback, measure_codec_error=spec.measure_codec_error,
+        reduce_codec=spec.reduce_codec, bucket_bytes=spec.bucket_bytes, transport=spec.transport,
+        data=spec.data, data_kwargs=dict(spec.data_kwargs), threads_per_stage=spec.threads_per_stage,
+        gradient_accumulation_fusion=spec.gradient_accumulation_fusion, keep_freed_memory=spec.keep_freed_memory,
+    )
+
+
+# -- the README's table --------------------------------------------------------------
+
+
+def field_docs() -> dict[str, str]:
+    """Each field's docstring (the string literal under it in this module's source)."""
+    tree = ast.parse(inspect.getsource(JobSpec))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, after in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr) \
+                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
+            docs[node.target.id] = after.value.value
+    return docs
+
+
+def argument_table() -> str:
+    """The README's markdown table of ``train()`` arguments, from the fields and their docstrings."""
+    docs = field_docs()
+    rows = ["| argument | default | meaning |", "| --- | --- | --- |"]
+    for f in fields(JobSpec):
+        if f.default is not dataclasses.MISSING:
+            default = f"`{f.default!r}`"
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f"`{f.default_factory()!r}`"
+        else:
+            default = "required"
+        rows.append(f"| `{f.name}` | {default} | {docs[f.name]} |")
+    return "\n".join(rows)
+
+
+# -- checks -------------------------------------------------------------------------------
+
+
+def _show(value: Any) -> str:
+    """A short, escaped excerpt of a value for an error message."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _check_int(name: str, value: Any, *, minimum: int, maximum: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {_show(value)}")
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{name} must be an int {bound}, got {value}")
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {_show(value)}")
+
+
+def _check_seconds(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__} {_show(value)}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number of seconds > 0, got {value}")
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...], what: str | None = None) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be one of {', '.join(choices)}; got {type(value).__name__} {_show(value)}")
+    if value not in choices:
+        near = [c for c in choices if c.lower() == value.lower()] or difflib.get_close_matches(value, choices, n=1)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        raise ValueError(f"{name}: unknown {what or 'value'} {_show(value)}{hint}; choose one of {', '.join(choices)}")
+
+
+def _check_path(name: str, value: Any) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be an import path 'package.module:callable', got "
+                        f"{type(value).__name__} {_show(value)}")
+    if not _IMPORT_PATH.match(value):
+        raise ValueError(f"{name}: {_show(value)} is not an import path of the form 'package.module:callable'")
+
+
+def _check_kwargs(name: str, value: Any) -> None:
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise TypeError(f"{name} must be a dict of keyword arguments (str keys), got {_show(value)}")
 
 
 def _optimizer(value: Any) -> tuple[str, dict[str, Any]]:
     if isinstance(value, str):
-        return (value, {})
-    if isinstance(value, (list, tuple)) and len(value) == 2 and isinstance(value[0], str) and isinstance(value[1], dict):
-        return (value[0], dict(value[1]))
-    raise ValueError(f"optimizer must be 'package.module:Class' or (path, kwargs), got {value!r}")
+        path, kwargs = value, {}
+    elif isinstance(value, (list, tuple)) and len(value) == 2:
+        path, kwargs = value
+    else:
+        raise TypeError(f"optimizer must be 'package.module:Class' or (path, kwargs), got {_show(value)}")
+    _check_path("optimizer", path)
+    _check_kwargs("optimizer kwargs", kwargs)
+    return (path, dict(kwargs))
+
+
+if __name__ == "__main__":
+    print(argument_table())

@@ -19,7 +19,6 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from actors.job import Job
 from schedulers.config import ConfigError, load_config
 from schedulers.console import render
 from schedulers.console.session import CommandError, Session
@@ -138,7 +137,7 @@ async def _jobs(session: Session, args: list[str]) -> None:
     if not infos:
         _print(session, "no jobs; start one with 'submit CONFIG.json'")
         return
-    session.out.print(render.jobs_table(infos))
+    session.out.print(render.jobs_table([info.to_wire() for info in infos]))
 
 
 @command("status [JOB] [--actions]", "the last step: loss, step time, samples/s, bubble, bytes per edge",
@@ -153,20 +152,22 @@ async def _status(session: Session, args: list[str]) -> None:
         if not infos:
             _print(session, "no jobs")
             return
-        session.out.print(render.status_table(infos))
+        session.out.print(render.status_table([info.to_wire() for info in infos]))
         return
-    job_id = session.job_arg(args, "status JOB [--actions]")
-    for line in render.job_detail(await session.describe(job_id)):
+    job = await session.job(session.job_arg(args, "status JOB [--actions]"))
+    with session.reporting():
+        info = await job.describe()
+        where = await job.where() if actions else None
+    for line in render.job_detail(info.to_wire()):
         _print(session, line)
-    if actions:
-        where = await session.ask("where", job_id)
-        _print(session, where["report"])
+    if where is not None:
+        _print(session, where.report)
 
 
 @command("schedule [JOB]", "the job's compiled schedule as a stage-by-time grid", args=("job",))
 async def _schedule(session: Session, args: list[str]) -> None:
     info = await session.describe(session.job_arg(args, "schedule JOB"))
-    _print(session, render.schedule_grid(info))
+    _print(session, render.schedule_grid(info.to_wire()))
 
 
 # -- jobs ---------------------------------------------------------------------------------
@@ -180,15 +181,15 @@ async def _submit(session: Session, args: list[str]) -> None:
         spec = load_config(args[0])
     except (ConfigError, OSError) as exc:
         raise CommandError(f"{args[0]}: {exc}") from None
-    _print(session, f"submitting {spec['model']} on {spec['pipeline_stages']} stages ...")
+    _print(session, f"submitting {spec.model} on {spec.pipeline_stages} stages ...")
     try:
-        job = await session.cluster.train(**spec)
+        job = await session.cluster.train(spec)
     except Exception as exc:  # noqa: BLE001 - whatever refused the job, the user reads why
         raise CommandError(f"{args[0]}: the scheduler refused the job: {getattr(exc, 'message', exc)}") from None
     if job.id not in session.job_ids:
         session.job_ids.append(job.id)
     session.last_submitted = job.id
-    _print(session, f"submitted {job.id}: {spec['schedule']}, {spec['micro_batches']} micro-batches, "
+    _print(session, f"submitted {job.id}: {spec.schedule}, {spec.micro_batches} micro-batches, "
                     f"stages on {', '.join(job.nodes)}, layers {job.bounds}")
 
 
@@ -198,7 +199,9 @@ async def _submit(session: Session, args: list[str]) -> None:
          args=("job", "int"), min_args=2)
 async def _run(session: Session, args: list[str]) -> None:
     job_id, steps = args[0], _int_arg(args[1], "N")
-    await session.ask("run", job_id, steps)
+    job = await session.job(job_id)
+    with session.reporting():
+        await job.run(steps)
     if session.interactive:
         _print(session, f"{job_id}: running {steps} steps ('pause {job_id}', 'wait {job_id}', 'stop {job_id}')")
         return
@@ -212,20 +215,26 @@ async def _wait(session: Session, args: list[str]) -> None:
 
 @command("pause JOB", "hold the job's run at the next accumulation barrier", args=("job",), min_args=1)
 async def _pause(session: Session, args: list[str]) -> None:
-    state = await session.ask("pause", args[0])
-    running = (state.get("run") or {}).get("active")
+    job = await session.job(args[0])
+    with session.reporting():
+        state = await job.pause()
+    running = state.run is not None and state.run.active
     _print(session, f"{args[0]}: " + ("pausing after the step in progress" if running else "paused"))
 
 
 @command("resume JOB", "let a paused run go on", args=("job",), min_args=1)
 async def _resume(session: Session, args: list[str]) -> None:
-    await session.ask("resume", args[0])
+    job = await session.job(args[0])
+    with session.reporting():
+        await job.resume()
     _print(session, f"{args[0]}: resumed")
 
 
 @command("stop JOB", "end the job's run after the step in progress", args=("job",), min_args=1)
 async def _stop(session: Session, args: list[str]) -> None:
-    await session.ask("stop_run", args[0])
+    job = await session.job(args[0])
+    with session.reporting():
+        await job.stop()
     _print(session, f"{args[0]}: stopping after the step in progress")
 
 
@@ -235,27 +244,31 @@ async def _stop(session: Session, args: list[str]) -> None:
          args=("job", "key", "value"), min_args=3)
 async def _set(session: Session, args: list[str]) -> None:
     job_id, key, value = args
-    answer = await session.ask("set_option", job_id, key, value)
-    when = "after the step in progress reaches its barrier" if answer.get("stepping") else \
-        f"before step {answer.get('next_step')}"
-    _print(session, f"{job_id}: {key}={answer['value']} set; it applies at the next barrier ({when})")
+    job = await session.job(job_id)
+    with session.reporting():
+        answer = await job.set(key, value)
+    when = "after the step in progress reaches its barrier" if answer.stepping else f"before step {answer.next_step}"
+    _print(session, f"{job_id}: {key}={answer.value} set; it applies at the next barrier ({when})")
 
 
 @command("checkpoint JOB DIR", "save the whole model to DIR (atomically), at the next barrier",
          args=("job", "path"), min_args=2)
 async def _checkpoint(session: Session, args: list[str]) -> None:
-    info = await session.describe(args[0])
-    job = Job(session.cluster, session.scheduler, info, info["spec"])
+    job = await session.job(args[0])
     try:
-        await job.save(args[1])
+        with session.reporting():
+            await job.checkpoint(args[1])
+            info = await job.describe()
     except OSError as exc:
         raise CommandError(f"cannot write {args[1]}: {exc}") from None
-    _print(session, f"{args[0]}: checkpoint of step {info['steps']} written to {args[1]}")
+    _print(session, f"{args[0]}: checkpoint of step {info.steps} written to {args[1]}")
 
 
 @command("close JOB", "stop the job's stage actors", args=("job",), min_args=1)
 async def _close(session: Session, args: list[str]) -> None:
-    await session.ask("close_job", args[0])
+    job = await session.job(args[0])
+    with session.reporting():
+        await job.close()
     session.job_ids = [j for j in session.job_ids if j != args[0]]
     _print(session, f"{args[0]}: closed")
 
@@ -267,7 +280,9 @@ async def _close(session: Session, args: list[str]) -> None:
          "One track per stage actor, a span per action, transfers as flow arrows; every node's clock is "
          "aligned to the head's. Open it at https://ui.perfetto.dev.", args=("job", "path"), min_args=2)
 async def _trace(session: Session, args: list[str]) -> None:
-    trace = await session.ask("trace", args[0])
+    job = await session.job(args[0])
+    with session.reporting():
+        trace = await job.trace()
     _write_json(args[1], trace)
     events = trace["traceEvents"]
     tracks = sum(1 for e in events if e.get("name") == "thread_name")
@@ -281,7 +296,9 @@ async def _trace(session: Session, args: list[str]) -> None:
 @command("plot JOB FILE.png", "draw the last step's timeline as a PNG: stages as rows, idle time visible",
          args=("job", "path"), min_args=2)
 async def _plot(session: Session, args: list[str]) -> None:
-    trace = await session.ask("trace", args[0])
+    job = await session.job(args[0])
+    with session.reporting():
+        trace = await job.trace()
     try:
         await asyncio.to_thread(plot_trace, trace, args[1])
     except ImportError:
@@ -329,18 +346,20 @@ async def _wait_for_run(session: Session, job_id: str) -> None:
     bar = Progress(*columns, console=Console(stderr=True), transient=True, disable=session.interactive)
     with bar:
         task = bar.add_task(job_id, total=None, loss="")
+        job = await session.job(job_id)
         while True:
-            info = await session.describe(job_id)
-            run = info.get("run") or {}
-            loss = (info.get("last_stats") or {}).get("loss")
-            bar.update(task, completed=run.get("done", 0), total=run.get("target"),
-                       loss="" if loss is None else f"loss {loss:.4f}" + (" (paused)" if info.get("paused") else ""))
-            if not run.get("active"):
+            with session.reporting():
+                info = await job.describe()
+            run = info.run
+            loss = info.last_stats.loss if info.last_stats else None
+            bar.update(task, completed=run.done if run else 0, total=run.target if run else None,
+                       loss="" if loss is None else f"loss {loss:.4f}" + (" (paused)" if info.paused else ""))
+            if run is None or not run.active:
                 break
             await asyncio.sleep(0.2)
-    if not run:
+    if run is None:
         raise CommandError(f"{job_id} has no run; start one with 'run {job_id} N'")
-    if run.get("error"):
-        raise CommandError(f"{job_id}: run failed after {run['done']}/{run['target']} steps: {run['error']}")
+    if run.error:
+        raise CommandError(f"{job_id}: run failed after {run.done}/{run.target} steps: {run.error}")
     last = f", loss {loss:.4f}" if loss is not None else ""
-    _print(session, f"{job_id}: ran {run['done']}/{run['target']} steps (now at step {info['steps']}){last}")
+    _print(session, f"{job_id}: ran {run.done}/{run.target} steps (now at step {info.steps}){last}")

@@ -8,7 +8,7 @@ from typing import Any
 
 from rich.table import Table
 
-from actors.program import Action
+from actors import Action
 from schedulers.grid import format_grid
 
 __all__ = [

@@ -25,7 +25,7 @@ from prompt_toolkit.history import FileHistory, History, InMemoryHistory
 from prompt_toolkit.patch_stdout import patch_stdout
 from rich.console import Console
 
-from actors._errors import ActorError
+from actors import ActorError
 from schedulers.console import render
 from schedulers.console.commands import COMMANDS, execute, split_commands
 from schedulers.console.session import CommandError, Session, open_session

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from rich.console import Console
 
-from actors._actor import Actor, endpoint
-from actors._errors import ActorError
-from actors._ref import ActorRef
-from actors.cluster import Cluster
+from actors import Actor, ActorError, ActorRef, endpoint
+from schedulers.client import Cluster, Job
+from schedulers.records import JobDescription
 
 __all__ = ["CommandError", "Session", "open_session"]
 
@@ -46,7 +45,6 @@ class Session:
 
     def __init__(self, cluster: Cluster, out: Console, *, interactive: bool) -> None:
         self.cluster = cluster
-        self.scheduler: ActorRef = cluster.scheduler
         self.out = out
         self.interactive = interactive
         self.job_ids: list[str] = []
@@ -60,34 +58,39 @@ class Session:
     def address(self) -> str:
         return self.cluster.head.address
 
-    async def ask(self, method: str, *args: Any, timeout: float = 60.0) -> Any:
-        """Calls the scheduler; a remote error becomes a :class:`CommandError` with its message."""
+    @contextlib.contextmanager
+    def reporting(self) -> Iterator[None]:
+        """A remote error inside the block becomes a :class:`CommandError` with its message."""
         try:
-            return await self.scheduler.ask(method, *args, timeout=timeout)
+            yield
         except ActorError as exc:
             raise CommandError(_message(exc)) from None
 
-    async def refresh(self) -> list[dict[str, Any]]:
+    async def job(self, job_id: str) -> Job:
+        """A handle on job ``job_id``.
+
+        Raises:
+            CommandError: no such job (the message lists the running ones).
+        """
+        with self.reporting():
+            return await self.cluster.job(job_id)
+
+    async def refresh(self) -> list[JobDescription]:
         """Fetches every job's description (and remembers the names and node count)."""
-        listed = await self.ask("jobs")
-        infos = []
-        for entry in listed:
-            try:
-                infos.append(await self.ask("describe", entry["job"]))
-            except CommandError:  # closed in between
-                continue
-        self.job_ids = [info["job"] for info in infos]
+        with self.reporting():
+            infos = await self.cluster.jobs()
+            nodes = await self.cluster.nodes()
+        self.job_ids = [info.job for info in infos]
         for info in infos:
-            if info.get("run"):
-                self.runs[info["job"]] = {**info["run"], "paused": info.get("paused", False),
-                                          "loss": (info.get("last_stats") or {}).get("loss")}
-        nodes = await self.cluster.nodes()
+            if info.run is not None:
+                self.runs[info.job] = {**info.run.to_wire(), "paused": info.paused,
+                                       "loss": info.last_stats.loss if info.last_stats else None}
         self.num_nodes = sum(1 for n in nodes if n["state"] == "alive")
         return infos
 
-    async def describe(self, job_id: str) -> dict[str, Any]:
-        info: dict[str, Any] = await self.ask("describe", job_id)
-        return info
+    async def describe(self, job_id: str) -> JobDescription:
+        with self.reporting():
+            return await (await self.cluster.job(job_id)).describe()
 
     def resolve_job(self, name: str) -> str:
         """A job name as typed: ``last`` is the job this console submitted last.
@@ -112,15 +115,13 @@ class Session:
     async def start_feed(self) -> None:
         """Subscribes to the head's node events and the scheduler's job events."""
         self._feed = await self.cluster.runtime.spawn(_Feed(self._dispatch), "console-feed")
-        await self.cluster.head.ask("subscribe", self._feed.address, self._feed.name, timeout=10)
-        await self.scheduler.ask("subscribe", self._feed.address, self._feed.name, timeout=10)
+        await self.cluster.subscribe(self._feed)
 
     async def stop_feed(self) -> None:
         if self._feed is None:
             return
-        for ref in (self.cluster.head, self.scheduler):
-            with contextlib.suppress(ActorError, OSError):
-                await ref.ask("unsubscribe", self._feed.address, self._feed.name, timeout=2)
+        with contextlib.suppress(ActorError, OSError):
+            await self.cluster.unsubscribe(self._feed)
         self._feed = None
 
     def _dispatch(self, event: dict[str, Any]) -> None:

@@ -81,6 +81,11 @@ class Counter(Actor):
     async def unsendable(self) -> object:
         return object()
 
+    @endpoint
+    async def ask_with_short_timeout(self, address: str, name: str) -> str:
+        """Asks another actor that never answers in time: the timeout is this actor's own."""
+        return str(await self.runtime.ref(address, name).ask("wait_gate", timeout=0.1))
+
     def not_an_endpoint(self) -> None:
         pass
 
@@ -208,6 +213,34 @@ async def test_ask_times_out_with_a_typed_error(runtimes: tuple[Runtime, Runtime
     with pytest.raises(ActorTimeout, match="no reply from counter.wait_gate"):
         await ref.ask("wait_gate", timeout=0.1)
     await ref.ask("open_gate")
+
+
+async def test_a_remote_timeout_is_reported_as_the_remotes_not_the_callers(
+    runtimes: tuple[Runtime, Runtime]
+) -> None:
+    server, client = runtimes
+    counter, ref = await spawn_counter(server, client)
+    middle = client.ref((await server.spawn(Counter(), "middle")).address, "middle")
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(ActorTimeout) as info:
+        await middle.ask("ask_with_short_timeout", ref.address, ref.name, timeout=10)
+    # The middle actor's 0.1 s wait expired; the caller's own 10 s did not, and it says so.
+    assert asyncio.get_running_loop().time() - started < 5
+    assert info.value.message.startswith("remote timeout: no reply from counter.wait_gate")
+    assert "within 0.1s" in info.value.message
+    await ref.ask("open_gate")
+
+
+async def test_typed_endpoint_handles_call_the_method_they_name(runtimes: tuple[Runtime, Runtime]) -> None:
+    counter, ref = await spawn_counter(*runtimes)
+    add = ref.endpoint(Counter.add, timeout=5)
+    assert await add.call(2, times=3) == 6
+    assert await add.tell(1) >= 0
+    assert await ref.endpoint(Counter.add).call(0) == 7
+    with pytest.raises(TypeError, match="not an @endpoint"):
+        ref.endpoint(Counter.not_an_endpoint)  # type: ignore[arg-type]
+    with pytest.raises(BadArguments):
+        await add.call("x", "y", "z")  # type: ignore[call-arg]
 
 
 async def test_unreachable_peer_times_out(runtimes: tuple[Runtime, Runtime], tmp_path: Any) -> None:

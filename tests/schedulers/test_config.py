@@ -1,4 +1,4 @@
-"""DeepSpeed-style configs: batch-size arithmetic, key checking, and the translation to train() arguments."""
+"""DeepSpeed-style configs: batch-size arithmetic, key checking, and the translation to a JobSpec."""
 
 from __future__ import annotations
 
@@ -62,15 +62,21 @@ def test_inconsistent_batch_sizes_name_the_key_and_the_expected_value(
 
 
 def test_the_example_gpt_config_translates_to_a_valid_job() -> None:
-    kwargs = load_config(EXAMPLE)
-    assert kwargs["model"] == "examples.models:gpt" and kwargs["loss"] == "examples.models:lm_loss"
-    assert kwargs["optimizer"] == ("torch.optim:AdamW", {"lr": 0.001})
-    assert kwargs["pipeline_stages"] == 2 and kwargs["schedule"] == "1f1b"
-    assert kwargs["micro_batches"] == 4  # gradient_accumulation_steps: the micro-batches of one step
-    assert kwargs["data"] == "examples.data:char_batches"
-    assert kwargs["data_kwargs"]["batch_size"] == 32  # train_batch_size, filled in for the factory
-    spec = JobSpec.from_kwargs(kwargs)
-    assert spec.micro_batches == 4 and spec.partition_method == "parameters"
+    spec = load_config(EXAMPLE)
+    assert isinstance(spec, JobSpec)
+    assert spec.model == "examples.models:gpt" and spec.loss == "examples.models:lm_loss"
+    assert spec.optimizer == ("torch.optim:AdamW", {"lr": 0.001})
+    assert spec.pipeline_stages == 2 and spec.schedule == "1f1b"
+    assert spec.micro_batches == 4  # gradient_accumulation_steps: the micro-batches of one step
+    assert spec.data == "examples.data:char_batches"
+    assert spec.data_kwargs["batch_size"] == 32  # train_batch_size, filled in for the factory
+    assert spec.partition_method == "parameters"
+
+
+def test_keys_the_file_leaves_out_take_the_specs_defaults() -> None:
+    spec = translate_config(MINIMAL)
+    defaults = JobSpec(model="examples.models:residual_mlp")
+    assert spec.replace(micro_batches=defaults.micro_batches) == defaults
 
 
 def test_everything_a_config_can_say_reaches_train() -> None:
@@ -87,14 +93,15 @@ def test_everything_a_config_can_say_reaches_train() -> None:
         "transport": "zmq", "seed": 3, "threads_per_stage": 2, "step_timeout_s": 30,
         "steps_per_print": 10, "wall_clock_breakdown": False,
     }
-    kwargs = translate_config(config)
-    assert kwargs["optimizer"] == ("torch.optim:Adam", {"lr": 0.01, "betas": [0.9, 0.95]})
+    spec = translate_config(config)
+    kwargs = spec.to_wire()
+    assert spec.optimizer == ("torch.optim:Adam", {"lr": 0.01, "betas": [0.9, 0.95]})
     assert (kwargs["schedule"], kwargs["virtual_stages"], kwargs["partition_method"]) == ("interleaved", 2, "uniform")
     assert (kwargs["data_parallel"], kwargs["micro_batches"], kwargs["data_kwargs"]["batch_size"]) == (2, 4, 16)
     assert kwargs["gradient_codec"] == ["int4", "fp16", "none"] and kwargs["reduce_codec"] == "int8"
     assert kwargs["error_feedback"] and not kwargs["measure_codec_error"]
     assert (kwargs["seed"], kwargs["threads_per_stage"], kwargs["step_timeout_s"]) == (3, 2, 30.0)
-    JobSpec.from_kwargs(kwargs)
+    assert JobSpec.from_wire(kwargs) == spec
 
 
 @pytest.mark.parametrize(("optimizer", "expected"), [
@@ -104,7 +111,7 @@ def test_everything_a_config_can_say_reaches_train() -> None:
     ({"type": "torch.optim:ASGD", "params": {"lr": 0.1}}, ("torch.optim:ASGD", {"lr": 0.1})),
 ])
 def test_optimizer_types_become_torch_optimizers(optimizer: dict[str, Any], expected: tuple[str, Any]) -> None:
-    assert translate_config({**MINIMAL, "optimizer": optimizer})["optimizer"] == expected
+    assert translate_config({**MINIMAL, "optimizer": optimizer}).optimizer == expected
 
 
 @pytest.mark.parametrize(("change", "key", "message"), [
@@ -148,4 +155,4 @@ def test_a_file_that_is_not_json_says_where(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not valid JSON: .*line 1"):
         load_config(path)
     path.write_text(json.dumps(MINIMAL))
-    assert load_config(os.fspath(path))["model"] == "examples.models:residual_mlp"
+    assert load_config(os.fspath(path)).model == "examples.models:residual_mlp"

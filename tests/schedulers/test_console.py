@@ -81,7 +81,7 @@ class _ClusterThread:
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
         async with LocalCluster(nodes=2) as cluster:
             # What a person would do with --allow: the hang test names a model under tests.helpers.
-            await cluster._admit(["tests.helpers"])
+            await cluster.admit(["tests.helpers"])
             self.address = cluster.head.address
             self._ready.set()
             await self._stop.wait()

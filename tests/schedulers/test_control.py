@@ -27,7 +27,7 @@ def spec(**changes: Any) -> JobSpec:
     ("gradient_codec", "int4", "gradient_codec", "int4"),
 ])
 def test_settings_that_fit_give_the_new_spec(key: str, value: Any, field: str, expected: Any) -> None:
-    new = plan_setting(spec(), key, value, codecs_settable=True)
+    new = plan_setting(spec(), key, value)
     assert getattr(new, field) == expected
     assert compile_programs(new)  # and it compiles
 
@@ -46,11 +46,9 @@ def test_settings_that_fit_give_the_new_spec(key: str, value: Any, field: str, e
 def test_settings_that_do_not_fit_are_refused_with_why(base: dict[str, Any], key: str, value: str,
                                                         message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        plan_setting(spec(**base), key, value, codecs_settable=True)
+        plan_setting(spec(**base), key, value)
 
 
-def test_codec_changes_need_stages_that_can_take_them() -> None:
-    with pytest.raises(ValueError, match="not supported yet .*no set_codecs endpoint.*start a new job"):
-        plan_setting(spec(), "activation_codec", "int8", codecs_settable=False)
-    new = plan_setting(spec(pipeline_stages=3), "gradient_codec", "int8,none", codecs_settable=True)
+def test_codec_lists_are_one_codec_per_boundary() -> None:
+    new = plan_setting(spec(pipeline_stages=3), "gradient_codec", "int8,none")
     assert new.edge_codecs("gradient_codec") == ["int8", "none"]

@@ -125,7 +125,7 @@ async def test_codecs_can_differ_per_boundary(cluster: Cluster) -> None:
     ],
 )
 async def test_bad_codec_arguments_are_refused(cluster: Cluster, codecs: dict[str, Any], match: str) -> None:
-    with pytest.raises(RemoteError, match=match):
+    with pytest.raises(ValueError, match=match):  # at the call, before anything is sent
         await cluster.train(model="examples.models:residual_mlp", model_kwargs=MODEL, pipeline_stages=2, **codecs)
 
 

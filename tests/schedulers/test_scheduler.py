@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import time
 from collections.abc import AsyncIterator
@@ -102,6 +103,17 @@ async def test_load_state_dict_save_and_load(cluster: Cluster, tmp_path: object)
         assert all(torch.equal(restored[k], trained[k]) for k in trained)
         with pytest.raises(RemoteError, match="keys no stage holds"):
             await job.load_state_dict({**other, "99.weight": torch.zeros(1)})
+        # Load errors name keys as the whole model has them: layer index first.
+        restored = await job.state_dict()
+        wrong = next(k for k in other if k.startswith("3.") and k.endswith("weight") and other[k].dim() == 2)
+        with pytest.raises(RemoteError, match=f"{re.escape(wrong)}: expected shape"):
+            await job.load_state_dict({**other, wrong: torch.zeros(1, 1)})
+        with pytest.raises(RemoteError, match=f"layer 3: missing \\['{re.escape(wrong)}'\\]"):
+            await job.load_state_dict({k: v for k, v in other.items() if k != wrong})
+        # The stage that refused applied none of its layers (other stages' atomicity is issue 14's).
+        refusing = {str(i) for i in range(*job.bounds[1])}
+        after = await job.state_dict()
+        assert all(torch.equal(v, restored[k]) for k, v in after.items() if k.partition(".")[0] in refusing)
     finally:
         await job.close()
 
@@ -122,14 +134,10 @@ async def test_batch_that_does_not_split_is_a_clear_error(cluster: Cluster) -> N
     "kwargs,match",
     [
         ({"pipeline_stages": 3}, "needs 3 nodes .* has 2 alive"),
-        ({"schedule": "2f2b"}, "unknown schedule '2f2b'"),
-        ({"micro_batches": 0}, "micro_batches must be an int >= 1"),
-        ({"learning_rate": 1}, "unknown train\\(\\) argument\\(s\\) learning_rate"),
         ({"pipeline_stages": 2, "model_kwargs": {"blocks": 1}}, "cannot split 1 layers into 2 stages"),
-        ({"pipeline_stages": 2, "schedule": "interleaved", "micro_batches": 3}, "multiple of"),
     ],
 )
-async def test_bad_jobs_are_refused_with_a_clear_error(cluster: Cluster, kwargs: dict, match: str) -> None:
+async def test_jobs_the_cluster_cannot_hold_are_refused_with_a_clear_error(cluster: Cluster, kwargs: dict, match: str) -> None:
     spec = {"model": "examples.models:residual_mlp", "model_kwargs": SMALL, "pipeline_stages": 1, **kwargs}
     with pytest.raises(RemoteError, match=match):
         await cluster.train(**spec)

@@ -1,0 +1,144 @@
+"""Records that cross the wire between the scheduler and the stage actors, typed on both sides.
+
+A record is a frozen, slotted, keyword-only dataclass. It travels as a msgpack map
+(``record.to_wire()``) and comes back with ``Record.from_wire(data)``, which refuses
+a key it does not know and a required key that is missing: nothing is dropped
+silently, so the two sides cannot drift apart unnoticed. This module is a leaf (no
+torch, no ZeroMQ), so the layers above can import it cheaply.
+"""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, ClassVar, Literal, Protocol, TypeVar
+
+from actors.program import stage_to_rank
+
+__all__ = ["RecordError", "StageConfig", "StageReport", "WireRecord"]
+
+R = TypeVar("R", bound="WireRecord")
+
+
+class RecordError(ValueError):
+    """A record from the wire with an unknown or missing key, or not a map at all."""
+
+
+class _FromWire(Protocol):
+    @classmethod
+    def from_wire(cls, data: Any) -> Any: ...
+
+
+class WireRecord:
+    """Mixin for dataclass records: ``to_wire`` and a strict ``from_wire``.
+
+    A field that holds another record (or ``None``) is named in ``nested``, with the
+    class that rebuilds it; every other field holds plain data.
+    """
+
+    __slots__ = ()
+    nested: ClassVar[dict[str, type[_FromWire]]] = {}
+
+    def to_wire(self) -> dict[str, Any]:
+        """The record as a plain map."""
+        data = {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
+        for name in self.nested:
+            if data[name] is not None:
+                data[name] = data[name].to_wire()
+        return data
+
+    @classmethod
+    def from_wire(cls: type[R], data: Any) -> R:
+        """Rebuilds a record sent by :meth:`to_wire`.
+
+        Raises:
+            RecordError: not a map, a key the record does not have, or a required key missing.
+        """
+        if not isinstance(data, dict):
+            raise RecordError(f"{cls.__name__}: expected a map, got {type(data).__name__}")
+        known = {f.name: f for f in fields(cls)}  # type: ignore[arg-type]
+        unknown = sorted(str(k)[:40] for k in data if k not in known)
+        if unknown:
+            raise RecordError(f"{cls.__name__}: unknown key(s) {', '.join(unknown)}; known: {', '.join(known)}")
+        missing = [name for name, f in known.items()
+                   if name not in data and f.default is MISSING and f.default_factory is MISSING]
+        if missing:
+            raise RecordError(f"{cls.__name__}: missing key(s) {', '.join(missing)}")
+        data = dict(data)
+        for name, record in cls.nested.items():
+            if data.get(name) is not None:
+                data[name] = record.from_wire(data[name])
+        return cls(**data)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageConfig(WireRecord):
+    """Everything a stage actor is built from (derived from the job's spec by ``schedulers.jobs.stage_config``)."""
+
+    job: str
+    pipeline_rank: int
+    pipeline_stages: int
+    bounds: list[list[int]]  # per model stage: [first layer, end layer)
+    model: str
+    model_kwargs: dict[str, Any] = field(default_factory=dict)
+    loss: str = "torch.nn.functional:mse_loss"
+    optimizer: list[Any] = field(default_factory=lambda: ["torch.optim:SGD", {"lr": 0.01}])
+    micro_batches: int = 1
+    seed: int = 0
+    activation_codec: list[str] = field(default_factory=list)  # one per stage boundary
+    gradient_codec: list[str] = field(default_factory=list)
+    error_feedback: bool = False  # on gradient boundaries with a lossy codec
+    measure_codec_error: bool = True
+    data: str | None = None
+    data_kwargs: dict[str, Any] = field(default_factory=dict)
+    threads_per_stage: int | None = 1
+    gradient_accumulation_fusion: bool = True  # nn.Linear weight gradients via actors._wgrad
+    keep_freed_memory: bool = True  # glibc malloc keeps freed buffers (actors._allocator)
+    # The mesh, as [pipeline, tensor, data] sizes, and this actor's global rank in it.
+    mesh: list[int] = field(default_factory=lambda: [1, 1, 1])
+    global_rank: int = 0
+    # torch.distributed rendezvous: {"store": "HOST:PORT", "backend": "gloo", "timeout_s": 600}.
+    dist: dict[str, Any] | None = None
+    bucket_bytes: int = 25 << 20
+    reduce_codec: str = "none"  # data-parallel gradient codec (with error feedback when lossy)
+    transport: str = "zmq"  # stage-to-stage tensors: "zmq" (actor messages) or "dist" (torch.distributed p2p)
+
+    @property
+    def num_stages(self) -> int:
+        """Model stages in the whole pipeline (more than ranks when interleaved)."""
+        return len(self.bounds)
+
+    @property
+    def stages(self) -> list[int]:
+        """The model stages this rank holds (several when interleaved)."""
+        return [s for s in range(self.num_stages) if stage_to_rank(s, self.pipeline_stages) == self.pipeline_rank]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageReport(WireRecord):
+    """What a stage's ``run_step`` returns: its step's trace, or what failed.
+
+    Attributes:
+        status: ``done`` (the program reached its barrier), ``failed`` (an action raised:
+            ``action`` and ``error`` say which and what) or ``aborted`` (``abort_step``).
+        losses: the last stage's loss per micro-batch, in micro-batch order.
+        busy_s, elapsed_s: seconds computing, and from the program's start to its barrier.
+        peak_stash: the most micro-batch activations held at once.
+        bytes_sent: per edge and direction (``"F 0->1"``), bytes put on the wire.
+        spans: ``[action, start, end]`` per action, seconds from ``started_at``.
+        started_at: the stage's wall clock when the program started.
+        peak_rss_bytes: the stage process's peak resident memory.
+        codec_stats: per edge and direction: codec, bytes, raw_bytes, sq_err, sq_norm.
+    """
+
+    status: Literal["done", "failed", "aborted"]
+    action: str | None = None
+    error: dict[str, Any] | None = None
+    losses: list[float] = field(default_factory=list)
+    busy_s: float = 0.0
+    elapsed_s: float = 0.0
+    peak_stash: int = 0
+    bytes_sent: dict[str, int] = field(default_factory=dict)
+    spans: list[list[Any]] = field(default_factory=list)
+    started_at: float = 0.0
+    peak_rss_bytes: int = 0
+    codec_stats: dict[str, dict[str, Any]] = field(default_factory=dict)

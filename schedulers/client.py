@@ -1,0 +1,276 @@
+"""The driver's job API: ``cluster.train(...)`` and the :class:`Job` handle it returns.
+
+Example::
+
+    from schedulers import JobSpec, LocalCluster
+
+    async with LocalCluster(nodes=2) as cluster:
+        job = await cluster.train(JobSpec(model="examples.models:residual_mlp", pipeline_stages=2,
+                                          micro_batches=4))   # or the same as keyword arguments
+        stats = await job.step(inputs, targets)
+        await job.close()
+
+This module is the one client of the scheduler actor: the console, the examples and
+the benchmarks all go through :class:`Job`. Every call is typed against the
+scheduler's endpoint (``ref.endpoint(SchedulerActor.step)``) and every answer comes
+back as a record of :mod:`schedulers.records`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Awaitable, Callable
+from typing import Any, Concatenate, ParamSpec, TypeVar
+
+import torch
+
+import actors
+from actors import ActorRef, Endpoint, HeadActor
+from schedulers.jobs import JobSpec
+from schedulers.records import JobDescription, JobInfo, RunInfo, SettingChange, StepStats, WhereReport
+from schedulers.scheduler import SchedulerActor
+
+__all__ = ["SCHEDULER", "Cluster", "Job", "LocalCluster"]
+
+SCHEDULER = "scheduler"  # the scheduler actor's name in the head's runtime
+_CHECKPOINT_FILE = "model.pt"
+_META_FILE = "job.json"
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class Cluster(actors.Cluster):
+    """A driver's connection to a head node, with the job API (``train``, ``jobs``, ``job``)."""
+
+    @property
+    def scheduler(self) -> ActorRef:
+        """The scheduler actor on the head."""
+        return self.runtime.ref(self.head.address, SCHEDULER)
+
+    def call(
+        self, method: Callable[Concatenate[SchedulerActor, P], Awaitable[R]], *, timeout: float | None = 60.0
+    ) -> Endpoint[P, R]:
+        """A typed handle on one of the scheduler's endpoints: ``await cluster.call(SchedulerActor.jobs).call()``."""
+        return self.scheduler.endpoint(method, timeout=timeout)
+
+    async def train(self, spec: JobSpec | None = None, /, **kwargs: Any) -> Job:
+        """Starts a training job; returns its handle.
+
+        Takes a :class:`~schedulers.jobs.JobSpec`, or its fields as keyword arguments
+        (see the README's table, generated from the spec's fields). Every argument is
+        checked here, before anything is sent.
+
+        Raises:
+            TypeError: an unknown argument (with the nearest known one) or one of the wrong type.
+            ValueError: a value out of range, or one that does not fit the others.
+            RemoteError: the scheduler refused the job (e.g. too few nodes), with why.
+            NotAllowed: a factory outside the nodes' allow-list.
+        """
+        if spec is None:
+            spec = JobSpec.from_kwargs(kwargs)
+        elif kwargs:
+            raise TypeError(f"train() takes a JobSpec or keyword arguments, not both (got {', '.join(kwargs)})")
+        elif not isinstance(spec, JobSpec):
+            raise TypeError(f"train() takes a JobSpec, got {type(spec).__name__}")
+        await self.admit(spec.factory_modules)
+        info = JobInfo.from_wire(await self.call(SchedulerActor.create_job, timeout=600).call(spec.to_wire()))
+        return Job(self, info, spec)
+
+    async def jobs(self) -> list[JobDescription]:
+        """Every job on the cluster."""
+        return [JobDescription.from_wire(d) for d in await self.call(SchedulerActor.jobs).call()]
+
+    async def subscribe(self, sink: ActorRef) -> None:
+        """Sends the head's node events and the scheduler's job events to ``sink.on_event(event)``."""
+        await self.head.endpoint(HeadActor.subscribe, timeout=10).call(sink.address, sink.name)
+        await self.call(SchedulerActor.subscribe, timeout=10).call(sink.address, sink.name)
+
+    async def unsubscribe(self, sink: ActorRef) -> None:
+        """Stops the events :meth:`subscribe` started."""
+        await self.head.endpoint(HeadActor.unsubscribe, timeout=2).call(sink.address, sink.name)
+        await self.call(SchedulerActor.unsubscribe, timeout=2).call(sink.address, sink.name)
+
+    async def job(self, job_id: str) -> Job:
+        """A handle on a job that is already running (e.g. one the console did not start).
+
+        Raises:
+            RemoteError: no such job (the message lists the running ones).
+        """
+        info = JobDescription.from_wire(await self.call(SchedulerActor.describe).call(job_id))
+        return Job(self, JobInfo(job=info.job, bounds=info.bounds, nodes=info.nodes), info.spec)
+
+
+def _train_signature() -> inspect.Signature:
+    """``train(spec=None, /, *, model, ...)``: what ``help(cluster.train)`` shows, derived from the spec."""
+    parameters = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY),
+                  inspect.Parameter("spec", inspect.Parameter.POSITIONAL_ONLY, default=None,
+                                    annotation="JobSpec | None")]
+    for name, param in inspect.signature(JobSpec).parameters.items():
+        parameters.append(param.replace(kind=inspect.Parameter.KEYWORD_ONLY,
+                                        default=None if name == "model" else param.default))
+    return inspect.Signature(parameters, return_annotation="Job")
+
+
+Cluster.train.__signature__ = _train_signature()  # type: ignore[attr-defined]
+
+
+class LocalCluster(actors.LocalCluster):
+    """A head and ``nodes`` workers on this machine (see :class:`actors.LocalCluster`), with the job API."""
+
+    cluster_class = Cluster
+
+    async def __aenter__(self) -> Cluster:
+        cluster = await super().__aenter__()
+        assert isinstance(cluster, Cluster)
+        return cluster
+
+
+class Job:
+    """A job running on a cluster: every method is a call to the head's scheduler actor.
+
+    Attributes:
+        id: the job's name on the cluster (``job0``).
+        bounds: each model stage's ``[first, end)`` layers.
+        nodes: each stage actor's node, by global rank.
+        spec: the job's specification as it was started.
+    """
+
+    def __init__(self, cluster: Cluster, info: JobInfo, spec: JobSpec) -> None:
+        self.cluster = cluster
+        self.id = info.job
+        self.bounds = info.bounds
+        self.nodes = info.nodes
+        self.spec = spec
+
+    def _call(
+        self, method: Callable[Concatenate[SchedulerActor, str, P], Awaitable[R]], timeout: float | None = 60.0
+    ) -> Callable[P, Awaitable[R]]:
+        """The scheduler's ``method`` with this job's id filled in."""
+        handle: Endpoint[Concatenate[str, P], R] = self.cluster.call(method, timeout=timeout)
+
+        async def call(*args: P.args, **kwargs: P.kwargs) -> R:
+            return await handle.call(self.id, *args, **kwargs)
+
+        return call
+
+    # -- training --------------------------------------------------------------------
+
+    async def step(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> StepStats:
+        """One optimizer step on a global batch, split into the job's micro-batches.
+
+        Without arguments the stages read the batch from the job's data factory.
+
+        Raises:
+            StepFailed: a stage failed, a node was lost or the step timed out; the
+                step was not applied anywhere.
+            RemoteError: a batch that does not split into the job's micro-batches.
+        """
+        if (inputs is None) != (targets is None):
+            raise ValueError("step() takes both inputs and targets, or neither (to read the data factory)")
+        timeout = self.spec.step_timeout_s + 60.0
+        return StepStats.from_wire(await self._call(SchedulerActor.step, timeout)(inputs, targets))
+
+    async def run(self, num_steps: int) -> RunInfo:
+        """Starts ``num_steps`` steps from the job's data factory in the background (see :meth:`describe`)."""
+        if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
+            raise ValueError(f"run() needs a number of steps >= 1, got {num_steps!r:.40}")
+        return RunInfo.from_wire(await self._call(SchedulerActor.run)(num_steps))
+
+    async def pause(self) -> JobDescription:
+        """Holds the run at the next accumulation barrier (the step in progress finishes)."""
+        return JobDescription.from_wire(await self._call(SchedulerActor.pause)())
+
+    async def resume(self) -> JobDescription:
+        """Lets a paused run go on."""
+        return JobDescription.from_wire(await self._call(SchedulerActor.resume)())
+
+    async def stop(self) -> JobDescription:
+        """Ends the run after the step in progress (the job stays; :meth:`close` ends it)."""
+        return JobDescription.from_wire(await self._call(SchedulerActor.stop_run)())
+
+    async def set(self, key: str, value: Any) -> SettingChange:
+        """Changes ``micro_batches``, ``schedule``, ``activation_codec`` or ``gradient_codec`` from the next barrier on.
+
+        Weights and optimizer state are kept.
+
+        Raises:
+            RemoteError: the key cannot change or the value does not fit (nothing changes).
+        """
+        return SettingChange.from_wire(await self._call(SchedulerActor.set_option)(key, value))
+
+    # -- looking at it -----------------------------------------------------------------
+
+    async def describe(self) -> JobDescription:
+        """Spec, layout, programs, run progress and the last step's statistics."""
+        return JobDescription.from_wire(await self._call(SchedulerActor.describe)())
+
+    async def where(self) -> WhereReport:
+        """Where each stage is in its program now, naming any send or receive that never matched."""
+        return WhereReport.from_wire(await self._call(SchedulerActor.where)())
+
+    async def trace(self, path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+        """The last step's measured timeline as Chrome/Perfetto trace JSON (on the head's clock).
+
+        Args:
+            path: also write it there.
+        """
+        trace = await self._call(SchedulerActor.trace)()
+        if path is not None:
+            with open(path, "w") as f:
+                json.dump(trace, f)
+        return trace
+
+    # -- state -------------------------------------------------------------------------
+
+    async def state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state, with the unpartitioned model's keys."""
+        return await self._call(SchedulerActor.state_dict, 600)()
+
+    async def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Loads a whole-model state (as :meth:`state_dict` returns) into the stages."""
+        await self._call(SchedulerActor.load_state_dict, 600)({k: v.detach().cpu() for k, v in state.items()})
+
+    async def save(self, directory: str | os.PathLike[str]) -> None:
+        """Writes the model's state to ``directory`` atomically: it appears whole or not at all."""
+        state = await self.state_dict()
+        target = os.fspath(directory)
+        parent = os.path.dirname(os.path.abspath(target))
+        os.makedirs(parent, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=".checkpoint-", dir=parent)
+        try:
+            torch.save(state, os.path.join(staging, _CHECKPOINT_FILE))
+            with open(os.path.join(staging, _META_FILE), "w") as f:
+                json.dump({"job": self.id, "spec": self.spec.to_wire(), "bounds": self.bounds}, f, indent=1,
+                          default=str)
+            if os.path.exists(target):
+                old = tempfile.mkdtemp(prefix=".old-checkpoint-", dir=parent)
+                os.replace(target, os.path.join(old, "x"))
+                os.replace(staging, target)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(staging, target)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+
+    checkpoint = save  # the console's word for it
+
+    async def load(self, directory: str | os.PathLike[str]) -> None:
+        """Loads a checkpoint written by :meth:`save` (tensors only; nothing is unpickled)."""
+        state = torch.load(os.path.join(os.fspath(directory), _CHECKPOINT_FILE), weights_only=True)
+        await self.load_state_dict(state)
+
+    async def close(self) -> None:
+        """Stops the job's run and its stage actors."""
+        await self._call(SchedulerActor.close_job)()
+
+    async def __aenter__(self) -> Job:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()

@@ -1,0 +1,136 @@
+"""What the scheduler answers its clients: typed records both sides import.
+
+The scheduler actor builds these and sends them as maps (``to_wire``); the client
+(:class:`~schedulers.client.Job`) rebuilds them with ``from_wire``, which refuses an
+unknown key, so nothing the scheduler reports is dropped on the way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from actors import WireRecord
+from schedulers.jobs import JobSpec
+
+__all__ = ["JobDescription", "JobInfo", "RunInfo", "SettingChange", "StepStats", "WhereReport"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepStats(WireRecord):
+    """What one optimizer step did.
+
+    Attributes:
+        step: the step's index within the job (from 0).
+        loss: the global batch's mean loss, as one process would compute it.
+        step_time_s: wall time from sending the programs to the optimizer step done.
+        bubble_fraction: the share of stage time spent idle, from the stages' own timings.
+        bytes_sent: bytes that crossed between stages (activations and gradients).
+        bytes_per_edge: the same per edge and direction, e.g. ``{"F 0->1": n, "B 1->0": n}``.
+        peak_stash: per stage actor, the most micro-batch activations held at once.
+        peak_rss_bytes: per stage actor, the stage process's peak resident memory.
+        busy_s: per stage actor, seconds spent computing.
+        codec_stats: per edge and direction (``"F 0->1"``, ``"B 1->0"``): the codec,
+            ``bytes`` on the wire, ``raw_bytes`` (the tensors' own size), their
+            ``ratio``, and ``rel_error``, the norm of (decoded - sent) over the norm
+            of what was sent (0 for ``none``).
+        reduce_bytes: bytes all replicas put on the wire for the data-parallel
+            gradient reduction (encoded bytes with a lossy ``reduce_codec``).
+        samples: the global batch size, when known (a batch given, or the data
+            factory's ``batch_size``).
+        samples_per_s: ``samples / step_time_s``, when ``samples`` is known.
+        schedule, micro_batches: the schedule and micro-batch count this step ran with.
+    """
+
+    step: int
+    loss: float
+    step_time_s: float
+    bubble_fraction: float
+    bytes_sent: int
+    bytes_per_edge: dict[str, int] = field(default_factory=dict)
+    peak_stash: list[int] = field(default_factory=list)
+    peak_rss_bytes: list[int] = field(default_factory=list)
+    busy_s: list[float] = field(default_factory=list)
+    codec_stats: dict[str, dict[str, Any]] = field(default_factory=dict)
+    reduce_bytes: int = 0
+    samples: int | None = None
+    samples_per_s: float | None = None
+    schedule: str = ""
+    micro_batches: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JobInfo(WireRecord):
+    """A new job's layout: its id, each model stage's ``[first, end)`` layers, and its nodes by global rank."""
+
+    job: str
+    bounds: list[list[int]]
+    nodes: list[str]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunInfo(WireRecord):
+    """A run of ``target`` steps from the job's data factory (``Job.run``)."""
+
+    target: int
+    first_step: int
+    done: int = 0
+    active: bool = True
+    stopping: bool = False
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JobDescription(WireRecord):
+    """Everything the console shows about a job.
+
+    Attributes:
+        mesh: ``[pipeline, tensor, data]``.
+        stages: each stage actor as ``[address, name]``, by global rank.
+        steps: steps taken so far (the next step's index).
+        programs: each pipeline rank's program for one step, as action text.
+        stepping: a step is in progress.
+        traced: a step has finished, so ``Job.trace`` has a timeline to give.
+        paused: a run holds before its next step.
+        pending: settings that apply before the next step.
+        run: the current or last run.
+        last_stats: the last step's statistics.
+    """
+
+    nested: ClassVar[dict[str, Any]] = {"spec": JobSpec, "run": RunInfo, "last_stats": StepStats}
+
+    job: str
+    spec: JobSpec
+    bounds: list[list[int]]
+    nodes: list[str]
+    mesh: list[int]
+    stages: list[list[str]]
+    steps: int
+    programs: list[list[str]]
+    stepping: bool
+    traced: bool
+    paused: bool = False
+    pending: dict[str, Any] = field(default_factory=dict)
+    run: RunInfo | None = None
+    last_stats: StepStats | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SettingChange(WireRecord):
+    """A setting accepted by ``Job.set``: it applies before step ``next_step`` (after the one in progress)."""
+
+    job: str
+    key: str
+    value: Any
+    stepping: bool
+    next_step: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WhereReport(WireRecord):
+    """Hang forensics: each stage's place in its program and the marked grid (``report``), and its lines."""
+
+    job: str
+    stepping: bool
+    report: str
+    lines: list[str]

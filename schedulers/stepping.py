@@ -1,0 +1,122 @@
+"""One step's arithmetic, as pure functions: batches into calls, reports into statistics, failures into errors."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from actors import Mesh, StageReport, StepFailed, stage_to_rank
+from schedulers.jobs import JobSpec
+from schedulers.records import StepStats
+
+__all__ = ["key_order", "step_calls", "step_failed", "step_stats"]
+
+
+def step_calls(
+    spec: JobSpec, step: int, inputs: torch.Tensor | None, targets: torch.Tensor | None
+) -> dict[int, dict[str, Any]]:
+    """Each stage actor's ``run_step`` keyword arguments beyond the program: its micro-batches, or the data step.
+
+    Raises:
+        ValueError: only one of inputs and targets, neither without a data factory, or a
+            batch that does not split into ``data_parallel * micro_batches`` equal parts.
+    """
+    mesh = spec.mesh
+    first, last = stage_to_rank(0, mesh.pipeline), stage_to_rank(spec.num_model_stages - 1, mesh.pipeline)
+    calls: dict[int, dict[str, Any]] = {rank: {} for rank in range(mesh.size)}
+    if inputs is None and targets is None:
+        if spec.data is None:
+            raise ValueError("step() needs inputs and targets, or a job started with data='pkg.mod:factory'")
+        for rank, call in calls.items():
+            call["data_step"] = step
+            call["data_shard"] = [mesh.coords(rank).data, mesh.data]
+        return calls
+    if inputs is None or targets is None:
+        raise ValueError("step() takes both inputs and targets, or neither (to read the data factory)")
+    # Each data-parallel replica trains on its own shard of the global batch.
+    input_shards = _split(inputs, mesh.data, "inputs", "data_parallel")
+    target_shards = _split(targets, mesh.data, "targets", "data_parallel")
+    for rank, call in calls.items():
+        c = mesh.coords(rank)
+        if c.pipeline == first:
+            call["inputs"] = _split(input_shards[c.data], spec.micro_batches, "inputs")
+        if c.pipeline == last:
+            call["targets"] = _split(target_shards[c.data], spec.micro_batches, "targets")
+    return calls
+
+
+def _split(batch: torch.Tensor, parts: int, what: str, name: str = "micro_batches") -> list[torch.Tensor]:
+    if not isinstance(batch, torch.Tensor):
+        raise TypeError(f"{what} must be a tensor, got {type(batch).__name__}")
+    if batch.dim() == 0 or batch.shape[0] % parts:
+        raise ValueError(
+            f"{what} of shape {tuple(batch.shape)} do not split into {parts} equal parts; "
+            f"the batch size must be a multiple of {name}"
+            + (" times data_parallel" if name == "micro_batches" else " (times micro_batches)")
+        )
+    return list(batch.chunk(parts))
+
+
+def step_failed(mesh: Mesh, rank: int, action: str | None, cause: str, traceback: str = "") -> StepFailed:
+    """The error a step fails with when stage actor ``rank`` failed at ``action``."""
+    where = mesh.describe(rank) + (f" at {action}" if action else "")
+    coords = mesh.coords(rank)
+    return StepFailed(f"step failed: {where}: {cause}", remote_traceback=traceback,
+                      details={"stage": coords.pipeline, "member": rank, "tensor": coords.tensor,
+                               "data": coords.data, "action": action, "cause": cause})
+
+
+def key_order(key: str) -> int:
+    """Layer index of a state key; the sort is stable, so each layer keeps its own order."""
+    head = key.partition(".")[0]
+    return int(head) if head.isdigit() else 1 << 30
+
+
+def step_stats(
+    spec: JobSpec, step: int, reports: Sequence[StageReport], elapsed: float, reduce_bytes: int,
+    samples: int | None,
+) -> StepStats:
+    """The step's statistics from every stage actor's report (by global rank)."""
+    mesh = spec.mesh
+    # One loss per replica: the last stage's first tensor-parallel shard reports it.
+    losses = [loss for g, r in enumerate(reports) if mesh.coords(g).tensor == 0 for loss in r.losses]
+    span = max(r.elapsed_s for r in reports)
+    busy = sum(r.busy_s for r in reports)
+    bytes_per_edge: dict[str, int] = {}
+    for r in reports:
+        for edge, n in r.bytes_sent.items():
+            bytes_per_edge[edge] = bytes_per_edge.get(edge, 0) + n
+    return StepStats(
+        step=step,
+        loss=sum(losses) / len(losses) if losses else float("nan"),
+        step_time_s=elapsed,
+        bubble_fraction=max(0.0, 1.0 - busy / (len(reports) * span)) if span > 0 else 0.0,
+        bytes_sent=sum(bytes_per_edge.values()),
+        bytes_per_edge=bytes_per_edge,
+        peak_stash=[r.peak_stash for r in reports],
+        peak_rss_bytes=[r.peak_rss_bytes for r in reports],
+        busy_s=[r.busy_s for r in reports],
+        codec_stats=_codec_stats(reports),
+        reduce_bytes=reduce_bytes,
+        samples=samples,
+        samples_per_s=samples / elapsed if samples and elapsed > 0 else None,
+        schedule=spec.schedule,
+        micro_batches=spec.micro_batches,
+    )
+
+
+def _codec_stats(reports: Sequence[StageReport]) -> dict[str, dict[str, Any]]:
+    """Per edge and direction: codec, bytes on the wire vs raw, and the relative error sent."""
+    out: dict[str, dict[str, Any]] = {}
+    for r in reports:
+        for edge, e in r.codec_stats.items():
+            out[edge] = {
+                "codec": e["codec"],
+                "bytes": e["bytes"],
+                "raw_bytes": e["raw_bytes"],
+                "ratio": e["bytes"] / e["raw_bytes"] if e["raw_bytes"] else 1.0,
+                "rel_error": (e["sq_err"] / e["sq_norm"]) ** 0.5 if e["sq_norm"] > 0 else 0.0,
+            }
+    return dict(sorted(out.items()))

@@ -1,0 +1,191 @@
+"""The job contract: JobSpec checks every argument at the call, derives each stage's config, and is the README's table."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from actors import ActorRef, RecordError, StageConfig
+from schedulers import Cluster, JobDescription, JobSpec, StepStats
+from schedulers.jobs import CODECS, SCHEDULE_NAMES, TRANSPORTS, argument_table, field_docs, stage_config
+from schedulers.schedules import SCHEDULES
+from transport.codecs import CODEC_NAMES
+
+pytestmark = pytest.mark.timeout(30)
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+MODEL = "examples.models:residual_mlp"
+
+
+@pytest.mark.parametrize(("kwargs", "error", "message"), [
+    ({"pipeline_stages": True}, TypeError, "pipeline_stages must be an int, got bool True"),
+    ({"pipeline_stages": 0}, ValueError, "pipeline_stages must be an int >= 1, got 0"),
+    ({"micro_batches": 2.0}, TypeError, "micro_batches must be an int, got float"),
+    ({"schedule": "interleaved", "virtual_stages": 0}, ValueError, "virtual_stages must be an int >= 2, got 0"),
+    ({"schedule": "interleaved", "virtual_stages": -1}, ValueError, "virtual_stages must be an int >= 2"),
+    ({"schedule": "interleaved", "virtual_stages": "2"}, TypeError, "virtual_stages must be an int, got str"),
+    ({"virtual_stages": 2}, ValueError, "virtual_stages=2 applies only to schedule='interleaved'"),
+    ({"schedule": "2f2b"}, ValueError, "schedule: unknown schedule '2f2b'"),
+    ({"schedule": "1F1B"}, ValueError, "did you mean '1f1b'"),
+    ({"schedule": None}, TypeError, "schedule must be one of gpipe, 1f1b"),
+    ({"gradient_codec": 5}, TypeError, "gradient_codec must be a codec name or a list of them, got 5"),
+    ({"gradient_codec": ["int8", 5]}, TypeError, "gradient_codec must be one of none"),
+    ({"activation_codec": "int9"}, ValueError, "activation_codec: unknown codec 'int9'"),
+    ({"pipeline_stages": 3, "activation_codec": ["int8"]}, ValueError, "lists 1 codecs but the pipeline has 2"),
+    ({"reduce_codec": "zip"}, ValueError, "reduce_codec: unknown codec 'zip'"),
+    ({"step_timeout_s": float("nan")}, ValueError, "step_timeout_s must be a finite number of seconds > 0, got nan"),
+    ({"step_timeout_s": math.inf}, ValueError, "finite"),
+    ({"step_timeout_s": 0}, ValueError, "step_timeout_s must be a finite number of seconds > 0, got 0"),
+    ({"step_timeout_s": "10"}, TypeError, "step_timeout_s must be a number of seconds, got str '10'"),
+    ({"seed": "x"}, TypeError, "seed must be an int, got str 'x'"),
+    ({"seed": -1}, ValueError, "seed must be an int in"),
+    ({"threads_per_stage": -1}, ValueError, "threads_per_stage must be an int >= 1, got -1"),
+    ({"optimizer": 42}, TypeError, "optimizer must be 'package.module:Class' or \\(path, kwargs\\), got 42"),
+    ({"optimizer": ("torch.optim:SGD", [0.1])}, TypeError, "optimizer kwargs must be a dict"),
+    ({"optimizer": "SGD"}, ValueError, "optimizer: 'SGD' is not an import path"),
+    ({"model": 7}, TypeError, "model must be an import path"),
+    ({"model": "examples.models"}, ValueError, "model: 'examples.models' is not an import path"),
+    ({"model_kwargs": [1]}, TypeError, "model_kwargs must be a dict"),
+    ({"data_kwargs": {1: 2}}, TypeError, "data_kwargs must be a dict of keyword arguments \\(str keys\\)"),
+    ({"error_feedback": "yes"}, TypeError, "error_feedback must be True or False, got str 'yes'"),
+    ({"transport": "tcp"}, ValueError, "transport: unknown value 'tcp'; choose one of zmq, dist"),
+    ({"partition_method": "layers"}, ValueError, "partition_method: unknown value 'layers'"),
+    ({"bucket_bytes": 0}, ValueError, "bucket_bytes must be an int >= 1"),
+    ({"pipeline_stages": 2, "schedule": "interleaved", "micro_batches": 3}, ValueError, "multiple of"),
+    ({"learning_rate": 0.1}, TypeError, "train\\(\\) got an unknown argument 'learning_rate'"),
+    ({"micro_batch": 4}, TypeError, "unknown argument 'micro_batch'; did you mean micro_batches\\?"),
+])
+def test_every_argument_is_checked_for_type_and_range_with_its_name(
+    kwargs: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        JobSpec.from_kwargs({"model": MODEL, **kwargs})
+
+
+def test_a_spec_without_a_model_says_how_to_name_one() -> None:
+    with pytest.raises(TypeError, match="train\\(\\) needs model='package.module:factory'"):
+        JobSpec.from_kwargs({"pipeline_stages": 2})
+
+
+def test_old_spellings_still_work_with_a_deprecation_warning() -> None:
+    with pytest.warns(DeprecationWarning, match="train\\(num_microbatches=...\\) is deprecated; call it micro_batches"):
+        spec = JobSpec.from_kwargs({"model": MODEL, "num_microbatches": 4})
+    assert spec.micro_batches == 4
+    with pytest.raises(TypeError, match="both num_microbatches= and micro_batches="):
+        JobSpec.from_kwargs({"model": MODEL, "num_microbatches": 4, "micro_batches": 4})
+
+
+def test_the_literal_choices_are_the_ones_the_lower_layers_implement() -> None:
+    assert set(SCHEDULE_NAMES) == set(SCHEDULES)
+    assert set(CODECS) == set(CODEC_NAMES)
+    assert TRANSPORTS == ("zmq", "dist")
+
+
+def test_a_spec_travels_and_comes_back_equal_and_refuses_what_it_does_not_know() -> None:
+    spec = JobSpec(model=MODEL, pipeline_stages=2, micro_batches=4, gradient_codec=["int8"],
+                   optimizer=("torch.optim:Adam", {"lr": 1e-3}))
+    assert JobSpec.from_wire(spec.to_wire()) == spec
+    with pytest.raises(TypeError, match="unknown argument 'extra'"):
+        JobSpec.from_wire({**spec.to_wire(), "extra": 1})
+    with pytest.raises(TypeError, match="a job spec must be a mapping"):
+        JobSpec.from_wire(["model", MODEL])
+
+
+def test_replace_checks_the_new_value() -> None:
+    spec = JobSpec(model=MODEL, pipeline_stages=2, micro_batches=4)
+    assert spec.replace(micro_batches=8).micro_batches == 8
+    with pytest.raises(ValueError, match="micro_batches must be an int >= 1"):
+        spec.replace(micro_batches=0)
+
+
+@pytest.mark.parametrize(("spec", "rank", "expected"), [
+    (JobSpec(model=MODEL, pipeline_stages=2, micro_batches=4), 1,
+     {"pipeline_rank": 1, "pipeline_stages": 2, "micro_batches": 4, "mesh": [2, 1, 1], "global_rank": 1}),
+    (JobSpec(model=MODEL, pipeline_stages=2, tensor_parallel=2, data_parallel=2, micro_batches=2), 5,
+     {"pipeline_rank": 0, "pipeline_stages": 2, "mesh": [2, 2, 2], "global_rank": 5}),
+    (JobSpec(model=MODEL, pipeline_stages=2, schedule="interleaved", micro_batches=4, activation_codec="int8",
+             threads_per_stage=None), 0,
+     {"activation_codec": ["int8"] * 3, "gradient_codec": ["none"] * 3, "threads_per_stage": None}),
+])
+def test_each_stage_config_is_derived_from_the_spec(spec: JobSpec, rank: int, expected: dict[str, Any]) -> None:
+    bounds = [[i, i + 1] for i in range(spec.num_model_stages)]
+    config = stage_config(spec, job="job0", global_rank=rank, bounds=bounds, dist=None)
+    wire = config.to_wire()
+    assert {k: wire[k] for k in expected} == expected
+    assert StageConfig.from_wire(wire) == config
+    shared = {"model", "model_kwargs", "loss", "seed", "data", "data_kwargs", "error_feedback", "measure_codec_error",
+              "reduce_codec", "bucket_bytes", "transport", "gradient_accumulation_fusion", "keep_freed_memory"}
+    assert all(wire[name] == getattr(spec, name) for name in shared)
+
+
+def test_the_readme_table_is_the_specs_fields() -> None:
+    assert set(field_docs()) == set(JobSpec.__dataclass_fields__), "every field has a docstring under it"
+    text = README.read_text()
+    table = argument_table()
+    assert table in text, ("README.md's train() argument table differs from the spec; "
+                           "paste the output of `python -m schedulers.jobs` into it")
+    rows = re.findall(r"^\| `(\w+)` \|", table, flags=re.M)
+    assert rows == list(JobSpec.__dataclass_fields__)
+
+
+class _CountingRuntime:
+    """Stands in for a runtime: counts every message a call would send."""
+
+    address = "tcp://127.0.0.1:1"
+
+    def __init__(self) -> None:
+        self.sent: list[str] = []
+
+    def ref(self, address: str, name: str) -> ActorRef:
+        return ActorRef(self, address, name)  # type: ignore[arg-type]
+
+    async def ask(self, ref: ActorRef, method: str, *args: Any, **kwargs: Any) -> Any:
+        self.sent.append(method)
+        raise AssertionError(f"{method} was sent")
+
+    tell = ask
+
+
+@pytest.mark.parametrize(("kwargs", "error"), [
+    ({"model": MODEL, "pipline_stages": 2}, TypeError),
+    ({"model": MODEL, "schedule": "1f1f"}, ValueError),
+    ({"model": MODEL, "step_timeout_s": "10"}, TypeError),
+])
+async def test_a_bad_train_argument_raises_at_the_call_without_contacting_the_head(
+    kwargs: dict[str, Any], error: type[Exception]
+) -> None:
+    runtime = _CountingRuntime()
+    cluster = Cluster(runtime, runtime.ref("tcp://127.0.0.1:1", "head"), contextlib.AsyncExitStack())  # type: ignore[arg-type]
+    with pytest.raises(error):
+        await cluster.train(**kwargs)
+    with pytest.raises(TypeError, match="a JobSpec or keyword arguments, not both"):
+        await cluster.train(JobSpec(model=MODEL), seed=1)
+    assert runtime.sent == []
+
+
+def test_step_stats_carry_samples_per_s_and_refuse_unknown_keys() -> None:
+    stats = StepStats(step=0, loss=1.0, step_time_s=0.5, bubble_fraction=0.1, bytes_sent=10, samples=8,
+                      samples_per_s=16.0)
+    assert StepStats.from_wire(stats.to_wire()) == stats
+    with pytest.raises(RecordError, match="StepStats: unknown key\\(s\\) sample_rate"):
+        StepStats.from_wire({**stats.to_wire(), "sample_rate": 1})
+    with pytest.raises(RecordError, match="StepStats: missing key\\(s\\) loss"):
+        StepStats.from_wire({k: v for k, v in stats.to_wire().items() if k != "loss"})
+
+
+def test_a_job_description_rebuilds_its_nested_records() -> None:
+    spec = JobSpec(model=MODEL, pipeline_stages=2, micro_batches=2)
+    stats = StepStats(step=3, loss=1.0, step_time_s=0.5, bubble_fraction=0.1, bytes_sent=10)
+    info = JobDescription(job="job0", spec=spec, bounds=[[0, 1], [1, 2]], nodes=["a", "b"], mesh=[2, 1, 1],
+                          stages=[["tcp://x:1", "job0.rank0"], ["tcp://x:2", "job0.rank1"]], steps=4,
+                          programs=[["0F0"], ["1F0"]], stepping=False, traced=True, last_stats=stats)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = JobDescription.from_wire(info.to_wire())
+    assert again == info and isinstance(again.spec, JobSpec) and isinstance(again.last_stats, StepStats)
