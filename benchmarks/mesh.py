@@ -249,10 +249,10 @@ def busy_cores(interval: float = 1.0) -> float | None:
 
 
 def default_bucket_mib() -> int:
-    """The bucket size a stage actor reduces with (``StageConfig.bucket_bytes``), in MiB."""
-    from actors.stage import StageConfig
+    """The bucket size a stage actor reduces with (``JobSpec.bucket_bytes``), in MiB."""
+    from schedulers import JobSpec
 
-    default = next(f.default for f in dataclasses.fields(StageConfig) if f.name == "bucket_bytes")
+    default = next(f.default for f in dataclasses.fields(JobSpec) if f.name == "bucket_bytes")
     assert isinstance(default, int)
     return default >> 20
 

@@ -113,7 +113,7 @@ class ActorpipePeer:
 
     async def start(self) -> None:
         """Starts the cluster and submits the job (closes the cluster again if that fails)."""
-        from actors import LocalCluster
+        from schedulers import LocalCluster
 
         try:
             nodes = self.num_stages * self.tensor_parallel * self.data_parallel
@@ -157,11 +157,11 @@ def actorpipe_missing() -> str | None:
     if importlib.util.find_spec("examples.models") is None:
         return "examples/models.py does not exist yet"
     try:
-        from actors import Cluster
+        from schedulers import Cluster
     except ImportError as exc:
-        return f"actors does not import: {exc}"
+        return f"the job API does not import: {exc}"
     if not hasattr(Cluster, "train"):
-        return "actors.Cluster.train does not exist yet"
+        return "schedulers.Cluster.train does not exist yet"
     return None
 
 

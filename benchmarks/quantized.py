@@ -185,7 +185,7 @@ def format_table(result: LinkResult) -> str:
 
 async def drive_remote(address: str, cfg: BenchConfig, label: str) -> list[CodecRun]:
     """Connects to the head at ``address`` (in this namespace), waits for both nodes, compares the codecs."""
-    from actors import Cluster  # the outer process never needs the actor runtime
+    from schedulers import Cluster  # the outer process never needs the actor runtime
 
     # The head shares this namespace, so it reaches the driver on loopback.
     async with Cluster.connect(address, bind="tcp://127.0.0.1:0", timeout=30.0) as cluster:
@@ -195,7 +195,7 @@ async def drive_remote(address: str, cfg: BenchConfig, label: str) -> list[Codec
 
 async def drive_loopback(cfg: BenchConfig) -> list[CodecRun]:
     """The same comparison on a LocalCluster: head and two nodes on 127.0.0.1."""
-    from actors import LocalCluster
+    from schedulers import LocalCluster
 
     async with LocalCluster(nodes=2) as cluster:
         return await compare_codecs(cluster, cfg, "loopback")

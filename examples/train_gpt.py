@@ -87,7 +87,7 @@ def _log(bar: tqdm, step: int, loss: float, steps: int) -> None:
 
 
 async def _train_pipelined(args: argparse.Namespace) -> dict[str, Any]:
-    from actors import LocalCluster
+    from schedulers import LocalCluster
 
     losses: list[float] = []
     step_times: list[float] = []
