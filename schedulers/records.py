@@ -7,6 +7,7 @@ unknown key, so nothing the scheduler reports is dropped on the way.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -57,6 +58,12 @@ class StepStats(WireRecord):
     samples_per_s: float | None = None
     schedule: str = ""
     micro_batches: int = 0
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StepStats:
+        """Deprecated: :meth:`from_wire`, which refuses unknown keys instead of dropping them."""
+        warnings.warn("StepStats.from_dict is deprecated; use StepStats.from_wire", DeprecationWarning, stacklevel=2)
+        return cls.from_wire(data)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
