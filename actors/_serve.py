@@ -78,6 +78,10 @@ async def serve_head(config: HeadConfig) -> None:
             importlib.import_module(module)
         if "scheduler" in registered_actors():
             await agent.spawn("scheduler", "scheduler", {})
+        else:
+            log.warning("no scheduler on this head (plugins: %s): jobs cannot be created; install the "
+                        "project (pip install -e .) so its 'head' entry point is found, or pass --plugin MODULE",
+                        ", ".join(config.plugins) or "none")
         log.info("head listening at %s", runtime.address)
         print(f"actorpipe head listening at {runtime.address}", flush=True)
         if config.address_file:
