@@ -8,7 +8,10 @@ subgroup in the same order (as torch requires) and keeps its own.
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import logging
+import os
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -47,6 +50,12 @@ def join_process_groups(config: dict[str, Any], mesh: Mesh, rank: int, job: str)
     if dist.is_initialized():
         raise RuntimeError("this node already runs a stage of another distributed job; give each job its own nodes")
     host, _, port = str(config["store"]).rpartition(":")
+    if _is_loopback(host) and "GLOO_SOCKET_IFNAME" not in os.environ:
+        # Every member is on this machine: gloo's own listeners stay on loopback too
+        # (by default gloo binds the address the hostname resolves to).
+        loopback = _loopback_interface()
+        if loopback is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = loopback
     timeout = datetime.timedelta(seconds=float(config.get("timeout_s", 600)))
     store = dist.TCPStore(host, int(port), world_size=mesh.size, is_master=False, timeout=timeout)
     dist.init_process_group(backend=config.get("backend", "gloo"), store=dist.PrefixStore(job, store),
@@ -59,6 +68,19 @@ def join_process_groups(config: dict[str, Any], mesh: Mesh, rank: int, job: str)
                 mine[kind] = group
     log.info("joined %s's process group as rank %d of %d", job, rank, mesh.size)
     return ProcessGroups(data=mine["data"], tensor=mine["tensor"], data_size=mesh.data, tensor_size=mesh.tensor)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _loopback_interface() -> str | None:
+    """The name of the loopback network interface ("lo" on Linux), if there is one."""
+    names = [name for _, name in socket.if_nameindex()]
+    return next((n for n in names if n == "lo" or n.startswith("lo")), None)
 
 
 def leave_process_groups() -> None:

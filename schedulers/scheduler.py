@@ -14,6 +14,7 @@ import asyncio
 import datetime
 import itertools
 import logging
+import socket
 import time
 from typing import Any
 
@@ -126,14 +127,27 @@ class SchedulerActor(Actor):
         return JobInfo(job=job_id, bounds=bounds, nodes=names).to_wire()
 
     def _rendezvous(self, spec: JobSpec, mesh: Mesh) -> tuple[Any, dict[str, Any] | None]:
-        """A torch.distributed store on the head for a job whose mesh needs collectives."""
+        """A torch.distributed store on the head for a job whose mesh needs collectives.
+
+        It listens only where the head itself listens (loopback unless the head was
+        started with ``--allow-remote`` on another address): TCPStore would otherwise
+        bind every interface, so the head binds the socket and hands TCPStore its fd.
+        """
         if mesh.tensor == 1 and mesh.data == 1 and spec.transport == "zmq":
             return None, None
         host = self.runtime.address.removeprefix("tcp://").rpartition(":")[0] if \
             self.runtime.address.startswith("tcp://") else "127.0.0.1"
+        listener = socket.socket(socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET)
+        listener.bind((host.strip("[]"), 0))
+        listener.listen(1024)
         timeout = datetime.timedelta(seconds=spec.step_timeout_s)
-        store = dist.TCPStore(host, 0, world_size=mesh.size, is_master=True, timeout=timeout,
-                              wait_for_workers=False)
+        try:
+            store = dist.TCPStore(host.strip("[]"), listener.getsockname()[1], world_size=mesh.size, is_master=True,
+                                  timeout=timeout, wait_for_workers=False, master_listen_fd=listener.fileno())
+        except BaseException:
+            listener.close()
+            raise
+        listener.detach()  # the store owns the descriptor now, and closes it when it goes
         return store, {"store": f"{host}:{store.port}", "backend": "gloo", "timeout_s": spec.step_timeout_s}
 
     def _partition(self, spec: JobSpec) -> list[list[int]]:
