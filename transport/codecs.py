@@ -151,6 +151,16 @@ class Codec(ABC):
     ) -> tuple[int, ...]:
         """`frame_sizes` for a checked dtype and element count."""
 
+    def decoded_elements(self, shape: tuple[int, ...], params: Mapping[str, object]) -> int:
+        """Return how many elements `decode` computes: the shape's, plus any padding.
+
+        Safe on untrusted input that `frame_sizes` accepted; allocates nothing.
+
+        Raises:
+            CodecError: Bad params or shape.
+        """
+        return _checked_numel(shape)
+
     def decode(self, encoded: Encoded) -> torch.Tensor:
         """Rebuild a CPU tensor of `encoded.dtype` and `encoded.shape`.
 
@@ -313,6 +323,11 @@ class _BlockCodec(Codec):
 
     def _values_nbytes(self, numel: int) -> int:
         return numel
+
+    def decoded_elements(self, shape: tuple[int, ...], params: Mapping[str, object]) -> int:
+        # The torch path decodes whole blocks: the last one's zero padding included.
+        block = self._check_block(params)
+        return -(-_checked_numel(shape) // block) * block
 
     def encode(self, tensor: torch.Tensor) -> Encoded:
         dtype = self._check_dtype(tensor.dtype)

@@ -13,27 +13,58 @@ the codec's own idea of the frame sizes before it touches a frame, then rebuilds
 each tensor over the received buffer (no copy for the ``none`` codec).
 
 Nothing is ever unpickled. Every malformed input raises a :class:`WireError`.
+
+What a message may cost the receiver is bounded before the cost is paid (a message
+comes from whoever can reach the socket):
+
+- at most :data:`MAX_FRAMES_PER_MESSAGE` frames and ``max_bytes`` bytes on the wire;
+- the header is decoded with msgpack's length limits sized for a valid header
+  (strings of at most 64 characters, at most 8 codec params, one row, shape and
+  params per tensor frame), so a junk header costs at most its own length;
+- each table row is checked against its codec before any tensor is built: the
+  frames' exact sizes, the decoded size (elements times the declared dtype's
+  size), which may not exceed what the codec ever expands to (decoded bytes per
+  encoded byte, :data:`MAX_EXPANSION`; a lossy codec decodes to float32 at most, so
+  float64 travels raw), and a total over all rows of at most ``max_bytes``;
+- the body is decoded with msgpack's length limits (no array or map longer than
+  :data:`MAX_ITEMS`), at most :data:`MAX_CONTAINERS` lists and maps in all, and
+  nested at most :data:`MAX_DEPTH` deep.
+
+The sender checks the same frame, expansion, decoded-size and padding limits, so
+its tensors never make ``decode_message`` refuse a message ``encode_message``
+accepted (the body's limits are checked on receipt only). Errors quote untrusted
+values only through :func:`excerpt`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import gc
+import itertools
+import math
+import reprlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 import torch
 
-from transport.codecs import CodecError, Encoded, get_codec
+from transport.codecs import CODEC_NAMES, Codec, CodecError, Encoded, get_codec
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
     "DTYPES",
+    "MAX_CONTAINERS",
+    "MAX_DEPTH",
+    "MAX_EXPANSION",
+    "MAX_FRAMES_PER_MESSAGE",
+    "MAX_ITEMS",
     "Coded",
     "MessageTooLarge",
     "WireError",
     "decode_message",
     "encode_message",
+    "excerpt",
 ]
 
 WIRE_VERSION = 1
@@ -41,6 +72,35 @@ DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
 _TENSOR_EXT = 1
 _MAX_NDIM = 32
 _MAX_FRAMES_PER_TENSOR = 8
+
+# The limits below are what a message may cost the receiver; each is far above what
+# this project's messages need (the largest in the test suite: 54 frames, a body of
+# 402 lists and maps, arrays of 400 items, nesting 6 deep, header strings of 13
+# characters; state dicts travel as one flat map of tensors, a step's report as a
+# list of spans, one small list per action).
+
+MAX_FRAMES_PER_MESSAGE = 1 << 16
+"""Frames in one message (a header and up to 8 per tensor): 32k int8 tensors, 64k raw."""
+MAX_ITEMS = 1 << 20
+"""Items in one msgpack array or map of a message body (8 MiB of pointers)."""
+MAX_CONTAINERS = 1 << 14
+"""Lists and maps in one message body. An empty list is one byte on the wire and about
+60 in memory, and building one costs about 0.2 us: 5 MB of them took a second to
+decode; refusing at this bound takes 2-4 ms, so a flood of them leaves the loop
+free to answer pings within a few tens of ms."""
+MAX_DEPTH = 64
+"""Nesting of lists and maps in a message body (msgpack itself stops at 1024; code that
+recurses over a payload, ``repr`` included, stops near 1000)."""
+MAX_EXPANSION: dict[str, int] = {"none": 1, "fp16": 2, "bf16": 2, "int8": 4, "fp8": 4, "int4": 8}
+"""Decoded bytes per encoded byte each codec may declare: its ratio when it decodes to
+float32 (the scales make the block codecs' true ratio a little lower). A float64
+declaration on a lossy codec would double it (int4: 16x), so those travel raw."""
+_MAX_HEADER_STR = 64  # codec and dtype names, param names and values
+_MAX_PARAMS = 8
+# The zero padding of the block codecs' last block, computed and thrown away by decode:
+# at most the message's own element count or this many elements, whichever is more,
+# so rows of one element with 2**20-element blocks cannot cost 4 MiB each.
+_MAX_PADDING = 1 << 20
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -88,8 +148,10 @@ def encode_message(
             Wrap a tensor in :class:`Coded` to pick its codec, or pass an
             :class:`~transport.codecs.Encoded` to send one encoded already.
         codec: the codec for floating tensors not wrapped in :class:`Coded`;
-            other tensors always travel raw.
-        max_bytes: the largest message, header and frames together.
+            other tensors always travel raw, and so do float64 tensors under a
+            lossy default (receivers refuse them: see :data:`MAX_EXPANSION`).
+        max_bytes: the largest message, header and frames together, and the most
+            bytes its tensors may take once decoded.
 
     Returns:
         ``[header, *tensor_frames]``; tensor frames are buffers over the encoded
@@ -98,20 +160,25 @@ def encode_message(
 
     Raises:
         TypeError: an object msgpack cannot carry.
-        transport.codecs.CodecError: a codec that does not exist or fit the tensor.
-        MessageTooLarge: the encoded message exceeds ``max_bytes``.
+        transport.codecs.CodecError: a codec that does not exist or fit the tensor,
+            or a lossy codec asked to carry float64 (cast to float32 or send it raw).
+        MessageTooLarge: the encoded message exceeds ``max_bytes`` or
+            :data:`MAX_FRAMES_PER_MESSAGE` frames, or its tensors ``max_bytes`` decoded.
     """
     table: list[list[Any]] = []
     frames: list[Any] = []
+    decoded_nbytes = numel_total = padding_total = 0
 
     def add_tensor(obj: Any) -> msgpack.ExtType:
+        nonlocal decoded_nbytes, numel_total, padding_total
         if isinstance(obj, Encoded):  # encoded already (e.g. on a compute thread)
             encoded = obj
         elif isinstance(obj, Coded):
             encoded = get_codec(obj.codec).encode(obj.tensor.detach())
         elif isinstance(obj, torch.Tensor):
             chosen = get_codec(codec)
-            if obj.dtype not in chosen.dtypes:  # e.g. integer tensors under a lossy default
+            # e.g. integer tensors under a lossy default; float64 too (MAX_EXPANSION)
+            if obj.dtype not in chosen.dtypes or (chosen.lossy and obj.dtype.itemsize > 4):
                 chosen = get_codec("none")
             encoded = chosen.encode(obj.detach())
         else:
@@ -119,6 +186,13 @@ def encode_message(
                 f"cannot send an object of type {type(obj).__qualname__}: messages hold "
                 "None, bool, int, float, str, bytes, lists, dicts and tensors"
             )
+        numel = math.prod(encoded.shape)
+        problem = _expansion_problem(encoded.codec, encoded.dtype, numel, encoded.nbytes)
+        if problem is not None:
+            raise CodecError(f"cannot send {problem}; cast it to float32 first, or send it with codec 'none'")
+        decoded_nbytes += numel * encoded.dtype.itemsize
+        numel_total += numel
+        padding_total += get_codec(encoded.codec).decoded_elements(encoded.shape, encoded.params) - numel
         table.append(_table_row(encoded))
         frames.extend(_as_buffer(frame) for frame in encoded.frames)
         return msgpack.ExtType(_TENSOR_EXT, (len(table) - 1).to_bytes(4, "little"))
@@ -126,38 +200,53 @@ def encode_message(
     body = msgpack.packb(payload, default=add_tensor, use_bin_type=True)
     header = msgpack.packb([WIRE_VERSION, table, body], use_bin_type=True)
     total = len(header) + sum(memoryview(f).nbytes for f in frames)
-    if total > max_bytes:
+    if total > max_bytes or decoded_nbytes > max_bytes:
         raise MessageTooLarge(
-            f"message is {total} bytes, over the limit of {max_bytes}; raise "
-            "max_message_bytes on both ends or send the tensor in parts"
+            f"message is {total} bytes ({decoded_nbytes} bytes of tensors decoded), over the "
+            f"limit of {max_bytes}; raise max_message_bytes on both ends or send the tensor in parts"
         )
+    if len(frames) >= MAX_FRAMES_PER_MESSAGE:
+        raise MessageTooLarge(
+            f"message has {len(frames) + 1} frames, over the limit of {MAX_FRAMES_PER_MESSAGE}; "
+            "send the tensors in several messages"
+        )
+    if padding_total > max(numel_total, _MAX_PADDING):
+        raise CodecError(_padding_problem(numel_total, padding_total))
     return [header, *frames]
 
 
 def decode_message(frames: Sequence[Any], *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Any:
     """Rebuilds a payload from frames received off the wire.
 
+    Every size is checked before the memory it implies is committed (see the module
+    docstring); tensors are only built once every table row has passed.
+
     Args:
         frames: ``zmq.Frame`` objects, bytes, bytearrays or memoryviews.
-        max_bytes: the largest message accepted, header and frames together.
+        max_bytes: the largest message accepted, header and frames together, and
+            the most bytes its tensors may take once decoded.
 
     Returns:
         The payload, tensors rebuilt on the CPU. A tensor sent with the ``none``
         codec shares memory with its received frame.
 
     Raises:
-        WireError: for every malformed input, with what was wrong.
+        MessageTooLarge: over ``max_bytes`` on the wire or decoded, or over
+            :data:`MAX_FRAMES_PER_MESSAGE` frames.
+        WireError: for every other malformed input, with what was wrong.
     """
     if not frames:
         raise WireError("empty message: expected a header frame")
+    if len(frames) > MAX_FRAMES_PER_MESSAGE:
+        raise MessageTooLarge(f"message has {len(frames)} frames, over the limit of {MAX_FRAMES_PER_MESSAGE}")
     buffers = [_buffer_of(frame) for frame in frames]
     total = sum(buf.nbytes for buf in buffers)
     if total > max_bytes:
         raise MessageTooLarge(f"message is {total} bytes, over the limit of {max_bytes}")
-    version, table, body = _unpack_header(buffers[0])
+    version, table, body = _unpack_header(buffers[0], num_tensor_frames=len(buffers) - 1)
     if version != WIRE_VERSION:
-        raise WireError(f"wire version {version!r} is not supported (this side speaks {WIRE_VERSION})")
-    tensors = _rebuild_tensors(table, buffers[1:])
+        raise WireError(f"wire version {excerpt(version)} is not supported (this side speaks {WIRE_VERSION})")
+    tensors = _rebuild_tensors(table, buffers[1:], max_bytes=max_bytes)
 
     def ext_hook(code: int, data: bytes) -> torch.Tensor:
         if code != _TENSOR_EXT or len(data) != 4:
@@ -167,12 +256,59 @@ def decode_message(frames: Sequence[Any], *, max_bytes: int = DEFAULT_MAX_MESSAG
             raise WireError(f"tensor reference {index} but the table has {len(tensors)} rows")
         return tensors[index]
 
+    return _unpack_body(body, ext_hook)
+
+
+def excerpt(value: object, limit: int = 80) -> str:
+    """A short, escaped ``repr`` of an untrusted value, for log lines and error messages.
+
+    At most ``limit`` characters, and its cost does not grow with the value: strings
+    and bytes are cut before they are escaped, containers show their first items and
+    levels only, tensors their dtype and shape.
+    """
     try:
-        return msgpack.unpackb(body, ext_hook=ext_hook, raw=False, strict_map_key=False, timestamp=0)
-    except WireError:
-        raise
-    except Exception as exc:  # msgpack raises many types for corrupt input
-        raise WireError(f"malformed message body: {type(exc).__name__}: {exc}") from None
+        text = _Excerpt(limit).repr(value)
+    except Exception:  # e.g. an int too long to print; an excerpt must never fail
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: max(0, limit - 3)] + "..."
+
+
+class _Excerpt(reprlib.Repr):
+    """reprlib's bounded repr, made safe for every type a message can hold."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.maxlevel = 3
+        self.maxstring = self.maxlong = self.maxother = max(limit, 8)
+
+    def _sliced(self, x: Any, level: int) -> str:
+        head = x[: self.maxstring]  # cut first: escaping a 48 MiB value is the cost avoided
+        return repr(head) if len(head) == len(x) else repr(head)[: self.maxstring] + self.fillvalue
+
+    repr_str = repr_bytes = repr_bytearray = _sliced
+
+    def repr_memoryview(self, x: memoryview, level: int) -> str:
+        return f"<memoryview of {x.nbytes} bytes>"
+
+    def repr_dict(self, x: dict[Any, Any], level: int) -> str:
+        # reprlib sorts every key first: O(n log n) on an untrusted map.
+        if not x:
+            return "{}"
+        if level <= 0:
+            return "{" + self.fillvalue + "}"
+        pieces = [f"{self.repr1(k, level - 1)}: {self.repr1(v, level - 1)}"
+                  for k, v in itertools.islice(x.items(), self.maxdict)]
+        if len(x) > self.maxdict:
+            pieces.append(self.fillvalue)
+        return "{" + ", ".join(pieces) + "}"
+
+    def repr_Tensor(self, x: torch.Tensor, level: int) -> str:
+        return f"tensor({_DTYPE_NAMES.get(x.dtype, str(x.dtype))}, {list(x.shape)})"
+
+    def repr_instance(self, x: Any, level: int) -> str:
+        if x is None or isinstance(x, (bool, float, complex)):
+            return repr(x)
+        return f"<{type(x).__name__}>"  # no repr of arbitrary objects: it could be anything
 
 
 def _table_row(encoded: Encoded) -> list[Any]:
@@ -199,11 +335,40 @@ def _buffer_of(frame: Any) -> memoryview:
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
-def _unpack_header(buf: memoryview) -> tuple[Any, list[Any], bytes]:
+_T = TypeVar("_T")
+
+
+class _ContainerBudget:
+    """A msgpack list_hook and object_hook that counts containers and refuses one too many."""
+
+    __slots__ = ("limit", "used", "what")
+
+    def __init__(self, limit: int, what: str) -> None:
+        self.limit, self.used, self.what = limit, 0, what
+
+    def __call__(self, container: _T) -> _T:
+        self.used += 1
+        if self.used > self.limit:
+            raise WireError(f"{self.what} holds more than {self.limit} lists and maps")
+        return container
+
+
+def _unpack_header(buf: memoryview, *, num_tensor_frames: int) -> tuple[Any, list[Any], bytes]:
+    # A valid header is [version, table, body] with a [codec, dtype, shape, params,
+    # num_frames] row per tensor, and every tensor has a frame: so no array is longer
+    # than a shape or the frame count, and it holds 2 + 3 * rows lists and maps (the
+    # budget has room for a few rows more, which the row checks then name precisely).
+    count = _ContainerBudget(2 + 3 * (num_tensor_frames + 8), "header")
     try:
-        header = msgpack.unpackb(buf, raw=False, strict_map_key=False, timestamp=0)
+        header = msgpack.unpackb(
+            buf, raw=False, strict_map_key=False, timestamp=0, list_hook=count, object_hook=count,
+            max_str_len=_MAX_HEADER_STR, max_bin_len=buf.nbytes, max_ext_len=0,
+            max_array_len=max(_MAX_NDIM, num_tensor_frames), max_map_len=_MAX_PARAMS,
+        )
+    except WireError:
+        raise
     except Exception as exc:
-        raise WireError(f"malformed header: {type(exc).__name__}: {exc}") from None
+        raise WireError(f"malformed header: {type(exc).__name__}: {_clip(exc)}") from None
     if not (isinstance(header, list) and len(header) == 3):
         raise WireError("malformed header: expected [version, tensor_table, body]")
     version, table, body = header
@@ -212,16 +377,63 @@ def _unpack_header(buf: memoryview) -> tuple[Any, list[Any], bytes]:
     return version, table, body
 
 
-def _rebuild_tensors(table: list[Any], frames: list[memoryview]) -> list[torch.Tensor]:
-    tensors: list[torch.Tensor] = []
-    position = 0
+def _unpack_body(body: bytes, ext_hook: Callable[[int, bytes], Any]) -> Any:
+    size = len(body)
+    # Each list or map takes a byte at least, so a short body needs no counting, and
+    # no body nests deeper than it has containers.
+    count = _ContainerBudget(MAX_CONTAINERS, "message body") if size > MAX_DEPTH else None
+    # Thousands of new lists and maps trigger the cyclic GC, and a full collection walks
+    # every object of the process (torch's included: ~100 ms). Nothing here makes a cycle.
+    pause_gc = count is not None and gc.isenabled()
+    if pause_gc:
+        gc.disable()
+    try:
+        payload = msgpack.unpackb(
+            body, ext_hook=ext_hook, raw=False, strict_map_key=False, timestamp=0,
+            list_hook=count, object_hook=count,
+            max_str_len=size, max_bin_len=size, max_ext_len=4,  # a tensor reference
+            max_array_len=min(size, MAX_ITEMS), max_map_len=min(size // 2, MAX_ITEMS),
+        )
+    except WireError:
+        raise
+    except Exception as exc:  # msgpack raises many types for corrupt input
+        raise WireError(f"malformed message body: {type(exc).__name__}: {_clip(exc)}") from None
+    finally:
+        if pause_gc:
+            gc.enable()
+    if count is not None and count.used > MAX_DEPTH:
+        _check_depth(payload)
+    return payload
+
+
+def _check_depth(payload: Any) -> None:
+    """Raises WireError if lists and maps nest deeper than MAX_DEPTH in ``payload``."""
+    level = [payload] if type(payload) in (list, dict) else []
+    for _ in range(MAX_DEPTH):
+        deeper: list[Any] = []
+        for container in level:
+            items = container.values() if type(container) is dict else container
+            kinds = set(map(type, items))  # C speed: most containers hold no containers
+            if list in kinds or dict in kinds:
+                deeper.extend(x for x in items if type(x) is list or type(x) is dict)
+        if not deeper:
+            return
+        level = deeper
+    raise WireError(f"message body nests lists and maps more than {MAX_DEPTH} deep")
+
+
+def _rebuild_tensors(table: list[Any], frames: list[memoryview], *, max_bytes: int) -> list[torch.Tensor]:
+    # Every row is checked, and the totals, before the first tensor is built.
+    checked: list[tuple[Codec, str, torch.dtype, tuple[int, ...], dict[str, Any], list[memoryview]]] = []
+    position = decoded_total = numel_total = padding_total = 0
     for index, row in enumerate(table):
         codec_name, dtype, shape, params, num_frames = _check_row(index, row)
+        codec = get_codec(codec_name)
         try:
-            codec = get_codec(codec_name)
             sizes = codec.frame_sizes(dtype, shape, params)
+            computed = codec.decoded_elements(shape, params)
         except CodecError as exc:
-            raise WireError(f"tensor {index}: {exc}") from None
+            raise WireError(f"tensor {index}: {_clip(exc)}") from None
         if num_frames != len(sizes):
             raise WireError(f"tensor {index}: codec {codec_name} needs {len(sizes)} frames, header says {num_frames}")
         mine = frames[position : position + num_frames]
@@ -234,30 +446,61 @@ def _rebuild_tensors(table: list[Any], frames: list[memoryview]) -> list[torch.T
                     f"{list(shape)} {_DTYPE_NAMES[dtype]} needs {size}"
                 )
         position += num_frames
-        encoded = Encoded(
-            codec=codec_name,
-            dtype=dtype,
-            shape=shape,
-            params=params,
-            frames=tuple(_uint8_tensor(buf) for buf in mine),
-        )
+        numel = math.prod(shape)
+        problem = _expansion_problem(codec_name, dtype, numel, sum(sizes))
+        if problem is not None:
+            raise WireError(f"tensor {index}: refused {problem}")
+        decoded_total += numel * dtype.itemsize
+        if decoded_total > max_bytes:
+            raise MessageTooLarge(
+                f"tensor {index}: the message's tensors would decode to more than the limit of {max_bytes} bytes"
+            )
+        numel_total += numel
+        padding_total += computed - numel
+        checked.append((codec, codec_name, dtype, shape, params, mine))
+    if position != len(frames):
+        raise WireError(f"{len(frames) - position} extra frame(s) after the last tensor")
+    if padding_total > max(numel_total, _MAX_PADDING):
+        raise WireError(_padding_problem(numel_total, padding_total))
+    tensors: list[torch.Tensor] = []
+    for index, (codec, codec_name, dtype, shape, params, mine) in enumerate(checked):
+        encoded = Encoded(codec=codec_name, dtype=dtype, shape=shape, params=params,
+                          frames=tuple(_uint8_tensor(buf) for buf in mine))
         try:
             tensors.append(codec.decode(encoded))
         except Exception as exc:  # frame_sizes vetted the row; stay typed regardless
-            raise WireError(f"tensor {index}: cannot decode: {type(exc).__name__}: {exc}") from None
-    if position != len(frames):
-        raise WireError(f"{len(frames) - position} extra frame(s) after the last tensor")
+            raise WireError(f"tensor {index}: cannot decode: {type(exc).__name__}: {_clip(exc)}") from None
     return tensors
+
+
+def _expansion_problem(codec_name: str, dtype: torch.dtype, numel: int, encoded_nbytes: int) -> str | None:
+    """Why a tensor's decoded size is out of proportion to its frames, or None if it is not."""
+    decoded_nbytes = numel * dtype.itemsize
+    ratio = MAX_EXPANSION.get(codec_name, 1)
+    if decoded_nbytes <= ratio * encoded_nbytes:
+        return None
+    return (
+        f"a {_DTYPE_NAMES.get(dtype, dtype)} tensor of {numel} elements in {encoded_nbytes} bytes of "
+        f"codec {codec_name}: it would expand {decoded_nbytes / max(1, encoded_nbytes):.1f}x, over that codec's "
+        f"{ratio}x (lossy codecs carry float32, float16 and bfloat16)"
+    )
+
+
+def _padding_problem(numel: int, padding: int) -> str:
+    return (
+        f"the codecs' blocks pad {numel} elements with {padding} zeros to decode, more than "
+        f"max({numel}, {_MAX_PADDING}); use blocks no larger than the tensors, or fewer tensors a message"
+    )
 
 
 def _check_row(index: int, row: Any) -> tuple[str, torch.dtype, tuple[int, ...], dict[str, Any], int]:
     if not (isinstance(row, list) and len(row) == 5):
         raise WireError(f"tensor {index}: malformed table row")
     codec_name, dtype_name, shape, params, num_frames = row
-    if not isinstance(codec_name, str):
-        raise WireError(f"tensor {index}: codec name must be a string")
+    if not isinstance(codec_name, str) or codec_name not in CODEC_NAMES:
+        raise WireError(f"tensor {index}: unknown codec {excerpt(codec_name)}; known codecs: {', '.join(CODEC_NAMES)}")
     if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
-        raise WireError(f"tensor {index}: unknown dtype {dtype_name!r}; known: {', '.join(DTYPES)}")
+        raise WireError(f"tensor {index}: unknown dtype {excerpt(dtype_name)}; known: {', '.join(DTYPES)}")
     if (
         not isinstance(shape, list)
         or len(shape) > _MAX_NDIM
@@ -267,8 +510,14 @@ def _check_row(index: int, row: Any) -> tuple[str, torch.dtype, tuple[int, ...],
     if not isinstance(params, dict) or not all(isinstance(k, str) for k in params):
         raise WireError(f"tensor {index}: codec params must be a map with string keys")
     if type(num_frames) is not int or not 0 <= num_frames <= _MAX_FRAMES_PER_TENSOR:
-        raise WireError(f"tensor {index}: bad frame count {num_frames!r}")
+        raise WireError(f"tensor {index}: bad frame count {excerpt(num_frames)}")
     return codec_name, DTYPES[dtype_name], tuple(shape), params, num_frames
+
+
+def _clip(exc: BaseException, limit: int = 200) -> str:
+    """An exception's text cut to ``limit`` characters (its text may quote the input)."""
+    text = str(exc)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _uint8_tensor(buf: memoryview) -> torch.Tensor:
