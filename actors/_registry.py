@@ -2,13 +2,16 @@
 
 Nothing that runs on a node arrives as code: an actor class is looked up in a
 registry the node's own code filled, and a model, loss, data or optimizer factory is
-imported by a ``package.module:attribute`` path that the node's allow-list admits.
+looked up by a ``package.module:attribute`` path that must name a function or class
+*defined in* a module the node's allow-list admits (:func:`load_object` has the rules).
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import re
+import types
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
@@ -21,6 +24,10 @@ A = TypeVar("A", bound=type[Actor])
 
 DEFAULT_ALLOW = ("torch.nn", "torch.optim", "examples")
 _ACTOR_CLASSES: dict[str, type[Actor]] = {}
+# exec, eval, getattr, __import__, open: no factory lives there, whatever the allow-list says.
+_NEVER_ALLOWED = frozenset({"builtins"})
+# What a factory may be: a class, a function (Python or C), or a method bound to a class.
+_FACTORY_TYPES = (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType)
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
 
 
@@ -55,27 +62,142 @@ def actor_class(name: str) -> type[Actor]:
 
 
 def is_allowed(module: str, allow: Iterable[str]) -> bool:
+    """Whether ``module`` is one of the ``allow`` prefixes or inside one (``builtins`` never is)."""
+    if module in _NEVER_ALLOWED:
+        return False
     return any(module == prefix or module.startswith(prefix + ".") for prefix in allow)
 
 
 def load_object(path: str, allow: Iterable[str]) -> Any:
-    """Imports ``package.module:attribute`` if the allow-list admits its module.
+    """Looks up the factory ``package.module:name`` (or ``package.module:Class.name``), never evaluating it.
+
+    What a path may name, each rule checked before the next step is taken:
+
+    1. Its form is ``module:attribute``, dotted names on each side, and no part of
+       either starts with ``_`` (so no ``__globals__``, ``__builtins__``,
+       ``__import__``, ``__init__``, and no private names).
+    2. Its module is under an ``allow`` prefix; ``builtins`` (``exec``, ``eval``,
+       ``getattr``, ``open``…) never is. Only then is the module imported.
+    3. Every attribute before the last is a class whose ``__module__`` is admitted:
+       ``Class.classmethod`` and nested classes work, but the walk never passes
+       through a module object (``torch.nn:functional.torch.os.system`` stops at
+       ``functional``) nor through a class imported from an unadmitted module.
+    4. The object named is a class, a function (Python or built-in) or a method
+       reached through such a class, never a module or an instance (a
+       ``functools.partial``, a callable object), and its own ``__module__`` (the
+       module that defines it, not the one it is reached through) is admitted: an
+       object a module re-exports from elsewhere (``os.system`` imported into an
+       allowed module, a ``torch`` built-in re-exported by ``torch.nn.functional``)
+       is refused, as is one that does not say where it is defined.
+
+    Re-exports inside the allowed prefixes are fine: ``torch.optim:SGD`` is defined in
+    ``torch.optim.sgd``.
 
     Raises:
         ValueError: ``path`` is not of the form ``package.module:attribute``.
-        NotAllowed: the module is outside ``allow``; the message says how to admit it.
+        NotAllowed: any rule above is broken; the message says which and what to do.
         ImportError, AttributeError: the module or attribute does not exist.
     """
     if not isinstance(path, str) or not _IMPORT_PATH.match(path):
-        raise ValueError(f"{path!r} is not an import path of the form 'package.module:attribute'")
+        raise ValueError(f"{_excerpt(path)} is not an import path of the form 'package.module:attribute'")
     module_name, _, attribute = path.partition(":")
     allow = tuple(allow)
+    private = next((part for part in re.split(r"[.:]", path) if part.startswith("_")), None)
+    if private is not None:
+        raise NotAllowed(
+            f"{_excerpt(path)} names {private!r}, a private or special name (it starts with '_'); "
+            "a factory is named by public names only: define a public function in an allowed module"
+        )
+    if module_name in _NEVER_ALLOWED:
+        raise NotAllowed(f"{_excerpt(path)} names a built-in; {module_name} (exec, eval, getattr, open…) "
+                         "never holds factories: define a function in an allowed module")
     if not is_allowed(module_name, allow):
         raise NotAllowed(
-            f"{path!r} is not on this node's allow-list ({', '.join(allow) or 'empty'}); start the "
+            f"{_excerpt(path)} is not on this node's allow-list ({', '.join(allow) or 'empty'}); start the "
             f"node with --allow {module_name} (LocalCluster(allow=[...]) does this for you)"
         )
     obj: Any = importlib.import_module(module_name)
-    for part in attribute.split("."):
-        obj = getattr(obj, part)
+    *through, last = attribute.split(".")
+    for depth, part in enumerate(through):
+        obj = _attribute(obj, part)
+        _check_intermediate(path, ".".join(through[:depth + 1]), obj, allow)
+    obj = _attribute(obj, last)
+    _check_factory(path, obj, allow)
     return obj
+
+
+def _excerpt(value: object) -> str:
+    """A short, escaped excerpt of an untrusted value, for messages."""
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _attribute(owner: Any, name: str) -> Any:
+    """``owner.name`` as an import would see it, without running a class's descriptors.
+
+    A module's attributes are read as usual (its PEP 562 ``__getattr__`` is the
+    admitted module's own code). A class's are read statically, so no property or
+    metaclass hook runs; a ``staticmethod`` yields its function and a ``classmethod``
+    is bound to the class, as ``getattr`` would.
+    """
+    if not isinstance(owner, type):
+        return getattr(owner, name)
+    value = inspect.getattr_static(owner, name)
+    if isinstance(value, staticmethod):
+        return value.__func__
+    if isinstance(value, classmethod):
+        return value.__get__(None, owner)
+    return value
+
+
+def _check_intermediate(path: str, reached: str, obj: Any, allow: tuple[str, ...]) -> None:
+    module = path.partition(":")[0]
+    if isinstance(obj, types.ModuleType):
+        raise NotAllowed(
+            f"{_excerpt(path)} reaches module {obj.__name__} through an attribute ({reached}); a factory path "
+            f"may not pass through modules: name the factory in its own module, as '{obj.__name__}:name', "
+            "if the allow-list admits it"
+        )
+    if not isinstance(obj, type):
+        raise NotAllowed(
+            f"{_excerpt(path)}: {reached} is a {type(obj).__name__}, not a class; only classes may stand "
+            f"between the module and the factory ('{module}:Class.classmethod')"
+        )
+    defined_in = obj.__module__
+    if not is_allowed(defined_in, allow):
+        raise NotAllowed(
+            f"{_excerpt(path)}: class {reached} is defined in {defined_in}, which this node's allow-list "
+            f"({', '.join(allow) or 'empty'}) does not admit; {module} only re-exports it"
+        )
+
+
+def _check_factory(path: str, obj: Any, allow: tuple[str, ...]) -> None:
+    if isinstance(obj, types.ModuleType):
+        raise NotAllowed(
+            f"{_excerpt(path)} names module {obj.__name__}, not a factory; name a function or class in it, "
+            f"as '{obj.__name__}:name'"
+        )
+    if not isinstance(obj, _FACTORY_TYPES):
+        raise NotAllowed(
+            f"{_excerpt(path)} names a {type(obj).__name__} object, not a function or class; a factory must "
+            "be a function or class defined in an allowed module: define a function there that builds this "
+            "object and name that"
+        )
+    defined_in = getattr(obj, "__module__", None)
+    name = getattr(obj, "__qualname__", getattr(obj, "__name__", "?"))
+    if not isinstance(defined_in, str):
+        raise NotAllowed(
+            f"{_excerpt(path)} names {name}, which does not say what module defines it (no __module__), so "
+            "the allow-list cannot vouch for it: define a function in an allowed module that calls it and "
+            "name that"
+        )
+    if defined_in in _NEVER_ALLOWED:
+        raise NotAllowed(f"{_excerpt(path)} is the built-in {name} re-exported; {defined_in} (exec, eval, "
+                         "getattr, open…) never holds factories: define a function in an allowed module")
+    if not is_allowed(defined_in, allow):
+        raise NotAllowed(
+            f"{_excerpt(path)} is {defined_in}.{name}, defined outside this node's allow-list "
+            f"({', '.join(allow) or 'empty'}) and only re-exported by {path.partition(':')[0]}; name it where "
+            f"it is defined and start the node with --allow {defined_in} if you trust that module, or define "
+            "a function in an allowed module that calls it"
+        )

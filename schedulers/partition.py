@@ -6,7 +6,7 @@ is empty. Three ways to weigh the layers:
 
 - :func:`partition_uniform`: the same number of layers per stage (DeepSpeed's
   ``"uniform"``; the first stages take the remainder);
-- :func:`partition_by_parameters`: balance the parameter count (DeepSpeed's
+- :func:`partition_by_parameters`: balance the per-layer parameter counts (DeepSpeed's
   ``"parameters"``);
 - :func:`partition_by_weights`: balance any per-layer weight, e.g. measured forward
   plus backward time.
@@ -18,21 +18,12 @@ split allows.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from itertools import accumulate
-from typing import Protocol
 
 __all__ = ["partition_by_parameters", "partition_by_weights", "partition_uniform"]
 
 Bounds = list[tuple[int, int]]
-
-
-class _Tensor(Protocol):
-    def numel(self) -> int: ...
-
-
-class _Module(Protocol):
-    def parameters(self) -> Iterable[_Tensor]: ...
 
 
 def _check(num_layers: int, num_stages: int) -> None:
@@ -106,12 +97,18 @@ def partition_by_weights(weights: Sequence[float], num_stages: int) -> Bounds:
     return list(zip([0, *ends[:-1]], ends))
 
 
-def partition_by_parameters(layers: Iterable[_Module], num_stages: int) -> Bounds:
-    """Split ``layers`` (e.g. an ``nn.Sequential``'s children) into stages balanced by
-    parameter count, exactly as :func:`partition_by_weights`.
+def partition_by_parameters(counts: Sequence[int], num_stages: int) -> Bounds:
+    """Split layers into stages balanced by parameter count, exactly as :func:`partition_by_weights`.
+
+    Args:
+        counts: each layer's parameter count, in order (a stage node measures them:
+            ``NodeActor.describe_model``; the head never builds the model).
+        num_stages: how many stages.
 
     Raises:
-        ValueError: ``num_stages`` < 1 or more stages than layers.
+        ValueError: a count that is not a whole number >= 0, ``num_stages`` < 1 or more
+            stages than layers.
     """
-    counts = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    if any(isinstance(c, bool) or not isinstance(c, int) for c in counts):
+        raise ValueError("parameter counts must be whole numbers, one per layer")
     return partition_by_weights(counts, num_stages)

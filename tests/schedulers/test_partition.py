@@ -72,8 +72,11 @@ def test_by_parameters_balances_parameter_counts() -> None:
         torch.nn.Linear(10, 100),  # 1100
         torch.nn.Linear(100, 10),  # 1010
     ]
-    assert partition_by_parameters(layers, 2) == [(0, 3), (3, 4)]  # 1210 | 1010
-    assert partition_by_parameters(torch.nn.Sequential(*layers), 4) == partition_uniform(4, 4)
+    # A stage node measures the counts (NodeActor.describe_model); the head splits them.
+    counts = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    assert partition_by_parameters(counts, 2) == [(0, 3), (3, 4)]  # 1210 | 1010
+    assert partition_by_parameters(counts, 4) == partition_uniform(4, 4)
+    assert partition_by_parameters(counts, 1) == [(0, 4)]
 
 
 @pytest.mark.parametrize(
@@ -83,7 +86,9 @@ def test_by_parameters_balances_parameter_counts() -> None:
         (lambda: partition_uniform(3, 0), "num_stages must be >= 1, got 0"),
         (lambda: partition_by_weights([], 1), "cannot split 0 layers"),
         (lambda: partition_by_weights([1, -1], 1), "weights must be >= 0"),
-        (lambda: partition_by_parameters([torch.nn.ReLU()], 2), "cannot split 1 layers into 2"),
+        (lambda: partition_by_parameters([0], 2), "cannot split 1 layers into 2"),
+        (lambda: partition_by_parameters([3, -1], 1), "weights must be >= 0"),
+        (lambda: partition_by_parameters([3, 1.5], 1), "parameter counts must be whole numbers"),
     ],
 )
 def test_impossible_requests_are_clear_errors(call: Callable[[], object], message: str) -> None:
