@@ -16,6 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     "Actor": "actors._actor",
+    "LOCAL": "actors._actor",
+    "current_caller": "actors._actor",
+    "may_call": "actors._actor",
     "Host": "actors._actor",
     "endpoint": "actors._actor",
     "ActorError": "actors._errors",
@@ -41,6 +44,8 @@ _EXPORTS = {
     "NODE": "actors._nodes",
     "HeadActor": "actors._nodes",
     "NodeActor": "actors._nodes",
+    "ClusterKeys": "actors.keys",
+    "KeyFileError": "actors.keys",
     "Cluster": "actors.cluster",
     "LocalCluster": "actors.cluster",
     "Coords": "actors.mesh",
@@ -93,7 +98,10 @@ if TYPE_CHECKING:  # explicit re-exports, for type checkers (the names resolve l
     from actors._actor import (
         Actor as Actor,
         Host as Host,
+        LOCAL as LOCAL,
+        current_caller as current_caller,
         endpoint as endpoint,
+        may_call as may_call,
     )
     from actors._errors import (
         ActorError as ActorError,
@@ -131,6 +139,10 @@ if TYPE_CHECKING:  # explicit re-exports, for type checkers (the names resolve l
     from actors.cluster import (
         Cluster as Cluster,
         LocalCluster as LocalCluster,
+    )
+    from actors.keys import (
+        ClusterKeys as ClusterKeys,
+        KeyFileError as KeyFileError,
     )
     from actors.mesh import (
         Coords as Coords,

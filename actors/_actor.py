@@ -8,13 +8,14 @@ endpoint marked ``concurrent=True`` runs in a task of its own as soon as it arri
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, overload
 
-from actors._errors import ActorError, BadArguments, MailboxFull, UnknownEndpoint
+from actors._errors import ActorError, BadArguments, MailboxFull, NotAllowed, UnknownEndpoint
 from actors._ref import ENDPOINT_ATTR, ActorRef
 
 
@@ -27,9 +28,40 @@ DEFAULT_MAILBOX_SIZE = 4096
 _ENDPOINT_ATTR = ENDPOINT_ATTR
 
 
+LOCAL = "local:"  # the caller of a call from the same process
+INSECURE = ""  # the caller of a call through a runtime without keys (every caller is trusted)
+_caller: contextvars.ContextVar[str] = contextvars.ContextVar("actorpipe_caller", default=LOCAL)
+
+
+def current_caller() -> str:
+    """Who made the call an endpoint is serving: ``role:name`` from the caller's admitted key.
+
+    ``local:`` for a call from this process, ``""`` through a runtime without keys.
+    """
+    return _caller.get()
+
+
+def caller_role(caller: str) -> str:
+    """The role part of a caller (``node`` of ``node:node0``)."""
+    return caller.partition(":")[0]
+
+
+def may_call(caller: str, roles: frozenset[str] | None) -> bool:
+    """Whether ``caller`` may call an endpoint open to ``roles`` (None: any admitted member).
+
+    The admin key and the process itself may call anything; so may anyone through a
+    runtime without keys (``--insecure``).
+    """
+    if roles is None or caller in (LOCAL, INSECURE):
+        return True
+    role = caller_role(caller)
+    return role == "admin" or role in roles
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _EndpointInfo:
     concurrent: bool
+    roles: frozenset[str] | None
 
 
 @overload
@@ -37,10 +69,10 @@ def endpoint(fn: F, /) -> F: ...
 
 
 @overload
-def endpoint(*, concurrent: bool = False) -> Callable[[F], F]: ...
+def endpoint(*, concurrent: bool = False, roles: Iterable[str] | None = None) -> Callable[[F], F]: ...
 
 
-def endpoint(fn: F | None = None, /, *, concurrent: bool = False) -> Any:
+def endpoint(fn: F | None = None, /, *, concurrent: bool = False, roles: Iterable[str] | None = None) -> Any:
     """Marks an async method as callable from anywhere in the cluster.
 
     The method keeps its type, so callers can name it: ``ref.endpoint(Cls.method)``.
@@ -48,12 +80,16 @@ def endpoint(fn: F | None = None, /, *, concurrent: bool = False) -> Any:
     Args:
         concurrent: run each call in its own task instead of queueing it behind the
             actor's other messages.
+        roles: the roles whose keys may call it (``head``, ``node``, ``client``);
+            the admin key may call anything. None: any admitted member. A caller
+            outside them gets :class:`~actors.NotAllowed` and the endpoint never runs.
     """
+    allowed = frozenset(roles) if roles is not None else None
 
     def mark(f: F) -> F:
         if not inspect.iscoroutinefunction(f):
             raise TypeError(f"@endpoint {f.__qualname__} must be an async def")
-        setattr(f, _ENDPOINT_ATTR, _EndpointInfo(concurrent=concurrent))
+        setattr(f, _ENDPOINT_ATTR, _EndpointInfo(concurrent=concurrent, roles=allowed))
         return f  # type: ignore[return-value]
 
     return mark(fn) if fn is not None else mark
@@ -85,6 +121,7 @@ class Call:
     args: list[Any]
     kwargs: dict[str, Any]
     reply: Callable[[bool, Any], Awaitable[None]] | None  # None for tell
+    caller: str = LOCAL  # role:name of the key that sent it (see current_caller)
 
 
 class Actor:
@@ -103,6 +140,7 @@ class Actor:
     ref: ActorRef
     # Set by a node's agent when it spawns the actor: the node's device and allow-list.
     node_context: Any = None
+    refused_calls: int = 0  # calls refused because of the caller's role
 
     async def on_start(self) -> None:
         """Runs before the actor takes its first message; raising aborts the spawn."""
@@ -133,6 +171,7 @@ class Mailbox:
         self._endpoints = type(actor).endpoints()
         # inspect.signature costs tens of microseconds: once per endpoint, not per call.
         self._signatures = {name: inspect.signature(getattr(actor, name)) for name in self._endpoints}
+        self._roles = {name: getattr(getattr(type(actor), name), _ENDPOINT_ATTR).roles for name in self._endpoints}
         self._queue: asyncio.Queue[Call] = asyncio.Queue(actor.mailbox_size)
         self._spawn_task = spawn_task
 
@@ -141,6 +180,8 @@ class Mailbox:
 
         Raises:
             UnknownEndpoint: no such endpoint (checked here, so the caller hears at once).
+            NotAllowed: the caller's role may not call this endpoint (counted in
+                ``actor.refused_calls``).
             MailboxFull: the mailbox is at its bound.
         """
         concurrent = self._endpoints.get(call.method)
@@ -148,7 +189,14 @@ class Mailbox:
             known = ", ".join(sorted(self._endpoints)) or "none"
             raise UnknownEndpoint(
                 f"actor {self.actor.name!r} ({type(self.actor).__name__}) has no endpoint "
-                f"{call.method!r}; its endpoints: {known}"
+                f"{call.method[:60]!r}; its endpoints: {known}"
+            )
+        roles = self._roles[call.method]
+        if not may_call(call.caller, roles):
+            self.actor.refused_calls += 1
+            raise NotAllowed(
+                f"{call.caller[:60]!r} may not call {type(self.actor).__name__}.{call.method}: it is open to "
+                f"{', '.join(sorted(roles or ()))} (and admin) keys"
             )
         if concurrent:
             self._spawn_task(self.run_call(call))
@@ -167,6 +215,7 @@ class Mailbox:
             await self.run_call(call)
 
     async def run_call(self, call: Call) -> None:
+        _caller.set(call.caller)  # this task's (a concurrent call has a task of its own)
         method = getattr(self.actor, call.method)
         signature = self._signatures[call.method]
         try:
@@ -188,7 +237,9 @@ class Mailbox:
             await call.reply(True, result)
 
     async def _fail(self, call: Call, exc: Exception) -> None:
-        if call.reply is None:
+        if call.reply is None and isinstance(exc, ActorError):  # a typed refusal: one short line
+            log.warning("%s.%s (told) refused: %.200s", self.actor.name, call.method, exc)
+        elif call.reply is None:
             log.error("%s.%s (told, no one to answer) raised", self.actor.name, call.method, exc_info=exc)
         try:
             await self.actor.on_failure(call.method, exc)

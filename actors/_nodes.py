@@ -14,6 +14,7 @@ from typing import Any
 from actors._actor import Actor, endpoint
 from actors._errors import ActorError, ActorStopped, NotAllowed
 from actors._registry import actor_class, load_object, registered_actors
+from transport.wire import excerpt
 
 __all__ = ["HEAD", "NODE", "HeadActor", "NodeActor", "NodeContext", "NodeInfo", "node_info"]
 
@@ -78,20 +79,28 @@ class HeadActor(Actor):
     async def on_start(self) -> None:
         self.runtime.spawn_task(self._watch(), name="heartbeat watch")
 
-    @endpoint
+    @endpoint(roles=("node",))
     async def register(self, info: dict[str, Any]) -> dict[str, float]:
         """A worker joins (or re-joins); returns the heartbeat settings it must keep."""
-        node = NodeInfo(**{k: info[k] for k in ("name", "address", "device", "pid", "host", "memory_bytes")})
+        kinds = {"name": str, "address": str, "device": str, "pid": int, "host": str, "memory_bytes": int}
+        if not isinstance(info, dict) or any(not isinstance(info.get(k), t) or isinstance(info.get(k), bool)
+                                             for k, t in kinds.items()):
+            raise ValueError(f"register needs {', '.join(f'{k}: {t.__name__}' for k, t in kinds.items())}; "
+                             f"got {excerpt(info, 200)}")
+        if any(len(info[k]) > 256 for k in ("name", "address", "device", "host")):
+            raise ValueError("register: name, address, device and host are at most 256 characters")
+        node = NodeInfo(**{k: info[k] for k in kinds})
         previous = self._nodes.get(node.name)
         if previous is not None and previous.state == "alive" and previous.pid != node.pid:
             raise ValueError(f"a live node is already named {node.name!r} (pid {previous.pid}); pick another --name")
         self._nodes[node.name] = node
         self._last_seen[node.name] = time.monotonic()
-        log.info("node %s joined from %s (%s, pid %d)", node.name, node.host, node.device, node.pid)
+        log.info("node %s joined from %s (%s, pid %d)", excerpt(node.name), excerpt(node.host),
+                 excerpt(node.device), node.pid)
         self._publish({"type": "node_joined", "node": node.name})
         return {"heartbeat_interval": self.heartbeat_interval, "heartbeat_timeout": self.heartbeat_timeout}
 
-    @endpoint
+    @endpoint(roles=("node",))
     async def heartbeat(self, name: str) -> bool:
         """Returns False when the head does not know ``name`` (it must register again)."""
         node = self._nodes.get(name)
@@ -100,7 +109,7 @@ class HeadActor(Actor):
         self._last_seen[name] = time.monotonic()
         return True
 
-    @endpoint
+    @endpoint(roles=("node",))
     async def deregister(self, name: str) -> None:
         node = self._nodes.get(name)
         if node is not None and node.state == "alive":
@@ -168,7 +177,7 @@ class NodeActor(Actor):
         self._stop = stop
         self._admit_token = admit_token
 
-    @endpoint
+    @endpoint(roles=("head",))
     async def spawn(self, class_name: str, actor_name: str, kwargs: dict[str, Any]) -> list[str]:
         """Builds actor ``class_name`` (from the registry) as ``actor_name``; returns its ref."""
         cls = actor_class(class_name)
@@ -177,7 +186,7 @@ class NodeActor(Actor):
         ref = await self.runtime.spawn(actor, actor_name)
         return ref.to_wire()
 
-    @endpoint
+    @endpoint(roles=("head",))
     async def stop_actor(self, actor_name: str) -> None:
         await self.runtime.stop_actor(actor_name)
 
@@ -188,9 +197,48 @@ class NodeActor(Actor):
 
     @endpoint
     async def check_import(self, path: str) -> str:
-        """Resolves ``path`` against this node's allow-list (raises NotAllowed if refused)."""
-        obj = load_object(path, self.allow)
+        """Resolves ``path`` against this node's allow-list; returns where the factory is defined.
+
+        Raises:
+            NotAllowed: the allow-list refuses ``path`` (the message names this node), or
+                this is the head, which never imports user code.
+            ValueError: ``path`` is not an import path.
+        """
+        self._refuse_user_code_on_head()
+        try:
+            obj = load_object(path, self.allow)
+        except NotAllowed as exc:
+            raise NotAllowed(f"node {self.info.name} refused it: {exc.message}") from None
         return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__name__)}"
+
+    @endpoint(roles=("head",))
+    async def describe_model(self, path: str, kwargs: dict[str, Any]) -> list[int]:
+        """The parameter count of each layer of the model ``path`` builds from ``kwargs``.
+
+        The scheduler partitions a job from these counts, so that the head never imports
+        or calls a user's factory. The model is built on the meta device (no memory for
+        its parameters) in a thread (heartbeats go on), one call at a time (calls to
+        this agent queue); ``kwargs`` is as large as a message allows.
+
+        Raises:
+            NotAllowed: the allow-list refuses ``path`` (the message names this node), or
+                this is the head.
+            ValueError: ``path`` is not an import path.
+            TypeError: ``kwargs`` is not a map, or the factory does not take it.
+        """
+        self._refuse_user_code_on_head()
+        if not isinstance(kwargs, dict):
+            raise TypeError(f"model kwargs must be a map, got {type(kwargs).__name__}")
+        from actors.stage import layer_parameter_counts  # torch and the stage, only where models are built
+
+        try:
+            return await asyncio.to_thread(layer_parameter_counts, path, kwargs, tuple(self.allow))
+        except NotAllowed as exc:
+            raise NotAllowed(f"node {self.info.name} refused the model: {exc.message}") from None
+
+    def _refuse_user_code_on_head(self) -> None:
+        if HEAD in self.runtime.actor_names():  # the head's own agent: it hosts the head actor
+            raise NotAllowed(f"node {self.info.name} is the head, which never imports user code; ask a worker")
 
     @endpoint
     async def admit(self, token: str, prefixes: list[str]) -> list[str]:
@@ -208,7 +256,7 @@ class NodeActor(Actor):
         self.allow.extend(p for p in prefixes if p not in self.allow)  # in place: contexts share it
         return list(self.allow)
 
-    @endpoint
+    @endpoint(roles=())
     async def shutdown(self) -> None:
         """Stops this node process cleanly (after replying)."""
         asyncio.get_running_loop().call_soon(self._stop.set)

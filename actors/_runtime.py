@@ -14,13 +14,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
 import zmq
 
-from actors._actor import Actor, Call, Mailbox
+from actors._actor import INSECURE, Actor, Call, Mailbox
 from actors._errors import (
     ActorError,
     ActorStopped,
@@ -30,8 +30,10 @@ from actors._errors import (
     error_to_wire,
 )
 from actors._ref import ActorRef
-from transport.channel import ChannelClosed, Receiver, Sender, open_receiver, open_sender
-from transport.wire import DEFAULT_MAX_MESSAGE_BYTES, WireError, decode_message
+from actors._senders import SenderPool, SenderPoolConfig
+from transport.channel import Receiver, Sender, open_receiver, open_sender
+from transport.security import Gate, Keypair
+from transport.wire import DEFAULT_MAX_MESSAGE_BYTES, WireError, decode_message, encode_message, excerpt
 
 __all__ = ["Runtime", "open_runtime"]
 
@@ -45,13 +47,38 @@ async def open_runtime(
     allow_remote: bool = False,
     hwm: int = 256,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    keys: Keypair | None = None,
+    ring: Callable[[], Mapping[bytes, str]] | None = None,
+    sender_pool: SenderPoolConfig = SenderPoolConfig(),
 ) -> AsyncIterator[Runtime]:
-    """Starts a runtime listening at ``bind`` and closes it, with all its actors, on exit."""
+    """Starts a runtime listening at ``bind`` and closes it, with all its actors, on exit.
+
+    Args:
+        keys: speak CURVE with this keypair (see :mod:`transport.security`): the
+            receiver admits only the keys of ``ring``, every message carries its
+            sender's name from the ring (``actors.current_caller()`` in an endpoint),
+            and this runtime's address ends in its public key. Without keys every
+            peer that can reach the address is trusted.
+        ring: the admitted keys, public key -> ``role:name``; required with ``keys``.
+        sender_pool: bounds on the sockets to other runtimes (see ``actors._senders``):
+            how many stay open, how long an idle one lives, how long a reply may wait.
+    """
+    if (keys is None) != (ring is None):
+        raise ValueError("open_runtime takes keys and ring together")
     context: zmq.Context[Any] = zmq.Context()
-    receiver = open_receiver(
-        bind, hwm=hwm, max_message_bytes=max_message_bytes, allow_remote=allow_remote, context=context
-    )
-    runtime = Runtime(receiver, context=context, hwm=hwm, max_message_bytes=max_message_bytes)
+    gate = Gate(context, ring) if ring is not None else None
+    try:
+        receiver = open_receiver(
+            bind, hwm=hwm, max_message_bytes=max_message_bytes, allow_remote=allow_remote, context=context,
+            curve=keys,
+        )
+    except BaseException:
+        if gate is not None:
+            gate.stop()
+        context.term()
+        raise
+    runtime = Runtime(receiver, context=context, hwm=hwm, max_message_bytes=max_message_bytes, keys=keys,
+                      gate=gate, sender_pool=sender_pool)
     try:
         yield runtime
     finally:
@@ -62,16 +89,20 @@ class Runtime:
     """Hosts actors, routes calls, and owns the tasks and sockets that do so."""
 
     def __init__(
-        self, receiver: Receiver, *, context: zmq.Context[Any], hwm: int, max_message_bytes: int
+        self, receiver: Receiver, *, context: zmq.Context[Any], hwm: int, max_message_bytes: int,
+        keys: Keypair | None = None, gate: Gate | None = None,
+        sender_pool: SenderPoolConfig = SenderPoolConfig(),
     ) -> None:
         self._receiver = receiver
+        self._keys = keys
+        self._gate = gate
         self._context = context
         self._hwm = hwm
         self._max_message_bytes = max_message_bytes
         self.address: str = receiver.address
         self._mailboxes: dict[str, Mailbox] = {}
         self._mailbox_tasks: dict[str, asyncio.Task[None]] = {}
-        self._senders: dict[str, Sender] = {}
+        self._senders = SenderPool(self._open_sender, sender_pool, spawn_task=self.spawn_task)
         self._pending: dict[int, tuple[asyncio.Future[Any], str]] = {}
         self._ids = itertools.count(1)
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -193,17 +224,17 @@ class Runtime:
         mailbox.deliver(call)
 
     async def _send(self, address: str, message: dict[str, Any]) -> int:
-        sender = self._senders.get(address)
-        if sender is None:
-            sender = open_sender(
-                address,
-                hwm=self._hwm,
-                max_message_bytes=self._max_message_bytes,
-                linger_ms=500,
-                context=self._context,
-            )
-            self._senders[address] = sender
-        return await sender.send(message)
+        return await self._senders.send(address, message)
+
+    def _open_sender(self, address: str) -> Sender:
+        return open_sender(
+            address,
+            hwm=self._hwm,
+            max_message_bytes=self._max_message_bytes,
+            linger_ms=500,
+            context=self._context,
+            curve=self._keys,
+        )
 
     # -- the receive side ------------------------------------------------------------
 
@@ -214,24 +245,27 @@ class Runtime:
         except WireError as exc:
             log.warning("dropped a malformed message: %s", exc)
             return
+        # Who sent it: the name the key ring gives its CURVE key (the gate set it at the handshake).
+        caller = str(frames[0].get("User-Id")) if self._keys is not None else INSECURE
         try:
-            self._dispatch(message)
+            self._dispatch(message, caller)
         except Exception:  # a bug here must not stop the runtime from serving
             log.exception("could not dispatch a message")
 
-    def _dispatch(self, message: Any) -> None:
+    def _dispatch(self, message: Any, caller: str = INSECURE) -> None:
         kind = message.get("t") if isinstance(message, dict) else None
         if kind == "rep":
             self._on_reply(message)
         elif kind == "req":
-            self._on_request(message)
+            self._on_request(message, caller)
         else:
-            log.warning("dropped a message that is neither request nor reply: %.200r", message)
+            log.warning("dropped a message that is neither request nor reply: %s", excerpt(message, 200))
 
     def _on_reply(self, message: dict[str, Any]) -> None:
-        entry = self._pending.get(message.get("id"))  # type: ignore[arg-type]
+        call_id = message.get("id")
+        entry = self._pending.get(call_id) if type(call_id) is int else None
         if entry is None or entry[0].done():
-            log.debug("reply %r came after its caller stopped waiting", message.get("id"))
+            log.debug("reply %s came after its caller stopped waiting", excerpt(call_id))
             return
         future = entry[0]
         if message.get("ok") is True:
@@ -239,37 +273,45 @@ class Runtime:
         else:
             future.set_exception(error_from_wire(message.get("e")))
 
-    def _on_request(self, message: dict[str, Any]) -> None:
+    def _on_request(self, message: dict[str, Any], caller: str = INSECURE) -> None:
         call_id, reply_to = message.get("id"), message.get("r")
         name, method = message.get("to"), message.get("m")
         args, kwargs = message.get("a", []), message.get("k", {})
+        # Names, methods, keyword names and addresses are short: a longer one is refused
+        # before it is quoted anywhere (error messages repr the name and method).
+        longest = 1024
         reply = None
-        if isinstance(reply_to, str) and isinstance(call_id, int):
+        if isinstance(reply_to, str) and len(reply_to) <= longest and isinstance(call_id, int):
             reply = self._remote_replier(reply_to, call_id)
-        if not (isinstance(name, str) and isinstance(method, str) and isinstance(args, list)
-                and isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs)):
-            log.warning("dropped a malformed request: %.200r", message)
+        if not (isinstance(name, str) and len(name) <= longest and isinstance(method, str)
+                and len(method) <= longest and isinstance(args, list) and isinstance(kwargs, dict)
+                and all(isinstance(k, str) and len(k) <= longest for k in kwargs)):
+            log.warning("dropped a malformed request: %s", excerpt(message, 200))
             if reply is not None:
-                self.spawn_task(reply(False, ActorError("malformed request: needs to, m, a, k")))
+                self.spawn_task(reply(False, ActorError(
+                    f"malformed request: needs to, m, a, k, with names of at most {longest} characters")))
             return
         try:
-            self._deliver_local(name, Call(method=method, args=args, kwargs=kwargs, reply=reply))
+            self._deliver_local(name, Call(method=method, args=args, kwargs=kwargs, reply=reply, caller=caller))
         except ActorError as exc:
-            log.warning("request %s.%s from %s: %s", name, method, reply_to, exc.message)
+            log.warning("request %s.%s from %s: %s", excerpt(name), excerpt(method), excerpt(reply_to),
+                        excerpt(exc.message, 200))
             if reply is not None:
                 self.spawn_task(reply(False, exc))
 
     def _remote_replier(self, address: str, call_id: int) -> Any:
+        # The actor does not wait for its caller: a reply that cannot leave at once goes
+        # from a task, and is dropped if the caller does not take it within the pool's
+        # reply timeout (the caller may be gone, or never was: the address is untrusted).
         async def reply(ok: bool, value: Any) -> None:
             message = {"t": "rep", "id": call_id, "ok": ok}
             message["v" if ok else "e"] = value if ok else error_to_wire(value)
             try:
-                await self._send(address, message)
+                frames = encode_message(message, max_bytes=self._max_message_bytes)
             except (TypeError, ValueError) as exc:  # the result cannot travel
                 err = {"t": "rep", "id": call_id, "ok": False, "e": error_to_wire(exc)}
-                await self._send(address, err)
-            except ChannelClosed:
-                log.debug("runtime closed before reply %d to %s left", call_id, address)
+                frames = encode_message(err, max_bytes=self._max_message_bytes)
+            await self._senders.reply(address, frames)
 
         return reply
 
@@ -290,9 +332,9 @@ class Runtime:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for sender in self._senders.values():
-            await sender.aclose()
-        self._senders.clear()
+        await self._senders.aclose()
+        if self._gate is not None:
+            self._gate.stop()
         self._context.term()
 
     async def __aenter__(self) -> Runtime:

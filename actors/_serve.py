@@ -17,6 +17,8 @@ from actors._ref import ActorRef
 from actors._nodes import HEAD, NODE, HeadActor, NodeActor, node_info
 from actors._registry import registered_actors
 from actors._runtime import open_runtime
+from actors.keys import ClusterKeys
+from transport.security import join_address, split_address
 
 __all__ = ["ADMIT_TOKEN_ENV", "HeadConfig", "WorkerConfig", "serve_head", "serve_worker"]
 
@@ -35,6 +37,8 @@ class HeadConfig:
     address_file: str | None = None
     allow: tuple[str, ...] = ()
     plugins: tuple[str, ...] = ()
+    keys: str | None = None  # the cluster's key directory (made on first start); None: --insecure
+    identity: str = "head"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -46,6 +50,8 @@ class WorkerConfig:
     allow_remote: bool = False
     allow: tuple[str, ...] = ()
     head_timeout: float = 30.0
+    keys: str | None = None  # the cluster's key directory; None: --insecure
+    identity: str = "node"
 
 
 def _stop_on_signals() -> asyncio.Event:
@@ -63,10 +69,32 @@ def _write_atomically(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+def security(directory: str | None, identity: str, *, create: bool = False) -> dict[str, Any]:
+    """``open_runtime`` keyword arguments for a member with ``identity`` in the key directory.
+
+    Raises:
+        KeyFileError: the directory is missing (and not to be made), unsafe, or lacks the key.
+    """
+    if directory is None:
+        log.warning("running WITHOUT keys (--insecure): every peer that can reach this node's address may "
+                    "use it; keep it on loopback or a trusted network")
+        return {}
+    keys = ClusterKeys.create(directory) if create else ClusterKeys(directory)
+    return {"keys": keys.identity(identity), "ring": keys.ring}
+
+
+def head_address(address: str, directory: str | None) -> str:
+    """``--join ADDRESS`` completed with the head's public key from the key directory, when it has none."""
+    if directory is None or split_address(address)[1] is not None:
+        return address
+    return join_address(address, ClusterKeys(directory).head_public())
+
+
 async def serve_head(config: HeadConfig) -> None:
     """Runs the head node until SIGINT or SIGTERM."""
     stop = _stop_on_signals()
-    async with open_runtime(config.bind, allow_remote=config.allow_remote) as runtime:
+    secure = security(config.keys, config.identity, create=True)
+    async with open_runtime(config.bind, allow_remote=config.allow_remote, **secure) as runtime:
         head = HeadActor(heartbeat_interval=config.heartbeat_interval, heartbeat_timeout=config.heartbeat_timeout)
         await runtime.spawn(head, HEAD)
         # The head is also a node of sorts: its agent spawns the actors it hosts (the
@@ -97,10 +125,11 @@ async def serve_worker(config: WorkerConfig) -> None:
         TimeoutError: the head could not be reached for ``head_timeout`` seconds.
     """
     stop = _stop_on_signals()
-    async with open_runtime(config.bind, allow_remote=config.allow_remote) as runtime:
+    secure = security(config.keys, config.identity)
+    async with open_runtime(config.bind, allow_remote=config.allow_remote, **secure) as runtime:
         info = node_info(config.name, runtime.address, config.device)
         await runtime.spawn(NodeActor(info, config.allow, stop, os.environ.pop(ADMIT_TOKEN_ENV, "")), NODE)
-        head = runtime.ref(config.join, HEAD)
+        head = runtime.ref(head_address(config.join, config.keys), HEAD)
         settings = await _register(head, asdict(info), config.head_timeout, stop)
         if settings is None:
             return

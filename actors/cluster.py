@@ -31,7 +31,8 @@ from typing import Any, Generic, TypeVar
 from actors._actor import Actor, endpoint
 from actors._errors import ActorTimeout
 from actors._nodes import HEAD, NODE
-from actors._serve import ADMIT_TOKEN_ENV
+from actors._serve import ADMIT_TOKEN_ENV, head_address, security
+from actors.keys import DEFAULT_KEYS, ClusterKeys
 from actors._ref import ActorRef
 from actors._runtime import Runtime, open_runtime
 from actors.plugins import GROUP, load_plugin
@@ -83,7 +84,8 @@ class Cluster:
     @classmethod
     def connect(
         cls: type[C], address: str, *, bind: str = "tcp://127.0.0.1:0", allow_remote: bool = False,
-        timeout: float = 10.0,
+        timeout: float = 10.0, keys: str | os.PathLike[str] | None = None, identity: str = "client",
+        insecure: bool = False,
     ) -> _Connecting[C]:
         """Attaches to the head at ``address``; use as ``await`` or ``async with``.
 
@@ -95,12 +97,20 @@ class Cluster:
                 head (the default suits a head on this machine).
             allow_remote: permit a ``bind`` address that is not loopback.
             timeout: seconds to wait for the head to answer.
+            keys: the cluster's key directory (default: ``$ACTORPIPE_KEYS`` or
+                ``~/.config/actorpipe/keys``, as the head's).
+            identity: which keypair in it this driver uses (``client``, ``admin``, or a
+                name added with ``python -m actors.keys add``).
+            insecure: connect without keys, to a head started with ``--insecure``.
 
         Raises:
-            ActorTimeout: the head did not answer within ``timeout``.
+            ActorTimeout: the head did not answer within ``timeout`` (a head that does
+                not admit this driver's key never answers: its handshake is refused).
+            KeyFileError: the key directory is missing, unsafe, or lacks ``identity``.
         """
         target: type[C] = cluster_class() if cls is Cluster else cls  # type: ignore[assignment]
-        return _Connecting(target, address, bind, timeout, allow_remote)
+        directory = None if insecure else os.fspath(keys or os.environ.get("ACTORPIPE_KEYS", DEFAULT_KEYS))
+        return _Connecting(target, address, bind, timeout, allow_remote, directory, identity)
 
     async def nodes(self) -> list[dict[str, Any]]:
         """Every node the head knows: name, address, device, pid, host, memory, state."""
@@ -162,18 +172,22 @@ def cluster_class() -> type[Cluster]:
 class _Connecting(Generic[C]):
     """``Cluster.connect(...)``: awaitable, and an async context manager."""
 
-    def __init__(self, cls: type[C], address: str, bind: str, timeout: float, allow_remote: bool) -> None:
+    def __init__(self, cls: type[C], address: str, bind: str, timeout: float, allow_remote: bool,
+                 keys: str | None, identity: str) -> None:
         self._cls = cls
         self._args = (address, bind, timeout)
         self._allow_remote = allow_remote
+        self._keys = keys
+        self._identity = identity
         self._cluster: C | None = None
 
     async def _open(self) -> C:
         address, bind, timeout = self._args
+        secure = security(self._keys, self._identity)
         stack = contextlib.AsyncExitStack()
         try:
-            runtime = await stack.enter_async_context(open_runtime(bind, allow_remote=self._allow_remote))
-            head = runtime.ref(address, HEAD)
+            runtime = await stack.enter_async_context(open_runtime(bind, allow_remote=self._allow_remote, **secure))
+            head = runtime.ref(head_address(address, self._keys), HEAD)
             await head.ask("nodes", timeout=timeout)
         except BaseException:
             await stack.aclose()
@@ -207,6 +221,14 @@ class LocalCluster:
         heartbeat_timeout: seconds of silence before the head marks a node lost.
         startup_timeout: seconds to wait for every node to register.
         log_level: the nodes' logging level (default WARNING: quiet).
+        insecure: start every process without keys (``--insecure``); by default the
+            cluster gets keys of its own in a private temporary directory: each node
+            its own ``node`` key, the driver the ``admin`` key.
+
+    Attributes:
+        keys: the cluster's :class:`~actors.keys.ClusterKeys` while it runs (None when
+            insecure); ``Cluster.connect(address, keys=local.keys.directory)`` attaches
+            another driver.
 
     On exit, whether the block finished, raised or was cancelled (Ctrl-C), every
     process is stopped (SIGTERM, then SIGKILL after a grace period) and waited for.
@@ -222,6 +244,7 @@ class LocalCluster:
         heartbeat_timeout: float = 2.0,
         startup_timeout: float = 60.0,
         log_level: str = "WARNING",
+        insecure: bool = False,
     ) -> None:
         if nodes < 0:
             raise ValueError(f"nodes must be >= 0, got {nodes}")
@@ -235,6 +258,8 @@ class LocalCluster:
         self._tempdir: str | None = None
         self._cluster: Cluster | None = None
         self._admit_token = secrets.token_hex(16)
+        self.insecure = insecure
+        self.keys: ClusterKeys | None = None
 
     @property
     def pids(self) -> list[int]:
@@ -253,14 +278,25 @@ class LocalCluster:
     async def _start(self) -> Cluster:
         self._tempdir = tempfile.mkdtemp(prefix="actorpipe-cluster-")
         address_file = os.path.join(self._tempdir, "head.address")
+        if self.insecure:
+            secure: list[str] = ["--insecure"]
+        else:
+            self.keys = ClusterKeys.create(os.path.join(self._tempdir, "keys"))
+            for i in range(self.num_nodes):
+                self.keys.add("node", f"node{i}")
+            secure = ["--keys", self.keys.directory]
         self._launch("head", ["--head", "--bind", "tcp://127.0.0.1:0", "--address-file", address_file,
-                              "--heartbeat-timeout", str(self.heartbeat_timeout)])
+                              "--heartbeat-timeout", str(self.heartbeat_timeout), *secure])
         self.address = await self._wait_for_file(address_file)
         allow = [arg for prefix in self.allow for arg in ("--allow", prefix)]
         for i in range(self.num_nodes):
-            self._launch(f"node{i}", ["--join", self.address, "--name", f"node{i}", *allow])
+            identity = [] if self.insecure else ["--identity", f"node{i}"]
+            self._launch(f"node{i}", ["--join", self.address, "--name", f"node{i}", *allow, *secure, *identity])
         cls = self.cluster_class or cluster_class()
-        self._cluster = await cls.connect(self.address)
+        if self.keys is None:
+            self._cluster = await cls.connect(self.address, insecure=True)
+        else:
+            self._cluster = await cls.connect(self.address, keys=self.keys.directory, identity="admin")
         self._cluster._admit_token = self._admit_token
         deadline = time.monotonic() + self.startup_timeout
         while len([n for n in await self._cluster.nodes() if n["state"] == "alive"]) < self.num_nodes:
@@ -317,6 +353,7 @@ class LocalCluster:
         if self._tempdir is not None:
             shutil.rmtree(self._tempdir, ignore_errors=True)
             self._tempdir = None
+            self.keys = None
 
 
 def _reap(processes: list[subprocess.Popen[bytes]], grace: float) -> None:

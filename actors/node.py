@@ -10,6 +10,7 @@ import os
 import sys
 
 from actors._registry import DEFAULT_ALLOW
+from actors.keys import DEFAULT_KEYS
 from actors.plugins import head_modules
 from actors._serve import HeadConfig, WorkerConfig, serve_head, serve_worker
 from transport.loop import run
@@ -32,6 +33,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         f"always admitted: {', '.join(DEFAULT_ALLOW)}")
     parser.add_argument("--allow-remote", action="store_true",
                         help="permit binding an address that is not loopback")
+    parser.add_argument("--keys", metavar="DIR", default=os.environ.get("ACTORPIPE_KEYS", DEFAULT_KEYS),
+                        help="the cluster's key directory (mode 0700); the head makes it on first start, workers "
+                        "and consoles on other machines need a copy (default: $ACTORPIPE_KEYS or %(default)s)")
+    parser.add_argument("--identity", metavar="NAME",
+                        help="which keypair in --keys this process uses (default: head, or node for a worker)")
+    parser.add_argument("--insecure", action="store_true",
+                        help="no keys: plaintext, and every peer that reaches the address is trusted "
+                        "(still loopback-only without --allow-remote)")
     parser.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds between heartbeats (head)")
     parser.add_argument("--heartbeat-timeout", type=float, default=2.0,
                         help="seconds of silence before the head marks a node lost")
@@ -55,12 +64,14 @@ def main(argv: list[str] | None = None) -> int:
                             heartbeat_interval=args.heartbeat_interval,
                             heartbeat_timeout=args.heartbeat_timeout, address_file=args.address_file,
                             allow=DEFAULT_ALLOW + tuple(args.allow),
-                            plugins=tuple(args.plugin) if args.plugin is not None else head_modules())
+                            plugins=tuple(args.plugin) if args.plugin is not None else head_modules(),
+                            keys=None if args.insecure else args.keys, identity=args.identity or "head")
         run(serve_head(head))
     else:
         worker = WorkerConfig(join=args.join, name=name, device=args.device,
                               bind=args.bind or "tcp://127.0.0.1:0", allow_remote=args.allow_remote,
-                              allow=DEFAULT_ALLOW + tuple(args.allow), head_timeout=args.head_timeout)
+                              allow=DEFAULT_ALLOW + tuple(args.allow), head_timeout=args.head_timeout,
+                              keys=None if args.insecure else args.keys, identity=args.identity or "node")
         run(serve_worker(worker))
     return 0
 

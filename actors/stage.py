@@ -23,7 +23,7 @@ from torch import nn
 from actors import _wgrad
 from actors._actor import Actor, endpoint
 from actors._allocator import keep_freed_memory
-from actors._errors import error_to_wire
+from actors._errors import NotAllowed, error_to_wire
 from actors._executor import ActionFailed, Inbox, StageModel, StepExecutor
 from actors._registry import DEFAULT_ALLOW, load_object, register_actor
 from actors._ref import ActorRef
@@ -62,6 +62,24 @@ def build_layers(
             f"the partition covers {config.bounds[-1][1]} layers but {config.model} built {len(layers)}"
         )
     return layers
+
+
+def layer_parameter_counts(model: str, model_kwargs: dict[str, Any], allow: Sequence[str]) -> list[int]:
+    """The parameter count of each layer the factory ``model`` builds, for partitioning.
+
+    The model is built on the meta device, so its parameters take no memory; torch's
+    device context is per thread, so stages computing in other threads are unaffected.
+    Layers are taken as :func:`build_layers` takes them.
+
+    Raises:
+        NotAllowed: the node's allow-list refuses ``model``.
+    """
+    factory = load_object(model, allow)
+    with torch.device("meta"):
+        built = factory(**model_kwargs)
+    if not isinstance(built, nn.Sequential):
+        built = nn.Sequential(*built)
+    return [sum(p.numel() for p in layer.parameters()) for layer in built.children()]
 
 
 @register_actor("stage")
@@ -166,7 +184,7 @@ class StageActor(Actor):
 
     # -- set-up ----------------------------------------------------------------------
 
-    @endpoint
+    @endpoint(roles=("head",))
     async def connect(self, peers: list[list[str]]) -> None:
         """Learns every rank's stage actor, indexed by rank."""
         if len(peers) != self.config.pipeline_stages:
@@ -175,7 +193,7 @@ class StageActor(Actor):
 
     # -- one step ----------------------------------------------------------------------
 
-    @endpoint
+    @endpoint(roles=("head",))
     async def run_step(
         self,
         step: int,
@@ -241,7 +259,7 @@ class StageActor(Actor):
             codec_stats=self._edge_stats,
         ).to_wire()
 
-    @endpoint
+    @endpoint(roles=("head",))
     async def finish_step(self, step: int) -> int:
         """The barrier is released: reduce gradients and step the optimizer.
 
@@ -253,7 +271,7 @@ class StageActor(Actor):
         await self.executor.finish(self._program, self._reduce)
         return self._reduced_bytes
 
-    @endpoint(concurrent=True)
+    @endpoint(concurrent=True, roles=("head",))
     async def abort_step(self, step: int) -> None:
         """Another member failed: stop this step and forget its values and gradients."""
         assert self.executor is not None
@@ -263,20 +281,45 @@ class StageActor(Actor):
         else:
             await self.executor.reset(step)
 
-    @endpoint(concurrent=True)
+    @endpoint(concurrent=True, roles=("node",))
     async def deliver(self, step: int, kind: str, stage: int, microbatch: int, value: torch.Tensor) -> None:
-        """A neighbour's activation (kind "F") or input gradient ("B") for ``stage``."""
+        """A neighbour's activation (kind "F") or input gradient ("B") for ``stage``.
+
+        Raises:
+            NotAllowed: not a slot this stage's programs expect (counted in ``refused_calls``).
+        """
         assert self.executor is not None
-        if kind not in ("F", "B") or stage not in self.config.stages:
-            raise ValueError(f"rank {self.config.pipeline_rank} holds stages {self.config.stages}, not a {kind} for {stage}")
+        self._check_slot(step, kind, stage, microbatch)
+        if not isinstance(value, torch.Tensor):
+            self.refused_calls += 1
+            raise NotAllowed(f"a delivery must carry a tensor, got {type(value).__name__}")
         self.executor.inbox.put((step, kind, stage, microbatch), value)
 
-    @endpoint(concurrent=True)
+    def _check_slot(self, step: Any, kind: Any, stage: Any, microbatch: Any) -> None:
+        """Refuses a delivery for a step other than the current or next, or a slot no program has.
+
+        An activation ("F") comes to a held stage with one before it, a gradient ("B")
+        to a held stage with one after it; the micro-batch is one of the current step's
+        (the next step may use up to 4x as many: micro_batches can change at the barrier).
+        """
+        assert self.executor is not None
+        ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (step, stage, microbatch))
+        limit = self.executor.num_microbatches * (1 if ints and step == self._step else 4)
+        fits = ints and kind in ("F", "B") and stage in self.config.stages and \
+            (stage > 0 if kind == "F" else stage < self.config.num_stages - 1) and \
+            step in (self._step, self._step + 1) and step >= 0 and 0 <= microbatch < limit
+        if not fits:
+            self.refused_calls += 1
+            raise NotAllowed(
+                f"rank {self.config.pipeline_rank} (step {self._step}, stages {self.config.stages}) expects no "
+                f"{str(kind)[:4]!r} for stage {str(stage)[:12]}, micro-batch {str(microbatch)[:12]} "
+                f"of step {str(step)[:12]}")
+
+    @endpoint(concurrent=True, roles=("node",))
     async def deliver_header(self, step: int, kind: str, stage: int, microbatch: int, header: dict[str, Any]) -> None:
         """A neighbour posted a tensor over torch.distributed: post the matching receive."""
         assert self.executor is not None and self._link is not None
-        if kind not in ("F", "B") or stage not in self.config.stages:
-            raise ValueError(f"rank {self.config.pipeline_rank} holds stages {self.config.stages}, not a {kind} for {stage}")
+        self._check_slot(step, kind, stage, microbatch)
         me = self._mesh.coords(self.config.global_rank)
         source_stage = stage - 1 if kind == "F" else stage + 1
         src = self._mesh.rank(Coords(me.data, stage_to_rank(source_stage, self.config.pipeline_stages), me.tensor))
@@ -293,7 +336,7 @@ class StageActor(Actor):
             return
         self.executor.inbox.put(key, value)
 
-    @endpoint
+    @endpoint(roles=("head",))
     async def set_codecs(self, activation_codec: list[str], gradient_codec: list[str]) -> None:
         """Changes the boundaries' codecs from the next step on (called at the barrier).
 
@@ -309,12 +352,12 @@ class StageActor(Actor):
                 self._feedback[edge] = ErrorFeedback(codec)
         self._codecs = {"F": list(activation_codec), "B": list(gradient_codec)}
 
-    @endpoint(concurrent=True)
+    @endpoint(concurrent=True, roles=("head",))
     async def clock(self) -> float:
         """This node's wall clock, for estimating its offset from the head's by round trips."""
         return time.time()
 
-    @endpoint(concurrent=True)
+    @endpoint(concurrent=True, roles=("head",))
     async def progress(self) -> dict[str, Any]:
         """What the stage is doing now (answered even mid-step)."""
         executor = self.executor
@@ -327,18 +370,18 @@ class StageActor(Actor):
 
     # -- state -------------------------------------------------------------------------
 
-    @endpoint
+    @endpoint(roles=("head",))
     async def state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's share of the model's state, under the unpartitioned model's keys."""
         assert self.executor is not None
         return await self.executor.compute(self._state_dict)
 
-    @endpoint
+    @endpoint(roles=("head",))
     async def shard_specs(self) -> dict[str, list[int]]:
         """How this stage's tensor-parallel parameters are split: key -> [dim, world, num_fused]."""
         return self._specs
 
-    @endpoint
+    @endpoint(roles=("head",))
     async def load_state_dict(self, state: dict[str, torch.Tensor]) -> list[str]:
         """Loads the entries this stage holds; returns the keys it took."""
         assert self.executor is not None

@@ -227,6 +227,9 @@ def start_nodes(link: _netns.Link, workdir: str, processes: list[subprocess.Pope
     whatever happens next.
     """
     address_file = os.path.join(workdir, "head.address")
+    # The cluster's keys: the head makes them on start; the nodes and the driver (children
+    # of this process, in either namespace) find them through the environment.
+    os.environ["ACTORPIPE_KEYS"] = os.path.join(workdir, "keys")
     common = ["--allow-remote", "--log-level", "WARNING"]
     with _netns.signals_deferred():  # a Ctrl-C between the start and the append would orphan the process
         processes.append(_netns.start_process(link.ns_a, _python_module(

@@ -2,10 +2,11 @@
 """One-way channel throughput against raw pyzmq, and codec speed, measured in one run.
 
 Two processes: this one sends, a spawned one receives. For each tensor size the same
-PUSH/PULL socket pair is driven twice — once through actorpipe's channel (msgpack
-header + zero-copy tensor frame, asyncio on uvloop, decoded back into a tensor) and
-once through raw blocking pyzmq sending the tensor's buffer with ``copy=False`` —
-alternating trials so machine noise hits both alike. The receiver times each block
+PUSH/PULL socket pair is driven three times — through actorpipe's channel (msgpack
+header + zero-copy tensor frame, asyncio on uvloop, decoded back into a tensor),
+through the same channel with CURVE (authenticated and encrypted, as every cluster
+socket is by default), and through raw blocking pyzmq sending the tensor's buffer
+with ``copy=False`` — alternating trials so machine noise hits all alike. The receiver times each block
 from its first message to its last. The last line printed is one JSON object.
 """
 
@@ -26,6 +27,7 @@ import zmq
 from transport.channel import open_receiver, open_sender
 from transport.codecs import CODEC_NAMES, get_codec
 from transport.loop import run
+from transport.security import Gate, Keypair
 
 SIZES = {"64KiB": 64 << 10, "1MiB": 1 << 20, "16MiB": 16 << 20}
 BYTES_PER_TRIAL = 512 << 20
@@ -50,11 +52,15 @@ def _raw_receive(address: str, plan: list[tuple[int, int]], results: Any, ready:
     sock.close(linger=0)
 
 
-def _channel_receive(address: str, plan: list[tuple[int, int]], results: Any, ready: Any) -> None:
+def _channel_receive(
+    address: str, plan: list[tuple[int, int]], results: Any, ready: Any, curve: tuple[Keypair, bytes] | None = None
+) -> None:
     torch.set_num_threads(1)
+    context: zmq.Context[Any] = zmq.Context()
+    gate = Gate(context, lambda: {curve[1]: "node:bench"}) if curve is not None else None
 
     async def main() -> None:
-        async with open_receiver(address, hwm=64) as rx:
+        async with open_receiver(address, hwm=64, context=context, curve=curve[0] if curve else None) as rx:
             ready.put(rx.address)
             for size, count in plan:
                 await rx.receive()
@@ -63,7 +69,12 @@ def _channel_receive(address: str, plan: list[tuple[int, int]], results: Any, re
                     tensor = await rx.receive()
                 results.put(((count - 1) * size, time.perf_counter() - start, tensor.numel() * 4))
 
-    run(main())
+    try:
+        run(main())
+    finally:
+        if gate is not None:
+            gate.stop()
+        context.term()
 
 
 def _raw_send(address: str, plan: list[tuple[int, int]]) -> None:
@@ -77,8 +88,8 @@ def _raw_send(address: str, plan: list[tuple[int, int]]) -> None:
     sock.close(linger=-1)
 
 
-async def _channel_send(address: str, plan: list[tuple[int, int]]) -> None:
-    async with open_sender(address, hwm=64, linger_ms=-1) as tx:
+async def _channel_send(address: str, plan: list[tuple[int, int]], curve: Keypair | None = None) -> None:
+    async with open_sender(address, hwm=64, linger_ms=-1, curve=curve) as tx:
         for size, count in plan:
             tensor = torch.ones(size // 4)
             for _ in range(count):
@@ -86,17 +97,19 @@ async def _channel_send(address: str, plan: list[tuple[int, int]]) -> None:
 
 
 def measure_throughput(kind: str, plan: list[tuple[int, int]]) -> list[float]:
-    """One trial: bytes/s per block of ``plan`` for ``kind`` ('channel' or 'raw')."""
+    """One trial: bytes/s per block of ``plan`` for ``kind`` ('channel', 'curve' or 'raw')."""
     ctx = mp.get_context("spawn")
     results, ready = ctx.Queue(), ctx.Queue()
-    target = _channel_receive if kind == "channel" else _raw_receive
+    target = _raw_receive if kind == "raw" else _channel_receive
     tempdir = tempfile.mkdtemp(prefix="actorpipe-bench-")
-    proc = ctx.Process(target=target, args=(f"ipc://{tempdir}/sock", plan, results, ready))
+    server, client = Keypair.generate(), Keypair.generate()
+    extra = ((server, client.public),) if kind == "curve" else ()
+    proc = ctx.Process(target=target, args=(f"ipc://{tempdir}/sock", plan, results, ready, *extra))
     proc.start()
     try:
         address = ready.get(timeout=60)
-        if kind == "channel":
-            run(_channel_send(address, plan))
+        if kind != "raw":
+            run(_channel_send(address, plan, client if kind == "curve" else None))
         else:
             _raw_send(address, plan)
         rates = []
@@ -139,18 +152,18 @@ def main() -> None:
     torch.set_num_threads(1)
 
     plan = [(size, _count(size)) for size in SIZES.values()]
-    samples: dict[str, list[list[float]]] = {"channel": [], "raw": []}
+    samples: dict[str, list[list[float]]] = {"channel": [], "raw": [], "curve": []}
     for _ in range(args.trials):
-        for kind in ("raw", "channel"):
+        for kind in ("raw", "channel", "curve"):
             samples[kind].append(measure_throughput(kind, plan))
     medians = {kind: [statistics.median(t[i] for t in trials) / 1e9 for i in range(len(plan))]
                for kind, trials in samples.items()}
 
     print(f"one-way throughput, ipc, PUSH/PULL, median of {args.trials} trials (GB/s)")
-    print(f"{'size':>8} {'raw pyzmq':>10} {'channel':>10} {'ratio':>7}")
+    print(f"{'size':>8} {'raw pyzmq':>10} {'channel':>10} {'ratio':>7} {'CURVE':>8} {'vs plain':>9}")
     for i, label in enumerate(SIZES):
-        raw, chan = medians["raw"][i], medians["channel"][i]
-        print(f"{label:>8} {raw:>10.2f} {chan:>10.2f} {chan / raw:>7.2f}")
+        raw, chan, curve = medians["raw"][i], medians["channel"][i], medians["curve"][i]
+        print(f"{label:>8} {raw:>10.2f} {chan:>10.2f} {chan / raw:>7.2f} {curve:>8.2f} {curve / chan:>9.2f}")
 
     codecs = measure_codecs()
     print("\ncodec encode+decode, 16 MiB float32, 1 thread")
@@ -163,6 +176,8 @@ def main() -> None:
         summary[f"channel_GBps_{label}"] = round(medians["channel"][i], 3)
         summary[f"raw_GBps_{label}"] = round(medians["raw"][i], 3)
         summary[f"channel_vs_raw_{label}"] = round(medians["channel"][i] / medians["raw"][i], 3)
+        summary[f"curve_GBps_{label}"] = round(medians["curve"][i], 3)
+        summary[f"curve_vs_plain_{label}"] = round(medians["curve"][i] / medians["channel"][i], 3)
     for name, (gbps, ratio) in codecs.items():
         summary[f"{name}_GBps"] = round(gbps, 3)
         summary[f"{name}_size_ratio"] = round(ratio, 4)

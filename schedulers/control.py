@@ -158,9 +158,11 @@ class JobController:
         publish: Publish,
         alive_nodes: Callable[[], Awaitable[set[str]]],
         store: Any = None,
+        owner: str = "",
     ) -> None:
         self.runtime = runtime
         self.id = job_id
+        self.owner = owner  # role:name of the key that created the job
         self.spec = spec
         self.mesh: Mesh = spec.mesh
         self.stages = stages  # by global rank in the mesh

@@ -1,6 +1,7 @@
 """The scheduler actor, on the head node: places jobs and hands every call on a job to its controller.
 
-Creating a job partitions the model, places one stage actor per node of the mesh,
+Creating a job places one stage actor per node of the mesh, partitions the model from
+the layer sizes the first of those nodes measures (the head never imports user code),
 starts the ``torch.distributed`` rendezvous when the mesh needs one, and wires the
 stages to their pipeline peers; from then on a
 :class:`~schedulers.control.JobController` owns the job. The endpoints here are the
@@ -22,7 +23,6 @@ import torch
 import torch.distributed as dist
 
 from actors import (
-    DEFAULT_ALLOW,
     HEAD,
     NODE,
     Actor,
@@ -31,9 +31,11 @@ from actors import (
     HeadActor,
     Mesh,
     NodeActor,
+    NotAllowed,
     StageActor,
+    current_caller,
     endpoint,
-    load_object,
+    may_call,
     register_actor,
 )
 from schedulers.control import JobController
@@ -44,6 +46,12 @@ from schedulers.records import JobDescription, JobInfo, RunInfo, SettingChange, 
 __all__ = ["SchedulerActor", "Subscribers"]
 
 log = logging.getLogger(__name__)
+
+
+def _may_act_on(job: JobController) -> bool:
+    """Whether the caller of the endpoint being served owns ``job`` (or may act on every job)."""
+    caller = current_caller()
+    return caller == job.owner or may_call(caller, frozenset())
 
 
 class Subscribers:
@@ -85,16 +93,12 @@ class SchedulerActor(Actor):
         self._ids = itertools.count()
         self._subscribers = Subscribers()
 
-    def _allow(self) -> tuple[str, ...]:
-        context = self.node_context
-        return context.allow if context is not None else DEFAULT_ALLOW
-
     def _publish(self, event: dict[str, Any]) -> None:
         self._subscribers.publish(self, event)
 
     # -- jobs ------------------------------------------------------------------------------
 
-    @endpoint
+    @endpoint(roles=("client",))
     async def create_job(self, spec: dict[str, Any]) -> dict[str, Any]:
         """Checks ``spec`` (a :class:`JobSpec` on the wire), places its stage actors and builds them.
 
@@ -103,13 +107,12 @@ class SchedulerActor(Actor):
 
         Raises:
             TypeError, ValueError: a bad spec, or too few nodes for the job.
-            NotAllowed: a factory outside the allow-list.
+            NotAllowed: a factory outside the allow-list (the message names the node that refused it).
         """
         job_spec = JobSpec.from_wire(spec)
         mesh = job_spec.mesh
-        # Importing the factory can take seconds: off the loop, so heartbeats go on.
-        bounds = await asyncio.to_thread(self._partition, job_spec)
         nodes = await self._place(mesh)
+        bounds = await self._partition(job_spec, nodes[0])
         job_id = f"job{next(self._ids)}"
         store, dist_config = self._rendezvous(job_spec, mesh)
         stages = await self._spawn_stages(job_id, job_spec, bounds, nodes, dist_config)
@@ -121,7 +124,7 @@ class SchedulerActor(Actor):
         names = [n["name"] for n in nodes]
         self._jobs[job_id] = JobController(
             runtime=self.runtime, job_id=job_id, spec=job_spec, stages=stages, nodes=names, bounds=bounds,
-            publish=self._publish, alive_nodes=self._alive_nodes, store=store)
+            publish=self._publish, alive_nodes=self._alive_nodes, store=store, owner=current_caller())
         log.info("%s: %s on %s", job_id, job_spec.schedule, ", ".join(names))
         self._publish({"type": "job_created", "job": job_id, "nodes": names})
         return JobInfo(job=job_id, bounds=bounds, nodes=names).to_wire()
@@ -150,15 +153,19 @@ class SchedulerActor(Actor):
         listener.detach()  # the store owns the descriptor now, and closes it when it goes
         return store, {"store": f"{host}:{store.port}", "backend": "gloo", "timeout_s": spec.step_timeout_s}
 
-    def _partition(self, spec: JobSpec) -> list[list[int]]:
-        factory = load_object(spec.model, self._allow())
-        with torch.device("meta"):  # count layers and parameters without allocating them
-            model = factory(**spec.model_kwargs)
-        layers = list(model.children()) if isinstance(model, torch.nn.Sequential) else list(model)
+    async def _partition(self, spec: JobSpec, node: dict[str, Any]) -> list[list[int]]:
+        """Stage bounds for ``spec``'s model, from layer sizes that ``node`` (a worker) measures.
+
+        The head never imports or calls a user's factory: the worker builds the model
+        on the meta device, under its own allow-list, and returns parameter counts.
+        """
+        describe = self.runtime.ref(node["address"], NODE).endpoint(NodeActor.describe_model, timeout=300)
+        counts = await describe.call(spec.model, dict(spec.model_kwargs))
         if spec.partition_method == "uniform":
-            bounds = partition_uniform(len(layers), spec.num_model_stages)
+            bounds = partition_uniform(len(counts), spec.num_model_stages)
         else:
-            bounds = partition_by_parameters(layers, spec.num_model_stages)
+            # Exact balancing is O(stages x layers log layers): off the loop for very deep models.
+            bounds = await asyncio.to_thread(partition_by_parameters, counts, spec.num_model_stages)
         return [list(b) for b in bounds]
 
     async def _nodes(self) -> list[dict[str, Any]]:
@@ -205,28 +212,39 @@ class SchedulerActor(Actor):
 
         await asyncio.gather(*(stop(ref) for ref in stages))
 
-    @endpoint(concurrent=True)
+    @endpoint(concurrent=True, roles=("client",))
     async def close_job(self, job_id: str) -> None:
         """Stops the job's run and its stage actors (after a step in progress); closing twice is fine."""
+        self._job(job_id)  # the owner's (or admin's) to close
         job = self._jobs.pop(job_id, None)
         if job is not None:
             await job.close(self._stop_stages)
             self._publish({"type": "job_closed", "job": job_id})
 
-    @endpoint(concurrent=True)
+    @endpoint(concurrent=True, roles=("client",))
     async def jobs(self) -> list[dict[str, Any]]:
-        """Every job, as a :class:`~schedulers.records.JobDescription` map."""
-        return [job.describe().to_wire() for job in self._jobs.values()]
+        """Every job the caller may see (its own; all for the admin), as :class:`JobDescription` maps."""
+        return [job.describe().to_wire() for job in self._jobs.values() if _may_act_on(job)]
 
     def _job(self, job_id: str) -> JobController:
+        """The job ``job_id``, if the caller owns it (or holds the admin key).
+
+        Raises:
+            KeyError: no such job (the caller's own jobs are listed).
+            NotAllowed: another client's job.
+        """
         job = self._jobs.get(job_id)
         if job is None:
-            raise KeyError(f"no job {str(job_id)[:40]!r}; running: {', '.join(self._jobs) or 'none'}")
+            mine = [j.id for j in self._jobs.values() if _may_act_on(j)]
+            raise KeyError(f"no job {str(job_id)[:40]!r}; running: {', '.join(mine) or 'none'}")
+        if not _may_act_on(job):
+            self.refused_calls += 1
+            raise NotAllowed(f"{job_id} belongs to {job.owner}; only its owner or the admin key may act on it")
         return job
 
     # -- one job's calls (each returns a record of schedulers.records as a map) ----------------------
 
-    @endpoint(concurrent=True)
+    @endpoint(concurrent=True, roles=("client",))
     async def step(
         self, job_id: str, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None
     ) -> dict[str, Any]:
@@ -234,56 +252,56 @@ class SchedulerActor(Actor):
         stats: StepStats = await self._job(job_id).step(inputs, targets)
         return stats.to_wire()
 
-    @endpoint(concurrent=True)
+    @endpoint(concurrent=True, roles=("client",))
     async def describe(self, job_id: str) -> dict[str, Any]:
         """A :class:`JobDescription` map: spec, layout, programs, run, last step."""
         description: JobDescription = self._job(job_id).describe()
         return description.to_wire()
 
-    @endpoint(concurrent=True)
+    @endpoint(concurrent=True, roles=("client",))
     async def where(self, job_id: str) -> dict[str, Any]:
         """A :class:`WhereReport` map: each stage's current action, what it waits for, the marked grid."""
         report: WhereReport = await self._job(job_id).where()
         return report.to_wire()
 
-    @endpoint(concurrent=True)
+    @endpoint(concurrent=True, roles=("client",))
     async def run(self, job_id: str, num_steps: int) -> dict[str, Any]:
         """Starts ``num_steps`` steps from the job's data factory in the background; a :class:`RunInfo` map."""
         info: RunInfo = self._job(job_id).start_run(num_steps)
         return info.to_wire()
 
-    @endpoint(concurrent=True)
+    @endpoint(concurrent=True, roles=("client",))
     async def pause(self, job_id: str) -> dict[str, Any]:
         """Holds the job's run before its next step; a :class:`JobDescription` map."""
         return self._job(job_id).pause().to_wire()
 
-    @endpoint(concurrent=True)
+    @endpoint(concurrent=True, roles=("client",))
     async def resume(self, job_id: str) -> dict[str, Any]:
         """Lets a paused run go on; a :class:`JobDescription` map."""
         return self._job(job_id).resume().to_wire()
 
-    @endpoint(concurrent=True)
+    @endpoint(concurrent=True, roles=("client",))
     async def stop_run(self, job_id: str) -> dict[str, Any]:
         """Ends the job's run after its current step; a :class:`JobDescription` map."""
         return self._job(job_id).stop_run().to_wire()
 
-    @endpoint(concurrent=True)
+    @endpoint(concurrent=True, roles=("client",))
     async def set_option(self, job_id: str, key: str, value: Any) -> dict[str, Any]:
         """Changes ``key`` from the next step on; a :class:`SettingChange` map."""
         change: SettingChange = self._job(job_id).set(key, value)
         return change.to_wire()
 
-    @endpoint(concurrent=True)
+    @endpoint(concurrent=True, roles=("client",))
     async def trace(self, job_id: str) -> dict[str, Any]:
         """The last step's measured timeline as Chrome/Perfetto trace JSON, on the head's clock."""
         return await self._job(job_id).trace()
 
-    @endpoint(concurrent=True)
+    @endpoint(concurrent=True, roles=("client",))
     async def state_dict(self, job_id: str) -> dict[str, torch.Tensor]:
         """The whole model's state under the unpartitioned keys."""
         return await self._job(job_id).state_dict()
 
-    @endpoint(concurrent=True)
+    @endpoint(concurrent=True, roles=("client",))
     async def load_state_dict(self, job_id: str, state: dict[str, torch.Tensor]) -> None:
         """Loads a whole-model state into every member; every key must be taken."""
         await self._job(job_id).load_state_dict(state)

@@ -30,7 +30,14 @@ from typing import Any
 
 import zmq
 
-from transport.wire import DEFAULT_MAX_MESSAGE_BYTES, decode_message, encode_message
+from transport.security import Keypair, configure_client, configure_server, join_address, split_address
+from transport.wire import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    MAX_FRAMES_PER_MESSAGE,
+    MessageTooLarge,
+    decode_message,
+    encode_message,
+)
 
 __all__ = [
     "ChannelClosed",
@@ -72,6 +79,7 @@ def open_receiver(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     allow_remote: bool = False,
     context: zmq.Context[Any] | None = None,
+    curve: Keypair | None = None,
 ) -> Receiver:
     """Binds a receiving channel.
 
@@ -83,6 +91,9 @@ def open_receiver(
             the decoder.
         allow_remote: permit binding an address that is not loopback.
         context: the ZeroMQ context; the process-wide one when None.
+        curve: listen as a CURVE server with this keypair (see :mod:`transport.security`;
+            the context needs a :class:`~transport.security.Gate`); the address then
+            ends in ``|<public key>``.
 
     Raises:
         ValueError: a non-loopback address without ``allow_remote``, or a malformed one.
@@ -94,6 +105,7 @@ def open_receiver(
         max_message_bytes=max_message_bytes,
         allow_remote=allow_remote,
         context=context,
+        curve=curve,
     )
 
 
@@ -104,10 +116,20 @@ def open_sender(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     linger_ms: int = DEFAULT_LINGER_MS,
     context: zmq.Context[Any] | None = None,
+    curve: Keypair | None = None,
 ) -> Sender:
-    """Connects a sending channel to a receiver's address (the receiver may come later)."""
+    """Connects a sending channel to a receiver's address (the receiver may come later).
+
+    Args:
+        curve: connect as a CURVE client with this keypair; ``address`` must then carry
+            the receiver's public key (``...|<hex>``), which the receiver must prove.
+
+    Raises:
+        ValueError: ``curve`` given for an address without a key.
+    """
     return Sender(
-        address, hwm=hwm, max_message_bytes=max_message_bytes, linger_ms=linger_ms, context=context
+        address, hwm=hwm, max_message_bytes=max_message_bytes, linger_ms=linger_ms, context=context,
+        curve=curve,
     )
 
 
@@ -182,10 +204,14 @@ class Receiver:
         max_message_bytes: int,
         allow_remote: bool,
         context: zmq.Context[Any] | None,
+        curve: Keypair | None = None,
     ) -> None:
-        bind_address, self._tempdir = _bind_address(address, allow_remote=allow_remote)
+        bind_address, self._tempdir = _bind_address(split_address(address)[0], allow_remote=allow_remote)
         self._max_message_bytes = max_message_bytes
         self._socket: zmq.Socket[Any] = (context or zmq.Context.instance()).socket(zmq.PULL)
+        if curve is not None:
+            configure_server(self._socket, curve)
+        self.secure = curve is not None
         self._socket.setsockopt(zmq.RCVHWM, hwm)
         self._socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -195,7 +221,8 @@ class Receiver:
             self._socket.close()
             self._remove_tempdir()
             raise
-        self.address: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.address: str = join_address(endpoint, curve.public) if curve is not None else endpoint
         self._readiness: _Readiness | None = None
         self._pumping: Callable[[], None] | None = None
         self._reading = False
@@ -204,9 +231,22 @@ class Receiver:
     async def receive_frames(self) -> list[zmq.Frame]:
         """Waits for the next message and returns its raw frames (no decoding).
 
+        Frames are taken one at a time and their sizes summed: a message over
+        ``max_message_bytes``, or over :data:`~transport.wire.MAX_FRAMES_PER_MESSAGE`
+        frames, is refused once the sum passes the limit, and its remaining frames
+        are received and released one by one. What this saves: the frames of a
+        refused message are never held together or decoded, and each one's buffer
+        is freed as it is read, instead of all of them staying referenced until the
+        decoder has refused the whole. What it cannot save: ZeroMQ delivers a
+        multipart message atomically, so before its first frame can be read every
+        frame is already queued in libzmq (each at most ``max_message_bytes``, the
+        per-frame ZMQ_MAXMSGSIZE libzmq enforces while reading the socket).
+
         Raises:
             ChannelClosed: the receiver is, or was while waiting, closed.
             RuntimeError: another task is already receiving on this channel.
+            transport.wire.MessageTooLarge: the message was over a limit; it was
+                dropped and the channel stays usable.
         """
         if self._reading:
             raise RuntimeError(f"two tasks receive on {self.address} at once; give the channel one reader")
@@ -216,17 +256,35 @@ class Receiver:
                 if self._socket.closed:
                     raise ChannelClosed(f"receiver {self.address} is closed")
                 try:
-                    frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                    frame = self._socket.recv(zmq.NOBLOCK, copy=False)
                     break
                 except zmq.Again:
                     pass
                 if self._readiness is None:
                     self._readiness = _Readiness(self._socket, sticky=True)
                 await self._readiness.wait(zmq.POLLIN)
+            # The rest of the message is queued already (multipart delivery is atomic).
+            limit = self._max_message_bytes
+            frames, nbytes = [frame], len(frame)
+            while frame.more and nbytes <= limit and len(frames) < MAX_FRAMES_PER_MESSAGE:
+                frame = self._socket.recv(zmq.NOBLOCK, copy=False)
+                nbytes += len(frame)
+                frames.append(frame)
+            if nbytes > limit or frame.more:
+                num_frames = len(frames)
+                frames.clear()
+                while frame.more:  # drop the rest, one frame at a time
+                    frame = self._socket.recv(zmq.NOBLOCK, copy=False)
+                    nbytes += len(frame)
+                    num_frames += 1
+                raise MessageTooLarge(
+                    f"refused a message of {nbytes} bytes in {num_frames} frames on {self.address}: over "
+                    f"the limit of {limit} bytes or {MAX_FRAMES_PER_MESSAGE} frames"
+                )
         finally:
             self._reading = False
         self._stats.messages += 1
-        self._stats.bytes += sum(len(f) for f in frames)
+        self._stats.bytes += nbytes
         return frames
 
     def pump(self, on_frames: Callable[[list[zmq.Frame]], None], *, batch: int = 64) -> None:
@@ -241,19 +299,44 @@ class Receiver:
         loop = asyncio.get_running_loop()
 
         def ready() -> None:
+            # Frame by frame, as in receive_frames: a message over the limit is dropped
+            # frame by frame and never reaches on_frames. A batch also ends once it has
+            # run 5 ms (after one message at least): a flood of costly messages must not
+            # keep the loop from its other callbacks, among them the answers to the
+            # small messages ZeroMQ fair-queues in between (heartbeats, pings).
+            limit = self._max_message_bytes
+            deadline = loop.time() + 0.005
             for _ in range(batch):
                 if self._socket.closed:
                     return
                 try:
-                    frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
+                    frame = self._socket.recv(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     return  # drained: the fd fires again on the next message
+                frames, nbytes = [frame], len(frame)
+                while frame.more and nbytes <= limit and len(frames) < MAX_FRAMES_PER_MESSAGE:
+                    frame = self._socket.recv(zmq.NOBLOCK, copy=False)  # queued already
+                    nbytes += len(frame)
+                    frames.append(frame)
+                if nbytes > limit or frame.more:
+                    num_frames = len(frames)
+                    frames.clear()
+                    while frame.more:
+                        frame = self._socket.recv(zmq.NOBLOCK, copy=False)
+                        nbytes += len(frame)
+                        num_frames += 1
+                    log.warning("refused a message of %d bytes in %d frames on %s: over the limit of %d "
+                                "bytes or %d frames", nbytes, num_frames, self.address, limit,
+                                MAX_FRAMES_PER_MESSAGE)
+                    continue
                 self._stats.messages += 1
-                self._stats.bytes += sum(len(f) for f in frames)
+                self._stats.bytes += nbytes
                 try:
                     on_frames(frames)
                 except Exception:
                     log.exception("message handler raised")
+                if loop.time() > deadline:
+                    break
             loop.call_soon(ready)  # more may be waiting: come back after others had a turn
 
         self._pumping = ready
@@ -311,16 +394,23 @@ class Sender:
         max_message_bytes: int,
         linger_ms: int,
         context: zmq.Context[Any] | None,
+        curve: Keypair | None = None,
     ) -> None:
+        endpoint, server_public = split_address(address)
+        if curve is not None and server_public is None:
+            raise ValueError(f"{address[:120]!r} carries no CURVE key (a secure peer's address ends in |<key>); "
+                             "is the peer started without keys (--insecure)?")
         self.address = address
         self._max_message_bytes = max_message_bytes
         self._linger_ms = linger_ms
         self._socket: zmq.Socket[Any] = (context or zmq.Context.instance()).socket(zmq.PUSH)
+        if curve is not None and server_public is not None:
+            configure_client(self._socket, curve, server_public)
         self._socket.setsockopt(zmq.SNDHWM, hwm)
         # Queue nothing for a peer that is not connected: an unreachable peer makes
         # send wait (and time out) instead of piling messages up in memory.
         self._socket.setsockopt(zmq.IMMEDIATE, 1)
-        self._socket.connect(address)
+        self._socket.connect(endpoint)
         self._readiness: _Readiness | None = None
         self._queue: asyncio.Lock | None = None
         self._num_queued = 0
@@ -371,6 +461,10 @@ class Sender:
     def send_nowait(self, payload: Any, *, codec: str = "none") -> int:
         """Sends one message now or raises :class:`WouldBlock`; never waits."""
         frames = encode_message(payload, codec=codec, max_bytes=self._max_message_bytes)
+        return self.send_frames_nowait(frames)
+
+    def send_frames_nowait(self, frames: list[Any]) -> int:
+        """Sends already encoded frames now or raises :class:`WouldBlock` (see :meth:`send_nowait`)."""
         if self._num_queued or not self._try_send(frames):
             raise WouldBlock(f"send queue to {self.address} is full")
         return self._count(frames)
@@ -435,7 +529,7 @@ def _bind_address(address: str, *, allow_remote: bool) -> tuple[str, str | None]
     if not allow_remote and not _is_loopback(host):
         raise ValueError(
             f"refusing to bind {address!r}: it is not a loopback address; pass "
-            "allow_remote=True (and use CURVE keys) to listen beyond this machine"
+            "allow_remote=True (with CURVE keys, the default for a cluster) to listen beyond this machine"
         )
     if port == "0":
         port = "*"

@@ -25,13 +25,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--bind", default="tcp://127.0.0.1:0",
                         help="where this console listens for replies; the head must reach it")
     parser.add_argument("--allow-remote", action="store_true", help="permit a --bind that is not loopback")
+    parser.add_argument("--keys", metavar="DIR", default=None,
+                        help="the cluster's key directory (default: $ACTORPIPE_KEYS or ~/.config/actorpipe/keys)")
+    parser.add_argument("--identity", default="client", metavar="NAME",
+                        help="which keypair in --keys this console uses (default: client; admin may do anything)")
+    parser.add_argument("--insecure", action="store_true", help="connect without keys, to a head started --insecure")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     return run(console_main(args.connect, script=args.script, history_path=args.history or None,
-                            bind=args.bind, allow_remote=args.allow_remote))
+                            bind=args.bind, allow_remote=args.allow_remote, keys=args.keys, identity=args.identity,
+                            insecure=args.insecure))
 
 
 if __name__ == "__main__":

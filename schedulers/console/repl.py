@@ -175,13 +175,14 @@ def _style(event: dict[str, Any]) -> str | None:
 
 
 async def console_main(address: str, *, script: str | None, history_path: str | None, bind: str,
-                       allow_remote: bool = False) -> int:
+                       allow_remote: bool = False, keys: str | None = None, identity: str = "client",
+                       insecure: bool = False) -> int:
     """Connects, then runs ``script`` or the prompt; the exit status (2: could not connect)."""
     out = Console(highlight=False)
     interactive = script is None
     try:
-        async with open_session(address, out, interactive=interactive, bind=bind,
-                                allow_remote=allow_remote) as session:
+        async with open_session(address, out, interactive=interactive, bind=bind, allow_remote=allow_remote,
+                                keys=keys, identity=identity, insecure=insecure) as session:
             if script is not None:
                 return await run_script(session, script)
             history: History = InMemoryHistory()

@@ -166,15 +166,17 @@ def _message(exc: ActorError) -> str:
 
 @contextlib.asynccontextmanager
 async def open_session(address: str, out: Console, *, interactive: bool, bind: str = "tcp://127.0.0.1:0",
-                       allow_remote: bool = False, timeout: float = 10.0) -> AsyncIterator[Session]:
+                       allow_remote: bool = False, timeout: float = 10.0, keys: str | None = None,
+                       identity: str = "client", insecure: bool = False) -> AsyncIterator[Session]:
     """Connects to the head at ``address`` and subscribes to its events, for the life of the block.
 
     Raises:
         CommandError: the head did not answer.
     """
     try:
-        cluster = await Cluster.connect(address, bind=bind, allow_remote=allow_remote, timeout=timeout)
-    except (ActorError, OSError) as exc:
+        cluster = await Cluster.connect(address, bind=bind, allow_remote=allow_remote, timeout=timeout, keys=keys,
+                                        identity=identity, insecure=insecure)
+    except (ActorError, OSError, ValueError) as exc:
         raise CommandError(f"cannot reach the head at {address}: {exc}; is `python -m actors.node --head` "
                            "running there?") from None
     session = Session(cluster, out, interactive=interactive)

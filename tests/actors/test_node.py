@@ -7,15 +7,21 @@ import os
 import signal
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 import pytest_asyncio
 import zmq
 import zmq.asyncio
 
+from transport.security import split_address
+
 from actors import (
+    NODE,
     Cluster,
+    ClusterKeys,
     LocalCluster,
+    NodeActor,
     NotAllowed,
     RemoteError,
     UnknownEndpoint,
@@ -35,9 +41,15 @@ def alive(pid: int) -> bool:
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
+_KEYS: list[ClusterKeys] = []  # the module cluster's keys, for the tests that attach more members
+
+
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def cluster() -> AsyncIterator[Cluster]:
-    async with LocalCluster(nodes=2, allow=["tests"]) as cluster:
+    local = LocalCluster(nodes=2, allow=["tests"])
+    async with local as cluster:
+        assert local.keys is not None
+        _KEYS[:] = [local.keys]
         yield cluster
 
 
@@ -86,9 +98,42 @@ async def test_factories_outside_the_allow_list_are_refused(cluster: Cluster) ->
         await node.ask("check_import", "import os; os.system('x')")
 
 
+async def test_the_allow_list_bypass_is_refused_by_a_node_and_names_it(cluster: Cluster, tmp_path: Path) -> None:
+    node = cluster.node_ref(next(n for n in await cluster.nodes() if n["name"] == "node0"))
+    marker = tmp_path / "marker.txt"
+    with pytest.raises(NotAllowed, match="node node0 refused it: .* may not pass through modules"):
+        await node.ask("check_import", "torch.nn:functional.torch.os.system")
+    with pytest.raises(NotAllowed, match="node node0 refused the model: .* may not pass through modules"):
+        await node.endpoint(NodeActor.describe_model, timeout=30).call(
+            "torch.nn:functional.torch.os.system", {"command": f"touch {marker}"})
+    with pytest.raises(NotAllowed, match="node node0 refused the model: .*start the node with --allow os"):
+        await node.endpoint(NodeActor.describe_model, timeout=30).call("os:system", {"command": f"touch {marker}"})
+    assert not marker.exists()
+
+
+async def test_a_node_describes_a_model_by_its_layers_parameter_counts(cluster: Cluster) -> None:
+    node = cluster.node_ref(next(n for n in await cluster.nodes() if n["name"] == "node1"))
+    describe = node.endpoint(NodeActor.describe_model, timeout=30)
+    assert await describe.call("tests.helpers.models:linear_stack", {"layers": 3, "dim": 4}) == [20, 20, 20]
+    # Built on the meta device: a model far larger than the node's memory costs nothing.
+    huge = await describe.call("tests.helpers.models:linear_stack", {"layers": 2, "dim": 1 << 20})
+    assert huge == [(1 << 40) + (1 << 20)] * 2
+    with pytest.raises(RemoteError, match="unexpected keyword argument 'nope'"):
+        await describe.call("tests.helpers.models:linear_stack", {"nope": 1})
+
+
+async def test_the_head_never_imports_user_code(cluster: Cluster) -> None:
+    head_agent = cluster.runtime.ref(cluster.head.address, NODE)
+    with pytest.raises(NotAllowed, match="is the head, which never imports user code"):
+        await head_agent.endpoint(NodeActor.describe_model, timeout=30).call("tests.helpers.models:linear_stack", {})
+    with pytest.raises(NotAllowed, match="is the head"):
+        await head_agent.ask("check_import", "torch.nn:Linear")
+
+
 async def test_per_sender_order_under_concurrent_senders_across_processes(cluster: Cluster) -> None:
     ref = await cluster.spawn("node1", "probe", "ordered")
-    async with open_runtime("tcp://127.0.0.1:0") as other:
+    keys = _KEYS[0]
+    async with open_runtime("tcp://127.0.0.1:0", keys=keys.identity("admin"), ring=keys.ring) as other:
         refs = {"driver": ref, "other": other.ref(ref.address, ref.name)}
 
         async def send(tag: str) -> None:
@@ -108,7 +153,7 @@ async def test_malformed_frames_to_a_node_leave_it_serving(cluster: Cluster) -> 
     ref = await cluster.spawn("node0", "probe", "sturdy")
     raw = zmq.asyncio.Context.instance().socket(zmq.PUSH)
     try:
-        raw.connect(ref.address)
+        raw.connect(split_address(ref.address)[0])  # plaintext: refused at the handshake, as garbage would be
         for frames in ([b"\xc1\xc1"], [b"\x93\x01\x91\x95\xa4none\xa5int99\x90\x80\x01", b"x"],
                        [b"\x93\x02\x90\xc4\x00"], [b"\x93\x01\x90\xc4\x01\x01"], [os.urandom(64), os.urandom(9)]):
             await raw.send_multipart(frames)
@@ -118,7 +163,7 @@ async def test_malformed_frames_to_a_node_leave_it_serving(cluster: Cluster) -> 
 
 
 async def test_connect_attaches_a_second_driver(cluster: Cluster) -> None:
-    async with Cluster.connect(cluster.head.address) as second:
+    async with Cluster.connect(cluster.head.address, keys=_KEYS[0].directory) as second:
         assert {n["name"] for n in await second.nodes()} == {"node0", "node1"}
 
 

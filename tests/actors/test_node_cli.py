@@ -16,13 +16,14 @@ def test_sigterm_and_sigint_stop_a_node_cleanly(tmp_path: object) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         address_file = f"{tmp_path}/addr-{sig}"
         proc = subprocess.Popen(
-            [sys.executable, "-m", "actors.node", "--head", "--bind", "ipc://", "--address-file", address_file],
+            [sys.executable, "-m", "actors.node", "--head", "--bind", "ipc://", "--address-file", address_file,
+             "--keys", f"{tmp_path}/keys"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         try:
             line = proc.stdout.readline()  # type: ignore[union-attr]
             assert line.startswith("actorpipe head listening at ipc://")
-            socket_path = line.split("ipc://")[1].strip()
+            socket_path = line.split("ipc://")[1].strip().partition("|")[0]  # the address carries the head's key
             assert os.path.exists(socket_path)
             proc.send_signal(sig)
             assert proc.wait(timeout=20) == 0
@@ -36,5 +37,6 @@ def test_sigterm_and_sigint_stop_a_node_cleanly(tmp_path: object) -> None:
 def test_help_documents_every_flag() -> None:
     out = subprocess.run([sys.executable, "-m", "actors.node", "--help"], capture_output=True, text=True, check=True)
     for flag in ("--head", "--join", "--bind", "--name", "--device", "--allow", "--allow-remote",
-                 "--heartbeat-interval", "--heartbeat-timeout", "--head-timeout", "--address-file", "--log-level"):
+                 "--heartbeat-interval", "--heartbeat-timeout", "--head-timeout", "--address-file", "--log-level",
+                 "--keys", "--identity", "--insecure"):
         assert flag in out.stdout

@@ -79,12 +79,23 @@ class _ClusterThread:
 
     async def _main(self) -> None:
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-        async with LocalCluster(nodes=2) as cluster:
+        local = LocalCluster(nodes=2)
+        async with local as cluster:
             # What a person would do with --allow: the hang test names a model under tests.helpers.
             await cluster.admit(["tests.helpers"])
+            assert local.keys is not None
+            # The consoles these tests start find the cluster's keys as a user's would.
+            self.previous_keys = os.environ.get("ACTORPIPE_KEYS")
+            os.environ["ACTORPIPE_KEYS"] = local.keys.directory
             self.address = cluster.head.address
             self._ready.set()
-            await self._stop.wait()
+            try:
+                await self._stop.wait()
+            finally:
+                if self.previous_keys is None:
+                    os.environ.pop("ACTORPIPE_KEYS", None)
+                else:
+                    os.environ["ACTORPIPE_KEYS"] = self.previous_keys
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import re
 import signal
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 import pytest_asyncio
@@ -16,15 +17,22 @@ import torch
 from actors import Cluster, LocalCluster, NotAllowed, RemoteError, StepFailed
 from examples.data import regression_batches
 from examples.models import residual_mlp
+from tests.helpers.import_marker import IMPORT_LOG_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.asyncio(loop_scope="module")]
 
 SMALL = {"blocks": 4, "dim": 16, "hidden": 32}
 
 
+_KEYS: list[str] = []  # the module cluster's key directory
+
+
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def cluster() -> AsyncIterator[Cluster]:
-    async with LocalCluster(nodes=2) as cluster:
+    local = LocalCluster(nodes=2)
+    async with local as cluster:
+        assert local.keys is not None
+        _KEYS[:] = [local.keys.directory]
         yield cluster
 
 
@@ -144,12 +152,43 @@ async def test_jobs_the_cluster_cannot_hold_are_refused_with_a_clear_error(clust
 
 
 async def test_factory_outside_the_allow_list_is_refused_with_how_to_admit_it(cluster: Cluster) -> None:
-    async with Cluster.connect(cluster.head.address) as stranger:  # no admission token: a hand-started cluster
+    # A client of the cluster without the LocalCluster's admission token: as on a hand-started cluster.
+    async with Cluster.connect(cluster.head.address, keys=_KEYS[0]) as stranger:
         # The allow-list is checked before anything is imported, so the module need not exist.
         with pytest.raises(NotAllowed, match="start the node with --allow tests.not_admitted"):
             await stranger.train(model="tests.not_admitted:linear_stack", pipeline_stages=1)
         with pytest.raises(NotAllowed, match="--allow os"):
             await stranger.train(model="os:system", pipeline_stages=1)
+
+
+async def test_a_factory_path_that_escapes_the_allow_list_is_refused_before_anything_runs(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    marker = tmp_path / "marker.txt"
+    jobs_before = await cluster.jobs()
+    # The probe's bypass: torch.nn is admitted, and the path walks from it to os.system.
+    with pytest.raises(NotAllowed, match=r"node node\d refused the model: .*may not pass through modules"):
+        await cluster.train(model="torch.nn:functional.torch.os.system",
+                            model_kwargs={"command": f"touch {marker}"}, pipeline_stages=1)
+    assert not marker.exists()
+    assert await cluster.jobs() == jobs_before
+
+
+async def test_the_head_never_imports_the_model_factory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    log = tmp_path / "imports.log"
+    monkeypatch.setenv(IMPORT_LOG_ENV, str(log))  # before the cluster starts: its processes inherit it
+    lc = LocalCluster(nodes=2)
+    async with lc as cluster:
+        job = await cluster.train(model="tests.helpers.import_marker:linear_stack", model_kwargs={"layers": 4},
+                                  pipeline_stages=2, micro_batches=2, partition_method="parameters")
+        try:
+            assert job.bounds == [[0, 2], [2, 4]]
+            await job.step(torch.randn(4, 16), torch.randn(4, 16))
+        finally:
+            await job.close()
+        importers = {int(line) for line in log.read_text().split()}
+        assert lc.processes["head"].pid not in importers
+        assert {lc.processes["node0"].pid, lc.processes["node1"].pid} <= importers
 
 
 async def test_node_lost_mid_step_fails_the_step_promptly() -> None:

@@ -1,0 +1,134 @@
+"""A cluster admits only its own keys, and each key may do only what its role may (issue 13's probe, as tests)."""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import AsyncIterator
+
+import pytest
+import pytest_asyncio
+import torch
+
+from actors import (
+    HEAD,
+    NODE,
+    ActorTimeout,
+    Cluster,
+    ClusterKeys,
+    HeadActor,
+    LocalCluster,
+    NodeActor,
+    NotAllowed,
+    StageActor,
+    open_runtime,
+)
+from transport.security import Keypair
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180), pytest.mark.asyncio(loop_scope="module")]
+
+MODEL = {"model": "examples.models:residual_mlp", "model_kwargs": {"blocks": 2, "dim": 8}, "pipeline_stages": 2,
+         "micro_batches": 2}
+_LOCAL: list[LocalCluster] = []
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def cluster() -> AsyncIterator[Cluster]:
+    local = LocalCluster(nodes=2)
+    async with local as cluster:
+        assert local.keys is not None
+        local.keys.add("client", "alice")
+        local.keys.add("client", "bob")
+        _LOCAL[:] = [local]
+        yield cluster
+
+
+def keys() -> ClusterKeys:
+    assert _LOCAL[0].keys is not None
+    return _LOCAL[0].keys
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(4, 2, 8), torch.randn(4, 2, 8)
+
+
+async def test_the_key_directory_is_private(cluster: Cluster) -> None:
+    directory = keys().directory
+    assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        if os.path.isfile(path):
+            assert stat.S_IMODE(os.stat(path).st_mode) == 0o600, name
+
+
+@pytest.mark.parametrize("who", ["plaintext", "unknown key"])
+async def test_a_peer_without_the_clusters_key_gets_no_answer(cluster: Cluster, who: str) -> None:
+    head = cluster.head.address
+    if who == "plaintext":
+        opened = open_runtime("tcp://127.0.0.1:0")
+    else:
+        stranger = Keypair.generate()
+        opened = open_runtime("tcp://127.0.0.1:0", keys=stranger, ring=lambda: {stranger.public: "client:me"})
+    async with opened as runtime:
+        with pytest.raises(ActorTimeout):  # refused at the handshake: not one byte reaches the head's decoder
+            await runtime.ref(head, HEAD).endpoint(HeadActor.nodes, timeout=1.0).call()
+    assert len(await cluster.nodes()) == 2  # the head goes on serving its members
+
+
+async def test_a_client_cannot_act_on_another_clients_job(cluster: Cluster) -> None:
+    async with Cluster.connect(cluster.head.address, keys=keys().directory, identity="alice") as alice, \
+            Cluster.connect(cluster.head.address, keys=keys().directory, identity="bob") as bob:
+        job = await alice.train(**MODEL)
+        try:
+            await job.step(*batch())
+            assert [d.job for d in await alice.jobs()] == [job.id]
+            assert job.id not in [d.job for d in await bob.jobs()]  # not even listed
+            with pytest.raises(NotAllowed, match=f"{job.id} belongs to client:alice"):
+                await bob.job(job.id)
+            theirs = await alice.job(job.id)  # a handle on alice's job ...
+            theirs.cluster = bob  # ... whose calls go through bob's connection: what a forged call does
+            for attempt in (theirs.state_dict(), theirs.close(), theirs.load_state_dict({}),
+                            theirs.set("micro_batches", 4), theirs.step(*batch())):
+                with pytest.raises(NotAllowed, match="only its owner or the admin key"):
+                    await attempt
+            assert [d.job for d in await cluster.jobs()] == [job.id]  # the admin key sees (and may do) all
+        finally:
+            await job.close()
+
+
+async def test_clients_cannot_register_nodes_spawn_actors_or_shut_nodes_down(cluster: Cluster) -> None:
+    node = next(n for n in await cluster.nodes() if n["name"] == "node0")
+    async with Cluster.connect(cluster.head.address, keys=keys().directory, identity="alice") as alice:
+        head = alice.runtime.ref(cluster.head.address, HEAD)
+        with pytest.raises(NotAllowed, match="may not call HeadActor.register"):
+            await head.endpoint(HeadActor.register, timeout=10).call({"name": 7, "address": 8})
+        agent = alice.runtime.ref(node["address"], NODE)
+        with pytest.raises(NotAllowed, match="may not call NodeActor.spawn"):
+            await agent.endpoint(NodeActor.spawn, timeout=10).call("probe", "mine", {})
+        with pytest.raises(NotAllowed, match="may not call NodeActor.shutdown"):
+            await agent.endpoint(NodeActor.shutdown, timeout=10).call()
+    assert {n["name"] for n in await cluster.nodes() if n["state"] == "alive"} == {"node0", "node1"}
+
+
+async def test_forged_deliveries_are_refused_and_counted(cluster: Cluster) -> None:
+    job = await cluster.train(**MODEL)
+    try:
+        await job.step(*batch())
+        (info,) = [d for d in await cluster.jobs() if d.job == job.id]
+        last = cluster.runtime.ref(*info.stages[1])
+        poison = torch.full((2, 2, 8), float("nan"))
+        # A client key may not deliver at all.
+        async with Cluster.connect(cluster.head.address, keys=keys().directory, identity="alice") as alice:
+            deliver = alice.runtime.ref(last.address, last.name).endpoint(StageActor.deliver, timeout=10)
+            with pytest.raises(NotAllowed, match="may not call StageActor.deliver"):
+                await deliver.call(1, "F", 1, 0, poison)
+        # A member's key may, but only for the current or next step and a slot the programs have.
+        async with open_runtime("tcp://127.0.0.1:0", keys=keys().identity("node0"), ring=keys().ring) as member:
+            deliver = member.ref(last.address, last.name).endpoint(StageActor.deliver, timeout=10)
+            for forged in ((1000, "F", 1, 0), (1, "F", 0, 0), (1, "B", 1, 0), (1, "F", 1, 99), (1, "X", 1, 0)):
+                with pytest.raises(NotAllowed, match="expects no"):
+                    await deliver.call(*forged, poison)
+        stats = await job.step(*batch())  # nothing forged got in: the step is clean
+        assert stats.loss == stats.loss  # not NaN
+    finally:
+        await job.close()
