@@ -1,0 +1,74 @@
+"""Two "hosts" (network namespaces joined by a veth pair, as root): a remote worker with its key joins, a stranger does not."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from actors import ClusterKeys
+from benchmarks import _netns
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180),
+              pytest.mark.skipif(_netns.unavailable_reason() is not None, reason=str(_netns.unavailable_reason()))]
+
+# Runs inside namespace B, on the other "host": one driver with the cluster's client
+# key (it must see the remote worker join), one stranger with a key of its own and one
+# with none (neither may get an answer from the head).
+PROBE = textwrap.dedent("""
+    import asyncio, sys
+    from actors import HEAD, ActorTimeout, HeadActor, open_runtime
+    from schedulers import Cluster
+    from transport.security import Keypair
+
+    async def main(address, keys, bind):
+        async with Cluster.connect(address, keys=keys, bind=bind, allow_remote=True, timeout=30) as driver:
+            nodes = await driver.wait_for_nodes(1, timeout=60)
+            print("member sees", sorted(n["name"] for n in nodes), flush=True)
+        stranger = Keypair.generate()
+        for label, security in (("stranger", {"keys": stranger, "ring": lambda: {stranger.public: "client:me"}}),
+                                ("plaintext", {})):
+            async with open_runtime(bind, allow_remote=True, **security) as runtime:
+                try:
+                    await runtime.ref(address, HEAD).endpoint(HeadActor.nodes, timeout=3).call()
+                    print(label, "ANSWERED", flush=True)
+                except ActorTimeout:
+                    print(label, "refused", flush=True)
+
+    asyncio.run(main(*sys.argv[1:]))
+""")
+
+
+def test_a_remote_worker_joins_with_its_key_and_a_remote_stranger_is_refused(tmp_path: Path) -> None:
+    link = _netns.make_link(f"k{os.getpid() % 100000}", subnet="10.213.9")
+    keys = ClusterKeys.create(tmp_path / "keys")
+    keys.add("node", "remote")
+    address_file = tmp_path / "head.address"
+    processes: list[subprocess.Popen[bytes]] = []
+    with _netns.open_link(link):
+        try:
+            processes.append(_netns.start_process(link.ns_a, [
+                sys.executable, "-m", "actors.node", "--head", "--bind", f"tcp://{link.addr_a}:0", "--allow-remote",
+                "--address-file", str(address_file), "--keys", keys.directory, "--log-level", "WARNING"]))
+            deadline = time.monotonic() + 60
+            while not address_file.exists():
+                assert processes[0].poll() is None and time.monotonic() < deadline, "the head did not start"
+                time.sleep(0.05)
+            address = address_file.read_text().strip()
+            assert address.startswith(f"tcp://{link.addr_a}:") and "|" in address
+            processes.append(_netns.start_process(link.ns_b, [
+                sys.executable, "-m", "actors.node", "--join", address, "--name", "remote", "--bind",
+                f"tcp://{link.addr_b}:0", "--allow-remote", "--keys", keys.directory, "--identity", "remote",
+                "--log-level", "WARNING"]))
+            probe = subprocess.run(_netns.netns_exec(link.ns_b, [
+                sys.executable, "-c", PROBE, address, keys.directory, f"tcp://{link.addr_b}:0"]),
+                cwd=_netns.REPO_ROOT, capture_output=True, text=True, timeout=120)
+            assert probe.returncode == 0, probe.stderr[-3000:]
+            assert probe.stdout.splitlines() == ["member sees ['remote']", "stranger refused", "plaintext refused"]
+        finally:
+            _netns.stop_processes(processes)
