@@ -3,7 +3,8 @@
 
 Three measurements in one run, on this machine's loopback:
 - actorpipe: a probe actor in node0 asks a probe actor in node1 (``ping``), one call
-  at a time, then with 64 calls in flight;
+  at a time, then with 64 calls in flight, over CURVE (the default) and again with
+  ``--insecure`` (plaintext), so the cost of encryption shows as its own ratio;
 - raw: two processes ping-pong a 64-byte message over a pair of PUSH/PULL sockets
   with ``zmq.asyncio`` on the same event loop (uvloop) and the same transport (tcp
   on 127.0.0.1) as a LocalCluster: the socket type actorpipe uses.
@@ -23,7 +24,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from actors import LocalCluster
+from schedulers import LocalCluster
 from transport.loop import run
 
 PAYLOAD = b"x" * 64
@@ -81,9 +82,9 @@ def measure_raw(count: int) -> list[float]:
     return run(main())
 
 
-async def measure_actors(count: int, in_flight_count: int) -> tuple[list[float], float]:
-    """Round trips between actors in two nodes, and requests/s with 64 in flight."""
-    async with LocalCluster(nodes=2) as cluster:
+async def measure_actors(count: int, in_flight_count: int, *, insecure: bool = False) -> tuple[list[float], float]:
+    """Round trips between actors in two nodes, and requests/s with 64 in flight (CURVE unless ``insecure``)."""
+    async with LocalCluster(nodes=2, insecure=insecure) as cluster:
         pinger = await cluster.spawn("node0", "probe", "pinger")
         target = await cluster.spawn("node1", "probe", "target")
         await pinger.ask("ping_peer", target.address, target.name, 200, timeout=120)  # warm up
@@ -99,16 +100,19 @@ def main() -> None:
 
     raw = measure_raw(args.count + 200)[200:]
     actor_rtts, req_per_s = run(measure_actors(args.count, args.count * 4))
+    plain_rtts, plain_req_per_s = run(measure_actors(args.count, args.count * 4, insecure=True))
     rows: dict[str, Any] = {
         "raw pyzmq async": raw,
         "actorpipe actor": actor_rtts,
+        "... --insecure": plain_rtts,
     }
     print(f"request/reply round trip, 2 processes, loopback, {args.count} calls (microseconds)")
     print(f"{'path':>18} {'median':>8} {'p99':>8}")
     for name, rtts in rows.items():
         print(f"{name:>18} {statistics.median(rtts) * 1e6:>8.1f} {_percentile(rtts, 0.99) * 1e6:>8.1f}")
-    print(f"actorpipe, 64 calls in flight: {req_per_s:,.0f} requests/s")
+    print(f"actorpipe, 64 calls in flight: {req_per_s:,.0f} requests/s (CURVE), {plain_req_per_s:,.0f} (--insecure)")
     rtt, raw_rtt = statistics.median(actor_rtts) * 1e6, statistics.median(raw) * 1e6
+    plain_rtt = statistics.median(plain_rtts) * 1e6
     print(json.dumps({
         "rtt_us": round(rtt, 1),
         "rtt_p99_us": round(_percentile(actor_rtts, 0.99) * 1e6, 1),
@@ -116,6 +120,10 @@ def main() -> None:
         "raw_rtt_p99_us": round(_percentile(raw, 0.99) * 1e6, 1),
         "rtt_ratio_vs_raw_zmq": round(rtt / raw_rtt, 3),
         "inflight64_req_per_s": round(req_per_s, 1),
+        "insecure_rtt_us": round(plain_rtt, 1),
+        "insecure_inflight64_req_per_s": round(plain_req_per_s, 1),
+        "curve_vs_insecure_rtt": round(rtt / plain_rtt, 3),
+        "curve_vs_insecure_inflight64": round(req_per_s / plain_req_per_s, 3),
     }))
 
 
