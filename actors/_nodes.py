@@ -11,7 +11,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from actors._actor import Actor, endpoint
+from actors._actor import Actor, current_caller, endpoint
 from actors._errors import ActorError, ActorStopped, NotAllowed
 from actors._registry import actor_class, load_object, registered_actors
 from transport.wire import excerpt
@@ -36,6 +36,7 @@ class NodeInfo:
     memory_bytes: int
     state: str = "alive"  # alive | lost | left
     last_heartbeat_age_s: float = 0.0
+    identity: str = ""  # role:name of the key it registered with ("" without keys)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -89,7 +90,7 @@ class HeadActor(Actor):
                              f"got {excerpt(info, 200)}")
         if any(len(info[k]) > 256 for k in ("name", "address", "device", "host")):
             raise ValueError("register: name, address, device and host are at most 256 characters")
-        node = NodeInfo(**{k: info[k] for k in kinds})
+        node = NodeInfo(**{k: info[k] for k in kinds}, identity=current_caller())
         previous = self._nodes.get(node.name)
         if previous is not None and previous.state == "alive" and previous.pid != node.pid:
             raise ValueError(f"a live node is already named {node.name!r} (pid {previous.pid}); pick another --name")

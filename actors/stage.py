@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from actors import _wgrad
-from actors._actor import Actor, endpoint
+from actors._actor import Actor, current_caller, endpoint, may_call
 from actors._allocator import keep_freed_memory
 from actors._errors import NotAllowed, error_to_wire
 from actors._executor import ActionFailed, Inbox, StageModel, StepExecutor
@@ -112,6 +112,7 @@ class StageActor(Actor):
         self._data: Any = None
         self._program: list[Action] = []
         self._running: tuple[int, asyncio.Task[Any]] | None = None
+        self._peer_identities: frozenset[str] = frozenset()  # the job's nodes' keys (see connect)
 
     async def on_start(self) -> None:
         context = self.node_context
@@ -185,11 +186,17 @@ class StageActor(Actor):
     # -- set-up ----------------------------------------------------------------------
 
     @endpoint(roles=("head",))
-    async def connect(self, peers: list[list[str]]) -> None:
-        """Learns every rank's stage actor, indexed by rank."""
+    async def connect(self, peers: list[list[str]], identities: list[str] | None = None) -> None:
+        """Learns every rank's stage actor, indexed by rank, and the keys their nodes hold.
+
+        Args:
+            identities: the ``role:name`` of the keys the job's nodes registered with;
+                ``deliver`` then takes tensors only from those keys.
+        """
         if len(peers) != self.config.pipeline_stages:
             raise ValueError(f"expected {self.config.pipeline_stages} peers, got {len(peers)}")
         self.peers = [self.runtime.ref(address, name) for address, name in peers]
+        self._peer_identities = frozenset(i for i in identities or () if i)
 
     # -- one step ----------------------------------------------------------------------
 
@@ -303,6 +310,10 @@ class StageActor(Actor):
         (the next step may use up to 4x as many: micro_batches can change at the barrier).
         """
         assert self.executor is not None
+        caller = current_caller()
+        if self._peer_identities and caller not in self._peer_identities and not may_call(caller, frozenset()):
+            self.refused_calls += 1
+            raise NotAllowed(f"{caller[:60]!r} holds no key of job {self.config.job}'s nodes; only its stages deliver")
         ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (step, stage, microbatch))
         limit = self.executor.num_microbatches * (1 if ints and step == self._step else 4)
         fits = ints and kind in ("F", "B") and stage in self.config.stages and \

@@ -116,9 +116,10 @@ class SchedulerActor(Actor):
         job_id = f"job{next(self._ids)}"
         store, dist_config = self._rendezvous(job_spec, mesh)
         stages = await self._spawn_stages(job_id, job_spec, bounds, nodes, dist_config)
+        identities = sorted({str(n.get("identity", "")) for n in nodes} - {""})
         await asyncio.gather(*(
             ref.endpoint(StageActor.connect, timeout=30).call(
-                [stages[r].to_wire() for r in mesh.pipeline_ranks(c.data, c.tensor)])
+                [stages[r].to_wire() for r in mesh.pipeline_ranks(c.data, c.tensor)], identities)
             for ref, c in ((ref, mesh.coords(g)) for g, ref in enumerate(stages))
         ))
         names = [n["name"] for n in nodes]

@@ -122,7 +122,13 @@ async def test_forged_deliveries_are_refused_and_counted(cluster: Cluster) -> No
             deliver = alice.runtime.ref(last.address, last.name).endpoint(StageActor.deliver, timeout=10)
             with pytest.raises(NotAllowed, match="may not call StageActor.deliver"):
                 await deliver.call(1, "F", 1, 0, poison)
-        # A member's key may, but only for the current or next step and a slot the programs have.
+        # A member's key that is none of this job's nodes' may not either.
+        outsider = keys().add("node", "outsider")
+        async with open_runtime("tcp://127.0.0.1:0", keys=outsider, ring=keys().ring) as member:
+            deliver = member.ref(last.address, last.name).endpoint(StageActor.deliver, timeout=10)
+            with pytest.raises(NotAllowed, match="holds no key of job"):
+                await deliver.call(1, "F", 1, 0, poison)
+        # The job's own nodes' keys may, but only for the current or next step and a slot the programs have.
         async with open_runtime("tcp://127.0.0.1:0", keys=keys().identity("node0"), ring=keys().ring) as member:
             deliver = member.ref(last.address, last.name).endpoint(StageActor.deliver, timeout=10)
             for forged in ((1000, "F", 1, 0), (1, "F", 0, 0), (1, "B", 1, 0), (1, "F", 1, 99), (1, "X", 1, 0)):
