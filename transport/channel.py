@@ -263,29 +263,40 @@ class Receiver:
                 if self._readiness is None:
                     self._readiness = _Readiness(self._socket, sticky=True)
                 await self._readiness.wait(zmq.POLLIN)
-            # The rest of the message is queued already (multipart delivery is atomic).
-            limit = self._max_message_bytes
-            frames, nbytes = [frame], len(frame)
-            while frame.more and nbytes <= limit and len(frames) < MAX_FRAMES_PER_MESSAGE:
-                frame = self._socket.recv(zmq.NOBLOCK, copy=False)
-                nbytes += len(frame)
-                frames.append(frame)
-            if nbytes > limit or frame.more:
-                num_frames = len(frames)
-                frames.clear()
-                while frame.more:  # drop the rest, one frame at a time
-                    frame = self._socket.recv(zmq.NOBLOCK, copy=False)
-                    nbytes += len(frame)
-                    num_frames += 1
-                raise MessageTooLarge(
-                    f"refused a message of {nbytes} bytes in {num_frames} frames on {self.address}: over "
-                    f"the limit of {limit} bytes or {MAX_FRAMES_PER_MESSAGE} frames"
-                )
+            frames, nbytes = self._gather(frame)
         finally:
             self._reading = False
         self._stats.messages += 1
         self._stats.bytes += nbytes
         return frames
+
+    def _gather(self, frame: zmq.Frame) -> tuple[list[zmq.Frame], int]:
+        """The rest of the message that ``frame`` starts, read frame by frame; returns it and its bytes.
+
+        The rest is queued already (multipart delivery is atomic).
+
+        Raises:
+            MessageTooLarge: over ``max_message_bytes`` or ``MAX_FRAMES_PER_MESSAGE``; its
+                remaining frames were read and released one by one.
+        """
+        limit = self._max_message_bytes
+        frames, nbytes = [frame], len(frame)
+        while frame.more and nbytes <= limit and len(frames) < MAX_FRAMES_PER_MESSAGE:
+            frame = self._socket.recv(zmq.NOBLOCK, copy=False)
+            nbytes += len(frame)
+            frames.append(frame)
+        if nbytes <= limit and not frame.more:
+            return frames, nbytes
+        num_frames = len(frames)
+        frames.clear()
+        while frame.more:  # drop the rest, one frame at a time
+            frame = self._socket.recv(zmq.NOBLOCK, copy=False)
+            nbytes += len(frame)
+            num_frames += 1
+        raise MessageTooLarge(
+            f"refused a message of {nbytes} bytes in {num_frames} frames on {self.address}: over "
+            f"the limit of {limit} bytes or {MAX_FRAMES_PER_MESSAGE} frames"
+        )
 
     def pump(self, on_frames: Callable[[list[zmq.Frame]], None], *, batch: int = 64) -> None:
         """Delivers every message to ``on_frames`` from the loop's reader callback.
@@ -304,7 +315,6 @@ class Receiver:
             # run 5 ms (after one message at least): a flood of costly messages must not
             # keep the loop from its other callbacks, among them the answers to the
             # small messages ZeroMQ fair-queues in between (heartbeats, pings).
-            limit = self._max_message_bytes
             deadline = loop.time() + 0.005
             for _ in range(batch):
                 if self._socket.closed:
@@ -313,21 +323,10 @@ class Receiver:
                     frame = self._socket.recv(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     return  # drained: the fd fires again on the next message
-                frames, nbytes = [frame], len(frame)
-                while frame.more and nbytes <= limit and len(frames) < MAX_FRAMES_PER_MESSAGE:
-                    frame = self._socket.recv(zmq.NOBLOCK, copy=False)  # queued already
-                    nbytes += len(frame)
-                    frames.append(frame)
-                if nbytes > limit or frame.more:
-                    num_frames = len(frames)
-                    frames.clear()
-                    while frame.more:
-                        frame = self._socket.recv(zmq.NOBLOCK, copy=False)
-                        nbytes += len(frame)
-                        num_frames += 1
-                    log.warning("refused a message of %d bytes in %d frames on %s: over the limit of %d "
-                                "bytes or %d frames", nbytes, num_frames, self.address, limit,
-                                MAX_FRAMES_PER_MESSAGE)
+                try:
+                    frames, nbytes = self._gather(frame)
+                except MessageTooLarge as exc:
+                    log.warning("%s", exc)
                     continue
                 self._stats.messages += 1
                 self._stats.bytes += nbytes
