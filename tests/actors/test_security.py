@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import stat
+import time
 from collections.abc import AsyncIterator
 
+import msgpack
 import pytest
 import pytest_asyncio
 import torch
+import zmq
 
 from actors import (
     HEAD,
@@ -138,3 +142,41 @@ async def test_forged_deliveries_are_refused_and_counted(cluster: Cluster) -> No
         assert stats.loss == stats.loss  # not NaN
     finally:
         await job.close()
+
+
+async def test_a_members_flood_leaves_the_head_answering_and_no_node_lost(cluster: Cluster) -> None:
+    """The probe's flood (30 msgpack lists of 5 million empty lists), from a key the cluster admits."""
+    from transport.security import configure_client, split_address
+
+    flood = [msgpack.packb([1, [], b"\xdd" + (5_000_000).to_bytes(4, "big") + b"\x90" * 5_000_000])]
+    endpoint, head_key = split_address(cluster.head.address)
+    assert head_key is not None
+    member = keys().identity("node0")
+    context = zmq.Context()
+    push = context.socket(zmq.PUSH)
+    try:
+        configure_client(push, member, head_key)
+        push.connect(endpoint)
+        events = cluster.events()
+        lost: list[dict[str, object]] = []
+
+        async def watch() -> None:
+            async for event in events:
+                if event.get("type") == "node_lost":
+                    lost.append(event)
+
+        watcher = asyncio.ensure_future(watch())
+        await asyncio.sleep(0.2)  # the subscription is in place
+        worst = 0.0
+        for _ in range(30):
+            await asyncio.to_thread(push.send_multipart, flood)
+            started = time.perf_counter()
+            assert len(await cluster.nodes()) == 2
+            worst = max(worst, time.perf_counter() - started)
+        await asyncio.sleep(2.5)  # longer than the heartbeat timeout (2 s): a starved head would mark nodes lost
+        watcher.cancel()
+        assert worst < 0.5, f"the head took {worst:.3f}s to answer under the flood"
+        assert not lost and {n["state"] for n in await cluster.nodes()} == {"alive"}
+    finally:
+        push.close(linger=0)
+        context.term()
