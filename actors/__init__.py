@@ -61,6 +61,7 @@ _EXPORTS = {
     "StageConfig": "actors.records",
     "StageReport": "actors.records",
     "WireRecord": "actors.records",
+    "RendezvousActor": "actors.rendezvous",
     "StageActor": "actors.stage",
     "ShardSpec": "actors.tensor_parallel",
     "gather_tensor_parallel_state": "actors.tensor_parallel",
@@ -162,6 +163,9 @@ if TYPE_CHECKING:  # explicit re-exports, for type checkers (the names resolve l
         StageConfig as StageConfig,
         StageReport as StageReport,
         WireRecord as WireRecord,
+    )
+    from actors.rendezvous import (
+        RendezvousActor as RendezvousActor,
     )
     from actors.stage import (
         StageActor as StageActor,

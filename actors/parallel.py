@@ -1,17 +1,19 @@
 """torch.distributed for a job's mesh: joining its groups, and data-parallel gradient averaging.
 
 Every stage actor of a job joins one process group spanning the job's mesh, with the
-head's store as the rendezvous, then builds every tensor- and data-parallel
+job's rendezvous on the head (``actors.rendezvous``), then builds every tensor- and data-parallel
 subgroup in the same order (as torch requires) and keeps its own.
 """
 
 from __future__ import annotations
 
 import datetime
+import fcntl
 import ipaddress
 import logging
 import os
 import socket
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -26,6 +28,9 @@ __all__ = ["ProcessGroups", "average_gradients", "join_process_groups", "leave_p
 
 log = logging.getLogger(__name__)
 
+_USER_GLOO_IFNAME = os.environ.get("GLOO_SOCKET_IFNAME")  # as the node was started: never overridden
+_SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
+
 
 @dataclass(slots=True)
 class ProcessGroups:
@@ -38,26 +43,33 @@ class ProcessGroups:
     buffers: dict[int, torch.Tensor] = field(default_factory=dict)  # flat gradient buckets, by index
 
 
-def join_process_groups(config: dict[str, Any], mesh: Mesh, rank: int, job: str) -> ProcessGroups:
+def join_process_groups(
+    config: dict[str, Any], mesh: Mesh, rank: int, job: str, store: dist.Store, *, own_address: str = ""
+) -> ProcessGroups:
     """Joins the job's process group and its subgroups; blocks until every member has.
 
     Args:
-        config: ``{"store": "HOST:PORT", "backend": "gloo" | "nccl", "timeout_s": float}``.
+        config: ``{"rendezvous": [ADDRESS, ACTOR], "backend": "gloo" | "nccl",
+            "timeout_s": float, "loopback": bool}``; ``loopback``: every member is on this
+            machine, so gloo listens on the loopback interface only.
+        store: the job's rendezvous (an :class:`actors.rendezvous.ActorStore`).
+        own_address: this node's runtime address: without ``loopback``, gloo listens on
+            the network interface that holds its IP address (the one the cluster reaches
+            this node at) rather than wherever the hostname resolves to. A
+            ``GLOO_SOCKET_IFNAME`` the node was started with always wins.
 
     Raises:
         RuntimeError: this process already belongs to another job's process group.
     """
     if dist.is_initialized():
         raise RuntimeError("this node already runs a stage of another distributed job; give each job its own nodes")
-    host, _, port = str(config["store"]).rpartition(":")
-    if _is_loopback(host) and "GLOO_SOCKET_IFNAME" not in os.environ:
-        # Every member is on this machine: gloo's own listeners stay on loopback too
-        # (by default gloo binds the address the hostname resolves to).
-        loopback = _loopback_interface()
-        if loopback is not None:
-            os.environ["GLOO_SOCKET_IFNAME"] = loopback
+    if _USER_GLOO_IFNAME is None:
+        interface = _loopback_interface() if config.get("loopback") else _interface_holding(own_address)
+        if interface is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
+        else:  # gloo binds the address the hostname resolves to
+            os.environ.pop("GLOO_SOCKET_IFNAME", None)
     timeout = datetime.timedelta(seconds=float(config.get("timeout_s", 600)))
-    store = dist.TCPStore(host, int(port), world_size=mesh.size, is_master=False, timeout=timeout)
     dist.init_process_group(backend=config.get("backend", "gloo"), store=dist.PrefixStore(job, store),
                             rank=rank, world_size=mesh.size, timeout=timeout)
     mine = {}
@@ -70,17 +82,33 @@ def join_process_groups(config: dict[str, Any], mesh: Mesh, rank: int, job: str)
     return ProcessGroups(data=mine["data"], tensor=mine["tensor"], data_size=mesh.data, tensor_size=mesh.tensor)
 
 
-def _is_loopback(host: str) -> bool:
-    try:
-        return host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
 def _loopback_interface() -> str | None:
     """The name of the loopback network interface ("lo" on Linux), if there is one."""
     names = [name for _, name in socket.if_nameindex()]
     return next((n for n in names if n == "lo" or n.startswith("lo")), None)
+
+
+def _interface_holding(address: str) -> str | None:
+    """The network interface whose IPv4 address is the host of ``tcp://HOST:PORT[|KEY]``, if any."""
+    scheme, _, rest = address.partition("|")[0].partition("://")
+    host = rest.rpartition(":")[0]
+    if scheme != "tcp" or not host:
+        return None
+    try:
+        wanted = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if wanted.version != 4 or wanted.is_unspecified:
+        return None
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            try:
+                answer = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address on this interface
+                continue
+        if socket.inet_ntoa(answer[20:24]) == str(wanted):
+            return name
+    return None
 
 
 def leave_process_groups() -> None:

@@ -96,7 +96,8 @@ class StageConfig(WireRecord):
     # The mesh, as [pipeline, tensor, data] sizes, and this actor's global rank in it.
     mesh: list[int] = field(default_factory=lambda: [1, 1, 1])
     global_rank: int = 0
-    # torch.distributed rendezvous: {"store": "HOST:PORT", "backend": "gloo", "timeout_s": 600}.
+    # torch.distributed: {"rendezvous": [ADDRESS, ACTOR], "backend": "gloo", "timeout_s": 600, "loopback": true}
+    # (see actors.parallel.join_process_groups).
     dist: dict[str, Any] | None = None
     bucket_bytes: int = 25 << 20
     reduce_codec: str = "none"  # data-parallel gradient codec (with error feedback when lossy)

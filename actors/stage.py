@@ -9,6 +9,7 @@ the scheduler releases the accumulation barrier.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import functools
 import logging
 import resource
@@ -32,6 +33,7 @@ from actors.p2p import DistLink
 from actors.parallel import ProcessGroups, average_gradients, join_process_groups, leave_process_groups
 from actors.program import Action, ActionKind, stage_to_rank
 from actors.records import StageConfig, StageReport
+from actors.rendezvous import ActorStore
 from actors.tensor_parallel import shard_for_tensor_parallel, tp_shard_specs
 from transport.codecs import Encoded, ErrorFeedback, get_codec
 
@@ -122,7 +124,8 @@ class StageActor(Actor):
         # thread, so that this node keeps heartbeating meanwhile.
         thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{self.config.pipeline_rank}-compute")
         try:
-            model = await asyncio.get_running_loop().run_in_executor(thread, self._build, allow, device)
+            loop = asyncio.get_running_loop()
+            model = await loop.run_in_executor(thread, self._build, allow, device, loop)
         except BaseException:
             thread.shutdown(wait=False)
             raise
@@ -134,7 +137,7 @@ class StageActor(Actor):
         # Each micro-batch brings at most one activation and one gradient per held stage.
         return 4 * num_microbatches * max(1, len(self.config.stages)) + 16
 
-    def _build(self, allow: Sequence[str], device: torch.device) -> StageModel:
+    def _build(self, allow: Sequence[str], device: torch.device, loop: asyncio.AbstractEventLoop) -> StageModel:
         cfg = self.config
         if cfg.threads_per_stage:
             torch.set_num_threads(cfg.threads_per_stage)
@@ -143,7 +146,11 @@ class StageActor(Actor):
         shard = None
         if cfg.dist is not None:
             mesh = Mesh(**dict(zip(("pipeline", "tensor", "data"), cfg.mesh)))
-            groups = self._groups = join_process_groups(cfg.dist, mesh, cfg.global_rank, cfg.job)
+            address, name = cfg.dist["rendezvous"]
+            store = ActorStore(self.runtime.ref(address, name), loop,
+                               datetime.timedelta(seconds=float(cfg.dist.get("timeout_s", 600))))
+            groups = self._groups = join_process_groups(cfg.dist, mesh, cfg.global_rank, cfg.job, store,
+                                                        own_address=self.runtime.address)
             if mesh.tensor > 1:
                 tp_rank = mesh.coords(cfg.global_rank).tensor
                 shard = functools.partial(shard_for_tensor_parallel, rank=tp_rank, world=mesh.tensor,

@@ -157,7 +157,7 @@ class JobController:
         bounds: list[list[int]],
         publish: Publish,
         alive_nodes: Callable[[], Awaitable[set[str]]],
-        store: Any = None,
+        rendezvous: str | None = None,
         owner: str = "",
     ) -> None:
         self.runtime = runtime
@@ -169,7 +169,7 @@ class JobController:
         self.nodes = nodes  # by global rank
         self.bounds = bounds
         self.programs = compile_programs(spec)
-        self.store = store  # the torch.distributed rendezvous this job's stages use, if any
+        self.rendezvous = rendezvous  # the name of the job's torch.distributed rendezvous actor, if any
         self.lock = asyncio.Lock()
         self.next_step = 0
         self.last_reports: list[StageReport] = []
@@ -542,4 +542,6 @@ class JobController:
             self.run_state.task.cancel()
         async with self.lock:
             await stop_stages(self.stages)
-        self.store = None  # the rendezvous server goes with its last reference
+            if self.rendezvous is not None:
+                await self.runtime.stop_actor(self.rendezvous)
+                self.rendezvous = None

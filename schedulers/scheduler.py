@@ -12,15 +12,12 @@ that calls them (typed, through ``ref.endpoint(SchedulerActor.method)``).
 from __future__ import annotations
 
 import asyncio
-import datetime
 import itertools
 import logging
-import socket
 import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from actors import (
     HEAD,
@@ -32,6 +29,7 @@ from actors import (
     Mesh,
     NodeActor,
     NotAllowed,
+    RendezvousActor,
     StageActor,
     current_caller,
     endpoint,
@@ -42,6 +40,7 @@ from schedulers.control import JobController
 from schedulers.jobs import JobSpec, stage_config
 from schedulers.partition import partition_by_parameters, partition_uniform
 from schedulers.records import JobDescription, JobInfo, RunInfo, SettingChange, StepStats, WhereReport
+from transport.channel import is_local_address
 
 __all__ = ["SchedulerActor", "Subscribers"]
 
@@ -114,45 +113,46 @@ class SchedulerActor(Actor):
         nodes = await self._place(mesh)
         bounds = await self._partition(job_spec, nodes[0])
         job_id = f"job{next(self._ids)}"
-        store, dist_config = self._rendezvous(job_spec, mesh)
-        stages = await self._spawn_stages(job_id, job_spec, bounds, nodes, dist_config)
-        identities = sorted({str(n.get("identity", "")) for n in nodes} - {""})
-        await asyncio.gather(*(
-            ref.endpoint(StageActor.connect, timeout=30).call(
-                [stages[r].to_wire() for r in mesh.pipeline_ranks(c.data, c.tensor)], identities)
-            for ref, c in ((ref, mesh.coords(g)) for g, ref in enumerate(stages))
-        ))
+        rendezvous, dist_config = await self._rendezvous(job_id, job_spec, mesh, nodes)
+        try:
+            stages = await self._spawn_stages(job_id, job_spec, bounds, nodes, dist_config)
+            identities = sorted({str(n.get("identity", "")) for n in nodes} - {""})
+            await asyncio.gather(*(
+                ref.endpoint(StageActor.connect, timeout=30).call(
+                    [stages[r].to_wire() for r in mesh.pipeline_ranks(c.data, c.tensor)], identities)
+                for ref, c in ((ref, mesh.coords(g)) for g, ref in enumerate(stages))
+            ))
+        except BaseException:
+            if rendezvous is not None:
+                await self.runtime.stop_actor(rendezvous)
+            raise
         names = [n["name"] for n in nodes]
         self._jobs[job_id] = JobController(
             runtime=self.runtime, job_id=job_id, spec=job_spec, stages=stages, nodes=names, bounds=bounds,
-            publish=self._publish, alive_nodes=self._alive_nodes, store=store, owner=current_caller())
+            publish=self._publish, alive_nodes=self._alive_nodes, rendezvous=rendezvous,
+            owner=current_caller())
         log.info("%s: %s on %s", job_id, job_spec.schedule, ", ".join(names))
         self._publish({"type": "job_created", "job": job_id, "nodes": names})
         return JobInfo(job=job_id, bounds=bounds, nodes=names).to_wire()
 
-    def _rendezvous(self, spec: JobSpec, mesh: Mesh) -> tuple[Any, dict[str, Any] | None]:
-        """A torch.distributed store on the head for a job whose mesh needs collectives.
+    async def _rendezvous(
+        self, job_id: str, spec: JobSpec, mesh: Mesh, nodes: list[dict[str, Any]]
+    ) -> tuple[str | None, dict[str, Any] | None]:
+        """The job's torch.distributed rendezvous, for a mesh that needs collectives.
 
-        It listens only where the head itself listens (loopback unless the head was
-        started with ``--allow-remote`` on another address): TCPStore would otherwise
-        bind every interface, so the head binds the socket and hands TCPStore its fd.
+        It is an actor on the head (:class:`~actors.rendezvous.RendezvousActor`) that
+        serves only the keys of the job's nodes, over the cluster's own authenticated
+        channel: nothing new listens anywhere. Returns its name and the stages' ``dist``
+        config.
         """
         if mesh.tensor == 1 and mesh.data == 1 and spec.transport == "zmq":
             return None, None
-        host = self.runtime.address.removeprefix("tcp://").rpartition(":")[0] if \
-            self.runtime.address.startswith("tcp://") else "127.0.0.1"
-        listener = socket.socket(socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET)
-        listener.bind((host.strip("[]"), 0))
-        listener.listen(1024)
-        timeout = datetime.timedelta(seconds=spec.step_timeout_s)
-        try:
-            store = dist.TCPStore(host.strip("[]"), listener.getsockname()[1], world_size=mesh.size, is_master=True,
-                                  timeout=timeout, wait_for_workers=False, master_listen_fd=listener.fileno())
-        except BaseException:
-            listener.close()
-            raise
-        listener.detach()  # the store owns the descriptor now, and closes it when it goes
-        return store, {"store": f"{host}:{store.port}", "backend": "gloo", "timeout_s": spec.step_timeout_s}
+        name = f"{job_id}.rendezvous"
+        members = {str(n.get("identity", "")) for n in nodes} - {""}
+        await self.runtime.spawn(RendezvousActor(members, timeout_s=spec.step_timeout_s, job=job_id), name)
+        loopback = all(is_local_address(str(n["address"])) for n in nodes)
+        return name, {"rendezvous": [self.runtime.address, name], "backend": "gloo",
+                      "timeout_s": spec.step_timeout_s, "loopback": loopback}
 
     async def _partition(self, spec: JobSpec, node: dict[str, Any]) -> list[list[int]]:
         """Stage bounds for ``spec``'s model, from layer sizes that ``node`` (a worker) measures.

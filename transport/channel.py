@@ -45,6 +45,7 @@ __all__ = [
     "Receiver",
     "Sender",
     "WouldBlock",
+    "is_local_address",
     "open_receiver",
     "open_sender",
 ]
@@ -533,6 +534,14 @@ def _bind_address(address: str, *, allow_remote: bool) -> tuple[str, str | None]
     if port == "0":
         port = "*"
     return f"tcp://{host}:{port}", None
+
+
+def is_local_address(address: str) -> bool:
+    """Whether a runtime's ``address`` (with or without its key part) is reachable only
+    from this machine: ``ipc://`` or TCP on a loopback address."""
+    endpoint = address.partition("|")[0]
+    scheme, _, rest = endpoint.partition("://")
+    return scheme == "ipc" or (scheme == "tcp" and _is_loopback(rest.rpartition(":")[0]))
 
 
 def _is_loopback(host: str) -> bool:

@@ -72,3 +72,64 @@ def test_a_remote_worker_joins_with_its_key_and_a_remote_stranger_is_refused(tmp
             assert probe.stdout.splitlines() == ["member sees ['remote']", "stranger refused", "plaintext refused"]
         finally:
             _netns.stop_processes(processes)
+
+
+# Runs inside namespace B: the driver trains a job whose two data-parallel replicas sit
+# on different "hosts", so their gloo group meets through the head's rendezvous actor.
+TRAIN = textwrap.dedent("""
+    import asyncio, math, sys
+    import torch
+    from schedulers import Cluster
+
+    async def main(address, keys, bind):
+        async with Cluster.connect(address, keys=keys, bind=bind, allow_remote=True, timeout=30) as driver:
+            await driver.wait_for_nodes(2, timeout=60)
+            job = await driver.train(model="examples.models:residual_mlp", model_kwargs={"blocks": 2, "dim": 8},
+                                     data_parallel=2, micro_batches=2, step_timeout_s=60)
+            try:
+                torch.manual_seed(0)
+                for _ in range(2):
+                    stats = await job.step(torch.randn(8, 2, 8), torch.randn(8, 2, 8))
+                    print("loss finite", math.isfinite(stats.loss), flush=True)
+            finally:
+                await job.close()
+
+    asyncio.run(main(*sys.argv[1:]))
+""")
+
+
+def test_data_parallel_replicas_on_two_hosts_meet_through_the_heads_channel(tmp_path: Path) -> None:
+    from tests.schedulers.test_listeners import listening_addresses
+
+    link = _netns.make_link(f"r{os.getpid() % 100000}", subnet="10.213.10")
+    keys = ClusterKeys.create(tmp_path / "keys")
+    for name in ("near", "far"):
+        keys.add("node", name)
+    address_file = tmp_path / "head.address"
+    processes: list[subprocess.Popen[bytes]] = []
+    with _netns.open_link(link):
+        try:
+            processes.append(_netns.start_process(link.ns_a, [
+                sys.executable, "-m", "actors.node", "--head", "--bind", f"tcp://{link.addr_a}:0", "--allow-remote",
+                "--address-file", str(address_file), "--keys", keys.directory, "--log-level", "WARNING"]))
+            deadline = time.monotonic() + 60
+            while not address_file.exists():
+                assert processes[0].poll() is None and time.monotonic() < deadline, "the head did not start"
+                time.sleep(0.05)
+            address = address_file.read_text().strip()
+            head_listens = listening_addresses(processes[0].pid)
+            for name, ns, host in (("near", link.ns_a, link.addr_a), ("far", link.ns_b, link.addr_b)):
+                processes.append(_netns.start_process(ns, [
+                    sys.executable, "-m", "actors.node", "--join", address, "--name", name, "--bind",
+                    f"tcp://{host}:0", "--allow-remote", "--keys", keys.directory, "--identity", name,
+                    "--log-level", "WARNING"]))
+            run = subprocess.run(_netns.netns_exec(link.ns_b, [
+                sys.executable, "-c", TRAIN, address, keys.directory, f"tcp://{link.addr_b}:0"]),
+                cwd=_netns.REPO_ROOT, capture_output=True, text=True, timeout=150)
+            assert run.returncode == 0, run.stderr[-3000:]
+            assert run.stdout.splitlines() == ["loss finite True"] * 2
+            # No store of its own: the head listens where it did before the job, on its runtime's port only.
+            assert listening_addresses(processes[0].pid) == head_listens
+            assert [port for _, port in head_listens] == [int(address.partition("|")[0].rpartition(":")[2])]
+        finally:
+            _netns.stop_processes(processes)

@@ -24,7 +24,9 @@ from actors import (
     LocalCluster,
     NodeActor,
     NotAllowed,
+    RendezvousActor,
     StageActor,
+    UnknownActor,
     open_runtime,
 )
 from transport.security import Keypair
@@ -142,6 +144,31 @@ async def test_forged_deliveries_are_refused_and_counted(cluster: Cluster) -> No
         assert stats.loss == stats.loss  # not NaN
     finally:
         await job.close()
+
+
+async def test_a_jobs_rendezvous_serves_only_its_own_nodes_and_goes_with_the_job(cluster: Cluster) -> None:
+    job = await cluster.train(**{**MODEL, "pipeline_stages": 1, "data_parallel": 2})
+    store = f"{job.id}.rendezvous"
+    try:
+        await job.step(*batch())  # the two replicas formed their gloo group through it
+        head = cluster.head.address
+        async with Cluster.connect(head, keys=keys().directory, identity="alice") as alice:
+            get = alice.runtime.ref(head, store).endpoint(RendezvousActor.get, timeout=10)
+            with pytest.raises(NotAllowed, match="may not call RendezvousActor.get"):
+                await get.call("x")
+        intruder = keys().add("node", "intruder")
+        async with open_runtime("tcp://127.0.0.1:0", keys=intruder, ring=keys().ring) as member:
+            for attempt in (member.ref(head, store).endpoint(RendezvousActor.num_keys, timeout=10).call(),
+                            member.ref(head, store).endpoint(RendezvousActor.set, timeout=10).call("k", b"v")):
+                with pytest.raises(NotAllowed, match="only its members use its rendezvous"):
+                    await attempt
+        async with open_runtime("tcp://127.0.0.1:0", keys=keys().identity("node0"), ring=keys().ring) as member:
+            assert await member.ref(head, store).endpoint(RendezvousActor.num_keys, timeout=10).call() > 0
+    finally:
+        await job.close()
+    async with open_runtime("tcp://127.0.0.1:0", keys=keys().identity("node0"), ring=keys().ring) as member:
+        with pytest.raises(UnknownActor):
+            await member.ref(cluster.head.address, store).endpoint(RendezvousActor.num_keys, timeout=10).call()
 
 
 async def test_a_members_flood_leaves_the_head_answering_and_no_node_lost(cluster: Cluster) -> None:

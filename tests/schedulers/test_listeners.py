@@ -41,7 +41,8 @@ def listening_addresses(pid: int) -> list[tuple[str, int]]:
     """Every TCP socket the process ``pid`` listens on, as (address, port)."""
     inodes = _socket_inodes(pid)
     found = []
-    for path, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+    # The process's own view: the network namespace it lives in.
+    for path, family in ((f"/proc/{pid}/net/tcp", socket.AF_INET), (f"/proc/{pid}/net/tcp6", socket.AF_INET6)):
         if not os.path.exists(path):
             continue
         with open(path) as f:
@@ -69,13 +70,16 @@ def test_listening_addresses_sees_a_wildcard_listener() -> None:
 async def test_a_job_with_a_rendezvous_and_collectives_listens_only_on_loopback(transport: str) -> None:
     local = LocalCluster(nodes=2)
     async with local as cluster:
+        head_before = listening_addresses(local.processes["head"].pid)
         job = await cluster.train(model="examples.models:residual_mlp", model_kwargs={"blocks": 2, "dim": 8},
                                   data_parallel=2, micro_batches=2, transport=transport)
         try:
             await job.step(torch.randn(8, 2, 8), torch.randn(8, 2, 8))
             pids = {name: proc.pid for name, proc in local.processes.items()}
             seen = {name: listening_addresses(pid) for name, pid in pids.items()}
-            assert any(seen.values()), seen  # the head's runtime and the rendezvous store at least
+            assert any(seen.values()), seen  # gloo's listeners on the workers at least
+            # The rendezvous is an actor on the head's own channel: the head opens no listener for it.
+            assert seen["head"] == head_before
             for name, addresses in seen.items():
                 outside = [a for a in addresses if not ipaddress.ip_address(a[0]).is_loopback]
                 assert not outside, f"{name} listens beyond loopback: {outside}"
