@@ -15,7 +15,9 @@ __all__ = [
     "ActorStopped",
     "ActorTimeout",
     "BadArguments",
+    "HeadLost",
     "MailboxFull",
+    "NodeLost",
     "NotAllowed",
     "RemoteError",
     "StepFailed",
@@ -108,6 +110,22 @@ class StepFailed(ActorError):
         return str(self.details.get("cause", ""))
 
 
+class NodeLost(StepFailed):
+    """A node of the job stopped answering (killed, stopped, cut off): ``node`` names it.
+
+    Raised by a step the node was part of, and at once by every later call on the job
+    (step, state, checkpoint) until the job recovers (``max_restarts``) or is closed.
+    """
+
+    @property
+    def node(self) -> str:
+        return str(self.details.get("node", ""))
+
+
+class HeadLost(ActorStopped):
+    """The driver lost the head: its process ended or it stopped answering pings."""
+
+
 ERROR_KINDS: dict[str, type[ActorError]] = {
     cls.__name__: cls
     for cls in (
@@ -120,6 +138,8 @@ ERROR_KINDS: dict[str, type[ActorError]] = {
         MailboxFull,
         NotAllowed,
         StepFailed,
+        NodeLost,
+        HeadLost,
     )
 }
 

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from actors._actor import Actor, current_caller, endpoint
-from actors._errors import ActorError, ActorStopped, NotAllowed
+from actors._errors import ActorError, ActorStopped, NodeLost, NotAllowed
 from actors._registry import actor_class, load_object, registered_actors
 from transport.wire import excerpt
 
@@ -127,6 +127,11 @@ class HeadActor(Actor):
             out.append(asdict(node))
         return out
 
+    @endpoint(concurrent=True)
+    async def ping(self) -> float:
+        """The head's clock: a driver's liveness probe (any member may ask)."""
+        return time.time()
+
     @endpoint
     async def subscribe(self, address: str, actor: str) -> None:
         """Sends every later event to ``actor.on_event(event)`` at ``address``."""
@@ -153,7 +158,8 @@ class HeadActor(Actor):
                 if node.state == "alive" and silent > self.heartbeat_timeout:
                     node.state = "lost"
                     log.warning("node %s lost: no heartbeat for %.1fs", name, silent)
-                    self.runtime.fail_calls_to(node.address, ActorStopped(f"node {name} was lost"))
+                    self.runtime.fail_calls_to(node.address, NodeLost(
+                        f"node {name} was lost: no heartbeat for {silent:.1f}s", details={"node": name}))
                     self._publish({"type": "node_lost", "node": name, "silent_s": round(silent, 3)})
 
     def _publish(self, event: dict[str, Any]) -> None:

@@ -29,8 +29,8 @@ from collections.abc import AsyncIterator, Generator, Iterable, Sequence
 from typing import Any, Generic, TypeVar
 
 from actors._actor import Actor, endpoint
-from actors._errors import ActorTimeout
-from actors._nodes import HEAD, NODE
+from actors._errors import ActorError, ActorTimeout, HeadLost
+from actors._nodes import HEAD, NODE, HeadActor
 from actors._serve import ADMIT_TOKEN_ENV, head_address, security
 from actors.keys import DEFAULT_KEYS, ClusterKeys
 from actors._ref import ActorRef
@@ -66,6 +66,48 @@ class Cluster:
         self._stack = stack
         self._events: asyncio.Queue[dict[str, Any]] | None = None
         self._admit_token = ""  # set by LocalCluster, which may admit a job's factories
+        self.head_lost: HeadLost | None = None  # set once the head is gone (see watch_head)
+        self.head_process: subprocess.Popen[bytes] | None = None  # LocalCluster's head: watched directly
+
+    # How the driver notices a lost head: a ping every PING_INTERVAL_S, each given
+    # PING_TIMEOUT_S; PINGS_MISSED in a row (about 3 s) mean the head is gone. A driver
+    # whose own loop stalled loses one ping at most, not three.
+    PING_INTERVAL_S = 0.25
+    PING_TIMEOUT_S = 0.75
+    PINGS_MISSED = 3
+
+    def watch_head(self) -> None:
+        """Starts watching the head: once it is lost every pending and later call to it
+        fails with :class:`~actors.HeadLost` instead of waiting out its timeout."""
+        self.runtime.spawn_task(self._watch_head(), name="head watch")
+
+    async def _watch_head(self) -> None:
+        ping = self.head.endpoint(HeadActor.ping, timeout=self.PING_TIMEOUT_S)
+        missed = 0
+        while self.head_lost is None:
+            await asyncio.sleep(self.PING_INTERVAL_S)
+            if self.head_process is not None and self.head_process.poll() is not None:
+                self._lose_head(f"its process exited with {self.head_process.returncode}")
+                return
+            try:
+                await ping.call()
+                missed = 0
+            except ActorTimeout:
+                missed += 1
+            except ActorError as exc:  # e.g. stopping: the runtime is closing
+                log.debug("head ping: %s", exc)
+            if missed >= self.PINGS_MISSED:
+                self._lose_head(f"it answered none of {missed} pings in {missed * self.PING_TIMEOUT_S:.1f}s")
+
+    def _lose_head(self, why: str) -> None:
+        self.head_lost = HeadLost(f"lost the head at {self.head.address.partition('|')[0]}: {why}")
+        log.warning("%s", self.head_lost)
+        self.runtime.fail_calls_to(self.head.address, self.head_lost)
+
+    def check_head(self) -> None:
+        """Raises :class:`~actors.HeadLost` at once when the head is known to be gone."""
+        if self.head_lost is not None:
+            raise HeadLost(self.head_lost.message)
 
     async def admit(self, modules: Iterable[str]) -> None:
         """Lets every live node (and the head) import factories from ``modules``.
@@ -192,7 +234,9 @@ class _Connecting(Generic[C]):
         except BaseException:
             await stack.aclose()
             raise
-        return self._cls(runtime, head, stack)
+        cluster = self._cls(runtime, head, stack)
+        cluster.watch_head()
+        return cluster
 
     def __await__(self) -> Generator[Any, None, C]:
         return self._open().__await__()
@@ -216,7 +260,10 @@ class LocalCluster:
     """A head and ``nodes`` workers as subprocesses on this machine, for the life of a block.
 
     Args:
-        nodes: how many worker nodes to start.
+        nodes: how many worker nodes to start (``node0`` ...).
+        spares: how many more to start as spares (``spare0`` ...): jobs are placed on
+            the ``node`` ones first, and a job with ``max_restarts`` moves a lost stage
+            to a free one.
         allow: extra module prefixes the workers admit (``--allow``).
         heartbeat_timeout: seconds of silence before the head marks a node lost.
         startup_timeout: seconds to wait for every node to register.
@@ -240,15 +287,17 @@ class LocalCluster:
         self,
         nodes: int = 2,
         *,
+        spares: int = 0,
         allow: Iterable[str] = (),
         heartbeat_timeout: float = 2.0,
         startup_timeout: float = 60.0,
         log_level: str = "WARNING",
         insecure: bool = False,
     ) -> None:
-        if nodes < 0:
-            raise ValueError(f"nodes must be >= 0, got {nodes}")
+        if nodes < 0 or spares < 0:
+            raise ValueError(f"nodes and spares must be >= 0, got {nodes} and {spares}")
         self.num_nodes = nodes
+        self.num_spares = spares
         self.allow = tuple(allow)
         self.heartbeat_timeout = heartbeat_timeout
         self.startup_timeout = startup_timeout
@@ -282,29 +331,33 @@ class LocalCluster:
             secure: list[str] = ["--insecure"]
         else:
             self.keys = ClusterKeys.create(os.path.join(self._tempdir, "keys"))
-            for i in range(self.num_nodes):
-                self.keys.add("node", f"node{i}")
+            for name in self._node_names():
+                self.keys.add("node", name)
             secure = ["--keys", self.keys.directory]
         self._launch("head", ["--head", "--bind", "tcp://127.0.0.1:0", "--address-file", address_file,
                               "--heartbeat-timeout", str(self.heartbeat_timeout), *secure])
         self.address = await self._wait_for_file(address_file)
         allow = [arg for prefix in self.allow for arg in ("--allow", prefix)]
-        for i in range(self.num_nodes):
-            identity = [] if self.insecure else ["--identity", f"node{i}"]
-            self._launch(f"node{i}", ["--join", self.address, "--name", f"node{i}", *allow, *secure, *identity])
+        for name in self._node_names():
+            identity = [] if self.insecure else ["--identity", name]
+            self._launch(name, ["--join", self.address, "--name", name, *allow, *secure, *identity])
         cls = self.cluster_class or cluster_class()
         if self.keys is None:
             self._cluster = await cls.connect(self.address, insecure=True)
         else:
             self._cluster = await cls.connect(self.address, keys=self.keys.directory, identity="admin")
         self._cluster._admit_token = self._admit_token
+        self._cluster.head_process = self.processes["head"]
         deadline = time.monotonic() + self.startup_timeout
-        while len([n for n in await self._cluster.nodes() if n["state"] == "alive"]) < self.num_nodes:
+        while len([n for n in await self._cluster.nodes() if n["state"] == "alive"]) < len(self._node_names()):
             self._check_alive()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"not every node registered within {self.startup_timeout}s")
             await asyncio.sleep(0.05)
         return self._cluster
+
+    def _node_names(self) -> list[str]:
+        return [f"node{i}" for i in range(self.num_nodes)] + [f"spare{i}" for i in range(self.num_spares)]
 
     def _launch(self, name: str, args: Sequence[str]) -> None:
         command = [sys.executable, "-m", "actors.node", *args, "--log-level", self.log_level]

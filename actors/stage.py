@@ -21,10 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from actors import _wgrad
+from actors import _wgrad, snapshots
 from actors._actor import Actor, current_caller, endpoint, may_call
 from actors._allocator import keep_freed_memory
-from actors._errors import NotAllowed, error_to_wire
+from actors._errors import ActorError, NotAllowed, error_to_wire
 from actors._executor import ActionFailed, Inbox, StageModel, StepExecutor
 from actors._registry import DEFAULT_ALLOW, load_object, register_actor
 from actors._ref import ActorRef
@@ -34,6 +34,7 @@ from actors.parallel import ProcessGroups, average_gradients, join_process_group
 from actors.program import Action, ActionKind, stage_to_rank
 from actors.records import StageConfig, StageReport
 from actors.rendezvous import ActorStore
+from actors.snapshots import SnapshotShelf
 from actors.tensor_parallel import shard_for_tensor_parallel, tp_shard_specs
 from transport.codecs import Encoded, ErrorFeedback, get_codec
 
@@ -115,6 +116,8 @@ class StageActor(Actor):
         self._program: list[Action] = []
         self._running: tuple[int, asyncio.Task[Any]] | None = None
         self._peer_identities: frozenset[str] = frozenset()  # the job's nodes' keys (see connect)
+        self._own_snapshots = SnapshotShelf()  # this stage's newest states, by applied-step count
+        self._held_snapshots: dict[int, SnapshotShelf] = {}  # a pipeline neighbour's, by its rank
 
     async def on_start(self) -> None:
         context = self.node_context
@@ -217,10 +220,14 @@ class StageActor(Actor):
         data_step: int | None = None,
         data_shard: list[int] | None = None,
         micro_batches: int | None = None,
+        snapshot: int | None = None,
     ) -> dict[str, Any]:
         """Runs ``program`` up to its barrier.
 
         Args:
+            snapshot: first keep a copy of this stage's state (parameters and optimizer)
+                as it is now, after ``snapshot`` applied steps, and send one to the next
+                pipeline rank in the background (see :meth:`keep_snapshot`).
             micro_batches: a count other than the one the stage was built with (changed
                 on a running job, at the barrier, by the scheduler).
 
@@ -238,6 +245,8 @@ class StageActor(Actor):
             self.executor.inbox.resize(self._inbox_limit(micro_batches))
         if data_step is not None:
             inputs, targets = self._read_data(data_step, data_shard or [0, 1])
+        if snapshot is not None:
+            await self._snapshot(snapshot)
         self._edge_stats = {}
         # The program runs in a task of its own so that abort_step can cancel it
         # without cancelling this endpoint (and with it the mailbox).
@@ -287,12 +296,18 @@ class StageActor(Actor):
 
     @endpoint(concurrent=True, roles=("head",))
     async def abort_step(self, step: int) -> None:
-        """Another member failed: stop this step and forget its values and gradients."""
+        """Another member failed (or the step was cancelled): stop step ``step``, or any older one
+        still running, and forget its values and gradients.
+
+        Step numbers are never reused (a retried step gets a new one), so they fence: a
+        member that was cut off mid-step is told to abort when it comes back, and a
+        delivery for a step other than the current or next is refused.
+        """
         assert self.executor is not None
         running = self._running
-        if running is not None and running[0] == step:
+        if running is not None and running[0] <= step:
             running[1].cancel()  # run_step resets once the program has stopped
-        else:
+        elif running is None:
             await self.executor.reset(step)
 
     @endpoint(concurrent=True, roles=("node",))
@@ -387,6 +402,66 @@ class StageActor(Actor):
         }
 
     # -- state -------------------------------------------------------------------------
+
+    async def _snapshot(self, index: int) -> None:
+        if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+            raise ValueError(f"snapshot takes a step count >= 0, got {index!r:.40}")
+        if index in self._own_snapshots:
+            return
+        assert self.executor is not None
+        model = self.executor.model
+        state = await self.executor.compute(snapshots.capture, self._held, model.optimizer)
+        self._own_snapshots.put(index, state)
+        if len(self.peers) > 1:  # off the step's path: the copy travels while the step computes
+            buddy = self.peers[(self.config.pipeline_rank + 1) % len(self.peers)]
+            self.runtime.spawn_task(self._send_snapshot(buddy, index, state), name=f"snapshot {index}")
+
+    async def _send_snapshot(self, buddy: ActorRef, index: int, state: dict[str, torch.Tensor]) -> None:
+        try:
+            await buddy.endpoint(StageActor.keep_snapshot, timeout=60).call(self.config.pipeline_rank, index, state)
+        except ActorError as exc:
+            log.warning("could not send snapshot %d to %s: %s", index, buddy.name, exc)
+
+    @endpoint(concurrent=True, roles=("node",))
+    async def keep_snapshot(self, owner: int, index: int, state: dict[str, torch.Tensor]) -> None:
+        """Keeps pipeline rank ``owner``'s snapshot after ``index`` applied steps, to restore it elsewhere."""
+        caller = current_caller()
+        if self._peer_identities and caller not in self._peer_identities and not may_call(caller, frozenset()):
+            self.refused_calls += 1
+            raise NotAllowed(f"{caller[:60]!r} holds no key of job {self.config.job}'s nodes")
+        if not (isinstance(owner, int) and 0 <= owner < self.config.pipeline_stages and owner !=
+                self.config.pipeline_rank and isinstance(index, int) and index >= 0 and isinstance(state, dict)
+                and all(isinstance(v, torch.Tensor) for v in state.values())):
+            self.refused_calls += 1
+            raise NotAllowed(f"a snapshot comes from another rank of this pipeline, for a step count >= 0, "
+                             f"as tensors; got owner {str(owner)[:12]}, index {str(index)[:12]}")
+        self._held_snapshots.setdefault(owner, SnapshotShelf()).put(index, state)
+
+    @endpoint(concurrent=True, roles=("head",))
+    async def snapshots(self) -> dict[str, Any]:
+        """The snapshot step counts this stage has: ``{"own": [...], "held": {"RANK": [...]}}``."""
+        return {"own": self._own_snapshots.indices(),
+                "held": {str(owner): shelf.indices() for owner, shelf in self._held_snapshots.items()}}
+
+    @endpoint(roles=("head",))
+    async def held_snapshot(self, owner: int, index: int) -> dict[str, torch.Tensor]:
+        """Pipeline rank ``owner``'s snapshot after ``index`` applied steps (for its replacement)."""
+        shelf = self._held_snapshots.get(owner)
+        if shelf is None:
+            raise KeyError(f"rank {self.config.pipeline_rank} holds no snapshot of rank {owner}")
+        return shelf.get(index)
+
+    @endpoint(roles=("head",))
+    async def restore_snapshot(self, index: int, state: dict[str, torch.Tensor] | None = None) -> None:
+        """Rolls this stage back to its snapshot after ``index`` applied steps (or to ``state``, its
+        lost predecessor's): parameters and optimizer state exactly, nothing of any step in flight."""
+        assert self.executor is not None
+        if state is None:
+            state = self._own_snapshots.get(index)
+        await self.executor.reset(self._step)
+        await self.executor.compute(snapshots.restore, self._held, self.executor.model.optimizer, state)
+        self._own_snapshots.put(index, state)
+
 
     @endpoint(roles=("head",))
     async def state_dict(self) -> dict[str, torch.Tensor]:

@@ -18,8 +18,10 @@ back as a record of :mod:`schedulers.records`.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -29,7 +31,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import torch
 
 import actors
-from actors import ActorRef, Endpoint, HeadActor
+from actors import ActorError, ActorRef, Endpoint, HeadActor
 from schedulers.jobs import JobSpec
 from schedulers.records import JobDescription, JobInfo, RunInfo, SettingChange, StepStats, WhereReport
 from schedulers.scheduler import SchedulerActor
@@ -39,6 +41,8 @@ __all__ = ["SCHEDULER", "Cluster", "Job", "LocalCluster"]
 SCHEDULER = "scheduler"  # the scheduler actor's name in the head's runtime
 _CHECKPOINT_FILE = "model.pt"
 _META_FILE = "job.json"
+
+log = logging.getLogger(__name__)
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -55,7 +59,12 @@ class Cluster(actors.Cluster):
     def call(
         self, method: Callable[Concatenate[SchedulerActor, P], Awaitable[R]], *, timeout: float | None = 60.0
     ) -> Endpoint[P, R]:
-        """A typed handle on one of the scheduler's endpoints: ``await cluster.call(SchedulerActor.jobs).call()``."""
+        """A typed handle on one of the scheduler's endpoints: ``await cluster.call(SchedulerActor.jobs).call()``.
+
+        Raises:
+            HeadLost: the head is known to be gone.
+        """
+        self.check_head()
         return self.scheduler.endpoint(method, timeout=timeout)
 
     async def train(self, spec: JobSpec | None = None, /, **kwargs: Any) -> Job:
@@ -173,7 +182,18 @@ class Job:
         if (inputs is None) != (targets is None):
             raise ValueError("step() takes both inputs and targets, or neither (to read the data factory)")
         timeout = self.spec.step_timeout_s + 60.0
-        return StepStats.from_wire(await self._call(SchedulerActor.step, timeout)(inputs, targets))
+        try:
+            return StepStats.from_wire(await self._call(SchedulerActor.step, timeout)(inputs, targets))
+        except asyncio.CancelledError:
+            # The driver gave up on the step: the scheduler and every stage stop it too.
+            self.cluster.runtime.spawn_task(self._cancel_step(), name=f"cancel {self.id} step")
+            raise
+
+    async def _cancel_step(self) -> None:
+        try:
+            await self._call(SchedulerActor.cancel_step, 5.0)()
+        except ActorError as exc:
+            log.info("could not cancel %s's step: %s", self.id, exc)
 
     async def run(self, num_steps: int) -> RunInfo:
         """Starts ``num_steps`` steps from the job's data factory in the background (see :meth:`describe`)."""

@@ -18,9 +18,11 @@ optimizer state.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +33,10 @@ from actors import (
     ActorRef,
     Coords,
     Host,
+    NODE,
     Mesh,
+    NodeActor,
+    NodeLost,
     ShardSpec,
     StageActor,
     StageReport,
@@ -55,8 +60,11 @@ log = logging.getLogger(__name__)
 # What `set JOB KEY VALUE` may change on a running job.
 SETTABLE = ("micro_batches", "schedule", "activation_codec", "gradient_codec")
 CLOCK_PROBES = 5  # round trips per stage when estimating its clock offset
+CLOSE_WAIT_S = 2.0  # how long close waits for a cancelled operation to let go of the job
 
 Publish = Callable[[dict[str, Any]], None]
+# Spawns rank R's stage actor of a job on a free node: (its ref, the node's name, the node's key identity).
+ReplaceStage = Callable[["JobController", int, "set[str]"], Awaitable[tuple[ActorRef, str, str]]]
 
 
 def compile_programs(spec: JobSpec) -> dict[int, list[str]]:
@@ -159,6 +167,8 @@ class JobController:
         alive_nodes: Callable[[], Awaitable[set[str]]],
         rendezvous: str | None = None,
         owner: str = "",
+        replace_stage: ReplaceStage | None = None,
+        identities: list[str] | None = None,
     ) -> None:
         self.runtime = runtime
         self.id = job_id
@@ -171,7 +181,21 @@ class JobController:
         self.programs = compile_programs(spec)
         self.rendezvous = rendezvous  # the name of the job's torch.distributed rendezvous actor, if any
         self.lock = asyncio.Lock()
-        self.next_step = 0
+        self.operation: asyncio.Task[Any] | None = None  # the call holding the lock (close cancels it)
+        self.stepping = False  # the operation is a step (a driver may cancel it)
+        # Ranks whose node was lost during a step they were not told to abort: aborted when it comes back.
+        self.fenced: dict[int, int] = {}
+        self.broken: str | None = None  # set when stages may disagree (a release failed): only load or close help
+        self.next_step = 0  # the next step number: one per attempt, never reused (it fences stale messages)
+        self.applied = 0  # steps the stages' state holds (rolled back by a recovery)
+        self.steps_done = 0  # steps the job has completed (what a recovery replays up to)
+        # Each step's batch since the snapshot a recovery would roll back to ((None, None): the data factory).
+        self.history: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
+        self.restarts = 0
+        self.recovery: dict[str, Any] | None = None  # what the last recovery did, for the next StepStats
+        self.replace_stage = replace_stage
+        self.identities = sorted(set(identities or ()) - {""})  # the keys of the job's nodes
+        self.retired: list[tuple[str, ActorRef]] = []  # stage actors replaced by a recovery, stopped if their node returns
         self.last_reports: list[StageReport] = []
         self.last_stats: StepStats | None = None
         self.stage_micro_batches = spec.micro_batches  # what the stage actors were built with
@@ -191,33 +215,74 @@ class JobController:
     async def step(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> StepStats:
         """Runs one optimizer step on a global batch (or the job's data factory).
 
+        With ``max_restarts``, a node lost during the step (or before it) is replaced
+        (see :meth:`_recover`) and the step runs again; the stats say so.
+
         Raises:
             ValueError: a batch that does not split into the job's micro-batches.
-            StepFailed: a stage failed, a node was lost or the step timed out.
+            NodeLost: a node of the job was lost, and the job cannot (or may no more) recover.
+            StepFailed: a stage failed or the step timed out.
         """
-        async with self.lock:
+        async with self._operation(stepping=True):
             await self._apply_pending()  # settings changed with set take effect here, between steps
-            step = self.next_step
-            calls = step_calls(self.spec, step, inputs, targets)
-            self.next_step += 1
-            if self.spec.micro_batches != self.stage_micro_batches:
-                for call in calls.values():
-                    call["micro_batches"] = self.spec.micro_batches
-            started = time.perf_counter()
-            try:
-                reports = await self._run_to_barrier(step, calls)
-                reduce_bytes = await self._release(step)
-            except StepFailed as failure:
-                self._publish({"type": "job_failed", "job": self.id, "step": step, "error": str(failure)})
-                raise
-            elapsed = time.perf_counter() - started
-        self.last_reports = reports
-        samples = inputs.shape[0] if inputs is not None else self.spec.data_kwargs.get("batch_size")
-        stats = step_stats(self.spec, step, reports, elapsed, reduce_bytes,
-                           samples if isinstance(samples, int) else None)
+            step_calls(self.spec, self.applied, inputs, targets)  # a bad batch fails before anything runs
+            self.history[self.steps_done] = (inputs, targets)
+            goal = self.steps_done + 1
+            while True:
+                try:
+                    stats = await self._catch_up(goal)
+                    break
+                except NodeLost as lost:
+                    if not self._may_recover():
+                        raise
+                    self.recovery = await self._recover(lost)
+            self.steps_done = goal
+            for old in [k for k in self.history if k < self.applied - 2 * self.spec.snapshot_every]:
+                del self.history[old]
+        if self.recovery is not None:
+            stats = dataclasses.replace(stats, recovery=self.recovery)
+            self.recovery = None
         self.last_stats = stats
         self._step_finished(stats)
         return stats
+
+    async def _catch_up(self, goal: int) -> StepStats:
+        """Applies steps until ``goal`` are applied (more than one only when replaying after a recovery)."""
+        stats: StepStats | None = None
+        while self.applied < goal:
+            inputs, targets = self.history[self.applied]
+            stats = await self._attempt(inputs, targets)
+        assert stats is not None
+        return stats
+
+    async def _attempt(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> StepStats:
+        """One try at applying step ``self.applied``, under a step number of its own (never reused)."""
+        step = self.next_step
+        calls = step_calls(self.spec, self.applied, inputs, targets)
+        self.next_step += 1
+        for call in calls.values():
+            if self.spec.micro_batches != self.stage_micro_batches:
+                call["micro_batches"] = self.spec.micro_batches
+            if self.spec.max_restarts and self.applied % self.spec.snapshot_every == 0:
+                call["snapshot"] = self.applied
+        started = time.perf_counter()
+        try:
+            reports = await self._run_to_barrier(step, calls)
+            try:
+                reduce_bytes = await self._release(step)
+            except StepFailed as failure:
+                # Some stages may have stepped their optimizer and others not.
+                self.broken = f"step {step} failed while the stages applied it ({failure.message})"
+                raise
+        except StepFailed as failure:
+            self._publish({"type": "job_failed", "job": self.id, "step": step, "error": str(failure)})
+            raise
+        self.applied += 1
+        elapsed = time.perf_counter() - started
+        self.last_reports = reports
+        samples = inputs.shape[0] if inputs is not None else self.spec.data_kwargs.get("batch_size")
+        return step_stats(self.spec, step, reports, elapsed, reduce_bytes,
+                          samples if isinstance(samples, int) else None)
 
     async def _run_to_barrier(self, step: int, calls: dict[int, dict[str, Any]]) -> list[StageReport]:
         tasks = {
@@ -242,6 +307,9 @@ class JobController:
                 await self._abort(step, tasks)
                 raise failure
             return reports
+        except asyncio.CancelledError:  # the driver cancelled the step, or the job is closing
+            await asyncio.shield(self._abort(step, tasks))
+            raise
         finally:
             for task in tasks.values():
                 task.cancel()
@@ -251,6 +319,9 @@ class JobController:
             if not task.done():
                 continue
             exc = task.exception()
+            if isinstance(exc, NodeLost):
+                where = step_failed(self.mesh, rank, None, exc.message)
+                return NodeLost(where.message, details={**where.details, "node": exc.node})
             if exc is not None:
                 cause = f"{type(exc).__name__}: {exc}" if not isinstance(exc, ActorError) else \
                     f"{exc.remote_type}: {exc.message}"
@@ -279,10 +350,156 @@ class JobController:
 
         alive = await self._alive_nodes()
         reachable = [rank for rank, node in enumerate(self.nodes) if node in alive]
+        for rank, node in enumerate(self.nodes):
+            if node not in alive:  # told when (if) it comes back: see _check_members
+                self.fenced[rank] = max(step, self.fenced.get(rank, step))
         await asyncio.gather(*(abort(self.stages[rank]) for rank in reachable))
         waiting = [tasks[rank] for rank in reachable if rank in tasks]
         if waiting:
             await asyncio.wait(waiting, timeout=5)
+
+    @contextlib.asynccontextmanager
+    async def _operation(self, *, stepping: bool = False, repairs: bool = False) -> AsyncIterator[None]:
+        """Holds the job for one operation (a step, a state read or load) that ``close`` may cancel.
+
+        Raises:
+            NodeLost: a node of the job is lost (at once: nothing is sent to the others).
+            StepFailed: the stages may disagree after a failed release (load a checkpoint).
+        """
+        async with self.lock:
+            await self._check_members(diverged_ok=repairs)
+            self.operation, self.stepping = asyncio.current_task(), stepping
+            try:
+                yield
+            finally:
+                self.operation, self.stepping = None, False
+
+    async def _check_members(self, *, diverged_ok: bool = False) -> None:
+        """Fails fast on a lost node; a node that came back is told to abort the step it missed."""
+        alive = await self._alive_nodes()
+        self._stop_retired(alive)
+        lost = [node for node in self.nodes if node not in alive]
+        if lost and self._may_recover():
+            cause = NodeLost(f"node {lost[0]} was lost", details={"node": lost[0]})
+            self.recovery = await self._recover(cause)
+            await self._catch_up(self.steps_done)
+            return
+        if lost:
+            raise NodeLost(f"{self.id} lost node {lost[0]}"
+                           + (f" (and {len(lost) - 1} more)" if len(lost) > 1 else "")
+                           + f"; close the job, or start it with max_restarts and a spare node to recover",
+                           details={"node": lost[0], "job": self.id, "stage": None, "action": None,
+                                    "cause": "node lost"})
+        for rank, step in sorted(self.fenced.items()):
+            try:  # a member that was presumed lost and came back: stop whatever it still runs
+                await self.stages[rank].endpoint(StageActor.abort_step, timeout=3).call(step)
+            except ActorError as exc:
+                raise NodeLost(f"node {self.nodes[rank]} came back, but its stage of {self.id} did not answer: "
+                               f"{exc}", details={"node": self.nodes[rank], "job": self.id}) from None
+            del self.fenced[rank]
+        if self.broken is not None and not diverged_ok:
+            raise StepFailed(f"{self.id} cannot go on: {self.broken}; load a checkpoint (job.load) or close it",
+                             details={"stage": None, "action": None, "cause": "diverged"})
+
+    # -- recovery ------------------------------------------------------------------------
+
+    def _may_recover(self) -> bool:
+        return self.replace_stage is not None and self.restarts < self.spec.max_restarts
+
+    async def _recover(self, cause: NodeLost) -> dict[str, Any]:
+        """Replaces the job's lost stages on free nodes and rolls every stage back to the newest
+        snapshot they all have; the caller then replays the steps since (see :meth:`_catch_up`).
+
+        A lost rank's snapshot comes from the next pipeline rank, which it sent it to;
+        the survivors restore their own. The parameters after the replay are those of
+        a run without the fault (the data comes from the same batches or data steps).
+
+        Raises:
+            NodeLost: no free node, or no snapshot every stage has (e.g. a rank and the
+                one keeping its snapshot were both lost); the job stays failed.
+        """
+        started = time.perf_counter()
+        self.restarts += 1
+        alive = await self._alive_nodes()
+        size = self.mesh.size
+        lost = [rank for rank, node in enumerate(self.nodes) if node not in alive]
+        survivors = [rank for rank in range(size) if rank not in lost]
+
+        def unrecoverable(why: str) -> NodeLost:
+            return NodeLost(f"{self.id} cannot recover from {cause.message.splitlines()[0]}: {why}",
+                            details={**cause.details, "node": cause.node})
+
+        # Whatever a survivor still runs (one that was cut off and came back included) stops first.
+        await asyncio.gather(*(self.stages[r].endpoint(StageActor.abort_step, timeout=5).call(self.next_step - 1)
+                               for r in survivors), return_exceptions=True)
+        infos = await asyncio.gather(*(self.stages[r].endpoint(StageActor.snapshots, timeout=5).call()
+                                       for r in survivors), return_exceptions=True)
+        failed = [self.nodes[r] for r, info in zip(survivors, infos) if isinstance(info, BaseException)]
+        if failed:
+            raise unrecoverable(f"node {failed[0]} did not answer either")
+        shelves = {r: info for r, info in zip(survivors, infos) if not isinstance(info, BaseException)}
+        common = set.intersection(*(set(shelves[r]["own"]) for r in survivors)) if survivors else set()
+        for rank in lost:
+            buddy = (rank + 1) % size
+            if buddy in lost:
+                raise unrecoverable(f"rank {rank} and rank {buddy}, which kept its snapshot, were both lost")
+            common &= set(shelves[buddy]["held"].get(str(rank), []))
+        usable = {i for i in common if all(k in self.history for k in range(i, self.steps_done))}
+        if not usable:
+            raise unrecoverable("no snapshot that every stage has (and whose later batches are kept)")
+        target = max(usable)
+        moved: dict[str, str] = {}
+        taken = set(self.nodes)
+        for rank in lost:
+            if self.replace_stage is None:
+                raise unrecoverable("no way to place a stage")
+            try:
+                ref, node, identity = await self.replace_stage(self, rank, taken)
+            except (ActorError, ValueError) as exc:
+                raise unrecoverable(f"could not place rank {rank} on another node: {exc}") from None
+            self.retired.append((self.nodes[rank], self.stages[rank]))
+            moved[self.nodes[rank]] = node
+            taken.add(node)
+            self.stages[rank], self.nodes[rank] = ref, node
+            self.identities = sorted({*self.identities, identity} - {""})
+        peers = [ref.to_wire() for ref in self.stages]
+        await asyncio.gather(*(ref.endpoint(StageActor.connect, timeout=30).call(peers, self.identities)
+                               for ref in self.stages))
+        for rank in lost:
+            state = await self.stages[(rank + 1) % size].endpoint(StageActor.held_snapshot, timeout=300).call(
+                rank, target)
+            await self.stages[rank].endpoint(StageActor.restore_snapshot, timeout=300).call(target, state)
+        await asyncio.gather(*(self.stages[r].endpoint(StageActor.restore_snapshot, timeout=300).call(target)
+                               for r in survivors))
+        self.fenced.clear()
+        self.broken = None
+        self.applied = target
+        info = {"lost": sorted(moved), "moved": moved, "from_step": target, "replayed": self.steps_done - target,
+                "seconds": round(time.perf_counter() - started, 3), "restarts_left": self.spec.max_restarts -
+                self.restarts}
+        log.warning("%s recovered: %s", self.id, info)
+        self._publish({"type": "job_recovered", "job": self.id, **info})
+        return info
+
+    def _stop_retired(self, alive: set[str]) -> None:
+        """Stops replaced stage actors whose node came back (best effort, in the background)."""
+        back = [(node, ref) for node, ref in self.retired if node in alive]
+        for node, ref in back:
+            self.retired.remove((node, ref))
+            self.runtime.spawn_task(self._stop_retired_one(ref), name=f"stop retired {ref.name}")
+
+    async def _stop_retired_one(self, ref: ActorRef) -> None:
+        try:
+            await self.runtime.ref(ref.address, NODE).endpoint(NodeActor.stop_actor, timeout=5).call(ref.name)
+        except ActorError as exc:
+            log.info("could not stop the replaced %s: %s", ref.name, exc)
+
+    def cancel_step(self) -> bool:
+        """Cancels the step in progress (its stages abort it); False when no step runs."""
+        if self.operation is None or not self.stepping:
+            return False
+        self.operation.cancel()
+        return True
 
     async def _release(self, step: int) -> int:
         """Releases the barrier everywhere; returns the bytes the data-parallel reduction sent."""
@@ -458,7 +675,7 @@ class JobController:
         Tensor-parallel shards are put back together; data-parallel replica 0 speaks for all.
         """
         mesh = self.mesh
-        async with self.lock:
+        async with self._operation():
             specs = await self._shard_specs()
             state: dict[str, torch.Tensor] = {}
             for p in range(mesh.pipeline):
@@ -475,7 +692,7 @@ class JobController:
             KeyError: keys no stage holds.
         """
         mesh = self.mesh
-        async with self.lock:
+        async with self._operation(repairs=True):
             specs = await self._shard_specs()
 
             def part(rank: int) -> dict[str, torch.Tensor]:
@@ -487,6 +704,7 @@ class JobController:
 
             taken = await asyncio.gather(*(ref.endpoint(StageActor.load_state_dict, timeout=300).call(part(g))
                                            for g, ref in enumerate(self.stages)))
+            self.broken = None  # every stage holds the same state again
         missing = set(state) - {k for keys in taken for k in keys}
         if missing:
             raise KeyError(f"keys no stage holds: {sorted(missing)[:10]}")
@@ -537,11 +755,23 @@ class JobController:
     # -- life ----------------------------------------------------------------------------------
 
     async def close(self, stop_stages: Callable[[list[ActorRef]], Awaitable[None]]) -> None:
-        """Ends the run at once, then stops the stage actors once no step holds the job."""
+        """Ends the job within a few seconds, whatever it was doing: the run and the operation in
+        progress are cancelled (a step is aborted on its stages), then the stage actors stop."""
         if self.run_state is not None and self.run_state.task is not None:
             self.run_state.task.cancel()
-        async with self.lock:
+        if self.operation is not None:
+            self.operation.cancel()
+        try:
+            await asyncio.wait_for(self.lock.acquire(), CLOSE_WAIT_S)
+            held = True
+        except TimeoutError:
+            log.warning("%s: closing while an operation still holds it", self.id)
+            held = False
+        try:
             await stop_stages(self.stages)
             if self.rendezvous is not None:
                 await self.runtime.stop_actor(self.rendezvous)
                 self.rendezvous = None
+        finally:
+            if held:
+                self.lock.release()

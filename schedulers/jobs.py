@@ -116,6 +116,10 @@ class JobSpec:
     """stage processes set glibc's malloc to keep freed buffers instead of page-faulting them in again every micro-batch"""
     step_timeout_s: float = 600.0
     """a step that takes longer fails with the stuck actions named"""
+    max_restarts: int = 0
+    """recoveries the job may make: a lost stage is respawned on a spare node and every stage rolls back to the newest snapshot, then the lost steps replay (pipeline-parallel jobs over `zmq`); 0: a lost node fails the job with `NodeLost`"""
+    snapshot_every: int = 1
+    """with `max_restarts`, every stage keeps a copy of its parameters and optimizer state each this many steps, and sends one to the next pipeline rank"""
 
     def __post_init__(self) -> None:
         _check_path("model", self.model)
@@ -150,6 +154,12 @@ class JobSpec:
         if self.threads_per_stage is not None:
             _check_int("threads_per_stage", self.threads_per_stage, minimum=1)
         _check_seconds("step_timeout_s", self.step_timeout_s)
+        _check_int("max_restarts", self.max_restarts, minimum=0)
+        _check_int("snapshot_every", self.snapshot_every, minimum=1)
+        if self.max_restarts and (self.tensor_parallel > 1 or self.data_parallel > 1 or self.transport != "zmq"):
+            raise ValueError("max_restarts recovers pipeline-parallel jobs over transport='zmq'; a job with "
+                             "tensor_parallel, data_parallel or transport='dist' would have to re-form its "
+                             "process groups, which recovery does not do yet: leave max_restarts at 0")
         # The schedule's own limits (e.g. interleaved needs micro_batches to be a multiple of the stages).
         build_schedule(self.schedule, self.pipeline_stages, self.micro_batches,
                        self.num_virtual_stages if self.schedule == "interleaved" else None)

@@ -41,6 +41,11 @@ class StepStats(WireRecord):
             factory's ``batch_size``).
         samples_per_s: ``samples / step_time_s``, when ``samples`` is known.
         schedule, micro_batches: the schedule and micro-batch count this step ran with.
+        recovery: set when the job recovered from a lost node before this step
+            completed: ``lost`` (the nodes), ``moved`` (each lost node -> its
+            replacement), ``from_step`` (the snapshot every stage rolled back to),
+            ``replayed`` (steps run again before this one), ``seconds`` (respawn and
+            restore, without the replay).
     """
 
     step: int
@@ -58,6 +63,7 @@ class StepStats(WireRecord):
     samples_per_s: float | None = None
     schedule: str = ""
     micro_batches: int = 0
+    recovery: dict[str, Any] | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StepStats:

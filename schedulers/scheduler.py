@@ -130,7 +130,7 @@ class SchedulerActor(Actor):
         self._jobs[job_id] = JobController(
             runtime=self.runtime, job_id=job_id, spec=job_spec, stages=stages, nodes=names, bounds=bounds,
             publish=self._publish, alive_nodes=self._alive_nodes, rendezvous=rendezvous,
-            owner=current_caller())
+            owner=current_caller(), replace_stage=self._replace_stage, identities=identities)
         log.info("%s: %s on %s", job_id, job_spec.schedule, ", ".join(names))
         self._publish({"type": "job_created", "job": job_id, "nodes": names})
         return JobInfo(job=job_id, bounds=bounds, nodes=names).to_wire()
@@ -204,14 +204,35 @@ class SchedulerActor(Actor):
             raise failed[0]
         return [r for r in results if isinstance(r, ActorRef)]
 
+    async def _replace_stage(self, job: JobController, rank: int, taken: set[str]) -> tuple[ActorRef, str, str]:
+        """Spawns ``job``'s rank ``rank`` afresh on an alive node no job uses (a spare); for a recovery.
+
+        Raises:
+            ValueError: no such node.
+        """
+        busy = taken | {name for other in self._jobs.values() for name in other.nodes}
+        free = sorted((n for n in await self._nodes() if n["state"] == "alive" and n["name"] not in busy),
+                      key=lambda n: n["name"])
+        if not free:
+            raise ValueError("no alive node is free; start a spare (LocalCluster(spares=...) or another "
+                             "python -m actors.node --join)")
+        node = free[0]
+        config = stage_config(job.spec, job=job.id, global_rank=rank, bounds=job.bounds, dist=None)
+        agent = self.runtime.ref(node["address"], NODE).endpoint(NodeActor.spawn, timeout=300)
+        address, name = await agent.call("stage", f"{job.id}.rank{rank}.restart{job.restarts}", config.to_wire())
+        return self.runtime.ref(address, name), str(node["name"]), str(node.get("identity", ""))
+
     async def _stop_stages(self, stages: list[ActorRef]) -> None:
+        """Stops stage actors on the nodes still alive, each within a few seconds (a lost node's go with it)."""
+        alive = {n["address"] for n in await self._nodes() if n["state"] == "alive"}
+
         async def stop(ref: ActorRef) -> None:
             try:
-                await self.runtime.ref(ref.address, NODE).endpoint(NodeActor.stop_actor, timeout=10).call(ref.name)
+                await self.runtime.ref(ref.address, NODE).endpoint(NodeActor.stop_actor, timeout=2.5).call(ref.name)
             except ActorError as exc:
                 log.info("could not stop %s: %s", ref.name, exc)
 
-        await asyncio.gather(*(stop(ref) for ref in stages))
+        await asyncio.gather(*(stop(ref) for ref in stages if ref.address in alive))
 
     @endpoint(concurrent=True, roles=("client",))
     async def close_job(self, job_id: str) -> None:
@@ -252,6 +273,15 @@ class SchedulerActor(Actor):
         """One optimizer step of ``job_id``; a :class:`StepStats` map. See :meth:`JobController.step`."""
         stats: StepStats = await self._job(job_id).step(inputs, targets)
         return stats.to_wire()
+
+    @endpoint(concurrent=True, roles=("client",))
+    async def cancel_step(self, job_id: str) -> bool:
+        """Cancels the job's step in progress (a driver that cancelled ``job.step``); every stage aborts it.
+
+        Returns:
+            Whether a step was running.
+        """
+        return self._job(job_id).cancel_step()
 
     @endpoint(concurrent=True, roles=("client",))
     async def describe(self, job_id: str) -> dict[str, Any]:

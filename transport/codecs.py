@@ -107,11 +107,17 @@ def _as_frame(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().reshape(-1).view(torch.uint8).cpu()
 
 
+# Receive buffers start wherever libzmq put them (often 8 bytes past a 16-byte boundary
+# for small messages). CPU kernels pick their path by alignment, and an 8-aligned input
+# can round differently from the same values at a 16-aligned address: a tensor that
+# crossed the wire would then not compute bit for bit as in one process.
+FRAME_ALIGNMENT = 16
+
+
 def _frame_as(frame: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """View a uint8 frame as `dtype`, copying only when its address is misaligned."""
-    if frame.data_ptr() % dtype.itemsize:
-        # A frame at an odd offset of a receive buffer: torch refuses the view when the
-        # storage offset is misaligned, and misaligned elements are slow where allowed.
+    """View a uint8 frame as `dtype`, copying only when its address is not 16-byte aligned."""
+    if frame.data_ptr() % max(dtype.itemsize, FRAME_ALIGNMENT):
+        # torch refuses a view at a misaligned storage offset, and see FRAME_ALIGNMENT.
         frame = frame.clone()
     return frame.view(dtype)
 

@@ -1,0 +1,145 @@
+"""Faults end fast and never wedge: a killed or stopped worker, a cancelled step, a killed head (issue 14)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+import pytest
+import torch
+
+from actors import HeadLost, NodeLost
+from schedulers import Cluster, Job, LocalCluster
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+T = TypeVar("T")
+STALLING = {"model": "tests.helpers.models:stalling", "model_kwargs": {"seconds": 0.4}, "pipeline_stages": 2,
+            "micro_batches": 4, "schedule": "gpipe"}
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(8, 8), torch.randn(8, 8)
+
+
+async def timed(awaitable: Awaitable[T], limit: float) -> tuple[T | BaseException, float]:
+    """What ``awaitable`` returned or raised, and how long it took (it must end within ``limit`` x 3)."""
+    started = time.monotonic()
+    try:
+        result: T | BaseException = await asyncio.wait_for(awaitable, limit * 3)
+    except Exception as exc:  # noqa: BLE001 - the caller checks the type
+        result = exc
+    return result, time.monotonic() - started
+
+
+async def start_step(job: Job) -> asyncio.Task[Any]:
+    task = asyncio.ensure_future(job.step(*batch()))
+    await asyncio.sleep(0.6)  # inside the step: stage 0 sleeps 0.4 s per forward
+    assert not task.done()
+    return task
+
+
+async def test_a_killed_worker_fails_every_later_call_at_once_and_close_is_quick() -> None:
+    local = LocalCluster(nodes=2)
+    async with local as cluster:
+        job = await cluster.train(**STALLING)
+        await job.step(*batch())
+        step = await start_step(job)
+        os.kill(local.processes[job.nodes[1]].pid, signal.SIGKILL)
+        failure, _ = await timed(step, 5)
+        assert isinstance(failure, NodeLost) and failure.node == job.nodes[1], failure
+        for call in (job.step(*batch()), job.state_dict(), job.load_state_dict({})):
+            outcome, seconds = await timed(call, 3)
+            assert isinstance(outcome, NodeLost) and outcome.node == job.nodes[1], outcome
+            assert seconds < 3
+        _, seconds = await timed(job.close(), 5)
+        assert seconds < 5
+
+
+async def test_a_stopped_worker_that_comes_back_is_aborted_and_the_job_goes_on() -> None:
+    local = LocalCluster(nodes=2)
+    async with local as cluster:
+        job = await cluster.train(**STALLING)
+        try:
+            await job.step(*batch())
+            step = await start_step(job)
+            victim = local.processes[job.nodes[1]].pid
+            os.kill(victim, signal.SIGSTOP)
+            try:
+                failure, seconds = await timed(step, 5)
+                assert isinstance(failure, NodeLost), failure
+                assert seconds < 5
+                outcome, seconds = await timed(job.step(*batch()), 3)  # still gone: at once
+                assert isinstance(outcome, NodeLost) and seconds < 3
+            finally:
+                os.kill(victim, signal.SIGCONT)
+            await wait_alive(cluster, job.nodes[1])
+            # The member missed the abort while stopped; it is told now, and the step runs.
+            stats, _ = await timed(job.step(*batch()), 20)
+            assert not isinstance(stats, BaseException), stats
+            assert stats.loss == stats.loss
+        finally:
+            _, seconds = await timed(job.close(), 5)
+            assert seconds < 5
+
+
+async def wait_alive(cluster: Cluster, node: str) -> None:
+    deadline = time.monotonic() + 20
+    while not any(n["name"] == node and n["state"] == "alive" for n in await cluster.nodes()):
+        assert time.monotonic() < deadline, f"{node} did not come back"
+        await asyncio.sleep(0.1)
+
+
+async def test_cancelling_a_step_on_the_driver_stops_it_on_the_scheduler_and_the_stages() -> None:
+    async with LocalCluster(nodes=2) as cluster:
+        job = await cluster.train(**STALLING)
+        try:
+            step = await start_step(job)
+            step.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await step
+            # The job is free at once (not after the cancelled step's 3 s of forwards) and trains on.
+            stats, seconds = await timed(job.step(*batch()), 10)
+            assert not isinstance(stats, BaseException), stats
+            assert seconds < 5
+            description = await job.describe()
+            assert description.last_stats is not None and description.last_stats.step == stats.step
+            assert description.stepping is False
+        finally:
+            await job.close()
+
+
+async def test_the_driver_learns_of_a_killed_head_within_three_seconds() -> None:
+    local = LocalCluster(nodes=2)
+    async with local as cluster:
+        job = await cluster.train(**STALLING)
+        step = await start_step(job)
+        os.kill(local.processes["head"].pid, signal.SIGKILL)
+        failure, seconds = await timed(step, 3)
+        assert isinstance(failure, HeadLost), failure
+        assert seconds < 3
+        later, seconds = await timed(job.step(*batch()), 1)
+        assert isinstance(later, HeadLost) and seconds < 1
+
+
+async def test_a_connected_driver_learns_of_a_stopped_head_by_its_pings() -> None:
+    local = LocalCluster(nodes=1)
+    async with local as cluster:
+        assert local.keys is not None
+        async with Cluster.connect(cluster.head.address, keys=local.keys.directory, identity="admin") as other:
+            head = local.processes["head"].pid
+            os.kill(head, signal.SIGSTOP)
+            try:
+                started = time.monotonic()
+                while other.head_lost is None and time.monotonic() - started < 10:
+                    await asyncio.sleep(0.05)
+                assert other.head_lost is not None
+                assert time.monotonic() - started < 4
+                with pytest.raises(HeadLost):
+                    await other.jobs()
+            finally:
+                os.kill(head, signal.SIGCONT)

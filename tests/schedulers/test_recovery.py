@@ -1,0 +1,152 @@
+"""A lost pipeline stage is respawned on a spare and the job goes on, bit-identical to a run without the fault."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from actors import NodeLost
+from schedulers import Cluster, Job, LocalCluster
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+DATA = {"batch_size": 8, "seq": 2, "dim": 8}
+
+
+def spec(seconds: float = 0.15, **changes: Any) -> dict[str, Any]:
+    return {"model": "tests.helpers.models:stalling", "model_kwargs": {"layers": 4, "seconds": seconds},
+            "pipeline_stages": 2, "micro_batches": 4, "optimizer": ("torch.optim:AdamW", {"lr": 0.01}),
+            "data": "examples.data:regression_batches", "data_kwargs": DATA, **changes}
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(8, 8, generator=generator), torch.randn(8, 8, generator=generator)
+
+
+async def run(job: Job, steps: range, batches: bool) -> list[float]:
+    return [(await (job.step(*batch(s)) if batches else job.step())).loss for s in steps]
+
+
+async def reference(cluster: Cluster, steps: int, batches: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+    job = await cluster.train(**spec(seconds=0.0))
+    try:
+        return await run(job, range(steps), batches), await job.state_dict()
+    finally:
+        await job.close()
+
+
+def assert_same_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    different = [k for k in want if not torch.equal(got[k], want[k])]
+    assert not different, f"parameters differ from the run without the fault: {different}"
+
+
+@pytest.mark.parametrize(("snapshot_every", "batches"), [(1, False), (2, True)])
+async def test_a_killed_stage_moves_to_a_spare_and_training_is_bit_identical(snapshot_every: int,
+                                                                            batches: bool) -> None:
+    local = LocalCluster(nodes=2, spares=1)
+    async with local as cluster:
+        want_losses, want_state = await reference(cluster, 6, batches)
+        job = await cluster.train(**spec(max_restarts=1, snapshot_every=snapshot_every))
+        try:
+            losses = await run(job, range(3), batches)
+            victim = job.nodes[1]
+            step = asyncio.ensure_future(job.step(*batch(3)) if batches else job.step())
+            await asyncio.sleep(0.5)
+            killed = time.monotonic()
+            os.kill(local.processes[victim].pid, signal.SIGKILL)
+            stats = await asyncio.wait_for(step, 60)
+            recovered_in = time.monotonic() - killed
+            assert stats.recovery is not None
+            assert stats.recovery["moved"] == {victim: "spare0"}
+            assert stats.recovery["from_step"] == 3 - (3 % snapshot_every)
+            assert stats.recovery["replayed"] == 3 % snapshot_every
+            assert recovered_in < 20
+            losses += [stats.loss] + await run(job, range(4, 6), batches)
+            assert losses == want_losses
+            assert_same_state(await job.state_dict(), want_state)
+            assert (await job.describe()).nodes == ["node0", "spare0"]
+        finally:
+            await job.close()
+
+
+async def test_a_node_lost_between_steps_is_replaced_when_the_job_is_next_used() -> None:
+    local = LocalCluster(nodes=2, spares=1)
+    async with local as cluster:
+        _, want_state = await reference(cluster, 2, False)
+        job = await cluster.train(**spec(seconds=0.0, max_restarts=1))
+        try:
+            await run(job, range(2), False)
+            os.kill(local.processes[job.nodes[0]].pid, signal.SIGKILL)
+            await wait_for_state(cluster, "node0", "lost")
+            assert_same_state(await job.state_dict(), want_state)  # recovered, then read
+            await job.step()
+        finally:
+            await job.close()
+
+
+async def test_without_a_spare_the_job_fails_fast_naming_the_node() -> None:
+    local = LocalCluster(nodes=2)
+    async with local as cluster:
+        job = await cluster.train(**spec(seconds=0.0, max_restarts=2))
+        try:
+            await job.step()
+            os.kill(local.processes["node1"].pid, signal.SIGKILL)
+            await wait_for_state(cluster, "node1", "lost")
+            started = time.monotonic()
+            with pytest.raises(NodeLost, match="no alive node is free") as lost:
+                await job.step()
+            assert lost.value.node == "node1" and time.monotonic() - started < 3
+        finally:
+            await job.close()
+
+
+async def wait_for_state(cluster: Cluster, node: str, state: str) -> None:
+    deadline = time.monotonic() + 20
+    while not any(n["name"] == node and n["state"] == state for n in await cluster.nodes()):
+        assert time.monotonic() < deadline, f"{node} never became {state}"
+        await asyncio.sleep(0.05)
+
+
+async def test_chaos_kills_and_stops_during_a_run_end_equal_to_an_uninterrupted_run() -> None:
+    steps = 30
+    local = LocalCluster(nodes=2, spares=2)
+    async with local as cluster:
+        _, want_state = await reference(cluster, steps, False)
+        job = await cluster.train(**spec(seconds=0.02, max_restarts=4))
+        try:
+            await job.run(steps)
+            chooser = random.Random(14)
+            for at, fault in ((5, "kill"), (13, "stop"), (22, "kill")):
+                while (await job.describe()).steps < at:
+                    await asyncio.sleep(0.05)
+                description = await job.describe()
+                assert description.run is not None and description.run.error is None, description.run
+                victim = chooser.choice(description.nodes)
+                pid = local.processes[victim].pid
+                if fault == "kill":
+                    os.kill(pid, signal.SIGKILL)
+                else:  # cut off long enough to be declared lost, then back: it must not disturb the job
+                    os.kill(pid, signal.SIGSTOP)
+                    await asyncio.sleep(4)
+                    os.kill(pid, signal.SIGCONT)
+            deadline = time.monotonic() + 120
+            while True:
+                run_info = (await job.describe()).run
+                assert run_info is not None
+                if not run_info.active:
+                    break
+                assert time.monotonic() < deadline, "the run did not finish"
+                await asyncio.sleep(0.1)
+            assert run_info.error is None and run_info.done == steps, run_info
+            assert_same_state(await job.state_dict(), want_state)
+        finally:
+            await job.close()
