@@ -16,6 +16,7 @@ __all__ = [
     "ActorTimeout",
     "BadArguments",
     "MailboxFull",
+    "NonFiniteError",
     "NotAllowed",
     "RemoteError",
     "StepFailed",
@@ -108,6 +109,20 @@ class StepFailed(ActorError):
         return str(self.details.get("cause", ""))
 
 
+class NonFiniteError(StepFailed):
+    """A loss or gradient of the step was NaN or infinite, so no stage stepped its optimizer.
+
+    Raised with ``on_nonfinite="raise"``; ``nonfinite`` lists every finding (which stage
+    and replica, and whether it was the loss or which parameter's gradient). The
+    gradients were dropped, so the job can take its next step.
+    """
+
+    @property
+    def nonfinite(self) -> list[str]:
+        found = self.details.get("nonfinite")
+        return [str(f) for f in found] if isinstance(found, list) else []
+
+
 ERROR_KINDS: dict[str, type[ActorError]] = {
     cls.__name__: cls
     for cls in (
@@ -120,6 +135,7 @@ ERROR_KINDS: dict[str, type[ActorError]] = {
         MailboxFull,
         NotAllowed,
         StepFailed,
+        NonFiniteError,
     )
 }
 

@@ -28,11 +28,13 @@ from schedulers.schedules import build_schedule
 
 __all__ = [
     "CODECS",
+    "NONFINITE_ACTIONS",
     "PARTITION_METHODS",
     "SCHEDULE_NAMES",
     "TRANSPORTS",
     "CodecName",
     "JobSpec",
+    "NonFiniteAction",
     "PartitionMethod",
     "ScheduleName",
     "TransportName",
@@ -44,11 +46,13 @@ ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zero_bubble"]
 TransportName = Literal["zmq", "dist"]
 PartitionMethod = Literal["parameters", "uniform"]
 CodecName = Literal["none", "fp16", "bf16", "int8", "fp8", "int4"]
+NonFiniteAction = Literal["raise", "skip"]
 
 SCHEDULE_NAMES: tuple[str, ...] = get_args(ScheduleName)
 TRANSPORTS: tuple[str, ...] = get_args(TransportName)
 PARTITION_METHODS: tuple[str, ...] = get_args(PartitionMethod)
 CODECS: tuple[str, ...] = get_args(CodecName)
+NONFINITE_ACTIONS: tuple[str, ...] = get_args(NonFiniteAction)
 
 _IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 _SEED_RANGE = (0, 2**63 - 1)
@@ -116,6 +120,8 @@ class JobSpec:
     """stage processes set glibc's malloc to keep freed buffers instead of page-faulting them in again every micro-batch"""
     step_timeout_s: float = 600.0
     """a step that takes longer fails with the stuck actions named"""
+    on_nonfinite: NonFiniteAction = "raise"
+    """a NaN or Inf in a loss or gradient, on any stage or replica, stops the step before any parameter changes: `raise` fails it with `NonFiniteError`, `skip` drops it everywhere and reports `StepStats.skipped`"""
 
     def __post_init__(self) -> None:
         _check_path("model", self.model)
@@ -150,6 +156,7 @@ class JobSpec:
         if self.threads_per_stage is not None:
             _check_int("threads_per_stage", self.threads_per_stage, minimum=1)
         _check_seconds("step_timeout_s", self.step_timeout_s)
+        _check_choice("on_nonfinite", self.on_nonfinite, NONFINITE_ACTIONS)
         # The schedule's own limits (e.g. interleaved needs micro_batches to be a multiple of the stages).
         build_schedule(self.schedule, self.pipeline_stages, self.micro_batches,
                        self.num_virtual_stages if self.schedule == "interleaved" else None)

@@ -41,6 +41,9 @@ class StepStats(WireRecord):
             factory's ``batch_size``).
         samples_per_s: ``samples / step_time_s``, when ``samples`` is known.
         schedule, micro_batches: the schedule and micro-batch count this step ran with.
+        skipped: a loss or gradient was NaN or infinite and the job has
+            ``on_nonfinite="skip"``: no stage stepped, the parameters are as before.
+        nonfinite: what was not finite, e.g. ``"stage 1 dp 0: gradient of 3.fc1.weight"``.
     """
 
     step: int
@@ -58,6 +61,8 @@ class StepStats(WireRecord):
     samples_per_s: float | None = None
     schedule: str = ""
     micro_batches: int = 0
+    skipped: bool = False
+    nonfinite: list[str] = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StepStats:
