@@ -191,6 +191,12 @@ class StageActor(Actor):
             self.executor.close()
         if self._link is not None:
             self._link.close()
+        # A gloo group's threads and listening sockets live as long as its Python object:
+        # drop every reference (the groups, tensor-parallel layers holding them), now.
+        self._groups = None
+        self.executor = None
+        self._held = {}
+        self._named_parameters = []
 
     # -- set-up ----------------------------------------------------------------------
 
