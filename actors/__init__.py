@@ -26,6 +26,7 @@ _EXPORTS = {
     "ActorTimeout": "actors._errors",
     "BadArguments": "actors._errors",
     "MailboxFull": "actors._errors",
+    "NonFiniteError": "actors._errors",
     "NotAllowed": "actors._errors",
     "RemoteError": "actors._errors",
     "UnknownActor": "actors._errors",
@@ -60,6 +61,7 @@ _EXPORTS = {
     "stage_to_rank": "actors.program",
     "transfer_partner": "actors.program",
     "RecordError": "actors.records",
+    "ReduceReport": "actors.records",
     "StageConfig": "actors.records",
     "StageReport": "actors.records",
     "WireRecord": "actors.records",
@@ -112,6 +114,7 @@ if TYPE_CHECKING:  # explicit re-exports, for type checkers (the names resolve l
         ActorTimeout as ActorTimeout,
         BadArguments as BadArguments,
         MailboxFull as MailboxFull,
+        NonFiniteError as NonFiniteError,
         NotAllowed as NotAllowed,
         RemoteError as RemoteError,
         StepFailed as StepFailed,
@@ -165,6 +168,7 @@ if TYPE_CHECKING:  # explicit re-exports, for type checkers (the names resolve l
     from actors.records import (
         RecordError as RecordError,
         StageConfig as StageConfig,
+        ReduceReport as ReduceReport,
         StageReport as StageReport,
         WireRecord as WireRecord,
     )

@@ -18,6 +18,7 @@ __all__ = [
     "HeadLost",
     "MailboxFull",
     "NodeLost",
+    "NonFiniteError",
     "NotAllowed",
     "RemoteError",
     "StepFailed",
@@ -124,6 +125,18 @@ class NodeLost(StepFailed):
 
 class HeadLost(ActorStopped):
     """The driver lost the head: its process ended or it stopped answering pings."""
+class NonFiniteError(StepFailed):
+    """A loss or gradient of the step was NaN or infinite, so no stage stepped its optimizer.
+
+    Raised with ``on_nonfinite="raise"``; ``nonfinite`` lists every finding (which stage
+    and replica, and whether it was the loss or which parameter's gradient). The
+    gradients were dropped, so the job can take its next step.
+    """
+
+    @property
+    def nonfinite(self) -> list[str]:
+        found = self.details.get("nonfinite")
+        return [str(f) for f in found] if isinstance(found, list) else []
 
 
 ERROR_KINDS: dict[str, type[ActorError]] = {
@@ -140,6 +153,7 @@ ERROR_KINDS: dict[str, type[ActorError]] = {
         StepFailed,
         NodeLost,
         HeadLost,
+        NonFiniteError,
     )
 }
 

@@ -22,7 +22,7 @@ from torch import nn
 from actors import _wgrad
 from actors.program import Action, ActionKind
 
-__all__ = ["Inbox", "StageModel", "StepExecutor", "StepTrace"]
+__all__ = ["Inbox", "StageModel", "StepExecutor", "StepTrace", "check_target_shape", "nonfinite_gradients"]
 
 T = TypeVar("T")
 _K = ActionKind
@@ -176,11 +176,24 @@ class StepExecutor:
 
     async def finish(self, program: Sequence[Action], reduce: Callable[[], Awaitable[None]]) -> None:
         """Runs the tail after the barrier: gradient reduction, then the optimizer step."""
-        for action in program:
-            if action.kind is _K.REDUCE:
-                await reduce()
-            elif action.kind is _K.STEP:
-                await self.compute(self._optimizer_step)
+        await self.reduce(program, reduce)
+        await self.apply(program, step=True)
+
+    async def reduce(self, program: Sequence[Action], reduce: Callable[[], Awaitable[None]]) -> None:
+        """Runs the tail's gradient reduction, if the program has one (the first half of :meth:`finish`)."""
+        if any(action.kind is _K.REDUCE for action in program):
+            await reduce()
+
+    async def apply(self, program: Sequence[Action], *, step: bool) -> None:
+        """Steps the optimizer if ``step`` and the program has a STEP; else drops the gradients.
+
+        Dropping is how a step whose loss or gradients were not finite leaves every
+        parameter (and the optimizer's state) as it was before the step.
+        """
+        if step and any(action.kind is _K.STEP for action in program):
+            await self.compute(self._optimizer_step)
+        else:
+            await self.compute(self.model.optimizer.zero_grad, True)
 
     async def reset(self, step: int) -> None:
         """Drops a failed or aborted step: stash, values, gradients (after any compute in flight)."""
@@ -244,6 +257,7 @@ class StepExecutor:
                 self._stash[(stage, mb)] = (x if stage > 0 else None, out)
                 self._values[("F", stage, mb)] = out.detach()
                 return None
+            check_target_shape(out, target)
             loss = self.model.loss_fn(out, target)
             # The step's loss is the mean over micro-batches, as one process computes
             # it on the whole batch; each micro-batch's gradient is scaled to match.
@@ -294,6 +308,45 @@ class StepExecutor:
         self._pending_w.clear()
         self._values.clear()
         self.model.optimizer.zero_grad(set_to_none=True)
+
+
+def check_target_shape(output: torch.Tensor, target: torch.Tensor) -> None:
+    """Refuses a target that an element-wise loss would silently broadcast against the output.
+
+    ``mse_loss([4, 8] output, [4, 1] target)`` trains on a 32-element broadcast without a
+    word. A target of the output's shape always passes; so does one with fewer dims and
+    integer values (class indices: ``[N]`` for ``[N, C]`` logits, ``[B, T]`` for ``[B, T, V]``).
+    Refused are a floating-point target of another shape, and any target with the
+    output's number of dims but another shape: for those the loss either broadcasts or
+    needs a reshape the model should do itself.
+
+    Raises:
+        ValueError: names both shapes.
+    """
+    if not isinstance(output, torch.Tensor) or not isinstance(target, torch.Tensor) or output.shape == target.shape:
+        return
+    if target.is_floating_point() or target.dim() == output.dim():
+        raise ValueError(
+            f"targets of shape {tuple(target.shape)} do not match the model's output of shape "
+            f"{tuple(output.shape)}; the loss would broadcast one against the other. Give targets "
+            f"shaped like the output (or integer class indices with fewer dims)")
+
+
+def nonfinite_gradients(named: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
+    """The names of the parameters whose gradient holds a NaN or an infinity.
+
+    One min/max pass per gradient and a single device sync for all of them: min and
+    max propagate NaN and show either infinity, and unlike a norm they cannot overflow
+    on large finite values.
+    """
+    with_grad = [(name, p.grad) for name, p in named if p.grad is not None and p.grad.numel()]
+    if not with_grad:
+        return []
+    extremes = torch.stack([torch.stack(torch.aminmax(grad.detach())) for _, grad in with_grad])
+    finite = torch.isfinite(extremes).all(dim=1)
+    if bool(finite.all()):
+        return []
+    return [name for (name, _), ok in zip(with_grad, finite.tolist()) if not ok]
 
 
 class ActionFailed(Exception):

@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator, Generator, Iterable, Sequence
 from typing import Any, Generic, TypeVar
 
 from actors._actor import Actor, endpoint
-from actors._errors import ActorError, ActorTimeout, HeadLost
+from actors._errors import ActorError, ActorTimeout, HeadLost, NotAllowed
 from actors._nodes import HEAD, NODE, HeadActor
 from actors._serve import ADMIT_TOKEN_ENV, head_address, security
 from actors.keys import DEFAULT_KEYS, ClusterKeys
@@ -114,14 +114,23 @@ class Cluster:
 
         Only a :class:`LocalCluster`'s own connection can: it holds the token its nodes
         were started with. On a cluster started by hand this does nothing; start its
-        nodes with ``--allow PREFIX`` instead.
+        nodes with ``--allow PREFIX`` instead. A node that joined a LocalCluster by hand
+        holds no token and refuses: it keeps the allow-list it was started with, so a
+        job placed there builds whatever that list admits (and fails with
+        :class:`~actors.NotAllowed` naming the factory otherwise).
         """
         if not self._admit_token:
             return
         prefixes = sorted(set(modules))
         nodes = [n for n in await self.nodes() if n["state"] == "alive"]
         agents = [self.node_ref(n) for n in nodes] + [self.runtime.ref(self.head.address, NODE)]
-        await asyncio.gather(*(agent.ask("admit", self._admit_token, prefixes, timeout=30) for agent in agents))
+        answers = await asyncio.gather(*(agent.ask("admit", self._admit_token, prefixes, timeout=30)
+                                         for agent in agents), return_exceptions=True)
+        for agent, answer in zip(agents, answers):
+            if isinstance(answer, NotAllowed):
+                log.info("%s keeps its own allow-list: %s", agent.address, answer.message)
+            elif isinstance(answer, BaseException):
+                raise answer
 
     @classmethod
     def connect(
@@ -325,7 +334,9 @@ class LocalCluster:
         await self._stop()
 
     async def _start(self) -> Cluster:
-        self._tempdir = tempfile.mkdtemp(prefix="actorpipe-cluster-")
+        remove_orphaned_tempdirs()
+        self._tempdir = tempfile.mkdtemp(prefix=_TEMPDIR_PREFIX)
+        _write_owner(self._tempdir)
         address_file = os.path.join(self._tempdir, "head.address")
         if self.insecure:
             secure: list[str] = ["--insecure"]
@@ -407,6 +418,74 @@ class LocalCluster:
             shutil.rmtree(self._tempdir, ignore_errors=True)
             self._tempdir = None
             self.keys = None
+
+
+_TEMPDIR_PREFIX = "actorpipe-cluster-"
+_OWNER_FILE = "owner"  # "PID START_TIME" of the driver that made the folder
+
+
+def _process_start_time(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks since boot, from /proc), or None if there is none.
+
+    A pid alone may have been reused by the time we look; pid and start time together
+    name one process for good.
+    """
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat.rpartition(")")[2].split()  # the command name may hold spaces and parentheses
+    return fields[19] if len(fields) > 19 else None  # field 22 of stat; the first two are cut off
+
+
+def _write_owner(directory: str) -> None:
+    pid = os.getpid()
+    with open(os.path.join(directory, _OWNER_FILE), "w") as f:
+        f.write(f"{pid} {_process_start_time(pid) or ''}")
+
+
+def _owner_is_gone(directory: str) -> bool:
+    """Whether the driver recorded in ``directory`` has exited (False when it cannot tell)."""
+    try:
+        with open(os.path.join(directory, _OWNER_FILE)) as f:
+            pid_text, _, started = f.read().partition(" ")
+        pid = int(pid_text)
+    except (OSError, ValueError):
+        return False  # no owner recorded (or a folder being made right now): not ours to judge
+    now = _process_start_time(pid)
+    if now is None:
+        return sys.platform == "linux"  # no /proc entry: that process has exited
+    return bool(started) and now != started  # the pid now names another process
+
+
+def remove_orphaned_tempdirs(parent: str | None = None) -> list[str]:
+    """Removes the ``actorpipe-cluster-*`` folders of drivers that were killed (their keys, addresses).
+
+    A driver killed by SIGKILL cannot clean up after itself; the next ``LocalCluster``
+    does, but only for folders of this user whose recorded owner process is gone, so a
+    cluster that still runs keeps its keys.
+
+    Returns:
+        The folders removed.
+    """
+    parent = parent or tempfile.gettempdir()
+    removed = []
+    try:
+        names = [n for n in os.listdir(parent) if n.startswith(_TEMPDIR_PREFIX)]
+    except OSError:
+        return []
+    for name in names:
+        path = os.path.join(parent, name)
+        try:
+            mine = os.lstat(path).st_uid == os.getuid() and os.path.isdir(path) and not os.path.islink(path)
+        except OSError:
+            continue
+        if mine and _owner_is_gone(path):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+            log.info("removed %s, left by a driver that is gone", path)
+    return removed
 
 
 def _reap(processes: list[subprocess.Popen[bytes]], grace: float) -> None:

@@ -72,3 +72,4 @@ class DistLink:
 
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)
+        self._sends.clear()  # a posted send holds its process group, and with it gloo's threads

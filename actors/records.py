@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Literal, Protocol, TypeVar
 
 from actors.program import stage_to_rank
 
-__all__ = ["RecordError", "StageConfig", "StageReport", "WireRecord"]
+__all__ = ["RecordError", "ReduceReport", "StageConfig", "StageReport", "WireRecord"]
 
 R = TypeVar("R", bound="WireRecord")
 
@@ -143,3 +143,18 @@ class StageReport(WireRecord):
     started_at: float = 0.0
     peak_rss_bytes: int = 0
     codec_stats: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReduceReport(WireRecord):
+    """What a stage's ``reduce_step`` returns, before the scheduler lets it step (or not).
+
+    Attributes:
+        reduced_bytes: the bytes this stage sent for the data-parallel reduction.
+        nonfinite: the parameters (as the whole model names them, ``3.fc1.weight``)
+            whose gradient holds a NaN or an infinity; a name ends in ``(after the
+            data-parallel reduction)`` when only the reduced gradient is not finite.
+    """
+
+    reduced_bytes: int = 0
+    nonfinite: list[str] = field(default_factory=list)

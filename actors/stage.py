@@ -25,14 +25,14 @@ from actors import _wgrad, snapshots
 from actors._actor import Actor, current_caller, endpoint, may_call
 from actors._allocator import keep_freed_memory
 from actors._errors import ActorError, NotAllowed, error_to_wire
-from actors._executor import ActionFailed, Inbox, StageModel, StepExecutor
+from actors._executor import ActionFailed, Inbox, StageModel, StepExecutor, nonfinite_gradients
 from actors._registry import DEFAULT_ALLOW, load_object, register_actor
 from actors._ref import ActorRef
 from actors.mesh import Coords, Mesh
 from actors.p2p import DistLink
 from actors.parallel import ProcessGroups, average_gradients, join_process_groups, leave_process_groups
 from actors.program import Action, ActionKind, stage_to_rank
-from actors.records import StageConfig, StageReport
+from actors.records import ReduceReport, StageConfig, StageReport
 from actors.rendezvous import ActorStore
 from actors.snapshots import SnapshotShelf
 from actors.tensor_parallel import shard_for_tensor_parallel, tp_shard_specs
@@ -164,6 +164,8 @@ class StageActor(Actor):
             first, end = cfg.bounds[s]
             modules[s] = nn.Sequential(*layers[first:end]).to(device)
         self._held = {i: layers[i] for s in cfg.stages for i in range(*cfg.bounds[s])}
+        self._named_parameters = [(f"{i}.{key}", p) for i, layer in self._held.items()
+                                  for key, p in layer.named_parameters()]
         self._specs = {f"{i}.{key}": list(spec) for i, layer in self._held.items()
                        for key, spec in tp_shard_specs(layer).items()}
         weight_grads = None
@@ -192,6 +194,12 @@ class StageActor(Actor):
             self.executor.close()
         if self._link is not None:
             self._link.close()
+        # A gloo group's threads and listening sockets live as long as its Python object:
+        # drop every reference (the groups, tensor-parallel layers holding them), now.
+        self._groups = None
+        self.executor = None
+        self._held = {}
+        self._named_parameters = []
 
     # -- set-up ----------------------------------------------------------------------
 
@@ -283,16 +291,41 @@ class StageActor(Actor):
         ).to_wire()
 
     @endpoint(roles=("head",))
-    async def finish_step(self, step: int) -> int:
-        """The barrier is released: reduce gradients and step the optimizer.
+    async def reduce_step(self, step: int) -> dict[str, Any]:
+        """The barrier is released: check this stage's gradients, then reduce them across replicas.
+
+        The check comes first so that a NaN is blamed on the replica it came from (the
+        average would spread it to all); the reduction runs regardless, as every replica
+        must take part in it. Nothing is applied: :meth:`finish_step` does that once the
+        scheduler has heard every stage.
 
         Returns:
-            The bytes this stage sent for the data-parallel reduction.
+            A :class:`~actors.records.ReduceReport` as a map.
         """
         assert self.executor is not None
         self._reduced_bytes = 0
-        await self.executor.finish(self._program, self._reduce)
-        return self._reduced_bytes
+        named = self._named_parameters
+        found = await self.executor.compute(nonfinite_gradients, named)
+        await self.executor.reduce(self._program, self._reduce)
+        if not found and self._reduce_feedback is not None and self._reduced_bytes:
+            # A lossy reduce codec can overflow (fp16 past 65504) where the raw gradients did not.
+            reduced = await self.executor.compute(nonfinite_gradients, named)
+            found = [f"{name} (after the data-parallel reduction)" for name in reduced]
+        return ReduceReport(reduced_bytes=self._reduced_bytes, nonfinite=found).to_wire()
+
+    @endpoint(roles=("head",))
+    async def finish_step(self, step: int, apply: bool = True) -> None:
+        """Steps the optimizer (``apply``) or drops the step's gradients, as the scheduler decided.
+
+        A dropped step also forgets the error-feedback residuals: those of a step with
+        non-finite gradients hold NaN, which would poison every later step.
+        """
+        assert self.executor is not None
+        await self.executor.apply(self._program, step=bool(apply))
+        if not apply:
+            self._feedback = {edge: ErrorFeedback(codec) for edge, codec in enumerate(self._codecs["B"])}
+            if self._reduce_feedback is not None:
+                self._reduce_feedback = ErrorFeedback(self.config.reduce_codec)
 
     @endpoint(concurrent=True, roles=("head",))
     async def abort_step(self, step: int) -> None:

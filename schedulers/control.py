@@ -38,6 +38,7 @@ from actors import (
     NodeActor,
     NodeLost,
     ShardSpec,
+    ReduceReport,
     StageActor,
     StageReport,
     StepFailed,
@@ -50,7 +51,15 @@ from schedulers.hang import StageProgress, diagnose
 from schedulers.jobs import JobSpec
 from schedulers.records import JobDescription, RunInfo, SettingChange, StepStats, WhereReport
 from schedulers.schedules import build_schedule
-from schedulers.stepping import key_order, step_calls, step_failed, step_stats
+from schedulers.stepping import (
+    describe_findings,
+    key_order,
+    nonfinite_failed,
+    nonfinite_findings,
+    step_calls,
+    step_failed,
+    step_stats,
+)
 from schedulers.trace import StageRecord, estimate_offset, to_chrome_trace
 
 __all__ = ["SETTABLE", "JobController", "RunState", "compile_programs", "plan_setting"]
@@ -269,10 +278,10 @@ class JobController:
         try:
             reports = await self._run_to_barrier(step, calls)
             try:
-                reduce_bytes = await self._release(step)
+                reduce_bytes, nonfinite = await self._release(step, reports)
             except StepFailed as failure:
-                # Some stages may have stepped their optimizer and others not.
-                self.broken = f"step {step} failed while the stages applied it ({failure.message})"
+                if failure.action == "STEP":  # some stages may have stepped their optimizer and others not
+                    self.broken = f"step {step} failed while the stages applied it ({failure.message})"
                 raise
         except StepFailed as failure:
             self._publish({"type": "job_failed", "job": self.id, "step": step, "error": str(failure)})
@@ -282,7 +291,7 @@ class JobController:
         self.last_reports = reports
         samples = inputs.shape[0] if inputs is not None else self.spec.data_kwargs.get("batch_size")
         return step_stats(self.spec, step, reports, elapsed, reduce_bytes,
-                          samples if isinstance(samples, int) else None)
+                          samples if isinstance(samples, int) else None, nonfinite)
 
     async def _run_to_barrier(self, step: int, calls: dict[int, dict[str, Any]]) -> list[StageReport]:
         tasks = {
@@ -501,14 +510,41 @@ class JobController:
         self.operation.cancel()
         return True
 
-    async def _release(self, step: int) -> int:
-        """Releases the barrier everywhere; returns the bytes the data-parallel reduction sent."""
-        results = await asyncio.gather(*(ref.endpoint(StageActor.finish_step, timeout=self.spec.step_timeout_s)
-                                         .call(step) for ref in self.stages), return_exceptions=True)
+    async def _release(self, step: int, reports: list[StageReport]) -> tuple[int, list[str]]:
+        """Releases the barrier everywhere: every stage reduces and checks, then all step or none does.
+
+        One NaN or infinity in any loss or gradient, on any stage or replica, means no
+        stage steps (``on_nonfinite``: the step raises, or is skipped and reported).
+
+        Returns:
+            The bytes the data-parallel reduction sent, and the non-finite findings
+            (empty when the step was applied).
+
+        Raises:
+            NonFiniteError: a finding, with ``on_nonfinite="raise"``; nothing was applied.
+            StepFailed: a stage failed to reduce or step.
+        """
+        reduced = [ReduceReport.from_wire(r) for r in await self._on_every_stage(StageActor.reduce_step, "REDUCE",
+                                                                                 step)]
+        found = nonfinite_findings(self.mesh, reports, reduced)
+        await self._on_every_stage(StageActor.finish_step, "STEP", step, not found)
+        if found and self.spec.on_nonfinite == "raise":
+            raise nonfinite_failed(self.mesh, step, found)
+        if found:
+            log.warning("%s step %d skipped: %s", self.id, step, "; ".join(describe_findings(self.mesh, found)[:5]))
+        return sum(r.reduced_bytes for r in reduced), describe_findings(self.mesh, found)
+
+    async def _on_every_stage(self, method: Callable[..., Awaitable[Any]], action: str, *args: Any) -> list[Any]:
+        """Calls a stage endpoint on every stage at once; the first failure fails the step, naming the stage."""
+        results = await asyncio.gather(*(ref.endpoint(method, timeout=self.spec.step_timeout_s).call(*args)
+                                         for ref in self.stages), return_exceptions=True)
         for rank, result in enumerate(results):
+            if isinstance(result, NodeLost):
+                where = step_failed(self.mesh, rank, action, result.message)
+                raise NodeLost(where.message, details={**where.details, "node": result.node})
             if isinstance(result, BaseException):
-                raise step_failed(self.mesh, rank, "REDUCE/STEP", f"{type(result).__name__}: {result}")
-        return sum(r for r in results if isinstance(r, int))
+                raise step_failed(self.mesh, rank, action, f"{type(result).__name__}: {result}")
+        return results
 
     def _step_finished(self, stats: StepStats) -> None:
         run = self.run_state
@@ -517,7 +553,8 @@ class JobController:
             progress = {"done": stats.step - run.first_step + 1, "target": run.target}
         self._publish({"type": "step_finished", "job": self.id, "step": stats.step, "loss": stats.loss,
                        "step_time_s": stats.step_time_s, "bubble_fraction": stats.bubble_fraction,
-                       "samples_per_s": stats.samples_per_s, "schedule": stats.schedule, "run": progress})
+                       "samples_per_s": stats.samples_per_s, "schedule": stats.schedule, "run": progress,
+                       "skipped": stats.skipped})
 
     # -- queries ----------------------------------------------------------------------
 

@@ -28,11 +28,13 @@ from schedulers.schedules import build_schedule
 
 __all__ = [
     "CODECS",
+    "NONFINITE_ACTIONS",
     "PARTITION_METHODS",
     "SCHEDULE_NAMES",
     "TRANSPORTS",
     "CodecName",
     "JobSpec",
+    "NonFiniteAction",
     "PartitionMethod",
     "ScheduleName",
     "TransportName",
@@ -44,11 +46,13 @@ ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zero_bubble"]
 TransportName = Literal["zmq", "dist"]
 PartitionMethod = Literal["parameters", "uniform"]
 CodecName = Literal["none", "fp16", "bf16", "int8", "fp8", "int4"]
+NonFiniteAction = Literal["raise", "skip"]
 
 SCHEDULE_NAMES: tuple[str, ...] = get_args(ScheduleName)
 TRANSPORTS: tuple[str, ...] = get_args(TransportName)
 PARTITION_METHODS: tuple[str, ...] = get_args(PartitionMethod)
 CODECS: tuple[str, ...] = get_args(CodecName)
+NONFINITE_ACTIONS: tuple[str, ...] = get_args(NonFiniteAction)
 
 _IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 _SEED_RANGE = (0, 2**63 - 1)
@@ -120,6 +124,8 @@ class JobSpec:
     """recoveries the job may make: a lost stage is respawned on a spare node and every stage rolls back to the newest snapshot, then the lost steps replay (pipeline-parallel jobs over `zmq`); 0: a lost node fails the job with `NodeLost`"""
     snapshot_every: int = 1
     """with `max_restarts`, every stage keeps a copy of its parameters and optimizer state each this many steps, and sends one to the next pipeline rank"""
+    on_nonfinite: NonFiniteAction = "raise"
+    """a NaN or Inf in a loss or gradient, on any stage or replica, stops the step before any parameter changes: `raise` fails it with `NonFiniteError`, `skip` drops it everywhere and reports `StepStats.skipped`"""
 
     def __post_init__(self) -> None:
         _check_path("model", self.model)
@@ -160,6 +166,7 @@ class JobSpec:
             raise ValueError("max_restarts recovers pipeline-parallel jobs over transport='zmq'; a job with "
                              "tensor_parallel, data_parallel or transport='dist' would have to re-form its "
                              "process groups, which recovery does not do yet: leave max_restarts at 0")
+        _check_choice("on_nonfinite", self.on_nonfinite, NONFINITE_ACTIONS)
         # The schedule's own limits (e.g. interleaved needs micro_batches to be a multiple of the stages).
         build_schedule(self.schedule, self.pipeline_stages, self.micro_batches,
                        self.num_virtual_stages if self.schedule == "interleaved" else None)

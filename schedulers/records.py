@@ -46,6 +46,9 @@ class StepStats(WireRecord):
             replacement), ``from_step`` (the snapshot every stage rolled back to),
             ``replayed`` (steps run again before this one), ``seconds`` (respawn and
             restore, without the replay).
+        skipped: a loss or gradient was NaN or infinite and the job has
+            ``on_nonfinite="skip"``: no stage stepped, the parameters are as before.
+        nonfinite: what was not finite, e.g. ``"stage 1 dp 0: gradient of 3.fc1.weight"``.
     """
 
     step: int
@@ -64,6 +67,8 @@ class StepStats(WireRecord):
     schedule: str = ""
     micro_batches: int = 0
     recovery: dict[str, Any] | None = None
+    skipped: bool = False
+    nonfinite: list[str] = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StepStats:

@@ -5,13 +5,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import math
+
 import torch
 
-from actors import Mesh, StageReport, StepFailed, stage_to_rank
+from actors import Mesh, NonFiniteError, ReduceReport, StageReport, StepFailed, stage_to_rank
 from schedulers.jobs import JobSpec
 from schedulers.records import StepStats
 
-__all__ = ["key_order", "step_calls", "step_failed", "step_stats"]
+__all__ = ["describe_findings", "key_order", "nonfinite_failed", "nonfinite_findings", "step_calls", "step_failed", "step_stats"]
 
 
 def step_calls(
@@ -50,6 +52,8 @@ def step_calls(
 def _split(batch: torch.Tensor, parts: int, what: str, name: str = "micro_batches") -> list[torch.Tensor]:
     if not isinstance(batch, torch.Tensor):
         raise TypeError(f"{what} must be a tensor, got {type(batch).__name__}")
+    if batch.dim() > 0 and batch.shape[0] == 0:
+        raise ValueError(f"{what} of shape {tuple(batch.shape)} hold no samples; a step needs a non-empty batch")
     if batch.dim() == 0 or batch.shape[0] % parts:
         raise ValueError(
             f"{what} of shape {tuple(batch.shape)} do not split into {parts} equal parts; "
@@ -68,6 +72,34 @@ def step_failed(mesh: Mesh, rank: int, action: str | None, cause: str, traceback
                                "data": coords.data, "action": action, "cause": cause})
 
 
+def nonfinite_findings(
+    mesh: Mesh, reports: Sequence[StageReport], reduced: Sequence[ReduceReport]
+) -> list[tuple[int, str]]:
+    """Every NaN or infinity of the step, as ``(global rank, what)``: losses first, then gradients."""
+    found = [(g, f"loss of micro-batch {m} is {loss}") for g, r in enumerate(reports)
+             for m, loss in enumerate(r.losses) if not math.isfinite(loss)]
+    found += [(g, f"gradient of {name}") for g, r in enumerate(reduced) for name in r.nonfinite]
+    return found
+
+
+def describe_findings(mesh: Mesh, found: Sequence[tuple[int, str]]) -> list[str]:
+    """Findings as ``StepStats.nonfinite`` reports them: ``"stage 1 dp 0: gradient of 3.fc1.weight"``."""
+    return [f"{mesh.describe(rank)}: {what}" for rank, what in found]
+
+
+def nonfinite_failed(mesh: Mesh, step: int, found: Sequence[tuple[int, str]]) -> NonFiniteError:
+    """The error a step fails with under ``on_nonfinite="raise"``; it names the first finding's stage."""
+    lines = describe_findings(mesh, found)
+    shown = "; ".join(lines[:5]) + (f"; and {len(lines) - 5} more" if len(lines) > 5 else "")
+    rank, what = found[0]
+    coords = mesh.coords(rank)
+    return NonFiniteError(
+        f"step {step} failed: non-finite values, so no stage stepped its optimizer (gradients dropped): {shown}. "
+        "Lower the learning rate or check the inputs; on_nonfinite='skip' drops such steps and trains on",
+        details={"stage": coords.pipeline, "member": rank, "tensor": coords.tensor, "data": coords.data,
+                 "action": "loss" if what.startswith("loss") else "REDUCE", "cause": what, "nonfinite": lines})
+
+
 def key_order(key: str) -> int:
     """Layer index of a state key; the sort is stable, so each layer keeps its own order."""
     head = key.partition(".")[0]
@@ -76,7 +108,7 @@ def key_order(key: str) -> int:
 
 def step_stats(
     spec: JobSpec, step: int, reports: Sequence[StageReport], elapsed: float, reduce_bytes: int,
-    samples: int | None,
+    samples: int | None, nonfinite: Sequence[str] = (),
 ) -> StepStats:
     """The step's statistics from every stage actor's report (by global rank)."""
     mesh = spec.mesh
@@ -104,6 +136,8 @@ def step_stats(
         samples_per_s=samples / elapsed if samples and elapsed > 0 else None,
         schedule=spec.schedule,
         micro_batches=spec.micro_batches,
+        skipped=bool(nonfinite),
+        nonfinite=list(nonfinite),
     )
 
 

@@ -107,6 +107,8 @@ def job_detail(info: Mapping[str, Any]) -> list[str]:
             f"{_number(stats.get('step_time_s'), '.3f')} s, {_number(stats.get('samples_per_s'), '.1f')} samples/s, "
             f"bubble {_number(stats.get('bubble_fraction'), '.1%')}, {format_bytes(stats.get('bytes_sent'))} "
             f"between stages (schedule {stats.get('schedule')}, {stats.get('micro_batches')} micro-batches)")
+        if stats.get("skipped"):
+            lines.append("step skipped, nothing applied; not finite: " + "; ".join(stats.get("nonfinite") or []))
         edges = stats.get("bytes_per_edge") or {}
         if edges:
             lines.append("bytes per edge: " + ", ".join(f"{edge} {format_bytes(n)}" for edge, n in sorted(edges.items())))
@@ -143,8 +145,10 @@ def event_line(event: Mapping[str, Any]) -> str | None:
     if kind == "step_finished":
         run = event.get("run")
         where = f" [{run['done']}/{run['target']}]" if run else ""
+        skipped = " (skipped: not finite, nothing applied)" if event.get("skipped") else ""
         return (f"{job} step {event.get('step')}{where} {event.get('schedule')}: loss {_number(event.get('loss'))}, "
-                f"{_number(event.get('step_time_s'), '.3f')} s, bubble {_number(event.get('bubble_fraction'), '.0%')}")
+                f"{_number(event.get('step_time_s'), '.3f')} s, bubble {_number(event.get('bubble_fraction'), '.0%')}"
+                f"{skipped}")
     if kind == "job_failed":
         return f"! {job} step {event.get('step')} failed: {event.get('error')}"
     if kind == "job_created":

@@ -1,0 +1,80 @@
+"""A killed driver's LocalCluster folder is removed by the next LocalCluster, and only such folders are."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from actors import LocalCluster
+from actors.cluster import _write_owner, remove_orphaned_tempdirs
+
+pytestmark = [pytest.mark.timeout(120)]
+
+DRIVER = """
+import asyncio, sys
+from actors import LocalCluster
+
+async def main():
+    local = LocalCluster(nodes=0)
+    async with local:
+        print(local._tempdir, local.processes["head"].pid, flush=True)
+        await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+def wait_gone(pid: int, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not os.path.exists(f"/proc/{pid}")
+
+
+@pytest.fixture
+def private_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Every temporary folder of this test (and of its driver) under ``tmp_path``, not the machine's /tmp."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    return tmp_path
+
+
+@pytest.mark.asyncio
+async def test_the_next_local_cluster_removes_a_killed_drivers_folder(private_tmp: Path) -> None:
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    try:
+        assert driver.stdout is not None
+        folder, head_pid = driver.stdout.readline().decode().split()
+    finally:
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+    head_gone = wait_gone(int(head_pid))  # the head dies with its driver (PR_SET_PDEATHSIG)
+    if not head_gone:
+        os.kill(int(head_pid), signal.SIGKILL)
+    assert head_gone, "the killed driver's head outlived it"
+    assert Path(folder).parent == private_tmp and Path(folder).is_dir()  # the kill left it behind
+    # Beside it: a folder of a driver that still runs (this one), and one that names no owner.
+    alive = tempfile.mkdtemp(prefix="actorpipe-cluster-")
+    _write_owner(alive)
+    unowned = tempfile.mkdtemp(prefix="actorpipe-cluster-")
+    local = LocalCluster(nodes=0)
+    async with local:
+        assert local._tempdir is not None and Path(local._tempdir).parent == private_tmp
+        assert not Path(folder).exists()
+        assert Path(alive).is_dir() and Path(unowned).is_dir()
+    assert sorted(p.name for p in private_tmp.iterdir()) == sorted([Path(alive).name, Path(unowned).name])
+
+
+def test_a_reused_pid_does_not_keep_a_folder(private_tmp: Path) -> None:
+    # The recorded pid is alive (it is this process) but started at another time: another process.
+    stale = tempfile.mkdtemp(prefix="actorpipe-cluster-")
+    (Path(stale) / "owner").write_text(f"{os.getpid()} 1")
+    assert remove_orphaned_tempdirs() == [stale]
+    assert not Path(stale).exists()
