@@ -109,6 +109,11 @@ def job_detail(info: Mapping[str, Any]) -> list[str]:
             f"between stages (schedule {stats.get('schedule')}, {stats.get('micro_batches')} micro-batches)")
         if stats.get("skipped"):
             lines.append("step skipped, nothing applied; not finite: " + "; ".join(stats.get("nonfinite") or []))
+        recovery = stats.get("recovery")
+        if recovery:
+            moved = ", ".join(f"{old} -> {new}" for old, new in sorted((recovery.get("moved") or {}).items()))
+            lines.append(f"recovered before this step: {moved}, from step {recovery.get('from_step')}, "
+                         f"{recovery.get('replayed')} replayed, {_number(recovery.get('seconds'), '.1f')} s")
         edges = stats.get("bytes_per_edge") or {}
         if edges:
             lines.append("bytes per edge: " + ", ".join(f"{edge} {format_bytes(n)}" for edge, n in sorted(edges.items())))
@@ -151,6 +156,11 @@ def event_line(event: Mapping[str, Any]) -> str | None:
                 f"{skipped}")
     if kind == "job_failed":
         return f"! {job} step {event.get('step')} failed: {event.get('error')}"
+    if kind == "job_recovered":
+        moved = ", ".join(f"{old} -> {new}" for old, new in sorted((event.get("moved") or {}).items()))
+        return (f"* {job} recovered: {moved}; rolled back to step {event.get('from_step')}, "
+                f"replaying {event.get('replayed')} in {_number(event.get('seconds'), '.1f')} s "
+                f"({event.get('restarts_left')} restarts left)")
     if kind == "job_created":
         return f"+ {job} created on {', '.join(event.get('nodes', []))}"
     if kind == "job_closed":

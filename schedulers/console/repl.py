@@ -169,7 +169,7 @@ def _style(event: dict[str, Any]) -> str | None:
     kind = event.get("type")
     if kind in ("job_failed", "node_lost", "setting_rejected"):
         return "bold red"
-    if kind in ("settings_applied", "job_paused", "job_resumed"):
+    if kind in ("settings_applied", "job_paused", "job_resumed", "job_recovered"):
         return "bold"
     return None
 

@@ -44,6 +44,19 @@ PROBE = textwrap.dedent("""
 """)
 
 
+def start_head(link: _netns.Link, keys: ClusterKeys, address_file: Path,
+               processes: list[subprocess.Popen[bytes]]) -> str:
+    """Starts a head in namespace A, listening on its veth address; returns its address."""
+    processes.append(_netns.start_process(link.ns_a, [
+        sys.executable, "-m", "actors.node", "--head", "--bind", f"tcp://{link.addr_a}:0", "--allow-remote",
+        "--address-file", str(address_file), "--keys", keys.directory, "--log-level", "WARNING"]))
+    deadline = time.monotonic() + 60
+    while not address_file.exists():
+        assert processes[0].poll() is None and time.monotonic() < deadline, "the head did not start"
+        time.sleep(0.05)
+    return address_file.read_text().strip()
+
+
 def test_a_remote_worker_joins_with_its_key_and_a_remote_stranger_is_refused(tmp_path: Path) -> None:
     link = _netns.make_link(f"k{os.getpid() % 100000}", subnet="10.213.9")
     keys = ClusterKeys.create(tmp_path / "keys")
@@ -52,14 +65,7 @@ def test_a_remote_worker_joins_with_its_key_and_a_remote_stranger_is_refused(tmp
     processes: list[subprocess.Popen[bytes]] = []
     with _netns.open_link(link):
         try:
-            processes.append(_netns.start_process(link.ns_a, [
-                sys.executable, "-m", "actors.node", "--head", "--bind", f"tcp://{link.addr_a}:0", "--allow-remote",
-                "--address-file", str(address_file), "--keys", keys.directory, "--log-level", "WARNING"]))
-            deadline = time.monotonic() + 60
-            while not address_file.exists():
-                assert processes[0].poll() is None and time.monotonic() < deadline, "the head did not start"
-                time.sleep(0.05)
-            address = address_file.read_text().strip()
+            address = start_head(link, keys, address_file, processes)
             assert address.startswith(f"tcp://{link.addr_a}:") and "|" in address
             processes.append(_netns.start_process(link.ns_b, [
                 sys.executable, "-m", "actors.node", "--join", address, "--name", "remote", "--bind",
@@ -109,14 +115,7 @@ def test_data_parallel_replicas_on_two_hosts_meet_through_the_heads_channel(tmp_
     processes: list[subprocess.Popen[bytes]] = []
     with _netns.open_link(link):
         try:
-            processes.append(_netns.start_process(link.ns_a, [
-                sys.executable, "-m", "actors.node", "--head", "--bind", f"tcp://{link.addr_a}:0", "--allow-remote",
-                "--address-file", str(address_file), "--keys", keys.directory, "--log-level", "WARNING"]))
-            deadline = time.monotonic() + 60
-            while not address_file.exists():
-                assert processes[0].poll() is None and time.monotonic() < deadline, "the head did not start"
-                time.sleep(0.05)
-            address = address_file.read_text().strip()
+            address = start_head(link, keys, address_file, processes)
             head_listens = listening_addresses(processes[0].pid)
             for name, ns, host in (("near", link.ns_a, link.addr_a), ("far", link.ns_b, link.addr_b)):
                 processes.append(_netns.start_process(ns, [

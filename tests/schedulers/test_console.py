@@ -421,6 +421,9 @@ def test_tab_completes_paths(tmp_path: Path) -> None:
      "job0: now schedule=gpipe, from step 7 on"),
     ({"type": "run_finished", "job": "job0", "done": 3, "target": 10, "reason": "stopped"},
      "job0 run stopped after 3/10 steps"),
+    ({"type": "job_recovered", "job": "job0", "moved": {"node1": "spare0"}, "from_step": 3, "replayed": 1,
+      "seconds": 1.04, "restarts_left": 0},
+     "* job0 recovered: node1 -> spare0; rolled back to step 3, replaying 1 in 1.0 s (0 restarts left)"),
     ({"type": "something_new"}, None),
 ])
 def test_events_print_as_one_line(event: dict[str, Any], line: str | None) -> None:

@@ -14,6 +14,7 @@ import torch
 
 from actors import NodeLost
 from schedulers import Cluster, Job, LocalCluster
+from schedulers.console.render import job_detail
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -70,6 +71,8 @@ async def test_a_killed_stage_moves_to_a_spare_and_training_is_bit_identical(sna
             assert stats.recovery["from_step"] == 3 - (3 % snapshot_every)
             assert stats.recovery["replayed"] == 3 % snapshot_every
             assert recovered_in < 20
+            detail = job_detail((await job.describe()).to_wire())  # what the console's status shows
+            assert f"recovered before this step: {victim} -> spare0" in "\n".join(detail)
             losses += [stats.loss] + await run(job, range(4, 6), batches)
             assert losses == want_losses
             assert_same_state(await job.state_dict(), want_state)
