@@ -35,6 +35,7 @@ from transport.wire import (
     DEFAULT_MAX_MESSAGE_BYTES,
     MAX_FRAMES_PER_MESSAGE,
     MessageTooLarge,
+    RAISE_THE_LIMIT,
     decode_message,
     encode_message,
 )
@@ -296,7 +297,7 @@ class Receiver:
             num_frames += 1
         raise MessageTooLarge(
             f"refused a message of {nbytes} bytes in {num_frames} frames on {self.address}: over "
-            f"the limit of {limit} bytes or {MAX_FRAMES_PER_MESSAGE} frames"
+            f"the limit of {limit} bytes or {MAX_FRAMES_PER_MESSAGE} frames; {RAISE_THE_LIMIT}"
         )
 
     def pump(self, on_frames: Callable[[list[zmq.Frame]], None], *, batch: int = 64) -> None:
