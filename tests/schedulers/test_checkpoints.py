@@ -284,3 +284,41 @@ async def test_directories_that_are_not_checkpoints_are_refused_clearly(cluster:
         with pytest.raises(CheckpointError, match=r"on node node\d: cannot write a checkpoint to") as info:
             await job.save(tmp_path / "a-file" / "ckpt")  # no node can make a directory there
         assert "Not a directory" in str(info.value)
+
+
+def _checksums(version: Path) -> dict[str, int]:
+    manifest = json.loads((version / "manifest.json").read_text())
+    return {label: part["crc32"] for label, part in _parts(manifest)}
+
+
+async def test_a_two_gib_model_checkpoints_and_loads_without_one_big_message(cluster: Cluster, tmp_path: Path) -> None:
+    """8 linears of 8192 x 8192 float32 (256 MiB each), 2 stages of 1 GiB: over the 1 GiB message limit."""
+    dims = [8192] * 9
+    async with await cluster.train(model=LINEARS, model_kwargs={"dims": dims, "bias": False}, pipeline_stages=2,
+                                   micro_batches=1, optimizer=("torch.optim:SGD", {"lr": 0.1})) as job:
+        with pytest.raises(RemoteError, match=r"--max-message-bytes N on the head and every worker.*job\.save"):
+            await job.state_dict()  # one stage's share does not fit in one message
+        first = Path(await job.save(tmp_path / "a"))
+        assert sorted((first / f).stat().st_size for f in ("p0-t0.bin", "p1-t0.bin")) == [1 << 30, 1 << 30]
+        gen = torch.Generator().manual_seed(0)
+        await job.step(torch.randn(2, 8192, generator=gen), torch.randn(2, 8192, generator=gen))
+        second = Path(await job.save(tmp_path / "b"))
+        assert await job.load(tmp_path / "a") == 0
+        third = Path(await job.save(tmp_path / "c"))  # what the stages hold after the load
+    assert len(_checksums(first)) == 8
+    assert _checksums(third) == _checksums(first)
+    assert all(_checksums(second)[k] != crc for k, crc in _checksums(first).items())  # the step changed every layer
+
+
+async def test_the_message_limit_reaches_every_process_and_save_does_not_need_it(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="max_message_bytes must be an int >= 1"):
+        LocalCluster(nodes=1, max_message_bytes=0)
+    mlp = {**MLP, "model_kwargs": {"blocks": 4, "dim": 64, "hidden": 256}}  # about 270 KB per stage
+    async with LocalCluster(nodes=2, max_message_bytes=64 << 10) as small:
+        async with await small.train(**mlp, pipeline_stages=2, micro_batches=1) as job:
+            # The stage's own runtime refuses its 270 KB answer: the nodes took the limit.
+            with pytest.raises(RemoteError, match=r"over the limit of 65536; raise the limit .*--max-message-bytes"):
+                await job.state_dict()
+            await job.save(tmp_path / "ckpt")
+            assert await job.load(tmp_path / "ckpt") == 0
+
