@@ -29,19 +29,23 @@ import torch
 from actors import (
     ActorError,
     ActorRef,
+    CheckpointError,
     Coords,
     Host,
+    Manifest,
     Mesh,
     ShardSpec,
     StageActor,
     StageReport,
     StepFailed,
+    check_directory,
     error_from_wire,
     gather_tensor_parallel_state,
+    layer_of,
+    merge_written,
     shard_state,
     stage_to_rank,
 )
-from actors.checkpoint import CheckpointError, Manifest, check_directory, layer_of, merge_written
 from schedulers.hang import StageProgress, diagnose
 from schedulers.jobs import JobSpec
 from schedulers.records import JobDescription, RunInfo, SettingChange, StepStats, WhereReport
