@@ -40,6 +40,8 @@ from typing import Any
 
 import torch
 
+from actors.tensor_parallel import ShardSpec, gather_tensor
+
 __all__ = [
     "FORMAT", "CheckpointError", "Manifest", "TensorEntry", "TensorPart", "begin_version", "check_directory",
     "check_staging", "check_version", "commit_version", "dtype_name", "layer_of", "merge_written", "read_entry",
@@ -334,8 +336,6 @@ def read_entry(version: str, entry: TensorEntry, files: Mapping[str, int], label
         CheckpointError: a missing or short file, a checksum mismatch, parts that do not
             make the recorded shape; the message names the file and the key.
     """
-    from actors.tensor_parallel import ShardSpec, gather_tensor
-
     dtype = _DTYPES[entry.dtype]
     parts = [_read_part(version, part, dtype, files, label) for part in entry.parts]
     whole = gather_tensor(parts, ShardSpec(*entry.shard)) if entry.shard is not None else parts[0]

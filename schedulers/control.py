@@ -543,7 +543,6 @@ class JobController:
             [version] = await self._on_stages(coordinator, "save", lambda g: self.stages[g].endpoint(
                 StageActor.checkpoint_commit, timeout=CHECKPOINT_TIMEOUT_S).call(directory, staging,
                                                                                   manifest.to_wire()))
-        self._publish({"type": "checkpoint_saved", "job": self.id, "step": self.next_step, "path": version})
         return str(version)
 
     async def load(self, directory: str, weights_only: bool = False) -> int:

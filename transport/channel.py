@@ -35,7 +35,6 @@ from transport.wire import (
     DEFAULT_MAX_MESSAGE_BYTES,
     MAX_FRAMES_PER_MESSAGE,
     MessageTooLarge,
-    RAISE_THE_LIMIT,
     decode_message,
     encode_message,
 )
@@ -297,7 +296,7 @@ class Receiver:
             num_frames += 1
         raise MessageTooLarge(
             f"refused a message of {nbytes} bytes in {num_frames} frames on {self.address}: over "
-            f"the limit of {limit} bytes or {MAX_FRAMES_PER_MESSAGE} frames; {RAISE_THE_LIMIT}"
+            f"the limit of {limit} bytes or {MAX_FRAMES_PER_MESSAGE} frames"
         )
 
     def pump(self, on_frames: Callable[[list[zmq.Frame]], None], *, batch: int = 64) -> None:

@@ -248,7 +248,7 @@ def decode_message(frames: Sequence[Any], *, max_bytes: int = DEFAULT_MAX_MESSAG
     buffers = [_buffer_of(frame) for frame in frames]
     total = sum(buf.nbytes for buf in buffers)
     if total > max_bytes:
-        raise MessageTooLarge(f"message is {total} bytes, over the limit of {max_bytes}; {RAISE_THE_LIMIT}")
+        raise MessageTooLarge(f"message is {total} bytes, over the limit of {max_bytes}")
     version, table, body = _unpack_header(buffers[0], num_tensor_frames=len(buffers) - 1)
     if version != WIRE_VERSION:
         raise WireError(f"wire version {excerpt(version)} is not supported (this side speaks {WIRE_VERSION})")
