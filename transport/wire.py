@@ -70,7 +70,7 @@ __all__ = [
 
 WIRE_VERSION = 1
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
-# Where the limit is set, for every message that refuses a message over it.
+# Where the limit is set: the sender's error says it (a receiver only logs a short line).
 RAISE_THE_LIMIT = (
     "raise the limit on every process that sends or takes it (python -m actors.node --max-message-bytes N "
     "on the head and every worker, LocalCluster(max_message_bytes=N), Cluster.connect(..., max_message_bytes=N)), "
