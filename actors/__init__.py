@@ -47,6 +47,11 @@ _EXPORTS = {
     "NODE": "actors._nodes",
     "HeadActor": "actors._nodes",
     "NodeActor": "actors._nodes",
+    "CheckpointError": "actors.checkpoint",
+    "Manifest": "actors.checkpoint",
+    "check_directory": "actors.checkpoint",
+    "layer_of": "actors.checkpoint",
+    "merge_written": "actors.checkpoint",
     "ClusterKeys": "actors.keys",
     "KeyFileError": "actors.keys",
     "Cluster": "actors.cluster",
@@ -143,6 +148,13 @@ if TYPE_CHECKING:  # explicit re-exports, for type checkers (the names resolve l
     from actors._runtime import (
         Runtime as Runtime,
         open_runtime as open_runtime,
+    )
+    from actors.checkpoint import (
+        CheckpointError as CheckpointError,
+        Manifest as Manifest,
+        check_directory as check_directory,
+        layer_of as layer_of,
+        merge_written as merge_written,
     )
     from actors.cluster import (
         Cluster as Cluster,

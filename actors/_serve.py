@@ -17,6 +17,7 @@ from actors._ref import ActorRef
 from actors._nodes import HEAD, NODE, HeadActor, NodeActor, node_info
 from actors._registry import registered_actors
 from actors._runtime import open_runtime
+from transport.wire import DEFAULT_MAX_MESSAGE_BYTES
 from actors.keys import ClusterKeys
 from transport.security import join_address, split_address
 
@@ -39,6 +40,7 @@ class HeadConfig:
     plugins: tuple[str, ...] = ()
     keys: str | None = None  # the cluster's key directory (made on first start); None: --insecure
     identity: str = "head"
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # the largest message sent or taken (--max-message-bytes)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -52,6 +54,7 @@ class WorkerConfig:
     head_timeout: float = 30.0
     keys: str | None = None  # the cluster's key directory; None: --insecure
     identity: str = "node"
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # the largest message sent or taken (--max-message-bytes)
 
 
 def _stop_on_signals() -> asyncio.Event:
@@ -94,7 +97,8 @@ async def serve_head(config: HeadConfig) -> None:
     """Runs the head node until SIGINT or SIGTERM."""
     stop = _stop_on_signals()
     secure = security(config.keys, config.identity, create=True)
-    async with open_runtime(config.bind, allow_remote=config.allow_remote, **secure) as runtime:
+    async with open_runtime(config.bind, allow_remote=config.allow_remote, max_message_bytes=config.max_message_bytes,
+                            **secure) as runtime:
         head = HeadActor(heartbeat_interval=config.heartbeat_interval, heartbeat_timeout=config.heartbeat_timeout)
         await runtime.spawn(head, HEAD)
         # The head is also a node of sorts: its agent spawns the actors it hosts (the
@@ -126,7 +130,8 @@ async def serve_worker(config: WorkerConfig) -> None:
     """
     stop = _stop_on_signals()
     secure = security(config.keys, config.identity)
-    async with open_runtime(config.bind, allow_remote=config.allow_remote, **secure) as runtime:
+    async with open_runtime(config.bind, allow_remote=config.allow_remote, max_message_bytes=config.max_message_bytes,
+                            **secure) as runtime:
         info = node_info(config.name, runtime.address, config.device)
         await runtime.spawn(NodeActor(info, config.allow, stop, os.environ.pop(ADMIT_TOKEN_ENV, "")), NODE)
         head = runtime.ref(head_address(config.join, config.keys), HEAD)

@@ -36,6 +36,7 @@ from actors.keys import DEFAULT_KEYS, ClusterKeys
 from actors._ref import ActorRef
 from actors._runtime import Runtime, open_runtime
 from actors.plugins import GROUP, load_plugin
+from transport.wire import DEFAULT_MAX_MESSAGE_BYTES
 
 __all__ = ["Cluster", "LocalCluster"]
 
@@ -136,7 +137,7 @@ class Cluster:
     def connect(
         cls: type[C], address: str, *, bind: str = "tcp://127.0.0.1:0", allow_remote: bool = False,
         timeout: float = 10.0, keys: str | os.PathLike[str] | None = None, identity: str = "client",
-        insecure: bool = False,
+        insecure: bool = False, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> _Connecting[C]:
         """Attaches to the head at ``address``; use as ``await`` or ``async with``.
 
@@ -153,6 +154,8 @@ class Cluster:
             identity: which keypair in it this driver uses (``client``, ``admin``, or a
                 name added with ``python -m actors.keys add``).
             insecure: connect without keys, to a head started with ``--insecure``.
+            max_message_bytes: the largest message this driver sends or takes (the
+                nodes' ``--max-message-bytes``; e.g. to gather a big ``state_dict``).
 
         Raises:
             ActorTimeout: the head did not answer within ``timeout`` (a head that does
@@ -161,7 +164,7 @@ class Cluster:
         """
         target: type[C] = cluster_class() if cls is Cluster else cls  # type: ignore[assignment]
         directory = None if insecure else os.fspath(keys or os.environ.get("ACTORPIPE_KEYS", DEFAULT_KEYS))
-        return _Connecting(target, address, bind, timeout, allow_remote, directory, identity)
+        return _Connecting(target, address, bind, timeout, allow_remote, directory, identity, max_message_bytes)
 
     async def nodes(self) -> list[dict[str, Any]]:
         """Every node the head knows: name, address, device, pid, host, memory, state."""
@@ -224,12 +227,13 @@ class _Connecting(Generic[C]):
     """``Cluster.connect(...)``: awaitable, and an async context manager."""
 
     def __init__(self, cls: type[C], address: str, bind: str, timeout: float, allow_remote: bool,
-                 keys: str | None, identity: str) -> None:
+                 keys: str | None, identity: str, max_message_bytes: int) -> None:
         self._cls = cls
         self._args = (address, bind, timeout)
         self._allow_remote = allow_remote
         self._keys = keys
         self._identity = identity
+        self._max_message_bytes = max_message_bytes
         self._cluster: C | None = None
 
     async def _open(self) -> C:
@@ -237,7 +241,8 @@ class _Connecting(Generic[C]):
         secure = security(self._keys, self._identity)
         stack = contextlib.AsyncExitStack()
         try:
-            runtime = await stack.enter_async_context(open_runtime(bind, allow_remote=self._allow_remote, **secure))
+            runtime = await stack.enter_async_context(open_runtime(
+                bind, allow_remote=self._allow_remote, max_message_bytes=self._max_message_bytes, **secure))
             head = runtime.ref(head_address(address, self._keys), HEAD)
             await head.ask("nodes", timeout=timeout)
         except BaseException:
@@ -280,6 +285,8 @@ class LocalCluster:
         insecure: start every process without keys (``--insecure``); by default the
             cluster gets keys of its own in a private temporary directory: each node
             its own ``node`` key, the driver the ``admin`` key.
+        max_message_bytes: the largest message any process of the cluster (head,
+            nodes, driver) sends or takes; the default is 1 GiB.
 
     Attributes:
         keys: the cluster's :class:`~actors.keys.ClusterKeys` while it runs (None when
@@ -302,9 +309,13 @@ class LocalCluster:
         startup_timeout: float = 60.0,
         log_level: str = "WARNING",
         insecure: bool = False,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         if nodes < 0 or spares < 0:
             raise ValueError(f"nodes and spares must be >= 0, got {nodes} and {spares}")
+        if isinstance(max_message_bytes, bool) or not isinstance(max_message_bytes, int) or max_message_bytes < 1:
+            raise ValueError(f"max_message_bytes must be an int >= 1, got {max_message_bytes!r:.40}")
+        self.max_message_bytes = max_message_bytes
         self.num_nodes = nodes
         self.num_spares = spares
         self.allow = tuple(allow)
@@ -354,9 +365,10 @@ class LocalCluster:
             self._launch(name, ["--join", self.address, "--name", name, *allow, *secure, *identity])
         cls = self.cluster_class or cluster_class()
         if self.keys is None:
-            self._cluster = await cls.connect(self.address, insecure=True)
+            self._cluster = await cls.connect(self.address, insecure=True, max_message_bytes=self.max_message_bytes)
         else:
-            self._cluster = await cls.connect(self.address, keys=self.keys.directory, identity="admin")
+            self._cluster = await cls.connect(self.address, keys=self.keys.directory, identity="admin",
+                                              max_message_bytes=self.max_message_bytes)
         self._cluster._admit_token = self._admit_token
         self._cluster.head_process = self.processes["head"]
         deadline = time.monotonic() + self.startup_timeout
@@ -371,7 +383,8 @@ class LocalCluster:
         return [f"node{i}" for i in range(self.num_nodes)] + [f"spare{i}" for i in range(self.num_spares)]
 
     def _launch(self, name: str, args: Sequence[str]) -> None:
-        command = [sys.executable, "-m", "actors.node", *args, "--log-level", self.log_level]
+        command = [sys.executable, "-m", "actors.node", *args, "--log-level", self.log_level,
+                   "--max-message-bytes", str(self.max_message_bytes)]
         self.processes[name] = subprocess.Popen(
             command,
             env={**os.environ, ADMIT_TOKEN_ENV: self._admit_token},

@@ -14,6 +14,7 @@ from actors.keys import DEFAULT_KEYS
 from actors.plugins import head_modules
 from actors._serve import HeadConfig, WorkerConfig, serve_head, serve_worker
 from transport.loop import run
+from transport.wire import DEFAULT_MAX_MESSAGE_BYTES
 
 import actors.probe  # noqa: F401  (registers the built-in actor classes)
 import actors.stage  # noqa: F401
@@ -50,8 +51,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--plugin", action="append", default=None, metavar="MODULE",
                         help="head: import MODULE at start-up to register the actors it hosts "
                         "(repeatable; default: the installed 'head' plugin, the scheduler actor)")
+    parser.add_argument("--max-message-bytes", type=_positive_int, default=DEFAULT_MAX_MESSAGE_BYTES, metavar="N",
+                        help="the largest message this process sends or takes, in bytes (default %(default)s = 1 GiB); "
+                        "give the head, every worker and the driver the same value")
     parser.add_argument("--log-level", default=os.environ.get("ACTORPIPE_LOG", "INFO"), help="logging level")
     return parser.parse_args(argv)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,13 +76,15 @@ def main(argv: list[str] | None = None) -> int:
                             heartbeat_timeout=args.heartbeat_timeout, address_file=args.address_file,
                             allow=DEFAULT_ALLOW + tuple(args.allow),
                             plugins=tuple(args.plugin) if args.plugin is not None else head_modules(),
-                            keys=None if args.insecure else args.keys, identity=args.identity or "head")
+                            keys=None if args.insecure else args.keys, identity=args.identity or "head",
+                            max_message_bytes=args.max_message_bytes)
         run(serve_head(head))
     else:
         worker = WorkerConfig(join=args.join, name=name, device=args.device,
                               bind=args.bind or "tcp://127.0.0.1:0", allow_remote=args.allow_remote,
                               allow=DEFAULT_ALLOW + tuple(args.allow), head_timeout=args.head_timeout,
-                              keys=None if args.insecure else args.keys, identity=args.identity or "node")
+                              keys=None if args.insecure else args.keys, identity=args.identity or "node",
+                              max_message_bytes=args.max_message_bytes)
         run(serve_worker(worker))
     return 0
 

@@ -16,17 +16,18 @@ import resource
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
-from actors import _wgrad, snapshots
+from actors import _wgrad, checkpoint, snapshots
 from actors._actor import Actor, current_caller, endpoint, may_call
 from actors._allocator import keep_freed_memory
 from actors._errors import ActorError, NotAllowed, error_to_wire
 from actors._executor import ActionFailed, Inbox, StageModel, StepExecutor, nonfinite_gradients
 from actors._registry import DEFAULT_ALLOW, load_object, register_actor
+from actors._stage_checkpoint import PreparedLoad, apply_load, prepare_load, write_stage
 from actors._ref import ActorRef
 from actors.mesh import Coords, Mesh
 from actors.p2p import DistLink
@@ -35,12 +36,14 @@ from actors.program import Action, ActionKind, stage_to_rank
 from actors.records import ReduceReport, StageConfig, StageReport
 from actors.rendezvous import ActorStore
 from actors.snapshots import SnapshotShelf
-from actors.tensor_parallel import shard_for_tensor_parallel, tp_shard_specs
+from actors.tensor_parallel import ShardSpec, shard_for_tensor_parallel, tp_shard_specs
 from transport.codecs import Encoded, ErrorFeedback, get_codec
 
 __all__ = ["StageActor", "StageConfig"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def build_layers(
@@ -118,6 +121,7 @@ class StageActor(Actor):
         self._peer_identities: frozenset[str] = frozenset()  # the job's nodes' keys (see connect)
         self._own_snapshots = SnapshotShelf()  # this stage's newest states, by applied-step count
         self._held_snapshots: dict[int, SnapshotShelf] = {}  # a pipeline neighbour's, by its rank
+        self._prepared_load: PreparedLoad | None = None  # a checked checkpoint part (see checkpoint_check)
 
     async def on_start(self) -> None:
         context = self.node_context
@@ -509,9 +513,11 @@ class StageActor(Actor):
 
     @endpoint(roles=("head",))
     async def load_state_dict(self, state: dict[str, torch.Tensor]) -> list[str]:
-        """Loads the entries this stage holds; returns the keys it took."""
+        """Loads the entries this stage holds; returns the keys it took (snapshots before it are dropped)."""
         assert self.executor is not None
-        return await self.executor.compute(self._load_state_dict, state)
+        taken = await self.executor.compute(self._load_state_dict, state)
+        self._forget_snapshots()
+        return taken
 
     def _state_dict(self) -> dict[str, torch.Tensor]:
         return {f"{i}.{k}": v.detach().cpu() for i, layer in self._held.items() for k, v in layer.state_dict().items()}
@@ -540,6 +546,81 @@ class StageActor(Actor):
         for i, mine in parts.items():
             self._held[i].load_state_dict(mine, strict=True)
         return [f"{i}.{k}" for i, mine in parts.items() for k in mine]
+
+    # -- checkpoints (the format: actors.checkpoint; the two load phases: schedulers.control) ----
+
+    @endpoint(roles=("head",))
+    async def checkpoint_begin(self, directory: str) -> str:
+        """As the job's coordinator: makes the next version's staging directory in ``directory``; returns it."""
+        return await self._compute(checkpoint.begin_version, directory)
+
+    @endpoint(roles=("head",))
+    async def checkpoint_write(self, staging: str, file: str) -> dict[str, Any]:
+        """Writes this stage's tensors and optimizer state to ``staging/file``; returns their manifest items."""
+        assert self.executor is not None
+        return await self._compute(write_stage, staging, file, self._held, self.executor.model.optimizer,
+                                   self._shard_spec_map(), self._tensor_rank())
+
+    @endpoint(roles=("head",))
+    async def checkpoint_commit(self, directory: str, staging: str, manifest: dict[str, Any]) -> str:
+        """As the coordinator: completes the save (manifest, fsyncs, rename, pointer); returns the version."""
+        return await self._compute(checkpoint.commit_version, directory, staging,
+                                   checkpoint.Manifest.from_wire(manifest))
+
+    @endpoint(roles=("head",))
+    async def checkpoint_manifest(self, directory: str) -> list[Any]:
+        """As the coordinator: ``[version directory, manifest]`` of the checkpoint ``LATEST`` names."""
+        version, manifest = await self._compute(checkpoint.read_manifest, directory)
+        return [version, manifest.to_wire()]
+
+    @endpoint(roles=("head",))
+    async def checkpoint_check(self, version: str, plan: dict[str, Any]) -> list[str]:
+        """Load, phase one: reads and checks this stage's part (``plan``) and keeps it; changes nothing.
+
+        Returns:
+            Every problem found; none means :meth:`checkpoint_apply` may follow.
+        """
+        self._prepared_load = None
+        prepared, problems = await self._compute(prepare_load, checkpoint.check_version(version),
+                                                 checkpoint.Manifest.from_wire(plan), self._held,
+                                                 self._shard_spec_map(), self._tensor_rank())
+        self._prepared_load = None if problems else prepared
+        return problems
+
+    @endpoint(roles=("head",))
+    async def checkpoint_apply(self, weights_only: bool) -> None:
+        """Load, phase two: copies what :meth:`checkpoint_check` prepared.
+
+        Step numbers go on rising (they fence stale messages); the scheduler moves the
+        job's data position to the checkpoint's step instead. Snapshots taken before
+        belong to another history: they are dropped.
+        """
+        assert self.executor is not None
+        prepared, self._prepared_load = self._prepared_load, None
+        if prepared is None:
+            raise checkpoint.CheckpointError("nothing to apply: checkpoint_check found problems or did not run")
+        await self._compute(functools.partial(apply_load, weights_only=bool(weights_only)), prepared, self._held,
+                            self.executor.model.optimizer)
+        self._forget_snapshots()
+
+    def _forget_snapshots(self) -> None:
+        self._own_snapshots = SnapshotShelf()
+        self._held_snapshots = {}
+
+    @endpoint(roles=("head",))
+    async def checkpoint_discard(self) -> None:
+        """Load, abandoned (another stage found problems): forgets what :meth:`checkpoint_check` read."""
+        self._prepared_load = None
+
+    async def _compute(self, fn: Callable[..., T], *args: Any) -> T:
+        assert self.executor is not None
+        return await self.executor.compute(fn, *args)
+
+    def _shard_spec_map(self) -> dict[str, ShardSpec]:
+        return {key: ShardSpec(*spec) for key, spec in self._specs.items()}
+
+    def _tensor_rank(self) -> int:
+        return self._mesh.coords(self.config.global_rank).tensor
 
     # -- helpers ----------------------------------------------------------------------
 

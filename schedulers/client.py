@@ -19,28 +19,26 @@ back as a record of :mod:`schedulers.records`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import logging
 import os
-import shutil
-import tempfile
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 
 import actors
 from actors import ActorError, ActorRef, Endpoint, HeadActor
+from actors import ActorError, ActorRef, CheckpointError, Endpoint, HeadActor
 from schedulers.jobs import JobSpec
 from schedulers.records import JobDescription, JobInfo, RunInfo, SettingChange, StepStats, WhereReport
 from schedulers.scheduler import SchedulerActor
 
-__all__ = ["SCHEDULER", "Cluster", "Job", "LocalCluster"]
+__all__ = ["SCHEDULER", "CheckpointError", "Cluster", "Job", "LocalCluster"]
 
 SCHEDULER = "scheduler"  # the scheduler actor's name in the head's runtime
-_CHECKPOINT_FILE = "model.pt"
-_META_FILE = "job.json"
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +110,17 @@ class Cluster(actors.Cluster):
         """
         info = JobDescription.from_wire(await self.call(SchedulerActor.describe).call(job_id))
         return Job(self, JobInfo(job=info.job, bounds=info.bounds, nodes=info.nodes), info.spec)
+
+
+@contextlib.contextmanager
+def _checkpoint_errors() -> Iterator[None]:
+    """A checkpoint problem raised on the head or a stage arrives as :class:`CheckpointError` here."""
+    try:
+        yield
+    except ActorError as exc:
+        if exc.remote_type.rpartition(".")[2] != CheckpointError.__name__:
+            raise
+        raise CheckpointError.from_message(exc.message) from exc
 
 
 def _train_signature() -> inspect.Signature:
@@ -248,42 +257,67 @@ class Job:
     # -- state -------------------------------------------------------------------------
 
     async def state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model's state, with the unpartitioned model's keys."""
+        """The whole model's state, with the unpartitioned model's keys, gathered in memory.
+
+        Each stage's share travels as one message, so a stage holding more than the
+        message limit (1 GiB by default) cannot send it: raise the limit
+        (``LocalCluster(max_message_bytes=...)``, ``--max-message-bytes`` on every node,
+        ``Cluster.connect(..., max_message_bytes=...)``) or use :meth:`save`, which
+        sends no tensors at all.
+        """
         return await self._call(SchedulerActor.state_dict, 600)()
 
     async def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Loads a whole-model state (as :meth:`state_dict` returns) into the stages."""
         await self._call(SchedulerActor.load_state_dict, 600)({k: v.detach().cpu() for k, v in state.items()})
 
-    async def save(self, directory: str | os.PathLike[str]) -> None:
-        """Writes the model's state to ``directory`` atomically: it appears whole or not at all."""
-        state = await self.state_dict()
-        target = os.fspath(directory)
-        parent = os.path.dirname(os.path.abspath(target))
-        os.makedirs(parent, exist_ok=True)
-        staging = tempfile.mkdtemp(prefix=".checkpoint-", dir=parent)
-        try:
-            torch.save(state, os.path.join(staging, _CHECKPOINT_FILE))
-            with open(os.path.join(staging, _META_FILE), "w") as f:
-                json.dump({"job": self.id, "spec": self.spec.to_wire(), "bounds": self.bounds}, f, indent=1,
-                          default=str)
-            if os.path.exists(target):
-                old = tempfile.mkdtemp(prefix=".old-checkpoint-", dir=parent)
-                os.replace(target, os.path.join(old, "x"))
-                os.replace(staging, target)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(staging, target)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
+    async def save(self, directory: str | os.PathLike[str]) -> str:
+        """Writes a checkpoint to ``directory``: weights, optimizer state and step count.
+
+        Every stage writes its own file straight into ``directory`` at once (nothing big
+        passes through the head or this driver), each tensor with a crc32, everything
+        fsynced; ``directory/LATEST`` then switches to the new version atomically, so a
+        crash at any instant leaves the previous checkpoint or the new one, whole. A
+        relative path is taken from this driver's working directory. Every node writes
+        there itself: on several machines it must be on a filesystem they all mount at
+        the same path.
+
+        Returns:
+            The new version's directory (``directory/v000003``).
+
+        Raises:
+            CheckpointError: ``directory`` holds something that is not a checkpoint, or a
+                node cannot write there (named, with why).
+        """
+        with _checkpoint_errors():
+            return await self._call(SchedulerActor.save, None)(os.path.abspath(os.fspath(directory)))
 
     checkpoint = save  # the console's word for it
 
-    async def load(self, directory: str | os.PathLike[str]) -> None:
-        """Loads a checkpoint written by :meth:`save` (tensors only; nothing is unpickled)."""
-        state = torch.load(os.path.join(os.fspath(directory), _CHECKPOINT_FILE), weights_only=True)
-        await self.load_state_dict(state)
+    async def load(self, directory: str | os.PathLike[str], *, weights_only: bool = False) -> int:
+        """Loads the checkpoint :meth:`save` wrote to ``directory``, all or nothing.
+
+        Every stage first checks its part (every key, shape, dtype and checksum) and
+        only when nothing is wrong anywhere does any stage apply it. The job's layout
+        may differ from the one that saved (stage count, schedule, tensor- and
+        data-parallel degree). Training then goes on exactly as it would have from the
+        save: the optimizer state and the step count are restored too.
+
+        Args:
+            weights_only: take the parameters alone; the optimizer state and the step
+                count stay (e.g. to fine-tune with another optimizer).
+
+        Returns:
+            The step the checkpoint was saved at.
+
+        Raises:
+            CheckpointError: every problem found (missing or extra keys, wrong shapes or
+                dtypes, checksum mismatches naming the file and key, not a checkpoint);
+                the job's weights and optimizer are unchanged.
+        """
+        with _checkpoint_errors():
+            return await self._call(SchedulerActor.load, None)(os.path.abspath(os.fspath(directory)),
+                                                               bool(weights_only))
 
     async def close(self) -> None:
         """Stops the job's run and its stage actors."""

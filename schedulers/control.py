@@ -31,9 +31,11 @@ import torch
 from actors import (
     ActorError,
     ActorRef,
+    CheckpointError,
     Coords,
     Host,
     NODE,
+    Manifest,
     Mesh,
     NodeActor,
     NodeLost,
@@ -42,8 +44,11 @@ from actors import (
     StageActor,
     StageReport,
     StepFailed,
+    check_directory,
     error_from_wire,
     gather_tensor_parallel_state,
+    layer_of,
+    merge_written,
     shard_state,
     stage_to_rank,
 )
@@ -70,6 +75,7 @@ log = logging.getLogger(__name__)
 SETTABLE = ("micro_batches", "schedule", "activation_codec", "gradient_codec")
 CLOCK_PROBES = 5  # round trips per stage when estimating its clock offset
 CLOSE_WAIT_S = 2.0  # how long close waits for a cancelled operation to let go of the job
+CHECKPOINT_TIMEOUT_S = 900.0  # one stage's share of a save or load: gigabytes, fsynced
 
 Publish = Callable[[dict[str, Any]], None]
 # Spawns rank R's stage actor of a job on a free node: (its ref, the node's name, the node's key identity).
@@ -124,6 +130,16 @@ def plan_setting(spec: JobSpec, key: str, value: Any) -> JobSpec:
         raise ValueError(str(exc)) from None
     compile_programs(new)  # e.g. interleaved needs micro_batches to be a multiple of the stages
     return new
+
+
+def _shard_file(mesh: Mesh, rank: int) -> str:
+    """The file a writer's tensors go to: named by its pipeline and tensor rank (``p1-t0.bin``)."""
+    return f"p{mesh.coords(rank).pipeline}-t{mesh.coords(rank).tensor}.bin"
+
+
+def _reason(exc: BaseException) -> str:
+    """An error's message for a list of problems: a remote one without its traceback."""
+    return exc.message if isinstance(exc, ActorError) else f"{type(exc).__name__}: {exc}"
 
 
 def _parse_int(key: str, value: Any) -> int:
@@ -201,6 +217,7 @@ class JobController:
         # Each step's batch since the snapshot a recovery would roll back to ((None, None): the data factory).
         self.history: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
         self.restarts = 0
+        self.snapshot_due = False  # take one at the next step whatever snapshot_every says (after a load)
         self.recovery: dict[str, Any] | None = None  # what the last recovery did, for the next StepStats
         self.replace_stage = replace_stage
         self.identities = sorted(set(identities or ()) - {""})  # the keys of the job's nodes
@@ -272,7 +289,7 @@ class JobController:
         for call in calls.values():
             if self.spec.micro_batches != self.stage_micro_batches:
                 call["micro_batches"] = self.spec.micro_batches
-            if self.spec.max_restarts and self.applied % self.spec.snapshot_every == 0:
+            if self.spec.max_restarts and (self.snapshot_due or self.applied % self.spec.snapshot_every == 0):
                 call["snapshot"] = self.applied
         started = time.perf_counter()
         try:
@@ -287,6 +304,7 @@ class JobController:
             self._publish({"type": "job_failed", "job": self.id, "step": step, "error": str(failure)})
             raise
         self.applied += 1
+        self.snapshot_due = False
         elapsed = time.perf_counter() - started
         self.last_reports = reports
         samples = inputs.shape[0] if inputs is not None else self.spec.data_kwargs.get("batch_size")
@@ -549,8 +567,8 @@ class JobController:
     def _step_finished(self, stats: StepStats) -> None:
         run = self.run_state
         progress = None
-        if run is not None and not run.finished and stats.step >= run.first_step:
-            progress = {"done": stats.step - run.first_step + 1, "target": run.target}
+        if run is not None and not run.finished and self.steps_done > run.first_step:
+            progress = {"done": self.steps_done - run.first_step, "target": run.target}
         self._publish({"type": "step_finished", "job": self.id, "step": stats.step, "loss": stats.loss,
                        "step_time_s": stats.step_time_s, "bubble_fraction": stats.bubble_fraction,
                        "samples_per_s": stats.samples_per_s, "schedule": stats.schedule, "run": progress,
@@ -563,7 +581,7 @@ class JobController:
         return JobDescription(
             job=self.id, spec=self.spec, bounds=self.bounds, nodes=self.nodes,
             mesh=[self.mesh.pipeline, self.mesh.tensor, self.mesh.data],
-            stages=[ref.to_wire() for ref in self.stages], steps=self.next_step,
+            stages=[ref.to_wire() for ref in self.stages], steps=self.steps_done,
             programs=[self.programs[rank] for rank in sorted(self.programs)], stepping=self.lock.locked(),
             traced=bool(self.last_reports), paused=self.paused, pending=dict(self.pending),
             run=self.run_state.info() if self.run_state else None, last_stats=self.last_stats,
@@ -618,7 +636,7 @@ class JobController:
             assert self.run_state is not None
             raise ValueError(f"{self.id} is already running ({self.run_state.done}/{self.run_state.target} steps); "
                              f"wait for it or stop it first")
-        state = self.run_state = RunState(target=num_steps, first_step=self.next_step)
+        state = self.run_state = RunState(target=num_steps, first_step=self.steps_done)
         state.task = self.runtime.spawn_task(self._run_steps(state), name=f"{self.id} run")
         self._publish({"type": "run_started", "job": self.id, "steps": num_steps, "paused": self.paused})
         return state.info()
@@ -734,17 +752,137 @@ class JobController:
 
             def part(rank: int) -> dict[str, torch.Tensor]:
                 c = mesh.coords(rank)
-                held = {str(i) for s, (first, end) in enumerate(self.bounds)
-                        if stage_to_rank(s, mesh.pipeline) == c.pipeline for i in range(first, end)}
-                mine = {k: v for k, v in state.items() if k.partition(".")[0] in held}
+                held = self._held_layers(rank)
+                mine = {k: v for k, v in state.items() if layer_of(k) in held}
                 return shard_state(mine, c.tensor, mesh.tensor, specs) if mesh.tensor > 1 else mine
 
             taken = await asyncio.gather(*(ref.endpoint(StageActor.load_state_dict, timeout=300).call(part(g))
                                            for g, ref in enumerate(self.stages)))
-            self.broken = None  # every stage holds the same state again
+            self._restarted_history()  # every stage holds the same state again, from elsewhere
         missing = set(state) - {k for keys in taken for k in keys}
         if missing:
             raise KeyError(f"keys no stage holds: {sorted(missing)[:10]}")
+
+    def _held_layers(self, rank: int) -> frozenset[int]:
+        """The layer indices the stage actor of global rank ``rank`` holds."""
+        pipeline = self.mesh.coords(rank).pipeline
+        return frozenset(i for s, (first, end) in enumerate(self.bounds)
+                if stage_to_rank(s, self.mesh.pipeline) == pipeline for i in range(first, end))
+
+    # -- checkpoints (the format: actors.checkpoint) -------------------------------------------
+
+    async def save(self, directory: str) -> str:
+        """Writes a checkpoint of the weights, optimizer state and step count; returns the new version's path.
+
+        Data-parallel replica 0 of every (pipeline, tensor) coordinate writes its own file
+        straight into ``directory``, in parallel; nothing big passes through the head. The
+        first stage actor makes the staging directory and, once every file is fsynced,
+        switches ``LATEST`` to the new version atomically.
+
+        Raises:
+            CheckpointError: a relative path, a directory that holds something else, or a
+                node that cannot write there (named, with why).
+        """
+        directory = check_directory(directory)
+        mesh = self.mesh
+        async with self._operation():
+            coordinator = [0]
+            [staging] = await self._on_stages(coordinator, "save", lambda g: self.stages[g].endpoint(
+                StageActor.checkpoint_begin, timeout=CHECKPOINT_TIMEOUT_S).call(directory))
+            writers = [g for g in range(mesh.size) if mesh.coords(g).data == 0]
+            written = await self._on_stages(writers, "save", lambda g: self.stages[g].endpoint(
+                StageActor.checkpoint_write, timeout=CHECKPOINT_TIMEOUT_S).call(staging, _shard_file(mesh, g)))
+            files, model, state = merge_written(written)
+            manifest = Manifest(step=self.applied, optimizer=self.spec.optimizer[0], files=files, model=model,
+                                optimizer_state=state,
+                                job={"id": self.id, "spec": self.spec.to_wire(), "bounds": self.bounds,
+                                     "mesh": [mesh.pipeline, mesh.tensor, mesh.data]})
+            [version] = await self._on_stages(coordinator, "save", lambda g: self.stages[g].endpoint(
+                StageActor.checkpoint_commit, timeout=CHECKPOINT_TIMEOUT_S).call(directory, staging,
+                                                                                  manifest.to_wire()))
+        return str(version)
+
+    async def load(self, directory: str, weights_only: bool = False) -> int:
+        """Loads the checkpoint in ``directory`` into every member, all or nothing; returns its step.
+
+        Phase one: every stage actor reads its part and checks every key, shape, dtype
+        and checksum, while the head checks that every tensor of the checkpoint is
+        taken by some stage. Only when no one found a problem does phase two copy, on
+        every stage. The layout may differ from the saved one: keys are the model's own.
+
+        Args:
+            weights_only: load the parameters only; the optimizer state and the step
+                count stay as they are (e.g. to fine-tune with another optimizer).
+
+        Raises:
+            CheckpointError: every problem found, on every stage; nothing was applied.
+        """
+        directory = check_directory(directory)
+        async with self._operation(repairs=True):
+            [found] = await self._on_stages([0], "load", lambda g: self.stages[g].endpoint(
+                StageActor.checkpoint_manifest, timeout=CHECKPOINT_TIMEOUT_S).call(directory))
+            version, manifest = str(found[0]), Manifest.from_wire(found[1])
+            problems = self._unplaced(manifest, weights_only)
+            plans = {g: manifest.restrict(self._held_layers(g), weights_only=weights_only).to_wire()
+                     for g in range(self.mesh.size)}
+            answers = await self._on_stages(list(plans), "load", lambda g: self.stages[g].endpoint(
+                StageActor.checkpoint_check, timeout=CHECKPOINT_TIMEOUT_S).call(version, plans[g]), discard=True)
+            problems += sorted({p for answer in answers for p in answer})
+            if problems:
+                await self._discard_loads()
+                raise CheckpointError(f"{directory} was not loaded (nothing changed): {len(problems)} problem(s)",
+                                      problems)
+            await self._on_stages(list(plans), "load", lambda g: self.stages[g].endpoint(
+                StageActor.checkpoint_apply, timeout=CHECKPOINT_TIMEOUT_S).call(weights_only))
+            if not weights_only:  # the data factory goes on from the checkpoint's step
+                self.applied = self.steps_done = manifest.step
+            self._restarted_history()
+        return manifest.step
+
+    def _restarted_history(self) -> None:
+        """After a load the stages hold another history: no batch kept and no snapshot from
+        before counts; the next step takes a snapshot whatever ``snapshot_every`` says."""
+        self.broken = None
+        self.history.clear()
+        self.snapshot_due = True
+
+    def _unplaced(self, manifest: Manifest, weights_only: bool) -> list[str]:
+        """What the head sees wrong before reading a byte: keys no stage holds, another optimizer."""
+        layers = {i for g in range(self.mesh.size) for i in self._held_layers(g)}
+        keys = list(manifest.model) + ([] if weights_only else list(manifest.optimizer_state))
+        problems = [f"{key}: in the checkpoint but no stage holds layer {str(layer_of(key))[:12]} of this model"
+                    for key in sorted(set(keys)) if layer_of(key) not in layers]
+        if not weights_only and manifest.optimizer_state and manifest.optimizer != self.spec.optimizer[0]:
+            problems.append(f"the checkpoint holds {manifest.optimizer} state but this job uses "
+                            f"{self.spec.optimizer[0]}; load with weights_only=True to take the weights alone")
+        return problems
+
+    async def _discard_loads(self) -> None:
+        async def discard(ref: ActorRef) -> None:
+            try:
+                await ref.endpoint(StageActor.checkpoint_discard, timeout=10).call()
+            except ActorError as exc:
+                log.info("discarding a checked load on %s: %s", ref.name, exc)
+
+        await asyncio.gather(*(discard(ref) for ref in self.stages))
+
+    async def _on_stages(
+        self, ranks: list[int], what: str, call: Callable[[int], Awaitable[Any]], *, discard: bool = False
+    ) -> list[Any]:
+        """``call(rank)`` for every global rank in ``ranks`` at once; their answers, in order.
+
+        Raises:
+            CheckpointError: one or more failed; each is named with its node and why.
+        """
+        results = await asyncio.gather(*(call(g) for g in ranks), return_exceptions=True)
+        failed = [f"{self.mesh.describe(g)} on node {self.nodes[g]}: {_reason(r)}"
+                  for g, r in zip(ranks, results) if isinstance(r, BaseException)]
+        if failed:
+            if discard:
+                await self._discard_loads()
+            raise CheckpointError(f"the {what} failed on {len(failed)} stage actor(s)"
+                                  f"{' (nothing changed)' if discard else ''}", failed)
+        return list(results)
 
     async def _shard_specs(self) -> dict[str, ShardSpec]:
         if self.mesh.tensor == 1:

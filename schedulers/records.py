@@ -105,7 +105,7 @@ class JobDescription(WireRecord):
     Attributes:
         mesh: ``[pipeline, tensor, data]``.
         stages: each stage actor as ``[address, name]``, by global rank.
-        steps: steps taken so far (the next step's index).
+        steps: steps completed (a failed try does not count; a load sets it to the checkpoint's).
         programs: each pipeline rank's program for one step, as action text.
         stepping: a step is in progress.
         traced: a step has finished, so ``Job.trace`` has a timeline to give.

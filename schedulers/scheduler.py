@@ -337,6 +337,22 @@ class SchedulerActor(Actor):
         """Loads a whole-model state into every member; every key must be taken."""
         await self._job(job_id).load_state_dict(state)
 
+    @endpoint(concurrent=True, roles=("client",))
+    async def save(self, job_id: str, directory: str) -> str:
+        """Writes a checkpoint of ``job_id`` to ``directory`` (absolute); the new version's path.
+
+        See :meth:`JobController.save`: the stages write, the head only coordinates.
+        """
+        return await self._job(job_id).save(directory)
+
+    @endpoint(concurrent=True, roles=("client",))
+    async def load(self, job_id: str, directory: str, weights_only: bool = False) -> int:
+        """Loads the checkpoint in ``directory`` (absolute), all or nothing; returns its step.
+
+        See :meth:`JobController.load`.
+        """
+        return await self._job(job_id).load(directory, bool(weights_only))
+
     # -- events ---------------------------------------------------------------------------------
 
     @endpoint

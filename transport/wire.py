@@ -61,6 +61,7 @@ __all__ = [
     "MAX_ITEMS",
     "Coded",
     "MessageTooLarge",
+    "RAISE_THE_LIMIT",
     "WireError",
     "decode_message",
     "encode_message",
@@ -69,6 +70,11 @@ __all__ = [
 
 WIRE_VERSION = 1
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
+# Where the limit is set: the sender's error says it (a receiver only logs a short line).
+RAISE_THE_LIMIT = (
+    "raise the limit on every process that sends or takes it (python -m actors.node --max-message-bytes N "
+    "on the head and every worker, LocalCluster(max_message_bytes=N), Cluster.connect(..., max_message_bytes=N)), "
+    "or send less per message (job.save(DIR) writes a checkpoint without sending its tensors)")
 _TENSOR_EXT = 1
 _MAX_NDIM = 32
 _MAX_FRAMES_PER_TENSOR = 8
@@ -203,7 +209,7 @@ def encode_message(
     if total > max_bytes or decoded_nbytes > max_bytes:
         raise MessageTooLarge(
             f"message is {total} bytes ({decoded_nbytes} bytes of tensors decoded), over the "
-            f"limit of {max_bytes}; raise max_message_bytes on both ends or send the tensor in parts"
+            f"limit of {max_bytes}; {RAISE_THE_LIMIT}"
         )
     if len(frames) >= MAX_FRAMES_PER_MESSAGE:
         raise MessageTooLarge(

@@ -38,5 +38,14 @@ def test_help_documents_every_flag() -> None:
     out = subprocess.run([sys.executable, "-m", "actors.node", "--help"], capture_output=True, text=True, check=True)
     for flag in ("--head", "--join", "--bind", "--name", "--device", "--allow", "--allow-remote",
                  "--heartbeat-interval", "--heartbeat-timeout", "--head-timeout", "--address-file", "--log-level",
-                 "--keys", "--identity", "--insecure"):
+                 "--keys", "--identity", "--insecure", "--max-message-bytes"):
         assert flag in out.stdout
+
+
+def test_the_node_command_line_takes_the_message_limit() -> None:
+    from actors.node import parse_args
+
+    assert parse_args(["--head", "--max-message-bytes", "2048"]).max_message_bytes == 2048
+    assert parse_args(["--join", "tcp://127.0.0.1:1"]).max_message_bytes == 1 << 30
+    with pytest.raises(SystemExit):
+        parse_args(["--head", "--max-message-bytes", "0"])

@@ -241,7 +241,7 @@ def test_a_session_at_the_prompt(head_address: str, tmp_path: Path) -> None:
 
     _check_trace(json.loads(trace_path.read_text()), schedule="gpipe")
     _check_png(png_path)
-    assert (checkpoint / "model.pt").is_file() and (checkpoint / "job.json").is_file()
+    assert (checkpoint / "LATEST").read_text() == "v000001\n" and (checkpoint / "v000001" / "manifest.json").is_file()
 
 
 def _check_trace(trace: dict[str, Any], *, schedule: str) -> None:

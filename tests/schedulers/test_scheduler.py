@@ -100,10 +100,10 @@ async def test_load_state_dict_save_and_load(cluster: Cluster, tmp_path: object)
         assert all(torch.equal(loaded[k], other[k]) for k in other)
         directory = f"{tmp_path}/ckpt"
         await job.save(directory)
-        assert sorted(os.listdir(directory)) == ["job.json", "model.pt"]
+        assert sorted(os.listdir(directory)) == ["LATEST", "v000001"]
         await job.step(*batch())
-        await job.save(directory)  # overwrites atomically
-        assert not [n for n in os.listdir(str(tmp_path)) if n.startswith(".")]  # no staging left behind
+        await job.save(directory)  # replaces it atomically
+        assert sorted(os.listdir(directory)) == ["LATEST", "v000002"]  # no staging left behind
         trained = await job.state_dict()
         await job.load_state_dict(other)
         await job.load(directory)

@@ -1,0 +1,161 @@
+"""What one stage actor writes into a checkpoint, and how it checks and then applies its part on load.
+
+A stage's tensors are its held layers' state (parameters and buffers) and its
+optimizer's state per parameter, under the unpartitioned model's keys. A
+tensor-parallel rank writes its own slices of split tensors; replicated ones are
+written by tensor rank 0 alone. Loading is two calls: :func:`prepare_load` reads,
+verifies and reshapes everything into memory and reports every problem without
+touching the model; :func:`apply_load` then only copies. Both run on the stage's
+compute thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from actors.checkpoint import CheckpointError, Manifest, TensorEntry, check_staging, dtype_name, read_entry, write_tensors
+from actors.tensor_parallel import ShardSpec, shard_tensor
+
+__all__ = ["PreparedLoad", "apply_load", "prepare_load", "write_stage"]
+
+
+def _named_parameters(held: Mapping[int, nn.Module]) -> dict[str, nn.Parameter]:
+    return {f"{i}.{name}": p for i, layer in held.items() for name, p in layer.named_parameters()}
+
+
+def _whole_shape(local: torch.Size | list[int], spec: ShardSpec | None) -> list[int]:
+    """The unpartitioned shape of a tensor-parallel slice (each rank holds 1/world along ``dim``)."""
+    shape = list(local)
+    if spec is not None:
+        shape[spec.dim] *= spec.world
+    return shape
+
+
+def _state_spec(value: torch.Tensor, param: nn.Parameter, spec: ShardSpec | None) -> ShardSpec | None:
+    """An optimizer state tensor is split like its parameter when it has the parameter's shape (``exp_avg``)."""
+    return spec if spec is not None and value.shape == param.shape else None
+
+
+def write_stage(
+    staging: str, file: str, held: Mapping[int, nn.Module], optimizer: torch.optim.Optimizer,
+    specs: Mapping[str, ShardSpec], tp_rank: int,
+) -> dict[str, Any]:
+    """Writes this stage's tensors to ``staging/file``; returns what the manifest needs of them.
+
+    Raises:
+        CheckpointError: the directory is not visible here, or the optimizer keeps state
+            that is not a tensor.
+    """
+    path = check_staging(staging, file)
+    items: list[tuple[str, str | None, torch.Tensor, ShardSpec | None]] = [
+        (f"{i}.{name}", None, value, specs.get(f"{i}.{name}"))
+        for i, layer in held.items() for name, value in layer.state_dict().items()]
+    for key, param in _named_parameters(held).items():
+        for name, value in optimizer.state.get(param, {}).items():
+            if value is None:
+                continue
+            if not isinstance(value, torch.Tensor):
+                raise CheckpointError(f"cannot checkpoint the optimizer state {name!r} of {key}",
+                                      [f"it is a {type(value).__name__}; only tensors are stored"])
+            items.append((key, name, value, _state_spec(value, param, specs.get(key))))
+    mine = [item for item in items if item[3] is not None or tp_rank == 0]  # replicated: rank 0 writes
+    size, parts = write_tensors(path, {str(n): value for n, (_, _, value, _) in enumerate(mine)})
+    tensors = [{"key": key, "state": name, "shape": _whole_shape(value.shape, spec), "dtype": dtype_name(value.dtype),
+                "shard": list(spec) if spec is not None else None, "rank": tp_rank,
+                "part": parts[str(n)].to_wire()}
+               for n, (key, name, value, spec) in enumerate(mine)]
+    return {"file": file, "bytes": size, "tensors": tensors}
+
+
+@dataclass(slots=True)
+class PreparedLoad:
+    """A stage's verified part of a checkpoint, ready to copy: per layer, and per parameter's optimizer state."""
+
+    model: dict[int, dict[str, torch.Tensor]]
+    optimizer_state: dict[str, dict[str, torch.Tensor]]
+
+
+def _local(
+    version: str, plan: Manifest, label: str, entry: TensorEntry, shape: list[int], dtype: str | None,
+    spec: ShardSpec | None, tp_rank: int, problems: list[str],
+) -> torch.Tensor | None:
+    """This rank's slice of one checked entry, or None after adding what is wrong to ``problems``."""
+    wrong = []
+    if dtype is not None and entry.dtype != dtype:
+        wrong.append(f"{label}: dtype {entry.dtype} in the checkpoint, {dtype} in this model")
+    if entry.shape != shape:
+        wrong.append(f"{label}: shape {entry.shape} in the checkpoint, {shape} in this model")
+    if wrong:  # not read at all: its bytes would not fit
+        problems.extend(wrong)
+        return None
+    try:
+        whole = read_entry(version, entry, plan.files, label)
+    except CheckpointError as exc:
+        problems.extend(exc.problems or [str(exc)])
+        return None
+    return shard_tensor(whole, tp_rank, spec) if spec is not None else whole
+
+
+def prepare_load(
+    version: str, plan: Manifest, held: Mapping[int, nn.Module], specs: Mapping[str, ShardSpec], tp_rank: int,
+) -> tuple[PreparedLoad, list[str]]:
+    """Reads and checks this stage's part of a checkpoint; changes nothing.
+
+    Every key of the held layers must be in ``plan`` and every key of ``plan`` in them,
+    with the model's whole shape and dtype and a matching checksum; optimizer state
+    must belong to a held parameter and have its shape, or be a scalar.
+
+    Returns:
+        The prepared tensors, and every problem found (empty: it may be applied).
+    """
+    problems: list[str] = []
+    own = {f"{i}.{k}": v for i, layer in held.items() for k, v in layer.state_dict().items()}
+    problems += [f"{k}: missing from the checkpoint" for k in sorted(own.keys() - plan.model.keys())]
+    problems += [f"{k}: in the checkpoint but not in this model" for k in sorted(plan.model.keys() - own.keys())]
+    model: dict[int, dict[str, torch.Tensor]] = {}
+    for key in sorted(own.keys() & plan.model.keys()):
+        spec = specs.get(key)
+        local = _local(version, plan, key, plan.model[key], _whole_shape(own[key].shape, spec),
+                       dtype_name(own[key].dtype), spec, tp_rank, problems)
+        if local is not None:
+            layer, _, name = key.partition(".")
+            model.setdefault(int(layer), {})[name] = local
+    params = _named_parameters(held)
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    for key, saved in plan.optimizer_state.items():
+        param = params.get(key)
+        if param is None:
+            problems.append(f"{key}: optimizer state for a parameter this model does not have")
+            continue
+        whole = _whole_shape(param.shape, specs.get(key))
+        for name, entry in saved.items():
+            label = f"{key} (optimizer {name})"
+            if entry.shape not in (whole, []):
+                problems.append(f"{label}: shape {entry.shape} fits neither the parameter's {whole} nor a scalar")
+                continue
+            spec = specs.get(key) if entry.shape == whole else None  # exp_avg is split like its parameter
+            local = _local(version, plan, label, entry, entry.shape, None, spec, tp_rank, problems)
+            if local is not None:
+                state.setdefault(key, {})[name] = local
+    return PreparedLoad(model=model, optimizer_state=state), problems
+
+
+def apply_load(
+    prepared: PreparedLoad, held: Mapping[int, nn.Module], optimizer: torch.optim.Optimizer, *, weights_only: bool
+) -> None:
+    """Copies a prepared, checked load into the layers (and, unless ``weights_only``, the optimizer)."""
+    for i, mine in prepared.model.items():
+        held[i].load_state_dict(mine, strict=True)
+    if weights_only:
+        return
+    params = _named_parameters(held)
+    optimizer.state.clear()  # a parameter the checkpoint has no state for starts afresh, as it did then
+    for key, saved in prepared.optimizer_state.items():
+        param = params[key]
+        optimizer.state[param] = {name: value.to(param.device) if value.dim() else value
+                                  for name, value in saved.items()}

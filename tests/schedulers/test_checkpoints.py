@@ -1,0 +1,318 @@
+"""Checkpoints through a running cluster: exact resumption, all-or-nothing loads, other layouts, bad files.
+
+One LocalCluster of 2 node processes serves the module. The format and the kill
+windows of a save are tested without a cluster in tests/actors/test_checkpoint.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+import torch
+
+from actors import Cluster, LocalCluster, RemoteError
+from schedulers.client import CheckpointError, Job
+from schedulers.scheduler import SchedulerActor
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.asyncio(loop_scope="module")]
+
+MLP = {"model": "examples.models:residual_mlp", "model_kwargs": {"blocks": 4, "dim": 16, "hidden": 32}}
+LINEARS = "tests.helpers.checkpoint_models:linears"
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def cluster() -> AsyncIterator[Cluster]:
+    async with LocalCluster(nodes=2) as cluster:
+        yield cluster
+
+
+def batches(count: int, dim: int = 16, seed: int = 5) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(8, 4, dim, generator=gen), torch.randn(8, 4, dim, generator=gen)) for _ in range(count)]
+
+
+async def train(job: Job, data: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
+    return [(await job.step(x, y)).loss for x, y in data]
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert list(a) == list(b)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+@pytest.mark.parametrize("optimizer", [("torch.optim:Adam", {"lr": 0.01}), ("torch.optim:AdamW", {"lr": 0.01})],
+                         ids=["adam", "adamw"])
+async def test_training_after_save_and_load_equals_training_without_the_interruption(
+    cluster: Cluster, tmp_path: Path, optimizer: tuple[str, dict[str, Any]]
+) -> None:
+    first, then = batches(2, seed=1), batches(2, seed=2)
+    directory = tmp_path / "ckpt"
+    async with await cluster.train(**MLP, optimizer=optimizer, pipeline_stages=2, micro_batches=2) as job:
+        await train(job, first)
+        version = await job.save(directory)
+        losses_a = await train(job, then)
+        state_a = await job.state_dict()
+    assert version == str(directory / "v000001")
+    assert sorted(os.listdir(directory)) == ["LATEST", "v000001"]
+    assert sorted(os.listdir(version)) == ["manifest.json", "p0-t0.bin", "p1-t0.bin"]
+    manifest = json.loads((Path(version) / "manifest.json").read_text())
+    assert manifest["step"] == 2 and manifest["optimizer"] == optimizer[0]
+    assert sorted(manifest["optimizer_state"]["3.fc1.weight"]) == ["exp_avg", "exp_avg_sq", "step"]
+    assert set(manifest["optimizer_state"]) == set(manifest["model"])  # every parameter has moments
+
+    # A fresh job from another seed: the load must bring weights, moments and step count.
+    async with await cluster.train(**MLP, optimizer=optimizer, pipeline_stages=2, micro_batches=2, seed=9) as job:
+        assert await job.load(directory) == 2
+        assert (await job.describe()).steps == 2
+        losses_b = await train(job, then)
+        state_b = await job.state_dict()
+    assert losses_a == losses_b
+    assert_same(state_a, state_b)
+
+
+async def test_a_new_save_replaces_the_old_one_and_clears_a_killed_saves_leftovers(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    directory = tmp_path / "ckpt"
+    async with await cluster.train(**MLP, pipeline_stages=2, micro_batches=2) as job:
+        await job.save(directory)
+        (directory / ".staging-v000002-deadbeef").mkdir()  # as a killed save leaves it
+        (directory / ".staging-v000002-deadbeef" / "p0-t0.bin").write_bytes(b"half")
+        await train(job, batches(1))
+        assert await job.save(directory) == str(directory / "v000002")
+        assert sorted(os.listdir(directory)) == ["LATEST", "v000002"]
+        assert (directory / "LATEST").read_text() == "v000002\n"
+        trained = await job.state_dict()
+        await train(job, batches(1, seed=3))
+        await job.checkpoint(directory / "other")  # the console's name for it
+        await job.load(directory)
+        assert_same(await job.state_dict(), trained)
+
+
+async def test_a_flipped_byte_anywhere_is_named_by_file_and_key_and_nothing_loads(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    directory = tmp_path / "ckpt"
+    async with await cluster.train(**MLP, optimizer=("torch.optim:Adam", {"lr": 0.01}), pipeline_stages=2,
+                                   micro_batches=2) as job:
+        await train(job, batches(1))
+        version = Path(await job.save(directory))
+        manifest = json.loads((version / "manifest.json").read_text())
+        parts = [(label, part) for label, part in _parts(manifest)]
+        size = (version / "p1-t0.bin").stat().st_size
+        await train(job, batches(1, seed=4))
+        before = await job.state_dict()
+        for offset in (0, size // 3, size - 1):  # the first, a middle and the last byte
+            label = next(label for label, part in parts
+                         if part["file"] == "p1-t0.bin" and part["offset"] <= offset < part["offset"] + part["nbytes"])
+            _flip(version / "p1-t0.bin", offset)
+            with pytest.raises(CheckpointError, match="checksum mismatch") as info:
+                await job.load(directory)
+            _flip(version / "p1-t0.bin", offset)  # back as it was
+            assert f"p1-t0.bin, {label}: checksum mismatch" in str(info.value)
+            assert len(info.value.problems) == 1
+            assert_same(await job.state_dict(), before)
+        await job.load(directory)  # undamaged again: it loads
+        assert not all(torch.equal(v, before[k]) for k, v in (await job.state_dict()).items())
+
+
+def _parts(manifest: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    found = [(key, part) for key, entry in manifest["model"].items() for part in entry["parts"]]
+    for key, state in manifest["optimizer_state"].items():
+        for name, entry in state.items():
+            found += [(f"{key} (optimizer {name})", part) for part in entry["parts"]]
+    return found
+
+
+def _flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0xFF]))
+
+
+MISMATCHES = [
+    # (the loading model's dims, dtype, the problems the load must list)
+    ([8, 8, 8, 8, 4], "float32", [r"3\.bias: shape \[8\] in the checkpoint, \[4\] in this model",
+                                  r"3\.weight: shape \[8, 8\] in the checkpoint, \[4, 8\] in this model"]),
+    ([8, 8, 8, 8, 8, 8], "float32", [r"4\.bias: missing from the checkpoint", r"4\.weight: missing"]),
+    ([8, 8, 8, 8], "float32", [r"3\.bias: in the checkpoint but no stage holds layer 3",
+                               r"3\.weight: in the checkpoint but no stage holds layer 3"]),
+    ([8, 8, 8, 8, 8], "float64", [r"0\.weight: dtype float32 in the checkpoint, float64 in this model"]),
+]
+
+
+@pytest.mark.parametrize("dims, dtype, problems", MISMATCHES, ids=["shape", "missing", "extra", "dtype"])
+async def test_a_load_that_does_not_fit_lists_every_problem_and_changes_nothing(
+    cluster: Cluster, tmp_path: Path, dims: list[int], dtype: str, problems: list[str]
+) -> None:
+    directory = tmp_path / "ckpt"
+    async with await cluster.train(model=LINEARS, model_kwargs={"dims": [8, 8, 8, 8, 8]}, pipeline_stages=2,
+                                   micro_batches=2, optimizer=("torch.optim:Adam", {"lr": 0.01})) as job:
+        await train(job, batches(1, dim=8))
+        await job.save(directory)
+    async with await cluster.train(model=LINEARS, model_kwargs={"dims": dims, "dtype": dtype}, pipeline_stages=2,
+                                   micro_batches=2, optimizer=("torch.optim:Adam", {"lr": 0.01}), seed=3) as job:
+        before = await job.state_dict()
+        with pytest.raises(CheckpointError, match="nothing changed") as info:
+            await job.load(directory)
+        for problem in problems:
+            assert any(re.search(problem, p) for p in info.value.problems), (problem, info.value.problems)
+        assert_same(await job.state_dict(), before)
+        assert (await job.describe()).steps == 0
+
+
+async def test_one_wrong_shape_in_the_file_leaves_every_stage_unchanged(cluster: Cluster, tmp_path: Path) -> None:
+    directory = tmp_path / "ckpt"
+    async with await cluster.train(**MLP, pipeline_stages=2, micro_batches=2) as job:
+        version = Path(await job.save(directory))
+        manifest_path = version / "manifest.json"
+        manifest = json.loads(manifest_path.read_text())
+        manifest["model"]["3.fc2.bias"]["shape"] = [17]  # one tensor of the last stage
+        manifest_path.write_text(json.dumps(manifest))
+        await train(job, batches(1))
+        before = await job.state_dict()
+        with pytest.raises(CheckpointError) as info:
+            await job.load(directory)
+        assert info.value.problems == ["3.fc2.bias: shape [17] in the checkpoint, [16] in this model"]
+        assert_same(await job.state_dict(), before)  # stage 0 had nothing wrong and applied nothing either
+
+
+LAYOUTS = [
+    pytest.param({"pipeline_stages": 1}, id="pipeline-2-to-1"),
+    pytest.param({"pipeline_stages": 1, "tensor_parallel": 2}, id="pipeline-2-to-tensor-2"),
+    pytest.param({"pipeline_stages": 1, "data_parallel": 2}, id="pipeline-2-to-data-2"),
+    pytest.param({"pipeline_stages": 2, "schedule": "gpipe"}, id="another-schedule"),
+]
+
+
+async def resume_in_another_layout(
+    cluster: Cluster, directory: Path, optimizer: tuple[str, dict[str, Any]], saving: dict[str, Any],
+    loading: dict[str, Any],
+) -> Path:
+    """Saves after 2 steps in one layout, loads into another, and checks the next step matches; the version."""
+    then = batches(1, seed=8)
+    async with await cluster.train(**MLP, optimizer=optimizer, micro_batches=2, **saving) as job:
+        await train(job, batches(2))
+        version = Path(await job.save(directory))
+        saved = await job.state_dict()
+        losses_a = await train(job, then)
+        state_a = await job.state_dict()
+    async with await cluster.train(**MLP, optimizer=optimizer, micro_batches=2, seed=4, **loading) as job:
+        await job.load(directory)
+        assert_same(await job.state_dict(), saved)
+        losses_b = await train(job, then)  # the moments came along: the next step matches
+        state_b = await job.state_dict()
+    assert losses_b == pytest.approx(losses_a, rel=1e-5)
+    for key, value in state_a.items():
+        torch.testing.assert_close(state_b[key], value, rtol=1e-5, atol=1e-6)
+    return version
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+async def test_a_checkpoint_loads_into_another_layout(cluster: Cluster, tmp_path: Path, layout: dict[str, Any]) -> None:
+    await resume_in_another_layout(cluster, tmp_path / "ckpt", ("torch.optim:Adam", {"lr": 0.01}),
+                                   {"pipeline_stages": 2}, layout)
+
+
+async def test_a_tensor_parallel_checkpoint_loads_into_a_pipeline(cluster: Cluster, tmp_path: Path) -> None:
+    version = await resume_in_another_layout(cluster, tmp_path / "ckpt", ("torch.optim:AdamW", {"lr": 0.01}),
+                                             {"tensor_parallel": 2}, {"pipeline_stages": 2})
+    assert sorted(os.listdir(version)) == ["manifest.json", "p0-t0.bin", "p0-t1.bin"]
+    manifest = json.loads((version / "manifest.json").read_text())
+    fc1 = manifest["model"]["0.fc1.weight"]
+    assert fc1["shape"] == [32, 16] and fc1["shard"] == [0, 2, 1] and [p["file"] for p in fc1["parts"]] == \
+        ["p0-t0.bin", "p0-t1.bin"]
+    assert manifest["optimizer_state"]["0.fc1.weight"]["exp_avg"]["shard"] == [0, 2, 1]
+    assert manifest["model"]["0.norm.weight"]["shard"] is None  # replicated: written once, by tensor rank 0
+
+
+async def test_weights_only_keeps_the_optimizer_and_allows_another_one(cluster: Cluster, tmp_path: Path) -> None:
+    directory = tmp_path / "ckpt"
+    async with await cluster.train(**MLP, optimizer=("torch.optim:Adam", {"lr": 0.01}), pipeline_stages=2,
+                                   micro_batches=2) as job:
+        await train(job, batches(1))
+        await job.save(directory)
+        saved = await job.state_dict()
+    async with await cluster.train(**MLP, pipeline_stages=2, micro_batches=2, seed=2) as job:  # SGD
+        with pytest.raises(CheckpointError, match="holds torch.optim:Adam state but this job uses torch.optim:SGD"):
+            await job.load(directory)
+        await train(job, batches(1))
+        assert await job.load(directory, weights_only=True) == 1
+        assert_same(await job.state_dict(), saved)
+        assert (await job.describe()).steps == 1  # its own count
+
+
+async def test_directories_that_are_not_checkpoints_are_refused_clearly(cluster: Cluster, tmp_path: Path) -> None:
+    async with await cluster.train(**MLP, pipeline_stages=2, micro_batches=2) as job:
+        with pytest.raises(CheckpointError, match="no such directory"):
+            await job.load(tmp_path / "nothing")
+        (tmp_path / "empty").mkdir()
+        with pytest.raises(CheckpointError, match="not an actorpipe checkpoint"):
+            await job.load(tmp_path / "empty")
+        old = tmp_path / "old"
+        old.mkdir()
+        (old / "model.pt").write_bytes(b"an unversioned checkpoint")
+        with pytest.raises(CheckpointError, match="unversioned format"):
+            await job.load(old)
+        with pytest.raises(CheckpointError, match="is not an actorpipe checkpoint directory") as info:
+            await job.save(old)  # it holds something else: not ours to fill
+        assert "save to a new or empty directory" in str(info.value)
+        assert sorted(os.listdir(old)) == ["model.pt"]
+        # Paths from a client are resolved by the client; the head refuses a relative one.
+        save = cluster.call(SchedulerActor.save)
+        with pytest.raises(RemoteError, match="must be absolute"):
+            await save.call(job.id, "relative/ckpt")
+        with pytest.raises(RemoteError, match="must be absolute and normalized"):
+            await save.call(job.id, f"{tmp_path}/a/../../escape")
+        (tmp_path / "a-file").write_text("not a directory")
+        with pytest.raises(CheckpointError, match=r"on node node\d: cannot write a checkpoint to") as info:
+            await job.save(tmp_path / "a-file" / "ckpt")  # no node can make a directory there
+        assert "Not a directory" in str(info.value)
+
+
+def _checksums(version: Path) -> dict[str, int]:
+    manifest = json.loads((version / "manifest.json").read_text())
+    return {label: part["crc32"] for label, part in _parts(manifest)}
+
+
+async def test_a_two_gib_model_checkpoints_and_loads_without_one_big_message(cluster: Cluster, tmp_path: Path) -> None:
+    """8 linears of 8192 x 8192 float32 (256 MiB each), 2 stages of 1 GiB: over the 1 GiB message limit."""
+    dims = [8192] * 9
+    async with await cluster.train(model=LINEARS, model_kwargs={"dims": dims, "bias": False}, pipeline_stages=2,
+                                   micro_batches=1, optimizer=("torch.optim:SGD", {"lr": 0.1})) as job:
+        with pytest.raises(RemoteError, match=r"--max-message-bytes N on the head and every worker.*job\.save"):
+            await job.state_dict()  # one stage's share does not fit in one message
+        first = Path(await job.save(tmp_path / "a"))
+        assert sorted((first / f).stat().st_size for f in ("p0-t0.bin", "p1-t0.bin")) == [1 << 30, 1 << 30]
+        gen = torch.Generator().manual_seed(0)
+        await job.step(torch.randn(2, 8192, generator=gen), torch.randn(2, 8192, generator=gen))
+        second = Path(await job.save(tmp_path / "b"))
+        assert await job.load(tmp_path / "a") == 0
+        third = Path(await job.save(tmp_path / "c"))  # what the stages hold after the load
+    assert len(_checksums(first)) == 8
+    assert _checksums(third) == _checksums(first)
+    assert all(_checksums(second)[k] != crc for k, crc in _checksums(first).items())  # the step changed every layer
+
+
+async def test_the_message_limit_reaches_every_process_and_save_does_not_need_it(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="max_message_bytes must be an int >= 1"):
+        LocalCluster(nodes=1, max_message_bytes=0)
+    mlp = {**MLP, "model_kwargs": {"blocks": 4, "dim": 64, "hidden": 256}}  # about 270 KB per stage
+    async with LocalCluster(nodes=2, max_message_bytes=64 << 10) as small:
+        async with await small.train(**mlp, pipeline_stages=2, micro_batches=1) as job:
+            # The stage's own runtime refuses its 270 KB answer: the nodes took the limit.
+            with pytest.raises(RemoteError, match=r"over the limit of 65536; raise the limit .*--max-message-bytes"):
+                await job.state_dict()
+            await job.save(tmp_path / "ckpt")
+            assert await job.load(tmp_path / "ckpt") == 0
+
