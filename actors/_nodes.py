@@ -216,6 +216,8 @@ class NodeActor(Actor):
             obj = load_object(path, self.allow)
         except NotAllowed as exc:
             raise NotAllowed(f"node {self.info.name} refused it: {exc.message}") from None
+        except ModuleNotFoundError as exc:
+            raise ModuleNotFoundError(f"node {self.info.name}: {exc}", name=exc.name) from None
         return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__name__)}"
 
     @endpoint(roles=("head",))
@@ -242,6 +244,8 @@ class NodeActor(Actor):
             return await asyncio.to_thread(layer_parameter_counts, path, kwargs, tuple(self.allow))
         except NotAllowed as exc:
             raise NotAllowed(f"node {self.info.name} refused the model: {exc.message}") from None
+        except ModuleNotFoundError as exc:
+            raise ModuleNotFoundError(f"node {self.info.name} cannot build the model: {exc}", name=exc.name) from None
 
     def _refuse_user_code_on_head(self) -> None:
         if HEAD in self.runtime.actor_names():  # the head's own agent: it hosts the head actor

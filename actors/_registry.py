@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import re
 import types
 from collections.abc import Callable, Iterable
@@ -116,7 +117,13 @@ def load_object(path: str, allow: Iterable[str]) -> Any:
             f"{_excerpt(path)} is not on this node's allow-list ({', '.join(allow) or 'empty'}); start the "
             f"node with --allow {module_name} (LocalCluster(allow=[...]) does this for you)"
         )
-    obj: Any = importlib.import_module(module_name)
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise ModuleNotFoundError(
+            f"{_excerpt(path)}: {exc}; this process runs in {os.getcwd()} with PYTHONPATH="
+            f"{os.environ.get('PYTHONPATH') or '(unset)'}: start it where {module_name} imports (the folder that "
+            f"holds it) or add that folder to PYTHONPATH", name=exc.name) from None
     *through, last = attribute.split(".")
     for depth, part in enumerate(through):
         obj = _attribute(obj, part)

@@ -133,8 +133,13 @@ class StageActor(Actor):
         try:
             loop = asyncio.get_running_loop()
             model = await loop.run_in_executor(thread, self._build, allow, device, loop)
-        except BaseException:
+        except BaseException as exc:
             thread.shutdown(wait=False)
+            where = f"node {context.name} (a worker)" if context is not None else "this process"
+            if isinstance(exc, NotAllowed):
+                raise NotAllowed(f"{where} refused it: {exc.message}") from None
+            if isinstance(exc, ModuleNotFoundError):
+                raise ModuleNotFoundError(f"{where}: {exc}", name=exc.name) from None
             raise
         cfg = self.config
         self.executor = StepExecutor(model, Inbox(self._inbox_limit(cfg.micro_batches)), self._send,

@@ -174,6 +174,22 @@ async def test_a_factory_path_that_escapes_the_allow_list_is_refused_before_anyt
     assert await cluster.jobs() == jobs_before
 
 
+async def test_a_factory_the_nodes_cannot_import_names_the_node_its_folder_and_pythonpath(
+    cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Importable by the driver (its sys.path has tmp_path) but not from the nodes' working directory.
+    (tmp_path / "driver_only_models.py").write_text("import torch\ndef mlp():\n    return torch.nn.Sequential("
+                                                     "torch.nn.Linear(4, 4))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RemoteError) as refused:
+        await cluster.train(model="driver_only_models:mlp", pipeline_stages=1)
+    assert refused.value.remote_type == "ModuleNotFoundError"
+    message = refused.value.message
+    assert re.search(r"node node\d cannot build the model: .*No module named 'driver_only_models'", message)
+    assert f"this process runs in {os.getcwd()} with PYTHONPATH=" in message and "add that folder to PYTHONPATH" \
+        in message
+
+
 async def test_the_head_never_imports_the_model_factory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     log = tmp_path / "imports.log"
     monkeypatch.setenv(IMPORT_LOG_ENV, str(log))  # before the cluster starts: its processes inherit it
