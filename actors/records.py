@@ -154,7 +154,10 @@ class ReduceReport(WireRecord):
         nonfinite: the parameters (as the whole model names them, ``3.fc1.weight``)
             whose gradient holds a NaN or an infinity; a name ends in ``(after the
             data-parallel reduction)`` when only the reduced gradient is not finite.
+        tied: the parameters this stage shares with other pipeline ranks, each as every
+            name the model gives it; their gradients were summed across those ranks.
     """
 
     reduced_bytes: int = 0
     nonfinite: list[str] = field(default_factory=list)
+    tied: list[list[str]] = field(default_factory=list)

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from actors import _wgrad, checkpoint, snapshots
+from actors import _wgrad, checkpoint, snapshots, tied
 from actors._actor import Actor, current_caller, endpoint, may_call
 from actors._allocator import keep_freed_memory
 from actors._errors import ActorError, NotAllowed, error_to_wire
@@ -61,7 +61,12 @@ def build_layers(
     if not isinstance(model, nn.Sequential):
         model = nn.Sequential(*model)
     if shard is not None:
+        before = tied.tied_groups(list(model.children()))
         model = shard(model)
+        lost = [names for names in before if names not in tied.tied_groups(list(model.children()))]
+        if lost:
+            raise ValueError(f"tensor parallelism would untie {' = '.join(lost[0])} (it splits one copy and not "
+                             "the other); train this model with tensor_parallel=1, or untie it")
     layers = list(model.children())
     if config.bounds[-1][1] != len(layers):
         raise ValueError(
@@ -121,6 +126,8 @@ class StageActor(Actor):
         self._peer_identities: frozenset[str] = frozenset()  # the job's nodes' keys (see connect)
         self._own_snapshots = SnapshotShelf()  # this stage's newest states, by applied-step count
         self._held_snapshots: dict[int, SnapshotShelf] = {}  # a pipeline neighbour's, by its rank
+        self._tied: list[tied.TiedGroup] = []  # parameters shared with other pipeline ranks (see actors.tied)
+        self._tied_inbox: dict[tuple[int, str, int], asyncio.Future[torch.Tensor]] = {}
         self._prepared_load: PreparedLoad | None = None  # a checked checkpoint part (see checkpoint_check)
 
     async def on_start(self) -> None:
@@ -175,6 +182,9 @@ class StageActor(Actor):
         self._held = {i: layers[i] for s in cfg.stages for i in range(*cfg.bounds[s])}
         self._named_parameters = [(f"{i}.{key}", p) for i, layer in self._held.items()
                                   for key, p in layer.named_parameters()]
+        layer_rank = {i: stage_to_rank(s, cfg.pipeline_stages) for s, (first, end) in enumerate(cfg.bounds)
+                      for i in range(first, end)}
+        self._tied = tied.tied_for_rank(layers, layer_rank.__getitem__, cfg.pipeline_rank, self._held)
         self._specs = {f"{i}.{key}": list(spec) for i, layer in self._held.items()
                        for key, spec in tp_shard_specs(layer).items()}
         weight_grads = None
@@ -182,7 +192,8 @@ class StageActor(Actor):
             weight_grads = _wgrad.WeightGradients()
             for module in modules.values():
                 _wgrad.install(module, weight_grads)
-        params = [p for module in modules.values() for p in module.parameters()]
+        # A parameter two held layers share is one tensor: the optimizer takes it once.
+        params = list({id(p): p for module in modules.values() for p in module.parameters()}.values())
         optimizer_cls = load_object(cfg.optimizer[0], allow)
         optimizer = optimizer_cls(params, **dict(cfg.optimizer[1] if len(cfg.optimizer) > 1 else {}))
         loss_fn = load_object(cfg.loss, allow)
@@ -316,11 +327,56 @@ class StageActor(Actor):
         named = self._named_parameters
         found = await self.executor.compute(nonfinite_gradients, named)
         await self.executor.reduce(self._program, self._reduce)
+        await self._sum_tied(step)
         if not found and self._reduce_feedback is not None and self._reduced_bytes:
             # A lossy reduce codec can overflow (fp16 past 65504) where the raw gradients did not.
             reduced = await self.executor.compute(nonfinite_gradients, named)
             found = [f"{name} (after the data-parallel reduction)" for name in reduced]
-        return ReduceReport(reduced_bytes=self._reduced_bytes, nonfinite=found).to_wire()
+        return ReduceReport(reduced_bytes=self._reduced_bytes, nonfinite=found,
+                            tied=[list(group.names) for group in self._tied]).to_wire()
+
+    async def _sum_tied(self, step: int) -> None:
+        """Adds the gradients of parameters tied across pipeline ranks, so every copy steps alike."""
+        if not self._tied:
+            return
+        me = self.config.pipeline_rank
+        for group in self._tied:
+            grad = group.param.grad
+            mine = (grad if grad is not None else torch.zeros_like(group.param)).detach().cpu()
+            others = [r for r in group.ranks if r != me]
+            await asyncio.gather(*(self.peers[r].endpoint(StageActor.deliver_tied, timeout=600).call(
+                step, group.name, me, mine) for r in others))
+            parts = {me: mine}
+            for r in others:
+                parts[r] = await self._tied_part(step, group.name, r)
+            total = tied.summed(parts).to(group.param.device)
+            if group.param.grad is None:
+                group.param.grad = total
+            else:
+                group.param.grad.copy_(total)
+        self._tied_inbox = {k: v for k, v in self._tied_inbox.items() if k[0] > step}
+
+    def _tied_part(self, step: int, name: str, rank: int) -> asyncio.Future[torch.Tensor]:
+        return self._tied_inbox.setdefault((step, name, rank), asyncio.get_running_loop().create_future())
+
+    @endpoint(concurrent=True, roles=("node",))
+    async def deliver_tied(self, step: int, name: str, rank: int, grad: torch.Tensor) -> None:
+        """Pipeline rank ``rank``'s gradient of the tied parameter ``name``, for this step's sum."""
+        caller = current_caller()
+        if self._peer_identities and caller not in self._peer_identities and not may_call(caller, frozenset()):
+            self.refused_calls += 1
+            raise NotAllowed(f"{caller[:60]!r} holds no key of job {self.config.job}'s nodes")
+        group = next((g for g in self._tied if g.name == name), None)
+        if group is None or step != self._step or rank not in group.ranks or rank == self.config.pipeline_rank \
+                or not isinstance(grad, torch.Tensor) or grad.shape != group.param.shape:
+            self.refused_calls += 1
+            raise NotAllowed(f"rank {self.config.pipeline_rank} (step {self._step}) expects no tied gradient "
+                             f"{str(name)[:60]!r} of step {str(step)[:12]} from rank {str(rank)[:12]}")
+        future = self._tied_part(step, name, rank)
+        if future.done():
+            self.refused_calls += 1
+            raise NotAllowed(f"tied gradient {name!r} of step {step} from rank {rank} came twice")
+        future.set_result(grad)
 
     @endpoint(roles=("head",))
     async def finish_step(self, step: int, apply: bool = True) -> None:
@@ -679,7 +735,7 @@ class StageActor(Actor):
         """Data-parallel gradient reduction: bucketed all-reduce averages across replicas."""
         assert self.executor is not None
         if self._groups is not None and self._groups.data_size > 1:
-            params = [p for m in self.executor.model.modules.values() for p in m.parameters()]
+            params = list({id(p): p for m in self.executor.model.modules.values() for p in m.parameters()}.values())
             self._reduced_bytes = await self.executor.compute(
                 average_gradients, params, self._groups, self.config.bucket_bytes, self._reduce_feedback)
 

@@ -136,12 +136,11 @@ def gpt(
     heads: int = 4,
     context: int = 128,
     dropout: float = 0.0,
+    tie_embeddings: bool = False,
 ) -> nn.Sequential:
     """A small GPT as ``Sequential(Embedding, TransformerBlock * layers, Head)``.
 
     Input ``[B, T]`` int64 token ids (T <= context); output logits ``[B, T, vocab_size]``.
-    The head does not share the token embedding's weights: tied weights would live on
-    the first and last pipeline stages at once.
 
     Args:
         vocab_size: number of token ids (128 for the byte-level character vocabulary).
@@ -150,6 +149,9 @@ def gpt(
         heads: attention heads per block.
         context: longest sequence the position embedding covers.
         dropout: residual and attention dropout; 0 keeps training deterministic.
+        tie_embeddings: the head's projection is the token embedding's weight, as in
+            GPT-2 (split across pipeline stages, their gradients are summed: see
+            ``actors.tied``).
     """
     if layers < 1:
         raise ValueError(f"gpt needs layers >= 1, got {layers}")
@@ -162,6 +164,11 @@ def gpt(
         for proj in (block.attn.proj, block.mlp[2]):
             assert isinstance(proj, nn.Linear)
             nn.init.normal_(proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * layers))
+    if tie_embeddings:
+        head = model[-1]
+        embedding = model[0]
+        assert isinstance(head, Head) and isinstance(embedding, Embedding)
+        head.out.weight = embedding.token.weight
     return model
 
 

@@ -217,6 +217,7 @@ class JobController:
         # Each step's batch since the snapshot a recovery would roll back to ((None, None): the data factory).
         self.history: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
         self.restarts = 0
+        self.tied: list[tuple[str, ...]] = []  # parameters shared across pipeline ranks, as the stages report
         self.snapshot_due = False  # take one at the next step whatever snapshot_every says (after a load)
         self.recovery: dict[str, Any] | None = None  # what the last recovery did, for the next StepStats
         self.replace_stage = replace_stage
@@ -308,8 +309,9 @@ class JobController:
         elapsed = time.perf_counter() - started
         self.last_reports = reports
         samples = inputs.shape[0] if inputs is not None else self.spec.data_kwargs.get("batch_size")
-        return step_stats(self.spec, step, reports, elapsed, reduce_bytes,
-                          samples if isinstance(samples, int) else None, nonfinite)
+        stats = step_stats(self.spec, step, reports, elapsed, reduce_bytes,
+                           samples if isinstance(samples, int) else None, nonfinite)
+        return dataclasses.replace(stats, tied=[list(names) for names in self.tied]) if self.tied else stats
 
     async def _run_to_barrier(self, step: int, calls: dict[int, dict[str, Any]]) -> list[StageReport]:
         tasks = {
@@ -545,6 +547,7 @@ class JobController:
         reduced = [ReduceReport.from_wire(r) for r in await self._on_every_stage(StageActor.reduce_step, "REDUCE",
                                                                                  step)]
         found = nonfinite_findings(self.mesh, reports, reduced)
+        self.tied = sorted({tuple(names) for r in reduced for names in r.tied})
         await self._on_every_stage(StageActor.finish_step, "STEP", step, not found)
         if found and self.spec.on_nonfinite == "raise":
             raise nonfinite_failed(self.mesh, step, found)

@@ -49,6 +49,9 @@ class StepStats(WireRecord):
         skipped: a loss or gradient was NaN or infinite and the job has
             ``on_nonfinite="skip"``: no stage stepped, the parameters are as before.
         nonfinite: what was not finite, e.g. ``"stage 1 dp 0: gradient of 3.fc1.weight"``.
+        tied: parameters shared by layers on different pipeline ranks (tied embeddings),
+            each as every name the model gives it; their gradients were summed across
+            those ranks before the step, so every copy stays the same.
     """
 
     step: int
@@ -69,6 +72,7 @@ class StepStats(WireRecord):
     recovery: dict[str, Any] | None = None
     skipped: bool = False
     nonfinite: list[str] = field(default_factory=list)
+    tied: list[list[str]] = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StepStats:

@@ -109,6 +109,8 @@ def job_detail(info: Mapping[str, Any]) -> list[str]:
             f"between stages (schedule {stats.get('schedule')}, {stats.get('micro_batches')} micro-batches)")
         if stats.get("skipped"):
             lines.append("step skipped, nothing applied; not finite: " + "; ".join(stats.get("nonfinite") or []))
+        for names in stats.get("tied") or []:
+            lines.append("tied across stages: " + " = ".join(names) + " (gradients summed before each step)")
         recovery = stats.get("recovery")
         if recovery:
             moved = ", ".join(f"{old} -> {new}" for old, new in sorted((recovery.get("moved") or {}).items()))

@@ -1,0 +1,69 @@
+"""Parameters tied across pipeline stages (shared embeddings and the like).
+
+One process holds a tied parameter once and autograd sums both uses' gradients into
+it. Split across stages, each stage holding one of the layers that share it builds
+its own copy; left alone the copies would each follow their own gradient and come
+apart. The stages that hold a group therefore add their gradients (in rank order, so
+every copy gets the same bits) before any optimizer step, as DeepSpeed's tied-layer
+groups and Megatron's embedding group do: the copies start equal (same seed) and
+stay equal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["TiedGroup", "summed", "tied_for_rank", "tied_groups"]
+
+
+@dataclass(frozen=True, slots=True)
+class TiedGroup:
+    """One shared tensor as this rank sees it."""
+
+    names: tuple[str, ...]  # every name the model gives it ("0.weight", "5.out.weight"), in layer order
+    ranks: tuple[int, ...]  # the pipeline ranks holding one of those layers, ascending
+    param: nn.Parameter  # this rank's copy
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+
+def tied_groups(layers: Sequence[nn.Module]) -> list[list[str]]:
+    """The names (``"LAYER.param"``) of each parameter more than one layer holds, one list a tensor."""
+    seen: dict[int, list[str]] = {}
+    for index, layer in enumerate(layers):
+        for name, param in layer.named_parameters(remove_duplicate=False):
+            names = seen.setdefault(id(param), [])
+            key = f"{index}.{name}"
+            if key not in names:
+                names.append(key)
+    return [names for names in seen.values() if len({n.partition(".")[0] for n in names}) > 1]
+
+
+def tied_for_rank(layers: Sequence[nn.Module], rank_of_layer: Callable[[int], int], rank: int,
+                  held: Mapping[int, nn.Module]) -> list[TiedGroup]:
+    """The groups ``rank`` must sum with other ranks: those whose layers sit on more than one rank."""
+    groups = []
+    for names in tied_groups(layers):
+        ranks = tuple(sorted({rank_of_layer(int(n.partition(".")[0])) for n in names}))
+        mine = [n for n in names if int(n.partition(".")[0]) in held]
+        if len(ranks) < 2 or not mine:
+            continue
+        layer, _, attribute = mine[0].partition(".")
+        param = held[int(layer)].get_parameter(attribute)
+        groups.append(TiedGroup(names=tuple(names), ranks=ranks, param=param))
+    return groups
+
+
+def summed(parts: Mapping[int, torch.Tensor]) -> torch.Tensor:
+    """The sum of each rank's gradient, always added in rank order (the same bits on every rank)."""
+    ranks = sorted(parts)
+    total = parts[ranks[0]].clone()
+    for rank in ranks[1:]:
+        total += parts[rank]
+    return total
