@@ -9,6 +9,7 @@ the scheduler releases the accumulation barrier.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
 import functools
 import logging
@@ -548,6 +549,33 @@ class StageActor(Actor):
         if shelf is None:
             raise KeyError(f"rank {self.config.pipeline_rank} holds no snapshot of rank {owner}")
         return shelf.get(index)
+
+    @endpoint(roles=("head",))
+    async def own_snapshot(self, index: int) -> dict[str, torch.Tensor]:
+        """This stage's own snapshot after ``index`` applied steps (a lost data-parallel replica's
+        replacement restores it: replicas hold the same state)."""
+        return self._own_snapshots.get(index)
+
+    @endpoint(roles=("head",))
+    async def rejoin(self, dist: dict[str, Any]) -> None:
+        """Leaves the job's process groups and joins them again through a new rendezvous: a lost
+        member was replaced. Blocks until every member has joined."""
+        assert self.executor is not None
+        cfg = self.config
+        if cfg.dist is None or cfg.mesh[1] > 1:
+            raise ValueError("only a data-parallel job's groups form again (tensor-parallel layers hold theirs)")
+        mesh = Mesh(**dict(zip(("pipeline", "tensor", "data"), cfg.mesh)))
+        address, name = dist["rendezvous"]
+        store = ActorStore(self.runtime.ref(address, name), asyncio.get_running_loop(),
+                           datetime.timedelta(seconds=float(dist.get("timeout_s", 600))))
+
+        def rejoin() -> ProcessGroups:
+            self._groups = None
+            leave_process_groups()
+            return join_process_groups(dist, mesh, cfg.global_rank, cfg.job, store, own_address=self.runtime.address)
+
+        self._groups = await self.executor.compute(rejoin)
+        self.config = dataclasses.replace(cfg, dist=dict(dist))
 
     @endpoint(roles=("head",))
     async def restore_snapshot(self, index: int, state: dict[str, torch.Tensor] | None = None) -> None:

@@ -78,8 +78,18 @@ CLOSE_WAIT_S = 2.0  # how long close waits for a cancelled operation to let go o
 CHECKPOINT_TIMEOUT_S = 900.0  # one stage's share of a save or load: gigabytes, fsynced
 
 Publish = Callable[[dict[str, Any]], None]
-# Spawns rank R's stage actor of a job on a free node: (its ref, the node's name, the node's key identity).
-ReplaceStage = Callable[["JobController", int, "set[str]"], Awaitable[tuple[ActorRef, str, str]]]
+
+
+@dataclass(frozen=True, slots=True)
+class Placer:
+    """What a recovery asks of the scheduler: free nodes, a stage spawned, a fresh rendezvous."""
+
+    # ``count`` alive nodes no job uses, none of ``taken``: (name, key identity) each.
+    free_nodes: Callable[[int, set[str]], Awaitable[list[tuple[str, str]]]]
+    # Rank R's stage actor of the job, built on node N with this dist config.
+    spawn: Callable[["JobController", int, str, "dict[str, Any] | None"], Awaitable[ActorRef]]
+    # A new rendezvous for the job's (new) members: (its name, the stages' dist config); the old one stops.
+    renew_rendezvous: Callable[["JobController"], Awaitable[tuple[str, dict[str, Any]]]]
 
 
 def compile_programs(spec: JobSpec) -> dict[int, list[str]]:
@@ -192,7 +202,7 @@ class JobController:
         alive_nodes: Callable[[], Awaitable[set[str]]],
         rendezvous: str | None = None,
         owner: str = "",
-        replace_stage: ReplaceStage | None = None,
+        placer: Placer | None = None,
         identities: list[str] | None = None,
     ) -> None:
         self.runtime = runtime
@@ -220,7 +230,7 @@ class JobController:
         self.tied: list[tuple[str, ...]] = []  # parameters shared across pipeline ranks, as the stages report
         self.snapshot_due = False  # take one at the next step whatever snapshot_every says (after a load)
         self.recovery: dict[str, Any] | None = None  # what the last recovery did, for the next StepStats
-        self.replace_stage = replace_stage
+        self.placer = placer
         self.identities = sorted(set(identities or ()) - {""})  # the keys of the job's nodes
         self.retired: list[tuple[str, ActorRef]] = []  # stage actors replaced by a recovery, stopped if their node returns
         self.last_reports: list[StageReport] = []
@@ -433,7 +443,7 @@ class JobController:
     # -- recovery ------------------------------------------------------------------------
 
     def _may_recover(self) -> bool:
-        return self.replace_stage is not None and self.restarts < self.spec.max_restarts
+        return self.placer is not None and self.restarts < self.spec.max_restarts
 
     async def _recover(self, cause: NodeLost) -> dict[str, Any]:
         """Replaces the job's lost stages on free nodes and rolls every stage back to the newest
@@ -468,35 +478,54 @@ class JobController:
             raise unrecoverable(f"node {failed[0]} did not answer either")
         shelves = {r: info for r, info in zip(survivors, infos) if not isinstance(info, BaseException)}
         common = set.intersection(*(set(shelves[r]["own"]) for r in survivors)) if survivors else set()
+        sources: dict[int, tuple[int, bool]] = {}  # lost rank -> (where its state comes from, a replica's own?)
         for rank in lost:
-            buddy = (rank + 1) % size
-            if buddy in lost:
-                raise unrecoverable(f"rank {rank} and rank {buddy}, which kept its snapshot, were both lost")
-            common &= set(shelves[buddy]["held"].get(str(rank), []))
+            source = self._snapshot_source(rank, lost)
+            if source is None:
+                raise unrecoverable(f"rank {rank}, its replicas and the rank that kept its snapshot were all lost")
+            sources[rank] = source
+            keeper, own = source
+            held = shelves[keeper]["own"] if own else \
+                shelves[keeper]["held"].get(str(self.mesh.coords(rank).pipeline), [])
+            common &= set(held)
         usable = {i for i in common if all(k in self.history for k in range(i, self.steps_done))}
         if not usable:
             raise unrecoverable("no snapshot that every stage has (and whose later batches are kept)")
         target = max(usable)
-        moved: dict[str, str] = {}
-        taken = set(self.nodes)
-        for rank in lost:
-            if self.replace_stage is None:
-                raise unrecoverable("no way to place a stage")
-            try:
-                ref, node, identity = await self.replace_stage(self, rank, taken)
-            except (ActorError, ValueError) as exc:
-                raise unrecoverable(f"could not place rank {rank} on another node: {exc}") from None
+        assert self.placer is not None
+        try:
+            chosen = await self.placer.free_nodes(len(lost), set(self.nodes))
+        except ValueError as exc:
+            raise unrecoverable(str(exc)) from None
+        moved = {self.nodes[rank]: node for rank, (node, _) in zip(lost, chosen)}
+        for rank, (node, identity) in zip(lost, chosen):
             self.retired.append((self.nodes[rank], self.stages[rank]))
-            moved[self.nodes[rank]] = node
-            taken.add(node)
-            self.stages[rank], self.nodes[rank] = ref, node
+            self.nodes[rank] = node
             self.identities = sorted({*self.identities, identity} - {""})
-        peers = [ref.to_wire() for ref in self.stages]
-        await asyncio.gather(*(ref.endpoint(StageActor.connect, timeout=30).call(peers, self.identities)
-                               for ref in self.stages))
+        dist_config = None
+        if self.rendezvous is not None:  # the process groups form again, with the new members
+            self.rendezvous, dist_config = await self.placer.renew_rendezvous(self)
+        # A new member blocks in its start until every member has joined the new groups: all at once.
+        spawned = await asyncio.gather(
+            *(self.placer.spawn(self, rank, node, dist_config) for rank, (node, _) in zip(lost, chosen)),
+            *(self.stages[r].endpoint(StageActor.rejoin, timeout=self.spec.step_timeout_s).call(dist_config or {})
+              for r in (survivors if dist_config is not None else [])),
+            return_exceptions=True)
+        failures = [r for r in spawned if isinstance(r, BaseException)]
+        if failures:
+            raise unrecoverable(f"could not rebuild the lost stage(s): {failures[0]}")
+        for rank, ref in zip(lost, spawned):
+            assert isinstance(ref, ActorRef)
+            self.stages[rank] = ref
+        await asyncio.gather(*(
+            ref.endpoint(StageActor.connect, timeout=30).call(
+                [self.stages[r].to_wire() for r in self.mesh.pipeline_ranks(c.data, c.tensor)], self.identities)
+            for ref, c in ((ref, self.mesh.coords(g)) for g, ref in enumerate(self.stages))))
         for rank in lost:
-            state = await self.stages[(rank + 1) % size].endpoint(StageActor.held_snapshot, timeout=300).call(
-                rank, target)
+            keeper, own = sources[rank]
+            state = await (self.stages[keeper].endpoint(StageActor.own_snapshot, timeout=300).call(target) if own
+                           else self.stages[keeper].endpoint(StageActor.held_snapshot, timeout=300).call(
+                               self.mesh.coords(rank).pipeline, target))
             await self.stages[rank].endpoint(StageActor.restore_snapshot, timeout=300).call(target, state)
         await asyncio.gather(*(self.stages[r].endpoint(StageActor.restore_snapshot, timeout=300).call(target)
                                for r in survivors))
@@ -509,6 +538,20 @@ class JobController:
         log.warning("%s recovered: %s", self.id, info)
         self._publish({"type": "job_recovered", "job": self.id, **info})
         return info
+
+    def _snapshot_source(self, rank: int, lost: list[int]) -> tuple[int, bool] | None:
+        """Where a lost rank's state comes from: a surviving data-parallel replica of it (its own
+        snapshot is the same), else the next pipeline rank of its replica (which kept a copy)."""
+        mesh, c = self.mesh, self.mesh.coords(rank)
+        for data in range(mesh.data):
+            replica = mesh.rank(Coords(data=data, pipeline=c.pipeline, tensor=c.tensor))
+            if replica not in lost:
+                return replica, True
+        if mesh.pipeline > 1:
+            keeper = mesh.rank(Coords(data=c.data, pipeline=(c.pipeline + 1) % mesh.pipeline, tensor=c.tensor))
+            if keeper not in lost:
+                return keeper, False
+        return None
 
     def _stop_retired(self, alive: set[str]) -> None:
         """Stops replaced stage actors whose node came back (best effort, in the background)."""

@@ -121,7 +121,7 @@ class JobSpec:
     step_timeout_s: float = 600.0
     """a step that takes longer fails with the stuck actions named"""
     max_restarts: int = 0
-    """recoveries the job may make: a lost stage is respawned on a spare node and every stage rolls back to the newest snapshot, then the lost steps replay (pipeline-parallel jobs over `zmq`); 0: a lost node fails the job with `NodeLost`"""
+    """recoveries the job may make: a lost stage is respawned on a spare node and every stage rolls back to the newest snapshot, then the lost steps replay (pipeline- and data-parallel jobs over `zmq`); 0: a lost node fails the job with `NodeLost`"""
     snapshot_every: int = 1
     """with `max_restarts`, every stage keeps a copy of its parameters and optimizer state each this many steps, and sends one to the next pipeline rank"""
     on_nonfinite: NonFiniteAction = "raise"
@@ -162,10 +162,10 @@ class JobSpec:
         _check_seconds("step_timeout_s", self.step_timeout_s)
         _check_int("max_restarts", self.max_restarts, minimum=0)
         _check_int("snapshot_every", self.snapshot_every, minimum=1)
-        if self.max_restarts and (self.tensor_parallel > 1 or self.data_parallel > 1 or self.transport != "zmq"):
-            raise ValueError("max_restarts recovers pipeline-parallel jobs over transport='zmq'; a job with "
-                             "tensor_parallel, data_parallel or transport='dist' would have to re-form its "
-                             "process groups, which recovery does not do yet: leave max_restarts at 0")
+        if self.max_restarts and (self.tensor_parallel > 1 or self.transport != "zmq"):
+            raise ValueError("max_restarts recovers pipeline- and data-parallel jobs over transport='zmq'; "
+                             "tensor-parallel layers and transport='dist' hold process groups that recovery does "
+                             "not form again yet: leave max_restarts at 0")
         _check_choice("on_nonfinite", self.on_nonfinite, NONFINITE_ACTIONS)
         # The schedule's own limits (e.g. interleaved needs micro_batches to be a multiple of the stages).
         build_schedule(self.schedule, self.pipeline_stages, self.micro_batches,

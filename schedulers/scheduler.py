@@ -36,7 +36,7 @@ from actors import (
     may_call,
     register_actor,
 )
-from schedulers.control import JobController
+from schedulers.control import JobController, Placer
 from schedulers.jobs import JobSpec, stage_config
 from schedulers.partition import partition_by_parameters, partition_uniform
 from schedulers.records import JobDescription, JobInfo, RunInfo, SettingChange, StepStats, WhereReport
@@ -130,7 +130,8 @@ class SchedulerActor(Actor):
         self._jobs[job_id] = JobController(
             runtime=self.runtime, job_id=job_id, spec=job_spec, stages=stages, nodes=names, bounds=bounds,
             publish=self._publish, alive_nodes=self._alive_nodes, rendezvous=rendezvous,
-            owner=current_caller(), replace_stage=self._replace_stage, identities=identities)
+            owner=current_caller(), identities=identities,
+            placer=Placer(free_nodes=self._free_nodes, spawn=self._respawn, renew_rendezvous=self._renew_rendezvous))
         log.info("%s: %s on %s", job_id, job_spec.schedule, ", ".join(names))
         self._publish({"type": "job_created", "job": job_id, "nodes": names})
         return JobInfo(job=job_id, bounds=bounds, nodes=names).to_wire()
@@ -204,23 +205,38 @@ class SchedulerActor(Actor):
             raise failed[0]
         return [r for r in results if isinstance(r, ActorRef)]
 
-    async def _replace_stage(self, job: JobController, rank: int, taken: set[str]) -> tuple[ActorRef, str, str]:
-        """Spawns ``job``'s rank ``rank`` afresh on an alive node no job uses (a spare); for a recovery.
+    async def _free_nodes(self, count: int, taken: set[str]) -> list[tuple[str, str]]:
+        """``count`` alive nodes that no job uses and that are not in ``taken`` (spares), by name.
 
         Raises:
-            ValueError: no such node.
+            ValueError: too few.
         """
-        busy = taken | {name for other in self._jobs.values() for name in other.nodes}
+        busy = taken | {name for job in self._jobs.values() for name in job.nodes}
         free = sorted((n for n in await self._nodes() if n["state"] == "alive" and n["name"] not in busy),
                       key=lambda n: n["name"])
-        if not free:
-            raise ValueError("no alive node is free; start a spare (LocalCluster(spares=...) or another "
-                             "python -m actors.node --join)")
-        node = free[0]
-        config = stage_config(job.spec, job=job.id, global_rank=rank, bounds=job.bounds, dist=None)
+        if len(free) < count:
+            raise ValueError(f"no alive node is free ({len(free)} of {count} needed); start a spare "
+                             "(LocalCluster(spares=...) or another python -m actors.node --join)")
+        return [(str(n["name"]), str(n.get("identity", ""))) for n in free[:count]]
+
+    async def _respawn(self, job: JobController, rank: int, node_name: str,
+                       dist: dict[str, Any] | None) -> ActorRef:
+        """Job ``job``'s rank ``rank`` built afresh on node ``node_name`` (a recovery)."""
+        node = next(n for n in await self._nodes() if n["name"] == node_name)
+        config = stage_config(job.spec, job=job.id, global_rank=rank, bounds=job.bounds, dist=dist)
         agent = self.runtime.ref(node["address"], NODE).endpoint(NodeActor.spawn, timeout=300)
         address, name = await agent.call("stage", f"{job.id}.rank{rank}.restart{job.restarts}", config.to_wire())
-        return self.runtime.ref(address, name), str(node["name"]), str(node.get("identity", ""))
+        return self.runtime.ref(address, name)
+
+    async def _renew_rendezvous(self, job: JobController) -> tuple[str, dict[str, Any]]:
+        """A fresh rendezvous for ``job``'s members as they are now; the old one stops."""
+        if job.rendezvous is not None:
+            await self.runtime.stop_actor(job.rendezvous)
+        by_name = {n["name"]: n for n in await self._nodes()}
+        name, config = await self._rendezvous(f"{job.id}.r{job.restarts}", job.spec, job.mesh,
+                                              [by_name[node] for node in job.nodes])
+        assert name is not None and config is not None
+        return name, config
 
     async def _stop_stages(self, stages: list[ActorRef]) -> None:
         """Stops stage actors on the nodes still alive, each within a few seconds (a lost node's go with it)."""

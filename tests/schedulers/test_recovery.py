@@ -153,3 +153,32 @@ async def test_chaos_kills_and_stops_during_a_run_end_equal_to_an_uninterrupted_
             assert_same_state(await job.state_dict(), want_state)
         finally:
             await job.close()
+
+
+@pytest.mark.parametrize("victim_rank", [1, 2])  # pipeline 1 of replica 0; pipeline 0 of replica 1
+async def test_a_lost_data_parallel_member_is_rebuilt_from_its_replica_and_the_groups_form_again(
+    victim_rank: int
+) -> None:
+    local = LocalCluster(nodes=4, spares=1)
+    mesh = {"data_parallel": 2}
+    async with local as cluster:
+        reference_job = await cluster.train(**spec(seconds=0.0, **mesh))
+        try:
+            want_losses = await run(reference_job, range(5), False)
+            want_state = await reference_job.state_dict()
+        finally:
+            await reference_job.close()
+        job = await cluster.train(**spec(max_restarts=1, **mesh))
+        try:
+            losses = await run(job, range(2), False)
+            victim = job.nodes[victim_rank]
+            step = asyncio.ensure_future(job.step())
+            await asyncio.sleep(0.5)
+            os.kill(local.processes[victim].pid, signal.SIGKILL)
+            stats = await asyncio.wait_for(step, 90)
+            assert stats.recovery is not None and stats.recovery["moved"] == {victim: "spare0"}
+            losses += [stats.loss] + await run(job, range(3, 5), False)
+            assert losses == want_losses
+            assert_same_state(await job.state_dict(), want_state)
+        finally:
+            await job.close()
