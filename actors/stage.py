@@ -58,9 +58,7 @@ def build_layers(
     """
     factory = load_object(config.model, allow)
     torch.manual_seed(config.seed)
-    model = factory(**config.model_kwargs)
-    if not isinstance(model, nn.Sequential):
-        model = nn.Sequential(*model)
+    model = nn.Sequential(*model_layers(factory(**config.model_kwargs), config.model))
     if shard is not None:
         before = tied.tied_groups(list(model.children()))
         model = shard(model)
@@ -89,9 +87,24 @@ def layer_parameter_counts(model: str, model_kwargs: dict[str, Any], allow: Sequ
     factory = load_object(model, allow)
     with torch.device("meta"):
         built = factory(**model_kwargs)
-    if not isinstance(built, nn.Sequential):
-        built = nn.Sequential(*built)
-    return [sum(p.numel() for p in layer.parameters()) for layer in built.children()]
+    return [sum(p.numel() for p in layer.parameters()) for layer in model_layers(built, model)]
+
+
+def model_layers(built: Any, path: str) -> list[nn.Module]:
+    """The layers a factory's model is split at: an ``nn.Sequential``'s children, or a list's items.
+
+    Raises:
+        TypeError: any other object (e.g. a Hugging Face model), with what to return instead.
+    """
+    if isinstance(built, nn.Sequential):
+        return list(built.children())
+    if isinstance(built, (list, tuple, nn.ModuleList)) and built and all(isinstance(m, nn.Module) for m in built):
+        return list(built)
+    raise TypeError(
+        f"{path} built a {type(built).__name__}, not an nn.Sequential or a list of layers: actorpipe splits a "
+        "model between its top-level layers, in order. Return nn.Sequential(...) of them, with whatever the "
+        "model's forward does between them (a flatten before a classifier, a slice) as layers of their own; "
+        "splitting any nn.Module at named split points is not supported yet")
 
 
 @register_actor("stage")

@@ -64,3 +64,18 @@ def guarded(layers: int = 2, dim: int = 8) -> nn.Sequential:
     stack: list[nn.Module] = [nn.Linear(dim, dim) for _ in range(layers)]
     stack[-1] = nn.Sequential(RejectNonFinite(), stack[-1])
     return nn.Sequential(*stack)
+
+
+class TwoLayerNet(nn.Module):
+    """An ordinary nn.Module (not a Sequential): its forward is code, not a list of layers."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def two_layer_net(dim: int = 8) -> TwoLayerNet:
+    return TwoLayerNet(dim)

@@ -190,6 +190,14 @@ async def test_a_factory_the_nodes_cannot_import_names_the_node_its_folder_and_p
         in message
 
 
+async def test_a_model_that_is_not_a_sequential_is_refused_with_what_to_do(cluster: Cluster) -> None:
+    with pytest.raises(RemoteError) as refused:
+        await cluster.train(model="tests.helpers.models:two_layer_net", pipeline_stages=2)
+    assert refused.value.remote_type == "TypeError"
+    assert "built a TwoLayerNet, not an nn.Sequential or a list of layers" in refused.value.message
+    assert "Return nn.Sequential(...)" in refused.value.message
+
+
 async def test_the_head_never_imports_the_model_factory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     log = tmp_path / "imports.log"
     monkeypatch.setenv(IMPORT_LOG_ENV, str(log))  # before the cluster starts: its processes inherit it
