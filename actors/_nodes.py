@@ -221,8 +221,9 @@ class NodeActor(Actor):
         return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__name__)}"
 
     @endpoint(roles=("head",))
-    async def describe_model(self, path: str, kwargs: dict[str, Any]) -> list[int]:
-        """The parameter count of each layer of the model ``path`` builds from ``kwargs``.
+    async def describe_model(self, path: str, kwargs: dict[str, Any], type_pattern: str | None = None) -> list[int]:
+        """The parameter count of each layer of the model ``path`` builds from ``kwargs``
+        (with ``type_pattern``: 1 for each layer whose class name matches it, else 0).
 
         The scheduler partitions a job from these counts, so that the head never imports
         or calls a user's factory. The model is built on the meta device (no memory for
@@ -241,7 +242,7 @@ class NodeActor(Actor):
         from actors.stage import layer_parameter_counts  # torch and the stage, only where models are built
 
         try:
-            return await asyncio.to_thread(layer_parameter_counts, path, kwargs, tuple(self.allow))
+            return await asyncio.to_thread(layer_parameter_counts, path, kwargs, tuple(self.allow), type_pattern)
         except NotAllowed as exc:
             raise NotAllowed(f"node {self.info.name} refused the model: {exc.message}") from None
         except ModuleNotFoundError as exc:

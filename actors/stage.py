@@ -13,6 +13,7 @@ import dataclasses
 import datetime
 import functools
 import logging
+import re
 import resource
 import time
 from collections.abc import Callable, Sequence
@@ -74,8 +75,10 @@ def build_layers(
     return layers
 
 
-def layer_parameter_counts(model: str, model_kwargs: dict[str, Any], allow: Sequence[str]) -> list[int]:
-    """The parameter count of each layer the factory ``model`` builds, for partitioning.
+def layer_parameter_counts(model: str, model_kwargs: dict[str, Any], allow: Sequence[str],
+                           type_pattern: str | None = None) -> list[int]:
+    """The parameter count of each layer the factory ``model`` builds, for partitioning; with
+    ``type_pattern``, 1 for each layer whose class name matches it (case-insensitive), else 0.
 
     The model is built on the meta device, so its parameters take no memory; torch's
     device context is per thread, so stages computing in other threads are unaffected.
@@ -87,7 +90,13 @@ def layer_parameter_counts(model: str, model_kwargs: dict[str, Any], allow: Sequ
     factory = load_object(model, allow)
     with torch.device("meta"):
         built = factory(**model_kwargs)
-    return [sum(p.numel() for p in layer.parameters()) for layer in model_layers(built, model)]
+    layers = model_layers(built, model)
+    if type_pattern is not None:
+        if not isinstance(type_pattern, str) or len(type_pattern) > 200:
+            raise ValueError("type_pattern is a regular expression of at most 200 characters")
+        matches = re.compile(type_pattern, re.IGNORECASE).search
+        return [1 if matches(type(layer).__name__) else 0 for layer in layers]
+    return [sum(p.numel() for p in layer.parameters()) for layer in layers]
 
 
 def model_layers(built: Any, path: str) -> list[nn.Module]:

@@ -90,8 +90,8 @@ class JobSpec:
     """the global batch (each replica's share) is split into this many; gradients accumulate across them"""
     virtual_stages: int | None = None
     """model stages per rank with `interleaved` (>= 2; default 2); only for that schedule"""
-    partition_method: PartitionMethod = "parameters"
-    """`parameters` (balance parameter counts, exactly) or `uniform` (balance layer counts)"""
+    partition_method: PartitionMethod | str = "parameters"
+    """`parameters` (balance parameter counts, exactly), `uniform` (balance layer counts) or `type:REGEX` (balance the layers whose class name matches, case-insensitive, as DeepSpeed's `type:transformer`)"""
     activation_codec: CodecName | list[CodecName] = "none"
     """wire codec for forward activations: one name for every stage boundary, or a list with one per boundary; `none` is exact"""
     gradient_codec: CodecName | list[CodecName] = "none"
@@ -140,7 +140,7 @@ class JobSpec:
             if self.schedule != "interleaved":
                 raise ValueError(f"virtual_stages={self.virtual_stages} applies only to schedule='interleaved', "
                                  f"not {self.schedule!r}; leave it out or use the interleaved schedule")
-        _check_choice("partition_method", self.partition_method, PARTITION_METHODS)
+        _check_partition_method(self.partition_method)
         for name in ("error_feedback", "measure_codec_error", "gradient_accumulation_fusion", "keep_freed_memory"):
             _check_bool(name, getattr(self, name))
         edges: tuple[Literal["activation_codec", "gradient_codec"], ...] = ("activation_codec", "gradient_codec")
@@ -346,6 +346,20 @@ def _check_seconds(name: str, value: Any) -> None:
         raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__} {_show(value)}")
     if not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a finite number of seconds > 0, got {value}")
+
+
+def _check_partition_method(value: Any) -> None:
+    if isinstance(value, str) and value.startswith("type:"):
+        pattern = value.removeprefix("type:")
+        if not pattern or len(pattern) > 200:
+            raise ValueError(f"partition_method {_show(value)}: give a class-name pattern of 1 to 200 characters "
+                             "after 'type:', e.g. 'type:block'")
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ValueError(f"partition_method {_show(value)}: not a regular expression ({exc})") from None
+        return
+    _check_choice("partition_method", value, PARTITION_METHODS + ("type:REGEX",))
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...], what: str | None = None) -> None:

@@ -162,7 +162,12 @@ class SchedulerActor(Actor):
         on the meta device, under its own allow-list, and returns parameter counts.
         """
         describe = self.runtime.ref(node["address"], NODE).endpoint(NodeActor.describe_model, timeout=300)
-        counts = await describe.call(spec.model, dict(spec.model_kwargs))
+        pattern = spec.partition_method.removeprefix("type:") if spec.partition_method.startswith("type:") else None
+        counts = await describe.call(spec.model, dict(spec.model_kwargs), pattern)
+        if pattern is not None and sum(counts) < spec.num_model_stages:
+            raise ValueError(f"partition_method={spec.partition_method!r} matches {sum(counts)} of the model's "
+                             f"{len(counts)} layers, fewer than its {spec.num_model_stages} stages; match the "
+                             "class of its repeated block (e.g. 'type:block')")
         if spec.partition_method == "uniform":
             bounds = partition_uniform(len(counts), spec.num_model_stages)
         else:

@@ -198,6 +198,21 @@ async def test_a_model_that_is_not_a_sequential_is_refused_with_what_to_do(clust
     assert "Return nn.Sequential(...)" in refused.value.message
 
 
+async def test_type_partitioning_balances_the_layers_of_a_class(cluster: Cluster) -> None:
+    gpt = {"model": "examples.models:gpt", "model_kwargs": {"dim": 16, "layers": 4, "heads": 2, "context": 8},
+           "loss": "examples.models:lm_loss", "pipeline_stages": 2, "micro_batches": 2}
+    # Embedding, 4 transformer blocks, head: two blocks a stage, whatever the embedding and head weigh.
+    job = await cluster.train(**gpt, partition_method="type:transformerblock")
+    try:
+        assert job.bounds == [[0, 3], [3, 6]]
+    finally:
+        await job.close()
+    with pytest.raises(RemoteError, match="matches 0 of the model's 6 layers"):
+        await cluster.train(**gpt, partition_method="type:^Conv")
+    with pytest.raises(ValueError, match="not a regular expression"):
+        await cluster.train(**gpt, partition_method="type:(")
+
+
 async def test_the_head_never_imports_the_model_factory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     log = tmp_path / "imports.log"
     monkeypatch.setenv(IMPORT_LOG_ENV, str(log))  # before the cluster starts: its processes inherit it
