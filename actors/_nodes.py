@@ -239,7 +239,7 @@ class NodeActor(Actor):
         self._refuse_user_code_on_head()
         if not isinstance(kwargs, dict):
             raise TypeError(f"model kwargs must be a map, got {type(kwargs).__name__}")
-        from actors.stage import layer_parameter_counts  # torch and the stage, only where models are built
+        from actors._build import layer_parameter_counts  # torch, only where models are built
 
         try:
             return await asyncio.to_thread(layer_parameter_counts, path, kwargs, tuple(self.allow), type_pattern)

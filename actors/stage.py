@@ -13,7 +13,6 @@ import dataclasses
 import datetime
 import functools
 import logging
-import re
 import resource
 import time
 from collections.abc import Callable, Sequence
@@ -26,6 +25,7 @@ from torch import nn
 from actors import _wgrad, checkpoint, snapshots, tied
 from actors._actor import Actor, current_caller, endpoint, may_call
 from actors._allocator import keep_freed_memory
+from actors._build import build_layers
 from actors._errors import ActorError, NotAllowed, error_to_wire
 from actors._executor import ActionFailed, Inbox, StageModel, StepExecutor, nonfinite_gradients
 from actors._registry import DEFAULT_ALLOW, load_object, register_actor
@@ -46,74 +46,6 @@ __all__ = ["StageActor", "StageConfig"]
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-def build_layers(
-    config: StageConfig, allow: Sequence[str], shard: Callable[[nn.Sequential], nn.Sequential] | None = None
-) -> list[nn.Module]:
-    """Builds the whole model from its factory with the job's seed and returns its layers.
-
-    Every stage builds the same model from the same seed, so the slices it keeps hold
-    exactly the weights one process would start from; ``shard`` then cuts a
-    tensor-parallel rank's share out of the whole model (it knows layers by position).
-    """
-    factory = load_object(config.model, allow)
-    torch.manual_seed(config.seed)
-    model = nn.Sequential(*model_layers(factory(**config.model_kwargs), config.model))
-    if shard is not None:
-        before = tied.tied_groups(list(model.children()))
-        model = shard(model)
-        lost = [names for names in before if names not in tied.tied_groups(list(model.children()))]
-        if lost:
-            raise ValueError(f"tensor parallelism would untie {' = '.join(lost[0])} (it splits one copy and not "
-                             "the other); train this model with tensor_parallel=1, or untie it")
-    layers = list(model.children())
-    if config.bounds[-1][1] != len(layers):
-        raise ValueError(
-            f"the partition covers {config.bounds[-1][1]} layers but {config.model} built {len(layers)}"
-        )
-    return layers
-
-
-def layer_parameter_counts(model: str, model_kwargs: dict[str, Any], allow: Sequence[str],
-                           type_pattern: str | None = None) -> list[int]:
-    """The parameter count of each layer the factory ``model`` builds, for partitioning; with
-    ``type_pattern``, 1 for each layer whose class name matches it (case-insensitive), else 0.
-
-    The model is built on the meta device, so its parameters take no memory; torch's
-    device context is per thread, so stages computing in other threads are unaffected.
-    Layers are taken as :func:`build_layers` takes them.
-
-    Raises:
-        NotAllowed: the node's allow-list refuses ``model``.
-    """
-    factory = load_object(model, allow)
-    with torch.device("meta"):
-        built = factory(**model_kwargs)
-    layers = model_layers(built, model)
-    if type_pattern is not None:
-        if not isinstance(type_pattern, str) or len(type_pattern) > 200:
-            raise ValueError("type_pattern is a regular expression of at most 200 characters")
-        matches = re.compile(type_pattern, re.IGNORECASE).search
-        return [1 if matches(type(layer).__name__) else 0 for layer in layers]
-    return [sum(p.numel() for p in layer.parameters()) for layer in layers]
-
-
-def model_layers(built: Any, path: str) -> list[nn.Module]:
-    """The layers a factory's model is split at: an ``nn.Sequential``'s children, or a list's items.
-
-    Raises:
-        TypeError: any other object (e.g. a Hugging Face model), with what to return instead.
-    """
-    if isinstance(built, nn.Sequential):
-        return list(built.children())
-    if isinstance(built, (list, tuple, nn.ModuleList)) and built and all(isinstance(m, nn.Module) for m in built):
-        return list(built)
-    raise TypeError(
-        f"{path} built a {type(built).__name__}, not an nn.Sequential or a list of layers: actorpipe splits a "
-        "model between its top-level layers, in order. Return nn.Sequential(...) of them, with whatever the "
-        "model's forward does between them (a flatten before a classifier, a slice) as layers of their own; "
-        "splitting any nn.Module at named split points is not supported yet")
 
 
 @register_actor("stage")
@@ -149,8 +81,7 @@ class StageActor(Actor):
         self._peer_identities: frozenset[str] = frozenset()  # the job's nodes' keys (see connect)
         self._own_snapshots = SnapshotShelf()  # this stage's newest states, by applied-step count
         self._held_snapshots: dict[int, SnapshotShelf] = {}  # a pipeline neighbour's, by its rank
-        self._tied: list[tied.TiedGroup] = []  # parameters shared with other pipeline ranks (see actors.tied)
-        self._tied_inbox: dict[tuple[int, str, int], asyncio.Future[torch.Tensor]] = {}
+        self._tied = tied.TiedSync(self.config.pipeline_rank, [])  # parameters shared with other ranks
         self._prepared_load: PreparedLoad | None = None  # a checked checkpoint part (see checkpoint_check)
 
     async def on_start(self) -> None:
@@ -207,7 +138,8 @@ class StageActor(Actor):
                                   for key, p in layer.named_parameters()]
         layer_rank = {i: stage_to_rank(s, cfg.pipeline_stages) for s, (first, end) in enumerate(cfg.bounds)
                       for i in range(first, end)}
-        self._tied = tied.tied_for_rank(layers, layer_rank.__getitem__, cfg.pipeline_rank, self._held)
+        self._tied = tied.TiedSync(cfg.pipeline_rank,
+                                   tied.tied_for_rank(layers, layer_rank.__getitem__, cfg.pipeline_rank, self._held))
         self._specs = {f"{i}.{key}": list(spec) for i, layer in self._held.items()
                        for key, spec in tp_shard_specs(layer).items()}
         weight_grads = None
@@ -350,56 +282,27 @@ class StageActor(Actor):
         named = self._named_parameters
         found = await self.executor.compute(nonfinite_gradients, named)
         await self.executor.reduce(self._program, self._reduce)
-        await self._sum_tied(step)
+        await self._tied.sum(step, self._send_tied)
         if not found and self._reduce_feedback is not None and self._reduced_bytes:
             # A lossy reduce codec can overflow (fp16 past 65504) where the raw gradients did not.
             reduced = await self.executor.compute(nonfinite_gradients, named)
             found = [f"{name} (after the data-parallel reduction)" for name in reduced]
         return ReduceReport(reduced_bytes=self._reduced_bytes, nonfinite=found,
-                            tied=[list(group.names) for group in self._tied]).to_wire()
+                            tied=[list(group.names) for group in self._tied.groups]).to_wire()
 
-    async def _sum_tied(self, step: int) -> None:
-        """Adds the gradients of parameters tied across pipeline ranks, so every copy steps alike."""
-        if not self._tied:
-            return
-        me = self.config.pipeline_rank
-        for group in self._tied:
-            grad = group.param.grad
-            mine = (grad if grad is not None else torch.zeros_like(group.param)).detach().cpu()
-            others = [r for r in group.ranks if r != me]
-            await asyncio.gather(*(self.peers[r].endpoint(StageActor.deliver_tied, timeout=600).call(
-                step, group.name, me, mine) for r in others))
-            parts = {me: mine}
-            for r in others:
-                parts[r] = await self._tied_part(step, group.name, r)
-            total = tied.summed(parts).to(group.param.device)
-            if group.param.grad is None:
-                group.param.grad = total
-            else:
-                group.param.grad.copy_(total)
-        self._tied_inbox = {k: v for k, v in self._tied_inbox.items() if k[0] > step}
-
-    def _tied_part(self, step: int, name: str, rank: int) -> asyncio.Future[torch.Tensor]:
-        return self._tied_inbox.setdefault((step, name, rank), asyncio.get_running_loop().create_future())
+    async def _send_tied(self, rank: int, step: int, name: str, grad: torch.Tensor) -> None:
+        await self.peers[rank].endpoint(StageActor.deliver_tied, timeout=600).call(
+            step, name, self.config.pipeline_rank, grad)
 
     @endpoint(concurrent=True, roles=("node",))
     async def deliver_tied(self, step: int, name: str, rank: int, grad: torch.Tensor) -> None:
         """Pipeline rank ``rank``'s gradient of the tied parameter ``name``, for this step's sum."""
-        caller = current_caller()
-        if self._peer_identities and caller not in self._peer_identities and not may_call(caller, frozenset()):
+        self._check_member()
+        try:
+            self._tied.receive(step, self._step, name, rank, grad)
+        except ValueError as exc:
             self.refused_calls += 1
-            raise NotAllowed(f"{caller[:60]!r} holds no key of job {self.config.job}'s nodes")
-        group = next((g for g in self._tied if g.name == name), None)
-        if group is None or step != self._step or rank not in group.ranks or rank == self.config.pipeline_rank \
-                or not isinstance(grad, torch.Tensor) or grad.shape != group.param.shape:
-            self.refused_calls += 1
-            raise NotAllowed(f"rank {self.config.pipeline_rank} (step {self._step}) expects no tied gradient "
-                             f"{str(name)[:60]!r} of step {str(step)[:12]} from rank {str(rank)[:12]}")
-        future = self._tied_part(step, name, rank)
-        if future.done():
-            self.refused_calls += 1
-            raise NotAllowed(f"tied gradient {name!r} of step {step} from rank {rank} came twice")
-        future.set_result(grad)
+            raise NotAllowed(str(exc)) from None
 
     @endpoint(roles=("head",))
     async def finish_step(self, step: int, apply: bool = True) -> None:
@@ -445,6 +348,14 @@ class StageActor(Actor):
             raise NotAllowed(f"a delivery must carry a tensor, got {type(value).__name__}")
         self.executor.inbox.put((step, kind, stage, microbatch), value)
 
+    def _check_member(self) -> None:
+        """Refuses a caller whose key is none of this job's nodes' (see :meth:`connect`)."""
+        caller = current_caller()
+        if self._peer_identities and caller not in self._peer_identities and not may_call(caller, frozenset()):
+            self.refused_calls += 1
+            raise NotAllowed(f"{caller[:60]!r} holds no key of job {self.config.job}'s nodes; only its stages "
+                             "deliver")
+
     def _check_slot(self, step: Any, kind: Any, stage: Any, microbatch: Any) -> None:
         """Refuses a delivery for a step other than the current or next, or a slot no program has.
 
@@ -453,10 +364,7 @@ class StageActor(Actor):
         (the next step may use up to 4x as many: micro_batches can change at the barrier).
         """
         assert self.executor is not None
-        caller = current_caller()
-        if self._peer_identities and caller not in self._peer_identities and not may_call(caller, frozenset()):
-            self.refused_calls += 1
-            raise NotAllowed(f"{caller[:60]!r} holds no key of job {self.config.job}'s nodes; only its stages deliver")
+        self._check_member()
         ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (step, stage, microbatch))
         limit = self.executor.num_microbatches * (1 if ints and step == self._step else 4)
         fits = ints and kind in ("F", "B") and stage in self.config.stages and \
@@ -546,10 +454,7 @@ class StageActor(Actor):
     @endpoint(concurrent=True, roles=("node",))
     async def keep_snapshot(self, owner: int, index: int, state: dict[str, torch.Tensor]) -> None:
         """Keeps pipeline rank ``owner``'s snapshot after ``index`` applied steps, to restore it elsewhere."""
-        caller = current_caller()
-        if self._peer_identities and caller not in self._peer_identities and not may_call(caller, frozenset()):
-            self.refused_calls += 1
-            raise NotAllowed(f"{caller[:60]!r} holds no key of job {self.config.job}'s nodes")
+        self._check_member()
         if not (isinstance(owner, int) and 0 <= owner < self.config.pipeline_stages and owner !=
                 self.config.pipeline_rank and isinstance(index, int) and index >= 0 and isinstance(state, dict)
                 and all(isinstance(v, torch.Tensor) for v in state.values())):

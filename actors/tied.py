@@ -11,13 +11,14 @@ stay equal.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-__all__ = ["TiedGroup", "summed", "tied_for_rank", "tied_groups"]
+__all__ = ["TiedGroup", "TiedSync", "summed", "tied_for_rank", "tied_groups"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,3 +68,52 @@ def summed(parts: Mapping[int, torch.Tensor]) -> torch.Tensor:
     for rank in ranks[1:]:
         total += parts[rank]
     return total
+
+
+Send = Callable[[int, int, str, torch.Tensor], Awaitable[None]]  # (to rank, step, group name, gradient)
+
+
+@dataclass(slots=True)
+class TiedSync:
+    """One stage's side of the sums: what it sends, and the other ranks' gradients as they come."""
+
+    rank: int
+    groups: list[TiedGroup]
+    _inbox: dict[tuple[int, str, int], asyncio.Future[torch.Tensor]] = field(default_factory=dict)
+
+    async def sum(self, step: int, send: Send) -> None:
+        """Sends this rank's gradient of every group to the other holders and sets the sum as ``.grad``."""
+        for group in self.groups:
+            grad = group.param.grad
+            mine = (grad if grad is not None else torch.zeros_like(group.param)).detach().cpu()
+            others = [r for r in group.ranks if r != self.rank]
+            await asyncio.gather(*(send(r, step, group.name, mine) for r in others))
+            parts = {self.rank: mine}
+            for r in others:
+                parts[r] = await self._part(step, group.name, r)
+            total = summed(parts).to(group.param.device)
+            if group.param.grad is None:
+                group.param.grad = total
+            else:
+                group.param.grad.copy_(total)
+        self._inbox = {k: v for k, v in self._inbox.items() if k[0] > step}
+
+    def receive(self, step: int, current: int, name: object, rank: object, grad: object) -> None:
+        """Another rank's gradient of group ``name`` for step ``step`` (this stage is at ``current``).
+
+        Raises:
+            ValueError: not one this rank expects: another step, group, rank or shape, or twice.
+        """
+        group = next((g for g in self.groups if g.name == name), None)
+        if group is None or step != current or rank not in group.ranks or rank == self.rank \
+                or not isinstance(grad, torch.Tensor) or grad.shape != group.param.shape:
+            raise ValueError(f"rank {self.rank} (step {current}) expects no tied gradient {str(name)[:60]!r} of "
+                             f"step {str(step)[:12]} from rank {str(rank)[:12]}")
+        assert isinstance(rank, int) and isinstance(name, str)
+        future = self._part(step, name, rank)
+        if future.done():
+            raise ValueError(f"tied gradient {name!r} of step {step} from rank {rank} came twice")
+        future.set_result(grad)
+
+    def _part(self, step: int, name: str, rank: int) -> asyncio.Future[torch.Tensor]:
+        return self._inbox.setdefault((step, name, rank), asyncio.get_running_loop().create_future())

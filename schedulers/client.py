@@ -30,7 +30,6 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import torch
 
 import actors
-from actors import ActorError, ActorRef, Endpoint, HeadActor
 from actors import ActorError, ActorRef, CheckpointError, Endpoint, HeadActor
 from schedulers.jobs import JobSpec
 from schedulers.records import JobDescription, JobInfo, RunInfo, SettingChange, StepStats, WhereReport

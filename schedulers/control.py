@@ -31,34 +31,23 @@ import torch
 from actors import (
     ActorError,
     ActorRef,
-    CheckpointError,
-    Coords,
     Host,
-    NODE,
-    Manifest,
     Mesh,
-    NodeActor,
     NodeLost,
-    ShardSpec,
     ReduceReport,
     StageActor,
     StageReport,
     StepFailed,
-    check_directory,
     error_from_wire,
-    gather_tensor_parallel_state,
-    layer_of,
-    merge_written,
-    shard_state,
-    stage_to_rank,
 )
 from schedulers.hang import StageProgress, diagnose
+from schedulers import job_state, recovery
 from schedulers.jobs import JobSpec
+from schedulers.recovery import Placer
 from schedulers.records import JobDescription, RunInfo, SettingChange, StepStats, WhereReport
 from schedulers.schedules import build_schedule
 from schedulers.stepping import (
     describe_findings,
-    key_order,
     nonfinite_failed,
     nonfinite_findings,
     step_calls,
@@ -75,21 +64,8 @@ log = logging.getLogger(__name__)
 SETTABLE = ("micro_batches", "schedule", "activation_codec", "gradient_codec")
 CLOCK_PROBES = 5  # round trips per stage when estimating its clock offset
 CLOSE_WAIT_S = 2.0  # how long close waits for a cancelled operation to let go of the job
-CHECKPOINT_TIMEOUT_S = 900.0  # one stage's share of a save or load: gigabytes, fsynced
 
 Publish = Callable[[dict[str, Any]], None]
-
-
-@dataclass(frozen=True, slots=True)
-class Placer:
-    """What a recovery asks of the scheduler: free nodes, a stage spawned, a fresh rendezvous."""
-
-    # ``count`` alive nodes no job uses, none of ``taken``: (name, key identity) each.
-    free_nodes: Callable[[int, set[str]], Awaitable[list[tuple[str, str]]]]
-    # Rank R's stage actor of the job, built on node N with this dist config.
-    spawn: Callable[["JobController", int, str, "dict[str, Any] | None"], Awaitable[ActorRef]]
-    # A new rendezvous for the job's (new) members: (its name, the stages' dist config); the old one stops.
-    renew_rendezvous: Callable[["JobController"], Awaitable[tuple[str, dict[str, Any]]]]
 
 
 def compile_programs(spec: JobSpec) -> dict[int, list[str]]:
@@ -140,16 +116,6 @@ def plan_setting(spec: JobSpec, key: str, value: Any) -> JobSpec:
         raise ValueError(str(exc)) from None
     compile_programs(new)  # e.g. interleaved needs micro_batches to be a multiple of the stages
     return new
-
-
-def _shard_file(mesh: Mesh, rank: int) -> str:
-    """The file a writer's tensors go to: named by its pipeline and tensor rank (``p1-t0.bin``)."""
-    return f"p{mesh.coords(rank).pipeline}-t{mesh.coords(rank).tensor}.bin"
-
-
-def _reason(exc: BaseException) -> str:
-    """An error's message for a list of problems: a remote one without its traceback."""
-    return exc.message if isinstance(exc, ActorError) else f"{type(exc).__name__}: {exc}"
 
 
 def _parse_int(key: str, value: Any) -> int:
@@ -270,9 +236,9 @@ class JobController:
                     stats = await self._catch_up(goal)
                     break
                 except NodeLost as lost:
-                    if not self._may_recover():
+                    if not recovery.may_recover(self):
                         raise
-                    self.recovery = await self._recover(lost)
+                    self.recovery = await recovery.recover(self, lost)
             self.steps_done = goal
             for old in [k for k in self.history if k < self.applied - 2 * self.spec.snapshot_every]:
                 del self.history[old]
@@ -416,17 +382,17 @@ class JobController:
     async def _check_members(self, *, diverged_ok: bool = False) -> None:
         """Fails fast on a lost node; a node that came back is told to abort the step it missed."""
         alive = await self._alive_nodes()
-        self._stop_retired(alive)
+        recovery.stop_retired(self, alive)
         lost = [node for node in self.nodes if node not in alive]
-        if lost and self._may_recover():
+        if lost and recovery.may_recover(self):
             cause = NodeLost(f"node {lost[0]} was lost", details={"node": lost[0]})
-            self.recovery = await self._recover(cause)
+            self.recovery = await recovery.recover(self, cause)
             await self._catch_up(self.steps_done)
             return
         if lost:
             raise NodeLost(f"{self.id} lost node {lost[0]}"
                            + (f" (and {len(lost) - 1} more)" if len(lost) > 1 else "")
-                           + f"; close the job, or start it with max_restarts and a spare node to recover",
+                           + "; close the job, or start it with max_restarts and a spare node to recover",
                            details={"node": lost[0], "job": self.id, "stage": None, "action": None,
                                     "cause": "node lost"})
         for rank, step in sorted(self.fenced.items()):
@@ -439,132 +405,6 @@ class JobController:
         if self.broken is not None and not diverged_ok:
             raise StepFailed(f"{self.id} cannot go on: {self.broken}; load a checkpoint (job.load) or close it",
                              details={"stage": None, "action": None, "cause": "diverged"})
-
-    # -- recovery ------------------------------------------------------------------------
-
-    def _may_recover(self) -> bool:
-        return self.placer is not None and self.restarts < self.spec.max_restarts
-
-    async def _recover(self, cause: NodeLost) -> dict[str, Any]:
-        """Replaces the job's lost stages on free nodes and rolls every stage back to the newest
-        snapshot they all have; the caller then replays the steps since (see :meth:`_catch_up`).
-
-        A lost rank's snapshot comes from the next pipeline rank, which it sent it to;
-        the survivors restore their own. The parameters after the replay are those of
-        a run without the fault (the data comes from the same batches or data steps).
-
-        Raises:
-            NodeLost: no free node, or no snapshot every stage has (e.g. a rank and the
-                one keeping its snapshot were both lost); the job stays failed.
-        """
-        started = time.perf_counter()
-        self.restarts += 1
-        alive = await self._alive_nodes()
-        size = self.mesh.size
-        lost = [rank for rank, node in enumerate(self.nodes) if node not in alive]
-        survivors = [rank for rank in range(size) if rank not in lost]
-
-        def unrecoverable(why: str) -> NodeLost:
-            return NodeLost(f"{self.id} cannot recover from {cause.message.splitlines()[0]}: {why}",
-                            details={**cause.details, "node": cause.node})
-
-        # Whatever a survivor still runs (one that was cut off and came back included) stops first.
-        await asyncio.gather(*(self.stages[r].endpoint(StageActor.abort_step, timeout=5).call(self.next_step - 1)
-                               for r in survivors), return_exceptions=True)
-        infos = await asyncio.gather(*(self.stages[r].endpoint(StageActor.snapshots, timeout=5).call()
-                                       for r in survivors), return_exceptions=True)
-        failed = [self.nodes[r] for r, info in zip(survivors, infos) if isinstance(info, BaseException)]
-        if failed:
-            raise unrecoverable(f"node {failed[0]} did not answer either")
-        shelves = {r: info for r, info in zip(survivors, infos) if not isinstance(info, BaseException)}
-        common = set.intersection(*(set(shelves[r]["own"]) for r in survivors)) if survivors else set()
-        sources: dict[int, tuple[int, bool]] = {}  # lost rank -> (where its state comes from, a replica's own?)
-        for rank in lost:
-            source = self._snapshot_source(rank, lost)
-            if source is None:
-                raise unrecoverable(f"rank {rank}, its replicas and the rank that kept its snapshot were all lost")
-            sources[rank] = source
-            keeper, own = source
-            held = shelves[keeper]["own"] if own else \
-                shelves[keeper]["held"].get(str(self.mesh.coords(rank).pipeline), [])
-            common &= set(held)
-        usable = {i for i in common if all(k in self.history for k in range(i, self.steps_done))}
-        if not usable:
-            raise unrecoverable("no snapshot that every stage has (and whose later batches are kept)")
-        target = max(usable)
-        assert self.placer is not None
-        try:
-            chosen = await self.placer.free_nodes(len(lost), set(self.nodes))
-        except ValueError as exc:
-            raise unrecoverable(str(exc)) from None
-        moved = {self.nodes[rank]: node for rank, (node, _) in zip(lost, chosen)}
-        for rank, (node, identity) in zip(lost, chosen):
-            self.retired.append((self.nodes[rank], self.stages[rank]))
-            self.nodes[rank] = node
-            self.identities = sorted({*self.identities, identity} - {""})
-        dist_config = None
-        if self.rendezvous is not None:  # the process groups form again, with the new members
-            self.rendezvous, dist_config = await self.placer.renew_rendezvous(self)
-        # A new member blocks in its start until every member has joined the new groups: all at once.
-        spawned = await asyncio.gather(
-            *(self.placer.spawn(self, rank, node, dist_config) for rank, (node, _) in zip(lost, chosen)),
-            *(self.stages[r].endpoint(StageActor.rejoin, timeout=self.spec.step_timeout_s).call(dist_config or {})
-              for r in (survivors if dist_config is not None else [])),
-            return_exceptions=True)
-        failures = [r for r in spawned if isinstance(r, BaseException)]
-        if failures:
-            raise unrecoverable(f"could not rebuild the lost stage(s): {failures[0]}")
-        for rank, ref in zip(lost, spawned):
-            assert isinstance(ref, ActorRef)
-            self.stages[rank] = ref
-        await asyncio.gather(*(
-            ref.endpoint(StageActor.connect, timeout=30).call(
-                [self.stages[r].to_wire() for r in self.mesh.pipeline_ranks(c.data, c.tensor)], self.identities)
-            for ref, c in ((ref, self.mesh.coords(g)) for g, ref in enumerate(self.stages))))
-        for rank in lost:
-            keeper, own = sources[rank]
-            state = await (self.stages[keeper].endpoint(StageActor.own_snapshot, timeout=300).call(target) if own
-                           else self.stages[keeper].endpoint(StageActor.held_snapshot, timeout=300).call(
-                               self.mesh.coords(rank).pipeline, target))
-            await self.stages[rank].endpoint(StageActor.restore_snapshot, timeout=300).call(target, state)
-        await asyncio.gather(*(self.stages[r].endpoint(StageActor.restore_snapshot, timeout=300).call(target)
-                               for r in survivors))
-        self.fenced.clear()
-        self.broken = None
-        self.applied = target
-        info = {"lost": sorted(moved), "moved": moved, "from_step": target, "replayed": self.steps_done - target,
-                "seconds": round(time.perf_counter() - started, 3), "restarts_left": self.spec.max_restarts -
-                self.restarts}
-        log.warning("%s recovered: %s", self.id, info)
-        self._publish({"type": "job_recovered", "job": self.id, **info})
-        return info
-
-    def _snapshot_source(self, rank: int, lost: list[int]) -> tuple[int, bool] | None:
-        """Where a lost rank's state comes from: a surviving data-parallel replica of it (its own
-        snapshot is the same), else the next pipeline rank of its replica (which kept a copy)."""
-        mesh, c = self.mesh, self.mesh.coords(rank)
-        for data in range(mesh.data):
-            replica = mesh.rank(Coords(data=data, pipeline=c.pipeline, tensor=c.tensor))
-            if replica not in lost:
-                return replica, True
-        if mesh.pipeline > 1:
-            keeper = mesh.rank(Coords(data=c.data, pipeline=(c.pipeline + 1) % mesh.pipeline, tensor=c.tensor))
-            if keeper not in lost:
-                return keeper, False
-        return None
-
-    def _stop_retired(self, alive: set[str]) -> None:
-        """Stops replaced stage actors whose node came back (best effort, in the background)."""
-        back = [(node, ref) for node, ref in self.retired if node in alive]
-        for node, ref in back:
-            self.retired.remove((node, ref))
-            self.runtime.spawn_task(self._stop_retired_one(ref), name=f"stop retired {ref.name}")
-
-    async def _stop_retired_one(self, ref: ActorRef) -> None:
-        try:
-            await self.runtime.ref(ref.address, NODE).endpoint(NodeActor.stop_actor, timeout=5).call(ref.name)
-        except ActorError as exc:
-            log.info("could not stop the replaced %s: %s", ref.name, exc)
 
     def cancel_step(self) -> bool:
         """Cancels the step in progress (its stages abort it); False when no step runs."""
@@ -768,175 +608,23 @@ class JobController:
         self.programs = compile_programs(new)
         self._publish({"type": "settings_applied", "job": self.id, "step": self.next_step, "changes": changes})
 
-    # -- state ---------------------------------------------------------------------------
+    # -- state (schedulers.job_state) -------------------------------------------------------
 
     async def state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model's state, gathered from the stages, under the unpartitioned keys.
-
-        Tensor-parallel shards are put back together; data-parallel replica 0 speaks for all.
-        """
-        mesh = self.mesh
-        async with self._operation():
-            specs = await self._shard_specs()
-            state: dict[str, torch.Tensor] = {}
-            for p in range(mesh.pipeline):
-                shards = await asyncio.gather(*(
-                    self.stages[mesh.rank(Coords(0, p, t))].endpoint(StageActor.state_dict, timeout=300).call()
-                    for t in range(mesh.tensor)))
-                state.update(gather_tensor_parallel_state(list(shards), specs) if mesh.tensor > 1 else shards[0])
-        return dict(sorted(state.items(), key=lambda kv: key_order(kv[0])))
+        """The whole model's state, gathered from the stages (see :func:`schedulers.job_state.state_dict`)."""
+        return await job_state.state_dict(self)
 
     async def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Loads a whole-model state into every member; every key must be taken.
-
-        Raises:
-            KeyError: keys no stage holds.
-        """
-        mesh = self.mesh
-        async with self._operation(repairs=True):
-            specs = await self._shard_specs()
-
-            def part(rank: int) -> dict[str, torch.Tensor]:
-                c = mesh.coords(rank)
-                held = self._held_layers(rank)
-                mine = {k: v for k, v in state.items() if layer_of(k) in held}
-                return shard_state(mine, c.tensor, mesh.tensor, specs) if mesh.tensor > 1 else mine
-
-            taken = await asyncio.gather(*(ref.endpoint(StageActor.load_state_dict, timeout=300).call(part(g))
-                                           for g, ref in enumerate(self.stages)))
-            self._restarted_history()  # every stage holds the same state again, from elsewhere
-        missing = set(state) - {k for keys in taken for k in keys}
-        if missing:
-            raise KeyError(f"keys no stage holds: {sorted(missing)[:10]}")
-
-    def _held_layers(self, rank: int) -> frozenset[int]:
-        """The layer indices the stage actor of global rank ``rank`` holds."""
-        pipeline = self.mesh.coords(rank).pipeline
-        return frozenset(i for s, (first, end) in enumerate(self.bounds)
-                if stage_to_rank(s, self.mesh.pipeline) == pipeline for i in range(first, end))
-
-    # -- checkpoints (the format: actors.checkpoint) -------------------------------------------
+        """Loads a whole-model state into every member (see :func:`schedulers.job_state.load_state_dict`)."""
+        await job_state.load_state_dict(self, state)
 
     async def save(self, directory: str) -> str:
-        """Writes a checkpoint of the weights, optimizer state and step count; returns the new version's path.
-
-        Data-parallel replica 0 of every (pipeline, tensor) coordinate writes its own file
-        straight into ``directory``, in parallel; nothing big passes through the head. The
-        first stage actor makes the staging directory and, once every file is fsynced,
-        switches ``LATEST`` to the new version atomically.
-
-        Raises:
-            CheckpointError: a relative path, a directory that holds something else, or a
-                node that cannot write there (named, with why).
-        """
-        directory = check_directory(directory)
-        mesh = self.mesh
-        async with self._operation():
-            coordinator = [0]
-            [staging] = await self._on_stages(coordinator, "save", lambda g: self.stages[g].endpoint(
-                StageActor.checkpoint_begin, timeout=CHECKPOINT_TIMEOUT_S).call(directory))
-            writers = [g for g in range(mesh.size) if mesh.coords(g).data == 0]
-            written = await self._on_stages(writers, "save", lambda g: self.stages[g].endpoint(
-                StageActor.checkpoint_write, timeout=CHECKPOINT_TIMEOUT_S).call(staging, _shard_file(mesh, g)))
-            files, model, state = merge_written(written)
-            manifest = Manifest(step=self.applied, optimizer=self.spec.optimizer[0], files=files, model=model,
-                                optimizer_state=state,
-                                job={"id": self.id, "spec": self.spec.to_wire(), "bounds": self.bounds,
-                                     "mesh": [mesh.pipeline, mesh.tensor, mesh.data]})
-            [version] = await self._on_stages(coordinator, "save", lambda g: self.stages[g].endpoint(
-                StageActor.checkpoint_commit, timeout=CHECKPOINT_TIMEOUT_S).call(directory, staging,
-                                                                                  manifest.to_wire()))
-        return str(version)
+        """Checkpoints the job into ``directory`` (see :func:`schedulers.job_state.save`)."""
+        return await job_state.save(self, directory)
 
     async def load(self, directory: str, weights_only: bool = False) -> int:
-        """Loads the checkpoint in ``directory`` into every member, all or nothing; returns its step.
-
-        Phase one: every stage actor reads its part and checks every key, shape, dtype
-        and checksum, while the head checks that every tensor of the checkpoint is
-        taken by some stage. Only when no one found a problem does phase two copy, on
-        every stage. The layout may differ from the saved one: keys are the model's own.
-
-        Args:
-            weights_only: load the parameters only; the optimizer state and the step
-                count stay as they are (e.g. to fine-tune with another optimizer).
-
-        Raises:
-            CheckpointError: every problem found, on every stage; nothing was applied.
-        """
-        directory = check_directory(directory)
-        async with self._operation(repairs=True):
-            [found] = await self._on_stages([0], "load", lambda g: self.stages[g].endpoint(
-                StageActor.checkpoint_manifest, timeout=CHECKPOINT_TIMEOUT_S).call(directory))
-            version, manifest = str(found[0]), Manifest.from_wire(found[1])
-            problems = self._unplaced(manifest, weights_only)
-            plans = {g: manifest.restrict(self._held_layers(g), weights_only=weights_only).to_wire()
-                     for g in range(self.mesh.size)}
-            answers = await self._on_stages(list(plans), "load", lambda g: self.stages[g].endpoint(
-                StageActor.checkpoint_check, timeout=CHECKPOINT_TIMEOUT_S).call(version, plans[g]), discard=True)
-            problems += sorted({p for answer in answers for p in answer})
-            if problems:
-                await self._discard_loads()
-                raise CheckpointError(f"{directory} was not loaded (nothing changed): {len(problems)} problem(s)",
-                                      problems)
-            await self._on_stages(list(plans), "load", lambda g: self.stages[g].endpoint(
-                StageActor.checkpoint_apply, timeout=CHECKPOINT_TIMEOUT_S).call(weights_only))
-            if not weights_only:  # the data factory goes on from the checkpoint's step
-                self.applied = self.steps_done = manifest.step
-            self._restarted_history()
-        return manifest.step
-
-    def _restarted_history(self) -> None:
-        """After a load the stages hold another history: no batch kept and no snapshot from
-        before counts; the next step takes a snapshot whatever ``snapshot_every`` says."""
-        self.broken = None
-        self.history.clear()
-        self.snapshot_due = True
-
-    def _unplaced(self, manifest: Manifest, weights_only: bool) -> list[str]:
-        """What the head sees wrong before reading a byte: keys no stage holds, another optimizer."""
-        layers = {i for g in range(self.mesh.size) for i in self._held_layers(g)}
-        keys = list(manifest.model) + ([] if weights_only else list(manifest.optimizer_state))
-        problems = [f"{key}: in the checkpoint but no stage holds layer {str(layer_of(key))[:12]} of this model"
-                    for key in sorted(set(keys)) if layer_of(key) not in layers]
-        if not weights_only and manifest.optimizer_state and manifest.optimizer != self.spec.optimizer[0]:
-            problems.append(f"the checkpoint holds {manifest.optimizer} state but this job uses "
-                            f"{self.spec.optimizer[0]}; load with weights_only=True to take the weights alone")
-        return problems
-
-    async def _discard_loads(self) -> None:
-        async def discard(ref: ActorRef) -> None:
-            try:
-                await ref.endpoint(StageActor.checkpoint_discard, timeout=10).call()
-            except ActorError as exc:
-                log.info("discarding a checked load on %s: %s", ref.name, exc)
-
-        await asyncio.gather(*(discard(ref) for ref in self.stages))
-
-    async def _on_stages(
-        self, ranks: list[int], what: str, call: Callable[[int], Awaitable[Any]], *, discard: bool = False
-    ) -> list[Any]:
-        """``call(rank)`` for every global rank in ``ranks`` at once; their answers, in order.
-
-        Raises:
-            CheckpointError: one or more failed; each is named with its node and why.
-        """
-        results = await asyncio.gather(*(call(g) for g in ranks), return_exceptions=True)
-        failed = [f"{self.mesh.describe(g)} on node {self.nodes[g]}: {_reason(r)}"
-                  for g, r in zip(ranks, results) if isinstance(r, BaseException)]
-        if failed:
-            if discard:
-                await self._discard_loads()
-            raise CheckpointError(f"the {what} failed on {len(failed)} stage actor(s)"
-                                  f"{' (nothing changed)' if discard else ''}", failed)
-        return list(results)
-
-    async def _shard_specs(self) -> dict[str, ShardSpec]:
-        if self.mesh.tensor == 1:
-            return {}
-        parts = await asyncio.gather(*(
-            self.stages[self.mesh.rank(Coords(0, p, 0))].endpoint(StageActor.shard_specs, timeout=60).call()
-            for p in range(self.mesh.pipeline)))
-        return {key: ShardSpec(*spec) for part in parts for key, spec in part.items()}
+        """Loads a checkpoint, all or nothing (see :func:`schedulers.job_state.load`)."""
+        return await job_state.load(self, directory, weights_only)
 
     # -- traces -----------------------------------------------------------------------------
 

@@ -36,7 +36,8 @@ from actors import (
     may_call,
     register_actor,
 )
-from schedulers.control import JobController, Placer
+from schedulers.control import JobController
+from schedulers.recovery import Placer
 from schedulers.jobs import JobSpec, stage_config
 from schedulers.partition import partition_by_parameters, partition_uniform
 from schedulers.records import JobDescription, JobInfo, RunInfo, SettingChange, StepStats, WhereReport

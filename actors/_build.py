@@ -1,0 +1,88 @@
+"""Building a job's model on a stage node: the whole model from its factory and seed, cut into layers.
+
+Every stage builds the same model from the same seed and keeps its slice; the head
+never builds it, but asks a worker for per-layer sizes (:func:`layer_parameter_counts`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from actors import tied
+from actors._registry import load_object
+from actors.records import StageConfig
+
+__all__ = ["build_layers", "layer_parameter_counts", "model_layers"]
+
+
+def build_layers(
+    config: StageConfig, allow: Sequence[str], shard: Callable[[nn.Sequential], nn.Sequential] | None = None
+) -> list[nn.Module]:
+    """Builds the whole model from its factory with the job's seed and returns its layers.
+
+    Every stage builds the same model from the same seed, so the slices it keeps hold
+    exactly the weights one process would start from; ``shard`` then cuts a
+    tensor-parallel rank's share out of the whole model (it knows layers by position).
+    """
+    factory = load_object(config.model, allow)
+    torch.manual_seed(config.seed)
+    model = nn.Sequential(*model_layers(factory(**config.model_kwargs), config.model))
+    if shard is not None:
+        before = tied.tied_groups(list(model.children()))
+        model = shard(model)
+        lost = [names for names in before if names not in tied.tied_groups(list(model.children()))]
+        if lost:
+            raise ValueError(f"tensor parallelism would untie {' = '.join(lost[0])} (it splits one copy and not "
+                             "the other); train this model with tensor_parallel=1, or untie it")
+    layers = list(model.children())
+    if config.bounds[-1][1] != len(layers):
+        raise ValueError(
+            f"the partition covers {config.bounds[-1][1]} layers but {config.model} built {len(layers)}"
+        )
+    return layers
+
+
+def layer_parameter_counts(model: str, model_kwargs: dict[str, Any], allow: Sequence[str],
+                           type_pattern: str | None = None) -> list[int]:
+    """The parameter count of each layer the factory ``model`` builds, for partitioning; with
+    ``type_pattern``, 1 for each layer whose class name matches it (case-insensitive), else 0.
+
+    The model is built on the meta device, so its parameters take no memory; torch's
+    device context is per thread, so stages computing in other threads are unaffected.
+    Layers are taken as :func:`build_layers` takes them.
+
+    Raises:
+        NotAllowed: the node's allow-list refuses ``model``.
+    """
+    factory = load_object(model, allow)
+    with torch.device("meta"):
+        built = factory(**model_kwargs)
+    layers = model_layers(built, model)
+    if type_pattern is not None:
+        if not isinstance(type_pattern, str) or len(type_pattern) > 200:
+            raise ValueError("type_pattern is a regular expression of at most 200 characters")
+        matches = re.compile(type_pattern, re.IGNORECASE).search
+        return [1 if matches(type(layer).__name__) else 0 for layer in layers]
+    return [sum(p.numel() for p in layer.parameters()) for layer in layers]
+
+
+def model_layers(built: Any, path: str) -> list[nn.Module]:
+    """The layers a factory's model is split at: an ``nn.Sequential``'s children, or a list's items.
+
+    Raises:
+        TypeError: any other object (e.g. a Hugging Face model), with what to return instead.
+    """
+    if isinstance(built, nn.Sequential):
+        return list(built.children())
+    if isinstance(built, (list, tuple, nn.ModuleList)) and built and all(isinstance(m, nn.Module) for m in built):
+        return list(built)
+    raise TypeError(
+        f"{path} built a {type(built).__name__}, not an nn.Sequential or a list of layers: actorpipe splits a "
+        "model between its top-level layers, in order. Return nn.Sequential(...) of them, with whatever the "
+        "model's forward does between them (a flatten before a classifier, a slice) as layers of their own; "
+        "splitting any nn.Module at named split points is not supported yet")

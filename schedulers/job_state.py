@@ -1,0 +1,222 @@
+"""A job's state: read and loaded whole, and checkpointed by its stages themselves.
+
+Functions of a :class:`~schedulers.control.JobController` (``job``), kept apart so that
+the controller's module stays about steps; the checkpoint format is :mod:`actors.checkpoint`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from actors import (
+    ActorError,
+    ActorRef,
+    CheckpointError,
+    Coords,
+    Manifest,
+    Mesh,
+    ShardSpec,
+    StageActor,
+    check_directory,
+    gather_tensor_parallel_state,
+    layer_of,
+    merge_written,
+    shard_state,
+    stage_to_rank,
+)
+from schedulers.stepping import key_order
+
+if TYPE_CHECKING:
+    from schedulers.control import JobController
+
+__all__ = ["load", "load_state_dict", "restarted_history", "save", "state_dict"]
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_TIMEOUT_S = 900.0  # one stage's share of a save or load: gigabytes, fsynced
+
+
+def _shard_file(mesh: Mesh, rank: int) -> str:
+    """The file a writer's tensors go to: named by its pipeline and tensor rank (``p1-t0.bin``)."""
+    return f"p{mesh.coords(rank).pipeline}-t{mesh.coords(rank).tensor}.bin"
+
+
+def _reason(exc: BaseException) -> str:
+    """An error's message for a list of problems: a remote one without its traceback."""
+    return exc.message if isinstance(exc, ActorError) else f"{type(exc).__name__}: {exc}"
+
+
+
+async def state_dict(job: JobController) -> dict[str, torch.Tensor]:
+    """The whole model's state, gathered from the stages, under the unpartitioned keys.
+
+    Tensor-parallel shards are put back together; data-parallel replica 0 speaks for all.
+    """
+    mesh = job.mesh
+    async with job._operation():
+        specs = await _shard_specs(job)
+        state: dict[str, torch.Tensor] = {}
+        for p in range(mesh.pipeline):
+            shards = await asyncio.gather(*(
+                job.stages[mesh.rank(Coords(0, p, t))].endpoint(StageActor.state_dict, timeout=300).call()
+                for t in range(mesh.tensor)))
+            state.update(gather_tensor_parallel_state(list(shards), specs) if mesh.tensor > 1 else shards[0])
+    return dict(sorted(state.items(), key=lambda kv: key_order(kv[0])))
+
+async def load_state_dict(job: JobController, state: dict[str, torch.Tensor]) -> None:
+    """Loads a whole-model state into every member; every key must be taken.
+
+    Raises:
+        KeyError: keys no stage holds.
+    """
+    mesh = job.mesh
+    async with job._operation(repairs=True):
+        specs = await _shard_specs(job)
+
+        def part(rank: int) -> dict[str, torch.Tensor]:
+            c = mesh.coords(rank)
+            held = _held_layers(job, rank)
+            mine = {k: v for k, v in state.items() if layer_of(k) in held}
+            return shard_state(mine, c.tensor, mesh.tensor, specs) if mesh.tensor > 1 else mine
+
+        taken = await asyncio.gather(*(ref.endpoint(StageActor.load_state_dict, timeout=300).call(part(g))
+                                       for g, ref in enumerate(job.stages)))
+        restarted_history(job)  # every stage holds the same state again, from elsewhere
+    missing = set(state) - {k for keys in taken for k in keys}
+    if missing:
+        raise KeyError(f"keys no stage holds: {sorted(missing)[:10]}")
+
+def _held_layers(job: JobController, rank: int) -> frozenset[int]:
+    """The layer indices the stage actor of global rank ``rank`` holds."""
+    pipeline = job.mesh.coords(rank).pipeline
+    return frozenset(i for s, (first, end) in enumerate(job.bounds)
+            if stage_to_rank(s, job.mesh.pipeline) == pipeline for i in range(first, end))
+
+# -- checkpoints (the format: actors.checkpoint) -------------------------------------------
+
+async def save(job: JobController, directory: str) -> str:
+    """Writes a checkpoint of the weights, optimizer state and step count; returns the new version's path.
+
+    Data-parallel replica 0 of every (pipeline, tensor) coordinate writes its own file
+    straight into ``directory``, in parallel; nothing big passes through the head. The
+    first stage actor makes the staging directory and, once every file is fsynced,
+    switches ``LATEST`` to the new version atomically.
+
+    Raises:
+        CheckpointError: a relative path, a directory that holds something else, or a
+            node that cannot write there (named, with why).
+    """
+    directory = check_directory(directory)
+    mesh = job.mesh
+    async with job._operation():
+        coordinator = [0]
+        [staging] = await _on_stages(job, coordinator, "save", lambda g: job.stages[g].endpoint(
+            StageActor.checkpoint_begin, timeout=CHECKPOINT_TIMEOUT_S).call(directory))
+        writers = [g for g in range(mesh.size) if mesh.coords(g).data == 0]
+        written = await _on_stages(job, writers, "save", lambda g: job.stages[g].endpoint(
+            StageActor.checkpoint_write, timeout=CHECKPOINT_TIMEOUT_S).call(staging, _shard_file(mesh, g)))
+        files, model, state = merge_written(written)
+        manifest = Manifest(step=job.applied, optimizer=job.spec.optimizer[0], files=files, model=model,
+                            optimizer_state=state,
+                            job={"id": job.id, "spec": job.spec.to_wire(), "bounds": job.bounds,
+                                 "mesh": [mesh.pipeline, mesh.tensor, mesh.data]})
+        [version] = await _on_stages(job, coordinator, "save", lambda g: job.stages[g].endpoint(
+            StageActor.checkpoint_commit, timeout=CHECKPOINT_TIMEOUT_S).call(directory, staging,
+                                                                              manifest.to_wire()))
+    return str(version)
+
+async def load(job: JobController, directory: str, weights_only: bool = False) -> int:
+    """Loads the checkpoint in ``directory`` into every member, all or nothing; returns its step.
+
+    Phase one: every stage actor reads its part and checks every key, shape, dtype
+    and checksum, while the head checks that every tensor of the checkpoint is
+    taken by some stage. Only when no one found a problem does phase two copy, on
+    every stage. The layout may differ from the saved one: keys are the model's own.
+
+    Args:
+        weights_only: load the parameters only; the optimizer state and the step
+            count stay as they are (e.g. to fine-tune with another optimizer).
+
+    Raises:
+        CheckpointError: every problem found, on every stage; nothing was applied.
+    """
+    directory = check_directory(directory)
+    async with job._operation(repairs=True):
+        [found] = await _on_stages(job, [0], "load", lambda g: job.stages[g].endpoint(
+            StageActor.checkpoint_manifest, timeout=CHECKPOINT_TIMEOUT_S).call(directory))
+        version, manifest = str(found[0]), Manifest.from_wire(found[1])
+        problems = _unplaced(job, manifest, weights_only)
+        plans = {g: manifest.restrict(_held_layers(job, g), weights_only=weights_only).to_wire()
+                 for g in range(job.mesh.size)}
+        answers = await _on_stages(job, list(plans), "load", lambda g: job.stages[g].endpoint(
+            StageActor.checkpoint_check, timeout=CHECKPOINT_TIMEOUT_S).call(version, plans[g]), discard=True)
+        problems += sorted({p for answer in answers for p in answer})
+        if problems:
+            await _discard_loads(job)
+            raise CheckpointError(f"{directory} was not loaded (nothing changed): {len(problems)} problem(s)",
+                                  problems)
+        await _on_stages(job, list(plans), "load", lambda g: job.stages[g].endpoint(
+            StageActor.checkpoint_apply, timeout=CHECKPOINT_TIMEOUT_S).call(weights_only))
+        if not weights_only:  # the data factory goes on from the checkpoint's step
+            job.applied = job.steps_done = manifest.step
+        restarted_history(job)
+    return manifest.step
+
+def restarted_history(job: JobController) -> None:
+    """After a load the stages hold another history: no batch kept and no snapshot from
+    before counts; the next step takes a snapshot whatever ``snapshot_every`` says."""
+    job.broken = None
+    job.history.clear()
+    job.snapshot_due = True
+
+def _unplaced(job: JobController, manifest: Manifest, weights_only: bool) -> list[str]:
+    """What the head sees wrong before reading a byte: keys no stage holds, another optimizer."""
+    layers = {i for g in range(job.mesh.size) for i in _held_layers(job, g)}
+    keys = list(manifest.model) + ([] if weights_only else list(manifest.optimizer_state))
+    problems = [f"{key}: in the checkpoint but no stage holds layer {str(layer_of(key))[:12]} of this model"
+                for key in sorted(set(keys)) if layer_of(key) not in layers]
+    if not weights_only and manifest.optimizer_state and manifest.optimizer != job.spec.optimizer[0]:
+        problems.append(f"the checkpoint holds {manifest.optimizer} state but this job uses "
+                        f"{job.spec.optimizer[0]}; load with weights_only=True to take the weights alone")
+    return problems
+
+async def _discard_loads(job: JobController) -> None:
+    async def discard(ref: ActorRef) -> None:
+        try:
+            await ref.endpoint(StageActor.checkpoint_discard, timeout=10).call()
+        except ActorError as exc:
+            log.info("discarding a checked load on %s: %s", ref.name, exc)
+
+    await asyncio.gather(*(discard(ref) for ref in job.stages))
+
+async def _on_stages(
+    job, ranks: list[int], what: str, call: Callable[[int], Awaitable[Any]], *, discard: bool = False
+) -> list[Any]:
+    """``call(rank)`` for every global rank in ``ranks`` at once; their answers, in order.
+
+    Raises:
+        CheckpointError: one or more failed; each is named with its node and why.
+    """
+    results = await asyncio.gather(*(call(g) for g in ranks), return_exceptions=True)
+    failed = [f"{job.mesh.describe(g)} on node {job.nodes[g]}: {_reason(r)}"
+              for g, r in zip(ranks, results) if isinstance(r, BaseException)]
+    if failed:
+        if discard:
+            await _discard_loads(job)
+        raise CheckpointError(f"the {what} failed on {len(failed)} stage actor(s)"
+                              f"{' (nothing changed)' if discard else ''}", failed)
+    return list(results)
+
+async def _shard_specs(job: JobController) -> dict[str, ShardSpec]:
+    if job.mesh.tensor == 1:
+        return {}
+    parts = await asyncio.gather(*(
+        job.stages[job.mesh.rank(Coords(0, p, 0))].endpoint(StageActor.shard_specs, timeout=60).call()
+        for p in range(job.mesh.pipeline)))
+    return {key: ShardSpec(*spec) for part in parts for key, spec in part.items()}
+

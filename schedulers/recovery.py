@@ -1,0 +1,162 @@
+"""How a job recovers from a lost node: respawn, restore from snapshots, form the groups again.
+
+Functions of a :class:`~schedulers.control.JobController` (``job``), kept apart so that
+the controller's module stays about steps; :func:`recover` is the entry point.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from actors import NODE, ActorError, ActorRef, Coords, NodeActor, NodeLost, StageActor
+
+if TYPE_CHECKING:
+    from schedulers.control import JobController
+
+__all__ = ["Placer", "may_recover", "recover", "stop_retired"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Placer:
+    """What a recovery asks of the scheduler: free nodes, a stage spawned, a fresh rendezvous."""
+
+    # ``count`` alive nodes no job uses, none of ``taken``: (name, key identity) each.
+    free_nodes: Callable[[int, set[str]], Awaitable[list[tuple[str, str]]]]
+    # Rank R's stage actor of the job, built on node N with this dist config.
+    spawn: Callable[[JobController, int, str, dict[str, Any] | None], Awaitable[ActorRef]]
+    # A new rendezvous for the job's (new) members: (its name, the stages' dist config); the old one stops.
+    renew_rendezvous: Callable[[JobController], Awaitable[tuple[str, dict[str, Any]]]]
+
+
+
+def may_recover(job: JobController) -> bool:
+    return job.placer is not None and job.restarts < job.spec.max_restarts
+
+async def recover(job: JobController, cause: NodeLost) -> dict[str, Any]:
+    """Replaces the job's lost stages on free nodes and rolls every stage back to the newest
+    snapshot they all have; the caller then replays the steps since (see :meth:`_catch_up`).
+
+    A lost rank's snapshot comes from the next pipeline rank, which it sent it to;
+    the survivors restore their own. The parameters after the replay are those of
+    a run without the fault (the data comes from the same batches or data steps).
+
+    Raises:
+        NodeLost: no free node, or no snapshot every stage has (e.g. a rank and the
+            one keeping its snapshot were both lost); the job stays failed.
+    """
+    started = time.perf_counter()
+    job.restarts += 1
+    alive = await job._alive_nodes()
+    size = job.mesh.size
+    lost = [rank for rank, node in enumerate(job.nodes) if node not in alive]
+    survivors = [rank for rank in range(size) if rank not in lost]
+
+    def unrecoverable(why: str) -> NodeLost:
+        return NodeLost(f"{job.id} cannot recover from {cause.message.splitlines()[0]}: {why}",
+                        details={**cause.details, "node": cause.node})
+
+    # Whatever a survivor still runs (one that was cut off and came back included) stops first.
+    await asyncio.gather(*(job.stages[r].endpoint(StageActor.abort_step, timeout=5).call(job.next_step - 1)
+                           for r in survivors), return_exceptions=True)
+    infos = await asyncio.gather(*(job.stages[r].endpoint(StageActor.snapshots, timeout=5).call()
+                                   for r in survivors), return_exceptions=True)
+    failed = [job.nodes[r] for r, info in zip(survivors, infos) if isinstance(info, BaseException)]
+    if failed:
+        raise unrecoverable(f"node {failed[0]} did not answer either")
+    shelves = {r: info for r, info in zip(survivors, infos) if not isinstance(info, BaseException)}
+    common = set.intersection(*(set(shelves[r]["own"]) for r in survivors)) if survivors else set()
+    sources: dict[int, tuple[int, bool]] = {}  # lost rank -> (where its state comes from, a replica's own?)
+    for rank in lost:
+        source = _snapshot_source(job, rank, lost)
+        if source is None:
+            raise unrecoverable(f"rank {rank}, its replicas and the rank that kept its snapshot were all lost")
+        sources[rank] = source
+        keeper, own = source
+        held = shelves[keeper]["own"] if own else \
+            shelves[keeper]["held"].get(str(job.mesh.coords(rank).pipeline), [])
+        common &= set(held)
+    usable = {i for i in common if all(k in job.history for k in range(i, job.steps_done))}
+    if not usable:
+        raise unrecoverable("no snapshot that every stage has (and whose later batches are kept)")
+    target = max(usable)
+    assert job.placer is not None
+    try:
+        chosen = await job.placer.free_nodes(len(lost), set(job.nodes))
+    except ValueError as exc:
+        raise unrecoverable(str(exc)) from None
+    moved = {job.nodes[rank]: node for rank, (node, _) in zip(lost, chosen)}
+    for rank, (node, identity) in zip(lost, chosen):
+        job.retired.append((job.nodes[rank], job.stages[rank]))
+        job.nodes[rank] = node
+        job.identities = sorted({*job.identities, identity} - {""})
+    dist_config = None
+    if job.rendezvous is not None:  # the process groups form again, with the new members
+        job.rendezvous, dist_config = await job.placer.renew_rendezvous(job)
+    # A new member blocks in its start until every member has joined the new groups: all at once.
+    spawned = await asyncio.gather(
+        *(job.placer.spawn(job, rank, node, dist_config) for rank, (node, _) in zip(lost, chosen)),
+        *(job.stages[r].endpoint(StageActor.rejoin, timeout=job.spec.step_timeout_s).call(dist_config or {})
+          for r in (survivors if dist_config is not None else [])),
+        return_exceptions=True)
+    failures = [r for r in spawned if isinstance(r, BaseException)]
+    if failures:
+        raise unrecoverable(f"could not rebuild the lost stage(s): {failures[0]}")
+    for rank, ref in zip(lost, spawned):
+        assert isinstance(ref, ActorRef)
+        job.stages[rank] = ref
+    await asyncio.gather(*(
+        ref.endpoint(StageActor.connect, timeout=30).call(
+            [job.stages[r].to_wire() for r in job.mesh.pipeline_ranks(c.data, c.tensor)], job.identities)
+        for ref, c in ((ref, job.mesh.coords(g)) for g, ref in enumerate(job.stages))))
+    for rank in lost:
+        keeper, own = sources[rank]
+        state = await (job.stages[keeper].endpoint(StageActor.own_snapshot, timeout=300).call(target) if own
+                       else job.stages[keeper].endpoint(StageActor.held_snapshot, timeout=300).call(
+                           job.mesh.coords(rank).pipeline, target))
+        await job.stages[rank].endpoint(StageActor.restore_snapshot, timeout=300).call(target, state)
+    await asyncio.gather(*(job.stages[r].endpoint(StageActor.restore_snapshot, timeout=300).call(target)
+                           for r in survivors))
+    job.fenced.clear()
+    job.broken = None
+    job.applied = target
+    info = {"lost": sorted(moved), "moved": moved, "from_step": target, "replayed": job.steps_done - target,
+            "seconds": round(time.perf_counter() - started, 3), "restarts_left": job.spec.max_restarts -
+            job.restarts}
+    log.warning("%s recovered: %s", job.id, info)
+    job._publish({"type": "job_recovered", "job": job.id, **info})
+    return info
+
+def _snapshot_source(job: JobController, rank: int, lost: list[int]) -> tuple[int, bool] | None:
+    """Where a lost rank's state comes from: a surviving data-parallel replica of it (its own
+    snapshot is the same), else the next pipeline rank of its replica (which kept a copy)."""
+    mesh, c = job.mesh, job.mesh.coords(rank)
+    for data in range(mesh.data):
+        replica = mesh.rank(Coords(data=data, pipeline=c.pipeline, tensor=c.tensor))
+        if replica not in lost:
+            return replica, True
+    if mesh.pipeline > 1:
+        keeper = mesh.rank(Coords(data=c.data, pipeline=(c.pipeline + 1) % mesh.pipeline, tensor=c.tensor))
+        if keeper not in lost:
+            return keeper, False
+    return None
+
+def stop_retired(job: JobController, alive: set[str]) -> None:
+    """Stops replaced stage actors whose node came back (best effort, in the background)."""
+    back = [(node, ref) for node, ref in job.retired if node in alive]
+    for node, ref in back:
+        job.retired.remove((node, ref))
+        job.runtime.spawn_task(_stop_retired_one(job, ref), name=f"stop retired {ref.name}")
+
+async def _stop_retired_one(job: JobController, ref: ActorRef) -> None:
+    try:
+        await job.runtime.ref(ref.address, NODE).endpoint(NodeActor.stop_actor, timeout=5).call(ref.name)
+    except ActorError as exc:
+        log.info("could not stop the replaced %s: %s", ref.name, exc)
+
