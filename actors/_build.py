@@ -7,6 +7,7 @@ never builds it, but asks a worker for per-layer sizes (:func:`layer_parameter_c
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,7 +18,7 @@ from actors import tied
 from actors._registry import load_object
 from actors.records import StageConfig
 
-__all__ = ["build_layers", "layer_parameter_counts", "model_layers"]
+__all__ = ["build_layers", "layer_parameter_counts", "layer_times", "model_layers"]
 
 
 def build_layers(
@@ -86,3 +87,33 @@ def model_layers(built: Any, path: str) -> list[nn.Module]:
         "model between its top-level layers, in order. Return nn.Sequential(...) of them, with whatever the "
         "model's forward does between them (a flatten before a classifier, a slice) as layers of their own; "
         "splitting any nn.Module at named split points is not supported yet")
+
+
+def layer_times(model: str, model_kwargs: dict[str, Any], allow: Sequence[str], data: str,
+                data_kwargs: dict[str, Any], micro_batches: int, seed: int, repeats: int = 5) -> list[int]:
+    """Microseconds each layer takes, forward and backward, on the first micro-batch of data step 0.
+
+    For ``partition_method="profile"``: the model is built as a stage builds it, the
+    sample comes from the job's own data factory, and each layer runs on the previous
+    layer's output, once to warm up and then ``repeats`` times; the fastest run counts
+    (noise on a shared machine only ever adds time).
+    """
+    torch.manual_seed(seed)
+    layers = model_layers(load_object(model, allow)(**model_kwargs), model)
+    inputs, _ = load_object(data, allow)(**data_kwargs)(0)
+    x = inputs.chunk(micro_batches)[0]
+    times = []
+    for layer in layers:
+        sample = x.detach().requires_grad_(x.is_floating_point())
+        runs = []
+        for _ in range(repeats + 1):
+            started = time.perf_counter()
+            out = layer(sample)
+            if out.requires_grad:
+                out.backward(torch.ones_like(out))
+            runs.append(time.perf_counter() - started)
+        layer.zero_grad(set_to_none=True)
+        times.append(max(1, round(min(runs[1:]) * 1e6)))
+        with torch.no_grad():
+            x = layer(x)
+    return times

@@ -248,6 +248,25 @@ class NodeActor(Actor):
         except ModuleNotFoundError as exc:
             raise ModuleNotFoundError(f"node {self.info.name} cannot build the model: {exc}", name=exc.name) from None
 
+    @endpoint(roles=("head",))
+    async def profile_model(self, path: str, kwargs: dict[str, Any], data: str, data_kwargs: dict[str, Any],
+                            micro_batches: int, seed: int) -> list[int]:
+        """Microseconds each layer of the model takes, forward and backward, on a sample micro-batch
+        from the job's data factory (``partition_method="profile"``); like :meth:`describe_model`,
+        on a worker, in a thread, under this node's allow-list."""
+        self._refuse_user_code_on_head()
+        if not isinstance(kwargs, dict) or not isinstance(data_kwargs, dict):
+            raise TypeError("model and data kwargs must be maps")
+        if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+            raise ValueError(f"micro_batches must be an int >= 1, got {micro_batches!r:.40}")
+        from actors._build import layer_times  # torch, only where models are built
+
+        try:
+            return await asyncio.to_thread(layer_times, path, kwargs, tuple(self.allow), data, data_kwargs,
+                                           micro_batches, int(seed))
+        except NotAllowed as exc:
+            raise NotAllowed(f"node {self.info.name} refused the model or data: {exc.message}") from None
+
     def _refuse_user_code_on_head(self) -> None:
         if HEAD in self.runtime.actor_names():  # the head's own agent: it hosts the head actor
             raise NotAllowed(f"node {self.info.name} is the head, which never imports user code; ask a worker")

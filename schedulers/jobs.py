@@ -44,7 +44,7 @@ __all__ = [
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zero_bubble"]
 TransportName = Literal["zmq", "dist"]
-PartitionMethod = Literal["parameters", "uniform"]
+PartitionMethod = Literal["parameters", "uniform", "profile"]
 CodecName = Literal["none", "fp16", "bf16", "int8", "fp8", "int4"]
 NonFiniteAction = Literal["raise", "skip"]
 
@@ -91,7 +91,7 @@ class JobSpec:
     virtual_stages: int | None = None
     """model stages per rank with `interleaved` (>= 2; default 2); only for that schedule"""
     partition_method: PartitionMethod | str = "parameters"
-    """`parameters` (balance parameter counts, exactly), `uniform` (balance layer counts) or `type:REGEX` (balance the layers whose class name matches, case-insensitive, as DeepSpeed's `type:transformer`)"""
+    """`parameters` (balance parameter counts, exactly), `uniform` (balance layer counts), `profile` (balance each layer's measured forward and backward time on a sample micro-batch from `data`) or `type:REGEX` (balance the layers whose class name matches, case-insensitive, as DeepSpeed's `type:transformer`)"""
     activation_codec: CodecName | list[CodecName] = "none"
     """wire codec for forward activations: one name for every stage boundary, or a list with one per boundary; `none` is exact"""
     gradient_codec: CodecName | list[CodecName] = "none"
@@ -141,6 +141,9 @@ class JobSpec:
                 raise ValueError(f"virtual_stages={self.virtual_stages} applies only to schedule='interleaved', "
                                  f"not {self.schedule!r}; leave it out or use the interleaved schedule")
         _check_partition_method(self.partition_method)
+        if self.partition_method == "profile" and self.data is None:
+            raise ValueError("partition_method='profile' times each layer on a sample micro-batch from the job's "
+                             "data factory: give data='pkg.mod:factory' (or partition by parameters)")
         for name in ("error_feedback", "measure_codec_error", "gradient_accumulation_fusion", "keep_freed_memory"):
             _check_bool(name, getattr(self, name))
         edges: tuple[Literal["activation_codec", "gradient_codec"], ...] = ("activation_codec", "gradient_codec")

@@ -162,9 +162,16 @@ class SchedulerActor(Actor):
         The head never imports or calls a user's factory: the worker builds the model
         on the meta device, under its own allow-list, and returns parameter counts.
         """
-        describe = self.runtime.ref(node["address"], NODE).endpoint(NodeActor.describe_model, timeout=300)
+        agent = self.runtime.ref(node["address"], NODE)
         pattern = spec.partition_method.removeprefix("type:") if spec.partition_method.startswith("type:") else None
-        counts = await describe.call(spec.model, dict(spec.model_kwargs), pattern)
+        if spec.partition_method == "profile":
+            assert spec.data is not None
+            counts = await agent.endpoint(NodeActor.profile_model, timeout=600).call(
+                spec.model, dict(spec.model_kwargs), spec.data, dict(spec.data_kwargs),
+                spec.micro_batches * spec.data_parallel, spec.seed)
+        else:
+            counts = await agent.endpoint(NodeActor.describe_model, timeout=300).call(
+                spec.model, dict(spec.model_kwargs), pattern)
         if pattern is not None and sum(counts) < spec.num_model_stages:
             raise ValueError(f"partition_method={spec.partition_method!r} matches {sum(counts)} of the model's "
                              f"{len(counts)} layers, fewer than its {spec.num_model_stages} stages; match the "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 from torch import nn
@@ -79,3 +80,23 @@ class TwoLayerNet(nn.Module):
 
 def two_layer_net(dim: int = 8) -> TwoLayerNet:
     return TwoLayerNet(dim)
+
+
+def skewed_cnn(channels: int = 32, size: int = 16, classes: int = 10) -> nn.Sequential:
+    """Convolutions that cost the compute, then one linear that holds most parameters."""
+    return nn.Sequential(
+        nn.Conv2d(3, channels, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(channels, channels, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(channels, channels, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(channels, channels, 3, padding=1), nn.ReLU(),
+        nn.Flatten(), nn.Linear(channels * size * size, classes),
+    )
+
+
+def image_batches(batch_size: int = 16, size: int = 16, classes: int = 10) -> Any:
+    """``batch(step)``: random images ``[B, 3, size, size]`` and regression targets ``[B, classes]``."""
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        generator = torch.Generator().manual_seed(step)
+        return (torch.randn(batch_size, 3, size, size, generator=generator),
+                torch.randn(batch_size, classes, generator=generator))
+    return batch

@@ -43,7 +43,10 @@ from transport.wire import (
 pytestmark = pytest.mark.timeout(60)
 
 ROOT = Path(__file__).resolve().parents[2]
-FAST_S = 0.05  # the probe's bar: a hostile message is refused in under 50 ms
+# The probe's bar: a hostile message is refused in under 50 ms of this process's CPU time
+# (process time, not wall time: a busy machine preempting the test must not fail it,
+# while decoding what the message declares would take seconds of CPU).
+FAST_S = 0.05
 MIB = 1 << 20
 
 
@@ -108,10 +111,10 @@ def test_block_padding_is_bounded_per_message() -> None:
     # block codecs' torch path would build 300 padded blocks (~9 MiB of temporaries each).
     row, sizes = row_frames("fp8", "float32", 2, block=1 << 20)
     frames = [header([row] * 300), *(bytearray(n) for _ in range(300) for n in sizes)]
-    start = time.perf_counter()
+    start = time.process_time()
     with pytest.raises(WireError, match="pad"):
         decode_message(frames)
-    assert time.perf_counter() - start < FAST_S
+    assert time.process_time() - start < FAST_S
     decode_message(crafted("fp8", "float32", 2, block=1 << 20))  # one such row is fine
     tiny = Fp8Codec(block=1 << 20).encode(torch.ones(2))
     encode_message([tiny])
@@ -222,10 +225,10 @@ HOSTILE_BODIES = {
 @pytest.mark.parametrize("body", HOSTILE_BODIES.values(), ids=HOSTILE_BODIES.keys())
 def test_a_costly_body_is_refused_fast(body: bytes) -> None:
     frames = [header([], raw_body=body)]
-    start = time.perf_counter()
+    start = time.process_time()
     with pytest.raises(WireError):
         decode_message(frames)
-    assert time.perf_counter() - start < FAST_S
+    assert time.process_time() - start < FAST_S
 
 
 HOSTILE_HEADERS = {
@@ -237,10 +240,10 @@ HOSTILE_HEADERS = {
 
 @pytest.mark.parametrize("head", HOSTILE_HEADERS.values(), ids=HOSTILE_HEADERS.keys())
 def test_a_costly_header_is_refused_fast(head: bytes) -> None:
-    start = time.perf_counter()
+    start = time.process_time()
     with pytest.raises(WireError, match="header"):
         decode_message([head, b"\0" * 8])
-    assert time.perf_counter() - start < FAST_S
+    assert time.process_time() - start < FAST_S
 
 
 def deep(depth: int) -> list[object]:
@@ -339,11 +342,11 @@ HUGE_FIELDS = {
 @pytest.mark.parametrize("make", HUGE_FIELDS.values(), ids=HUGE_FIELDS.keys())
 def test_errors_quote_a_huge_field_in_a_few_characters(make: object) -> None:
     frames = make()  # type: ignore[operator]
-    start = time.perf_counter()
+    start = time.process_time()
     with pytest.raises(WireError) as info:
         decode_message(frames)
     assert len(str(info.value)) < 500
-    assert time.perf_counter() - start < FAST_S
+    assert time.process_time() - start < FAST_S
 
 
 EXCERPTS = {
@@ -363,8 +366,8 @@ EXCERPTS = {
 
 @pytest.mark.parametrize("value,start", EXCERPTS.values(), ids=EXCERPTS.keys())
 def test_excerpt_is_short_escaped_and_cheap(value: object, start: str) -> None:
-    began = time.perf_counter()
+    began = time.process_time()
     text = excerpt(value)
-    assert time.perf_counter() - began < FAST_S
+    assert time.process_time() - began < FAST_S
     assert text.startswith(start) and len(text) <= 80 and text.isprintable()
     assert len(excerpt(value, 20)) <= 20
