@@ -103,8 +103,9 @@ def layer_times(model: str, model_kwargs: dict[str, Any], allow: Sequence[str], 
     inputs, _ = load_object(data, allow)(**data_kwargs)(0)
     x = inputs.chunk(micro_batches)[0]
     times = []
-    for layer in layers:
-        sample = x.detach().requires_grad_(x.is_floating_point())
+    for index, layer in enumerate(layers):
+        # As in training: no gradient flows into the data, only into every later layer's input.
+        sample = x.detach().requires_grad_(index > 0 and x.is_floating_point())
         runs = []
         for _ in range(repeats + 1):
             started = time.perf_counter()
