@@ -43,7 +43,7 @@ from actors import (
 from schedulers.hang import StageProgress, diagnose
 from schedulers import job_state, recovery
 from schedulers.jobs import JobSpec
-from schedulers.recovery import Placer
+from schedulers._job import Placer
 from schedulers.records import JobDescription, RunInfo, SettingChange, StepStats, WhereReport
 from schedulers.schedules import build_schedule
 from schedulers.stepping import (
@@ -194,6 +194,8 @@ class JobController:
         self.history: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
         self.restarts = 0
         self.tied: list[tuple[str, ...]] = []  # parameters shared across pipeline ranks, as the stages report
+        self.last_checkpoint: tuple[str, int] | None = None  # (directory, step) of this job's newest save
+        self.driver_batches = False  # a step took the driver's batch (so the data factory cannot replay it)
         self.snapshot_due = False  # take one at the next step whatever snapshot_every says (after a load)
         self.recovery: dict[str, Any] | None = None  # what the last recovery did, for the next StepStats
         self.placer = placer
@@ -230,6 +232,7 @@ class JobController:
             await self._apply_pending()  # settings changed with set take effect here, between steps
             step_calls(self.spec, self.applied, inputs, targets)  # a bad batch fails before anything runs
             self.history[self.steps_done] = (inputs, targets)
+            self.driver_batches = self.driver_batches or inputs is not None
             goal = self.steps_done + 1
             while True:
                 try:

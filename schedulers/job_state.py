@@ -1,6 +1,6 @@
 """A job's state: read and loaded whole, and checkpointed by its stages themselves.
 
-Functions of a :class:`~schedulers.control.JobController` (``job``), kept apart so that
+Functions of a :class:`~schedulers.control.JobCore` (``job``), kept apart so that
 the controller's module stays about steps; the checkpoint format is :mod:`actors.checkpoint`.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -29,10 +29,9 @@ from actors import (
     shard_state,
     stage_to_rank,
 )
+from schedulers._job import JobCore
 from schedulers.stepping import key_order
 
-if TYPE_CHECKING:
-    from schedulers.control import JobController
 
 __all__ = ["load", "load_state_dict", "restarted_history", "save", "state_dict"]
 
@@ -51,8 +50,7 @@ def _reason(exc: BaseException) -> str:
     return exc.message if isinstance(exc, ActorError) else f"{type(exc).__name__}: {exc}"
 
 
-
-async def state_dict(job: JobController) -> dict[str, torch.Tensor]:
+async def state_dict(job: JobCore) -> dict[str, torch.Tensor]:
     """The whole model's state, gathered from the stages, under the unpartitioned keys.
 
     Tensor-parallel shards are put back together; data-parallel replica 0 speaks for all.
@@ -68,7 +66,8 @@ async def state_dict(job: JobController) -> dict[str, torch.Tensor]:
             state.update(gather_tensor_parallel_state(list(shards), specs) if mesh.tensor > 1 else shards[0])
     return dict(sorted(state.items(), key=lambda kv: key_order(kv[0])))
 
-async def load_state_dict(job: JobController, state: dict[str, torch.Tensor]) -> None:
+
+async def load_state_dict(job: JobCore, state: dict[str, torch.Tensor]) -> None:
     """Loads a whole-model state into every member; every key must be taken.
 
     Raises:
@@ -91,7 +90,8 @@ async def load_state_dict(job: JobController, state: dict[str, torch.Tensor]) ->
     if missing:
         raise KeyError(f"keys no stage holds: {sorted(missing)[:10]}")
 
-def _held_layers(job: JobController, rank: int) -> frozenset[int]:
+
+def _held_layers(job: JobCore, rank: int) -> frozenset[int]:
     """The layer indices the stage actor of global rank ``rank`` holds."""
     pipeline = job.mesh.coords(rank).pipeline
     return frozenset(i for s, (first, end) in enumerate(job.bounds)
@@ -99,7 +99,8 @@ def _held_layers(job: JobController, rank: int) -> frozenset[int]:
 
 # -- checkpoints (the format: actors.checkpoint) -------------------------------------------
 
-async def save(job: JobController, directory: str) -> str:
+
+async def save(job: JobCore, directory: str) -> str:
     """Writes a checkpoint of the weights, optimizer state and step count; returns the new version's path.
 
     Data-parallel replica 0 of every (pipeline, tensor) coordinate writes its own file
@@ -128,9 +129,11 @@ async def save(job: JobController, directory: str) -> str:
         [version] = await _on_stages(job, coordinator, "save", lambda g: job.stages[g].endpoint(
             StageActor.checkpoint_commit, timeout=CHECKPOINT_TIMEOUT_S).call(directory, staging,
                                                                               manifest.to_wire()))
+        job.last_checkpoint = (directory, manifest.step)  # what a recovery falls back to
     return str(version)
 
-async def load(job: JobController, directory: str, weights_only: bool = False) -> int:
+
+async def load(job: JobCore, directory: str, weights_only: bool = False) -> int:
     """Loads the checkpoint in ``directory`` into every member, all or nothing; returns its step.
 
     Phase one: every stage actor reads its part and checks every key, shape, dtype
@@ -147,34 +150,48 @@ async def load(job: JobController, directory: str, weights_only: bool = False) -
     """
     directory = check_directory(directory)
     async with job._operation(repairs=True):
-        [found] = await _on_stages(job, [0], "load", lambda g: job.stages[g].endpoint(
-            StageActor.checkpoint_manifest, timeout=CHECKPOINT_TIMEOUT_S).call(directory))
-        version, manifest = str(found[0]), Manifest.from_wire(found[1])
-        problems = _unplaced(job, manifest, weights_only)
-        plans = {g: manifest.restrict(_held_layers(job, g), weights_only=weights_only).to_wire()
-                 for g in range(job.mesh.size)}
-        answers = await _on_stages(job, list(plans), "load", lambda g: job.stages[g].endpoint(
-            StageActor.checkpoint_check, timeout=CHECKPOINT_TIMEOUT_S).call(version, plans[g]), discard=True)
-        problems += sorted({p for answer in answers for p in answer})
-        if problems:
-            await _discard_loads(job)
-            raise CheckpointError(f"{directory} was not loaded (nothing changed): {len(problems)} problem(s)",
-                                  problems)
-        await _on_stages(job, list(plans), "load", lambda g: job.stages[g].endpoint(
-            StageActor.checkpoint_apply, timeout=CHECKPOINT_TIMEOUT_S).call(weights_only))
+        step = await apply_checkpoint(job, directory, weights_only)
         if not weights_only:  # the data factory goes on from the checkpoint's step
-            job.applied = job.steps_done = manifest.step
+            job.applied = job.steps_done = step
         restarted_history(job)
+    return step
+
+
+async def apply_checkpoint(job: JobCore, directory: str, weights_only: bool = False) -> int:
+    """:func:`load`'s two phases, for a caller that holds the job (a recovery too); returns the step.
+
+    Every stage drops its snapshots and takes one at the next step; the job's data
+    position and kept batches are the caller's to set.
+    """
+    [found] = await _on_stages(job, [0], "load", lambda g: job.stages[g].endpoint(
+        StageActor.checkpoint_manifest, timeout=CHECKPOINT_TIMEOUT_S).call(directory))
+    version, manifest = str(found[0]), Manifest.from_wire(found[1])
+    problems = _unplaced(job, manifest, weights_only)
+    plans = {g: manifest.restrict(_held_layers(job, g), weights_only=weights_only).to_wire()
+             for g in range(job.mesh.size)}
+    answers = await _on_stages(job, list(plans), "load", lambda g: job.stages[g].endpoint(
+        StageActor.checkpoint_check, timeout=CHECKPOINT_TIMEOUT_S).call(version, plans[g]), discard=True)
+    problems += sorted({p for answer in answers for p in answer})
+    if problems:
+        await _discard_loads(job)
+        raise CheckpointError(f"{directory} was not loaded (nothing changed): {len(problems)} problem(s)",
+                              problems)
+    await _on_stages(job, list(plans), "load", lambda g: job.stages[g].endpoint(
+        StageActor.checkpoint_apply, timeout=CHECKPOINT_TIMEOUT_S).call(weights_only))
+    job.broken = None
+    job.snapshot_due = True
     return manifest.step
 
-def restarted_history(job: JobController) -> None:
+
+def restarted_history(job: JobCore) -> None:
     """After a load the stages hold another history: no batch kept and no snapshot from
     before counts; the next step takes a snapshot whatever ``snapshot_every`` says."""
     job.broken = None
     job.history.clear()
     job.snapshot_due = True
 
-def _unplaced(job: JobController, manifest: Manifest, weights_only: bool) -> list[str]:
+
+def _unplaced(job: JobCore, manifest: Manifest, weights_only: bool) -> list[str]:
     """What the head sees wrong before reading a byte: keys no stage holds, another optimizer."""
     layers = {i for g in range(job.mesh.size) for i in _held_layers(job, g)}
     keys = list(manifest.model) + ([] if weights_only else list(manifest.optimizer_state))
@@ -185,7 +202,8 @@ def _unplaced(job: JobController, manifest: Manifest, weights_only: bool) -> lis
                         f"{job.spec.optimizer[0]}; load with weights_only=True to take the weights alone")
     return problems
 
-async def _discard_loads(job: JobController) -> None:
+
+async def _discard_loads(job: JobCore) -> None:
     async def discard(ref: ActorRef) -> None:
         try:
             await ref.endpoint(StageActor.checkpoint_discard, timeout=10).call()
@@ -193,6 +211,7 @@ async def _discard_loads(job: JobController) -> None:
             log.info("discarding a checked load on %s: %s", ref.name, exc)
 
     await asyncio.gather(*(discard(ref) for ref in job.stages))
+
 
 async def _on_stages(
     job, ranks: list[int], what: str, call: Callable[[int], Awaitable[Any]], *, discard: bool = False
@@ -212,7 +231,8 @@ async def _on_stages(
                               f"{' (nothing changed)' if discard else ''}", failed)
     return list(results)
 
-async def _shard_specs(job: JobController) -> dict[str, ShardSpec]:
+
+async def _shard_specs(job: JobCore) -> dict[str, ShardSpec]:
     if job.mesh.tensor == 1:
         return {}
     parts = await asyncio.gather(*(

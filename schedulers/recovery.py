@@ -1,6 +1,6 @@
 """How a job recovers from a lost node: respawn, restore from snapshots, form the groups again.
 
-Functions of a :class:`~schedulers.control.JobController` (``job``), kept apart so that
+Functions of a :class:`~schedulers.control.JobCore` (``job``), kept apart so that
 the controller's module stays about steps; :func:`recover` is the entry point.
 """
 
@@ -9,39 +9,27 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from actors import NODE, ActorError, ActorRef, Coords, NodeActor, NodeLost, StageActor
 
-if TYPE_CHECKING:
-    from schedulers.control import JobController
+from schedulers import job_state
+from schedulers._job import JobCore, Placer
+
 
 __all__ = ["Placer", "may_recover", "recover", "stop_retired"]
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class Placer:
-    """What a recovery asks of the scheduler: free nodes, a stage spawned, a fresh rendezvous."""
-
-    # ``count`` alive nodes no job uses, none of ``taken``: (name, key identity) each.
-    free_nodes: Callable[[int, set[str]], Awaitable[list[tuple[str, str]]]]
-    # Rank R's stage actor of the job, built on node N with this dist config.
-    spawn: Callable[[JobController, int, str, dict[str, Any] | None], Awaitable[ActorRef]]
-    # A new rendezvous for the job's (new) members: (its name, the stages' dist config); the old one stops.
-    renew_rendezvous: Callable[[JobController], Awaitable[tuple[str, dict[str, Any]]]]
-
-
-
-def may_recover(job: JobController) -> bool:
+def may_recover(job: JobCore) -> bool:
     return job.placer is not None and job.restarts < job.spec.max_restarts
 
-async def recover(job: JobController, cause: NodeLost) -> dict[str, Any]:
+
+async def recover(job: JobCore, cause: NodeLost) -> dict[str, Any]:
     """Replaces the job's lost stages on free nodes and rolls every stage back to the newest
-    snapshot they all have; the caller then replays the steps since (see :meth:`_catch_up`).
+    snapshot they all have (or, when no copy of a lost rank survived, to the job's newest
+    checkpoint); the caller then replays the steps since (see :meth:`_catch_up`).
 
     A lost rank's snapshot comes from the next pipeline rank, which it sent it to;
     the survivors restore their own. The parameters after the replay are those of
@@ -76,16 +64,21 @@ async def recover(job: JobController, cause: NodeLost) -> dict[str, Any]:
     for rank in lost:
         source = _snapshot_source(job, rank, lost)
         if source is None:
-            raise unrecoverable(f"rank {rank}, its replicas and the rank that kept its snapshot were all lost")
+            common = set()  # no copy of this rank survived: only a checkpoint can help
+            break
         sources[rank] = source
         keeper, own = source
         held = shelves[keeper]["own"] if own else \
             shelves[keeper]["held"].get(str(job.mesh.coords(rank).pipeline), [])
         common &= set(held)
-    usable = {i for i in common if all(k in job.history for k in range(i, job.steps_done))}
-    if not usable:
-        raise unrecoverable("no snapshot that every stage has (and whose later batches are kept)")
-    target = max(usable)
+    usable = {i for i in common if _replayable(job, i)}
+    checkpoint = job.last_checkpoint if not usable else None
+    if not usable and (checkpoint is None or not _replayable(job, checkpoint[1])):
+        raise unrecoverable("no snapshot that every stage has, and no checkpoint of this job to go back to, "
+                            "with the batches since kept" if checkpoint is None else
+                            f"no snapshot that every stage has, and the batches since its checkpoint "
+                            f"{checkpoint[0]} (step {checkpoint[1]}) are no longer kept")
+    target = max(usable) if usable else checkpoint[1] if checkpoint is not None else 0
     assert job.placer is not None
     try:
         chosen = await job.placer.free_nodes(len(lost), set(job.nodes))
@@ -115,25 +108,39 @@ async def recover(job: JobController, cause: NodeLost) -> dict[str, Any]:
         ref.endpoint(StageActor.connect, timeout=30).call(
             [job.stages[r].to_wire() for r in job.mesh.pipeline_ranks(c.data, c.tensor)], job.identities)
         for ref, c in ((ref, job.mesh.coords(g)) for g, ref in enumerate(job.stages))))
-    for rank in lost:
-        keeper, own = sources[rank]
-        state = await (job.stages[keeper].endpoint(StageActor.own_snapshot, timeout=300).call(target) if own
-                       else job.stages[keeper].endpoint(StageActor.held_snapshot, timeout=300).call(
-                           job.mesh.coords(rank).pipeline, target))
-        await job.stages[rank].endpoint(StageActor.restore_snapshot, timeout=300).call(target, state)
-    await asyncio.gather(*(job.stages[r].endpoint(StageActor.restore_snapshot, timeout=300).call(target)
-                           for r in survivors))
+    if checkpoint is not None:  # every stage, the new ones too, from the job's newest checkpoint
+        for k in range(target, job.steps_done):
+            job.history.setdefault(k, (None, None))  # a data-factory job (see _replayable)
+        await job_state.apply_checkpoint(job, checkpoint[0])
+    else:
+        for rank in lost:
+            keeper, own = sources[rank]
+            state = await (job.stages[keeper].endpoint(StageActor.own_snapshot, timeout=300).call(target) if own
+                           else job.stages[keeper].endpoint(StageActor.held_snapshot, timeout=300).call(
+                               job.mesh.coords(rank).pipeline, target))
+            await job.stages[rank].endpoint(StageActor.restore_snapshot, timeout=300).call(target, state)
+        await asyncio.gather(*(job.stages[r].endpoint(StageActor.restore_snapshot, timeout=300).call(target)
+                               for r in survivors))
     job.fenced.clear()
     job.broken = None
     job.applied = target
     info = {"lost": sorted(moved), "moved": moved, "from_step": target, "replayed": job.steps_done - target,
+            "from_checkpoint": checkpoint[0] if checkpoint is not None else None,
             "seconds": round(time.perf_counter() - started, 3), "restarts_left": job.spec.max_restarts -
             job.restarts}
     log.warning("%s recovered: %s", job.id, info)
     job._publish({"type": "job_recovered", "job": job.id, **info})
     return info
 
-def _snapshot_source(job: JobController, rank: int, lost: list[int]) -> tuple[int, bool] | None:
+
+def _replayable(job: JobCore, start: int) -> bool:
+    """Whether the steps from ``start`` to the job's last can run again: their batches are kept,
+    or the job has only ever read its data factory (which gives any step again)."""
+    kept = all(k in job.history for k in range(start, job.steps_done))
+    return kept or (job.spec.data is not None and not job.driver_batches)
+
+
+def _snapshot_source(job: JobCore, rank: int, lost: list[int]) -> tuple[int, bool] | None:
     """Where a lost rank's state comes from: a surviving data-parallel replica of it (its own
     snapshot is the same), else the next pipeline rank of its replica (which kept a copy)."""
     mesh, c = job.mesh, job.mesh.coords(rank)
@@ -147,14 +154,16 @@ def _snapshot_source(job: JobController, rank: int, lost: list[int]) -> tuple[in
             return keeper, False
     return None
 
-def stop_retired(job: JobController, alive: set[str]) -> None:
+
+def stop_retired(job: JobCore, alive: set[str]) -> None:
     """Stops replaced stage actors whose node came back (best effort, in the background)."""
     back = [(node, ref) for node, ref in job.retired if node in alive]
     for node, ref in back:
         job.retired.remove((node, ref))
         job.runtime.spawn_task(_stop_retired_one(job, ref), name=f"stop retired {ref.name}")
 
-async def _stop_retired_one(job: JobController, ref: ActorRef) -> None:
+
+async def _stop_retired_one(job: JobCore, ref: ActorRef) -> None:
     try:
         await job.runtime.ref(ref.address, NODE).endpoint(NodeActor.stop_actor, timeout=5).call(ref.name)
     except ActorError as exc:

@@ -37,7 +37,7 @@ from actors import (
     register_actor,
 )
 from schedulers.control import JobController
-from schedulers.recovery import Placer
+from schedulers._job import JobCore, Placer
 from schedulers.jobs import JobSpec, stage_config
 from schedulers.partition import partition_by_parameters, partition_uniform
 from schedulers.records import JobDescription, JobInfo, RunInfo, SettingChange, StepStats, WhereReport
@@ -232,7 +232,7 @@ class SchedulerActor(Actor):
                              "(LocalCluster(spares=...) or another python -m actors.node --join)")
         return [(str(n["name"]), str(n.get("identity", ""))) for n in free[:count]]
 
-    async def _respawn(self, job: JobController, rank: int, node_name: str,
+    async def _respawn(self, job: JobCore, rank: int, node_name: str,
                        dist: dict[str, Any] | None) -> ActorRef:
         """Job ``job``'s rank ``rank`` built afresh on node ``node_name`` (a recovery)."""
         node = next(n for n in await self._nodes() if n["name"] == node_name)
@@ -241,7 +241,7 @@ class SchedulerActor(Actor):
         address, name = await agent.call("stage", f"{job.id}.rank{rank}.restart{job.restarts}", config.to_wire())
         return self.runtime.ref(address, name)
 
-    async def _renew_rendezvous(self, job: JobController) -> tuple[str, dict[str, Any]]:
+    async def _renew_rendezvous(self, job: JobCore) -> tuple[str, dict[str, Any]]:
         """A fresh rendezvous for ``job``'s members as they are now; the old one stops."""
         if job.rendezvous is not None:
             await self.runtime.stop_actor(job.rendezvous)

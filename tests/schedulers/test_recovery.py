@@ -7,6 +7,7 @@ import os
 import random
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -180,5 +181,45 @@ async def test_a_lost_data_parallel_member_is_rebuilt_from_its_replica_and_the_g
             losses += [stats.loss] + await run(job, range(3, 5), False)
             assert losses == want_losses
             assert_same_state(await job.state_dict(), want_state)
+        finally:
+            await job.close()
+
+
+async def test_when_no_copy_of_a_lost_stage_survives_the_job_goes_back_to_its_newest_checkpoint(
+    tmp_path: Path
+) -> None:
+    local = LocalCluster(nodes=2, spares=2)
+    async with local as cluster:
+        _, want_state = await reference(cluster, 5, False)
+        job = await cluster.train(**spec(seconds=0.0, max_restarts=1))
+        try:
+            await run(job, range(2), False)
+            await job.save(tmp_path / "ckpt")  # step 2
+            await run(job, range(2, 4), False)
+            for node in list(job.nodes):  # a rank and the neighbour keeping its snapshot: both gone
+                os.kill(local.processes[node].pid, signal.SIGKILL)
+            for node in ("node0", "node1"):
+                await wait_for_state(cluster, node, "lost")
+            stats = await asyncio.wait_for(job.step(), 90)
+            assert stats.recovery is not None
+            assert stats.recovery["from_checkpoint"] == str(tmp_path / "ckpt")
+            assert stats.recovery["from_step"] == 2 and stats.recovery["replayed"] == 2
+            assert_same_state(await job.state_dict(), want_state)
+        finally:
+            await job.close()
+
+
+async def test_when_no_copy_survives_and_there_is_no_checkpoint_the_job_fails_naming_why() -> None:
+    local = LocalCluster(nodes=2, spares=2)
+    async with local as cluster:
+        job = await cluster.train(**spec(seconds=0.0, max_restarts=1))
+        try:
+            await job.step()
+            for node in list(job.nodes):
+                os.kill(local.processes[node].pid, signal.SIGKILL)
+            for node in ("node0", "node1"):
+                await wait_for_state(cluster, node, "lost")
+            with pytest.raises(NodeLost, match="no checkpoint of this job"):
+                await job.step()
         finally:
             await job.close()
