@@ -46,6 +46,16 @@ def caller_role(caller: str) -> str:
     return caller.partition(":")[0]
 
 
+def caller_among(members: frozenset[str]) -> bool:
+    """Whether the caller holds one of ``members``' keys (``role:name``), e.g. a job's nodes'.
+
+    No members: anyone admitted. The admin key, the process itself and any caller of a
+    runtime without keys always pass, as for :func:`may_call`.
+    """
+    caller = current_caller()
+    return not members or caller in members or may_call(caller, frozenset())
+
+
 def may_call(caller: str, roles: frozenset[str] | None) -> bool:
     """Whether ``caller`` may call an endpoint open to ``roles`` (None: any admitted member).
 

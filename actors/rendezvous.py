@@ -23,7 +23,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from actors._actor import Actor, current_caller, endpoint, may_call
+from actors._actor import Actor, caller_among, current_caller, endpoint
 from actors._errors import ActorError, NotAllowed
 from actors._ref import ActorRef
 
@@ -67,10 +67,9 @@ class RendezvousActor(Actor):
     # -- checks ------------------------------------------------------------------------
 
     def _admit(self) -> None:
-        caller = current_caller()
-        if self._members and caller not in self._members and not may_call(caller, frozenset()):
+        if not caller_among(self._members):
             self.refused_calls += 1
-            raise NotAllowed(f"{caller[:60]!r} holds no key of {self._job or 'this job'}'s nodes; "
+            raise NotAllowed(f"{current_caller()[:60]!r} holds no key of {self._job or 'this job'}'s nodes; "
                              "only its members use its rendezvous")
 
     def _key(self, key: Any) -> str:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from actors import _wgrad, checkpoint, snapshots, tied
-from actors._actor import Actor, current_caller, endpoint, may_call
+from actors._actor import Actor, caller_among, current_caller, endpoint
 from actors._allocator import keep_freed_memory
 from actors._build import build_layers
 from actors._errors import ActorError, NotAllowed, error_to_wire
@@ -350,10 +350,9 @@ class StageActor(Actor):
 
     def _check_member(self) -> None:
         """Refuses a caller whose key is none of this job's nodes' (see :meth:`connect`)."""
-        caller = current_caller()
-        if self._peer_identities and caller not in self._peer_identities and not may_call(caller, frozenset()):
+        if not caller_among(self._peer_identities):
             self.refused_calls += 1
-            raise NotAllowed(f"{caller[:60]!r} holds no key of job {self.config.job}'s nodes; only its stages "
+            raise NotAllowed(f"{current_caller()[:60]!r} holds no key of job {self.config.job}'s nodes; only its stages "
                              "deliver")
 
     def _check_slot(self, step: Any, kind: Any, stage: Any, microbatch: Any) -> None:

@@ -106,7 +106,8 @@ class TiedSync:
         """
         group = next((g for g in self.groups if g.name == name), None)
         if group is None or step != current or rank not in group.ranks or rank == self.rank \
-                or not isinstance(grad, torch.Tensor) or grad.shape != group.param.shape:
+                or not isinstance(grad, torch.Tensor) or grad.shape != group.param.shape \
+                or grad.dtype != group.param.dtype:
             raise ValueError(f"rank {self.rank} (step {current}) expects no tied gradient {str(name)[:60]!r} of "
                              f"step {str(step)[:12]} from rank {str(rank)[:12]}")
         assert isinstance(rank, int) and isinstance(name, str)

@@ -230,9 +230,7 @@ class JobController:
         """
         async with self._operation(stepping=True):
             await self._apply_pending()  # settings changed with set take effect here, between steps
-            step_calls(self.spec, self.applied, inputs, targets)  # a bad batch fails before anything runs
             self.history[self.steps_done] = (inputs, targets)
-            self.driver_batches = self.driver_batches or inputs is not None
             goal = self.steps_done + 1
             while True:
                 try:
@@ -243,6 +241,7 @@ class JobController:
                         raise
                     self.recovery = await recovery.recover(self, lost)
             self.steps_done = goal
+            self.driver_batches = self.driver_batches or inputs is not None
             for old in [k for k in self.history if k < self.applied - 2 * self.spec.snapshot_every]:
                 del self.history[old]
         if self.recovery is not None:

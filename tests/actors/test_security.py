@@ -146,6 +146,37 @@ async def test_forged_deliveries_are_refused_and_counted(cluster: Cluster) -> No
         await job.close()
 
 
+async def test_snapshots_and_tied_gradients_come_only_from_the_jobs_own_stages(cluster: Cluster) -> None:
+    job = await cluster.train(**MODEL)
+    try:
+        await job.step(*batch())
+        (info,) = [d for d in await cluster.jobs() if d.job == job.id]
+        stage = cluster.runtime.ref(*info.stages[1])
+        snapshot = {"model/2.weight": torch.zeros(2)}
+        async with Cluster.connect(cluster.head.address, keys=keys().directory, identity="alice") as alice:
+            theirs = alice.runtime.ref(stage.address, stage.name)
+            with pytest.raises(NotAllowed, match="may not call StageActor.keep_snapshot"):
+                await theirs.endpoint(StageActor.keep_snapshot, timeout=10).call(0, 1, snapshot)
+            with pytest.raises(NotAllowed, match="may not call StageActor.deliver_tied"):
+                await theirs.endpoint(StageActor.deliver_tied, timeout=10).call(1, "0.weight", 0, torch.zeros(2))
+        outsider = keys().add("node", "snapshot_outsider")
+        async with open_runtime("tcp://127.0.0.1:0", keys=outsider, ring=keys().ring) as member:
+            theirs = member.ref(stage.address, stage.name)
+            with pytest.raises(NotAllowed, match="holds no key of job"):
+                await theirs.endpoint(StageActor.keep_snapshot, timeout=10).call(0, 1, snapshot)
+            with pytest.raises(NotAllowed, match="holds no key of job"):
+                await theirs.endpoint(StageActor.deliver_tied, timeout=10).call(1, "0.weight", 0, torch.zeros(2))
+        async with open_runtime("tcp://127.0.0.1:0", keys=keys().identity("node0"), ring=keys().ring) as member:
+            # The job's own node, but a gradient for a group this untied model does not have.
+            theirs = member.ref(stage.address, stage.name)
+            with pytest.raises(NotAllowed, match="expects no tied gradient"):
+                await theirs.endpoint(StageActor.deliver_tied, timeout=10).call(1, "0.weight", 0, torch.zeros(2))
+        stats = await job.step(*batch())  # nothing refused got in: the job still trains
+        assert stats.loss == stats.loss
+    finally:
+        await job.close()
+
+
 async def test_a_jobs_rendezvous_serves_only_its_own_nodes_and_goes_with_the_job(cluster: Cluster) -> None:
     job = await cluster.train(**{**MODEL, "pipeline_stages": 1, "data_parallel": 2})
     store = f"{job.id}.rendezvous"

@@ -113,6 +113,15 @@ async def test_without_a_spare_the_job_fails_fast_naming_the_node() -> None:
             await job.close()
 
 
+async def kill_every_node(local: LocalCluster, cluster: Cluster, job: Job) -> None:
+    """SIGKILLs every node of ``job`` and waits until the head has marked each lost."""
+    nodes = list(job.nodes)
+    for node in nodes:
+        os.kill(local.processes[node].pid, signal.SIGKILL)
+    for node in nodes:
+        await wait_for_state(cluster, node, "lost")
+
+
 async def wait_for_state(cluster: Cluster, node: str, state: str) -> None:
     deadline = time.monotonic() + 20
     while not any(n["name"] == node and n["state"] == state for n in await cluster.nodes()):
@@ -196,10 +205,7 @@ async def test_when_no_copy_of_a_lost_stage_survives_the_job_goes_back_to_its_ne
             await run(job, range(2), False)
             await job.save(tmp_path / "ckpt")  # step 2
             await run(job, range(2, 4), False)
-            for node in list(job.nodes):  # a rank and the neighbour keeping its snapshot: both gone
-                os.kill(local.processes[node].pid, signal.SIGKILL)
-            for node in ("node0", "node1"):
-                await wait_for_state(cluster, node, "lost")
+            await kill_every_node(local, cluster, job)  # a rank and the neighbour keeping its snapshot
             stats = await asyncio.wait_for(job.step(), 90)
             assert stats.recovery is not None
             assert stats.recovery["from_checkpoint"] == str(tmp_path / "ckpt")
@@ -215,10 +221,7 @@ async def test_when_no_copy_survives_and_there_is_no_checkpoint_the_job_fails_na
         job = await cluster.train(**spec(seconds=0.0, max_restarts=1))
         try:
             await job.step()
-            for node in list(job.nodes):
-                os.kill(local.processes[node].pid, signal.SIGKILL)
-            for node in ("node0", "node1"):
-                await wait_for_state(cluster, node, "lost")
+            await kill_every_node(local, cluster, job)
             with pytest.raises(NodeLost, match="no checkpoint of this job"):
                 await job.step()
         finally:
