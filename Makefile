@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU wheel first: an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,examples]'
+	$(PY) -m pip install -q -e '.[dev,examples,hf]'
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -47,6 +47,8 @@ _EXPORTS = {
     "NODE": "actors._nodes",
     "HeadActor": "actors._nodes",
     "NodeActor": "actors._nodes",
+    "batch_size": "actors.boundary",
+    "split_batch": "actors.boundary",
     "CheckpointError": "actors.checkpoint",
     "Manifest": "actors.checkpoint",
     "check_directory": "actors.checkpoint",
@@ -148,6 +150,10 @@ if TYPE_CHECKING:  # explicit re-exports, for type checkers (the names resolve l
     from actors._runtime import (
         Runtime as Runtime,
         open_runtime as open_runtime,
+    )
+    from actors.boundary import (
+        batch_size as batch_size,
+        split_batch as split_batch,
     )
     from actors.checkpoint import (
         CheckpointError as CheckpointError,

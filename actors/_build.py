@@ -16,9 +16,28 @@ from torch import nn
 
 from actors import tied
 from actors._registry import load_object
+from actors.boundary import split_batch
 from actors.records import StageConfig
+from actors.traced import TracedStage, trace_stages
 
-__all__ = ["build_layers", "layer_parameter_counts", "layer_times", "model_layers"]
+__all__ = ["Chain", "build_layers", "layer_parameter_counts", "layer_times", "model_layers"]
+
+
+class Chain(nn.Sequential):
+    """A stage's run of consecutive layers: the first takes the stage's arguments as given
+    (the model's own, on the first stage), each later one the value before it returns."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        layers = iter(self)
+        first = next(layers, None)
+        if first is None:
+            if len(args) != 1 or kwargs:
+                raise TypeError("an empty stage passes on exactly one value")
+            return args[0]
+        value = first(*args, **kwargs)
+        for layer in layers:
+            value = layer(value)
+        return value
 
 
 def build_layers(
@@ -32,6 +51,8 @@ def build_layers(
     """
     factory = load_object(config.model, allow)
     torch.manual_seed(config.seed)
+    if config.split_points is not None:
+        return list(_traced_layers(factory(**config.model_kwargs), config, allow))
     model = nn.Sequential(*model_layers(factory(**config.model_kwargs), config.model))
     if shard is not None:
         before = tied.tied_groups(list(model.children()))
@@ -46,6 +67,24 @@ def build_layers(
             f"the partition covers {config.bounds[-1][1]} layers but {config.model} built {len(layers)}"
         )
     return layers
+
+
+def _traced_layers(built: Any, config: StageConfig, allow: Sequence[str]) -> list[TracedStage]:
+    """The model stages of any nn.Module, traced on the job's example micro-batch (see :mod:`actors.traced`)."""
+    if not isinstance(built, nn.Module):
+        raise TypeError(f"{config.model} built a {type(built).__name__}; split_points split an nn.Module")
+    assert config.split_points is not None
+    example = config.example_inputs
+    if example is None:
+        if config.data is None:
+            raise ValueError("a model with split_points needs example_inputs or a data factory to trace on")
+        inputs, _ = load_object(config.data, allow)(**config.data_kwargs)(0)
+        replica = split_batch(inputs, config.mesh[2], "inputs", "data_parallel")[0]
+        example = split_batch(replica, config.micro_batches, "inputs")[0]
+    stages = trace_stages(built, config.split_points, example, config.model)
+    if len(stages) != config.bounds[-1][1]:
+        raise ValueError(f"the job has {config.bounds[-1][1]} model stages but {len(stages)} came of the split")
+    return stages
 
 
 def layer_parameter_counts(model: str, model_kwargs: dict[str, Any], allow: Sequence[str],
@@ -86,12 +125,15 @@ def model_layers(built: Any, path: str) -> list[nn.Module]:
         f"{path} built a {type(built).__name__}, not an nn.Sequential or a list of layers: actorpipe splits a "
         "model between its top-level layers, in order. Return nn.Sequential(...) of them, with whatever the "
         "model's forward does between them (a flatten before a classifier, a slice) as layers of their own; "
-        "splitting any nn.Module at named split points is not supported yet")
+        "or split it as it is: give split_points=[...], the names of the modules each stage after the first "
+        "begins at (e.g. ['transformer.h.6'] for two stages of a Hugging Face GPT-2)")
 
 
-def layer_times(model: str, model_kwargs: dict[str, Any], allow: Sequence[str], data: str,
-                data_kwargs: dict[str, Any], micro_batches: int, seed: int, repeats: int = 5) -> list[int]:
-    """Microseconds each layer takes, forward and backward, on the first micro-batch of data step 0.
+def layer_times(model: str, model_kwargs: dict[str, Any], allow: Sequence[str], data: str | None,
+                data_kwargs: dict[str, Any], micro_batches: int, seed: int, repeats: int = 5,
+                example: Any = None) -> list[int]:
+    """Microseconds each layer takes, forward and backward, on the first micro-batch of data step 0
+    (or on ``example``, one micro-batch, for a job without a data factory).
 
     For ``partition_method="profile"``: the model is built as a stage builds it, the
     sample comes from the job's own data factory, and each layer runs on the previous
@@ -100,8 +142,14 @@ def layer_times(model: str, model_kwargs: dict[str, Any], allow: Sequence[str], 
     """
     torch.manual_seed(seed)
     layers = model_layers(load_object(model, allow)(**model_kwargs), model)
-    inputs, _ = load_object(data, allow)(**data_kwargs)(0)
-    x = inputs.chunk(micro_batches)[0]
+    if data is not None:
+        inputs, _ = load_object(data, allow)(**data_kwargs)(0)
+        x = split_batch(inputs, micro_batches, "inputs")[0]
+    else:
+        x = example
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"partition_method='profile' times layers on a tensor micro-batch, got {type(x).__name__}; "
+                        "partition by parameters, or give split_points")
     times = []
     for index, layer in enumerate(layers):
         # As in training: no gradient flows into the data, only into every later layer's input.

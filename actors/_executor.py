@@ -19,7 +19,8 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from actors import _wgrad
+from actors import _wgrad, boundary
+from actors.boundary import Payload
 from actors.program import Action, ActionKind
 
 __all__ = ["Inbox", "StageModel", "StepExecutor", "StepTrace", "check_target_shape", "nonfinite_gradients"]
@@ -33,9 +34,9 @@ class Inbox:
 
     def __init__(self, limit: int) -> None:
         self._limit = limit
-        self._slots: dict[tuple[int, str, int, int], asyncio.Future[torch.Tensor]] = {}
+        self._slots: dict[tuple[int, str, int, int], asyncio.Future[Payload]] = {}
 
-    def _slot(self, key: tuple[int, str, int, int]) -> asyncio.Future[torch.Tensor]:
+    def _slot(self, key: tuple[int, str, int, int]) -> asyncio.Future[Payload]:
         slot = self._slots.get(key)
         if slot is None:
             if len(self._slots) >= self._limit:
@@ -47,13 +48,13 @@ class Inbox:
         """Sets how many values may wait at once (it scales with the micro-batch count)."""
         self._limit = limit
 
-    def put(self, key: tuple[int, str, int, int], value: torch.Tensor) -> None:
+    def put(self, key: tuple[int, str, int, int], value: Payload) -> None:
         slot = self._slot(key)
         if slot.done():
             raise ValueError(f"value {key} delivered twice")
         slot.set_result(value)
 
-    async def take(self, key: tuple[int, str, int, int]) -> torch.Tensor:
+    async def take(self, key: tuple[int, str, int, int]) -> Payload:
         value = await self._slot(key)
         del self._slots[key]
         return value
@@ -76,7 +77,7 @@ class StageModel:
 
     modules: Mapping[int, nn.Module]  # model stage -> its layers
     num_stages: int  # model stages in the whole pipeline
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    loss_fn: Callable[[Any, Any], torch.Tensor]
     optimizer: torch.optim.Optimizer
     device: torch.device
     # Set when the stage's nn.Linear weight gradients are fused (actors._wgrad): then I
@@ -97,7 +98,7 @@ class StepTrace:
     started_at: float = 0.0  # this node's wall clock (time.time()) at the step's start
 
 
-Send = Callable[[int, Action, torch.Tensor], Awaitable[int]]  # step, action, value -> bytes
+Send = Callable[[int, Action, Payload], Awaitable[int]]  # step, action, value -> bytes
 
 
 class StepExecutor:
@@ -122,10 +123,11 @@ class StepExecutor:
         self.current: Action | None = None
         self.done_actions: int = 0
         # Per-step state.
-        self._stash: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
-        self._pending_grads: dict[tuple[int, int], torch.Tensor | None] = {}  # I -> W, plain autograd
+        # (stage, micro-batch) -> (the input leaves that collect gradients, the outputs that need one)
+        self._stash: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self._pending_grads: dict[tuple[int, int], list[torch.Tensor | None] | None] = {}  # I -> W, plain autograd
         self._pending_w: dict[tuple[int, int], list[_wgrad.PendingWeightGrad]] = {}  # I -> W, fused
-        self._values: dict[tuple[str, int, int], torch.Tensor] = {}
+        self._values: dict[tuple[str, int, int], Any] = {}  # received trees, and payloads to send
 
     async def compute(self, fn: Callable[..., T], *args: Any) -> T:
         """Runs ``fn`` on the compute thread."""
@@ -135,8 +137,8 @@ class StepExecutor:
         self,
         step: int,
         program: Sequence[Action],
-        inputs: Sequence[torch.Tensor] | None,
-        targets: Sequence[torch.Tensor] | None,
+        inputs: Sequence[Any] | None,
+        targets: Sequence[Any] | None,
     ) -> StepTrace:
         """Runs ``program`` up to and including its BARRIER; the rest runs in :meth:`finish`.
 
@@ -213,17 +215,18 @@ class StepExecutor:
             if loss is not None:
                 trace.losses[m] = loss
         elif kind in (_K.B, _K.I):
-            grad = None if s == self.model.num_stages - 1 else self._values.pop(("B", s + 1, m))
-            grad_in = await self.compute(self._backward, s, m, grad, kind is _K.I)
+            grads = None if s == self.model.num_stages - 1 else self._values.pop(("B", s + 1, m))
+            grad_in = await self.compute(self._backward, s, m, grads, kind is _K.I)
             if grad_in is not None:
-                self._values[("B", s, m)] = grad_in
+                self._values[("B", s, m)] = boundary.pack(grad_in)
         elif kind is _K.W:
             await self.compute(self._weight_backward, s, m)
         elif kind in (_K.RECV_F, _K.RECV_B):
             tag = "F" if kind is _K.RECV_F else "B"
             source = s - 1 if tag == "F" else s + 1
-            value = await self.inbox.take((step, tag, s, m))
-            self._values[(tag, source, m)] = value.to(self.model.device, non_blocking=True)
+            payload = await self.inbox.take((step, tag, s, m))
+            # An activation's tensors that carry a gradient become leaves collecting it.
+            self._values[(tag, source, m)] = boundary.unpack(payload, self.model.device, as_leaves=tag == "F")
         elif kind in (_K.SEND_F, _K.SEND_B):
             tag = "F" if kind is _K.SEND_F else "B"
             value = self._values.pop((tag, s, m))
@@ -231,72 +234,85 @@ class StepExecutor:
             edge = f"{tag} {s}->{s + 1 if tag == 'F' else s - 1}"
             trace.bytes_sent[edge] = trace.bytes_sent.get(edge, 0) + nbytes
 
-    def _input_of(self, stage: int, mb: int) -> torch.Tensor:
+    def _input_of(self, stage: int, mb: int) -> Any:
         if stage == 0:
             if self._inputs is None:
                 raise RuntimeError("stage 0 has no inputs for this step")
-            return self._inputs[mb].to(self.model.device, non_blocking=True)
+            return _to_device(self._inputs[mb], self.model.device)
         return self._values.pop(("F", stage - 1, mb))
 
-    def _target_of(self, stage: int, mb: int) -> torch.Tensor | None:
+    def _target_of(self, stage: int, mb: int) -> Any:
         if stage != self.model.num_stages - 1:
             return None
         if self._targets is None:
             raise RuntimeError("the last stage has no targets for this step")
-        return self._targets[mb].to(self.model.device, non_blocking=True)
+        return _to_device(self._targets[mb], self.model.device)
 
     # -- compute (on the compute thread) --------------------------------------------
 
-    def _forward(self, stage: int, mb: int, x: torch.Tensor, target: torch.Tensor | None) -> float | None:
-        if stage > 0 and x.is_floating_point():
-            # A fresh leaf: its .grad is the gradient this stage sends upstream.
-            x = x.detach().requires_grad_(True)
+    def _forward(self, stage: int, mb: int, x: Any, target: Any) -> float | None:
+        module = self.model.modules[stage]
         with torch.enable_grad():
-            out = self.model.modules[stage](x)
+            # Stage 0 takes the batch as the model takes it (tensor, positional tuple or
+            # keyword dict); a later stage takes what the one before it returned.
+            out = boundary.call_module(module, x) if stage == 0 else module(x)
+            inputs = boundary.grad_leaves(x) if stage > 0 else []
             if target is None:
-                self._stash[(stage, mb)] = (x if stage > 0 else None, out)
-                self._values[("F", stage, mb)] = out.detach()
+                sent = boundary.pack(out)
+                self._stash[(stage, mb)] = (inputs, [t for t in boundary.tree_tensors(out) if t.requires_grad])
+                self._values[("F", stage, mb)] = sent
                 return None
             check_target_shape(out, target)
             loss = self.model.loss_fn(out, target)
             # The step's loss is the mean over micro-batches, as one process computes
             # it on the whole batch; each micro-batch's gradient is scaled to match.
-            self._stash[(stage, mb)] = (x if stage > 0 else None, loss / self.num_microbatches)
+            self._stash[(stage, mb)] = (inputs, [loss / self.num_microbatches])
             return float(loss.detach())
 
-    def _backward(self, stage: int, mb: int, grad: torch.Tensor | None, input_only: bool) -> torch.Tensor | None:
+    def _backward(self, stage: int, mb: int, grads: list[torch.Tensor | None] | None,
+                  input_only: bool) -> list[torch.Tensor | None] | None:
+        """The stage's backward for one micro-batch; returns its inputs' gradients (None on stage 0).
+
+        ``grads`` pairs with the outputs that need a gradient (None: the loss); an output
+        the next stage did not use gets None and no backward.
+        """
         key = (stage, mb)
         weight_grads = self.model.weight_grads
         if not input_only:
-            x, out = self._stash.pop(key)
-            torch.autograd.backward(out, grad)
-            return None if x is None else x.grad
+            inputs, outs = self._stash.pop(key)
+            _run_backward(outs, grads)
+            return None if stage == 0 else [x.grad for x in inputs]
         if weight_grads is not None:
             # I: the whole backward except the linears' weight GEMMs, which wait for W;
             # the graph is released here, W needs only the recorded pairs.
-            x, out = self._stash.pop(key)
+            inputs, outs = self._stash.pop(key)
             with weight_grads.deferring() as pending:
-                torch.autograd.backward(out, grad)
+                _run_backward(outs, grads)
             self._pending_w[key] = pending
-            return None if x is None else x.grad
+            return None if stage == 0 else [x.grad for x in inputs]
         # I without fused linears: the input gradient alone, which the upstream stage is
         # waiting for; the graph stays alive and W walks it again for the parameters.
-        x, out = self._stash[key]
-        self._pending_grads[key] = grad
-        if x is None:
+        inputs, outs = self._stash[key]
+        self._pending_grads[key] = grads
+        if stage == 0:
             return None
-        (grad_in,) = torch.autograd.grad(out, x, grad, retain_graph=True)
-        return grad_in
+        pairs = _with_grads(outs, grads)
+        if not inputs or not pairs:
+            return [None] * len(inputs)
+        return list(torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs],
+                                        retain_graph=True, allow_unused=True))
 
     def _weight_backward(self, stage: int, mb: int) -> None:
         key = (stage, mb)
         if key in self._pending_w:
             _wgrad.apply(self._pending_w.pop(key))
             return
-        _, out = self._stash.pop(key)
-        grad = self._pending_grads.pop(key)
+        _, outs = self._stash.pop(key)
+        grads = self._pending_grads.pop(key)
         params = [p for p in self.model.modules[stage].parameters() if p.requires_grad]
-        torch.autograd.backward(out, grad, inputs=params)
+        pairs = _with_grads(outs, grads)
+        if params and pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=params)
 
     def _optimizer_step(self) -> None:
         self.model.optimizer.step()
@@ -308,6 +324,28 @@ class StepExecutor:
         self._pending_w.clear()
         self._values.clear()
         self.model.optimizer.zero_grad(set_to_none=True)
+
+
+def _to_device(tree: Any, device: torch.device) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree.to(device, non_blocking=True)
+    return boundary.unpack(boundary.pack(tree), device)
+
+
+def _with_grads(outs: list[torch.Tensor], grads: Sequence[torch.Tensor | None] | None
+                ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Outputs paired with their incoming gradients, leaving out those that got none (unused downstream)."""
+    if grads is None:  # the loss
+        return [(out, None) for out in outs]
+    if len(grads) != len(outs):
+        raise ValueError(f"{len(grads)} gradients came back for the {len(outs)} outputs that need one")
+    return [(out, grad) for out, grad in zip(outs, grads) if grad is not None]
+
+
+def _run_backward(outs: list[torch.Tensor], grads: Sequence[torch.Tensor | None] | None) -> None:
+    pairs = _with_grads(outs, grads)
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])  # type: ignore[arg-type]
 
 
 def check_target_shape(output: torch.Tensor, target: torch.Tensor) -> None:

@@ -249,11 +249,12 @@ class NodeActor(Actor):
             raise ModuleNotFoundError(f"node {self.info.name} cannot build the model: {exc}", name=exc.name) from None
 
     @endpoint(roles=("head",))
-    async def profile_model(self, path: str, kwargs: dict[str, Any], data: str, data_kwargs: dict[str, Any],
-                            micro_batches: int, seed: int) -> list[int]:
+    async def profile_model(self, path: str, kwargs: dict[str, Any], data: str | None, data_kwargs: dict[str, Any],
+                            micro_batches: int, seed: int, example: Any = None) -> list[int]:
         """Microseconds each layer of the model takes, forward and backward, on a sample micro-batch
-        from the job's data factory (``partition_method="profile"``); like :meth:`describe_model`,
-        on a worker, in a thread, under this node's allow-list."""
+        from the job's data factory, or on ``example`` (one micro-batch) without one
+        (``partition_method="profile"``); like :meth:`describe_model`, on a worker, in a
+        thread, under this node's allow-list."""
         self._refuse_user_code_on_head()
         if not isinstance(kwargs, dict) or not isinstance(data_kwargs, dict):
             raise TypeError("model and data kwargs must be maps")
@@ -263,7 +264,7 @@ class NodeActor(Actor):
 
         try:
             return await asyncio.to_thread(layer_times, path, kwargs, tuple(self.allow), data, data_kwargs,
-                                           micro_batches, int(seed))
+                                           micro_batches, int(seed), example=example)
         except NotAllowed as exc:
             raise NotAllowed(f"node {self.info.name} refused the model or data: {exc.message}") from None
 

@@ -11,7 +11,7 @@ compute thread.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,8 +24,16 @@ from actors.tensor_parallel import ShardSpec, shard_tensor
 __all__ = ["PreparedLoad", "apply_load", "prepare_load", "write_stage"]
 
 
-def _named_parameters(held: Mapping[int, nn.Module]) -> dict[str, nn.Parameter]:
-    return {f"{i}.{name}": p for i, layer in held.items() for name, p in layer.named_parameters()}
+Key = Callable[[int, str], str]  # (held layer, its own name) -> the name in the whole model
+
+
+def layer_key(layer: int, name: str) -> str:
+    """A Sequential's naming: ``3.fc1.weight``."""
+    return f"{layer}.{name}"
+
+
+def _named_parameters(held: Mapping[int, nn.Module], key: Key) -> dict[str, nn.Parameter]:
+    return {key(i, name): p for i, layer in held.items() for name, p in layer.named_parameters()}
 
 
 def _whole_shape(local: torch.Size | list[int], spec: ShardSpec | None) -> list[int]:
@@ -43,7 +51,7 @@ def _state_spec(value: torch.Tensor, param: nn.Parameter, spec: ShardSpec | None
 
 def write_stage(
     staging: str, file: str, held: Mapping[int, nn.Module], optimizer: torch.optim.Optimizer,
-    specs: Mapping[str, ShardSpec], tp_rank: int,
+    specs: Mapping[str, ShardSpec], tp_rank: int, key: Key = layer_key,
 ) -> dict[str, Any]:
     """Writes this stage's tensors to ``staging/file``; returns what the manifest needs of them.
 
@@ -53,16 +61,16 @@ def write_stage(
     """
     path = check_staging(staging, file)
     items: list[tuple[str, str | None, torch.Tensor, ShardSpec | None]] = [
-        (f"{i}.{name}", None, value, specs.get(f"{i}.{name}"))
+        (key(i, name), None, value, specs.get(key(i, name)))
         for i, layer in held.items() for name, value in layer.state_dict().items()]
-    for key, param in _named_parameters(held).items():
+    for whole, param in _named_parameters(held, key).items():
         for name, value in optimizer.state.get(param, {}).items():
             if value is None:
                 continue
             if not isinstance(value, torch.Tensor):
-                raise CheckpointError(f"cannot checkpoint the optimizer state {name!r} of {key}",
+                raise CheckpointError(f"cannot checkpoint the optimizer state {name!r} of {whole}",
                                       [f"it is a {type(value).__name__}; only tensors are stored"])
-            items.append((key, name, value, _state_spec(value, param, specs.get(key))))
+            items.append((whole, name, value, _state_spec(value, param, specs.get(whole))))
     mine = [item for item in items if item[3] is not None or tp_rank == 0]  # replicated: rank 0 writes
     size, parts = write_tensors(path, {str(n): value for n, (_, _, value, _) in enumerate(mine)})
     tensors = [{"key": key, "state": name, "shape": _whole_shape(value.shape, spec), "dtype": dtype_name(value.dtype),
@@ -103,6 +111,7 @@ def _local(
 
 def prepare_load(
     version: str, plan: Manifest, held: Mapping[int, nn.Module], specs: Mapping[str, ShardSpec], tp_rank: int,
+    key: Key = layer_key,
 ) -> tuple[PreparedLoad, list[str]]:
     """Reads and checks this stage's part of a checkpoint; changes nothing.
 
@@ -114,48 +123,50 @@ def prepare_load(
         The prepared tensors, and every problem found (empty: it may be applied).
     """
     problems: list[str] = []
-    own = {f"{i}.{k}": v for i, layer in held.items() for k, v in layer.state_dict().items()}
+    own = {key(i, k): v for i, layer in held.items() for k, v in layer.state_dict().items()}
+    where = {key(i, k): (i, k) for i, layer in held.items() for k in layer.state_dict()}
     problems += [f"{k}: missing from the checkpoint" for k in sorted(own.keys() - plan.model.keys())]
     problems += [f"{k}: in the checkpoint but not in this model" for k in sorted(plan.model.keys() - own.keys())]
     model: dict[int, dict[str, torch.Tensor]] = {}
-    for key in sorted(own.keys() & plan.model.keys()):
-        spec = specs.get(key)
-        local = _local(version, plan, key, plan.model[key], _whole_shape(own[key].shape, spec),
-                       dtype_name(own[key].dtype), spec, tp_rank, problems)
+    for name in sorted(own.keys() & plan.model.keys()):
+        spec = specs.get(name)
+        local = _local(version, plan, name, plan.model[name], _whole_shape(own[name].shape, spec),
+                       dtype_name(own[name].dtype), spec, tp_rank, problems)
         if local is not None:
-            layer, _, name = key.partition(".")
-            model.setdefault(int(layer), {})[name] = local
-    params = _named_parameters(held)
+            layer, own_name = where[name]
+            model.setdefault(layer, {})[own_name] = local
+    params = _named_parameters(held, key)
     state: dict[str, dict[str, torch.Tensor]] = {}
-    for key, saved in plan.optimizer_state.items():
-        param = params.get(key)
+    for name, saved in plan.optimizer_state.items():
+        param = params.get(name)
         if param is None:
-            problems.append(f"{key}: optimizer state for a parameter this model does not have")
+            problems.append(f"{name}: optimizer state for a parameter this model does not have")
             continue
-        whole = _whole_shape(param.shape, specs.get(key))
-        for name, entry in saved.items():
-            label = f"{key} (optimizer {name})"
+        whole = _whole_shape(param.shape, specs.get(name))
+        for state_name, entry in saved.items():
+            label = f"{name} (optimizer {state_name})"
             if entry.shape not in (whole, []):
                 problems.append(f"{label}: shape {entry.shape} fits neither the parameter's {whole} nor a scalar")
                 continue
-            spec = specs.get(key) if entry.shape == whole else None  # exp_avg is split like its parameter
+            spec = specs.get(name) if entry.shape == whole else None  # exp_avg is split like its parameter
             local = _local(version, plan, label, entry, entry.shape, None, spec, tp_rank, problems)
             if local is not None:
-                state.setdefault(key, {})[name] = local
+                state.setdefault(name, {})[state_name] = local
     return PreparedLoad(model=model, optimizer_state=state), problems
 
 
 def apply_load(
-    prepared: PreparedLoad, held: Mapping[int, nn.Module], optimizer: torch.optim.Optimizer, *, weights_only: bool
+    prepared: PreparedLoad, held: Mapping[int, nn.Module], optimizer: torch.optim.Optimizer, *, weights_only: bool,
+    key: Key = layer_key,
 ) -> None:
     """Copies a prepared, checked load into the layers (and, unless ``weights_only``, the optimizer)."""
     for i, mine in prepared.model.items():
         held[i].load_state_dict(mine, strict=True)
     if weights_only:
         return
-    params = _named_parameters(held)
+    params = _named_parameters(held, key)
     optimizer.state.clear()  # a parameter the checkpoint has no state for starts afresh, as it did then
-    for key, saved in prepared.optimizer_state.items():
-        param = params[key]
+    for name, saved in prepared.optimizer_state.items():
+        param = params[name]
         optimizer.state[param] = {name: value.to(param.device) if value.dim() else value
                                   for name, value in saved.items()}

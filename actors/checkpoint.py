@@ -210,10 +210,10 @@ class Manifest:
             for name, entry in state.items():
                 yield f"{key} (optimizer {name})", entry
 
-    def restrict(self, layers: frozenset[int], *, weights_only: bool) -> Manifest:
-        """The part of the checkpoint the holder of ``layers`` reads (a stage's plan)."""
+    def restrict(self, keys: frozenset[str], *, weights_only: bool) -> Manifest:
+        """The part of the checkpoint the holder of ``keys`` (its state's, and its parameters') reads."""
         def mine(key: str) -> bool:
-            return layer_of(key) in layers
+            return key in keys
 
         state = {} if weights_only else {k: s for k, s in self.optimizer_state.items() if mine(k)}
         return Manifest(step=self.step, optimizer=self.optimizer, files=self.files,

@@ -102,6 +102,9 @@ class StageConfig(WireRecord):
     bucket_bytes: int = 25 << 20
     reduce_codec: str = "none"  # data-parallel gradient codec (with error feedback when lossy)
     transport: str = "zmq"  # stage-to-stage tensors: "zmq" (actor messages) or "dist" (torch.distributed p2p)
+    # Any nn.Module, traced and cut before these modules (actors.traced); bounds are then one "layer" per stage.
+    split_points: list[str] | None = None
+    example_inputs: Any = None  # the micro-batch to trace on (else the data factory's first)
 
     @property
     def num_stages(self) -> int:

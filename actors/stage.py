@@ -22,14 +22,15 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from actors import _wgrad, checkpoint, snapshots, tied
+from actors import _wgrad, boundary, checkpoint, snapshots, tied
 from actors._actor import Actor, caller_among, current_caller, endpoint
 from actors._allocator import keep_freed_memory
-from actors._build import build_layers
+from actors._build import Chain, build_layers
+from actors.boundary import Payload
 from actors._errors import ActorError, NotAllowed, error_to_wire
 from actors._executor import ActionFailed, Inbox, StageModel, StepExecutor, nonfinite_gradients
 from actors._registry import DEFAULT_ALLOW, load_object, register_actor
-from actors._stage_checkpoint import PreparedLoad, apply_load, prepare_load, write_stage
+from actors._stage_checkpoint import PreparedLoad, apply_load, layer_key, prepare_load, write_stage
 from actors._ref import ActorRef
 from actors.mesh import Coords, Mesh
 from actors.p2p import DistLink
@@ -38,10 +39,15 @@ from actors.program import Action, ActionKind, stage_to_rank
 from actors.records import ReduceReport, StageConfig, StageReport
 from actors.rendezvous import ActorStore
 from actors.snapshots import SnapshotShelf
+from actors.traced import TracedStage
 from actors.tensor_parallel import ShardSpec, shard_for_tensor_parallel, tp_shard_specs
 from transport.codecs import Encoded, ErrorFeedback, get_codec
 
 __all__ = ["StageActor", "StageConfig"]
+
+
+def _original_key(layer: int, name: str) -> str:
+    return name
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +89,10 @@ class StageActor(Actor):
         self._held_snapshots: dict[int, SnapshotShelf] = {}  # a pipeline neighbour's, by its rank
         self._tied = tied.TiedSync(self.config.pipeline_rank, [])  # parameters shared with other ranks
         self._prepared_load: PreparedLoad | None = None  # a checked checkpoint part (see checkpoint_check)
+        # A held layer's tensor's name in the whole model: "LAYER.name" (a Sequential's own keys), or the
+        # name alone for a traced model, whose stage modules keep the original model's names.
+        self.key: Callable[[int, str], str] = layer_key
+        self._aliases: dict[str, list[str]] = {}  # a tied tensor's name -> its other names in the model
 
     async def on_start(self) -> None:
         context = self.node_context
@@ -128,19 +138,35 @@ class StageActor(Actor):
                 tp_rank = mesh.coords(cfg.global_rank).tensor
                 shard = functools.partial(shard_for_tensor_parallel, rank=tp_rank, world=mesh.tensor,
                                           group=groups.tensor)
-        layers = build_layers(cfg, allow, shard)
-        modules = {}
-        for s in cfg.stages:
-            first, end = cfg.bounds[s]
-            modules[s] = nn.Sequential(*layers[first:end]).to(device)
+        built = build_layers(cfg, allow, shard)
+        modules: dict[int, nn.Module] = {}
+        if cfg.split_points is not None:
+            # A traced model: one stage module per model stage; its graph module holds the
+            # parameters under the original model's names.
+            traced = [stage for stage in built if isinstance(stage, TracedStage)]
+            for s in cfg.stages:
+                modules[s] = traced[s].to(device)
+            layers: list[nn.Module] = [stage.module for stage in traced]
+            self.key = _original_key
+        else:
+            layers = built
+            for s in cfg.stages:
+                first, end = cfg.bounds[s]
+                modules[s] = Chain(*layers[first:end]).to(device)
         self._held = {i: layers[i] for s in cfg.stages for i in range(*cfg.bounds[s])}
-        self._named_parameters = [(f"{i}.{key}", p) for i, layer in self._held.items()
-                                  for key, p in layer.named_parameters()]
+        self._named_parameters = [(self.key(i, name), p) for i, layer in self._held.items()
+                                  for name, p in layer.named_parameters()]
         layer_rank = {i: stage_to_rank(s, cfg.pipeline_stages) for s, (first, end) in enumerate(cfg.bounds)
                       for i in range(first, end)}
         self._tied = tied.TiedSync(cfg.pipeline_rank,
                                    tied.tied_for_rank(layers, layer_rank.__getitem__, cfg.pipeline_rank, self._held))
-        self._specs = {f"{i}.{key}": list(spec) for i, layer in self._held.items()
+        # Another name of a tensor held here, under which a state dict may give it (tied weights saved once).
+        self._aliases = {}
+        for names in tied.tied_groups(layers):
+            shown = self._tied_names(names)
+            for name in shown:
+                self._aliases[name] = [other for other in shown if other != name]
+        self._specs = {self.key(i, key): list(spec) for i, layer in self._held.items()
                        for key, spec in tp_shard_specs(layer).items()}
         weight_grads = None
         if cfg.gradient_accumulation_fusion:
@@ -198,8 +224,8 @@ class StageActor(Actor):
         self,
         step: int,
         program: list[str],
-        inputs: list[torch.Tensor] | None = None,
-        targets: list[torch.Tensor] | None = None,
+        inputs: list[Any] | None = None,
+        targets: list[Any] | None = None,
         data_step: int | None = None,
         data_shard: list[int] | None = None,
         micro_batches: int | None = None,
@@ -288,7 +314,15 @@ class StageActor(Actor):
             reduced = await self.executor.compute(nonfinite_gradients, named)
             found = [f"{name} (after the data-parallel reduction)" for name in reduced]
         return ReduceReport(reduced_bytes=self._reduced_bytes, nonfinite=found,
-                            tied=[list(group.names) for group in self._tied.groups]).to_wire()
+                            tied=[self._tied_names(group.names) for group in self._tied.groups]).to_wire()
+
+    def _tied_names(self, names: Sequence[str]) -> list[str]:
+        """A tied group's names as the whole model gives them (a traced model's own names)."""
+        shown = []
+        for name in names:
+            layer, _, rest = name.partition(".")
+            shown.append(self.key(int(layer), rest))
+        return list(dict.fromkeys(shown))
 
     async def _send_tied(self, rank: int, step: int, name: str, grad: torch.Tensor) -> None:
         await self.peers[rank].endpoint(StageActor.deliver_tied, timeout=600).call(
@@ -335,18 +369,29 @@ class StageActor(Actor):
             await self.executor.reset(step)
 
     @endpoint(concurrent=True, roles=("node",))
-    async def deliver(self, step: int, kind: str, stage: int, microbatch: int, value: torch.Tensor) -> None:
-        """A neighbour's activation (kind "F") or input gradient ("B") for ``stage``.
+    async def deliver(self, step: int, kind: str, stage: int, microbatch: int, leaves: list[torch.Tensor],
+                      spec: Any) -> None:
+        """A neighbour's activation (kind "F") or input gradients ("B") for ``stage``: the tensors
+        of one boundary value and the spec that rebuilds it (:mod:`actors.boundary`).
 
         Raises:
-            NotAllowed: not a slot this stage's programs expect (counted in ``refused_calls``).
+            NotAllowed: not a slot this stage's programs expect, or not a well-formed value
+                (counted in ``refused_calls``).
         """
         assert self.executor is not None
         self._check_slot(step, kind, stage, microbatch)
-        if not isinstance(value, torch.Tensor):
+        if not isinstance(leaves, list) or not all(isinstance(v, torch.Tensor) for v in leaves):
             self.refused_calls += 1
-            raise NotAllowed(f"a delivery must carry a tensor, got {type(value).__name__}")
-        self.executor.inbox.put((step, kind, stage, microbatch), value)
+            raise NotAllowed(f"a delivery carries a list of tensors, got {type(leaves).__name__}")
+        self.executor.inbox.put((step, kind, stage, microbatch), self._payload(leaves, spec))
+
+    def _payload(self, leaves: list[torch.Tensor], spec: Any) -> Payload:
+        try:
+            boundary.check_spec(spec, len(leaves))
+        except ValueError as exc:
+            self.refused_calls += 1
+            raise NotAllowed(str(exc)) from None
+        return Payload(leaves, spec)
 
     def _check_member(self) -> None:
         """Refuses a caller whose key is none of this job's nodes' (see :meth:`connect`)."""
@@ -385,17 +430,21 @@ class StageActor(Actor):
         source_stage = stage - 1 if kind == "F" else stage + 1
         src = self._mesh.rank(Coords(me.data, stage_to_rank(source_stage, self.config.pipeline_stages), me.tensor))
         key = (step, kind, stage, microbatch)
+        if not isinstance(header, dict) or not isinstance(header.get("leaves"), list):
+            self.refused_calls += 1
+            raise NotAllowed("a dist header is a map with the value's leaves")
+        self._payload([torch.empty(0)] * len(header["leaves"]), header.get("spec"))
         self.runtime.spawn_task(self._receive_dist(key, header, src), name=f"p2p {key}")
 
     async def _receive_dist(self, key: tuple[int, str, int, int], header: dict[str, Any], src: int) -> None:
         assert self.executor is not None and self._link is not None
         step, kind, stage, microbatch = key
         try:
-            value = await self._link.receive(header, src, step, kind, stage, microbatch)
+            leaves = await self._link.receive(header, src, step, kind, stage, microbatch)
         except Exception as exc:
             self.executor.inbox.fail(key, exc)
             return
-        self.executor.inbox.put(key, value)
+        self.executor.inbox.put(key, Payload(leaves, header["spec"]))
 
     @endpoint(roles=("head",))
     async def set_codecs(self, activation_codec: list[str], gradient_codec: list[str]) -> None:
@@ -534,33 +583,60 @@ class StageActor(Actor):
         self._forget_snapshots()
         return taken
 
+    @endpoint(roles=("head",))
+    async def state_keys(self, aliases: bool = True) -> list[str]:
+        """The keys of the whole model's state this stage holds, and (``aliases``) the other names of
+        its tied tensors: where a state dict's entries go; a checkpoint holds every held key."""
+        held = [self.key(i, k) for i, layer in self._held.items() for k in layer.state_dict()]
+        if not aliases:
+            return held
+        return list(dict.fromkeys(held + [a for k in held for a in self._aliases.get(k, [])]))
+
     def _state_dict(self) -> dict[str, torch.Tensor]:
-        return {f"{i}.{k}": v.detach().cpu() for i, layer in self._held.items() for k, v in layer.state_dict().items()}
+        return {self.key(i, k): v.detach().cpu() for i, layer in self._held.items()
+                for k, v in layer.state_dict().items()}
 
     def _load_state_dict(self, state: dict[str, torch.Tensor]) -> list[str]:
         """Checks every held layer's entries first, then loads them; errors name keys as the whole model has them.
 
+        A key the state lacks is filled from another name of the same tensor (tied
+        weights saved once, as ``save_pretrained`` does) when the state has that one.
+
         Raises:
-            KeyError: a key missing for, or unknown to, a held layer (``3.fc1.weight``).
+            KeyError: a key missing for a held layer (``3.fc1.weight``), or unknown to all of them.
             ValueError: a tensor whose shape is not the parameter's.
         """
         parts: dict[int, dict[str, torch.Tensor]] = {}
+        known: set[str] = set()
         for i, layer in self._held.items():
-            prefix = f"{i}."
-            mine = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-            own = layer.state_dict()
-            missing = [prefix + k for k in own if k not in mine]
-            unknown = [prefix + k for k in mine if k not in own]
-            if missing or unknown:
-                raise KeyError(f"layer {i}: missing {missing[:10]}, unknown {unknown[:10]}")
-            for k, v in mine.items():
-                if not isinstance(v, torch.Tensor) or v.shape != own[k].shape:
-                    shape = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
-                    raise ValueError(f"{prefix}{k}: expected shape {tuple(own[k].shape)}, got {shape}")
+            own = layer.state_dict(keep_vars=True)
+            aliases: dict[int, list[str]] = {}
+            for k, v in own.items():
+                aliases.setdefault(id(v), []).append(self.key(i, k))
+            mine: dict[str, torch.Tensor] = {}
+            missing = []
+            for k, v in own.items():
+                name = self.key(i, k)
+                known.add(name)
+                names = [name, *aliases[id(v)], *self._aliases.get(name, [])]
+                known.update(names)
+                given = next((state[a] for a in names if a in state), None)
+                if given is None:
+                    missing.append(name)
+                    continue
+                if not isinstance(given, torch.Tensor) or given.shape != v.shape:
+                    shape = tuple(given.shape) if isinstance(given, torch.Tensor) else type(given).__name__
+                    raise ValueError(f"{name}: expected shape {tuple(v.shape)}, got {shape}")
+                mine[k] = given
+            if missing:
+                raise KeyError(f"layer {i}: missing {missing[:10]}")
             parts[i] = mine
+        unknown = [k for k in state if k not in known]
+        if unknown:
+            raise KeyError(f"keys this stage does not hold: {unknown[:10]}")
         for i, mine in parts.items():
             self._held[i].load_state_dict(mine, strict=True)
-        return [f"{i}.{k}" for i, mine in parts.items() for k in mine]
+        return [k for k in state if k in known]
 
     # -- checkpoints (the format: actors.checkpoint; the two load phases: schedulers.control) ----
 
@@ -574,7 +650,7 @@ class StageActor(Actor):
         """Writes this stage's tensors and optimizer state to ``staging/file``; returns their manifest items."""
         assert self.executor is not None
         return await self._compute(write_stage, staging, file, self._held, self.executor.model.optimizer,
-                                   self._shard_spec_map(), self._tensor_rank())
+                                   self._shard_spec_map(), self._tensor_rank(), self.key)
 
     @endpoint(roles=("head",))
     async def checkpoint_commit(self, directory: str, staging: str, manifest: dict[str, Any]) -> str:
@@ -598,7 +674,7 @@ class StageActor(Actor):
         self._prepared_load = None
         prepared, problems = await self._compute(prepare_load, checkpoint.check_version(version),
                                                  checkpoint.Manifest.from_wire(plan), self._held,
-                                                 self._shard_spec_map(), self._tensor_rank())
+                                                 self._shard_spec_map(), self._tensor_rank(), self.key)
         self._prepared_load = None if problems else prepared
         return problems
 
@@ -614,8 +690,8 @@ class StageActor(Actor):
         prepared, self._prepared_load = self._prepared_load, None
         if prepared is None:
             raise checkpoint.CheckpointError("nothing to apply: checkpoint_check found problems or did not run")
-        await self._compute(functools.partial(apply_load, weights_only=bool(weights_only)), prepared, self._held,
-                            self.executor.model.optimizer)
+        await self._compute(functools.partial(apply_load, weights_only=bool(weights_only), key=self.key), prepared,
+                            self._held, self.executor.model.optimizer)
         self._forget_snapshots()
 
     def _forget_snapshots(self) -> None:
@@ -639,51 +715,62 @@ class StageActor(Actor):
 
     # -- helpers ----------------------------------------------------------------------
 
-    async def _send(self, step: int, action: Action, value: torch.Tensor) -> int:
+    async def _send(self, step: int, action: Action, value: Payload) -> int:
         cfg = self.config
         forward = action.kind is ActionKind.SEND_F
         target_stage = action.stage + 1 if forward else action.stage - 1
         edge = min(action.stage, target_stage)
         codec = self._codecs["F" if forward else "B"][edge]
         assert self.executor is not None and action.microbatch is not None
-        payload: Any = value
+        leaves: list[Any] = list(value.leaves)
         sq_err = 0.0
-        if codec != "none":
+        if codec != "none" and any(t.is_floating_point() for t in leaves):
             # Quantize on the compute thread: the loop stays free to receive.
-            payload, sq_err = await self.executor.compute(self._encode, forward, edge, action.microbatch,
-                                                          value, codec)
+            leaves, sq_err = await self.executor.compute(self._encode, forward, edge, action.microbatch,
+                                                         value.leaves, codec)
         target_rank = stage_to_rank(target_stage, cfg.pipeline_stages)
         peer = self.peers[target_rank]
         tag = "F" if forward else "B"
         if self._link is None:
-            nbytes = await peer.tell("deliver", step, tag, target_stage, action.microbatch, payload)
+            nbytes = await peer.tell("deliver", step, tag, target_stage, action.microbatch, leaves, value.spec)
         else:
-            encoded = payload if isinstance(payload, Encoded) else get_codec("none").encode(value)
+            none = get_codec("none")
+            encoded = [leaf if isinstance(leaf, Encoded) else none.encode(leaf) for leaf in leaves]
             me = self._mesh.coords(cfg.global_rank)
             dst = self._mesh.rank(Coords(me.data, target_rank, me.tensor))
             header = self._link.send(encoded, dst, step, tag, target_stage, action.microbatch)
-            nbytes = encoded.nbytes + await peer.tell("deliver_header", step, tag, target_stage, action.microbatch,
-                                                      header)
+            header["spec"] = value.spec
+            nbytes = sum(e.nbytes for e in encoded) + await peer.tell(
+                "deliver_header", step, tag, target_stage, action.microbatch, header)
         name = f"{'F' if forward else 'B'} {action.stage}->{target_stage}"
         stats = self._edge_stats.setdefault(name, {"codec": codec, "bytes": 0, "raw_bytes": 0,
                                                    "sq_err": 0.0, "sq_norm": 0.0})
         stats["bytes"] += nbytes
-        stats["raw_bytes"] += value.numel() * value.element_size()
+        stats["raw_bytes"] += value.nbytes
         stats["sq_err"] += sq_err
         if codec != "none" and cfg.measure_codec_error:
-            stats["sq_norm"] += float(value.double().pow(2).sum())
+            stats["sq_norm"] += sum(float(t.double().pow(2).sum()) for t in value.leaves if t.is_floating_point())
         return nbytes
 
-    def _encode(self, forward: bool, edge: int, microbatch: int, value: torch.Tensor, codec: str) -> tuple[Encoded, float]:
-        """Encodes one value for the wire; returns it and its squared error (0 unless measured)."""
-        if not forward and self.config.error_feedback:
-            encoded = self._feedback[edge].encode(value, stream=microbatch)
-        else:
-            encoded = get_codec(codec).encode(value)
-        if not self.config.measure_codec_error:
-            return encoded, 0.0
-        decoded = get_codec(codec).decode(encoded).to(value.device)
-        return encoded, float((decoded.double() - value.double()).pow(2).sum())
+    def _encode(self, forward: bool, edge: int, microbatch: int, leaves: list[torch.Tensor],
+                codec: str) -> tuple[list[Any], float]:
+        """Encodes one value's floating-point tensors for the wire (others travel exact); returns
+        them and their squared error (0 unless measured)."""
+        out: list[Any] = []
+        sq_err = 0.0
+        for index, value in enumerate(leaves):
+            if not value.is_floating_point():
+                out.append(value)
+                continue
+            if not forward and self.config.error_feedback:
+                encoded = self._feedback[edge].encode(value, stream=(microbatch, index))
+            else:
+                encoded = get_codec(codec).encode(value)
+            out.append(encoded)
+            if self.config.measure_codec_error:
+                decoded = get_codec(codec).decode(encoded).to(value.device)
+                sq_err += float((decoded.double() - value.double()).pow(2).sum())
+        return out, sq_err
 
     async def _reduce(self) -> None:
         """Data-parallel gradient reduction: bucketed all-reduce averages across replicas."""
@@ -693,15 +780,14 @@ class StageActor(Actor):
             self._reduced_bytes = await self.executor.compute(
                 average_gradients, params, self._groups, self.config.bucket_bytes, self._reduce_feedback)
 
-    def _read_data(
-        self, data_step: int, shard: list[int]
-    ) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
+    def _read_data(self, data_step: int, shard: list[int]) -> tuple[list[Any] | None, list[Any] | None]:
         if self._data is None:
             raise ValueError(f"job {self.config.job} has no data factory")
         inputs, targets = self._data(data_step)
         index, count = shard  # this replica's share of the global batch
-        inputs, targets = inputs.chunk(count)[index], targets.chunk(count)[index]
         assert self.executor is not None
         m = self.executor.num_microbatches
-        return (list(inputs.chunk(m)) if 0 in self.config.stages else None,
-                list(targets.chunk(m)) if self.config.num_stages - 1 in self.config.stages else None)
+        return (boundary.split_batch(boundary.split_batch(inputs, count, "inputs", "data_parallel")[index], m,
+                                     "inputs") if 0 in self.config.stages else None,
+                boundary.split_batch(boundary.split_batch(targets, count, "targets", "data_parallel")[index], m,
+                                     "targets") if self.config.num_stages - 1 in self.config.stages else None)

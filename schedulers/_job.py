@@ -35,7 +35,7 @@ class JobCore(Protocol):
     next_step: int
     applied: int
     steps_done: int
-    history: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]]
+    history: dict[int, tuple[Any, Any]]
     restarts: int
     last_checkpoint: tuple[str, int] | None
     driver_batches: bool

@@ -177,10 +177,13 @@ class Job:
 
     # -- training --------------------------------------------------------------------
 
-    async def step(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> StepStats:
+    async def step(self, inputs: Any = None, targets: Any = None) -> StepStats:
         """One optimizer step on a global batch, split into the job's micro-batches.
 
-        Without arguments the stages read the batch from the job's data factory.
+        ``inputs`` is a tensor, a tuple of tensors (the model's positional arguments) or a
+        dict of them (its keyword arguments); every tensor has the samples along its first
+        dim. ``targets`` likewise, as the loss function takes them. Without arguments the
+        stages read the batch from the job's data factory.
 
         Raises:
             StepFailed: a stage failed, a node was lost or the step timed out; the

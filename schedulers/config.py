@@ -33,6 +33,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -74,7 +75,7 @@ _TOP_KEYS = (
 )
 _SECTIONS: dict[str, tuple[str, ...]] = {
     "optimizer": ("type", "params"),
-    "pipeline": ("stages", "schedule", "partition_method", "virtual_stages"),
+    "pipeline": ("stages", "schedule", "partition_method", "virtual_stages", "split_points"),
     "model": ("factory", "kwargs"),
     "data": ("factory", "kwargs", "batch_size_arg"),
     "mesh": ("tensor_parallel", "data_parallel"),
@@ -150,7 +151,8 @@ def translate_config(config: Mapping[str, Any]) -> JobSpec:
         ("pipeline_stages", pipeline, "stages", "pipeline.", _positive_int),
         ("tensor_parallel", mesh, "tensor_parallel", "mesh.", _positive_int),
         ("schedule", pipeline, "schedule", "pipeline.", _choice(SCHEDULE_NAMES)),
-        ("partition_method", pipeline, "partition_method", "pipeline.", _choice(PARTITION_METHODS)),
+        ("partition_method", pipeline, "partition_method", "pipeline.", _partition_method),
+        ("split_points", pipeline, "split_points", "pipeline.", _names),
         ("virtual_stages", pipeline, "virtual_stages", "pipeline.", _positive_int),
         ("activation_codec", codecs, "activation", "codecs.", _codec),
         ("gradient_codec", codecs, "gradient", "codecs.", _codec),
@@ -304,6 +306,25 @@ def _choice(choices: tuple[str, ...]) -> Any:
             raise ConfigError(prefix + key, f"expected one of {', '.join(choices)}, got {value!r:.60}")
         return str(value)
     return check
+
+
+def _partition_method(section: Mapping[str, Any], key: str, prefix: str) -> str:
+    """One of the partition methods, or DeepSpeed's ``type:REGEX`` (layers whose class matches)."""
+    value = section.get(key)
+    if isinstance(value, str) and value.startswith("type:") and 5 < len(value) <= 205:
+        try:
+            re.compile(value[5:])
+        except re.error as exc:
+            raise ConfigError(prefix + key, f"{value!r:.60} is not a regular expression after type: ({exc})") from None
+        return value
+    return str(_choice(PARTITION_METHODS)(section, key, prefix))
+
+
+def _names(section: Mapping[str, Any], key: str, prefix: str) -> list[str]:
+    value = section.get(key)
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise ConfigError(prefix + key, f"expected a list of module names, got {value!r:.60}")
+    return list(value)
 
 
 def _codec(codecs: Mapping[str, Any], key: str, prefix: str = "codecs.") -> str | list[str]:

@@ -38,6 +38,7 @@ from actors import (
     StageActor,
     StageReport,
     StepFailed,
+    batch_size,
     error_from_wire,
 )
 from schedulers.hang import StageProgress, diagnose
@@ -191,7 +192,7 @@ class JobController:
         self.applied = 0  # steps the stages' state holds (rolled back by a recovery)
         self.steps_done = 0  # steps the job has completed (what a recovery replays up to)
         # Each step's batch since the snapshot a recovery would roll back to ((None, None): the data factory).
-        self.history: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
+        self.history: dict[int, tuple[Any, Any]] = {}  # applied-step index -> (inputs, targets)
         self.restarts = 0
         self.tied: list[tuple[str, ...]] = []  # parameters shared across pipeline ranks, as the stages report
         self.last_checkpoint: tuple[str, int] | None = None  # (directory, step) of this job's newest save
@@ -217,7 +218,7 @@ class JobController:
 
     # -- steps ---------------------------------------------------------------------------
 
-    async def step(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None) -> StepStats:
+    async def step(self, inputs: Any = None, targets: Any = None) -> StepStats:
         """Runs one optimizer step on a global batch (or the job's data factory).
 
         With ``max_restarts``, a node lost during the step (or before it) is replaced
@@ -260,7 +261,7 @@ class JobController:
         assert stats is not None
         return stats
 
-    async def _attempt(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> StepStats:
+    async def _attempt(self, inputs: Any, targets: Any) -> StepStats:
         """One try at applying step ``self.applied``, under a step number of its own (never reused)."""
         step = self.next_step
         calls = step_calls(self.spec, self.applied, inputs, targets)
@@ -286,7 +287,7 @@ class JobController:
         self.snapshot_due = False
         elapsed = time.perf_counter() - started
         self.last_reports = reports
-        samples = inputs.shape[0] if inputs is not None else self.spec.data_kwargs.get("batch_size")
+        samples = batch_size(inputs) if inputs is not None else self.spec.data_kwargs.get("batch_size")
         stats = step_stats(self.spec, step, reports, elapsed, reduce_bytes,
                            samples if isinstance(samples, int) else None, nonfinite)
         return dataclasses.replace(stats, tied=[list(names) for names in self.tied]) if self.tied else stats

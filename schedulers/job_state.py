@@ -24,10 +24,8 @@ from actors import (
     StageActor,
     check_directory,
     gather_tensor_parallel_state,
-    layer_of,
     merge_written,
     shard_state,
-    stage_to_rank,
 )
 from schedulers._job import JobCore
 from schedulers.stepping import key_order
@@ -76,11 +74,11 @@ async def load_state_dict(job: JobCore, state: dict[str, torch.Tensor]) -> None:
     mesh = job.mesh
     async with job._operation(repairs=True):
         specs = await _shard_specs(job)
+        held = await _held_keys(job)
 
         def part(rank: int) -> dict[str, torch.Tensor]:
             c = mesh.coords(rank)
-            held = _held_layers(job, rank)
-            mine = {k: v for k, v in state.items() if layer_of(k) in held}
+            mine = {k: v for k, v in state.items() if k in held[c.pipeline]}
             return shard_state(mine, c.tensor, mesh.tensor, specs) if mesh.tensor > 1 else mine
 
         taken = await asyncio.gather(*(ref.endpoint(StageActor.load_state_dict, timeout=300).call(part(g))
@@ -91,11 +89,13 @@ async def load_state_dict(job: JobCore, state: dict[str, torch.Tensor]) -> None:
         raise KeyError(f"keys no stage holds: {sorted(missing)[:10]}")
 
 
-def _held_layers(job: JobCore, rank: int) -> frozenset[int]:
-    """The layer indices the stage actor of global rank ``rank`` holds."""
-    pipeline = job.mesh.coords(rank).pipeline
-    return frozenset(i for s, (first, end) in enumerate(job.bounds)
-            if stage_to_rank(s, job.mesh.pipeline) == pipeline for i in range(first, end))
+async def _held_keys(job: JobCore, aliases: bool = True) -> list[frozenset[str]]:
+    """Per pipeline rank, the keys of the whole model's state its stages hold (tied tensors: on several),
+    and with ``aliases`` the other names a state dict may give their tied tensors under."""
+    keys = await asyncio.gather(*(
+        job.stages[job.mesh.rank(Coords(0, p, 0))].endpoint(StageActor.state_keys, timeout=60).call(aliases)
+        for p in range(job.mesh.pipeline)))
+    return [frozenset(k) for k in keys]
 
 # -- checkpoints (the format: actors.checkpoint) -------------------------------------------
 
@@ -124,7 +124,7 @@ async def save(job: JobCore, directory: str) -> str:
         files, model, state = merge_written(written)
         manifest = Manifest(step=job.applied, optimizer=job.spec.optimizer[0], files=files, model=model,
                             optimizer_state=state,
-                            job={"id": job.id, "spec": job.spec.to_wire(), "bounds": job.bounds,
+                            job={"id": job.id, "spec": _described(job.spec.to_wire()), "bounds": job.bounds,
                                  "mesh": [mesh.pipeline, mesh.tensor, mesh.data]})
         [version] = await _on_stages(job, coordinator, "save", lambda g: job.stages[g].endpoint(
             StageActor.checkpoint_commit, timeout=CHECKPOINT_TIMEOUT_S).call(directory, staging,
@@ -166,8 +166,9 @@ async def apply_checkpoint(job: JobCore, directory: str, weights_only: bool = Fa
     [found] = await _on_stages(job, [0], "load", lambda g: job.stages[g].endpoint(
         StageActor.checkpoint_manifest, timeout=CHECKPOINT_TIMEOUT_S).call(directory))
     version, manifest = str(found[0]), Manifest.from_wire(found[1])
-    problems = _unplaced(job, manifest, weights_only)
-    plans = {g: manifest.restrict(_held_layers(job, g), weights_only=weights_only).to_wire()
+    held = await _held_keys(job, aliases=False)
+    problems = _unplaced(job, manifest, weights_only, held)
+    plans = {g: manifest.restrict(held[job.mesh.coords(g).pipeline], weights_only=weights_only).to_wire()
              for g in range(job.mesh.size)}
     answers = await _on_stages(job, list(plans), "load", lambda g: job.stages[g].endpoint(
         StageActor.checkpoint_check, timeout=CHECKPOINT_TIMEOUT_S).call(version, plans[g]), discard=True)
@@ -183,6 +184,19 @@ async def apply_checkpoint(job: JobCore, directory: str, weights_only: bool = Fa
     return manifest.step
 
 
+def _described(spec: dict[str, Any]) -> dict[str, Any]:
+    """A spec for the manifest (JSON): an example batch by its tensors' shapes and dtypes, not their values."""
+    def describe(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return f"tensor {list(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+        if isinstance(value, dict):
+            return {k: describe(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [describe(v) for v in value]
+        return value
+    return {**spec, "example_inputs": describe(spec.get("example_inputs"))}
+
+
 def restarted_history(job: JobCore) -> None:
     """After a load the stages hold another history: no batch kept and no snapshot from
     before counts; the next step takes a snapshot whatever ``snapshot_every`` says."""
@@ -191,12 +205,12 @@ def restarted_history(job: JobCore) -> None:
     job.snapshot_due = True
 
 
-def _unplaced(job: JobCore, manifest: Manifest, weights_only: bool) -> list[str]:
+def _unplaced(job: JobCore, manifest: Manifest, weights_only: bool, held: list[frozenset[str]]) -> list[str]:
     """What the head sees wrong before reading a byte: keys no stage holds, another optimizer."""
-    layers = {i for g in range(job.mesh.size) for i in _held_layers(job, g)}
+    every = frozenset().union(*held)
     keys = list(manifest.model) + ([] if weights_only else list(manifest.optimizer_state))
-    problems = [f"{key}: in the checkpoint but no stage holds layer {str(layer_of(key))[:12]} of this model"
-                for key in sorted(set(keys)) if layer_of(key) not in layers]
+    problems = [f"{key}: in the checkpoint but no stage holds it in this model"
+                for key in sorted(set(keys)) if key not in every]
     if not weights_only and manifest.optimizer_state and manifest.optimizer != job.spec.optimizer[0]:
         problems.append(f"the checkpoint holds {manifest.optimizer} state but this job uses "
                         f"{job.spec.optimizer[0]}; load with weights_only=True to take the weights alone")

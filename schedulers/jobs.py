@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
-from actors import Mesh, StageConfig
+from actors import Mesh, StageConfig, split_batch
 from schedulers.schedules import build_schedule
 
 __all__ = [
@@ -71,7 +71,7 @@ class JobSpec:
     """
 
     model: str
-    """factory by import path (`package.module:callable`), returning an `nn.Sequential` (or a list of layers); each stage builds it from `seed` and keeps its slice"""
+    """factory by import path (`package.module:callable`), returning an `nn.Sequential` (or a list of layers), or any `nn.Module` with `split_points`; each stage builds it from `seed` and keeps its slice"""
     model_kwargs: dict[str, Any] = field(default_factory=dict)
     """keyword arguments of the model factory"""
     loss: str = "torch.nn.functional:mse_loss"
@@ -90,8 +90,12 @@ class JobSpec:
     """the global batch (each replica's share) is split into this many; gradients accumulate across them"""
     virtual_stages: int | None = None
     """model stages per rank with `interleaved` (>= 2; default 2); only for that schedule"""
+    split_points: list[str] | None = None
+    """split any `nn.Module`: the names (as `named_modules()` gives them) of the modules each new stage begins at, `pipeline_stages * virtual stages - 1` of them; the model is traced with torch's pipelining front end on one micro-batch (`example_inputs`, else the data factory's first), and `state_dict`/checkpoints keep its own names"""
+    example_inputs: Any = None
+    """one micro-batch (a tensor, a tuple of positional tensors or a dict of keyword tensors, shaped as `job.step` will split the batch) to trace a model with `split_points` on, or for `partition_method="profile"` to time layers on; not needed with `data`"""
     partition_method: PartitionMethod | str = "parameters"
-    """`parameters` (balance parameter counts, exactly), `uniform` (balance layer counts), `profile` (balance each layer's measured forward and backward time on a sample micro-batch from `data`) or `type:REGEX` (balance the layers whose class name matches, case-insensitive, as DeepSpeed's `type:transformer`)"""
+    """`parameters` (balance parameter counts, exactly), `uniform` (balance layer counts), `profile` (balance each layer's measured forward and backward time on a sample micro-batch from `data` or `example_inputs`; `split_points` override every method) or `type:REGEX` (balance the layers whose class name matches, case-insensitive, as DeepSpeed's `type:transformer`)"""
     activation_codec: CodecName | list[CodecName] = "none"
     """wire codec for forward activations: one name for every stage boundary, or a list with one per boundary; `none` is exact"""
     gradient_codec: CodecName | list[CodecName] = "none"
@@ -141,9 +145,11 @@ class JobSpec:
                 raise ValueError(f"virtual_stages={self.virtual_stages} applies only to schedule='interleaved', "
                                  f"not {self.schedule!r}; leave it out or use the interleaved schedule")
         _check_partition_method(self.partition_method)
-        if self.partition_method == "profile" and self.data is None:
+        self._check_split_points()
+        if self.partition_method == "profile" and self.data is None and self.example_inputs is None:
             raise ValueError("partition_method='profile' times each layer on a sample micro-batch from the job's "
-                             "data factory: give data='pkg.mod:factory' (or partition by parameters)")
+                             "data factory: give data='pkg.mod:factory' or example_inputs=<one micro-batch> "
+                             "(or partition by parameters)")
         for name in ("error_feedback", "measure_codec_error", "gradient_accumulation_fusion", "keep_freed_memory"):
             _check_bool(name, getattr(self, name))
         edges: tuple[Literal["activation_codec", "gradient_codec"], ...] = ("activation_codec", "gradient_codec")
@@ -173,6 +179,34 @@ class JobSpec:
         # The schedule's own limits (e.g. interleaved needs micro_batches to be a multiple of the stages).
         build_schedule(self.schedule, self.pipeline_stages, self.micro_batches,
                        self.num_virtual_stages if self.schedule == "interleaved" else None)
+
+    def _check_split_points(self) -> None:
+        points = self.split_points
+        if self.example_inputs is not None:
+            try:
+                split_batch(self.example_inputs, 1, "example_inputs")
+            except (TypeError, ValueError) as exc:
+                raise TypeError(f"example_inputs: {exc}") from None
+        if points is None:
+            if self.example_inputs is not None and self.partition_method != "profile":
+                raise ValueError("example_inputs is the micro-batch a model with split_points is traced on (or "
+                                 "partition_method='profile' times layers on); give one of those, or leave it out")
+            return
+        if isinstance(points, tuple):
+            points = list(points)
+            object.__setattr__(self, "split_points", points)
+        if not isinstance(points, list) or not all(isinstance(p, str) and 0 < len(p) <= 300 for p in points):
+            raise TypeError(f"split_points must be a list of module names, got {_show(points)}")
+        if len(points) != self.num_model_stages - 1:
+            raise ValueError(f"split_points names {len(points)} modules; {self.num_model_stages} model stages "
+                             f"({self.pipeline_stages} pipeline stages x {self.num_model_stages // self.pipeline_stages} "
+                             f"virtual) begin at {self.num_model_stages - 1} of them")
+        if self.tensor_parallel > 1:
+            raise ValueError("tensor_parallel splits the layers of an nn.Sequential; a model split at split_points "
+                             "trains with tensor_parallel=1")
+        if self.example_inputs is None and self.data is None:
+            raise ValueError("a model with split_points is traced on one micro-batch before training: give "
+                             "example_inputs=<one micro-batch, as job.step splits the batch> or data='pkg.mod:factory'")
 
     @classmethod
     def from_kwargs(cls, kwargs: Mapping[str, Any]) -> JobSpec:
@@ -289,6 +323,8 @@ def stage_config(
         reduce_codec=spec.reduce_codec, bucket_bytes=spec.bucket_bytes, transport=spec.transport,
         data=spec.data, data_kwargs=dict(spec.data_kwargs), threads_per_stage=spec.threads_per_stage,
         gradient_accumulation_fusion=spec.gradient_accumulation_fusion, keep_freed_memory=spec.keep_freed_memory,
+        split_points=list(spec.split_points) if spec.split_points is not None else None,
+        example_inputs=spec.example_inputs,
     )
 
 

@@ -162,13 +162,14 @@ class SchedulerActor(Actor):
         The head never imports or calls a user's factory: the worker builds the model
         on the meta device, under its own allow-list, and returns parameter counts.
         """
+        if spec.split_points is not None:  # one traced stage module per model stage, as the user cut it
+            return [[i, i + 1] for i in range(spec.num_model_stages)]
         agent = self.runtime.ref(node["address"], NODE)
         pattern = spec.partition_method.removeprefix("type:") if spec.partition_method.startswith("type:") else None
         if spec.partition_method == "profile":
-            assert spec.data is not None
             counts = await agent.endpoint(NodeActor.profile_model, timeout=600).call(
                 spec.model, dict(spec.model_kwargs), spec.data, dict(spec.data_kwargs),
-                spec.micro_batches * spec.data_parallel, spec.seed)
+                spec.micro_batches * spec.data_parallel, spec.seed, spec.example_inputs)
         else:
             counts = await agent.endpoint(NodeActor.describe_model, timeout=300).call(
                 spec.model, dict(spec.model_kwargs), pattern)
@@ -297,7 +298,7 @@ class SchedulerActor(Actor):
 
     @endpoint(concurrent=True, roles=("client",))
     async def step(
-        self, job_id: str, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None
+        self, job_id: str, inputs: Any = None, targets: Any = None
     ) -> dict[str, Any]:
         """One optimizer step of ``job_id``; a :class:`StepStats` map. See :meth:`JobController.step`."""
         stats: StepStats = await self._job(job_id).step(inputs, targets)

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from actors import Mesh, NonFiniteError, ReduceReport, StageReport, StepFailed, stage_to_rank
+from actors import Mesh, split_batch, NonFiniteError, ReduceReport, StageReport, StepFailed, stage_to_rank
 from schedulers.jobs import JobSpec
 from schedulers.records import StepStats
 
@@ -17,7 +17,7 @@ __all__ = ["describe_findings", "key_order", "nonfinite_failed", "nonfinite_find
 
 
 def step_calls(
-    spec: JobSpec, step: int, inputs: torch.Tensor | None, targets: torch.Tensor | None
+    spec: JobSpec, step: int, inputs: Any, targets: Any
 ) -> dict[int, dict[str, Any]]:
     """Each stage actor's ``run_step`` keyword arguments beyond the program: its micro-batches, or the data step.
 
@@ -38,29 +38,15 @@ def step_calls(
     if inputs is None or targets is None:
         raise ValueError("step() takes both inputs and targets, or neither (to read the data factory)")
     # Each data-parallel replica trains on its own shard of the global batch.
-    input_shards = _split(inputs, mesh.data, "inputs", "data_parallel")
-    target_shards = _split(targets, mesh.data, "targets", "data_parallel")
+    input_shards = split_batch(inputs, mesh.data, "inputs", "data_parallel")
+    target_shards = split_batch(targets, mesh.data, "targets", "data_parallel")
     for rank, call in calls.items():
         c = mesh.coords(rank)
         if c.pipeline == first:
-            call["inputs"] = _split(input_shards[c.data], spec.micro_batches, "inputs")
+            call["inputs"] = split_batch(input_shards[c.data], spec.micro_batches, "inputs")
         if c.pipeline == last:
-            call["targets"] = _split(target_shards[c.data], spec.micro_batches, "targets")
+            call["targets"] = split_batch(target_shards[c.data], spec.micro_batches, "targets")
     return calls
-
-
-def _split(batch: torch.Tensor, parts: int, what: str, name: str = "micro_batches") -> list[torch.Tensor]:
-    if not isinstance(batch, torch.Tensor):
-        raise TypeError(f"{what} must be a tensor, got {type(batch).__name__}")
-    if batch.dim() > 0 and batch.shape[0] == 0:
-        raise ValueError(f"{what} of shape {tuple(batch.shape)} hold no samples; a step needs a non-empty batch")
-    if batch.dim() == 0 or batch.shape[0] % parts:
-        raise ValueError(
-            f"{what} of shape {tuple(batch.shape)} do not split into {parts} equal parts; "
-            f"the batch size must be a multiple of {name}"
-            + (" times data_parallel" if name == "micro_batches" else " (times micro_batches)")
-        )
-    return list(batch.chunk(parts))
 
 
 def step_failed(mesh: Mesh, rank: int, action: str | None, cause: str, traceback: str = "") -> StepFailed:

@@ -60,6 +60,11 @@ def save(directory: str, value: int) -> str:
     return ck.commit_version(directory, staging, manifest)
 
 
+def held_keys(layers: dict[int, torch.nn.Module]) -> frozenset[str]:
+    """The whole-model keys a stage holding ``layers`` reads (as StageActor.state_keys gives them)."""
+    return frozenset(f"{i}.{k}" for i, layer in layers.items() for k in layer.state_dict())
+
+
 def load(directory: str) -> int:
     """Loads as the stages would (checks, then applies); returns the one value every tensor holds.
 
@@ -69,7 +74,7 @@ def load(directory: str) -> int:
     version, manifest = ck.read_manifest(directory)
     layers = stages(-1.0)
     opt = optimizer_of(layers, -1.0)
-    prepared, problems = prepare_load(version, manifest.restrict(frozenset(layers), weights_only=False), layers, {}, 0)
+    prepared, problems = prepare_load(version, manifest.restrict(held_keys(layers), weights_only=False), layers, {}, 0)
     assert problems == []
     apply_load(prepared, layers, opt, weights_only=False)
     values = {float(v.flatten()[0]) for layer in layers.values() for v in layer.state_dict().values()}
@@ -194,10 +199,10 @@ def test_a_flipped_byte_names_the_file_and_the_key(tmp_path: Path) -> None:
     data[part.offset + 5] ^= 0x01
     path.write_bytes(bytes(data))
     layers = stages(0.0)
-    _, problems = prepare_load(version, manifest.restrict(frozenset({1}), weights_only=False), {1: layers[1]}, {}, 0)
+    _, problems = prepare_load(version, manifest.restrict(held_keys({1: layers[1]}), weights_only=False), {1: layers[1]}, {}, 0)
     assert len(problems) == 1 and problems[0].startswith(f"{path}, 1.bias: checksum mismatch")
     path.write_bytes(bytes(data[:-4]))  # truncated
-    _, problems = prepare_load(version, manifest.restrict(frozenset({1}), weights_only=False), {1: layers[1]}, {}, 0)
+    _, problems = prepare_load(version, manifest.restrict(held_keys({1: layers[1]}), weights_only=False), {1: layers[1]}, {}, 0)
     assert any("truncated" in p for p in problems)
 
 

@@ -29,6 +29,7 @@ from torch import nn
 
 from actors import _wgrad
 from actors._executor import ActionFailed, Inbox, StageModel, StepExecutor, StepTrace
+from actors.boundary import Payload
 from actors.program import Action, ActionKind, stage_to_rank
 from schedulers.schedules import SCHEDULES, build_schedule
 from schedulers.simulate import simulate
@@ -254,16 +255,17 @@ class Pipeline:
     def _record_forward(self, rank: int, stage: int, module: nn.Module, args: Any) -> None:
         self.forwards[rank].append(stage)
 
-    def _send_from(self, rank: int) -> Callable[[int, Action, torch.Tensor], Any]:
-        async def send(step: int, action: Action, value: torch.Tensor) -> int:
+    def _send_from(self, rank: int) -> Callable[[int, Action, Payload], Any]:
+        async def send(step: int, action: Action, value: Payload) -> int:
             assert stage_to_rank(action.stage, self.case.num_ranks) == rank, f"rank {rank} sent for {action}"
             assert action.microbatch is not None
             forward = action.kind is _K.SEND_F
             target = action.stage + 1 if forward else action.stage - 1
             peer = self.executors[stage_to_rank(target, self.case.num_ranks)]
             # A copy with no autograd history, as the wire would deliver it.
-            peer.inbox.put((step, "F" if forward else "B", target, action.microbatch), value.detach().clone())
-            nbytes = value.numel() * value.element_size()
+            copy = Payload([t.clone() for t in value.leaves], value.spec)
+            peer.inbox.put((step, "F" if forward else "B", target, action.microbatch), copy)
+            nbytes = value.nbytes
             self.bytes_sent[rank] += nbytes
             return nbytes
         return send

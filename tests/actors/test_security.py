@@ -127,19 +127,25 @@ async def test_forged_deliveries_are_refused_and_counted(cluster: Cluster) -> No
         async with Cluster.connect(cluster.head.address, keys=keys().directory, identity="alice") as alice:
             deliver = alice.runtime.ref(last.address, last.name).endpoint(StageActor.deliver, timeout=10)
             with pytest.raises(NotAllowed, match="may not call StageActor.deliver"):
-                await deliver.call(1, "F", 1, 0, poison)
+                await deliver.call(1, "F", 1, 0, [poison], 0)
         # A member's key that is none of this job's nodes' may not either.
         outsider = keys().add("node", "outsider")
         async with open_runtime("tcp://127.0.0.1:0", keys=outsider, ring=keys().ring) as member:
             deliver = member.ref(last.address, last.name).endpoint(StageActor.deliver, timeout=10)
             with pytest.raises(NotAllowed, match="holds no key of job"):
-                await deliver.call(1, "F", 1, 0, poison)
+                await deliver.call(1, "F", 1, 0, [poison], 0)
         # The job's own nodes' keys may, but only for the current or next step and a slot the programs have.
         async with open_runtime("tcp://127.0.0.1:0", keys=keys().identity("node0"), ring=keys().ring) as member:
             deliver = member.ref(last.address, last.name).endpoint(StageActor.deliver, timeout=10)
             for forged in ((1000, "F", 1, 0), (1, "F", 0, 0), (1, "B", 1, 0), (1, "F", 1, 99), (1, "X", 1, 0)):
                 with pytest.raises(NotAllowed, match="expects no"):
-                    await deliver.call(*forged, poison)
+                    await deliver.call(*forged, [poison], 0)
+            # A slot the next step has, but not a well-formed value: refused before it is kept.
+            for leaves, spec, reason in (([poison], {"x": [0]}, "not one of"), ([poison, poison], 1, "describes 1"),
+                                         ([poison], {"t": [[0]] * 40}, "not a one-entry map"),
+                                         (poison, 1, "a list of tensors")):
+                with pytest.raises(NotAllowed, match=reason):
+                    await deliver.call(1, "F", 1, 0, leaves, spec)
         stats = await job.step(*batch())  # nothing forged got in: the step is clean
         assert stats.loss == stats.loss  # not NaN
     finally:

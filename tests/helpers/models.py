@@ -100,3 +100,99 @@ def image_batches(batch_size: int = 16, size: int = 16, classes: int = 10) -> An
         return (torch.randn(batch_size, 3, size, size, generator=generator),
                 torch.randn(batch_size, classes, generator=generator))
     return batch
+
+
+# -- models that are not a plain chain of tensors (issue 15) ------------------------------------
+
+
+class MaskedEmbed(nn.Module):
+    """Takes the model's two inputs (token ids and an integer mask) and returns a dict."""
+
+    def __init__(self, vocab: int, dim: int) -> None:
+        super().__init__()
+        self.token = nn.Embedding(vocab, dim)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> dict[str, Any]:
+        return {"hidden": self.token(ids), "mask": mask, "scale": 0.5, "unused": None}
+
+
+class MaskedBlock(nn.Module):
+    """A dict in, a dict out: mixes tokens only where the integer mask is 1."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.mix = nn.Linear(dim, dim)
+        self.gate = nn.Linear(dim, dim)
+
+    def forward(self, state: dict[str, Any]) -> dict[str, Any]:
+        hidden, mask = state["hidden"], state["mask"]
+        keep = mask.unsqueeze(-1).to(hidden.dtype)
+        mixed = torch.tanh(self.mix(hidden)) * keep * state["scale"] + hidden
+        # A second activation that needs a gradient, beside the first: a tuple inside the dict.
+        return {"hidden": mixed, "mask": mask, "scale": state["scale"], "extra": (self.gate(hidden), mask.sum())}
+
+
+class MaskedHead(nn.Module):
+    def __init__(self, dim: int, classes: int) -> None:
+        super().__init__()
+        self.out = nn.Linear(dim, classes)
+
+    def forward(self, state: dict[str, Any]) -> torch.Tensor:
+        gate, _ = state["extra"]
+        keep = state["mask"].unsqueeze(-1).to(state["hidden"].dtype)
+        pooled = ((state["hidden"] + torch.sigmoid(gate)) * keep).sum(1) / keep.sum(1).clamp(min=1)
+        return self.out(pooled)
+
+
+def masked_blocks(blocks: int = 4, vocab: int = 32, dim: int = 16, classes: int = 4) -> nn.Sequential:
+    """A Sequential whose layers pass dicts holding an integer mask, a constant and a tuple."""
+    return nn.Sequential(MaskedEmbed(vocab, dim), *(MaskedBlock(dim) for _ in range(blocks)),
+                         MaskedHead(dim, classes))
+
+
+class FlattenCNN(nn.Module):
+    """A CNN whose forward flattens before its classifier (as torchvision's ResNet does):
+    ``nn.Sequential(*children())`` drops that step; tracing keeps it."""
+
+    def __init__(self, channels: int = 8, size: int = 8, classes: int = 4) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, channels, 3, padding=1)
+        self.layer1 = nn.Sequential(nn.Conv2d(channels, channels, 3, padding=1), nn.ReLU())
+        self.layer2 = nn.Sequential(nn.Conv2d(channels, channels, 3, padding=1), nn.ReLU())
+        self.pool = nn.AdaptiveAvgPool2d(2)
+        self.fc = nn.Linear(channels * 4, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.pool(self.layer2(self.layer1(torch.relu(self.stem(x)))))
+        return self.fc(torch.flatten(x, 1))
+
+
+def flatten_cnn(channels: int = 8, size: int = 8, classes: int = 4) -> FlattenCNN:
+    return FlattenCNN(channels, size, classes)
+
+
+class Untraceable(nn.Module):
+    """Branches in Python on a tensor's value inside a named submodule: torch.export refuses it."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.first = nn.Linear(dim, dim)
+        self.branchy = Branchy(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.branchy(self.first(x))
+
+
+class Branchy(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.inner = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:
+            return self.inner(x)
+        return x
+
+
+def untraceable(dim: int = 8) -> Untraceable:
+    return Untraceable(dim)

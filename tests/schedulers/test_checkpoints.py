@@ -145,8 +145,8 @@ MISMATCHES = [
     ([8, 8, 8, 8, 4], "float32", [r"3\.bias: shape \[8\] in the checkpoint, \[4\] in this model",
                                   r"3\.weight: shape \[8, 8\] in the checkpoint, \[4, 8\] in this model"]),
     ([8, 8, 8, 8, 8, 8], "float32", [r"4\.bias: missing from the checkpoint", r"4\.weight: missing"]),
-    ([8, 8, 8, 8], "float32", [r"3\.bias: in the checkpoint but no stage holds layer 3",
-                               r"3\.weight: in the checkpoint but no stage holds layer 3"]),
+    ([8, 8, 8, 8], "float32", [r"3\.bias: in the checkpoint but no stage holds it",
+                               r"3\.weight: in the checkpoint but no stage holds it"]),
     ([8, 8, 8, 8, 8], "float64", [r"0\.weight: dtype float32 in the checkpoint, float64 in this model"]),
 ]
 

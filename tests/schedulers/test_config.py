@@ -118,7 +118,9 @@ def test_optimizer_types_become_torch_optimizers(optimizer: dict[str, Any], expe
     ({"train_batch_sise": 8}, "train_batch_sise", "did you mean train_batch_size"),
     ({"pipeline": {"stages": 2, "shedule": "1f1b"}}, "pipeline.shedule", "did you mean pipeline.schedule"),
     ({"pipeline": {"schedule": "2f2b"}}, "pipeline.schedule", "expected one of gpipe, 1f1b"),
-    ({"pipeline": {"partition_method": "type:Linear"}}, "pipeline.partition_method", "parameters, uniform"),
+    ({"pipeline": {"partition_method": "typo:Linear"}}, "pipeline.partition_method", "parameters, uniform"),
+    ({"pipeline": {"partition_method": "type:("}}, "pipeline.partition_method", "not a regular expression"),
+    ({"pipeline": {"split_points": "transformer.h.2"}}, "pipeline.split_points", "a list of module names"),
     ({"pipeline": {"stages": 0}}, "pipeline.stages", "expected an integer >= 1, got 0"),
     ({"optimizer": {"type": "Lion"}}, "optimizer.type", "unknown optimizer 'Lion'"),
     ({"optimizer": {"type": "SGD", "param": {}}}, "optimizer.param", "did you mean optimizer.params"),
@@ -137,6 +139,15 @@ def test_a_wrong_key_or_value_is_an_error_that_names_it(change: dict[str, Any], 
         translate_config({**MINIMAL, **change})
     assert info.value.key == key
     assert message in str(info.value)
+
+
+def test_deepspeeds_type_partition_and_split_points_reach_the_spec() -> None:
+    spec = translate_config({**MINIMAL, "pipeline": {"stages": 2, "partition_method": "type:Linear"}})
+    assert spec.partition_method == "type:Linear"
+    spec = translate_config({**MINIMAL, "model": {"factory": "examples.hf:gpt2"},
+                             "data": {"factory": "examples.data:char_batches", "kwargs": {"batch_size": 8}},
+                             "pipeline": {"stages": 2, "split_points": ["transformer.h.2"]}})
+    assert isinstance(spec, JobSpec) and spec.split_points == ["transformer.h.2"]
 
 
 def test_a_missing_model_is_named() -> None:

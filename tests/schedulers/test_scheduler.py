@@ -17,6 +17,7 @@ import torch
 from actors import Cluster, LocalCluster, NotAllowed, RemoteError, StepFailed
 from examples.data import regression_batches
 from examples.models import residual_mlp
+from tests.helpers.models import image_batches
 from tests.helpers.import_marker import IMPORT_LOG_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.asyncio(loop_scope="module")]
@@ -229,6 +230,14 @@ async def test_profile_partitioning_balances_compute_where_parameter_counts_do_n
     # Two convolutions a stage, give or take a ReLU: the compute, balanced. (Measured busy seconds,
     # max over min: parameters 2.1-2.9x, profile 1.4-1.95x on this 2-core machine.)
     assert bounds["profile"][0][1] in (3, 4, 5)
+    # A job fed by the driver profiles on the micro-batch it gives, without a data factory.
+    sample = image_batches()(0)[0][:8]
+    job = await cluster.train(model=cnn["model"], pipeline_stages=2, micro_batches=2, partition_method="profile",
+                              example_inputs=sample)
+    try:
+        assert job.bounds[0][1] in (3, 4, 5)
+    finally:
+        await job.close()
     with pytest.raises(ValueError, match="profile' times each layer on a sample micro-batch"):
         await cluster.train(model="tests.helpers.models:skewed_cnn", pipeline_stages=2, partition_method="profile")
 

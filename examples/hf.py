@@ -1,0 +1,40 @@
+"""Hugging Face ``transformers`` models, built from a config (nothing is downloaded).
+
+These factories return the library's own classes, unchanged: actorpipe splits them at
+``split_points`` by tracing (see ``examples/train_hf.py``). Two settings make a model
+trainable as a pipeline, and neither changes its maths: ``use_cache=False`` (a KV cache
+is for generation; without it the model returns just its logits) and dropout 0 where
+results are compared bit for bit (the examples keep the library's defaults otherwise).
+
+Needs ``pip install 'actorpipe[hf]'``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+__all__ = ["gpt2", "llama"]
+
+
+def gpt2(layers: int = 4, dim: int = 64, heads: int = 4, vocab: int = 128, positions: int = 128,
+         tie: bool = True, dropout: float = 0.0, **config: Any) -> nn.Module:
+    """A ``GPT2LMHeadModel`` (token embeddings tied to the LM head unless ``tie=False``)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(
+        n_layer=layers, n_embd=dim, n_head=heads, vocab_size=vocab, n_positions=positions,
+        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, tie_word_embeddings=tie,
+        bos_token_id=0, eos_token_id=0, use_cache=False, **config))
+
+
+def llama(layers: int = 4, dim: int = 64, heads: int = 4, kv_heads: int = 2, vocab: int = 128,
+          positions: int = 128, tie: bool = True, **config: Any) -> nn.Module:
+    """A ``LlamaForCausalLM`` (rotary positions, grouped-query attention, SwiGLU; tied unless ``tie=False``)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(
+        num_hidden_layers=layers, hidden_size=dim, intermediate_size=2 * dim, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, vocab_size=vocab, max_position_embeddings=positions,
+        tie_word_embeddings=tie, bos_token_id=0, eos_token_id=0, pad_token_id=0, use_cache=False, **config))

@@ -1,0 +1,231 @@
+"""Models nobody here wrote go in unchanged (issue 15): Hugging Face GPT-2 and LLaMA split at
+named points, a CNN that flattens in forward, and a Sequential whose blocks pass dicts with
+an integer mask; each trains as one process does, and its state keeps the model's own names."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+import pytest_asyncio
+import torch
+
+from actors import Cluster, LocalCluster, RemoteError
+from actors._build import Chain
+from examples import hf
+from examples.models import lm_loss
+from tests.helpers import models as helpers
+
+pytest.importorskip("transformers")  # the test setup installs it (the [hf] extra)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+SEQ, VOCAB, BATCH, MICRO = 8, 64, 8, 4
+SMALL = {"dim": 32, "heads": 2, "vocab": VOCAB, "positions": 16}
+LR = 0.1
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def cluster() -> AsyncIterator[Cluster]:
+    async with LocalCluster(nodes=4) as cluster:
+        yield cluster
+
+
+def lm_batches(steps: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(7)
+    return [(torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator),
+             torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)) for _ in range(steps)]
+
+
+def one_process(factory: Callable[..., torch.nn.Module], kwargs: dict[str, Any],
+                batches: list[tuple[Any, torch.Tensor]], loss: Callable[[Any, torch.Tensor], torch.Tensor],
+                call: Callable[[torch.nn.Module, Any], Any]) -> tuple[torch.nn.Module, list[float]]:
+    """The reference: the same model from the same seed, SGD on the whole batch in one process."""
+    torch.manual_seed(0)
+    model = factory(**kwargs)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for inputs, targets in batches:
+        optimizer.zero_grad()
+        value = loss(call(model, inputs), targets)
+        value.backward()
+        optimizer.step()
+        losses.append(float(value.detach()))
+    return model, losses
+
+
+def assert_close_state(state: dict[str, torch.Tensor], model: torch.nn.Module) -> None:
+    expected = model.state_dict()
+    assert set(state) == set(expected)
+    for key, value in expected.items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def logits(model: torch.nn.Module, inputs: Any) -> torch.Tensor:
+    return model(inputs).logits
+
+
+def split_points(family: str, model_stages: int, layers: int) -> list[str]:
+    block = "transformer.h" if family == "gpt2" else "model.layers"
+    step = layers // model_stages
+    return [f"{block}.{step * s}" for s in range(1, model_stages)]
+
+
+HF_CASES = [
+    *[("gpt2", tie, schedule, stages) for tie in (True, False)
+      for schedule in ("gpipe", "1f1b", "interleaved", "zero_bubble") for stages in (2, 4)],
+    *[("llama", True, schedule, stages) for schedule in ("gpipe", "1f1b") for stages in (2, 4)],
+]
+
+
+@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.parametrize(("family", "tie", "schedule", "stages"), HF_CASES,
+                         ids=[f"{f}-{'tied' if t else 'untied'}-{s}-{n}stages" for f, t, s, n in HF_CASES])
+async def test_hugging_face_models_train_split_at_named_points_as_one_process(
+    cluster: Cluster, family: str, tie: bool, schedule: str, stages: int
+) -> None:
+    model_stages = stages * (2 if schedule == "interleaved" else 1)
+    layers = max(4, model_stages)
+    kwargs = {**SMALL, "layers": layers, "tie": tie, **({"kv_heads": 1} if family == "llama" else {})}
+    factory = getattr(hf, family)
+    batches = lm_batches()
+    reference, losses = one_process(factory, kwargs, batches, lm_loss, logits)
+    job = await cluster.train(model=f"examples.hf:{family}", model_kwargs=kwargs, loss="examples.models:lm_loss",
+                              optimizer=("torch.optim:SGD", {"lr": LR}), pipeline_stages=stages, schedule=schedule,
+                              micro_batches=MICRO, split_points=split_points(family, model_stages, layers),
+                              example_inputs=batches[0][0][:BATCH // MICRO])
+    try:
+        stats = [await job.step(x, y) for x, y in batches]
+        state = await job.state_dict()
+    finally:
+        await job.close()
+    assert [s.loss for s in stats] == pytest.approx(losses, rel=1e-5)
+    assert_close_state(state, reference)
+    embedding = "transformer.wte.weight" if family == "gpt2" else "model.embed_tokens.weight"
+    if tie:
+        assert stats[-1].tied == [[embedding, "lm_head.weight"]]  # named as the model names them
+        assert torch.equal(state[embedding], state["lm_head.weight"])  # the copies kept the same bits
+    else:
+        assert stats[-1].tied == []
+    # The gathered state is the original model's: it loads strictly into a fresh one.
+    factory(**kwargs).load_state_dict(state, strict=True)
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_traced_job_loads_saved_pretrained_weights_and_checkpoints_under_the_models_names(
+    cluster: Cluster, tmp_path: Any
+) -> None:
+    kwargs = {**SMALL, "layers": 4}
+    torch.manual_seed(123)
+    pretrained = hf.gpt2(**kwargs)
+    # Saved as save_pretrained does: the tied head once, under the embedding's name.
+    weights = {k: v for k, v in pretrained.state_dict().items() if k != "lm_head.weight"}
+    spec = dict(model="examples.hf:gpt2", model_kwargs=kwargs, loss="examples.models:lm_loss",
+                pipeline_stages=2, micro_batches=2, split_points=["transformer.h.2"],
+                example_inputs=lm_batches()[0][0][:4], transport="dist")
+    job = await cluster.train(**spec)
+    try:
+        await job.load_state_dict(weights)
+        assert_close_state(await job.state_dict(), pretrained)
+        await job.step(*lm_batches()[0])
+        version = await job.save(str(tmp_path))
+        trained = await job.state_dict()
+    finally:
+        await job.close()
+    manifest = open(os.path.join(version, "manifest.json")).read()
+    assert '"transformer.h.3.mlp.c_fc.weight"' in manifest and '"1.' not in manifest
+    again = await cluster.train(**spec)
+    try:
+        await again.load(str(tmp_path))
+        restored = await again.state_dict()
+    finally:
+        await again.close()
+    assert set(restored) == set(trained) and all(torch.equal(restored[k], trained[k]) for k in trained)
+
+
+def masked_batches(steps: int = 2) -> list[tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]]:
+    generator = torch.Generator().manual_seed(3)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(0, 32, (BATCH, SEQ), generator=generator)
+        mask = (torch.rand(BATCH, SEQ, generator=generator) > 0.3).long()
+        out.append(((ids, mask), torch.randn(BATCH, 4, generator=generator)))
+    return out
+
+
+MASKED_CASES = [(schedule, transport) for transport in ("zmq", "dist")
+                for schedule in ("gpipe", "1f1b", "interleaved", "zero_bubble")]
+
+
+@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.parametrize(("schedule", "transport"), MASKED_CASES)
+async def test_blocks_that_pass_dicts_with_an_integer_mask_train_as_one_process(
+    cluster: Cluster, schedule: str, transport: str
+) -> None:
+    batches = masked_batches()
+    reference, losses = one_process(helpers.masked_blocks, {}, batches, torch.nn.functional.mse_loss,
+                                    lambda model, inputs: Chain(*model)(*inputs))
+    job = await cluster.train(model="tests.helpers.models:masked_blocks", optimizer=("torch.optim:SGD", {"lr": LR}),
+                              pipeline_stages=2, schedule=schedule, micro_batches=MICRO, transport=transport)
+    try:
+        stats = [await job.step(inputs, targets) for inputs, targets in batches]  # inputs: (ids, mask)
+        state = await job.state_dict()
+    finally:
+        await job.close()
+    assert [s.loss for s in stats] == pytest.approx(losses, rel=1e-5)
+    assert_close_state(state, reference)
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_lossy_codec_quantizes_the_activations_and_leaves_the_mask_exact(cluster: Cluster) -> None:
+    batches = masked_batches(1)
+    job = await cluster.train(model="tests.helpers.models:masked_blocks", pipeline_stages=2, micro_batches=2,
+                              activation_codec="int8")
+    try:
+        stats = await job.step(*batches[0])
+    finally:
+        await job.close()
+    edge = stats.bytes_per_edge["F 0->1"]
+    # Per micro-batch: hidden and gate [4, 8, 16] float32 in int8 (plus scales), the int64 mask and its
+    # sum exact (4*8*8 + 8 bytes): well under the raw bytes, well over the float bytes / 4.
+    raw = 2 * (2 * 4 * SEQ * 16 * 4 + 4 * SEQ * 8 + 8)
+    assert stats.loss == stats.loss and 2 * (2 * 4 * SEQ * 16 + 4 * SEQ * 8) <= edge < raw * 0.6
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_cnn_that_flattens_in_forward_trains_split_at_its_blocks(cluster: Cluster) -> None:
+    generator = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(BATCH, 3, 8, 8, generator=generator), torch.randn(BATCH, 4, generator=generator))
+               for _ in range(2)]
+    reference, losses = one_process(helpers.flatten_cnn, {}, batches, torch.nn.functional.mse_loss,
+                                    lambda model, inputs: model(inputs))
+    job = await cluster.train(model="tests.helpers.models:flatten_cnn", optimizer=("torch.optim:SGD", {"lr": LR}),
+                              pipeline_stages=2, micro_batches=MICRO, split_points=["layer2"],
+                              example_inputs=batches[0][0][:2])
+    try:
+        stats = [await job.step(x, y) for x, y in batches]
+        state = await job.state_dict()
+    finally:
+        await job.close()
+    assert [s.loss for s in stats] == pytest.approx(losses, rel=1e-5)
+    assert_close_state(state, reference)
+    helpers.flatten_cnn().load_state_dict(state, strict=True)
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_models_that_cannot_be_split_as_given_say_what_to_do(cluster: Cluster) -> None:
+    with pytest.raises(RemoteError, match=r"built a GPT2LMHeadModel, not an nn.Sequential.*split_points="):
+        await cluster.train(model="examples.hf:gpt2", pipeline_stages=2)
+    with pytest.raises(RemoteError, match=r"(?s)in module branchy \(Branchy.forward\).*What to do"):
+        await cluster.train(model="tests.helpers.models:untraceable", pipeline_stages=2, split_points=["branchy"],
+                            example_inputs=torch.randn(2, 8))
+    with pytest.raises(RemoteError, match=r"did you mean 'transformer.h.1'"):
+        await cluster.train(model="examples.hf:gpt2", pipeline_stages=2, split_points=["transformer.h1"],
+                            example_inputs=torch.zeros(2, 8, dtype=torch.long))
+    with pytest.raises(ValueError, match="example_inputs=<one micro-batch"):
+        await cluster.train(model="examples.hf:gpt2", pipeline_stages=2, split_points=["transformer.h.1"])
+    with pytest.raises(ValueError, match="split_points names 2 modules; 2 model stages"):
+        await cluster.train(model="examples.hf:gpt2", pipeline_stages=2, split_points=["a", "b"],
+                            example_inputs=torch.zeros(2, 8, dtype=torch.long))
+    assert [j for j in await cluster.jobs()] == []
