@@ -105,6 +105,17 @@ class StageConfig(WireRecord):
     # Any nn.Module, traced and cut before these modules (actors.traced); bounds are then one "layer" per stage.
     split_points: list[str] | None = None
     example_inputs: Any = None  # the micro-batch to trace on (else the data factory's first)
+    # Issue 16 (see JobSpec for each one's meaning).
+    precision: str = "fp32"  # "fp32", "bf16", "fp16"
+    loss_scale: float = 0.0  # fp16: static scale, 0 = dynamic
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    min_loss_scale: float = 1.0
+    gradient_clipping: float = 0.0  # global norm; 0 = off
+    lr_scheduler: list[Any] | None = None  # [path, kwargs]
+    activation_checkpointing: bool | int = False  # True: every layer; N: every N layers
+    zero_stage: int = 0  # 1: optimizer state sharded across data-parallel replicas
 
     @property
     def num_stages(self) -> int:

@@ -47,6 +47,8 @@ TransportName = Literal["zmq", "dist"]
 PartitionMethod = Literal["parameters", "uniform", "profile"]
 CodecName = Literal["none", "fp16", "bf16", "int8", "fp8", "int4"]
 NonFiniteAction = Literal["raise", "skip"]
+Precision = Literal["fp32", "bf16", "fp16"]
+PRECISIONS: tuple[str, ...] = get_args(Precision)
 
 SCHEDULE_NAMES: tuple[str, ...] = get_args(ScheduleName)
 TRANSPORTS: tuple[str, ...] = get_args(TransportName)
@@ -130,6 +132,26 @@ class JobSpec:
     """with `max_restarts`, every stage keeps a copy of its parameters and optimizer state each this many steps, and sends one to the next pipeline rank"""
     on_nonfinite: NonFiniteAction = "raise"
     """a NaN or Inf in a loss or gradient, on any stage or replica, stops the step before any parameter changes: `raise` fails it with `NonFiniteError`, `skip` drops it everywhere and reports `StepStats.skipped`"""
+    precision: Precision = "fp32"
+    """`fp32`; `bf16` or `fp16`: compute under autocast with float32 master weights and optimizer state, stage boundaries in the compute dtype; `fp16` scales the loss (dynamic unless `loss_scale`)"""
+    loss_scale: float = 0.0
+    """with `fp16`: a static loss scale; 0 scales dynamically (DeepSpeed's `loss_scale`)"""
+    initial_scale_power: int = 16
+    """with dynamic fp16 loss scaling: the first scale is `2**initial_scale_power`"""
+    loss_scale_window: int = 1000
+    """with dynamic fp16 loss scaling: steps without an overflow before the scale doubles"""
+    hysteresis: int = 2
+    """with dynamic fp16 loss scaling: overflows tolerated before the scale halves"""
+    min_loss_scale: float = 1.0
+    """with dynamic fp16 loss scaling: the scale never drops below this"""
+    gradient_clipping: float = 0.0
+    """clip the global gradient norm (every stage, tensor shard and replica, as `clip_grad_norm_` on one process) to this; 0 is off. `StepStats.grad_norm` reports the norm either way"""
+    lr_scheduler: tuple[str, dict[str, Any]] | None = None
+    """`(path, kwargs)` of a learning-rate schedule stepped once per optimizer step on every stage: any `torch.optim.lr_scheduler` class, or DeepSpeed's (`actors.lr:WarmupLR`, `WarmupDecayLR`, `WarmupCosineLR`, `OneCycle`)"""
+    activation_checkpointing: bool | int = False
+    """keep only each stage's boundary inputs between forward and backward and recompute the rest: `True` for every layer, or an interval of layers"""
+    zero_stage: int = 0
+    """ZeRO: 1 shards optimizer state across data-parallel replicas; 0 is off; 2 and 3 are refused with pipeline stages"""
 
     def __post_init__(self) -> None:
         _check_path("model", self.model)
@@ -176,9 +198,33 @@ class JobSpec:
                              "tensor-parallel layers and transport='dist' hold process groups that recovery does "
                              "not form again yet: leave max_restarts at 0")
         _check_choice("on_nonfinite", self.on_nonfinite, NONFINITE_ACTIONS)
+        self._check_training_options()
         # The schedule's own limits (e.g. interleaved needs micro_batches to be a multiple of the stages).
         build_schedule(self.schedule, self.pipeline_stages, self.micro_batches,
                        self.num_virtual_stages if self.schedule == "interleaved" else None)
+
+    def _check_training_options(self) -> None:
+        """Precision, loss scaling, clipping, LR schedule, activation checkpointing and ZeRO (issue 16)."""
+        _check_choice("precision", self.precision, PRECISIONS)
+        for name in ("loss_scale", "min_loss_scale", "gradient_clipping"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {_show(value)}")
+        _check_int("initial_scale_power", self.initial_scale_power, minimum=0, maximum=64)
+        _check_int("loss_scale_window", self.loss_scale_window, minimum=1)
+        _check_int("hysteresis", self.hysteresis, minimum=1)
+        if self.lr_scheduler is not None:
+            object.__setattr__(self, "lr_scheduler", _path_and_kwargs("lr_scheduler", self.lr_scheduler))
+        value = self.activation_checkpointing
+        if not isinstance(value, bool):
+            _check_int("activation_checkpointing", value, minimum=1)
+        _check_int("zero_stage", self.zero_stage, minimum=0, maximum=3)
+        if self.zero_stage >= 2 and self.pipeline_stages > 1:
+            raise ValueError(f"zero_stage={self.zero_stage} with pipeline_stages={self.pipeline_stages}: ZeRO-2 and "
+                             "ZeRO-3 partition gradients, and pipeline parallelism accumulates each micro-batch's "
+                             "gradients locally before the reduction (DeepSpeed refuses the same); use zero_stage=1")
+        if self.zero_stage >= 2:
+            raise ValueError(f"zero_stage={self.zero_stage} is not built yet; zero_stage=1 shards the optimizer state")
 
     def _check_split_points(self) -> None:
         points = self.split_points
@@ -325,6 +371,11 @@ def stage_config(
         gradient_accumulation_fusion=spec.gradient_accumulation_fusion, keep_freed_memory=spec.keep_freed_memory,
         split_points=list(spec.split_points) if spec.split_points is not None else None,
         example_inputs=spec.example_inputs,
+        precision=spec.precision, loss_scale=float(spec.loss_scale), initial_scale_power=spec.initial_scale_power,
+        loss_scale_window=spec.loss_scale_window, hysteresis=spec.hysteresis,
+        min_loss_scale=float(spec.min_loss_scale), gradient_clipping=float(spec.gradient_clipping),
+        lr_scheduler=[spec.lr_scheduler[0], dict(spec.lr_scheduler[1])] if spec.lr_scheduler is not None else None,
+        activation_checkpointing=spec.activation_checkpointing, zero_stage=spec.zero_stage,
     )
 
 
@@ -421,6 +472,18 @@ def _check_path(name: str, value: Any) -> None:
 def _check_kwargs(name: str, value: Any) -> None:
     if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
         raise TypeError(f"{name} must be a dict of keyword arguments (str keys), got {_show(value)}")
+
+
+def _path_and_kwargs(name: str, value: Any) -> tuple[str, dict[str, Any]]:
+    if isinstance(value, str):
+        path, kwargs = value, {}
+    elif isinstance(value, (list, tuple)) and len(value) == 2:
+        path, kwargs = value
+    else:
+        raise TypeError(f"{name} must be 'package.module:Class' or (path, kwargs), got {_show(value)}")
+    _check_path(name, path)
+    _check_kwargs(f"{name} kwargs", kwargs)
+    return str(path), dict(kwargs)
 
 
 def _optimizer(value: Any) -> tuple[str, dict[str, Any]]:

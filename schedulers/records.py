@@ -52,6 +52,11 @@ class StepStats(WireRecord):
         tied: parameters shared by layers on different pipeline ranks (tied embeddings),
             each as every name the model gives it; their gradients were summed across
             those ranks before the step, so every copy stays the same.
+        grad_norm: the global gradient norm over every stage, tensor shard (replicated
+            parameters once) and replica, before clipping (None until it is measured).
+        loss_scale: with ``precision="fp16"``, the loss scale this step used.
+        skipped_steps: with fp16, the steps skipped so far because gradients overflowed.
+        lr: the learning rate of each optimizer parameter group after this step.
     """
 
     step: int
@@ -73,6 +78,10 @@ class StepStats(WireRecord):
     skipped: bool = False
     nonfinite: list[str] = field(default_factory=list)
     tied: list[list[str]] = field(default_factory=list)
+    grad_norm: float | None = None
+    loss_scale: float | None = None
+    skipped_steps: int = 0
+    lr: list[float] = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StepStats:
