@@ -10,6 +10,7 @@ use it; a RECV waits only until its value has arrived.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -83,6 +84,15 @@ class StageModel:
     # Set when the stage's nn.Linear weight gradients are fused (actors._wgrad): then I
     # defers just the weight GEMMs and W runs them, without a second pass over the graph.
     weight_grads: _wgrad.WeightGradients | None = None
+    # Mixed precision: compute under autocast in this dtype (float32 master weights), and
+    # send floating-point boundary values in it. None: float32 throughout.
+    compute_dtype: torch.dtype | None = None
+
+    def autocast(self) -> Any:
+        """The context a forward (and a recompute) runs in."""
+        if self.compute_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
 
 @dataclass(slots=True)
@@ -128,6 +138,7 @@ class StepExecutor:
         self._pending_grads: dict[tuple[int, int], list[torch.Tensor | None] | None] = {}  # I -> W, plain autograd
         self._pending_w: dict[tuple[int, int], list[_wgrad.PendingWeightGrad]] = {}  # I -> W, fused
         self._values: dict[tuple[str, int, int], Any] = {}  # received trees, and payloads to send
+        self.loss_scale = 1.0  # fp16: the step's loss scale (set by the stage before each step)
 
     async def compute(self, fn: Callable[..., T], *args: Any) -> T:
         """Runs ``fn`` on the compute thread."""
@@ -253,20 +264,27 @@ class StepExecutor:
     def _forward(self, stage: int, mb: int, x: Any, target: Any) -> float | None:
         module = self.model.modules[stage]
         with torch.enable_grad():
-            # Stage 0 takes the batch as the model takes it (tensor, positional tuple or
-            # keyword dict); a later stage takes what the one before it returned.
-            out = boundary.call_module(module, x) if stage == 0 else module(x)
+            with self.model.autocast():
+                # Stage 0 takes the batch as the model takes it (tensor, positional tuple or
+                # keyword dict); a later stage takes what the one before it returned.
+                out = boundary.call_module(module, x) if stage == 0 else module(x)
+                if target is not None:
+                    check_target_shape(out, target)
+                    loss = self.model.loss_fn(out, target).float()
             inputs = boundary.grad_leaves(x) if stage > 0 else []
             if target is None:
+                if self.model.compute_dtype is not None:
+                    # The boundary travels in the compute dtype (half the bytes); the cast is
+                    # part of the graph, so the gradient that comes back meets it.
+                    out = boundary.cast_floating(out, self.model.compute_dtype)
                 sent = boundary.pack(out)
                 self._stash[(stage, mb)] = (inputs, [t for t in boundary.tree_tensors(out) if t.requires_grad])
                 self._values[("F", stage, mb)] = sent
                 return None
-            check_target_shape(out, target)
-            loss = self.model.loss_fn(out, target)
             # The step's loss is the mean over micro-batches, as one process computes
             # it on the whole batch; each micro-batch's gradient is scaled to match.
-            self._stash[(stage, mb)] = (inputs, [loss / self.num_microbatches])
+            scaled = loss * self.loss_scale if self.loss_scale != 1.0 else loss
+            self._stash[(stage, mb)] = (inputs, [scaled / self.num_microbatches])
             return float(loss.detach())
 
     def _backward(self, stage: int, mb: int, grads: list[torch.Tensor | None] | None,

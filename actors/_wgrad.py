@@ -51,12 +51,16 @@ def _weight_grad(weight: torch.Tensor | None, bias: torch.Tensor | None,
     g = grad_out.reshape(-1, grad_out.shape[-1])
     if weight is not None:
         x = inputs.reshape(-1, inputs.shape[-1])
-        if weight.grad is None:
+        if g.dtype != weight.dtype:
+            # Under autocast: the GEMM in the compute dtype, then into the float32 master
+            # gradient, as autograd's cast back does (one temporary; the numbers autocast gives).
+            _accumulate(weight, g.t().mm(x).to(weight.dtype))
+        elif weight.grad is None:
             weight.grad = g.t().mm(x)
         else:
             weight.grad.addmm_(g.t(), x)
     if bias is not None:
-        _accumulate(bias, g.sum(0))
+        _accumulate(bias, g.sum(0).to(bias.dtype))
 
 
 def apply(pending: list[PendingWeightGrad]) -> None:
@@ -98,28 +102,44 @@ class WeightGradients:
 
 class _Linear(torch.autograd.Function):
     """``F.linear`` whose backward returns the input gradient and hands the parameter
-    gradients to a :class:`WeightGradients` (autograd never accumulates them)."""
+    gradients to a :class:`WeightGradients` (autograd never accumulates them).
+
+    With ``dtype`` (autocast's compute dtype) it computes as autocast's ``linear`` does:
+    input, weight and bias cast to ``dtype``; the input gradient goes back in the input's
+    own dtype and the parameter gradients reach the float32 masters.
+    """
 
     @staticmethod
     def forward(ctx: Any, inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                grads: WeightGradients) -> torch.Tensor:
-        ctx.save_for_backward(inputs, weight)
-        ctx.bias, ctx.grads = bias, grads
-        return F.linear(inputs, weight, bias)
+                grads: WeightGradients, dtype: torch.dtype | None) -> torch.Tensor:
+        ctx.input_dtype = inputs.dtype
+        if dtype is not None:
+            with torch.autocast(inputs.device.type, enabled=False):
+                inputs, low = inputs.to(dtype), weight.to(dtype)
+                out = F.linear(inputs, low, bias.to(dtype) if bias is not None else None)
+            ctx.save_for_backward(inputs, low)
+        else:
+            ctx.save_for_backward(inputs, weight)
+            out = F.linear(inputs, weight, bias)
+        ctx.bias, ctx.grads, ctx.weight = bias, grads, weight
+        return out
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None]:
         inputs, weight = ctx.saved_tensors
-        grad_in = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_in = grad_out.matmul(weight).to(ctx.input_dtype) if ctx.needs_input_grad[0] else None
         bias = ctx.bias if ctx.needs_input_grad[2] else None
-        ctx.grads.record(weight if ctx.needs_input_grad[1] else None, bias, grad_out, inputs)
-        return grad_in, None, None, None
+        ctx.grads.record(ctx.weight if ctx.needs_input_grad[1] else None, bias, grad_out, inputs)
+        return grad_in, None, None, None, None
 
 
 def _forward(module: nn.Linear, grads: WeightGradients, inputs: torch.Tensor) -> torch.Tensor:
-    if not torch.is_grad_enabled() or torch.is_autocast_enabled():
+    if not torch.is_grad_enabled():
         return F.linear(inputs, module.weight, module.bias)
-    out: torch.Tensor = _Linear.apply(inputs, module.weight, module.bias, grads)
+    device = inputs.device.type
+    # Autocast is per device type: torch.is_autocast_enabled() alone asks about CUDA only.
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    out: torch.Tensor = _Linear.apply(inputs, module.weight, module.bias, grads, dtype)
     return out
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["MAX_LEAVES", "Payload", "batch_size", "call_module", "check_spec", "grad_leaves", "pack",
+__all__ = ["MAX_LEAVES", "Payload", "batch_size", "call_module", "cast_floating", "check_spec", "grad_leaves", "pack",
            "split_batch", "tree_tensors", "unpack"]
 
 MAX_LEAVES = 256  # tensors per boundary value
@@ -167,6 +167,18 @@ def tree_tensors(tree: Any) -> list[torch.Tensor]:
     if isinstance(tree, (tuple, list)):
         return [t for item in tree for t in tree_tensors(item)]
     return []
+
+
+def cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    """``tree`` with every floating-point tensor in ``dtype`` (differentiably); other values as they are."""
+    if isinstance(tree, torch.Tensor):
+        return tree.to(dtype) if tree.is_floating_point() and tree.dtype != dtype else tree
+    if isinstance(tree, Mapping):
+        return {key: cast_floating(value, dtype) for key, value in tree.items()}
+    if isinstance(tree, (tuple, list)):
+        items = [cast_floating(value, dtype) for value in tree]
+        return tuple(items) if isinstance(tree, tuple) else items
+    return tree
 
 
 def grad_leaves(tree: Any) -> list[torch.Tensor]:

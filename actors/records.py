@@ -170,8 +170,13 @@ class ReduceReport(WireRecord):
             data-parallel reduction)`` when only the reduced gradient is not finite.
         tied: the parameters this stage shares with other pipeline ranks, each as every
             name the model gives it; their gradients were summed across those ranks.
+        grad_sq: this stage's share of the squared global gradient norm (after the
+            reduction; a tensor-replicated parameter counted by tensor rank 0 only, a
+            tied one by the lowest pipeline rank holding it); the scheduler adds the
+            shares of data-parallel replica 0.
     """
 
     reduced_bytes: int = 0
     nonfinite: list[str] = field(default_factory=list)
     tied: list[list[str]] = field(default_factory=list)
+    grad_sq: float = 0.0

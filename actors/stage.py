@@ -46,6 +46,24 @@ from transport.codecs import Encoded, ErrorFeedback, get_codec
 __all__ = ["StageActor", "StageConfig"]
 
 
+def _squared_norm(params: Sequence[torch.Tensor]) -> float:
+    """The sum of the squares of these parameters' gradients, in float64 (inf or nan when one is)."""
+    total = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        if p.grad is not None:
+            total += torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float64).cpu() ** 2
+    return float(total)
+
+
+@torch.no_grad()
+def _rescale_gradients(params: Sequence[torch.Tensor], unscale: float, clip: float) -> None:
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads and unscale != 1.0:
+        torch._foreach_mul_(grads, 1.0 / unscale)
+    if grads and clip != 1.0:
+        torch._foreach_mul_(grads, clip)
+
+
 def _original_key(layer: int, name: str) -> str:
     return name
 
@@ -93,6 +111,7 @@ class StageActor(Actor):
         # name alone for a traced model, whose stage modules keep the original model's names.
         self.key: Callable[[int, str], str] = layer_key
         self._aliases: dict[str, list[str]] = {}  # a tied tensor's name -> its other names in the model
+        self._norm_params: list[torch.Tensor] = []  # whose gradients this stage counts in the global norm
 
     async def on_start(self) -> None:
         context = self.node_context
@@ -182,8 +201,16 @@ class StageActor(Actor):
             self._data = load_object(cfg.data, allow)(**cfg.data_kwargs)
         log.info("stage %s/%d of job %s: model stages %s, %d parameters", cfg.pipeline_rank, cfg.pipeline_stages,
                  cfg.job, cfg.stages, sum(p.numel() for p in params))
+        compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
+        # Each parameter's share of the global norm: replicated tensor-parallel ones on tensor
+        # rank 0, tied ones on the lowest pipeline rank holding them (see reduce_step).
+        tied_elsewhere = {id(g.param) for g in self._tied.groups if g.ranks[0] != cfg.pipeline_rank}
+        tp_rank = self._mesh.coords(cfg.global_rank).tensor
+        self._norm_params = list({id(p): p for name, p in self._named_parameters
+                                  if id(p) not in tied_elsewhere and (name in self._specs or tp_rank == 0)}.values())
         return StageModel(modules=modules, num_stages=cfg.num_stages, loss_fn=loss_fn,
-                          optimizer=optimizer, device=device, weight_grads=weight_grads)
+                          optimizer=optimizer, device=device, weight_grads=weight_grads,
+                          compute_dtype=compute_dtype)
 
     async def on_stop(self) -> None:
         if self.executor is not None:
@@ -230,6 +257,7 @@ class StageActor(Actor):
         data_shard: list[int] | None = None,
         micro_batches: int | None = None,
         snapshot: int | None = None,
+        loss_scale: float | None = None,
     ) -> dict[str, Any]:
         """Runs ``program`` up to its barrier.
 
@@ -239,6 +267,7 @@ class StageActor(Actor):
                 pipeline rank in the background (see :meth:`keep_snapshot`).
             micro_batches: a count other than the one the stage was built with (changed
                 on a running job, at the barrier, by the scheduler).
+            loss_scale: with fp16, the scale the last stage multiplies each loss by.
 
         Returns:
             A :class:`~actors.records.StageReport` as a map: the step's trace, or which
@@ -252,6 +281,10 @@ class StageActor(Actor):
                 raise ValueError(f"micro_batches must be an int >= 1, got {micro_batches!r:.40}")
             self.executor.num_microbatches = micro_batches
             self.executor.inbox.resize(self._inbox_limit(micro_batches))
+        if loss_scale is not None:
+            if isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float)) or not loss_scale > 0:
+                raise ValueError(f"loss_scale must be a number > 0, got {loss_scale!r:.40}")
+            self.executor.loss_scale = float(loss_scale)
         if data_step is not None:
             inputs, targets = self._read_data(data_step, data_shard or [0, 1])
         if snapshot is not None:
@@ -313,7 +346,8 @@ class StageActor(Actor):
             # A lossy reduce codec can overflow (fp16 past 65504) where the raw gradients did not.
             reduced = await self.executor.compute(nonfinite_gradients, named)
             found = [f"{name} (after the data-parallel reduction)" for name in reduced]
-        return ReduceReport(reduced_bytes=self._reduced_bytes, nonfinite=found,
+        grad_sq = await self.executor.compute(_squared_norm, self._norm_params)
+        return ReduceReport(reduced_bytes=self._reduced_bytes, nonfinite=found, grad_sq=grad_sq,
                             tied=[self._tied_names(group.names) for group in self._tied.groups]).to_wire()
 
     def _tied_names(self, names: Sequence[str]) -> list[str]:
@@ -339,13 +373,23 @@ class StageActor(Actor):
             raise NotAllowed(str(exc)) from None
 
     @endpoint(roles=("head",))
-    async def finish_step(self, step: int, apply: bool = True) -> None:
+    async def finish_step(self, step: int, apply: bool = True, unscale: float = 1.0, clip: float = 1.0) -> None:
         """Steps the optimizer (``apply``) or drops the step's gradients, as the scheduler decided.
+
+        Before the step the gradients are divided by ``unscale`` (fp16's loss scale) and
+        then multiplied by ``clip`` (the global-norm clipping coefficient), in that order,
+        as ``GradScaler.unscale_`` then ``clip_grad_norm_`` do on one process.
 
         A dropped step also forgets the error-feedback residuals: those of a step with
         non-finite gradients hold NaN, which would poison every later step.
         """
         assert self.executor is not None
+        for name, value in (("unscale", unscale), ("clip", clip)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r:.40}")
+        if apply and (unscale != 1.0 or clip != 1.0):
+            params = list({id(p): p for m in self.executor.model.modules.values() for p in m.parameters()}.values())
+            await self.executor.compute(_rescale_gradients, params, float(unscale), float(clip))
         await self.executor.apply(self._program, step=bool(apply))
         if not apply:
             self._feedback = {edge: ErrorFeedback(codec) for edge, codec in enumerate(self._codecs["B"])}

@@ -15,6 +15,7 @@ import torch
 
 from actors import ActorRef, Host, Mesh
 from schedulers.jobs import JobSpec
+from schedulers.scaling import LossScaler
 
 __all__ = ["JobCore", "Placer"]
 
@@ -35,6 +36,7 @@ class JobCore(Protocol):
     next_step: int
     applied: int
     steps_done: int
+    scaler: LossScaler | None
     history: dict[int, tuple[Any, Any]]
     restarts: int
     last_checkpoint: tuple[str, int] | None

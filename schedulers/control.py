@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ from schedulers import job_state, recovery
 from schedulers.jobs import JobSpec
 from schedulers._job import Placer
 from schedulers.records import JobDescription, RunInfo, SettingChange, StepStats, WhereReport
+from schedulers.scaling import LossScaler, clip_coefficient
 from schedulers.schedules import build_schedule
 from schedulers.stepping import (
     describe_findings,
@@ -195,6 +197,10 @@ class JobController:
         self.history: dict[int, tuple[Any, Any]] = {}  # applied-step index -> (inputs, targets)
         self.restarts = 0
         self.tied: list[tuple[str, ...]] = []  # parameters shared across pipeline ranks, as the stages report
+        # fp16: the loss scale every stage's next step uses (None: no scaling); the last step's norm.
+        self.scaler: LossScaler | None = None if spec.precision != "fp16" else LossScaler.for_spec(
+            spec.loss_scale, spec.initial_scale_power, spec.loss_scale_window, spec.hysteresis, spec.min_loss_scale)
+        self.grad_norm: float | None = None
         self.last_checkpoint: tuple[str, int] | None = None  # (directory, step) of this job's newest save
         self.driver_batches = False  # a step took the driver's batch (so the data factory cannot replay it)
         self.snapshot_due = False  # take one at the next step whatever snapshot_every says (after a load)
@@ -271,7 +277,10 @@ class JobController:
                 call["micro_batches"] = self.spec.micro_batches
             if self.spec.max_restarts and (self.snapshot_due or self.applied % self.spec.snapshot_every == 0):
                 call["snapshot"] = self.applied
+            if self.scaler is not None:
+                call["loss_scale"] = self.scaler.scale
         started = time.perf_counter()
+        used_scale = self.scaler.scale if self.scaler is not None else 1.0
         try:
             reports = await self._run_to_barrier(step, calls)
             try:
@@ -290,7 +299,10 @@ class JobController:
         samples = batch_size(inputs) if inputs is not None else self.spec.data_kwargs.get("batch_size")
         stats = step_stats(self.spec, step, reports, elapsed, reduce_bytes,
                            samples if isinstance(samples, int) else None, nonfinite)
-        return dataclasses.replace(stats, tied=[list(names) for names in self.tied]) if self.tied else stats
+        scaler = self.scaler
+        return dataclasses.replace(stats, tied=[list(names) for names in self.tied], grad_norm=self.grad_norm,
+                                   loss_scale=used_scale if scaler is not None else None,
+                                   skipped_steps=scaler.skipped if scaler is not None else 0)
 
     async def _run_to_barrier(self, step: int, calls: dict[int, dict[str, Any]]) -> list[StageReport]:
         tasks = {
@@ -434,10 +446,24 @@ class JobController:
                                                                                  step)]
         found = nonfinite_findings(self.mesh, reports, reduced)
         self.tied = sorted({tuple(names) for r in reduced for names in r.tied})
-        await self._on_every_stage(StageActor.finish_step, "STEP", step, not found)
-        if found and self.spec.on_nonfinite == "raise":
+        # Replicas hold the same averaged gradients: replica 0's shares make up the global norm.
+        squares = sum(r.grad_sq for g, r in enumerate(reduced) if self.mesh.coords(g).data == 0)
+        scaler = self.scaler
+        scale = scaler.scale if scaler is not None else 1.0
+        self.grad_norm = math.sqrt(squares) / scale if math.isfinite(squares) else float("inf")
+        # fp16: a gradient that overflowed (the losses are finite) skips the step everywhere and
+        # lowers the scale; at the lowest dynamic scale it is a real non-finite value.
+        overflow = scaler is not None and bool(found) and not any(
+            what.startswith("loss") for _, what in found) and not (scaler.dynamic and scaler.at_minimum)
+        clip = clip_coefficient(self.grad_norm, self.spec.gradient_clipping)
+        await self._on_every_stage(StageActor.finish_step, "STEP", step, not found, scale, clip)
+        if scaler is not None and (overflow or not found):
+            scaler.update(overflow)
+        if overflow:
+            log.info("%s step %d skipped: fp16 gradients overflowed at loss scale %g", self.id, step, scale)
+        elif found and self.spec.on_nonfinite == "raise":
             raise nonfinite_failed(self.mesh, step, found)
-        if found:
+        elif found:
             log.warning("%s step %d skipped: %s", self.id, step, "; ".join(describe_findings(self.mesh, found)[:5]))
         return sum(r.reduced_bytes for r in reduced), describe_findings(self.mesh, found)
 

@@ -125,7 +125,8 @@ async def save(job: JobCore, directory: str) -> str:
         manifest = Manifest(step=job.applied, optimizer=job.spec.optimizer[0], files=files, model=model,
                             optimizer_state=state,
                             job={"id": job.id, "spec": _described(job.spec.to_wire()), "bounds": job.bounds,
-                                 "mesh": [mesh.pipeline, mesh.tensor, mesh.data]})
+                                 "mesh": [mesh.pipeline, mesh.tensor, mesh.data],
+                                 **({"loss_scaler": job.scaler.state_dict()} if job.scaler is not None else {})})
         [version] = await _on_stages(job, coordinator, "save", lambda g: job.stages[g].endpoint(
             StageActor.checkpoint_commit, timeout=CHECKPOINT_TIMEOUT_S).call(directory, staging,
                                                                               manifest.to_wire()))
@@ -181,6 +182,12 @@ async def apply_checkpoint(job: JobCore, directory: str, weights_only: bool = Fa
         StageActor.checkpoint_apply, timeout=CHECKPOINT_TIMEOUT_S).call(weights_only))
     job.broken = None
     job.snapshot_due = True
+    saved_scale = manifest.job.get("loss_scaler")
+    if job.scaler is not None and not weights_only and isinstance(saved_scale, dict):
+        try:  # fp16: the loss scale goes on from where it was
+            job.scaler.load_state_dict(saved_scale)
+        except (KeyError, TypeError, ValueError) as exc:
+            log.warning("%s: the checkpoint's loss scale is unreadable (%s); keeping the current one", job.id, exc)
     return manifest.step
 
 

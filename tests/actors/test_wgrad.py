@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -106,3 +108,31 @@ def test_deferring_does_not_nest() -> None:
             pass
     with grads.deferring() as pending:  # usable again after the error
         assert pending == []
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_weight_gradients_stay_on_under_cpu_autocast_and_match_autocasts_own(dtype: torch.dtype) -> None:
+    """Issue 16: ``torch.is_autocast_enabled()`` without a device type asks about CUDA, so CPU
+    autocast used to mix a bf16 input with the float32 weight at the first backward
+    (``expected m1 and m2 to have the same dtype``). Now the taken-over linears compute as
+    autocast's own linear does, and their weight GEMMs can still be deferred."""
+    torch.manual_seed(0)
+    fused = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 8))
+    plain = copy.deepcopy(fused)
+    grads = _wgrad.WeightGradients()
+    assert _wgrad.install(fused, grads) == 2
+    for _ in range(3):  # accumulation over micro-batches, as a stage does
+        x = torch.randn(4, 16)
+        with torch.autocast("cpu", dtype=dtype):
+            out = fused(x)
+        assert out.dtype == dtype
+        with grads.deferring() as pending:
+            out.float().pow(2).mean().backward()
+        assert len(pending) == 2  # the weight GEMMs waited for W: the fused path ran
+        _wgrad.apply(pending)
+        with torch.autocast("cpu", dtype=dtype):
+            reference = plain(x)
+        reference.float().pow(2).mean().backward()
+    for (name, p), (_, q) in zip(fused.named_parameters(), plain.named_parameters()):
+        assert p.grad is not None and p.grad.dtype == torch.float32
+        assert torch.equal(p.grad, q.grad), name

@@ -196,3 +196,34 @@ class Branchy(nn.Module):
 
 def untraceable(dim: int = 8) -> Untraceable:
     return Untraceable(dim)
+
+
+class _InfGradient(torch.autograd.Function):
+    """Identity forward; in backward, an infinite gradient for ``weight`` alone (not the input)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, poison: bool) -> torch.Tensor:
+        ctx.poison = poison
+        return x * weight
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        grad_weight = torch.full((1,), float("inf")) if ctx.poison else grad.float().sum().reshape(1) * 0
+        return grad, grad_weight, None
+
+
+class OverflowWhenMarked(nn.Module):
+    """Passes its input through; a batch whose first value is 1e4 gives this layer's own weight an
+    infinite gradient (as an fp16 overflow would), on this stage only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _InfGradient.apply(x, self.weight, bool(x.flatten()[0].item() == 1e4))
+
+
+def overflowing(layers: int = 4, dim: int = 8) -> nn.Sequential:
+    """A linear stack whose first layer can be made to overflow (see :class:`OverflowWhenMarked`)."""
+    return nn.Sequential(OverflowWhenMarked(), *(nn.Linear(dim, dim) for _ in range(layers)))
