@@ -487,15 +487,7 @@ def _path_and_kwargs(name: str, value: Any) -> tuple[str, dict[str, Any]]:
 
 
 def _optimizer(value: Any) -> tuple[str, dict[str, Any]]:
-    if isinstance(value, str):
-        path, kwargs = value, {}
-    elif isinstance(value, (list, tuple)) and len(value) == 2:
-        path, kwargs = value
-    else:
-        raise TypeError(f"optimizer must be 'package.module:Class' or (path, kwargs), got {_show(value)}")
-    _check_path("optimizer", path)
-    _check_kwargs("optimizer kwargs", kwargs)
-    return (path, dict(kwargs))
+    return _path_and_kwargs("optimizer", value)
 
 
 if __name__ == "__main__":

@@ -62,6 +62,15 @@ def assert_close_state(state: dict[str, torch.Tensor], model: torch.nn.Module) -
         torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
+async def train_steps(job: Any, batches: list[tuple[Any, Any]]) -> tuple[list[Any], dict[str, torch.Tensor]]:
+    """Steps ``job`` through ``batches`` and gathers its state; the job is closed either way."""
+    try:
+        stats = [await job.step(x, y) for x, y in batches]
+        return stats, await job.state_dict()
+    finally:
+        await job.close()
+
+
 def logits(model: torch.nn.Module, inputs: Any) -> torch.Tensor:
     return model(inputs).logits
 
@@ -95,11 +104,7 @@ async def test_hugging_face_models_train_split_at_named_points_as_one_process(
                               optimizer=("torch.optim:SGD", {"lr": LR}), pipeline_stages=stages, schedule=schedule,
                               micro_batches=MICRO, split_points=split_points(family, model_stages, layers),
                               example_inputs=batches[0][0][:BATCH // MICRO])
-    try:
-        stats = [await job.step(x, y) for x, y in batches]
-        state = await job.state_dict()
-    finally:
-        await job.close()
+    stats, state = await train_steps(job, batches)
     assert [s.loss for s in stats] == pytest.approx(losses, rel=1e-5)
     assert_close_state(state, reference)
     embedding = "transformer.wte.weight" if family == "gpt2" else "model.embed_tokens.weight"
@@ -168,11 +173,7 @@ async def test_blocks_that_pass_dicts_with_an_integer_mask_train_as_one_process(
                                     lambda model, inputs: Chain(*model)(*inputs))
     job = await cluster.train(model="tests.helpers.models:masked_blocks", optimizer=("torch.optim:SGD", {"lr": LR}),
                               pipeline_stages=2, schedule=schedule, micro_batches=MICRO, transport=transport)
-    try:
-        stats = [await job.step(inputs, targets) for inputs, targets in batches]  # inputs: (ids, mask)
-        state = await job.state_dict()
-    finally:
-        await job.close()
+    stats, state = await train_steps(job, batches)  # each batch's inputs: (ids, mask)
     assert [s.loss for s in stats] == pytest.approx(losses, rel=1e-5)
     assert_close_state(state, reference)
 
@@ -203,11 +204,7 @@ async def test_a_cnn_that_flattens_in_forward_trains_split_at_its_blocks(cluster
     job = await cluster.train(model="tests.helpers.models:flatten_cnn", optimizer=("torch.optim:SGD", {"lr": LR}),
                               pipeline_stages=2, micro_batches=MICRO, split_points=["layer2"],
                               example_inputs=batches[0][0][:2])
-    try:
-        stats = [await job.step(x, y) for x, y in batches]
-        state = await job.state_dict()
-    finally:
-        await job.close()
+    stats, state = await train_steps(job, batches)
     assert [s.loss for s in stats] == pytest.approx(losses, rel=1e-5)
     assert_close_state(state, reference)
     helpers.flatten_cnn().load_state_dict(state, strict=True)
