@@ -142,10 +142,13 @@ def _replayable(job: JobCore, start: int) -> bool:
 
 def _snapshot_source(job: JobCore, rank: int, lost: list[int]) -> tuple[int, bool] | None:
     """Where a lost rank's state comes from: a surviving data-parallel replica of it (its own
-    snapshot is the same), else the next pipeline rank of its replica (which kept a copy)."""
+    snapshot is the same), else the next pipeline rank of its replica (which kept a copy).
+
+    With ZeRO-1 a replica's optimizer state is its own shard: only the pipeline neighbour's
+    copy will do (and with one pipeline stage, the job's newest checkpoint)."""
     mesh, c = job.mesh, job.mesh.coords(rank)
-    for data in range(mesh.data):
-        replica = mesh.rank(Coords(data=data, pipeline=c.pipeline, tensor=c.tensor))
+    replicas = [mesh.rank(Coords(data=d, pipeline=c.pipeline, tensor=c.tensor)) for d in range(mesh.data)]
+    for replica in replicas if job.spec.zero_stage == 0 else []:
         if replica not in lost:
             return replica, True
     if mesh.pipeline > 1:
