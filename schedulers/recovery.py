@@ -74,10 +74,12 @@ async def recover(job: JobCore, cause: NodeLost) -> dict[str, Any]:
     usable = {i for i in common if _replayable(job, i)}
     checkpoint = job.last_checkpoint if not usable else None
     if not usable and (checkpoint is None or not _replayable(job, checkpoint[1])):
+        zero = (" (with zero_stage=1 a replica's optimizer state is its own shard: another replica's snapshot "
+                "cannot stand in for it)") if job.spec.zero_stage == 1 and job.mesh.data > 1 else ""
         raise unrecoverable("no snapshot that every stage has, and no checkpoint of this job to go back to, "
-                            "with the batches since kept" if checkpoint is None else
+                            f"with the batches since kept{zero}" if checkpoint is None else
                             f"no snapshot that every stage has, and the batches since its checkpoint "
-                            f"{checkpoint[0]} (step {checkpoint[1]}) are no longer kept")
+                            f"{checkpoint[0]} (step {checkpoint[1]}) are no longer kept{zero}")
     target = max(usable) if usable else checkpoint[1] if checkpoint is not None else 0
     assert job.placer is not None
     try:
