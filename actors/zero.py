@@ -6,8 +6,8 @@ also runs the same optimizer step on a full copy of the optimizer state. With
 ``zero_stage=1`` the held parameters are partitioned among the replicas (whole
 parameters, balanced by element count, the same partition on every replica); each
 replica keeps optimizer state for its own shard only and steps only that shard, and
-then every shard's owner broadcasts its updated parameters, in flat buckets, so that
-every replica again holds identical parameters. This is DeepSpeed's ZeRO-1 and
+then every shard's owner broadcasts its updated parameters (large ones in place, small
+ones packed in flat buckets), so that every replica again holds identical parameters. This is DeepSpeed's ZeRO-1 and
 torch's ``ZeroRedundancyOptimizer``; like the latter, the unit of partition is a
 whole parameter, so one parameter larger than the rest bounds how even the shards are.
 
@@ -24,6 +24,10 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["ShardedOptimizer", "check_snapshot", "partition", "state_bytes"]
+
+# A parameter this large is broadcast in place, alone: its collective costs far more than
+# the call, and flat copies of the large ones would take as much memory as ZeRO saves.
+IN_PLACE_BYTES = 1 << 20
 
 
 def partition(numels: Sequence[int], num_shards: int) -> list[int]:
@@ -59,7 +63,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         ranks: the global ranks of the data-parallel replicas, by shard index (the
             broadcasts' sources).
         group: returns the data-parallel process group now (a recovery forms it again).
-        bucket_bytes: the most bytes one broadcast carries (a larger parameter goes alone).
+        bucket_bytes: the most bytes one broadcast of small parameters carries, packed flat
+            (a parameter of ``IN_PLACE_BYTES`` or more goes alone, in place).
     """
 
     def __init__(
@@ -84,7 +89,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().__init__([{"params": params, **settings}], self.inner.defaults)
         self._building = False
         self.state = self.inner.state  # type: ignore[assignment]  # one dict: snapshots and checkpoints see the shard
-        self._buffers: dict[tuple[int, int], torch.Tensor] = {}
+        self._scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # one flat bucket's room
 
     def owns(self, param: torch.Tensor) -> bool:
         """Whether this replica keeps ``param``'s optimizer state and computes its update."""
@@ -113,38 +118,52 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.inner.param_groups[0].update({k: v for k, v in self.param_groups[0].items() if k != "params"})
 
     def _broadcast(self) -> None:
-        """Every shard's parameters from its owner, a flat bucket per collective."""
+        """Every shard's parameters from its owner: large ones in place, small ones packed in flat buckets."""
         group = self._group()
         for shard, params in enumerate(self._shards):
-            for index, bucket in enumerate(_buckets(params, self._bucket_bytes)):
-                flat = self._buffers.get((shard, index))
-                numel = sum(p.numel() for p in bucket)
-                if flat is None or flat.numel() != numel or flat.dtype != bucket[0].dtype:
-                    flat = self._buffers[(shard, index)] = bucket[0].new_empty(numel)
-                mine = shard == self.shard
+            src, mine = self._ranks[shard], shard == self.shard
+            for bucket in _buckets(params, self._bucket_bytes):
+                if len(bucket) == 1 and bucket[0].is_contiguous():
+                    dist.broadcast(bucket[0].detach(), src=src, group=group)
+                    continue
+                flat = self._flat(bucket)
                 if mine:
                     torch.cat([p.detach().reshape(-1) for p in bucket], out=flat)
-                dist.broadcast(flat, src=self._ranks[shard], group=group)
+                dist.broadcast(flat, src=src, group=group)
                 if not mine:
                     offset = 0
                     for p in bucket:
                         p.copy_(flat[offset:offset + p.numel()].view_as(p))
                         offset += p.numel()
 
+    def _flat(self, bucket: list[torch.Tensor]) -> torch.Tensor:
+        """Room for ``bucket`` flat, in one buffer kept across steps (grown when a bucket needs more)."""
+        numel = sum(p.numel() for p in bucket)
+        like = bucket[0]
+        scratch = self._scratch.get((like.dtype, like.device))
+        if scratch is None or scratch.numel() < numel:
+            scratch = self._scratch[(like.dtype, like.device)] = like.new_empty(numel)
+        return scratch[:numel]
+
 
 def _buckets(params: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
-    """``params`` in order, packed into runs of one dtype and device of at most ``bucket_bytes``."""
+    """``params`` in order: each of ``IN_PLACE_BYTES`` or more alone, the rest packed into runs of one
+    dtype and device of at most ``bucket_bytes``."""
     buckets: list[list[torch.Tensor]] = []
+    small: list[torch.Tensor] = []  # the open bucket of small parameters
     size = 0
     for p in params:
         nbytes = p.numel() * p.element_size()
-        last = buckets[-1] if buckets else None
-        if last is None or size + nbytes > bucket_bytes or (p.dtype, p.device) != (last[0].dtype, last[0].device):
+        if nbytes >= IN_PLACE_BYTES:
             buckets.append([p])
-            size = nbytes
-        else:
-            last.append(p)
-            size += nbytes
+            continue
+        if small and (size + nbytes > bucket_bytes or (p.dtype, p.device) != (small[0].dtype, small[0].device)):
+            small = []
+        if not small:
+            buckets.append(small)
+            size = 0
+        small.append(p)
+        size += nbytes
     return buckets
 
 

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from actors import snapshots
-from actors.zero import ShardedOptimizer, check_snapshot, partition, state_bytes
+from actors import snapshots, zero
+from actors.zero import ShardedOptimizer, _buckets, check_snapshot, partition, state_bytes
 from examples.models import residual_mlp
 
 WORLD = 2
@@ -40,6 +40,14 @@ OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
 def test_partition_balances_element_counts_deterministically(numels: list[int], shards: int,
                                                               owners: list[int]) -> None:
     assert partition(numels, shards) == owners
+
+
+def test_large_parameters_go_alone_and_small_ones_share_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(zero, "IN_PLACE_BYTES", 400)
+    params = [torch.zeros(n) for n in (10, 100, 20, 60, 30, 5)]  # float32: 40, 400, 80, 240, 120, 20 bytes
+    params.insert(3, torch.zeros(7, dtype=torch.float64))
+    sizes = [[p.numel() for p in bucket] for bucket in _buckets(params, bucket_bytes=160)]
+    assert sizes == [[10, 20], [100], [7], [60], [30, 5]]
 
 
 def _model() -> torch.nn.Module:
@@ -70,9 +78,9 @@ def _worker(rank: int, directory: str) -> None:
     try:
         group = dist.new_group(list(range(WORLD)))
         results: dict[str, Any] = {}
+        zero.IN_PLACE_BYTES = 2048  # the 32 x 16 weights go in place; the rest in buckets of 1 KiB
         for name, (cls, kwargs) in OPTIMIZERS.items():
             model = _model()
-            # 1 KiB buckets: several broadcasts per shard, and parameters larger than a bucket.
             optimizer = ShardedOptimizer(model.parameters(), cls, kwargs, shard=rank, ranks=list(range(WORLD)),
                                          group=lambda: group, bucket_bytes=1024)
             _train(model, optimizer)
