@@ -586,7 +586,7 @@ class StageActor(Actor):
     @endpoint(roles=("head",))
     async def own_snapshot(self, index: int) -> dict[str, torch.Tensor]:
         """This stage's own snapshot after ``index`` applied steps (a lost data-parallel replica's
-        replacement restores it: replicas hold the same state)."""
+        replacement restores it: replicas hold the same state, unless ZeRO-1 shards it)."""
         return self._own_snapshots.get(index)
 
     @endpoint(roles=("head",))
