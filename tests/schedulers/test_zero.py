@@ -189,3 +189,18 @@ async def test_a_tensor_parallel_zero1_checkpoint_loads_into_a_pipeline(cluster:
         await train(job, then)
         state_b = await job.state_dict()
     assert_close(state_b, state_a, rtol=1e-5)  # tensor-parallel sums run in another order
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+async def test_zero1_with_mixed_precision_and_clipping_keeps_the_bits(cluster: Cluster, precision: str) -> None:
+    # fp16 starts at DeepSpeed's scale of 2**16: steps that overflow are skipped on every replica.
+    options = {"precision": precision, "gradient_clipping": 0.5}
+    runs = {}
+    for stage in (0, 1):
+        async with await start(cluster, MLP, zero_stage=stage, **options) as job:
+            stats = await train(job, MLP["batches"]())
+            runs[stage] = (stats, await job.state_dict())
+    (plain, plain_state), (sharded, sharded_state) = runs[0], runs[1]
+    assert_same(sharded_state, plain_state)
+    assert [(s.loss, s.grad_norm, s.loss_scale, s.skipped) for s in sharded] == \
+        [(s.loss, s.grad_norm, s.loss_scale, s.skipped) for s in plain]
