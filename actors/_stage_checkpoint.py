@@ -51,9 +51,13 @@ def _state_spec(value: torch.Tensor, param: nn.Parameter, spec: ShardSpec | None
 
 def write_stage(
     staging: str, file: str, held: Mapping[int, nn.Module], optimizer: torch.optim.Optimizer,
-    specs: Mapping[str, ShardSpec], tp_rank: int, key: Key = layer_key,
+    specs: Mapping[str, ShardSpec], tp_rank: int, key: Key = layer_key, *, model: bool = True,
 ) -> dict[str, Any]:
     """Writes this stage's tensors to ``staging/file``; returns what the manifest needs of them.
+
+    Args:
+        model: write the held layers' state too; without it, the optimizer state alone
+            (a data-parallel replica other than 0 with ZeRO-1: its shard's).
 
     Raises:
         CheckpointError: the directory is not visible here, or the optimizer keeps state
@@ -62,7 +66,7 @@ def write_stage(
     path = check_staging(staging, file)
     items: list[tuple[str, str | None, torch.Tensor, ShardSpec | None]] = [
         (key(i, name), None, value, specs.get(key(i, name)))
-        for i, layer in held.items() for name, value in layer.state_dict().items()]
+        for i, layer in held.items() for name, value in layer.state_dict().items() if model]
     for whole, param in _named_parameters(held, key).items():
         for name, value in optimizer.state.get(param, {}).items():
             if value is None:
@@ -111,13 +115,17 @@ def _local(
 
 def prepare_load(
     version: str, plan: Manifest, held: Mapping[int, nn.Module], specs: Mapping[str, ShardSpec], tp_rank: int,
-    key: Key = layer_key,
+    key: Key = layer_key, *, owns: Callable[[torch.Tensor], bool] | None = None,
 ) -> tuple[PreparedLoad, list[str]]:
     """Reads and checks this stage's part of a checkpoint; changes nothing.
 
     Every key of the held layers must be in ``plan`` and every key of ``plan`` in them,
     with the model's whole shape and dtype and a matching checksum; optimizer state
     must belong to a held parameter and have its shape, or be a scalar.
+
+    Args:
+        owns: with ZeRO-1, whether this replica keeps a parameter's optimizer state;
+            the state of the others is not read (their owners read and check it).
 
     Returns:
         The prepared tensors, and every problem found (empty: it may be applied).
@@ -141,6 +149,8 @@ def prepare_load(
         param = params.get(name)
         if param is None:
             problems.append(f"{name}: optimizer state for a parameter this model does not have")
+            continue
+        if owns is not None and not owns(param):
             continue
         whole = _whole_shape(param.shape, specs.get(name))
         for state_name, entry in saved.items():

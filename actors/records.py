@@ -143,6 +143,8 @@ class StageReport(WireRecord):
         started_at: the stage's wall clock when the program started.
         peak_rss_bytes: the stage process's peak resident memory.
         codec_stats: per edge and direction: codec, bytes, raw_bytes, sq_err, sq_norm.
+        optimizer_state_bytes: the bytes of the optimizer state this stage holds at the
+            barrier (the previous step's; with ZeRO-1, its shard's).
     """
 
     status: Literal["done", "failed", "aborted"]
@@ -157,6 +159,7 @@ class StageReport(WireRecord):
     started_at: float = 0.0
     peak_rss_bytes: int = 0
     codec_stats: dict[str, dict[str, Any]] = field(default_factory=dict)
+    optimizer_state_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

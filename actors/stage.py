@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from actors import _wgrad, boundary, checkpoint, snapshots, tied
+from actors import _wgrad, boundary, checkpoint, snapshots, tied, zero
 from actors._actor import Actor, caller_among, current_caller, endpoint
 from actors._allocator import keep_freed_memory
 from actors._build import Chain, build_layers
@@ -195,7 +195,15 @@ class StageActor(Actor):
         # A parameter two held layers share is one tensor: the optimizer takes it once.
         params = list({id(p): p for module in modules.values() for p in module.parameters()}.values())
         optimizer_cls = load_object(cfg.optimizer[0], allow)
-        optimizer = optimizer_cls(params, **dict(cfg.optimizer[1] if len(cfg.optimizer) > 1 else {}))
+        optimizer_kwargs = dict(cfg.optimizer[1] if len(cfg.optimizer) > 1 else {})
+        if cfg.zero_stage == 1 and self._mesh.data > 1:  # with one replica there is nothing to shard
+            me = self._mesh.coords(cfg.global_rank)
+            optimizer: torch.optim.Optimizer = zero.ShardedOptimizer(
+                params, optimizer_cls, optimizer_kwargs, shard=me.data, group=self._data_group,
+                ranks=[self._mesh.rank(Coords(d, me.pipeline, me.tensor)) for d in range(self._mesh.data)],
+                bucket_bytes=cfg.bucket_bytes)
+        else:
+            optimizer = optimizer_cls(params, **optimizer_kwargs)
         loss_fn = load_object(cfg.loss, allow)
         if cfg.data is not None and (0 in cfg.stages or cfg.num_stages - 1 in cfg.stages):
             self._data = load_object(cfg.data, allow)(**cfg.data_kwargs)
@@ -211,6 +219,11 @@ class StageActor(Actor):
         return StageModel(modules=modules, num_stages=cfg.num_stages, loss_fn=loss_fn,
                           optimizer=optimizer, device=device, weight_grads=weight_grads,
                           compute_dtype=compute_dtype)
+
+    def _data_group(self) -> Any:
+        """The data-parallel process group as it is now (a recovery forms it again)."""
+        assert self._groups is not None
+        return self._groups.data
 
     async def on_stop(self) -> None:
         if self.executor is not None:
@@ -322,6 +335,7 @@ class StageActor(Actor):
             started_at=trace.started_at,
             peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             codec_stats=self._edge_stats,
+            optimizer_state_bytes=zero.state_bytes(self.executor.model.optimizer),
         ).to_wire()
 
     @endpoint(roles=("head",))
@@ -572,7 +586,7 @@ class StageActor(Actor):
     @endpoint(roles=("head",))
     async def own_snapshot(self, index: int) -> dict[str, torch.Tensor]:
         """This stage's own snapshot after ``index`` applied steps (a lost data-parallel replica's
-        replacement restores it: replicas hold the same state)."""
+        replacement restores it: replicas hold the same state, unless ZeRO-1 shards it)."""
         return self._own_snapshots.get(index)
 
     @endpoint(roles=("head",))
@@ -603,6 +617,7 @@ class StageActor(Actor):
         assert self.executor is not None
         if state is None:
             state = self._own_snapshots.get(index)
+        zero.check_snapshot(self.executor.model.optimizer, state)
         await self.executor.reset(self._step)
         await self.executor.compute(snapshots.restore, self._held, self.executor.model.optimizer, state)
         self._own_snapshots.put(index, state)
@@ -693,8 +708,10 @@ class StageActor(Actor):
     async def checkpoint_write(self, staging: str, file: str) -> dict[str, Any]:
         """Writes this stage's tensors and optimizer state to ``staging/file``; returns their manifest items."""
         assert self.executor is not None
-        return await self._compute(write_stage, staging, file, self._held, self.executor.model.optimizer,
-                                   self._shard_spec_map(), self._tensor_rank(), self.key)
+        # Replica 0 writes the weights; with ZeRO-1 every replica writes its shard's optimizer state.
+        write = functools.partial(write_stage, key=self.key, model=self._mesh.coords(self.config.global_rank).data == 0)
+        return await self._compute(write, staging, file, self._held, self.executor.model.optimizer,
+                                   self._shard_spec_map(), self._tensor_rank())
 
     @endpoint(roles=("head",))
     async def checkpoint_commit(self, directory: str, staging: str, manifest: dict[str, Any]) -> str:
@@ -715,10 +732,14 @@ class StageActor(Actor):
         Returns:
             Every problem found; none means :meth:`checkpoint_apply` may follow.
         """
+        assert self.executor is not None
         self._prepared_load = None
-        prepared, problems = await self._compute(prepare_load, checkpoint.check_version(version),
+        optimizer = self.executor.model.optimizer
+        owns = optimizer.owns if isinstance(optimizer, zero.ShardedOptimizer) else None  # ZeRO-1: the shard's state
+        prepare = functools.partial(prepare_load, key=self.key, owns=owns)
+        prepared, problems = await self._compute(prepare, checkpoint.check_version(version),
                                                  checkpoint.Manifest.from_wire(plan), self._held,
-                                                 self._shard_spec_map(), self._tensor_rank(), self.key)
+                                                 self._shard_spec_map(), self._tensor_rank())
         self._prepared_load = None if problems else prepared
         return problems
 

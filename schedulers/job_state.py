@@ -39,8 +39,10 @@ CHECKPOINT_TIMEOUT_S = 900.0  # one stage's share of a save or load: gigabytes, 
 
 
 def _shard_file(mesh: Mesh, rank: int) -> str:
-    """The file a writer's tensors go to: named by its pipeline and tensor rank (``p1-t0.bin``)."""
-    return f"p{mesh.coords(rank).pipeline}-t{mesh.coords(rank).tensor}.bin"
+    """The file a writer's tensors go to: named by its pipeline and tensor rank (``p1-t0.bin``), and
+    its data-parallel replica unless 0 (``p1-t0-d1.bin``: a ZeRO-1 optimizer shard)."""
+    c = mesh.coords(rank)
+    return f"p{c.pipeline}-t{c.tensor}{f'-d{c.data}' if c.data else ''}.bin"
 
 
 def _reason(exc: BaseException) -> str:
@@ -104,7 +106,9 @@ async def save(job: JobCore, directory: str) -> str:
     """Writes a checkpoint of the weights, optimizer state and step count; returns the new version's path.
 
     Data-parallel replica 0 of every (pipeline, tensor) coordinate writes its own file
-    straight into ``directory``, in parallel; nothing big passes through the head. The
+    straight into ``directory``, in parallel; nothing big passes through the head (with
+    ZeRO-1 every other replica writes its shard's optimizer state too, so the manifest
+    holds every parameter's state once, as an unsharded job's does). The
     first stage actor makes the staging directory and, once every file is fsynced,
     switches ``LATEST`` to the new version atomically.
 
@@ -118,7 +122,7 @@ async def save(job: JobCore, directory: str) -> str:
         coordinator = [0]
         [staging] = await _on_stages(job, coordinator, "save", lambda g: job.stages[g].endpoint(
             StageActor.checkpoint_begin, timeout=CHECKPOINT_TIMEOUT_S).call(directory))
-        writers = [g for g in range(mesh.size) if mesh.coords(g).data == 0]
+        writers = [g for g in range(mesh.size) if mesh.coords(g).data == 0 or job.spec.zero_stage == 1]
         written = await _on_stages(job, writers, "save", lambda g: job.stages[g].endpoint(
             StageActor.checkpoint_write, timeout=CHECKPOINT_TIMEOUT_S).call(staging, _shard_file(mesh, g)))
         files, model, state = merge_written(written)

@@ -151,7 +151,7 @@ class JobSpec:
     activation_checkpointing: bool | int = False
     """keep only each stage's boundary inputs between forward and backward and recompute the rest: `True` for every layer, or an interval of layers"""
     zero_stage: int = 0
-    """ZeRO: 1 shards optimizer state across data-parallel replicas; 0 is off; 2 and 3 are refused with pipeline stages"""
+    """ZeRO: 1 shards optimizer state across data-parallel replicas (each steps its shard, then the parameters are broadcast; with `data_parallel=1` nothing changes); 0 is off; 2 and 3 are refused with pipeline stages"""
 
     def __post_init__(self) -> None:
         _check_path("model", self.model)

@@ -30,6 +30,9 @@ class StepStats(WireRecord):
         bytes_per_edge: the same per edge and direction, e.g. ``{"F 0->1": n, "B 1->0": n}``.
         peak_stash: per stage actor, the most micro-batch activations held at once.
         peak_rss_bytes: per stage actor, the stage process's peak resident memory.
+        optimizer_state_bytes: per stage actor, the bytes of optimizer state it held when
+            the step began (torch optimizers make theirs at their first step; with
+            ``zero_stage=1``, each replica holds its shard: about 1/``data_parallel``).
         busy_s: per stage actor, seconds spent computing.
         codec_stats: per edge and direction (``"F 0->1"``, ``"B 1->0"``): the codec,
             ``bytes`` on the wire, ``raw_bytes`` (the tensors' own size), their
@@ -67,6 +70,7 @@ class StepStats(WireRecord):
     bytes_per_edge: dict[str, int] = field(default_factory=dict)
     peak_stash: list[int] = field(default_factory=list)
     peak_rss_bytes: list[int] = field(default_factory=list)
+    optimizer_state_bytes: list[int] = field(default_factory=list)
     busy_s: list[float] = field(default_factory=list)
     codec_stats: dict[str, dict[str, Any]] = field(default_factory=dict)
     reduce_bytes: int = 0

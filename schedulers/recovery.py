@@ -74,10 +74,12 @@ async def recover(job: JobCore, cause: NodeLost) -> dict[str, Any]:
     usable = {i for i in common if _replayable(job, i)}
     checkpoint = job.last_checkpoint if not usable else None
     if not usable and (checkpoint is None or not _replayable(job, checkpoint[1])):
+        zero = (" (with zero_stage=1 a replica's optimizer state is its own shard: another replica's snapshot "
+                "cannot stand in for it)") if job.spec.zero_stage == 1 and job.mesh.data > 1 else ""
         raise unrecoverable("no snapshot that every stage has, and no checkpoint of this job to go back to, "
-                            "with the batches since kept" if checkpoint is None else
+                            f"with the batches since kept{zero}" if checkpoint is None else
                             f"no snapshot that every stage has, and the batches since its checkpoint "
-                            f"{checkpoint[0]} (step {checkpoint[1]}) are no longer kept")
+                            f"{checkpoint[0]} (step {checkpoint[1]}) are no longer kept{zero}")
     target = max(usable) if usable else checkpoint[1] if checkpoint is not None else 0
     assert job.placer is not None
     try:
@@ -142,10 +144,13 @@ def _replayable(job: JobCore, start: int) -> bool:
 
 def _snapshot_source(job: JobCore, rank: int, lost: list[int]) -> tuple[int, bool] | None:
     """Where a lost rank's state comes from: a surviving data-parallel replica of it (its own
-    snapshot is the same), else the next pipeline rank of its replica (which kept a copy)."""
+    snapshot is the same), else the next pipeline rank of its replica (which kept a copy).
+
+    With ZeRO-1 a replica's optimizer state is its own shard: only the pipeline neighbour's
+    copy will do (and with one pipeline stage, the job's newest checkpoint)."""
     mesh, c = job.mesh, job.mesh.coords(rank)
-    for data in range(mesh.data):
-        replica = mesh.rank(Coords(data=data, pipeline=c.pipeline, tensor=c.tensor))
+    replicas = [mesh.rank(Coords(data=d, pipeline=c.pipeline, tensor=c.tensor)) for d in range(mesh.data)]
+    for replica in replicas if job.spec.zero_stage == 0 else []:
         if replica not in lost:
             return replica, True
     if mesh.pipeline > 1:

@@ -8,14 +8,16 @@ import random
 import signal
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
-from actors import NodeLost
+from actors import Mesh, NodeLost
 from schedulers import Cluster, Job, LocalCluster
 from schedulers.console.render import job_detail
+from schedulers.recovery import _snapshot_source
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -226,3 +228,43 @@ async def test_when_no_copy_survives_and_there_is_no_checkpoint_the_job_fails_na
                 await job.step()
         finally:
             await job.close()
+
+
+async def test_a_lost_zero1_replica_goes_back_to_the_checkpoint_not_to_another_replicas_shard(tmp_path: Path) -> None:
+    """With ZeRO-1 a replica's snapshot holds its own optimizer shard, so it cannot restore the other
+    replica; with one pipeline stage (no neighbour keeping a copy) the job goes back to its checkpoint."""
+    local = LocalCluster(nodes=2, spares=1)
+    zero = {"pipeline_stages": 1, "data_parallel": 2, "zero_stage": 1}
+    async with local as cluster:
+        reference_job = await cluster.train(**spec(seconds=0.0, **zero))
+        try:
+            await run(reference_job, range(5), False)
+            want_state = await reference_job.state_dict()
+        finally:
+            await reference_job.close()
+        job = await cluster.train(**spec(seconds=0.0, max_restarts=1, **zero))
+        try:
+            await run(job, range(2), False)
+            await job.save(tmp_path / "ckpt")  # step 2
+            await run(job, range(2, 4), False)
+            os.kill(local.processes[job.nodes[1]].pid, signal.SIGKILL)
+            await wait_for_state(cluster, job.nodes[1], "lost")
+            stats = await asyncio.wait_for(job.step(), 90)
+            assert stats.recovery is not None
+            assert stats.recovery["from_checkpoint"] == str(tmp_path / "ckpt")
+            assert stats.recovery["from_step"] == 2 and stats.recovery["replayed"] == 2
+            assert_same_state(await job.state_dict(), want_state)
+        finally:
+            await job.close()
+
+
+@pytest.mark.parametrize(("zero_stage", "pipeline", "lost", "source"), [
+    (0, 2, [2], (0, True)),  # a replica's own snapshot is the lost one's
+    (1, 2, [2], (3, False)),  # ZeRO-1: the pipeline neighbour's copy of this very replica
+    (1, 2, [2, 3], None),  # ... and not the other replica's shard when the neighbour is lost too
+    (1, 1, [1], None),  # one stage: nothing but a checkpoint
+])
+def test_where_a_lost_replicas_state_comes_from(zero_stage: int, pipeline: int, lost: list[int],
+                                                source: tuple[int, bool] | None) -> None:
+    job = SimpleNamespace(mesh=Mesh(pipeline=pipeline, data=2), spec=SimpleNamespace(zero_stage=zero_stage))
+    assert _snapshot_source(job, lost[0], lost) == source  # type: ignore[arg-type]

@@ -1,0 +1,206 @@
+"""ZeRO-1 with the pipeline: sharded optimizer state trains exactly as unsharded (issue 16, point 5).
+
+One LocalCluster of 4 node processes serves the module; every job is 2 pipeline
+stages x 2 data-parallel replicas. "Exact" means the same bits as the same job with
+``zero_stage=0`` (the gradients are the same, and each parameter's update is the one
+optimizer step the unsharded job computes), and float32-close to one process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+import torch
+
+from actors import Cluster, LocalCluster
+from schedulers.client import Job
+from tests.schedulers.test_training import OPTIMIZERS, WORKLOADS, train_reference
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.asyncio(loop_scope="module")]
+
+MLP = WORKLOADS["mlp"]
+MESH = {"pipeline_stages": 2, "data_parallel": 2, "micro_batches": 4, "seed": 0}
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def cluster() -> AsyncIterator[Cluster]:
+    async with LocalCluster(nodes=4) as cluster:
+        yield cluster
+
+
+async def start(cluster: Cluster, workload: dict[str, Any], **options: Any) -> Job:
+    return await cluster.train(model=workload["model"], model_kwargs=workload["kwargs"], loss=workload["loss"],
+                               **{"optimizer": workload["optimizer"], **MESH, **options})
+
+
+async def train(job: Job, data: list[tuple[torch.Tensor, torch.Tensor]]) -> list[Any]:
+    return [await job.step(x, y) for x, y in data]
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert list(a) == list(b)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def assert_halved(by_rank: list[int]) -> None:
+    """Each stage's (or tensor shard's) two replicas, global ranks s and 2 + s, hold about half its optimizer
+    state each."""
+    for stage in (0, 1):
+        replicas = [by_rank[stage], by_rank[2 + stage]]
+        assert 0 < max(replicas) <= 0.55 * sum(replicas), replicas
+
+
+def assert_close(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], rtol: float) -> None:
+    assert list(state) == list(expected)
+    for key, value in expected.items():
+        torch.testing.assert_close(state[key], value, rtol=rtol, atol=rtol / 10, msg=lambda m: f"{key}: {m}")
+
+
+TENSOR_PARALLEL = {"pipeline_stages": 1, "tensor_parallel": 2}  # (P,T,D) = (1,2,2): ranks pair up as with (2,1,2)
+
+
+@pytest.mark.parametrize(("schedule", "optimizer", "mesh"), [
+    ("1f1b", "adam", {}), ("1f1b", "sgd_momentum", {}), ("gpipe", "adam", {}), ("gpipe", "sgd_momentum", {}),
+    pytest.param("1f1b", "adam", TENSOR_PARALLEL, id="1f1b-adam-tp2"),
+])
+async def test_zero1_trains_to_the_bits_of_unsharded_training(cluster: Cluster, schedule: str, optimizer: str,
+                                                              mesh: dict[str, int]) -> None:
+    workload = {**MLP, "optimizer": OPTIMIZERS[optimizer]}
+    runs = {}
+    for stage in (0, 1):
+        async with await start(cluster, workload, schedule=schedule, zero_stage=stage, **mesh) as job:
+            stats = await train(job, workload["batches"]())
+            runs[stage] = (stats, await job.state_dict())
+    (plain, plain_state), (sharded, sharded_state) = runs[0], runs[1]
+    assert_same(sharded_state, plain_state)
+    assert [s.loss for s in sharded] == [s.loss for s in plain]
+    expected_state, expected_losses = train_reference(workload)
+    assert_close(sharded_state, expected_state, rtol=1e-6)
+    assert [s.loss for s in sharded] == pytest.approx(expected_losses, rel=1e-6)
+    # The optimizer state held when the last step began: each replica half of it.
+    whole, halves = plain[-1].optimizer_state_bytes, sharded[-1].optimizer_state_bytes
+    assert plain[0].optimizer_state_bytes == [0, 0, 0, 0]  # torch makes it at the first step
+    assert whole[0] == whole[2] > 0 and whole[1] == whole[3] > 0  # by global rank: (dp, pp or tp) = 00 01 10 11
+    assert [halves[0] + halves[2], halves[1] + halves[3]] == whole[:2]
+    assert_halved(halves)
+
+
+async def test_tied_embeddings_stay_tied_and_exact_with_zero1(cluster: Cluster) -> None:
+    workload = {**WORKLOADS["gpt"], "kwargs": {**WORKLOADS["gpt"]["kwargs"], "tie_embeddings": True}}
+    states = {}
+    for stage in (0, 1):
+        async with await start(cluster, workload, schedule="1f1b", zero_stage=stage) as job:
+            stats = await train(job, workload["batches"]())
+            states[stage] = await job.state_dict()
+    head = workload["kwargs"]["layers"] + 1
+    pair = ["0.token.weight", f"{head}.out.weight"]
+    assert stats[-1].tied == [pair]
+    assert torch.equal(states[1][pair[0]], states[1][pair[1]])  # both copies took the same update
+    assert_same(states[1], states[0])
+    expected_state, _ = train_reference(workload)
+    assert_close(states[1], expected_state, rtol=1e-6)
+
+
+async def test_a_skipped_step_changes_nothing_on_any_replica(cluster: Cluster) -> None:
+    data = MLP["batches"]()
+    poisoned = data[1][0].clone()
+    poisoned[0, 0, 0] = float("nan")  # in replica 0's half of the batch only
+    runs = {}
+    for stage in (0, 1):
+        async with await start(cluster, MLP, zero_stage=stage, on_nonfinite="skip") as job:
+            await job.step(*data[0])
+            before = await job.state_dict()
+            skipped = await job.step(poisoned, data[1][1])
+            assert skipped.skipped and skipped.nonfinite
+            assert_same(await job.state_dict(), before)
+            await train(job, data[1:])  # the moments were left alone too: the same bits as unsharded
+            runs[stage] = await job.state_dict()
+    assert_same(runs[1], runs[0])
+
+
+@pytest.mark.parametrize("loading", [
+    pytest.param({"zero_stage": 1}, id="zero1"),
+    pytest.param({"zero_stage": 0}, id="zero0"),
+    pytest.param({"zero_stage": 1, "data_parallel": 1}, id="zero1-dp1"),
+])
+async def test_a_zero1_checkpoint_resumes_exactly_in_any_layout(cluster: Cluster, tmp_path: Path,
+                                                                 loading: dict[str, Any]) -> None:
+    first, then = MLP["batches"](), MLP["batches"]()[:2]
+    directory = tmp_path / "ckpt"
+    async with await start(cluster, MLP, zero_stage=1) as job:
+        await train(job, first)
+        version = Path(await job.save(directory))
+        await train(job, then)
+        state_a = await job.state_dict()
+    # Replica 0 writes the weights; each replica its shard's moments: every parameter's once.
+    assert sorted(os.listdir(version)) == ["manifest.json", "p0-t0-d1.bin", "p0-t0.bin", "p1-t0-d1.bin", "p1-t0.bin"]
+    manifest = json.loads((version / "manifest.json").read_text())
+    assert set(manifest["optimizer_state"]) == set(manifest["model"])
+    files = {part["file"] for states in manifest["optimizer_state"].values() for entry in states.values()
+             for part in entry["parts"]}
+    assert files == {"p0-t0.bin", "p0-t0-d1.bin", "p1-t0.bin", "p1-t0-d1.bin"}
+
+    async with await start(cluster, MLP, **{**loading, "seed": 9}) as job:
+        assert await job.load(directory) == len(first)
+        await train(job, then)
+        state_b = await job.state_dict()
+    if loading.get("data_parallel", 2) == 2:
+        assert_same(state_b, state_a)  # the same replicas' gradients: the same bits, sharded or not
+    else:
+        assert_close(state_b, state_a, rtol=1e-5)  # one replica sums the batch in another order
+
+
+async def test_an_unsharded_checkpoint_loads_into_zero1(cluster: Cluster, tmp_path: Path) -> None:
+    first, then = MLP["batches"](), MLP["batches"]()[:2]
+    directory = tmp_path / "ckpt"
+    async with await start(cluster, MLP, zero_stage=0) as job:
+        await train(job, first)
+        await job.save(directory)
+        await train(job, then)
+        state_a = await job.state_dict()
+    async with await start(cluster, MLP, zero_stage=1, seed=9) as job:
+        await job.load(directory)
+        stats = await train(job, then)
+        state_b = await job.state_dict()
+    assert_same(state_b, state_a)
+    assert_halved(stats[0].optimizer_state_bytes)  # each replica took only its shard's moments
+
+
+async def test_a_tensor_parallel_zero1_checkpoint_loads_into_a_pipeline(cluster: Cluster, tmp_path: Path) -> None:
+    first, then = MLP["batches"](), MLP["batches"]()[:2]
+    directory = tmp_path / "ckpt"
+    async with await start(cluster, MLP, zero_stage=1, **TENSOR_PARALLEL) as job:
+        await train(job, first)
+        version = Path(await job.save(directory))
+        await train(job, then)
+        state_a = await job.state_dict()
+    assert sorted(os.listdir(version)) == ["manifest.json", "p0-t0-d1.bin", "p0-t0.bin", "p0-t1-d1.bin", "p0-t1.bin"]
+    manifest = json.loads((version / "manifest.json").read_text())
+    assert set(manifest["optimizer_state"]) == set(manifest["model"])
+    async with await start(cluster, MLP, zero_stage=1, seed=9) as job:
+        await job.load(directory)
+        await train(job, then)
+        state_b = await job.state_dict()
+    assert_close(state_b, state_a, rtol=1e-5)  # tensor-parallel sums run in another order
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+async def test_zero1_with_mixed_precision_and_clipping_keeps_the_bits(cluster: Cluster, precision: str) -> None:
+    # fp16 starts at DeepSpeed's scale of 2**16: steps that overflow are skipped on every replica.
+    options = {"precision": precision, "gradient_clipping": 0.5}
+    runs = {}
+    for stage in (0, 1):
+        async with await start(cluster, MLP, zero_stage=stage, **options) as job:
+            stats = await train(job, MLP["batches"]())
+            runs[stage] = (stats, await job.state_dict())
+    (plain, plain_state), (sharded, sharded_state) = runs[0], runs[1]
+    assert_same(sharded_state, plain_state)
+    assert [(s.loss, s.grad_norm, s.loss_scale, s.skipped) for s in sharded] == \
+        [(s.loss, s.grad_norm, s.loss_scale, s.skipped) for s in plain]
