@@ -110,30 +110,6 @@ def check_keys(t: Translation, prefix: str, section: Mapping[str, Any], known: I
             t.problems.extend(unknown_key(prefix, key, known).problems)
 
 
-def block(config: Mapping[str, Any], key: str, prefix: str = "") -> dict[str, Any]:
-    """A sub-object (``{}`` when absent).
-
-    Raises:
-        ConfigError: it is not an object.
-    """
-    value = config.get(key, {})
-    if not isinstance(value, Mapping):
-        raise ConfigError(prefix + key, f"expected an object, got {show(value)}")
-    return dict(value)
-
-
-def enabled(section: Mapping[str, Any], key: str, *, default: bool = False) -> bool:
-    """``section[key]["enabled"]`` (a block with its own on/off switch).
-
-    Raises:
-        ConfigError: the switch is not true or false (``"auto"`` is handled by the caller).
-    """
-    value = section[key].get("enabled", default) if isinstance(section.get(key), Mapping) else default
-    if not isinstance(value, bool):
-        raise ConfigError(f"{key}.enabled", f"expected true or false, got {show(value)}")
-    return value
-
-
 # -- values --------------------------------------------------------------------------------
 
 

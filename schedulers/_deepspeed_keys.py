@@ -133,7 +133,7 @@ REFUSED = {
 DEEPSPEED_KEYS = (
     "fp16", "bf16", "bfloat16", "torch_autocast", "data_types", "gradient_clipping", "zero_optimization",
     "activation_checkpointing", "communication_data_type", "gradient_allreduce_op", "tensor_parallel",
-    "sequence_parallel_size", *NO_EFFECT, *REFUSED,
+    "sequence_parallel_size", "managed_gradient_accumulation", *NO_EFFECT, *REFUSED,
 )
 
 
@@ -388,6 +388,10 @@ def _communication(t: Translation, config: Mapping[str, Any]) -> None:
         size = integer(config, "sequence_parallel_size", "", minimum=1)
         if size > 1:
             t.problem("sequence_parallel_size", "sequence parallelism is not built here; leave it out or say 1")
+    if "managed_gradient_accumulation" in config and not boolean(config, "managed_gradient_accumulation", ""):
+        t.problem("managed_gradient_accumulation", (
+            "false is not available: every optimizer step here accumulates gradient_accumulation_steps "
+            "micro-batches (what true means); leave it out"))
 
 
 def _machinery(t: Translation, config: Mapping[str, Any]) -> None:

@@ -305,11 +305,15 @@ def _check_top_keys(t: Translation, config: Mapping[str, Any]) -> None:
     for key in config:
         if key in _KNOWN:
             continue
+        name = str(key) if len(str(key)) <= 80 else str(key)[:77] + "..."
+        typo = difflib.get_close_matches(str(key), _KNOWN, n=1, cutoff=0.8)
+        if typo:
+            t.problem(name, f"unknown key; did you mean {typo[0]}?")
+            continue
+        # e.g. "cuda_visible_devices" in DeepSpeedExamples' files: DeepSpeed reads only the keys it knows
         near = difflib.get_close_matches(str(key), _KNOWN, n=1)
-        if near:
-            t.problem(str(key), f"unknown key; did you mean {near[0]}?")
-        else:  # e.g. "cuda_visible_devices" in DeepSpeedExamples' files
-            t.notice(str(key), "not a DeepSpeed or actorpipe key: ignored, as DeepSpeed ignores keys it does not know")
+        hint = f" (did you mean {near[0]}?)" if near else ""
+        t.notice(name, f"not a DeepSpeed or actorpipe key: ignored, as DeepSpeed ignores keys it does not know{hint}")
 
 
 def _section(t: Translation, config: Mapping[str, Any], name: str) -> dict[str, Any]:

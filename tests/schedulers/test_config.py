@@ -501,6 +501,8 @@ def test_keys_that_tune_deepspeeds_machinery_are_accepted_with_a_notice(key: str
     ({"pipeline": {"pipe_partitioned": True, "grad_partitioned": True}}, "pipeline.grad_partitioned", "no effect"),
     ({"tensor_parallel": {"autotp_size": 1, "tp_overlap_comm": True}}, "tensor_parallel.tp_overlap_comm", "no effect"),
     ({"cuda_visible_devices": 0}, "cuda_visible_devices", "not a DeepSpeed or actorpipe key: ignored"),
+    ({"gradient_checkpointing": True}, "gradient_checkpointing", "ignored, as DeepSpeed ignores keys it does not "
+                                                                 "know (did you mean gradient_clipping?)"),
 ])
 def test_deepspeed_sub_keys_are_honoured_or_say_what_happens_instead(block: dict[str, Any], key: str,
                                                                       text: str) -> None:
@@ -547,6 +549,9 @@ def test_activation_checkpointing_is_an_interval_or_every_layer() -> None:
     ({"activation_checkpointing": {"partition_activation": True}}, "activation_checkpointing.partition_activation",
      "did you mean activation_checkpointing.partition_activations?"),
     ({"train_batch_sise": 8}, "train_batch_sise", "did you mean train_batch_size"),
+    ({"optimiser": {"type": "SGD"}}, "optimiser", "unknown key; did you mean optimizer?"),
+    ({"managed_gradient_accumulation": False}, "managed_gradient_accumulation", "false is not available"),
+    ({"optimizer": {"type": "torch.optim:Adamm"}}, "optimizer.type", "torch.optim has no class 'Adamm'"),
     ({"pipeline": {"stages": 2, "shedule": "1f1b"}}, "pipeline.shedule", "did you mean pipeline.schedule"),
     ({"pipeline": {"schedule": "2f2b"}}, "pipeline.schedule", "expected one of gpipe, 1f1b"),
     ({"pipeline": {"partition_method": "typo:Linear"}}, "pipeline.partition_method", "parameters, uniform"),
