@@ -66,7 +66,8 @@ _CHECKPOINTING_NOTES = {
     "partition_activations": "no effect here: a stage keeps its boundary inputs whole on its own device",
     "cpu_checkpointing": "no effect here: the kept inputs stay on the stage's device",
     "contiguous_memory_optimization": "no effect here: torch's allocator holds the kept inputs",
-    "number_checkpoints": "no effect here: the checkpoints are the layers (or every activation_checkpoint_interval of them)",
+    "number_checkpoints": "no effect here: the checkpoints are the layers (or every "
+                          "activation_checkpoint_interval of them)",
     "synchronize_checkpoint_boundary": "no effect here: DeepSpeed's device synchronization around checkpoints",
     "profile": "no effect here: DeepSpeed's checkpoint timers; the console's `trace` times every action",
 }
@@ -183,7 +184,8 @@ def _precision(t: Translation, config: Mapping[str, Any]) -> None:
     _data_types(t, config)
 
 
-def _switched_block(t: Translation, config: Mapping[str, Any], key: str, known: tuple[str, ...]) -> dict[str, Any] | None:
+def _switched_block(t: Translation, config: Mapping[str, Any], key: str,
+                    known: tuple[str, ...]) -> dict[str, Any] | None:
     """The block if it is switched on, else None; ``"enabled": "auto"`` is false, the Trainer's default."""
     if key not in config:
         return None

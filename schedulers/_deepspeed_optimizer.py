@@ -52,14 +52,16 @@ _REFUSED_OPTIMIZERS = {
     "lamb": f"LAMB is DeepSpeed's fused CUDA kernel (FusedLamb) and torch has no LAMB optimizer; {_ALTERNATIVE}",
     "onebitadam": ("1-bit Adam compresses DeepSpeed's own gradient all-reduce after a warm-up and has no torch "
                    f"equivalent (here reduce_codec quantizes the data-parallel reduction instead); {_ALTERNATIVE}"),
-    "onebitlamb": f"1-bit LAMB compresses DeepSpeed's own gradient all-reduce and has no torch equivalent; {_ALTERNATIVE}",
+    "onebitlamb": (f"1-bit LAMB compresses DeepSpeed's own gradient all-reduce and has no torch equivalent; "
+                   f"{_ALTERNATIVE}"),
     "zerooneadam": (f"0/1 Adam compresses and skips DeepSpeed's own gradient all-reduce and has no torch equivalent; "
                     f"{_ALTERNATIVE}"),
     "lion": f"Lion is DeepSpeed's fused kernel (FusedLion) and torch has no Lion optimizer; {_ALTERNATIVE}",
     "muon": ("DeepSpeed's Muon is MuonWithAuxAdam: Muon for the parameters the model marks use_muon, Adam for the "
              "rest, and a job here has one optimizer for every parameter; use \"type\": \"AdamW\" (or "
              "\"torch.optim:Muon\" if every parameter is a matrix)"),
-    "lbfgs": "L-BFGS re-evaluates the loss in a closure at every step, which a pipeline step cannot do; use AdamW or SGD",
+    "lbfgs": ("L-BFGS re-evaluates the loss in a closure at every step, which a pipeline step cannot do; "
+              "use AdamW or SGD"),
 }
 # Keys of DeepSpeed's Adam (FusedAdam, DeepSpeedCPUAdam) that torch's Adam and AdamW do not take.
 _ADAM_KEYS = ("adam_w_mode", "torch_adam", "bias_correction", "set_grad_none", "fp32_optimizer_states")
@@ -208,8 +210,9 @@ def translate_scheduler(t: Translation, section: Mapping[str, Any], *, lr: Any) 
         known = [*DEEPSPEED_SCHEDULERS, *(n for n in dir(torch.optim.lr_scheduler) if n.endswith("LR"))]
         near = difflib.get_close_matches(kind, known, n=1)
         hint = f" (did you mean {near[0]}?)" if near else ""
-        t.problem("scheduler.type", f"unknown schedule {kind!r}{hint}; expected one of {', '.join(DEEPSPEED_SCHEDULERS)}, "
-                                    "a torch.optim.lr_scheduler class, or an import path 'package.module:Class'")
+        t.problem("scheduler.type", (f"unknown schedule {kind!r}{hint}; expected one of "
+                                     f"{', '.join(DEEPSPEED_SCHEDULERS)}, a torch.optim.lr_scheduler class, or an "
+                                     "import path 'package.module:Class'"))
         return
     if _check_torch_class(t, path, params, "scheduler.params.", _build_scheduler):
         t.set("lr_scheduler", (path, params), "scheduler")

@@ -49,6 +49,7 @@ import copy
 import difflib
 import os
 import re
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -85,6 +86,7 @@ __all__ = [
     "Problem",
     "TranslatedConfig",
     "load_config",
+    "read_config_file",
     "resolve_batch_sizes",
     "translate_config",
 ]
@@ -128,7 +130,6 @@ class TranslatedConfig:
             # load_config and translate_config returned the JobSpec itself before notices existed.
             if name.startswith("_"):
                 raise AttributeError(name)
-            import warnings
             warnings.warn("load_config() and translate_config() return a TranslatedConfig: use its .spec "
                           "(and print its .notices)", DeprecationWarning, stacklevel=2)
             return getattr(self.spec, name)
@@ -154,18 +155,23 @@ def load_config(
         ConfigError: a file is not JSON/hjson, or anything in the config is wrong; its
             ``problems`` list every one, each with its key.
         OSError: a file cannot be read.
+        TypeError: ``job`` is neither a path nor a mapping.
     """
+    if job is not None and not isinstance(job, (str, os.PathLike, Mapping)):
+        raise TypeError(f"job must be a file path or a mapping of config keys, got {type(job).__name__}")
     t = Translation()
     sources: list[tuple[str, Any]] = []
     files = [path] + ([job] if isinstance(job, (str, os.PathLike)) else [])
     for file in files:
         with t.collecting():
             sources.append((os.fspath(file), read_config_file(file)))
+    names = [os.fspath(f) for f in files]
     if isinstance(job, Mapping):
         sources.append(("the job config", job))
+        names.append("the job config")
     if overrides:
         sources.append(("arguments", overrides))
-    where = " with ".join(os.fspath(f) for f in files) + (" and arguments" if overrides else "")
+    where = " with ".join(names) + (" and arguments" if overrides else "")
     if t.problems:
         raise ConfigError.of(t.problems, where=where)
     return _translate(t, sources, where)
@@ -258,6 +264,11 @@ def _translate(t: Translation, sources: list[tuple[str, Any]], where: str) -> Tr
             factory, kwargs = _data(sections["data"], sizes.train_batch_size)
             t.set("data", factory, "data.factory")
             t.set("data_kwargs", kwargs, "data.kwargs")
+    elif "data" in config:  # the batch sizes are wrong: check what does not depend on them
+        for check in (lambda: path(sections["data"], "factory", "data."),
+                      lambda: mapping(sections["data"], "kwargs", "data.")):
+            with t.collecting():
+                check()
     if t.problems:
         raise ConfigError.of(t.problems, where=where)
     return TranslatedConfig(spec=_spec(t), notices=tuple(t.notices))

@@ -58,8 +58,8 @@ class Command:
 COMMANDS: dict[str, Command] = {}
 
 
-def command(usage: str, summary: str, details: str = "", *, args: tuple[str, ...] = (),
-            min_args: int = 0, max_args: int | None = None, flags: tuple[str, ...] = ()) -> Callable[[Handler], Handler]:
+def command(usage: str, summary: str, details: str = "", *, args: tuple[str, ...] = (), min_args: int = 0,
+            max_args: int | None = None, flags: tuple[str, ...] = ()) -> Callable[[Handler], Handler]:
     """Registers a handler under the first word of ``usage``."""
     def register(handler: Handler) -> Handler:
         name = usage.split()[0]

@@ -622,3 +622,16 @@ def test_the_old_return_value_still_answers_with_a_deprecation_warning(tmp_path:
         assert config.spec.model == "examples.models:residual_mlp"
     with pytest.raises(AttributeError), pytest.warns(DeprecationWarning):
         config.no_such_field  # type: ignore[attr-defined]  # noqa: B018
+
+
+def test_the_data_factory_is_checked_even_when_the_batch_sizes_are_wrong() -> None:
+    found = problems_of({"model": "examples.models:residual_mlp", "train_batch_size": 30,
+                         "train_micro_batch_size_per_gpu": 8, "data": {"factory": "examples.data"}})
+    assert list(found) == ["train_batch_size", "data.factory"]
+
+
+def test_a_job_that_is_neither_a_path_nor_keys_is_a_type_error(tmp_path: Path) -> None:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(MINIMAL))
+    with pytest.raises(TypeError, match="job must be a file path or a mapping of config keys, got int"):
+        load_config(path, job=3)  # type: ignore[arg-type]
