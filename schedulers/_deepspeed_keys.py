@@ -218,8 +218,8 @@ def _fp16(t: Translation, block: Mapping[str, Any]) -> None:
             with t.collecting():
                 t.set(key, check(), f"fp16.{key}")
     if block.get("consecutive_hysteresis") is True:
-        t.notice("fp16.consecutive_hysteresis", "not built here: a step without overflow does not refill the "
-                                                "hysteresis (as with DeepSpeed's default, false)")
+        t.notice("fp16.consecutive_hysteresis", "not built here: the hysteresis is refilled only when the scale "
+                                                "doubles, as with DeepSpeed's default (false)")
     if block.get("auto_cast") is False:
         t.notice("fp16.auto_cast", "inputs are not cast ahead, and the weights stay float32: each op under autocast "
                                    "casts its own inputs to float16 where autocast runs it in float16")
