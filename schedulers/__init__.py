@@ -27,6 +27,7 @@ _EXPORTS = {
     "WhereReport": "schedulers.records",
     "ConfigError": "schedulers.config",
     "load_config": "schedulers.config",
+    "TranslatedConfig": "schedulers.config",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -53,6 +54,7 @@ if TYPE_CHECKING:  # explicit re-exports, for type checkers (the names resolve l
     )
     from schedulers.config import (
         ConfigError as ConfigError,
+        TranslatedConfig as TranslatedConfig,
         load_config as load_config,
     )
     from schedulers.jobs import (

@@ -1,96 +1,111 @@
-"""Jobs without Python: a DeepSpeed-style ``ds_config.json`` translated into a :class:`~schedulers.jobs.JobSpec`.
+"""Jobs without Python: a DeepSpeed ``ds_config.json``, as it is, translated into a :class:`~schedulers.jobs.JobSpec`.
 
-The batch keys mean what they mean in DeepSpeed, and are checked the way DeepSpeed
-checks them: ``train_batch_size == train_micro_batch_size_per_gpu *
-gradient_accumulation_steps * data_parallel``, and any two of the three determine
-the third. In a pipeline the accumulation steps are the micro-batches of one
-optimizer step, so ``gradient_accumulation_steps`` becomes ``micro_batches``.
-actorpipe's own fields name the model, loss and data factories by import path, the
-mesh and the wire codecs::
+A config has two parts. DeepSpeed's keys mean what they mean to DeepSpeed: the batch
+sizes (checked as DeepSpeed checks them: ``train_batch_size ==
+train_micro_batch_size_per_gpu * gradient_accumulation_steps * data_parallel``, any two
+give the third; in a pipeline the accumulation steps are the micro-batches of one
+optimizer step), ``optimizer``, ``scheduler``, ``fp16`` / ``bf16``,
+``gradient_clipping``, ``zero_optimization``, ``activation_checkpointing`` and
+``pipeline``. actorpipe's own keys name what DeepSpeed takes from Python: the model,
+loss and data factories by import path, the mesh and the wire codecs. Both may be in
+one file, or the DeepSpeed file stays as it is and actorpipe's part comes from a second
+file or from arguments::
+
+    config = load_config("ds_config.json", job="job.json")     # or job={...}, or model=..., mesh=...
+    for line in config.notices:                                # keys accepted that do something else here
+        print(line)
+    job = await cluster.train(config.spec)
+
+with ``job.json`` such as::
 
     {
-      "train_batch_size": 32,
-      "gradient_accumulation_steps": 4,
-      "optimizer": {"type": "AdamW", "params": {"lr": 0.001}},
-      "pipeline": {"stages": 2, "schedule": "1f1b", "partition_method": "parameters"},
       "model": {"factory": "examples.models:gpt", "kwargs": {"dim": 128, "layers": 4}},
       "loss": "examples.models:lm_loss",
       "data": {"factory": "examples.data:char_batches", "kwargs": {"context": 64}},
+      "pipeline": {"stages": 2, "schedule": "1f1b"},
       "mesh": {"tensor_parallel": 1, "data_parallel": 1},
       "codecs": {"activation": "none", "gradient": "none", "reduce": "none"},
       "transport": "zmq",
       "seed": 0
     }
 
-Everything here is pure: no files but the one :func:`load_config` reads, no imports
-of the factories. A key the file leaves out takes the spec's own default. A key this module does not know is an error that names it (with
-the nearest known key), and so is a batch size that does not add up (with the value
-that would).
+Files are read as DeepSpeed reads them (hjson: comments and trailing commas are
+fine). The parts merge key by key, later over earlier (file, then job, then
+arguments); a value that replaces another is reported in a notice, one that replaces
+``"auto"`` is what ``"auto"`` is for. ``"auto"`` is resolved as the Hugging Face
+integration does where this config holds the answer (the batch sizes from each other
+and the mesh); an ``"auto"`` nothing resolves is a problem that says what would.
+
+Every problem in the config is reported at once: one :class:`ConfigError` lists
+each, with its key and what to do. Keys that only tune DeepSpeed's own machinery are
+accepted, with a notice each. Reading and translating are pure: no files but the ones
+named, no imports of the factories (a class in ``torch.optim`` is built once on a dummy
+parameter to check its arguments).
 """
 
 from __future__ import annotations
 
+import copy
 import difflib
-import json
 import os
 import re
+import warnings
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from schedulers.jobs import CODECS, PARTITION_METHODS, SCHEDULE_NAMES, TRANSPORTS, JobSpec
+import hjson
 
-__all__ = ["OPTIMIZERS", "BatchSizes", "ConfigError", "load_config", "resolve_batch_sizes", "translate_config"]
-
-# DeepSpeed's optimizer "type" names (case-insensitive) and the torch class each becomes.
-OPTIMIZERS = {
-    "adam": "torch.optim:Adam",
-    "adamw": "torch.optim:AdamW",
-    "sgd": "torch.optim:SGD",
-    "adagrad": "torch.optim:Adagrad",
-    "adamax": "torch.optim:Adamax",
-    "adadelta": "torch.optim:Adadelta",
-    "rmsprop": "torch.optim:RMSprop",
-    "nadam": "torch.optim:NAdam",
-    "radam": "torch.optim:RAdam",
-}
-
-# DeepSpeed keys that mean something actorpipe does not do (yet): refused with why,
-# rather than silently ignored, since the run would not be the one the file describes.
-_UNSUPPORTED = {
-    "fp16": "mixed precision is not supported; the stages compute in float32",
-    "bf16": "mixed precision is not supported; the stages compute in float32",
-    "amp": "mixed precision is not supported; the stages compute in float32",
-    "zero_optimization": "ZeRO sharding is not supported; use the pipeline and tensor_parallel to split the model",
-    "gradient_clipping": "gradient clipping is not supported yet",
-    "scheduler": "learning-rate schedulers are not supported yet",
-    "activation_checkpointing": "activation checkpointing is not supported yet",
-}
-
-_TOP_KEYS = (
-    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer",
-    "pipeline", "model", "loss", "data", "mesh", "codecs", "transport", "seed", "threads_per_stage",
-    "step_timeout_s",
-    # DeepSpeed's logging switches: harmless, accepted and ignored.
-    "steps_per_print", "wall_clock_breakdown",
+from schedulers._config_checks import (
+    AUTO,
+    ConfigError,
+    Problem,
+    Translation,
+    any_int,
+    boolean,
+    check_keys,
+    choice,
+    codec,
+    mapping,
+    names,
+    partition_method,
+    path,
+    positive_int,
+    seconds,
+    show,
 )
+from schedulers._deepspeed_keys import DEEPSPEED_KEYS, PIPELINE_KEYS, translate_deepspeed_keys
+from schedulers._deepspeed_optimizer import OPTIMIZERS, translate_optimizer, translate_scheduler
+from schedulers.jobs import CODECS, SCHEDULE_NAMES, TRANSPORTS, JobSpec
+
+__all__ = [
+    "MAX_CONFIG_BYTES",
+    "OPTIMIZERS",
+    "BatchSizes",
+    "ConfigError",
+    "Problem",
+    "TranslatedConfig",
+    "load_config",
+    "read_config_file",
+    "resolve_batch_sizes",
+    "translate_config",
+]
+
+MAX_CONFIG_BYTES = 1 << 20  # a ds_config is a few KiB; a larger file is refused before it is parsed
+
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+# actorpipe's top-level keys (the sections below besides).
+_TOP_KEYS = (*_BATCH_KEYS, "loss", "transport", "seed", "threads_per_stage", "step_timeout_s")
 _SECTIONS: dict[str, tuple[str, ...]] = {
-    "optimizer": ("type", "params"),
-    "pipeline": ("stages", "schedule", "partition_method", "virtual_stages", "split_points"),
+    "optimizer": ("type", "params", "legacy_fusion"),
+    "scheduler": ("type", "params"),
+    "pipeline": ("stages", "schedule", "partition_method", "virtual_stages", "split_points", *PIPELINE_KEYS),
     "model": ("factory", "kwargs"),
     "data": ("factory", "kwargs", "batch_size_arg"),
     "mesh": ("tensor_parallel", "data_parallel"),
     "codecs": ("activation", "gradient", "reduce", "error_feedback", "measure_error"),
 }
-# DeepSpeed-only optimizer parameters with no torch equivalent.
-_DEEPSPEED_ONLY_PARAMS = ("torch_adam", "adam_w_mode")
-
-
-class ConfigError(ValueError):
-    """A config key that is unknown, missing or wrong; ``key`` is its dotted path."""
-
-    def __init__(self, key: str, message: str) -> None:
-        super().__init__(f"{key}: {message}")
-        self.key = key
+_KNOWN = (*_TOP_KEYS, *_SECTIONS, *DEEPSPEED_KEYS)
 
 
 class BatchSizes(NamedTuple):
@@ -101,79 +116,309 @@ class BatchSizes(NamedTuple):
     accumulation_steps: int
 
 
-def load_config(path: str | os.PathLike[str]) -> JobSpec:
-    """Reads a JSON config and translates it (see :func:`translate_config`).
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TranslatedConfig:
+    """A config translated: the job's spec, and what the user should read about it."""
+
+    spec: JobSpec
+    """what ``cluster.train`` takes"""
+    notices: tuple[str, ...] = ()
+    """one line per key accepted that has no effect here, or does something else (``"key: what happens"``)"""
+
+    if not TYPE_CHECKING:
+        def __getattr__(self, name: str) -> Any:
+            # load_config and translate_config returned the JobSpec itself before notices existed.
+            if name.startswith("_"):
+                raise AttributeError(name)
+            warnings.warn("load_config() and translate_config() return a TranslatedConfig: use its .spec "
+                          "(and print its .notices)", DeprecationWarning, stacklevel=2)
+            return getattr(self.spec, name)
+
+
+def load_config(
+    path: str | os.PathLike[str],
+    /,
+    *,
+    job: str | os.PathLike[str] | Mapping[str, Any] | None = None,
+    **overrides: Any,
+) -> TranslatedConfig:
+    """Reads a DeepSpeed-style config (JSON or hjson) and translates it (see :func:`translate_config`).
+
+    Args:
+        path: the config: DeepSpeed's ``ds_config.json`` as it is, or one file with
+            actorpipe's keys as well.
+        job: actorpipe's part (model, loss, data, mesh, codecs, ...), or any key to
+            add or replace: a file path, or the keys themselves.
+        overrides: top-level keys, over both files (e.g. ``mesh={"data_parallel": 2}``).
 
     Raises:
-        ConfigError: the file is not JSON, or the config is wrong (the message names the key).
+        ConfigError: a file is not JSON/hjson, or anything in the config is wrong; its
+            ``problems`` list every one, each with its key.
+        OSError: a file cannot be read.
+        TypeError: ``job`` is neither a path nor a mapping.
+    """
+    if job is not None and not isinstance(job, (str, os.PathLike, Mapping)):
+        raise TypeError(f"job must be a file path or a mapping of config keys, got {type(job).__name__}")
+    t = Translation()
+    sources: list[tuple[str, Any]] = []
+    files = [path] + ([job] if isinstance(job, (str, os.PathLike)) else [])
+    for file in files:
+        with t.collecting():
+            sources.append((os.fspath(file), read_config_file(file)))
+    names = [os.fspath(f) for f in files]
+    if isinstance(job, Mapping):
+        sources.append(("the job config", job))
+        names.append("the job config")
+    if overrides:
+        sources.append(("arguments", overrides))
+    where = " with ".join(names) + (" and arguments" if overrides else "")
+    if t.problems:
+        raise ConfigError.of(t.problems, where=where)
+    return _translate(t, sources, where)
+
+
+def translate_config(
+    config: Mapping[str, Any], /, *, job: Mapping[str, Any] | None = None, **overrides: Any
+) -> TranslatedConfig:
+    """A DeepSpeed-style config as the job's spec (what ``cluster.train`` takes), with notices.
+
+    Args:
+        config: DeepSpeed's keys, actorpipe's, or both.
+        job: more keys, merged over ``config`` (actorpipe's part of a two-file config).
+        overrides: top-level keys, merged over both.
+
+    Raises:
+        ConfigError: every unknown, unsupported, missing or wrong key (``problems``
+            lists each with its dotted key), or batch sizes that do not add up.
+    """
+    sources: list[tuple[str, Any]] = [("the config", config)]
+    if job is not None:
+        sources.append(("the job config", job))
+    if overrides:
+        sources.append(("arguments", overrides))
+    return _translate(Translation(), sources, "the config")
+
+
+def read_config_file(path: str | os.PathLike[str]) -> Any:
+    """A config file's contents, read as DeepSpeed reads them (hjson: comments, trailing commas).
+
+    Raises:
+        ConfigError: larger than :data:`MAX_CONFIG_BYTES`, not UTF-8, not JSON/hjson, or
+            a key given twice in one object (DeepSpeed refuses that too).
         OSError: the file cannot be read.
     """
-    with open(path) as f:
-        text = f.read()
+    name = os.fspath(path)
+    with open(path, "rb") as f:
+        data = f.read(MAX_CONFIG_BYTES + 1)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(name, f"larger than {MAX_CONFIG_BYTES} bytes; a config is a few KiB")
     try:
-        config = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(os.fspath(path), f"not valid JSON: {exc}") from None
-    return translate_config(config)
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(name, f"not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    try:
+        return hjson.loads(text, object_pairs_hook=_without_duplicates)
+    except _DuplicateKey as exc:
+        raise ConfigError(name, f"the key {show(exc.key)} is given twice in one object; keep one") from None
+    except hjson.HjsonDecodeError as exc:
+        raise ConfigError(name, f"not valid JSON or hjson: {exc}") from None
+    except RecursionError:
+        raise ConfigError(name, "nested too deeply to be a config") from None
 
 
-def translate_config(config: Mapping[str, Any]) -> JobSpec:
-    """A DeepSpeed-style config as the job's spec (what ``cluster.train`` takes).
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
 
-    Raises:
-        ConfigError: an unknown or unsupported key, a missing ``model``, a value of
-            the wrong type, or batch sizes that do not add up.
-    """
-    if not isinstance(config, Mapping):
-        raise ConfigError("config", f"must be a JSON object, got {type(config).__name__}")
-    _check_keys("", config, _TOP_KEYS)
-    sections = {name: _section(config, name) for name in _SECTIONS}
-    if "model" not in config:
-        raise ConfigError("model", "missing; name the model factory, e.g. \"model\": \"examples.models:gpt\"")
-    pipeline, mesh, codecs = sections["pipeline"], sections["mesh"], sections["codecs"]
-    data_parallel = _positive_int(mesh, "data_parallel", "mesh.") if "data_parallel" in mesh else 1
-    sizes = resolve_batch_sizes(
-        train_batch_size=_optional_positive_int(config, "train_batch_size"),
-        micro_batch_size=_optional_positive_int(config, "train_micro_batch_size_per_gpu"),
-        accumulation_steps=_optional_positive_int(config, "gradient_accumulation_steps"),
-        data_parallel=data_parallel,
-    )
-    kwargs: dict[str, Any] = {
-        "model": _path(sections["model"], "factory", "model."),
-        "model_kwargs": _mapping(sections["model"], "kwargs", "model."),
-        "data_parallel": data_parallel,
-        "micro_batches": sizes.accumulation_steps,
-    }
+
+def _without_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise _DuplicateKey(key)
+        seen.add(key)
+    return dict(pairs)
+
+
+# -- translation ----------------------------------------------------------------------------
+
+
+def _translate(t: Translation, sources: list[tuple[str, Any]], where: str) -> TranslatedConfig:
+    config = _merge(t, sources)
+    _check_top_keys(t, config)
+    sections = {name: _section(t, config, name) for name in _SECTIONS}
+    _actorpipe_keys(t, config, sections)
+    translate_deepspeed_keys(t, config, sections["pipeline"])
+    mesh_ok = "data_parallel" in t.fields or "data_parallel" not in sections["mesh"]
+    sizes = _batch_sizes(t, config, t.fields.get("data_parallel", 1)) if mesh_ok else None
     if "optimizer" in config:
-        kwargs["optimizer"] = _optimizer(sections["optimizer"])
-    # Each key the file gives, checked here so the error names it; the rest keep the spec's defaults.
+        translate_optimizer(t, sections["optimizer"])
+        if "legacy_fusion" in sections["optimizer"]:
+            t.notice("optimizer.legacy_fusion", "no effect here: DeepSpeed's fused fp16 optimizer switch")
+    if "scheduler" in config:
+        params = sections["optimizer"].get("params")
+        translate_scheduler(t, sections["scheduler"], lr=params.get("lr") if isinstance(params, Mapping) else None)
+    if "data" in config and sizes is not None:
+        with t.collecting():
+            factory, kwargs = _data(sections["data"], sizes.train_batch_size)
+            t.set("data", factory, "data.factory")
+            t.set("data_kwargs", kwargs, "data.kwargs")
+    elif "data" in config:  # the batch sizes are wrong: check what does not depend on them
+        for check in (lambda: path(sections["data"], "factory", "data."),
+                      lambda: mapping(sections["data"], "kwargs", "data.")):
+            with t.collecting():
+                check()
+    if t.problems:
+        raise ConfigError.of(t.problems, where=where)
+    return TranslatedConfig(spec=_spec(t), notices=tuple(t.notices))
+
+
+def _merge(t: Translation, sources: list[tuple[str, Any]]) -> dict[str, Any]:
+    """The sources merged key by key, later over earlier; a replaced value gets a notice."""
+    merged: dict[str, Any] = {}
+    origins: dict[str, str] = {}
+    for source, layer in sources:
+        if not isinstance(layer, Mapping):
+            raise ConfigError(source, f"must be an object of config keys, got {type(layer).__name__}")
+        # "model": "pkg:f" is short for {"factory": "pkg:f"}, so that a job file's kwargs merge onto it
+        layer = {k: {"factory": v} if k in ("model", "data") and isinstance(v, str) else v for k, v in layer.items()}
+        _merge_into(t, merged, layer, "", source, origins)
+    return merged
+
+
+def _merge_into(t: Translation, target: dict[str, Any], layer: Mapping[str, Any], prefix: str, source: str,
+                origins: dict[str, str]) -> None:
+    for key, value in layer.items():
+        dotted = f"{prefix}{key}"
+        old = target.get(key)
+        # an optimizer or schedule of another type replaces the whole block: its params belong to the type
+        new_type = prefix == "" and key in ("optimizer", "scheduler") and isinstance(value, Mapping) \
+            and isinstance(old, Mapping) and "type" in value and value["type"] != old.get("type")
+        if isinstance(old, Mapping) and isinstance(value, Mapping) and not new_type:
+            target[key] = dict(old)
+            _merge_into(t, target[key], value, f"{dotted}.", source, origins)
+            continue
+        if key in target and old != value and old != AUTO:
+            t.notice(dotted, f"{show(value)} from {source} replaces {show(old)} from {_origin(origins, dotted)}")
+        target[key] = copy.deepcopy(value)
+        origins[dotted] = source
+
+
+def _origin(origins: dict[str, str], dotted: str) -> str:
+    """The source that gave ``dotted`` (or the block it came in)."""
+    while dotted not in origins and "." in dotted:
+        dotted = dotted.rpartition(".")[0]
+    return origins.get(dotted, "an earlier source")
+
+
+def _check_top_keys(t: Translation, config: Mapping[str, Any]) -> None:
+    for key in config:
+        if key in _KNOWN:
+            continue
+        name = str(key) if len(str(key)) <= 80 else str(key)[:77] + "..."
+        typo = difflib.get_close_matches(str(key), _KNOWN, n=1, cutoff=0.8)
+        if typo:
+            t.problem(name, f"unknown key; did you mean {typo[0]}?")
+            continue
+        # e.g. "cuda_visible_devices" in DeepSpeedExamples' files: DeepSpeed reads only the keys it knows
+        near = difflib.get_close_matches(str(key), _KNOWN, n=1)
+        hint = f" (did you mean {near[0]}?)" if near else ""
+        t.notice(name, f"not a DeepSpeed or actorpipe key: ignored, as DeepSpeed ignores keys it does not know{hint}")
+
+
+def _section(t: Translation, config: Mapping[str, Any], name: str) -> dict[str, Any]:
+    """A sub-object, with its keys checked (``{}`` when absent or not an object)."""
+    value = config.get(name, {})
+    if not isinstance(value, Mapping):
+        t.problem(name, f"expected an object with keys {', '.join(_SECTIONS[name][:5])}, got {show(value)}")
+        return {}
+    check_keys(t, f"{name}.", value, _SECTIONS[name])
+    return dict(value)
+
+
+def _actorpipe_keys(t: Translation, config: Mapping[str, Any], sections: Mapping[str, dict[str, Any]]) -> None:
+    """The model, mesh, pipeline and codecs: each key the config gives, checked so that a problem names it."""
+    model, pipeline, mesh, codecs = (sections[name] for name in ("model", "pipeline", "mesh", "codecs"))
+    if "model" not in config:
+        t.problem("model", "missing; name the model factory, e.g. \"model\": \"examples.models:gpt\" (in the job "
+                           "file when the DeepSpeed config stays as it is)")
+    else:
+        with t.collecting():
+            t.set("model", path(model, "factory", "model."), "model.factory")
+        with t.collecting():
+            t.set("model_kwargs", mapping(model, "kwargs", "model."), "model.kwargs")
+    if pipeline.get("stages") == AUTO:
+        pipeline.pop("stages")
+        t.notice("pipeline.stages", "\"auto\" (DeepSpeed: the PipelineModule's stages) and nothing else gives them: 1 "
+                                    "stage; give pipeline.stages in the job file to split the model")
     optional: list[tuple[str, Mapping[str, Any], str, str, Any]] = [
-        ("pipeline_stages", pipeline, "stages", "pipeline.", _positive_int),
-        ("tensor_parallel", mesh, "tensor_parallel", "mesh.", _positive_int),
-        ("schedule", pipeline, "schedule", "pipeline.", _choice(SCHEDULE_NAMES)),
-        ("partition_method", pipeline, "partition_method", "pipeline.", _partition_method),
-        ("split_points", pipeline, "split_points", "pipeline.", _names),
-        ("virtual_stages", pipeline, "virtual_stages", "pipeline.", _positive_int),
-        ("activation_codec", codecs, "activation", "codecs.", _codec),
-        ("gradient_codec", codecs, "gradient", "codecs.", _codec),
-        ("reduce_codec", codecs, "reduce", "codecs.", _choice(CODECS)),
-        ("error_feedback", codecs, "error_feedback", "codecs.", _bool),
-        ("measure_codec_error", codecs, "measure_error", "codecs.", _bool),
-        ("seed", config, "seed", "", _int),
-        ("loss", config, "loss", "", _path),
-        ("transport", config, "transport", "", _choice(TRANSPORTS)),
-        ("threads_per_stage", config, "threads_per_stage", "", _positive_int),
-        ("step_timeout_s", config, "step_timeout_s", "", _seconds),
+        ("data_parallel", mesh, "data_parallel", "mesh.", positive_int),
+        ("pipeline_stages", pipeline, "stages", "pipeline.", positive_int),
+        ("tensor_parallel", mesh, "tensor_parallel", "mesh.", positive_int),
+        ("schedule", pipeline, "schedule", "pipeline.", choice(SCHEDULE_NAMES)),
+        ("partition_method", pipeline, "partition_method", "pipeline.", partition_method),
+        ("split_points", pipeline, "split_points", "pipeline.", names),
+        ("virtual_stages", pipeline, "virtual_stages", "pipeline.", positive_int),
+        ("activation_codec", codecs, "activation", "codecs.", codec),
+        ("gradient_codec", codecs, "gradient", "codecs.", codec),
+        ("reduce_codec", codecs, "reduce", "codecs.", choice(CODECS)),
+        ("error_feedback", codecs, "error_feedback", "codecs.", boolean),
+        ("measure_codec_error", codecs, "measure_error", "codecs.", boolean),
+        ("seed", config, "seed", "", any_int),
+        ("loss", config, "loss", "", path),
+        ("transport", config, "transport", "", choice(TRANSPORTS)),
+        ("threads_per_stage", config, "threads_per_stage", "", positive_int),
+        ("step_timeout_s", config, "step_timeout_s", "", seconds),
     ]
     for name, section, key, prefix, check in optional:
         if key in section:
-            kwargs[name] = check(section, key, prefix)
-    if "data" in config:
-        kwargs["data"], kwargs["data_kwargs"] = _data(sections["data"], sizes.train_batch_size)
+            with t.collecting():
+                t.set(name, check(section, key, prefix), prefix + key)
+
+
+def _batch_sizes(t: Translation, config: Mapping[str, Any], data_parallel: int) -> BatchSizes | None:
+    """DeepSpeed's three batch sizes, ``"auto"`` resolved from the others and ``data_parallel``."""
+    given: dict[str, int | None] = dict.fromkeys(_BATCH_KEYS)
+    autos = [key for key in _BATCH_KEYS if config.get(key) == AUTO]
+    problems = len(t.problems)
+    for key in _BATCH_KEYS:
+        if key not in autos and config.get(key) is not None:
+            with t.collecting():
+                given[key] = positive_int(config, key, "")
+    if len(t.problems) > problems:
+        return None
     try:
-        return JobSpec.from_kwargs(kwargs)  # what no single key shows, e.g. a codec list of the wrong length
+        sizes = resolve_batch_sizes(train_batch_size=given["train_batch_size"],
+                                    micro_batch_size=given["train_micro_batch_size_per_gpu"],
+                                    accumulation_steps=given["gradient_accumulation_steps"],
+                                    data_parallel=data_parallel)
+    except ConfigError as exc:
+        if not autos or not exc.problems[0].message.startswith("missing"):
+            t.problems.extend(exc.problems)
+            return None
+        t.problem(autos[0], (
+            f"\"auto\" cannot be resolved: give two of {', '.join(_BATCH_KEYS)} (in the job file, --job, or as "
+            f"arguments); \"auto\" is filled from them and mesh.data_parallel ({data_parallel})"))
+        return None
+    equation = (f"train_batch_size {sizes.train_batch_size} = micro {sizes.micro_batch_size} * accumulation "
+                f"{sizes.accumulation_steps} * data_parallel {data_parallel}")
+    for key, value in zip(_BATCH_KEYS, sizes):
+        if key in autos:
+            t.notice(key, f"\"auto\" is {value} ({equation})")
+    t.set("micro_batches", sizes.accumulation_steps, "gradient_accumulation_steps")
+    return sizes
+
+
+def _spec(t: Translation) -> JobSpec:
+    """The JobSpec; what no single key shows (e.g. a codec list of the wrong length) names the key that set it."""
+    try:
+        return JobSpec.from_kwargs(t.fields)
     except (TypeError, ValueError) as exc:
-        raise ConfigError("config", str(exc)) from None
+        message = str(exc)
+        found = [(m.start(), key) for field, key in t.origins.items()
+                 if (m := re.search(rf"\b{field}\b", message)) is not None]
+        raise ConfigError(min(found)[1] if found else "config", message) from None
 
 
 def resolve_batch_sizes(
@@ -226,147 +471,18 @@ def _divide(total: int, by: int, key: str, what: str) -> int:
     return total // by
 
 
-# -- pieces ------------------------------------------------------------------------
-
-
-def _check_keys(prefix: str, section: Mapping[str, Any], known: tuple[str, ...]) -> None:
-    for key in section:
-        if key in known:
-            continue
-        where = f"{prefix}{key}"
-        if not prefix and key in _UNSUPPORTED:
-            raise ConfigError(where, f"not supported by actorpipe: {_UNSUPPORTED[key]}")
-        near = difflib.get_close_matches(str(key), known, n=1)
-        hint = f"; did you mean {prefix}{near[0]}?" if near else f"; known keys: {', '.join(known)}"
-        raise ConfigError(where, f"unknown key{hint}")
-
-
-def _section(config: Mapping[str, Any], name: str) -> dict[str, Any]:
-    """A sub-object, with its keys checked; a bare string stands for ``{"factory": ...}``."""
-    value = config.get(name, {})
-    if isinstance(value, str) and name in ("model", "data"):
-        value = {"factory": value}
-    if not isinstance(value, Mapping):
-        raise ConfigError(name, f"expected an object with keys {', '.join(_SECTIONS[name])}, got {value!r}")
-    _check_keys(f"{name}.", value, _SECTIONS[name])
-    return dict(value)
-
-
-def _path(section: Mapping[str, Any], key: str, prefix: str) -> str:
-    value = section.get(key)
-    if not isinstance(value, str) or value.count(":") != 1:
-        raise ConfigError(prefix + key, f"expected an import path 'package.module:name', got {value!r:.60}")
-    return value
-
-
-def _mapping(section: Mapping[str, Any], key: str, prefix: str) -> dict[str, Any]:
-    value = section.get(key, {})
-    if not isinstance(value, Mapping):
-        raise ConfigError(prefix + key, f"expected an object of keyword arguments, got {value!r}")
-    return dict(value)
-
-
-def _int(section: Mapping[str, Any], key: str, prefix: str) -> int:
-    value = section.get(key)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(prefix + key, f"expected an integer, got {value!r:.60}")
-    return value
-
-
-def _positive_int(section: Mapping[str, Any], key: str, prefix: str) -> int:
-    value = _int(section, key, prefix)
-    if value < 1:
-        raise ConfigError(prefix + key, f"expected an integer >= 1, got {value}")
-    return value
-
-
-def _optional_positive_int(section: Mapping[str, Any], key: str) -> int | None:
-    return None if section.get(key) is None else _positive_int(section, key, "")
-
-
-def _seconds(section: Mapping[str, Any], key: str, prefix: str) -> float:
-    value = section.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
-        raise ConfigError(prefix + key, f"expected a number of seconds > 0, got {value!r:.60}")
-    return float(value)
-
-
-def _bool(section: Mapping[str, Any], key: str, prefix: str) -> bool:
-    value = section.get(key)
-    if not isinstance(value, bool):
-        raise ConfigError(prefix + key, f"expected true or false, got {value!r:.60}")
-    return value
-
-
-def _choice(choices: tuple[str, ...]) -> Any:
-    """A check that the value is one of ``choices``."""
-    def check(section: Mapping[str, Any], key: str, prefix: str) -> str:
-        value = section.get(key)
-        if value not in choices:
-            raise ConfigError(prefix + key, f"expected one of {', '.join(choices)}, got {value!r:.60}")
-        return str(value)
-    return check
-
-
-def _partition_method(section: Mapping[str, Any], key: str, prefix: str) -> str:
-    """One of the partition methods, or DeepSpeed's ``type:REGEX`` (layers whose class matches)."""
-    value = section.get(key)
-    if isinstance(value, str) and value.startswith("type:") and 5 < len(value) <= 205:
-        try:
-            re.compile(value[5:])
-        except re.error as exc:
-            raise ConfigError(prefix + key, f"{value!r:.60} is not a regular expression after type: ({exc})") from None
-        return value
-    return str(_choice(PARTITION_METHODS)(section, key, prefix))
-
-
-def _names(section: Mapping[str, Any], key: str, prefix: str) -> list[str]:
-    value = section.get(key)
-    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
-        raise ConfigError(prefix + key, f"expected a list of module names, got {value!r:.60}")
-    return list(value)
-
-
-def _codec(codecs: Mapping[str, Any], key: str, prefix: str = "codecs.") -> str | list[str]:
-    value = codecs.get(key)
-    names = [value] if isinstance(value, str) else value
-    if not isinstance(names, list) or not names or any(n not in CODECS for n in names):
-        raise ConfigError(f"{prefix}{key}", (
-            f"expected a codec name ({', '.join(CODECS)}) or a list of one per stage boundary, got {value!r:.60}"))
-    return value if isinstance(value, str) else list(names)
-
-
-def _optimizer(section: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
-    kind = section.get("type")
-    params = _mapping(section, "params", "optimizer.")
-    if not isinstance(kind, str):
-        raise ConfigError("optimizer.type", f"expected a name such as Adam, AdamW or SGD, got {kind!r}")
-    if params.pop("adam_w_mode", False) and kind.lower() == "adam":
-        kind = "AdamW"  # DeepSpeed's Adam with adam_w_mode is decoupled weight decay: AdamW
-    for key in _DEEPSPEED_ONLY_PARAMS:
-        params.pop(key, None)
-    if ":" in kind:
-        return kind, params  # a full import path, e.g. "torch.optim:ASGD"
-    path = OPTIMIZERS.get(kind.lower())
-    if path is None:
-        names = ", ".join(p.rpartition(":")[2] for p in OPTIMIZERS.values())
-        raise ConfigError("optimizer.type", f"unknown optimizer {kind!r}; expected one of {names} "
-                          "or an import path 'package.module:Class'")
-    return path, params
-
-
 def _data(section: Mapping[str, Any], train_batch_size: int) -> tuple[str, dict[str, Any]]:
     """The data factory and its kwargs, with the global batch size passed as ``batch_size_arg``."""
-    factory = _path(section, "factory", "data.")
-    kwargs = _mapping(section, "kwargs", "data.")
+    factory = path(section, "factory", "data.")
+    kwargs = mapping(section, "kwargs", "data.")
     arg = section.get("batch_size_arg", "batch_size")
     if arg is None:
         return factory, kwargs
     if not isinstance(arg, str):
-        raise ConfigError("data.batch_size_arg", f"expected a keyword name or null, got {arg!r}")
+        raise ConfigError("data.batch_size_arg", f"expected a keyword name or null, got {show(arg)}")
     given = kwargs.setdefault(arg, train_batch_size)
     if given != train_batch_size:
         raise ConfigError(f"data.kwargs.{arg}", (
-            f"expected {train_batch_size} (train_batch_size: one global batch per step), got {given!r}; "
+            f"expected {train_batch_size} (train_batch_size: one global batch per step), got {show(given)}; "
             "leave it out and it is filled in"))
     return factory, kwargs

@@ -41,6 +41,7 @@ class Command:
         args: the kind of each positional argument, for completion: ``job``, ``key``,
             ``value``, ``path``, ``command``, ``int`` or ``flag``.
         min_args, max_args: how many words may follow the name.
+        flags: the ``--options`` the command takes (what a ``flag`` argument completes to).
     """
 
     name: str
@@ -51,19 +52,20 @@ class Command:
     min_args: int
     max_args: int
     handler: Handler
+    flags: tuple[str, ...] = ()
 
 
 COMMANDS: dict[str, Command] = {}
 
 
-def command(usage: str, summary: str, details: str = "", *, args: tuple[str, ...] = (),
-            min_args: int = 0, max_args: int | None = None) -> Callable[[Handler], Handler]:
+def command(usage: str, summary: str, details: str = "", *, args: tuple[str, ...] = (), min_args: int = 0,
+            max_args: int | None = None, flags: tuple[str, ...] = ()) -> Callable[[Handler], Handler]:
     """Registers a handler under the first word of ``usage``."""
     def register(handler: Handler) -> Handler:
         name = usage.split()[0]
         COMMANDS[name] = Command(name=name, usage=usage, summary=summary, details=details, args=args,
                                  min_args=min_args, max_args=len(args) if max_args is None else max_args,
-                                 handler=handler)
+                                 handler=handler, flags=flags)
         return handler
     return register
 
@@ -143,7 +145,7 @@ async def _jobs(session: Session, args: list[str]) -> None:
 @command("status [JOB] [--actions]", "the last step: loss, step time, samples/s, bubble, bytes per edge",
          "Without JOB, one line per job. --actions asks every stage where it is now and prints the programs' "
          "grid with each stage's action marked, naming any send or receive that never matched (hang forensics).",
-         args=("job", "flag"), max_args=2)
+         args=("job", "flag"), max_args=2, flags=("--actions",))
 async def _status(session: Session, args: list[str]) -> None:
     actions = "--actions" in args
     args = [a for a in args if a != "--actions"]
@@ -173,24 +175,57 @@ async def _schedule(session: Session, args: list[str]) -> None:
 # -- jobs ---------------------------------------------------------------------------------
 
 
-@command("submit CONFIG.json", "start a job from a DeepSpeed-style JSON config",
-         "See schedulers/config.py and examples/gpt_config.json for the keys. Afterwards the job name "
-         "'last' stands for this job, e.g. 'submit cfg.json; run last 10'.", args=("path",), min_args=1)
+@command("submit CONFIG.json [--job JOB.json]", "start a job from a DeepSpeed config (and a job file)",
+         "CONFIG.json is DeepSpeed's ds_config.json as it is (JSON or hjson), or one file with actorpipe's keys as "
+         "well; --job JOB.json gives actorpipe's part (model, loss, data, mesh, codecs) so that the DeepSpeed file "
+         "needs no edit. Every problem is listed at once; keys that do something else here, or nothing, are "
+         "printed as notes. See schedulers/config.py and the README for the keys. Afterwards the job name 'last' "
+         "stands for this job, e.g. 'submit cfg.json; run last 10'.",
+         args=("path", "flag", "path"), min_args=1, max_args=3, flags=("--job",))
 async def _submit(session: Session, args: list[str]) -> None:
+    config_path, job_path = _submit_args(args)
+    where = config_path + (f" with {job_path}" if job_path else "")
     try:
-        spec = load_config(args[0])
-    except (ConfigError, OSError) as exc:
-        raise CommandError(f"{args[0]}: {exc}") from None
+        config = load_config(config_path, job=job_path)
+    except ConfigError as exc:
+        raise CommandError(str(exc) if len(exc.problems) > 1 else f"{where}: {exc}") from None
+    except OSError as exc:
+        raise CommandError(f"{where}: {exc}") from None
+    for line in config.notices:
+        _print(session, f"note: {line}")
+    spec = config.spec
     _print(session, f"submitting {spec.model} on {spec.pipeline_stages} stages ...")
     try:
         job = await session.cluster.train(spec)
     except Exception as exc:  # noqa: BLE001 - whatever refused the job, the user reads why
-        raise CommandError(f"{args[0]}: the scheduler refused the job: {getattr(exc, 'message', exc)}") from None
+        raise CommandError(f"{where}: the scheduler refused the job: {getattr(exc, 'message', exc)}") from None
     if job.id not in session.job_ids:
         session.job_ids.append(job.id)
     session.last_submitted = job.id
     _print(session, f"submitted {job.id}: {spec.schedule}, {spec.micro_batches} micro-batches, "
                     f"stages on {', '.join(job.nodes)}, layers {job.bounds}")
+
+
+def _submit_args(args: list[str]) -> tuple[str, str | None]:
+    """``CONFIG [--job JOB]`` (the flag before or after, or as ``--job=JOB``) -> (config, job)."""
+    usage = "usage: submit CONFIG.json [--job JOB.json]"
+    words: list[str] = []
+    job: str | None = None
+    rest = iter(args)
+    for word in rest:
+        if word == "--job" or word.startswith("--job="):
+            if job is not None:
+                raise CommandError(f"--job is given twice; {usage}")
+            job = word.partition("=")[2] if word.startswith("--job=") else next(rest, "")
+            if not job:
+                raise CommandError(f"--job needs a file; {usage}")
+        elif word.startswith("--"):
+            raise CommandError(f"unknown option {word!r}; {usage}")
+        else:
+            words.append(word)
+    if len(words) != 1:
+        raise CommandError(usage)
+    return words[0], job
 
 
 @command("run JOB N", "take N steps from the job's data factory, with a progress bar",

@@ -67,11 +67,11 @@ class ConsoleCompleter(Completer):
             yield from self._paths.get_completions(sub, complete_event)
             return
         choices: Iterable[str] = {
-            "job": self.session.job_ids, "command": sorted(COMMANDS), "key": SETTABLE, "flag": ("--actions",),
+            "job": self.session.job_ids, "command": sorted(COMMANDS), "key": SETTABLE, "flag": cmd.flags,
             "value": _VALUES.get(words[2] if len(words) > 2 else "", ()),
         }.get(kind, ())
         if kind == "job" and cmd.name == "status":
-            choices = [*self.session.job_ids, "--actions"]
+            choices = [*self.session.job_ids, *cmd.flags]
         yield from _starting(prefix, choices)
 
 

@@ -8,6 +8,7 @@ starts ``python -m schedulers.console --connect ADDRESS`` in a pty (pexpect) or,
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import re
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,8 +26,10 @@ import pytest
 
 from prompt_toolkit.completion import CompleteEvent
 from prompt_toolkit.document import Document
+from rich.console import Console
 
 from actors import LocalCluster
+from schedulers.config import load_config
 from schedulers.console.commands import execute, split_commands
 from schedulers.console.render import event_line
 from schedulers.console.repl import ConsoleCompleter
@@ -297,6 +301,24 @@ def test_set_micro_batches_applies_at_the_barrier(head_address: str, tmp_path: P
 
 
 @pytest.mark.slow
+def test_submit_a_deepspeed_file_as_it_is_with_a_job_file(head_address: str, tmp_path: Path) -> None:
+    ds, job = tmp_path / "ds_config.json", tmp_path / "job.json"
+    ds.write_text("""{
+      // DeepSpeed's file, unchanged: its switched-off blocks and logging keys are accepted
+      "train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
+      "optimizer": {"type": "SGD", "params": {"lr": 0.05}},
+      "fp16": {"enabled": false}, "zero_optimization": {"stage": 0}, "gradient_clipping": 0,
+      "steps_per_print": 10, "wall_clock_breakdown": false,
+    }""")
+    job.write_text(json.dumps({key: SMALL_CONFIG[key] for key in ("model", "data", "pipeline")}))
+    done = exec_console(head_address, f"submit {ds} --job {job}; run last 1; close last")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "note: steps_per_print: no effect here" in done.stdout
+    assert re.search(r"submitted job\d+: 1f1b, 4 micro-batches", done.stdout)
+    assert re.search(r"ran 1/1 steps \(now at step 1\), loss \d", done.stdout)
+
+
+@pytest.mark.slow
 def test_exec_fails_at_the_first_command_that_fails(head_address: str, tmp_path: Path) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({**SMALL_CONFIG, "train_batch_size": 30, "gradient_accumulation_steps": 4}))
@@ -353,6 +375,74 @@ class _Offline:
     resolve_job = Session.resolve_job
 
 
+class _FakeCluster:
+    """Takes a job as the scheduler would, and keeps its spec."""
+
+    def __init__(self) -> None:
+        self.specs: list[Any] = []
+
+    async def train(self, spec: Any) -> Any:
+        self.specs.append(spec)
+        return types.SimpleNamespace(id="job7", nodes=["node0", "node1"], bounds=[[0, 2], [2, 4]])
+
+
+class _Submitting(_Offline):
+    """A Session whose cluster takes jobs, printing to a string."""
+
+    def __init__(self) -> None:
+        super().__init__([])
+        self.cluster = _FakeCluster()
+        self.text = io.StringIO()
+        self.out = Console(file=self.text, width=300)
+
+
+def _deepspeed_and_job_files(tmp_path: Path) -> tuple[Path, Path]:
+    ds, job = tmp_path / "ds.json", tmp_path / "job.json"
+    ds.write_text('{"train_batch_size": 8, "gradient_accumulation_steps": 4, "gradient_clipping": 1.0, '
+                  '"optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "steps_per_print": 10,}')
+    job.write_text(json.dumps({"model": SMALL_CONFIG["model"], "pipeline": {"stages": 2}}))
+    return ds, job
+
+
+@pytest.mark.parametrize("order", ["after", "before", "equals"])
+def test_submit_takes_a_deepspeed_file_and_a_job_file(tmp_path: Path, order: str) -> None:
+    ds, job = _deepspeed_and_job_files(tmp_path)
+    words = {"after": [str(ds), "--job", str(job)], "before": ["--job", str(job), str(ds)],
+             "equals": [str(ds), f"--job={job}"]}[order]
+    session = _Submitting()
+    asyncio.run(execute(session, ["submit", *words]))  # type: ignore[arg-type]
+    assert session.cluster.specs == [load_config(ds, job=job).spec]
+    spec = session.cluster.specs[0]
+    assert (spec.optimizer[0], spec.gradient_clipping, spec.micro_batches) == ("torch.optim:AdamW", 1.0, 4)
+    out = session.text.getvalue()
+    assert "note: steps_per_print: no effect here" in out
+    assert "submitted job7: 1f1b, 4 micro-batches, stages on node0, node1" in out
+    assert session.last_submitted == "job7"
+
+
+def test_submit_lists_every_problem_in_the_files_at_once(tmp_path: Path) -> None:
+    ds, job = _deepspeed_and_job_files(tmp_path)
+    ds.write_text('{"train_batch_size": 8, "optimizer": {"type": "Lamb"}, "fp16": {"enabled": true}, '
+                  '"bf16": {"enabled": true}}')
+    with pytest.raises(CommandError) as info:
+        asyncio.run(execute(_Submitting(), ["submit", str(ds), "--job", str(job)]))  # type: ignore[arg-type]
+    message = str(info.value)
+    assert message.startswith(f"2 problems in {ds} with {job}:\n  bf16.enabled: ")
+    assert "\n  optimizer.type: Lamb is not available here" in message
+
+
+@pytest.mark.parametrize(("words", "message"), [
+    (["submit", "ds.json", "--job"], "--job needs a file"),
+    (["submit", "ds.json", "--jobs", "job.json"], "unknown option '--jobs'"),
+    (["submit", "ds.json", "job.json"], r"usage: submit CONFIG.json \[--job JOB.json\]"),
+    (["submit", "--job", "a.json", "--job=b.json"], "--job is given twice"),
+    (["submit", "no/such/ds.json"], "no/such/ds.json: .*No such file"),
+])
+def test_submit_with_wrong_arguments_says_how(words: list[str], message: str) -> None:
+    with pytest.raises(CommandError, match=message):
+        asyncio.run(execute(_Submitting(), words))  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(("line", "expected"), [
     ("jobs", [["jobs"]]),
     ("run job0 5; status job0 --actions", [["run", "job0", "5"], ["status", "job0", "--actions"]]),
@@ -394,6 +484,7 @@ def test_an_unclosed_quote_is_refused() -> None:
     ("help pa", ["pause"]),
     ("jobs; res", ["resume"]),
     ("run job0 5 ", []),
+    ("submit ds.json ", ["--job"]),
 ])
 def test_tab_completes_commands_jobs_keys_and_values(typed: str, expected: list[str]) -> None:
     completer = ConsoleCompleter(_Offline(["job0", "job12"]))  # type: ignore[arg-type]
