@@ -109,6 +109,14 @@ def job_detail(info: Mapping[str, Any]) -> list[str]:
             f"between stages (schedule {stats.get('schedule')}, {stats.get('micro_batches')} micro-batches)")
         if stats.get("skipped"):
             lines.append("step skipped, nothing applied; not finite: " + "; ".join(stats.get("nonfinite") or []))
+        training = [f"grad norm {_number(stats.get('grad_norm'), '.4g')}"] if stats.get("grad_norm") is not None else []
+        if stats.get("loss_scale") is not None:
+            training.append(f"loss scale {_number(stats.get('loss_scale'), 'g')} "
+                            f"({stats.get('skipped_steps', 0)} steps skipped for overflow)")
+        if spec.get("precision", "fp32") != "fp32":
+            training.append(f"precision {spec.get('precision')}")
+        if training:
+            lines.append(", ".join(training))
         for names in stats.get("tied") or []:
             lines.append("tied across stages: " + " = ".join(names) + " (gradients summed before each step)")
         recovery = stats.get("recovery")

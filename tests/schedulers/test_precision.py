@@ -18,6 +18,7 @@ import pytest_asyncio
 import torch
 
 from actors import Cluster, LocalCluster
+from schedulers.console.render import job_detail
 from tests.helpers.models import overflowing
 from tests.schedulers.test_training import WORKLOADS
 
@@ -149,8 +150,11 @@ async def test_an_fp16_overflow_on_one_stage_skips_the_step_on_every_stage(clust
         skipped = await job.step(*batches[1])
         after = await job.state_dict()
         last = await job.step(*batches[2])
+        description = (await job.describe()).to_wire()
     finally:
         await job.close()
+    detail = "\n".join(job_detail({**description, "last_stats": last.to_wire()}))
+    assert "loss scale 128 (1 steps skipped for overflow), precision fp16" in detail and "grad norm" in detail
     assert not first.skipped and skipped.skipped and not last.skipped
     assert any("0.weight" in what for what in skipped.nonfinite)
     assert all(torch.equal(before[k], after[k]) for k in before)  # no stage stepped, not even stage 1
