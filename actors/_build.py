@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from actors import tied
+from actors._activations import run_layers, run_segments
 from actors._registry import load_object
 from actors.boundary import split_batch
 from actors.records import StageConfig
@@ -25,19 +26,26 @@ __all__ = ["Chain", "build_layers", "layer_parameter_counts", "layer_times", "mo
 
 class Chain(nn.Sequential):
     """A stage's run of consecutive layers: the first takes the stage's arguments as given
-    (the model's own, on the first stage), each later one the value before it returns."""
+    (the model's own, on the first stage), each later one the value before it returns.
+
+    Args:
+        checkpoint_every: when above 0, each run of this many layers is one activation
+            checkpoint (see :mod:`actors._activations`): backward recomputes it from its input.
+    """
+
+    def __init__(self, *layers: nn.Module, checkpoint_every: int = 0) -> None:
+        super().__init__(*layers)
+        self.checkpoint_every = checkpoint_every
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        layers = iter(self)
-        first = next(layers, None)
-        if first is None:
+        layers = list(self)
+        if not layers:
             if len(args) != 1 or kwargs:
                 raise TypeError("an empty stage passes on exactly one value")
             return args[0]
-        value = first(*args, **kwargs)
-        for layer in layers:
-            value = layer(value)
-        return value
+        if self.checkpoint_every:
+            return run_segments(layers, self.checkpoint_every, *args, **kwargs)
+        return run_layers(layers, *args, **kwargs)
 
 
 def build_layers(

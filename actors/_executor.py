@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from actors import _wgrad, boundary
+from actors import _activations, _wgrad, boundary
 from actors.boundary import Payload
 from actors.program import Action, ActionKind
 
@@ -103,6 +103,7 @@ class StepTrace:
     losses: dict[int, float] = field(default_factory=dict)
     bytes_sent: dict[str, int] = field(default_factory=dict)  # "F 0->1" / "B 1->0" -> bytes
     peak_stash: int = 0
+    peak_stash_bytes: int = 0  # activations held for backward, between actions (see _activations)
     busy_s: float = 0.0
     elapsed_s: float = 0.0
     started_at: float = 0.0  # this node's wall clock (time.time()) at the step's start
@@ -139,6 +140,9 @@ class StepExecutor:
         self._pending_w: dict[tuple[int, int], list[_wgrad.PendingWeightGrad]] = {}  # I -> W, fused
         self._values: dict[tuple[str, int, int], Any] = {}  # received trees, and payloads to send
         self.loss_scale = 1.0  # fp16: the step's loss scale (set by the stage before each step)
+        # (stage, micro-batch) -> the storages it holds for its backward, from F until B (or W).
+        self._held: dict[tuple[int, int], _activations.Storages] = {}
+        self._resident: _activations.Storages = {}  # what lives anyway: parameters, buffers, the batch
 
     async def compute(self, fn: Callable[..., T], *args: Any) -> T:
         """Runs ``fn`` on the compute thread."""
@@ -160,6 +164,9 @@ class StepExecutor:
         start = time.perf_counter()
         self.inbox.drop_step(step - 1)  # late arrivals of an aborted earlier step
         self._inputs, self._targets = inputs, targets
+        modules = self.model.modules.values()
+        self._resident = _activations.storages([*boundary.tree_tensors(inputs), *boundary.tree_tensors(targets),
+                                                *(t for m in modules for t in (*m.parameters(), *m.buffers()))])
         self.done_actions = 0
         for action in program:
             if action.kind is _K.BARRIER:
@@ -178,6 +185,7 @@ class StepExecutor:
                 trace.busy_s += t1 - t0
             # A micro-batch between I and W still holds its activations (as W's inputs).
             trace.peak_stash = max(trace.peak_stash, len(self._stash) + len(self._pending_w))
+            trace.peak_stash_bytes = max(trace.peak_stash_bytes, _activations.union_bytes(self._held.values()))
             self.done_actions += 1
         self.current = None
         trace.elapsed_s = time.perf_counter() - start
@@ -222,7 +230,7 @@ class StepExecutor:
         s, m, kind = action.stage, action.microbatch, action.kind
         assert m is not None
         if kind is _K.F:
-            loss = await self.compute(self._forward, s, m, self._input_of(s, m), self._target_of(s, m))
+            loss = await self.compute(self._forward_held, s, m, self._input_of(s, m), self._target_of(s, m))
             if loss is not None:
                 trace.losses[m] = loss
         elif kind in (_K.B, _K.I):
@@ -261,6 +269,15 @@ class StepExecutor:
 
     # -- compute (on the compute thread) --------------------------------------------
 
+    def _forward_held(self, stage: int, mb: int, x: Any, target: Any) -> float | None:
+        """:meth:`_forward`, noting what the micro-batch now holds for its backward (``peak_stash_bytes``)."""
+        with _activations.SavedActivations(self._resident) as saved:
+            loss = self._forward(stage, mb, x, target)
+        inputs, outs = self._stash[(stage, mb)]
+        saved.add(inputs + outs)
+        self._held[(stage, mb)] = saved.storages
+        return loss
+
     def _forward(self, stage: int, mb: int, x: Any, target: Any) -> float | None:
         module = self.model.modules[stage]
         with torch.enable_grad():
@@ -298,6 +315,7 @@ class StepExecutor:
         weight_grads = self.model.weight_grads
         if not input_only:
             inputs, outs = self._stash.pop(key)
+            del self._held[key]
             _run_backward(outs, grads)
             return None if stage == 0 else [x.grad for x in inputs]
         if weight_grads is not None:
@@ -307,11 +325,13 @@ class StepExecutor:
             with weight_grads.deferring() as pending:
                 _run_backward(outs, grads)
             self._pending_w[key] = pending
+            self._held[key] = _activations.storages((t for _, _, *pair in pending for t in pair), self._resident)
             return None if stage == 0 else [x.grad for x in inputs]
         # I without fused linears: the input gradient alone, which the upstream stage is
         # waiting for; the graph stays alive and W walks it again for the parameters.
         inputs, outs = self._stash[key]
         self._pending_grads[key] = grads
+        self._held[key] |= _activations.storages((g for g in grads or () if g is not None), self._resident)
         if stage == 0:
             return None
         pairs = _with_grads(outs, grads)
@@ -322,6 +342,7 @@ class StepExecutor:
 
     def _weight_backward(self, stage: int, mb: int) -> None:
         key = (stage, mb)
+        del self._held[key]
         if key in self._pending_w:
             _wgrad.apply(self._pending_w.pop(key))
             return
@@ -340,6 +361,7 @@ class StepExecutor:
         self._stash.clear()
         self._pending_grads.clear()
         self._pending_w.clear()
+        self._held.clear()
         self._values.clear()
         self.model.optimizer.zero_grad(set_to_none=True)
 

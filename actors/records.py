@@ -138,6 +138,9 @@ class StageReport(WireRecord):
         losses: the last stage's loss per micro-batch, in micro-batch order.
         busy_s, elapsed_s: seconds computing, and from the program's start to its barrier.
         peak_stash: the most micro-batch activations held at once.
+        peak_stash_bytes: the most bytes of activations held at once for backward: the
+            storages of the tensors autograd saved, the stashed outputs and boundary inputs
+            (parameters and the step's batch left out), counted between actions.
         bytes_sent: per edge and direction (``"F 0->1"``), bytes put on the wire.
         spans: ``[action, start, end]`` per action, seconds from ``started_at``.
         started_at: the stage's wall clock when the program started.
@@ -154,6 +157,7 @@ class StageReport(WireRecord):
     busy_s: float = 0.0
     elapsed_s: float = 0.0
     peak_stash: int = 0
+    peak_stash_bytes: int = 0
     bytes_sent: dict[str, int] = field(default_factory=dict)
     spans: list[list[Any]] = field(default_factory=list)
     started_at: float = 0.0

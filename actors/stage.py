@@ -24,6 +24,7 @@ from torch import nn
 
 from actors import _wgrad, boundary, checkpoint, snapshots, tied, zero
 from actors._actor import Actor, caller_among, current_caller, endpoint
+from actors._activations import checkpoint_interval
 from actors._allocator import keep_freed_memory
 from actors._build import Chain, build_layers
 from actors.boundary import Payload
@@ -158,6 +159,7 @@ class StageActor(Actor):
                 shard = functools.partial(shard_for_tensor_parallel, rank=tp_rank, world=mesh.tensor,
                                           group=groups.tensor)
         built = build_layers(cfg, allow, shard)
+        every = checkpoint_interval(cfg.activation_checkpointing)  # layers per activation checkpoint; 0: off
         modules: dict[int, nn.Module] = {}
         if cfg.split_points is not None:
             # A traced model: one stage module per model stage; its graph module holds the
@@ -165,13 +167,14 @@ class StageActor(Actor):
             traced = [stage for stage in built if isinstance(stage, TracedStage)]
             for s in cfg.stages:
                 modules[s] = traced[s].to(device)
+                traced[s].checkpoint_activations = bool(every)  # the whole stage is one segment
             layers: list[nn.Module] = [stage.module for stage in traced]
             self.key = _original_key
         else:
             layers = built
             for s in cfg.stages:
                 first, end = cfg.bounds[s]
-                modules[s] = Chain(*layers[first:end]).to(device)
+                modules[s] = Chain(*layers[first:end], checkpoint_every=every).to(device)
         self._held = {i: layers[i] for s in cfg.stages for i in range(*cfg.bounds[s])}
         self._named_parameters = [(self.key(i, name), p) for i, layer in self._held.items()
                                   for name, p in layer.named_parameters()]
@@ -330,6 +333,7 @@ class StageActor(Actor):
             busy_s=trace.busy_s,
             elapsed_s=trace.elapsed_s,
             peak_stash=trace.peak_stash,
+            peak_stash_bytes=trace.peak_stash_bytes,
             bytes_sent=trace.bytes_sent,
             spans=[list(span) for span in trace.spans],
             started_at=trace.started_at,

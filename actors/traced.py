@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from actors._activations import checkpointed
+
 __all__ = ["TracedStage", "TracingError", "trace_stages"]
 
 _PLACEHOLDER = -1  # "produced" by the model's inputs
@@ -62,6 +64,8 @@ class TracedStage(nn.Module):
         self._output = output  # the last stage: the model output's structure in value names
         self._signature = signature
         self._placeholders = placeholders
+        # Set by the stage for activation checkpointing: the graph module is one checkpoint.
+        self.checkpoint_activations = False
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._signature is not None:
@@ -72,7 +76,8 @@ class TracedStage(nn.Module):
                 got = len(values) if isinstance(values, (tuple, list)) else type(values).__name__
                 raise TypeError(f"traced stage {self.index} takes {len(self._received)} values, got {got}")
             env = dict(zip(self._received, values))
-        out = self.module(*[env[a] if isinstance(a, str) else a[1] for a in self._args])
+        module_args = [env[a] if isinstance(a, str) else a[1] for a in self._args]
+        out = checkpointed(self.module, *module_args) if self.checkpoint_activations else self.module(*module_args)
         for name, index in self._produced:
             env[name] = out if index is None else out[index]
         if self._output is not None:

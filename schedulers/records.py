@@ -29,6 +29,9 @@ class StepStats(WireRecord):
         bytes_sent: bytes that crossed between stages (activations and gradients).
         bytes_per_edge: the same per edge and direction, e.g. ``{"F 0->1": n, "B 1->0": n}``.
         peak_stash: per stage actor, the most micro-batch activations held at once.
+        peak_stash_bytes: per stage actor, the most bytes of activations held at once
+            for backward (what autograd saved, the stashed boundary values; not the
+            parameters or the batch): what activation checkpointing reduces.
         peak_rss_bytes: per stage actor, the stage process's peak resident memory.
         optimizer_state_bytes: per stage actor, the bytes of optimizer state it held when
             the step began (torch optimizers make theirs at their first step; with
@@ -69,6 +72,7 @@ class StepStats(WireRecord):
     bytes_sent: int
     bytes_per_edge: dict[str, int] = field(default_factory=dict)
     peak_stash: list[int] = field(default_factory=list)
+    peak_stash_bytes: list[int] = field(default_factory=list)
     peak_rss_bytes: list[int] = field(default_factory=list)
     optimizer_state_bytes: list[int] = field(default_factory=list)
     busy_s: list[float] = field(default_factory=list)

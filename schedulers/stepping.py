@@ -114,6 +114,7 @@ def step_stats(
         bytes_sent=sum(bytes_per_edge.values()),
         bytes_per_edge=bytes_per_edge,
         peak_stash=[r.peak_stash for r in reports],
+        peak_stash_bytes=[r.peak_stash_bytes for r in reports],
         peak_rss_bytes=[r.peak_rss_bytes for r in reports],
         optimizer_state_bytes=[r.optimizer_state_bytes for r in reports],
         busy_s=[r.busy_s for r in reports],

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from actors import _wgrad
+from actors._build import Chain
 from actors._executor import ActionFailed, Inbox, StageModel, StepExecutor, StepTrace
 from actors.boundary import Payload
 from actors.program import Action, ActionKind, stage_to_rank
@@ -216,11 +217,14 @@ def tripping_loss(wire: Tripwire) -> Callable[[torch.Tensor, torch.Tensor], torc
 
 
 class Pipeline:
-    """One StepExecutor per rank, built as the stage actor builds them, sending in memory."""
+    """One StepExecutor per rank, built as the stage actor builds them, sending in memory.
+
+    ``checkpoint_every``: activation checkpointing, layers per segment (0: off).
+    """
 
     def __init__(self, case: Case, model: nn.Sequential, *,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.mse_loss,
-                 prepend: dict[int, nn.Module] | None = None) -> None:
+                 prepend: dict[int, nn.Module] | None = None, checkpoint_every: int = 0) -> None:
         self.case = case
         self.programs = case.programs()
         num_ranks, num_stages, m = case.num_ranks, case.num_stages, case.num_microbatches
@@ -236,7 +240,7 @@ class Pipeline:
             modules: dict[int, nn.Module] = {}
             for s in stages:
                 extra = [prepend[s]] if prepend and s in prepend else []
-                modules[s] = nn.Sequential(*extra, *layers[bounds[s]:bounds[s + 1]])
+                modules[s] = Chain(*extra, *layers[bounds[s]:bounds[s + 1]], checkpoint_every=checkpoint_every)
                 modules[s].register_forward_pre_hook(functools.partial(self._record_forward, rank, s))
             weight_grads = None
             if case.fusion:
