@@ -21,7 +21,7 @@ parameter's identity in backward keeps it on ``ctx`` instead (see actors._wgrad)
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -86,7 +86,7 @@ def _storage(tensor: torch.Tensor) -> tuple[tuple[str, int], int]:
         return (str(tensor.device), id(tensor)), tensor.numel() * tensor.element_size()
 
 
-def storages(tensors: Iterable[torch.Tensor], resident: Mapping[tuple[str, int], int] = {}) -> Storages:
+def storages(tensors: Iterable[torch.Tensor], resident: Container[tuple[str, int]] = ()) -> Storages:
     """The storages ``tensors`` keep alive, with their sizes, leaving out those in ``resident``."""
     found = dict(_storage(t) for t in tensors)
     return {key: nbytes for key, nbytes in found.items() if key not in resident}
@@ -107,7 +107,7 @@ class SavedActivations:
         resident: storages that live anyway (parameters, buffers, the step's batch): not counted.
     """
 
-    def __init__(self, resident: Mapping[tuple[str, int], int]) -> None:
+    def __init__(self, resident: Container[tuple[str, int]]) -> None:
         self._resident = resident
         self.storages: Storages = {}
         self._hooks = saved_tensors_hooks(self._pack, _unpack)

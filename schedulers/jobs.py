@@ -149,7 +149,7 @@ class JobSpec:
     lr_scheduler: tuple[str, dict[str, Any]] | None = None
     """`(path, kwargs)` of a learning-rate schedule stepped once per optimizer step on every stage: any `torch.optim.lr_scheduler` class, or DeepSpeed's (`actors.lr:WarmupLR`, `WarmupDecayLR`, `WarmupCosineLR`, `OneCycle`)"""
     activation_checkpointing: bool | int = False
-    """keep only each stage's boundary inputs between forward and backward and recompute the rest: `True` for every layer, or an interval of layers"""
+    """recompute activations in backward instead of keeping them: `True` checkpoints every layer (each keeps only its input), `N` each run of N layers of a stage (DeepSpeed's `activation_checkpoint_interval`; a traced stage is one run); exact, for about one more forward per micro-batch"""
     zero_stage: int = 0
     """ZeRO: 1 shards optimizer state across data-parallel replicas (each steps its shard, then the parameters are broadcast; with `data_parallel=1` nothing changes); 0 is off; 2 and 3 are refused with pipeline stages"""
 

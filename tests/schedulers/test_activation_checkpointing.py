@@ -118,3 +118,9 @@ async def test_a_traced_stage_is_one_checkpoint(cluster: Cluster) -> None:
         optimizer=("torch.optim:SGD", {"lr": 0.1}), pipeline_stages=2, schedule="1f1b", micro_batches=4,
         split_points=["transformer.h.2"], example_inputs=batches[0][0][:2])
 
+
+
+async def test_tensor_parallel_stages_recompute_their_collectives_in_step(cluster: Cluster) -> None:
+    # The recompute runs the forward's all-reduces again, inside the backward, on every shard in the same order.
+    await assert_same_training_and_less_held(
+        cluster, mlp_batches(), True, **MLP, pipeline_stages=2, tensor_parallel=2, schedule="1f1b", micro_batches=4)
