@@ -124,3 +124,18 @@ async def test_tensor_parallel_stages_recompute_their_collectives_in_step(cluste
     # The recompute runs the forward's all-reduces again, inside the backward, on every shard in the same order.
     await assert_same_training_and_less_held(
         cluster, mlp_batches(), True, **MLP, pipeline_stages=2, tensor_parallel=2, schedule="1f1b", micro_batches=4)
+
+
+@pytest.mark.parametrize(("precision", "schedule"), [("bf16", "1f1b"), ("fp16", "zero_bubble")])
+async def test_under_mixed_precision_the_recompute_runs_under_the_same_autocast(
+    cluster: Cluster, precision: str, schedule: str
+) -> None:
+    await assert_same_training_and_less_held(
+        cluster, mlp_batches(), True, **MLP, pipeline_stages=4, schedule=schedule, micro_batches=4,
+        precision=precision)
+
+
+async def test_with_zero1_and_clipping(cluster: Cluster) -> None:
+    await assert_same_training_and_less_held(
+        cluster, mlp_batches(), 2, **MLP, pipeline_stages=2, data_parallel=2, schedule="1f1b", micro_batches=4,
+        zero_stage=1, gradient_clipping=0.5)
