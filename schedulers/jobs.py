@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
-from actors import Mesh, StageConfig, split_batch
+from actors import BUILTIN_SCHEDULES, Mesh, StageConfig, split_batch
 from schedulers.schedules import build_schedule
 
 __all__ = [
@@ -326,9 +326,13 @@ class JobSpec:
 
     @property
     def factory_modules(self) -> list[str]:
-        """The modules of the import paths this spec names (model, loss, optimizer, data)."""
-        paths = [self.model, self.loss, self.optimizer[0], self.data]
-        return sorted({p.partition(":")[0] for p in paths if p is not None})
+        """The modules of the import paths this spec names (model, loss, optimizer, data, schedule).
+
+        actorpipe's own schedules (``actors.lr``) are left out: every node admits them already.
+        """
+        paths = [self.model, self.loss, self.optimizer[0], self.data,
+                 self.lr_scheduler[0] if self.lr_scheduler is not None else None]
+        return sorted({p.partition(":")[0] for p in paths if p is not None} - {BUILTIN_SCHEDULES})
 
     def to_wire(self) -> dict[str, Any]:
         """Plain data for msgpack (``JobSpec.from_wire`` takes it back)."""
