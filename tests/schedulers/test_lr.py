@@ -16,7 +16,7 @@ import pytest
 import pytest_asyncio
 import torch
 
-from actors import Cluster, LocalCluster, RemoteError
+from actors import CheckpointError, Cluster, LocalCluster, RemoteError
 from examples.models import residual_mlp
 from schedulers.console.render import job_detail
 
@@ -121,6 +121,13 @@ async def test_a_checkpoint_mid_warmup_resumes_the_schedule_exactly(cluster: Clu
         assert (await fresh.step(*data[0])).lr == want_rates[0]
     finally:
         await fresh.close()
+    other = await start(cluster, STEP_LR)
+    try:
+        with pytest.raises(CheckpointError, match="goes on with the learning-rate schedule actors.lr:WarmupLR but "
+                                                  "this job uses torch.optim.lr_scheduler:StepLR"):
+            await other.load(tmp_path / "ckpt")
+    finally:
+        await other.close()
 
 
 async def test_a_skipped_step_does_not_advance_the_schedule(cluster: Cluster) -> None:
