@@ -147,7 +147,7 @@ class JobSpec:
     gradient_clipping: float = 0.0
     """clip the global gradient norm (every stage, tensor shard and replica, as `clip_grad_norm_` on one process) to this; 0 is off. `StepStats.grad_norm` reports the norm either way"""
     lr_scheduler: tuple[str, dict[str, Any]] | None = None
-    """`(path, kwargs)` of a learning-rate schedule stepped once per optimizer step on every stage: any `torch.optim.lr_scheduler` class, or DeepSpeed's (`actors.lr:WarmupLR`, `WarmupDecayLR`, `WarmupCosineLR`, `OneCycle`)"""
+    """`(path, kwargs)` of a learning-rate schedule stepped once per applied optimizer step on every stage (a skipped step does not advance it): any `torch.optim.lr_scheduler` class, or DeepSpeed's (`actors.lr:WarmupLR`, `WarmupDecayLR`, `WarmupCosineLR`, `OneCycle`); `StepStats.lr` reports the rate, checkpoints and recovery continue it"""
     activation_checkpointing: bool | int = False
     """keep only each stage's boundary inputs between forward and backward and recompute the rest: `True` for every layer, or an interval of layers"""
     zero_stage: int = 0
