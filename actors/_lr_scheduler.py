@@ -130,9 +130,9 @@ def _kind(value: Any) -> str:
 def _like(given: Any, live: Any) -> Any:
     """``given`` in the live value's container types (a tuple stays a tuple), recursively."""
     if isinstance(live, tuple) and isinstance(given, list):
-        return tuple(_like(g, l) for g, l in zip(given, live)) if len(given) == len(live) else tuple(given)
+        return tuple(_like(g, w) for g, w in zip(given, live)) if len(given) == len(live) else tuple(given)
     if isinstance(live, list) and isinstance(given, list) and len(given) == len(live):
-        return [_like(g, l) for g, l in zip(given, live)]
+        return [_like(g, w) for g, w in zip(given, live)]
     if isinstance(live, dict) and isinstance(given, dict):
         return {k: _like(v, live[k]) if k in live else v for k, v in given.items()}
     if isinstance(live, float) and isinstance(given, int) and not isinstance(given, bool):
