@@ -146,6 +146,21 @@ async def test_a_skipped_step_does_not_advance_the_schedule(cluster: Cluster) ->
     assert_close_state(state, want_state)
 
 
+async def test_an_fp16_overflow_does_not_advance_the_schedule(cluster: Cluster) -> None:
+    generator = torch.Generator().manual_seed(4)
+    data = [(torch.randn(8, 8, generator=generator), torch.randn(8, 8, generator=generator)) for _ in range(3)]
+    data[1][0][0, 0] = 1e4  # tests.helpers.models:overflowing: stage 0's first layer overflows at step 1
+    job = await cluster.train(model="tests.helpers.models:overflowing", optimizer=("torch.optim:SGD", {"lr": 0.1}),
+                              lr_scheduler=("torch.optim.lr_scheduler:StepLR", {"step_size": 1, "gamma": 0.5}),
+                              pipeline_stages=2, micro_batches=2, precision="fp16", hysteresis=1)
+    try:
+        stats = [await job.step(*batch) for batch in data]
+    finally:
+        await job.close()
+    assert [s.skipped for s in stats] == [False, True, False]
+    assert [s.lr for s in stats] == [[0.05], [0.05], [0.025]]
+
+
 @pytest.mark.parametrize(("schedule", "match"), [
     (("actors.lr:WarmupLR", {"warmup_steps": 10}), "lr_scheduler actors.lr:WarmupLR .*unexpected keyword"),
     (("actors.lr:WarmupDecayLR", {"warmup_num_steps": 10}), "lr_scheduler actors.lr:WarmupDecayLR .*total_num_steps"),
