@@ -74,16 +74,17 @@ def assert_close_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tenso
         torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
 
 
-@pytest.mark.parametrize(("schedule", "data_parallel"), [
-    pytest.param(WARMUP, 1, id="WarmupLR-pp2"),
-    pytest.param(STEP_LR, 1, id="StepLR-pp2"),
-    pytest.param(WARMUP_LINEAR, 2, id="WarmupLR-pp2-dp2"),
+@pytest.mark.parametrize(("schedule", "data_parallel", "zero_stage"), [
+    pytest.param(WARMUP, 1, 0, id="WarmupLR-pp2"),
+    pytest.param(STEP_LR, 1, 0, id="StepLR-pp2"),
+    pytest.param(WARMUP_LINEAR, 2, 0, id="WarmupLR-pp2-dp2"),
+    pytest.param(STEP_LR, 2, 1, id="StepLR-pp2-dp2-zero1"),  # the sharded optimizer takes the outer groups' rate
 ])
 async def test_a_schedule_on_every_stage_equals_one_process(cluster: Cluster, schedule: tuple[str, dict[str, Any]],
-                                                            data_parallel: int) -> None:
+                                                            data_parallel: int, zero_stage: int) -> None:
     data = batches()
     want_state, want_rates = reference(schedule, data)
-    job = await start(cluster, schedule, data_parallel=data_parallel)
+    job = await start(cluster, schedule, data_parallel=data_parallel, zero_stage=zero_stage)
     try:
         stats = [await job.step(x, y) for x, y in data]
         state = await job.state_dict()
