@@ -18,6 +18,7 @@ import torch
 
 from actors import CheckpointError, Cluster, LocalCluster, RemoteError
 from examples.models import residual_mlp
+from schedulers.config import load_config
 from schedulers.console.render import job_detail
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.asyncio(loop_scope="module")]
@@ -160,6 +161,22 @@ async def test_an_fp16_overflow_does_not_advance_the_schedule(cluster: Cluster) 
         await job.close()
     assert [s.skipped for s in stats] == [False, True, False]
     assert [s.lr for s in stats] == [[0.05], [0.05], [0.025]]
+
+
+async def test_a_deepspeed_config_with_warmup_runs_its_schedule_as_deepspeed_would(cluster: Cluster) -> None:
+    """DeepSpeedExamples-style: fp16, WarmupLR (linear, 100 steps to 1.5e-4), clipping and ZeRO-1, unedited."""
+    configs = Path(__file__).parent / "ds_configs"
+    spec = load_config(configs / "gpt2_fp16_zero1.json", job=configs / "gpt2_job.json").spec
+    job = await cluster.train(spec)
+    try:
+        stats = [await job.step() for _ in range(3)]
+    finally:
+        await job.close()
+    applied = 0
+    for s in stats:  # DeepSpeed's rate after k applied steps: min + (max - min) * (k - 1) / n (an overflow skips one)
+        applied += not s.skipped
+        assert s.lr == [0 + (1.5e-4 - 0) * (max(applied - 1, 0) / 100)]
+    assert applied >= 2
 
 
 @pytest.mark.parametrize(("schedule", "match"), [
