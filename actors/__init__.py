@@ -42,6 +42,7 @@ _EXPORTS = {
     "error_from_wire": "actors._errors",
     "Endpoint": "actors._ref",
     "DEFAULT_ALLOW": "actors._registry",
+    "BUILTIN_SCHEDULES": "actors._lr_scheduler",
     "actor_class": "actors._registry",
     "HEAD": "actors._nodes",
     "NODE": "actors._nodes",
@@ -67,6 +68,7 @@ _EXPORTS = {
     "TAIL_KINDS": "actors.program",
     "stage_to_rank": "actors.program",
     "transfer_partner": "actors.program",
+    "FinishReport": "actors.records",
     "RecordError": "actors.records",
     "ReduceReport": "actors.records",
     "StageConfig": "actors.records",
@@ -141,6 +143,9 @@ if TYPE_CHECKING:  # explicit re-exports, for type checkers (the names resolve l
         ActorRef as ActorRef,
         Endpoint as Endpoint,
     )
+    from actors._lr_scheduler import (
+        BUILTIN_SCHEDULES as BUILTIN_SCHEDULES,
+    )
     from actors._registry import (
         DEFAULT_ALLOW as DEFAULT_ALLOW,
         actor_class as actor_class,
@@ -184,6 +189,7 @@ if TYPE_CHECKING:  # explicit re-exports, for type checkers (the names resolve l
         transfer_partner as transfer_partner,
     )
     from actors.records import (
+        FinishReport as FinishReport,
         RecordError as RecordError,
         StageConfig as StageConfig,
         ReduceReport as ReduceReport,

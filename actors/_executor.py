@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 
 from actors import _activations, _wgrad, boundary
 from actors.boundary import Payload
@@ -84,6 +85,8 @@ class StageModel:
     # Set when the stage's nn.Linear weight gradients are fused (actors._wgrad): then I
     # defers just the weight GEMMs and W runs them, without a second pass over the graph.
     weight_grads: _wgrad.WeightGradients | None = None
+    # The job's learning-rate schedule: stepped once per applied optimizer step, never on a dropped one.
+    lr_scheduler: LRScheduler | None = None
     # Mixed precision: compute under autocast in this dtype (float32 master weights), and
     # send floating-point boundary values in it. None: float32 throughout.
     compute_dtype: torch.dtype | None = None
@@ -355,6 +358,8 @@ class StepExecutor:
 
     def _optimizer_step(self) -> None:
         self.model.optimizer.step()
+        if self.model.lr_scheduler is not None:
+            self.model.lr_scheduler.step()
         self.model.optimizer.zero_grad(set_to_none=True)
 
     def _clear(self) -> None:

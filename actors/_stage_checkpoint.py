@@ -1,7 +1,8 @@
 """What one stage actor writes into a checkpoint, and how it checks and then applies its part on load.
 
 A stage's tensors are its held layers' state (parameters and buffers) and its
-optimizer's state per parameter, under the unpartitioned model's keys. A
+optimizer's state per parameter, under the unpartitioned model's keys; its
+learning-rate schedule's state is plain data that goes into the manifest. A
 tensor-parallel rank writes its own slices of split tensors; replicated ones are
 written by tensor rank 0 alone. Loading is two calls: :func:`prepare_load` reads,
 verifies and reshapes everything into memory and reports every problem without
@@ -17,7 +18,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 
+from actors import _lr_scheduler
 from actors.checkpoint import CheckpointError, Manifest, TensorEntry, check_staging, dtype_name, read_entry, write_tensors
 from actors.tensor_parallel import ShardSpec, shard_tensor
 
@@ -52,8 +55,10 @@ def _state_spec(value: torch.Tensor, param: nn.Parameter, spec: ShardSpec | None
 def write_stage(
     staging: str, file: str, held: Mapping[int, nn.Module], optimizer: torch.optim.Optimizer,
     specs: Mapping[str, ShardSpec], tp_rank: int, key: Key = layer_key, *, model: bool = True,
+    scheduler: LRScheduler | None = None,
 ) -> dict[str, Any]:
-    """Writes this stage's tensors to ``staging/file``; returns what the manifest needs of them.
+    """Writes this stage's tensors to ``staging/file``; returns what the manifest needs of them
+    (and, under ``lr_scheduler``, the schedule's state or None).
 
     Args:
         model: write the held layers' state too; without it, the optimizer state alone
@@ -81,15 +86,18 @@ def write_stage(
                 "shard": list(spec) if spec is not None else None, "rank": tp_rank,
                 "part": parts[str(n)].to_wire()}
                for n, (key, name, value, spec) in enumerate(mine)]
-    return {"file": file, "bytes": size, "tensors": tensors}
+    schedule = _lr_scheduler.scheduler_state(scheduler) if scheduler is not None else None
+    return {"file": file, "bytes": size, "tensors": tensors, "lr_scheduler": schedule}
 
 
 @dataclass(slots=True)
 class PreparedLoad:
-    """A stage's verified part of a checkpoint, ready to copy: per layer, and per parameter's optimizer state."""
+    """A stage's verified part of a checkpoint, ready to copy: per layer, per parameter's optimizer state,
+    and the learning-rate schedule's state (None: leave the schedule as it is)."""
 
     model: dict[int, dict[str, torch.Tensor]]
     optimizer_state: dict[str, dict[str, torch.Tensor]]
+    lr_scheduler: dict[str, Any] | None = None
 
 
 def _local(
@@ -115,13 +123,14 @@ def _local(
 
 def prepare_load(
     version: str, plan: Manifest, held: Mapping[int, nn.Module], specs: Mapping[str, ShardSpec], tp_rank: int,
-    key: Key = layer_key, *, owns: Callable[[torch.Tensor], bool] | None = None,
+    key: Key = layer_key, *, owns: Callable[[torch.Tensor], bool] | None = None, scheduler: LRScheduler | None = None,
 ) -> tuple[PreparedLoad, list[str]]:
     """Reads and checks this stage's part of a checkpoint; changes nothing.
 
     Every key of the held layers must be in ``plan`` and every key of ``plan`` in them,
     with the model's whole shape and dtype and a matching checksum; optimizer state
-    must belong to a held parameter and have its shape, or be a scalar.
+    must belong to a held parameter and have its shape, or be a scalar; a schedule's
+    state must fit ``scheduler`` (a plan without one leaves the schedule as it is).
 
     Args:
         owns: with ZeRO-1, whether this replica keeps a parameter's optimizer state;
@@ -162,14 +171,19 @@ def prepare_load(
             local = _local(version, plan, label, entry, entry.shape, None, spec, tp_rank, problems)
             if local is not None:
                 state.setdefault(name, {})[state_name] = local
-    return PreparedLoad(model=model, optimizer_state=state), problems
+    schedule = plan.lr_scheduler["state"] if plan.lr_scheduler is not None and scheduler is not None else None
+    if schedule is not None:
+        assert scheduler is not None
+        problems += _lr_scheduler.check_state(scheduler, schedule)
+    return PreparedLoad(model=model, optimizer_state=state, lr_scheduler=schedule), problems
 
 
 def apply_load(
     prepared: PreparedLoad, held: Mapping[int, nn.Module], optimizer: torch.optim.Optimizer, *, weights_only: bool,
-    key: Key = layer_key,
+    key: Key = layer_key, scheduler: LRScheduler | None = None,
 ) -> None:
-    """Copies a prepared, checked load into the layers (and, unless ``weights_only``, the optimizer)."""
+    """Copies a prepared, checked load into the layers (and, unless ``weights_only``, the optimizer and
+    the schedule)."""
     for i, mine in prepared.model.items():
         held[i].load_state_dict(mine, strict=True)
     if weights_only:
@@ -180,3 +194,5 @@ def apply_load(
         param = params[name]
         optimizer.state[param] = {name: value.to(param.device) if value.dim() else value
                                   for name, value in saved.items()}
+    if scheduler is not None and prepared.lr_scheduler is not None:  # it sets the groups' current rates
+        _lr_scheduler.load_state(scheduler, prepared.lr_scheduler)

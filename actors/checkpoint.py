@@ -162,7 +162,9 @@ class Manifest:
 
     ``optimizer_state`` maps a parameter's key to its optimizer state (``exp_avg``,
     ``step``…) as entries split like the parameter; ``optimizer`` is the optimizer's
-    import path; ``step`` is the job's next step at the save.
+    import path; ``step`` is the job's next step at the save; ``lr_scheduler`` is the
+    learning-rate schedule's ``{"path", "state"}`` (plain data, the same on every
+    stage), or None: no schedule, or a manifest written before schedules were kept.
     """
 
     step: int
@@ -171,13 +173,14 @@ class Manifest:
     model: dict[str, TensorEntry]
     optimizer_state: dict[str, dict[str, TensorEntry]]
     job: dict[str, Any] = field(default_factory=dict)  # who wrote it, for people: job id, spec, layout
+    lr_scheduler: dict[str, Any] | None = None
 
     def to_wire(self) -> dict[str, Any]:
         return {"format": FORMAT, "version": FORMAT_VERSION, "step": self.step, "optimizer": self.optimizer,
                 "files": self.files, "model": {k: e.to_wire() for k, e in self.model.items()},
                 "optimizer_state": {k: {n: e.to_wire() for n, e in s.items()}
                                     for k, s in self.optimizer_state.items()},
-                "job": self.job}
+                "job": self.job, "lr_scheduler": self.lr_scheduler}
 
     @classmethod
     def from_wire(cls, data: Any) -> Manifest:
@@ -196,12 +199,16 @@ class Manifest:
         _expect(isinstance(model, dict) and isinstance(state, dict) and all(isinstance(s, dict) for s in state.values()),
                 "model and optimizer_state must be maps")
         _expect(type(data.get("step")) is int and isinstance(data.get("optimizer"), str), "step and optimizer")
+        schedule = data.get("lr_scheduler")  # absent from manifests written before schedules were kept
+        _expect(schedule is None or (isinstance(schedule, dict) and set(schedule) == {"path", "state"}
+                                     and isinstance(schedule["path"], str) and isinstance(schedule["state"], dict)),
+                "lr_scheduler: expected null or a map of path and state")
         return cls(
             step=data["step"], optimizer=data["optimizer"], files=dict(data["files"]),
             model={str(k): TensorEntry.from_wire(e, str(k)[:80]) for k, e in model.items()},
             optimizer_state={str(k): {str(n): TensorEntry.from_wire(e, f"{str(k)[:80]} {str(n)[:20]}")
                                       for n, e in s.items()} for k, s in state.items()},
-            job=data.get("job") if isinstance(data.get("job"), dict) else {})
+            job=data.get("job") if isinstance(data.get("job"), dict) else {}, lr_scheduler=schedule)
 
     def entries(self) -> Iterator[tuple[str, TensorEntry]]:
         """Every tensor with a label for messages: ``3.fc1.weight``, ``3.fc1.weight (optimizer exp_avg)``."""
@@ -217,7 +224,8 @@ class Manifest:
 
         state = {} if weights_only else {k: s for k, s in self.optimizer_state.items() if mine(k)}
         return Manifest(step=self.step, optimizer=self.optimizer, files=self.files,
-                        model={k: e for k, e in self.model.items() if mine(k)}, optimizer_state=state)
+                        model={k: e for k, e in self.model.items() if mine(k)}, optimizer_state=state,
+                        lr_scheduler=None if weights_only else self.lr_scheduler)
 
 
 def layer_of(key: str) -> int | None:

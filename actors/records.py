@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Literal, Protocol, TypeVar
 
 from actors.program import stage_to_rank
 
-__all__ = ["RecordError", "ReduceReport", "StageConfig", "StageReport", "WireRecord"]
+__all__ = ["FinishReport", "RecordError", "ReduceReport", "StageConfig", "StageReport", "WireRecord"]
 
 R = TypeVar("R", bound="WireRecord")
 
@@ -187,3 +187,15 @@ class ReduceReport(WireRecord):
     nonfinite: list[str] = field(default_factory=list)
     tied: list[list[str]] = field(default_factory=list)
     grad_sq: float = 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FinishReport(WireRecord):
+    """What a stage's ``finish_step`` returns, once it has applied the step (or dropped it).
+
+    Attributes:
+        lr: each optimizer parameter group's learning rate now, after the schedule
+            stepped (unchanged when the step was dropped).
+    """
+
+    lr: list[float] = field(default_factory=list)

@@ -2,17 +2,23 @@
 
 A snapshot is a flat map of tensors (nothing else travels): ``model/3.fc1.weight`` for
 each held layer's state, ``optim/I/NAME`` for the optimizer's per-parameter state (I
-counts the optimizer's parameters in group order), and ``optimpy/I/NAME`` for state
-kept as a Python number. It restores into a stage built from the same configuration:
-the one that took it, rolled back, or its replacement on another node.
+counts the optimizer's parameters in group order), ``optimpy/I/NAME`` for state
+kept as a Python number, and ``lr_scheduler/state`` for the learning-rate schedule's
+position and the groups' current rates (JSON bytes, see :mod:`actors._lr_scheduler`).
+It restores into a stage built from the same configuration: the one that took it,
+rolled back, or its replacement on another node.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
+
+from actors import _lr_scheduler
 
 __all__ = ["SnapshotShelf", "capture", "restore"]
 
@@ -21,8 +27,12 @@ def _parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def capture(held: Mapping[int, nn.Module], optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """A copy of the held layers' state and the optimizer's, detached from the live tensors."""
+_SCHEDULE = "lr_scheduler/state"
+
+
+def capture(held: Mapping[int, nn.Module], optimizer: torch.optim.Optimizer,
+            scheduler: LRScheduler | None = None) -> dict[str, torch.Tensor]:
+    """A copy of the held layers' state, the optimizer's and the schedule's, detached from the live ones."""
     snapshot = {f"model/{i}.{key}": value.detach().clone()
                 for i, layer in held.items() for key, value in layer.state_dict().items()}
     for index, param in enumerate(_parameters(optimizer)):
@@ -32,16 +42,18 @@ def capture(held: Mapping[int, nn.Module], optimizer: torch.optim.Optimizer) -> 
             elif isinstance(value, (int, float)) and not isinstance(value, bool):
                 dtype = torch.int64 if isinstance(value, int) else torch.float64
                 snapshot[f"optimpy/{index}/{name}"] = torch.tensor(value, dtype=dtype)
+    if scheduler is not None:
+        snapshot[_SCHEDULE] = _lr_scheduler.encode_state(_lr_scheduler.scheduler_state(scheduler))
     return snapshot
 
 
 def restore(held: Mapping[int, nn.Module], optimizer: torch.optim.Optimizer,
-            snapshot: Mapping[str, torch.Tensor]) -> None:
-    """Puts a :func:`capture` back: every held layer's state and the optimizer's, exactly.
+            snapshot: Mapping[str, torch.Tensor], scheduler: LRScheduler | None = None) -> None:
+    """Puts a :func:`capture` back: every held layer's state, the optimizer's and the schedule's, exactly.
 
     Raises:
         ValueError: the snapshot does not fit these layers (a key missing or unknown, a
-            shape that differs); nothing is changed then.
+            shape that differs) or this schedule; nothing is changed then.
     """
     model = {k.removeprefix("model/"): v for k, v in snapshot.items() if k.startswith("model/")}
     live = {f"{i}.{key}": value for i, layer in held.items() for key, value in layer.state_dict().items()}
@@ -51,6 +63,14 @@ def restore(held: Mapping[int, nn.Module], optimizer: torch.optim.Optimizer,
     wrong = [k for k, v in model.items() if v.shape != live[k].shape]
     if wrong:
         raise ValueError(f"the snapshot's shapes differ from this stage's for {wrong[:5]}")
+    schedule: Any = None
+    if scheduler is not None:
+        if _SCHEDULE not in snapshot:
+            raise ValueError("the snapshot holds no learning-rate schedule, and this stage has one")
+        schedule = _lr_scheduler.decode_state(snapshot[_SCHEDULE])
+        problems = _lr_scheduler.check_state(scheduler, schedule)
+        if problems:
+            raise ValueError(f"the snapshot's schedule does not fit this stage's: {'; '.join(problems[:3])}")
     params = _parameters(optimizer)
     with torch.no_grad():
         for key, value in model.items():
@@ -65,6 +85,8 @@ def restore(held: Mapping[int, nn.Module], optimizer: torch.optim.Optimizer,
         state[name] = value.clone() if kind == "optim" else value.item()
     for param in params:
         param.grad = None
+    if scheduler is not None:  # after the optimizer: the schedule sets its groups' rates
+        _lr_scheduler.load_state(scheduler, schedule)
 
 
 class SnapshotShelf:

@@ -30,6 +30,7 @@ from actors._build import Chain, build_layers
 from actors.boundary import Payload
 from actors._errors import ActorError, NotAllowed, error_to_wire
 from actors._executor import ActionFailed, Inbox, StageModel, StepExecutor, nonfinite_gradients
+from actors._lr_scheduler import build_scheduler, learning_rates
 from actors._registry import DEFAULT_ALLOW, load_object, register_actor
 from actors._stage_checkpoint import PreparedLoad, apply_load, layer_key, prepare_load, write_stage
 from actors._ref import ActorRef
@@ -37,7 +38,7 @@ from actors.mesh import Coords, Mesh
 from actors.p2p import DistLink
 from actors.parallel import ProcessGroups, average_gradients, join_process_groups, leave_process_groups
 from actors.program import Action, ActionKind, stage_to_rank
-from actors.records import ReduceReport, StageConfig, StageReport
+from actors.records import FinishReport, ReduceReport, StageConfig, StageReport
 from actors.rendezvous import ActorStore
 from actors.snapshots import SnapshotShelf
 from actors.traced import TracedStage
@@ -207,6 +208,7 @@ class StageActor(Actor):
                 bucket_bytes=cfg.bucket_bytes)
         else:
             optimizer = optimizer_cls(params, **optimizer_kwargs)
+        scheduler = build_scheduler(cfg.lr_scheduler, optimizer, allow) if cfg.lr_scheduler is not None else None
         loss_fn = load_object(cfg.loss, allow)
         if cfg.data is not None and (0 in cfg.stages or cfg.num_stages - 1 in cfg.stages):
             self._data = load_object(cfg.data, allow)(**cfg.data_kwargs)
@@ -221,7 +223,7 @@ class StageActor(Actor):
                                   if id(p) not in tied_elsewhere and (name in self._specs or tp_rank == 0)}.values())
         return StageModel(modules=modules, num_stages=cfg.num_stages, loss_fn=loss_fn,
                           optimizer=optimizer, device=device, weight_grads=weight_grads,
-                          compute_dtype=compute_dtype)
+                          compute_dtype=compute_dtype, lr_scheduler=scheduler)
 
     def _data_group(self) -> Any:
         """The data-parallel process group as it is now (a recovery forms it again)."""
@@ -391,15 +393,21 @@ class StageActor(Actor):
             raise NotAllowed(str(exc)) from None
 
     @endpoint(roles=("head",))
-    async def finish_step(self, step: int, apply: bool = True, unscale: float = 1.0, clip: float = 1.0) -> None:
-        """Steps the optimizer (``apply``) or drops the step's gradients, as the scheduler decided.
+    async def finish_step(self, step: int, apply: bool = True, unscale: float = 1.0, clip: float = 1.0
+                          ) -> dict[str, Any]:
+        """Steps the optimizer and the learning-rate schedule (``apply``) or drops the step's gradients,
+        as the scheduler decided.
 
         Before the step the gradients are divided by ``unscale`` (fp16's loss scale) and
         then multiplied by ``clip`` (the global-norm clipping coefficient), in that order,
         as ``GradScaler.unscale_`` then ``clip_grad_norm_`` do on one process.
 
         A dropped step also forgets the error-feedback residuals: those of a step with
-        non-finite gradients hold NaN, which would poison every later step.
+        non-finite gradients hold NaN, which would poison every later step. The schedule
+        does not advance on a dropped step (DeepSpeed skips it on an overflow too).
+
+        Returns:
+            A :class:`~actors.records.FinishReport` as a map: the learning rates now.
         """
         assert self.executor is not None
         for name, value in (("unscale", unscale), ("clip", clip)):
@@ -413,6 +421,7 @@ class StageActor(Actor):
             self._feedback = {edge: ErrorFeedback(codec) for edge, codec in enumerate(self._codecs["B"])}
             if self._reduce_feedback is not None:
                 self._reduce_feedback = ErrorFeedback(self.config.reduce_codec)
+        return FinishReport(lr=learning_rates(self.executor.model.optimizer)).to_wire()
 
     @endpoint(concurrent=True, roles=("head",))
     async def abort_step(self, step: int) -> None:
@@ -549,7 +558,7 @@ class StageActor(Actor):
             return
         assert self.executor is not None
         model = self.executor.model
-        state = await self.executor.compute(snapshots.capture, self._held, model.optimizer)
+        state = await self.executor.compute(snapshots.capture, self._held, model.optimizer, model.lr_scheduler)
         self._own_snapshots.put(index, state)
         if len(self.peers) > 1:  # off the step's path: the copy travels while the step computes
             buddy = self.peers[(self.config.pipeline_rank + 1) % len(self.peers)]
@@ -623,7 +632,8 @@ class StageActor(Actor):
             state = self._own_snapshots.get(index)
         zero.check_snapshot(self.executor.model.optimizer, state)
         await self.executor.reset(self._step)
-        await self.executor.compute(snapshots.restore, self._held, self.executor.model.optimizer, state)
+        model = self.executor.model
+        await self.executor.compute(snapshots.restore, self._held, model.optimizer, state, model.lr_scheduler)
         self._own_snapshots.put(index, state)
 
 
@@ -710,10 +720,12 @@ class StageActor(Actor):
 
     @endpoint(roles=("head",))
     async def checkpoint_write(self, staging: str, file: str) -> dict[str, Any]:
-        """Writes this stage's tensors and optimizer state to ``staging/file``; returns their manifest items."""
+        """Writes this stage's tensors and optimizer state to ``staging/file``; returns their manifest items
+        and the learning-rate schedule's state."""
         assert self.executor is not None
         # Replica 0 writes the weights; with ZeRO-1 every replica writes its shard's optimizer state.
-        write = functools.partial(write_stage, key=self.key, model=self._mesh.coords(self.config.global_rank).data == 0)
+        write = functools.partial(write_stage, key=self.key, model=self._mesh.coords(self.config.global_rank).data == 0,
+                                  scheduler=self.executor.model.lr_scheduler)
         return await self._compute(write, staging, file, self._held, self.executor.model.optimizer,
                                    self._shard_spec_map(), self._tensor_rank())
 
@@ -740,7 +752,7 @@ class StageActor(Actor):
         self._prepared_load = None
         optimizer = self.executor.model.optimizer
         owns = optimizer.owns if isinstance(optimizer, zero.ShardedOptimizer) else None  # ZeRO-1: the shard's state
-        prepare = functools.partial(prepare_load, key=self.key, owns=owns)
+        prepare = functools.partial(prepare_load, key=self.key, owns=owns, scheduler=self.executor.model.lr_scheduler)
         prepared, problems = await self._compute(prepare, checkpoint.check_version(version),
                                                  checkpoint.Manifest.from_wire(plan), self._held,
                                                  self._shard_spec_map(), self._tensor_rank())
@@ -759,8 +771,9 @@ class StageActor(Actor):
         prepared, self._prepared_load = self._prepared_load, None
         if prepared is None:
             raise checkpoint.CheckpointError("nothing to apply: checkpoint_check found problems or did not run")
-        await self._compute(functools.partial(apply_load, weights_only=bool(weights_only), key=self.key), prepared,
-                            self._held, self.executor.model.optimizer)
+        model = self.executor.model
+        await self._compute(functools.partial(apply_load, weights_only=bool(weights_only), key=self.key,
+                                              scheduler=model.lr_scheduler), prepared, self._held, model.optimizer)
         self._forget_snapshots()
 
     def _forget_snapshots(self) -> None:

@@ -274,7 +274,7 @@ class Job:
         await self._call(SchedulerActor.load_state_dict, 600)({k: v.detach().cpu() for k, v in state.items()})
 
     async def save(self, directory: str | os.PathLike[str]) -> str:
-        """Writes a checkpoint to ``directory``: weights, optimizer state and step count.
+        """Writes a checkpoint to ``directory``: weights, optimizer state, learning-rate schedule and step count.
 
         Every stage writes its own file straight into ``directory`` at once (nothing big
         passes through the head or this driver), each tensor with a crc32, everything
@@ -303,11 +303,12 @@ class Job:
         only when nothing is wrong anywhere does any stage apply it. The job's layout
         may differ from the one that saved (stage count, schedule, tensor- and
         data-parallel degree). Training then goes on exactly as it would have from the
-        save: the optimizer state and the step count are restored too.
+        save: the optimizer state, the learning-rate schedule and the step count are
+        restored too (the job must use the checkpoint's ``lr_scheduler`` class).
 
         Args:
-            weights_only: take the parameters alone; the optimizer state and the step
-                count stay (e.g. to fine-tune with another optimizer).
+            weights_only: take the parameters alone; the optimizer state, the schedule
+                and the step count stay (e.g. to fine-tune with another optimizer).
 
         Returns:
             The step the checkpoint was saved at.

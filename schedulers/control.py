@@ -32,6 +32,7 @@ import torch
 from actors import (
     ActorError,
     ActorRef,
+    FinishReport,
     Host,
     Mesh,
     NodeLost,
@@ -284,7 +285,7 @@ class JobController:
         try:
             reports = await self._run_to_barrier(step, calls)
             try:
-                reduce_bytes, nonfinite = await self._release(step, reports)
+                reduce_bytes, nonfinite, finished = await self._release(step, reports)
             except StepFailed as failure:
                 if failure.action == "STEP":  # some stages may have stepped their optimizer and others not
                     self.broken = f"step {step} failed while the stages applied it ({failure.message})"
@@ -298,7 +299,7 @@ class JobController:
         self.last_reports = reports
         samples = batch_size(inputs) if inputs is not None else self.spec.data_kwargs.get("batch_size")
         stats = step_stats(self.spec, step, reports, elapsed, reduce_bytes,
-                           samples if isinstance(samples, int) else None, nonfinite)
+                           samples if isinstance(samples, int) else None, nonfinite, finished)
         scaler = self.scaler
         return dataclasses.replace(stats, tied=[list(names) for names in self.tied], grad_norm=self.grad_norm,
                                    loss_scale=used_scale if scaler is not None else None,
@@ -428,15 +429,15 @@ class JobController:
         self.operation.cancel()
         return True
 
-    async def _release(self, step: int, reports: list[StageReport]) -> tuple[int, list[str]]:
+    async def _release(self, step: int, reports: list[StageReport]) -> tuple[int, list[str], list[FinishReport]]:
         """Releases the barrier everywhere: every stage reduces and checks, then all step or none does.
 
         One NaN or infinity in any loss or gradient, on any stage or replica, means no
         stage steps (``on_nonfinite``: the step raises, or is skipped and reported).
 
         Returns:
-            The bytes the data-parallel reduction sent, and the non-finite findings
-            (empty when the step was applied).
+            The bytes the data-parallel reduction sent, the non-finite findings (empty
+            when the step was applied), and every stage's report after the step.
 
         Raises:
             NonFiniteError: a finding, with ``on_nonfinite="raise"``; nothing was applied.
@@ -456,7 +457,8 @@ class JobController:
         overflow = scaler is not None and bool(found) and not any(
             what.startswith("loss") for _, what in found) and not (scaler.dynamic and scaler.at_minimum)
         clip = clip_coefficient(self.grad_norm, self.spec.gradient_clipping)
-        await self._on_every_stage(StageActor.finish_step, "STEP", step, not found, scale, clip)
+        finished = [FinishReport.from_wire(r) for r in await self._on_every_stage(StageActor.finish_step, "STEP",
+                                                                                  step, not found, scale, clip)]
         if scaler is not None and (overflow or not found):
             scaler.update(overflow)
         if overflow:
@@ -465,7 +467,7 @@ class JobController:
             raise nonfinite_failed(self.mesh, step, found)
         elif found:
             log.warning("%s step %d skipped: %s", self.id, step, "; ".join(describe_findings(self.mesh, found)[:5]))
-        return sum(r.reduced_bytes for r in reduced), describe_findings(self.mesh, found)
+        return sum(r.reduced_bytes for r in reduced), describe_findings(self.mesh, found), finished
 
     async def _on_every_stage(self, method: Callable[..., Awaitable[Any]], action: str, *args: Any) -> list[Any]:
         """Calls a stage endpoint on every stage at once; the first failure fails the step, naming the stage."""
@@ -487,7 +489,7 @@ class JobController:
         self._publish({"type": "step_finished", "job": self.id, "step": stats.step, "loss": stats.loss,
                        "step_time_s": stats.step_time_s, "bubble_fraction": stats.bubble_fraction,
                        "samples_per_s": stats.samples_per_s, "schedule": stats.schedule, "run": progress,
-                       "skipped": stats.skipped})
+                       "skipped": stats.skipped, "lr": stats.lr})
 
     # -- queries ----------------------------------------------------------------------
 

@@ -103,7 +103,8 @@ async def _held_keys(job: JobCore, aliases: bool = True) -> list[frozenset[str]]
 
 
 async def save(job: JobCore, directory: str) -> str:
-    """Writes a checkpoint of the weights, optimizer state and step count; returns the new version's path.
+    """Writes a checkpoint of the weights, optimizer state, learning-rate schedule and step count; returns
+    the new version's path.
 
     Data-parallel replica 0 of every (pipeline, tensor) coordinate writes its own file
     straight into ``directory``, in parallel; nothing big passes through the head (with
@@ -126,8 +127,12 @@ async def save(job: JobCore, directory: str) -> str:
         written = await _on_stages(job, writers, "save", lambda g: job.stages[g].endpoint(
             StageActor.checkpoint_write, timeout=CHECKPOINT_TIMEOUT_S).call(staging, _shard_file(mesh, g)))
         files, model, state = merge_written(written)
+        # Every stage steps the same schedule: the first writer's state speaks for all.
+        schedule = written[0].get("lr_scheduler")
         manifest = Manifest(step=job.applied, optimizer=job.spec.optimizer[0], files=files, model=model,
                             optimizer_state=state,
+                            lr_scheduler=None if schedule is None or job.spec.lr_scheduler is None else
+                            {"path": job.spec.lr_scheduler[0], "state": schedule},
                             job={"id": job.id, "spec": _described(job.spec.to_wire()), "bounds": job.bounds,
                                  "mesh": [mesh.pipeline, mesh.tensor, mesh.data],
                                  **({"loss_scaler": job.scaler.state_dict()} if job.scaler is not None else {})})
@@ -147,8 +152,10 @@ async def load(job: JobCore, directory: str, weights_only: bool = False) -> int:
     every stage. The layout may differ from the saved one: keys are the model's own.
 
     Args:
-        weights_only: load the parameters only; the optimizer state and the step
-            count stay as they are (e.g. to fine-tune with another optimizer).
+        weights_only: load the parameters only; the optimizer state, the learning-rate
+            schedule and the step count stay as they are (e.g. to fine-tune with another
+            optimizer). Otherwise the schedule goes on where it was saved; a checkpoint
+            without one (or from before schedules were kept) leaves the job's as it is.
 
     Raises:
         CheckpointError: every problem found, on every stage; nothing was applied.
@@ -225,6 +232,12 @@ def _unplaced(job: JobCore, manifest: Manifest, weights_only: bool, held: list[f
     if not weights_only and manifest.optimizer_state and manifest.optimizer != job.spec.optimizer[0]:
         problems.append(f"the checkpoint holds {manifest.optimizer} state but this job uses "
                         f"{job.spec.optimizer[0]}; load with weights_only=True to take the weights alone")
+    saved = manifest.lr_scheduler
+    ours = job.spec.lr_scheduler[0] if job.spec.lr_scheduler is not None else None
+    if not weights_only and saved is not None and saved["path"] != ours:
+        problems.append(f"the checkpoint goes on with the learning-rate schedule {saved['path'][:120]} but this job "
+                        f"{'uses ' + ours if ours else 'has none'}; start the job with that lr_scheduler to continue "
+                        "it, or load with weights_only=True to take the weights alone")
     return problems
 
 

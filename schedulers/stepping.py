@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from actors import Mesh, split_batch, NonFiniteError, ReduceReport, StageReport, StepFailed, stage_to_rank
+from actors import FinishReport, Mesh, split_batch, NonFiniteError, ReduceReport, StageReport, StepFailed, stage_to_rank
 from schedulers.jobs import JobSpec
 from schedulers.records import StepStats
 
@@ -94,9 +94,13 @@ def key_order(key: str) -> int:
 
 def step_stats(
     spec: JobSpec, step: int, reports: Sequence[StageReport], elapsed: float, reduce_bytes: int,
-    samples: int | None, nonfinite: Sequence[str] = (),
+    samples: int | None, nonfinite: Sequence[str] = (), finished: Sequence[FinishReport] = (),
 ) -> StepStats:
-    """The step's statistics from every stage actor's report (by global rank)."""
+    """The step's statistics from every stage actor's reports (by global rank), before and after the step.
+
+    The learning rates are global rank 0's (pipeline rank 0, replica 0): every stage
+    steps the same schedule, so all agree.
+    """
     mesh = spec.mesh
     # One loss per replica: the last stage's first tensor-parallel shard reports it.
     losses = [loss for g, r in enumerate(reports) if mesh.coords(g).tensor == 0 for loss in r.losses]
@@ -126,6 +130,7 @@ def step_stats(
         micro_batches=spec.micro_batches,
         skipped=bool(nonfinite),
         nonfinite=list(nonfinite),
+        lr=list(finished[0].lr) if finished else [],
     )
 
 

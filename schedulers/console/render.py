@@ -34,6 +34,14 @@ def _number(value: Any, spec: str = ".4f", missing: str = "-") -> str:
     return format(value, spec)
 
 
+def _rates(lrs: Any) -> str:
+    """``, lr 0.001`` (``0.001/0.002``: one per parameter group when they differ); nothing when unknown."""
+    if not lrs:
+        return ""
+    shown = lrs[:1] if len(set(lrs)) == 1 else lrs
+    return ", lr " + "/".join(_number(lr, ".4g") for lr in shown)
+
+
 def progress_bar(done: int, total: int, width: int = 20) -> str:
     """``[######--------------] 6/20`` as plain text, for the toolbar and logs."""
     filled = 0 if total <= 0 else min(width, round(width * done / total))
@@ -105,7 +113,8 @@ def job_detail(info: Mapping[str, Any]) -> list[str]:
         lines.append(
             f"step {stats.get('step')}: loss {_number(stats.get('loss'))}, step time "
             f"{_number(stats.get('step_time_s'), '.3f')} s, {_number(stats.get('samples_per_s'), '.1f')} samples/s, "
-            f"bubble {_number(stats.get('bubble_fraction'), '.1%')}, {format_bytes(stats.get('bytes_sent'))} "
+            f"bubble {_number(stats.get('bubble_fraction'), '.1%')}{_rates(stats.get('lr'))}, "
+            f"{format_bytes(stats.get('bytes_sent'))} "
             f"between stages (schedule {stats.get('schedule')}, {stats.get('micro_batches')} micro-batches)")
         if stats.get("skipped"):
             lines.append("step skipped, nothing applied; not finite: " + "; ".join(stats.get("nonfinite") or []))
@@ -163,7 +172,7 @@ def event_line(event: Mapping[str, Any]) -> str | None:
         skipped = " (skipped: not finite, nothing applied)" if event.get("skipped") else ""
         return (f"{job} step {event.get('step')}{where} {event.get('schedule')}: loss {_number(event.get('loss'))}, "
                 f"{_number(event.get('step_time_s'), '.3f')} s, bubble {_number(event.get('bubble_fraction'), '.0%')}"
-                f"{skipped}")
+                f"{_rates(event.get('lr'))}{skipped}")
     if kind == "job_failed":
         return f"! {job} step {event.get('step')} failed: {event.get('error')}"
     if kind == "job_recovered":

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 
 from actors import checkpoint as ck
 from actors._stage_checkpoint import apply_load, prepare_load, write_stage
@@ -214,6 +215,7 @@ BAD_MANIFESTS = [
     (lambda m: m["model"]["0.weight"]["parts"][0].update(offset=-1), "expected a list of integers >= 0"),
     (lambda m: m["model"]["0.weight"].update(dtype="object"), "unknown dtype"),
     (lambda m: m["model"]["0.weight"].update(shard=[0, 2, 1]), r"expected 2 part\(s\)"),
+    (lambda m: m.update(lr_scheduler={"path": 1, "state": {}}), "lr_scheduler: expected null or a map"),
 ]
 
 
@@ -254,3 +256,80 @@ def test_an_error_rebuilt_from_its_message_keeps_its_problems() -> None:
     error = ck.CheckpointError("2 problems", ["a: missing", "b: shape [1] in the checkpoint, [2] in this model"])
     again = ck.CheckpointError.from_message(str(error))
     assert again.summary == "2 problems" and again.problems == error.problems and str(again) == str(error)
+
+
+STEP_LR = "torch.optim.lr_scheduler:StepLR"
+
+
+def step_lr(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.StepLR:
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+
+
+def save_scheduled(directory: str) -> tuple[torch.optim.Optimizer, LRScheduler]:
+    """Saves two stages after 3 steps of StepLR (lr 0.1, 0.1, 0.05 -> 0.05); returns the live optimizer and schedule."""
+    layers = stages(1.0)
+    opt = optimizer_of(layers, 1.0)
+    scheduler = step_lr(opt)
+    for _ in range(3):
+        opt.step()
+        scheduler.step()
+    staging = ck.begin_version(directory)
+    answer = write_stage(staging, "p0-t0.bin", layers, opt, {}, 0, scheduler=scheduler)
+    files, model, state = ck.merge_written([answer])
+    schedule = {"path": STEP_LR, "state": answer["lr_scheduler"]}
+    ck.commit_version(directory, staging, ck.Manifest(step=3, optimizer="torch.optim:SGD", files=files, model=model,
+                                                      optimizer_state=state, lr_scheduler=schedule))
+    return opt, scheduler
+
+
+def load_scheduled(directory: str, *, weights_only: bool) -> tuple[torch.optim.Optimizer, LRScheduler]:
+    version, manifest = ck.read_manifest(directory)
+    layers = stages(-1.0)
+    opt = optimizer_of(layers, -1.0)
+    scheduler = step_lr(opt)
+    prepared, problems = prepare_load(version, manifest.restrict(held_keys(layers), weights_only=weights_only),
+                                      layers, {}, 0, scheduler=scheduler)
+    assert problems == []
+    apply_load(prepared, layers, opt, weights_only=weights_only, scheduler=scheduler)
+    return opt, scheduler
+
+
+def test_a_checkpoint_resumes_the_learning_rate_schedule_exactly(tmp_path: Path) -> None:
+    directory = str(tmp_path / "ckpt")
+    saved_opt, saved = save_scheduled(directory)
+    opt, scheduler = load_scheduled(directory, weights_only=False)
+    assert opt.param_groups[0]["lr"] == 0.05 and scheduler.last_epoch == 3
+    for _ in range(4):  # StepLR multiplies the group's lr: it goes on from the restored one
+        for o, s in ((saved_opt, saved), (opt, scheduler)):
+            o.step()
+            s.step()
+        assert opt.param_groups[0]["lr"] == saved_opt.param_groups[0]["lr"]
+    assert opt.param_groups[0]["lr"] == 0.0125
+
+
+def test_weights_only_and_old_manifests_leave_the_schedule_as_it_is(tmp_path: Path) -> None:
+    directory = str(tmp_path / "ckpt")
+    save_scheduled(directory)
+    opt, scheduler = load_scheduled(directory, weights_only=True)
+    assert opt.param_groups[0]["lr"] == 0.1 and scheduler.last_epoch == 0
+    # A manifest written before schedules were kept has no lr_scheduler key at all.
+    path = Path(ck.read_manifest(directory)[0]) / "manifest.json"
+    manifest = json.loads(path.read_text())
+    del manifest["lr_scheduler"]
+    path.write_text(json.dumps(manifest))
+    assert ck.read_manifest(directory)[1].lr_scheduler is None
+    opt, scheduler = load_scheduled(directory, weights_only=False)
+    assert opt.param_groups[0]["lr"] == 0.1 and scheduler.last_epoch == 0
+    assert all(float(s["momentum_buffer"].flatten()[0]) == 1.0 for s in opt.state.values())  # the rest loaded
+
+
+def test_a_schedule_state_of_another_kind_is_a_problem_before_anything_is_applied(tmp_path: Path) -> None:
+    directory = str(tmp_path / "ckpt")
+    save_scheduled(directory)
+    version, manifest = ck.read_manifest(directory)
+    layers = stages(-1.0)
+    opt = optimizer_of(layers, -1.0)
+    other = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)
+    _, problems = prepare_load(version, manifest.restrict(held_keys(layers), weights_only=False), layers, {}, 0,
+                               scheduler=other)
+    assert any("'step_size' is not part of ExponentialLR's state" in p for p in problems), problems

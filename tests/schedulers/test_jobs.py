@@ -97,6 +97,14 @@ def test_a_spec_travels_and_comes_back_equal_and_refuses_what_it_does_not_know()
         JobSpec.from_wire(["model", MODEL])
 
 
+def test_a_schedule_module_is_admitted_with_the_factories_but_actorpipes_own_needs_no_admission() -> None:
+    own = JobSpec(model=MODEL, lr_scheduler=("actors.lr:WarmupLR", {"warmup_num_steps": 10}))
+    assert own.factory_modules == ["examples.models", "torch.nn.functional", "torch.optim"]
+    theirs = JobSpec(model=MODEL, lr_scheduler=("mypkg.schedules:warmup", {}))
+    assert "mypkg.schedules" in theirs.factory_modules
+    assert JobSpec.from_wire(own.to_wire()) == own
+
+
 def test_replace_checks_the_new_value() -> None:
     spec = JobSpec(model=MODEL, pipeline_stages=2, micro_batches=4)
     assert spec.replace(micro_batches=8).micro_batches == 8

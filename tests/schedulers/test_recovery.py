@@ -84,6 +84,31 @@ async def test_a_killed_stage_moves_to_a_spare_and_training_is_bit_identical(sna
             await job.close()
 
 
+async def test_a_replacement_stage_continues_the_learning_rate_schedule_exactly() -> None:
+    schedule = ("actors.lr:WarmupLR", {"warmup_min_lr": 0.001, "warmup_num_steps": 8, "warmup_type": "linear"})
+    local = LocalCluster(nodes=2, spares=1)
+    async with local as cluster:
+        reference_job = await cluster.train(**spec(seconds=0.0, lr_scheduler=schedule))
+        try:
+            want_rates = [(await reference_job.step()).lr for _ in range(5)]
+            want_state = await reference_job.state_dict()
+        finally:
+            await reference_job.close()
+        job = await cluster.train(**spec(max_restarts=1, snapshot_every=2, lr_scheduler=schedule))
+        try:
+            rates = [(await job.step()).lr for _ in range(3)]
+            step = asyncio.ensure_future(job.step())
+            await asyncio.sleep(0.5)
+            os.kill(local.processes[job.nodes[1]].pid, signal.SIGKILL)
+            stats = await asyncio.wait_for(step, 60)
+            assert stats.recovery is not None and stats.recovery["from_step"] == 2  # the schedule rolled back too
+            rates += [stats.lr, (await job.step()).lr]
+            assert rates == want_rates
+            assert_same_state(await job.state_dict(), want_state)
+        finally:
+            await job.close()
+
+
 async def test_a_node_lost_between_steps_is_replaced_when_the_job_is_next_used() -> None:
     local = LocalCluster(nodes=2, spares=1)
     async with local as cluster:
