@@ -31,8 +31,8 @@ class _FromWire(Protocol):
 class WireRecord:
     """Mixin for dataclass records: ``to_wire`` and a strict ``from_wire``.
 
-    A field that holds another record (or ``None``) is named in ``nested``, with the
-    class that rebuilds it; every other field holds plain data.
+    A field that holds another record, a list of them, or ``None`` is named in
+    ``nested``, with the class that rebuilds it; every other field holds plain data.
     """
 
     __slots__ = ()
@@ -42,8 +42,11 @@ class WireRecord:
         """The record as a plain map."""
         data = {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
         for name in self.nested:
-            if data[name] is not None:
-                data[name] = data[name].to_wire()
+            value = data[name]
+            if isinstance(value, list):
+                data[name] = [item.to_wire() for item in value]
+            elif value is not None:
+                data[name] = value.to_wire()
         return data
 
     @classmethod
@@ -65,8 +68,11 @@ class WireRecord:
             raise RecordError(f"{cls.__name__}: missing key(s) {', '.join(missing)}")
         data = dict(data)
         for name, record in cls.nested.items():
-            if data.get(name) is not None:
-                data[name] = record.from_wire(data[name])
+            value = data.get(name)
+            if isinstance(value, list):
+                data[name] = [record.from_wire(item) for item in value]
+            elif value is not None:
+                data[name] = record.from_wire(value)
         return cls(**data)
 
 
