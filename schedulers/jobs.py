@@ -27,6 +27,7 @@ from actors import BUILTIN_SCHEDULES, Mesh, StageConfig, split_batch
 from schedulers.schedules import build_schedule
 
 __all__ = [
+    "AUTO_PROBE",
     "CODECS",
     "NONFINITE_ACTIONS",
     "PARTITION_METHODS",
@@ -42,7 +43,7 @@ __all__ = [
     "stage_config",
 ]
 
-ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zero_bubble"]
+ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zero_bubble", "auto"]
 TransportName = Literal["zmq", "dist"]
 PartitionMethod = Literal["parameters", "uniform", "profile"]
 CodecName = Literal["none", "fp16", "bf16", "int8", "fp8", "int4"]
@@ -55,6 +56,10 @@ TRANSPORTS: tuple[str, ...] = get_args(TransportName)
 PARTITION_METHODS: tuple[str, ...] = get_args(PartitionMethod)
 CODECS: tuple[str, ...] = get_args(CodecName)
 NONFINITE_ACTIONS: tuple[str, ...] = get_args(NonFiniteAction)
+# What a job with schedule="auto" runs while it measures its stages (schedulers.planning):
+# ZB-H1 splits every backward into I and W, so one step times F, I and W on every stage,
+# and its peak stash (p micro-batches a stage) is no more than 1F1B's largest.
+AUTO_PROBE = "zero_bubble"
 
 _IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 _SEED_RANGE = (0, 2**63 - 1)
@@ -87,11 +92,13 @@ class JobSpec:
     data_parallel: int = 1
     """data-parallel replicas, each on its own shard of the global batch"""
     schedule: ScheduleName = "1f1b"
-    """`gpipe`, `1f1b` (PipeDream-Flush), `interleaved` (Megatron's virtual stages), `zero_bubble` (ZB-H1)"""
+    """`gpipe`, `1f1b` (PipeDream-Flush), `interleaved` (Megatron's virtual stages), `zero_bubble` (ZB-H1), or `auto`: the first two steps run `zero_bubble` and time every stage's F, B, I, W and the link; the timed simulator then ranks the schedules this partition runs (GPipe, 1F1B, zero-bubble) and the job runs the fastest that fits `max_stash_bytes` (`job.plan()` shows them all, interleaved included as a re-partition to consider; `StepStats.schedule` names the one each step ran)"""
     micro_batches: int = 1
     """the global batch (each replica's share) is split into this many; gradients accumulate across them"""
     virtual_stages: int | None = None
     """model stages per rank with `interleaved` (>= 2; default 2); only for that schedule"""
+    max_stash_bytes: int | None = None
+    """with `schedule="auto"`: the most bytes of activations one stage actor may hold for backward (as `StepStats.peak_stash_bytes` counts them); auto runs the fastest schedule predicted to fit, and when none does the step that plans fails with nothing applied. `None`: no limit"""
     split_points: list[str] | None = None
     """split any `nn.Module`: the names (as `named_modules()` gives them) of the modules each new stage begins at, `pipeline_stages * virtual stages - 1` of them; the model is traced with torch's pipelining front end on one micro-batch (`example_inputs`, else the data factory's first), and `state_dict`/checkpoints keep its own names"""
     example_inputs: Any = None
@@ -166,6 +173,11 @@ class JobSpec:
             if self.schedule != "interleaved":
                 raise ValueError(f"virtual_stages={self.virtual_stages} applies only to schedule='interleaved', "
                                  f"not {self.schedule!r}; leave it out or use the interleaved schedule")
+        if self.max_stash_bytes is not None:
+            _check_int("max_stash_bytes", self.max_stash_bytes, minimum=1)
+            if self.schedule != "auto":
+                raise ValueError(f"max_stash_bytes limits what schedule='auto' may choose, and this job runs "
+                                 f"{self.schedule!r}; use schedule='auto' or leave max_stash_bytes out")
         _check_partition_method(self.partition_method)
         self._check_split_points()
         if self.partition_method == "profile" and self.data is None and self.example_inputs is None:
@@ -200,8 +212,8 @@ class JobSpec:
         _check_choice("on_nonfinite", self.on_nonfinite, NONFINITE_ACTIONS)
         self._check_training_options()
         # The schedule's own limits (e.g. interleaved needs micro_batches to be a multiple of the stages).
-        build_schedule(self.schedule, self.pipeline_stages, self.micro_batches,
-                       self.num_virtual_stages if self.schedule == "interleaved" else None)
+        build_schedule(AUTO_PROBE if self.schedule == "auto" else self.schedule, self.pipeline_stages,
+                       self.micro_batches, self.num_virtual_stages if self.schedule == "interleaved" else None)
 
     def _check_training_options(self) -> None:
         """Precision, loss scaling, clipping, LR schedule, activation checkpointing and ZeRO (issue 16)."""
