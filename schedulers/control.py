@@ -350,10 +350,8 @@ class JobController:
             self._publish({"type": "schedule_planned", "job": self.id, "step": self.next_step,
                            "schedule": chosen.label if chosen else None,
                            "predicted_step_s": chosen.predicted_step_s if chosen else None})
-        elif self.auto.measuring:
-            self.auto.probe_steps_left -= 1
-            if self.auto.timed:  # the clocks, for the link's speed; outside any step's time
-                self.auto.offsets = await self._clock_offsets()
+        elif self.auto.measuring and self.auto.warmed_up():  # the clocks, for the link's speed; outside any step
+            self.auto.offsets = await self._clock_offsets()
 
     async def _clock_offsets(self) -> list[float]:
         return [offset for offset, _ in await asyncio.gather(*(self._clock_offset(ref) for ref in self.stages))]

@@ -297,6 +297,12 @@ class AutoSchedule:
         """The next step is the probe step the plan is made from."""
         return self.probe_steps_left == 1
 
+    def warmed_up(self) -> bool:
+        """A probe step before the timed one is done; True when the next is the timed one."""
+        assert self.probe_steps_left > 1, "the timed probe step ends in adopt()"
+        self.probe_steps_left -= 1
+        return self.timed
+
     def running(self, spec: JobSpec) -> str:
         """The schedule the job's next step runs."""
         if spec.schedule != "auto":

@@ -213,7 +213,7 @@ def plan_lines(plan: Mapping[str, Any]) -> list[str]:
                                                  ("W", "weight_grad")))
         bandwidth = costs.get("bandwidth")
         link = "free" if not isinstance(bandwidth, (int, float)) or math.isinf(bandwidth) else \
-            f"{bandwidth / 1e9:.2f} GB/s"
+            f"{format_bytes(bandwidth)}/s"
         lines.append(f"costs per stage, s per micro-batch: {per_stage}; link {link}, "
                      f"{format_bytes(costs.get('transfer_bytes'))} a value; outside the programs "
                      f"{_number(costs.get('overhead_s'), '.3f')} s")
