@@ -80,7 +80,7 @@ def compile_programs(spec: JobSpec) -> dict[int, list[str]]:
     """
     schedule = build_schedule(spec.schedule, spec.pipeline_stages, spec.micro_batches,
                               spec.num_virtual_stages if spec.schedule == "interleaved" else None,
-                              split=spec.gradient_accumulation_fusion)
+                              split=spec.gradient_accumulation_fusion, batch_w=spec.w_batching)
     return {rank: [str(a) for a in program] for rank, program in schedule.items()}
 
 
