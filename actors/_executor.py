@@ -90,6 +90,8 @@ class StageModel:
     # Mixed precision: compute under autocast in this dtype (float32 master weights), and
     # send floating-point boundary values in it. None: float32 throughout.
     compute_dtype: torch.dtype | None = None
+    # W batching: a run of consecutive Ws computes each weight's gradient as one GEMM.
+    w_batching: bool = False
 
     def autocast(self) -> Any:
         """The context a forward (and a recompute) runs in."""
@@ -143,6 +145,8 @@ class StepExecutor:
         self._pending_w: dict[tuple[int, int], list[_wgrad.PendingWeightGrad]] = {}  # I -> W, fused
         self._values: dict[tuple[str, int, int], Any] = {}  # received trees, and payloads to send
         self.loss_scale = 1.0  # fp16: the step's loss scale (set by the stage before each step)
+        self._upcoming: Action | None = None  # the action after the one running (W batching looks ahead)
+        self._w_batch: list[tuple[tuple[int, int], list[_wgrad.PendingWeightGrad]]] = []
         # (stage, micro-batch) -> the storages it holds for its backward, from F until B (or W).
         self._held: dict[tuple[int, int], _activations.Storages] = {}
         self._resident: _activations.Storages = {}  # what lives anyway: parameters, buffers, the batch
@@ -171,10 +175,11 @@ class StepExecutor:
         self._resident = _activations.storages([*boundary.tree_tensors(inputs), *boundary.tree_tensors(targets),
                                                 *(t for m in modules for t in (*m.parameters(), *m.buffers()))])
         self.done_actions = 0
-        for action in program:
+        for index, action in enumerate(program):
             if action.kind is _K.BARRIER:
                 break
             self.current = action
+            self._upcoming = program[index + 1] if index + 1 < len(program) else None
             t0 = time.perf_counter()
             try:
                 await self._execute(step, action, trace)
@@ -187,13 +192,14 @@ class StepExecutor:
             if action.kind in (_K.F, _K.B, _K.I, _K.W):
                 trace.busy_s += t1 - t0
             # A micro-batch between I and W still holds its activations (as W's inputs).
-            trace.peak_stash = max(trace.peak_stash, len(self._stash) + len(self._pending_w))
+            trace.peak_stash = max(trace.peak_stash, len(self._stash) + len(self._pending_w) + len(self._w_batch))
             trace.peak_stash_bytes = max(trace.peak_stash_bytes, _activations.union_bytes(self._held.values()))
             self.done_actions += 1
         self.current = None
         trace.elapsed_s = time.perf_counter() - start
-        if self._stash or self._values or self._pending_w:
-            leftover = sorted(map(str, list(self._stash) + list(self._values) + list(self._pending_w)))
+        if self._stash or self._values or self._pending_w or self._w_batch:
+            leftover = sorted(map(str, list(self._stash) + list(self._values) + list(self._pending_w)
+                                  + [key for key, _ in self._w_batch]))
             raise ActionFailed(Action(stage=program[0].stage, kind=_K.BARRIER),
                                RuntimeError(f"program ended with values still held: {leftover}"))
         return trace
@@ -345,6 +351,19 @@ class StepExecutor:
 
     def _weight_backward(self, stage: int, mb: int) -> None:
         key = (stage, mb)
+        if key in self._pending_w and self.model.w_batching:
+            # W batching: consecutive Ws (the tail defer_weight_grads makes) run each weight's
+            # GEMM once, over all their micro-batches' rows.
+            self._w_batch.append((key, self._pending_w.pop(key)))
+            upcoming = self._upcoming
+            if upcoming is not None and upcoming.kind is _K.W and \
+                    (upcoming.stage, upcoming.microbatch) in self._pending_w:
+                return
+            batch, self._w_batch = self._w_batch, []
+            _wgrad.apply_batched([pending for _, pending in batch])
+            for done, _ in batch:
+                del self._held[done]
+            return
         del self._held[key]
         if key in self._pending_w:
             _wgrad.apply(self._pending_w.pop(key))

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["PendingWeightGrad", "WeightGradients", "apply", "install"]
+__all__ = ["PendingWeightGrad", "WeightGradients", "apply", "apply_batched", "install"]
 
 # One deferred weight GEMM: (weight or None, bias or None, output gradient, input).
 PendingWeightGrad = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]
@@ -68,6 +68,30 @@ def apply(pending: list[PendingWeightGrad]) -> None:
     for weight, bias, grad_out, inputs in pending:
         _weight_grad(weight, bias, grad_out, inputs)
     pending.clear()
+
+
+def apply_batched(batches: list[list[PendingWeightGrad]]) -> None:
+    """Runs several Ws at once: each weight's recorded pairs from every batch as one GEMM whose
+    K is all their rows together (as one process computes it over the whole batch).
+
+    The concatenated output gradients and inputs are a temporary of the size of the pairs
+    themselves; the per-micro-batch GEMMs they replace each stream the weight through the
+    cache again, which is what a larger K saves.
+    """
+    groups: dict[tuple[int, int], list[PendingWeightGrad]] = {}
+    for pending in batches:
+        for entry in pending:
+            weight, bias = entry[0], entry[1]
+            groups.setdefault((id(weight), id(bias)), []).append(entry)
+        pending.clear()
+    for entries in groups.values():
+        weight, bias = entries[0][0], entries[0][1]
+        if len(entries) == 1:
+            _weight_grad(weight, bias, entries[0][2], entries[0][3])
+            continue
+        grad_out = torch.cat([g.reshape(-1, g.shape[-1]) for _, _, g, _ in entries])
+        inputs = torch.cat([x.reshape(-1, x.shape[-1]) for _, _, _, x in entries])
+        _weight_grad(weight, bias, grad_out, inputs)
 
 
 class WeightGradients:

@@ -122,6 +122,7 @@ class StageConfig(WireRecord):
     lr_scheduler: list[Any] | None = None  # [path, kwargs]
     activation_checkpointing: bool | int = False  # True: every layer; N: every N layers
     zero_stage: int = 0  # 1: optimizer state sharded across data-parallel replicas
+    w_batching: bool = False  # consecutive W actions run each weight's GEMM once over their micro-batches
 
     @property
     def num_stages(self) -> int:

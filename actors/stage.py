@@ -223,6 +223,7 @@ class StageActor(Actor):
                                   if id(p) not in tied_elsewhere and (name in self._specs or tp_rank == 0)}.values())
         return StageModel(modules=modules, num_stages=cfg.num_stages, loss_fn=loss_fn,
                           optimizer=optimizer, device=device, weight_grads=weight_grads,
+                          w_batching=cfg.w_batching,
                           compute_dtype=compute_dtype, lr_scheduler=scheduler)
 
     def _data_group(self) -> Any:

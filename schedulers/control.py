@@ -86,7 +86,7 @@ def compile_programs(spec: JobSpec, schedule_name: str | None = None) -> dict[in
     name = spec.schedule if spec.schedule != "auto" else schedule_name or AUTO_PROBE
     schedule = build_schedule(name, spec.pipeline_stages, spec.micro_batches,
                               spec.num_virtual_stages if spec.schedule == "interleaved" else None,
-                              split=spec.gradient_accumulation_fusion)
+                              split=spec.gradient_accumulation_fusion, batch_w=spec.w_batching)
     return {rank: [str(a) for a in program] for rank, program in schedule.items()}
 
 

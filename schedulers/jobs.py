@@ -129,6 +129,8 @@ class JobSpec:
     """torch intra-op threads in each stage process (`None`: torch's default)"""
     gradient_accumulation_fusion: bool = True
     """as in Megatron: exact `nn.Linear` weight gradients accumulate into `.grad` with one GEMM, and a backward whose input gradient leaves the rank runs as `I` (sent at once) then `W`; off: plain autograd"""
+    w_batching: bool = False
+    """W batching: every weight-gradient GEMM waits for the end of the step and runs as one GEMM per weight over all micro-batches (a larger K, as one process's whole batch); needs `gradient_accumulation_fusion`. Costs memory: each `nn.Linear`'s inputs and output gradients stay held for every micro-batch until then"""
     keep_freed_memory: bool = True
     """stage processes set glibc's malloc to keep freed buffers instead of page-faulting them in again every micro-batch"""
     step_timeout_s: float = 600.0
@@ -184,7 +186,8 @@ class JobSpec:
             raise ValueError("partition_method='profile' times each layer on a sample micro-batch from the job's "
                              "data factory: give data='pkg.mod:factory' or example_inputs=<one micro-batch> "
                              "(or partition by parameters)")
-        for name in ("error_feedback", "measure_codec_error", "gradient_accumulation_fusion", "keep_freed_memory"):
+        for name in ("error_feedback", "measure_codec_error", "gradient_accumulation_fusion", "keep_freed_memory",
+                     "w_batching"):
             _check_bool(name, getattr(self, name))
         edges: tuple[Literal["activation_codec", "gradient_codec"], ...] = ("activation_codec", "gradient_codec")
         for name in edges:
@@ -210,6 +213,9 @@ class JobSpec:
                              "tensor-parallel layers and transport='dist' hold process groups that recovery does "
                              "not form again yet: leave max_restarts at 0")
         _check_choice("on_nonfinite", self.on_nonfinite, NONFINITE_ACTIONS)
+        if self.w_batching and not self.gradient_accumulation_fusion:
+            raise ValueError("w_batching runs the fused weight-gradient GEMMs together; it needs "
+                             "gradient_accumulation_fusion=True")
         self._check_training_options()
         # The schedule's own limits (e.g. interleaved needs micro_batches to be a multiple of the stages).
         build_schedule(AUTO_PROBE if self.schedule == "auto" else self.schedule, self.pipeline_stages,
@@ -392,6 +398,7 @@ def stage_config(
         min_loss_scale=float(spec.min_loss_scale), gradient_clipping=float(spec.gradient_clipping),
         lr_scheduler=[spec.lr_scheduler[0], dict(spec.lr_scheduler[1])] if spec.lr_scheduler is not None else None,
         activation_checkpointing=spec.activation_checkpointing, zero_stage=spec.zero_stage,
+        w_batching=spec.w_batching,
     )
 
 
