@@ -13,8 +13,10 @@ The candidates are GPipe, 1F1B and ZB-H1 on the job's one-stage-per-rank partiti
 and interleaved 1F1B with 2, 3 and 4 virtual stages where the micro-batches allow.
 Interleaving cuts the model into more stages, which a running job cannot do, so an
 interleaved candidate is predicted (each chunk costing ``1/V`` of its rank, boundaries
-as large as the measured ones) but only ever advised, never run. ``w_batching``
-(issue 17, point 2) does not exist yet and is no candidate.
+as large as the measured ones) but only ever advised, never run. Every candidate is
+simulated with the job's own ``w_batching`` (its Ws deferred to the tail, as it runs
+them); turning W batching on or off is no candidate: it is how the stage actors were
+built, and it was not on main when this planner was written.
 
 Pure functions: no actors, no sockets.
 """
@@ -102,14 +104,19 @@ def measure_costs(
 
 
 def _member_costs(report: StageReport) -> dict[int, dict[ActionKind, float]]:
-    """One member's median seconds per model stage and compute kind, its sends' encoding included."""
+    """One member's seconds per micro-batch, per model stage and compute kind, its sends' encoding included.
+
+    The median over the step's micro-batches (a spike of the machine's load hits one),
+    except for ``W``: its mean, since W batching runs a whole run of Ws in the last one.
+    """
     durations: dict[int, dict[ActionKind, list[float]]] = defaultdict(lambda: defaultdict(list))
     for text, start, end in report.spans:
         action = Action.parse(str(text))
         durations[action.stage][action.kind].append(float(end) - float(start))
     costs: dict[int, dict[ActionKind, float]] = {}
     for stage, by_kind in durations.items():
-        measured = {kind: statistics.median(values) for kind, values in by_kind.items()}
+        measured = {kind: statistics.fmean(values) if kind is _W else statistics.median(values)
+                    for kind, values in by_kind.items()}
         costs[stage] = {kind: measured[kind] for kind in (_F, _B, _I, _W) if kind in measured}
         for send, producers in _SENT_BY.items():
             for kind in producers:
@@ -196,7 +203,7 @@ def simulation_costs(costs: MeasuredCosts, virtual_stages: int = 1) -> Costs:
 
 def rank_candidates(
     costs: MeasuredCosts, *, num_microbatches: int, virtual_stages: int = 1, split: bool = True,
-    max_stash_bytes: int | None = None,
+    batch_w: bool = False, max_stash_bytes: int | None = None,
 ) -> list[Candidate]:
     """Every candidate schedule simulated with ``costs``, fastest first, the chosen one marked.
 
@@ -207,6 +214,7 @@ def rank_candidates(
             with as many are the ones it runs.
         split: backward split into ``I`` and ``W`` where the input gradient leaves the
             rank (the job's ``gradient_accumulation_fusion``).
+        batch_w: every ``W`` deferred to the rank's tail (the job's ``w_batching``).
         max_stash_bytes: the most bytes of activations one rank may hold (None: no limit).
 
     Raises:
@@ -219,7 +227,7 @@ def rank_candidates(
         if virtual is not None and num_stages == 1:
             continue  # every chunk on the one rank: nothing to interleave
         try:
-            program = build_schedule(name, num_stages, num_microbatches, virtual, split=split)
+            program = build_schedule(name, num_stages, num_microbatches, virtual, split=split, batch_w=batch_w)
         except ValueError:
             continue  # e.g. interleaving needs micro-batches in multiples of the stages
         chunks = virtual or 1
@@ -318,7 +326,8 @@ class AutoSchedule:
         """
         costs = measure_costs(reports, mesh, offsets=self.offsets, step=step)
         ranked = rank_candidates(costs, num_microbatches=spec.micro_batches, virtual_stages=spec.num_virtual_stages,
-                                 split=spec.gradient_accumulation_fusion, max_stash_bytes=spec.max_stash_bytes)
+                                 split=spec.gradient_accumulation_fusion, batch_w=spec.w_batching,
+                                 max_stash_bytes=spec.max_stash_bytes)
         self.costs = costs
         return ranked
 
@@ -352,7 +361,7 @@ def advise(job: str, spec: JobSpec, reports: Sequence[StageReport], mesh: Mesh, 
     """The plan for a job with a fixed schedule, from its last step: what auto would run, and why."""
     costs = measure_costs(reports, mesh, offsets=offsets, step_time_s=step_time_s, step=step)
     ranked = rank_candidates(costs, num_microbatches=spec.micro_batches, virtual_stages=spec.num_virtual_stages,
-                             split=spec.gradient_accumulation_fusion)
+                             split=spec.gradient_accumulation_fusion, batch_w=spec.w_batching)
     chosen = next(c for c in ranked if c.chosen)
     return Plan(job=job, schedule=spec.schedule, running=spec.schedule, state="advice", candidates=ranked,
                 chosen=chosen.label, costs=costs, last_step_s=step_time_s)

@@ -124,9 +124,10 @@ def test_micro_batches_interleaving_cannot_take_leave_it_out() -> None:
 
 
 def simulated_reports(name: str, truth: Costs, *, num_stages: int = 2, num_microbatches: int = 4,
-                      stash: float = UNIT, tail_s: float = 0.25) -> tuple[list[StageReport], float]:
+                      stash: float = UNIT, tail_s: float = 0.25, batch_w: bool = False
+                      ) -> tuple[list[StageReport], float]:
     """Stage reports of a step that ran exactly as the simulator times ``name`` under ``truth``."""
-    program = build_schedule(name, num_stages, num_microbatches, split=True)
+    program = build_schedule(name, num_stages, num_microbatches, split=True, batch_w=batch_w)
     result = simulate(program, truth)
     reports = []
     for rank, stats in enumerate(result.ranks):
@@ -173,6 +174,24 @@ def test_a_backward_that_ran_whole_is_split_as_the_measured_ones_are() -> None:
     assert found.input_grad == pytest.approx([0.30 * share, 0.25])
     assert found.weight_grad == pytest.approx([0.30 * (1 - share), 0.15])
     assert found.overhead_s == 0.0  # no step time given
+
+
+def test_a_batched_run_of_ws_counts_as_its_share_per_micro_batch() -> None:
+    # W batching defers every W to the tail, where the executor runs the whole run in the last one.
+    reports, _ = simulated_reports(AUTO_PROBE, TRUTH, batch_w=True)
+    batched = []
+    for report in reports:
+        spans = [list(span) for span in report.spans]
+        ws = [span for span in spans if "W" in span[0]]
+        total = sum(end - start for _, start, end in ws)
+        for span in ws[:-1]:
+            span[2] = span[1]
+        ws[-1][1] = ws[-1][2] - total
+        batched.append(dataclasses.replace(report, spans=spans))
+    found = measure_costs(batched, Mesh(pipeline=2))
+    assert found.weight_grad == pytest.approx([0.10, 0.15]) and found.input_grad == pytest.approx([0.20, 0.25])
+    ranked = by_label(rank_candidates(found, num_microbatches=4, batch_w=True))
+    assert ranked["1f1b"].stash == [4, 4]  # every W waits for the tail: each stage holds every micro-batch
 
 
 def test_a_report_missing_is_refused() -> None:
@@ -239,9 +258,10 @@ async def train(cluster: Cluster, steps: list[tuple[torch.Tensor, torch.Tensor]]
 
 @pytest.mark.slow
 @pytest.mark.asyncio(loop_scope="module")
-async def test_an_auto_job_trains_exactly_as_the_schedule_it_chose(cluster: Cluster) -> None:
+@pytest.mark.parametrize("options", [{}, {"w_batching": True}], ids=["plain", "w_batching"])
+async def test_an_auto_job_trains_exactly_as_the_schedule_it_chose(cluster: Cluster, options: dict[str, Any]) -> None:
     steps = batches(PROBE_STEPS + 2)
-    stats, state, plan = await train(cluster, steps, schedule="auto")
+    stats, state, plan = await train(cluster, steps, schedule="auto", **options)
     assert plan.state == "planned" and plan.schedule == "auto"
     chosen = [c for c in plan.candidates if c.chosen]
     assert len(chosen) == 1 and chosen[0].label == plan.chosen == plan.running
@@ -255,7 +275,7 @@ async def test_an_auto_job_trains_exactly_as_the_schedule_it_chose(cluster: Clus
     assert last.prediction_error == pytest.approx((last.step_time_s - last.predicted_step_s) / last.predicted_step_s)
     assert plan.last_step_s == last.step_time_s
     # The same job on the chosen schedule throughout: the same losses and parameters.
-    fixed_stats, fixed_state, advice = await train(cluster, steps, schedule=plan.running)
+    fixed_stats, fixed_state, advice = await train(cluster, steps, schedule=plan.running, **options)
     assert [s.loss for s in stats] == [s.loss for s in fixed_stats]
     assert list(state) == list(fixed_state)
     for key, value in fixed_state.items():
