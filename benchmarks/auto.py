@@ -2,7 +2,7 @@
 """schedule="auto" against every manual schedule, on the reference workload at 2 stages.
 
 Peers, each a ``LocalCluster`` of 2 nodes training the reference workload (DESIGN.md),
-all up at once and timed in rotated rounds (``benchmarks.pipeline.run_rounds``), so
+all up at once and timed in rotated rounds of one step each (``benchmarks.pipeline.run_rounds``), so
 that the machine's noise hits every peer alike:
 - actorpipe ``schedule="auto"``: its first two (warm-up) steps run zero-bubble and time
   the stages; the plan then picks a schedule, which the timed steps run;
@@ -16,8 +16,8 @@ Reports:
   ``|step_time_s - predicted_step_s| / predicted_step_s`` (``StepStats``), and the signed
   median as ``prediction_bias_2stages``;
 - ``prediction_error_by_schedule``: for every peer whose schedule the plan predicted, the
-  plan's prediction over that peer's measured median step time, minus 1 (how well the
-  simulator ranks the schedules it did not run);
+  plan's prediction over that peer's median ``StepStats.step_time_s`` (``measured_step_s``),
+  minus 1 (how well the simulator ranks the schedules it did not run);
 - ``auto_max_rel_diff_vs_chosen``: auto's trained parameters against the manual peer
   of the schedule it chose (every peer trains the same batch the same number of steps).
 
@@ -85,11 +85,9 @@ def summarize(peers: list[RecordingPeer], times: dict[str, list[float]], warmup:
     plan = auto.plan
     chosen = plan.chosen if plan is not None else None
     predicted = {c.label.replace(" ", "_"): c.predicted_step_s for c in plan.candidates} if plan else {}
-    by_schedule = {}
-    for peer in manual:
-        measured = statistics.median(s.step_time_s for s in peer.stats[warmup:])
-        if peer.name in predicted:
-            by_schedule[peer.name] = round(predicted[peer.name] / measured - 1, 3)
+    measured = {peer.name: statistics.median(s.step_time_s for s in peer.stats[warmup:]) for peer in peers}
+    by_schedule = {peer.name: round(predicted[peer.name] / measured[peer.name] - 1, 3)
+                   for peer in manual if peer.name in predicted}
     chosen_peer = next((p for p in manual if p.name == chosen), None)
     auto_state, chosen_state = auto.trained_state(), chosen_peer.trained_state() if chosen_peer else None
     return {
@@ -102,6 +100,7 @@ def summarize(peers: list[RecordingPeer], times: dict[str, list[float]], warmup:
         "auto_ran": sorted({s.schedule for s in timed}),
         "best_manual": best.name,
         "plan_predicted_step_s": {k: round(v, 4) for k, v in predicted.items()},
+        "measured_step_s": {k: round(v, 4) for k, v in measured.items()},  # StepStats.step_time_s, median
         "samples_per_s": {name: round(value, 2) for name, value in rate.items()},
         "median_step_ms": {peer.name: round(statistics.median(times[peer.name]) * 1e3, 1) for peer in peers},
         "auto_max_rel_diff_vs_chosen": float(f"{max_rel_diff(auto_state, chosen_state):.2g}")
@@ -140,7 +139,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=16, help="timed steps per peer")
     parser.add_argument("--warmup", type=int, default=3,
                         help="untimed steps per peer first (auto plans after its second)")
-    parser.add_argument("--rounds", type=int, default=8, help="rotated rounds the timed steps are split into")
+    parser.add_argument("--rounds", type=int, default=16, help="rotated rounds the timed steps are split into")
     args = parser.parse_args()
     if args.steps < 1 or args.rounds < 1 or args.warmup < 2:
         parser.error("--steps and --rounds must be >= 1, --warmup >= 2 (auto's probe steps)")
