@@ -195,6 +195,7 @@ class JobController:
         self.nodes = nodes  # by global rank
         self.bounds = bounds
         self.auto = AutoSchedule(spec)  # schedule="auto": measuring, then the plan
+        self._advice: tuple[tuple[int, JobSpec], Plan] | None = None  # job.plan() of a fixed schedule, per step
         self.programs = compile_programs(spec, self.auto.running(spec))
         self.rendezvous = rendezvous  # the name of the job's torch.distributed rendezvous actor, if any
         self.lock = asyncio.Lock()
@@ -333,8 +334,8 @@ class JobController:
         Raises:
             NoScheduleFits: nothing fits ``max_stash_bytes``; the step is dropped on every stage.
         """
-        try:
-            return self.auto.rank(self.spec, reports, self.mesh, step)
+        try:  # off the loop: simulating every candidate of a deep pipeline takes seconds
+            return await asyncio.to_thread(self.auto.rank, self.spec, reports, self.mesh, step)
         except NoScheduleFits as exc:
             await self._abort(step, {})
             self._publish({"type": "job_failed", "job": self.id, "step": step, "error": str(exc)})
@@ -368,8 +369,12 @@ class JobController:
             return self.auto.plan(self.id, spec)
         if stats is None or not reports:
             return Plan(job=self.id, schedule=spec.schedule, running=spec.schedule, state="no_steps")
-        return advise(self.id, spec, reports, self.mesh, offsets=await self._clock_offsets(),
-                      step_time_s=stats.step_time_s, step=stats.step)
+        if self._advice is None or self._advice[0] != (stats.step, spec):
+            offsets = await self._clock_offsets()
+            plan = await asyncio.to_thread(advise, self.id, spec, reports, self.mesh, offsets=offsets,
+                                           step_time_s=stats.step_time_s, step=stats.step)
+            self._advice = ((stats.step, spec), plan)  # asked again before the next step: the same answer
+        return self._advice[1]
 
     async def _run_to_barrier(self, step: int, calls: dict[int, dict[str, Any]]) -> list[StageReport]:
         tasks = {

@@ -15,8 +15,7 @@ Interleaving cuts the model into more stages, which a running job cannot do, so 
 interleaved candidate is predicted (each chunk costing ``1/V`` of its rank, boundaries
 as large as the measured ones) but only ever advised, never run. Every candidate is
 simulated with the job's own ``w_batching`` (its Ws deferred to the tail, as it runs
-them); turning W batching on or off is no candidate: it is how the stage actors were
-built, and it was not on main when this planner was written.
+them); turning W batching on or off is no candidate: the stage actors are built with it.
 
 Pure functions: no actors, no sockets.
 """
