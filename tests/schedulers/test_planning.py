@@ -290,6 +290,7 @@ async def test_a_stash_limit_nothing_fits_fails_the_planning_step_with_nothing_a
     job = await cluster.train(model=MODEL, model_kwargs=KWARGS, pipeline_stages=2, micro_batches=4, seed=0,
                               schedule="auto", max_stash_bytes=1)
     try:
+        assert (await job.plan()).state == "measuring"
         await job.step(x, y)  # the warm-up probe step is an ordinary step
         before = await job.state_dict()
         with pytest.raises(RemoteError, match="no schedule fits max_stash_bytes=1: the least any would hold"):
@@ -310,7 +311,9 @@ async def test_set_schedule_auto_from_the_console_plans_a_running_job(cluster: C
     x, y = batches(1)[0]
     job = await cluster.train(model=MODEL, model_kwargs=KWARGS, pipeline_stages=2, micro_batches=4, seed=0)
     try:
+        assert (await job.plan()).state == "no_steps"
         await job.step(x, y)
+        assert await job.plan() == await job.plan()  # until the next step, the same advice
         await execute(session, ["schedule", job.id])  # a fixed schedule: what auto would run
         assert f"{job.id}: schedule 1f1b; from step 0's costs, auto would run" in out.getvalue()
         await execute(session, ["set", job.id, "schedule", "auto"])
