@@ -277,7 +277,7 @@ class OverlappedReduction:
         for work, flat in zip(self._works, self.flats):
             work.wait()
             flat /= self._world
-        self.active = False
+        self.active, self._works = False, []  # a work keeps its process group's sockets alive
         return self._nonfinite()
 
     def abandon(self) -> None:
@@ -285,7 +285,10 @@ class OverlappedReduction:
         then has issued the same collectives) and lets them finish in the background."""
         if self.active:
             self.active = False
-            self._start(len(self.flats))
+            try:
+                self._start(len(self.flats))
+            except Exception as exc:  # the group is broken (a member is lost): recovery forms a new one
+                log.warning("could not start the abandoned step's remaining buckets: %s", exc)
             self._leftover, self._works = self._leftover + self._works, []
         self._expected.clear()
 

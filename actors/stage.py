@@ -266,6 +266,7 @@ class StageActor(Actor):
         # A gloo group's threads and listening sockets live as long as its Python object:
         # drop every reference (the groups, tensor-parallel layers holding them), now.
         self._groups = None
+        self._overlap = None
         self.executor = None
         self._held = {}
         self._named_parameters = []
