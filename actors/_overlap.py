@@ -4,9 +4,10 @@ After the barrier, :func:`actors.parallel.average_gradients` copies every gradie
 into flat buckets, all-reduces them and copies them back. Here the gradients live in
 those buckets instead: each ``p.grad`` is a view of its bucket (no copy in or out),
 and a bucket's all-reduce (``async_op``) starts as soon as its last gradient is final,
-while backward goes on with the next layers. The barrier (``reduce_step``) then only
-waits for what is still on the wire and divides by the number of replicas. Same
-buckets, same all-reduce, same division: the same bits as after the barrier.
+while backward goes on with the next layers; the division by the number of replicas
+follows on the collective's thread as each completes. The barrier (``reduce_step``)
+then only waits for what is still on the wire. Same buckets, same all-reduce, same
+division: the same bits as after the barrier.
 
 **When is a gradient final?** The program says which action last touches each
 parameter: the last ``B``, ``I`` or ``W`` of its model stage that writes it (a ``B``
@@ -54,7 +55,7 @@ class Work(Protocol):
     def wait(self) -> Any: ...
 
 
-Reduce = Callable[[torch.Tensor], Work]  # starts a sum all-reduce of one flat bucket, in place
+Reduce = Callable[[torch.Tensor], Work]  # starts averaging one flat bucket over the replicas, in place
 
 
 def backward_order(modules: Mapping[int, nn.Module]) -> list[torch.Tensor]:
@@ -149,18 +150,17 @@ class OverlappedReduction:
         modules: the held model stages' modules, by model stage.
         names: each parameter's names (``id(param) -> names``), for non-finite findings.
         bucket_bytes: the most bytes one bucket holds (one larger parameter is alone).
-        reduce: starts a sum all-reduce of a flat bucket over the replicas.
-        world: the number of replicas (what the sum is divided by).
+        reduce: starts averaging a flat bucket in place over the replicas: a sum all-reduce,
+            then the division by their number (:func:`actors.parallel.start_average`).
         weight_grads: the stage's fused linears, if any: they report their writes here.
     """
 
     def __init__(self, params: Sequence[torch.Tensor], modules: Mapping[int, nn.Module],
-                 names: Mapping[int, Sequence[str]], *, bucket_bytes: int, reduce: Reduce, world: int,
+                 names: Mapping[int, Sequence[str]], *, bucket_bytes: int, reduce: Reduce,
                  weight_grads: _wgrad.WeightGradients | None = None) -> None:
         self.params = list(params)
         self._names = [list(names.get(id(p), [])) for p in self.params]
         self._reduce = reduce
-        self._world = world
         self._weight_grads = weight_grads
         self.layout = bucket_layout(self.params, bucket_bytes)
         self.flats = [torch.zeros(sum(self.params[i].numel() for i in members), dtype=self.params[members[0]].dtype,
@@ -266,17 +266,15 @@ class OverlappedReduction:
             self._settle(i)
 
     def finish(self) -> list[str]:
-        """At the barrier: starts the buckets not started yet, waits for each in order and divides
-        it by the number of replicas (while the later ones are still on the wire).
+        """At the barrier: starts the buckets not started yet and waits for every bucket's average.
 
         Returns:
             The names of the parameters whose local gradient held a NaN or an infinity.
         """
         assert self.active, "finish() without begin() on a program with a REDUCE"
         self._start(len(self.flats))
-        for work, flat in zip(self._works, self.flats):
+        for work in self._works:
             work.wait()
-            flat /= self._world
         self.active, self._works = False, []  # a work keeps its process group's sockets alive
         return self._nonfinite()
 

@@ -25,7 +25,8 @@ from actors.mesh import Mesh
 from transport.codecs import ErrorFeedback
 
 __all__ = [
-    "ProcessGroups", "average_gradients", "bucket_layout", "join_process_groups", "leave_process_groups", "start_sum",
+    "ProcessGroups", "average_gradients", "bucket_layout", "join_process_groups", "leave_process_groups",
+    "start_average",
 ]
 
 log = logging.getLogger(__name__)
@@ -171,9 +172,15 @@ def average_gradients(
     return sent
 
 
-def start_sum(flat: torch.Tensor, group: Any) -> Any:
-    """Starts a sum all-reduce of ``flat``, in place, over ``group``; returns its work (``wait()`` ends it)."""
-    return dist.all_reduce(flat, group=group, async_op=True)
+def start_average(flat: torch.Tensor, group: Any, world: int) -> Any:
+    """Starts averaging ``flat`` in place over ``group`` of ``world`` members: a sum all-reduce, then,
+    as soon as it completes (on the collective's thread), the division :func:`average_gradients`
+    does. Returns a future; ``wait()`` returns once both are done."""
+    def divide(done: Any) -> torch.Tensor:
+        done.value()  # the all-reduce's error, if it failed, is the average's
+        return flat.div_(world)
+
+    return dist.all_reduce(flat, group=group, async_op=True).get_future().then(divide)
 
 
 def _flat_buffer(groups: ProcessGroups, index: int, numel: int, like: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,9 @@ from actors._stage_checkpoint import PreparedLoad, apply_load, layer_key, prepar
 from actors._ref import ActorRef
 from actors.mesh import Coords, Mesh
 from actors.p2p import DistLink
-from actors.parallel import ProcessGroups, average_gradients, join_process_groups, leave_process_groups, start_sum
+from actors.parallel import (
+    ProcessGroups, average_gradients, join_process_groups, leave_process_groups, start_average,
+)
 from actors.program import Action, ActionKind, stage_to_rank
 from actors.records import FinishReport, ReduceReport, StageConfig, StageReport
 from actors.rendezvous import ActorStore
@@ -244,8 +246,8 @@ class StageActor(Actor):
         for name, p in self._named_parameters:
             names.setdefault(id(p), []).append(name)
         return _overlap.OverlappedReduction(
-            self._reduce_params, modules, names, bucket_bytes=self.config.bucket_bytes, world=groups.data_size,
-            reduce=lambda flat: start_sum(flat, self._data_group()),
+            self._reduce_params, modules, names, bucket_bytes=self.config.bucket_bytes,
+            reduce=lambda flat: start_average(flat, self._data_group(), groups.data_size),
             weight_grads=weight_grads)
 
     def _data_group(self) -> Any:

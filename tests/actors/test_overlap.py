@@ -102,8 +102,9 @@ def test_interleaved_stages_settle_at_their_own_last_backward() -> None:
 
 
 class TwoReplicas:
-    """A sum over two identical replicas (twice the bucket), checking at ``wait`` that nothing
-    wrote to the bucket after it went on the wire; records what ran when each bucket started."""
+    """An average over two identical replicas (the sum, twice the bucket, halved), checking at
+    ``wait`` that nothing wrote to the bucket after it went on the wire; records what ran when
+    each bucket started."""
 
     def __init__(self) -> None:
         self.executor: StepExecutor | None = None
@@ -123,7 +124,7 @@ class _Sum:
     def wait(self) -> None:
         bits = torch.equal(self.flat.view(torch.int32), self.sent.view(torch.int32))  # NaN included
         assert bits, "a gradient changed after its bucket went on the wire"
-        self.flat.mul_(2)
+        self.flat.mul_(2).div_(2)
         self.owner.waited += 1
 
 
@@ -136,7 +137,7 @@ def attach(pipeline: Pipeline, bucket_bytes: int) -> list[TwoReplicas]:
         stand_in = TwoReplicas()
         stand_in.executor = executor
         executor.overlap = OverlappedReduction(backward_order(model.modules), model.modules, names,
-                                               bucket_bytes=bucket_bytes, reduce=stand_in, world=2,
+                                               bucket_bytes=bucket_bytes, reduce=stand_in,
                                                weight_grads=model.weight_grads)
         replicas.append(stand_in)
     return replicas
@@ -162,7 +163,7 @@ async def overlapped_step(pipeline: Pipeline, step: int, x: torch.Tensor, y: tor
 def test_gradients_are_views_of_their_bucket_again_after_set_to_none() -> None:
     model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
     params = backward_order({0: model})
-    overlap = OverlappedReduction(params, {0: model}, {}, bucket_bytes=40, reduce=TwoReplicas(), world=2)
+    overlap = OverlappedReduction(params, {0: model}, {}, bucket_bytes=40, reduce=TwoReplicas())
     assert [len(m) for m in overlap.layout] == [2, 1, 1]  # 2 + 8 floats, then 4, then 12
     text = program("0F0 0B0 0BARRIER 0REDUCE 0STEP")
     for _ in range(2):
@@ -184,7 +185,7 @@ def test_gradients_are_views_of_their_bucket_again_after_set_to_none() -> None:
 def test_a_program_without_a_reduce_leaves_the_gradients_alone() -> None:
     model = nn.Linear(3, 2)
     overlap = OverlappedReduction(backward_order({0: model}), {0: model}, {}, bucket_bytes=8,
-                                  reduce=TwoReplicas(), world=2)
+                                  reduce=TwoReplicas())
     overlap.begin(program("0F0 0B0 0BARRIER 0STEP"))
     assert not overlap.active and model.weight.grad is None
 
