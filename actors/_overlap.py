@@ -153,12 +153,15 @@ class OverlappedReduction:
         reduce: starts averaging a flat bucket in place over the replicas: a sum all-reduce,
             then the division by their number (:func:`actors.parallel.start_average`).
         weight_grads: the stage's fused linears, if any: they report their writes here.
+        check_finite: look for NaN and infinity in each bucket before it leaves (a stage
+            always does; off, a benchmark times the reduction alone).
     """
 
     def __init__(self, params: Sequence[torch.Tensor], modules: Mapping[int, nn.Module],
                  names: Mapping[int, Sequence[str]], *, bucket_bytes: int, reduce: Reduce,
-                 weight_grads: _wgrad.WeightGradients | None = None) -> None:
+                 weight_grads: _wgrad.WeightGradients | None = None, check_finite: bool = True) -> None:
         self.params = list(params)
+        self._check_finite = check_finite
         self._names = [list(names.get(id(p), [])) for p in self.params]
         self._reduce = reduce
         self._weight_grads = weight_grads
@@ -357,7 +360,7 @@ class OverlappedReduction:
     def _start(self, end: int) -> None:
         """Starts every bucket before ``end`` not started yet, in index order, each after its check."""
         for b in range(len(self._works), end):
-            grads = [self._views[i] for i in self.layout[b] if self._views[i].numel()]
+            grads = [self._views[i] for i in self.layout[b] if self._views[i].numel() and self._check_finite]
             # Each parameter's local extremes, taken before the sum overwrites them; read at the
             # barrier, so that no device waits here (min and max propagate NaN and show infinities).
             self._extremes.append(torch.stack([torch.stack(torch.aminmax(g)) for g in grads]) if grads
@@ -365,7 +368,7 @@ class OverlappedReduction:
             self._works.append(self._reduce(self.flats[b]))
 
     def _nonfinite(self) -> list[str]:
-        if not self._extremes:
+        if not self._extremes or not self._check_finite:
             return []
         finite = torch.isfinite(torch.cat([e.to("cpu", torch.float32) for e in self._extremes])).all(dim=1)
         if bool(finite.all()):

@@ -122,7 +122,8 @@ class MeshPeer(ActorpipePeer):
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class ReductionResult:
     """Median seconds per variant to reduce ``num_bytes`` of gradients: ``raw`` (one all-reduce of
-    one flat tensor), ``overlap_<MiB>`` (the overlapped reduction's work at the barrier) and
+    one flat tensor), ``overlap_<MiB>`` (the overlapped reduction's all-reduces and divisions at
+    the barrier), ``checked_<MiB>`` (the same with its NaN check, as a stage runs it) and
     ``bucket_<MiB>`` (``average_gradients``)."""
 
     num_bytes: int
@@ -133,7 +134,8 @@ class ReductionResult:
         return self.num_bytes / self.median_s[variant] / 1e9
 
 
-def _reduction_worker(rank: int, store_path: str, bucket_mib: list[int], reps: int, results: Any) -> None:
+def _reduction_worker(rank: int, store_path: str, bucket_mib: list[int], default_mib: int, reps: int,
+                      results: Any) -> None:
     """One of two ranks: times every variant ``reps`` times, rotated; rank 0 reports the slowest rank's medians."""
     from actors._overlap import OverlappedReduction, backward_order
     from actors.parallel import ProcessGroups, average_gradients, start_average
@@ -158,9 +160,10 @@ def _reduction_worker(rank: int, store_path: str, bucket_mib: list[int], reps: i
         # The overlapped reduction on a model of its own (its gradients are views of its buckets).
         model = build_model()
         program = [Action.parse(text) for text in _PROGRAM_TEXT.split()]
-        overlaps = {mib: OverlappedReduction(backward_order({0: model}), {0: model}, {}, bucket_bytes=mib << 20,
-                                             reduce=lambda bucket: start_average(bucket, groups.data, 2))
-                    for mib in bucket_mib}
+        def overlapped(mib: int, check_finite: bool) -> OverlappedReduction:
+            return OverlappedReduction(backward_order({0: model}), {0: model}, {}, bucket_bytes=mib << 20,
+                                       reduce=lambda bucket: start_average(bucket, groups.data, 2),
+                                       check_finite=check_finite)
         gradients = [torch.randn(p.shape, generator=generator) for p in model.parameters()]
 
         def begin(overlap: OverlappedReduction) -> None:
@@ -172,8 +175,12 @@ def _reduction_worker(rank: int, store_path: str, bucket_mib: list[int], reps: i
 
         variants: dict[str, tuple[Any, Any]] = {"raw": (None, raw)}
         for mib in bucket_mib:
-            variants[f"overlap_{mib}"] = (functools.partial(begin, overlaps[mib]), overlaps[mib].finish)
+            reduction = overlapped(mib, check_finite=False)
+            variants[f"overlap_{mib}"] = (functools.partial(begin, reduction), reduction.finish)
             variants[f"bucket_{mib}"] = (None, functools.partial(average_gradients, params, groups, mib << 20))
+        # As a stage runs it at the barrier: each bucket checked for NaN before it leaves.
+        checked = overlapped(default_mib, check_finite=True)
+        variants[f"checked_{default_mib}"] = (functools.partial(begin, checked), checked.finish)
         names = list(variants)
         times: dict[str, list[float]] = {name: [] for name in names}
         for rep in range(reps + 1):  # the first rep warms up and is dropped
@@ -202,8 +209,10 @@ def _reduction_worker(rank: int, store_path: str, bucket_mib: list[int], reps: i
             dist.destroy_process_group()
 
 
-def measure_reduction(bucket_mib: list[int], *, reps: int = 7, timeout: float = 300.0) -> ReductionResult:
-    """Times the bucketed DP reduction per bucket size against a raw all-reduce, in two processes.
+def measure_reduction(bucket_mib: list[int], default_mib: int, *, reps: int = 7,
+                      timeout: float = 300.0) -> ReductionResult:
+    """Times the bucketed DP reduction per bucket size against a raw all-reduce, in two processes
+    (and the overlapped one with its NaN check at ``default_mib``).
 
     Raises:
         RuntimeError: a rank failed (with its traceback), died, or the whole took over ``timeout``.
@@ -212,7 +221,7 @@ def measure_reduction(bucket_mib: list[int], *, reps: int = 7, timeout: float = 
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="actorpipe-bench-reduce-") as tmp:
         store = os.path.join(tmp, "store")
-        processes = [ctx.Process(target=_reduction_worker, args=(rank, store, bucket_mib, reps, results),
+        processes = [ctx.Process(target=_reduction_worker, args=(rank, store, bucket_mib, default_mib, reps, results),
                                  name=f"dp_reduce.rank{rank}", daemon=True) for rank in range(2)]
         replies: dict[int, Any] = {}
         try:

@@ -22,13 +22,16 @@ until it lands) is reported as null with the library's message.
 Then the data-parallel gradient reduction alone: two spawned gloo processes reduce the
 reference model's 16.8M gradients (67 MB) per bucket size, against one raw
 ``all_reduce`` of one flat tensor of the same bytes; bandwidth is bytes / median time.
-``overlap`` is what the overlapped reduction does at the barrier when backward
-started nothing (check each bucket, all-reduce, divide; the gradients already live in
-the buckets), ``average_gradients`` the copy-in, all-reduce, divide, copy-out of the
-reduction after the barrier.
+``overlapped`` is the overlapped reduction's work when backward started nothing (each
+bucket all-reduced and divided, the gradients already living in the buckets);
+``overlapped + NaN check`` adds the check a stage makes on each bucket before it
+leaves (during backward, in a step); ``average_gradients`` is the copy-in, all-reduce,
+divide, copy-out of the reduction after the barrier.
 
 Keys: ``dp_allreduce_vs_raw_gloo`` is the overlapped reduction's bandwidth at the
-default bucket size over raw gloo's; ``dp_overlap_fraction`` is the share of that
+default bucket size over raw gloo's (``dp_allreduce_checked_vs_raw_gloo`` with the
+check, ``dp_allreduce_vs_raw_gloo_after_barrier`` for ``average_gradients``);
+``dp_overlap_fraction`` is the share of that
 reduction's time (``dp_reduce_standalone_ms``) that the (1,1,2) job's steps did not
 spend waiting for it after the barrier (``dp_reduce_exposed_ms``: per step the
 slowest stage's ``StepStats.reduce_wait_s``, median over the timed steps), that is,
@@ -61,6 +64,7 @@ HEADLINE_MESHES = {"pp2": MeshShape(2, 1, 1), "tp2": MeshShape(1, 2, 1), "dp2": 
                    "pp2tp2": MeshShape(2, 2, 1)}
 DEFAULT_BUCKETS_MIB = (4, 25, 100)
 BARRIER_SUFFIX = "_barrier"  # a peer reducing after the barrier (overlap_reduce=False)
+LABELS = {"overlap": "overlapped", "checked": "overlapped, NaN-checked", "bucket": "average_gradients"}
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -197,15 +201,15 @@ def print_table(results: list[PeerResult]) -> None:
 
 def print_reduction(reduction: ReductionResult, default_mib: int) -> None:
     """One row per variant: median time, bandwidth, and bandwidth against raw gloo."""
-    print(f"\n{'DP reduction of ' + format(reduction.num_bytes / 1e6, '.1f') + ' MB, 2 ranks':<46} "
+    print(f"\n{'DP reduction of ' + format(reduction.num_bytes / 1e6, '.1f') + ' MB, 2 ranks':<52} "
           f"{'median ms':>9} {'GB/s':>6} {'vs raw':>7}")
     raw = reduction.gbps("raw")
     for variant in reduction.median_s:
         kind, _, mib = variant.partition("_")
         label = "raw gloo all_reduce, one tensor" if variant == "raw" else (
-            f"{'overlapped' if kind == 'overlap' else 'average_gradients'}, {mib} MiB buckets"
+            f"{LABELS[kind]}, {mib} MiB buckets"
             + (" (default)" if mib == str(default_mib) else ""))
-        print(f"{label:<46} {reduction.median_s[variant] * 1e3:>9.1f} {reduction.gbps(variant):>6.2f} "
+        print(f"{label:<52} {reduction.median_s[variant] * 1e3:>9.1f} {reduction.gbps(variant):>6.2f} "
               f"{reduction.gbps(variant) / raw:>6.3f}x")
 
 
@@ -238,6 +242,7 @@ def summarize(results: list[PeerResult], reduction: ReductionResult | None, defa
         summary["dp_reduce_standalone_ms"] = round(standalone * 1e3, 1)
         summary["dp_allreduce_vs_raw_gloo_after_barrier"] = round(
             reduction.gbps(f"bucket_{default_mib}") / raw, 3)
+        summary["dp_allreduce_checked_vs_raw_gloo"] = round(reduction.gbps(f"checked_{default_mib}") / raw, 3)
         summary["dp_reduce_bytes"] = reduction.num_bytes
         summary["dp_default_bucket_mib"] = default_mib
         summary["raw_gloo_allreduce_gbps"] = round(raw, 3)
@@ -264,7 +269,8 @@ def print_ratios(summary: dict[str, Any]) -> None:
     """The headline ratios, one a line, before the JSON."""
     print()
     for key, value in summary.items():
-        if key.endswith("_vs_single") or key in ("dp_allreduce_vs_raw_gloo", "dp_allreduce_vs_raw_gloo_after_barrier"):
+        if key.endswith("_vs_single") or key in ("dp_allreduce_vs_raw_gloo", "dp_allreduce_vs_raw_gloo_after_barrier",
+                                                 "dp_allreduce_checked_vs_raw_gloo"):
             print(f"{key:<38} {'-' if value is None else f'{value:.3f}x'}")
         elif key == "dp_overlap_fraction":
             print(f"{key:<38} {'-' if value is None else f'{value:.3f}'}")
@@ -343,7 +349,7 @@ def main() -> None:
     reduction, default_mib = None, default_bucket_mib()
     if not args.skip_reduce:
         print("timing the data-parallel reduction (2 processes)", flush=True)
-        reduction = measure_reduction(sorted(set(args.buckets) | {default_mib}), reps=args.reduce_reps)
+        reduction = measure_reduction(sorted(set(args.buckets) | {default_mib}), default_mib, reps=args.reduce_reps)
     print_table(results)
     if reduction is not None:
         print_reduction(reduction, default_mib)
