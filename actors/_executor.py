@@ -382,7 +382,8 @@ class StepExecutor:
                     (upcoming.stage, upcoming.microbatch) in self._pending_w:
                 return
             batch, self._w_batch = self._w_batch, []
-            _wgrad.apply_batched([pending for _, pending in batch])
+            assert self.model.weight_grads is not None
+            _wgrad.apply_batched([pending for _, pending in batch], self.model.weight_grads.on_write)
             for done, _ in batch:
                 del self._held[done]
             return

@@ -12,14 +12,16 @@ division: the same bits as after the barrier.
 **When is a gradient final?** The program says which action last touches each
 parameter: the last ``B``, ``I`` or ``W`` of its model stage that writes it (a ``B``
 writes every parameter; with fused linears an ``I`` writes the autograd ones and a
-``W`` the fused ones; without, a ``W`` writes them all). During that action each
-write is counted (autograd's post-accumulate-grad hooks; the fused linears'
+``W`` the fused ones; without, a ``W`` writes them all; with W batching a run of
+``W`` actions writes at its last). During that action each write is counted
+(autograd's post-accumulate-grad hooks; the fused linears'
 :attr:`~actors._wgrad.WeightGradients.on_write`), and the gradient is final at its
 last expected write: autograd accumulates a leaf once per backward, a fused linear
-writes once per use in the micro-batch's forward (counted there). A parameter whose
-writes cannot be counted so (held by two model stages, written both ways, or written
-fewer times than expected) is final when its last action ends. Buckets start in
-index order, so every replica issues the same collectives in the same order.
+writes once per use in the micro-batch's forward (counted there), a batched ``W``
+once per GEMM group. A parameter whose writes cannot be counted so (held by two
+model stages, written both ways, or written fewer times than expected) is final when
+its last action ends. Buckets start in index order, so every replica issues the same
+collectives in the same order.
 
 Every bucket's local gradients are checked for NaN and infinity before they go on
 the wire, so a non-finite value is blamed on the replica it came from, as the check
@@ -69,18 +71,23 @@ def backward_order(modules: Mapping[int, nn.Module]) -> list[torch.Tensor]:
     return list(reversed(forward.values()))
 
 
+# An armed parameter: (index, how its gradient is written, the forward (stage, micro-batch) whose
+# fused-linear uses bound its writes; None: one write, or one per GEMM group of a batched W).
+Armed = tuple[int, Literal["autograd", "fused"], tuple[int, int] | None]
+
+
 @dataclass(frozen=True, slots=True)
 class ReductionPlan:
     """For one program: which writes to count in which action, and when gradients are final.
 
     Attributes:
-        armed: per action, the parameters (by index) whose last write it is, and how that is written.
-        settled: per action, the parameters final once it ends.
+        armed: per action, the parameters whose last write it makes, and how to count it.
+        settled: per action, the parameters (by index) final once it ends.
         untouched: parameters no action writes (frozen ones): final from the start.
         counted: the forwards (stage, micro-batch) whose fused-linear uses an armed action needs.
     """
 
-    armed: Mapping[Action, tuple[tuple[int, Literal["autograd", "fused"]], ...]]
+    armed: Mapping[Action, tuple[Armed, ...]]
     settled: Mapping[Action, tuple[int, ...]]
     untouched: tuple[int, ...]
     counted: frozenset[tuple[int, int]]
@@ -97,20 +104,35 @@ def _writes(kind: ActionKind, how: str, fused: bool) -> bool:
     return kind is (ActionKind.I if fused else ActionKind.W)
 
 
-def plan_reduction(program: Sequence[Action], sources: Sequence[frozenset[Source]], fused: bool) -> ReductionPlan:
+def _write_points(program: Sequence[Action], batched_w: bool) -> list[int]:
+    """Per action, the index of the action its writes happen in: its own, or with W batching a
+    W's run's last (the executor runs a run of consecutive Ws' GEMMs together there)."""
+    at = list(range(len(program)))
+    if batched_w:
+        for k in reversed(range(len(program) - 1)):
+            if program[k].kind is ActionKind.W and program[k + 1].kind is ActionKind.W:
+                at[k] = at[k + 1]
+    return at
+
+
+def plan_reduction(program: Sequence[Action], sources: Sequence[frozenset[Source]], fused: bool,
+                   batched_w: bool = False) -> ReductionPlan:
     """When each parameter's gradient is final in ``program`` (a pure function of the program).
 
     Args:
         sources: per parameter, the (model stage, how) pairs that write its gradient;
             empty for a parameter that takes none.
         fused: the stage's ``nn.Linear`` weight gradients are fused (``actors._wgrad``).
+        batched_w: W batching (``StageModel.w_batching``): a run of Ws writes at its end.
     """
+    at = _write_points(program, batched_w)
     last: dict[Source, int] = {}
     for index, action in enumerate(program):
         for how in ("autograd", "fused"):
             if _writes(action.kind, how, fused):
-                last[(action.stage, how)] = index  # type: ignore[index]
-    armed: dict[Action, list[tuple[int, Literal["autograd", "fused"]]]] = {}
+                key: Source = (action.stage, how)  # type: ignore[assignment]
+                last[key] = max(last.get(key, -1), at[index])
+    armed: dict[Action, list[Armed]] = {}
     settled: dict[Action, list[int]] = {}
     untouched = []
     counted = set()
@@ -121,12 +143,15 @@ def plan_reduction(program: Sequence[Action], sources: Sequence[frozenset[Source
             continue
         final = program[max(indices)]
         settled.setdefault(final, []).append(param)
-        if len(writers) == 1:
-            ((stage, how),) = writers
-            armed.setdefault(final, []).append((param, how))
-            if how == "fused":
-                assert final.microbatch is not None
-                counted.add((stage, final.microbatch))
+        if len(writers) != 1:
+            continue  # written more than one way: final when its last action ends
+        ((stage, how),) = writers
+        forward = None
+        if how == "fused" and not (batched_w and final.kind is ActionKind.W):
+            assert final.microbatch is not None and final.stage == stage
+            forward = (stage, final.microbatch)
+            counted.add(forward)
+        armed.setdefault(final, []).append((param, how, forward))
     return ReductionPlan(armed={a: tuple(v) for a, v in armed.items()},
                          settled={a: tuple(v) for a, v in settled.items()},
                          untouched=tuple(untouched), counted=frozenset(counted))
@@ -153,13 +178,15 @@ class OverlappedReduction:
         reduce: starts averaging a flat bucket in place over the replicas: a sum all-reduce,
             then the division by their number (:func:`actors.parallel.start_average`).
         weight_grads: the stage's fused linears, if any: they report their writes here.
+        w_batching: the executor runs a run of consecutive Ws' GEMMs together, at its last.
         check_finite: look for NaN and infinity in each bucket before it leaves (a stage
             always does; off, a benchmark times the reduction alone).
     """
 
     def __init__(self, params: Sequence[torch.Tensor], modules: Mapping[int, nn.Module],
                  names: Mapping[int, Sequence[str]], *, bucket_bytes: int, reduce: Reduce,
-                 weight_grads: _wgrad.WeightGradients | None = None, check_finite: bool = True) -> None:
+                 weight_grads: _wgrad.WeightGradients | None = None, w_batching: bool = False,
+                 check_finite: bool = True) -> None:
         self.params = list(params)
         self._check_finite = check_finite
         self._names = [list(names.get(id(p), [])) for p in self.params]
@@ -180,6 +207,9 @@ class OverlappedReduction:
         index = {id(p): i for i, p in enumerate(self.params)}
         self._index = index
         self._sources = _sources(self.params, modules, index, fused=weight_grads is not None)
+        self._w_batching = w_batching
+        # Per parameter, the GEMMs a batched W runs into its gradient: one per (weight, bias) pair holding it.
+        self._gemm_groups = [0] * len(index) if weight_grads is None else _fused_groups(self.params, modules, index)
         self._plans: dict[tuple[Action, ...], ReductionPlan] = {}
         self._unreliable: set[int] = set()  # written after they were thought final: final at the barrier only
         # Per step.
@@ -222,7 +252,8 @@ class OverlappedReduction:
         key = tuple(program)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = plan_reduction(key, self._sources, self._weight_grads is not None)
+            plan = self._plans[key] = plan_reduction(key, self._sources, self._weight_grads is not None,
+                                                     self._w_batching)
         self._plan = plan
         for flat in self.flats:
             flat.zero_()
@@ -256,9 +287,13 @@ class OverlappedReduction:
         if not self.active or plan is None:
             yield
             return
-        uses = self._uses.get((action.stage, action.microbatch or 0), {})
-        for i, how in plan.armed.get(action, ()):
-            expected = 1 if how == "autograd" else uses.get(id(self.params[i]), 0)
+        for i, how, forward in plan.armed.get(action, ()):
+            if how == "autograd":
+                expected = 1  # autograd accumulates a leaf once per backward
+            elif forward is None:
+                expected = self._gemm_groups[i]
+            else:
+                expected = self._uses.get(forward, {}).get(id(self.params[i]), 0)
             if expected and i not in self._unreliable and not self._ready[i]:
                 self._expected[(i, how)] = expected
         try:
@@ -396,3 +431,18 @@ def _sources(params: Sequence[torch.Tensor], modules: Mapping[int, nn.Module], i
                 if id(p) in index and p.requires_grad:
                     found[index[id(p)]].add((stage, how))
     return [frozenset(s) for s in found]
+
+
+def _fused_groups(params: Sequence[torch.Tensor], modules: Mapping[int, nn.Module],
+                  index: Mapping[int, int]) -> list[int]:
+    """Per parameter, how many distinct (weight, bias) pairs of taken-over linears hold it: the
+    GEMMs a batched W (:func:`actors._wgrad.apply_batched`) runs into its gradient at most."""
+    pairs: list[set[tuple[int, int]]] = [set() for _ in params]
+    for module in modules.values():
+        for sub in module.modules():
+            if _wgrad.takes_over(sub):
+                pair = (id(sub.weight), id(sub.bias))
+                for p in (sub.weight, sub.bias):
+                    if p is not None and id(p) in index:
+                        pairs[index[id(p)]].add(pair)
+    return [len(held) for held in pairs]

@@ -221,7 +221,7 @@ class StageActor(Actor):
                  cfg.job, cfg.stages, sum(p.numel() for p in params))
         compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
         self._reduce_params = _overlap.backward_order(modules)
-        self._overlap = self._build_overlap(modules, weight_grads)
+        self._overlap = self._build_overlap(modules, weight_grads, cfg.w_batching)
         # Each parameter's share of the global norm: replicated tensor-parallel ones on tensor
         # rank 0, tied ones on the lowest pipeline rank holding them (see reduce_step).
         tied_elsewhere = {id(g.param) for g in self._tied.groups if g.ranks[0] != cfg.pipeline_rank}
@@ -233,8 +233,8 @@ class StageActor(Actor):
                           w_batching=cfg.w_batching,
                           compute_dtype=compute_dtype, lr_scheduler=scheduler)
 
-    def _build_overlap(self, modules: dict[int, nn.Module],
-                       weight_grads: _wgrad.WeightGradients | None) -> _overlap.OverlappedReduction | None:
+    def _build_overlap(self, modules: dict[int, nn.Module], weight_grads: _wgrad.WeightGradients | None,
+                       w_batching: bool) -> _overlap.OverlappedReduction | None:
         """The data-parallel reduction that starts during backward, where it serves: with replicas,
         ``overlap_reduce`` on and an exact all-reduce (a lossy ``reduce_codec`` encodes each bucket
         with error feedback after the barrier instead, in :func:`average_gradients`)."""
@@ -248,7 +248,7 @@ class StageActor(Actor):
         return _overlap.OverlappedReduction(
             self._reduce_params, modules, names, bucket_bytes=self.config.bucket_bytes,
             reduce=lambda flat: start_average(flat, self._data_group(), groups.data_size),
-            weight_grads=weight_grads)
+            weight_grads=weight_grads, w_batching=w_batching)
 
     def _data_group(self) -> Any:
         """The data-parallel process group as it is now (a recovery forms it again)."""

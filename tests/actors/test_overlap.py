@@ -23,6 +23,7 @@ from actors._executor import ActionFailed, StepExecutor
 from actors._overlap import LateGradientWrite, OverlappedReduction, backward_order, plan_reduction
 from actors.parallel import bucket_layout
 from actors.program import Action, ActionKind
+from schedulers.schedules import build_schedule
 from tests.actors.test_executor import OPTIMIZERS, DIM, Case, Pipeline, build_model, global_batches, open_pipeline
 
 pytestmark = pytest.mark.timeout(60)
@@ -65,24 +66,28 @@ Sources = list[frozenset[tuple[int, Literal["autograd", "fused"]]]]
 ZERO_BUBBLE = "0F0 0I0 0F1 0I1 0W0 0W1 0BARRIER 0REDUCE 0STEP"  # W0 after I1, as zero-bubble puts it
 
 
-@pytest.mark.parametrize(("text", "fused", "armed", "settled", "counted"), [
+@pytest.mark.parametrize(("text", "fused", "batched", "armed", "settled", "counted"), [
     # 1F1B: a B writes everything; parameter 0 autograd, 1 fused, 2 shared by two ways, 3 frozen.
-    ("0F0 0F1 0B0 0B1 0BARRIER 0REDUCE 0STEP", True,
-     {"0B1": [(0, "autograd"), (1, "fused")]}, {"0B1": [0, 1, 2]}, {(0, 1)}),
+    # A fused one's writes are bounded by its uses in the forward of the same micro-batch.
+    ("0F0 0F1 0B0 0B1 0BARRIER 0REDUCE 0STEP", True, False,
+     {"0B1": [(0, "autograd", None), (1, "fused", (0, 1))]}, {"0B1": [0, 1, 2]}, {(0, 1)}),
     # Zero-bubble with fused linears: the last I finishes autograd's, the last W the fused ones.
-    (ZERO_BUBBLE, True,
-     {"0I1": [(0, "autograd")], "0W1": [(1, "fused")]}, {"0I1": [0], "0W1": [1, 2]}, {(0, 1)}),
+    (ZERO_BUBBLE, True, False,
+     {"0I1": [(0, "autograd", None)], "0W1": [(1, "fused", (0, 1))]}, {"0I1": [0], "0W1": [1, 2]}, {(0, 1)}),
     # Without fused linears I writes no parameter: W walks the graph for all of them.
-    (ZERO_BUBBLE, False,
-     {"0W1": [(0, "autograd")]}, {"0W1": [0]}, set()),
+    (ZERO_BUBBLE, False, False,
+     {"0W1": [(0, "autograd", None)]}, {"0W1": [0]}, set()),
+    # W batching: a run of Ws writes at its last; there each GEMM group writes once.
+    ("0F0 0I0 0F1 0I1 0W1 0W0 0BARRIER 0REDUCE 0STEP", True, True,
+     {"0I1": [(0, "autograd", None)], "0W0": [(1, "fused", None)]}, {"0I1": [0], "0W0": [1, 2]}, set()),
 ])
-def test_the_plan_arms_each_parameters_last_write(text: str, fused: bool, armed: dict[str, Any],
+def test_the_plan_arms_each_parameters_last_write(text: str, fused: bool, batched: bool, armed: dict[str, Any],
                                                    settled: dict[str, Any], counted: set[tuple[int, int]]) -> None:
     sources: Sources = [frozenset({(0, "autograd")}), frozenset({(0, "fused")}),
                         frozenset({(0, "autograd"), (0, "fused")}), frozenset()]
     if not fused:
         sources = [frozenset({(0, "autograd")}), frozenset(), frozenset(), frozenset()]
-    plan = plan_reduction(program(text), sources, fused)
+    plan = plan_reduction(program(text), sources, fused, batched)
     assert {str(a): list(v) for a, v in plan.armed.items()} == armed
     assert {str(a): list(v) for a, v in plan.settled.items()} == settled
     assert plan.untouched == ((3,) if fused else (1, 2, 3))
@@ -95,7 +100,18 @@ def test_interleaved_stages_settle_at_their_own_last_backward() -> None:
                         frozenset({(0, "autograd"), (2, "autograd")})]
     plan = plan_reduction(program(text), sources, fused=False)
     assert {str(a): list(v) for a, v in plan.settled.items()} == {"2B1": [0], "0B1": [1, 2]}
-    assert {str(a): list(v) for a, v in plan.armed.items()} == {"2B1": [(0, "autograd")], "0B1": [(1, "autograd")]}
+    assert {str(a): list(v) for a, v in plan.armed.items()} == {"2B1": [(0, "autograd", None)],
+                                                                 "0B1": [(1, "autograd", None)]}
+
+
+def test_with_w_batching_a_stages_weights_are_final_where_its_run_of_ws_ends() -> None:
+    # Interleaved: stage 2's last W is not the run's last; its GEMMs run in 0W1, with stage 0's.
+    text = "0F0 2F0 2I0 0I0 0F1 2F1 2I1 0I1 2W0 2W1 0W0 0W1 0BARRIER 0REDUCE 0STEP"
+    sources: Sources = [frozenset({(2, "fused")}), frozenset({(0, "fused")}), frozenset({(2, "autograd")})]
+    plan = plan_reduction(program(text), sources, fused=True, batched_w=True)
+    assert {str(a): list(v) for a, v in plan.settled.items()} == {"0W1": [0, 1], "2I1": [2]}
+    unbatched = plan_reduction(program(text), sources, fused=True)
+    assert {str(a): list(v) for a, v in unbatched.settled.items()} == {"2W1": [0], "0W1": [1], "2I1": [2]}
 
 
 # -- the stand-in all-reduce ------------------------------------------------------------------
@@ -128,8 +144,20 @@ class _Sum:
         self.owner.waited += 1
 
 
-def attach(pipeline: Pipeline, bucket_bytes: int) -> list[TwoReplicas]:
+def batch_w(pipeline: Pipeline) -> None:
+    """W batching: programs whose Ws wait for the tail, where each run of them runs together."""
+    case = pipeline.case
+    pipeline.programs = build_schedule(case.schedule, case.num_ranks, case.num_microbatches,
+                                       case.num_virtual_stages if case.schedule == "interleaved" else None,
+                                       split=True, batch_w=True)
+    for executor in pipeline.executors:
+        executor.model.w_batching = True
+
+
+def attach(pipeline: Pipeline, bucket_bytes: int, *, w_batching: bool = False) -> list[TwoReplicas]:
     """Gives every executor of ``pipeline`` an overlapped reduction over two stand-in replicas."""
+    if w_batching:
+        batch_w(pipeline)
     replicas = []
     for executor in pipeline.executors:
         model = executor.model
@@ -138,7 +166,7 @@ def attach(pipeline: Pipeline, bucket_bytes: int) -> list[TwoReplicas]:
         stand_in.executor = executor
         executor.overlap = OverlappedReduction(backward_order(model.modules), model.modules, names,
                                                bucket_bytes=bucket_bytes, reduce=stand_in,
-                                               weight_grads=model.weight_grads)
+                                               weight_grads=model.weight_grads, w_batching=w_batching)
         replicas.append(stand_in)
     return replicas
 
@@ -193,15 +221,22 @@ def test_a_program_without_a_reduce_leaves_the_gradients_alone() -> None:
 # -- whole steps, every schedule -------------------------------------------------------------------
 
 
-CASES = [Case(schedule=s, num_ranks=2, num_microbatches=4, fusion=f, optimizer="sgd_momentum")
-         for s in ("1f1b", "gpipe", "zero_bubble", "interleaved") for f in (True, False)]
+CASES = [pytest.param(Case(schedule=s, num_ranks=2, num_microbatches=4, fusion=f, optimizer="sgd_momentum"), False,
+                      id=f"{s}{'' if f else '-nofusion'}")
+         for s in ("1f1b", "gpipe", "zero_bubble", "interleaved") for f in (True, False)] + [
+    pytest.param(Case(schedule=s, num_ranks=2, num_microbatches=4, optimizer="sgd_momentum"), True,
+                 id=f"{s}-w_batching") for s in ("1f1b", "zero_bubble", "interleaved")]
 
 
-@pytest.mark.parametrize("case", CASES, ids=str)
-async def test_overlapped_steps_train_to_the_bits_of_the_reduction_after_the_barrier(case: Case) -> None:
+@pytest.mark.parametrize(("case", "w_batching"), CASES)
+async def test_overlapped_steps_train_to_the_bits_of_the_reduction_after_the_barrier(case: Case,
+                                                                                      w_batching: bool) -> None:
     plain, overlapped = build_model(), build_model()
     async with open_pipeline(case, plain) as reference, open_pipeline(case, overlapped) as pipeline:
-        replicas = attach(pipeline, bucket_bytes=2 << 10)  # about two blocks a bucket: several per rank
+        if w_batching:
+            batch_w(reference)
+        # About two blocks a bucket: several per rank.
+        replicas = attach(pipeline, bucket_bytes=2 << 10, w_batching=w_batching)
         for step, (x, y) in enumerate(global_batches()):
             await reference.train_step(step, x, y)
             assert await overlapped_step(pipeline, step, x, y) == [[] for _ in pipeline.executors]

@@ -64,6 +64,11 @@ async def test_every_schedule_reduces_to_the_same_bits(cluster: Cluster, schedul
     await assert_overlap_changes_no_bit(cluster, MLP, schedule=schedule, gradient_accumulation_fusion=fusion)
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+async def test_w_batching_reduces_to_the_same_bits(cluster: Cluster, schedule: str) -> None:
+    await assert_overlap_changes_no_bit(cluster, MLP, schedule=schedule, w_batching=True)
+
+
 async def test_tied_embeddings_sum_after_the_overlapped_reduction(cluster: Cluster) -> None:
     stats = await assert_overlap_changes_no_bit(cluster, TIED_GPT, schedule="1f1b")
     assert stats[-1].tied
