@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
-from actors import _activations, _wgrad, boundary
+from actors import _activations, _overlap, _wgrad, boundary
 from actors.boundary import Payload
 from actors.program import Action, ActionKind
 
@@ -126,12 +126,16 @@ class StepExecutor:
         send: posts a value to the stage a SEND action names; returns bytes sent.
         num_microbatches: micro-batches per step (the loss of each is scaled by its inverse).
         thread: a one-worker pool for compute; the executor owns it from now on.
+        overlap: the data-parallel reduction that starts during backward, if there is one:
+            :meth:`begin` starts its step, each forward and backward action reports to it.
     """
 
     def __init__(
-        self, model: StageModel, inbox: Inbox, send: Send, num_microbatches: int, thread: ThreadPoolExecutor
+        self, model: StageModel, inbox: Inbox, send: Send, num_microbatches: int, thread: ThreadPoolExecutor,
+        *, overlap: _overlap.OverlappedReduction | None = None,
     ) -> None:
         self.model = model
+        self.overlap = overlap
         self.inbox = inbox
         self._send = send
         self.num_microbatches = num_microbatches
@@ -154,6 +158,12 @@ class StepExecutor:
     async def compute(self, fn: Callable[..., T], *args: Any) -> T:
         """Runs ``fn`` on the compute thread."""
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+    async def begin(self, program: Sequence[Action]) -> None:
+        """Prepares a step that will run ``program``: before anything of the step can fail, so that a
+        replica that fails still takes part in every collective the others start (see :meth:`reset`)."""
+        if self.overlap is not None:
+            await self.compute(self.overlap.begin, program)
 
     async def run(
         self,
@@ -226,7 +236,11 @@ class StepExecutor:
             await self.compute(self.model.optimizer.zero_grad, True)
 
     async def reset(self, step: int) -> None:
-        """Drops a failed or aborted step: stash, values, gradients (after any compute in flight)."""
+        """Drops a failed or aborted step: stash, values, gradients (after any compute in flight).
+
+        An overlapped reduction starts the buckets it had not started yet, so that every
+        replica issues the same collectives; the next :meth:`begin` waits for them.
+        """
         self.inbox.drop_step(step)
         await self.compute(self._clear)
 
@@ -244,11 +258,11 @@ class StepExecutor:
                 trace.losses[m] = loss
         elif kind in (_K.B, _K.I):
             grads = None if s == self.model.num_stages - 1 else self._values.pop(("B", s + 1, m))
-            grad_in = await self.compute(self._backward, s, m, grads, kind is _K.I)
+            grad_in = await self.compute(self._tracked, action, self._backward, s, m, grads, kind is _K.I)
             if grad_in is not None:
                 self._values[("B", s, m)] = boundary.pack(grad_in)
         elif kind is _K.W:
-            await self.compute(self._weight_backward, s, m)
+            await self.compute(self._tracked, action, self._weight_backward, s, m)
         elif kind in (_K.RECV_F, _K.RECV_B):
             tag = "F" if kind is _K.RECV_F else "B"
             source = s - 1 if tag == "F" else s + 1
@@ -278,9 +292,17 @@ class StepExecutor:
 
     # -- compute (on the compute thread) --------------------------------------------
 
+    def _tracked(self, action: Action, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)``, a backward action, reported to the overlapped reduction."""
+        if self.overlap is None:
+            return fn(*args)
+        with self.overlap.action(action):
+            return fn(*args)
+
     def _forward_held(self, stage: int, mb: int, x: Any, target: Any) -> float | None:
         """:meth:`_forward`, noting what the micro-batch now holds for its backward (``peak_stash_bytes``)."""
-        with _activations.SavedActivations(self._resident) as saved:
+        counting = self.overlap.forward(stage, mb) if self.overlap is not None else contextlib.nullcontext()
+        with _activations.SavedActivations(self._resident) as saved, counting:
             loss = self._forward(stage, mb, x, target)
         inputs, outs = self._stash[(stage, mb)]
         saved.add(inputs + outs)
@@ -360,13 +382,15 @@ class StepExecutor:
                     (upcoming.stage, upcoming.microbatch) in self._pending_w:
                 return
             batch, self._w_batch = self._w_batch, []
-            _wgrad.apply_batched([pending for _, pending in batch])
+            assert self.model.weight_grads is not None
+            _wgrad.apply_batched([pending for _, pending in batch], self.model.weight_grads.on_write)
             for done, _ in batch:
                 del self._held[done]
             return
         del self._held[key]
         if key in self._pending_w:
-            _wgrad.apply(self._pending_w.pop(key))
+            assert self.model.weight_grads is not None
+            _wgrad.apply(self._pending_w.pop(key), self.model.weight_grads.on_write)
             return
         _, outs = self._stash.pop(key)
         grads = self._pending_grads.pop(key)
@@ -382,6 +406,8 @@ class StepExecutor:
         self.model.optimizer.zero_grad(set_to_none=True)
 
     def _clear(self) -> None:
+        if self.overlap is not None:
+            self.overlap.abandon()
         self._stash.clear()
         self._pending_grads.clear()
         self._pending_w.clear()

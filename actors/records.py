@@ -106,6 +106,7 @@ class StageConfig(WireRecord):
     # (see actors.parallel.join_process_groups).
     dist: dict[str, Any] | None = None
     bucket_bytes: int = 25 << 20
+    overlap_reduce: bool = True  # start each bucket's all-reduce during backward (actors._overlap) where it serves
     reduce_codec: str = "none"  # data-parallel gradient codec (with error feedback when lossy)
     transport: str = "zmq"  # stage-to-stage tensors: "zmq" (actor messages) or "dist" (torch.distributed p2p)
     # Any nn.Module, traced and cut before these modules (actors.traced); bounds are then one "layer" per stage.
@@ -188,12 +189,15 @@ class ReduceReport(WireRecord):
             reduction; a tensor-replicated parameter counted by tensor rank 0 only, a
             tied one by the lowest pipeline rank holding it); the scheduler adds the
             shares of data-parallel replica 0.
+        wait_s: seconds the data-parallel reduction took after the barrier: all of it when
+            it runs there, what backward did not hide when it started during backward.
     """
 
     reduced_bytes: int = 0
     nonfinite: list[str] = field(default_factory=list)
     tied: list[list[str]] = field(default_factory=list)
     grad_sq: float = 0.0
+    wait_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -215,6 +215,7 @@ class JobController:
         self.scaler: LossScaler | None = None if spec.precision != "fp16" else LossScaler.for_spec(
             spec.loss_scale, spec.initial_scale_power, spec.loss_scale_window, spec.hysteresis, spec.min_loss_scale)
         self.grad_norm: float | None = None
+        self.reduce_wait_s: list[float] = []  # the last release's, per stage actor
         self.last_checkpoint: tuple[str, int] | None = None  # (directory, step) of this job's newest save
         self.driver_batches = False  # a step took the driver's batch (so the data factory cannot replay it)
         self.snapshot_due = False  # take one at the next step whatever snapshot_every says (after a load)
@@ -322,6 +323,7 @@ class JobController:
         predicted, error = self.auto.prediction(ran, elapsed)
         await self._after_probe(reports, elapsed - planning_s, ranked)
         return dataclasses.replace(stats, tied=[list(names) for names in self.tied], grad_norm=self.grad_norm,
+                                   reduce_wait_s=list(self.reduce_wait_s),
                                    loss_scale=used_scale if scaler is not None else None,
                                    skipped_steps=scaler.skipped if scaler is not None else 0, schedule=ran,
                                    predicted_step_s=predicted, prediction_error=error)
@@ -517,6 +519,7 @@ class JobController:
         reduced = [ReduceReport.from_wire(r) for r in await self._on_every_stage(StageActor.reduce_step, "REDUCE",
                                                                                  step)]
         found = nonfinite_findings(self.mesh, reports, reduced)
+        self.reduce_wait_s = [r.wait_s for r in reduced]
         self.tied = sorted({tuple(names) for r in reduced for names in r.tied})
         # Replicas hold the same averaged gradients: replica 0's shares make up the global norm.
         squares = sum(r.grad_sq for g, r in enumerate(reduced) if self.mesh.coords(g).data == 0)

@@ -117,6 +117,8 @@ class JobSpec:
     """codec for the data-parallel gradient reduction; `none` is an exact all-reduce"""
     bucket_bytes: int = 25 << 20
     """size of the flat buckets the data-parallel reduction averages gradients in"""
+    overlap_reduce: bool = True
+    """start each bucket's data-parallel all-reduce during the last micro-batch's backward, as soon as its gradients are final (they live in the buckets: no copies), as DDP does; off, the buckets are copied and reduced after the barrier (the same bits, later), as they always are with a lossy `reduce_codec`"""
     transport: TransportName = "zmq"
     """stage-to-stage tensors as actor messages over ZeroMQ (`zmq`) or by `torch.distributed` point-to-point (`dist`)"""
     seed: int = 0
@@ -186,8 +188,8 @@ class JobSpec:
             raise ValueError("partition_method='profile' times each layer on a sample micro-batch from the job's "
                              "data factory: give data='pkg.mod:factory' or example_inputs=<one micro-batch> "
                              "(or partition by parameters)")
-        for name in ("error_feedback", "measure_codec_error", "gradient_accumulation_fusion", "keep_freed_memory",
-                     "w_batching"):
+        for name in ("error_feedback", "measure_codec_error", "overlap_reduce", "gradient_accumulation_fusion",
+                     "keep_freed_memory", "w_batching"):
             _check_bool(name, getattr(self, name))
         edges: tuple[Literal["activation_codec", "gradient_codec"], ...] = ("activation_codec", "gradient_codec")
         for name in edges:
@@ -388,7 +390,8 @@ def stage_config(
         optimizer=[spec.optimizer[0], dict(spec.optimizer[1])], micro_batches=spec.micro_batches, seed=spec.seed,
         activation_codec=spec.edge_codecs("activation_codec"), gradient_codec=spec.edge_codecs("gradient_codec"),
         error_feedback=spec.error_feedback, measure_codec_error=spec.measure_codec_error,
-        reduce_codec=spec.reduce_codec, bucket_bytes=spec.bucket_bytes, transport=spec.transport,
+        reduce_codec=spec.reduce_codec, bucket_bytes=spec.bucket_bytes, overlap_reduce=spec.overlap_reduce,
+        transport=spec.transport,
         data=spec.data, data_kwargs=dict(spec.data_kwargs), threads_per_stage=spec.threads_per_stage,
         gradient_accumulation_fusion=spec.gradient_accumulation_fusion, keep_freed_memory=spec.keep_freed_memory,
         split_points=list(spec.split_points) if spec.split_points is not None else None,

@@ -44,6 +44,9 @@ class StepStats(WireRecord):
             of what was sent (0 for ``none``).
         reduce_bytes: bytes all replicas put on the wire for the data-parallel
             gradient reduction (encoded bytes with a lossy ``reduce_codec``).
+        reduce_wait_s: per stage actor, seconds the data-parallel reduction took after
+            the barrier: what backward did not hide with ``overlap_reduce`` (the
+            reduction started during backward), all of it without.
         samples: the global batch size, when known (a batch given, or the data
             factory's ``batch_size``).
         samples_per_s: ``samples / step_time_s``, when ``samples`` is known.
@@ -82,6 +85,7 @@ class StepStats(WireRecord):
     busy_s: list[float] = field(default_factory=list)
     codec_stats: dict[str, dict[str, Any]] = field(default_factory=dict)
     reduce_bytes: int = 0
+    reduce_wait_s: list[float] = field(default_factory=list)
     samples: int | None = None
     samples_per_s: float | None = None
     schedule: str = ""
