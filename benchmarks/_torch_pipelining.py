@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib
 import multiprocessing as mp
 import os
 import queue
@@ -30,7 +31,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from examples.models import residual_mlp
 
 NUM_BLOCKS = 8
 DIM = 512
@@ -65,12 +65,18 @@ TORCH_SCHEDULES = {
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Workload:
-    """The ``residual_mlp`` a peer trains and its global batch; the reference one by default."""
+    """What a peer trains: a model factory by import path (an ``nn.Sequential`` the
+    stages split evenly by children), its arguments, and the global batch's shape
+    (``randn`` inputs and targets); the reference workload by default."""
 
-    blocks: int = NUM_BLOCKS
-    dim: int = DIM
-    hidden: int | None = None  # 4 * dim when None
+    model: str = "examples.models:residual_mlp"
+    model_kwargs: dict[str, Any] = dataclasses.field(default_factory=lambda: {"blocks": NUM_BLOCKS, "dim": DIM})
     batch_shape: tuple[int, ...] = BATCH_SHAPE
+
+    @property
+    def module(self) -> str:
+        """The module the factory lives in (what an actorpipe node must admit)."""
+        return self.model.split(":", 1)[0]
 
 
 REFERENCE = Workload()
@@ -86,8 +92,12 @@ def reference_batch(workload: Workload = REFERENCE) -> tuple[torch.Tensor, torch
 
 def build_model(workload: Workload = REFERENCE) -> nn.Sequential:
     """The whole model, initialised after ``torch.manual_seed(0)``."""
+    attribute = workload.model.split(":", 1)[1]
+    factory = getattr(importlib.import_module(workload.module), attribute)
     torch.manual_seed(SEED)
-    return residual_mlp(blocks=workload.blocks, dim=workload.dim, hidden=workload.hidden)
+    model = factory(**workload.model_kwargs)
+    assert isinstance(model, nn.Sequential), f"{workload.model} built a {type(model).__name__}, not an nn.Sequential"
+    return model
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -114,7 +124,7 @@ class _Trainer:
         model = build_model(spec.workload)
         self.stage_indices = self._stage_indices()
         num_model_stages = spec.num_stages * self._kind().stages_per_rank
-        per_stage = spec.workload.blocks // num_model_stages
+        per_stage = len(model) // num_model_stages
         self.modules = {i: model[i * per_stage:(i + 1) * per_stage] for i in self.stage_indices}
         self.module = nn.ModuleDict({str(i): m for i, m in self.modules.items()})
         self.holds_first, self.holds_last = 0 in self.modules, num_model_stages - 1 in self.modules

@@ -38,7 +38,6 @@ is one JSON object.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import dataclasses
 import importlib.util
@@ -56,14 +55,15 @@ from benchmarks._torch_pipelining import (
     COMPUTE_ONLY,
     NUM_BLOCKS,
     NUM_MICROBATCHES,
+    REFERENCE,
     SCHEDULES,
     TORCH_SCHEDULES,
     TorchPeer,
+    Workload,
     reference_batch,
 )
 from transport.loop import run
 
-MODEL = "examples.models:residual_mlp"
 BATCH_SIZE = BATCH_SHAPE[0]
 ACTORPIPE_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zero_bubble")
 DEFAULT_TORCH_SCHEDULES = ("1f1b", "gpipe", "interleaved", "interleaved_zb", "zbv")
@@ -102,7 +102,8 @@ class Peer(Protocol):
 
 
 class ActorpipePeer:
-    """A ``LocalCluster`` of ``num_stages`` nodes training the reference workload as one job."""
+    """A ``LocalCluster`` of ``num_stages`` nodes training ``workload`` (the reference one
+    by default) as one job; ``job`` is that job once started."""
 
     def __init__(
         self,
@@ -115,17 +116,19 @@ class ActorpipePeer:
         micro_batches: int = NUM_MICROBATCHES,
         name: str | None = None,
         options: dict[str, Any] | None = None,
+        workload: Workload = REFERENCE,
     ) -> None:
         self.num_stages, self.schedule, self.transport = num_stages, schedule, transport
         self.options = dict(options or {})  # more cluster.train arguments
         self.tensor_parallel, self.data_parallel, self.micro_batches = tensor_parallel, data_parallel, micro_batches
         suffix = "" if transport == "zmq" else f"_{transport}"
         self.name = name or f"actorpipe_{schedule}_{num_stages}stages{suffix}"
-        self.inputs, self.targets = reference_batch()
+        self.workload = workload
+        self.inputs, self.targets = reference_batch(workload)
         self.bubble_fractions: list[float] = []
         self._stack = contextlib.AsyncExitStack()
-        self._job: Any = None
-        self._last_stats: Any = None
+        self.job: Any = None
+        self.last_stats: Any = None
         self._state: dict[str, torch.Tensor] | None = None
 
     async def start(self) -> None:
@@ -134,14 +137,14 @@ class ActorpipePeer:
 
         try:
             nodes = self.num_stages * self.tensor_parallel * self.data_parallel
-            cluster = await self._stack.enter_async_context(LocalCluster(nodes=nodes))
-            self._job = await cluster.train(
-                model=MODEL, model_kwargs={"blocks": NUM_BLOCKS, "dim": BATCH_SHAPE[-1]},
+            cluster = await self._stack.enter_async_context(LocalCluster(nodes=nodes, allow=[self.workload.module]))
+            self.job = await cluster.train(
+                model=self.workload.model, model_kwargs=dict(self.workload.model_kwargs),
                 loss="torch.nn.functional:mse_loss", optimizer=("torch.optim:SGD", {"lr": 0.01}),
                 pipeline_stages=self.num_stages, tensor_parallel=self.tensor_parallel,
                 data_parallel=self.data_parallel, schedule=self.schedule, micro_batches=self.micro_batches,
                 seed=0, transport=self.transport, **self.options)
-            self._stack.push_async_callback(self._job.close)
+            self._stack.push_async_callback(self.job.close)
         except BaseException:
             await self._stack.aclose()
             raise
@@ -151,16 +154,16 @@ class ActorpipePeer:
         times = []
         for _ in range(num_steps):
             start = time.perf_counter()
-            self._last_stats = await self._job.step(self.inputs, self.targets)
+            self.last_stats = await self.job.step(self.inputs, self.targets)
             times.append(time.perf_counter() - start)
-            self.bubble_fractions.append(float(self._last_stats.bubble_fraction))
+            self.bubble_fractions.append(float(self.last_stats.bubble_fraction))
         return times
 
     async def finish(self) -> list[int]:
         """Gathers the trained model (where the job offers it); returns peak RSS per stage."""
-        if hasattr(self._job, "state_dict"):
-            self._state = dict(await self._job.state_dict())
-        return [int(rss) for rss in self._last_stats.peak_rss_bytes]
+        if hasattr(self.job, "state_dict"):
+            self._state = dict(await self.job.state_dict())
+        return [int(rss) for rss in self.last_stats.peak_rss_bytes]
 
     def trained_state(self) -> dict[str, torch.Tensor] | None:
         return self._state
@@ -190,7 +193,7 @@ def make_groups(args: argparse.Namespace, state_dir: str) -> list[list[Peer]]:
         # Each group's reference trains as many steps as its peers; they pool as "single_process".
         peers: list[Peer] = [TorchPeer(num_stages=1, schedule="-", state_dir=state_dir,
                                        name=f"single_process.{num_stages}stages")]
-        if num_stages == 2:
+        if num_stages == 2 and not args.skip_variants:
             # The ceiling: each stage's micro-batches computed back to back on both cores at
             # once, with no pipeline (no bubble, no transfers).
             peers.append(TorchPeer(num_stages=2, schedule=COMPUTE_ONLY, state_dir=state_dir))
@@ -199,7 +202,7 @@ def make_groups(args: argparse.Namespace, state_dir: str) -> list[list[Peer]]:
                       for schedule in args.torch_schedules]
         if not args.skip_actorpipe:
             peers += [ActorpipePeer(num_stages=num_stages, schedule=schedule) for schedule in args.actorpipe_schedules]
-        if not args.skip_actorpipe and num_stages == 2:
+        if not args.skip_actorpipe and not args.skip_variants and num_stages == 2:
             # Stage-to-stage tensors over torch.distributed (gloo) instead of ZeroMQ.
             peers.append(ActorpipePeer(num_stages=2, schedule="1f1b", transport="dist"))
             # 1F1B with plain autograd and glibc's default allocator: what those two defaults buy.
@@ -429,6 +432,8 @@ def parse_args() -> argparse.Namespace:
                         help=f"actorpipe's schedules to run (default all: {' '.join(ACTORPIPE_SCHEDULES)})")
     parser.add_argument("--skip-torch", action="store_true", help="no torch.distributed.pipelining peers")
     parser.add_argument("--skip-actorpipe", action="store_true", help="no actorpipe peers")
+    parser.add_argument("--skip-variants", action="store_true",
+                        help="no compute-only ceiling and no dist / plain actorpipe 1F1B at 2 stages")
     args = parser.parse_args()
     if args.steps < 1 or args.warmup < 1 or args.rounds < 1:
         # A warm-up step finds a torch schedule that cannot run before the timed rounds.
