@@ -3,29 +3,41 @@
 
 Peers, all measured in one run on the reference workload (DESIGN.md):
 - one process: the plain full-batch training step, one thread;
-- ``torch.distributed.pipelining``: ``Schedule1F1B`` and ``ScheduleGPipe`` over gloo,
-  one process per stage, 8 micro-batches;
-- actorpipe: a ``LocalCluster`` with one node per stage, schedules ``1f1b`` and ``gpipe``;
-  at 2 stages also 1F1B over torch.distributed (``dist_vs_zmq``), ``zero_bubble``, and
-  1F1B with plain autograd and glibc's default allocator (``defaults_vs_plain``: what
-  ``gradient_accumulation_fusion`` and ``keep_freed_memory`` buy);
+- ``torch.distributed.pipelining`` over gloo, one process per rank, 8 micro-batches:
+  ``Schedule1F1B``, ``ScheduleGPipe``, and the schedules with two model stages per rank,
+  ``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble`` and
+  ``ScheduleZBVZeroBubble``; ``--torch-schedules`` adds ``looped_bfs``
+  (``ScheduleLoopedBFS``) and ``dualpipev`` (``ScheduleDualPipeV``), which also run
+  here but are left out by default: each costs four more processes (about 1.5 GiB) in
+  the 4-stage group, which already holds about 15 GiB;
+- actorpipe: a ``LocalCluster`` with one node per stage, schedules ``1f1b``, ``gpipe``,
+  ``interleaved`` (2 virtual stages) and ``zero_bubble``; at 2 stages also 1F1B over
+  torch.distributed (``dist_vs_zmq``) and 1F1B with plain autograd and glibc's default
+  allocator (``defaults_vs_plain``: what ``gradient_accumulation_fusion`` and
+  ``keep_freed_memory`` buy);
 - the ceiling at 2 stages (``compute_only``): two processes that each compute their
   stage's 8 micro-batches back to back at the same time, with nothing sent and no
   bubble. A 1F1B pipeline cannot beat it; ``*_vs_compute_only`` says how close each
   pipeline comes.
 
-Every peer starts and stays up; after the warm-up steps the timed steps run in rounds,
-each round a few steps of every peer in a rotated order, so that the machine's noise
-hits every peer alike. A step time is the driver's wall time for actorpipe and the
-slowest rank's (after a barrier) for torch; samples/s is 64 / the median step time.
-The trained parameters of every peer are compared with one process's afterwards.
-The last line printed is one JSON object.
+``vs_torch_best_Nstages`` is actorpipe's fastest schedule over torch's fastest at N
+stages (``actorpipe_best_Nstages`` and ``torch_best_Nstages`` name them). A torch
+schedule that fails to start or to run its warm-up steps is dropped from the run with
+the reason printed and kept under ``torch_not_run``.
+
+The peers run in one group per stage count (each with its own one-process reference),
+so that only one group's processes are up at a time. In a group every peer starts and
+runs its warm-up steps; then the timed steps run in rounds, each round a few steps of
+every peer in a rotated order, so that the machine's noise hits every peer alike. A
+step time is the driver's wall time for actorpipe and the slowest rank's (after a
+barrier) for torch; samples/s is 64 / the median step time. The trained parameters of
+every peer are compared with its group's one process afterwards. The last line printed
+is one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import dataclasses
 import importlib.util
@@ -33,6 +45,7 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 import torch
@@ -42,14 +55,18 @@ from benchmarks._torch_pipelining import (
     COMPUTE_ONLY,
     NUM_BLOCKS,
     NUM_MICROBATCHES,
+    REFERENCE,
     SCHEDULES,
+    TORCH_SCHEDULES,
     TorchPeer,
+    Workload,
     reference_batch,
 )
 from transport.loop import run
 
-MODEL = "examples.models:residual_mlp"
 BATCH_SIZE = BATCH_SHAPE[0]
+ACTORPIPE_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zero_bubble")
+DEFAULT_TORCH_SCHEDULES = ("1f1b", "gpipe", "interleaved", "interleaved_zb", "zbv")
 MAX_REL_DIFF = 1e-4  # float32 reassociation across micro-batches stays far below this
 
 
@@ -85,7 +102,8 @@ class Peer(Protocol):
 
 
 class ActorpipePeer:
-    """A ``LocalCluster`` of ``num_stages`` nodes training the reference workload as one job."""
+    """A ``LocalCluster`` of ``num_stages`` nodes training ``workload`` (the reference one
+    by default) as one job; ``job`` is that job once started."""
 
     def __init__(
         self,
@@ -98,17 +116,19 @@ class ActorpipePeer:
         micro_batches: int = NUM_MICROBATCHES,
         name: str | None = None,
         options: dict[str, Any] | None = None,
+        workload: Workload = REFERENCE,
     ) -> None:
         self.num_stages, self.schedule, self.transport = num_stages, schedule, transport
         self.options = dict(options or {})  # more cluster.train arguments
         self.tensor_parallel, self.data_parallel, self.micro_batches = tensor_parallel, data_parallel, micro_batches
         suffix = "" if transport == "zmq" else f"_{transport}"
         self.name = name or f"actorpipe_{schedule}_{num_stages}stages{suffix}"
-        self.inputs, self.targets = reference_batch()
+        self.workload = workload
+        self.inputs, self.targets = reference_batch(workload)
         self.bubble_fractions: list[float] = []
         self._stack = contextlib.AsyncExitStack()
-        self._job: Any = None
-        self._last_stats: Any = None
+        self.job: Any = None
+        self.last_stats: Any = None
         self._state: dict[str, torch.Tensor] | None = None
 
     async def start(self) -> None:
@@ -117,14 +137,14 @@ class ActorpipePeer:
 
         try:
             nodes = self.num_stages * self.tensor_parallel * self.data_parallel
-            cluster = await self._stack.enter_async_context(LocalCluster(nodes=nodes))
-            self._job = await cluster.train(
-                model=MODEL, model_kwargs={"blocks": NUM_BLOCKS, "dim": BATCH_SHAPE[-1]},
+            cluster = await self._stack.enter_async_context(LocalCluster(nodes=nodes, allow=[self.workload.module]))
+            self.job = await cluster.train(
+                model=self.workload.model, model_kwargs=dict(self.workload.model_kwargs),
                 loss="torch.nn.functional:mse_loss", optimizer=("torch.optim:SGD", {"lr": 0.01}),
                 pipeline_stages=self.num_stages, tensor_parallel=self.tensor_parallel,
                 data_parallel=self.data_parallel, schedule=self.schedule, micro_batches=self.micro_batches,
                 seed=0, transport=self.transport, **self.options)
-            self._stack.push_async_callback(self._job.close)
+            self._stack.push_async_callback(self.job.close)
         except BaseException:
             await self._stack.aclose()
             raise
@@ -134,16 +154,16 @@ class ActorpipePeer:
         times = []
         for _ in range(num_steps):
             start = time.perf_counter()
-            self._last_stats = await self._job.step(self.inputs, self.targets)
+            self.last_stats = await self.job.step(self.inputs, self.targets)
             times.append(time.perf_counter() - start)
-            self.bubble_fractions.append(float(self._last_stats.bubble_fraction))
+            self.bubble_fractions.append(float(self.last_stats.bubble_fraction))
         return times
 
     async def finish(self) -> list[int]:
         """Gathers the trained model (where the job offers it); returns peak RSS per stage."""
-        if hasattr(self._job, "state_dict"):
-            self._state = dict(await self._job.state_dict())
-        return [int(rss) for rss in self._last_stats.peak_rss_bytes]
+        if hasattr(self.job, "state_dict"):
+            self._state = dict(await self.job.state_dict())
+        return [int(rss) for rss in self.last_stats.peak_rss_bytes]
 
     def trained_state(self) -> dict[str, torch.Tensor] | None:
         return self._state
@@ -165,24 +185,26 @@ def actorpipe_missing() -> str | None:
     return None
 
 
-def make_peers(args: argparse.Namespace, state_dir: str) -> list[Peer]:
-    """Every peer the flags ask for; one process first, as the others' reference."""
-    peers: list[Peer] = [TorchPeer(num_stages=1, schedule="-", state_dir=state_dir)]
-    if 2 in args.stages:
-        # The ceiling: each stage's micro-batches computed back to back on both cores at
-        # once, with no pipeline (no bubble, no transfers).
-        peers.append(TorchPeer(num_stages=2, schedule=COMPUTE_ONLY, state_dir=state_dir))
+def make_groups(args: argparse.Namespace, state_dir: str) -> list[list[Peer]]:
+    """Every peer the flags ask for, in one group per stage count; each group's first
+    peer is its own one-process reference (the others' exactness is checked against it)."""
+    groups: list[list[Peer]] = []
     for num_stages in args.stages:
-        for schedule in SCHEDULES:
-            if not args.skip_torch:
-                peers.append(TorchPeer(num_stages=num_stages, schedule=schedule, state_dir=state_dir))
-            if not args.skip_actorpipe:
-                peers.append(ActorpipePeer(num_stages=num_stages, schedule=schedule))
-        if not args.skip_actorpipe and num_stages == 2:
+        # Each group's reference trains as many steps as its peers; they pool as "single_process".
+        peers: list[Peer] = [TorchPeer(num_stages=1, schedule="-", state_dir=state_dir,
+                                       name=f"single_process.{num_stages}stages")]
+        if num_stages == 2 and not args.skip_variants:
+            # The ceiling: each stage's micro-batches computed back to back on both cores at
+            # once, with no pipeline (no bubble, no transfers).
+            peers.append(TorchPeer(num_stages=2, schedule=COMPUTE_ONLY, state_dir=state_dir))
+        if not args.skip_torch:
+            peers += [TorchPeer(num_stages=num_stages, schedule=schedule, state_dir=state_dir)
+                      for schedule in args.torch_schedules]
+        if not args.skip_actorpipe:
+            peers += [ActorpipePeer(num_stages=num_stages, schedule=schedule) for schedule in args.actorpipe_schedules]
+        if not args.skip_actorpipe and not args.skip_variants and num_stages == 2:
             # Stage-to-stage tensors over torch.distributed (gloo) instead of ZeroMQ.
             peers.append(ActorpipePeer(num_stages=2, schedule="1f1b", transport="dist"))
-            # ZB-H1, whose W runs only the deferred weight GEMMs.
-            peers.append(ActorpipePeer(num_stages=2, schedule="zero_bubble"))
             # W batching: each weight's gradient one GEMM over all micro-batches, at the step's tail.
             for schedule in ("1f1b", "zero_bubble"):
                 peers.append(ActorpipePeer(num_stages=2, schedule=schedule, name=f"actorpipe_{schedule}_2stages_wbatch",
@@ -190,7 +212,8 @@ def make_peers(args: argparse.Namespace, state_dir: str) -> list[Peer]:
             # 1F1B with plain autograd and glibc's default allocator: what those two defaults buy.
             peers.append(ActorpipePeer(num_stages=2, schedule="1f1b", name="actorpipe_1f1b_2stages_plain",
                                        options={"gradient_accumulation_fusion": False, "keep_freed_memory": False}))
-    return peers
+        groups.append(peers)
+    return groups
 
 
 def split_steps(num_steps: int, num_rounds: int) -> list[int]:
@@ -213,23 +236,82 @@ async def run_rounds(peers: list[Any], *, warmup: int, steps: int, rounds: int) 
     return times
 
 
-async def measure(peers: list[Peer], *, warmup: int, steps: int, rounds: int) -> list[PeerResult]:
-    """Starts every peer, runs warm-up then interleaved timed rounds, stops them; returns results."""
-    async with contextlib.AsyncExitStack() as stack:
-        for peer in peers:
-            stack.push_async_callback(peer.aclose)
-            print(f"starting {peer.name}", flush=True)
+async def start_and_warm_up(peers: list[Peer], stack: contextlib.AsyncExitStack, *,
+                            warmup: int) -> tuple[list[Peer], dict[str, str]]:
+    """Starts each peer and runs its warm-up steps, closing it on ``stack``.
+
+    Returns:
+        The peers that run, and why each torch peer that failed did not (its error's
+        last line): a torch schedule that cannot run on CPU/gloo is reported, not fatal.
+    """
+    running: list[Peer] = []
+    not_run: dict[str, str] = {}
+    for peer in peers:
+        print(f"starting {peer.name}", flush=True)
+        stack.push_async_callback(peer.aclose)
+        try:
             await peer.start()
-        times = await run_rounds(peers, warmup=warmup, steps=steps, rounds=rounds)
+            await peer.run(warmup)
+        except RuntimeError as exc:
+            if not peer.name.startswith("torch_"):
+                raise
+            reason = last_line(str(exc))
+            print(f"  {peer.name} did not run: {reason}", flush=True)
+            not_run[peer.name] = reason
+            await peer.aclose()
+            continue
+        running.append(peer)
+    return running, not_run
+
+
+def last_line(text: str) -> str:
+    """The last non-empty line of a traceback (the exception), at most 300 characters."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return (lines[-1] if lines else text)[:300]
+
+
+async def measure_group(peers: list[Peer], *, warmup: int, steps: int,
+                        rounds: int) -> tuple[list[PeerResult], dict[str, str]]:
+    """Starts one group's peers, runs warm-up then interleaved timed rounds, stops them.
+
+    Returns:
+        Each running peer's result, its distance from the group's one process included,
+        and why each torch peer that could not run did not.
+    """
+    async with contextlib.AsyncExitStack() as stack:
+        running, not_run = await start_and_warm_up(peers, stack, warmup=warmup)
+        times = await run_rounds(running, warmup=0, steps=steps, rounds=rounds)
         results = []
-        for peer in peers:
+        for peer in running:
             rss = await peer.finish()
             bubbles = getattr(peer, "bubble_fractions", None)
             results.append(PeerResult(
                 name=peer.name, num_stages=peer.num_stages, schedule=peer.schedule,
                 step_times_s=times[peer.name], peak_rss_bytes=rss,
-                bubble_fraction=statistics.median(bubbles) if bubbles else None))
-    return results
+                bubble_fraction=statistics.median(bubbles[warmup:]) if bubbles and bubbles[warmup:] else None))
+        return check_exactness(running, results), not_run
+
+
+async def measure(groups: list[list[Peer]], *, warmup: int, steps: int,
+                  rounds: int) -> tuple[list[PeerResult], dict[str, str]]:
+    """Every group in turn (see :func:`measure_group`); the groups' one-process
+    references pooled into one ``single_process`` result."""
+    results: list[PeerResult] = []
+    not_run: dict[str, str] = {}
+    for peers in groups:
+        group_results, group_not_run = await measure_group(peers, warmup=warmup, steps=steps, rounds=rounds)
+        results += group_results
+        not_run.update(group_not_run)
+    return pool_references(results), not_run
+
+
+def pool_references(results: list[PeerResult]) -> list[PeerResult]:
+    """``single_process``, all the groups' one-process step times pooled, first; then the rest."""
+    references = [r for r in results if r.name.startswith("single_process.")]
+    pooled = PeerResult(name="single_process", num_stages=1, schedule="-",
+                        step_times_s=[t for r in references for t in r.step_times_s],
+                        peak_rss_bytes=[max(b for r in references for b in r.peak_rss_bytes)])
+    return [pooled, *results]
 
 
 def max_rel_diff(state: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
@@ -245,9 +327,9 @@ def max_rel_diff(state: dict[str, torch.Tensor], reference: dict[str, torch.Tens
 
 
 def check_exactness(peers: list[Peer], results: list[PeerResult]) -> list[PeerResult]:
-    """Adds each peer's distance from one process; asserts the torch peers' is float32 noise."""
+    """Adds each peer's distance from the first (one process); asserts the torch peers' is float32 noise."""
     reference = peers[0].trained_state()
-    assert reference is not None and peers[0].name == "single_process"
+    assert reference is not None and peers[0].name.startswith("single_process")
     checked = []
     for peer, result in zip(peers, results):
         state = peer.trained_state()
@@ -280,13 +362,19 @@ def print_table(results: list[PeerResult]) -> None:
 def summarize(results: list[PeerResult], stage_counts: list[int]) -> dict[str, Any]:
     """The JSON summary: ratios actorpipe/torch and actorpipe/one process, then each peer's raw figures."""
     by_name = {r.name: r for r in results}
-    single = by_name["single_process"]
     summary: dict[str, Any] = {}
     for num_stages in sorted(set(stage_counts) | {2, 4}):
         for schedule in SCHEDULES:
             key = f"{schedule}_{num_stages}stages"
             summary[f"vs_torch_{key}"] = ratio(by_name.get(f"actorpipe_{key}"), by_name.get(f"torch_{key}"))
+        # Against the one process measured in the same group.
+        single = by_name.get(f"single_process.{num_stages}stages")
         summary[f"vs_single_process_{num_stages}stages"] = ratio(by_name.get(f"actorpipe_1f1b_{num_stages}stages"), single)
+        best = {name: fastest(results, name, schedules, num_stages)
+                for name, schedules in (("actorpipe", ACTORPIPE_SCHEDULES), ("torch", TORCH_SCHEDULES))}
+        summary[f"vs_torch_best_{num_stages}stages"] = ratio(best["actorpipe"], best["torch"])
+        for name, result in best.items():
+            summary[f"{name}_best_{num_stages}stages"] = None if result is None else result.schedule
     summary["dist_vs_zmq_1f1b_2stages"] = ratio(by_name.get("actorpipe_1f1b_2stages_dist"),
                                                 by_name.get("actorpipe_1f1b_2stages"))
     for name in ("actorpipe", "torch"):
@@ -294,9 +382,9 @@ def summarize(results: list[PeerResult], stage_counts: list[int]) -> dict[str, A
                                                                 by_name.get(f"{COMPUTE_ONLY}_2stages"))
     # The best actorpipe layout at 2 stages against the per-micro-batch compute alone (goal > 1).
     two = [r for r in results if r.name.startswith("actorpipe_") and "_2stages" in r.name]
-    best = max(two, key=lambda r: r.samples_per_s, default=None)
-    summary["vs_compute_only_2stages"] = ratio(best, by_name.get(f"{COMPUTE_ONLY}_2stages"))
-    summary["best_actorpipe_2stages"] = best.name if best is not None else None
+    best_two = max(two, key=lambda r: r.samples_per_s, default=None)
+    summary["vs_compute_only_2stages"] = ratio(best_two, by_name.get(f"{COMPUTE_ONLY}_2stages"))
+    summary["best_actorpipe_layout_2stages"] = best_two.name if best_two is not None else None
     summary["wbatch_vs_plain_zero_bubble_2stages"] = ratio(by_name.get("actorpipe_zero_bubble_2stages_wbatch"),
                                                            by_name.get("actorpipe_zero_bubble_2stages"))
     summary["zero_bubble_vs_torch_1f1b_2stages"] = ratio(by_name.get("actorpipe_zero_bubble_2stages"),
@@ -314,6 +402,14 @@ def summarize(results: list[PeerResult], stage_counts: list[int]) -> dict[str, A
     return summary
 
 
+def fastest(results: list[PeerResult], name: str, schedules: Iterable[str], num_stages: int) -> PeerResult | None:
+    """The fastest of ``name``'s peers that ran one of ``schedules`` at ``num_stages`` with
+    default options (variants such as ``_dist`` or ``_plain`` do not count); None if none ran."""
+    candidates = {f"{name}_{schedule}_{num_stages}stages" for schedule in schedules}
+    ran = [r for r in results if r.name in candidates]
+    return max(ran, key=lambda r: r.samples_per_s, default=None)
+
+
 def print_ratios(summary: dict[str, Any]) -> None:
     """The ratios, one a line, before the JSON."""
     print()
@@ -322,19 +418,40 @@ def print_ratios(summary: dict[str, Any]) -> None:
             print(f"{key:<28} {'-' if value is None else f'{value:.3f}x'}")
 
 
+def print_not_run(not_run: dict[str, str], args: argparse.Namespace) -> None:
+    """A line per torch schedule that did not run and why, or one saying every one ran."""
+    print()
+    for name, reason in not_run.items():
+        print(f"{name} did not run on CPU/gloo: {reason}")
+    if not not_run and not args.skip_torch:
+        classes = ", ".join(TORCH_SCHEDULES[s].class_name for s in args.torch_schedules)
+        print(f"every torch schedule asked for ran on CPU/gloo at {args.stages} stages: {classes}")
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10, help="timed steps per peer")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per peer first")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds the timed steps are split into")
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 4], help="pipeline stage counts")
+    parser.add_argument("--torch-schedules", nargs="+", choices=list(TORCH_SCHEDULES),
+                        default=list(DEFAULT_TORCH_SCHEDULES), metavar="NAME",
+                        help=f"torch's schedules to run, of {' '.join(TORCH_SCHEDULES)} "
+                             f"(default: {' '.join(DEFAULT_TORCH_SCHEDULES)})")
+    parser.add_argument("--actorpipe-schedules", nargs="+", choices=ACTORPIPE_SCHEDULES,
+                        default=list(ACTORPIPE_SCHEDULES), metavar="NAME",
+                        help=f"actorpipe's schedules to run (default all: {' '.join(ACTORPIPE_SCHEDULES)})")
     parser.add_argument("--skip-torch", action="store_true", help="no torch.distributed.pipelining peers")
     parser.add_argument("--skip-actorpipe", action="store_true", help="no actorpipe peers")
+    parser.add_argument("--skip-variants", action="store_true",
+                        help="no compute-only ceiling and no dist / plain actorpipe 1F1B at 2 stages")
     args = parser.parse_args()
-    if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
-        parser.error("--steps and --rounds must be >= 1, --warmup >= 0")
-    if any(n < 2 or NUM_BLOCKS % n for n in args.stages):
-        parser.error(f"--stages must divide the {NUM_BLOCKS} blocks into 2 or more stages, got {args.stages}")
+    if args.steps < 1 or args.warmup < 1 or args.rounds < 1:
+        # A warm-up step finds a torch schedule that cannot run before the timed rounds.
+        parser.error("--steps, --warmup and --rounds must be >= 1")
+    if any(n < 2 or NUM_BLOCKS % (2 * n) for n in args.stages):
+        # The interleaved schedules hold two model stages per rank.
+        parser.error(f"--stages must divide the {NUM_BLOCKS} blocks into 2 model stages per rank, got {args.stages}")
     return args
 
 
@@ -346,13 +463,13 @@ def main() -> None:
         print(f"actorpipe peers skipped: {missing}; their figures print as null")
         args.skip_actorpipe = True
     with tempfile.TemporaryDirectory(prefix="actorpipe-bench-") as state_dir:
-        peers = make_peers(args, state_dir)
-        results = run(measure(peers, warmup=args.warmup, steps=args.steps, rounds=args.rounds))
-        results = check_exactness(peers, results)
+        groups = make_groups(args, state_dir)
+        results, not_run = run(measure(groups, warmup=args.warmup, steps=args.steps, rounds=args.rounds))
     print_table(results)
     summary = summarize(results, args.stages)
     print_ratios(summary)
-    summary.update(steps=args.steps, warmup=args.warmup, rounds=args.rounds,
+    print_not_run(not_run, args)
+    summary.update(steps=args.steps, warmup=args.warmup, rounds=args.rounds, torch_not_run=not_run,
                    wall_s=round(time.perf_counter() - started, 1), actorpipe_skipped=missing)
     print(json.dumps(summary))
 

@@ -1,0 +1,58 @@
+"""Tests for benchmarks/overhead.py: its fit and growth figures, and a tiny run end to end.
+
+Run: .venv/bin/python -m pytest -q tests/benchmarks/test_overhead.py
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.overhead import ConfigResult, fit_line, growth
+
+pytestmark = pytest.mark.timeout(60)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def config(num_stages: int, micro_batches: int, actions: int, step_ms: float) -> ConfigResult:
+    return ConfigResult(num_stages=num_stages, micro_batches=micro_batches, actions_per_rank=[actions - 1, actions],
+                        actorpipe_step_s=[step_ms / 1e3], torch_step_s=[2 * step_ms / 1e3],
+                        compute_actions_fraction=0.1, compute_s=0.001)
+
+
+@pytest.mark.parametrize(("xs", "ys", "line"), [
+    ([1, 2, 3], [5, 7, 9], (3.0, 2.0)),
+    ([10, 20], [100, 100], (100.0, 0.0)),
+    ([4, 4], [1, 2], None),  # one distinct x: no line
+])
+def test_fit_line(xs: list[float], ys: list[float], line: tuple[float, float] | None) -> None:
+    fitted = fit_line(xs, ys)
+    assert fitted == (None if line is None else pytest.approx(line))
+
+
+def test_growth_is_flat_when_every_action_costs_the_same() -> None:
+    # 100 us per action plus a fixed 1 ms a step.
+    results = [config(2, m, 4 * m + 3, 1.0 + 0.1 * (4 * m + 3)) for m in (8, 64)]
+    figures = growth(results, "actorpipe")
+    assert figures["fit_us_per_action_2stages"] == pytest.approx(100.0)
+    assert figures["fit_fixed_us_2stages"] == pytest.approx(1000.0)
+    assert figures["per_action_growth_micro_batches_2stages"] < 1.0  # the fixed cost spreads over more actions
+    assert growth(results, "torch")["torch_fit_us_per_action_2stages"] == pytest.approx(200.0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_tiny_run_prints_the_overhead_per_action_last() -> None:
+    command = [sys.executable, "-m", "benchmarks.overhead", "--stages", "2", "--micro-batches", "8",
+               "--steps", "2", "--warmup", "1", "--rounds", "1"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["overhead_us_per_action"] > 0 and summary["vs_torch_overhead"] > 0
+    assert summary["actions_per_rank_2stages_8mb"] == [35, 43]  # 1F1B, 8 micro-batches, split backward
+    assert summary["overhead_us_per_action_2stages_8mb"] == summary["overhead_us_per_action"]
+    assert summary["skipped"] == []

@@ -1,0 +1,63 @@
+"""Tests for benchmarks/pipeline.py: picking the fastest schedule, and a tiny run end to end.
+
+Run: .venv/bin/python -m pytest -q tests/benchmarks/test_pipeline.py
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.pipeline import ACTORPIPE_SCHEDULES, PeerResult, fastest, last_line, split_steps
+
+pytestmark = pytest.mark.timeout(60)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def result(name: str, schedule: str, step_s: float) -> PeerResult:
+    return PeerResult(name=name, num_stages=2, schedule=schedule, step_times_s=[step_s], peak_rss_bytes=[0])
+
+
+def test_fastest_picks_the_quickest_default_schedule_and_ignores_variants() -> None:
+    results = [result("actorpipe_1f1b_2stages", "1f1b", 1.0),
+               result("actorpipe_zero_bubble_2stages", "zero_bubble", 0.9),
+               result("actorpipe_1f1b_2stages_dist", "1f1b", 0.5),  # a transport variant, not a schedule
+               result("torch_interleaved_2stages", "interleaved", 0.8),
+               result("actorpipe_gpipe_4stages", "gpipe", 0.1)]
+    best = fastest(results, "actorpipe", ACTORPIPE_SCHEDULES, 2)
+    assert best is not None and best.name == "actorpipe_zero_bubble_2stages"
+    assert fastest(results, "actorpipe", ACTORPIPE_SCHEDULES, 8) is None
+
+
+@pytest.mark.parametrize(("steps", "rounds", "blocks"), [(10, 5, [2, 2, 2, 2, 2]), (7, 3, [3, 2, 2]), (2, 5, [1, 1])])
+def test_split_steps(steps: int, rounds: int, blocks: list[int]) -> None:
+    assert split_steps(steps, rounds) == blocks
+
+
+def test_last_line_is_the_exception_of_a_traceback() -> None:
+    text = "peer rank 1 failed:\nTraceback (most recent call last):\n  File \"x\"\nValueError: needs 2 stages\n\n"
+    assert last_line(text) == "ValueError: needs 2 stages"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_tiny_run_prints_the_best_schedules_ratio_last() -> None:
+    # Two steps of each peer at 2 stages: torch's 1F1B and interleaved 1F1B against actorpipe's.
+    command = [sys.executable, "-m", "benchmarks.pipeline", "--stages", "2", "--steps", "1", "--warmup", "1",
+               "--rounds", "1", "--skip-variants", "--torch-schedules", "1f1b", "interleaved",
+               "--actorpipe-schedules", "1f1b", "interleaved"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=540)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["vs_torch_best_2stages"] > 0
+    assert summary["actorpipe_best_2stages"] in ("1f1b", "interleaved")
+    assert summary["torch_best_2stages"] in ("1f1b", "interleaved")
+    assert summary["vs_torch_interleaved_2stages"] > 0 and summary["vs_torch_1f1b_2stages"] > 0
+    assert summary["vs_torch_best_4stages"] is None  # not asked for
+    assert summary["torch_not_run"] == {}
+    assert summary["torch_interleaved_2stages_max_rel_diff"] < 1e-4
+    assert "every torch schedule asked for ran on CPU/gloo" in done.stdout
