@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import datetime
 import functools
+import gc
 import logging
 import resource
 import time
@@ -272,6 +273,13 @@ class StageActor(Actor):
         self.executor = None
         self._held = {}
         self._named_parameters = []
+        # Parameters carry the overlapped reduction's gradient hooks, and those hold the group.
+        self._reduce_params = []
+        self._norm_params = []
+        self._tied = tied.TiedSync(self.config.pipeline_rank, [])
+        # Those hooks and the parameters they watch form reference cycles, which refcounting
+        # alone never frees: collect them now, so the group's threads and sockets go with the job.
+        gc.collect()
 
     # -- set-up ----------------------------------------------------------------------
 
