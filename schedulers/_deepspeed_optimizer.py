@@ -94,17 +94,27 @@ _REFUSED_SCHEDULERS = {
 }
 
 
-def translate_optimizer(t: Translation, section: Mapping[str, Any]) -> None:
-    """``optimizer: {type, params}`` as the job's ``optimizer``; problems and notices go to ``t``."""
+def _typed_section(t: Translation, section: Mapping[str, Any], name: str,
+                   examples: str) -> tuple[str, dict[str, Any]] | None:
+    """A ``{type, params}`` block's type and params, or None after noting what is wrong with it in ``t``."""
     kind = section.get("type")
     try:
-        params = mapping(section, "params", "optimizer.")
+        params = mapping(section, "params", f"{name}.")
     except ConfigError as exc:
         t.problems.extend(exc.problems)
-        return
+        return None
     if not isinstance(kind, str) or not kind:
-        t.problem("optimizer.type", f"expected a name such as Adam, AdamW or SGD, got {show(kind)}")
+        t.problem(f"{name}.type", f"expected a name such as {examples}, got {show(kind)}")
+        return None
+    return kind, params
+
+
+def translate_optimizer(t: Translation, section: Mapping[str, Any]) -> None:
+    """``optimizer: {type, params}`` as the job's ``optimizer``; problems and notices go to ``t``."""
+    typed = _typed_section(t, section, "optimizer", "Adam, AdamW or SGD")
+    if typed is None:
         return
+    kind, params = typed
     if "max_grad_norm" in params:
         params.pop("max_grad_norm")
         t.problem("optimizer.params.max_grad_norm", (
@@ -186,15 +196,10 @@ def translate_scheduler(t: Translation, section: Mapping[str, Any], *, lr: Any) 
     Args:
         lr: ``optimizer.params.lr`` as the config gives it (what an ``"auto"`` ``warmup_max_lr`` is).
     """
-    kind = section.get("type")
-    try:
-        params = mapping(section, "params", "scheduler.")
-    except ConfigError as exc:
-        t.problems.extend(exc.problems)
+    typed = _typed_section(t, section, "scheduler", "WarmupLR or WarmupDecayLR")
+    if typed is None:
         return
-    if not isinstance(kind, str) or not kind:
-        t.problem("scheduler.type", f"expected a name such as WarmupLR or WarmupDecayLR, got {show(kind)}")
-        return
+    kind, params = typed
     by_lower = {name.lower(): name for name in DEEPSPEED_SCHEDULERS}
     if kind.lower() in by_lower:
         _deepspeed_schedule(t, by_lower[kind.lower()], params, lr)
