@@ -295,10 +295,24 @@ async def measure(groups: list[list[Peer]], *, warmup: int, steps: int,
     results: list[PeerResult] = []
     not_run: dict[str, str] = {}
     for peers in groups:
+        reset_peak_rss()
         group_results, group_not_run = await measure_group(peers, warmup=warmup, steps=steps, rounds=rounds)
         results += group_results
         not_run.update(group_not_run)
     return pool_references(results), not_run
+
+
+def reset_peak_rss() -> None:
+    """Resets this process's peak-RSS mark (Linux; a no-op elsewhere).
+
+    Linux carries a process's ``ru_maxrss`` over ``fork`` and ``exec``: a worker this
+    driver starts would report the driver's peak as its own floor. After one group's
+    peers have handed their trained parameters back, that peak is far above what a
+    stage process of the next group uses.
+    """
+    with contextlib.suppress(OSError):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
 
 
 def pool_references(results: list[PeerResult]) -> list[PeerResult]:
