@@ -39,7 +39,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import dataclasses
+import gc
 import importlib.util
 import json
 import statistics
@@ -170,6 +172,9 @@ class ActorpipePeer:
 
     async def aclose(self) -> None:
         await self._stack.aclose()
+        # The parameters serve the exactness check, made before the peer closes; kept,
+        # they would hold the whole model in the driver for each closed peer.
+        self._state = None
 
 
 def actorpipe_missing() -> str | None:
@@ -295,6 +300,7 @@ async def measure(groups: list[list[Peer]], *, warmup: int, steps: int,
     results: list[PeerResult] = []
     not_run: dict[str, str] = {}
     for peers in groups:
+        gc.collect()  # the last group's trained parameters
         reset_peak_rss()
         group_results, group_not_run = await measure_group(peers, warmup=warmup, steps=steps, rounds=rounds)
         results += group_results
@@ -306,10 +312,12 @@ def reset_peak_rss() -> None:
     """Resets this process's peak-RSS mark (Linux; a no-op elsewhere).
 
     Linux carries a process's ``ru_maxrss`` over ``fork`` and ``exec``: a worker this
-    driver starts would report the driver's peak as its own floor. After one group's
-    peers have handed their trained parameters back, that peak is far above what a
-    stage process of the next group uses.
+    driver starts would report the driver's peak (or, after a reset, its resident size)
+    as its own floor. After one group's peers have handed their trained parameters
+    back, that peak is far above what a stage process of the next group uses.
     """
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)  # glibc: hand the freed heap back first, so the floor is low
     with contextlib.suppress(OSError):
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
