@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
-from actors import _activations, _wgrad, boundary
+from actors import _activations, _overlap, _wgrad, boundary
 from actors.boundary import Payload
 from actors.program import Action, ActionKind
 
@@ -90,6 +90,8 @@ class StageModel:
     # Mixed precision: compute under autocast in this dtype (float32 master weights), and
     # send floating-point boundary values in it. None: float32 throughout.
     compute_dtype: torch.dtype | None = None
+    # W batching: a run of consecutive Ws computes each weight's gradient as one GEMM.
+    w_batching: bool = False
 
     def autocast(self) -> Any:
         """The context a forward (and a recompute) runs in."""
@@ -124,12 +126,16 @@ class StepExecutor:
         send: posts a value to the stage a SEND action names; returns bytes sent.
         num_microbatches: micro-batches per step (the loss of each is scaled by its inverse).
         thread: a one-worker pool for compute; the executor owns it from now on.
+        overlap: the data-parallel reduction that starts during backward, if there is one:
+            :meth:`begin` starts its step, each forward and backward action reports to it.
     """
 
     def __init__(
-        self, model: StageModel, inbox: Inbox, send: Send, num_microbatches: int, thread: ThreadPoolExecutor
+        self, model: StageModel, inbox: Inbox, send: Send, num_microbatches: int, thread: ThreadPoolExecutor,
+        *, overlap: _overlap.OverlappedReduction | None = None,
     ) -> None:
         self.model = model
+        self.overlap = overlap
         self.inbox = inbox
         self._send = send
         self.num_microbatches = num_microbatches
@@ -143,6 +149,8 @@ class StepExecutor:
         self._pending_w: dict[tuple[int, int], list[_wgrad.PendingWeightGrad]] = {}  # I -> W, fused
         self._values: dict[tuple[str, int, int], Any] = {}  # received trees, and payloads to send
         self.loss_scale = 1.0  # fp16: the step's loss scale (set by the stage before each step)
+        self._upcoming: Action | None = None  # the action after the one running (W batching looks ahead)
+        self._w_batch: list[tuple[tuple[int, int], list[_wgrad.PendingWeightGrad]]] = []
         # (stage, micro-batch) -> the storages it holds for its backward, from F until B (or W).
         self._held: dict[tuple[int, int], _activations.Storages] = {}
         self._resident: _activations.Storages = {}  # what lives anyway: parameters, buffers, the batch
@@ -150,6 +158,12 @@ class StepExecutor:
     async def compute(self, fn: Callable[..., T], *args: Any) -> T:
         """Runs ``fn`` on the compute thread."""
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+    async def begin(self, program: Sequence[Action]) -> None:
+        """Prepares a step that will run ``program``: before anything of the step can fail, so that a
+        replica that fails still takes part in every collective the others start (see :meth:`reset`)."""
+        if self.overlap is not None:
+            await self.compute(self.overlap.begin, program)
 
     async def run(
         self,
@@ -171,10 +185,11 @@ class StepExecutor:
         self._resident = _activations.storages([*boundary.tree_tensors(inputs), *boundary.tree_tensors(targets),
                                                 *(t for m in modules for t in (*m.parameters(), *m.buffers()))])
         self.done_actions = 0
-        for action in program:
+        for index, action in enumerate(program):
             if action.kind is _K.BARRIER:
                 break
             self.current = action
+            self._upcoming = program[index + 1] if index + 1 < len(program) else None
             t0 = time.perf_counter()
             try:
                 await self._execute(step, action, trace)
@@ -187,13 +202,14 @@ class StepExecutor:
             if action.kind in (_K.F, _K.B, _K.I, _K.W):
                 trace.busy_s += t1 - t0
             # A micro-batch between I and W still holds its activations (as W's inputs).
-            trace.peak_stash = max(trace.peak_stash, len(self._stash) + len(self._pending_w))
+            trace.peak_stash = max(trace.peak_stash, len(self._stash) + len(self._pending_w) + len(self._w_batch))
             trace.peak_stash_bytes = max(trace.peak_stash_bytes, _activations.union_bytes(self._held.values()))
             self.done_actions += 1
         self.current = None
         trace.elapsed_s = time.perf_counter() - start
-        if self._stash or self._values or self._pending_w:
-            leftover = sorted(map(str, list(self._stash) + list(self._values) + list(self._pending_w)))
+        if self._stash or self._values or self._pending_w or self._w_batch:
+            leftover = sorted(map(str, list(self._stash) + list(self._values) + list(self._pending_w)
+                                  + [key for key, _ in self._w_batch]))
             raise ActionFailed(Action(stage=program[0].stage, kind=_K.BARRIER),
                                RuntimeError(f"program ended with values still held: {leftover}"))
         return trace
@@ -220,7 +236,11 @@ class StepExecutor:
             await self.compute(self.model.optimizer.zero_grad, True)
 
     async def reset(self, step: int) -> None:
-        """Drops a failed or aborted step: stash, values, gradients (after any compute in flight)."""
+        """Drops a failed or aborted step: stash, values, gradients (after any compute in flight).
+
+        An overlapped reduction starts the buckets it had not started yet, so that every
+        replica issues the same collectives; the next :meth:`begin` waits for them.
+        """
         self.inbox.drop_step(step)
         await self.compute(self._clear)
 
@@ -238,11 +258,11 @@ class StepExecutor:
                 trace.losses[m] = loss
         elif kind in (_K.B, _K.I):
             grads = None if s == self.model.num_stages - 1 else self._values.pop(("B", s + 1, m))
-            grad_in = await self.compute(self._backward, s, m, grads, kind is _K.I)
+            grad_in = await self.compute(self._tracked, action, self._backward, s, m, grads, kind is _K.I)
             if grad_in is not None:
                 self._values[("B", s, m)] = boundary.pack(grad_in)
         elif kind is _K.W:
-            await self.compute(self._weight_backward, s, m)
+            await self.compute(self._tracked, action, self._weight_backward, s, m)
         elif kind in (_K.RECV_F, _K.RECV_B):
             tag = "F" if kind is _K.RECV_F else "B"
             source = s - 1 if tag == "F" else s + 1
@@ -272,9 +292,17 @@ class StepExecutor:
 
     # -- compute (on the compute thread) --------------------------------------------
 
+    def _tracked(self, action: Action, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)``, a backward action, reported to the overlapped reduction."""
+        if self.overlap is None:
+            return fn(*args)
+        with self.overlap.action(action):
+            return fn(*args)
+
     def _forward_held(self, stage: int, mb: int, x: Any, target: Any) -> float | None:
         """:meth:`_forward`, noting what the micro-batch now holds for its backward (``peak_stash_bytes``)."""
-        with _activations.SavedActivations(self._resident) as saved:
+        counting = self.overlap.forward(stage, mb) if self.overlap is not None else contextlib.nullcontext()
+        with _activations.SavedActivations(self._resident) as saved, counting:
             loss = self._forward(stage, mb, x, target)
         inputs, outs = self._stash[(stage, mb)]
         saved.add(inputs + outs)
@@ -345,9 +373,24 @@ class StepExecutor:
 
     def _weight_backward(self, stage: int, mb: int) -> None:
         key = (stage, mb)
+        if key in self._pending_w and self.model.w_batching:
+            # W batching: consecutive Ws (the tail defer_weight_grads makes) run each weight's
+            # GEMM once, over all their micro-batches' rows.
+            self._w_batch.append((key, self._pending_w.pop(key)))
+            upcoming = self._upcoming
+            if upcoming is not None and upcoming.kind is _K.W and \
+                    (upcoming.stage, upcoming.microbatch) in self._pending_w:
+                return
+            batch, self._w_batch = self._w_batch, []
+            assert self.model.weight_grads is not None
+            _wgrad.apply_batched([pending for _, pending in batch], self.model.weight_grads.on_write)
+            for done, _ in batch:
+                del self._held[done]
+            return
         del self._held[key]
         if key in self._pending_w:
-            _wgrad.apply(self._pending_w.pop(key))
+            assert self.model.weight_grads is not None
+            _wgrad.apply(self._pending_w.pop(key), self.model.weight_grads.on_write)
             return
         _, outs = self._stash.pop(key)
         grads = self._pending_grads.pop(key)
@@ -363,6 +406,8 @@ class StepExecutor:
         self.model.optimizer.zero_grad(set_to_none=True)
 
     def _clear(self) -> None:
+        if self.overlap is not None:
+            self.overlap.abandon()
         self._stash.clear()
         self._pending_grads.clear()
         self._pending_w.clear()

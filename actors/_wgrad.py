@@ -17,24 +17,28 @@ Only modules whose type is exactly ``nn.Linear`` are taken over (see :func:`inst
 subclasses, tensor-parallel linears and other layers keep plain autograd. Hooks
 registered on a taken-over weight (``register_hook``, post-accumulate-grad hooks) do
 not fire, since autograd never accumulates that weight's gradient; double backward
-through these layers is not supported.
+through these layers is not supported. What must know when such a gradient changes
+(the overlapped data-parallel reduction, ``actors._overlap``) sets
+:attr:`WeightGradients.on_write` instead, and counts a forward's uses of each weight
+with :meth:`WeightGradients.counting_uses`: a backward writes a weight at most once per use.
 """
 
 from __future__ import annotations
 
 import contextlib
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["PendingWeightGrad", "WeightGradients", "apply", "install"]
+__all__ = ["PendingWeightGrad", "WeightGradients", "apply", "apply_batched", "install", "takes_over"]
 
 # One deferred weight GEMM: (weight or None, bias or None, output gradient, input).
 PendingWeightGrad = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]
+OnWrite = Callable[[torch.Tensor], None]  # called with a parameter right after its .grad changed
 
 
 def _accumulate(param: torch.Tensor, value: torch.Tensor) -> None:
@@ -46,7 +50,7 @@ def _accumulate(param: torch.Tensor, value: torch.Tensor) -> None:
 
 @torch.no_grad()
 def _weight_grad(weight: torch.Tensor | None, bias: torch.Tensor | None,
-                 grad_out: torch.Tensor, inputs: torch.Tensor) -> None:
+                 grad_out: torch.Tensor, inputs: torch.Tensor, on_write: OnWrite | None = None) -> None:
     """``weight.grad += grad_outᵀ · inputs`` (one GEMM into ``.grad``) and ``bias.grad += Σ grad_out``."""
     g = grad_out.reshape(-1, grad_out.shape[-1])
     if weight is not None:
@@ -59,15 +63,43 @@ def _weight_grad(weight: torch.Tensor | None, bias: torch.Tensor | None,
             weight.grad = g.t().mm(x)
         else:
             weight.grad.addmm_(g.t(), x)
+        if on_write is not None:
+            on_write(weight)
     if bias is not None:
         _accumulate(bias, g.sum(0).to(bias.dtype))
+        if on_write is not None:
+            on_write(bias)
 
 
-def apply(pending: list[PendingWeightGrad]) -> None:
-    """Runs deferred weight GEMMs (a ``W``) into the parameters' ``.grad``."""
+def apply(pending: list[PendingWeightGrad], on_write: OnWrite | None = None) -> None:
+    """Runs deferred weight GEMMs (a ``W``) into the parameters' ``.grad``, telling ``on_write`` of each."""
     for weight, bias, grad_out, inputs in pending:
-        _weight_grad(weight, bias, grad_out, inputs)
+        _weight_grad(weight, bias, grad_out, inputs, on_write)
     pending.clear()
+
+
+def apply_batched(batches: list[list[PendingWeightGrad]], on_write: OnWrite | None = None) -> None:
+    """Runs several Ws at once: each weight's recorded pairs from every batch as one GEMM whose
+    K is all their rows together (as one process computes it over the whole batch).
+
+    The concatenated output gradients and inputs are a temporary of the size of the pairs
+    themselves; the per-micro-batch GEMMs they replace each stream the weight through the
+    cache again, which is what a larger K saves.
+    """
+    groups: dict[tuple[int, int], list[PendingWeightGrad]] = {}
+    for pending in batches:
+        for entry in pending:
+            weight, bias = entry[0], entry[1]
+            groups.setdefault((id(weight), id(bias)), []).append(entry)
+        pending.clear()
+    for entries in groups.values():
+        weight, bias = entries[0][0], entries[0][1]
+        if len(entries) == 1:
+            _weight_grad(weight, bias, entries[0][2], entries[0][3], on_write)
+            continue
+        grad_out = torch.cat([g.reshape(-1, g.shape[-1]) for _, _, g, _ in entries])
+        inputs = torch.cat([x.reshape(-1, x.shape[-1]) for _, _, _, x in entries])
+        _weight_grad(weight, bias, grad_out, inputs, on_write)
 
 
 class WeightGradients:
@@ -76,6 +108,27 @@ class WeightGradients:
 
     def __init__(self) -> None:
         self._deferred: list[PendingWeightGrad] | None = None
+        self._uses: dict[int, int] | None = None
+        # Called with each parameter whose .grad a GEMM (run now, or deferred and run by
+        # :func:`apply` with it) has just changed.
+        self.on_write: OnWrite | None = None
+
+    @contextlib.contextmanager
+    def counting_uses(self) -> Iterator[dict[int, int]]:
+        """Forwards inside count how often each taken-over linear's weight and bias are used
+        (``id(param) -> uses``): the backward of that forward writes each at most that often."""
+        uses: dict[int, int] = {}
+        self._uses = uses
+        try:
+            yield uses
+        finally:
+            self._uses = None
+
+    def note_use(self, module: nn.Linear) -> None:
+        if self._uses is not None:
+            for param in (module.weight, module.bias):
+                if param is not None:
+                    self._uses[id(param)] = self._uses.get(id(param), 0) + 1
 
     @contextlib.contextmanager
     def deferring(self) -> Iterator[list[PendingWeightGrad]]:
@@ -95,7 +148,7 @@ class WeightGradients:
         if weight is None and bias is None:
             return
         if self._deferred is None:
-            _weight_grad(weight, bias, grad_out, inputs)
+            _weight_grad(weight, bias, grad_out, inputs, self.on_write)
         else:
             self._deferred.append((weight, bias, grad_out, inputs))
 
@@ -139,8 +192,14 @@ def _forward(module: nn.Linear, grads: WeightGradients, inputs: torch.Tensor) ->
     device = inputs.device.type
     # Autocast is per device type: torch.is_autocast_enabled() alone asks about CUDA only.
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    grads.note_use(module)
     out: torch.Tensor = _Linear.apply(inputs, module.weight, module.bias, grads, dtype)
     return out
+
+
+def takes_over(module: nn.Module) -> bool:
+    """Whether :func:`install` routes this module's parameter gradients (exact ``nn.Linear`` only)."""
+    return type(module) is nn.Linear
 
 
 def install(module: nn.Module, grads: WeightGradients) -> int:
@@ -148,7 +207,7 @@ def install(module: nn.Module, grads: WeightGradients) -> int:
     only) through ``grads``; returns how many linears were taken over."""
     count = 0
     for sub in module.modules():
-        if type(sub) is nn.Linear:
+        if takes_over(sub):
             sub.forward = types.MethodType(lambda self, x: _forward(self, grads, x), sub)  # type: ignore[method-assign]
             count += 1
     return count

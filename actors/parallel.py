@@ -24,7 +24,10 @@ import torch.distributed as dist
 from actors.mesh import Mesh
 from transport.codecs import ErrorFeedback
 
-__all__ = ["ProcessGroups", "average_gradients", "join_process_groups", "leave_process_groups"]
+__all__ = [
+    "ProcessGroups", "average_gradients", "bucket_layout", "join_process_groups", "leave_process_groups",
+    "start_average",
+]
 
 log = logging.getLogger(__name__)
 
@@ -116,17 +119,39 @@ def leave_process_groups() -> None:
         dist.destroy_process_group()
 
 
+def bucket_layout(params: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[int]]:
+    """Which parameters (by index) share each flat gradient bucket.
+
+    Parameters are packed in order into buckets of at most ``bucket_bytes``, one dtype
+    a bucket; one parameter larger than that gets a bucket of its own. Every replica
+    computes the same layout from the same parameters, so the buckets' collectives pair up.
+    """
+    buckets: list[list[int]] = []
+    size = 0
+    for index, p in enumerate(params):
+        nbytes = p.numel() * p.element_size()
+        if buckets and (size + nbytes > bucket_bytes or p.dtype != params[buckets[-1][0]].dtype):
+            buckets.append([])
+            size = 0
+        if not buckets:
+            buckets.append([])
+        buckets[-1].append(index)
+        size += nbytes
+    return buckets
+
+
 def average_gradients(
     params: Sequence[torch.Tensor],
     groups: ProcessGroups,
     bucket_bytes: int,
     feedback: ErrorFeedback | None = None,
 ) -> int:
-    """Averages gradients across the data-parallel group, a bucket per collective.
+    """Averages gradients across the data-parallel group, a bucket per collective, after backward.
 
-    Parameters are packed in order into flat buckets of at most ``bucket_bytes`` (one
-    parameter larger than that gets a bucket of its own), so a model costs a handful of
-    all-reduces rather than one per parameter.
+    The buckets are :func:`bucket_layout`'s, so that a model costs a handful of
+    all-reduces rather than one per parameter; each is copied into a flat buffer,
+    reduced, divided by the group's size and copied back. (``actors._overlap`` reduces
+    the same buckets during backward instead, with the gradients living in them.)
 
     Args:
         feedback: a lossy codec with error feedback (one residual per bucket): each
@@ -137,20 +162,25 @@ def average_gradients(
     Returns:
         The bytes this replica contributed to the wire (the flat buckets' bytes when raw).
     """
-    bucket: list[torch.Tensor] = []
-    size = sent = index = 0
+    sent = 0
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)  # every replica must take part in every bucket
-        nbytes = p.grad.numel() * p.grad.element_size()
-        if bucket and (size + nbytes > bucket_bytes or p.grad.dtype != bucket[0].dtype):
-            sent += _reduce_bucket(bucket, groups, feedback, index)
-            bucket, size, index = [], 0, index + 1
-        bucket.append(p.grad)
-        size += nbytes
-    if bucket:
-        sent += _reduce_bucket(bucket, groups, feedback, index)
+    for index, members in enumerate(bucket_layout(params, bucket_bytes)):
+        grads = [params[i].grad for i in members]
+        sent += _reduce_bucket([g for g in grads if g is not None], groups, feedback, index)
     return sent
+
+
+def start_average(flat: torch.Tensor, group: Any, world: int) -> Any:
+    """Starts averaging ``flat`` in place over ``group`` of ``world`` members: a sum all-reduce, then,
+    as soon as it completes (on the collective's thread), the division :func:`average_gradients`
+    does. Returns a future; ``wait()`` returns once both are done."""
+    def divide(done: Any) -> torch.Tensor:
+        done.value()  # the all-reduce's error, if it failed, is the average's
+        return flat.div_(world)
+
+    return dist.all_reduce(flat, group=group, async_op=True).get_future().then(divide)
 
 
 def _flat_buffer(groups: ProcessGroups, index: int, numel: int, like: torch.Tensor) -> torch.Tensor:

@@ -31,8 +31,8 @@ class _FromWire(Protocol):
 class WireRecord:
     """Mixin for dataclass records: ``to_wire`` and a strict ``from_wire``.
 
-    A field that holds another record (or ``None``) is named in ``nested``, with the
-    class that rebuilds it; every other field holds plain data.
+    A field that holds another record, a list of them, or ``None`` is named in
+    ``nested``, with the class that rebuilds it; every other field holds plain data.
     """
 
     __slots__ = ()
@@ -42,8 +42,11 @@ class WireRecord:
         """The record as a plain map."""
         data = {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
         for name in self.nested:
-            if data[name] is not None:
-                data[name] = data[name].to_wire()
+            value = data[name]
+            if isinstance(value, list):
+                data[name] = [item.to_wire() for item in value]
+            elif value is not None:
+                data[name] = value.to_wire()
         return data
 
     @classmethod
@@ -65,8 +68,11 @@ class WireRecord:
             raise RecordError(f"{cls.__name__}: missing key(s) {', '.join(missing)}")
         data = dict(data)
         for name, record in cls.nested.items():
-            if data.get(name) is not None:
-                data[name] = record.from_wire(data[name])
+            value = data.get(name)
+            if isinstance(value, list):
+                data[name] = [record.from_wire(item) for item in value]
+            elif value is not None:
+                data[name] = record.from_wire(value)
         return cls(**data)
 
 
@@ -100,6 +106,7 @@ class StageConfig(WireRecord):
     # (see actors.parallel.join_process_groups).
     dist: dict[str, Any] | None = None
     bucket_bytes: int = 25 << 20
+    overlap_reduce: bool = True  # start each bucket's all-reduce during backward (actors._overlap) where it serves
     reduce_codec: str = "none"  # data-parallel gradient codec (with error feedback when lossy)
     transport: str = "zmq"  # stage-to-stage tensors: "zmq" (actor messages) or "dist" (torch.distributed p2p)
     # Any nn.Module, traced and cut before these modules (actors.traced); bounds are then one "layer" per stage.
@@ -116,6 +123,7 @@ class StageConfig(WireRecord):
     lr_scheduler: list[Any] | None = None  # [path, kwargs]
     activation_checkpointing: bool | int = False  # True: every layer; N: every N layers
     zero_stage: int = 0  # 1: optimizer state sharded across data-parallel replicas
+    w_batching: bool = False  # consecutive W actions run each weight's GEMM once over their micro-batches
 
     @property
     def num_stages(self) -> int:
@@ -181,12 +189,15 @@ class ReduceReport(WireRecord):
             reduction; a tensor-replicated parameter counted by tensor rank 0 only, a
             tied one by the lowest pipeline rank holding it); the scheduler adds the
             shares of data-parallel replica 0.
+        wait_s: seconds the data-parallel reduction took after the barrier: all of it when
+            it runs there, what backward did not hide when it started during backward.
     """
 
     reduced_bytes: int = 0
     nonfinite: list[str] = field(default_factory=list)
     tied: list[list[str]] = field(default_factory=list)
     grad_sq: float = 0.0
+    wait_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import datetime
 import functools
+import gc
 import logging
 import resource
 import time
@@ -22,7 +23,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from actors import _wgrad, boundary, checkpoint, snapshots, tied, zero
+from actors import _overlap, _wgrad, boundary, checkpoint, snapshots, tied, zero
 from actors._actor import Actor, caller_among, current_caller, endpoint
 from actors._activations import checkpoint_interval
 from actors._allocator import keep_freed_memory
@@ -36,7 +37,9 @@ from actors._stage_checkpoint import PreparedLoad, apply_load, layer_key, prepar
 from actors._ref import ActorRef
 from actors.mesh import Coords, Mesh
 from actors.p2p import DistLink
-from actors.parallel import ProcessGroups, average_gradients, join_process_groups, leave_process_groups
+from actors.parallel import (
+    ProcessGroups, average_gradients, join_process_groups, leave_process_groups, start_average,
+)
 from actors.program import Action, ActionKind, stage_to_rank
 from actors.records import FinishReport, ReduceReport, StageConfig, StageReport
 from actors.rendezvous import ActorStore
@@ -98,6 +101,9 @@ class StageActor(Actor):
         codec = self.config.reduce_codec
         self._reduce_feedback = ErrorFeedback(codec) if get_codec(codec).lossy else None
         self._reduced_bytes = 0
+        self._overlap: _overlap.OverlappedReduction | None = None  # the reduction during backward, when it serves
+        self._reduce_params: list[torch.Tensor] = []  # what the reduction averages, in bucket order
+        self._reduce_nonfinite: list[str] = []  # the overlapped reduction's findings (local gradients)
         self.peers: list[ActorRef] = []
         self.executor: StepExecutor | None = None
         self._layer_names: dict[int, int] = {}  # id(layer) -> global layer index
@@ -135,7 +141,7 @@ class StageActor(Actor):
             raise
         cfg = self.config
         self.executor = StepExecutor(model, Inbox(self._inbox_limit(cfg.micro_batches)), self._send,
-                                     cfg.micro_batches, thread)
+                                     cfg.micro_batches, thread, overlap=self._overlap)
 
     def _inbox_limit(self, num_microbatches: int) -> int:
         # Each micro-batch brings at most one activation and one gradient per held stage.
@@ -215,6 +221,8 @@ class StageActor(Actor):
         log.info("stage %s/%d of job %s: model stages %s, %d parameters", cfg.pipeline_rank, cfg.pipeline_stages,
                  cfg.job, cfg.stages, sum(p.numel() for p in params))
         compute_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
+        self._reduce_params = _overlap.backward_order(modules)
+        self._overlap = self._build_overlap(modules, weight_grads, cfg.w_batching)
         # Each parameter's share of the global norm: replicated tensor-parallel ones on tensor
         # rank 0, tied ones on the lowest pipeline rank holding them (see reduce_step).
         tied_elsewhere = {id(g.param) for g in self._tied.groups if g.ranks[0] != cfg.pipeline_rank}
@@ -223,7 +231,25 @@ class StageActor(Actor):
                                   if id(p) not in tied_elsewhere and (name in self._specs or tp_rank == 0)}.values())
         return StageModel(modules=modules, num_stages=cfg.num_stages, loss_fn=loss_fn,
                           optimizer=optimizer, device=device, weight_grads=weight_grads,
+                          w_batching=cfg.w_batching,
                           compute_dtype=compute_dtype, lr_scheduler=scheduler)
+
+    def _build_overlap(self, modules: dict[int, nn.Module], weight_grads: _wgrad.WeightGradients | None,
+                       w_batching: bool) -> _overlap.OverlappedReduction | None:
+        """The data-parallel reduction that starts during backward, where it serves: with replicas,
+        ``overlap_reduce`` on and an exact all-reduce (a lossy ``reduce_codec`` encodes each bucket
+        with error feedback after the barrier instead, in :func:`average_gradients`)."""
+        groups = self._groups
+        if groups is None or groups.data_size < 2 or not self.config.overlap_reduce \
+                or self._reduce_feedback is not None:
+            return None
+        names: dict[int, list[str]] = {}
+        for name, p in self._named_parameters:
+            names.setdefault(id(p), []).append(name)
+        return _overlap.OverlappedReduction(
+            self._reduce_params, modules, names, bucket_bytes=self.config.bucket_bytes,
+            reduce=lambda flat: start_average(flat, self._data_group(), groups.data_size),
+            weight_grads=weight_grads, w_batching=w_batching)
 
     def _data_group(self) -> Any:
         """The data-parallel process group as it is now (a recovery forms it again)."""
@@ -243,9 +269,17 @@ class StageActor(Actor):
         # A gloo group's threads and listening sockets live as long as its Python object:
         # drop every reference (the groups, tensor-parallel layers holding them), now.
         self._groups = None
+        self._overlap = None
         self.executor = None
         self._held = {}
         self._named_parameters = []
+        # Parameters carry the overlapped reduction's gradient hooks, and those hold the group.
+        self._reduce_params = []
+        self._norm_params = []
+        self._tied = tied.TiedSync(self.config.pipeline_rank, [])
+        # Those hooks and the parameters they watch form reference cycles, which refcounting
+        # alone never frees: collect them now, so the group's threads and sockets go with the job.
+        gc.collect()
 
     # -- set-up ----------------------------------------------------------------------
 
@@ -303,6 +337,7 @@ class StageActor(Actor):
             if isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float)) or not loss_scale > 0:
                 raise ValueError(f"loss_scale must be a number > 0, got {loss_scale!r:.40}")
             self.executor.loss_scale = float(loss_scale)
+        await self.executor.begin(actions)
         if data_step is not None:
             inputs, targets = self._read_data(data_step, data_shard or [0, 1])
         if snapshot is not None:
@@ -359,15 +394,22 @@ class StageActor(Actor):
         assert self.executor is not None
         self._reduced_bytes = 0
         named = self._named_parameters
-        found = await self.executor.compute(nonfinite_gradients, named)
+        overlapped = self._overlap is not None and self._overlap.active
+        # Overlapped, each bucket was checked before it went on the wire (see actors._overlap).
+        found = [] if overlapped else await self.executor.compute(nonfinite_gradients, named)
+        started = time.perf_counter()
         await self.executor.reduce(self._program, self._reduce)
+        wait_s = time.perf_counter() - started
+        if overlapped:
+            bad = set(self._reduce_nonfinite)
+            found = [name for name, _ in named if name in bad]
         await self._tied.sum(step, self._send_tied)
         if not found and self._reduce_feedback is not None and self._reduced_bytes:
             # A lossy reduce codec can overflow (fp16 past 65504) where the raw gradients did not.
             reduced = await self.executor.compute(nonfinite_gradients, named)
             found = [f"{name} (after the data-parallel reduction)" for name in reduced]
         grad_sq = await self.executor.compute(_squared_norm, self._norm_params)
-        return ReduceReport(reduced_bytes=self._reduced_bytes, nonfinite=found, grad_sq=grad_sq,
+        return ReduceReport(reduced_bytes=self._reduced_bytes, nonfinite=found, grad_sq=grad_sq, wait_s=wait_s,
                             tied=[self._tied_names(group.names) for group in self._tied.groups]).to_wire()
 
     def _tied_names(self, names: Sequence[str]) -> list[str]:
@@ -617,6 +659,8 @@ class StageActor(Actor):
 
         def rejoin() -> ProcessGroups:
             self._groups = None
+            if self._overlap is not None:  # the old group's collectives end with it
+                self._overlap.forget()
             leave_process_groups()
             return join_process_groups(dist, mesh, cfg.global_rank, cfg.job, store, own_address=self.runtime.address)
 
@@ -855,12 +899,17 @@ class StageActor(Actor):
         return out, sq_err
 
     async def _reduce(self) -> None:
-        """Data-parallel gradient reduction: bucketed all-reduce averages across replicas."""
+        """Data-parallel gradient reduction: bucketed all-reduce averages across replicas, started
+        during backward (``actors._overlap``) where that serves, else all of it now."""
         assert self.executor is not None
-        if self._groups is not None and self._groups.data_size > 1:
-            params = list({id(p): p for m in self.executor.model.modules.values() for p in m.parameters()}.values())
+        overlap = self._overlap
+        if overlap is not None and overlap.active:
+            self._reduce_nonfinite = await self.executor.compute(overlap.finish)
+            self._reduced_bytes = overlap.num_bytes
+        elif self._groups is not None and self._groups.data_size > 1:
             self._reduced_bytes = await self.executor.compute(
-                average_gradients, params, self._groups, self.config.bucket_bytes, self._reduce_feedback)
+                average_gradients, self._reduce_params, self._groups, self.config.bucket_bytes,
+                self._reduce_feedback)
 
     def _read_data(self, data_step: int, shard: list[int]) -> tuple[list[Any] | None, list[Any] | None]:
         if self._data is None:

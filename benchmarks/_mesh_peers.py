@@ -2,15 +2,20 @@
 
 ``MeshPeer`` keeps a ``LocalCluster`` of ``P * T * D`` nodes and one job on it up for
 the whole run, like the actorpipe peer of ``benchmarks.pipeline``, so that its timed
-steps can interleave with the other peers'. ``measure_reduction`` times
-``actors.parallel.average_gradients`` on the reference model's gradients against one
-raw gloo ``all_reduce`` of the same bytes, in two spawned processes.
+steps can interleave with the other peers'. ``measure_reduction`` times the stage
+actors' two data-parallel reductions on the reference model's gradients against one
+raw gloo ``all_reduce`` of the same bytes, in two spawned processes: the overlapped
+one's work at the barrier when nothing was started during backward
+(``actors._overlap``: check, all-reduce and divide each bucket, gradients already in
+their buckets) and ``actors.parallel.average_gradients`` (copy in, all-reduce, divide,
+copy out).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import multiprocessing as mp
 import os
 import queue
@@ -25,6 +30,9 @@ import torch.distributed as dist
 
 from benchmarks._torch_pipelining import BATCH_SHAPE, NUM_BLOCKS, build_model
 from benchmarks.pipeline import ActorpipePeer
+
+# A program with a reduction, to begin the overlapped reduction's step with (no action runs).
+_PROGRAM_TEXT = "0F0 0B0 0BARRIER 0REDUCE 0STEP"
 
 MICROBATCH_SIZE = 8  # DESIGN.md: 8 micro-batches of 8; each data-parallel replica keeps micro-batches of 8
 
@@ -83,13 +91,29 @@ def unavailable_reason(exc: BaseException) -> str | None:
 
 
 class MeshPeer(ActorpipePeer):
-    """A ``LocalCluster`` of ``P * T * D`` nodes training the reference workload as one 1F1B job."""
+    """A ``LocalCluster`` of ``P * T * D`` nodes training the reference workload as one 1F1B job.
 
-    def __init__(self, shape: MeshShape) -> None:
+    ``overlap_reduce=False`` reduces the data-parallel gradients after the barrier (the
+    name then ends in ``_barrier``). ``reduce_waits`` gets, per step, the most seconds
+    any stage spent on the reduction after the barrier (``StepStats.reduce_wait_s``).
+    """
+
+    def __init__(self, shape: MeshShape, *, overlap_reduce: bool = True) -> None:
+        suffix = "" if overlap_reduce else "_barrier"
         super().__init__(num_stages=shape.pipeline, schedule="1f1b", tensor_parallel=shape.tensor,
                          data_parallel=shape.data, micro_batches=shape.num_microbatches,
-                         name=f"actorpipe_p{shape.pipeline}t{shape.tensor}d{shape.data}")
+                         name=f"actorpipe_p{shape.pipeline}t{shape.tensor}d{shape.data}{suffix}",
+                         options={"overlap_reduce": overlap_reduce})
         self.shape = shape
+        self.overlap_reduce = overlap_reduce
+        self.reduce_waits: list[float] = []
+
+    async def run(self, num_steps: int) -> list[float]:
+        times = []
+        for _ in range(num_steps):  # one at a time, to keep each step's stats
+            times += await super().run(1)
+            self.reduce_waits.append(max(self._last_stats.reduce_wait_s, default=0.0))
+        return times
 
 
 # --- the data-parallel gradient reduction against raw gloo -------------------------------
@@ -97,7 +121,10 @@ class MeshPeer(ActorpipePeer):
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class ReductionResult:
-    """Median seconds per variant (``raw`` or ``bucket_<MiB>``) to reduce ``num_bytes`` of gradients."""
+    """Median seconds per variant to reduce ``num_bytes`` of gradients: ``raw`` (one all-reduce of
+    one flat tensor), ``overlap_<MiB>`` (the overlapped reduction's all-reduces and divisions at
+    the barrier), ``checked_<MiB>`` (the same with its NaN check, as a stage runs it) and
+    ``bucket_<MiB>`` (``average_gradients``)."""
 
     num_bytes: int
     median_s: dict[str, float]
@@ -107,9 +134,12 @@ class ReductionResult:
         return self.num_bytes / self.median_s[variant] / 1e9
 
 
-def _reduction_worker(rank: int, store_path: str, bucket_mib: list[int], reps: int, results: Any) -> None:
+def _reduction_worker(rank: int, store_path: str, bucket_mib: list[int], default_mib: int, reps: int,
+                      results: Any) -> None:
     """One of two ranks: times every variant ``reps`` times, rotated; rank 0 reports the slowest rank's medians."""
-    from actors.parallel import ProcessGroups, average_gradients
+    from actors._overlap import OverlappedReduction, backward_order
+    from actors.parallel import ProcessGroups, average_gradients, start_average
+    from actors.program import Action
 
     try:
         torch.set_num_threads(1)
@@ -127,16 +157,41 @@ def _reduction_worker(rank: int, store_path: str, bucket_mib: list[int], reps: i
             # Summing doubles the values each rep: 2**(reps + 1) stays far inside float32.
             dist.all_reduce(flat, group=groups.data)
 
-        variants = {"raw": raw} | {
-            f"bucket_{mib}": (lambda b=mib << 20: average_gradients(params, groups, b)) for mib in bucket_mib}
+        # The overlapped reduction on a model of its own (its gradients are views of its buckets).
+        model = build_model()
+        program = [Action.parse(text) for text in _PROGRAM_TEXT.split()]
+        def overlapped(mib: int, check_finite: bool) -> OverlappedReduction:
+            return OverlappedReduction(backward_order({0: model}), {0: model}, {}, bucket_bytes=mib << 20,
+                                       reduce=lambda bucket: start_average(bucket, groups.data, 2),
+                                       check_finite=check_finite)
+        gradients = [torch.randn(p.shape, generator=generator) for p in model.parameters()]
+
+        def begin(overlap: OverlappedReduction) -> None:
+            """Untimed: a step whose backward left these gradients in the buckets and started none."""
+            overlap.begin(program)
+            for p, grad in zip(model.parameters(), gradients):
+                assert p.grad is not None
+                p.grad.copy_(grad)
+
+        variants: dict[str, tuple[Any, Any]] = {"raw": (None, raw)}
+        for mib in bucket_mib:
+            reduction = overlapped(mib, check_finite=False)
+            variants[f"overlap_{mib}"] = (functools.partial(begin, reduction), reduction.finish)
+            variants[f"bucket_{mib}"] = (None, functools.partial(average_gradients, params, groups, mib << 20))
+        # As a stage runs it at the barrier: each bucket checked for NaN before it leaves.
+        checked = overlapped(default_mib, check_finite=True)
+        variants[f"checked_{default_mib}"] = (functools.partial(begin, checked), checked.finish)
         names = list(variants)
         times: dict[str, list[float]] = {name: [] for name in names}
         for rep in range(reps + 1):  # the first rep warms up and is dropped
             shift = rep % len(names)
             for name in names[shift:] + names[:shift]:
+                setup, run = variants[name]
+                if setup is not None:
+                    setup()
                 dist.barrier(group=groups.data)
                 start = time.perf_counter()
-                variants[name]()
+                run()
                 if rep:
                     times[name].append(time.perf_counter() - start)
         # The slowest rank's time per rep: a collective ends when its last member does.
@@ -154,8 +209,10 @@ def _reduction_worker(rank: int, store_path: str, bucket_mib: list[int], reps: i
             dist.destroy_process_group()
 
 
-def measure_reduction(bucket_mib: list[int], *, reps: int = 7, timeout: float = 300.0) -> ReductionResult:
-    """Times the bucketed DP reduction per bucket size against a raw all-reduce, in two processes.
+def measure_reduction(bucket_mib: list[int], default_mib: int, *, reps: int = 7,
+                      timeout: float = 300.0) -> ReductionResult:
+    """Times the bucketed DP reduction per bucket size against a raw all-reduce, in two processes
+    (and the overlapped one with its NaN check at ``default_mib``).
 
     Raises:
         RuntimeError: a rank failed (with its traceback), died, or the whole took over ``timeout``.
@@ -164,7 +221,7 @@ def measure_reduction(bucket_mib: list[int], *, reps: int = 7, timeout: float = 
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="actorpipe-bench-reduce-") as tmp:
         store = os.path.join(tmp, "store")
-        processes = [ctx.Process(target=_reduction_worker, args=(rank, store, bucket_mib, reps, results),
+        processes = [ctx.Process(target=_reduction_worker, args=(rank, store, bucket_mib, default_mib, reps, results),
                                  name=f"dp_reduce.rank{rank}", daemon=True) for rank in range(2)]
         replies: dict[int, Any] = {}
         try:

@@ -5,7 +5,11 @@ Peers, all measured in one run on the reference workload (DESIGN.md):
 - one process: the plain full-batch training step, one thread;
 - actorpipe: a ``LocalCluster`` of ``P * T * D`` nodes running one 1F1B job per mesh of
   ``--meshes`` (default (2,1,1), (1,2,1), (1,1,2) and (2,2,1)). Every micro-batch
-  holds 8 samples: 8 micro-batches with one replica, 4 per replica with two.
+  holds 8 samples: 8 micro-batches with one replica, 4 per replica with two. With
+  data parallelism the replicas reduce their gradients during the last micro-batch's
+  backward (``overlap_reduce``, the default); one more peer of the first such mesh
+  reduces them after the barrier (``overlap_reduce=False``, ``..._barrier``) unless
+  ``--no-barrier-peer``.
 
 Every peer starts and stays up; after the warm-up steps the timed steps run in rounds,
 each round a few steps of every peer in a rotated order, so that the machine's noise
@@ -15,10 +19,23 @@ step time. Peak RSS is per rank, by global mesh rank ((d * P + p) * T + t); "rel
 is the trained parameters' distance from one process's after the same steps. A mesh whose degree the library does not offer yet (``tensor_parallel > 1``
 until it lands) is reported as null with the library's message.
 
-Then the data-parallel gradient reduction alone: two spawned gloo processes time
-``actors.parallel.average_gradients`` on the reference model's 16.8M gradients
-(67 MB) per bucket size against one raw ``all_reduce`` of one flat tensor of the same
-bytes; bandwidth is bytes / median time. The last line printed is one JSON object.
+Then the data-parallel gradient reduction alone: two spawned gloo processes reduce the
+reference model's 16.8M gradients (67 MB) per bucket size, against one raw
+``all_reduce`` of one flat tensor of the same bytes; bandwidth is bytes / median time.
+``overlapped`` is the overlapped reduction's work when backward started nothing (each
+bucket all-reduced and divided, the gradients already living in the buckets);
+``overlapped + NaN check`` adds the check a stage makes on each bucket before it
+leaves (during backward, in a step); ``average_gradients`` is the copy-in, all-reduce,
+divide, copy-out of the reduction after the barrier.
+
+Keys: ``dp_allreduce_vs_raw_gloo`` is the overlapped reduction's bandwidth at the
+default bucket size over raw gloo's (``dp_allreduce_checked_vs_raw_gloo`` with the
+check, ``dp_allreduce_vs_raw_gloo_after_barrier`` for ``average_gradients``);
+``dp_overlap_fraction`` is the share of that
+reduction's time (``dp_reduce_standalone_ms``) that the (1,1,2) job's steps did not
+spend waiting for it after the barrier (``dp_reduce_exposed_ms``: per step the
+slowest stage's ``StepStats.reduce_wait_s``, median over the timed steps), that is,
+the share hidden behind backward. The last line printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -46,6 +63,8 @@ DEFAULT_MESHES = ("2,1,1", "1,2,1", "1,1,2", "2,2,1")
 HEADLINE_MESHES = {"pp2": MeshShape(2, 1, 1), "tp2": MeshShape(1, 2, 1), "dp2": MeshShape(1, 1, 2),
                    "pp2tp2": MeshShape(2, 2, 1)}
 DEFAULT_BUCKETS_MIB = (4, 25, 100)
+BARRIER_SUFFIX = "_barrier"  # a peer reducing after the barrier (overlap_reduce=False)
+LABELS = {"overlap": "overlapped", "checked": "overlapped, NaN-checked", "bucket": "average_gradients"}
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -59,6 +78,7 @@ class PeerResult:
     bubble_fraction: float | None = None
     max_rel_diff: float | None = None
     skipped: str | None = None
+    reduce_wait_s: float | None = None  # median over timed steps of the slowest stage's wait after the barrier
 
     @property
     def samples_per_s(self) -> float | None:
@@ -134,10 +154,12 @@ async def _measure(peers: list[Peer], *, warmup: int, steps: int, rounds: int) -
                 results.append(PeerResult(name=peer.name, shape=shape, skipped=skipped[peer.name]))
                 continue
             bubbles = getattr(peer, "bubble_fractions", None)
+            waits = getattr(peer, "reduce_waits", [])[warmup:]
             results.append(PeerResult(
                 name=peer.name, shape=shape, step_times_s=times[peer.name], peak_rss_bytes=rss[peer.name],
                 bubble_fraction=statistics.median(bubbles) if bubbles else None,
-                max_rel_diff=None if peer is peers[0] else distance(peer, reference)))
+                max_rel_diff=None if peer is peers[0] else distance(peer, reference),
+                reduce_wait_s=statistics.median(waits) if waits and shape is not None and shape.data > 1 else None))
     return results
 
 
@@ -179,30 +201,48 @@ def print_table(results: list[PeerResult]) -> None:
 
 def print_reduction(reduction: ReductionResult, default_mib: int) -> None:
     """One row per variant: median time, bandwidth, and bandwidth against raw gloo."""
-    print(f"\n{'DP reduction of ' + format(reduction.num_bytes / 1e6, '.1f') + ' MB, 2 ranks':<46} "
+    print(f"\n{'DP reduction of ' + format(reduction.num_bytes / 1e6, '.1f') + ' MB, 2 ranks':<52} "
           f"{'median ms':>9} {'GB/s':>6} {'vs raw':>7}")
     raw = reduction.gbps("raw")
     for variant in reduction.median_s:
+        kind, _, mib = variant.partition("_")
         label = "raw gloo all_reduce, one tensor" if variant == "raw" else (
-            f"average_gradients, {variant.removeprefix('bucket_')} MiB buckets"
-            + (" (default)" if variant == f"bucket_{default_mib}" else ""))
-        print(f"{label:<46} {reduction.median_s[variant] * 1e3:>9.1f} {reduction.gbps(variant):>6.2f} "
+            f"{LABELS[kind]}, {mib} MiB buckets"
+            + (" (default)" if mib == str(default_mib) else ""))
+        print(f"{label:<52} {reduction.median_s[variant] * 1e3:>9.1f} {reduction.gbps(variant):>6.2f} "
               f"{reduction.gbps(variant) / raw:>6.3f}x")
 
 
 def summarize(results: list[PeerResult], reduction: ReductionResult | None, default_mib: int) -> dict[str, Any]:
     """The JSON summary: the headline ratios first, then each peer's and the reduction's raw figures."""
     single = results[0]
-    by_shape = {r.shape: r for r in results if r.shape is not None}
+    by_shape = {r.shape: r for r in results if r.shape is not None and not r.name.endswith(BARRIER_SUFFIX)}
     summary: dict[str, Any] = {f"{key}_vs_single": ratio(by_shape.get(shape), single)
                                for key, shape in HEADLINE_MESHES.items()}
+    barrier = next((r for r in results if r.name.endswith(BARRIER_SUFFIX)), None)
+    if barrier is not None and barrier.shape == HEADLINE_MESHES["dp2"]:
+        summary["dp2_barrier_vs_single"] = ratio(barrier, single)
     for r in results:
         if r.shape is not None and r.shape not in HEADLINE_MESHES.values():
             summary[f"{r.name}_vs_single"] = ratio(r, single)
     summary["dp_allreduce_vs_raw_gloo"] = None
+    summary["dp_overlap_fraction"] = None
     if reduction is not None:
         raw = reduction.gbps("raw")
-        summary["dp_allreduce_vs_raw_gloo"] = round(reduction.gbps(f"bucket_{default_mib}") / raw, 3)
+        default = f"overlap_{default_mib}"
+        summary["dp_allreduce_vs_raw_gloo"] = round(reduction.gbps(default) / raw, 3)
+        standalone = reduction.median_s[default]
+        overlapped = next((r for r in results if r.shape is not None and r.shape.data > 1
+                           and r.reduce_wait_s is not None and not r.name.endswith(BARRIER_SUFFIX)), None)
+        if overlapped is not None:
+            assert overlapped.reduce_wait_s is not None
+            summary["dp_overlap_fraction"] = round(min(1.0, max(0.0, 1 - overlapped.reduce_wait_s / standalone)), 3)
+            summary["dp_overlap_mesh"] = str(overlapped.shape)
+            summary["dp_reduce_exposed_ms"] = round(overlapped.reduce_wait_s * 1e3, 1)
+        summary["dp_reduce_standalone_ms"] = round(standalone * 1e3, 1)
+        summary["dp_allreduce_vs_raw_gloo_after_barrier"] = round(
+            reduction.gbps(f"bucket_{default_mib}") / raw, 3)
+        summary["dp_allreduce_checked_vs_raw_gloo"] = round(reduction.gbps(f"checked_{default_mib}") / raw, 3)
         summary["dp_reduce_bytes"] = reduction.num_bytes
         summary["dp_default_bucket_mib"] = default_mib
         summary["raw_gloo_allreduce_gbps"] = round(raw, 3)
@@ -220,6 +260,8 @@ def summarize(results: list[PeerResult], reduction: ReductionResult | None, defa
             summary[f"{r.name}_max_rel_diff"] = float(f"{r.max_rel_diff:.2g}")
         if r.skipped is not None:
             summary[f"{r.name}_skipped"] = r.skipped
+        if r.reduce_wait_s is not None:
+            summary[f"{r.name}_reduce_wait_ms"] = round(r.reduce_wait_s * 1e3, 1)
     return summary
 
 
@@ -227,8 +269,11 @@ def print_ratios(summary: dict[str, Any]) -> None:
     """The headline ratios, one a line, before the JSON."""
     print()
     for key, value in summary.items():
-        if key.endswith("_vs_single") or key == "dp_allreduce_vs_raw_gloo":
-            print(f"{key:<28} {'-' if value is None else f'{value:.3f}x'}")
+        if key.endswith("_vs_single") or key in ("dp_allreduce_vs_raw_gloo", "dp_allreduce_vs_raw_gloo_after_barrier",
+                                                 "dp_allreduce_checked_vs_raw_gloo"):
+            print(f"{key:<38} {'-' if value is None else f'{value:.3f}x'}")
+        elif key == "dp_overlap_fraction":
+            print(f"{key:<38} {'-' if value is None else f'{value:.3f}'}")
 
 
 def busy_cores(interval: float = 1.0) -> float | None:
@@ -265,6 +310,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--meshes", nargs="*", default=list(DEFAULT_MESHES), metavar="P,T,D",
                         help="actorpipe meshes to measure (none: one process and the reduction only)")
     parser.add_argument("--skip-reduce", action="store_true", help="no data-parallel reduction benchmark")
+    parser.add_argument("--no-barrier-peer", action="store_true",
+                        help="no peer that reduces after the barrier (overlap_reduce=False)")
     parser.add_argument("--buckets", type=int, nargs="+", default=list(DEFAULT_BUCKETS_MIB), metavar="MIB",
                         help="bucket sizes for average_gradients (the stage actor's default is always added)")
     parser.add_argument("--reduce-reps", type=int, default=7, help="timed repetitions of each reduction variant")
@@ -292,6 +339,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="actorpipe-bench-mesh-") as state_dir:
         peers: list[Peer] = [TorchPeer(num_stages=1, schedule="-", state_dir=state_dir)]
         peers += [MeshPeer(shape) for shape in args.meshes]
+        data_parallel = [shape for shape in args.meshes if shape.data > 1]
+        if data_parallel and not args.no_barrier_peer:
+            peers.append(MeshPeer(data_parallel[0], overlap_reduce=False))
         try:
             results = run(measure(peers, warmup=args.warmup, steps=args.steps, rounds=args.rounds))
         except asyncio.CancelledError:  # by SIGTERM; everything is closed by now
@@ -299,7 +349,7 @@ def main() -> None:
     reduction, default_mib = None, default_bucket_mib()
     if not args.skip_reduce:
         print("timing the data-parallel reduction (2 processes)", flush=True)
-        reduction = measure_reduction(sorted(set(args.buckets) | {default_mib}), reps=args.reduce_reps)
+        reduction = measure_reduction(sorted(set(args.buckets) | {default_mib}), default_mib, reps=args.reduce_reps)
     print_table(results)
     if reduction is not None:
         print_reduction(reduction, default_mib)

@@ -21,6 +21,8 @@ _EXPORTS = {
     "JobSpec": "schedulers.jobs",
     "JobDescription": "schedulers.records",
     "JobInfo": "schedulers.records",
+    "Plan": "schedulers.records",
+    "Candidate": "schedulers.records",
     "RunInfo": "schedulers.records",
     "SettingChange": "schedulers.records",
     "StepStats": "schedulers.records",
@@ -61,8 +63,10 @@ if TYPE_CHECKING:  # explicit re-exports, for type checkers (the names resolve l
         JobSpec as JobSpec,
     )
     from schedulers.records import (
+        Candidate as Candidate,
         JobDescription as JobDescription,
         JobInfo as JobInfo,
+        Plan as Plan,
         RunInfo as RunInfo,
         SettingChange as SettingChange,
         StepStats as StepStats,

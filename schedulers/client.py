@@ -32,7 +32,7 @@ import torch
 import actors
 from actors import ActorError, ActorRef, CheckpointError, Endpoint, HeadActor
 from schedulers.jobs import JobSpec
-from schedulers.records import JobDescription, JobInfo, RunInfo, SettingChange, StepStats, WhereReport
+from schedulers.records import JobDescription, JobInfo, Plan, RunInfo, SettingChange, StepStats, WhereReport
 from schedulers.scheduler import SchedulerActor
 
 __all__ = ["SCHEDULER", "CheckpointError", "Cluster", "Job", "LocalCluster"]
@@ -227,7 +227,9 @@ class Job:
     async def set(self, key: str, value: Any) -> SettingChange:
         """Changes ``micro_batches``, ``schedule``, ``activation_codec`` or ``gradient_codec`` from the next barrier on.
 
-        Weights and optimizer state are kept.
+        Weights and optimizer state are kept. ``schedule="auto"`` measures the stages again
+        on the next two steps and then runs the schedule it plans (see :meth:`plan`), as
+        does any change to a job with ``schedule="auto"``.
 
         Raises:
             RemoteError: the key cannot change or the value does not fit (nothing changes).
@@ -239,6 +241,16 @@ class Job:
     async def describe(self) -> JobDescription:
         """Spec, layout, programs, run progress and the last step's statistics."""
         return JobDescription.from_wire(await self._call(SchedulerActor.describe)())
+
+    async def plan(self) -> Plan:
+        """The candidate schedules with their predicted step time and stash, the chosen one marked.
+
+        With ``schedule="auto"``, the plan the job runs (``state="measuring"`` until its
+        timed probe step is done), and the last step's measured time against the
+        prediction. With a fixed schedule, the candidates predicted from the last step,
+        marking the one auto would run (``state="advice"``).
+        """
+        return Plan.from_wire(await self._call(SchedulerActor.plan)())
 
     async def where(self) -> WhereReport:
         """Where each stage is in its program now, naming any send or receive that never matched."""

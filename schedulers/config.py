@@ -99,7 +99,8 @@ _TOP_KEYS = (*_BATCH_KEYS, "loss", "transport", "seed", "threads_per_stage", "st
 _SECTIONS: dict[str, tuple[str, ...]] = {
     "optimizer": ("type", "params", "legacy_fusion"),
     "scheduler": ("type", "params"),
-    "pipeline": ("stages", "schedule", "partition_method", "virtual_stages", "split_points", *PIPELINE_KEYS),
+    "pipeline": ("stages", "schedule", "partition_method", "virtual_stages", "split_points", "max_stash_bytes",
+                 *PIPELINE_KEYS),
     "model": ("factory", "kwargs"),
     "data": ("factory", "kwargs", "batch_size_arg"),
     "mesh": ("tensor_parallel", "data_parallel"),
@@ -360,6 +361,7 @@ def _actorpipe_keys(t: Translation, config: Mapping[str, Any], sections: Mapping
         ("partition_method", pipeline, "partition_method", "pipeline.", partition_method),
         ("split_points", pipeline, "split_points", "pipeline.", names),
         ("virtual_stages", pipeline, "virtual_stages", "pipeline.", positive_int),
+        ("max_stash_bytes", pipeline, "max_stash_bytes", "pipeline.", positive_int),
         ("activation_codec", codecs, "activation", "codecs.", codec),
         ("gradient_codec", codecs, "gradient", "codecs.", codec),
         ("reduce_codec", codecs, "reduce", "codecs.", choice(CODECS)),

@@ -45,9 +45,10 @@ from actors import (
 )
 from schedulers.hang import StageProgress, diagnose
 from schedulers import job_state, recovery
-from schedulers.jobs import JobSpec
+from schedulers.jobs import AUTO_PROBE, JobSpec
 from schedulers._job import Placer
-from schedulers.records import JobDescription, RunInfo, SettingChange, StepStats, WhereReport
+from schedulers.planning import AutoSchedule, NoScheduleFits, advise
+from schedulers.records import Candidate, JobDescription, Plan, RunInfo, SettingChange, StepStats, WhereReport
 from schedulers.scaling import LossScaler, clip_coefficient
 from schedulers.schedules import build_schedule
 from schedulers.stepping import (
@@ -72,15 +73,20 @@ CLOSE_WAIT_S = 2.0  # how long close waits for a cancelled operation to let go o
 Publish = Callable[[dict[str, Any]], None]
 
 
-def compile_programs(spec: JobSpec) -> dict[int, list[str]]:
+def compile_programs(spec: JobSpec, schedule_name: str | None = None) -> dict[int, list[str]]:
     """The programs ``spec`` runs, one per pipeline rank, as action text.
+
+    Args:
+        schedule_name: the schedule to run, where ``spec.schedule`` is ``auto``
+            (default: the probe schedule, :data:`~schedulers.jobs.AUTO_PROBE`).
 
     Raises:
         ValueError: the schedule cannot take these sizes.
     """
-    schedule = build_schedule(spec.schedule, spec.pipeline_stages, spec.micro_batches,
+    name = spec.schedule if spec.schedule != "auto" else schedule_name or AUTO_PROBE
+    schedule = build_schedule(name, spec.pipeline_stages, spec.micro_batches,
                               spec.num_virtual_stages if spec.schedule == "interleaved" else None,
-                              split=spec.gradient_accumulation_fusion)
+                              split=spec.gradient_accumulation_fusion, batch_w=spec.w_batching)
     return {rank: [str(a) for a in program] for rank, program in schedule.items()}
 
 
@@ -91,6 +97,7 @@ def plan_setting(spec: JobSpec, key: str, value: Any) -> JobSpec:
         spec: the job's spec, with any earlier pending settings applied.
         key: one of :data:`SETTABLE`.
         value: the new value; text is parsed (``"8"``, ``"gpipe"``, ``"int8"`` or ``"int8,none"``).
+            A fixed schedule drops ``max_stash_bytes`` (a limit on what ``auto`` chooses).
 
     Raises:
         ValueError: an unknown key, or a value that does not parse or fit the job
@@ -98,6 +105,7 @@ def plan_setting(spec: JobSpec, key: str, value: Any) -> JobSpec:
     """
     if key not in SETTABLE:
         raise ValueError(f"cannot set {key!r} on a running job; settable: {', '.join(SETTABLE)}")
+    changes: dict[str, Any] = {}
     if key == "micro_batches":
         value = _parse_int(key, value)
         batch = spec.data_kwargs.get("batch_size")
@@ -111,11 +119,14 @@ def plan_setting(spec: JobSpec, key: str, value: Any) -> JobSpec:
         if (value == "interleaved") != (spec.schedule == "interleaved"):
             raise ValueError(
                 f"schedule={value}: switching between interleaved and one-stage-per-rank schedules "
-                "re-partitions the model; start a new job with that schedule instead")
+                "re-partitions the model (auto runs one stage per rank); start a new job with that schedule "
+                "instead")
+        if value != "auto":
+            changes["max_stash_bytes"] = None  # the limit is auto's; a fixed schedule drops it
     elif isinstance(value, str) and "," in value:
         value = value.split(",")
     try:
-        new = spec.replace(**{key: value})
+        new = spec.replace(**{key: value}, **changes)
     except TypeError as exc:
         raise ValueError(str(exc)) from None
     compile_programs(new)  # e.g. interleaved needs micro_batches to be a multiple of the stages
@@ -183,7 +194,9 @@ class JobController:
         self.stages = stages  # by global rank in the mesh
         self.nodes = nodes  # by global rank
         self.bounds = bounds
-        self.programs = compile_programs(spec)
+        self.auto = AutoSchedule(spec)  # schedule="auto": measuring, then the plan
+        self._advice: tuple[tuple[int, JobSpec], Plan] | None = None  # job.plan() of a fixed schedule, per step
+        self.programs = compile_programs(spec, self.auto.running(spec))
         self.rendezvous = rendezvous  # the name of the job's torch.distributed rendezvous actor, if any
         self.lock = asyncio.Lock()
         self.operation: asyncio.Task[Any] | None = None  # the call holding the lock (close cancels it)
@@ -202,6 +215,7 @@ class JobController:
         self.scaler: LossScaler | None = None if spec.precision != "fp16" else LossScaler.for_spec(
             spec.loss_scale, spec.initial_scale_power, spec.loss_scale_window, spec.hysteresis, spec.min_loss_scale)
         self.grad_norm: float | None = None
+        self.reduce_wait_s: list[float] = []  # the last release's, per stage actor
         self.last_checkpoint: tuple[str, int] | None = None  # (directory, step) of this job's newest save
         self.driver_batches = False  # a step took the driver's batch (so the data factory cannot replay it)
         self.snapshot_due = False  # take one at the next step whatever snapshot_every says (after a load)
@@ -282,8 +296,13 @@ class JobController:
                 call["loss_scale"] = self.scaler.scale
         started = time.perf_counter()
         used_scale = self.scaler.scale if self.scaler is not None else 1.0
+        ran, ranked, planning_s = self.auto.running(self.spec), None, 0.0
         try:
             reports = await self._run_to_barrier(step, calls)
+            if self.auto.timed:  # schedule="auto": plan now, so that a max_stash_bytes nothing fits applies nothing
+                planning_s = time.perf_counter()
+                ranked = await self._rank_candidates(step, reports)
+                planning_s = time.perf_counter() - planning_s
             try:
                 reduce_bytes, nonfinite, finished = await self._release(step, reports)
             except StepFailed as failure:
@@ -301,9 +320,63 @@ class JobController:
         stats = step_stats(self.spec, step, reports, elapsed, reduce_bytes,
                            samples if isinstance(samples, int) else None, nonfinite, finished)
         scaler = self.scaler
+        predicted, error = self.auto.prediction(ran, elapsed)
+        await self._after_probe(reports, elapsed - planning_s, ranked)
         return dataclasses.replace(stats, tied=[list(names) for names in self.tied], grad_norm=self.grad_norm,
+                                   reduce_wait_s=list(self.reduce_wait_s),
                                    loss_scale=used_scale if scaler is not None else None,
-                                   skipped_steps=scaler.skipped if scaler is not None else 0)
+                                   skipped_steps=scaler.skipped if scaler is not None else 0, schedule=ran,
+                                   predicted_step_s=predicted, prediction_error=error)
+
+    # -- schedule="auto" (schedulers.planning) -------------------------------------------------
+
+    async def _rank_candidates(self, step: int, reports: list[StageReport]) -> list[Candidate]:
+        """The timed probe step is at its barrier: simulate the candidates with its costs.
+
+        Raises:
+            NoScheduleFits: nothing fits ``max_stash_bytes``; the step is dropped on every stage.
+        """
+        try:  # off the loop: simulating every candidate of a deep pipeline takes seconds
+            return await asyncio.to_thread(self.auto.rank, self.spec, reports, self.mesh, step)
+        except NoScheduleFits as exc:
+            await self._abort(step, {})
+            self._publish({"type": "job_failed", "job": self.id, "step": step, "error": str(exc)})
+            raise
+
+    async def _after_probe(self, reports: list[StageReport], step_time_s: float,
+                           ranked: list[Candidate] | None) -> None:
+        """After a probe step: take the clocks (after the warm-up) or adopt the plan (after the timed one)."""
+        if ranked is not None:
+            self.auto.adopt(ranked, step_time_s - max(r.elapsed_s for r in reports))
+            self.programs = compile_programs(self.spec, self.auto.running(self.spec))
+            chosen = self.auto.chosen
+            self._publish({"type": "schedule_planned", "job": self.id, "step": self.next_step,
+                           "schedule": chosen.label if chosen else None,
+                           "predicted_step_s": chosen.predicted_step_s if chosen else None})
+        elif self.auto.measuring and self.auto.warmed_up():  # the clocks, for the link's speed; outside any step
+            self.auto.offsets = await self._clock_offsets()
+
+    async def _clock_offsets(self) -> list[float]:
+        return [offset for offset, _ in await asyncio.gather(*(self._clock_offset(ref) for ref in self.stages))]
+
+    async def plan(self) -> Plan:
+        """The candidate schedules with their predicted step time and stash, the chosen one marked.
+
+        With ``schedule="auto"``: the plan made from the timed probe step (none while the job
+        still measures). With a fixed schedule: predicted from the last step, marking
+        what auto would run.
+        """
+        spec, stats, reports = self.spec, self.last_stats, self.last_reports
+        if spec.schedule == "auto":
+            return self.auto.plan(self.id, spec)
+        if stats is None or not reports:
+            return Plan(job=self.id, schedule=spec.schedule, running=spec.schedule, state="no_steps")
+        if self._advice is None or self._advice[0] != (stats.step, spec):
+            offsets = await self._clock_offsets()
+            plan = await asyncio.to_thread(advise, self.id, spec, reports, self.mesh, offsets=offsets,
+                                           step_time_s=stats.step_time_s, step=stats.step)
+            self._advice = ((stats.step, spec), plan)  # asked again before the next step: the same answer
+        return self._advice[1]
 
     async def _run_to_barrier(self, step: int, calls: dict[int, dict[str, Any]]) -> list[StageReport]:
         tasks = {
@@ -446,6 +519,7 @@ class JobController:
         reduced = [ReduceReport.from_wire(r) for r in await self._on_every_stage(StageActor.reduce_step, "REDUCE",
                                                                                  step)]
         found = nonfinite_findings(self.mesh, reports, reduced)
+        self.reduce_wait_s = [r.wait_s for r in reduced]
         self.tied = sorted({tuple(names) for r in reduced for names in r.tied})
         # Replicas hold the same averaged gradients: replica 0's shares make up the global norm.
         squares = sum(r.grad_sq for g, r in enumerate(reduced) if self.mesh.coords(g).data == 0)
@@ -489,7 +563,8 @@ class JobController:
         self._publish({"type": "step_finished", "job": self.id, "step": stats.step, "loss": stats.loss,
                        "step_time_s": stats.step_time_s, "bubble_fraction": stats.bubble_fraction,
                        "samples_per_s": stats.samples_per_s, "schedule": stats.schedule, "run": progress,
-                       "skipped": stats.skipped, "lr": stats.lr})
+                       "skipped": stats.skipped, "lr": stats.lr, "predicted_step_s": stats.predicted_step_s,
+                       "prediction_error": stats.prediction_error})
 
     # -- queries ----------------------------------------------------------------------
 
@@ -502,6 +577,7 @@ class JobController:
             programs=[self.programs[rank] for rank in sorted(self.programs)], stepping=self.lock.locked(),
             traced=bool(self.last_reports), paused=self.paused, pending=dict(self.pending),
             run=self.run_state.info() if self.run_state else None, last_stats=self.last_stats,
+            running=self.auto.running(self.spec),
         )
 
     async def where(self) -> WhereReport:
@@ -636,7 +712,8 @@ class JobController:
                                "error": f"the stages refused the new codecs: {exc}"})
                 return
         self.spec = new
-        self.programs = compile_programs(new)
+        self.auto.reset(new)  # auto measures again: the costs it planned with may have changed
+        self.programs = compile_programs(new, self.auto.running(new))
         self._publish({"type": "settings_applied", "job": self.id, "step": self.next_step, "changes": changes})
 
     # -- state (schedulers.job_state) -------------------------------------------------------

@@ -155,11 +155,12 @@ class Timeline:
 
 
 Duration = Callable[[Action], float]
-# Link model: given the departure time and the link's free time, (busy_until, arrival).
-LinkTime = Callable[[float, float], tuple[float, float]]
+# Link model: given the departure time, the link's free time and the action whose value
+# it carries, (busy_until, arrival).
+LinkTime = Callable[[float, float, Action], tuple[float, float]]
 
 
-def _instant_link(leaves: float, free_at: float) -> tuple[float, float]:
+def _instant_link(leaves: float, free_at: float, action: Action) -> tuple[float, float]:
     return free_at, leaves
 
 
@@ -220,7 +221,7 @@ def play(
         destination = link_destination(action, layout)
         if destination is not None:
             key = (rank, destination)
-            busy_until, arrived[action] = link(finish, link_free.get(key, 0.0))
+            busy_until, arrived[action] = link(finish, link_free.get(key, 0.0), action)
             link_free[key] = busy_until
             timeline.transfers.append(((rank, index), destination, finish, arrived[action]))
 

@@ -27,6 +27,7 @@ from actors import BUILTIN_SCHEDULES, Mesh, StageConfig, split_batch
 from schedulers.schedules import build_schedule
 
 __all__ = [
+    "AUTO_PROBE",
     "CODECS",
     "NONFINITE_ACTIONS",
     "PARTITION_METHODS",
@@ -42,7 +43,7 @@ __all__ = [
     "stage_config",
 ]
 
-ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zero_bubble"]
+ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zero_bubble", "auto"]
 TransportName = Literal["zmq", "dist"]
 PartitionMethod = Literal["parameters", "uniform", "profile"]
 CodecName = Literal["none", "fp16", "bf16", "int8", "fp8", "int4"]
@@ -55,6 +56,10 @@ TRANSPORTS: tuple[str, ...] = get_args(TransportName)
 PARTITION_METHODS: tuple[str, ...] = get_args(PartitionMethod)
 CODECS: tuple[str, ...] = get_args(CodecName)
 NONFINITE_ACTIONS: tuple[str, ...] = get_args(NonFiniteAction)
+# What a job with schedule="auto" runs while it measures its stages (schedulers.planning):
+# ZB-H1 splits every backward into I and W, so one step times F, I and W on every stage,
+# and its peak stash (p micro-batches a stage) is no more than 1F1B's largest.
+AUTO_PROBE = "zero_bubble"
 
 _IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 _SEED_RANGE = (0, 2**63 - 1)
@@ -87,11 +92,13 @@ class JobSpec:
     data_parallel: int = 1
     """data-parallel replicas, each on its own shard of the global batch"""
     schedule: ScheduleName = "1f1b"
-    """`gpipe`, `1f1b` (PipeDream-Flush), `interleaved` (Megatron's virtual stages), `zero_bubble` (ZB-H1)"""
+    """`gpipe`, `1f1b` (PipeDream-Flush), `interleaved` (Megatron's virtual stages), `zero_bubble` (ZB-H1), or `auto`: the first two steps run `zero_bubble` and time every stage's F, B, I, W and the link; the timed simulator then ranks the schedules this partition runs (GPipe, 1F1B, zero-bubble) and the job runs the fastest that fits `max_stash_bytes` (`job.plan()` shows them all, interleaved included as a re-partition to consider; `StepStats.schedule` names the one each step ran)"""
     micro_batches: int = 1
     """the global batch (each replica's share) is split into this many; gradients accumulate across them"""
     virtual_stages: int | None = None
     """model stages per rank with `interleaved` (>= 2; default 2); only for that schedule"""
+    max_stash_bytes: int | None = None
+    """with `schedule="auto"`: the most bytes of activations one stage actor may hold for backward (as `StepStats.peak_stash_bytes` counts them); auto runs the fastest schedule predicted to fit, and when none does the step that plans fails with nothing applied. `None`: no limit"""
     split_points: list[str] | None = None
     """split any `nn.Module`: the names (as `named_modules()` gives them) of the modules each new stage begins at, `pipeline_stages * virtual stages - 1` of them; the model is traced with torch's pipelining front end on one micro-batch (`example_inputs`, else the data factory's first), and `state_dict`/checkpoints keep its own names"""
     example_inputs: Any = None
@@ -110,6 +117,8 @@ class JobSpec:
     """codec for the data-parallel gradient reduction; `none` is an exact all-reduce"""
     bucket_bytes: int = 25 << 20
     """size of the flat buckets the data-parallel reduction averages gradients in"""
+    overlap_reduce: bool = False
+    """start each bucket's data-parallel all-reduce during the last micro-batch's backward, as soon as its gradients are final (they live in the buckets: no copies), as DDP does; off, the buckets are copied and reduced after the barrier (the same bits, later), as they always are with a lossy `reduce_codec` Off by default for now: a job stopped after using it leaves its gloo group's threads and sockets behind (about 3 threads per job; see tests/schedulers/test_leaks.py)"""
     transport: TransportName = "zmq"
     """stage-to-stage tensors as actor messages over ZeroMQ (`zmq`) or by `torch.distributed` point-to-point (`dist`)"""
     seed: int = 0
@@ -122,6 +131,8 @@ class JobSpec:
     """torch intra-op threads in each stage process (`None`: torch's default)"""
     gradient_accumulation_fusion: bool = True
     """as in Megatron: exact `nn.Linear` weight gradients accumulate into `.grad` with one GEMM, and a backward whose input gradient leaves the rank runs as `I` (sent at once) then `W`; off: plain autograd"""
+    w_batching: bool = False
+    """W batching: every weight-gradient GEMM waits for the end of the step and runs as one GEMM per weight over all micro-batches (a larger K, as one process's whole batch); needs `gradient_accumulation_fusion`. Costs memory: each `nn.Linear`'s inputs and output gradients stay held for every micro-batch until then"""
     keep_freed_memory: bool = True
     """stage processes set glibc's malloc to keep freed buffers instead of page-faulting them in again every micro-batch"""
     step_timeout_s: float = 600.0
@@ -166,13 +177,19 @@ class JobSpec:
             if self.schedule != "interleaved":
                 raise ValueError(f"virtual_stages={self.virtual_stages} applies only to schedule='interleaved', "
                                  f"not {self.schedule!r}; leave it out or use the interleaved schedule")
+        if self.max_stash_bytes is not None:
+            _check_int("max_stash_bytes", self.max_stash_bytes, minimum=1)
+            if self.schedule != "auto":
+                raise ValueError(f"max_stash_bytes limits what schedule='auto' may choose, and this job runs "
+                                 f"{self.schedule!r}; use schedule='auto' or leave max_stash_bytes out")
         _check_partition_method(self.partition_method)
         self._check_split_points()
         if self.partition_method == "profile" and self.data is None and self.example_inputs is None:
             raise ValueError("partition_method='profile' times each layer on a sample micro-batch from the job's "
                              "data factory: give data='pkg.mod:factory' or example_inputs=<one micro-batch> "
                              "(or partition by parameters)")
-        for name in ("error_feedback", "measure_codec_error", "gradient_accumulation_fusion", "keep_freed_memory"):
+        for name in ("error_feedback", "measure_codec_error", "overlap_reduce", "gradient_accumulation_fusion",
+                     "keep_freed_memory", "w_batching"):
             _check_bool(name, getattr(self, name))
         edges: tuple[Literal["activation_codec", "gradient_codec"], ...] = ("activation_codec", "gradient_codec")
         for name in edges:
@@ -198,10 +215,13 @@ class JobSpec:
                              "tensor-parallel layers and transport='dist' hold process groups that recovery does "
                              "not form again yet: leave max_restarts at 0")
         _check_choice("on_nonfinite", self.on_nonfinite, NONFINITE_ACTIONS)
+        if self.w_batching and not self.gradient_accumulation_fusion:
+            raise ValueError("w_batching runs the fused weight-gradient GEMMs together; it needs "
+                             "gradient_accumulation_fusion=True")
         self._check_training_options()
         # The schedule's own limits (e.g. interleaved needs micro_batches to be a multiple of the stages).
-        build_schedule(self.schedule, self.pipeline_stages, self.micro_batches,
-                       self.num_virtual_stages if self.schedule == "interleaved" else None)
+        build_schedule(AUTO_PROBE if self.schedule == "auto" else self.schedule, self.pipeline_stages,
+                       self.micro_batches, self.num_virtual_stages if self.schedule == "interleaved" else None)
 
     def _check_training_options(self) -> None:
         """Precision, loss scaling, clipping, LR schedule, activation checkpointing and ZeRO (issue 16)."""
@@ -370,7 +390,8 @@ def stage_config(
         optimizer=[spec.optimizer[0], dict(spec.optimizer[1])], micro_batches=spec.micro_batches, seed=spec.seed,
         activation_codec=spec.edge_codecs("activation_codec"), gradient_codec=spec.edge_codecs("gradient_codec"),
         error_feedback=spec.error_feedback, measure_codec_error=spec.measure_codec_error,
-        reduce_codec=spec.reduce_codec, bucket_bytes=spec.bucket_bytes, transport=spec.transport,
+        reduce_codec=spec.reduce_codec, bucket_bytes=spec.bucket_bytes, overlap_reduce=spec.overlap_reduce,
+        transport=spec.transport,
         data=spec.data, data_kwargs=dict(spec.data_kwargs), threads_per_stage=spec.threads_per_stage,
         gradient_accumulation_fusion=spec.gradient_accumulation_fusion, keep_freed_memory=spec.keep_freed_memory,
         split_points=list(spec.split_points) if spec.split_points is not None else None,
@@ -380,6 +401,7 @@ def stage_config(
         min_loss_scale=float(spec.min_loss_scale), gradient_clipping=float(spec.gradient_clipping),
         lr_scheduler=[spec.lr_scheduler[0], dict(spec.lr_scheduler[1])] if spec.lr_scheduler is not None else None,
         activation_checkpointing=spec.activation_checkpointing, zero_stage=spec.zero_stage,
+        w_batching=spec.w_batching,
     )
 
 

@@ -14,7 +14,8 @@ from typing import Any, ClassVar
 from actors import WireRecord
 from schedulers.jobs import JobSpec
 
-__all__ = ["JobDescription", "JobInfo", "RunInfo", "SettingChange", "StepStats", "WhereReport"]
+__all__ = ["Candidate", "JobDescription", "JobInfo", "MeasuredCosts", "Plan", "RunInfo", "SettingChange", "StepStats",
+           "WhereReport"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -43,6 +44,9 @@ class StepStats(WireRecord):
             of what was sent (0 for ``none``).
         reduce_bytes: bytes all replicas put on the wire for the data-parallel
             gradient reduction (encoded bytes with a lossy ``reduce_codec``).
+        reduce_wait_s: per stage actor, seconds the data-parallel reduction took after
+            the barrier: what backward did not hide with ``overlap_reduce`` (the
+            reduction started during backward), all of it without.
         samples: the global batch size, when known (a batch given, or the data
             factory's ``batch_size``).
         samples_per_s: ``samples / step_time_s``, when ``samples`` is known.
@@ -63,6 +67,9 @@ class StepStats(WireRecord):
         loss_scale: with ``precision="fp16"``, the loss scale this step used.
         skipped_steps: with fp16, the steps skipped so far because gradients overflowed.
         lr: the learning rate of each optimizer parameter group after this step.
+        predicted_step_s: with ``schedule="auto"``, the step time the plan predicted for
+            the schedule this step ran (None while the job measures its stages).
+        prediction_error: ``(step_time_s - predicted_step_s) / predicted_step_s``.
     """
 
     step: int
@@ -78,6 +85,7 @@ class StepStats(WireRecord):
     busy_s: list[float] = field(default_factory=list)
     codec_stats: dict[str, dict[str, Any]] = field(default_factory=dict)
     reduce_bytes: int = 0
+    reduce_wait_s: list[float] = field(default_factory=list)
     samples: int | None = None
     samples_per_s: float | None = None
     schedule: str = ""
@@ -90,6 +98,8 @@ class StepStats(WireRecord):
     loss_scale: float | None = None
     skipped_steps: int = 0
     lr: list[float] = field(default_factory=list)
+    predicted_step_s: float | None = None
+    prediction_error: float | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StepStats:
@@ -128,6 +138,7 @@ class JobDescription(WireRecord):
         stages: each stage actor as ``[address, name]``, by global rank.
         steps: steps completed (a failed try does not count; a load sets it to the checkpoint's).
         programs: each pipeline rank's program for one step, as action text.
+        running: the schedule those programs are (what ``schedule="auto"`` runs now).
         stepping: a step is in progress.
         traced: a step has finished, so ``Job.trace`` has a timeline to give.
         paused: a run holds before its next step.
@@ -152,6 +163,7 @@ class JobDescription(WireRecord):
     pending: dict[str, Any] = field(default_factory=dict)
     run: RunInfo | None = None
     last_stats: StepStats | None = None
+    running: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -173,3 +185,101 @@ class WhereReport(WireRecord):
     stepping: bool
     report: str
     lines: list[str]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MeasuredCosts(WireRecord):
+    """What one step measured, per pipeline rank, for the schedule simulator (``schedulers.planning``).
+
+    Attributes:
+        forward, backward, input_grad, weight_grad: seconds one micro-batch's ``F``,
+            ``B``, ``I`` and ``W`` take through all of the rank's layers (the median over
+            the step's micro-batches; a send's encoding counts to the action whose value
+            it sends). A kind the step did not run is estimated: ``B = I + W``, and ``I``
+            and ``W`` split ``B`` as they split it where both were measured.
+        stash_bytes: bytes one micro-batch's activations hold on the rank for backward.
+        transfer_bytes: raw bytes of one value crossing a stage boundary.
+        forward_ratio, backward_ratio: bytes on the wire over raw bytes (the codecs).
+        bandwidth: bytes per second of the fastest transfer seen (send start to
+            receive end, on the head's clock); infinite when nothing crossed.
+        overhead_s: the step's time outside the stage programs (dispatch, the
+            barrier, reduction and optimizer step).
+        step: the step measured.
+    """
+
+    forward: list[float]
+    backward: list[float]
+    input_grad: list[float]
+    weight_grad: list[float]
+    stash_bytes: list[float]
+    transfer_bytes: float = 0.0
+    forward_ratio: float = 1.0
+    backward_ratio: float = 1.0
+    bandwidth: float = float("inf")
+    overhead_s: float = 0.0
+    step: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Candidate(WireRecord):
+    """One schedule the plan simulated with the measured costs.
+
+    Attributes:
+        schedule: its name; ``virtual_stages`` for ``interleaved``.
+        predicted_step_s: the simulated makespan plus the measured overhead.
+        bubble_fraction: the simulated share of idle stage time.
+        stash: per pipeline rank, the most micro-batch activations held at once
+            (per model-stage chunk when interleaved).
+        stash_bytes: per pipeline rank, those in bytes.
+        runnable: the job's partition runs it (interleaving cuts the model anew: a new job).
+        fits: within the job's ``max_stash_bytes``.
+        chosen: the one auto runs (or, on a job with a fixed schedule, would run).
+    """
+
+    schedule: str
+    virtual_stages: int | None = None
+    predicted_step_s: float
+    bubble_fraction: float
+    stash: list[int]
+    stash_bytes: list[int]
+    runnable: bool = True
+    fits: bool = True
+    chosen: bool = False
+
+    @property
+    def label(self) -> str:
+        """``zero_bubble``, or ``interleaved x3`` for 3 virtual stages."""
+        return self.schedule if self.virtual_stages is None else f"{self.schedule} x{self.virtual_stages}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Plan(WireRecord):
+    """What ``job.plan()`` returns: the candidate schedules, predicted from measured costs.
+
+    Attributes:
+        schedule: the job's setting (``auto`` or a schedule's name).
+        running: the schedule its next step runs.
+        state: ``measuring`` (auto: the next steps run the probe schedule and time the
+            stages), ``planned`` (auto chose from the candidates), ``advice`` (a fixed
+            schedule; the candidates come from its last step) or ``no_steps`` (nothing
+            measured yet).
+        candidates: fastest first.
+        chosen: the chosen candidate's label.
+        max_stash_bytes: the job's limit (None: none).
+        costs: what the candidates were simulated with.
+        last_step_s, prediction_error: the last step's measured time and its error
+            against the plan's prediction (auto only).
+    """
+
+    nested: ClassVar[dict[str, Any]] = {"candidates": Candidate, "costs": MeasuredCosts}
+
+    job: str
+    schedule: str
+    running: str
+    state: str
+    candidates: list[Candidate] = field(default_factory=list)
+    chosen: str | None = None
+    max_stash_bytes: int | None = None
+    costs: MeasuredCosts | None = None
+    last_step_s: float | None = None
+    prediction_error: float | None = None

@@ -40,7 +40,7 @@ from schedulers.control import JobController
 from schedulers._job import JobCore, Placer
 from schedulers.jobs import JobSpec, stage_config
 from schedulers.partition import partition_by_parameters, partition_uniform
-from schedulers.records import JobDescription, JobInfo, RunInfo, SettingChange, StepStats, WhereReport
+from schedulers.records import JobDescription, JobInfo, Plan, RunInfo, SettingChange, StepStats, WhereReport
 from transport.channel import is_local_address
 
 __all__ = ["SchedulerActor", "Subscribers"]
@@ -351,6 +351,12 @@ class SchedulerActor(Actor):
         """Changes ``key`` from the next step on; a :class:`SettingChange` map."""
         change: SettingChange = self._job(job_id).set(key, value)
         return change.to_wire()
+
+    @endpoint(concurrent=True, roles=("client",))
+    async def plan(self, job_id: str) -> dict[str, Any]:
+        """The candidate schedules with predicted step time and stash, the chosen one marked; a :class:`Plan` map."""
+        plan: Plan = await self._job(job_id).plan()
+        return plan.to_wire()
 
     @endpoint(concurrent=True, roles=("client",))
     async def trace(self, job_id: str) -> dict[str, Any]:

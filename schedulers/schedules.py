@@ -251,6 +251,31 @@ def split_backward(schedule: Schedule) -> Schedule:
     return split
 
 
+def defer_weight_grads(schedule: Schedule) -> Schedule:
+    """W batching: every ``B`` becomes ``I``, and every ``W`` moves to the end of its rank's
+    compute, in order, where the executor runs each weight's as one GEMM over all of the
+    step's micro-batches (a larger K than one micro-batch's, as one process's batch has).
+
+    ``W`` depends on nothing another rank waits for, so moving it later never blocks a
+    peer; what it costs is memory: each linear's input and output gradient stay held for
+    every micro-batch until the tail. Run it before :func:`add_send_recv`.
+    """
+    deferred: Schedule = {}
+    for rank, program in schedule.items():
+        out: list[Action] = []
+        tail: list[Action] = []
+        for a in program:
+            if a.kind is _B:
+                out.append(_act(a.stage, _I, a.microbatch))
+                tail.append(_act(a.stage, _W, a.microbatch))
+            elif a.kind is _W:
+                tail.append(a)
+            else:
+                out.append(a)
+        deferred[rank] = out + tail
+    return deferred
+
+
 def add_step_tail(schedule: Schedule) -> Schedule:
     """Append the accumulation barrier, gradient reduction and optimizer step to
     every rank's program (the tail actions carry the rank's first stage, ``rank``)."""
@@ -267,6 +292,7 @@ def build_schedule(
     num_virtual_stages: int | None = None,
     *,
     split: bool = False,
+    batch_w: bool = False,
 ) -> Schedule:
     """Generate schedule ``name`` and lower it into programs ready to execute.
 
@@ -276,6 +302,8 @@ def build_schedule(
         num_microbatches: micro-batches per optimizer step.
         num_virtual_stages: model stages per rank; only ``"interleaved"`` takes more
             than one (default 2).
+        split: split a backward whose input gradient leaves the rank into ``I`` and ``W``.
+        batch_w: W batching (:func:`defer_weight_grads`).
 
     Raises:
         ValueError: unknown name, or arguments the schedule cannot take.
@@ -293,6 +321,8 @@ def build_schedule(
         compute = SCHEDULES[name](num_stages, num_microbatches)
     if split:
         compute = split_backward(compute)
+    if batch_w:
+        compute = defer_weight_grads(compute)
     return add_step_tail(add_send_recv(compute))
 
 

@@ -7,7 +7,8 @@ when its rank is free and what it needs has finished or, from another rank, arri
 Links: a value that crosses ranks (an activation forward, an input gradient
 backward) leaves when the producing action (or its ``SEND``) ends, occupies the
 directed link for ``bytes / bandwidth`` and arrives ``latency_s`` later, with
-``bytes = activation_bytes * codec_ratio``. Transfers overlap compute: a ``SEND``
+``bytes = activation_bytes * codec_ratio`` forward and ``activation_bytes *
+gradient_codec_ratio`` backward (an input gradient has its activation's shape). Transfers overlap compute: a ``SEND``
 takes no rank time and a ``RECV`` only waits. Neighbouring stages on one rank hand
 values over locally, for free. The step tail (barrier, reduce, step) takes no time.
 
@@ -46,6 +47,7 @@ class Costs:
         activation_bytes: size of one micro-batch's activation (and of its
             gradient) between two stages, before encoding.
         codec_ratio: encoded size over raw size (``0.25`` for int8 of float32).
+        gradient_codec_ratio: the same for input gradients; ``None``: ``codec_ratio``.
     """
 
     forward: PerStage = 1.0
@@ -56,6 +58,7 @@ class Costs:
     bandwidth: float = math.inf
     activation_bytes: float = 0.0
     codec_ratio: float = 1.0
+    gradient_codec_ratio: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("forward", "backward", "input_grad", "weight_grad"):
@@ -69,8 +72,9 @@ class Costs:
                 object.__setattr__(self, name, tuple(values))  # frozen and hashable
         if self.latency_s < 0 or self.activation_bytes < 0:
             raise ValueError("Costs.latency_s and Costs.activation_bytes must be >= 0")
-        if self.bandwidth <= 0 or self.codec_ratio <= 0:
-            raise ValueError("Costs.bandwidth and Costs.codec_ratio must be > 0")
+        gradient_ratio = self.codec_ratio if self.gradient_codec_ratio is None else self.gradient_codec_ratio
+        if self.bandwidth <= 0 or self.codec_ratio <= 0 or gradient_ratio <= 0:
+            raise ValueError("Costs.bandwidth, Costs.codec_ratio and Costs.gradient_codec_ratio must be > 0")
 
     def compute_time(self, action: Action) -> float:
         """How long ``action`` keeps its rank busy."""
@@ -89,9 +93,15 @@ class Costs:
             )
         return float(value[action.stage])
 
-    def link(self, leaves: float, free_at: float) -> tuple[float, float]:
-        """Send one value over a link: returns (link busy until, arrival time)."""
-        size = self.activation_bytes * self.codec_ratio
+    def link(self, leaves: float, free_at: float, action: Action | None = None) -> tuple[float, float]:
+        """Send one value over a link: returns (link busy until, arrival time).
+
+        ``action`` is what produced the value: a backward one (``B``, ``I``, ``SEND_B``)
+        sends an input gradient, anything else an activation.
+        """
+        backward = action is not None and action.kind in (ActionKind.B, ActionKind.I, ActionKind.SEND_B)
+        ratio = self.gradient_codec_ratio if backward and self.gradient_codec_ratio is not None else self.codec_ratio
+        size = self.activation_bytes * ratio
         start = max(leaves, free_at)
         done = start + (size / self.bandwidth if size else 0.0)
         return done, done + self.latency_s

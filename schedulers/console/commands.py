@@ -166,9 +166,18 @@ async def _status(session: Session, args: list[str]) -> None:
         _print(session, where.report)
 
 
-@command("schedule [JOB]", "the job's compiled schedule as a stage-by-time grid", args=("job",))
+@command("schedule [JOB]", "the candidate schedules with predicted step time and stash, then the compiled grid",
+         "The candidates (GPipe, 1F1B, zero-bubble; interleaved as a re-partition to consider) simulated with "
+         "the costs measured on the job's stages, fastest first, '*' marking the one schedule=auto runs (or "
+         "would run); then the last step's time against the prediction, and the programs' stage-by-time grid. "
+         "'set JOB schedule auto' lets the job choose.", args=("job",))
 async def _schedule(session: Session, args: list[str]) -> None:
-    info = await session.describe(session.job_arg(args, "schedule JOB"))
+    job = await session.job(session.job_arg(args, "schedule JOB"))
+    with session.reporting():
+        plan = await job.plan()
+        info = await job.describe()
+    for line in render.plan_lines(plan.to_wire()):
+        _print(session, line)
     _print(session, render.schedule_grid(info.to_wire()))
 
 

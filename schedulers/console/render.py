@@ -12,8 +12,8 @@ from actors import Action
 from schedulers.grid import format_grid
 
 __all__ = [
-    "event_line", "format_bytes", "job_status", "jobs_table", "nodes_table", "progress_bar", "schedule_grid",
-    "status_table",
+    "event_line", "format_bytes", "job_status", "jobs_table", "nodes_table", "plan_lines", "progress_bar",
+    "schedule_grid", "status_table",
 ]
 
 
@@ -80,7 +80,7 @@ def jobs_table(infos: Sequence[Mapping[str, Any]]) -> Table:
         table.add_column(column)
     for info in infos:
         spec = info.get("spec", {})
-        table.add_row(str(info["job"]), str(spec.get("schedule")), str(spec.get("micro_batches")),
+        table.add_row(str(info["job"]), _schedule(info), str(spec.get("micro_batches")),
                       " x ".join(map(str, info.get("mesh", []))), ", ".join(info.get("nodes", [])),
                       str(info.get("steps")), job_status(info))
     return table
@@ -105,14 +105,18 @@ def job_detail(info: Mapping[str, Any]) -> list[str]:
     spec, stats = info.get("spec", {}), info.get("last_stats") or {}
     mesh = info.get("mesh", [1, 1, 1])
     lines = [
-        f"{info['job']}: {spec.get('model')} | schedule {spec.get('schedule')}, {spec.get('micro_batches')} "
+        f"{info['job']}: {spec.get('model')} | schedule {_schedule(info)}, {spec.get('micro_batches')} "
         f"micro-batches | {mesh[0]} stages x {mesh[1]} tp x {mesh[2]} dp on {', '.join(info.get('nodes', []))} "
         f"| codecs {spec.get('activation_codec')}/{spec.get('gradient_codec')} | {job_status(info)}",
     ]
     if stats:
         lines.append(
             f"step {stats.get('step')}: loss {_number(stats.get('loss'))}, step time "
-            f"{_number(stats.get('step_time_s'), '.3f')} s, {_number(stats.get('samples_per_s'), '.1f')} samples/s, "
+            f"{_number(stats.get('step_time_s'), '.3f')} s"
+            + ("" if stats.get("predicted_step_s") is None else
+               f" (predicted {_number(stats.get('predicted_step_s'), '.3f')} s, "
+               f"{_error(stats.get('prediction_error'))})")
+            + f", {_number(stats.get('samples_per_s'), '.1f')} samples/s, "
             f"bubble {_number(stats.get('bubble_fraction'), '.1%')}{_rates(stats.get('lr'))}, "
             f"{format_bytes(stats.get('bytes_sent'))} "
             f"between stages (schedule {stats.get('schedule')}, {stats.get('micro_batches')} micro-batches)")
@@ -148,13 +152,75 @@ def job_detail(info: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def _schedule(info: Mapping[str, Any]) -> str:
+    """``1f1b``, or ``auto (zero_bubble)``: the setting and, where auto chose, what runs."""
+    setting, running = info.get("spec", {}).get("schedule"), info.get("running")
+    return f"{setting} ({running})" if running and running != setting else str(setting)
+
+
 def schedule_grid(info: Mapping[str, Any]) -> str:
     """The job's compiled programs as a stage-by-time grid, with a one-line header."""
     spec = info.get("spec", {})
     programs = {rank: [Action.parse(a) for a in program] for rank, program in enumerate(info.get("programs", []))}
-    header = (f"{info['job']}: {spec.get('schedule')}, {len(programs)} stages, {spec.get('micro_batches')} "
+    header = (f"{info['job']}: {_schedule(info)}, {len(programs)} stages, {spec.get('micro_batches')} "
               "micro-batches (one column per action slot; - idle)")
     return header + "\n" + format_grid(programs)
+
+
+def _label(candidate: Mapping[str, Any]) -> str:
+    virtual = candidate.get("virtual_stages")
+    return str(candidate.get("schedule")) + (f" x{virtual}" if virtual else "")
+
+
+def _error(error: Any) -> str:
+    """``+3.1%``: a relative prediction error."""
+    return _number(error * 100 if isinstance(error, (int, float)) else None, "+.1f") + "%"
+
+
+def plan_lines(plan: Mapping[str, Any]) -> list[str]:
+    """``job.plan()`` as lines: the candidates fastest first (``*`` the chosen), the costs, the last step's error."""
+    job, state, schedule = plan.get("job"), plan.get("state"), plan.get("schedule")
+    if state == "measuring":
+        return [f"{job}: schedule auto: measuring; the next steps run {plan.get('running')} and time every stage, "
+                "then it runs the fastest schedule predicted"]
+    if state == "no_steps":
+        return [f"{job}: schedule {schedule}; after a step, this predicts every candidate schedule from its costs"]
+    costs = plan.get("costs") or {}
+    limit = plan.get("max_stash_bytes")
+    if state == "planned":
+        head = (f"{job}: schedule auto runs {plan.get('chosen')}, planned from step {costs.get('step')} "
+                f"(max_stash_bytes {format_bytes(limit) if limit else 'none'})")
+    else:
+        head = f"{job}: schedule {schedule}; from step {costs.get('step')}'s costs, auto would run {plan.get('chosen')}"
+    lines = [head, f"  {'schedule':<16} {'predicted':>10} {'bubble':>7}  peak stash per stage"]
+    for c in plan.get("candidates") or []:
+        stash = " ".join(str(n) for n in c.get("stash", []))
+        sizes = ", ".join(format_bytes(n) for n in c.get("stash_bytes", []))
+        notes = []
+        if not c.get("runnable", True):
+            notes.append(f"re-partitions the model: a new job with schedule='{c.get('schedule')}', "
+                         f"virtual_stages={c.get('virtual_stages')}")
+        if not c.get("fits", True):
+            notes.append("over max_stash_bytes")
+        if c.get("schedule") == plan.get("running") and state == "advice" and not c.get("virtual_stages"):
+            notes.append("running")
+        lines.append(f"{'*' if c.get('chosen') else ' '} {_label(c):<16} {_number(c.get('predicted_step_s'), '.3f'):>8} s "
+                     f"{_number(c.get('bubble_fraction'), '.1%'):>7}  {stash} ({sizes})"
+                     + (f"  [{'; '.join(notes)}]" if notes else ""))
+    if costs:
+        per_stage = " | ".join(f"{kind} " + " ".join(_number(v, ".4f") for v in costs.get(key, []))
+                               for kind, key in (("F", "forward"), ("B", "backward"), ("I", "input_grad"),
+                                                 ("W", "weight_grad")))
+        bandwidth = costs.get("bandwidth")
+        link = "free" if not isinstance(bandwidth, (int, float)) or math.isinf(bandwidth) else \
+            f"{format_bytes(bandwidth)}/s"
+        lines.append(f"costs per stage, s per micro-batch: {per_stage}; link {link}, "
+                     f"{format_bytes(costs.get('transfer_bytes'))} a value; outside the programs "
+                     f"{_number(costs.get('overhead_s'), '.3f')} s")
+    if plan.get("prediction_error") is not None:
+        lines.append(f"last step {_number(plan.get('last_step_s'), '.3f')} s, "
+                     f"{_error(plan.get('prediction_error'))} against the prediction")
+    return lines
 
 
 def event_line(event: Mapping[str, Any]) -> str | None:
@@ -170,9 +236,14 @@ def event_line(event: Mapping[str, Any]) -> str | None:
         run = event.get("run")
         where = f" [{run['done']}/{run['target']}]" if run else ""
         skipped = " (skipped: not finite, nothing applied)" if event.get("skipped") else ""
+        predicted = "" if event.get("predicted_step_s") is None else \
+            f" (predicted {_number(event.get('predicted_step_s'), '.3f')} s, {_error(event.get('prediction_error'))})"
         return (f"{job} step {event.get('step')}{where} {event.get('schedule')}: loss {_number(event.get('loss'))}, "
-                f"{_number(event.get('step_time_s'), '.3f')} s, bubble {_number(event.get('bubble_fraction'), '.0%')}"
-                f"{_rates(event.get('lr'))}{skipped}")
+                f"{_number(event.get('step_time_s'), '.3f')} s{predicted}, bubble "
+                f"{_number(event.get('bubble_fraction'), '.0%')}{_rates(event.get('lr'))}{skipped}")
+    if kind == "schedule_planned":
+        return (f"{job}: schedule auto plans {event.get('schedule')} from step {event.get('step')} on "
+                f"(predicted {_number(event.get('predicted_step_s'), '.3f')} s a step; 'schedule {job}' shows why)")
     if kind == "job_failed":
         return f"! {job} step {event.get('step')} failed: {event.get('error')}"
     if kind == "job_recovered":

@@ -36,7 +36,7 @@ from transport.codecs import CODEC_NAMES
 __all__ = ["ConsoleCompleter", "console_main", "interact", "run_script"]
 
 PROMPT = "actorpipe> "
-_VALUES = {"schedule": tuple(SCHEDULES), "activation_codec": tuple(CODEC_NAMES),
+_VALUES = {"schedule": (*SCHEDULES, "auto"), "activation_codec": tuple(CODEC_NAMES),
            "gradient_codec": tuple(CODEC_NAMES), "micro_batches": ("1", "2", "4", "8", "16")}
 
 

@@ -509,6 +509,13 @@ def test_deepspeed_sub_keys_are_honoured_or_say_what_happens_instead(block: dict
     assert text in notices_of({**MINIMAL, **block})[key]
 
 
+def test_a_config_can_let_the_job_choose_its_schedule_within_a_stash_limit() -> None:
+    spec = translate({**MINIMAL, "pipeline": {"stages": 2, "schedule": "auto", "max_stash_bytes": 1 << 28}})
+    assert (spec.schedule, spec.max_stash_bytes) == ("auto", 1 << 28)
+    assert "pipeline.max_stash_bytes" in problems_of({**MINIMAL, "pipeline": {"schedule": "auto",
+                                                                              "max_stash_bytes": 0}})
+
+
 def test_activation_checkpointing_is_an_interval_or_every_layer() -> None:
     assert translate({**MINIMAL, "pipeline": {"activation_checkpoint_interval": 3}}).activation_checkpointing == 3
     assert translate({**MINIMAL, "pipeline": {"activation_checkpoint_interval": 0}}).activation_checkpointing is False

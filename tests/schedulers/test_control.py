@@ -21,6 +21,7 @@ def spec(**changes: Any) -> JobSpec:
 @pytest.mark.parametrize(("key", "value", "field", "expected"), [
     ("schedule", "gpipe", "schedule", "gpipe"),
     ("schedule", "zero_bubble", "schedule", "zero_bubble"),
+    ("schedule", "auto", "schedule", "auto"),
     ("micro_batches", "8", "micro_batches", 8),
     ("micro_batches", 2, "micro_batches", 2),
     ("activation_codec", "int8", "activation_codec", "int8"),
@@ -40,6 +41,7 @@ def test_settings_that_fit_give_the_new_spec(key: str, value: Any, field: str, e
     ({}, "schedule", "2f2b", "unknown schedule '2f2b'"),
     ({}, "schedule", "interleaved", "re-partitions the model"),
     ({"schedule": "interleaved"}, "schedule", "1f1b", "re-partitions the model"),
+    ({"schedule": "interleaved"}, "schedule", "auto", "re-partitions the model \\(auto runs one stage per rank\\)"),
     ({"schedule": "interleaved", "data_kwargs": {"batch_size": 12}}, "micro_batches", "3", "multiple"),
     ({}, "activation_codec", "int9", "unknown codec 'int9'"),
 ])
@@ -47,6 +49,15 @@ def test_settings_that_do_not_fit_are_refused_with_why(base: dict[str, Any], key
                                                         message: str) -> None:
     with pytest.raises(ValueError, match=message):
         plan_setting(spec(**base), key, value)
+
+
+def test_a_fixed_schedule_drops_autos_stash_limit_and_auto_compiles_its_probe() -> None:
+    auto = spec(schedule="auto", max_stash_bytes=1 << 20)
+    fixed = plan_setting(auto, "schedule", "1f1b")
+    assert (fixed.schedule, fixed.max_stash_bytes) == ("1f1b", None)
+    assert plan_setting(auto, "micro_batches", "8").max_stash_bytes == 1 << 20
+    assert compile_programs(auto) == compile_programs(spec(schedule="zero_bubble"))  # what it measures with
+    assert compile_programs(auto, "gpipe") == compile_programs(spec(schedule="gpipe"))  # what it chose
 
 
 def test_codec_lists_are_one_codec_per_boundary() -> None:

@@ -58,6 +58,14 @@ MODEL = "examples.models:residual_mlp"
     ({"partition_method": "layers"}, ValueError, "partition_method: unknown value 'layers'"),
     ({"bucket_bytes": 0}, ValueError, "bucket_bytes must be an int >= 1"),
     ({"pipeline_stages": 2, "schedule": "interleaved", "micro_batches": 3}, ValueError, "multiple of"),
+    ({"schedule": "auto", "max_stash_bytes": 0}, ValueError, "max_stash_bytes must be an int >= 1, got 0"),
+    ({"schedule": "auto", "max_stash_bytes": 1.5e9}, TypeError, "max_stash_bytes must be an int, got float"),
+    ({"schedule": "auto", "max_stash_bytes": True}, TypeError, "max_stash_bytes must be an int, got bool"),
+    ({"max_stash_bytes": 1 << 30}, ValueError, "max_stash_bytes limits what schedule='auto' may choose, and this "
+                                               "job runs '1f1b'"),
+    ({"schedule": "auto", "virtual_stages": 2}, ValueError, "virtual_stages=2 applies only to "
+                                                            "schedule='interleaved', not 'auto'"),
+    ({"schedule": "Auto"}, ValueError, "did you mean 'auto'"),
     ({"learning_rate": 0.1}, TypeError, "train\\(\\) got an unknown argument 'learning_rate'"),
     ({"micro_batch": 4}, TypeError, "unknown argument 'micro_batch'; did you mean micro_batches\\?"),
 ])
@@ -66,6 +74,13 @@ def test_every_argument_is_checked_for_type_and_range_with_its_name(
 ) -> None:
     with pytest.raises(error, match=message):
         JobSpec.from_kwargs({"model": MODEL, **kwargs})
+
+
+def test_auto_takes_a_stash_limit_or_none_and_travels() -> None:
+    spec = JobSpec(model=MODEL, pipeline_stages=2, micro_batches=3, schedule="auto", max_stash_bytes=64 << 20)
+    assert (spec.schedule, spec.max_stash_bytes, spec.num_virtual_stages) == ("auto", 64 << 20, 1)
+    assert JobSpec.from_wire(spec.to_wire()) == spec
+    assert JobSpec(model=MODEL, schedule="auto").max_stash_bytes is None  # no limit
 
 
 def test_a_spec_without_a_model_says_how_to_name_one() -> None:
@@ -82,7 +97,7 @@ def test_old_spellings_still_work_with_a_deprecation_warning() -> None:
 
 
 def test_the_literal_choices_are_the_ones_the_lower_layers_implement() -> None:
-    assert set(SCHEDULE_NAMES) == set(SCHEDULES)
+    assert set(SCHEDULE_NAMES) == set(SCHEDULES) | {"auto"}  # auto picks one of them (schedulers.planning)
     assert set(CODECS) == set(CODEC_NAMES)
     assert TRANSPORTS == ("zmq", "dist")
 

@@ -52,6 +52,21 @@ async def test_forty_dist_jobs_leave_threads_and_fds_flat() -> None:
             f"{node}: threads {threads} -> {after[node][0]}, fds {fds} -> {after[node][1]} after 40 jobs"
 
 
+@pytest.mark.xfail(strict=True, reason="the overlapped reduction keeps its gloo group alive after the job stops "
+                   "(issue 17, point 5): overlap_reduce is off by default until this passes")
+async def test_forty_jobs_with_the_overlapped_reduction_leave_threads_flat() -> None:
+    local = LocalCluster(nodes=2)
+    layout = {"data_parallel": 2, "overlap_reduce": True}
+    async with local as cluster:
+        await train_and_close(cluster, layout)
+        before = resources(local)
+        for _ in range(10):
+            await train_and_close(cluster, layout)
+        after = resources(local)
+    for node, (threads, fds) in before.items():
+        assert after[node][0] - threads <= SLACK_THREADS and after[node][1] - fds <= SLACK_FDS
+
+
 async def test_a_local_cluster_trains_on_a_node_joined_by_hand() -> None:
     local = LocalCluster(nodes=1)
     async with local as cluster:

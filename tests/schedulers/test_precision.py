@@ -36,8 +36,8 @@ async def cluster() -> AsyncIterator[Cluster]:
 
 
 def one_process(workload: dict[str, Any], cuts: list[int], *, precision: str = "fp32", scale: float = 1.0,
-                clip: float = 0.0, batches: list[Any] | None = None,
-                replicas: int = 1) -> tuple[dict[str, torch.Tensor], list[float], list[float]]:
+                clip: float = 0.0, batches: list[Any] | None = None, replicas: int = 1,
+                schedule: Any = None) -> tuple[dict[str, torch.Tensor], list[float], list[float]]:
     """State, losses and global gradient norms of the same training in one process (the same
     micro-batches as ``replicas`` data-parallel replicas would take: in fp16 a micro-batch's
     size changes how its gradients round)."""
@@ -46,6 +46,7 @@ def one_process(workload: dict[str, Any], cuts: list[int], *, precision: str = "
     layers = list(model.children())
     path, kwargs = workload["optimizer"]
     optimizer = getattr(torch.optim, path.partition(":")[2])(model.parameters(), **kwargs)
+    scheduler = schedule(optimizer) if schedule is not None else None
     dtype = DTYPES.get(precision)
     losses, norms = [], []
     for x, y in batches if batches is not None else workload["batches"]():
@@ -70,6 +71,8 @@ def one_process(workload: dict[str, Any], cuts: list[int], *, precision: str = "
                 p.grad.mul_(1.0 / scale)
         norms.append(float(torch.nn.utils.clip_grad_norm_(params, clip if clip else float("inf"))))
         optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
         losses.append(total / len(micro))
     return model.state_dict(), losses, norms
 
@@ -192,3 +195,28 @@ async def test_clipping_across_a_pipeline_tensor_data_mesh_equals_clip_grad_norm
     expected, _, norms = one_process(GPT, cuts_of(bounds), clip=0.5, replicas=2)
     assert [s.grad_norm for s in stats] == pytest.approx(norms, rel=1e-5)
     assert_state_close(state, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_every_option_together_equals_one_process(cluster: Cluster) -> None:
+    """bf16, clipping, a DeepSpeed warmup, activation checkpointing and ZeRO-1 at once, on a
+    pipeline of 2 x 2 data-parallel replicas: one process doing the same arithmetic."""
+    from actors.lr import WarmupLR
+
+    warmup = {"warmup_min_lr": 0.0, "warmup_max_lr": 0.1, "warmup_num_steps": 3, "warmup_type": "linear"}
+    state, stats, bounds = await train(cluster, GPT, pipeline_stages=2, data_parallel=2, precision="bf16",
+                                       gradient_clipping=0.5, lr_scheduler=("actors.lr:WarmupLR", warmup),
+                                       activation_checkpointing=True, zero_stage=1)
+    expected, losses, norms = one_process(GPT, cuts_of(bounds), precision="bf16", clip=0.5, replicas=2,
+                                          schedule=lambda optimizer: WarmupLR(optimizer, **warmup))
+    assert [s.loss for s in stats] == pytest.approx(losses, rel=1e-5)
+    assert [s.grad_norm for s in stats] == pytest.approx(norms, rel=1e-4)
+    assert_state_close(state, expected, rtol=1e-5, atol=1e-6)
+    probe = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    rates = WarmupLR(probe, **warmup)
+    expected_lr = []
+    for _ in stats:
+        probe.step()
+        rates.step()
+        expected_lr.append(rates.get_last_lr())
+    assert [s.lr for s in stats] == expected_lr and expected_lr[0] != expected_lr[-1]

@@ -90,6 +90,16 @@ def test_links_delay_each_transfer_and_serialise_on_one_link() -> None:
     assert result.makespan == 26
 
 
+def test_gradients_cross_at_their_own_codec_ratio() -> None:
+    # The activation at ratio 0.5 (5 s on the wire), its gradient at 0.1 (1 s): 1 + 5 + 1 + 2 + 1 + 2.
+    costs = Costs(activation_bytes=100, codec_ratio=0.5, gradient_codec_ratio=0.1, bandwidth=10)
+    result = simulate(gpipe(2, 1), costs)
+    assert [(t[0], t[2], t[3]) for t in result.transfers] == [(0, 1, 6), (1, 9, 10)]
+    assert result.makespan == 12
+    # Without one, a gradient takes the activation's ratio.
+    assert simulate(gpipe(2, 1), Costs(activation_bytes=100, codec_ratio=0.5, bandwidth=10)).makespan == 16
+
+
 @settings(max_examples=60)
 @given(
     name=st.sampled_from(sorted(SCHEDULES)),
@@ -124,7 +134,8 @@ def test_per_stage_costs() -> None:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"forward": -1}, {"backward": []}, {"latency_s": -1}, {"bandwidth": 0}, {"codec_ratio": 0}],
+    [{"forward": -1}, {"backward": []}, {"latency_s": -1}, {"bandwidth": 0}, {"codec_ratio": 0},
+     {"gradient_codec_ratio": 0}],
 )
 def test_costs_reject_impossible_values(kwargs: dict[str, object]) -> None:
     with pytest.raises(ValueError):

@@ -1,0 +1,156 @@
+# Run: python -m benchmarks.auto            (add --steps 4 --rounds 2 for a quick look)
+"""schedule="auto" against every manual schedule, on the reference workload at 2 stages.
+
+Peers, each a ``LocalCluster`` of 2 nodes training the reference workload (DESIGN.md),
+all up at once and timed in rotated rounds of one step each (``benchmarks.pipeline.run_rounds``), so
+that the machine's noise hits every peer alike:
+- actorpipe ``schedule="auto"``: its first two (warm-up) steps run zero-bubble and time
+  the stages; the plan then picks a schedule, which the timed steps run;
+- actorpipe ``gpipe``, ``1f1b`` and ``zero_bubble`` (the candidates auto may run) and
+  ``interleaved`` with 2 virtual stages (which it only advises: it re-partitions).
+
+Reports:
+- ``auto_vs_best_manual_2stages``: auto's samples/s over the best manual peer's;
+  ``auto_vs_best_runnable_2stages`` the same over the candidates auto may run;
+- ``prediction_error_2stages``: the median over auto's timed steps of
+  ``|step_time_s - predicted_step_s| / predicted_step_s`` (``StepStats``), and the signed
+  median as ``prediction_bias_2stages``;
+- ``prediction_error_by_schedule``: for every peer whose schedule the plan predicted, the
+  plan's prediction over that peer's median ``StepStats.step_time_s`` (``measured_step_s``),
+  minus 1 (how well the simulator ranks the schedules it did not run);
+- ``auto_max_rel_diff_vs_chosen``: auto's trained parameters against the manual peer
+  of the schedule it chose (every peer trains the same batch the same number of steps).
+
+samples/s is 64 / the driver's median step time. The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import statistics
+from typing import Any
+
+from benchmarks._torch_pipelining import BATCH_SHAPE, NUM_MICROBATCHES
+from benchmarks.pipeline import ActorpipePeer, max_rel_diff, run_rounds
+from transport.loop import run
+
+BATCH_SIZE = BATCH_SHAPE[0]
+MANUAL = (("gpipe", None), ("1f1b", None), ("zero_bubble", None), ("interleaved", 2))
+RUNNABLE = ("gpipe", "1f1b", "zero_bubble")  # on auto's one-stage-per-rank partition
+
+
+class RecordingPeer(ActorpipePeer):
+    """An :class:`ActorpipePeer` that keeps every step's ``StepStats`` (and, after the run, the plan)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.stats: list[Any] = []
+        self.plan: Any = None
+
+    async def run(self, num_steps: int) -> list[float]:
+        times: list[float] = []
+        for _ in range(num_steps):
+            times += await super().run(1)
+            self.stats.append(self._last_stats)
+        return times
+
+    async def finish(self) -> list[int]:
+        self.plan = await self._job.plan()
+        return await super().finish()
+
+
+def make_peers() -> list[RecordingPeer]:
+    peers = [RecordingPeer(num_stages=2, schedule="auto", name="auto")]
+    for schedule, virtual in MANUAL:
+        options = {"virtual_stages": virtual} if virtual else {}
+        name = schedule if virtual is None else f"{schedule}_x{virtual}"
+        peers.append(RecordingPeer(num_stages=2, schedule=schedule, name=name, options=options))
+    return peers
+
+
+def samples_per_s(times: list[float]) -> float:
+    return BATCH_SIZE / statistics.median(times)
+
+
+def summarize(peers: list[RecordingPeer], times: dict[str, list[float]], warmup: int) -> dict[str, Any]:
+    auto, manual = peers[0], peers[1:]
+    rate = {peer.name: samples_per_s(times[peer.name]) for peer in peers}
+    best = max(manual, key=lambda p: rate[p.name])
+    best_runnable = max((p for p in manual if p.schedule in RUNNABLE), key=lambda p: rate[p.name])
+    timed = auto.stats[warmup:]
+    errors = [s.prediction_error for s in timed if s.prediction_error is not None]
+    plan = auto.plan
+    chosen = plan.chosen if plan is not None else None
+    predicted = {c.label.replace(" ", "_"): c.predicted_step_s for c in plan.candidates} if plan else {}
+    measured = {peer.name: statistics.median(s.step_time_s for s in peer.stats[warmup:]) for peer in peers}
+    by_schedule = {peer.name: round(predicted[peer.name] / measured[peer.name] - 1, 3)
+                   for peer in manual if peer.name in predicted}
+    chosen_peer = next((p for p in manual if p.name == chosen), None)
+    auto_state, chosen_state = auto.trained_state(), chosen_peer.trained_state() if chosen_peer else None
+    return {
+        "auto_vs_best_manual_2stages": round(rate["auto"] / rate[best.name], 3),
+        "auto_vs_best_runnable_2stages": round(rate["auto"] / rate[best_runnable.name], 3),
+        "prediction_error_2stages": round(statistics.median(abs(e) for e in errors), 3) if errors else None,
+        "prediction_bias_2stages": round(statistics.median(errors), 3) if errors else None,
+        "prediction_error_by_schedule": by_schedule,
+        "auto_chose": chosen,
+        "auto_ran": sorted({s.schedule for s in timed}),
+        "best_manual": best.name,
+        "plan_predicted_step_s": {k: round(v, 4) for k, v in predicted.items()},
+        "measured_step_s": {k: round(v, 4) for k, v in measured.items()},  # StepStats.step_time_s, median
+        "samples_per_s": {name: round(value, 2) for name, value in rate.items()},
+        "median_step_ms": {peer.name: round(statistics.median(times[peer.name]) * 1e3, 1) for peer in peers},
+        "auto_max_rel_diff_vs_chosen": float(f"{max_rel_diff(auto_state, chosen_state):.2g}")
+        if auto_state is not None and chosen_state is not None else None,
+    }
+
+
+async def measure(args: argparse.Namespace) -> dict[str, Any]:
+    peers = make_peers()
+    async with contextlib.AsyncExitStack() as stack:
+        for peer in peers:
+            stack.push_async_callback(peer.aclose)
+            print(f"starting {peer.name}", flush=True)
+            await peer.start()
+        times = await run_rounds(peers, warmup=args.warmup, steps=args.steps, rounds=args.rounds)
+        for peer in peers:
+            await peer.finish()
+    summary = summarize(peers, times, args.warmup)
+    print()
+    plan = peers[0].plan
+    for c in plan.candidates if plan is not None else []:
+        print(f"{'*' if c.chosen else ' '} {c.label:<16} predicted {c.predicted_step_s * 1e3:8.1f} ms"
+              + ("" if c.runnable else "  (advice: re-partitions)"))
+    print(f"\n{'peer':<16} {'samples/s':>9} {'median ms':>9}")
+    for peer in peers:
+        print(f"{peer.name:<16} {summary['samples_per_s'][peer.name]:>9.1f} {summary['median_step_ms'][peer.name]:>9.1f}")
+    print()
+    for key in ("auto_vs_best_manual_2stages", "auto_vs_best_runnable_2stages", "prediction_error_2stages",
+                "prediction_bias_2stages"):
+        print(f"{key:<32} {summary[key]}")
+    return summary
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=16, help="timed steps per peer")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="untimed steps per peer first (auto plans after its second)")
+    parser.add_argument("--rounds", type=int, default=16, help="rotated rounds the timed steps are split into")
+    args = parser.parse_args()
+    if args.steps < 1 or args.rounds < 1 or args.warmup < 2:
+        parser.error("--steps and --rounds must be >= 1, --warmup >= 2 (auto's probe steps)")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    summary = run(measure(args))
+    print(json.dumps({"workload": f"reference, 2 stages, {NUM_MICROBATCHES} micro-batches", **summary}))
+
+
+if __name__ == "__main__":
+    main()
