@@ -29,6 +29,7 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.transport
 	$(PY) -m benchmarks.actors
 	$(PY) -m benchmarks.pipeline
+	$(PY) -m benchmarks.overhead
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .hypothesis

@@ -112,7 +112,7 @@ class MeshPeer(ActorpipePeer):
         times = []
         for _ in range(num_steps):  # one at a time, to keep each step's stats
             times += await super().run(1)
-            self.reduce_waits.append(max(self._last_stats.reduce_wait_s, default=0.0))
+            self.reduce_waits.append(max(self.last_stats.reduce_wait_s, default=0.0))
         return times
 
 

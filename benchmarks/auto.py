@@ -54,11 +54,11 @@ class RecordingPeer(ActorpipePeer):
         times: list[float] = []
         for _ in range(num_steps):
             times += await super().run(1)
-            self.stats.append(self._last_stats)
+            self.stats.append(self.last_stats)
         return times
 
     async def finish(self) -> list[int]:
-        self.plan = await self._job.plan()
+        self.plan = await self.job.plan()
         return await super().finish()
 
 

@@ -25,7 +25,11 @@ action count. Torch's ``us_per_action`` divides its step by the same count (the 
 work: the same F, B and transfers), so ``vs_torch_overhead`` is the ratio of the two
 step times. Growth: a least-squares line ``step = fixed + per_action * actions`` per
 stage count, and how ``us_per_action`` changes from the fewest to the most
-micro-batches and stages (1.0: flat).
+micro-batches and stages (1.0: flat). With more stage processes than cores the stages
+take turns on the cores, so the wall time per action grows with the stages even when
+each action costs the same; ``cpu_us_per_action`` (the step time times the cores the
+stages can use, ``min(stages, cores)``, over every stage's actions together) is the
+figure that stays flat then, and ``cpu_per_action_growth_stages_*`` its ratio.
 
 Headlines: ``overhead_us_per_action`` (actorpipe, median over the configurations) and
 ``vs_torch_overhead`` (actorpipe's step over torch's, median over the configurations;
@@ -38,6 +42,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -75,6 +80,7 @@ class ConfigResult:
     torch_step_s: list[float]
     compute_actions_fraction: float
     compute_s: float  # the whole model's forward and backward over the batch, one thread, no pipeline
+    num_cores: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 1)
 
     @property
     def key(self) -> str:
@@ -105,6 +111,10 @@ class ConfigResult:
     @property
     def torch_us_per_action(self) -> float:
         return self.torch_ms * 1e3 / self.actions_per_stage
+
+    def cpu_us_per_action(self, step_ms: float) -> float:
+        """Core time per action: the step times the cores the stages can use, over all their actions."""
+        return step_ms * 1e3 * min(self.num_stages, self.num_cores) / sum(self.actions_per_rank)
 
 
 async def measure_config(actorpipe: ActorpipePeer, torch_peer: TorchPeer, micro_batches: int, *,
@@ -211,6 +221,8 @@ def growth(results: list[ConfigResult], name: str) -> dict[str, Any]:
         if len(group) > 1:
             out[f"{prefix}per_action_growth_stages_{micro_batches}mb"] = round(
                 getattr(group[-1], per_action) / getattr(group[0], per_action), 3)
+            first, last = (r.cpu_us_per_action(getattr(r, step_ms)) for r in (group[0], group[-1]))
+            out[f"{prefix}cpu_per_action_growth_stages_{micro_batches}mb"] = round(last / first, 3)
     return out
 
 
@@ -220,6 +232,8 @@ def summarize(results: list[ConfigResult]) -> dict[str, Any]:
         "overhead_us_per_action": round(statistics.median(r.us_per_action for r in results), 1),
         "torch_overhead_us_per_action": round(statistics.median(r.torch_us_per_action for r in results), 1),
         "vs_torch_overhead": round(statistics.median(r.actorpipe_ms / r.torch_ms for r in results), 3),
+        "cpu_us_per_action": round(statistics.median(r.cpu_us_per_action(r.actorpipe_ms) for r in results), 1),
+        "torch_cpu_us_per_action": round(statistics.median(r.cpu_us_per_action(r.torch_ms) for r in results), 1),
         "compute_fraction": round(statistics.median(r.compute_fraction for r in results), 3),
         "compute_actions_fraction": round(statistics.median(r.compute_actions_fraction for r in results), 3),
     }
@@ -228,6 +242,8 @@ def summarize(results: list[ConfigResult]) -> dict[str, Any]:
         summary[f"overhead_us_per_action_{r.key}"] = round(r.us_per_action, 1)
         summary[f"torch_overhead_us_per_action_{r.key}"] = round(r.torch_us_per_action, 1)
         summary[f"vs_torch_overhead_{r.key}"] = round(r.actorpipe_ms / r.torch_ms, 3)
+        summary[f"cpu_us_per_action_{r.key}"] = round(r.cpu_us_per_action(r.actorpipe_ms), 1)
+        summary[f"torch_cpu_us_per_action_{r.key}"] = round(r.cpu_us_per_action(r.torch_ms), 1)
         summary[f"step_ms_{r.key}"] = round(r.actorpipe_ms, 2)
         summary[f"torch_step_ms_{r.key}"] = round(r.torch_ms, 2)
         summary[f"actions_per_rank_{r.key}"] = r.actions_per_rank
@@ -238,10 +254,12 @@ def summarize(results: list[ConfigResult]) -> dict[str, Any]:
 def print_table(results: list[ConfigResult]) -> None:
     """One row per configuration."""
     print(f"\n{'stages':>6} {'micro':>5} {'actions':>7} {'actorpipe ms':>12} {'torch ms':>9} "
-          f"{'us/action':>9} {'torch us/action':>15} {'vs torch':>8} {'compute':>7} {'in F/I/W':>8}")
+          f"{'us/action':>9} {'torch us/action':>15} {'cpu us/action':>13} {'torch':>6} {'vs torch':>8} "
+          f"{'compute':>7} {'in F/I/W':>8}")
     for r in results:
         print(f"{r.num_stages:>6} {r.micro_batches:>5} {r.actions_per_stage:>7} {r.actorpipe_ms:>12.2f} "
               f"{r.torch_ms:>9.2f} {r.us_per_action:>9.1f} {r.torch_us_per_action:>15.1f} "
+              f"{r.cpu_us_per_action(r.actorpipe_ms):>13.1f} {r.cpu_us_per_action(r.torch_ms):>6.1f} "
               f"{r.actorpipe_ms / r.torch_ms:>7.3f}x {r.compute_fraction:>7.3f} {r.compute_actions_fraction:>8.2f}")
 
 

@@ -5,11 +5,11 @@ Peers, all measured in one run on the reference workload (DESIGN.md):
 - one process: the plain full-batch training step, one thread;
 - ``torch.distributed.pipelining`` over gloo, one process per rank, 8 micro-batches:
   ``Schedule1F1B``, ``ScheduleGPipe``, and the schedules with two model stages per rank,
-  ``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble`` and
-  ``ScheduleZBVZeroBubble``; ``--torch-schedules`` adds ``looped_bfs``
-  (``ScheduleLoopedBFS``) and ``dualpipev`` (``ScheduleDualPipeV``), which also run
-  here but are left out by default: each costs four more processes (about 1.5 GiB) in
-  the 4-stage group, which already holds about 15 GiB;
+  ``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble``,
+  ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV``; ``--torch-schedules`` adds
+  ``looped_bfs`` (``ScheduleLoopedBFS``), which also runs here but is left out by
+  default: it was never torch's fastest, and it costs four more processes (about
+  1.5 GB) in the 4-stage group, which already holds about 16 GB;
 - actorpipe: a ``LocalCluster`` with one node per stage, schedules ``1f1b``, ``gpipe``,
   ``interleaved`` (2 virtual stages) and ``zero_bubble``; at 2 stages also 1F1B over
   torch.distributed (``dist_vs_zmq``) and 1F1B with plain autograd and glibc's default
@@ -39,7 +39,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import dataclasses
+import gc
 import importlib.util
 import json
 import statistics
@@ -66,7 +68,7 @@ from transport.loop import run
 
 BATCH_SIZE = BATCH_SHAPE[0]
 ACTORPIPE_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zero_bubble")
-DEFAULT_TORCH_SCHEDULES = ("1f1b", "gpipe", "interleaved", "interleaved_zb", "zbv")
+DEFAULT_TORCH_SCHEDULES = ("1f1b", "gpipe", "interleaved", "interleaved_zb", "zbv", "dualpipev")
 MAX_REL_DIFF = 1e-4  # float32 reassociation across micro-batches stays far below this
 
 
@@ -170,6 +172,9 @@ class ActorpipePeer:
 
     async def aclose(self) -> None:
         await self._stack.aclose()
+        # The parameters serve the exactness check, made before the peer closes; kept,
+        # they would hold the whole model in the driver for each closed peer.
+        self._state = None
 
 
 def actorpipe_missing() -> str | None:
@@ -299,10 +304,27 @@ async def measure(groups: list[list[Peer]], *, warmup: int, steps: int,
     results: list[PeerResult] = []
     not_run: dict[str, str] = {}
     for peers in groups:
+        gc.collect()  # the last group's trained parameters
+        reset_peak_rss()
         group_results, group_not_run = await measure_group(peers, warmup=warmup, steps=steps, rounds=rounds)
         results += group_results
         not_run.update(group_not_run)
     return pool_references(results), not_run
+
+
+def reset_peak_rss() -> None:
+    """Resets this process's peak-RSS mark (Linux; a no-op elsewhere).
+
+    Linux carries a process's ``ru_maxrss`` over ``fork`` and ``exec``: a worker this
+    driver starts would report the driver's peak (or, after a reset, its resident size)
+    as its own floor. After one group's peers have handed their trained parameters
+    back, that peak is far above what a stage process of the next group uses.
+    """
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)  # glibc: hand the freed heap back first, so the floor is low
+    with contextlib.suppress(OSError):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
 
 
 def pool_references(results: list[PeerResult]) -> list[PeerResult]:
@@ -444,7 +466,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--skip-torch", action="store_true", help="no torch.distributed.pipelining peers")
     parser.add_argument("--skip-actorpipe", action="store_true", help="no actorpipe peers")
     parser.add_argument("--skip-variants", action="store_true",
-                        help="no compute-only ceiling and no dist / plain actorpipe 1F1B at 2 stages")
+                        help="no compute-only ceiling and no actorpipe variants (dist, W batching, plain) at 2 stages")
     args = parser.parse_args()
     if args.steps < 1 or args.warmup < 1 or args.rounds < 1:
         # A warm-up step finds a torch schedule that cannot run before the timed rounds.

@@ -56,3 +56,13 @@ def test_a_tiny_run_prints_the_overhead_per_action_last() -> None:
     assert summary["actions_per_rank_2stages_8mb"] == [35, 43]  # 1F1B, 8 micro-batches, split backward
     assert summary["overhead_us_per_action_2stages_8mb"] == summary["overhead_us_per_action"]
     assert summary["skipped"] == []
+
+
+@pytest.mark.parametrize(("num_stages", "num_cores", "cpu_us"), [(8, 2, 2000.0), (2, 2, 2000.0), (8, 16, 8000.0)])
+def test_cpu_time_per_action_counts_the_cores_the_stages_share(num_stages: int, num_cores: int,
+                                                               cpu_us: float) -> None:
+    # 80 actions in all, 80 ms a step: on 2 cores that is 2 ms of core time per action.
+    r = ConfigResult(num_stages=num_stages, micro_batches=8, actions_per_rank=[80 // num_stages] * num_stages,
+                     actorpipe_step_s=[0.08], torch_step_s=[0.08], compute_actions_fraction=0.0, compute_s=0.0,
+                     num_cores=num_cores)
+    assert r.cpu_us_per_action(r.actorpipe_ms) == pytest.approx(cpu_us)
