@@ -61,6 +61,7 @@ _EXPORTS = {
     "LocalCluster": "actors.cluster",
     "Coords": "actors.mesh",
     "Mesh": "actors.mesh",
+    "backend_for": "actors.parallel",
     "Action": "actors.program",
     "ActionKind": "actors.program",
     "COMM_KINDS": "actors.program",
@@ -178,6 +179,9 @@ if TYPE_CHECKING:  # explicit re-exports, for type checkers (the names resolve l
     from actors.mesh import (
         Coords as Coords,
         Mesh as Mesh,
+    )
+    from actors.parallel import (
+        backend_for as backend_for,
     )
     from actors.program import (
         Action as Action,

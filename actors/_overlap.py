@@ -398,14 +398,15 @@ class OverlappedReduction:
             grads = [self._views[i] for i in self.layout[b] if self._views[i].numel() and self._check_finite]
             # Each parameter's local extremes, taken before the sum overwrites them; read at the
             # barrier, so that no device waits here (min and max propagate NaN and show infinities).
-            self._extremes.append(torch.stack([torch.stack(torch.aminmax(g)) for g in grads]) if grads
-                                  else torch.zeros(0, 2))
+            self._extremes.append(torch.stack([torch.stack(torch.aminmax(g)) for g in grads]).float() if grads
+                                  else torch.zeros(0, 2, device=self.flats[b].device))
             self._works.append(self._reduce(self.flats[b]))
 
     def _nonfinite(self) -> list[str]:
         if not self._extremes or not self._check_finite:
             return []
-        finite = torch.isfinite(torch.cat([e.to("cpu", torch.float32) for e in self._extremes])).all(dim=1)
+        # Joined on the device first: one copy to the host (one sync on a GPU) per step, not one per bucket.
+        finite = torch.isfinite(torch.cat(self._extremes).cpu()).all(dim=1)
         if bool(finite.all()):
             return []
         checked = [i for b in range(len(self.flats)) for i in self.layout[b] if self._views[i].numel()]

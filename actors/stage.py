@@ -36,9 +36,9 @@ from actors._registry import DEFAULT_ALLOW, load_object, register_actor
 from actors._stage_checkpoint import PreparedLoad, apply_load, layer_key, prepare_load, write_stage
 from actors._ref import ActorRef
 from actors.mesh import Coords, Mesh
-from actors.p2p import DistLink
+from actors.p2p import DistLink, open_link
 from actors.parallel import (
-    ProcessGroups, average_gradients, join_process_groups, leave_process_groups, start_average,
+    ProcessGroups, average_gradients, join_process_groups, leave_process_groups, pipeline_pairs, start_average,
 )
 from actors.program import Action, ActionKind, stage_to_rank
 from actors.records import FinishReport, ReduceReport, StageConfig, StageReport
@@ -94,7 +94,7 @@ class StageActor(Actor):
         self._edge_stats: dict[str, dict[str, Any]] = {}
         self._groups: ProcessGroups | None = None
         self._specs: dict[str, list[int]] = {}
-        self._link = DistLink() if self.config.transport == "dist" else None
+        self._link: DistLink | None = None  # transport="dist": made with the process groups (see _build)
         self._step = -1
         self._codecs = {"F": list(self.config.activation_codec), "B": list(self.config.gradient_codec)}
         self._mesh = Mesh(**dict(zip(("pipeline", "tensor", "data"), self.config.mesh)))
@@ -160,7 +160,10 @@ class StageActor(Actor):
             store = ActorStore(self.runtime.ref(address, name), loop,
                                datetime.timedelta(seconds=float(cfg.dist.get("timeout_s", 600))))
             groups = self._groups = join_process_groups(cfg.dist, mesh, cfg.global_rank, cfg.job, store,
-                                                        own_address=self.runtime.address)
+                                                        own_address=self.runtime.address, pairs=self._pairs(),
+                                                        device=device)
+            if cfg.transport == "dist":  # here, on the compute thread: a GPU link waits on its stream
+                self._link = open_link(device, groups.pairs, cfg.global_rank)
             if mesh.tensor > 1:
                 tp_rank = mesh.coords(cfg.global_rank).tensor
                 shard = functools.partial(shard_for_tensor_parallel, rank=tp_rank, world=mesh.tensor,
@@ -250,6 +253,11 @@ class StageActor(Actor):
             self._reduce_params, modules, names, bucket_bytes=self.config.bucket_bytes,
             reduce=lambda flat: start_average(flat, self._data_group(), groups.data_size),
             weight_grads=weight_grads, w_batching=w_batching)
+
+    def _pairs(self) -> list[tuple[int, int]]:
+        """The pipeline neighbours' two-rank groups every member builds: with transport="dist" only."""
+        cfg = self.config
+        return pipeline_pairs(self._mesh, cfg.num_stages) if cfg.transport == "dist" else []
 
     def _data_group(self) -> Any:
         """The data-parallel process group as it is now (a recovery forms it again)."""
@@ -657,14 +665,19 @@ class StageActor(Actor):
         store = ActorStore(self.runtime.ref(address, name), asyncio.get_running_loop(),
                            datetime.timedelta(seconds=float(dist.get("timeout_s", 600))))
 
+        device = self.executor.model.device
+
         def rejoin() -> ProcessGroups:
             self._groups = None
             if self._overlap is not None:  # the old group's collectives end with it
                 self._overlap.forget()
             leave_process_groups()
-            return join_process_groups(dist, mesh, cfg.global_rank, cfg.job, store, own_address=self.runtime.address)
+            return join_process_groups(dist, mesh, cfg.global_rank, cfg.job, store, own_address=self.runtime.address,
+                                       pairs=self._pairs(), device=device)
 
         self._groups = await self.executor.compute(rejoin)
+        if self._link is not None:
+            self._link.rebind(self._groups.pairs)
         self.config = dataclasses.replace(cfg, dist=dict(dist))
 
     @endpoint(roles=("head",))

@@ -31,6 +31,7 @@ from actors import (
     NotAllowed,
     RendezvousActor,
     StageActor,
+    backend_for,
     current_caller,
     endpoint,
     may_call,
@@ -145,15 +146,19 @@ class SchedulerActor(Actor):
         It is an actor on the head (:class:`~actors.rendezvous.RendezvousActor`) that
         serves only the keys of the job's nodes, over the cluster's own authenticated
         channel: nothing new listens anywhere. Returns its name and the stages' ``dist``
-        config.
+        config, whose backend follows the nodes' devices (:func:`~actors.parallel.backend_for`).
+
+        Raises:
+            ValueError: the nodes mix CPUs and GPUs, or two would share a GPU (NCCL refuses it).
         """
         if mesh.tensor == 1 and mesh.data == 1 and spec.transport == "zmq":
             return None, None
+        backend = backend_for(nodes)  # before anything starts: a mixed or GPU-sharing job is refused here
         name = f"{job_id}.rendezvous"
         members = {str(n.get("identity", "")) for n in nodes} - {""}
         await self.runtime.spawn(RendezvousActor(members, timeout_s=spec.step_timeout_s, job=job_id), name)
         loopback = all(is_local_address(str(n["address"])) for n in nodes)
-        return name, {"rendezvous": [self.runtime.address, name], "backend": "gloo",
+        return name, {"rendezvous": [self.runtime.address, name], "backend": backend,
                       "timeout_s": spec.step_timeout_s, "loopback": loopback}
 
     async def _partition(self, spec: JobSpec, node: dict[str, Any]) -> list[list[int]]:

@@ -168,7 +168,7 @@ class Codec(ABC):
         return _checked_numel(shape)
 
     def decode(self, encoded: Encoded) -> torch.Tensor:
-        """Rebuild a CPU tensor of `encoded.dtype` and `encoded.shape`.
+        """Rebuild a tensor of `encoded.dtype` and `encoded.shape`, on the frames' device.
 
         Raises:
             CodecError: The frames do not match the codec, dtype, shape and params.
@@ -180,9 +180,11 @@ class Codec(ABC):
         if len(actual) != len(sizes):
             raise CodecError(f"{self.name}: expected {len(sizes)} frames, got {len(actual)}")
         for index, (frame, size) in enumerate(zip(actual, sizes)):
+            # Frames received over NCCL are on a GPU: they decode there.
             if not (isinstance(frame, torch.Tensor) and frame.dtype == torch.uint8
-                    and frame.dim() == 1 and frame.is_contiguous() and frame.device.type == "cpu"):
-                raise CodecError(f"{self.name}: frame {index} is not a 1-D contiguous uint8 tensor")
+                    and frame.dim() == 1 and frame.is_contiguous() and frame.device == actual[0].device):
+                raise CodecError(f"{self.name}: frame {index} is not a 1-D contiguous uint8 tensor on the device "
+                                 "of the first")
             if frame.numel() != size:
                 raise CodecError(f"{self.name}: frame {index}: {frame.numel()} bytes, not {size}")
         return self._decode(encoded)
@@ -378,7 +380,7 @@ class _BlockCodec(Codec):
         block = self._check_block(encoded.params)
         scale = _frame_as(encoded.frames[1], torch.float32)
         numel = math.prod(encoded.shape)
-        kernels = self._kernels("cpu")
+        kernels = self._kernels(encoded.frames[0].device.type)
         if kernels is not None:
             assert self.native_bits is not None
             flat = kernels.decode(encoded.frames[0], scale, bits=self.native_bits, numel=numel,
