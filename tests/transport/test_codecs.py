@@ -361,6 +361,7 @@ BAD_ENCODED = {
     "wrong_shape": lambda e: replace(e, shape=(301,)),
     "wrong_block": lambda e: replace(e, params={"block": 128}),
     "int_dtype": lambda e: replace(e, dtype=torch.int32),
+    "frames_on_two_devices": lambda e: replace(e, frames=(e.frames[0], e.frames[1].to("meta"))),
 }
 
 
