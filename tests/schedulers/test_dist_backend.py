@@ -37,8 +37,8 @@ def placed(*devices: str) -> list[dict[str, Any]]:
 
 async def rendezvous(spec: JobSpec, nodes: list[dict[str, Any]]) -> tuple[Runtime, dict[str, Any] | None]:
     runtime = Runtime()
-    _, config = await SchedulerActor._rendezvous(SimpleNamespace(runtime=runtime), "job0", spec,  # type: ignore[arg-type]
-                                                 spec.mesh, nodes)
+    scheduler: Any = SimpleNamespace(runtime=runtime)
+    _, config = await SchedulerActor._rendezvous(scheduler, "job0", spec, spec.mesh, nodes)
     return runtime, config
 
 
@@ -65,9 +65,9 @@ async def test_a_job_nccl_cannot_serve_is_refused_before_its_rendezvous_starts(
 ) -> None:
     spec = JobSpec(model="examples.models:residual_mlp", **layout)
     runtime = Runtime()
+    scheduler: Any = SimpleNamespace(runtime=runtime)
     with pytest.raises(ValueError, match=says):
-        await SchedulerActor._rendezvous(SimpleNamespace(runtime=runtime), "job0", spec,  # type: ignore[arg-type]
-                                         spec.mesh, placed(*devices))
+        await SchedulerActor._rendezvous(scheduler, "job0", spec, spec.mesh, placed(*devices))
     assert runtime.spawned == []
 
 

@@ -58,7 +58,8 @@ CASES = [
 ] + [
     # The same executor over torch.distributed point-to-point instead of actor messages.
     pytest.param(schedule, stages, 8, "adam", "dist", True, id=f"{schedule}-{stages}stages-8mb-adam-dist")
-    for schedule, stages in [("1f1b", 2), ("gpipe", 4), ("interleaved", 2), ("zero_bubble", 4)]
+    # Interleaved at 4 ranks: the last rank sends on to the first, over a pair group of its own.
+    for schedule, stages in [("1f1b", 2), ("gpipe", 4), ("interleaved", 2), ("interleaved", 4), ("zero_bubble", 4)]
 ] + [
     # Plain autograd for every weight gradient: B unsplit, and zero-bubble's W walks the graph again.
     pytest.param(schedule, stages, 8, "adam", "zmq", False, id=f"{schedule}-{stages}stages-8mb-adam-nofusion")
@@ -134,28 +135,31 @@ def train_reference(workload: dict[str, Any]) -> tuple[dict[str, torch.Tensor], 
 
 
 MESHES = [
-    pytest.param("mlp", 2, 1, 2, "1f1b", id="mlp-pp2-dp2-1f1b"),
-    pytest.param("mlp", 1, 1, 2, "gpipe", id="mlp-pp1-dp2"),
-    pytest.param("mlp", 2, 1, 2, "zero_bubble", id="mlp-pp2-dp2-zero_bubble"),
-    pytest.param("mlp", 2, 2, 1, "1f1b", id="mlp-pp2-tp2"),
-    pytest.param("mlp", 1, 2, 2, "1f1b", id="mlp-tp2-dp2"),
-    pytest.param("gpt", 2, 1, 1, "1f1b", id="gpt-pp2"),
-    pytest.param("gpt", 2, 1, 2, "1f1b", id="gpt-pp2-dp2"),
-    pytest.param("gpt", 2, 2, 1, "1f1b", id="gpt-pp2-tp2"),
-    pytest.param("gpt", 1, 2, 2, "gpipe", id="gpt-tp2-dp2"),
+    pytest.param("mlp", 2, 1, 2, "1f1b", "zmq", id="mlp-pp2-dp2-1f1b"),
+    pytest.param("mlp", 1, 1, 2, "gpipe", "zmq", id="mlp-pp1-dp2"),
+    pytest.param("mlp", 2, 1, 2, "zero_bubble", "zmq", id="mlp-pp2-dp2-zero_bubble"),
+    pytest.param("mlp", 2, 2, 1, "1f1b", "zmq", id="mlp-pp2-tp2"),
+    pytest.param("mlp", 1, 2, 2, "1f1b", "zmq", id="mlp-tp2-dp2"),
+    pytest.param("gpt", 2, 1, 1, "1f1b", "zmq", id="gpt-pp2"),
+    pytest.param("gpt", 2, 1, 2, "1f1b", "zmq", id="gpt-pp2-dp2"),
+    pytest.param("gpt", 2, 2, 1, "1f1b", "zmq", id="gpt-pp2-tp2"),
+    pytest.param("gpt", 1, 2, 2, "gpipe", "zmq", id="gpt-tp2-dp2"),
+    # Pipeline tensors by point-to-point: each replica (or shard) has its own pair groups.
+    pytest.param("mlp", 2, 1, 2, "1f1b", "dist", id="mlp-pp2-dp2-dist"),
+    pytest.param("mlp", 2, 2, 1, "1f1b", "dist", id="mlp-pp2-tp2-dist"),
 ]
 
 
-@pytest.mark.parametrize("name,pipeline,tensor,data,schedule", MESHES)
+@pytest.mark.parametrize("name,pipeline,tensor,data,schedule,transport", MESHES)
 async def test_mesh_training_equals_one_process(
-    cluster: Cluster, name: str, pipeline: int, tensor: int, data: int, schedule: str
+    cluster: Cluster, name: str, pipeline: int, tensor: int, data: int, schedule: str, transport: str
 ) -> None:
     workload = WORKLOADS[name]
     expected_state, expected_losses = train_reference(workload)
     job = await cluster.train(
         model=workload["model"], model_kwargs=workload["kwargs"], loss=workload["loss"],
         optimizer=workload["optimizer"], pipeline_stages=pipeline, tensor_parallel=tensor,
-        data_parallel=data, schedule=schedule, micro_batches=4, seed=0,
+        data_parallel=data, schedule=schedule, micro_batches=4, seed=0, transport=transport,
     )
     try:
         losses = [(await job.step(x, y)).loss for x, y in workload["batches"]()]
