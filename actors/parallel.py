@@ -190,7 +190,9 @@ def _connect_pairs(pairs: Sequence[tuple[int, int]], own: Mapping[tuple[int, int
     ranks are creating it, talking through the rendezvous store: left to the first
     activation, that would block the event loop that posts transfers, which is the
     thread the store's calls need. Every rank takes its pairs in the same global order,
-    so the earliest pair not yet connected always has both its ranks at it.
+    so the earliest pair not yet connected always has both its ranks at it. The byte
+    goes by ``batch_isend_irecv``, as every transfer after it: NCCL keys a batched
+    transfer's communicator apart from a lone ``isend``'s, and it is that one that must exist.
     """
     for pair in pairs:
         if rank not in pair:
