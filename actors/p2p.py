@@ -263,9 +263,12 @@ class DistLink:
                     posted.append(Encoded(codec=leaf["codec"], dtype=DTYPES[leaf["dtype"]], shape=tuple(leaf["shape"]),
                                           params=leaf["params"], frames=buffers))
                 works = dist.batch_isend_irecv(ops) if ops else []
-        finally:
-            if gate is not None:
-                gate.advance(seq)
+        except BaseException as exc:
+            if gate is not None:  # posted or not, no later receive can be sure to pair with its own send
+                gate.fail(f"posting the receive of value {seq} from rank {src} failed ({exc!r:.200})")
+            raise
+        if gate is not None:
+            gate.advance(seq)
         await self._waiter.wait(works)
         with self._waiter.posting():  # decoding kernels go on the stream that waited
             return [get_codec(encoded.codec).decode(encoded) for encoded in posted]

@@ -312,3 +312,22 @@ async def test_a_cpu_stage_gets_gloo_waits_and_tag_matching() -> None:
     cpu = open_link(torch.device("cpu"), {(0, 1): "g"}, 0)
     assert isinstance(cpu._waiter, ThreadWaiter) and not cpu._ordered
     cpu.close()
+
+
+async def test_a_receive_that_fails_to_post_breaks_its_route_on_nccl(monkeypatch: pytest.MonkeyPatch) -> None:
+    net = Net()
+    net.install(monkeypatch)
+    sender, receiver = link(0), link(1)
+    headers = [sender.send([encoded(torch.ones(4))], 1, 0, "F", 1, m) for m in range(2)]
+
+    def out_of_memory(ops: list[Op]) -> list[Work]:
+        raise torch.OutOfMemoryError("no room for the receive buffers")
+
+    monkeypatch.setattr(dist, "batch_isend_irecv", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        await receiver.receive(headers[0], 0, 0, "F", 1, 0)
+    net.install(monkeypatch)
+    with pytest.raises(LinkBroken, match="posting the receive of value 0 from rank 0 failed"):
+        await receiver.receive(headers[1], 0, 0, "F", 1, 1)
+    for each in (sender, receiver):
+        each.close()
