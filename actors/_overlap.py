@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -225,10 +226,17 @@ class OverlappedReduction:
         # Autograd runs a leaf's accumulation (and its post-accumulate hook) even when no gradient
         # came, as for a fused linear's weight: only one whose pre-hook saw a gradient was written.
         self._incoming: set[int] = set()
+        # The hooks reach this object weakly and are removed by close(): a strong one would
+        # make a cycle through autograd's C++ hook lists (parameter -> hook -> this object ->
+        # parameter) that Python's collector cannot see, and with it the process group that
+        # ``reduce`` holds (its threads and sockets) would outlive the job.
+        me = weakref.WeakMethod(self._hook)
+        self._handles: list[Any] = []
         for i, p in enumerate(self.params):
             if p.requires_grad:
-                p.register_hook(functools.partial(self._gradient_coming, i))
-                p.register_post_accumulate_grad_hook(functools.partial(self._accumulated, i))
+                self._handles.append(p.register_hook(functools.partial(_call_weakly, me, "coming", i)))
+                self._handles.append(p.register_post_accumulate_grad_hook(
+                    functools.partial(_call_weakly, me, "accumulated", i)))
         if weight_grads is not None:
             weight_grads.on_write = self._fused_write
 
@@ -333,7 +341,27 @@ class OverlappedReduction:
         self._leftover = []
         self.active = False
 
+    def close(self) -> None:
+        """The job is over: removes the hooks and drops the buckets and the way to reduce them
+        (which holds the process group), whatever still refers to this object."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if self._weight_grads is not None and self._weight_grads.on_write == self._fused_write:
+            self._weight_grads.on_write = None
+        self._weight_grads = None
+        self._reduce = _closed
+        self._works, self._leftover, self.active = [], [], False
+        self.flats, self._views, self.params = [], [], []
+
     # -- internals -------------------------------------------------------------------
+
+    def _hook(self, which: str, index: int, value: torch.Tensor | None) -> None:
+        if which == "coming":
+            self._gradient_coming(index, value)
+        else:
+            assert value is not None
+            self._accumulated(index, value)
 
     def _gradient_coming(self, index: int, grad: torch.Tensor | None) -> None:
         if grad is not None and self.active:
@@ -418,6 +446,17 @@ class OverlappedReduction:
                 work.wait()
             except Exception as exc:  # an abandoned step's sums are dropped anyway
                 log.warning("a collective of an abandoned step failed: %s", exc)
+
+
+def _call_weakly(method: weakref.WeakMethod[Any], which: str, index: int, value: torch.Tensor | None) -> None:
+    """A parameter hook: passes ``value`` on to the reduction while it lives."""
+    hook = method()
+    if hook is not None:
+        hook(which, index, value)
+
+
+def _closed(flat: torch.Tensor) -> Work:
+    raise RuntimeError("the overlapped reduction was closed: its job has stopped")
 
 
 def _sources(params: Sequence[torch.Tensor], modules: Mapping[int, nn.Module], index: Mapping[int, int], *,

@@ -248,8 +248,11 @@ class StageActor(Actor):
             names.setdefault(id(p), []).append(name)
         return _overlap.OverlappedReduction(
             self._reduce_params, modules, names, bucket_bytes=self.config.bucket_bytes,
-            reduce=lambda flat: start_average(flat, self._data_group(), groups.data_size),
+            reduce=functools.partial(self._start_average, groups.data_size),
             weight_grads=weight_grads, w_batching=w_batching)
+
+    def _start_average(self, world: int, flat: torch.Tensor) -> Any:
+        return start_average(flat, self._data_group(), world)
 
     def _data_group(self) -> Any:
         """The data-parallel process group as it is now (a recovery forms it again)."""
@@ -269,6 +272,8 @@ class StageActor(Actor):
         # A gloo group's threads and listening sockets live as long as its Python object:
         # drop every reference (the groups, tensor-parallel layers holding them), now.
         self._groups = None
+        if self._overlap is not None:
+            self._overlap.close()
         self._overlap = None
         self.executor = None
         self._held = {}

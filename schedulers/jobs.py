@@ -117,8 +117,8 @@ class JobSpec:
     """codec for the data-parallel gradient reduction; `none` is an exact all-reduce"""
     bucket_bytes: int = 25 << 20
     """size of the flat buckets the data-parallel reduction averages gradients in"""
-    overlap_reduce: bool = False
-    """start each bucket's data-parallel all-reduce during the last micro-batch's backward, as soon as its gradients are final (they live in the buckets: no copies), as DDP does; off, the buckets are copied and reduced after the barrier (the same bits, later), as they always are with a lossy `reduce_codec` Off by default for now: a job stopped after using it leaves its gloo group's threads and sockets behind (about 3 threads per job; see tests/schedulers/test_leaks.py)"""
+    overlap_reduce: bool = True
+    """start each bucket's data-parallel all-reduce during the last micro-batch's backward, as soon as its gradients are final (they live in the buckets: no copies), as DDP does; off, the buckets are copied and reduced after the barrier (the same bits, later), as they always are with a lossy `reduce_codec`"""
     transport: TransportName = "zmq"
     """stage-to-stage tensors as actor messages over ZeroMQ (`zmq`) or by `torch.distributed` point-to-point (`dist`)"""
     seed: int = 0
