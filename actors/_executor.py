@@ -154,16 +154,34 @@ class StepExecutor:
         # (stage, micro-batch) -> the storages it holds for its backward, from F until B (or W).
         self._held: dict[tuple[int, int], _activations.Storages] = {}
         self._resident: _activations.Storages = {}  # what lives anyway: parameters, buffers, the batch
+        self._w_batching: bool | None = None  # this step's, when it differs from the model's (schedule="auto")
 
     async def compute(self, fn: Callable[..., T], *args: Any) -> T:
         """Runs ``fn`` on the compute thread."""
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
-    async def begin(self, program: Sequence[Action]) -> None:
+    async def begin(self, program: Sequence[Action], *, w_batching: bool | None = None) -> None:
         """Prepares a step that will run ``program``: before anything of the step can fail, so that a
-        replica that fails still takes part in every collective the others start (see :meth:`reset`)."""
+        replica that fails still takes part in every collective the others start (see :meth:`reset`).
+
+        Args:
+            w_batching: run this step's runs of consecutive Ws as one GEMM per weight (None: the
+                stage's own setting). Needs fused weight gradients.
+
+        Raises:
+            ValueError: W batching asked of a stage without fused weight gradients.
+        """
+        if w_batching and self.model.weight_grads is None:
+            raise ValueError("w_batching runs the fused weight-gradient GEMMs together; this stage has none "
+                             "(gradient_accumulation_fusion is off)")
+        self._w_batching = w_batching
         if self.overlap is not None:
-            await self.compute(self.overlap.begin, program)
+            await self.compute(self.overlap.begin, program, self.w_batching)
+
+    @property
+    def w_batching(self) -> bool:
+        """Whether this step runs its runs of consecutive Ws as one GEMM per weight."""
+        return self.model.w_batching if self._w_batching is None else self._w_batching
 
     async def run(
         self,
@@ -373,7 +391,7 @@ class StepExecutor:
 
     def _weight_backward(self, stage: int, mb: int) -> None:
         key = (stage, mb)
-        if key in self._pending_w and self.model.w_batching:
+        if key in self._pending_w and self.w_batching:
             # W batching: consecutive Ws (the tail defer_weight_grads makes) run each weight's
             # GEMM once, over all their micro-batches' rows.
             self._w_batch.append((key, self._pending_w.pop(key)))

@@ -211,7 +211,7 @@ class OverlappedReduction:
         self._w_batching = w_batching
         # Per parameter, the GEMMs a batched W runs into its gradient: one per (weight, bias) pair holding it.
         self._gemm_groups = [0] * len(index) if weight_grads is None else _fused_groups(self.params, modules, index)
-        self._plans: dict[tuple[Action, ...], ReductionPlan] = {}
+        self._plans: dict[tuple[tuple[Action, ...], bool], ReductionPlan] = {}
         self._unreliable: set[int] = set()  # written after they were thought final: final at the barrier only
         # Per step.
         self.active = False
@@ -246,8 +246,10 @@ class OverlappedReduction:
 
     # -- one step (everything below runs on the stage's compute thread) ------------------
 
-    def begin(self, program: Sequence[Action]) -> None:
+    def begin(self, program: Sequence[Action], w_batching: bool | None = None) -> None:
         """Starts a step that runs ``program``: overlapping only if it has a ``REDUCE``.
+
+        ``w_batching``: whether the executor batches this step's runs of Ws (None: as built).
 
         Waits for an abandoned step's collectives first (their buckets are about to be
         zeroed), then makes every gradient a zeroed view of its bucket again:
@@ -257,11 +259,12 @@ class OverlappedReduction:
         self.active = any(a.kind is ActionKind.REDUCE for a in program)
         if not self.active:
             return
-        key = tuple(program)
+        batched = self._w_batching if w_batching is None else w_batching
+        key = (tuple(program), batched)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = plan_reduction(key, self._sources, self._weight_grads is not None,
-                                                     self._w_batching)
+            plan = self._plans[key] = plan_reduction(key[0], self._sources, self._weight_grads is not None,
+                                                     batched)
         self._plan = plan
         for flat in self.flats:
             flat.zero_()

@@ -315,6 +315,7 @@ class StageActor(Actor):
         micro_batches: int | None = None,
         snapshot: int | None = None,
         loss_scale: float | None = None,
+        w_batching: bool | None = None,
     ) -> dict[str, Any]:
         """Runs ``program`` up to its barrier.
 
@@ -325,6 +326,8 @@ class StageActor(Actor):
             micro_batches: a count other than the one the stage was built with (changed
                 on a running job, at the barrier, by the scheduler).
             loss_scale: with fp16, the scale the last stage multiplies each loss by.
+            w_batching: run this step's runs of consecutive Ws as one GEMM per weight, or not
+                (``schedule="auto"`` decides per step; None: as the stage was built).
 
         Returns:
             A :class:`~actors.records.StageReport` as a map: the step's trace, or which
@@ -342,7 +345,9 @@ class StageActor(Actor):
             if isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float)) or not loss_scale > 0:
                 raise ValueError(f"loss_scale must be a number > 0, got {loss_scale!r:.40}")
             self.executor.loss_scale = float(loss_scale)
-        await self.executor.begin(actions)
+        if w_batching is not None and not isinstance(w_batching, bool):
+            raise ValueError(f"w_batching must be a bool, got {w_batching!r:.40}")
+        await self.executor.begin(actions, w_batching=w_batching)
         if data_step is not None:
             inputs, targets = self._read_data(data_step, data_shard or [0, 1])
         if snapshot is not None:

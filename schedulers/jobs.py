@@ -132,7 +132,7 @@ class JobSpec:
     gradient_accumulation_fusion: bool = True
     """as in Megatron: exact `nn.Linear` weight gradients accumulate into `.grad` with one GEMM, and a backward whose input gradient leaves the rank runs as `I` (sent at once) then `W`; off: plain autograd"""
     w_batching: bool = False
-    """W batching: every weight-gradient GEMM waits for the end of the step and runs as one GEMM per weight over all micro-batches (a larger K, as one process's whole batch); needs `gradient_accumulation_fusion`. Costs memory: each `nn.Linear`'s inputs and output gradients stay held for every micro-batch until then"""
+    """W batching: every weight-gradient GEMM waits for the end of the step and runs as one GEMM per weight over all micro-batches (a larger K, as one process's whole batch); needs `gradient_accumulation_fusion`. Costs memory: each `nn.Linear`'s inputs and output gradients stay held for every micro-batch until then. With `schedule='auto'` the plan turns it on or off"""
     keep_freed_memory: bool = True
     """stage processes set glibc's malloc to keep freed buffers instead of page-faulting them in again every micro-batch"""
     step_timeout_s: float = 600.0

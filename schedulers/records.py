@@ -205,6 +205,9 @@ class MeasuredCosts(WireRecord):
         overhead_s: the step's time outside the stage programs (dispatch, the
             barrier, reduction and optimizer step).
         step: the step measured.
+        weight_grad_batched: per rank, seconds per micro-batch of ``W`` when a run of
+            them computes each weight's gradient as one GEMM (W batching), from a probe
+            step that ran so; None when not measured (no fused weight gradients).
     """
 
     forward: list[float]
@@ -218,6 +221,7 @@ class MeasuredCosts(WireRecord):
     bandwidth: float = float("inf")
     overhead_s: float = 0.0
     step: int = 0
+    weight_grad_batched: list[float] | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -234,6 +238,8 @@ class Candidate(WireRecord):
         runnable: the job's partition runs it (interleaving cuts the model anew: a new job).
         fits: within the job's ``max_stash_bytes``.
         chosen: the one auto runs (or, on a job with a fixed schedule, would run).
+        w_batching: with W batching (every ``W`` deferred to the rank's tail, a run of
+            them computed as one GEMM per weight).
     """
 
     schedule: str
@@ -245,11 +251,13 @@ class Candidate(WireRecord):
     runnable: bool = True
     fits: bool = True
     chosen: bool = False
+    w_batching: bool = False
 
     @property
     def label(self) -> str:
-        """``zero_bubble``, or ``interleaved x3`` for 3 virtual stages."""
-        return self.schedule if self.virtual_stages is None else f"{self.schedule} x{self.virtual_stages}"
+        """``zero_bubble``, ``interleaved x3`` for 3 virtual stages, ``1f1b +wbatch`` with W batching."""
+        name = self.schedule if self.virtual_stages is None else f"{self.schedule} x{self.virtual_stages}"
+        return f"{name} +wbatch" if self.w_batching else name
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
