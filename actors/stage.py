@@ -28,6 +28,7 @@ from actors._actor import Actor, caller_among, current_caller, endpoint
 from actors._activations import checkpoint_interval
 from actors._allocator import keep_freed_memory
 from actors._build import Chain, build_layers
+from actors.devices import pin_device
 from actors.boundary import Payload
 from actors._errors import ActorError, NotAllowed, error_to_wire
 from actors._executor import ActionFailed, Inbox, StageModel, StepExecutor, nonfinite_gradients
@@ -127,7 +128,9 @@ class StageActor(Actor):
         device = torch.device(context.device if context is not None else "cpu")
         # Importing the factory and building the model take seconds: on the compute
         # thread, so that this node keeps heartbeating meanwhile.
-        thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{self.config.pipeline_rank}-compute")
+        # CUDA's current device is per thread: the compute thread pins itself as the node did.
+        thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{self.config.pipeline_rank}-compute",
+                                    initializer=pin_device, initargs=(str(device),))
         try:
             loop = asyncio.get_running_loop()
             model = await loop.run_in_executor(thread, self._build, allow, device, loop)
@@ -387,6 +390,7 @@ class StageActor(Actor):
             peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             codec_stats=self._edge_stats,
             optimizer_state_bytes=zero.state_bytes(self.executor.model.optimizer),
+            device=str(self.executor.model.device),
         ).to_wire()
 
     @endpoint(roles=("head",))

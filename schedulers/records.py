@@ -38,6 +38,8 @@ class StepStats(WireRecord):
             the step began (torch optimizers make theirs at their first step; with
             ``zero_stage=1``, each replica holds its shard: about 1/``data_parallel``).
         busy_s: per stage actor, seconds spent computing.
+        devices: per stage actor, the device it computes on (``cpu``, ``cuda:0``); empty
+            in a record from before the field.
         codec_stats: per edge and direction (``"F 0->1"``, ``"B 1->0"``): the codec,
             ``bytes`` on the wire, ``raw_bytes`` (the tensors' own size), their
             ``ratio``, and ``rel_error``, the norm of (decoded - sent) over the norm
@@ -83,6 +85,7 @@ class StepStats(WireRecord):
     peak_rss_bytes: list[int] = field(default_factory=list)
     optimizer_state_bytes: list[int] = field(default_factory=list)
     busy_s: list[float] = field(default_factory=list)
+    devices: list[str] = field(default_factory=list)
     codec_stats: dict[str, dict[str, Any]] = field(default_factory=dict)
     reduce_bytes: int = 0
     reduce_wait_s: list[float] = field(default_factory=list)
@@ -110,11 +113,18 @@ class StepStats(WireRecord):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class JobInfo(WireRecord):
-    """A new job's layout: its id, each model stage's ``[first, end)`` layers, and its nodes by global rank."""
+    """A new job's layout: its id, each model stage's ``[first, end)`` layers, and its nodes by global rank.
+
+    Attributes:
+        notices: what the scheduler warns about the placement (stage actors that share a
+            GPU because every GPU is taken; CPU and GPU nodes in one job); the driver
+            warns each as a :class:`~schedulers.placement.PlacementWarning`.
+    """
 
     job: str
     bounds: list[list[int]]
     nodes: list[str]
+    notices: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
