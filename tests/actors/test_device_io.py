@@ -128,7 +128,7 @@ def test_the_pool_reuses_a_released_buffer_and_allocates_none_after_warm_up() ->
 def test_a_buffer_something_still_references_is_not_reused() -> None:
     pool = PinnedPool(1 << 20, pinned=False)
     buffer = pool.acquire(1000)
-    frame = memoryview(buffer.view(torch.int32).reshape(10, 25).numpy())  # as ZeroMQ holds a zero-copy frame
+    frame = memoryview(buffer.view(torch.int32).reshape(10, 25).numpy())  # type: ignore[arg-type]  # as ZeroMQ holds a frame
     pool.release(buffer)
     del buffer
     other = pool.acquire(1000)
