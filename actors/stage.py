@@ -53,12 +53,17 @@ __all__ = ["StageActor", "StageConfig"]
 
 
 def _squared_norm(params: Sequence[torch.Tensor]) -> float:
-    """The sum of the squares of these parameters' gradients, in float64 (inf or nan when one is)."""
-    total = torch.zeros((), dtype=torch.float64)
-    for p in params:
-        if p.grad is not None:
-            total += torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float64).cpu() ** 2
-    return float(total)
+    """The sum of the squares of these parameters' gradients, in float64 (inf or nan when one is).
+
+    The norms are computed on the device and read in one sync (not one per parameter);
+    the squares are summed on the host, in order, as a float64 scalar would.
+    """
+    norms = [torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float64) for p in params if p.grad is not None]
+    total = 0.0
+    if norms:
+        for square in (torch.stack(norms).cpu() ** 2).tolist():
+            total += square
+    return total
 
 
 @torch.no_grad()
@@ -614,11 +619,20 @@ class StageActor(Actor):
             return
         assert self.executor is not None
         model = self.executor.model
-        state = await self.executor.compute(snapshots.capture, self._held, model.optimizer, model.lr_scheduler)
+        state = await self.executor.compute(self._capture, model)
         self._own_snapshots.put(index, state)
         if len(self.peers) > 1:  # off the step's path: the copy travels while the step computes
             buddy = self.peers[(self.config.pipeline_rank + 1) % len(self.peers)]
             self.runtime.spawn_task(self._send_snapshot(buddy, index, state), name=f"snapshot {index}")
+
+    def _capture(self, model: StageModel) -> dict[str, torch.Tensor]:
+        """A snapshot, on the host: from a GPU it would hold device memory twice over (two are kept) and
+        block the loop when sent to the buddy."""
+        assert self.executor is not None
+        state = snapshots.capture(self._held, model.optimizer, model.lr_scheduler)
+        if not self.executor.io.staged:
+            return state
+        return dict(zip(state, self.executor.io.copy_to_cpu(list(state.values()))))
 
     async def _send_snapshot(self, buddy: ActorRef, index: int, state: dict[str, torch.Tensor]) -> None:
         try:
@@ -724,8 +738,10 @@ class StageActor(Actor):
         return list(dict.fromkeys(held + [a for k in held for a in self._aliases.get(k, [])]))
 
     def _state_dict(self) -> dict[str, torch.Tensor]:
-        return {self.key(i, k): v.detach().cpu() for i, layer in self._held.items()
-                for k, v in layer.state_dict().items()}
+        """The held layers' state on the CPU (from a GPU: moved once, in pinned chunks)."""
+        assert self.executor is not None
+        named = [(self.key(i, k), v) for i, layer in self._held.items() for k, v in layer.state_dict().items()]
+        return dict(zip([k for k, _ in named], self.executor.io.copy_to_cpu([v for _, v in named])))
 
     def _load_state_dict(self, state: dict[str, torch.Tensor]) -> list[str]:
         """Checks every held layer's entries first, then loads them; errors name keys as the whole model has them.
@@ -765,6 +781,10 @@ class StageActor(Actor):
         unknown = [k for k in state if k not in known]
         if unknown:
             raise KeyError(f"keys this stage does not hold: {unknown[:10]}")
+        if self.executor is not None and self.executor.io.staged:  # to the device at once, not one by one
+            flat = [(i, k, v) for i, mine in parts.items() for k, v in mine.items()]
+            for (i, k, _), moved in zip(flat, self.executor.io.copy_to_device([v for _, _, v in flat])):
+                parts[i][k] = moved
         for i, mine in parts.items():
             self._held[i].load_state_dict(mine, strict=True)
         return [k for k in state if k in known]
@@ -783,7 +803,7 @@ class StageActor(Actor):
         assert self.executor is not None
         # Replica 0 writes the weights; with ZeRO-1 every replica writes its shard's optimizer state.
         write = functools.partial(write_stage, key=self.key, model=self._mesh.coords(self.config.global_rank).data == 0,
-                                  scheduler=self.executor.model.lr_scheduler)
+                                  scheduler=self.executor.model.lr_scheduler, io=self.executor.io)
         return await self._compute(write, staging, file, self._held, self.executor.model.optimizer,
                                    self._shard_spec_map(), self._tensor_rank())
 
@@ -831,7 +851,8 @@ class StageActor(Actor):
             raise checkpoint.CheckpointError("nothing to apply: checkpoint_check found problems or did not run")
         model = self.executor.model
         await self._compute(functools.partial(apply_load, weights_only=bool(weights_only), key=self.key,
-                                              scheduler=model.lr_scheduler), prepared, self._held, model.optimizer)
+                                              scheduler=model.lr_scheduler, io=self.executor.io),
+                            prepared, self._held, model.optimizer)
         self._forget_snapshots()
 
     def _forget_snapshots(self) -> None:
@@ -872,7 +893,12 @@ class StageActor(Actor):
         peer = self.peers[target_rank]
         tag = "F" if forward else "B"
         if self._link is None:
-            nbytes = await peer.tell("deliver", step, tag, target_stage, action.microbatch, leaves, value.spec)
+            # On a GPU: the (encoded) tensors are copied to pinned host buffers on the copy stream while
+            # compute goes on; only this send waits for the copy, on a thread of its own.
+            io = self.executor.io
+            host = io.to_host(leaves)
+            await io.wait(host.event)
+            nbytes = await peer.tell("deliver", step, tag, target_stage, action.microbatch, host.values, value.spec)
         else:
             none = get_codec("none")
             encoded = [leaf if isinstance(leaf, Encoded) else none.encode(leaf) for leaf in leaves]
