@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo typecheck bench clean
+.PHONY: setup test demo typecheck bench gpu-check clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -30,6 +30,12 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.actors
 	$(PY) -m benchmarks.pipeline
 	$(PY) -m benchmarks.overhead
+
+# On a GPU machine, in a venv whose torch is a CUDA build (setup installs the CPU wheel: replace it with
+# `$(PY) -m pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128` or the like).
+# Not tied to setup, which would put the CPU wheel back. Without CUDA it says so and exits 0.
+gpu-check:
+	$(PY) -m benchmarks.gpu
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .hypothesis

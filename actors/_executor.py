@@ -23,6 +23,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from actors import _activations, _overlap, _wgrad, boundary
 from actors.boundary import Payload
+from actors.device_io import DeviceIO
 from actors.program import Action, ActionKind
 
 __all__ = ["Inbox", "StageModel", "StepExecutor", "StepTrace", "check_target_shape", "nonfinite_gradients"]
@@ -128,13 +129,16 @@ class StepExecutor:
         thread: a one-worker pool for compute; the executor owns it from now on.
         overlap: the data-parallel reduction that starts during backward, if there is one:
             :meth:`begin` starts its step, each forward and backward action reports to it.
+        io: how tensors cross between the host and the model's device (received values,
+            the batch); a new :class:`~actors.device_io.DeviceIO` for it when None.
     """
 
     def __init__(
         self, model: StageModel, inbox: Inbox, send: Send, num_microbatches: int, thread: ThreadPoolExecutor,
-        *, overlap: _overlap.OverlappedReduction | None = None,
+        *, overlap: _overlap.OverlappedReduction | None = None, io: DeviceIO | None = None,
     ) -> None:
         self.model = model
+        self.io = io if io is not None else DeviceIO(model.device)
         self.overlap = overlap
         self.inbox = inbox
         self._send = send
@@ -154,16 +158,37 @@ class StepExecutor:
         # (stage, micro-batch) -> the storages it holds for its backward, from F until B (or W).
         self._held: dict[tuple[int, int], _activations.Storages] = {}
         self._resident: _activations.Storages = {}  # what lives anyway: parameters, buffers, the batch
+        self._w_batching: bool | None = None  # this step's, when it differs from the model's (schedule="auto")
+        # The step's losses, as the device left them: read once, at the end of the step (one sync, not one
+        # per micro-batch on the compute stream).
+        self._losses: dict[int, torch.Tensor] = {}
 
     async def compute(self, fn: Callable[..., T], *args: Any) -> T:
         """Runs ``fn`` on the compute thread."""
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
-    async def begin(self, program: Sequence[Action]) -> None:
+    async def begin(self, program: Sequence[Action], *, w_batching: bool | None = None) -> None:
         """Prepares a step that will run ``program``: before anything of the step can fail, so that a
-        replica that fails still takes part in every collective the others start (see :meth:`reset`)."""
+        replica that fails still takes part in every collective the others start (see :meth:`reset`).
+
+        Args:
+            w_batching: run this step's runs of consecutive Ws as one GEMM per weight (None: the
+                stage's own setting). Needs fused weight gradients.
+
+        Raises:
+            ValueError: W batching asked of a stage without fused weight gradients.
+        """
+        if w_batching and self.model.weight_grads is None:
+            raise ValueError("w_batching runs the fused weight-gradient GEMMs together; this stage has none "
+                             "(gradient_accumulation_fusion is off)")
+        self._w_batching = w_batching
         if self.overlap is not None:
-            await self.compute(self.overlap.begin, program)
+            await self.compute(self.overlap.begin, program, self.w_batching)
+
+    @property
+    def w_batching(self) -> bool:
+        """Whether this step runs its runs of consecutive Ws as one GEMM per weight."""
+        return self.model.w_batching if self._w_batching is None else self._w_batching
 
     async def run(
         self,
@@ -185,6 +210,7 @@ class StepExecutor:
         self._resident = _activations.storages([*boundary.tree_tensors(inputs), *boundary.tree_tensors(targets),
                                                 *(t for m in modules for t in (*m.parameters(), *m.buffers()))])
         self.done_actions = 0
+        self._losses = {}
         for index, action in enumerate(program):
             if action.kind is _K.BARRIER:
                 break
@@ -207,6 +233,8 @@ class StepExecutor:
             self.done_actions += 1
         self.current = None
         trace.elapsed_s = time.perf_counter() - start
+        # On a GPU the one sync for the losses waits on the compute thread, not on the loop.
+        trace.losses = await self.compute(_as_floats, self._losses) if self.io.staged else _as_floats(self._losses)
         if self._stash or self._values or self._pending_w or self._w_batch:
             leftover = sorted(map(str, list(self._stash) + list(self._values) + list(self._pending_w)
                                   + [key for key, _ in self._w_batch]))
@@ -246,6 +274,7 @@ class StepExecutor:
 
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)
+        self.io.close()
 
     # -- actions -------------------------------------------------------------------
 
@@ -255,7 +284,7 @@ class StepExecutor:
         if kind is _K.F:
             loss = await self.compute(self._forward_held, s, m, self._input_of(s, m), self._target_of(s, m))
             if loss is not None:
-                trace.losses[m] = loss
+                self._losses[m] = loss
         elif kind in (_K.B, _K.I):
             grads = None if s == self.model.num_stages - 1 else self._values.pop(("B", s + 1, m))
             grad_in = await self.compute(self._tracked, action, self._backward, s, m, grads, kind is _K.I)
@@ -267,8 +296,11 @@ class StepExecutor:
             tag = "F" if kind is _K.RECV_F else "B"
             source = s - 1 if tag == "F" else s + 1
             payload = await self.inbox.take((step, tag, s, m))
+            # On a GPU: copied host->device on the copy stream now, the compute stream ordered after it.
+            leaves = self.io.to_device(payload.leaves)
             # An activation's tensors that carry a gradient become leaves collecting it.
-            self._values[(tag, source, m)] = boundary.unpack(payload, self.model.device, as_leaves=tag == "F")
+            self._values[(tag, source, m)] = boundary.unpack(Payload(leaves, payload.spec), self.model.device,
+                                                             as_leaves=tag == "F")
         elif kind in (_K.SEND_F, _K.SEND_B):
             tag = "F" if kind is _K.SEND_F else "B"
             value = self._values.pop((tag, s, m))
@@ -280,7 +312,7 @@ class StepExecutor:
         if stage == 0:
             if self._inputs is None:
                 raise RuntimeError("stage 0 has no inputs for this step")
-            return _to_device(self._inputs[mb], self.model.device)
+            return self._to_device(self._inputs[mb])
         return self._values.pop(("F", stage - 1, mb))
 
     def _target_of(self, stage: int, mb: int) -> Any:
@@ -288,7 +320,14 @@ class StepExecutor:
             return None
         if self._targets is None:
             raise RuntimeError("the last stage has no targets for this step")
-        return _to_device(self._targets[mb], self.model.device)
+        return self._to_device(self._targets[mb])
+
+    def _to_device(self, tree: Any) -> Any:
+        """A micro-batch of the batch on the model's device (through the copy stream on a GPU)."""
+        if not self.io.staged:
+            return _to_device(tree, self.model.device)
+        payload = boundary.pack(tree)
+        return boundary.unpack(Payload(self.io.to_device(payload.leaves), payload.spec), self.model.device)
 
     # -- compute (on the compute thread) --------------------------------------------
 
@@ -299,7 +338,7 @@ class StepExecutor:
         with self.overlap.action(action):
             return fn(*args)
 
-    def _forward_held(self, stage: int, mb: int, x: Any, target: Any) -> float | None:
+    def _forward_held(self, stage: int, mb: int, x: Any, target: Any) -> torch.Tensor | None:
         """:meth:`_forward`, noting what the micro-batch now holds for its backward (``peak_stash_bytes``)."""
         counting = self.overlap.forward(stage, mb) if self.overlap is not None else contextlib.nullcontext()
         with _activations.SavedActivations(self._resident) as saved, counting:
@@ -309,7 +348,7 @@ class StepExecutor:
         self._held[(stage, mb)] = saved.storages
         return loss
 
-    def _forward(self, stage: int, mb: int, x: Any, target: Any) -> float | None:
+    def _forward(self, stage: int, mb: int, x: Any, target: Any) -> torch.Tensor | None:
         module = self.model.modules[stage]
         with torch.enable_grad():
             with self.model.autocast():
@@ -333,7 +372,7 @@ class StepExecutor:
             # it on the whole batch; each micro-batch's gradient is scaled to match.
             scaled = loss * self.loss_scale if self.loss_scale != 1.0 else loss
             self._stash[(stage, mb)] = (inputs, [scaled / self.num_microbatches])
-            return float(loss.detach())
+            return loss.detach()
 
     def _backward(self, stage: int, mb: int, grads: list[torch.Tensor | None] | None,
                   input_only: bool) -> list[torch.Tensor | None] | None:
@@ -373,7 +412,7 @@ class StepExecutor:
 
     def _weight_backward(self, stage: int, mb: int) -> None:
         key = (stage, mb)
-        if key in self._pending_w and self.model.w_batching:
+        if key in self._pending_w and self.w_batching:
             # W batching: consecutive Ws (the tail defer_weight_grads makes) run each weight's
             # GEMM once, over all their micro-batches' rows.
             self._w_batch.append((key, self._pending_w.pop(key)))
@@ -420,6 +459,14 @@ def _to_device(tree: Any, device: torch.device) -> Any:
     if isinstance(tree, torch.Tensor):
         return tree.to(device, non_blocking=True)
     return boundary.unpack(boundary.pack(tree), device)
+
+
+def _as_floats(losses: Mapping[int, torch.Tensor]) -> dict[int, float]:
+    """The losses as numbers, with one device sync for all of them."""
+    if not losses:
+        return {}
+    values = torch.stack([losses[m].reshape(()) for m in losses]).tolist()
+    return dict(zip(losses, values))
 
 
 def _with_grads(outs: list[torch.Tensor], grads: Sequence[torch.Tensor | None] | None

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -210,7 +211,7 @@ class OverlappedReduction:
         self._w_batching = w_batching
         # Per parameter, the GEMMs a batched W runs into its gradient: one per (weight, bias) pair holding it.
         self._gemm_groups = [0] * len(index) if weight_grads is None else _fused_groups(self.params, modules, index)
-        self._plans: dict[tuple[Action, ...], ReductionPlan] = {}
+        self._plans: dict[tuple[tuple[Action, ...], bool], ReductionPlan] = {}
         self._unreliable: set[int] = set()  # written after they were thought final: final at the barrier only
         # Per step.
         self.active = False
@@ -225,10 +226,17 @@ class OverlappedReduction:
         # Autograd runs a leaf's accumulation (and its post-accumulate hook) even when no gradient
         # came, as for a fused linear's weight: only one whose pre-hook saw a gradient was written.
         self._incoming: set[int] = set()
+        # The hooks reach this object weakly and are removed by close(): a strong one would
+        # make a cycle through autograd's C++ hook lists (parameter -> hook -> this object ->
+        # parameter) that Python's collector cannot see, and with it the process group that
+        # ``reduce`` holds (its threads and sockets) would outlive the job.
+        me = weakref.WeakMethod(self._hook)
+        self._handles: list[Any] = []
         for i, p in enumerate(self.params):
             if p.requires_grad:
-                p.register_hook(functools.partial(self._gradient_coming, i))
-                p.register_post_accumulate_grad_hook(functools.partial(self._accumulated, i))
+                self._handles.append(p.register_hook(functools.partial(_call_weakly, me, "coming", i)))
+                self._handles.append(p.register_post_accumulate_grad_hook(
+                    functools.partial(_call_weakly, me, "accumulated", i)))
         if weight_grads is not None:
             weight_grads.on_write = self._fused_write
 
@@ -238,8 +246,10 @@ class OverlappedReduction:
 
     # -- one step (everything below runs on the stage's compute thread) ------------------
 
-    def begin(self, program: Sequence[Action]) -> None:
+    def begin(self, program: Sequence[Action], w_batching: bool | None = None) -> None:
         """Starts a step that runs ``program``: overlapping only if it has a ``REDUCE``.
+
+        ``w_batching``: whether the executor batches this step's runs of Ws (None: as built).
 
         Waits for an abandoned step's collectives first (their buckets are about to be
         zeroed), then makes every gradient a zeroed view of its bucket again:
@@ -249,11 +259,12 @@ class OverlappedReduction:
         self.active = any(a.kind is ActionKind.REDUCE for a in program)
         if not self.active:
             return
-        key = tuple(program)
+        batched = self._w_batching if w_batching is None else w_batching
+        key = (tuple(program), batched)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = plan_reduction(key, self._sources, self._weight_grads is not None,
-                                                     self._w_batching)
+            plan = self._plans[key] = plan_reduction(key[0], self._sources, self._weight_grads is not None,
+                                                     batched)
         self._plan = plan
         for flat in self.flats:
             flat.zero_()
@@ -333,7 +344,27 @@ class OverlappedReduction:
         self._leftover = []
         self.active = False
 
+    def close(self) -> None:
+        """The job is over: removes the hooks and drops the buckets and the way to reduce them
+        (which holds the process group), whatever still refers to this object."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if self._weight_grads is not None and self._weight_grads.on_write == self._fused_write:
+            self._weight_grads.on_write = None
+        self._weight_grads = None
+        self._reduce = _closed
+        self._works, self._leftover, self.active = [], [], False
+        self.flats, self._views, self.params = [], [], []
+
     # -- internals -------------------------------------------------------------------
+
+    def _hook(self, which: str, index: int, value: torch.Tensor | None) -> None:
+        if which == "coming":
+            self._gradient_coming(index, value)
+        else:
+            assert value is not None
+            self._accumulated(index, value)
 
     def _gradient_coming(self, index: int, grad: torch.Tensor | None) -> None:
         if grad is not None and self.active:
@@ -419,6 +450,17 @@ class OverlappedReduction:
                 work.wait()
             except Exception as exc:  # an abandoned step's sums are dropped anyway
                 log.warning("a collective of an abandoned step failed: %s", exc)
+
+
+def _call_weakly(method: weakref.WeakMethod[Any], which: str, index: int, value: torch.Tensor | None) -> None:
+    """A parameter hook: passes ``value`` on to the reduction while it lives."""
+    hook = method()
+    if hook is not None:
+        hook(which, index, value)
+
+
+def _closed(flat: torch.Tensor) -> Work:
+    raise RuntimeError("the overlapped reduction was closed: its job has stopped")
 
 
 def _sources(params: Sequence[torch.Tensor], modules: Mapping[int, nn.Module], index: Mapping[int, int], *,

@@ -21,6 +21,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
 from actors import _lr_scheduler
+from actors.device_io import DeviceIO, copy_to_cpu
 from actors.checkpoint import CheckpointError, Manifest, TensorEntry, check_staging, dtype_name, read_entry, write_tensors
 from actors.tensor_parallel import ShardSpec, shard_tensor
 
@@ -55,7 +56,7 @@ def _state_spec(value: torch.Tensor, param: nn.Parameter, spec: ShardSpec | None
 def write_stage(
     staging: str, file: str, held: Mapping[int, nn.Module], optimizer: torch.optim.Optimizer,
     specs: Mapping[str, ShardSpec], tp_rank: int, key: Key = layer_key, *, model: bool = True,
-    scheduler: LRScheduler | None = None,
+    scheduler: LRScheduler | None = None, io: DeviceIO | None = None,
 ) -> dict[str, Any]:
     """Writes this stage's tensors to ``staging/file``; returns what the manifest needs of them
     (and, under ``lr_scheduler``, the schedule's state or None).
@@ -63,6 +64,8 @@ def write_stage(
     Args:
         model: write the held layers' state too; without it, the optimizer state alone
             (a data-parallel replica other than 0 with ZeRO-1: its shard's).
+        io: the stage's device copies: from a GPU, every tensor moves to the CPU once, in
+            pinned chunks, before anything is written.
 
     Raises:
         CheckpointError: the directory is not visible here, or the optimizer keeps state
@@ -81,7 +84,8 @@ def write_stage(
                                       [f"it is a {type(value).__name__}; only tensors are stored"])
             items.append((whole, name, value, _state_spec(value, param, specs.get(whole))))
     mine = [item for item in items if item[3] is not None or tp_rank == 0]  # replicated: rank 0 writes
-    size, parts = write_tensors(path, {str(n): value for n, (_, _, value, _) in enumerate(mine)})
+    host = copy_to_cpu([value for _, _, value, _ in mine], io)
+    size, parts = write_tensors(path, {str(n): value for n, value in enumerate(host)})
     tensors = [{"key": key, "state": name, "shape": _whole_shape(value.shape, spec), "dtype": dtype_name(value.dtype),
                 "shard": list(spec) if spec is not None else None, "rank": tp_rank,
                 "part": parts[str(n)].to_wire()}
@@ -178,12 +182,33 @@ def prepare_load(
     return PreparedLoad(model=model, optimizer_state=state, lr_scheduler=schedule), problems
 
 
+def _to_device(prepared: PreparedLoad, io: DeviceIO, *, weights_only: bool) -> PreparedLoad:
+    """``prepared`` with its tensors on ``io``'s device (optimizer scalars, such as Adam's step, stay on the CPU)."""
+    slots: list[tuple[dict[str, torch.Tensor], str]] = [(mine, name) for mine in prepared.model.values() for name in mine]
+    if not weights_only:
+        slots += [(saved, name) for saved in prepared.optimizer_state.values() for name, v in saved.items() if v.dim()]
+    model = {i: dict(mine) for i, mine in prepared.model.items()}
+    state = {k: dict(saved) for k, saved in prepared.optimizer_state.items()}
+    copies = {id(prepared.model[i]): model[i] for i in prepared.model}
+    copies.update({id(prepared.optimizer_state[k]): state[k] for k in prepared.optimizer_state})
+    for (mine, name), moved in zip(slots, io.copy_to_device([mine[name] for mine, name in slots])):
+        copies[id(mine)][name] = moved
+    return PreparedLoad(model=model, optimizer_state=state, lr_scheduler=prepared.lr_scheduler)
+
+
 def apply_load(
     prepared: PreparedLoad, held: Mapping[int, nn.Module], optimizer: torch.optim.Optimizer, *, weights_only: bool,
-    key: Key = layer_key, scheduler: LRScheduler | None = None,
+    key: Key = layer_key, scheduler: LRScheduler | None = None, io: DeviceIO | None = None,
 ) -> None:
     """Copies a prepared, checked load into the layers (and, unless ``weights_only``, the optimizer and
-    the schedule)."""
+    the schedule).
+
+    Args:
+        io: the stage's device copies: on a GPU, every tensor crosses to the device once, in
+            pinned chunks, before it is copied into place.
+    """
+    if io is not None and io.staged:
+        prepared = _to_device(prepared, io, weights_only=weights_only)
     for i, mine in prepared.model.items():
         held[i].load_state_dict(mine, strict=True)
     if weights_only:

@@ -32,6 +32,7 @@ from actors._actor import Actor, endpoint
 from actors._errors import ActorError, ActorTimeout, HeadLost, NotAllowed
 from actors._nodes import HEAD, NODE, HeadActor
 from actors._serve import ADMIT_TOKEN_ENV, head_address, security
+from actors.devices import DeviceSpec, node_devices, visible_gpu_count
 from actors.keys import DEFAULT_KEYS, ClusterKeys
 from actors._ref import ActorRef
 from actors._runtime import Runtime, open_runtime
@@ -274,10 +275,18 @@ class LocalCluster:
     """A head and ``nodes`` workers as subprocesses on this machine, for the life of a block.
 
     Args:
-        nodes: how many worker nodes to start (``node0`` ...).
+        nodes: how many worker nodes to start (``node0`` ...); by default one per
+            visible GPU, or 2 on CPU (see ``devices``).
         spares: how many more to start as spares (``spare0`` ...): jobs are placed on
             the ``node`` ones first, and a job with ``max_restarts`` moves a lost stage
             to a free one.
+        devices: where the nodes compute. ``"auto"``: one node per visible GPU
+            (``cuda:0`` ... ``cuda:N-1``; ``nodes=K`` takes the first K, and more nodes
+            than GPUs take them in turn), or ``nodes`` CPU nodes on a machine without
+            one. ``"cpu"``: ``nodes`` CPU nodes. A list (``["cuda:0", "cuda:1"]``): one
+            node per entry, each ``"cpu"`` or ``"cuda:K"``; a GPU named twice is shared
+            on purpose. Spares continue the same turn. A GPU node is started with
+            ``--device cuda:K`` and pins itself to that GPU. See :mod:`actors.devices`.
         allow: extra module prefixes the workers admit (``--allow``).
         heartbeat_timeout: seconds of silence before the head marks a node lost.
         startup_timeout: seconds to wait for every node to register.
@@ -289,6 +298,7 @@ class LocalCluster:
             nodes, driver) sends or takes; the default is 1 GiB.
 
     Attributes:
+        devices: each node's device by name (``{"node0": "cuda:0", ...}``), as started.
         keys: the cluster's :class:`~actors.keys.ClusterKeys` while it runs (None when
             insecure); ``Cluster.connect(address, keys=local.keys.directory)`` attaches
             another driver.
@@ -301,9 +311,10 @@ class LocalCluster:
 
     def __init__(
         self,
-        nodes: int = 2,
+        nodes: int | None = None,
         *,
         spares: int = 0,
+        devices: DeviceSpec = "auto",
         allow: Iterable[str] = (),
         heartbeat_timeout: float = 2.0,
         startup_timeout: float = 60.0,
@@ -311,13 +322,18 @@ class LocalCluster:
         insecure: bool = False,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
-        if nodes < 0 or spares < 0:
-            raise ValueError(f"nodes and spares must be >= 0, got {nodes} and {spares}")
         if isinstance(max_message_bytes, bool) or not isinstance(max_message_bytes, int) or max_message_bytes < 1:
             raise ValueError(f"max_message_bytes must be an int >= 1, got {max_message_bytes!r:.40}")
+        # Resolved here, before any process starts: a GPU this machine lacks fails now.
+        num_gpus = visible_gpu_count() if devices != "cpu" else 0
+        placed = node_devices(devices, nodes, spares, num_gpus)
         self.max_message_bytes = max_message_bytes
-        self.num_nodes = nodes
+        self.num_nodes = len(placed) - spares
         self.num_spares = spares
+        self.devices = dict(zip(self._node_names(), placed))
+        if devices == "auto" and num_gpus and self.num_nodes > num_gpus:
+            log.warning("LocalCluster(nodes=%d) on %d GPU(s): nodes share GPUs in turn (%s); pass nodes=%d for one "
+                        "node per GPU, or devices='cpu'", self.num_nodes, num_gpus, ", ".join(placed), num_gpus)
         self.allow = tuple(allow)
         self.heartbeat_timeout = heartbeat_timeout
         self.startup_timeout = startup_timeout
@@ -359,10 +375,8 @@ class LocalCluster:
         self._launch("head", ["--head", "--bind", "tcp://127.0.0.1:0", "--address-file", address_file,
                               "--heartbeat-timeout", str(self.heartbeat_timeout), *secure])
         self.address = await self._wait_for_file(address_file)
-        allow = [arg for prefix in self.allow for arg in ("--allow", prefix)]
         for name in self._node_names():
-            identity = [] if self.insecure else ["--identity", name]
-            self._launch(name, ["--join", self.address, "--name", name, *allow, *secure, *identity])
+            self._launch(name, self._worker_args(name, secure))
         cls = self.cluster_class or cluster_class()
         if self.keys is None:
             self._cluster = await cls.connect(self.address, insecure=True, max_message_bytes=self.max_message_bytes)
@@ -378,6 +392,12 @@ class LocalCluster:
                 raise TimeoutError(f"not every node registered within {self.startup_timeout}s")
             await asyncio.sleep(0.05)
         return self._cluster
+
+    def _worker_args(self, name: str, secure: Sequence[str]) -> list[str]:
+        """``python -m actors.node`` arguments for worker ``name``: joins the head, on its device."""
+        allow = [arg for prefix in self.allow for arg in ("--allow", prefix)]
+        identity = [] if self.insecure else ["--identity", name]
+        return ["--join", self.address, "--name", name, "--device", self.devices[name], *allow, *secure, *identity]
 
     def _node_names(self) -> list[str]:
         return [f"node{i}" for i in range(self.num_nodes)] + [f"spare{i}" for i in range(self.num_spares)]

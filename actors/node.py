@@ -10,6 +10,7 @@ import os
 import sys
 
 from actors._registry import DEFAULT_ALLOW
+from actors.devices import device_argument
 from actors.keys import DEFAULT_KEYS
 from actors.plugins import head_modules
 from actors._serve import HeadConfig, WorkerConfig, serve_head, serve_worker
@@ -28,7 +29,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--bind", help="address to listen on (head default tcp://127.0.0.1:5555, "
                         "worker default tcp://127.0.0.1:0, i.e. any free port)")
     parser.add_argument("--name", help="worker name (default: HOSTNAME-PID)")
-    parser.add_argument("--device", default="cpu", help="torch device this worker computes on: cpu or cuda:K")
+    parser.add_argument("--device", default="cpu", type=device_argument, help="torch device this worker computes on: "
+                        "cpu or cuda:K (a GPU this process sees; the worker pins itself to it)")
     parser.add_argument("--allow", action="append", default=[], metavar="PREFIX",
                         help="admit factories under this module prefix (repeatable); "
                         f"always admitted: {', '.join(DEFAULT_ALLOW)}")

@@ -156,6 +156,8 @@ class StageReport(WireRecord):
         codec_stats: per edge and direction: codec, bytes, raw_bytes, sq_err, sq_norm.
         optimizer_state_bytes: the bytes of the optimizer state this stage holds at the
             barrier (the previous step's; with ZeRO-1, its shard's).
+        device: the device the stage computes on (``cpu``, ``cuda:1``); "" from a
+            stage that predates the field.
     """
 
     status: Literal["done", "failed", "aborted"]
@@ -172,6 +174,7 @@ class StageReport(WireRecord):
     peak_rss_bytes: int = 0
     codec_stats: dict[str, dict[str, Any]] = field(default_factory=dict)
     optimizer_state_bytes: int = 0
+    device: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

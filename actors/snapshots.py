@@ -81,8 +81,11 @@ def restore(held: Mapping[int, nn.Module], optimizer: torch.optim.Optimizer,
         if kind not in ("optim", "optimpy"):
             continue
         index, _, name = rest.partition("/")
-        state = optimizer.state.setdefault(params[int(index)], {})
-        state[name] = value.clone() if kind == "optim" else value.item()
+        param = params[int(index)]
+        state = optimizer.state.setdefault(param, {})
+        # A snapshot lives on the host; a scalar (Adam's step) stays there, as the optimizer keeps it.
+        state[name] = (value.to(param.device, copy=True) if value.dim() else value.clone()) if kind == "optim" \
+            else value.item()
     for param in params:
         param.grad = None
     if scheduler is not None:  # after the optimizer: the schedule sets its groups' rates

@@ -28,6 +28,7 @@ from actors._actor import Actor, caller_among, current_caller, endpoint
 from actors._activations import checkpoint_interval
 from actors._allocator import keep_freed_memory
 from actors._build import Chain, build_layers
+from actors.devices import pin_device
 from actors.boundary import Payload
 from actors._errors import ActorError, NotAllowed, error_to_wire
 from actors._executor import ActionFailed, Inbox, StageModel, StepExecutor, nonfinite_gradients
@@ -52,12 +53,17 @@ __all__ = ["StageActor", "StageConfig"]
 
 
 def _squared_norm(params: Sequence[torch.Tensor]) -> float:
-    """The sum of the squares of these parameters' gradients, in float64 (inf or nan when one is)."""
-    total = torch.zeros((), dtype=torch.float64)
-    for p in params:
-        if p.grad is not None:
-            total += torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float64).cpu() ** 2
-    return float(total)
+    """The sum of the squares of these parameters' gradients, in float64 (inf or nan when one is).
+
+    The norms are computed on the device and read in one sync (not one per parameter);
+    the squares are summed on the host, in order, as a float64 scalar would.
+    """
+    norms = [torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float64) for p in params if p.grad is not None]
+    total = 0.0
+    if norms:
+        for square in (torch.stack(norms).cpu() ** 2).tolist():
+            total += square
+    return total
 
 
 @torch.no_grad()
@@ -127,7 +133,9 @@ class StageActor(Actor):
         device = torch.device(context.device if context is not None else "cpu")
         # Importing the factory and building the model take seconds: on the compute
         # thread, so that this node keeps heartbeating meanwhile.
-        thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{self.config.pipeline_rank}-compute")
+        # CUDA's current device is per thread: the compute thread pins itself as the node did.
+        thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{self.config.pipeline_rank}-compute",
+                                    initializer=pin_device, initargs=(str(device),))
         try:
             loop = asyncio.get_running_loop()
             model = await loop.run_in_executor(thread, self._build, allow, device, loop)
@@ -251,13 +259,16 @@ class StageActor(Actor):
             names.setdefault(id(p), []).append(name)
         return _overlap.OverlappedReduction(
             self._reduce_params, modules, names, bucket_bytes=self.config.bucket_bytes,
-            reduce=lambda flat: start_average(flat, self._data_group(), groups.data_size),
+            reduce=functools.partial(self._start_average, groups.data_size),
             weight_grads=weight_grads, w_batching=w_batching)
 
     def _pairs(self) -> list[tuple[int, int]]:
         """The pipeline neighbours' two-rank groups every member builds: with transport="dist" only."""
         cfg = self.config
         return pipeline_pairs(self._mesh, cfg.num_stages) if cfg.transport == "dist" else []
+
+    def _start_average(self, world: int, flat: torch.Tensor) -> Any:
+        return start_average(flat, self._data_group(), world)
 
     def _data_group(self) -> Any:
         """The data-parallel process group as it is now (a recovery forms it again)."""
@@ -277,6 +288,8 @@ class StageActor(Actor):
         # A gloo group's threads and listening sockets live as long as its Python object:
         # drop every reference (the groups, tensor-parallel layers holding them), now.
         self._groups = None
+        if self._overlap is not None:
+            self._overlap.close()
         self._overlap = None
         self.executor = None
         self._held = {}
@@ -318,6 +331,7 @@ class StageActor(Actor):
         micro_batches: int | None = None,
         snapshot: int | None = None,
         loss_scale: float | None = None,
+        w_batching: bool | None = None,
     ) -> dict[str, Any]:
         """Runs ``program`` up to its barrier.
 
@@ -328,6 +342,8 @@ class StageActor(Actor):
             micro_batches: a count other than the one the stage was built with (changed
                 on a running job, at the barrier, by the scheduler).
             loss_scale: with fp16, the scale the last stage multiplies each loss by.
+            w_batching: run this step's runs of consecutive Ws as one GEMM per weight, or not
+                (``schedule="auto"`` decides per step; None: as the stage was built).
 
         Returns:
             A :class:`~actors.records.StageReport` as a map: the step's trace, or which
@@ -345,7 +361,9 @@ class StageActor(Actor):
             if isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float)) or not loss_scale > 0:
                 raise ValueError(f"loss_scale must be a number > 0, got {loss_scale!r:.40}")
             self.executor.loss_scale = float(loss_scale)
-        await self.executor.begin(actions)
+        if w_batching is not None and not isinstance(w_batching, bool):
+            raise ValueError(f"w_batching must be a bool, got {w_batching!r:.40}")
+        await self.executor.begin(actions, w_batching=w_batching)
         if data_step is not None:
             inputs, targets = self._read_data(data_step, data_shard or [0, 1])
         if snapshot is not None:
@@ -385,6 +403,7 @@ class StageActor(Actor):
             peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             codec_stats=self._edge_stats,
             optimizer_state_bytes=zero.state_bytes(self.executor.model.optimizer),
+            device=str(self.executor.model.device),
         ).to_wire()
 
     @endpoint(roles=("head",))
@@ -608,11 +627,20 @@ class StageActor(Actor):
             return
         assert self.executor is not None
         model = self.executor.model
-        state = await self.executor.compute(snapshots.capture, self._held, model.optimizer, model.lr_scheduler)
+        state = await self.executor.compute(self._capture, model)
         self._own_snapshots.put(index, state)
         if len(self.peers) > 1:  # off the step's path: the copy travels while the step computes
             buddy = self.peers[(self.config.pipeline_rank + 1) % len(self.peers)]
             self.runtime.spawn_task(self._send_snapshot(buddy, index, state), name=f"snapshot {index}")
+
+    def _capture(self, model: StageModel) -> dict[str, torch.Tensor]:
+        """A snapshot, on the host: from a GPU it would hold device memory twice over (two are kept) and
+        block the loop when sent to the buddy."""
+        assert self.executor is not None
+        state = snapshots.capture(self._held, model.optimizer, model.lr_scheduler)
+        if not self.executor.io.staged:
+            return state
+        return dict(zip(state, self.executor.io.copy_to_cpu(list(state.values()))))
 
     async def _send_snapshot(self, buddy: ActorRef, index: int, state: dict[str, torch.Tensor]) -> None:
         try:
@@ -723,8 +751,10 @@ class StageActor(Actor):
         return list(dict.fromkeys(held + [a for k in held for a in self._aliases.get(k, [])]))
 
     def _state_dict(self) -> dict[str, torch.Tensor]:
-        return {self.key(i, k): v.detach().cpu() for i, layer in self._held.items()
-                for k, v in layer.state_dict().items()}
+        """The held layers' state on the CPU (from a GPU: moved once, in pinned chunks)."""
+        assert self.executor is not None
+        named = [(self.key(i, k), v) for i, layer in self._held.items() for k, v in layer.state_dict().items()]
+        return dict(zip([k for k, _ in named], self.executor.io.copy_to_cpu([v for _, v in named])))
 
     def _load_state_dict(self, state: dict[str, torch.Tensor]) -> list[str]:
         """Checks every held layer's entries first, then loads them; errors name keys as the whole model has them.
@@ -764,6 +794,10 @@ class StageActor(Actor):
         unknown = [k for k in state if k not in known]
         if unknown:
             raise KeyError(f"keys this stage does not hold: {unknown[:10]}")
+        if self.executor is not None and self.executor.io.staged:  # to the device at once, not one by one
+            flat = [(i, k, v) for i, mine in parts.items() for k, v in mine.items()]
+            for (i, k, _), moved in zip(flat, self.executor.io.copy_to_device([v for _, _, v in flat])):
+                parts[i][k] = moved
         for i, mine in parts.items():
             self._held[i].load_state_dict(mine, strict=True)
         return [k for k in state if k in known]
@@ -782,7 +816,7 @@ class StageActor(Actor):
         assert self.executor is not None
         # Replica 0 writes the weights; with ZeRO-1 every replica writes its shard's optimizer state.
         write = functools.partial(write_stage, key=self.key, model=self._mesh.coords(self.config.global_rank).data == 0,
-                                  scheduler=self.executor.model.lr_scheduler)
+                                  scheduler=self.executor.model.lr_scheduler, io=self.executor.io)
         return await self._compute(write, staging, file, self._held, self.executor.model.optimizer,
                                    self._shard_spec_map(), self._tensor_rank())
 
@@ -830,7 +864,8 @@ class StageActor(Actor):
             raise checkpoint.CheckpointError("nothing to apply: checkpoint_check found problems or did not run")
         model = self.executor.model
         await self._compute(functools.partial(apply_load, weights_only=bool(weights_only), key=self.key,
-                                              scheduler=model.lr_scheduler), prepared, self._held, model.optimizer)
+                                              scheduler=model.lr_scheduler, io=self.executor.io),
+                            prepared, self._held, model.optimizer)
         self._forget_snapshots()
 
     def _forget_snapshots(self) -> None:
@@ -871,7 +906,12 @@ class StageActor(Actor):
         peer = self.peers[target_rank]
         tag = "F" if forward else "B"
         if self._link is None:
-            nbytes = await peer.tell("deliver", step, tag, target_stage, action.microbatch, leaves, value.spec)
+            # On a GPU: the (encoded) tensors are copied to pinned host buffers on the copy stream while
+            # compute goes on; only this send waits for the copy, on a thread of its own.
+            io = self.executor.io
+            host = io.to_host(leaves)
+            await io.wait(host.event)
+            nbytes = await peer.tell("deliver", step, tag, target_stage, action.microbatch, host.values, value.spec)
         else:
             none = get_codec("none")
             encoded = [leaf if isinstance(leaf, Encoded) else none.encode(leaf) for leaf in leaves]

@@ -4,10 +4,12 @@
 Peers, each a ``LocalCluster`` of 2 nodes training the reference workload (DESIGN.md),
 all up at once and timed in rotated rounds of one step each (``benchmarks.pipeline.run_rounds``), so
 that the machine's noise hits every peer alike:
-- actorpipe ``schedule="auto"``: its first two (warm-up) steps run zero-bubble and time
-  the stages; the plan then picks a schedule, which the timed steps run;
-- actorpipe ``gpipe``, ``1f1b`` and ``zero_bubble`` (the candidates auto may run) and
-  ``interleaved`` with 2 virtual stages (which it only advises: it re-partitions).
+- actorpipe ``schedule="auto"``: its first three (warm-up) steps run zero-bubble and time
+  the stages (the second with W batching); the plan then picks a schedule, which the
+  timed steps run;
+- actorpipe ``gpipe``, ``1f1b`` and ``zero_bubble``, each also with ``w_batching=True``
+  (``1f1b_wbatch`` ...: the candidates auto may run), and ``interleaved`` with 2
+  virtual stages (which it only advises: it re-partitions).
 
 Reports:
 - ``auto_vs_best_manual_2stages``: auto's samples/s over the best manual peer's;
@@ -38,8 +40,15 @@ from benchmarks.pipeline import ActorpipePeer, max_rel_diff, run_rounds
 from transport.loop import run
 
 BATCH_SIZE = BATCH_SHAPE[0]
-MANUAL = (("gpipe", None), ("1f1b", None), ("zero_bubble", None), ("interleaved", 2))
+# (schedule, virtual stages, W batching)
+MANUAL = (("gpipe", None, False), ("1f1b", None, False), ("zero_bubble", None, False), ("gpipe", None, True),
+          ("1f1b", None, True), ("zero_bubble", None, True), ("interleaved", 2, False))
 RUNNABLE = ("gpipe", "1f1b", "zero_bubble")  # on auto's one-stage-per-rank partition
+
+
+def peer_name(label: str) -> str:
+    """A candidate's label as a peer's name: ``zero_bubble +wbatch`` -> ``zero_bubble_wbatch``."""
+    return label.replace(" +", "_").replace(" ", "_")
 
 
 class RecordingPeer(ActorpipePeer):
@@ -64,9 +73,11 @@ class RecordingPeer(ActorpipePeer):
 
 def make_peers() -> list[RecordingPeer]:
     peers = [RecordingPeer(num_stages=2, schedule="auto", name="auto")]
-    for schedule, virtual in MANUAL:
-        options = {"virtual_stages": virtual} if virtual else {}
-        name = schedule if virtual is None else f"{schedule}_x{virtual}"
+    for schedule, virtual, batched in MANUAL:
+        options: dict[str, Any] = {"virtual_stages": virtual} if virtual else {}
+        if batched:
+            options["w_batching"] = True
+        name = peer_name(schedule + (f" x{virtual}" if virtual else "") + (" +wbatch" if batched else ""))
         peers.append(RecordingPeer(num_stages=2, schedule=schedule, name=name, options=options))
     return peers
 
@@ -83,8 +94,8 @@ def summarize(peers: list[RecordingPeer], times: dict[str, list[float]], warmup:
     timed = auto.stats[warmup:]
     errors = [s.prediction_error for s in timed if s.prediction_error is not None]
     plan = auto.plan
-    chosen = plan.chosen if plan is not None else None
-    predicted = {c.label.replace(" ", "_"): c.predicted_step_s for c in plan.candidates} if plan else {}
+    chosen = peer_name(plan.chosen) if plan is not None and plan.chosen else None
+    predicted = {peer_name(c.label): c.predicted_step_s for c in plan.candidates} if plan else {}
     measured = {peer.name: statistics.median(s.step_time_s for s in peer.stats[warmup:]) for peer in peers}
     by_schedule = {peer.name: round(predicted[peer.name] / measured[peer.name] - 1, 3)
                    for peer in manual if peer.name in predicted}
@@ -138,11 +149,11 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=16, help="timed steps per peer")
     parser.add_argument("--warmup", type=int, default=3,
-                        help="untimed steps per peer first (auto plans after its second)")
+                        help="untimed steps per peer first (auto plans after its third)")
     parser.add_argument("--rounds", type=int, default=16, help="rotated rounds the timed steps are split into")
     args = parser.parse_args()
-    if args.steps < 1 or args.rounds < 1 or args.warmup < 2:
-        parser.error("--steps and --rounds must be >= 1, --warmup >= 2 (auto's probe steps)")
+    if args.steps < 1 or args.rounds < 1 or args.warmup < 3:
+        parser.error("--steps and --rounds must be >= 1, --warmup >= 3 (auto's probe steps)")
     return args
 
 

@@ -392,11 +392,13 @@ def summarize(results: list[PeerResult], stage_counts: list[int]) -> dict[str, A
         # Against the one process measured in the same group.
         single = by_name.get(f"single_process.{num_stages}stages")
         summary[f"vs_single_process_{num_stages}stages"] = ratio(by_name.get(f"actorpipe_1f1b_{num_stages}stages"), single)
-        best = {name: fastest(results, name, schedules, num_stages)
-                for name, schedules in (("actorpipe", ACTORPIPE_SCHEDULES), ("torch", TORCH_SCHEDULES))}
+        # W batching is a setting of any actorpipe schedule (schedule="auto" weighs it): its peers count.
+        best = {"actorpipe": fastest(results, "actorpipe", ACTORPIPE_SCHEDULES, num_stages, ("", "_wbatch")),
+                "torch": fastest(results, "torch", TORCH_SCHEDULES, num_stages)}
         summary[f"vs_torch_best_{num_stages}stages"] = ratio(best["actorpipe"], best["torch"])
         for name, result in best.items():
-            summary[f"{name}_best_{num_stages}stages"] = None if result is None else result.schedule
+            summary[f"{name}_best_{num_stages}stages"] = None if result is None else \
+                result.schedule + (" +wbatch" if result.name.endswith("_wbatch") else "")
     summary["dist_vs_zmq_1f1b_2stages"] = ratio(by_name.get("actorpipe_1f1b_2stages_dist"),
                                                 by_name.get("actorpipe_1f1b_2stages"))
     for name in ("actorpipe", "torch"):
@@ -424,10 +426,12 @@ def summarize(results: list[PeerResult], stage_counts: list[int]) -> dict[str, A
     return summary
 
 
-def fastest(results: list[PeerResult], name: str, schedules: Iterable[str], num_stages: int) -> PeerResult | None:
+def fastest(results: list[PeerResult], name: str, schedules: Iterable[str], num_stages: int,
+            variants: Iterable[str] = ("",)) -> PeerResult | None:
     """The fastest of ``name``'s peers that ran one of ``schedules`` at ``num_stages`` with
-    default options (variants such as ``_dist`` or ``_plain`` do not count); None if none ran."""
-    candidates = {f"{name}_{schedule}_{num_stages}stages" for schedule in schedules}
+    default options or one of ``variants`` (a name's suffix, e.g. ``_wbatch``; others such as
+    ``_dist`` or ``_plain`` do not count); None if none ran."""
+    candidates = {f"{name}_{schedule}_{num_stages}stages{variant}" for schedule in schedules for variant in variants}
     ran = [r for r in results if r.name in candidates]
     return max(ran, key=lambda r: r.samples_per_s, default=None)
 

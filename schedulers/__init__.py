@@ -27,6 +27,7 @@ _EXPORTS = {
     "SettingChange": "schedulers.records",
     "StepStats": "schedulers.records",
     "WhereReport": "schedulers.records",
+    "PlacementWarning": "schedulers.placement",
     "ConfigError": "schedulers.config",
     "load_config": "schedulers.config",
     "TranslatedConfig": "schedulers.config",
@@ -61,6 +62,9 @@ if TYPE_CHECKING:  # explicit re-exports, for type checkers (the names resolve l
     )
     from schedulers.jobs import (
         JobSpec as JobSpec,
+    )
+    from schedulers.placement import (
+        PlacementWarning as PlacementWarning,
     )
     from schedulers.records import (
         Candidate as Candidate,

@@ -24,6 +24,7 @@ import inspect
 import json
 import logging
 import os
+import warnings
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
@@ -32,6 +33,7 @@ import torch
 import actors
 from actors import ActorError, ActorRef, CheckpointError, Endpoint, HeadActor
 from schedulers.jobs import JobSpec
+from schedulers.placement import PlacementWarning
 from schedulers.records import JobDescription, JobInfo, Plan, RunInfo, SettingChange, StepStats, WhereReport
 from schedulers.scheduler import SchedulerActor
 
@@ -74,8 +76,13 @@ class Cluster(actors.Cluster):
         Raises:
             TypeError: an unknown argument (with the nearest known one) or one of the wrong type.
             ValueError: a value out of range, or one that does not fit the others.
-            RemoteError: the scheduler refused the job (e.g. too few nodes), with why.
+            RemoteError: the scheduler refused the job (e.g. too few nodes, or ranks of an
+                NCCL job that would share a GPU), with why.
             NotAllowed: a factory outside the nodes' allow-list.
+
+        Warns:
+            PlacementWarning: stage actors share a GPU because every GPU is taken, or
+                the job mixes CPU and GPU nodes; ``Job.notices`` keeps the messages.
         """
         if spec is None:
             spec = JobSpec.from_kwargs(kwargs)
@@ -85,6 +92,8 @@ class Cluster(actors.Cluster):
             raise TypeError(f"train() takes a JobSpec, got {type(spec).__name__}")
         await self.admit(spec.factory_modules)
         info = JobInfo.from_wire(await self.call(SchedulerActor.create_job, timeout=600).call(spec.to_wire()))
+        for notice in info.notices:
+            warnings.warn(f"{info.job}: {notice}", PlacementWarning, stacklevel=2)
         return Job(self, info, spec)
 
     async def jobs(self) -> list[JobDescription]:
@@ -155,6 +164,7 @@ class Job:
         bounds: each model stage's ``[first, end)`` layers.
         nodes: each stage actor's node, by global rank.
         spec: the job's specification as it was started.
+        notices: what the scheduler warned about its placement (see :class:`~schedulers.records.JobInfo`).
     """
 
     def __init__(self, cluster: Cluster, info: JobInfo, spec: JobSpec) -> None:
@@ -163,6 +173,7 @@ class Job:
         self.bounds = info.bounds
         self.nodes = info.nodes
         self.spec = spec
+        self.notices = list(info.notices)
 
     def _call(
         self, method: Callable[Concatenate[SchedulerActor, str, P], Awaitable[R]], timeout: float | None = 60.0

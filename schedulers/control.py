@@ -73,12 +73,14 @@ CLOSE_WAIT_S = 2.0  # how long close waits for a cancelled operation to let go o
 Publish = Callable[[dict[str, Any]], None]
 
 
-def compile_programs(spec: JobSpec, schedule_name: str | None = None) -> dict[int, list[str]]:
+def compile_programs(spec: JobSpec, schedule_name: str | None = None,
+                     w_batching: bool | None = None) -> dict[int, list[str]]:
     """The programs ``spec`` runs, one per pipeline rank, as action text.
 
     Args:
         schedule_name: the schedule to run, where ``spec.schedule`` is ``auto``
             (default: the probe schedule, :data:`~schedulers.jobs.AUTO_PROBE`).
+        w_batching: every W deferred to the rank's tail (default: ``spec.w_batching``).
 
     Raises:
         ValueError: the schedule cannot take these sizes.
@@ -86,7 +88,8 @@ def compile_programs(spec: JobSpec, schedule_name: str | None = None) -> dict[in
     name = spec.schedule if spec.schedule != "auto" else schedule_name or AUTO_PROBE
     schedule = build_schedule(name, spec.pipeline_stages, spec.micro_batches,
                               spec.num_virtual_stages if spec.schedule == "interleaved" else None,
-                              split=spec.gradient_accumulation_fusion, batch_w=spec.w_batching)
+                              split=spec.gradient_accumulation_fusion,
+                              batch_w=spec.w_batching if w_batching is None else w_batching)
     return {rank: [str(a) for a in program] for rank, program in schedule.items()}
 
 
@@ -196,7 +199,7 @@ class JobController:
         self.bounds = bounds
         self.auto = AutoSchedule(spec)  # schedule="auto": measuring, then the plan
         self._advice: tuple[tuple[int, JobSpec], Plan] | None = None  # job.plan() of a fixed schedule, per step
-        self.programs = compile_programs(spec, self.auto.running(spec))
+        self.programs = self._compile(spec)
         self.rendezvous = rendezvous  # the name of the job's torch.distributed rendezvous actor, if any
         self.lock = asyncio.Lock()
         self.operation: asyncio.Task[Any] | None = None  # the call holding the lock (close cancels it)
@@ -236,6 +239,10 @@ class JobController:
     @property
     def running(self) -> bool:
         return self.run_state is not None and not self.run_state.finished
+
+    def _compile(self, spec: JobSpec) -> dict[int, list[str]]:
+        """The programs of the job's next step (with ``schedule="auto"``: what the plan runs now)."""
+        return compile_programs(spec, self.auto.running(spec), self.auto.running_w_batching(spec))
 
     # -- steps ---------------------------------------------------------------------------
 
@@ -294,6 +301,8 @@ class JobController:
                 call["snapshot"] = self.applied
             if self.scaler is not None:
                 call["loss_scale"] = self.scaler.scale
+            if self.spec.schedule == "auto":  # the plan turns W batching on or off per step
+                call["w_batching"] = self.auto.running_w_batching(self.spec)
         started = time.perf_counter()
         used_scale = self.scaler.scale if self.scaler is not None else 1.0
         ran, ranked, planning_s = self.auto.running(self.spec), None, 0.0
@@ -348,13 +357,17 @@ class JobController:
         """After a probe step: take the clocks (after the warm-up) or adopt the plan (after the timed one)."""
         if ranked is not None:
             self.auto.adopt(ranked, step_time_s - max(r.elapsed_s for r in reports))
-            self.programs = compile_programs(self.spec, self.auto.running(self.spec))
+            self.programs = self._compile(self.spec)
             chosen = self.auto.chosen
             self._publish({"type": "schedule_planned", "job": self.id, "step": self.next_step,
                            "schedule": chosen.label if chosen else None,
                            "predicted_step_s": chosen.predicted_step_s if chosen else None})
-        elif self.auto.measuring and self.auto.warmed_up():  # the clocks, for the link's speed; outside any step
-            self.auto.offsets = await self._clock_offsets()
+        elif self.auto.measuring:
+            self.auto.probed(reports, self.mesh)
+            timed_next = self.auto.warmed_up()
+            self.programs = self._compile(self.spec)  # the next probe step's (with W batching or not)
+            if timed_next:  # the clocks, for the link's speed; outside any step
+                self.auto.offsets = await self._clock_offsets()
 
     async def _clock_offsets(self) -> list[float]:
         return [offset for offset, _ in await asyncio.gather(*(self._clock_offset(ref) for ref in self.stages))]
@@ -713,7 +726,7 @@ class JobController:
                 return
         self.spec = new
         self.auto.reset(new)  # auto measures again: the costs it planned with may have changed
-        self.programs = compile_programs(new, self.auto.running(new))
+        self.programs = self._compile(new)
         self._publish({"type": "settings_applied", "job": self.id, "step": self.next_step, "changes": changes})
 
     # -- state (schedulers.job_state) -------------------------------------------------------

@@ -117,8 +117,8 @@ class JobSpec:
     """codec for the data-parallel gradient reduction; `none` is an exact all-reduce"""
     bucket_bytes: int = 25 << 20
     """size of the flat buckets the data-parallel reduction averages gradients in"""
-    overlap_reduce: bool = False
-    """start each bucket's data-parallel all-reduce during the last micro-batch's backward, as soon as its gradients are final (they live in the buckets: no copies), as DDP does; off, the buckets are copied and reduced after the barrier (the same bits, later), as they always are with a lossy `reduce_codec` Off by default for now: a job stopped after using it leaves its gloo group's threads and sockets behind (about 3 threads per job; see tests/schedulers/test_leaks.py)"""
+    overlap_reduce: bool = True
+    """start each bucket's data-parallel all-reduce during the last micro-batch's backward, as soon as its gradients are final (they live in the buckets: no copies), as DDP does; off, the buckets are copied and reduced after the barrier (the same bits, later), as they always are with a lossy `reduce_codec`"""
     transport: TransportName = "zmq"
     """stage-to-stage tensors as actor messages over ZeroMQ (`zmq`) or by `torch.distributed` point-to-point (`dist`)"""
     seed: int = 0
@@ -132,7 +132,7 @@ class JobSpec:
     gradient_accumulation_fusion: bool = True
     """as in Megatron: exact `nn.Linear` weight gradients accumulate into `.grad` with one GEMM, and a backward whose input gradient leaves the rank runs as `I` (sent at once) then `W`; off: plain autograd"""
     w_batching: bool = False
-    """W batching: every weight-gradient GEMM waits for the end of the step and runs as one GEMM per weight over all micro-batches (a larger K, as one process's whole batch); needs `gradient_accumulation_fusion`. Costs memory: each `nn.Linear`'s inputs and output gradients stay held for every micro-batch until then"""
+    """W batching: every weight-gradient GEMM waits for the end of the step and runs as one GEMM per weight over all micro-batches (a larger K, as one process's whole batch); needs `gradient_accumulation_fusion`. Costs memory: each `nn.Linear`'s inputs and output gradients stay held for every micro-batch until then. With `schedule='auto'` the plan turns it on or off"""
     keep_freed_memory: bool = True
     """stage processes set glibc's malloc to keep freed buffers instead of page-faulting them in again every micro-batch"""
     step_timeout_s: float = 600.0

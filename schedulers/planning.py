@@ -13,9 +13,12 @@ The candidates are GPipe, 1F1B and ZB-H1 on the job's one-stage-per-rank partiti
 and interleaved 1F1B with 2, 3 and 4 virtual stages where the micro-batches allow.
 Interleaving cuts the model into more stages, which a running job cannot do, so an
 interleaved candidate is predicted (each chunk costing ``1/V`` of its rank, boundaries
-as large as the measured ones) but only ever advised, never run. Every candidate is
-simulated with the job's own ``w_batching`` (its Ws deferred to the tail, as it runs
-them); turning W batching on or off is no candidate: the stage actors are built with it.
+as large as the measured ones) but only ever advised, never run. With fused weight
+gradients each schedule is a candidate twice, with and without W batching (every W
+deferred to the rank's tail, a run of them computed as one GEMM per weight: faster
+GEMMs, more activations held): a probe step runs with it to measure what a batched W
+costs per micro-batch (:data:`PROBE_STEPS`), and the stages turn it on or off per step.
+A job with a fixed schedule is advised with its own ``w_batching``.
 
 Pure functions: no actors, no sockets.
 """
@@ -43,6 +46,7 @@ __all__ = [
     "advise",
     "choose",
     "measure_costs",
+    "probe_steps",
     "rank_candidates",
     "simulation_costs",
     "with_overhead",
@@ -54,10 +58,16 @@ CANDIDATES: tuple[tuple[str, int | None], ...] = (
     ("interleaved", 2), ("interleaved", 3), ("interleaved", 4),
 )
 # Steps a job with schedule="auto" runs the probe schedule for before it plans: the first
-# warms the stages up (allocator, caches, the optimizer's state), the second is timed.
+# warms the stages up (allocator, caches, the optimizer's state), the last is timed. With
+# fused weight gradients one more comes between them, with W batching: its Ws' cost.
 PROBE_STEPS = 2
 _F, _B, _I, _W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
 _SENT_BY = {ActionKind.SEND_F: (_F,), ActionKind.SEND_B: (_B, _I)}  # a send's encoding counts to these
+
+
+def probe_steps(spec: JobSpec) -> int:
+    """How many steps a job with ``schedule="auto"`` runs the probe schedule before it plans."""
+    return PROBE_STEPS + spec.gradient_accumulation_fusion
 
 
 class NoScheduleFits(ValueError):
@@ -187,15 +197,18 @@ def _bandwidth(reports: Sequence[StageReport], mesh: Mesh, offsets: Sequence[flo
     return nbytes / seconds if seconds > 0 and nbytes > 0 else math.inf
 
 
-def simulation_costs(costs: MeasuredCosts, virtual_stages: int = 1) -> Costs:
-    """The simulator's costs for ``virtual_stages`` model stages per rank, each ``1/V`` of its rank's."""
+def simulation_costs(costs: MeasuredCosts, virtual_stages: int = 1, *, batched_w: bool = False) -> Costs:
+    """The simulator's costs for ``virtual_stages`` model stages per rank, each ``1/V`` of its rank's
+    (``batched_w``: a ``W`` costs what it does with W batching, where that was measured)."""
     ranks = len(costs.forward)
+    weight_grad = costs.weight_grad_batched if batched_w and costs.weight_grad_batched is not None \
+        else costs.weight_grad
 
     def per_stage(values: Sequence[float]) -> tuple[float, ...]:
         return tuple(values[s % ranks] / virtual_stages for s in range(ranks * virtual_stages))
 
     return Costs(forward=per_stage(costs.forward), backward=per_stage(costs.backward),
-                 input_grad=per_stage(costs.input_grad), weight_grad=per_stage(costs.weight_grad),
+                 input_grad=per_stage(costs.input_grad), weight_grad=per_stage(weight_grad),
                  bandwidth=costs.bandwidth, activation_bytes=costs.transfer_bytes,
                  codec_ratio=costs.forward_ratio, gradient_codec_ratio=costs.backward_ratio)
 
@@ -213,7 +226,10 @@ def rank_candidates(
             with as many are the ones it runs.
         split: backward split into ``I`` and ``W`` where the input gradient leaves the
             rank (the job's ``gradient_accumulation_fusion``).
-        batch_w: every ``W`` deferred to the rank's tail (the job's ``w_batching``).
+        batch_w: every ``W`` deferred to the rank's tail (the job's ``w_batching``), where
+            W batching is no candidate of its own: without ``split``, or without a
+            measured batched W (``costs.weight_grad_batched``). With both, every
+            schedule is a candidate with and without it.
         max_stash_bytes: the most bytes of activations one rank may hold (None: no limit).
 
     Raises:
@@ -221,21 +237,24 @@ def rank_candidates(
             the smallest and what would help).
     """
     num_stages = len(costs.forward)
+    options = (False, True) if split and costs.weight_grad_batched is not None else (batch_w,)
     ranked: list[Candidate] = []
     for name, virtual in CANDIDATES:
         if virtual is not None and num_stages == 1:
             continue  # every chunk on the one rank: nothing to interleave
-        try:
-            program = build_schedule(name, num_stages, num_microbatches, virtual, split=split, batch_w=batch_w)
-        except ValueError:
-            continue  # e.g. interleaving needs micro-batches in multiples of the stages
-        chunks = virtual or 1
-        result = simulate(program, simulation_costs(costs, chunks))
-        stash_bytes = [int(n * costs.stash_bytes[r] / chunks) for r, n in enumerate(result.peak_stash)]
-        ranked.append(Candidate(
-            schedule=name, virtual_stages=virtual, predicted_step_s=result.makespan + costs.overhead_s,
-            bubble_fraction=result.bubble_fraction, stash=list(result.peak_stash), stash_bytes=stash_bytes,
-            runnable=chunks == virtual_stages, fits=max_stash_bytes is None or max(stash_bytes) <= max_stash_bytes))
+        for batched in options:
+            try:
+                program = build_schedule(name, num_stages, num_microbatches, virtual, split=split, batch_w=batched)
+            except ValueError:
+                break  # e.g. interleaving needs micro-batches in multiples of the stages
+            chunks = virtual or 1
+            result = simulate(program, simulation_costs(costs, chunks, batched_w=batched))
+            stash_bytes = [int(n * costs.stash_bytes[r] / chunks) for r, n in enumerate(result.peak_stash)]
+            ranked.append(Candidate(
+                schedule=name, virtual_stages=virtual, predicted_step_s=result.makespan + costs.overhead_s,
+                bubble_fraction=result.bubble_fraction, stash=list(result.peak_stash), stash_bytes=stash_bytes,
+                runnable=chunks == virtual_stages, w_batching=batched,
+                fits=max_stash_bytes is None or max(stash_bytes) <= max_stash_bytes))
     ranked.sort(key=lambda c: (c.predicted_step_s, max(c.stash_bytes)))  # stable: CANDIDATES' order breaks ties
     best = choose(ranked, max_stash_bytes)
     return [dataclasses.replace(c, chosen=True) if c is best else c for c in ranked]
@@ -283,7 +302,10 @@ class AutoSchedule:
 
     def reset(self, spec: JobSpec) -> None:
         """Starts over (a new job, or settings changed at the barrier): measure again if auto."""
-        self.probe_steps_left = PROBE_STEPS if spec.schedule == "auto" else 0
+        # With fused weight gradients, a probe step with W batching between the warm-up and the timed one.
+        self.batched_probe = spec.gradient_accumulation_fusion
+        self.probe_steps_left = probe_steps(spec) if spec.schedule == "auto" else 0
+        self.weight_grad_batched: list[float] | None = None  # per rank, from the batched probe step
         self.candidates: list[Candidate] = []
         self.costs: MeasuredCosts | None = None
         self.offsets: list[float] | None = None  # each member's clock offset, taken after the warm-up probe
@@ -310,6 +332,11 @@ class AutoSchedule:
         self.probe_steps_left -= 1
         return self.timed
 
+    @property
+    def batched_step(self) -> bool:
+        """The next step is the probe step with W batching (its Ws' cost is measured)."""
+        return self.batched_probe and self.probe_steps_left == 2
+
     def running(self, spec: JobSpec) -> str:
         """The schedule the job's next step runs."""
         if spec.schedule != "auto":
@@ -317,13 +344,28 @@ class AutoSchedule:
         chosen = self.chosen
         return chosen.schedule if chosen is not None and not self.measuring else AUTO_PROBE
 
+    def running_w_batching(self, spec: JobSpec) -> bool:
+        """Whether the job's next step runs with W batching."""
+        if spec.schedule != "auto":
+            return spec.w_batching
+        chosen = self.chosen
+        if self.measuring or chosen is None:
+            return self.batched_step
+        return chosen.w_batching
+
+    def probed(self, reports: Sequence[StageReport], mesh: Mesh) -> None:
+        """A probe step before the timed one is done: keep its Ws' cost if it batched them."""
+        if self.batched_step:
+            self.weight_grad_batched = measure_costs(reports, mesh).weight_grad
+
     def rank(self, spec: JobSpec, reports: Sequence[StageReport], mesh: Mesh, step: int) -> list[Candidate]:
         """The candidates, from the timed probe step's reports (before its optimizer step; no overhead yet).
 
         Raises:
             NoScheduleFits: nothing fits ``spec.max_stash_bytes``.
         """
-        costs = measure_costs(reports, mesh, offsets=self.offsets, step=step)
+        costs = dataclasses.replace(measure_costs(reports, mesh, offsets=self.offsets, step=step),
+                                    weight_grad_batched=self.weight_grad_batched)
         ranked = rank_candidates(costs, num_microbatches=spec.micro_batches, virtual_stages=spec.num_virtual_stages,
                                  split=spec.gradient_accumulation_fusion, batch_w=spec.w_batching,
                                  max_stash_bytes=spec.max_stash_bytes)

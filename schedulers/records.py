@@ -38,6 +38,8 @@ class StepStats(WireRecord):
             the step began (torch optimizers make theirs at their first step; with
             ``zero_stage=1``, each replica holds its shard: about 1/``data_parallel``).
         busy_s: per stage actor, seconds spent computing.
+        devices: per stage actor, the device it computes on (``cpu``, ``cuda:0``); empty
+            in a record from before the field.
         codec_stats: per edge and direction (``"F 0->1"``, ``"B 1->0"``): the codec,
             ``bytes`` on the wire, ``raw_bytes`` (the tensors' own size), their
             ``ratio``, and ``rel_error``, the norm of (decoded - sent) over the norm
@@ -83,6 +85,7 @@ class StepStats(WireRecord):
     peak_rss_bytes: list[int] = field(default_factory=list)
     optimizer_state_bytes: list[int] = field(default_factory=list)
     busy_s: list[float] = field(default_factory=list)
+    devices: list[str] = field(default_factory=list)
     codec_stats: dict[str, dict[str, Any]] = field(default_factory=dict)
     reduce_bytes: int = 0
     reduce_wait_s: list[float] = field(default_factory=list)
@@ -110,11 +113,18 @@ class StepStats(WireRecord):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class JobInfo(WireRecord):
-    """A new job's layout: its id, each model stage's ``[first, end)`` layers, and its nodes by global rank."""
+    """A new job's layout: its id, each model stage's ``[first, end)`` layers, and its nodes by global rank.
+
+    Attributes:
+        notices: what the scheduler warns about the placement (stage actors that share a
+            GPU because every GPU is taken; CPU and GPU nodes in one job); the driver
+            warns each as a :class:`~schedulers.placement.PlacementWarning`.
+    """
 
     job: str
     bounds: list[list[int]]
     nodes: list[str]
+    notices: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -205,6 +215,9 @@ class MeasuredCosts(WireRecord):
         overhead_s: the step's time outside the stage programs (dispatch, the
             barrier, reduction and optimizer step).
         step: the step measured.
+        weight_grad_batched: per rank, seconds per micro-batch of ``W`` when a run of
+            them computes each weight's gradient as one GEMM (W batching), from a probe
+            step that ran so; None when not measured (no fused weight gradients).
     """
 
     forward: list[float]
@@ -218,6 +231,7 @@ class MeasuredCosts(WireRecord):
     bandwidth: float = float("inf")
     overhead_s: float = 0.0
     step: int = 0
+    weight_grad_batched: list[float] | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -234,6 +248,8 @@ class Candidate(WireRecord):
         runnable: the job's partition runs it (interleaving cuts the model anew: a new job).
         fits: within the job's ``max_stash_bytes``.
         chosen: the one auto runs (or, on a job with a fixed schedule, would run).
+        w_batching: with W batching (every ``W`` deferred to the rank's tail, a run of
+            them computed as one GEMM per weight).
     """
 
     schedule: str
@@ -245,11 +261,13 @@ class Candidate(WireRecord):
     runnable: bool = True
     fits: bool = True
     chosen: bool = False
+    w_batching: bool = False
 
     @property
     def label(self) -> str:
-        """``zero_bubble``, or ``interleaved x3`` for 3 virtual stages."""
-        return self.schedule if self.virtual_stages is None else f"{self.schedule} x{self.virtual_stages}"
+        """``zero_bubble``, ``interleaved x3`` for 3 virtual stages, ``1f1b +wbatch`` with W batching."""
+        name = self.schedule if self.virtual_stages is None else f"{self.schedule} x{self.virtual_stages}"
+        return f"{name} +wbatch" if self.w_batching else name
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

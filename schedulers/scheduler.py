@@ -41,6 +41,7 @@ from schedulers.control import JobController
 from schedulers._job import JobCore, Placer
 from schedulers.jobs import JobSpec, stage_config
 from schedulers.partition import partition_by_parameters, partition_uniform
+from schedulers.placement import Placement, choose_nodes, gpu_of
 from schedulers.records import JobDescription, JobInfo, Plan, RunInfo, SettingChange, StepStats, WhereReport
 from transport.channel import is_local_address
 
@@ -81,6 +82,11 @@ class Subscribers:
             self.discard(address, name)
 
 
+def _needs_communicator(spec: JobSpec) -> bool:
+    """Whether the job's ranks form a torch.distributed group (tensor or data parallel, or the dist transport)."""
+    return spec.tensor_parallel > 1 or spec.data_parallel > 1 or spec.transport != "zmq"
+
+
 @register_actor("scheduler")
 class SchedulerActor(Actor):
     """Places jobs on nodes and runs them, one :class:`~schedulers.control.JobController` per job.
@@ -112,9 +118,11 @@ class SchedulerActor(Actor):
         """
         job_spec = JobSpec.from_wire(spec)
         mesh = job_spec.mesh
-        nodes = await self._place(mesh)
+        nodes, notices = await self._place(job_spec)
         bounds = await self._partition(job_spec, nodes[0])
         job_id = f"job{next(self._ids)}"
+        for notice in notices:
+            log.warning("%s: %s", job_id, notice)
         rendezvous, dist_config = await self._rendezvous(job_id, job_spec, mesh, nodes)
         try:
             stages = await self._spawn_stages(job_id, job_spec, bounds, nodes, dist_config)
@@ -136,7 +144,7 @@ class SchedulerActor(Actor):
             placer=Placer(free_nodes=self._free_nodes, spawn=self._respawn, renew_rendezvous=self._renew_rendezvous))
         log.info("%s: %s on %s", job_id, job_spec.schedule, ", ".join(names))
         self._publish({"type": "job_created", "job": job_id, "nodes": names})
-        return JobInfo(job=job_id, bounds=bounds, nodes=names).to_wire()
+        return JobInfo(job=job_id, bounds=bounds, nodes=names, notices=notices).to_wire()
 
     async def _rendezvous(
         self, job_id: str, spec: JobSpec, mesh: Mesh, nodes: list[dict[str, Any]]
@@ -151,7 +159,7 @@ class SchedulerActor(Actor):
         Raises:
             ValueError: the nodes mix CPUs and GPUs, or two would share a GPU (NCCL refuses it).
         """
-        if mesh.tensor == 1 and mesh.data == 1 and spec.transport == "zmq":
+        if not _needs_communicator(spec):
             return None, None
         backend = backend_for(nodes)  # before anything starts: a mixed or GPU-sharing job is refused here
         name = f"{job_id}.rendezvous"
@@ -195,17 +203,22 @@ class SchedulerActor(Actor):
     async def _alive_nodes(self) -> set[str]:
         return {n["name"] for n in await self._nodes() if n["state"] == "alive"}
 
-    async def _place(self, mesh: Mesh) -> list[dict[str, Any]]:
-        alive = sorted((n for n in await self._nodes() if n["state"] == "alive"), key=lambda n: n["name"])
-        busy = {name for job in self._jobs.values() for name in job.nodes}
-        alive.sort(key=lambda n: n["name"] in busy)  # free nodes first, then shared ones
+    async def _place(self, spec: JobSpec) -> Placement:
+        """The job's nodes by global rank (see :func:`~schedulers.placement.choose_nodes`) and its notices.
+
+        Raises:
+            ValueError: too few alive nodes, or ranks that would share a GPU in an NCCL communicator.
+        """
+        mesh = spec.mesh
+        alive = [n for n in await self._nodes() if n["state"] == "alive"]
         if len(alive) < mesh.size:
             raise ValueError(
                 f"this job needs {mesh.size} nodes ({mesh.pipeline} pipeline x {mesh.tensor} tensor x "
                 f"{mesh.data} data, one stage actor each) but the cluster has {len(alive)} alive; "
                 "start more nodes or shrink the mesh"
             )
-        return alive[:mesh.size]
+        busy = {name: job.id for job in self._jobs.values() for name in job.nodes}
+        return choose_nodes(alive, busy, mesh.size, exclusive_gpus=_needs_communicator(spec))
 
     async def _spawn_stages(
         self, job_id: str, spec: JobSpec, bounds: list[list[int]], nodes: list[dict[str, Any]],
@@ -225,14 +238,16 @@ class SchedulerActor(Actor):
         return [r for r in results if isinstance(r, ActorRef)]
 
     async def _free_nodes(self, count: int, taken: set[str]) -> list[tuple[str, str]]:
-        """``count`` alive nodes that no job uses and that are not in ``taken`` (spares), by name.
+        """``count`` alive nodes that no job uses and that are not in ``taken`` (spares): those on a GPU
+        no busy node computes on first, then by name.
 
         Raises:
             ValueError: too few.
         """
         busy = taken | {name for job in self._jobs.values() for name in job.nodes}
-        free = sorted((n for n in await self._nodes() if n["state"] == "alive" and n["name"] not in busy),
-                      key=lambda n: n["name"])
+        alive = [n for n in await self._nodes() if n["state"] == "alive"]
+        used = {gpu_of(n) for n in alive if n["name"] in busy} - {None}  # a lost node's GPU is free again
+        free = sorted((n for n in alive if n["name"] not in busy), key=lambda n: (gpu_of(n) in used, n["name"]))
         if len(free) < count:
             raise ValueError(f"no alive node is free ({len(free)} of {count} needed); start a spare "
                              "(LocalCluster(spares=...) or another python -m actors.node --join)")

@@ -122,6 +122,7 @@ def step_stats(
         peak_rss_bytes=[r.peak_rss_bytes for r in reports],
         optimizer_state_bytes=[r.optimizer_state_bytes for r in reports],
         busy_s=[r.busy_s for r in reports],
+        devices=[r.device for r in reports],
         codec_stats=_codec_stats(reports),
         reduce_bytes=reduce_bytes,
         samples=samples,

@@ -10,8 +10,11 @@ zero-padded in the computation only) and store one float32 scale per block.
 into the stream's next tensor.
 
 Frames are native-endian raw bytes; every platform torch ships for is little-endian,
-and the int4 packing relies on it. Decoding runs on CPU; encoding runs on the
-tensor's device and moves only the frames to CPU.
+and the int4 packing relies on it. Encoding runs on the tensor's device and leaves the
+frames there: a CUDA activation is quantized on the GPU, so only the small frames cross
+to the host (``actors.device_io`` copies them, overlapped with compute; the wire copies
+any device frame it is handed). Decoding runs on the frames' device: the wire's are
+always on the CPU.
 
 On CPU, int8 and int4 run C kernels (`transport/_native/`, compiled on first use;
 3x and 6x faster at 16 MiB). They write the same bytes as the torch path, which other
@@ -74,7 +77,8 @@ class Encoded:
         dtype: The original tensor's dtype.
         shape: The original tensor's shape.
         params: Small msgpack-able codec parameters, e.g. `{"block": 256}`.
-        frames: Each a 1-D contiguous torch.uint8 CPU tensor.
+        frames: Each a 1-D contiguous torch.uint8 tensor, on the device the tensor was
+            encoded on (the CPU for everything that came off the wire).
     """
 
     codec: str
@@ -103,8 +107,13 @@ def _checked_numel(shape: object) -> int:
 
 
 def _as_frame(tensor: torch.Tensor) -> torch.Tensor:
-    """Return `tensor`'s bytes as a 1-D contiguous uint8 CPU tensor (no copy if possible)."""
-    return tensor.contiguous().reshape(-1).view(torch.uint8).cpu()
+    """Return `tensor`'s bytes as a 1-D contiguous uint8 tensor on its device (no copy if possible).
+
+    Not moved to the CPU here: a per-frame ``.cpu()`` would block the compute stream
+    on every message, and the caller knows better when and how to move it (pinned,
+    on a side stream: see ``actors.device_io``).
+    """
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
 
 
 # Receive buffers start wherever libzmq put them (often 8 bytes past a 16-byte boundary
@@ -168,10 +177,11 @@ class Codec(ABC):
         return _checked_numel(shape)
 
     def decode(self, encoded: Encoded) -> torch.Tensor:
-        """Rebuild a tensor of `encoded.dtype` and `encoded.shape`, on the frames' device.
+        """Rebuild a tensor of `encoded.dtype` and `encoded.shape` on the frames' device.
 
         Raises:
-            CodecError: The frames do not match the codec, dtype, shape and params.
+            CodecError: The frames do not match the codec, dtype, shape and params, or
+                lie on different devices.
         """
         if encoded.codec != self.name:
             raise CodecError(f"codec {self.name!r} cannot decode frames of {encoded.codec!r}")
@@ -179,12 +189,14 @@ class Codec(ABC):
         actual = tuple(encoded.frames)
         if len(actual) != len(sizes):
             raise CodecError(f"{self.name}: expected {len(sizes)} frames, got {len(actual)}")
+        device = actual[0].device if actual and isinstance(actual[0], torch.Tensor) else None
         for index, (frame, size) in enumerate(zip(actual, sizes)):
-            # Frames received over NCCL are on a GPU: they decode there.
             if not (isinstance(frame, torch.Tensor) and frame.dtype == torch.uint8
-                    and frame.dim() == 1 and frame.is_contiguous() and frame.device == actual[0].device):
-                raise CodecError(f"{self.name}: frame {index} is not a 1-D contiguous uint8 tensor on the device "
-                                 "of the first")
+                    and frame.dim() == 1 and frame.is_contiguous()):
+                raise CodecError(f"{self.name}: frame {index} is not a 1-D contiguous uint8 tensor")
+            if frame.device != device:
+                raise CodecError(f"{self.name}: frame {index} is on {frame.device}, frame 0 on {device}; "
+                                 "move the frames to one device first")
             if frame.numel() != size:
                 raise CodecError(f"{self.name}: frame {index}: {frame.numel()} bytes, not {size}")
         return self._decode(encoded)
@@ -380,7 +392,7 @@ class _BlockCodec(Codec):
         block = self._check_block(encoded.params)
         scale = _frame_as(encoded.frames[1], torch.float32)
         numel = math.prod(encoded.shape)
-        kernels = self._kernels(encoded.frames[0].device.type)
+        kernels = self._kernels(scale.device.type)
         if kernels is not None:
             assert self.native_bits is not None
             flat = kernels.decode(encoded.frames[0], scale, bits=self.native_bits, numel=numel,
@@ -432,11 +444,22 @@ def _round_to_int8(scaled: torch.Tensor, qmax: int) -> torch.Tensor:
 
 def _dequantize_int8(values: torch.Tensor, scale: torch.Tensor, zero_point: int) -> torch.Tensor:
     """Return (values - zero_point) * scale per block ([blocks, block] int8) as float32."""
+    if values.device.type != "cpu":
+        return _dequantize_int8_arithmetic(values, scale, zero_point)
     # The per-channel dequantize kernel is vectorised and measured 2x faster than
     # values.to(float32) * scale; float32 -> float64 -> float32 scales are exact.
     zero_points = torch.full((scale.numel(),), zero_point, dtype=torch.int64)
     quantized = torch._make_per_channel_quantized_tensor(values, scale.double(), zero_points, 0)
     return quantized.dequantize()
+
+
+def _dequantize_int8_arithmetic(values: torch.Tensor, scale: torch.Tensor, zero_point: int) -> torch.Tensor:
+    """`_dequantize_int8` as plain torch ops, for devices without quantized kernels (CUDA).
+
+    Bit-equal to the CPU kernel: ``values - zero_point`` is a small integer, exact in
+    float32, and its product with a float32 scale is rounded once either way.
+    """
+    return (values.to(torch.float32) - zero_point).mul_(scale.unsqueeze(1))
 
 
 class Int8Codec(_BlockCodec):
@@ -539,7 +562,7 @@ def encode(tensor: torch.Tensor, codec: str = "none") -> Encoded:
 
 
 def decode(encoded: Encoded) -> torch.Tensor:
-    """Check `encoded` against its codec's `frame_sizes`, then decode it to a CPU tensor.
+    """Check `encoded` against its codec's `frame_sizes`, then decode it on the frames' device.
 
     Raises:
         CodecError: Unknown codec, or params, shape, dtype or frames that do not fit.

@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import shlex
+import warnings
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,7 @@ from schedulers.config import ConfigError, load_config
 from schedulers.console import render
 from schedulers.console.session import CommandError, Session
 from schedulers.control import SETTABLE
+from schedulers.placement import PlacementWarning
 from schedulers.trace import plot_trace
 
 __all__ = ["COMMANDS", "Command", "execute", "split_commands"]
@@ -205,7 +207,9 @@ async def _submit(session: Session, args: list[str]) -> None:
     spec = config.spec
     _print(session, f"submitting {spec.model} on {spec.pipeline_stages} stages ...")
     try:
-        job = await session.cluster.train(spec)
+        with warnings.catch_warnings():  # printed below as console lines, not as Python warnings
+            warnings.simplefilter("ignore", PlacementWarning)
+            job = await session.cluster.train(spec)
     except Exception as exc:  # noqa: BLE001 - whatever refused the job, the user reads why
         raise CommandError(f"{where}: the scheduler refused the job: {getattr(exc, 'message', exc)}") from None
     if job.id not in session.job_ids:
@@ -213,6 +217,8 @@ async def _submit(session: Session, args: list[str]) -> None:
     session.last_submitted = job.id
     _print(session, f"submitted {job.id}: {spec.schedule}, {spec.micro_batches} micro-batches, "
                     f"stages on {', '.join(job.nodes)}, layers {job.bounds}")
+    for notice in job.notices:
+        _print(session, f"warning: {job.id}: {notice}")
 
 
 def _submit_args(args: list[str]) -> tuple[str, str | None]:

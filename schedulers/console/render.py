@@ -169,7 +169,8 @@ def schedule_grid(info: Mapping[str, Any]) -> str:
 
 def _label(candidate: Mapping[str, Any]) -> str:
     virtual = candidate.get("virtual_stages")
-    return str(candidate.get("schedule")) + (f" x{virtual}" if virtual else "")
+    return (str(candidate.get("schedule")) + (f" x{virtual}" if virtual else "")
+            + (" +wbatch" if candidate.get("w_batching") else ""))
 
 
 def _error(error: Any) -> str:
@@ -192,7 +193,7 @@ def plan_lines(plan: Mapping[str, Any]) -> list[str]:
                 f"(max_stash_bytes {format_bytes(limit) if limit else 'none'})")
     else:
         head = f"{job}: schedule {schedule}; from step {costs.get('step')}'s costs, auto would run {plan.get('chosen')}"
-    lines = [head, f"  {'schedule':<16} {'predicted':>10} {'bubble':>7}  peak stash per stage"]
+    lines = [head, f"  {'schedule':<20} {'predicted':>10} {'bubble':>7}  peak stash per stage"]
     for c in plan.get("candidates") or []:
         stash = " ".join(str(n) for n in c.get("stash", []))
         sizes = ", ".join(format_bytes(n) for n in c.get("stash_bytes", []))
@@ -204,13 +205,15 @@ def plan_lines(plan: Mapping[str, Any]) -> list[str]:
             notes.append("over max_stash_bytes")
         if c.get("schedule") == plan.get("running") and state == "advice" and not c.get("virtual_stages"):
             notes.append("running")
-        lines.append(f"{'*' if c.get('chosen') else ' '} {_label(c):<16} {_number(c.get('predicted_step_s'), '.3f'):>8} s "
+        lines.append(f"{'*' if c.get('chosen') else ' '} {_label(c):<20} {_number(c.get('predicted_step_s'), '.3f'):>8} s "
                      f"{_number(c.get('bubble_fraction'), '.1%'):>7}  {stash} ({sizes})"
                      + (f"  [{'; '.join(notes)}]" if notes else ""))
     if costs:
+        kinds = [("F", "forward"), ("B", "backward"), ("I", "input_grad"), ("W", "weight_grad")]
+        if costs.get("weight_grad_batched"):
+            kinds.append(("W batched", "weight_grad_batched"))
         per_stage = " | ".join(f"{kind} " + " ".join(_number(v, ".4f") for v in costs.get(key, []))
-                               for kind, key in (("F", "forward"), ("B", "backward"), ("I", "input_grad"),
-                                                 ("W", "weight_grad")))
+                               for kind, key in kinds)
         bandwidth = costs.get("bandwidth")
         link = "free" if not isinstance(bandwidth, (int, float)) or math.isinf(bandwidth) else \
             f"{format_bytes(bandwidth)}/s"

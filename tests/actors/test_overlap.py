@@ -330,3 +330,36 @@ def _one_process_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dic
     cls(copied.parameters(), **kwargs).step()
     return copied.state_dict()
 
+
+
+class _Done:
+    def wait(self) -> None:
+        return None
+
+
+def test_a_parameter_outliving_its_reduction_does_not_keep_it_or_its_group() -> None:
+    # The reduction holds the data-parallel group (through ``reduce``); its parameter hooks
+    # once held it strongly through autograd's C++ hook lists, a cycle the collector cannot
+    # see, so every stopped job left its gloo threads and sockets behind.
+    import gc
+    import weakref
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    params = backward_order({0: model})
+    reduction = OverlappedReduction(params, {0: model}, {}, bucket_bytes=1 << 20, reduce=lambda flat: _Done())
+    gone = weakref.ref(reduction)
+    model(torch.randn(3, 4)).sum().backward()  # the hooks run (inactive: no step began) and stay harmless
+    del reduction
+    gc.collect()
+    assert gone() is None, "the parameters' hooks keep the reduction (and its process group) alive"
+    model(torch.randn(3, 4)).sum().backward()  # a hook of a collected reduction does nothing
+
+
+def test_closing_a_reduction_removes_its_hooks_and_its_way_to_reduce() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    params = backward_order({0: model})
+    reduction = OverlappedReduction(params, {0: model}, {}, bucket_bytes=1 << 20, reduce=lambda flat: _Done())
+    assert all(p._backward_hooks and p._post_accumulate_grad_hooks for p in model.parameters())
+    reduction.close()
+    assert not any(p._backward_hooks or p._post_accumulate_grad_hooks for p in model.parameters())
+    assert reduction.flats == [] and reduction.params == []

@@ -31,6 +31,11 @@ def test_fastest_picks_the_quickest_default_schedule_and_ignores_variants() -> N
     best = fastest(results, "actorpipe", ACTORPIPE_SCHEDULES, 2)
     assert best is not None and best.name == "actorpipe_zero_bubble_2stages"
     assert fastest(results, "actorpipe", ACTORPIPE_SCHEDULES, 8) is None
+    # W batching is a setting of a schedule: counted where asked for.
+    results.append(result("actorpipe_1f1b_2stages_wbatch", "1f1b", 0.85))
+    assert fastest(results, "actorpipe", ACTORPIPE_SCHEDULES, 2).name == "actorpipe_zero_bubble_2stages"  # type: ignore[union-attr]
+    best = fastest(results, "actorpipe", ACTORPIPE_SCHEDULES, 2, ("", "_wbatch"))
+    assert best is not None and best.name == "actorpipe_1f1b_2stages_wbatch"
 
 
 @pytest.mark.parametrize(("steps", "rounds", "blocks"), [(10, 5, [2, 2, 2, 2, 2]), (7, 3, [3, 2, 2]), (2, 5, [1, 1])])

@@ -182,7 +182,7 @@ def test_a_session_at_the_prompt(head_address: str, tmp_path: Path) -> None:
         term.expect(PROMPT)
         term.command("help", r"set JOB KEY VALUE +change micro_batches, schedule", r"plot JOB FILE\.png")
         term.command("help run", r"run JOB N\s+take N steps")
-        term.command("nodes", r"node0 +│ alive", r"node1 +│ alive")
+        term.command("nodes", r"node0 +│ alive +│ cpu", r"node1 +│ alive +│ cpu")
         (submitted,) = term.command(f"submit {config}", r"submitted (job\d+): 1f1b, 4 micro-batches")
         job = submitted.group(1)
 
@@ -378,12 +378,18 @@ class _Offline:
 class _FakeCluster:
     """Takes a job as the scheduler would, and keeps its spec."""
 
-    def __init__(self) -> None:
+    def __init__(self, notices: list[str] | None = None) -> None:
         self.specs: list[Any] = []
+        self.notices = notices or []
 
     async def train(self, spec: Any) -> Any:
         self.specs.append(spec)
-        return types.SimpleNamespace(id="job7", nodes=["node0", "node1"], bounds=[[0, 2], [2, 4]])
+        return types.SimpleNamespace(id="job7", nodes=["node0", "node1"], bounds=[[0, 2], [2, 4]],
+                                     notices=self.notices)
+
+    async def nodes(self) -> list[dict[str, Any]]:
+        return [{"name": f"node{i}", "state": "alive", "device": f"cuda:{i}", "host": "gpubox", "pid": 100 + i,
+                 "memory_bytes": 2**30, "last_heartbeat_age_s": 0.2} for i in range(2)]
 
 
 class _Submitting(_Offline):
@@ -418,6 +424,24 @@ def test_submit_takes_a_deepspeed_file_and_a_job_file(tmp_path: Path, order: str
     assert "note: steps_per_print: no effect here" in out
     assert "submitted job7: 1f1b, 4 micro-batches, stages on node0, node1" in out
     assert session.last_submitted == "job7"
+
+
+def test_submit_prints_what_the_scheduler_warns_about_the_placement(tmp_path: Path) -> None:
+    ds, job = _deepspeed_and_job_files(tmp_path)
+    session = _Submitting()
+    session.cluster.notices = ["node node1 shares cuda:0 on gpubox with this job's node0: ..."]
+    asyncio.run(execute(session, ["submit", str(ds), "--job", str(job)]))  # type: ignore[arg-type]
+    out = session.text.getvalue()
+    assert "submitted job7" in out
+    assert "warning: job7: node node1 shares cuda:0 on gpubox with this job's node0" in out
+
+
+def test_nodes_shows_each_nodes_device() -> None:
+    session = _Submitting()
+    asyncio.run(execute(session, ["nodes"]))  # type: ignore[arg-type]
+    rows = [line for line in session.text.getvalue().splitlines() if "node" in line and "│" in line]
+    assert [re.split(r"\s*│\s*", row.strip("│ "))[:3] for row in rows] == [
+        ["node0", "alive", "cuda:0"], ["node1", "alive", "cuda:1"]]
 
 
 def test_submit_lists_every_problem_in_the_files_at_once(tmp_path: Path) -> None:

@@ -52,8 +52,6 @@ async def test_forty_dist_jobs_leave_threads_and_fds_flat() -> None:
             f"{node}: threads {threads} -> {after[node][0]}, fds {fds} -> {after[node][1]} after 40 jobs"
 
 
-@pytest.mark.xfail(strict=True, reason="the overlapped reduction keeps its gloo group alive after the job stops "
-                   "(issue 17, point 5): overlap_reduce is off by default until this passes")
 async def test_forty_jobs_with_the_overlapped_reduction_leave_threads_flat() -> None:
     local = LocalCluster(nodes=2)
     layout = {"data_parallel": 2, "overlap_reduce": True}

@@ -32,6 +32,7 @@ from schedulers.planning import (
     advise,
     choose,
     measure_costs,
+    probe_steps,
     rank_candidates,
 )
 from schedulers.records import Candidate, MeasuredCosts
@@ -191,7 +192,7 @@ def test_a_batched_run_of_ws_counts_as_its_share_per_micro_batch() -> None:
     found = measure_costs(batched, Mesh(pipeline=2))
     assert found.weight_grad == pytest.approx([0.10, 0.15]) and found.input_grad == pytest.approx([0.20, 0.25])
     ranked = by_label(rank_candidates(found, num_microbatches=4, batch_w=True))
-    assert ranked["1f1b"].stash == [4, 4]  # every W waits for the tail: each stage holds every micro-batch
+    assert ranked["1f1b +wbatch"].stash == [4, 4]  # every W waits for the tail: each stage holds every micro-batch
 
 
 def test_a_report_missing_is_refused() -> None:
@@ -200,10 +201,51 @@ def test_a_report_missing_is_refused() -> None:
         measure_costs(reports[:1], Mesh(pipeline=2))
 
 
-def test_auto_measures_on_the_probe_schedule_then_runs_its_choice() -> None:
+def test_with_a_measured_batched_w_every_schedule_is_a_candidate_with_and_without_w_batching() -> None:
+    cheap = costs(weight_grad_batched=[0.25] * 4)  # a batched W costs a quarter of one micro-batch's
+    ranked = rank_candidates(cheap, num_microbatches=8)
+    labels = {c.label for c in ranked if c.runnable}
+    assert labels == {"1f1b", "1f1b +wbatch", "zero_bubble", "zero_bubble +wbatch", "gpipe", "gpipe +wbatch"}
+    best = next(c for c in ranked if c.chosen)
+    assert best.w_batching and best is next(c for c in ranked if c.runnable)  # cheaper Ws: batching wins
+    plain = by_label(ranked)[best.label.removesuffix(" +wbatch")]
+    assert max(best.stash_bytes) > max(plain.stash_bytes)  # it holds every micro-batch until the tail
+    assert best.predicted_step_s < plain.predicted_step_s
+    # Memory decides when batching does not fit.
+    limited = rank_candidates(cheap, num_microbatches=8, max_stash_bytes=max(plain.stash_bytes))
+    assert not next(c for c in limited if c.chosen).w_batching
+    # A batched W that costs as much as the plain ones gains nothing and holds more: never chosen.
+    assert not next(c for c in rank_candidates(costs(weight_grad_batched=[1.0] * 4), num_microbatches=8)
+                    if c.chosen).w_batching
+    # Without fused weight gradients there is no W batching to choose.
+    assert not any(c.w_batching for c in rank_candidates(cheap, num_microbatches=8, split=False))
+
+
+def test_auto_probes_w_batching_between_the_warm_up_and_the_timed_step() -> None:
     spec = JobSpec(model=MODEL, pipeline_stages=2, micro_batches=4, schedule="auto")
     auto = AutoSchedule(spec)
-    assert auto.running(spec) == AUTO_PROBE and auto.measuring and PROBE_STEPS == 2
+    assert probe_steps(spec) == PROBE_STEPS + 1 == 3
+    assert probe_steps(dataclasses.replace(spec, gradient_accumulation_fusion=False)) == PROBE_STEPS
+    ran = []
+    for _ in range(2):
+        ran.append(auto.running_w_batching(spec))
+        reports, _ = simulated_reports(AUTO_PROBE, TRUTH)
+        auto.probed(reports, Mesh(pipeline=2))
+        auto.warmed_up()
+    assert ran == [False, True] and auto.timed and not auto.running_w_batching(spec)
+    assert auto.weight_grad_batched == pytest.approx([0.10, 0.15])  # TRUTH.weight_grad
+    reports, _ = simulated_reports(AUTO_PROBE, TRUTH)
+    ranked = auto.rank(spec, reports, Mesh(pipeline=2), step=2)
+    assert any(c.w_batching for c in ranked) and auto.costs is not None
+    assert auto.costs.weight_grad_batched == auto.weight_grad_batched
+    auto.adopt(ranked, overhead_s=0.0)
+    assert auto.running_w_batching(spec) == auto.chosen.w_batching  # type: ignore[union-attr]
+
+
+def test_auto_measures_on_the_probe_schedule_then_runs_its_choice() -> None:
+    spec = JobSpec(model=MODEL, pipeline_stages=2, micro_batches=4, schedule="auto", gradient_accumulation_fusion=False)
+    auto = AutoSchedule(spec)
+    assert auto.running(spec) == AUTO_PROBE and auto.measuring and probe_steps(spec) == 2
     assert auto.plan("job0", spec).state == "measuring"
     assert auto.warmed_up() and auto.timed
     reports, step_time = simulated_reports(AUTO_PROBE, TRUTH)
@@ -258,28 +300,38 @@ async def train(cluster: Cluster, steps: list[tuple[torch.Tensor, torch.Tensor]]
 
 @pytest.mark.slow
 @pytest.mark.asyncio(loop_scope="module")
-@pytest.mark.parametrize("options", [{}, {"w_batching": True}], ids=["plain", "w_batching"])
+@pytest.mark.parametrize("options", [{"gradient_accumulation_fusion": False}, {}], ids=["plain", "fused"])
 async def test_an_auto_job_trains_exactly_as_the_schedule_it_chose(cluster: Cluster, options: dict[str, Any]) -> None:
-    steps = batches(PROBE_STEPS + 2)
+    spec = JobSpec(model=MODEL, schedule="auto", **options)
+    probes = probe_steps(spec)
+    steps = batches(probes + 2)
     stats, state, plan = await train(cluster, steps, schedule="auto", **options)
     assert plan.state == "planned" and plan.schedule == "auto"
     chosen = [c for c in plan.candidates if c.chosen]
-    assert len(chosen) == 1 and chosen[0].label == plan.chosen == plan.running
+    assert len(chosen) == 1 and chosen[0].label == plan.chosen and chosen[0].schedule == plan.running
     assert chosen[0] == next(c for c in plan.candidates if c.runnable and c.fits)  # the fastest it may run
-    assert {c.label for c in plan.candidates if c.runnable} == {"gpipe", "1f1b", "zero_bubble"}
+    plain = {"gpipe", "1f1b", "zero_bubble"}
+    fused = spec.gradient_accumulation_fusion  # then each with W batching too (measured by a probe step)
+    assert {c.label for c in plan.candidates if c.runnable} == plain | ({f"{n} +wbatch" for n in plain} if fused
+                                                                        else set())
+    assert plan.costs is not None and (plan.costs.weight_grad_batched is not None) == fused
     for c in plan.candidates:
         assert c.predicted_step_s > 0 and len(c.stash) == len(c.stash_bytes) == 2 and min(c.stash_bytes) > 0
-    assert [s.schedule for s in stats] == [AUTO_PROBE] * PROBE_STEPS + [plan.running] * 2
-    assert [s.predicted_step_s for s in stats] == [None] * PROBE_STEPS + [chosen[0].predicted_step_s] * 2
+    assert [s.schedule for s in stats] == [AUTO_PROBE] * probes + [plan.running] * 2
+    assert [s.predicted_step_s for s in stats] == [None] * probes + [chosen[0].predicted_step_s] * 2
     last = stats[-1]
     assert last.prediction_error == pytest.approx((last.step_time_s - last.predicted_step_s) / last.predicted_step_s)
     assert plan.last_step_s == last.step_time_s
-    # The same job on the chosen schedule throughout: the same losses and parameters.
-    fixed_stats, fixed_state, advice = await train(cluster, steps, schedule=plan.running, **options)
-    assert [s.loss for s in stats] == [s.loss for s in fixed_stats]
+    # The same job on the chosen schedule throughout: the same losses and parameters. The
+    # probe step with W batching sums each weight gradient's micro-batches in one GEMM:
+    # equal to float32 rounding, not bit for bit.
+    fixed_stats, fixed_state, advice = await train(cluster, steps, schedule=plan.running,
+                                                   w_batching=chosen[0].w_batching, **options)
+    tolerance = {"rtol": 1e-5, "atol": 1e-6} if fused else {"rtol": 0, "atol": 0}
+    torch.testing.assert_close([s.loss for s in stats], [s.loss for s in fixed_stats], **tolerance)
     assert list(state) == list(fixed_state)
     for key, value in fixed_state.items():
-        torch.testing.assert_close(state[key], value, rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
+        torch.testing.assert_close(state[key], value, **tolerance, msg=lambda m: f"{key}: {m}")
     assert advice.state == "advice" and advice.running == plan.running and advice.candidates
 
 
@@ -291,12 +343,14 @@ async def test_a_stash_limit_nothing_fits_fails_the_planning_step_with_nothing_a
                               schedule="auto", max_stash_bytes=1)
     try:
         assert (await job.plan()).state == "measuring"
-        await job.step(x, y)  # the warm-up probe step is an ordinary step
+        probes = probe_steps(JobSpec(model=MODEL, schedule="auto"))
+        for _ in range(probes - 1):
+            await job.step(x, y)  # the probe steps before the timed one are ordinary steps
         before = await job.state_dict()
         with pytest.raises(RemoteError, match="no schedule fits max_stash_bytes=1: the least any would hold"):
             await job.step(x, y)
         after = await job.state_dict()
-        assert (await job.describe()).steps == 1
+        assert (await job.describe()).steps == probes - 1
     finally:
         await job.close()
     for key, value in before.items():
@@ -318,15 +372,18 @@ async def test_set_schedule_auto_from_the_console_plans_a_running_job(cluster: C
         assert f"{job.id}: schedule 1f1b; from step 0's costs, auto would run" in out.getvalue()
         await execute(session, ["set", job.id, "schedule", "auto"])
         assert f"{job.id}: schedule=auto set" in out.getvalue()
-        stats = [await job.step(x, y) for _ in range(PROBE_STEPS + 1)]
+        probes = probe_steps(JobSpec(model=MODEL, schedule="auto"))
+        stats = [await job.step(x, y) for _ in range(probes + 1)]
         await execute(session, ["schedule", job.id])
         await execute(session, ["status", job.id])
+        plan = await job.plan()
     finally:
         await job.close()
     plan_text = out.getvalue()
     running = stats[-1].schedule
-    assert [s.schedule for s in stats[:PROBE_STEPS]] == [AUTO_PROBE] * PROBE_STEPS
-    assert f"{job.id}: schedule auto runs {running}, planned from step {PROBE_STEPS}" in plan_text
-    assert f"* {running}" in plan_text
+    assert plan.chosen is not None and plan.chosen.split()[0] == running  # "zero_bubble" or "zero_bubble +wbatch"
+    assert [s.schedule for s in stats[:probes]] == [AUTO_PROBE] * probes
+    assert f"{job.id}: schedule auto runs {plan.chosen}, planned from step {probes}" in plan_text
+    assert f"* {plan.chosen}" in plan_text
     assert f"{job.id}: auto ({running}), 2 stages" in plan_text  # the grid is what runs
     assert "against the prediction" in plan_text and "(predicted " in plan_text
