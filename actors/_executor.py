@@ -2,7 +2,9 @@
 
 Compute (F, B, I, W, the optimizer step) runs on one worker thread per stage actor,
 so the event loop stays free to receive activations, answer heartbeats and serve
-control calls while the stage computes; transfers therefore overlap compute.
+control calls while the stage computes; transfers therefore overlap compute. An
+action known to be short (:mod:`actors._inline`) runs on the loop's own thread
+instead, when the compute thread is idle: the hand-off would cost more than the action.
 Sends are posted as soon as the value exists and never wait for the receiver to
 use it; a RECV waits only until its value has arrived.
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -21,7 +23,7 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
-from actors import _activations, _overlap, _wgrad, boundary
+from actors import _activations, _inline, _overlap, _wgrad, boundary
 from actors.boundary import Payload
 from actors.device_io import DeviceIO
 from actors.program import Action, ActionKind
@@ -30,6 +32,8 @@ __all__ = ["Inbox", "StageModel", "StepExecutor", "StepTrace", "check_target_sha
 
 T = TypeVar("T")
 _K = ActionKind
+# The kinds whose compute may run inline: the step's own actions (a SEND's compute is its codec's encode).
+_INLINE_KINDS = frozenset({_K.F, _K.B, _K.I, _K.W, _K.SEND_F, _K.SEND_B})
 
 
 class Inbox:
@@ -93,6 +97,10 @@ class StageModel:
     compute_dtype: torch.dtype | None = None
     # W batching: a run of consecutive Ws computes each weight's gradient as one GEMM.
     w_batching: bool = False
+    # The fast path (actors._inline): an action estimated under this runs on the loop's thread.
+    # 0 turns it off: for a stage whose compute waits on other processes (tensor-parallel
+    # collectives inside forward and backward), which must never hold up the loop's heartbeats.
+    inline_max_s: float = _inline.INLINE_MAX_S
 
     def autocast(self) -> Any:
         """The context a forward (and a recompute) runs in."""
@@ -162,10 +170,45 @@ class StepExecutor:
         # The step's losses, as the device left them: read once, at the end of the step (one sync, not one
         # per micro-batch on the compute stream).
         self._losses: dict[int, torch.Tensor] = {}
+        # The fast path (actors._inline): which of the running action's compute may run on the loop's thread.
+        self._dispatch = _inline.ComputeDispatcher(thread, _inline.InlinePolicy(max_s=model.inline_max_s),
+                                                   model.device)
+        self._action_key: Hashable | None = None  # the running action's, until its first compute
+        self._action_task: asyncio.Task[Any] | None = None  # the task running it (others' compute is not its)
+
+    @property
+    def inline_policy(self) -> _inline.InlinePolicy:
+        """What decides which actions run inline (tests replace it; the stage reports its counts)."""
+        return self._dispatch.policy
+
+    @inline_policy.setter
+    def inline_policy(self, policy: _inline.InlinePolicy) -> None:
+        self._dispatch.policy = policy
 
     async def compute(self, fn: Callable[..., T], *args: Any) -> T:
-        """Runs ``fn`` on the compute thread."""
-        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+        """Runs ``fn`` on the compute thread, or, for a short action, inline on the loop's thread.
+
+        The first compute a step's F, B, I, W or SEND action makes (its forward, backward,
+        encode) is learnt per kind (:meth:`_inline_key`) and runs inline once its kind is
+        known to be short and the compute thread is idle (:class:`~actors._inline.ComputeDispatcher`).
+        Every other call (the optimizer step, checks, checkpoints, collectives) runs on the
+        compute thread.
+        """
+        if self._action_key is not None and self._action_task is asyncio.current_task():
+            key, self._action_key = self._action_key, None
+            return await self._dispatch.run(key, fn, *args)
+        return await self._dispatch.submit(fn, *args)
+
+    def _inline_key(self, action: Action) -> Hashable | None:
+        """What an action's compute is learnt by (None: it never runs inline): its kind and stage;
+        a W also by whether it only joins a W batch (near free) or runs the batch's GEMMs."""
+        if action.kind not in _INLINE_KINDS:
+            return None
+        if action.kind is _K.W:
+            joins = self.w_batching and (action.stage, action.microbatch) in self._pending_w \
+                and self._w_batch_continues()
+            return (action.kind, action.stage, joins)
+        return (action.kind, action.stage)
 
     async def begin(self, program: Sequence[Action], *, w_batching: bool | None = None) -> None:
         """Prepares a step that will run ``program``: before anything of the step can fail, so that a
@@ -216,6 +259,7 @@ class StepExecutor:
                 break
             self.current = action
             self._upcoming = program[index + 1] if index + 1 < len(program) else None
+            self._action_key, self._action_task = self._inline_key(action), asyncio.current_task()
             t0 = time.perf_counter()
             try:
                 await self._execute(step, action, trace)
@@ -223,6 +267,8 @@ class StepExecutor:
                 raise
             except Exception as exc:
                 raise ActionFailed(action, exc) from exc
+            finally:
+                self._action_key = self._action_task = None
             t1 = time.perf_counter()
             trace.spans.append((str(action), t0 - start, t1 - start))
             if action.kind in (_K.F, _K.B, _K.I, _K.W):
@@ -416,9 +462,7 @@ class StepExecutor:
             # W batching: consecutive Ws (the tail defer_weight_grads makes) run each weight's
             # GEMM once, over all their micro-batches' rows.
             self._w_batch.append((key, self._pending_w.pop(key)))
-            upcoming = self._upcoming
-            if upcoming is not None and upcoming.kind is _K.W and \
-                    (upcoming.stage, upcoming.microbatch) in self._pending_w:
+            if self._w_batch_continues():
                 return
             batch, self._w_batch = self._w_batch, []
             assert self.model.weight_grads is not None
@@ -437,6 +481,12 @@ class StepExecutor:
         pairs = _with_grads(outs, grads)
         if params and pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=params)
+
+    def _w_batch_continues(self) -> bool:
+        """Whether the W batch takes in the next action too (a W whose weight GEMMs wait)."""
+        upcoming = self._upcoming
+        return upcoming is not None and upcoming.kind is _K.W and \
+            (upcoming.stage, upcoming.microbatch) in self._pending_w
 
     def _optimizer_step(self) -> None:
         self.model.optimizer.step()

@@ -32,6 +32,7 @@ from actors.devices import pin_device
 from actors.boundary import Payload
 from actors._errors import ActorError, NotAllowed, error_to_wire
 from actors._executor import ActionFailed, Inbox, StageModel, StepExecutor, nonfinite_gradients
+from actors._inline import INLINE_MAX_S
 from actors._lr_scheduler import build_scheduler, learning_rates
 from actors._registry import DEFAULT_ALLOW, load_object, register_actor
 from actors._stage_checkpoint import PreparedLoad, apply_load, layer_key, prepare_load, write_stage
@@ -243,7 +244,9 @@ class StageActor(Actor):
         return StageModel(modules=modules, num_stages=cfg.num_stages, loss_fn=loss_fn,
                           optimizer=optimizer, device=device, weight_grads=weight_grads,
                           w_batching=cfg.w_batching,
-                          compute_dtype=compute_dtype, lr_scheduler=scheduler)
+                          compute_dtype=compute_dtype, lr_scheduler=scheduler,
+                          # Tensor-parallel layers wait for their peers inside an action: on the thread.
+                          inline_max_s=0.0 if self._mesh.tensor > 1 else INLINE_MAX_S)
 
     def _build_overlap(self, modules: dict[int, nn.Module], weight_grads: _wgrad.WeightGradients | None,
                        w_batching: bool) -> _overlap.OverlappedReduction | None:
@@ -616,6 +619,9 @@ class StageActor(Actor):
             "step": self._step,
             "current": None if executor is None or executor.current is None else str(executor.current),
             "done": 0 if executor is None else executor.done_actions,
+            # Compute actions run on the loop's thread so far (actors._inline), and on the compute thread.
+            "inline_actions": 0 if executor is None else executor.inline_policy.inline_runs,
+            "thread_actions": 0 if executor is None else executor.inline_policy.thread_runs,
         }
 
     # -- state -------------------------------------------------------------------------
