@@ -116,9 +116,9 @@ class InlinePolicy:
 
     def record(self, key: Hashable, seconds: float, *, inline: bool) -> None:
         """Notes that a run of ``key`` took ``seconds`` (wall time of the function alone)."""
-        kind = self._kinds.get(key)
-        if kind is None:
-            kind = self._kinds[key] = _Kind(estimate_s=seconds)
+        kind = self._kinds.setdefault(key, _Kind())
+        if kind.runs < max(1, self.warmup_runs):
+            kind.estimate_s = seconds  # the last warm-up run's, not the first's lazy initialisation
         else:
             kind.estimate_s += SMOOTHING * (seconds - kind.estimate_s)
         kind.runs += 1

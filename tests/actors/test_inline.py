@@ -59,6 +59,14 @@ def test_first_runs_go_to_the_thread_then_short_ones_go_inline() -> None:
     assert (policy.thread_runs, policy.inline_runs) == (WARMUP_RUNS, 0)
 
 
+def test_a_slow_first_run_does_not_keep_a_short_kind_off_the_fast_path() -> None:
+    policy = InlinePolicy()
+    policy.record(KEY, 0.5, inline=False)  # lazy initialisation: imports, allocations, kernel choice
+    for _ in range(WARMUP_RUNS - 1):
+        policy.record(KEY, SHORT, inline=False)
+    assert policy.inline(KEY) and policy.estimate(KEY) == SHORT
+
+
 def test_a_kind_estimated_long_stays_on_the_thread() -> None:
     policy = warmed(InlinePolicy(), seconds=INLINE_MAX_S * 2)
     assert not policy.inline(KEY)
