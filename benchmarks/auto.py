@@ -129,7 +129,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         times = await run_rounds(peers, warmup=args.warmup, steps=args.steps, rounds=args.rounds)
         for peer in peers:
             await peer.finish()
-    summary = summarize(peers, times, args.warmup)
+        summary = summarize(peers, times, args.warmup)  # before the peers close: they drop their trained state
     print()
     plan = peers[0].plan
     for c in plan.candidates if plan is not None else []:

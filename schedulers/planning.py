@@ -59,7 +59,8 @@ CANDIDATES: tuple[tuple[str, int | None], ...] = (
 )
 # Steps a job with schedule="auto" runs the probe schedule for before it plans: the first
 # warms the stages up (allocator, caches, the optimizer's state), the last is timed. With
-# fused weight gradients one more comes between them, with W batching: its Ws' cost.
+# fused weight gradients one more comes between them, with W batching (as the warm-up): its
+# Ws' cost.
 PROBE_STEPS = 2
 _F, _B, _I, _W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
 _SENT_BY = {ActionKind.SEND_F: (_F,), ActionKind.SEND_B: (_B, _I)}  # a send's encoding counts to these
@@ -334,8 +335,10 @@ class AutoSchedule:
 
     @property
     def batched_step(self) -> bool:
-        """The next step is the probe step with W batching (its Ws' cost is measured)."""
-        return self.batched_probe and self.probe_steps_left == 2
+        """The next step is a probe step with W batching: the warm-up (which also warms the batched
+        GEMMs' buffers: measured cold, a batched W cost a third more than warm) and the one its Ws'
+        cost is measured from."""
+        return self.batched_probe and self.probe_steps_left >= 2
 
     def running(self, spec: JobSpec) -> str:
         """The schedule the job's next step runs."""

@@ -232,7 +232,7 @@ def test_auto_probes_w_batching_between_the_warm_up_and_the_timed_step() -> None
         reports, _ = simulated_reports(AUTO_PROBE, TRUTH)
         auto.probed(reports, Mesh(pipeline=2))
         auto.warmed_up()
-    assert ran == [False, True] and auto.timed and not auto.running_w_batching(spec)
+    assert ran == [True, True] and auto.timed and not auto.running_w_batching(spec)
     assert auto.weight_grad_batched == pytest.approx([0.10, 0.15])  # TRUTH.weight_grad
     reports, _ = simulated_reports(AUTO_PROBE, TRUTH)
     ranked = auto.rank(spec, reports, Mesh(pipeline=2), step=2)
