@@ -353,6 +353,8 @@ class StageActor(Actor):
             action failed and why, or that :meth:`abort_step` stopped it.
         """
         assert self.executor is not None
+        if w_batching is not None and not isinstance(w_batching, bool):
+            raise ValueError(f"w_batching must be a bool, got {w_batching!r:.40}")
         actions = [Action.parse(text) for text in program]
         self._step = step
         if micro_batches is not None:
@@ -364,8 +366,6 @@ class StageActor(Actor):
             if isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float)) or not loss_scale > 0:
                 raise ValueError(f"loss_scale must be a number > 0, got {loss_scale!r:.40}")
             self.executor.loss_scale = float(loss_scale)
-        if w_batching is not None and not isinstance(w_batching, bool):
-            raise ValueError(f"w_batching must be a bool, got {w_batching!r:.40}")
         await self.executor.begin(actions, w_batching=w_batching)
         if data_step is not None:
             inputs, targets = self._read_data(data_step, data_shard or [0, 1])

@@ -24,6 +24,7 @@ from actors import (
     LocalCluster,
     NodeActor,
     NotAllowed,
+    RemoteError,
     RendezvousActor,
     StageActor,
     UnknownActor,
@@ -148,6 +149,32 @@ async def test_forged_deliveries_are_refused_and_counted(cluster: Cluster) -> No
                     await deliver.call(1, "F", 1, 0, leaves, spec)
         stats = await job.step(*batch())  # nothing forged got in: the step is clean
         assert stats.loss == stats.loss  # not NaN
+    finally:
+        await job.close()
+
+
+async def test_only_the_head_turns_w_batching_on_for_a_step_and_a_bad_value_changes_nothing(cluster: Cluster) -> None:
+    job = await cluster.train(**MODEL)
+    try:
+        await job.step(*batch())
+        (info,) = [d for d in await cluster.jobs() if d.job == job.id]
+        stage = cluster.runtime.ref(*info.stages[0])
+        # run_step(step, program, inputs, targets, data_step, data_shard, micro_batches, snapshot, loss_scale,
+        # w_batching): a client's key and the job's own node's key are refused before any argument is read.
+        call = (5, [], None, None, None, None, None, None, None, True)
+        async with Cluster.connect(cluster.head.address, keys=keys().directory, identity="alice") as alice:
+            with pytest.raises(NotAllowed, match="may not call StageActor.run_step"):
+                await alice.runtime.ref(stage.address, stage.name).endpoint(StageActor.run_step, timeout=10).call(*call)
+        async with open_runtime("tcp://127.0.0.1:0", keys=keys().identity("node0"), ring=keys().ring) as member:
+            with pytest.raises(NotAllowed, match="may not call StageActor.run_step"):
+                await member.ref(stage.address, stage.name).endpoint(StageActor.run_step, timeout=10).call(*call)
+        # The head's key may call it; a value that is not a bool is refused before the stage moves to that step.
+        async with open_runtime("tcp://127.0.0.1:0", keys=keys().identity("head"), ring=keys().ring) as head:
+            run_step = head.ref(stage.address, stage.name).endpoint(StageActor.run_step, timeout=10)
+            with pytest.raises(RemoteError, match="ValueError: w_batching must be a bool, got 'yes'"):
+                await run_step.call(*call[:-1], "yes")
+        stats = await job.step(*batch())  # the refused call left the stage where it was
+        assert stats.loss == stats.loss
     finally:
         await job.close()
 
