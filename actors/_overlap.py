@@ -230,13 +230,12 @@ class OverlappedReduction:
         # make a cycle through autograd's C++ hook lists (parameter -> hook -> this object ->
         # parameter) that Python's collector cannot see, and with it the process group that
         # ``reduce`` holds (its threads and sockets) would outlive the job.
-        me = weakref.WeakMethod(self._hook)
+        coming, accumulated = weakref.WeakMethod(self._gradient_coming), weakref.WeakMethod(self._accumulated)
         self._handles: list[Any] = []
         for i, p in enumerate(self.params):
             if p.requires_grad:
-                self._handles.append(p.register_hook(functools.partial(_call_weakly, me, "coming", i)))
-                self._handles.append(p.register_post_accumulate_grad_hook(
-                    functools.partial(_call_weakly, me, "accumulated", i)))
+                self._handles.append(p.register_hook(functools.partial(_call_weakly, coming, i)))
+                self._handles.append(p.register_post_accumulate_grad_hook(functools.partial(_call_weakly, accumulated, i)))
         if weight_grads is not None:
             weight_grads.on_write = self._fused_write
 
@@ -359,13 +358,6 @@ class OverlappedReduction:
 
     # -- internals -------------------------------------------------------------------
 
-    def _hook(self, which: str, index: int, value: torch.Tensor | None) -> None:
-        if which == "coming":
-            self._gradient_coming(index, value)
-        else:
-            assert value is not None
-            self._accumulated(index, value)
-
     def _gradient_coming(self, index: int, grad: torch.Tensor | None) -> None:
         if grad is not None and self.active:
             self._incoming.add(index)
@@ -452,11 +444,11 @@ class OverlappedReduction:
                 log.warning("a collective of an abandoned step failed: %s", exc)
 
 
-def _call_weakly(method: weakref.WeakMethod[Any], which: str, index: int, value: torch.Tensor | None) -> None:
+def _call_weakly(method: weakref.WeakMethod[Any], index: int, value: torch.Tensor | None) -> None:
     """A parameter hook: passes ``value`` on to the reduction while it lives."""
     hook = method()
     if hook is not None:
-        hook(which, index, value)
+        hook(index, value)
 
 
 def _closed(flat: torch.Tensor) -> Work:
