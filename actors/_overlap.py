@@ -235,7 +235,8 @@ class OverlappedReduction:
         for i, p in enumerate(self.params):
             if p.requires_grad:
                 self._handles.append(p.register_hook(functools.partial(_call_weakly, coming, i)))
-                self._handles.append(p.register_post_accumulate_grad_hook(functools.partial(_call_weakly, accumulated, i)))
+                self._handles.append(
+                    p.register_post_accumulate_grad_hook(functools.partial(_call_weakly, accumulated, i)))
         if weight_grads is not None:
             weight_grads.on_write = self._fused_write
 
