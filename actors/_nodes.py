@@ -220,54 +220,6 @@ class NodeActor(Actor):
             raise ModuleNotFoundError(f"node {self.info.name}: {exc}", name=exc.name) from None
         return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__name__)}"
 
-    @endpoint(roles=("head",))
-    async def describe_model(self, path: str, kwargs: dict[str, Any], type_pattern: str | None = None) -> list[int]:
-        """The parameter count of each layer of the model ``path`` builds from ``kwargs``
-        (with ``type_pattern``: 1 for each layer whose class name matches it, else 0).
-
-        The scheduler partitions a job from these counts, so that the head never imports
-        or calls a user's factory. The model is built on the meta device (no memory for
-        its parameters) in a thread (heartbeats go on), one call at a time (calls to
-        this agent queue); ``kwargs`` is as large as a message allows.
-
-        Raises:
-            NotAllowed: the allow-list refuses ``path`` (the message names this node), or
-                this is the head.
-            ValueError: ``path`` is not an import path.
-            TypeError: ``kwargs`` is not a map, or the factory does not take it.
-        """
-        self._refuse_user_code_on_head()
-        if not isinstance(kwargs, dict):
-            raise TypeError(f"model kwargs must be a map, got {type(kwargs).__name__}")
-        from actors._build import layer_parameter_counts  # torch, only where models are built
-
-        try:
-            return await asyncio.to_thread(layer_parameter_counts, path, kwargs, tuple(self.allow), type_pattern)
-        except NotAllowed as exc:
-            raise NotAllowed(f"node {self.info.name} refused the model: {exc.message}") from None
-        except ModuleNotFoundError as exc:
-            raise ModuleNotFoundError(f"node {self.info.name} cannot build the model: {exc}", name=exc.name) from None
-
-    @endpoint(roles=("head",))
-    async def profile_model(self, path: str, kwargs: dict[str, Any], data: str | None, data_kwargs: dict[str, Any],
-                            micro_batches: int, seed: int, example: Any = None) -> list[int]:
-        """Microseconds each layer of the model takes, forward and backward, on a sample micro-batch
-        from the job's data factory, or on ``example`` (one micro-batch) without one
-        (``partition_method="profile"``); like :meth:`describe_model`, on a worker, in a
-        thread, under this node's allow-list."""
-        self._refuse_user_code_on_head()
-        if not isinstance(kwargs, dict) or not isinstance(data_kwargs, dict):
-            raise TypeError("model and data kwargs must be maps")
-        if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
-            raise ValueError(f"micro_batches must be an int >= 1, got {micro_batches!r:.40}")
-        from actors._build import layer_times  # torch, only where models are built
-
-        try:
-            return await asyncio.to_thread(layer_times, path, kwargs, tuple(self.allow), data, data_kwargs,
-                                           micro_batches, int(seed), example=example)
-        except NotAllowed as exc:
-            raise NotAllowed(f"node {self.info.name} refused the model or data: {exc.message}") from None
-
     def _refuse_user_code_on_head(self) -> None:
         if HEAD in self.runtime.actor_names():  # the head's own agent: it hosts the head actor
             raise NotAllowed(f"node {self.info.name} is the head, which never imports user code; ask a worker")

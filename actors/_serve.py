@@ -16,7 +16,7 @@ from actors._errors import ActorError
 from actors._ref import ActorRef
 from actors._nodes import HEAD, NODE, HeadActor, NodeActor, node_info
 from actors._registry import registered_actors
-from actors.devices import pin_device
+from actors.plugins import load_plugin
 from actors._runtime import open_runtime
 from transport.wire import DEFAULT_MAX_MESSAGE_BYTES
 from actors.keys import ClusterKeys
@@ -130,9 +130,11 @@ async def serve_worker(config: WorkerConfig) -> None:
         TimeoutError: the head could not be reached for ``head_timeout`` seconds.
         ValueError: ``device`` is not ``cpu`` or a GPU this process sees.
     """
-    # Before the runtime: from here on, work on this thread without an explicit index
-    # lands on the node's GPU (the stage's compute thread pins itself the same way).
-    pin_device(config.device)
+    # Before the runtime: the installed worker plugin registers the actors this node
+    # hosts and pins this thread to the node's device.
+    worker = load_plugin("worker")
+    if worker is not None:
+        worker.start(config.device)
     stop = _stop_on_signals()
     secure = security(config.keys, config.identity)
     async with open_runtime(config.bind, allow_remote=config.allow_remote, max_message_bytes=config.max_message_bytes,

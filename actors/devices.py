@@ -1,8 +1,9 @@
-"""Which device each node of a ``LocalCluster`` computes on, and pinning a process to it.
+"""Which device each node of a ``LocalCluster`` computes on.
 
 ``node_devices`` is pure (the visible GPU count is an argument), so every rule below is
-tested against fake counts on a machine without a GPU; ``visible_gpu_count`` and
-``pin_device`` are the only calls into CUDA.
+tested against fake counts on a machine without a GPU; counting GPUs and pinning a
+process to one are the compute plugin's (:mod:`stages.devices`), since the runtime
+imports no torch.
 
 The rules, for ``LocalCluster(nodes=..., spares=..., devices=...)``:
 
@@ -28,7 +29,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 __all__ = ["DEFAULT_CPU_NODES", "DeviceSpec", "check_device", "cuda_index", "device_argument", "node_devices",
-           "pin_device", "visible_gpu_count"]
+           "visible_gpu_count"]
 
 DeviceSpec = Literal["auto", "cpu"] | Sequence[str]
 
@@ -120,27 +121,13 @@ def device_argument(text: str) -> str:
 
 
 def visible_gpu_count() -> int:
-    """How many CUDA devices this process sees (0 without CUDA); honours ``CUDA_VISIBLE_DEVICES``."""
-    import torch  # only here: the rules above import without torch
+    """How many CUDA devices this process sees (0 without CUDA), as the installed compute plugin counts them.
 
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def pin_device(device: str) -> None:
-    """Makes ``device`` the current CUDA device of the calling thread; nothing for ``cpu``.
-
-    CUDA's current device belongs to a host thread, not the process: a node calls this
-    at start and again on each thread that computes (the stage's compute thread), so
-    that a kernel, a stream or an NCCL communicator made without an explicit index lands
-    on the node's GPU and not on ``cuda:0``.
-
-    Raises:
-        ValueError: not a device name, or this process sees no such GPU.
+    The runtime imports no torch: the plugin (``devices`` in the ``actorpipe`` entry
+    points; :mod:`stages.devices`) answers. Without one, no GPU is known.
     """
-    index = cuda_index(device)
-    if index is None:
-        return
-    import torch
+    from actors.plugins import load_plugin
 
-    check_device(device, visible_gpu_count())
-    torch.cuda.set_device(index)
+    plugin = load_plugin("devices")
+    count = getattr(plugin, "visible_gpu_count", None)
+    return int(count()) if count is not None else 0

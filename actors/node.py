@@ -18,7 +18,6 @@ from transport.loop import run
 from transport.wire import DEFAULT_MAX_MESSAGE_BYTES
 
 import actors.probe  # noqa: F401  (registers the built-in actor classes)
-import actors.stage  # noqa: F401
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

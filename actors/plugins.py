@@ -4,6 +4,9 @@ The installed distribution declares them (``pyproject.toml``, group ``actorpipe`
 
 - ``head``: a module the head node imports at start-up to register the actors it
   hosts (the scheduler actor); ``python -m actors.node --plugin MODULE`` overrides it.
+- ``worker``: a module a worker node imports at start-up (it registers the actors the
+  node hosts) whose ``start(device)`` prepares the process for its device.
+- ``devices``: a module whose ``visible_gpu_count()`` counts this process's GPUs.
 - ``cluster``: the :class:`~actors.Cluster` subclass a driver's connection is built
   as (it adds the job API: ``train``, ``jobs``, ``job``).
 - ``jobs``: the module that holds the job API's public names (``Job``, ``StepStats``).
@@ -17,10 +20,9 @@ import functools
 import importlib
 import logging
 from importlib.metadata import entry_points
-from types import ModuleType
 from typing import Any
 
-__all__ = ["GROUP", "head_modules", "job_api", "load_plugin"]
+__all__ = ["GROUP", "head_modules", "load_plugin"]
 
 log = logging.getLogger(__name__)
 
@@ -48,16 +50,3 @@ def load_plugin(name: str) -> Any:
     for part in filter(None, attr.split(".")):
         obj = getattr(obj, part)
     return obj
-
-
-def job_api() -> ModuleType:
-    """The module that holds the job API (``Job``, ``StepStats``).
-
-    Raises:
-        ImportError: no job plugin is installed (``pip install -e .`` installs it).
-    """
-    api = load_plugin("jobs")
-    if not isinstance(api, ModuleType):
-        raise ImportError(f"no job API is installed (entry point group {GROUP!r}, name 'jobs'); "
-                          "install the project (pip install -e .)")
-    return api

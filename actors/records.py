@@ -1,20 +1,18 @@
-"""Records that cross the wire between the scheduler and the stage actors, typed on both sides.
+"""Typed records that cross the wire: frozen dataclasses with a strict ``from_wire``.
 
 A record is a frozen, slotted, keyword-only dataclass. It travels as a msgpack map
 (``record.to_wire()``) and comes back with ``Record.from_wire(data)``, which refuses
 a key it does not know and a required key that is missing: nothing is dropped
 silently, so the two sides cannot drift apart unnoticed. This module is a leaf (no
-torch, no ZeroMQ), so the layers above can import it cheaply.
+torch, no ZeroMQ), so every layer can import it cheaply.
 """
 
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, field, fields
-from typing import Any, ClassVar, Literal, Protocol, TypeVar
+from dataclasses import MISSING, fields
+from typing import Any, ClassVar, Protocol, TypeVar
 
-from actors.program import stage_to_rank
-
-__all__ = ["FinishReport", "RecordError", "ReduceReport", "StageConfig", "StageReport", "WireRecord"]
+__all__ = ["RecordError", "WireRecord"]
 
 R = TypeVar("R", bound="WireRecord")
 
@@ -74,142 +72,3 @@ class WireRecord:
             elif value is not None:
                 data[name] = record.from_wire(value)
         return cls(**data)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StageConfig(WireRecord):
-    """Everything a stage actor is built from (derived from the job's spec by ``schedulers.jobs.stage_config``)."""
-
-    job: str
-    pipeline_rank: int
-    pipeline_stages: int
-    bounds: list[list[int]]  # per model stage: [first layer, end layer)
-    model: str
-    model_kwargs: dict[str, Any] = field(default_factory=dict)
-    loss: str = "torch.nn.functional:mse_loss"
-    optimizer: list[Any] = field(default_factory=lambda: ["torch.optim:SGD", {"lr": 0.01}])
-    micro_batches: int = 1
-    seed: int = 0
-    activation_codec: list[str] = field(default_factory=list)  # one per stage boundary
-    gradient_codec: list[str] = field(default_factory=list)
-    error_feedback: bool = False  # on gradient boundaries with a lossy codec
-    measure_codec_error: bool = True
-    data: str | None = None
-    data_kwargs: dict[str, Any] = field(default_factory=dict)
-    threads_per_stage: int | None = 1
-    gradient_accumulation_fusion: bool = True  # nn.Linear weight gradients via actors._wgrad
-    keep_freed_memory: bool = True  # glibc malloc keeps freed buffers (actors._allocator)
-    # The mesh, as [pipeline, tensor, data] sizes, and this actor's global rank in it.
-    mesh: list[int] = field(default_factory=lambda: [1, 1, 1])
-    global_rank: int = 0
-    # torch.distributed: {"rendezvous": [ADDRESS, ACTOR], "backend": "gloo", "timeout_s": 600, "loopback": true}
-    # (see actors.parallel.join_process_groups).
-    dist: dict[str, Any] | None = None
-    bucket_bytes: int = 25 << 20
-    overlap_reduce: bool = True  # start each bucket's all-reduce during backward (actors._overlap) where it serves
-    reduce_codec: str = "none"  # data-parallel gradient codec (with error feedback when lossy)
-    transport: str = "zmq"  # stage-to-stage tensors: "zmq" (actor messages) or "dist" (torch.distributed p2p)
-    # Any nn.Module, traced and cut before these modules (actors.traced); bounds are then one "layer" per stage.
-    split_points: list[str] | None = None
-    example_inputs: Any = None  # the micro-batch to trace on (else the data factory's first)
-    # Issue 16 (see JobSpec for each one's meaning).
-    precision: str = "fp32"  # "fp32", "bf16", "fp16"
-    loss_scale: float = 0.0  # fp16: static scale, 0 = dynamic
-    initial_scale_power: int = 16
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
-    min_loss_scale: float = 1.0
-    gradient_clipping: float = 0.0  # global norm; 0 = off
-    lr_scheduler: list[Any] | None = None  # [path, kwargs]
-    activation_checkpointing: bool | int = False  # True: every layer; N: every N layers
-    zero_stage: int = 0  # 1: optimizer state sharded across data-parallel replicas
-    w_batching: bool = False  # consecutive W actions run each weight's GEMM once over their micro-batches
-
-    @property
-    def num_stages(self) -> int:
-        """Model stages in the whole pipeline (more than ranks when interleaved)."""
-        return len(self.bounds)
-
-    @property
-    def stages(self) -> list[int]:
-        """The model stages this rank holds (several when interleaved)."""
-        return [s for s in range(self.num_stages) if stage_to_rank(s, self.pipeline_stages) == self.pipeline_rank]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StageReport(WireRecord):
-    """What a stage's ``run_step`` returns: its step's trace, or what failed.
-
-    Attributes:
-        status: ``done`` (the program reached its barrier), ``failed`` (an action raised:
-            ``action`` and ``error`` say which and what) or ``aborted`` (``abort_step``).
-        losses: the last stage's loss per micro-batch, in micro-batch order.
-        busy_s, elapsed_s: seconds computing, and from the program's start to its barrier.
-        peak_stash: the most micro-batch activations held at once.
-        peak_stash_bytes: the most bytes of activations held at once for backward: the
-            storages of the tensors autograd saved, the stashed outputs and boundary inputs
-            (parameters and the step's batch left out), counted between actions.
-        bytes_sent: per edge and direction (``"F 0->1"``), bytes put on the wire.
-        spans: ``[action, start, end]`` per action, seconds from ``started_at``.
-        started_at: the stage's wall clock when the program started.
-        peak_rss_bytes: the stage process's peak resident memory.
-        codec_stats: per edge and direction: codec, bytes, raw_bytes, sq_err, sq_norm.
-        optimizer_state_bytes: the bytes of the optimizer state this stage holds at the
-            barrier (the previous step's; with ZeRO-1, its shard's).
-        device: the device the stage computes on (``cpu``, ``cuda:1``); "" from a
-            stage that predates the field.
-    """
-
-    status: Literal["done", "failed", "aborted"]
-    action: str | None = None
-    error: dict[str, Any] | None = None
-    losses: list[float] = field(default_factory=list)
-    busy_s: float = 0.0
-    elapsed_s: float = 0.0
-    peak_stash: int = 0
-    peak_stash_bytes: int = 0
-    bytes_sent: dict[str, int] = field(default_factory=dict)
-    spans: list[list[Any]] = field(default_factory=list)
-    started_at: float = 0.0
-    peak_rss_bytes: int = 0
-    codec_stats: dict[str, dict[str, Any]] = field(default_factory=dict)
-    optimizer_state_bytes: int = 0
-    device: str = ""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ReduceReport(WireRecord):
-    """What a stage's ``reduce_step`` returns, before the scheduler lets it step (or not).
-
-    Attributes:
-        reduced_bytes: the bytes this stage sent for the data-parallel reduction.
-        nonfinite: the parameters (as the whole model names them, ``3.fc1.weight``)
-            whose gradient holds a NaN or an infinity; a name ends in ``(after the
-            data-parallel reduction)`` when only the reduced gradient is not finite.
-        tied: the parameters this stage shares with other pipeline ranks, each as every
-            name the model gives it; their gradients were summed across those ranks.
-        grad_sq: this stage's share of the squared global gradient norm (after the
-            reduction; a tensor-replicated parameter counted by tensor rank 0 only, a
-            tied one by the lowest pipeline rank holding it); the scheduler adds the
-            shares of data-parallel replica 0.
-        wait_s: seconds the data-parallel reduction took after the barrier: all of it when
-            it runs there, what backward did not hide when it started during backward.
-    """
-
-    reduced_bytes: int = 0
-    nonfinite: list[str] = field(default_factory=list)
-    tied: list[list[str]] = field(default_factory=list)
-    grad_sq: float = 0.0
-    wait_s: float = 0.0
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class FinishReport(WireRecord):
-    """What a stage's ``finish_step`` returns, once it has applied the step (or dropped it).
-
-    Attributes:
-        lr: each optimizer parameter group's learning rate now, after the schedule
-            stepped (unchanged when the step was dropped).
-    """
-
-    lr: list[float] = field(default_factory=list)

@@ -6,8 +6,8 @@ steps can interleave with the other peers'. ``measure_reduction`` times the stag
 actors' two data-parallel reductions on the reference model's gradients against one
 raw gloo ``all_reduce`` of the same bytes, in two spawned processes: the overlapped
 one's work at the barrier when nothing was started during backward
-(``actors._overlap``: check, all-reduce and divide each bucket, gradients already in
-their buckets) and ``actors.parallel.average_gradients`` (copy in, all-reduce, divide,
+(``stages.comm.overlap``: check, all-reduce and divide each bucket, gradients already in
+their buckets) and ``stages.comm.parallel.average_gradients`` (copy in, all-reduce, divide,
 copy out).
 """
 
@@ -137,9 +137,9 @@ class ReductionResult:
 def _reduction_worker(rank: int, store_path: str, bucket_mib: list[int], default_mib: int, reps: int,
                       results: Any) -> None:
     """One of two ranks: times every variant ``reps`` times, rotated; rank 0 reports the slowest rank's medians."""
-    from actors._overlap import OverlappedReduction, backward_order
-    from actors.parallel import ProcessGroups, average_gradients, start_average
-    from actors.program import Action
+    from stages.comm.overlap import OverlappedReduction, backward_order
+    from stages.comm.parallel import ProcessGroups, average_gradients, start_average
+    from stages.program import Action
 
     try:
         torch.set_num_threads(1)

@@ -5,7 +5,7 @@ On a machine with CUDA (within about 5 minutes with one GPU):
 
 1. ``zmq_fp32`` / ``zmq_bf16``: a 2-stage 1F1B job, both stages on ``cuda:0``, over the
    ZeroMQ path (activations and gradients cross device->pinned host->device through
-   ``actors.device_io``), trained ``--steps`` steps on the reference workload
+   ``stages.comm.device_io``), trained ``--steps`` steps on the reference workload
    (DESIGN.md: 8 residual MLP blocks of width 512, a [64, 32, 512] batch in 8
    micro-batches, MSE, SGD lr 0.01, seed 0), against one process on the same GPU doing
    the same arithmetic (the same micro-batches in order; in bf16 the same autocast,
@@ -22,7 +22,7 @@ On a machine with CUDA (within about 5 minutes with one GPU):
 3. ``int8_gbps``: the int8 codec's encode+decode on the GPU, float32 bytes in per second
    (64 MiB tensors).
 4. ``hidden_copy_share``: the share of device->host copy time hidden behind compute.
-   Measured in this process with one :class:`~actors.device_io.DeviceIO`: ``compute_s``
+   Measured in this process with one :class:`~stages.comm.device_io.DeviceIO`: ``compute_s``
    is a run of matmuls alone, ``copy_s`` the device->host copies of 8 activations
    alone (launched and waited for as a stage sends them), ``both_s`` the two interleaved
    as a stage does (matmuls, then a send's copy, and so on); the share is
@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from actors.device_io import DeviceIO
+from stages.comm.device_io import DeviceIO
 from examples.models import residual_mlp
 from schedulers import LocalCluster
 from transport.codecs import get_codec

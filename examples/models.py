@@ -151,7 +151,7 @@ def gpt(
         dropout: residual and attention dropout; 0 keeps training deterministic.
         tie_embeddings: the head's projection is the token embedding's weight, as in
             GPT-2 (split across pipeline stages, their gradients are summed: see
-            ``actors.tied``).
+            ``stages.build.tied``).
     """
     if layers < 1:
         raise ValueError(f"gpt needs layers >= 1, got {layers}")

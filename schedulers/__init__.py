@@ -28,9 +28,9 @@ _EXPORTS = {
     "StepStats": "schedulers.records",
     "WhereReport": "schedulers.records",
     "PlacementWarning": "schedulers.placement",
-    "ConfigError": "schedulers.config",
-    "load_config": "schedulers.config",
-    "TranslatedConfig": "schedulers.config",
+    "ConfigError": "schedulers.deepspeed.config",
+    "load_config": "schedulers.deepspeed.config",
+    "TranslatedConfig": "schedulers.deepspeed.config",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -55,7 +55,7 @@ if TYPE_CHECKING:  # explicit re-exports, for type checkers (the names resolve l
         Job as Job,
         LocalCluster as LocalCluster,
     )
-    from schedulers.config import (
+    from schedulers.deepspeed.config import (
         ConfigError as ConfigError,
         TranslatedConfig as TranslatedConfig,
         load_config as load_config,

@@ -13,7 +13,8 @@ from typing import Any, Protocol
 
 import torch
 
-from actors import ActorRef, Host, Mesh
+from actors import ActorRef, Host
+from stages import Mesh
 from schedulers.jobs import JobSpec
 from schedulers.scaling import LossScaler
 

@@ -31,7 +31,8 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import torch
 
 import actors
-from actors import ActorError, ActorRef, CheckpointError, Endpoint, HeadActor
+from actors import ActorError, ActorRef, Endpoint, HeadActor
+from stages import CheckpointError
 from schedulers.jobs import JobSpec
 from schedulers.placement import PlacementWarning
 from schedulers.records import JobDescription, JobInfo, Plan, RunInfo, SettingChange, StepStats, WhereReport

@@ -29,20 +29,8 @@ from typing import Any
 
 import torch
 
-from actors import (
-    ActorError,
-    ActorRef,
-    FinishReport,
-    Host,
-    Mesh,
-    NodeLost,
-    ReduceReport,
-    StageActor,
-    StageReport,
-    StepFailed,
-    batch_size,
-    error_from_wire,
-)
+from actors import ActorError, ActorRef, Host, NodeLost, StepFailed, error_from_wire
+from stages import batch_size, FinishReport, Mesh, ReduceReport, StageActor, StageReport
 from schedulers.hang import StageProgress, diagnose
 from schedulers import job_state, recovery
 from schedulers.jobs import AUTO_PROBE, JobSpec

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from actors import COMM_KINDS, TAIL_KINDS, Action, ActionKind, transfer_partner
+from stages import Action, ActionKind, COMM_KINDS, TAIL_KINDS, transfer_partner
 
 __all__ = [
     "Layout",

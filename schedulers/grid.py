@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from collections.abc import Collection
 
-from actors import Action
+from stages import Action
 from schedulers.dataflow import Position, Schedule, play
 
 __all__ = ["format_grid", "parse_grid"]

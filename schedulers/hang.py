@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from actors import TAIL_KINDS, Action, ActionKind, transfer_partner
+from stages import Action, ActionKind, TAIL_KINDS, transfer_partner
 from schedulers.grid import format_grid
 
 __all__ = ["HangReport", "StageProgress", "diagnose"]

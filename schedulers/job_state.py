@@ -1,7 +1,7 @@
 """A job's state: read and loaded whole, and checkpointed by its stages themselves.
 
 Functions of a :class:`~schedulers.control.JobCore` (``job``), kept apart so that
-the controller's module stays about steps; the checkpoint format is :mod:`actors.checkpoint`.
+the controller's module stays about steps; the checkpoint format is :mod:`stages.state.checkpoint`.
 """
 
 from __future__ import annotations
@@ -13,19 +13,18 @@ from typing import Any
 
 import torch
 
-from actors import (
-    ActorError,
-    ActorRef,
+from actors import ActorError, ActorRef
+from stages import (
+    check_directory,
     CheckpointError,
     Coords,
+    gather_tensor_parallel_state,
     Manifest,
+    merge_written,
     Mesh,
+    shard_state,
     ShardSpec,
     StageActor,
-    check_directory,
-    gather_tensor_parallel_state,
-    merge_written,
-    shard_state,
 )
 from schedulers._job import JobCore
 from schedulers.stepping import key_order
@@ -99,7 +98,7 @@ async def _held_keys(job: JobCore, aliases: bool = True) -> list[frozenset[str]]
         for p in range(job.mesh.pipeline)))
     return [frozenset(k) for k in keys]
 
-# -- checkpoints (the format: actors.checkpoint) -------------------------------------------
+# -- checkpoints (the format: stages.state.checkpoint) -------------------------------------------
 
 
 async def save(job: JobCore, directory: str) -> str:

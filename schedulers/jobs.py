@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
-from actors import BUILTIN_SCHEDULES, Mesh, StageConfig, split_batch
+from stages import BUILTIN_SCHEDULES, Mesh, split_batch, StageConfig
 from schedulers.schedules import build_schedule
 
 __all__ = [
@@ -158,7 +158,7 @@ class JobSpec:
     gradient_clipping: float = 0.0
     """clip the global gradient norm (every stage, tensor shard and replica, as `clip_grad_norm_` on one process) to this; 0 is off. `StepStats.grad_norm` reports the norm either way"""
     lr_scheduler: tuple[str, dict[str, Any]] | None = None
-    """`(path, kwargs)` of a learning-rate schedule stepped once per applied optimizer step on every stage (a skipped step does not advance it): any `torch.optim.lr_scheduler` class, or DeepSpeed's (`actors.lr:WarmupLR`, `WarmupDecayLR`, `WarmupCosineLR`, `OneCycle`); `StepStats.lr` reports the rate, checkpoints and recovery continue it"""
+    """`(path, kwargs)` of a learning-rate schedule stepped once per applied optimizer step on every stage (a skipped step does not advance it): any `torch.optim.lr_scheduler` class, or DeepSpeed's (`stages.state.lr:WarmupLR`, `WarmupDecayLR`, `WarmupCosineLR`, `OneCycle`); `StepStats.lr` reports the rate, checkpoints and recovery continue it"""
     activation_checkpointing: bool | int = False
     """recompute activations in backward instead of keeping them: `True` checkpoints every layer (each keeps only its input), `N` each run of N layers of a stage (DeepSpeed's `activation_checkpoint_interval`; a traced stage is one run); exact, for about one more forward per micro-batch"""
     zero_stage: int = 0
@@ -348,7 +348,7 @@ class JobSpec:
     def factory_modules(self) -> list[str]:
         """The modules of the import paths this spec names (model, loss, optimizer, data, schedule).
 
-        actorpipe's own schedules (``actors.lr``) are left out: every node admits them already.
+        actorpipe's own schedules (``stages.state.lr``) are left out: every node admits them already.
         """
         paths = [self.model, self.loss, self.optimizer[0], self.data,
                  self.lr_scheduler[0] if self.lr_scheduler is not None else None]

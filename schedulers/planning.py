@@ -31,7 +31,7 @@ import statistics
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
-from actors import Action, ActionKind, Mesh, StageReport
+from stages import Action, ActionKind, Mesh, StageReport
 from schedulers.jobs import AUTO_PROBE, JobSpec
 from schedulers.records import Candidate, MeasuredCosts, Plan
 from schedulers.schedules import build_schedule

@@ -11,7 +11,8 @@ import logging
 import time
 from typing import Any
 
-from actors import NODE, ActorError, ActorRef, Coords, NodeActor, NodeLost, StageActor
+from actors import NODE, ActorError, ActorRef, NodeActor, NodeLost
+from stages import Coords, StageActor
 
 from schedulers import job_state
 from schedulers._job import JobCore, Placer

@@ -1,7 +1,7 @@
 """fp16 loss scaling and global-norm clipping: what the scheduler decides between the reduction and the step.
 
 The stages report each step's gradients as a share of the squared global norm
-(:class:`~actors.records.ReduceReport.grad_sq`) and whether any is not finite; from
+(:class:`~stages.records.ReduceReport.grad_sq`) and whether any is not finite; from
 those the scheduler decides, for every stage at once, whether the step applies, by how
 much the gradients are unscaled and clipped, and the next loss scale. One decision for
 all: an overflow on any stage or replica skips the step on every one of them.

@@ -26,17 +26,15 @@ from actors import (
     ActorError,
     ActorRef,
     HeadActor,
-    Mesh,
     NodeActor,
     NotAllowed,
-    RendezvousActor,
-    StageActor,
-    backend_for,
     current_caller,
     endpoint,
     may_call,
     register_actor,
 )
+from stages import backend_for, Mesh, RendezvousActor, StageActor
+from stages.build.describe import ModelInspector
 from schedulers.control import JobController
 from schedulers._job import JobCore, Placer
 from schedulers.jobs import JobSpec, stage_config
@@ -98,6 +96,7 @@ class SchedulerActor(Actor):
     def __init__(self) -> None:
         self._jobs: dict[str, JobController] = {}
         self._ids = itertools.count()
+        self._inspections = itertools.count()
         self._subscribers = Subscribers()
 
     def _publish(self, event: dict[str, Any]) -> None:
@@ -151,10 +150,10 @@ class SchedulerActor(Actor):
     ) -> tuple[str | None, dict[str, Any] | None]:
         """The job's torch.distributed rendezvous, for a mesh that needs collectives.
 
-        It is an actor on the head (:class:`~actors.rendezvous.RendezvousActor`) that
+        It is an actor on the head (:class:`~stages.comm.rendezvous.RendezvousActor`) that
         serves only the keys of the job's nodes, over the cluster's own authenticated
         channel: nothing new listens anywhere. Returns its name and the stages' ``dist``
-        config, whose backend follows the nodes' devices (:func:`~actors.parallel.backend_for`).
+        config, whose backend follows the nodes' devices (:func:`~stages.comm.parallel.backend_for`).
 
         Raises:
             ValueError: the nodes mix CPUs and GPUs, or two would share a GPU (NCCL refuses it).
@@ -177,15 +176,8 @@ class SchedulerActor(Actor):
         """
         if spec.split_points is not None:  # one traced stage module per model stage, as the user cut it
             return [[i, i + 1] for i in range(spec.num_model_stages)]
-        agent = self.runtime.ref(node["address"], NODE)
         pattern = spec.partition_method.removeprefix("type:") if spec.partition_method.startswith("type:") else None
-        if spec.partition_method == "profile":
-            counts = await agent.endpoint(NodeActor.profile_model, timeout=600).call(
-                spec.model, dict(spec.model_kwargs), spec.data, dict(spec.data_kwargs),
-                spec.micro_batches * spec.data_parallel, spec.seed, spec.example_inputs)
-        else:
-            counts = await agent.endpoint(NodeActor.describe_model, timeout=300).call(
-                spec.model, dict(spec.model_kwargs), pattern)
+        counts = await self._inspect_model(spec, node, pattern)
         if pattern is not None and sum(counts) < spec.num_model_stages:
             raise ValueError(f"partition_method={spec.partition_method!r} matches {sum(counts)} of the model's "
                              f"{len(counts)} layers, fewer than its {spec.num_model_stages} stages; match the "
@@ -196,6 +188,26 @@ class SchedulerActor(Actor):
             # Exact balancing is O(stages x layers log layers): off the loop for very deep models.
             bounds = await asyncio.to_thread(partition_by_parameters, counts, spec.num_model_stages)
         return [list(b) for b in bounds]
+
+    async def _inspect_model(self, spec: JobSpec, node: dict[str, Any], pattern: str | None) -> list[int]:
+        """Each layer's parameter count (or time, to partition by profile), measured by a
+        model inspector spawned on ``node`` for this question and stopped after it."""
+        agent = self.runtime.ref(node["address"], NODE)
+        name = f"inspect-{next(self._inspections)}"
+        address, _ = await agent.endpoint(NodeActor.spawn, timeout=60).call("model_inspector", name, {})
+        inspector = self.runtime.ref(address, name)
+        try:
+            if spec.partition_method == "profile":
+                return await inspector.endpoint(ModelInspector.profile_model, timeout=600).call(
+                    spec.model, dict(spec.model_kwargs), spec.data, dict(spec.data_kwargs),
+                    spec.micro_batches * spec.data_parallel, spec.seed, spec.example_inputs)
+            return await inspector.endpoint(ModelInspector.describe_model, timeout=300).call(
+                spec.model, dict(spec.model_kwargs), pattern)
+        finally:
+            try:
+                await agent.endpoint(NodeActor.stop_actor, timeout=10).call(name)
+            except ActorError as exc:
+                log.warning("could not stop model inspector %s on %s: %s", name, node["name"], exc)
 
     async def _nodes(self) -> list[dict[str, Any]]:
         return await self.runtime.ref(self.runtime.address, HEAD).endpoint(HeadActor.nodes).call()

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from actors import TAIL_KINDS, Action, ActionKind
+from stages import Action, ActionKind, TAIL_KINDS
 from schedulers.dataflow import Schedule, infer_layout
 from schedulers.grid import format_grid, parse_grid
 from schedulers.simulate import Costs, simulate, to_ascii, to_chrome_trace

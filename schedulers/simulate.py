@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors import COMPUTE_KINDS, Action, ActionKind
+from stages import Action, ActionKind, COMPUTE_KINDS
 from schedulers import trace
 from schedulers.dataflow import Schedule, play
 from schedulers.validate import deadlock_error, validate

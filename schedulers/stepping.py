@@ -9,7 +9,8 @@ import math
 
 import torch
 
-from actors import FinishReport, Mesh, split_batch, NonFiniteError, ReduceReport, StageReport, StepFailed, stage_to_rank
+from actors import NonFiniteError, StepFailed
+from stages import FinishReport, Mesh, ReduceReport, split_batch, stage_to_rank, StageReport
 from schedulers.jobs import JobSpec
 from schedulers.records import StepStats
 

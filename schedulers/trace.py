@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors import Action, ActionKind, transfer_partner
+from stages import Action, ActionKind, transfer_partner
 
 __all__ = ["StageRecord", "estimate_offset", "match_transfers", "plot_trace", "to_chrome_trace"]
 

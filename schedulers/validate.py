@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Collection
 
-from actors import COMM_KINDS, TAIL_KINDS, Action, ActionKind, transfer_partner
+from stages import Action, ActionKind, COMM_KINDS, TAIL_KINDS, transfer_partner
 from schedulers.dataflow import Layout, Position, Schedule, infer_layout, play, requirements
 from schedulers.grid import format_grid
 

@@ -12,7 +12,7 @@ into the stream's next tensor.
 Frames are native-endian raw bytes; every platform torch ships for is little-endian,
 and the int4 packing relies on it. Encoding runs on the tensor's device and leaves the
 frames there: a CUDA activation is quantized on the GPU, so only the small frames cross
-to the host (``actors.device_io`` copies them, overlapped with compute; the wire copies
+to the host (``stages.comm.device_io`` copies them, overlapped with compute; the wire copies
 any device frame it is handed). Decoding runs on the frames' device: the wire's are
 always on the CPU.
 
@@ -111,7 +111,7 @@ def _as_frame(tensor: torch.Tensor) -> torch.Tensor:
 
     Not moved to the CPU here: a per-frame ``.cpu()`` would block the compute stream
     on every message, and the caller knows better when and how to move it (pinned,
-    on a side stream: see ``actors.device_io``).
+    on a side stream: see ``stages.comm.device_io``).
     """
     return tensor.contiguous().reshape(-1).view(torch.uint8)
 

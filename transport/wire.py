@@ -330,7 +330,7 @@ def _table_row(encoded: Encoded) -> list[Any]:
 def _as_buffer(frame: torch.Tensor) -> memoryview:
     if frame.device.type != "cpu":
         # Codecs leave frames on the tensor's device. A stage actor moves its own to pinned
-        # host memory, overlapped (actors.device_io); any other sender pays a blocking copy.
+        # host memory, overlapped (stages.comm.device_io); any other sender pays a blocking copy.
         frame = frame.cpu()
     # numpy's view keeps the tensor alive for as long as ZeroMQ holds the buffer.
     return memoryview(frame.numpy())  # type: ignore[arg-type]  # ndarray exports the buffer protocol

@@ -8,7 +8,7 @@ from typing import Any
 
 from rich.table import Table
 
-from actors import Action
+from stages import Action
 from schedulers.grid import format_grid
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""Each node's device (``actors.devices``), against fake GPU counts: the rules, every refusal, and pinning."""
+"""Each node's device (``actors.devices``, ``stages.devices``), against fake GPU counts: the rules, every refusal, and pinning."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ import torch
 
 from actors import LocalCluster, devices
 from actors._nodes import NodeContext
-from actors.devices import check_device, cuda_index, device_argument, node_devices, pin_device
+from actors.devices import check_device, cuda_index, device_argument, node_devices
+from stages import devices as stage_devices
+from stages.devices import pin_device
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -115,7 +117,7 @@ def test_the_node_command_line_says_what_is_wrong_with_a_device(capsys: pytest.C
 
 def test_pin_device_sets_the_calling_threads_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[str, int]] = []
-    monkeypatch.setattr(devices, "visible_gpu_count", lambda: 2)
+    monkeypatch.setattr(stage_devices, "visible_gpu_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: calls.append((threading.current_thread().name, index)))
     pin_device("cpu")
     assert calls == []  # nothing to pin on CPU
@@ -127,14 +129,14 @@ def test_pin_device_sets_the_calling_threads_gpu(monkeypatch: pytest.MonkeyPatch
 
 
 def test_pin_device_refuses_a_gpu_this_machine_lacks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(devices, "visible_gpu_count", lambda: 0)
+    monkeypatch.setattr(stage_devices, "visible_gpu_count", lambda: 0)
     with pytest.raises(ValueError, match="'cuda:0' does not exist: this process sees no GPU"):
         pin_device("cuda:0")
 
 
 def test_the_stage_compute_thread_pins_the_nodes_device(monkeypatch: pytest.MonkeyPatch) -> None:
     """CUDA's current device is per host thread: the stage's compute thread must pin itself too."""
-    import actors.stage as stage
+    import stages.actor as stage
 
     pinned: list[tuple[str, str]] = []
     monkeypatch.setattr(stage, "pin_device", lambda device: pinned.append((threading.current_thread().name, device)))

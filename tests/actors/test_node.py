@@ -16,6 +16,7 @@ import zmq.asyncio
 
 from transport.security import split_address
 
+from stages.build.describe import ModelInspector
 from actors import (
     NODE,
     Cluster,
@@ -103,17 +104,18 @@ async def test_the_allow_list_bypass_is_refused_by_a_node_and_names_it(cluster: 
     marker = tmp_path / "marker.txt"
     with pytest.raises(NotAllowed, match="node node0 refused it: .* may not pass through modules"):
         await node.ask("check_import", "torch.nn:functional.torch.os.system")
+    inspector = await cluster.spawn("node0", "model_inspector", "inspector")
+    describe = inspector.endpoint(ModelInspector.describe_model, timeout=30)
     with pytest.raises(NotAllowed, match="node node0 refused the model: .* may not pass through modules"):
-        await node.endpoint(NodeActor.describe_model, timeout=30).call(
-            "torch.nn:functional.torch.os.system", {"command": f"touch {marker}"})
+        await describe.call("torch.nn:functional.torch.os.system", {"command": f"touch {marker}"})
     with pytest.raises(NotAllowed, match="node node0 refused the model: .*start the node with --allow os"):
-        await node.endpoint(NodeActor.describe_model, timeout=30).call("os:system", {"command": f"touch {marker}"})
+        await describe.call("os:system", {"command": f"touch {marker}"})
     assert not marker.exists()
 
 
 async def test_a_node_describes_a_model_by_its_layers_parameter_counts(cluster: Cluster) -> None:
-    node = cluster.node_ref(next(n for n in await cluster.nodes() if n["name"] == "node1"))
-    describe = node.endpoint(NodeActor.describe_model, timeout=30)
+    inspector = await cluster.spawn("node1", "model_inspector", "inspector")
+    describe = inspector.endpoint(ModelInspector.describe_model, timeout=30)
     assert await describe.call("tests.helpers.models:linear_stack", {"layers": 3, "dim": 4}) == [20, 20, 20]
     # Built on the meta device: a model far larger than the node's memory costs nothing.
     huge = await describe.call("tests.helpers.models:linear_stack", {"layers": 2, "dim": 1 << 20})
@@ -125,7 +127,7 @@ async def test_a_node_describes_a_model_by_its_layers_parameter_counts(cluster: 
 async def test_the_head_never_imports_user_code(cluster: Cluster) -> None:
     head_agent = cluster.runtime.ref(cluster.head.address, NODE)
     with pytest.raises(NotAllowed, match="is the head, which never imports user code"):
-        await head_agent.endpoint(NodeActor.describe_model, timeout=30).call("tests.helpers.models:linear_stack", {})
+        await head_agent.endpoint(NodeActor.spawn, timeout=30).call("model_inspector", "inspector", {})
     with pytest.raises(NotAllowed, match="is the head"):
         await head_agent.ask("check_import", "torch.nn:Linear")
 

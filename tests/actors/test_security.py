@@ -25,11 +25,10 @@ from actors import (
     NodeActor,
     NotAllowed,
     RemoteError,
-    RendezvousActor,
-    StageActor,
     UnknownActor,
     open_runtime,
 )
+from stages import RendezvousActor, StageActor
 from transport.security import Keypair
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180), pytest.mark.asyncio(loop_scope="module")]

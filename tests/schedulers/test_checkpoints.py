@@ -1,7 +1,7 @@
 """Checkpoints through a running cluster: exact resumption, all-or-nothing loads, other layouts, bad files.
 
 One LocalCluster of 2 node processes serves the module. The format and the kill
-windows of a save are tested without a cluster in tests/actors/test_checkpoint.py.
+windows of a save are tested without a cluster in tests/stages/state/test_checkpoint.py.
 """
 
 from __future__ import annotations

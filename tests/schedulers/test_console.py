@@ -29,7 +29,7 @@ from prompt_toolkit.document import Document
 from rich.console import Console
 
 from actors import LocalCluster
-from schedulers.config import load_config
+from schedulers.deepspeed.config import load_config
 from schedulers.console.commands import execute, split_commands
 from schedulers.console.render import event_line
 from schedulers.console.repl import ConsoleCompleter

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from actors.parallel import GLOO, NCCL
+from stages.comm.parallel import GLOO, NCCL
 from schedulers.jobs import JobSpec
 from schedulers.scheduler import SchedulerActor
 

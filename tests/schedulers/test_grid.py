@@ -6,7 +6,7 @@ from textwrap import dedent
 
 import pytest
 
-from actors.program import Action
+from stages.program import Action
 from schedulers.grid import format_grid, parse_grid
 from schedulers.schedules import SCHEDULES, build_schedule
 

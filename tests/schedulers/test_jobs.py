@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from actors import ActorRef, RecordError, StageConfig
+from actors import ActorRef, RecordError
+from stages import StageConfig
 from schedulers import Cluster, JobDescription, JobSpec, StepStats
 from schedulers.jobs import CODECS, SCHEDULE_NAMES, TRANSPORTS, argument_table, field_docs, stage_config
 from schedulers.schedules import SCHEDULES
@@ -113,7 +114,7 @@ def test_a_spec_travels_and_comes_back_equal_and_refuses_what_it_does_not_know()
 
 
 def test_a_schedule_module_is_admitted_with_the_factories_but_actorpipes_own_needs_no_admission() -> None:
-    own = JobSpec(model=MODEL, lr_scheduler=("actors.lr:WarmupLR", {"warmup_num_steps": 10}))
+    own = JobSpec(model=MODEL, lr_scheduler=("stages.state.lr:WarmupLR", {"warmup_num_steps": 10}))
     assert own.factory_modules == ["examples.models", "torch.nn.functional", "torch.optim"]
     theirs = JobSpec(model=MODEL, lr_scheduler=("mypkg.schedules:warmup", {}))
     assert "mypkg.schedules" in theirs.factory_modules

@@ -16,17 +16,18 @@ import pytest
 import pytest_asyncio
 import torch
 
-from actors import CheckpointError, Cluster, LocalCluster, RemoteError
+from actors import Cluster, LocalCluster, RemoteError
+from stages import CheckpointError
 from examples.models import residual_mlp
-from schedulers.config import load_config
+from schedulers.deepspeed.config import load_config
 from schedulers.console.render import job_detail
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.asyncio(loop_scope="module")]
 
 MODEL_KWARGS = {"blocks": 4, "dim": 8, "hidden": 16}
 SGD = ("torch.optim:SGD", {"lr": 0.1, "momentum": 0.9})
-WARMUP = ("actors.lr:WarmupLR", {"warmup_min_lr": 0.01, "warmup_max_lr": 0.1, "warmup_num_steps": 5})
-WARMUP_LINEAR = ("actors.lr:WarmupLR", {"warmup_min_lr": 0.01, "warmup_max_lr": 0.1, "warmup_num_steps": 5,
+WARMUP = ("stages.state.lr:WarmupLR", {"warmup_min_lr": 0.01, "warmup_max_lr": 0.1, "warmup_num_steps": 5})
+WARMUP_LINEAR = ("stages.state.lr:WarmupLR", {"warmup_min_lr": 0.01, "warmup_max_lr": 0.1, "warmup_num_steps": 5,
                                         "warmup_type": "linear"})
 STEP_LR = ("torch.optim.lr_scheduler:StepLR", {"step_size": 2, "gamma": 0.5})
 STEPS = 6
@@ -125,7 +126,7 @@ async def test_a_checkpoint_mid_warmup_resumes_the_schedule_exactly(cluster: Clu
         await fresh.close()
     other = await start(cluster, STEP_LR)
     try:
-        with pytest.raises(CheckpointError, match="goes on with the learning-rate schedule actors.lr:WarmupLR but "
+        with pytest.raises(CheckpointError, match="goes on with the learning-rate schedule stages.state.lr:WarmupLR but "
                                                   "this job uses torch.optim.lr_scheduler:StepLR"):
             await other.load(tmp_path / "ckpt")
     finally:
@@ -165,7 +166,7 @@ async def test_an_fp16_overflow_does_not_advance_the_schedule(cluster: Cluster) 
 
 async def test_a_deepspeed_config_with_warmup_runs_its_schedule_as_deepspeed_would(cluster: Cluster) -> None:
     """DeepSpeedExamples-style: fp16, WarmupLR (linear, 100 steps to 1.5e-4), clipping and ZeRO-1, unedited."""
-    configs = Path(__file__).parent / "ds_configs"
+    configs = Path(__file__).parent / "deepspeed" / "ds_configs"
     spec = load_config(configs / "gpt2_fp16_zero1.json", job=configs / "gpt2_job.json").spec
     job = await cluster.train(spec)
     try:
@@ -180,8 +181,8 @@ async def test_a_deepspeed_config_with_warmup_runs_its_schedule_as_deepspeed_wou
 
 
 @pytest.mark.parametrize(("schedule", "match"), [
-    (("actors.lr:WarmupLR", {"warmup_steps": 10}), "lr_scheduler actors.lr:WarmupLR .*unexpected keyword"),
-    (("actors.lr:WarmupDecayLR", {"warmup_num_steps": 10}), "lr_scheduler actors.lr:WarmupDecayLR .*total_num_steps"),
+    (("stages.state.lr:WarmupLR", {"warmup_steps": 10}), "lr_scheduler stages.state.lr:WarmupLR .*unexpected keyword"),
+    (("stages.state.lr:WarmupDecayLR", {"warmup_num_steps": 10}), "lr_scheduler stages.state.lr:WarmupDecayLR .*total_num_steps"),
     (("torch.optim.lr_scheduler:ReduceLROnPlateau", {}), "ReduceLROnPlateau steps on a validation metric"),
 ])
 async def test_a_bad_schedule_fails_at_job_start_naming_it(cluster: Cluster, schedule: tuple[str, dict[str, Any]],

@@ -2,7 +2,7 @@
 
 One LocalCluster of 2 nodes serves the module; each case starts a small job, feeds it
 a poisoned or malformed batch and checks what the user sees and that no parameter
-moved. The checks themselves are unit-tested in tests/actors/test_executor_checks.py.
+moved. The checks themselves are unit-tested in tests/stages/compute/test_executor_checks.py.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import pytest
 import pytest_asyncio
 import torch
 
-from actors import NonFiniteError, RemoteError, StageActor, StepFailed
+from actors import NonFiniteError, RemoteError, StepFailed
+from stages import StageActor
 from examples.models import residual_mlp
 from schedulers import Cluster, Job, LocalCluster
 

@@ -5,8 +5,8 @@ One LocalCluster of 4 node processes serves the module; every job is 2 pipeline 
 2 data-parallel replicas, trained twice on the same batches: ``overlap_reduce=True`` (each
 bucket's all-reduce starts during the last micro-batch's backward, gradients viewed into
 their buckets) and ``overlap_reduce=False`` (the buckets copied and reduced after the
-barrier). Parameters and losses must be the same bits. (actors._overlap itself is tested
-in memory by tests/actors/test_overlap.py.)
+barrier). Parameters and losses must be the same bits. (stages.comm.overlap itself is tested
+in memory by tests/stages/comm/test_overlap.py.)
 """
 
 from __future__ import annotations

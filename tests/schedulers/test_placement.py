@@ -179,7 +179,7 @@ async def test_a_cpu_cluster_reports_each_stages_device() -> None:
 
 
 def test_records_from_before_devices_still_decode() -> None:
-    from actors import StageReport
+    from stages import StageReport
     from schedulers.records import JobInfo, StepStats
 
     old = StepStats(step=0, loss=1.0, step_time_s=0.1, bubble_fraction=0.0, bytes_sent=0).to_wire()

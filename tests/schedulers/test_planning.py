@@ -20,7 +20,8 @@ import pytest_asyncio
 import torch
 from rich.console import Console
 
-from actors import Mesh, RemoteError, StageReport
+from actors import RemoteError
+from stages import Mesh, StageReport
 from schedulers import Cluster, JobSpec, LocalCluster
 from schedulers.console.commands import execute
 from schedulers.console.session import Session

@@ -201,11 +201,11 @@ async def test_clipping_across_a_pipeline_tensor_data_mesh_equals_clip_grad_norm
 async def test_every_option_together_equals_one_process(cluster: Cluster) -> None:
     """bf16, clipping, a DeepSpeed warmup, activation checkpointing and ZeRO-1 at once, on a
     pipeline of 2 x 2 data-parallel replicas: one process doing the same arithmetic."""
-    from actors.lr import WarmupLR
+    from stages.state.lr import WarmupLR
 
     warmup = {"warmup_min_lr": 0.0, "warmup_max_lr": 0.1, "warmup_num_steps": 3, "warmup_type": "linear"}
     state, stats, bounds = await train(cluster, GPT, pipeline_stages=2, data_parallel=2, precision="bf16",
-                                       gradient_clipping=0.5, lr_scheduler=("actors.lr:WarmupLR", warmup),
+                                       gradient_clipping=0.5, lr_scheduler=("stages.state.lr:WarmupLR", warmup),
                                        activation_checkpointing=True, zero_stage=1)
     expected, losses, norms = one_process(GPT, cuts_of(bounds), precision="bf16", clip=0.5, replicas=2,
                                           schedule=lambda optimizer: WarmupLR(optimizer, **warmup))

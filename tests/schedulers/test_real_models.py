@@ -13,7 +13,7 @@ import pytest_asyncio
 import torch
 
 from actors import Cluster, LocalCluster, RemoteError
-from actors._build import Chain
+from stages.build.layers import Chain
 from examples import hf
 from examples.models import lm_loss
 from tests.helpers import models as helpers

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from actors import Mesh, NodeLost
+from actors import NodeLost
+from stages import Mesh
 from schedulers import Cluster, Job, LocalCluster
 from schedulers.console.render import job_detail
 from schedulers.recovery import _snapshot_source
@@ -85,7 +86,7 @@ async def test_a_killed_stage_moves_to_a_spare_and_training_is_bit_identical(sna
 
 
 async def test_a_replacement_stage_continues_the_learning_rate_schedule_exactly() -> None:
-    schedule = ("actors.lr:WarmupLR", {"warmup_min_lr": 0.001, "warmup_num_steps": 8, "warmup_type": "linear"})
+    schedule = ("stages.state.lr:WarmupLR", {"warmup_min_lr": 0.001, "warmup_num_steps": 8, "warmup_type": "linear"})
     local = LocalCluster(nodes=2, spares=1)
     async with local as cluster:
         reference_job = await cluster.train(**spec(seconds=0.0, lr_scheduler=schedule))

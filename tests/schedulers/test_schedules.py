@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.program import COMM_KINDS, Action, ActionKind
+from stages.program import COMM_KINDS, Action, ActionKind
 from schedulers.dataflow import Schedule
 from schedulers.grid import format_grid, parse_grid
 from schedulers.schedules import (

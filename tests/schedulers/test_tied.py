@@ -10,7 +10,7 @@ import pytest_asyncio
 import torch
 
 from actors import Cluster, LocalCluster, RemoteError
-from actors.tied import tied_groups
+from stages.build.tied import tied_groups
 from examples.models import gpt
 from schedulers.console.render import job_detail
 from tests.schedulers.test_training import GPT_KWARGS, WORKLOADS, train_reference

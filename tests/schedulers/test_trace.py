@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from actors.program import Action
+from stages.program import Action
 from schedulers.schedules import SCHEDULES, build_schedule
 from schedulers.simulate import simulate
 from schedulers.trace import StageRecord, estimate_offset, match_transfers, plot_trace, to_chrome_trace

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.program import Action
+from stages.program import Action
 from schedulers.dataflow import Schedule, infer_layout, requirements
 from schedulers.grid import parse_grid
 from schedulers.schedules import SCHEDULES, build_schedule

@@ -9,8 +9,9 @@ import pytest_asyncio
 import torch
 from torch import nn
 
-from actors import Cluster, LocalCluster, _wgrad
-from actors.program import ActionKind
+from actors import Cluster, LocalCluster
+from stages.compute import wgrad as _wgrad
+from stages.program import ActionKind
 from schedulers.schedules import build_schedule
 from tests.schedulers.test_training import WORKLOADS, train_reference
 

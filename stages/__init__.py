@@ -1,0 +1,119 @@
+"""The stage actor and all it does: one slice of a model, trained by the programs it is sent.
+
+Rooms, one concern each:
+
+- :mod:`stages.program`, :mod:`stages.mesh`, :mod:`stages.records`: the instruction set
+  a stage executes, the layout of a job's stage actors, and the records the scheduler
+  and the stages exchange. Pure and torch-free: the scheduler imports them cheaply.
+- :mod:`stages.actor`: the :class:`StageActor`, a layer of endpoints over the parts below.
+- :mod:`stages.compute`: the step executor, W (weight-gradient) handling, activation
+  checkpointing, and the inline fast path.
+- :mod:`stages.build`: building a stage's layers (sequential or traced), tied
+  parameters, tensor-parallel shards.
+- :mod:`stages.comm`: moving tensors between stages and replicas: boundary values,
+  device copies, ``torch.distributed`` links and groups, the overlapped reduction, ZeRO-1.
+- :mod:`stages.state`: checkpoints on disk, snapshots in memory, learning-rate schedules.
+
+Public names are re-exported here lazily (PEP 562), so ``stages.program`` imports
+without torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "StageActor": "stages.actor",
+    "gather_tensor_parallel_state": "stages.build.tensor_parallel",
+    "shard_state": "stages.build.tensor_parallel",
+    "ShardSpec": "stages.build.tensor_parallel",
+    "batch_size": "stages.comm.boundary",
+    "split_batch": "stages.comm.boundary",
+    "backend_for": "stages.comm.parallel",
+    "RendezvousActor": "stages.comm.rendezvous",
+    "Coords": "stages.mesh",
+    "Mesh": "stages.mesh",
+    "Action": "stages.program",
+    "ActionKind": "stages.program",
+    "COMM_KINDS": "stages.program",
+    "COMPUTE_KINDS": "stages.program",
+    "stage_to_rank": "stages.program",
+    "TAIL_KINDS": "stages.program",
+    "transfer_partner": "stages.program",
+    "FinishReport": "stages.records",
+    "ReduceReport": "stages.records",
+    "StageConfig": "stages.records",
+    "StageReport": "stages.records",
+    "check_directory": "stages.state.checkpoint",
+    "CheckpointError": "stages.state.checkpoint",
+    "layer_of": "stages.state.checkpoint",
+    "Manifest": "stages.state.checkpoint",
+    "merge_written": "stages.state.checkpoint",
+    "BUILTIN_SCHEDULES": "stages.state.lr_scheduler",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'stages' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+if TYPE_CHECKING:  # explicit re-exports, for type checkers (the names resolve lazily above)
+    from stages.actor import (
+        StageActor as StageActor,
+    )
+    from stages.build.tensor_parallel import (
+        gather_tensor_parallel_state as gather_tensor_parallel_state,
+        shard_state as shard_state,
+        ShardSpec as ShardSpec,
+    )
+    from stages.comm.boundary import (
+        batch_size as batch_size,
+        split_batch as split_batch,
+    )
+    from stages.comm.parallel import (
+        backend_for as backend_for,
+    )
+    from stages.comm.rendezvous import (
+        RendezvousActor as RendezvousActor,
+    )
+    from stages.mesh import (
+        Coords as Coords,
+        Mesh as Mesh,
+    )
+    from stages.program import (
+        Action as Action,
+        ActionKind as ActionKind,
+        COMM_KINDS as COMM_KINDS,
+        COMPUTE_KINDS as COMPUTE_KINDS,
+        stage_to_rank as stage_to_rank,
+        TAIL_KINDS as TAIL_KINDS,
+        transfer_partner as transfer_partner,
+    )
+    from stages.records import (
+        FinishReport as FinishReport,
+        ReduceReport as ReduceReport,
+        StageConfig as StageConfig,
+        StageReport as StageReport,
+    )
+    from stages.state.checkpoint import (
+        check_directory as check_directory,
+        CheckpointError as CheckpointError,
+        layer_of as layer_of,
+        Manifest as Manifest,
+        merge_written as merge_written,
+    )
+    from stages.state.lr_scheduler import (
+        BUILTIN_SCHEDULES as BUILTIN_SCHEDULES,
+    )

@@ -1,0 +1,176 @@
+"""Building a job's model on a stage node: the whole model from its factory and seed, cut into layers.
+
+Every stage builds the same model from the same seed and keeps its slice; the head
+never builds it, but asks a worker for per-layer sizes (:func:`layer_parameter_counts`).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from stages.build import tied
+from stages.compute.activations import run_layers, run_segments
+from actors._registry import load_object
+from stages.comm.boundary import split_batch
+from stages.records import StageConfig
+from stages.build.traced import TracedStage, trace_stages
+
+__all__ = ["Chain", "build_layers", "layer_parameter_counts", "layer_times", "model_layers"]
+
+
+class Chain(nn.Sequential):
+    """A stage's run of consecutive layers: the first takes the stage's arguments as given
+    (the model's own, on the first stage), each later one the value before it returns.
+
+    Args:
+        checkpoint_every: when above 0, each run of this many layers is one activation
+            checkpoint (see :mod:`stages.compute.activations`): backward recomputes it from its input.
+    """
+
+    def __init__(self, *layers: nn.Module, checkpoint_every: int = 0) -> None:
+        super().__init__(*layers)
+        self.checkpoint_every = checkpoint_every
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        layers = list(self)
+        if not layers:
+            if len(args) != 1 or kwargs:
+                raise TypeError("an empty stage passes on exactly one value")
+            return args[0]
+        if self.checkpoint_every:
+            return run_segments(layers, self.checkpoint_every, *args, **kwargs)
+        return run_layers(layers, *args, **kwargs)
+
+
+def build_layers(
+    config: StageConfig, allow: Sequence[str], shard: Callable[[nn.Sequential], nn.Sequential] | None = None
+) -> list[nn.Module]:
+    """Builds the whole model from its factory with the job's seed and returns its layers.
+
+    Every stage builds the same model from the same seed, so the slices it keeps hold
+    exactly the weights one process would start from; ``shard`` then cuts a
+    tensor-parallel rank's share out of the whole model (it knows layers by position).
+    """
+    factory = load_object(config.model, allow)
+    torch.manual_seed(config.seed)
+    if config.split_points is not None:
+        return list(_traced_layers(factory(**config.model_kwargs), config, allow))
+    model = nn.Sequential(*model_layers(factory(**config.model_kwargs), config.model))
+    if shard is not None:
+        before = tied.tied_groups(list(model.children()))
+        model = shard(model)
+        lost = [names for names in before if names not in tied.tied_groups(list(model.children()))]
+        if lost:
+            raise ValueError(f"tensor parallelism would untie {' = '.join(lost[0])} (it splits one copy and not "
+                             "the other); train this model with tensor_parallel=1, or untie it")
+    layers = list(model.children())
+    if config.bounds[-1][1] != len(layers):
+        raise ValueError(
+            f"the partition covers {config.bounds[-1][1]} layers but {config.model} built {len(layers)}"
+        )
+    return layers
+
+
+def _traced_layers(built: Any, config: StageConfig, allow: Sequence[str]) -> list[TracedStage]:
+    """The model stages of any nn.Module, traced on the job's example micro-batch (see :mod:`stages.build.traced`)."""
+    if not isinstance(built, nn.Module):
+        raise TypeError(f"{config.model} built a {type(built).__name__}; split_points split an nn.Module")
+    assert config.split_points is not None
+    example = config.example_inputs
+    if example is None:
+        if config.data is None:
+            raise ValueError("a model with split_points needs example_inputs or a data factory to trace on")
+        inputs, _ = load_object(config.data, allow)(**config.data_kwargs)(0)
+        replica = split_batch(inputs, config.mesh[2], "inputs", "data_parallel")[0]
+        example = split_batch(replica, config.micro_batches, "inputs")[0]
+    stages = trace_stages(built, config.split_points, example, config.model)
+    if len(stages) != config.bounds[-1][1]:
+        raise ValueError(f"the job has {config.bounds[-1][1]} model stages but {len(stages)} came of the split")
+    return stages
+
+
+def layer_parameter_counts(model: str, model_kwargs: dict[str, Any], allow: Sequence[str],
+                           type_pattern: str | None = None) -> list[int]:
+    """The parameter count of each layer the factory ``model`` builds, for partitioning; with
+    ``type_pattern``, 1 for each layer whose class name matches it (case-insensitive), else 0.
+
+    The model is built on the meta device, so its parameters take no memory; torch's
+    device context is per thread, so stages computing in other threads are unaffected.
+    Layers are taken as :func:`build_layers` takes them.
+
+    Raises:
+        NotAllowed: the node's allow-list refuses ``model``.
+    """
+    factory = load_object(model, allow)
+    with torch.device("meta"):
+        built = factory(**model_kwargs)
+    layers = model_layers(built, model)
+    if type_pattern is not None:
+        if not isinstance(type_pattern, str) or len(type_pattern) > 200:
+            raise ValueError("type_pattern is a regular expression of at most 200 characters")
+        matches = re.compile(type_pattern, re.IGNORECASE).search
+        return [1 if matches(type(layer).__name__) else 0 for layer in layers]
+    return [sum(p.numel() for p in layer.parameters()) for layer in layers]
+
+
+def model_layers(built: Any, path: str) -> list[nn.Module]:
+    """The layers a factory's model is split at: an ``nn.Sequential``'s children, or a list's items.
+
+    Raises:
+        TypeError: any other object (e.g. a Hugging Face model), with what to return instead.
+    """
+    if isinstance(built, nn.Sequential):
+        return list(built.children())
+    if isinstance(built, (list, tuple, nn.ModuleList)) and built and all(isinstance(m, nn.Module) for m in built):
+        return list(built)
+    raise TypeError(
+        f"{path} built a {type(built).__name__}, not an nn.Sequential or a list of layers: actorpipe splits a "
+        "model between its top-level layers, in order. Return nn.Sequential(...) of them, with whatever the "
+        "model's forward does between them (a flatten before a classifier, a slice) as layers of their own; "
+        "or split it as it is: give split_points=[...], the names of the modules each stage after the first "
+        "begins at (e.g. ['transformer.h.6'] for two stages of a Hugging Face GPT-2)")
+
+
+def layer_times(model: str, model_kwargs: dict[str, Any], allow: Sequence[str], data: str | None,
+                data_kwargs: dict[str, Any], micro_batches: int, seed: int, repeats: int = 5,
+                example: Any = None) -> list[int]:
+    """Microseconds each layer takes, forward and backward, on the first micro-batch of data step 0
+    (or on ``example``, one micro-batch, for a job without a data factory).
+
+    For ``partition_method="profile"``: the model is built as a stage builds it, the
+    sample comes from the job's own data factory, and each layer runs on the previous
+    layer's output, once to warm up and then ``repeats`` times; the fastest run counts
+    (noise on a shared machine only ever adds time).
+    """
+    torch.manual_seed(seed)
+    layers = model_layers(load_object(model, allow)(**model_kwargs), model)
+    if data is not None:
+        inputs, _ = load_object(data, allow)(**data_kwargs)(0)
+        x = split_batch(inputs, micro_batches, "inputs")[0]
+    else:
+        x = example
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"partition_method='profile' times layers on a tensor micro-batch, got {type(x).__name__}; "
+                        "partition by parameters, or give split_points")
+    times = []
+    for index, layer in enumerate(layers):
+        # As in training: no gradient flows into the data, only into every later layer's input.
+        sample = x.detach().requires_grad_(index > 0 and x.is_floating_point())
+        runs = []
+        for _ in range(repeats + 1):
+            started = time.perf_counter()
+            out = layer(sample)
+            if out.requires_grad:
+                out.backward(torch.ones_like(out))
+            runs.append(time.perf_counter() - started)
+        layer.zero_grad(set_to_none=True)
+        times.append(max(1, round(min(runs[1:]) * 1e6)))
+        with torch.no_grad():
+            x = layer(x)
+    return times

@@ -1,0 +1,302 @@
+"""Any ``nn.Module`` split at named split points, with torch's own pipelining front end.
+
+``torch.distributed.pipelining.pipeline`` traces the model (``torch.export``) on one
+example micro-batch and cuts the graph before each split point's module. Each stage
+actor traces the same model from the same seed on the same example, so every stage
+has the same graph; it keeps the submodules of its own stages.
+
+What torch's front end leaves to us, done here:
+
+* **Routing.** A traced stage may need values from any earlier stage, not just the one
+  before it (GPT-2's attention mask from stage 0 at stage 2). actorpipe's boundaries
+  join neighbours only, so each stage passes on, as one tuple, every value that a
+  later stage still needs: its own outputs and what it received for later ones.
+* **Tied parameters.** Tracing copies each stage's parameters, so a parameter the
+  model shares between stages (tied embeddings) arrives as separate copies; they are
+  made one tensor again per process, and :mod:`stages.build.tied` keeps the stages' copies
+  equal.
+* **Names.** A stage module's ``state_dict`` already uses the original model's keys;
+  buffers the model keeps out of its ``state_dict`` (rotary ``inv_freq``) are kept out
+  here too, so the gathered state loads into the original model with ``strict=True``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import operator
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from stages.compute.activations import checkpointed
+
+__all__ = ["TracedStage", "TracingError", "trace_stages"]
+
+_PLACEHOLDER = -1  # "produced" by the model's inputs
+
+
+class TracingError(ValueError):
+    """The model could not be split at the given split points; the message says what to do."""
+
+
+class TracedStage(nn.Module):
+    """One model stage of a traced model: its graph module, and which values it takes and passes on.
+
+    The first stage is called as the model is (positional and keyword tensors); every
+    later one with the tuple the stage before it returned. The last returns the
+    model's output; the others a tuple of the values later stages need.
+    """
+
+    def __init__(self, module: fx.GraphModule, *, index: int, args: list[Any], received: list[str],
+                 produced: list[tuple[str, int | None]], passed: list[str], output: Any,
+                 signature: inspect.Signature | None, placeholders: dict[str, str]) -> None:
+        super().__init__()
+        self.module = module
+        self.index = index
+        self._args = args  # per argument of the graph module: a value name, or ("const", value)
+        self._received = received
+        self._produced = produced  # value name, index into the module's output (None: the output itself)
+        self._passed = passed
+        self._output = output  # the last stage: the model output's structure in value names
+        self._signature = signature
+        self._placeholders = placeholders
+        # Set by the stage for activation checkpointing: the graph module is one checkpoint.
+        self.checkpoint_activations = False
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._signature is not None:
+            env = self._bind(args, kwargs)
+        else:
+            (values,) = args
+            if not isinstance(values, (tuple, list)) or len(values) != len(self._received):
+                got = len(values) if isinstance(values, (tuple, list)) else type(values).__name__
+                raise TypeError(f"traced stage {self.index} takes {len(self._received)} values, got {got}")
+            env = dict(zip(self._received, values))
+        module_args = [env[a] if isinstance(a, str) else a[1] for a in self._args]
+        out = checkpointed(self.module, *module_args) if self.checkpoint_activations else self.module(*module_args)
+        for name, index in self._produced:
+            env[name] = out if index is None else out[index]
+        if self._output is not None:
+            return _fill(self._output, env)
+        return tuple(env[name] for name in self._passed)
+
+    def _bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        assert self._signature is not None
+        bound = self._signature.bind(*args, **kwargs).arguments
+        extra: dict[str, Any] = {}
+        for name, param in self._signature.parameters.items():
+            if param.kind is inspect.Parameter.VAR_KEYWORD and name in bound:
+                extra = dict(bound[name])
+        env = {}
+        for node, name in self._placeholders.items():
+            if name in bound:
+                env[node] = bound[name]
+            elif name in extra:
+                env[node] = extra[name]
+            else:
+                raise TypeError(f"the model was traced with an input {name!r} that this batch does not give")
+        return env
+
+
+def _fill(structure: Any, env: Mapping[str, Any]) -> Any:
+    if isinstance(structure, str):
+        return env[structure]
+    if isinstance(structure, tuple) and structure and structure[0] == "const":
+        return structure[1]
+    if isinstance(structure, list):
+        return [_fill(s, env) for s in structure]
+    return structure
+
+
+def trace_stages(model: nn.Module, split_points: Sequence[str], example: Any, path: str) -> list[TracedStage]:
+    """``model`` cut before each module named in ``split_points``, traced on ``example`` (one
+    micro-batch: a tensor, a tuple of positional tensors or a dict of keyword tensors).
+
+    Raises:
+        TracingError: an unknown split point, one the forward never reaches (or reaches
+            twice), or a model ``torch.export`` cannot trace; the message names the
+            module and what to do.
+    """
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    names = dict(model.named_modules())
+    for point in split_points:
+        if point not in names or point == "":
+            near = difflib.get_close_matches(point, list(names), n=3)
+            raise TracingError(f"split point {point!r} is not a module of {path}"
+                               + (f"; did you mean {', '.join(map(repr, near))}?" if near else
+                                  "; name modules as model.named_modules() does (e.g. 'transformer.h.2')"))
+    if len(set(split_points)) != len(split_points):
+        raise TracingError(f"split points repeat a module: {list(split_points)}")
+    args, kwargs = _as_call(example)
+    try:
+        pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs,
+                        split_spec={point: SplitPoint.BEGINNING for point in split_points})
+    except Exception as exc:  # torch.export raises many kinds; all mean "not traceable as it is"
+        raise TracingError(_untraceable(model, path, exc)) from exc
+    if pipe.num_stages != len(split_points) + 1:
+        raise TracingError(
+            f"{path} split at {len(split_points)} points gave {pipe.num_stages} stages, not "
+            f"{len(split_points) + 1}: each split point must be a module the forward calls exactly once, "
+            "in the order given")
+    modules = [pipe.get_stage_module(i) for i in range(pipe.num_stages)]
+    _retie(model, modules)
+    _keep_out_of_state(model, modules)
+    return _route(pipe.split_gm.graph, modules, inspect.signature(model.forward))
+
+
+def _as_call(example: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if isinstance(example, Mapping):
+        return (), dict(example)
+    if isinstance(example, (tuple, list)):
+        return tuple(example), {}
+    return (example,), {}
+
+
+def _route(graph: fx.Graph, modules: list[nn.Module], signature: inspect.Signature) -> list[TracedStage]:
+    """Each stage's wrapper: which values it takes, computes and passes on (see the module doc)."""
+    producer: dict[str, int] = {}
+    outputs: dict[int, list[tuple[str, int | None]]] = {}
+    stage_args: list[list[Any]] = []
+    placeholders: dict[str, str] = {}  # node name -> the forward's parameter it stands for
+    final: Any = None
+    stage_of_node: dict[str, int] = {}
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            producer[node.name] = _PLACEHOLDER
+            placeholders[node.name] = str(node.target)
+        elif node.op == "call_module":
+            index = len(stage_args)
+            stage_of_node[node.name] = index
+            if node.kwargs:
+                raise TracingError("a traced stage takes keyword arguments; actorpipe passes values positionally")
+            stage_args.append([a.name if isinstance(a, fx.Node) else ("const", a) for a in node.args])
+            outputs[index] = []
+            if all(u.op == "call_function" and u.target is operator.getitem for u in node.users):
+                for user in node.users:
+                    producer[user.name] = index
+                    outputs[index].append((user.name, int(user.args[1])))
+            else:
+                producer[node.name] = index
+                outputs[index].append((node.name, None))
+        elif node.op == "call_function" and node.target is operator.getitem and node.args[0].name in stage_of_node:
+            continue
+        elif node.op == "output":
+            final = _names(node.args[0])
+        else:
+            raise TracingError(f"the traced model computes {node.format_node()} between stages; move it into "
+                               "a module or choose other split points")
+    count = len(stage_args)
+    uses: dict[str, int] = {}  # value -> the last stage that needs it (count: the model's output)
+    for index, args in enumerate(stage_args):
+        for a in args:
+            if isinstance(a, str):
+                uses[a] = max(uses.get(a, -1), index)
+    for name in _leaf_names(final):
+        uses[name] = count
+    order = [n.name for n in graph.nodes if n.name in producer]
+    # live[i]: what crosses the boundary after stage i (made at or before it, needed after it).
+    live = [[n for n in order if producer[n] <= i < uses.get(n, -1)] for i in range(count)]
+    if isinstance(final, list) and len(final) == 1:
+        final = final[0]  # the model's one output (the logits), not a 1-tuple
+    graphs = [m for m in modules if isinstance(m, fx.GraphModule)]
+    if len(graphs) != len(modules):
+        raise TracingError("torch's pipelining front end gave a stage that is not a graph module")
+    return [TracedStage(graphs[index], index=index, args=stage_args[index],
+                        received=live[index - 1] if index > 0 else [], produced=outputs[index],
+                        passed=live[index] if index < count - 1 else [],
+                        output=final if index == count - 1 else None,
+                        signature=signature if index == 0 else None,
+                        placeholders=placeholders if index == 0 else {})
+            for index in range(count)]
+
+
+def _names(value: Any) -> Any:
+    if isinstance(value, fx.Node):
+        return value.name
+    if isinstance(value, (tuple, list)):
+        return [_names(v) for v in value]
+    return ("const", value)
+
+
+def _leaf_names(structure: Any) -> list[str]:
+    if isinstance(structure, str):
+        return [structure]
+    if isinstance(structure, list):
+        return [n for s in structure for n in _leaf_names(s)]
+    return []
+
+
+def _retie(model: nn.Module, modules: list[nn.Module]) -> None:
+    """Makes the stage modules' copies of each parameter the model shares one tensor again."""
+    aliases: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
+    for names in aliases.values():
+        if len(names) < 2:
+            continue
+        shared: nn.Parameter | None = None
+        for module in modules:
+            for name in names:
+                owner_name, _, attribute = name.rpartition(".")
+                try:
+                    owner = module.get_submodule(owner_name)
+                except AttributeError:
+                    continue
+                found = owner._parameters.get(attribute)
+                if found is None:
+                    continue
+                if shared is None:
+                    shared = found
+                elif found is not shared:
+                    owner._parameters[attribute] = shared
+
+
+def _keep_out_of_state(model: nn.Module, modules: list[nn.Module]) -> None:
+    """Buffers the model keeps out of its state_dict stay out of the stages' too."""
+    keys = set(model.state_dict())
+    for module in modules:
+        for name, _ in list(module.named_buffers(remove_duplicate=False)):
+            if name not in keys:
+                owner_name, _, attribute = name.rpartition(".")
+                module.get_submodule(owner_name)._non_persistent_buffers_set.add(attribute)
+
+
+def _untraceable(model: nn.Module, path: str, exc: BaseException) -> str:
+    """What went wrong tracing ``model``, the module it happened in where that can be found, and what to do."""
+    chain: list[BaseException] = []
+    cause: BaseException | None = exc
+    while cause is not None and len(chain) < 8:  # torch.export's own error is the cause of pipelining's
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    where = _failing_module(model, "\n".join(str(c) for c in chain))
+    lines = [f"{type(c).__name__}: {str(c).strip().splitlines()[0] if str(c).strip() else ''}" for c in chain]
+    return (f"could not trace {path}" + (f" in module {where}" if where else "") + f": {lines[-1][:300]}"
+            + (f" ({lines[0][:200]})" if len(lines) > 1 else "") + "\n"
+            "What to do: call the model so that it returns tensors (Hugging Face models: build them with "
+            "use_cache=False, and take the logits); move Python-side branching on tensor values out of "
+            "forward; or choose split points at modules the forward calls once each. A model that cannot be "
+            "traced still trains split by hand: return an nn.Sequential of its blocks.")
+
+
+def _failing_module(model: nn.Module, text: str) -> str | None:
+    """The module whose forward the error's deepest ``File "...", line N, in forward`` points into."""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\w+)', text)
+    for file, line, function in reversed(frames):
+        for name, module in model.named_modules():
+            method = getattr(type(module), function, None)
+            if method is None or not inspect.isfunction(method):
+                continue
+            try:
+                source, start = inspect.getsourcelines(method)
+                source_file = inspect.getsourcefile(method)
+            except (OSError, TypeError):
+                continue
+            if source_file == file and start <= int(line) < start + len(source):
+                return f"{name or '(the model)'} ({type(module).__name__}.{function})"
+    return None
+

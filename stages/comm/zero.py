@@ -1,0 +1,193 @@
+"""ZeRO stage 1: a stage's optimizer state sharded across its data-parallel replicas.
+
+Every replica of a (pipeline, tensor) coordinate holds the same parameters and, after
+the data-parallel reduction, the same averaged gradients; without ZeRO each of them
+also runs the same optimizer step on a full copy of the optimizer state. With
+``zero_stage=1`` the held parameters are partitioned among the replicas (whole
+parameters, balanced by element count, the same partition on every replica); each
+replica keeps optimizer state for its own shard only and steps only that shard, and
+then every shard's owner broadcasts its updated parameters (large ones in place, small
+ones packed in flat buckets), so that every replica again holds identical parameters. This is DeepSpeed's ZeRO-1 and
+torch's ``ZeroRedundancyOptimizer``; like the latter, the unit of partition is a
+whole parameter, so one parameter larger than the rest bounds how even the shards are.
+
+The update is exact: a parameter's new value is the one the unsharded optimizer
+computes from the same gradient and state, and a broadcast copies bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ShardedOptimizer", "check_snapshot", "partition", "state_bytes"]
+
+# A parameter this large is broadcast in place, alone: its collective costs far more than
+# the call, and flat copies of the large ones would take as much memory as ZeRO saves.
+IN_PLACE_BYTES = 1 << 20
+
+
+def partition(numels: Sequence[int], num_shards: int) -> list[int]:
+    """The shard that owns each parameter, given their element counts.
+
+    Largest first, each goes to the shard with the fewest elements so far (the lowest
+    index on a tie), as ``ZeroRedundancyOptimizer`` does: deterministic, so every
+    replica computes the same partition from the same parameters.
+    """
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    owners = [0] * len(numels)
+    totals = [0] * num_shards
+    for index in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
+        shard = min(range(num_shards), key=lambda s: (totals[s], s))
+        owners[index] = shard
+        totals[shard] += numels[index]
+    return owners
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """An optimizer over every held parameter that keeps state for, and steps, one shard of them.
+
+    Its ``param_groups`` hold every parameter (so ``zero_grad``, learning-rate schedules
+    and gradient clipping see the whole stage), and its ``state`` is the inner
+    optimizer's: this replica's shard alone. :meth:`step` hands the groups' settings
+    to the inner optimizer, steps it, then broadcasts every shard from its owner.
+
+    Args:
+        params: the stage's parameters, each once, in the same order on every replica.
+        optimizer_cls, kwargs: the optimizer each replica runs on its shard.
+        shard: this replica's index among ``ranks``.
+        ranks: the global ranks of the data-parallel replicas, by shard index (the
+            broadcasts' sources).
+        group: returns the data-parallel process group now (a recovery forms it again).
+        bucket_bytes: the most bytes one broadcast of small parameters carries, packed flat
+            (a parameter of ``IN_PLACE_BYTES`` or more goes alone, in place).
+    """
+
+    def __init__(
+        self, params: Iterable[torch.Tensor], optimizer_cls: Callable[..., torch.optim.Optimizer],
+        kwargs: Mapping[str, Any], *, shard: int, ranks: Sequence[int], group: Callable[[], Any],
+        bucket_bytes: int,
+    ) -> None:
+        params = list(params)
+        if not 0 <= shard < len(ranks):
+            raise ValueError(f"shard {shard} is not one of {len(ranks)} replicas")
+        self.shard = shard
+        self._ranks = list(ranks)
+        self._group = group
+        self._bucket_bytes = bucket_bytes
+        owners = partition([p.numel() for p in params], len(ranks))
+        self._shards = [[p for p, owner in zip(params, owners) if owner == s] for s in range(len(ranks))]
+        self._owned = {id(p) for p in self._shards[shard]}
+        # A list of one group, so that a replica whose shard is empty still gets an optimizer.
+        self.inner = optimizer_cls([{"params": self._shards[shard]}], **dict(kwargs))
+        settings = {k: v for k, v in self.inner.param_groups[0].items() if k != "params"}
+        self._building = True
+        super().__init__([{"params": params, **settings}], self.inner.defaults)
+        self._building = False
+        self.state = self.inner.state  # type: ignore[assignment]  # one dict: snapshots and checkpoints see the shard
+        self._scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # one flat bucket's room
+
+    def owns(self, param: torch.Tensor) -> bool:
+        """Whether this replica keeps ``param``'s optimizer state and computes its update."""
+        return id(param) in self._owned
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if not getattr(self, "_building", False):
+            raise NotImplementedError("a ZeRO-sharded optimizer takes its parameters when it is built")
+        super().add_param_group(param_group)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Steps this replica's shard, then makes every replica's parameters the owners' (collective)."""
+        settings = {k: v for k, v in self.param_groups[0].items() if k != "params"}
+        self.inner.param_groups[0].update(settings)  # a learning-rate schedule sets the outer groups
+        loss = self.inner.step(closure)  # type: ignore[func-returns-value]
+        self._broadcast()
+        return loss
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads an optimizer state dict (sharded or whole); keeps the state of this replica's shard."""
+        super().load_state_dict(state_dict)
+        whole, self.state = self.state, self.inner.state  # type: ignore[assignment]
+        self.inner.state.clear()
+        self.inner.state.update({p: s for p, s in whole.items() if self.owns(p)})
+        self.inner.param_groups[0].update({k: v for k, v in self.param_groups[0].items() if k != "params"})
+
+    def _broadcast(self) -> None:
+        """Every shard's parameters from its owner: large ones in place, small ones packed in flat buckets."""
+        group = self._group()
+        for shard, params in enumerate(self._shards):
+            src, mine = self._ranks[shard], shard == self.shard
+            for bucket in _buckets(params, self._bucket_bytes):
+                if len(bucket) == 1 and bucket[0].is_contiguous():
+                    dist.broadcast(bucket[0].detach(), src=src, group=group)
+                    continue
+                flat = self._flat(bucket)
+                if mine:
+                    torch.cat([p.detach().reshape(-1) for p in bucket], out=flat)
+                dist.broadcast(flat, src=src, group=group)
+                if not mine:
+                    offset = 0
+                    for p in bucket:
+                        p.copy_(flat[offset:offset + p.numel()].view_as(p))
+                        offset += p.numel()
+
+    def _flat(self, bucket: list[torch.Tensor]) -> torch.Tensor:
+        """Room for ``bucket`` flat, in one buffer kept across steps (grown when a bucket needs more)."""
+        numel = sum(p.numel() for p in bucket)
+        like = bucket[0]
+        scratch = self._scratch.get((like.dtype, like.device))
+        if scratch is None or scratch.numel() < numel:
+            scratch = self._scratch[(like.dtype, like.device)] = like.new_empty(numel)
+        return scratch[:numel]
+
+
+def _buckets(params: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
+    """``params`` in order: each of ``IN_PLACE_BYTES`` or more alone, the rest packed into runs of one
+    dtype and device of at most ``bucket_bytes``."""
+    buckets: list[list[torch.Tensor]] = []
+    small: list[torch.Tensor] = []  # the open bucket of small parameters
+    size = 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if nbytes >= IN_PLACE_BYTES:
+            buckets.append([p])
+            continue
+        if small and (size + nbytes > bucket_bytes or (p.dtype, p.device) != (small[0].dtype, small[0].device)):
+            small = []
+        if not small:
+            buckets.append(small)
+            size = 0
+        small.append(p)
+        size += nbytes
+    return buckets
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """The bytes of the tensors in ``optimizer``'s state (a sharded optimizer: its shard's)."""
+    return sum(value.numel() * value.element_size() for state in optimizer.state.values()
+               for value in state.values() if isinstance(value, torch.Tensor))
+
+
+def check_snapshot(optimizer: torch.optim.Optimizer, snapshot: Mapping[str, torch.Tensor]) -> None:
+    """Refuses a snapshot (:mod:`stages.state.snapshots`) with optimizer state of parameters another shard owns.
+
+    Raises:
+        ValueError: the snapshot came from another data-parallel replica of a sharded
+            optimizer (its state is that replica's shard, not this one's).
+    """
+    if not isinstance(optimizer, ShardedOptimizer):
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for key in snapshot:
+        kind, _, rest = key.partition("/")
+        index = rest.partition("/")[0]
+        if kind not in ("optim", "optimpy") or not index.isdigit() or int(index) >= len(params):
+            continue  # not optimizer state, or not this stage's at all (left to snapshots.restore)
+        if not optimizer.owns(params[int(index)]):
+            raise ValueError(f"the snapshot holds optimizer state ({key}) of a parameter ZeRO shard "
+                             f"{optimizer.shard} does not own: it is another data-parallel replica's")

@@ -1,0 +1,1 @@
+"""A stage's state: checkpoints on disk, snapshots in memory, learning-rate schedules."""

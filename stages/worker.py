@@ -1,0 +1,24 @@
+"""What a worker node loads at start-up: the actor classes it hosts, pinned to its device.
+
+The runtime finds this module by entry point (``worker`` in the ``actorpipe`` group),
+so that :mod:`actors` never names the stage package.
+"""
+
+from __future__ import annotations
+
+import stages.actor  # noqa: F401  (registers the stage actor)
+import stages.build.describe  # noqa: F401  (registers the model inspector)
+from stages.devices import pin_device
+
+__all__ = ["start"]
+
+
+def start(device: str) -> None:
+    """Prepares this process to compute on ``device``: from here on, work on the calling thread
+    without an explicit index lands on the node's GPU (the stage's compute thread pins itself
+    the same way).
+
+    Raises:
+        ValueError: ``device`` is not ``cpu`` or a GPU this process sees.
+    """
+    pin_device(device)

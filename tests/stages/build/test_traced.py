@@ -1,0 +1,80 @@
+"""Any nn.Module split at named points (issue 15, point 1): routing, tied copies, names, and refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stages.build.tied import tied_groups
+from stages.build.traced import TracingError, trace_stages
+from examples.hf import gpt2, llama
+from tests.helpers.models import flatten_cnn, untraceable
+
+pytest.importorskip("transformers")  # installed by the test setup (the [hf] extra)
+
+
+def _run(stages: list[torch.nn.Module], batch: object) -> object:
+    value = stages[0](**batch) if isinstance(batch, dict) else stages[0](batch)
+    for stage in stages[1:]:
+        value = stage(value)
+    return value
+
+
+def test_a_gpt2_split_in_three_passes_the_mask_on_and_computes_what_the_model_does() -> None:
+    torch.manual_seed(0)
+    model = gpt2(layers=3, dim=32, heads=2, vocab=64)
+    ids = torch.randint(0, 64, (2, 8))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[0, 5:] = 0
+    batch = {"input_ids": ids, "attention_mask": mask}
+    stages = trace_stages(model, ["transformer.h.1", "transformer.h.2"], batch, "examples.hf:gpt2")
+    first = stages[0](**batch)
+    # The mask stage 0 derives is needed by every later block: stage 1 passes it on to stage 2.
+    assert isinstance(first, tuple) and len(first) == 2 and not first[1].is_floating_point() or \
+        any(t.dtype == torch.bool or t.shape[-1] == t.shape[-2] for t in first)
+    assert len(stages[1](first)) == 2
+    assert torch.equal(_run(stages, batch), model(**batch).logits)
+    # Each stage keeps the original names; together they are the model's state dict.
+    keys = [k for s in stages for k in s.module.state_dict()]
+    assert set(keys) == set(model.state_dict())
+    # Tracing copied the tied embedding into the first and last stages: one tensor again.
+    assert stages[0].module.get_parameter("transformer.wte.weight") is stages[2].module.get_parameter("lm_head.weight")
+    assert tied_groups([s.module for s in stages]) == [
+        ["0.transformer.wte.weight", "0.lm_head.weight", "2.lm_head.weight"]]
+
+
+def test_a_llama_keeps_its_non_persistent_buffers_out_of_the_state() -> None:
+    torch.manual_seed(0)
+    model = llama(layers=2, dim=32, heads=2, kv_heads=1, vocab=64)
+    ids = torch.randint(0, 64, (2, 8))
+    stages = trace_stages(model, ["model.layers.1"], ids, "examples.hf:llama")
+    assert torch.equal(_run(stages, ids), model(ids).logits)
+    keys = {k for s in stages for k in s.module.state_dict()}
+    assert keys == set(model.state_dict()) and not any("inv_freq" in k for k in keys)
+    # Rotary cos/sin cross the boundary beside the hidden states (several activations).
+    assert len(stages[0](ids)) >= 3
+
+
+def test_a_cnn_that_flattens_in_forward_keeps_the_flatten() -> None:
+    torch.manual_seed(0)
+    model = flatten_cnn()
+    x = torch.randn(2, 3, 8, 8)
+    stages = trace_stages(model, ["layer2"], x, "tests.helpers.models:flatten_cnn")
+    assert torch.equal(_run(stages, x), model(x))
+
+
+def test_split_points_that_do_not_fit_are_refused_with_what_would() -> None:
+    model = gpt2(layers=2, dim=32, heads=2, vocab=64)
+    ids = torch.randint(0, 64, (2, 8))
+    with pytest.raises(TracingError, match=r"not a module of m; did you mean 'transformer.h.1'"):
+        trace_stages(model, ["transformer.h1"], ids, "m")
+    with pytest.raises(TracingError, match="repeat"):
+        trace_stages(model, ["transformer.h.1", "transformer.h.1"], ids, "m")
+
+
+def test_an_untraceable_model_names_the_module_and_what_to_do() -> None:
+    with pytest.raises(TracingError) as caught:
+        trace_stages(untraceable(), ["branchy"], torch.randn(2, 8), "tests.helpers.models:untraceable")
+    message = str(caught.value)
+    assert "could not trace tests.helpers.models:untraceable in module branchy (Branchy.forward)" in message
+    assert "What to do" in message and "nn.Sequential" in message

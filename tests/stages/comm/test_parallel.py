@@ -1,0 +1,172 @@
+# .venv/bin/python -m pytest -q -p no:cacheprovider tests/stages/comm/test_parallel.py
+"""A job's torch.distributed set-up (stages.comm.parallel), without processes.
+
+The backend follows the nodes' devices; the pipeline's two-rank groups are a pure
+function of the mesh; and every rank builds every group in the same order, keeping
+its own, then connects its pairs in one global order (torch.distributed is replaced by
+a recorder, so each rank of a mesh can be joined in turn in this process).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from stages.comm import parallel
+from stages.mesh import Mesh
+from stages.comm.parallel import GLOO, NCCL, backend_for, join_process_groups, pipeline_pairs
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def nodes(*devices: str, host: str = "gpu-box") -> list[dict[str, Any]]:
+    return [{"name": f"node{i}", "device": d, "host": host, "state": "alive"} for i, d in enumerate(devices)]
+
+
+# -- backend_for ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("job_nodes", "expected"), [
+    (nodes("cpu", "cpu", "cpu"), GLOO),
+    (nodes("cpu"), GLOO),
+    ([{"name": "old"}, {"name": "older", "device": ""}], GLOO),  # a record without a device is a CPU node's
+    (nodes("cuda:0", "cuda:1"), NCCL),
+    (nodes("cuda:3", "cuda:0", "cuda:2", "cuda:1"), NCCL),
+    (nodes("cuda:0", host="a") + nodes("cuda:0", host="b"), NCCL),  # two machines' first GPUs
+])
+def test_the_backend_follows_the_nodes_devices(job_nodes: list[dict[str, Any]], expected: str) -> None:
+    assert backend_for(job_nodes) == expected
+
+
+def test_gpu_jobs_run_cuda_tensors_on_nccl_and_cpu_tensors_on_gloo() -> None:
+    assert NCCL == "cpu:gloo,cuda:nccl"  # the device-mapped form torch.distributed.init_process_group takes
+    assert dist.Backend(NCCL) == NCCL
+
+
+@pytest.mark.parametrize(("job_nodes", "says"), [
+    (nodes("cpu", "cuda:0"), ["rank 0: cpu", "rank 1: cuda:0", "every stage actor on a GPU", "transport='zmq'"]),
+    (nodes("cuda:0", "cpu", "cuda:1"), ["rank 1: cpu", "LocalCluster(devices=...)"]),
+    (nodes("mps", "mps"), ["rank 0: mps", "(NCCL)", "(gloo)"]),
+    (nodes("cuda:0", "cuda:1", "cuda:0"), ["ranks 0 and 2", "cuda:0 on gpu-box", "one node per GPU",
+                                            "devices='auto'", "--device cuda:K"]),
+    (nodes("cuda", "cuda"), ["ranks 0 and 1", "would both use cuda"]),
+])
+def test_a_job_that_mixes_devices_or_shares_a_gpu_is_refused_with_what_to_do(
+    job_nodes: list[dict[str, Any]], says: list[str]
+) -> None:
+    with pytest.raises(ValueError) as refused:
+        backend_for(job_nodes)
+    for words in says:
+        assert words in str(refused.value)
+
+
+# -- pipeline_pairs -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("mesh", "num_stages", "expected"), [
+    (Mesh(pipeline=1, data=2), 1, []),
+    (Mesh(pipeline=2), 2, [(0, 1), (1, 0)]),
+    (Mesh(pipeline=3), 3, [(0, 1), (1, 0), (1, 2), (2, 1)]),
+    # Interleaved: 2 virtual stages per rank; stage 2 (rank 2) sends on to stage 3 (rank 0).
+    (Mesh(pipeline=3), 6, [(0, 1), (1, 0), (1, 2), (2, 1), (2, 0), (0, 2)]),
+    (Mesh(pipeline=2), 4, [(0, 1), (1, 0)]),  # the wrap-around pair is the same pair
+    # rank = (d * pipeline + p) * tensor + t: each replica and shard is a pipeline of its own.
+    (Mesh(pipeline=2, data=2), 2, [(0, 1), (1, 0), (2, 3), (3, 2)]),
+    (Mesh(pipeline=2, tensor=2), 2, [(0, 2), (2, 0), (1, 3), (3, 1)]),
+])
+def test_pipeline_pairs_are_every_direction_between_neighbouring_ranks(
+    mesh: Mesh, num_stages: int, expected: list[tuple[int, int]]
+) -> None:
+    assert pipeline_pairs(mesh, num_stages) == expected
+
+
+# -- join_process_groups, with torch.distributed recorded -----------------------------------------
+
+
+class Recorder:
+    """Stands in for torch.distributed while one rank joins: records what it builds and sends."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.init: dict[str, Any] = {}
+        self.groups: list[list[int]] = []  # every new_group call, in order
+        self.batches: list[list[tuple[str, int, Any, torch.device]]] = []  # (op, peer, group, device) per batch
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # joining sets them: put them back after
+            monkeypatch.setenv(variable, "unset by the test")
+            monkeypatch.delenv(variable)
+        monkeypatch.setattr(dist, "is_initialized", lambda: False)
+        monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: self.init.update(kwargs))
+        monkeypatch.setattr(dist, "PrefixStore", lambda prefix, store: (prefix, store))
+        monkeypatch.setattr(dist, "new_group", self.new_group)
+        monkeypatch.setattr(dist, "P2POp", lambda op, tensor, peer, group=None, tag=0: (op, tensor, peer, group, tag))
+        monkeypatch.setattr(dist, "batch_isend_irecv", self.batch)
+
+    def new_group(self, ranks: list[int]) -> Any:
+        self.groups.append(list(ranks))
+        return ("group", len(self.groups) - 1) if self.rank in ranks else "not a member"
+
+    def batch(self, ops: list[Any]) -> list[Any]:
+        self.batches.append([(op.__name__, peer, group, tensor.device) for op, tensor, peer, group, _ in ops])
+        return [Done() for _ in ops]
+
+
+class Done:
+    def wait(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize(("mesh", "num_stages"), [
+    (Mesh(pipeline=2), 2), (Mesh(pipeline=3, data=2), 6), (Mesh(pipeline=2, tensor=2, data=2), 2)])
+def test_every_rank_builds_every_group_in_one_order_and_connects_its_own_pairs(
+    monkeypatch: pytest.MonkeyPatch, mesh: Mesh, num_stages: int
+) -> None:
+    pairs = pipeline_pairs(mesh, num_stages)
+    config = {"rendezvous": ["tcp://127.0.0.1:1", "r"], "backend": GLOO, "loopback": True}
+    orders = []
+    for rank in range(mesh.size):
+        recorder = Recorder(rank)
+        recorder.install(monkeypatch)
+        groups = join_process_groups(config, mesh, rank, "job0", store=None, pairs=pairs)  # type: ignore[arg-type]
+        orders.append(recorder.groups)
+        assert recorder.init["backend"] == GLOO and recorder.init["rank"] == rank
+        assert recorder.init["world_size"] == mesh.size
+        # The pairs come last, after the tensor and data groups, as one group each.
+        assert recorder.groups[-len(pairs):] == [list(p) for p in pairs]
+        mine = [p for p in pairs if rank in p]
+        assert list(groups.pairs) == mine
+        first_pair = len(recorder.groups) - len(pairs)
+        assert groups.pairs == {p: ("group", first_pair + pairs.index(p)) for p in mine}
+        # One byte over each of its pairs, in the global order, each in its direction.
+        assert recorder.batches == [[("isend" if rank == p[0] else "irecv", p[1] if rank == p[0] else p[0],
+                                      groups.pairs[p], torch.device("cpu"))] for p in mine]
+    assert all(order == orders[0] for order in orders)
+
+
+def test_a_gpu_stage_joins_nccl_on_its_own_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    recorder = Recorder(1)
+    recorder.install(monkeypatch)
+    current: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    monkeypatch.setattr(parallel, "_USER_NCCL_IFNAME", None)
+    device = torch.device("meta")  # stands for the GPU: the warm-up byte must be allocated there
+    config = {"rendezvous": ["tcp://127.0.0.1:1", "r"], "backend": NCCL, "loopback": True}
+    groups = join_process_groups(config, Mesh(pipeline=2), 1, "job0", store=None,  # type: ignore[arg-type]
+                                 pairs=[(0, 1), (1, 0)], device=device)
+    assert current == []  # only a CUDA device becomes the current one
+    assert recorder.init["backend"] == NCCL
+    assert [b[0][3] for b in recorder.batches] == [device, device]
+    assert [b[0][0] for b in recorder.batches] == ["irecv", "isend"]
+    assert set(groups.pairs) == {(0, 1), (1, 0)}
+    assert os.environ.get("NCCL_SOCKET_IFNAME") == parallel._loopback_interface()  # NCCL bootstraps on loopback
+
+    gpu = torch.device("cuda", 1)
+    recorder = Recorder(1)
+    recorder.install(monkeypatch)
+    join_process_groups(config, Mesh(pipeline=2), 1, "job0", store=None, pairs=[], device=gpu)  # type: ignore[arg-type]
+    assert current == [gpu]

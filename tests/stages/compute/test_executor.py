@@ -1,0 +1,448 @@
+# .venv/bin/python -m pytest -q -p no:cacheprovider tests/stages/compute/test_executor.py
+"""StepExecutor (stages.compute.executor) in one process, against plain autograd.
+
+Several executors, one per pipeline rank, trade activations and input gradients
+through an in-memory ``send`` that puts a detached copy straight into the peer's
+inbox, as the stage actor's ``deliver`` endpoint does: no node processes, no sockets.
+Every schedule trains a small model for a few steps and must equal one process
+training the same model on the same global batches; each rank must run its program
+in order with the stash the schedule implies; and a failing action must be named,
+with nothing of its step applied once the executors are reset.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import functools
+import itertools
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from stages.compute import wgrad as _wgrad
+from stages.build.layers import Chain
+from stages.compute.executor import ActionFailed, Inbox, StageModel, StepExecutor, StepTrace
+from stages.comm.boundary import Payload
+from stages.program import Action, ActionKind, stage_to_rank
+from schedulers.schedules import SCHEDULES, build_schedule
+from schedulers.simulate import simulate
+
+pytestmark = pytest.mark.timeout(30)
+
+DIM, HIDDEN, BLOCKS = 8, 16, 8  # 8 blocks: one per model stage at 4 ranks x 2 virtual stages
+BATCH, SEQ, STEPS = 16, 2, 3
+OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
+    "sgd_momentum": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
+    "adam": (torch.optim.Adam, {"lr": 0.01}),
+}
+_K = ActionKind
+
+
+# -- the model and the reference ------------------------------------------------------
+
+
+class Block(nn.Module):
+    """A residual MLP block: LayerNorm, Linear, GELU, Linear (the linears fusable)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.mlp = nn.Sequential(nn.Linear(DIM, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, DIM))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+def build_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*(Block() for _ in range(BLOCKS)))
+
+
+def global_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1234)
+    return [(torch.randn(BATCH, SEQ, DIM, generator=gen), torch.randn(BATCH, SEQ, DIM, generator=gen))
+            for _ in range(STEPS)]
+
+
+def train_reference(optimizer: str) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """One process, plain autograd, the whole global batch per step."""
+    model = build_model()
+    cls, kwargs = OPTIMIZERS[optimizer]
+    opt = cls(model.parameters(), **kwargs)
+    losses = []
+    for x, y in global_batches():
+        loss = F.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return model.state_dict(), losses
+
+
+def assert_same_state(model: nn.Module, expected: dict[str, torch.Tensor]) -> None:
+    state = model.state_dict()
+    assert list(state) == list(expected)
+    for key, value in expected.items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+
+
+# -- the cases --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Case:
+    schedule: str
+    num_ranks: int
+    num_microbatches: int
+    fusion: bool = True  # gradient_accumulation_fusion: fused linears, and B split into I, W
+    optimizer: str = "adam"
+
+    @property
+    def num_virtual_stages(self) -> int:
+        return 2 if self.schedule == "interleaved" else 1
+
+    @property
+    def num_stages(self) -> int:
+        return self.num_ranks * self.num_virtual_stages
+
+    def programs(self) -> dict[int, list[Action]]:
+        # As schedulers.control.compile_programs calls it.
+        virtual = self.num_virtual_stages if self.schedule == "interleaved" else None
+        return build_schedule(self.schedule, self.num_ranks, self.num_microbatches, virtual, split=self.fusion)
+
+    def __str__(self) -> str:
+        fusion = "" if self.fusion else "-nofusion"
+        return f"{self.schedule}-{self.num_ranks}ranks-{self.num_microbatches}mb{fusion}-{self.optimizer}"
+
+
+def accepted(case: Case) -> bool:
+    try:
+        case.programs()
+    except ValueError:  # e.g. interleaved with micro-batches not a multiple of the ranks
+        return False
+    return True
+
+
+_SHAPES = [
+    Case(schedule=name, num_ranks=ranks, num_microbatches=micro, fusion=fusion)
+    for name, ranks, micro, fusion in itertools.product(SCHEDULES, [2, 4], [4, 8], [True])
+] + [
+    # Plain autograd for the weight gradients: B unsplit, and zero-bubble's W walks the graph again.
+    Case(schedule=name, num_ranks=ranks, num_microbatches=micro, fusion=False)
+    for name, ranks, micro in [("gpipe", 2, 4), ("1f1b", 4, 8), ("interleaved", 2, 8),
+                               ("zero_bubble", 2, 8), ("zero_bubble", 4, 4)]
+]
+SHAPES = [case for case in _SHAPES if accepted(case)]
+TRAINING_CASES = [
+    Case(schedule=c.schedule, num_ranks=c.num_ranks, num_microbatches=c.num_microbatches, fusion=c.fusion,
+         optimizer=optimizer)
+    for c in SHAPES for optimizer in OPTIMIZERS
+]
+
+
+# -- failures on purpose ------------------------------------------------------------------
+
+
+class Tripwire:
+    """Raises on the ``at``-th check after :meth:`arm` (then disarms); passes otherwise."""
+
+    def __init__(self) -> None:
+        self.at: int | None = None
+        self.calls = 0
+
+    def arm(self, at: int) -> None:
+        self.at, self.calls = at, 0
+
+    def check(self, where: str) -> None:
+        if self.at is None:
+            return
+        self.calls += 1
+        if self.calls == self.at:
+            self.at = None
+            raise RuntimeError(f"tripwire in {where}, call {self.calls}")
+
+
+class TripForward(nn.Module):
+    """Identity whose forward checks a tripwire."""
+
+    def __init__(self, wire: Tripwire) -> None:
+        super().__init__()
+        self.wire = wire
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.wire.check("forward")
+        return x
+
+
+class _CheckInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, wire: Tripwire) -> torch.Tensor:
+        ctx.wire = wire
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.wire.check("backward")
+        return grad, None
+
+
+class TripBackward(nn.Module):
+    """Identity whose backward checks a tripwire."""
+
+    def __init__(self, wire: Tripwire) -> None:
+        super().__init__()
+        self.wire = wire
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = _CheckInBackward.apply(x, self.wire)
+        return out
+
+
+def tripping_loss(wire: Tripwire) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        wire.check("loss")
+        return F.mse_loss(out, target)
+    return loss
+
+
+# -- executors wired in memory ---------------------------------------------------------------
+
+
+class Pipeline:
+    """One StepExecutor per rank, built as the stage actor builds them, sending in memory.
+
+    ``checkpoint_every``: activation checkpointing, layers per segment (0: off).
+    """
+
+    def __init__(self, case: Case, model: nn.Sequential, *,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.mse_loss,
+                 prepend: dict[int, nn.Module] | None = None, checkpoint_every: int = 0) -> None:
+        self.case = case
+        self.programs = case.programs()
+        num_ranks, num_stages, m = case.num_ranks, case.num_stages, case.num_microbatches
+        layers = list(model.children())
+        bounds = [round(i * len(layers) / num_stages) for i in range(num_stages + 1)]
+        self.stages = {r: [s for s in range(num_stages) if stage_to_rank(s, num_ranks) == r] for r in range(num_ranks)}
+        self.forwards: dict[int, list[int]] = {r: [] for r in range(num_ranks)}  # model stages, in compute order
+        self.bytes_sent = [0] * num_ranks
+        self.reduces = [0] * num_ranks
+        self._threads: list[ThreadPoolExecutor] = []
+        self.executors: list[StepExecutor] = []
+        for rank, stages in self.stages.items():
+            modules: dict[int, nn.Module] = {}
+            for s in stages:
+                extra = [prepend[s]] if prepend and s in prepend else []
+                modules[s] = Chain(*extra, *layers[bounds[s]:bounds[s + 1]], checkpoint_every=checkpoint_every)
+                modules[s].register_forward_pre_hook(functools.partial(self._record_forward, rank, s))
+            weight_grads = None
+            if case.fusion:
+                weight_grads = _wgrad.WeightGradients()
+                for module in modules.values():
+                    _wgrad.install(module, weight_grads)
+            cls, kwargs = OPTIMIZERS[case.optimizer]
+            optimizer = cls([p for module in modules.values() for p in module.parameters()], **kwargs)
+            stage_model = StageModel(modules=modules, num_stages=num_stages, loss_fn=loss_fn, optimizer=optimizer,
+                                     device=torch.device("cpu"), weight_grads=weight_grads)
+            thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rank{rank}-compute")
+            self._threads.append(thread)
+            inbox = Inbox(4 * m * len(stages) + 16)  # the stage actor's limit
+            self.executors.append(StepExecutor(stage_model, inbox, self._send_from(rank), m, thread))
+
+    def _record_forward(self, rank: int, stage: int, module: nn.Module, args: Any) -> None:
+        self.forwards[rank].append(stage)
+
+    def _send_from(self, rank: int) -> Callable[[int, Action, Payload], Any]:
+        async def send(step: int, action: Action, value: Payload) -> int:
+            assert stage_to_rank(action.stage, self.case.num_ranks) == rank, f"rank {rank} sent for {action}"
+            assert action.microbatch is not None
+            forward = action.kind is _K.SEND_F
+            target = action.stage + 1 if forward else action.stage - 1
+            peer = self.executors[stage_to_rank(target, self.case.num_ranks)]
+            # A copy with no autograd history, as the wire would deliver it.
+            copy = Payload([t.clone() for t in value.leaves], value.spec)
+            peer.inbox.put((step, "F" if forward else "B", target, action.microbatch), copy)
+            nbytes = value.nbytes
+            self.bytes_sent[rank] += nbytes
+            return nbytes
+        return send
+
+    async def run_to_barrier(self, step: int, x: torch.Tensor, y: torch.Tensor) -> list[StepTrace]:
+        """Runs every rank's program up to its barrier, concurrently.
+
+        Raises:
+            ExceptionGroup: holding the ActionFailed; the other ranks were cancelled.
+        """
+        m, last = self.case.num_microbatches, self.case.num_stages - 1
+        inputs, targets = list(x.chunk(m)), list(y.chunk(m))
+        async with asyncio.timeout(20):  # a deadlock fails with a message, not the suite's timeout
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(executor.run(step, self.programs[rank],
+                                                        inputs if 0 in self.stages[rank] else None,
+                                                        targets if last in self.stages[rank] else None))
+                         for rank, executor in enumerate(self.executors)]
+        return [task.result() for task in tasks]
+
+    async def release(self) -> None:
+        """The barrier is released everywhere: each rank reduces and steps its optimizer."""
+        async with asyncio.TaskGroup() as group:
+            for rank, executor in enumerate(self.executors):
+                group.create_task(executor.finish(self.programs[rank], functools.partial(self._reduce, rank)))
+
+    async def _reduce(self, rank: int) -> None:
+        self.reduces[rank] += 1
+
+    async def reset(self, step: int) -> None:
+        for executor in self.executors:
+            await executor.reset(step)
+
+    async def train_step(self, step: int, x: torch.Tensor, y: torch.Tensor) -> tuple[float, list[StepTrace]]:
+        traces = await self.run_to_barrier(step, x, y)
+        await self.release()
+        return self.loss(traces), traces
+
+    def loss(self, traces: list[StepTrace]) -> float:
+        """The step's loss: the mean over micro-batches, which only the last stage's rank reports."""
+        last_rank = stage_to_rank(self.case.num_stages - 1, self.case.num_ranks)
+        for rank, trace in enumerate(traces):
+            if rank != last_rank:
+                assert trace.losses == {}, rank
+        losses = traces[last_rank].losses
+        assert sorted(losses) == list(range(self.case.num_microbatches))
+        return sum(losses.values()) / len(losses)
+
+    def close(self) -> None:
+        for executor in self.executors:
+            executor.close()
+        for thread in self._threads:
+            thread.shutdown(wait=True)  # no compute thread outlives the test
+
+
+@asynccontextmanager
+async def open_pipeline(case: Case, model: nn.Sequential, **kwargs: Any) -> AsyncIterator[Pipeline]:
+    pipeline = Pipeline(case, model, **kwargs)
+    try:
+        yield pipeline
+    finally:
+        pipeline.close()
+
+
+def before_barrier(program: list[Action]) -> list[Action]:
+    return list(itertools.takewhile(lambda a: a.kind is not _K.BARRIER, program))
+
+
+# -- tests -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", TRAINING_CASES, ids=str)
+async def test_pipeline_training_equals_one_process(case: Case) -> None:
+    expected_state, expected_losses = train_reference(case.optimizer)
+    model = build_model()
+    async with open_pipeline(case, model) as pipeline:
+        losses = [(await pipeline.train_step(step, x, y))[0] for step, (x, y) in enumerate(global_batches())]
+    assert_same_state(model, expected_state)
+    assert losses == pytest.approx(expected_losses, rel=1e-5)
+
+
+@pytest.mark.parametrize("case", SHAPES, ids=str)
+async def test_each_rank_runs_its_program_in_order_with_the_scheduled_stash(case: Case) -> None:
+    expected_stash = list(simulate(case.programs()).peak_stash)
+    async with open_pipeline(case, build_model()) as pipeline:
+        for step, (x, y) in enumerate(global_batches()[:2]):
+            for log in pipeline.forwards.values():
+                log.clear()
+            pipeline.bytes_sent = [0] * case.num_ranks
+            _, traces = await pipeline.train_step(step, x, y)
+            for rank, (trace, executor) in enumerate(zip(traces, pipeline.executors)):
+                body = before_barrier(pipeline.programs[rank])
+                assert [name for name, _, _ in trace.spans] == [str(a) for a in body], f"rank {rank}"
+                assert all(start <= end for _, start, end in trace.spans)
+                assert all(a[2] <= b[1] for a, b in itertools.pairwise(trace.spans)), f"rank {rank} overlapped"
+                # The modules themselves saw the forwards in the program's order.
+                assert pipeline.forwards[rank] == [a.stage for a in body if a.kind is _K.F], f"rank {rank}"
+                assert executor.done_actions == len(body) and executor.current is None
+                assert sum(trace.bytes_sent.values()) == pipeline.bytes_sent[rank]
+                sends = {f"{'F' if a.kind is _K.SEND_F else 'B'} {a.stage}->"
+                         f"{a.stage + 1 if a.kind is _K.SEND_F else a.stage - 1}"
+                         for a in body if a.kind in (_K.SEND_F, _K.SEND_B)}
+                assert set(trace.bytes_sent) == sends, f"rank {rank}"
+            assert [t.peak_stash for t in traces] == expected_stash
+    assert pipeline.reduces == [2] * case.num_ranks
+
+
+# README's table: 4 stages x 8 micro-batches, backward unsplit (the CLI's default).
+README_STASH = """
+gpipe        8 8 8 8
+1f1b         4 3 2 1
+interleaved  11 9 7 5
+zero_bubble  4 4 4 4
+"""
+STASH_ROWS = [(row.split()[0], [int(n) for n in row.split()[1:]]) for row in README_STASH.strip().splitlines()]
+
+
+@pytest.mark.parametrize("schedule,expected", STASH_ROWS, ids=[name for name, _ in STASH_ROWS])
+async def test_peak_stash_is_the_readme_table(schedule: str, expected: list[int]) -> None:
+    case = Case(schedule=schedule, num_ranks=4, num_microbatches=8, fusion=False)
+    assert list(simulate(case.programs()).peak_stash) == expected
+    x, y = global_batches()[0]
+    async with open_pipeline(case, build_model()) as pipeline:
+        traces = await pipeline.run_to_barrier(0, x, y)
+        await pipeline.release()
+    assert [t.peak_stash for t in traces] == expected
+
+
+# Where a tripwire sits, on which of its calls it fires, and the action that must be named.
+FAILURES = [
+    # case                                                   where       stage  at  action
+    (Case(schedule="1f1b", num_ranks=2, num_microbatches=4), "loss", 1, 3, "1F2"),
+    (Case(schedule="gpipe", num_ranks=4, num_microbatches=8), "forward", 1, 2, "1F1"),
+    (Case(schedule="interleaved", num_ranks=2, num_microbatches=4), "forward", 2, 1, "2F0"),
+    (Case(schedule="zero_bubble", num_ranks=4, num_microbatches=8), "backward", 2, 1, "2I0"),
+    (Case(schedule="interleaved", num_ranks=4, num_microbatches=8), "backward", 5, 1, "5I0"),
+    (Case(schedule="1f1b", num_ranks=4, num_microbatches=4, fusion=False), "backward", 3, 1, "3B0"),
+    (Case(schedule="zero_bubble", num_ranks=2, num_microbatches=4, fusion=False), "backward", 1, 1, "1I0"),
+    (Case(schedule="gpipe", num_ranks=2, num_microbatches=4, optimizer="sgd_momentum"), "forward", 0, 4, "0F3"),
+]
+
+
+@pytest.mark.parametrize("case,where,stage,at,action", FAILURES, ids=[f"{c}-{w}-{a}" for c, w, _, _, a in FAILURES])
+async def test_failed_action_is_named_and_nothing_of_its_step_is_applied(
+    case: Case, where: str, stage: int, at: int, action: str
+) -> None:
+    expected_state, expected_losses = train_reference(case.optimizer)
+    wire = Tripwire()
+    kwargs: dict[str, Any] = {}
+    if where == "loss":
+        assert stage == case.num_stages - 1
+        kwargs["loss_fn"] = tripping_loss(wire)
+    else:
+        kwargs["prepend"] = {stage: TripForward(wire) if where == "forward" else TripBackward(wire)}
+    batches = global_batches()
+    model = build_model()
+    async with open_pipeline(case, model, **kwargs) as pipeline:
+        losses = [(await pipeline.train_step(0, *batches[0]))[0]]
+        wire.arm(at)
+        with pytest.raises(ExceptionGroup) as raised:
+            await pipeline.run_to_barrier(1, *batches[1])
+        [failure] = raised.value.exceptions
+        assert isinstance(failure, ActionFailed)
+        assert str(failure.action) == action
+        assert str(failure).startswith(f"{action}: RuntimeError: tripwire in {where}")
+        assert isinstance(failure.cause, RuntimeError)
+        # Every rank drops the step (the failed one itself, the others as aborted), and the
+        # job goes on with the next step number, as the scheduler numbers them.
+        await pipeline.reset(1)
+        for step, (x, y) in enumerate(batches[1:], start=2):
+            loss, traces = await pipeline.train_step(step, x, y)
+            losses.append(loss)
+            # Nothing of the failed step still held either: it would show as stash.
+            assert [t.peak_stash for t in traces] == list(simulate(pipeline.programs).peak_stash)
+    assert_same_state(model, expected_state)
+    assert losses == pytest.approx(expected_losses, rel=1e-5)

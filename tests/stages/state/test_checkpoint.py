@@ -1,0 +1,335 @@
+"""The checkpoint format and its directory switch: kill windows, refusals of bad manifests and paths.
+
+A save is the stage side's ``write_stage`` for two stages, then ``commit_version``,
+exactly as the controller runs them, in one process. The kill-window tests fork a
+writer and end it with ``os._exit`` at each named step of a save (or SIGKILL it at
+random instants), then load as a stage would: the result is the old checkpoint or
+the new one, never missing and never mixed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
+
+from stages.state import checkpoint as ck
+from stages.state.stage_checkpoint import apply_load, prepare_load, write_stage
+
+pytestmark = pytest.mark.timeout(120)
+
+KILLED = 17
+
+
+def stages(value: float) -> dict[int, nn.Module]:
+    """Two one-layer stages whose every weight is ``value``, with SGD momentum state of the same value."""
+    layers: dict[int, nn.Module] = {}
+    for i in range(2):
+        layer = nn.Linear(32, 32)
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.fill_(value)
+        layers[i] = layer
+    return layers
+
+
+def optimizer_of(layers: dict[int, nn.Module], value: float) -> torch.optim.Optimizer:
+    opt = torch.optim.SGD([p for layer in layers.values() for p in layer.parameters()], lr=0.1, momentum=0.9)
+    for p in opt.param_groups[0]["params"]:
+        opt.state[p]["momentum_buffer"] = torch.full_like(p, value)
+    return opt
+
+
+def save(directory: str, value: int) -> str:
+    """One save as the controller runs it: begin, every stage writes, commit."""
+    staging = ck.begin_version(directory)
+    written = []
+    for i, layer in stages(float(value)).items():
+        opt = optimizer_of({i: layer}, float(value))
+        written.append(write_stage(staging, f"p{i}-t0.bin", {i: layer}, opt, {}, 0))
+    files, model, state = ck.merge_written(written)
+    manifest = ck.Manifest(step=value, optimizer="torch.optim:SGD", files=files, model=model, optimizer_state=state)
+    return ck.commit_version(directory, staging, manifest)
+
+
+def held_keys(layers: dict[int, torch.nn.Module]) -> frozenset[str]:
+    """The whole-model keys a stage holding ``layers`` reads (as StageActor.state_keys gives them)."""
+    return frozenset(f"{i}.{k}" for i, layer in layers.items() for k in layer.state_dict())
+
+
+def load(directory: str) -> int:
+    """Loads as the stages would (checks, then applies); returns the one value every tensor holds.
+
+    Raises:
+        CheckpointError: no checkpoint, or a bad one.
+    """
+    version, manifest = ck.read_manifest(directory)
+    layers = stages(-1.0)
+    opt = optimizer_of(layers, -1.0)
+    prepared, problems = prepare_load(version, manifest.restrict(held_keys(layers), weights_only=False), layers, {}, 0)
+    assert problems == []
+    apply_load(prepared, layers, opt, weights_only=False)
+    values = {float(v.flatten()[0]) for layer in layers.values() for v in layer.state_dict().values()}
+    values |= {float(s["momentum_buffer"].flatten()[0]) for s in opt.state.values()}
+    assert len(values) == 1, f"a mixed checkpoint: {values}"
+    assert values == {float(manifest.step)}, "the manifest is of another save than the data"
+    return manifest.step
+
+
+def in_child(work: Callable[[], None]) -> int:
+    """Runs ``work`` in a forked process; returns its exit status (the child never returns into pytest)."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 0
+        try:
+            work()
+        except BaseException:  # noqa: BLE001 - any failure is reported through the status
+            code = 1
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def kill_at(point: str, nth: int) -> Callable[[str], None]:
+    seen = {"n": 0}
+
+    def reached(name: str) -> None:
+        if name == point:
+            seen["n"] += 1
+            if seen["n"] == nth:
+                os._exit(KILLED)
+
+    return reached
+
+
+# (point, its n-th arrival, what a load finds afterwards: the old save or the new one)
+WINDOWS = [
+    ("staged", 1, "old"),
+    ("tensor_written", 1, "old"),  # the first stage's file, half written
+    ("tensor_written", 6, "old"),  # the second stage's file, half written (4 tensors each)
+    ("manifest_written", 1, "old"),
+    ("renamed", 1, "old"),  # the new version is complete, the pointer not moved yet
+    ("pointer_written", 1, "old"),  # LATEST.tmp written, not yet in place
+    ("pointed", 1, "new"),  # the pointer moved; the old version is still there
+    ("old_removed", 1, "new"),
+]
+
+
+@pytest.mark.parametrize("point, nth, expected", WINDOWS, ids=[f"{p}-{n}" for p, n, _ in WINDOWS])
+def test_a_save_killed_at_any_step_leaves_the_old_or_the_new_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, point: str, nth: int, expected: str
+) -> None:
+    directory = str(tmp_path / "ckpt")
+    save(directory, 1)
+
+    def killed_save() -> None:
+        monkeypatch.setattr(ck, "_reached", kill_at(point, nth))
+        save(directory, 2)
+
+    assert in_child(killed_save) == KILLED  # it did stop at that point
+    assert load(directory) == (1 if expected == "old" else 2)
+    renamed = point in ("renamed", "pointer_written", "pointed", "old_removed")  # v000002 exists: the next is 3
+    assert save(directory, 3) == f"{directory}/v{3 if renamed else 2:06d}"
+    assert load(directory) == 3
+    left = sorted(os.listdir(directory))
+    assert len(left) == 2 and left[0] == "LATEST" and left[1].startswith("v")  # leftovers gone
+
+
+@pytest.mark.parametrize("point", ["staged", "tensor_written", "manifest_written", "renamed", "pointer_written"])
+def test_a_killed_first_save_is_no_checkpoint_and_the_next_save_works(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, point: str
+) -> None:
+    directory = str(tmp_path / "ckpt")
+
+    def killed_save() -> None:
+        monkeypatch.setattr(ck, "_reached", kill_at(point, 1))
+        save(directory, 1)
+
+    assert in_child(killed_save) == KILLED
+    with pytest.raises(ck.CheckpointError, match="not an actorpipe checkpoint"):
+        load(directory)
+    save(directory, 2)
+    assert load(directory) == 2
+
+
+def test_sigkill_at_random_instants_never_leaves_a_missing_or_mixed_checkpoint(tmp_path: Path) -> None:
+    directory = str(tmp_path / "ckpt")
+    save(directory, 1)
+    rng = random.Random(0)
+    last = 1
+    for round_ in range(8):
+        first = 1000 * (round_ + 1)
+
+        def save_forever(first: int = first) -> None:
+            value = first
+            while True:
+                save(directory, value)
+                value += 1
+
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            try:
+                save_forever()
+            finally:
+                os._exit(1)
+        time.sleep(rng.uniform(0.01, 0.3))  # the kill instant, not a wait for anything
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        value = load(directory)
+        assert value == last or value >= first, (value, last, first)
+        last = value
+    assert last > 1000  # some save completed between kills
+
+
+def test_a_flipped_byte_names_the_file_and_the_key(tmp_path: Path) -> None:
+    directory = str(tmp_path / "ckpt")
+    version = save(directory, 1)
+    _, manifest = ck.read_manifest(directory)
+    part = manifest.model["1.bias"].parts[0]
+    path = Path(version) / part.file
+    data = bytearray(path.read_bytes())
+    data[part.offset + 5] ^= 0x01
+    path.write_bytes(bytes(data))
+    layers = stages(0.0)
+    _, problems = prepare_load(version, manifest.restrict(held_keys({1: layers[1]}), weights_only=False), {1: layers[1]}, {}, 0)
+    assert len(problems) == 1 and problems[0].startswith(f"{path}, 1.bias: checksum mismatch")
+    path.write_bytes(bytes(data[:-4]))  # truncated
+    _, problems = prepare_load(version, manifest.restrict(held_keys({1: layers[1]}), weights_only=False), {1: layers[1]}, {}, 0)
+    assert any("truncated" in p for p in problems)
+
+
+BAD_MANIFESTS = [
+    (lambda m: m.update(format="other"), "not an actorpipe-checkpoint manifest"),
+    (lambda m: m.update(version=99), "format version 99"),
+    (lambda m: m["files"].update({"../../etc/passwd": 1}), "files: expected a map"),
+    (lambda m: m["model"]["0.weight"]["parts"][0].update(file="/etc/passwd"), "is not a shard file name"),
+    (lambda m: m["model"]["0.weight"]["parts"][0].update(offset=-1), "expected a list of integers >= 0"),
+    (lambda m: m["model"]["0.weight"].update(dtype="object"), "unknown dtype"),
+    (lambda m: m["model"]["0.weight"].update(shard=[0, 2, 1]), r"expected 2 part\(s\)"),
+    (lambda m: m.update(lr_scheduler={"path": 1, "state": {}}), "lr_scheduler: expected null or a map"),
+]
+
+
+@pytest.mark.parametrize("damage, message", BAD_MANIFESTS)
+def test_a_malformed_manifest_is_refused_before_any_file_is_opened(
+    tmp_path: Path, damage: Callable[[dict[str, object]], None], message: str
+) -> None:
+    directory = str(tmp_path / "ckpt")
+    version = save(directory, 1)
+    path = Path(version) / "manifest.json"
+    manifest = json.loads(path.read_text())
+    damage(manifest)
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(ck.CheckpointError, match=message):
+        ck.read_manifest(directory)
+
+
+def test_a_pointer_that_names_no_version_is_refused(tmp_path: Path) -> None:
+    directory = tmp_path / "ckpt"
+    save(str(directory), 1)
+    (directory / "LATEST").write_text("../../etc\n")
+    with pytest.raises(ck.CheckpointError, match="does not name a version"):
+        ck.read_manifest(str(directory))
+
+
+@pytest.mark.parametrize("path", ["relative/dir", "/a/../b", "/a//b", "", "/a\0b", 7])
+def test_directories_must_be_absolute_and_normalized(path: object) -> None:
+    with pytest.raises(ck.CheckpointError, match="checkpoint directory must be"):
+        ck.check_directory(path)
+
+
+def test_a_staging_directory_this_node_cannot_see_names_the_shared_filesystem(tmp_path: Path) -> None:
+    with pytest.raises(ck.CheckpointError, match="must be on a filesystem every node mounts"):
+        ck.write_tensors(str(tmp_path / ".staging-v000001-abcd" / "p0-t0.bin"), {"0.weight": torch.zeros(2)})
+
+
+def test_an_error_rebuilt_from_its_message_keeps_its_problems() -> None:
+    error = ck.CheckpointError("2 problems", ["a: missing", "b: shape [1] in the checkpoint, [2] in this model"])
+    again = ck.CheckpointError.from_message(str(error))
+    assert again.summary == "2 problems" and again.problems == error.problems and str(again) == str(error)
+
+
+STEP_LR = "torch.optim.lr_scheduler:StepLR"
+
+
+def step_lr(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.StepLR:
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+
+
+def save_scheduled(directory: str) -> tuple[torch.optim.Optimizer, LRScheduler]:
+    """Saves two stages after 3 steps of StepLR (lr 0.1, 0.1, 0.05 -> 0.05); returns the live optimizer and schedule."""
+    layers = stages(1.0)
+    opt = optimizer_of(layers, 1.0)
+    scheduler = step_lr(opt)
+    for _ in range(3):
+        opt.step()
+        scheduler.step()
+    staging = ck.begin_version(directory)
+    answer = write_stage(staging, "p0-t0.bin", layers, opt, {}, 0, scheduler=scheduler)
+    files, model, state = ck.merge_written([answer])
+    schedule = {"path": STEP_LR, "state": answer["lr_scheduler"]}
+    ck.commit_version(directory, staging, ck.Manifest(step=3, optimizer="torch.optim:SGD", files=files, model=model,
+                                                      optimizer_state=state, lr_scheduler=schedule))
+    return opt, scheduler
+
+
+def load_scheduled(directory: str, *, weights_only: bool) -> tuple[torch.optim.Optimizer, LRScheduler]:
+    version, manifest = ck.read_manifest(directory)
+    layers = stages(-1.0)
+    opt = optimizer_of(layers, -1.0)
+    scheduler = step_lr(opt)
+    prepared, problems = prepare_load(version, manifest.restrict(held_keys(layers), weights_only=weights_only),
+                                      layers, {}, 0, scheduler=scheduler)
+    assert problems == []
+    apply_load(prepared, layers, opt, weights_only=weights_only, scheduler=scheduler)
+    return opt, scheduler
+
+
+def test_a_checkpoint_resumes_the_learning_rate_schedule_exactly(tmp_path: Path) -> None:
+    directory = str(tmp_path / "ckpt")
+    saved_opt, saved = save_scheduled(directory)
+    opt, scheduler = load_scheduled(directory, weights_only=False)
+    assert opt.param_groups[0]["lr"] == 0.05 and scheduler.last_epoch == 3
+    for _ in range(4):  # StepLR multiplies the group's lr: it goes on from the restored one
+        for o, s in ((saved_opt, saved), (opt, scheduler)):
+            o.step()
+            s.step()
+        assert opt.param_groups[0]["lr"] == saved_opt.param_groups[0]["lr"]
+    assert opt.param_groups[0]["lr"] == 0.0125
+
+
+def test_weights_only_and_old_manifests_leave_the_schedule_as_it_is(tmp_path: Path) -> None:
+    directory = str(tmp_path / "ckpt")
+    save_scheduled(directory)
+    opt, scheduler = load_scheduled(directory, weights_only=True)
+    assert opt.param_groups[0]["lr"] == 0.1 and scheduler.last_epoch == 0
+    # A manifest written before schedules were kept has no lr_scheduler key at all.
+    path = Path(ck.read_manifest(directory)[0]) / "manifest.json"
+    manifest = json.loads(path.read_text())
+    del manifest["lr_scheduler"]
+    path.write_text(json.dumps(manifest))
+    assert ck.read_manifest(directory)[1].lr_scheduler is None
+    opt, scheduler = load_scheduled(directory, weights_only=False)
+    assert opt.param_groups[0]["lr"] == 0.1 and scheduler.last_epoch == 0
+    assert all(float(s["momentum_buffer"].flatten()[0]) == 1.0 for s in opt.state.values())  # the rest loaded
+
+
+def test_a_schedule_state_of_another_kind_is_a_problem_before_anything_is_applied(tmp_path: Path) -> None:
+    directory = str(tmp_path / "ckpt")
+    save_scheduled(directory)
+    version, manifest = ck.read_manifest(directory)
+    layers = stages(-1.0)
+    opt = optimizer_of(layers, -1.0)
+    other = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)
+    _, problems = prepare_load(version, manifest.restrict(held_keys(layers), weights_only=False), layers, {}, 0,
+                               scheduler=other)
+    assert any("'step_size' is not part of ExponentialLR's state" in p for p in problems), problems

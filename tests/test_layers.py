@@ -1,0 +1,88 @@
+"""The house rules: which room imports which, checked on the source.
+
+Layers point down only: ``schedulers`` -> ``stages`` -> ``actors`` -> ``transport``.
+The runtime (modules directly under ``actors/``) imports no torch; the instruction set,
+the mesh and the records are stdlib-only leaves that both sides import cheaply.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LEAVES = ["stages/program.py", "stages/mesh.py", "stages/records.py", "actors/records.py"]
+# What each package may never import (imports point down only).
+ABOVE = {"transport": {"actors", "stages", "schedulers"}, "actors": {"stages", "schedulers"}, "stages": {"schedulers"}}
+
+
+def _imported_modules(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+    return names
+
+
+@pytest.mark.parametrize("leaf", LEAVES)
+def test_the_shared_leaves_import_only_the_standard_library_and_each_other(leaf: str) -> None:
+    roots = {name for name in _imported_modules(ROOT / leaf)}
+    allowed = set(sys.stdlib_module_names) | {"__future__"}
+    assert {r for r in roots if r.split(".")[0] not in allowed} <= {m[:-3].replace("/", ".") for m in LEAVES}, roots
+
+
+@pytest.mark.parametrize("package", sorted(ABOVE))
+def test_imports_point_down_only(package: str) -> None:
+    for path in sorted((ROOT / package).rglob("*.py")):
+        roots = {name.split(".")[0] for name in _imported_modules(path)}
+        assert not roots & ABOVE[package], (path, roots & ABOVE[package])
+
+
+def test_the_runtime_imports_no_torch() -> None:
+    for path in sorted((ROOT / "actors").glob("*.py")):
+        roots = {name.split(".")[0] for name in _imported_modules(path)}
+        assert "torch" not in roots and "numpy" not in roots, path
+
+
+def _code_strings(path: Path) -> list[str]:
+    """The string constants of a module that are not docstrings."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr)
+                  and isinstance(node.body[0].value, ast.Constant)}
+    return [node.value for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings]
+
+
+def test_the_runtime_names_no_module_above_it_in_code() -> None:
+    # The stage package and the scheduler come in through entry points (actors/plugins.py).
+    for path in sorted((ROOT / "actors").rglob("*.py")):
+        assert not [s for s in _code_strings(path) if "schedulers" in s or "stages" in s], path
+
+
+def test_the_upper_layers_use_only_what_actors_exports() -> None:
+    import actors
+
+    for package in ("stages", "schedulers"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("actors"):
+                    if package == "stages":
+                        continue  # the stage actor is an actor: it may use the runtime's internals
+                    assert node.module == "actors", f"{path}: from {node.module} import ..."
+                    assert all(alias.name in actors.__all__ for alias in node.names), path
+                elif isinstance(node, ast.Import) and package == "schedulers":
+                    assert not [a.name for a in node.names if a.name.startswith("actors.")], path
+
+
+def test_the_console_calls_no_endpoint_by_name() -> None:
+    for path in sorted((ROOT / "schedulers" / "console").rglob("*.py")):
+        assert 'ask("' not in path.read_text(encoding="utf-8"), path
