@@ -7,7 +7,6 @@ unknown key, so nothing the scheduler reports is dropped on the way.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -103,12 +102,6 @@ class StepStats(WireRecord):
     lr: list[float] = field(default_factory=list)
     predicted_step_s: float | None = None
     prediction_error: float | None = None
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> StepStats:
-        """Deprecated: :meth:`from_wire`, which refuses unknown keys instead of dropping them."""
-        warnings.warn("StepStats.from_dict is deprecated; use StepStats.from_wire", DeprecationWarning, stacklevel=2)
-        return cls.from_wire(data)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

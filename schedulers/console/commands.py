@@ -205,7 +205,7 @@ async def _submit(session: Session, args: list[str]) -> None:
     for line in config.notices:
         _print(session, f"note: {line}")
     spec = config.spec
-    _print(session, f"submitting {spec.model} on {spec.pipeline_stages} stages ...")
+    _print(session, f"submitting {spec.training.model} on {spec.parallelism.pipeline_stages} stages ...")
     try:
         with warnings.catch_warnings():  # printed below as console lines, not as Python warnings
             warnings.simplefilter("ignore", PlacementWarning)
@@ -215,7 +215,8 @@ async def _submit(session: Session, args: list[str]) -> None:
     if job.id not in session.job_ids:
         session.job_ids.append(job.id)
     session.last_submitted = job.id
-    _print(session, f"submitted {job.id}: {spec.schedule}, {spec.micro_batches} micro-batches, "
+    p = spec.parallelism
+    _print(session, f"submitted {job.id}: {p.schedule}, {p.micro_batches} micro-batches, "
                     f"stages on {', '.join(job.nodes)}, layers {job.bounds}")
     for notice in job.notices:
         _print(session, f"warning: {job.id}: {notice}")
@@ -307,7 +308,7 @@ async def _checkpoint(session: Session, args: list[str]) -> None:
     job = await session.job(args[0])
     try:
         with session.reporting():
-            await job.checkpoint(args[1])
+            await job.save(args[1])
             info = await job.describe()
     except OSError as exc:
         raise CommandError(f"cannot write {args[1]}: {exc}") from None

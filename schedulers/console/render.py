@@ -79,8 +79,7 @@ def jobs_table(infos: Sequence[Mapping[str, Any]]) -> Table:
     for column in ("job", "schedule", "micro-batches", "mesh (p x t x d)", "nodes", "steps", "state"):
         table.add_column(column)
     for info in infos:
-        spec = info.get("spec", {})
-        table.add_row(str(info["job"]), _schedule(info), str(spec.get("micro_batches")),
+        table.add_row(str(info["job"]), _schedule(info), str(_setting(info, "parallelism", "micro_batches")),
                       " x ".join(map(str, info.get("mesh", []))), ", ".join(info.get("nodes", [])),
                       str(info.get("steps")), job_status(info))
     return table
@@ -102,12 +101,13 @@ def status_table(infos: Sequence[Mapping[str, Any]]) -> Table:
 
 def job_detail(info: Mapping[str, Any]) -> list[str]:
     """A job's status as lines: layout, last step, run, pending settings, bytes per edge."""
-    spec, stats = info.get("spec", {}), info.get("last_stats") or {}
+    stats = info.get("last_stats") or {}
     mesh = info.get("mesh", [1, 1, 1])
+    codecs = "/".join(str(_setting(info, "communication", key)) for key in ("activation_codec", "gradient_codec"))
     lines = [
-        f"{info['job']}: {spec.get('model')} | schedule {_schedule(info)}, {spec.get('micro_batches')} "
-        f"micro-batches | {mesh[0]} stages x {mesh[1]} tp x {mesh[2]} dp on {', '.join(info.get('nodes', []))} "
-        f"| codecs {spec.get('activation_codec')}/{spec.get('gradient_codec')} | {job_status(info)}",
+        f"{info['job']}: {_setting(info, 'training', 'model')} | schedule {_schedule(info)}, "
+        f"{_setting(info, 'parallelism', 'micro_batches')} micro-batches | {mesh[0]} stages x {mesh[1]} tp x "
+        f"{mesh[2]} dp on {', '.join(info.get('nodes', []))} | codecs {codecs} | {job_status(info)}",
     ]
     if stats:
         lines.append(
@@ -126,8 +126,9 @@ def job_detail(info: Mapping[str, Any]) -> list[str]:
         if stats.get("loss_scale") is not None:
             training.append(f"loss scale {_number(stats.get('loss_scale'), 'g')} "
                             f"({stats.get('skipped_steps', 0)} steps skipped for overflow)")
-        if spec.get("precision", "fp32") != "fp32":
-            training.append(f"precision {spec.get('precision')}")
+        precision = _setting(info, "mixed_precision", "precision") or "fp32"
+        if precision != "fp32":
+            training.append(f"precision {precision}")
         if training:
             lines.append(", ".join(training))
         for names in stats.get("tied") or []:
@@ -152,17 +153,22 @@ def job_detail(info: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def _setting(info: Mapping[str, Any], section: str, name: str) -> Any:
+    """One field of a job description's spec (as it travels: one map per section), None if absent."""
+    return (info.get("spec") or {}).get(section, {}).get(name)
+
+
 def _schedule(info: Mapping[str, Any]) -> str:
     """``1f1b``, or ``auto (zero_bubble)``: the setting and, where auto chose, what runs."""
-    setting, running = info.get("spec", {}).get("schedule"), info.get("running")
+    setting, running = _setting(info, "parallelism", "schedule"), info.get("running")
     return f"{setting} ({running})" if running and running != setting else str(setting)
 
 
 def schedule_grid(info: Mapping[str, Any]) -> str:
     """The job's compiled programs as a stage-by-time grid, with a one-line header."""
-    spec = info.get("spec", {})
     programs = {rank: [Action.parse(a) for a in program] for rank, program in enumerate(info.get("programs", []))}
-    header = (f"{info['job']}: {_schedule(info)}, {len(programs)} stages, {spec.get('micro_batches')} "
+    micro_batches = _setting(info, "parallelism", "micro_batches")
+    header = (f"{info['job']}: {_schedule(info)}, {len(programs)} stages, {micro_batches} "
               "micro-batches (one column per action slot; - idle)")
     return header + "\n" + format_grid(programs)
 

@@ -419,7 +419,7 @@ def test_submit_takes_a_deepspeed_file_and_a_job_file(tmp_path: Path, order: str
     asyncio.run(execute(session, ["submit", *words]))  # type: ignore[arg-type]
     assert session.cluster.specs == [load_config(ds, job=job).spec]
     spec = session.cluster.specs[0]
-    assert (spec.optimizer[0], spec.gradient_clipping, spec.micro_batches) == ("torch.optim:AdamW", 1.0, 4)
+    assert (spec.optimization.optimizer[0], spec.optimization.gradient_clipping, spec.parallelism.micro_batches) == ("torch.optim:AdamW", 1.0, 4)
     out = session.text.getvalue()
     assert "note: steps_per_print: no effect here" in out
     assert "submitted job7: 1f1b, 4 micro-batches, stages on node0, node1" in out

@@ -79,4 +79,4 @@ def test_w_batching_needs_fused_weight_gradients() -> None:
     from schedulers.jobs import JobSpec
 
     with pytest.raises(ValueError, match="needs gradient_accumulation_fusion"):
-        JobSpec(model=GPT["model"], w_batching=True, gradient_accumulation_fusion=False)
+        JobSpec.of(model=GPT["model"], w_batching=True, gradient_accumulation_fusion=False)

@@ -108,7 +108,7 @@ def test_auto_batch_sizes_are_resolved_from_the_others_and_the_mesh(
     config = {"model": "examples.models:residual_mlp", "mesh": {"data_parallel": data_parallel}, **batch,
               "data": {"factory": "examples.data:regression_batches"}}
     result = translate_config(config)
-    assert (result.spec.data_kwargs["batch_size"], result.spec.micro_batches) == (expected[0], expected[2])
+    assert (result.spec.training.data_kwargs["batch_size"], result.spec.parallelism.micro_batches) == (expected[0], expected[2])
     notices = dict(line.split(": ", 1) for line in result.notices)
     for key, text in resolved.items():
         assert notices[key].startswith(text)
@@ -130,19 +130,19 @@ def test_the_example_gpt_config_translates_to_a_valid_job() -> None:
     config = load_config(EXAMPLE)
     spec = config.spec
     assert isinstance(spec, JobSpec) and config.notices == ()
-    assert spec.model == "examples.models:gpt" and spec.loss == "examples.models:lm_loss"
-    assert spec.optimizer == ("torch.optim:AdamW", {"lr": 0.001})
-    assert spec.pipeline_stages == 2 and spec.schedule == "1f1b"
-    assert spec.micro_batches == 4  # gradient_accumulation_steps: the micro-batches of one step
-    assert spec.data == "examples.data:char_batches"
-    assert spec.data_kwargs["batch_size"] == 32  # train_batch_size, filled in for the factory
-    assert spec.partition_method == "parameters"
+    assert spec.training.model == "examples.models:gpt" and spec.training.loss == "examples.models:lm_loss"
+    assert spec.optimization.optimizer == ("torch.optim:AdamW", {"lr": 0.001})
+    assert spec.parallelism.pipeline_stages == 2 and spec.parallelism.schedule == "1f1b"
+    assert spec.parallelism.micro_batches == 4  # gradient_accumulation_steps: the micro-batches of one step
+    assert spec.training.data == "examples.data:char_batches"
+    assert spec.training.data_kwargs["batch_size"] == 32  # train_batch_size, filled in for the factory
+    assert spec.parallelism.partition_method == "parameters"
 
 
 def test_keys_the_file_leaves_out_take_the_specs_defaults() -> None:
     spec = translate(MINIMAL)
-    defaults = JobSpec(model="examples.models:residual_mlp")
-    assert spec.replace(micro_batches=defaults.micro_batches) == defaults
+    defaults = JobSpec.of(model="examples.models:residual_mlp")
+    assert spec.replace(micro_batches=defaults.parallelism.micro_batches) == defaults
 
 
 def test_everything_a_config_can_say_reaches_train() -> None:
@@ -160,7 +160,7 @@ def test_everything_a_config_can_say_reaches_train() -> None:
     }
     spec = translate(config)
     kwargs = spec.to_wire()
-    assert spec.optimizer == ("torch.optim:AdamW", {"lr": 0.01, "betas": [0.9, 0.95]})  # DeepSpeed's adam_w_mode
+    assert spec.optimization.optimizer == ("torch.optim:AdamW", {"lr": 0.01, "betas": [0.9, 0.95]})  # DeepSpeed's adam_w_mode
     assert (kwargs["schedule"], kwargs["virtual_stages"], kwargs["partition_method"]) == ("interleaved", 2, "uniform")
     assert (kwargs["data_parallel"], kwargs["micro_batches"], kwargs["data_kwargs"]["batch_size"]) == (2, 4, 16)
     assert kwargs["gradient_codec"] == ["int4", "fp16", "none"] and kwargs["reduce_codec"] == "int8"
@@ -180,17 +180,17 @@ def test_everything_deepspeed_can_say_reaches_the_spec() -> None:
         "communication_data_type": "bf16", "tensor_parallel": {"autotp_size": 2},
     }
     spec = translate(config)
-    assert (spec.precision, spec.loss_scale, spec.initial_scale_power, spec.loss_scale_window, spec.hysteresis,
-            spec.min_loss_scale) == ("fp16", 128.0, 8, 50, 3, 0.5)
-    assert (spec.gradient_clipping, spec.zero_stage, spec.activation_checkpointing) == (0.5, 1, 2)
-    assert spec.lr_scheduler == ("stages.state.lr:WarmupLR", {"warmup_num_steps": 10})
-    assert (spec.partition_method, spec.reduce_codec, spec.tensor_parallel) == ("type:Linear", "bf16", 2)
+    assert (spec.mixed_precision.precision, spec.mixed_precision.loss_scale, spec.mixed_precision.initial_scale_power, spec.mixed_precision.loss_scale_window, spec.mixed_precision.hysteresis,
+            spec.mixed_precision.min_loss_scale) == ("fp16", 128.0, 8, 50, 3, 0.5)
+    assert (spec.optimization.gradient_clipping, spec.optimization.zero_stage, spec.runtime.activation_checkpointing) == (0.5, 1, 2)
+    assert spec.optimization.lr_scheduler == ("stages.state.lr:WarmupLR", {"warmup_num_steps": 10})
+    assert (spec.parallelism.partition_method, spec.communication.reduce_codec, spec.parallelism.tensor_parallel) == ("type:Linear", "bf16", 2)
 
 
 def test_bf16_skips_a_step_with_an_overflow_as_deepspeed_does() -> None:
     assert translate({**MINIMAL, "bf16": {"enabled": True}}).on_nonfinite == "skip"
     result = translate_config({**MINIMAL, "bfloat16": {"enabled": True, "check_grad_overflow": False}})
-    assert (result.spec.precision, result.spec.on_nonfinite) == ("bf16", "raise")
+    assert (result.spec.mixed_precision.precision, result.spec.fault_tolerance.on_nonfinite) == ("bf16", "raise")
     assert "bfloat16: the old name of bf16: read as bf16" in result.notices
 
 
@@ -216,7 +216,7 @@ def test_files_are_read_as_deepspeed_reads_them_hjson(tmp_path: Path) -> None:
           "fp16": {"enabled": false,},
         }
     """)
-    assert load_config(path).spec.optimizer == ("torch.optim:SGD", {"lr": 0.1})
+    assert load_config(path).spec.optimization.optimizer == ("torch.optim:SGD", {"lr": 0.1})
 
 
 @pytest.mark.parametrize(("text", "message"), [
@@ -260,9 +260,9 @@ def test_the_job_part_and_arguments_merge_over_the_file_with_a_notice() -> None:
     job = {"model": "examples.models:residual_mlp", "pipeline": {"stages": 2}, "optimizer": {"params": {"lr": 3e-4}}}
     result = translate_config(ds, job=job, model={"kwargs": {"blocks": 4}}, seed=7)
     spec = result.spec
-    assert (spec.pipeline_stages, spec.partition_method, spec.seed) == (2, "uniform", 7)
-    assert spec.optimizer == ("torch.optim:AdamW", {"lr": 3e-4, "weight_decay": 0.1})
-    assert spec.model_kwargs == {"blocks": 4}
+    assert (spec.parallelism.pipeline_stages, spec.parallelism.partition_method, spec.training.seed) == (2, "uniform", 7)
+    assert spec.optimization.optimizer == ("torch.optim:AdamW", {"lr": 3e-4, "weight_decay": 0.1})
+    assert spec.training.model_kwargs == {"blocks": 4}
     assert "pipeline.stages: 2 from the job config replaces 4 from the config" in result.notices
     assert "optimizer.params.lr: 0.0003 from the job config replaces 0.001 from the config" in result.notices
     # an optimizer of another type replaces the whole block: its params belong to the type
@@ -273,12 +273,12 @@ def test_the_job_part_and_arguments_merge_over_the_file_with_a_notice() -> None:
 def test_a_job_file_resolves_the_autos_of_a_hugging_face_style_config() -> None:
     result = load_config(DS_CONFIGS / "hf_trainer_zero1.json", job=DS_CONFIGS / "hf_trainer_job.json")
     spec = result.spec
-    assert (spec.micro_batches, spec.data_parallel, spec.data_kwargs["batch_size"]) == (2, 2, 16)
-    assert spec.optimizer == ("torch.optim:AdamW", {"lr": 3e-4, "betas": [0.9, 0.999], "eps": 1e-8,
+    assert (spec.parallelism.micro_batches, spec.parallelism.data_parallel, spec.training.data_kwargs["batch_size"]) == (2, 2, 16)
+    assert spec.optimization.optimizer == ("torch.optim:AdamW", {"lr": 3e-4, "betas": [0.9, 0.999], "eps": 1e-8,
                                                     "weight_decay": 0.0})
-    assert spec.lr_scheduler == ("stages.state.lr:WarmupDecayLR", {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-4,
+    assert spec.optimization.lr_scheduler == ("stages.state.lr:WarmupDecayLR", {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-4,
                                                              "warmup_num_steps": 50, "total_num_steps": 1000})
-    assert (spec.precision, spec.gradient_clipping, spec.zero_stage) == ("fp16", 1.0, 1)
+    assert (spec.mixed_precision.precision, spec.optimization.gradient_clipping, spec.optimization.zero_stage) == ("fp16", 1.0, 1)
     notices = dict(line.split(": ", 1) for line in result.notices)
     assert notices["gradient_clipping"].startswith("\"auto\" is 1.0, the Hugging Face Trainer's default")
     assert notices["bf16.enabled"].startswith("\"auto\" is false")
@@ -298,18 +298,18 @@ def test_deepspeed_examples_style_configs_run_without_edits(ds: str) -> None:
     result = load_config(DS_CONFIGS / ds, job=DS_CONFIGS / "gpt2_job.json")
     assert (DS_CONFIGS / ds).read_bytes() == before
     spec = result.spec
-    assert isinstance(spec, JobSpec) and spec.model == "examples.models:gpt" and spec.pipeline_stages == 2
+    assert isinstance(spec, JobSpec) and spec.training.model == "examples.models:gpt" and spec.parallelism.pipeline_stages == 2
     if ds == "gpt2_fp16_zero1.json":
-        assert spec.optimizer == ("torch.optim:AdamW", {"lr": 1.5e-4, "betas": [0.9, 0.95], "eps": 1e-8,
+        assert spec.optimization.optimizer == ("torch.optim:AdamW", {"lr": 1.5e-4, "betas": [0.9, 0.95], "eps": 1e-8,
                                                         "weight_decay": 0.01})
-        assert spec.lr_scheduler == ("stages.state.lr:WarmupLR", {"warmup_min_lr": 0, "warmup_max_lr": 1.5e-4,
+        assert spec.optimization.lr_scheduler == ("stages.state.lr:WarmupLR", {"warmup_min_lr": 0, "warmup_max_lr": 1.5e-4,
                                                             "warmup_num_steps": 100, "warmup_type": "linear"})
-        assert (spec.precision, spec.loss_scale, spec.initial_scale_power, spec.loss_scale_window) == \
+        assert (spec.mixed_precision.precision, spec.mixed_precision.loss_scale, spec.mixed_precision.initial_scale_power, spec.mixed_precision.loss_scale_window) == \
             ("fp16", 0.0, 12, 500)
-        assert (spec.gradient_clipping, spec.zero_stage, spec.activation_checkpointing) == (1.0, 1, True)
-        assert (spec.micro_batches, spec.data_kwargs["batch_size"]) == (8, 32)
+        assert (spec.optimization.gradient_clipping, spec.optimization.zero_stage, spec.runtime.activation_checkpointing) == (1.0, 1, True)
+        assert (spec.parallelism.micro_batches, spec.training.data_kwargs["batch_size"]) == (8, 32)
     else:
-        assert (spec.partition_method, spec.activation_checkpointing, spec.micro_batches) == ("type:Linear", 1, 32)
+        assert (spec.parallelism.partition_method, spec.runtime.activation_checkpointing, spec.parallelism.micro_batches) == ("type:Linear", 1, 32)
         assert "cuda_visible_devices: not a DeepSpeed or actorpipe key: ignored" in "\n".join(result.notices)
     assert JobSpec.from_wire(spec.to_wire()) == spec
 
@@ -371,7 +371,7 @@ def test_optimizer_params_are_checked_against_the_class_before_submit(params: di
 def test_auto_optimizer_params_other_than_the_learning_rate_are_the_trainers_defaults() -> None:
     result = translate_config({**MINIMAL, "optimizer": {"type": "AdamW", "params": {
         "lr": 1e-3, "betas": "auto", "eps": "auto", "weight_decay": "auto"}}})
-    assert result.spec.optimizer == ("torch.optim:AdamW", {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8,
+    assert result.spec.optimization.optimizer == ("torch.optim:AdamW", {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8,
                                                            "weight_decay": 0.0})
     assert sum("the Hugging Face Trainer's default" in line for line in result.notices) == 3
 
@@ -426,7 +426,7 @@ def test_a_wrong_schedule_is_refused_naming_the_key(scheduler: dict[str, Any], k
 
 def test_an_unknown_warmup_type_falls_back_to_log_as_in_deepspeed() -> None:
     result = translate_config({**MINIMAL, "scheduler": {"type": "WarmupLR", "params": {"warmup_type": "cosine"}}})
-    assert result.spec.lr_scheduler == ("stages.state.lr:WarmupLR", {"warmup_type": "log"})
+    assert result.spec.optimization.lr_scheduler == ("stages.state.lr:WarmupLR", {"warmup_type": "log"})
     assert "DeepSpeed falls back to log" in "\n".join(result.notices)
 
 
@@ -511,7 +511,7 @@ def test_deepspeed_sub_keys_are_honoured_or_say_what_happens_instead(block: dict
 
 def test_a_config_can_let_the_job_choose_its_schedule_within_a_stash_limit() -> None:
     spec = translate({**MINIMAL, "pipeline": {"stages": 2, "schedule": "auto", "max_stash_bytes": 1 << 28}})
-    assert (spec.schedule, spec.max_stash_bytes) == ("auto", 1 << 28)
+    assert (spec.parallelism.schedule, spec.parallelism.max_stash_bytes) == ("auto", 1 << 28)
     assert "pipeline.max_stash_bytes" in problems_of({**MINIMAL, "pipeline": {"schedule": "auto",
                                                                               "max_stash_bytes": 0}})
 
@@ -521,7 +521,7 @@ def test_activation_checkpointing_is_an_interval_or_every_layer() -> None:
     assert translate({**MINIMAL, "pipeline": {"activation_checkpoint_interval": 0}}).activation_checkpointing is False
     assert translate({**MINIMAL, "activation_checkpointing": {}}).activation_checkpointing is True
     off = translate_config({**MINIMAL, "activation_checkpointing": {}, "pipeline": {"activation_checkpoint_interval": 0}})
-    assert off.spec.activation_checkpointing is False
+    assert off.spec.runtime.activation_checkpointing is False
     assert "activation_checkpointing: checkpointing is off" in off.notices[0]
 
 
@@ -610,11 +610,11 @@ def test_a_missing_model_is_named() -> None:
 
 def test_deepspeeds_type_partition_and_split_points_reach_the_spec() -> None:
     spec = translate({**MINIMAL, "pipeline": {"stages": 2, "partition_method": "type:Linear"}})
-    assert spec.partition_method == "type:Linear"
+    assert spec.parallelism.partition_method == "type:Linear"
     spec = translate({**MINIMAL, "model": {"factory": "examples.hf:gpt2"},
                       "data": {"factory": "examples.data:char_batches", "kwargs": {"batch_size": 8}},
                       "pipeline": {"stages": 2, "split_points": ["transformer.h.2"]}})
-    assert isinstance(spec, JobSpec) and spec.split_points == ["transformer.h.2"]
+    assert isinstance(spec, JobSpec) and spec.parallelism.split_points == ["transformer.h.2"]
 
 
 def test_the_old_return_value_still_answers_with_a_deprecation_warning(tmp_path: Path) -> None:
@@ -626,7 +626,7 @@ def test_the_old_return_value_still_answers_with_a_deprecation_warning(tmp_path:
         assert config.model == "examples.models:residual_mlp"  # type: ignore[attr-defined]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert config.spec.model == "examples.models:residual_mlp"
+        assert config.spec.training.model == "examples.models:residual_mlp"
     with pytest.raises(AttributeError), pytest.warns(DeprecationWarning):
         config.no_such_field  # type: ignore[attr-defined]  # noqa: B018
 
