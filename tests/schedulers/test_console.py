@@ -46,9 +46,10 @@ CPR_REQUEST = "\x1b[6n"
 SMALL_CONFIG: dict[str, Any] = {
     "train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,  # so 4 micro-batches
     "optimizer": {"type": "SGD", "params": {"lr": 0.05}},
-    "model": {"factory": "examples.models:residual_mlp", "kwargs": {"blocks": 4, "dim": 16, "hidden": 32}},
-    "data": {"factory": "examples.data:regression_batches", "kwargs": {"seq": 4, "dim": 16, "learnable": True}},
-    "pipeline": {"stages": 2, "schedule": "1f1b"},
+    "training": {"model": "examples.models:residual_mlp", "model_kwargs": {"blocks": 4, "dim": 16, "hidden": 32},
+                 "data": "examples.data:regression_batches",
+                 "data_kwargs": {"seq": 4, "dim": 16, "learnable": True}},
+    "parallelism": {"pipeline_stages": 2, "schedule": "1f1b"},
 }
 
 
@@ -310,7 +311,7 @@ def test_submit_a_deepspeed_file_as_it_is_with_a_job_file(head_address: str, tmp
       "fp16": {"enabled": false}, "zero_optimization": {"stage": 0}, "gradient_clipping": 0,
       "steps_per_print": 10, "wall_clock_breakdown": false,
     }""")
-    job.write_text(json.dumps({key: SMALL_CONFIG[key] for key in ("model", "data", "pipeline")}))
+    job.write_text(json.dumps({key: SMALL_CONFIG[key] for key in ("training", "parallelism")}))
     done = exec_console(head_address, f"submit {ds} --job {job}; run last 1; close last")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "note: steps_per_print: no effect here" in done.stdout
@@ -351,7 +352,8 @@ def test_a_hung_step_reports_where_each_stage_is_stuck(head_address: str, tmp_pa
     config.write_text(json.dumps({
         **SMALL_CONFIG, "step_timeout_s": 1.5,
         # Every forward sleeps 3 s: at the timeout stage 0 is still in its first one.
-        "model": {"factory": "tests.helpers.models:stalling", "kwargs": {"layers": 2, "dim": 16, "seconds": 3.0}},
+        "training": {**SMALL_CONFIG["training"], "model": "tests.helpers.models:stalling",
+                     "model_kwargs": {"layers": 2, "dim": 16, "seconds": 3.0}},
     }))
     done = exec_console(head_address, f"submit {config}; run last 1")
     assert done.returncode == 1
@@ -406,7 +408,9 @@ def _deepspeed_and_job_files(tmp_path: Path) -> tuple[Path, Path]:
     ds, job = tmp_path / "ds.json", tmp_path / "job.json"
     ds.write_text('{"train_batch_size": 8, "gradient_accumulation_steps": 4, "gradient_clipping": 1.0, '
                   '"optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "steps_per_print": 10,}')
-    job.write_text(json.dumps({"model": SMALL_CONFIG["model"], "pipeline": {"stages": 2}}))
+    training = SMALL_CONFIG["training"]
+    job.write_text(json.dumps({"model": training["model"], "model_kwargs": training["model_kwargs"],
+                               "pipeline_stages": 2}))
     return ds, job
 
 
