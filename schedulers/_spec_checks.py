@@ -110,7 +110,8 @@ def factory_path(name: str, value: Any) -> str:
     Raises:
         TypeError: neither a path nor a function or class.
         ValueError: a malformed path, or an object no node could import by its path (a
-            lambda, a function defined inside another, one defined in ``__main__``).
+            lambda, a function defined inside another, one defined in ``__main__``, one
+            whose path names a private module or name).
     """
     if isinstance(value, str):
         if not _IMPORT_PATH.match(value):
@@ -124,6 +125,10 @@ def factory_path(name: str, value: Any) -> str:
            else "it is defined inside a function: move it to a module's top level" if "<locals>" in qualname
            else "it is defined in __main__, which is not the nodes' __main__: move it to a module the nodes import"
            if module == "__main__" else None)
+    private = next((p for p in re.split(r"[.]", f"{module}.{qualname}") if p.startswith("_")), None)
+    if why is None and private is not None:
+        why = (f"its path {module}:{qualname} names {private!r}, and nodes import public names only: give the "
+               "public path it is exported under as a string ('package.module:name')")
     if why is None:
         found: Any = sys.modules.get(module)
         for part in qualname.split("."):

@@ -695,9 +695,9 @@ class JobController:
         """
         new = plan_setting(self.pending_spec or self.spec, key, value)
         self.pending_spec = new
-        self.pending[key] = getattr(new, key)
-        self._publish({"type": "setting_pending", "job": self.id, "key": key, "value": getattr(new, key)})
-        return SettingChange(job=self.id, key=key, value=getattr(new, key), stepping=self.lock.locked(),
+        self.pending[key] = value = new.get(key)
+        self._publish({"type": "setting_pending", "job": self.id, "key": key, "value": value})
+        return SettingChange(job=self.id, key=key, value=value, stepping=self.lock.locked(),
                              next_step=self.next_step)
 
     async def _apply_pending(self) -> None:

@@ -31,9 +31,10 @@ from rich.console import Console
 from actors import LocalCluster
 from schedulers.deepspeed.config import load_config
 from schedulers.console.commands import execute, split_commands
-from schedulers.console.render import event_line
+from schedulers.console.render import event_line, job_detail, schedule_grid
 from schedulers.console.repl import ConsoleCompleter
 from schedulers.console.session import CommandError, Session
+from schedulers.jobs import JobSpec
 from schedulers.schedules import build_schedule
 from transport.loop import run
 
@@ -553,3 +554,15 @@ def test_tab_completes_paths(tmp_path: Path) -> None:
 ])
 def test_events_print_as_one_line(event: dict[str, Any], line: str | None) -> None:
     assert event_line(event) == line
+
+
+def test_a_jobs_detail_reads_its_settings_from_the_specs_sections() -> None:
+    spec = JobSpec.of(model="examples.models:residual_mlp", pipeline_stages=2, micro_batches=4,
+                      activation_codec="int8", precision="bf16", schedule="gpipe")
+    info = {"job": "job0", "spec": spec.to_wire(), "mesh": [2, 1, 1], "nodes": ["node0", "node1"], "steps": 1,
+            "programs": [["0F0"], ["1F0"]], "last_stats": {"step": 0, "loss": 1.0, "grad_norm": 0.5}}
+    first, *rest = job_detail(info)
+    assert first.startswith("job0: examples.models:residual_mlp | schedule gpipe, 4 micro-batches | 2 stages")
+    assert "codecs int8/none" in first
+    assert any("precision bf16" in line for line in rest)
+    assert schedule_grid(info).startswith("job0: gpipe, 2 stages, 4 micro-batches")

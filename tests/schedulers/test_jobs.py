@@ -189,6 +189,7 @@ def _in_main() -> Any:
     (functools.partial(plain_factory), TypeError, "training.model must be an import path .* or the function or class "
                                                   "itself, got partial"),
     (7, TypeError, "training.model must be an import path"),
+    (_nested, ValueError, "names '_nested', and nodes import public names only"),
 ])
 def test_a_factory_no_node_could_import_by_its_path_is_refused_with_why(
     factory: Any, error: type[Exception], message: str

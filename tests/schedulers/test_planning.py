@@ -226,7 +226,7 @@ def test_auto_probes_w_batching_between_the_warm_up_and_the_timed_step() -> None
     spec = JobSpec.of(model=MODEL, pipeline_stages=2, micro_batches=4, schedule="auto")
     auto = AutoSchedule(spec)
     assert probe_steps(spec) == PROBE_STEPS + 1 == 3
-    assert probe_steps(dataclasses.replace(spec, gradient_accumulation_fusion=False)) == PROBE_STEPS
+    assert probe_steps(spec.replace(gradient_accumulation_fusion=False)) == PROBE_STEPS
     ran = []
     for _ in range(2):
         ran.append(auto.running_w_batching(spec))
@@ -260,7 +260,7 @@ def test_auto_measures_on_the_probe_schedule_then_runs_its_choice() -> None:
     plan = auto.plan("job0", spec)
     assert (plan.state, plan.chosen, plan.prediction_error) == ("planned", chosen.label, pytest.approx(1.0))
     assert plan.costs is not None and plan.costs.overhead_s == 0.25
-    auto.reset(dataclasses.replace(spec, micro_batches=8))  # a setting changed: measure again
+    auto.reset(spec.replace(micro_batches=8))  # a setting changed: measure again
     assert auto.measuring and auto.chosen is None
 
 
