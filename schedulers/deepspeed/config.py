@@ -322,15 +322,18 @@ def _merge(t: Translation, sources: list[tuple[str, Any]]) -> tuple[dict[str, An
     for index, (source, layer) in enumerate(sources):
         if not isinstance(layer, Mapping):
             raise ConfigError(source, f"must be an object of config keys, got {type(layer).__name__}")
-        layer = _sectioned(layer)
+        layer = _sectioned(t, layer)
         if index:
             strict.update(layer)
         _merge_into(t, merged, layer, "", source, origins)
     return merged, strict
 
 
-def _sectioned(layer: Mapping[str, Any]) -> dict[str, Any]:
-    """``layer`` with each flat field moved into its section, so that both spellings merge key by key."""
+def _sectioned(t: Translation, layer: Mapping[str, Any]) -> dict[str, Any]:
+    """``layer`` with each flat field moved into its section, so that both spellings merge key by key.
+
+    A field given both ways in one layer is a problem: neither is later than the other.
+    """
     result: dict[str, Any] = {}
     for key, value in layer.items():
         if key not in FIELDS or key == "gradient_clipping" or (key in _SHARED and isinstance(value, Mapping)):
@@ -338,7 +341,9 @@ def _sectioned(layer: Mapping[str, Any]) -> dict[str, Any]:
     for key, value in layer.items():
         if key not in result:
             section = result.setdefault(FIELDS[key], {})
-            if isinstance(section, Mapping):  # else the section is wrong, and reported as such
+            if isinstance(section, Mapping) and key in section:
+                t.problem(key, f"given twice, flat and as {FIELDS[key]}.{key}; give it once")
+            elif isinstance(section, Mapping):  # else the section is wrong, and reported as such
                 result[FIELDS[key]] = {**section, key: value}
     return result
 

@@ -201,6 +201,7 @@ def test_a_job_file_in_the_specs_own_flat_names_trains_what_it_says(tmp_path: Pa
     ({"pipeline": {"schedule": "gpipe"}}, "pipeline.schedule",
      "not a key of DeepSpeed's pipeline block; actorpipe's is parallelism.schedule"),
     ({"model": {"factory": "examples.models:gpt"}}, "training.model", "its keyword arguments go beside it"),
+    ({"seed": 1, "training": {"seed": 2}}, "seed", "given twice, flat and as training.seed; give it once"),
 ])
 def test_actorpipes_keys_are_strict_and_name_the_nearest(job: dict[str, Any], key: str, message: str) -> None:
     found = problems_of(MINIMAL, job=job)
