@@ -71,7 +71,7 @@ class Cluster(actors.Cluster):
         """Starts a training job; returns its handle.
 
         Takes a :class:`~schedulers.jobs.JobSpec`, or its fields as keyword arguments
-        (see the README's table, generated from the spec's fields). Every argument is
+        (see docs/jobspec.md's table, generated from the spec's fields). Every argument is
         checked here, before anything is sent.
 
         Raises:

@@ -3,11 +3,11 @@
 :class:`JobSpec` is the one source of truth for a job's settings. ``cluster.train``
 builds one (from a ``JobSpec`` or from keyword arguments) before anything is sent;
 the DeepSpeed-style config translator returns one; the scheduler derives each stage
-actor's :class:`~actors.StageConfig` from it with :func:`stage_config`; the README's
-argument table is generated from the docstrings under its fields
-(``python -m schedulers.jobs`` prints it, and a test keeps the README equal to it).
+actor's :class:`~actors.StageConfig` from it with :func:`stage_config`; the argument
+table of docs/jobspec.md is generated from the docstrings under its fields
+(``python -m schedulers.jobs`` prints it, and a test keeps the page equal to it).
 
-Run: python -m schedulers.jobs      # the README's table of train() arguments
+Run: python -m schedulers.jobs      # docs/jobspec.md's table of train() arguments
 """
 
 from __future__ import annotations
@@ -224,7 +224,7 @@ class JobSpec:
                        self.micro_batches, self.num_virtual_stages if self.schedule == "interleaved" else None)
 
     def _check_training_options(self) -> None:
-        """Precision, loss scaling, clipping, LR schedule, activation checkpointing and ZeRO (issue 16)."""
+        """Precision, loss scaling, clipping, LR schedule, activation checkpointing and ZeRO (see docs/precision.md)."""
         _check_choice("precision", self.precision, PRECISIONS)
         for name in ("loss_scale", "min_loss_scale", "gradient_clipping"):
             value = getattr(self, name)
@@ -405,7 +405,7 @@ def stage_config(
     )
 
 
-# -- the README's table --------------------------------------------------------------
+# -- the reference table (docs/jobspec.md) --------------------------------------------
 
 
 def field_docs() -> dict[str, str]:
@@ -421,7 +421,7 @@ def field_docs() -> dict[str, str]:
 
 
 def argument_table() -> str:
-    """The README's markdown table of ``train()`` arguments, from the fields and their docstrings."""
+    """docs/jobspec.md's markdown table of ``train()`` arguments, from the fields and their docstrings."""
     docs = field_docs()
     rows = ["| argument | default | meaning |", "| --- | --- | --- |"]
     for f in fields(JobSpec):
