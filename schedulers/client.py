@@ -72,7 +72,7 @@ class Cluster(actors.Cluster):
 
         Takes a :class:`~schedulers.jobs.JobSpec`, or keyword arguments: its fields by
         their flat names (``micro_batches=8``), its sections (``parallelism=Parallelism(...)``
-        or a dict), or both (see the README's table, generated from the spec's fields).
+        or a dict), or both (see docs/jobspec.md's table, generated from the spec's fields).
         A factory is an import path or the function or class itself. Every argument is
         checked here, before anything is sent.
 

@@ -11,11 +11,11 @@ given whole (``parallelism=Parallelism(pipeline_stages=2)``, or a dict).
 
 ``cluster.train`` builds a spec before anything is sent; the DeepSpeed-style config
 reader returns one; the scheduler derives each stage actor's
-:class:`~stages.StageConfig` from it with :func:`stage_config`; the argument table is
-generated from the docstrings under the fields (``python -m schedulers.jobs`` prints
-it, and a test keeps the README equal to it).
+:class:`~stages.StageConfig` from it with :func:`stage_config`; the argument table of
+docs/jobspec.md is generated from the docstrings under the fields
+(``python -m schedulers.jobs`` prints it, and a test keeps the page equal to it).
 
-Run: python -m schedulers.jobs      # the table of train() arguments, by section
+Run: python -m schedulers.jobs      # docs/jobspec.md's table of train() arguments, by section
 """
 
 from __future__ import annotations
@@ -336,7 +336,7 @@ def stage_config(
     )
 
 
-# -- the table of arguments -------------------------------------------------------------
+# -- the reference table (docs/jobspec.md) --------------------------------------------
 
 
 def field_docs(cls: type[Any] | None = None) -> dict[str, str]:
@@ -353,7 +353,7 @@ def field_docs(cls: type[Any] | None = None) -> dict[str, str]:
 
 
 def argument_table() -> str:
-    """The markdown table of ``train()`` arguments, by section, from the fields and their docstrings.
+    """docs/jobspec.md's markdown table of ``train()`` arguments, by section, from the fields and their docstrings.
 
     One contiguous block: a bold row names each section (its name in a job file and in
     ``JobSpec``) before that section's fields.

@@ -188,9 +188,10 @@ async def _schedule(session: Session, args: list[str]) -> None:
 
 @command("submit CONFIG.json [--job JOB.json]", "start a job from a DeepSpeed config (and a job file)",
          "CONFIG.json is DeepSpeed's ds_config.json as it is (JSON or hjson), or one file with actorpipe's keys as "
-         "well; --job JOB.json gives actorpipe's part (model, loss, data, mesh, codecs) so that the DeepSpeed file "
+         "well; --job JOB.json gives actorpipe's part (the spec's sections and fields: model, loss, data, "
+         "pipeline_stages, ...) so that the DeepSpeed file "
          "needs no edit. Every problem is listed at once; keys that do something else here, or nothing, are "
-         "printed as notes. See schedulers/deepspeed/config.py and the README for the keys. Afterwards the job name 'last' "
+         "printed as notes. See docs/deepspeed.md for the keys. Afterwards the job name 'last' "
          "stands for this job, e.g. 'submit cfg.json; run last 10'.",
          args=("path", "flag", "path"), min_args=1, max_args=3, flags=("--job",))
 async def _submit(session: Session, args: list[str]) -> None:

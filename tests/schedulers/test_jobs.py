@@ -1,4 +1,4 @@
-"""The job contract: JobSpec checks every argument at the call, derives each stage's config, and is the README's table."""
+"""The job contract: JobSpec checks every argument at the call, derives each stage's config, and is the docs' table."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from transport.codecs import CODEC_NAMES
 
 pytestmark = pytest.mark.timeout(30)
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+REFERENCE = Path(__file__).resolve().parents[2] / "docs" / "jobspec.md"
 MODEL = "examples.models:residual_mlp"
 
 
@@ -267,13 +267,13 @@ def test_each_stage_config_is_derived_from_the_spec(spec: JobSpec, rank: int, ex
     assert all(wire[name] == spec.get(name) for name in shared)
 
 
-def test_the_readme_table_is_the_specs_fields() -> None:
+def test_the_reference_table_is_the_specs_fields() -> None:
     assert set(field_docs()) == set(FIELDS), "every field has a docstring under it"
     assert set(field_docs(JobSpec)) == set(SECTIONS), "every section has a docstring under it"
-    text = README.read_text()
+    text = REFERENCE.read_text()
     table = argument_table()
-    assert table in text, ("README.md's train() argument table differs from the spec; "
-                           "paste the output of `python -m schedulers.jobs` into it")
+    assert table in text, ("docs/jobspec.md's argument table differs from the spec; replace the whole "
+                           "table there with the output of `python -m schedulers.jobs`")
     assert "\n\n" not in table, "one contiguous block"
     sections = re.findall(r"^\| \*\*`(\w+)`\*\* \|", table, flags=re.M)
     assert sections == list(SECTIONS)

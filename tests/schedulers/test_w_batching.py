@@ -1,4 +1,4 @@
-"""W batching (issue 17, point 2): the weight-gradient GEMMs of a step's micro-batches run as one."""
+"""W batching (see docs/parallelism.md): the weight-gradient GEMMs of a step's micro-batches run as one."""
 
 from __future__ import annotations
 
