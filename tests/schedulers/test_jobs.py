@@ -112,7 +112,8 @@ def test_every_argument_is_checked_for_type_and_range_with_its_name(
 
 def test_auto_takes_a_stash_limit_or_none_and_travels() -> None:
     spec = JobSpec.of(model=MODEL, pipeline_stages=2, micro_batches=3, schedule="auto", max_stash_bytes=64 << 20)
-    assert (spec.parallelism.schedule, spec.parallelism.max_stash_bytes, spec.num_virtual_stages) == ("auto", 64 << 20, 1)
+    p = spec.parallelism
+    assert (p.schedule, p.max_stash_bytes, p.num_virtual_stages) == ("auto", 64 << 20, 1)
     assert JobSpec.from_wire(spec.to_wire()) == spec
     assert JobSpec.of(model=MODEL, schedule="auto").parallelism.max_stash_bytes is None  # no limit
 
@@ -131,11 +132,13 @@ def test_an_old_spelling_is_an_error_that_names_the_new_one(old: str, new: str) 
 
 
 def test_flat_keywords_route_to_their_sections_and_sections_come_whole_or_as_dicts() -> None:
-    flat = JobSpec.of(model=MODEL, pipeline_stages=2, micro_batches=4, precision="bf16", step_timeout_s=30.0)
+    flat = JobSpec.of(model=MODEL, pipeline_stages=2, micro_batches=4, precision="bf16",
+                      step_timeout_s=30.0)
     whole = JobSpec(training=Training(model=MODEL), parallelism=Parallelism(pipeline_stages=2, micro_batches=4),
                     mixed_precision=MixedPrecision(precision="bf16"), fault_tolerance=FaultTolerance(step_timeout_s=30.0))
     dicts = JobSpec.of(training={"model": MODEL}, parallelism={"pipeline_stages": 2, "micro_batches": 4},
-                       mixed_precision={"precision": "bf16"}, step_timeout_s=30.0)
+                       mixed_precision={"precision": "bf16"},
+                       step_timeout_s=30.0)
     assert flat == whole == dicts
     assert (flat.parallelism.micro_batches, flat.mixed_precision.precision, flat.get("step_timeout_s")) == (4, "bf16", 30.0)
     # a flat field replaces the same field of a section given whole

@@ -244,7 +244,8 @@ def test_auto_probes_w_batching_between_the_warm_up_and_the_timed_step() -> None
 
 
 def test_auto_measures_on_the_probe_schedule_then_runs_its_choice() -> None:
-    spec = JobSpec.of(model=MODEL, pipeline_stages=2, micro_batches=4, schedule="auto", gradient_accumulation_fusion=False)
+    spec = JobSpec.of(model=MODEL, pipeline_stages=2, micro_batches=4, schedule="auto",
+                      gradient_accumulation_fusion=False)
     auto = AutoSchedule(spec)
     assert auto.running(spec) == AUTO_PROBE and auto.measuring and probe_steps(spec) == 2
     assert auto.plan("job0", spec).state == "measuring"

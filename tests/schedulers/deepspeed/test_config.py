@@ -19,7 +19,7 @@ from schedulers.deepspeed.config import (
     resolve_batch_sizes,
     translate_config,
 )
-from schedulers.jobs import JobSpec
+from schedulers.jobs import JobSpec, MixedPrecision
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -27,6 +27,11 @@ EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "gpt_config.json"
 DS_CONFIGS = Path(__file__).resolve().parent / "ds_configs"
 
 MINIMAL: dict[str, Any] = {"train_batch_size": 8, "model": "examples.models:residual_mlp"}
+
+
+def fields_of(spec: JobSpec, *names: str) -> tuple[Any, ...]:
+    """The spec's fields by their flat names, whatever their sections."""
+    return tuple(spec.get(name) for name in names)
 
 
 def translate(config: dict[str, Any], **kwargs: Any) -> JobSpec:
@@ -108,7 +113,8 @@ def test_auto_batch_sizes_are_resolved_from_the_others_and_the_mesh(
     config = {"model": "examples.models:residual_mlp", "data_parallel": data_parallel, **batch,
               "data": "examples.data:regression_batches"}
     result = translate_config(config)
-    assert (result.spec.training.data_kwargs["batch_size"], result.spec.parallelism.micro_batches) == (expected[0], expected[2])
+    spec = result.spec
+    assert (spec.training.data_kwargs["batch_size"], spec.parallelism.micro_batches) == (expected[0], expected[2])
     notices = dict(line.split(": ", 1) for line in result.notices)
     for key, text in resolved.items():
         assert notices[key].startswith(text)
@@ -209,8 +215,8 @@ def test_actorpipes_keys_are_strict_and_name_the_nearest(job: dict[str, Any], ke
 
 
 def test_an_unknown_key_in_the_deepspeed_file_is_a_notice_but_in_the_job_file_an_error() -> None:
-    assert "not a DeepSpeed or actorpipe key: ignored" in notices_of({**MINIMAL, "cuda_visible_devices": "0"})[
-        "cuda_visible_devices"]
+    notices = notices_of({**MINIMAL, "cuda_visible_devices": "0"})
+    assert "not a DeepSpeed or actorpipe key: ignored" in notices["cuda_visible_devices"]
     assert "cuda_visible_devices" in problems_of(MINIMAL, job={"cuda_visible_devices": "0"})
     assert "cuda_visible_devices" in problems_of(MINIMAL, cuda_visible_devices="0")
 
@@ -235,11 +241,11 @@ def test_everything_deepspeed_can_say_reaches_the_spec() -> None:
         "communication_data_type": "bf16", "tensor_parallel": {"autotp_size": 2},
     }
     spec = translate(config)
-    assert (spec.mixed_precision.precision, spec.mixed_precision.loss_scale, spec.mixed_precision.initial_scale_power, spec.mixed_precision.loss_scale_window, spec.mixed_precision.hysteresis,
-            spec.mixed_precision.min_loss_scale) == ("fp16", 128.0, 8, 50, 3, 0.5)
-    assert (spec.optimization.gradient_clipping, spec.optimization.zero_stage, spec.runtime.activation_checkpointing) == (0.5, 1, 2)
+    assert spec.mixed_precision == MixedPrecision(precision="fp16", loss_scale=128.0, initial_scale_power=8,
+                                                  loss_scale_window=50, hysteresis=3, min_loss_scale=0.5)
+    assert fields_of(spec, "gradient_clipping", "zero_stage", "activation_checkpointing") == (0.5, 1, 2)
     assert spec.optimization.lr_scheduler == ("stages.state.lr:WarmupLR", {"warmup_num_steps": 10})
-    assert (spec.parallelism.partition_method, spec.communication.reduce_codec, spec.parallelism.tensor_parallel) == ("type:Linear", "bf16", 2)
+    assert fields_of(spec, "partition_method", "reduce_codec", "tensor_parallel") == ("type:Linear", "bf16", 2)
 
 
 def test_bf16_skips_a_step_with_an_overflow_as_deepspeed_does() -> None:
@@ -252,7 +258,8 @@ def test_bf16_skips_a_step_with_an_overflow_as_deepspeed_does() -> None:
 @pytest.mark.parametrize("autocast", [{"enabled": True, "dtype": "torch.bfloat16"}, {"enabled": True}])
 def test_torch_autocast_is_the_precision(autocast: dict[str, Any]) -> None:
     assert translate({**MINIMAL, "torch_autocast": autocast}).mixed_precision.precision == "bf16"
-    assert translate({**MINIMAL, "torch_autocast": {"enabled": True, "dtype": "fp16"}}).mixed_precision.precision == "fp16"
+    fp16 = translate({**MINIMAL, "torch_autocast": {"enabled": True, "dtype": "fp16"}})
+    assert fp16.mixed_precision.precision == "fp16"
 
 
 # -- hjson, two files, arguments ---------------------------------------------------------------------
@@ -315,7 +322,7 @@ def test_the_job_part_and_arguments_merge_over_the_file_with_a_notice() -> None:
     job = {"model": "examples.models:residual_mlp", "pipeline": {"stages": 2}, "optimizer": {"params": {"lr": 3e-4}}}
     result = translate_config(ds, job=job, model_kwargs={"blocks": 4}, training={"seed": 7})
     spec = result.spec
-    assert (spec.parallelism.pipeline_stages, spec.parallelism.partition_method, spec.training.seed) == (2, "uniform", 7)
+    assert fields_of(spec, "pipeline_stages", "partition_method", "seed") == (2, "uniform", 7)
     assert spec.optimization.optimizer == ("torch.optim:AdamW", {"lr": 3e-4, "weight_decay": 0.1})
     assert spec.training.model_kwargs == {"blocks": 4}
     assert "pipeline.stages: 2 from the job config replaces 4 from the config" in result.notices
@@ -328,12 +335,12 @@ def test_the_job_part_and_arguments_merge_over_the_file_with_a_notice() -> None:
 def test_a_job_file_resolves_the_autos_of_a_hugging_face_style_config() -> None:
     result = load_config(DS_CONFIGS / "hf_trainer_zero1.json", job=DS_CONFIGS / "hf_trainer_job.json")
     spec = result.spec
-    assert (spec.parallelism.micro_batches, spec.parallelism.data_parallel, spec.training.data_kwargs["batch_size"]) == (2, 2, 16)
+    assert fields_of(spec, "micro_batches", "data_parallel") == (2, 2) and spec.training.data_kwargs["batch_size"] == 16
     assert spec.optimization.optimizer == ("torch.optim:AdamW", {"lr": 3e-4, "betas": [0.9, 0.999], "eps": 1e-8,
                                                     "weight_decay": 0.0})
-    assert spec.optimization.lr_scheduler == ("stages.state.lr:WarmupDecayLR", {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-4,
-                                                             "warmup_num_steps": 50, "total_num_steps": 1000})
-    assert (spec.mixed_precision.precision, spec.optimization.gradient_clipping, spec.optimization.zero_stage) == ("fp16", 1.0, 1)
+    assert spec.optimization.lr_scheduler == ("stages.state.lr:WarmupDecayLR", {
+        "warmup_min_lr": 0.0, "warmup_max_lr": 3e-4, "warmup_num_steps": 50, "total_num_steps": 1000})
+    assert fields_of(spec, "precision", "gradient_clipping", "zero_stage") == ("fp16", 1.0, 1)
     notices = dict(line.split(": ", 1) for line in result.notices)
     assert notices["gradient_clipping"].startswith("\"auto\" is 1.0, the Hugging Face Trainer's default")
     assert notices["bf16.enabled"].startswith("\"auto\" is false")
@@ -353,18 +360,19 @@ def test_deepspeed_examples_style_configs_run_without_edits(ds: str) -> None:
     result = load_config(DS_CONFIGS / ds, job=DS_CONFIGS / "gpt2_job.json")
     assert (DS_CONFIGS / ds).read_bytes() == before
     spec = result.spec
-    assert isinstance(spec, JobSpec) and spec.training.model == "examples.models:gpt" and spec.parallelism.pipeline_stages == 2
+    assert isinstance(spec, JobSpec) and fields_of(spec, "model", "pipeline_stages") == ("examples.models:gpt", 2)
     if ds == "gpt2_fp16_zero1.json":
         assert spec.optimization.optimizer == ("torch.optim:AdamW", {"lr": 1.5e-4, "betas": [0.9, 0.95], "eps": 1e-8,
                                                         "weight_decay": 0.01})
-        assert spec.optimization.lr_scheduler == ("stages.state.lr:WarmupLR", {"warmup_min_lr": 0, "warmup_max_lr": 1.5e-4,
+        assert spec.optimization.lr_scheduler == ("stages.state.lr:WarmupLR", {"warmup_min_lr": 0,
+                                                                            "warmup_max_lr": 1.5e-4,
                                                             "warmup_num_steps": 100, "warmup_type": "linear"})
-        assert (spec.mixed_precision.precision, spec.mixed_precision.loss_scale, spec.mixed_precision.initial_scale_power, spec.mixed_precision.loss_scale_window) == \
+        assert fields_of(spec, "precision", "loss_scale", "initial_scale_power", "loss_scale_window") == \
             ("fp16", 0.0, 12, 500)
-        assert (spec.optimization.gradient_clipping, spec.optimization.zero_stage, spec.runtime.activation_checkpointing) == (1.0, 1, True)
+        assert fields_of(spec, "gradient_clipping", "zero_stage", "activation_checkpointing") == (1.0, 1, True)
         assert (spec.parallelism.micro_batches, spec.training.data_kwargs["batch_size"]) == (8, 32)
     else:
-        assert (spec.parallelism.partition_method, spec.runtime.activation_checkpointing, spec.parallelism.micro_batches) == ("type:Linear", 1, 32)
+        assert fields_of(spec, "partition_method", "activation_checkpointing", "micro_batches") == ("type:Linear", 1, 32)
         assert "cuda_visible_devices: not a DeepSpeed or actorpipe key: ignored" in "\n".join(result.notices)
     assert JobSpec.from_wire(spec.to_wire()) == spec
 
@@ -572,8 +580,9 @@ def test_a_config_can_let_the_job_choose_its_schedule_within_a_stash_limit() -> 
 
 
 def test_activation_checkpointing_is_an_interval_or_every_layer() -> None:
-    assert translate({**MINIMAL, "pipeline": {"activation_checkpoint_interval": 3}}).runtime.activation_checkpointing == 3
-    assert translate({**MINIMAL, "pipeline": {"activation_checkpoint_interval": 0}}).runtime.activation_checkpointing is False
+    every = {n: translate({**MINIMAL, "pipeline": {"activation_checkpoint_interval": n}}) for n in (3, 0)}
+    assert every[3].runtime.activation_checkpointing == 3
+    assert every[0].runtime.activation_checkpointing is False
     assert translate({**MINIMAL, "activation_checkpointing": {}}).runtime.activation_checkpointing is True
     off = translate_config({**MINIMAL, "activation_checkpointing": {}, "pipeline": {"activation_checkpoint_interval": 0}})
     assert off.spec.runtime.activation_checkpointing is False
