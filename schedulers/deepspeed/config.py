@@ -125,6 +125,12 @@ _BLOCKS: dict[str, tuple[str, ...]] = {
 # Names that are both a DeepSpeed block and a spec field: an object is DeepSpeed's.
 _SHARED = ("optimizer", "tensor_parallel", "activation_checkpointing")
 _KNOWN = (*_BATCH_KEYS, "batch_size_arg", *_BLOCKS, *DEEPSPEED_KEYS, *SECTIONS, *FIELDS)
+# The job file's blocks before it used the spec's names: refused wherever they appear, naming what replaced them.
+_FORMER = {
+    "mesh": "its keys are now parallelism.tensor_parallel and parallelism.data_parallel (or flat at the top)",
+    "codecs": "its keys are now communication.activation_codec, gradient_codec, reduce_codec, error_feedback and "
+              "measure_codec_error (or flat at the top)",
+}
 
 
 def _optional(check: Check) -> Check:
@@ -378,6 +384,9 @@ def _check_top_keys(t: Translation, config: Mapping[str, Any], strict: set[str])
         if key in _KNOWN:
             continue
         name = str(key) if len(str(key)) <= 80 else str(key)[:77] + "..."
+        if key in _FORMER:
+            t.problem(name, f"not a key any more: {_FORMER[key]}")
+            continue
         typo = difflib.get_close_matches(str(key), _KNOWN, n=1, cutoff=0.8)
         if key in strict or typo:
             near = typo or difflib.get_close_matches(str(key), _KNOWN, n=1, cutoff=0.7)
@@ -424,9 +433,9 @@ def _actorpipe_keys(t: Translation, config: Mapping[str, Any]) -> None:
                 t.problem(dotted, f"{key} belongs in {FIELDS[key]} (or at the top, flat)")
             elif key not in FIELDS:
                 check_keys(t, f"{name}.", {key: None}, [f.name for f in fields(cls)])
-            elif key == "model" and isinstance(section[key], Mapping):
+            elif key in ("model", "data") and isinstance(section[key], Mapping):
                 t.problem(dotted, "expected an import path 'package.module:name'; its keyword arguments go beside "
-                                  "it, as model_kwargs")
+                                  f"it, as {key}_kwargs")
             else:
                 check = _FIELD_CHECKS.get(key)
                 with t.collecting():

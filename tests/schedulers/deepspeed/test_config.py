@@ -200,18 +200,27 @@ def test_a_job_file_in_the_specs_own_flat_names_trains_what_it_says(tmp_path: Pa
 
 @pytest.mark.parametrize(("job", "key", "message"), [
     ({"pipline_stages": 2}, "pipline_stages", "unknown key; did you mean pipeline_stages?"),
-    ({"mesh": {"data_parallel": 2}}, "mesh", "unknown key; actorpipe's keys are the spec's sections and fields"),
+    ({"mesh_shape": [2, 2]}, "mesh_shape", "unknown key; actorpipe's keys are the spec's sections and fields"),
     ({"parallelism": {"pipeline_stage": 2}}, "parallelism.pipeline_stage", "did you mean parallelism.pipeline_stages"),
     ({"parallelism": {"seed": 2}}, "parallelism.seed", "seed belongs in training"),
     ({"parallelism": 2}, "parallelism", "expected an object of Parallelism fields"),
     ({"pipeline": {"schedule": "gpipe"}}, "pipeline.schedule",
      "not a key of DeepSpeed's pipeline block; actorpipe's is parallelism.schedule"),
     ({"model": {"factory": "examples.models:gpt"}}, "training.model", "its keyword arguments go beside it"),
+    ({"data": {"factory": "examples.data:char_batches"}}, "training.data", "go beside it, as data_kwargs"),
+    ({"codecs": {"activation": "int8"}}, "codecs", "not a key any more: its keys are now "
+                                                   "communication.activation_codec"),
     ({"seed": 1, "training": {"seed": 2}}, "seed", "given twice, flat and as training.seed; give it once"),
 ])
 def test_actorpipes_keys_are_strict_and_name_the_nearest(job: dict[str, Any], key: str, message: str) -> None:
     found = problems_of(MINIMAL, job=job)
     assert key in found and message in found[key], found
+
+
+def test_the_job_files_former_blocks_are_refused_even_in_the_deepspeed_file_naming_what_replaced_them() -> None:
+    found = problems_of({**MINIMAL, "mesh": {"data_parallel": 2}})
+    assert found == {"mesh": "not a key any more: its keys are now parallelism.tensor_parallel and "
+                             "parallelism.data_parallel (or flat at the top)"}
 
 
 def test_an_unknown_key_in_the_deepspeed_file_is_a_notice_but_in_the_job_file_an_error() -> None:
