@@ -173,7 +173,11 @@ class JobSpec:
         return _assemble({}, kwargs, "train()")
 
     def replace(self, **changes: Any) -> JobSpec:
-        """A copy with ``changes`` (fields by their flat names, or sections) applied, checked like a new spec."""
+        """A copy with ``changes`` applied, checked like a new spec.
+
+        A change is a field by its flat name, a section given whole (it replaces that
+        section) or a dict of a section's fields (they replace those fields).
+        """
         return _assemble({name: getattr(self, name) for name in SECTIONS}, changes, "replace()")
 
     def get(self, name: str) -> Any:
@@ -227,8 +231,7 @@ class JobSpec:
 
     def to_wire(self) -> dict[str, Any]:
         """Plain data for msgpack, one map per section (``JobSpec.from_wire`` takes it back)."""
-        data = {name: {f.name: getattr(getattr(self, name), f.name) for f in fields(cls)}
-                for name, cls in SECTIONS.items()}
+        data = {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}  # copies: the spec stays frozen
         o = self.optimization
         data["optimization"]["optimizer"] = [o.optimizer[0], dict(o.optimizer[1])]
         if o.lr_scheduler is not None:
@@ -270,7 +273,8 @@ def _assemble(base: dict[str, Any], changes: Mapping[str, Any], call: str) -> Jo
             if name in base:
                 sections[name] = base[name]
             continue
-        values = {**({} if name in given else _section_fields(name, base[name], call) if name in base else {}),
+        whole = isinstance(changes.get(name), cls)  # a section given whole replaces; a dict updates the base's
+        values = {**(_section_fields(name, base[name], call) if name in base and not whole else {}),
                   **given.get(name, {}), **flat.get(name, {})}
         if name == "training" and "model" not in values:
             raise TypeError(f"{call} needs model='package.module:factory' (or the factory itself)")

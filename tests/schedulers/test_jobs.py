@@ -242,7 +242,8 @@ def test_a_schedule_module_is_admitted_with_the_factories_but_actorpipes_own_nee
 def test_replace_checks_the_new_value() -> None:
     spec = JobSpec.of(model=MODEL, pipeline_stages=2, micro_batches=4)
     assert spec.replace(micro_batches=8).parallelism == Parallelism(pipeline_stages=2, micro_batches=8)
-    assert spec.replace(parallelism={"micro_batches": 2}).parallelism == Parallelism(micro_batches=2)
+    assert spec.replace(parallelism={"micro_batches": 2}).parallelism == Parallelism(pipeline_stages=2, micro_batches=2)
+    assert spec.replace(parallelism=Parallelism(micro_batches=2)).parallelism == Parallelism(micro_batches=2)
     assert spec.replace(seed=3).training == Training(model=MODEL, seed=3)
     with pytest.raises(ValueError, match="parallelism.micro_batches must be an int >= 1"):
         spec.replace(micro_batches=0)
