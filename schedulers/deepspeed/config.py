@@ -63,42 +63,16 @@ import difflib
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import hjson
 
-from schedulers.deepspeed.checks import (
-    AUTO,
-    ConfigError,
-    Check,
-    Problem,
-    Translation,
-    any_int,
-    boolean,
-    check_keys,
-    choice,
-    codec,
-    mapping,
-    names,
-    partition_method,
-    path,
-    positive_int,
-    seconds,
-    show,
-)
+from schedulers.deepspeed.checks import AUTO, ConfigError, Problem, Translation, check_keys, positive_int, show
 from schedulers.deepspeed.keys import DEEPSPEED_KEYS, PIPELINE_KEYS, translate_deepspeed_keys
 from schedulers.deepspeed.optimizer import OPTIMIZERS, translate_optimizer, translate_scheduler
-from schedulers.jobs import (
-    CODECS,
-    FIELDS,
-    NONFINITE_ACTIONS,
-    PRECISIONS,
-    SCHEDULE_NAMES,
-    SECTIONS,
-    TRANSPORTS,
-    JobSpec,
-)
+from schedulers.deepspeed.spec_keys import FORMER, SHARED, sectioned, translate_spec_keys
+from schedulers.jobs import FIELDS, SECTIONS, JobSpec
 
 __all__ = [
     "MAX_CONFIG_BYTES",
@@ -122,41 +96,7 @@ _BLOCKS: dict[str, tuple[str, ...]] = {
     "scheduler": ("type", "params"),
     "pipeline": ("stages", *PIPELINE_KEYS),
 }
-# Names that are both a DeepSpeed block and a spec field: an object is DeepSpeed's.
-_SHARED = ("optimizer", "tensor_parallel", "activation_checkpointing")
 _KNOWN = (*_BATCH_KEYS, "batch_size_arg", *_BLOCKS, *DEEPSPEED_KEYS, *SECTIONS, *FIELDS)
-# The job file's blocks before it used the spec's names: refused wherever they appear, naming what replaced them.
-_FORMER = {
-    "mesh": "its keys are now parallelism.tensor_parallel and parallelism.data_parallel (or flat at the top)",
-    "codecs": "its keys are now communication.activation_codec, gradient_codec, reduce_codec, error_feedback and "
-              "measure_codec_error (or flat at the top)",
-}
-
-
-def _optional(check: Check) -> Check:
-    """``check``, or null (the field's ``None``)."""
-    def checked(section: Mapping[str, Any], key: str, prefix: str) -> Any:
-        return None if section.get(key) is None else check(section, key, prefix)
-    return checked
-
-
-# The fields checked one by one, so that each problem is reported with its key; the
-# spec checks the others (and what must fit across fields) when it is built.
-_FIELD_CHECKS: dict[str, Check] = {
-    "model": path, "model_kwargs": mapping, "loss": path, "data": _optional(path), "data_kwargs": mapping,
-    "seed": any_int,
-    **dict.fromkeys(("pipeline_stages", "tensor_parallel", "data_parallel", "micro_batches", "bucket_bytes",
-                     "snapshot_every"), positive_int),
-    **dict.fromkeys(("virtual_stages", "max_stash_bytes", "threads_per_stage"), _optional(positive_int)),
-    "schedule": choice(SCHEDULE_NAMES), "partition_method": partition_method, "split_points": _optional(names),
-    "activation_codec": codec, "gradient_codec": codec, "reduce_codec": choice(CODECS),
-    "transport": choice(TRANSPORTS), "precision": choice(PRECISIONS), "on_nonfinite": choice(NONFINITE_ACTIONS),
-    **dict.fromkeys(("error_feedback", "measure_codec_error", "overlap_reduce", "w_batching",
-                     "gradient_accumulation_fusion", "keep_freed_memory"), boolean),
-    "step_timeout_s": seconds,
-}
-
-
 class BatchSizes(NamedTuple):
     """The three batch sizes, consistent: ``train_batch_size == micro * accumulation * data_parallel``."""
 
@@ -290,7 +230,7 @@ def _translate(t: Translation, sources: list[tuple[str, Any]], where: str) -> Tr
     config, strict = _merge(t, sources)
     _check_top_keys(t, config, strict)
     blocks = {name: _block(t, config, name) for name in _BLOCKS}
-    _actorpipe_keys(t, config)
+    translate_spec_keys(t, config)
     with t.collecting():
         _pipeline_stages(t, blocks["pipeline"])
     translate_deepspeed_keys(t, config, blocks["pipeline"])
@@ -328,30 +268,11 @@ def _merge(t: Translation, sources: list[tuple[str, Any]]) -> tuple[dict[str, An
     for index, (source, layer) in enumerate(sources):
         if not isinstance(layer, Mapping):
             raise ConfigError(source, f"must be an object of config keys, got {type(layer).__name__}")
-        layer = _sectioned(t, layer)
+        layer = sectioned(t, layer)
         if index:
             strict.update(layer)
         _merge_into(t, merged, layer, "", source, origins)
     return merged, strict
-
-
-def _sectioned(t: Translation, layer: Mapping[str, Any]) -> dict[str, Any]:
-    """``layer`` with each flat field moved into its section, so that both spellings merge key by key.
-
-    A field given both ways in one layer is a problem: neither is later than the other.
-    """
-    result: dict[str, Any] = {}
-    for key, value in layer.items():
-        if key not in FIELDS or key == "gradient_clipping" or (key in _SHARED and isinstance(value, Mapping)):
-            result[key] = value  # not a field, or DeepSpeed's own key of that name (keys.py reads it)
-    for key, value in layer.items():
-        if key not in result:
-            section = result.setdefault(FIELDS[key], {})
-            if isinstance(section, Mapping) and key in section:
-                t.problem(key, f"given twice, flat and as {FIELDS[key]}.{key}; give it once")
-            elif isinstance(section, Mapping):  # else the section is wrong, and reported as such
-                result[FIELDS[key]] = {**section, key: value}
-    return result
 
 
 def _merge_into(t: Translation, target: dict[str, Any], layer: Mapping[str, Any], prefix: str, source: str,
@@ -384,8 +305,8 @@ def _check_top_keys(t: Translation, config: Mapping[str, Any], strict: set[str])
         if key in _KNOWN:
             continue
         name = str(key) if len(str(key)) <= 80 else str(key)[:77] + "..."
-        if key in _FORMER:
-            t.problem(name, f"not a key any more: {_FORMER[key]}")
+        if key in FORMER:
+            t.problem(name, f"not a key any more: {FORMER[key]}")
             continue
         typo = difflib.get_close_matches(str(key), _KNOWN, n=1, cutoff=0.8)
         if key in strict or typo:
@@ -403,8 +324,8 @@ def _check_top_keys(t: Translation, config: Mapping[str, Any], strict: set[str])
 def _block(t: Translation, config: Mapping[str, Any], name: str) -> dict[str, Any]:
     """One of DeepSpeed's blocks, with its keys checked (``{}`` when absent, or the spec's field of that name)."""
     value = config.get(name, {})
-    if name in _SHARED and not isinstance(value, Mapping):
-        return {}  # e.g. "optimizer": ["torch.optim:Adam", {...}]: the spec's field, read by _actorpipe_keys
+    if name in SHARED and not isinstance(value, Mapping):
+        return {}  # e.g. "optimizer": ["torch.optim:Adam", {...}]: the spec's field (spec_keys)
     if not isinstance(value, Mapping):
         t.problem(name, f"expected an object with keys {', '.join(_BLOCKS[name][:5])}, got {show(value)}")
         return {}
@@ -415,34 +336,6 @@ def _block(t: Translation, config: Mapping[str, Any], name: str) -> dict[str, An
         elif key not in _BLOCKS[name]:
             check_keys(t, f"{name}.", {key: None}, _BLOCKS[name])
     return dict(value)
-
-
-def _actorpipe_keys(t: Translation, config: Mapping[str, Any]) -> None:
-    """The spec's sections (flat fields were moved into them): each field checked so that a problem names it."""
-    for name, cls in SECTIONS.items():
-        if name not in config:
-            continue
-        section = config[name]
-        if not isinstance(section, Mapping):
-            t.problem(name, f"expected an object of {cls.__name__} fields ({', '.join(f.name for f in fields(cls))}), "
-                            f"got {show(section)}")
-            continue
-        for key in section:
-            dotted = f"{name}.{key}"
-            if key in FIELDS and FIELDS[key] != name:
-                t.problem(dotted, f"{key} belongs in {FIELDS[key]} (or at the top, flat)")
-            elif key not in FIELDS:
-                check_keys(t, f"{name}.", {key: None}, [f.name for f in fields(cls)])
-            elif key in ("model", "data") and isinstance(section[key], Mapping):
-                t.problem(dotted, "expected an import path 'package.module:name'; its keyword arguments go beside "
-                                  f"it, as {key}_kwargs")
-            else:
-                check = _FIELD_CHECKS.get(key)
-                with t.collecting():
-                    t.set(key, check(section, key, f"{name}.") if check else section[key], dotted)
-    if "model" not in t.fields and not any(p.key.endswith("model") for p in t.problems):
-        t.problem("model", "missing; name the model factory, e.g. \"model\": \"examples.models:gpt\" (in the job "
-                           "file when the DeepSpeed config stays as it is)")
 
 
 def _batch_sizes(t: Translation, config: Mapping[str, Any], data_parallel: int) -> BatchSizes | None:
