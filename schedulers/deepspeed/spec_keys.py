@@ -14,12 +14,12 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
+from schedulers._spec_checks import nearest
 from schedulers.deepspeed.checks import (
     Check,
     Translation,
     any_int,
     boolean,
-    check_keys,
     choice,
     codec,
     mapping,
@@ -104,7 +104,10 @@ def translate_spec_keys(t: Translation, config: Mapping[str, Any]) -> None:
             if key in FIELDS and FIELDS[key] != name:
                 t.problem(dotted, f"{key} belongs in {FIELDS[key]} (or at the top, flat)")
             elif key not in FIELDS:
-                check_keys(t, f"{name}.", {key: None}, [f.name for f in fields(cls)])
+                known = [f.name for f in fields(cls)]
+                near = nearest(str(key), known)
+                t.problem(dotted, f"unknown key; did you mean {name}.{near}?" if near else
+                          f"unknown key; known keys: {', '.join(known)}")
             elif key in ("model", "data") and isinstance(section[key], Mapping):
                 t.problem(dotted, "expected an import path 'package.module:name'; its keyword arguments go beside "
                                   f"it, as {key}_kwargs")
