@@ -222,8 +222,9 @@ class StageState:
         Raises:
             NotAllowed: not another rank of this pipeline, a step count >= 0 and a map of tensors.
         """
-        if not (isinstance(owner, int) and 0 <= owner < self.pipeline_stages and owner != self.pipeline_rank
-                and isinstance(index, int) and index >= 0 and isinstance(state, dict)
+        ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (owner, index))
+        if not (ints and 0 <= owner < self.pipeline_stages and owner != self.pipeline_rank
+                and index >= 0 and isinstance(state, dict)
                 and all(isinstance(v, torch.Tensor) for v in state.values())):
             raise NotAllowed(f"a snapshot comes from another rank of this pipeline, for a step count >= 0, "
                              f"as tensors; got owner {str(owner)[:12]}, index {str(index)[:12]}")
