@@ -23,7 +23,7 @@ import gc
 import logging
 import resource
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +34,7 @@ from actors._actor import Actor, caller_among, current_caller, endpoint
 from actors._errors import ActorError, NotAllowed, error_to_wire
 from actors._ref import ActorRef
 from actors._registry import DEFAULT_ALLOW, register_actor
+from stages.build import tied
 from stages.build.stage import BuiltStage, build_stage, read_data
 from stages.comm import zero
 from stages.comm.delivery import PeerEndpoints, Receiver, Sender, check_codecs
@@ -67,10 +68,111 @@ class StageParts:
     state: StageState
 
 
+def assemble(config: StageConfig, built: BuiltStage, groups: StageGroups | None, thread: ThreadPoolExecutor,
+             spawn: Callable[[Coroutine[Any, Any, None], str], Any], send_tied: tied.Send,
+             peers: list[PeerEndpoints]) -> StageParts:
+    """Puts a built stage's parts together around one executor that owns ``thread``.
+
+    Args:
+        spawn: starts a task the actor owns.
+        send_tied: sends a tied parameter's gradient to another pipeline rank.
+        peers: the neighbours' delivery endpoints, by rank (filled at connect; the sender reads this list).
+    """
+    link = groups.link if groups is not None else None
+    io = DeviceIO(built.model.device)
+    sender = Sender(config, lambda fn, *args: executor.compute(fn, *args), io, link)
+    sender.peers = peers
+    executor = StepExecutor(built.model, Inbox(inbox_limit(config, config.micro_batches)), sender.send,
+                            config.micro_batches, thread, overlap=built.overlap, io=io)
+    return StageParts(
+        built=built, executor=executor, groups=groups, sender=sender,
+        receiver=Receiver(config, executor.inbox, spawn, link),
+        tail=StepTail(config, built, executor, groups, send_tied, on_drop=sender.forget_feedback),
+        state=StageState(built, executor, pipeline_rank=config.pipeline_rank, pipeline_stages=config.pipeline_stages))
+
+
+async def close_parts(parts: StageParts) -> None:
+    """Leaves the process groups, stops the compute thread, closes the link and the overlapped reduction."""
+    if parts.groups is not None:
+        try:  # a collective stuck on a lost peer must not hold up the stop
+            await asyncio.wait_for(parts.executor.compute(leave_process_groups), 5.0)
+        except TimeoutError:
+            log.warning("could not leave the process group cleanly (a collective is stuck); stopping anyway")
+    parts.executor.close()
+    if parts.groups is not None:
+        parts.groups.close()  # a gloo group's threads and sockets live as long as its Python object
+    if parts.built.overlap is not None:
+        parts.built.overlap.close()
+
+
+def open_store(runtime: Any, dist: dict[str, Any], loop: asyncio.AbstractEventLoop) -> ActorStore:
+    """The torch.distributed store of the rendezvous actor ``dist`` names."""
+    address, name = dist["rendezvous"]
+    return ActorStore(runtime.ref(address, name), loop, datetime.timedelta(seconds=float(dist.get("timeout_s", 600))))
+
+
+def _where(exc: BaseException, where: str) -> BaseException:
+    """A build failure, saying where it happened (a refused factory names the node that refused it)."""
+    if isinstance(exc, NotAllowed):
+        return NotAllowed(f"{where} refused it: {exc.message}")
+    if isinstance(exc, ModuleNotFoundError):
+        return ModuleNotFoundError(f"{where}: {exc}", name=exc.name)
+    return exc
+
+
+def progress_of(config: StageConfig, step: int, executor: StepExecutor | None) -> dict[str, Any]:
+    """What a stage is doing now, as ``progress`` answers."""
+    return {
+        "rank": config.pipeline_rank, "step": step,
+        "current": None if executor is None or executor.current is None else str(executor.current),
+        "done": 0 if executor is None else executor.done_actions,
+        # Compute actions run on the loop's thread so far (stages.compute.inline), and on the compute thread.
+        "inline_actions": 0 if executor is None else executor.inline_policy.inline_runs,
+        "thread_actions": 0 if executor is None else executor.inline_policy.thread_runs,
+    }
+
+
 def inbox_limit(config: StageConfig, num_microbatches: int) -> int:
     """The most values a stage's inbox holds: at most one activation and one gradient per micro-batch and
     held stage, twice over (the next step's may come early)."""
     return 4 * num_microbatches * max(1, len(config.stages)) + 16
+
+
+async def begin_step(config: StageConfig, parts: StageParts, order: StepOrder
+                     ) -> tuple[list[Action], list[Any] | None, list[Any] | None]:
+    """Prepares the stage for ``order``'s step: its micro-batch count and loss scale, the program's
+    start (before anything of the step can fail) and its batch; returns the actions and the batch."""
+    executor = parts.executor
+    actions = [Action.parse(text) for text in order.program]
+    if order.micro_batches is not None:
+        executor.num_microbatches = order.micro_batches
+        executor.inbox.resize(inbox_limit(config, order.micro_batches))
+    if order.loss_scale is not None:
+        executor.loss_scale = float(order.loss_scale)
+    await executor.begin(actions, w_batching=order.w_batching)
+    parts.sender.edge_stats = {}
+    if order.data_step is None:
+        return actions, order.inputs, order.targets
+    inputs, targets = read_data(parts.built.data, config, order.data_step, order.data_shard or [0, 1],
+                                executor.num_microbatches)
+    return actions, inputs, targets
+
+
+async def end_step(parts: StageParts, step: int, task: asyncio.Task[StepTrace]) -> StageReport:
+    """The report of step ``step``'s program, run by ``task``: done, failed (its values dropped), or aborted."""
+    executor = parts.executor
+    if task.cancelled() or isinstance(task.exception(), ActionFailed):
+        await executor.reset(step)
+    if task.cancelled():
+        return StageReport(status="aborted")
+    failure = task.exception()
+    if isinstance(failure, ActionFailed):
+        log.warning("step %d failed at %s: %s", step, failure.action, failure.cause)
+        return StageReport(status="failed", action=str(failure.action), error=error_to_wire(failure.cause))
+    trace = task.result()
+    if parts.groups is not None and parts.groups.link is not None:
+        await parts.groups.link.flush()
+    return stage_report(trace, parts)
 
 
 def stage_report(trace: StepTrace, parts: StageParts) -> StageReport:
@@ -113,24 +215,10 @@ class StageActor(Actor):
                 thread, self._build, allow, device, asyncio.get_running_loop())
         except BaseException as exc:
             thread.shutdown(wait=False)
-            where = f"node {context.name} (a worker)" if context is not None else "this process"
-            if isinstance(exc, NotAllowed):
-                raise NotAllowed(f"{where} refused it: {exc.message}") from None
-            if isinstance(exc, ModuleNotFoundError):
-                raise ModuleNotFoundError(f"{where}: {exc}", name=exc.name) from None
-            raise
-        cfg, link = self.config, groups.link if groups is not None else None
-        io = DeviceIO(device)
-        sender = Sender(cfg, lambda fn, *args: executor.compute(fn, *args), io, link)
-        sender.peers = self._peer_endpoints
-        executor = StepExecutor(built.model, Inbox(inbox_limit(cfg, cfg.micro_batches)), sender.send,
-                                cfg.micro_batches, thread, overlap=built.overlap, io=io)
+            raise _where(exc, f"node {context.name} (a worker)" if context is not None else "this process") from None
         spawn = self.runtime.spawn_task
-        self.parts = StageParts(
-            built=built, executor=executor, groups=groups, sender=sender,
-            receiver=Receiver(cfg, executor.inbox, lambda coro, name: spawn(coro, name=name), link),
-            tail=StepTail(cfg, built, executor, groups, self._send_tied, on_drop=sender.forget_feedback),
-            state=StageState(built, executor, pipeline_rank=cfg.pipeline_rank, pipeline_stages=cfg.pipeline_stages))
+        self.parts = assemble(self.config, built, groups, thread, lambda coro, name: spawn(coro, name=name),
+                              self._send_tied, self._peer_endpoints)
 
     def _build(self, allow: Sequence[str], device: torch.device, loop: asyncio.AbstractEventLoop
                ) -> tuple[StageGroups | None, BuiltStage]:
@@ -138,13 +226,8 @@ class StageActor(Actor):
         cfg, groups = self.config, None
         if cfg.dist is not None:
             groups = StageGroups(cfg, self.runtime.address, device)
-            groups.join(cfg.dist, self._store(cfg.dist, loop))
+            groups.join(cfg.dist, open_store(self.runtime, cfg.dist, loop))
         return groups, build_stage(cfg, allow, device, groups, reduce_exact=not get_codec(cfg.reduce_codec).lossy)
-
-    def _store(self, dist: dict[str, Any], loop: asyncio.AbstractEventLoop) -> ActorStore:
-        address, name = dist["rendezvous"]
-        return ActorStore(self.runtime.ref(address, name), loop,
-                          datetime.timedelta(seconds=float(dist.get("timeout_s", 600))))
 
     def _parts(self) -> StageParts:
         assert self.parts is not None, "the stage has not started"
@@ -152,30 +235,19 @@ class StageActor(Actor):
 
     async def on_stop(self) -> None:
         parts, self.parts = self.parts, None
-        if parts is None:
-            return
-        if parts.groups is not None:
-            try:  # a collective stuck on a lost peer must not hold up the stop
-                await asyncio.wait_for(parts.executor.compute(leave_process_groups), 5.0)
-            except TimeoutError:
-                log.warning("could not leave the process group cleanly (a collective is stuck); stopping anyway")
-        parts.executor.close()
-        if parts.groups is not None:
-            parts.groups.close()
-        if parts.built.overlap is not None:
-            parts.built.overlap.close()
-        # A gloo group's threads and sockets live as long as its Python object, and the overlapped
-        # reduction's hooks and the parameters they watch form reference cycles, which refcounting
-        # alone never frees: drop every part and collect now, so the group goes with the job.
-        del parts
-        gc.collect()
+        if parts is not None:
+            await close_parts(parts)
+            # The overlapped reduction's hooks and the parameters they watch form reference cycles, which
+            # refcounting alone never frees: drop every part and collect now, so the group goes with the job.
+            del parts
+            gc.collect()
 
     @contextlib.contextmanager
-    def _refusing(self, member: bool = True) -> Iterator[None]:
-        """Counts a refusal (NotAllowed) in ``refused_calls``; with ``member``, first refuses a caller whose key
-        is none of this job's nodes' (see :meth:`connect`)."""
+    def _refusing(self) -> Iterator[None]:
+        """Refuses a caller whose key is none of this job's nodes' (see :meth:`connect`), then runs the
+        checks inside; counts every refusal (NotAllowed) in ``refused_calls``."""
         try:
-            if member and not caller_among(self._peer_identities):
+            if not caller_among(self._peer_identities):
                 raise NotAllowed(f"{current_caller()[:60]!r} holds no key of job {self.config.job}'s nodes; "
                                  "only its stages deliver")
             yield
@@ -210,45 +282,23 @@ class StageActor(Actor):
             ValueError, RecordError: not a well-formed order; the stage did not move to its step.
         """
         checked = order if isinstance(order, StepOrder) else StepOrder.from_wire(order)
-        parts = self._parts()
-        executor, step = parts.executor, checked.step
-        actions = [Action.parse(text) for text in checked.program]
+        parts, step = self._parts(), checked.step
         self._step = step
-        if checked.micro_batches is not None:
-            executor.num_microbatches = checked.micro_batches
-            executor.inbox.resize(inbox_limit(self.config, checked.micro_batches))
-        if checked.loss_scale is not None:
-            executor.loss_scale = float(checked.loss_scale)
-        await executor.begin(actions, w_batching=checked.w_batching)
-        inputs, targets = checked.inputs, checked.targets
-        if checked.data_step is not None:
-            inputs, targets = read_data(parts.built.data, self.config, checked.data_step,
-                                        checked.data_shard or [0, 1], executor.num_microbatches)
+        actions, inputs, targets = await begin_step(self.config, parts, checked)
         if checked.snapshot is not None:
             await self._snapshot(checked.snapshot)
-        parts.sender.edge_stats = {}
         # The program runs in a task of its own so that abort_step can cancel it
         # without cancelling this endpoint (and with it the mailbox).
-        task = self.runtime.spawn_task(executor.run(step, actions, inputs, targets), name=f"step {step}")
+        task = self.runtime.spawn_task(parts.executor.run(step, actions, inputs, targets), name=f"step {step}")
         self._running = (step, task)
         try:
             await asyncio.wait({task})
         finally:
             self._running = None
-        if task.cancelled() or isinstance(task.exception(), ActionFailed):
-            await executor.reset(step)
-        if task.cancelled():
-            return StageReport(status="aborted").to_wire()
-        failure = task.exception()
-        if isinstance(failure, ActionFailed):
-            log.warning("step %d failed at %s: %s", step, failure.action, failure.cause)
-            return StageReport(status="failed", action=str(failure.action),
-                               error=error_to_wire(failure.cause)).to_wire()
-        trace = task.result()
-        if parts.groups is not None and parts.groups.link is not None:
-            await parts.groups.link.flush()
-        self._program = actions
-        return stage_report(trace, parts).to_wire()
+        report = await end_step(parts, step, task)
+        if report.status == "done":
+            self._program = actions
+        return report.to_wire()
 
     @endpoint(roles=("head",))
     async def reduce_step(self, step: int) -> dict[str, Any]:
@@ -324,15 +374,7 @@ class StageActor(Actor):
     @endpoint(concurrent=True, roles=("head",))
     async def progress(self) -> dict[str, Any]:
         """What the stage is doing now (answered even mid-step)."""
-        executor = self.parts.executor if self.parts is not None else None
-        return {
-            "rank": self.config.pipeline_rank, "step": self._step,
-            "current": None if executor is None or executor.current is None else str(executor.current),
-            "done": 0 if executor is None else executor.done_actions,
-            # Compute actions run on the loop's thread so far (stages.compute.inline), and on the compute thread.
-            "inline_actions": 0 if executor is None else executor.inline_policy.inline_runs,
-            "thread_actions": 0 if executor is None else executor.inline_policy.thread_runs,
-        }
+        return progress_of(self.config, self._step, self.parts.executor if self.parts is not None else None)
 
     # -- snapshots and recovery (stages.state.stage_state) ----------------------------------
 
@@ -384,7 +426,7 @@ class StageActor(Actor):
         if groups is None:
             raise ValueError("only a data-parallel job's groups form again (tensor-parallel layers hold theirs)")
         groups.check_rejoin()
-        store = self._store(dist, asyncio.get_running_loop())
+        store = open_store(self.runtime, dist, asyncio.get_running_loop())
         overlap = parts.built.overlap
         await parts.executor.compute(groups.rejoin, dict(dist), store, overlap.forget if overlap else None)
 
