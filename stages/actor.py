@@ -335,18 +335,18 @@ class StageActor(Actor):
                       spec: Any) -> None:
         """A neighbour's activation ("F") or input gradients ("B") for ``stage``: one boundary value's
         tensors and the spec that rebuilds it. NotAllowed: not a slot or value this stage expects."""
-        executor = self._parts().executor
+        parts = self._parts()
         with self._refusing():
-            self._parts().receiver.deliver(self._step, executor.num_microbatches, step, kind, stage, microbatch,
-                                           leaves, spec)
+            parts.receiver.deliver(self._step, parts.executor.num_microbatches, step, kind, stage, microbatch,
+                                   leaves, spec)
 
     @endpoint(concurrent=True, roles=("node",))
     async def deliver_header(self, step: int, kind: str, stage: int, microbatch: int, header: dict[str, Any]) -> None:
         """A neighbour posted a value over torch.distributed: posts the matching receive."""
-        executor = self._parts().executor
+        parts = self._parts()
         with self._refusing():
-            self._parts().receiver.deliver_header(self._step, executor.num_microbatches, step, kind, stage,
-                                                  microbatch, header)
+            parts.receiver.deliver_header(self._step, parts.executor.num_microbatches, step, kind, stage,
+                                          microbatch, header)
 
     @endpoint(concurrent=True, roles=("node",))
     async def deliver_tied(self, step: int, name: str, rank: int, grad: torch.Tensor) -> None:
@@ -429,6 +429,7 @@ class StageActor(Actor):
         store = open_store(self.runtime, dist, asyncio.get_running_loop())
         overlap = parts.built.overlap
         await parts.executor.compute(groups.rejoin, dict(dist), store, overlap.forget if overlap else None)
+        groups.rebind_link()
 
     # -- state dicts and checkpoints (stages.state) ------------------------------------
 

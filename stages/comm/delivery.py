@@ -26,7 +26,8 @@ from stages.comm.boundary import Payload
 from stages.comm.device_io import DeviceIO
 from stages.comm.p2p import DistLink
 from stages.compute.executor import Inbox
-from stages.mesh import Coords, Mesh
+from stages.comm.groups import stage_mesh
+from stages.mesh import Coords
 from stages.program import Action, ActionKind, stage_to_rank
 from stages.records import StageConfig
 from transport.codecs import Encoded, ErrorFeedback, get_codec
@@ -71,7 +72,7 @@ class Sender:
     def __init__(self, config: StageConfig, compute: Compute, io: DeviceIO, link: DistLink | None = None) -> None:
         check_codecs(config, list(config.activation_codec), list(config.gradient_codec))
         self.config = config
-        self.mesh = Mesh(**dict(zip(("pipeline", "tensor", "data"), config.mesh)))
+        self.mesh = stage_mesh(config)
         self.compute = compute
         self.io = io
         self.link = link
@@ -174,7 +175,7 @@ class Receiver:
     def __init__(self, config: StageConfig, inbox: Inbox,
                  spawn: Callable[[Coroutine[Any, Any, None], str], Any], link: DistLink | None = None) -> None:
         self.config = config
-        self.mesh = Mesh(**dict(zip(("pipeline", "tensor", "data"), config.mesh)))
+        self.mesh = stage_mesh(config)
         self.inbox = inbox
         self.spawn = spawn
         self.link = link

@@ -69,8 +69,6 @@ class StageGroups:
                                           own_address=self.own_address, pairs=self._pairs(), device=self.device)
         if cfg.transport == "dist" and self.link is None:
             self.link = open_link(self.device, self.groups.pairs, cfg.global_rank)
-        elif self.link is not None:
-            self.link.rebind(self.groups.pairs)
         return self.groups
 
     def check_rejoin(self) -> None:
@@ -84,7 +82,8 @@ class StageGroups:
         """Leaves the groups and joins them again through a new rendezvous (a lost member was replaced).
 
         Call on the compute thread. ``forget`` runs first, once the old groups are dropped: the
-        overlapped reduction's collectives end with them.
+        overlapped reduction's collectives end with them. Then, on the event loop's thread,
+        :meth:`rebind_link`.
 
         Raises:
             ValueError: see :meth:`check_rejoin`; nothing changed.
@@ -97,6 +96,11 @@ class StageGroups:
         groups = self.join(dist_config, store)
         self.config = dataclasses.replace(self.config, dist=dict(dist_config))
         return groups
+
+    def rebind_link(self) -> None:
+        """Points the link (if any) at the groups formed again; on the event loop's thread, which uses it."""
+        if self.link is not None and self.groups is not None:
+            self.link.rebind(self.groups.pairs)
 
     def _pairs(self) -> list[tuple[int, int]]:
         """The pipeline neighbours' two-rank groups every member builds: with transport="dist" only."""
