@@ -98,7 +98,7 @@ class WireRecord:
         for name, record in cls.nested.items():
             value = data.get(name)
             if isinstance(value, list):
-                data[name] = [record.from_wire(item) for item in value]
-            elif value is not None:
+                data[name] = [item if isinstance(item, record) else record.from_wire(item) for item in value]
+            elif value is not None and not isinstance(value, record):
                 data[name] = record.from_wire(value)
         return cls(**data)

@@ -8,9 +8,10 @@ without importing torch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
-__all__ = ["MAX_RECORD_NAME", "RecordType", "record_types", "register_record"]
+__all__ = ["MAX_RECORD_NAME", "RecordType", "Rebuilds", "record_types", "register_record"]
 
 MAX_RECORD_NAME = 64
 """Bytes in a record's wire name."""
@@ -29,15 +30,28 @@ class RecordType(Protocol):
         ...
 
 
-RECORD_CLASSES: dict[str, type[RecordType]] = {}  # wire name -> class
-RECORD_NAMES: dict[type, str] = {}  # class -> wire name
+class Rebuilds(Protocol):
+    """The least a class needs to travel: a ``from_wire`` that rebuilds it from a map, strictly."""
+
+    @classmethod
+    def from_wire(cls, data: Any) -> Any: ...
 
 
-def register_record(cls: type[RecordType], name: str) -> None:
+Fields = Callable[[Any], dict[str, Any]]
+
+RECORD_CLASSES: dict[str, type[Rebuilds]] = {}  # wire name -> class
+RECORD_NAMES: dict[type, tuple[str, Fields]] = {}  # class -> (wire name, what gives an instance's fields)
+
+
+def register_record(cls: type[Rebuilds], name: str, *, fields: Fields | None = None) -> None:
     """Lets instances of ``cls`` travel in messages, under ``name``.
 
     A receiver rebuilds a record only if it registered a class under the record's
     name, which it does by importing the module that defines it.
+
+    Args:
+        fields: gives an instance's fields as a map that ``cls.from_wire`` takes back
+            (default: its ``wire_fields`` method, as a :class:`RecordType` has).
 
     Raises:
         ValueError: ``name`` is empty, too long, or another class holds it. (A class
@@ -55,9 +69,9 @@ def register_record(cls: type[RecordType], name: str) -> None:
             )
         del RECORD_NAMES[held]
     RECORD_CLASSES[name] = cls
-    RECORD_NAMES[cls] = name
+    RECORD_NAMES[cls] = (name, fields if fields is not None else cls.wire_fields)  # type: ignore[attr-defined]
 
 
-def record_types() -> dict[str, type[RecordType]]:
+def record_types() -> dict[str, type[Rebuilds]]:
     """The record classes this process can rebuild, by wire name (a copy)."""
     return dict(RECORD_CLASSES)

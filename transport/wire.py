@@ -195,9 +195,9 @@ def encode_message(
 
     def add_tensor(obj: Any) -> Any:
         nonlocal decoded_nbytes, numel_total, padding_total
-        record_name = RECORD_NAMES.get(type(obj))
-        if record_name is not None:
-            return [msgpack.ExtType(_RECORD_EXT, record_name.encode()), obj.wire_fields()]
+        record = RECORD_NAMES.get(type(obj))
+        if record is not None:
+            return [msgpack.ExtType(_RECORD_EXT, record[0].encode()), record[1](obj)]
         if isinstance(obj, Encoded):  # encoded already (e.g. on a compute thread)
             encoded = obj
         elif isinstance(obj, Coded):
@@ -516,7 +516,7 @@ def _check_depth(payload: Any) -> None:
             elif type(container) is list:
                 items = container
             else:  # a record: its fields
-                items = list(container.wire_fields().values())
+                items = list(RECORD_NAMES[type(container)][1](container).values())
             kinds = set(map(type, items))  # C speed: most containers hold no containers
             if list in kinds or dict in kinds or not kinds.isdisjoint(RECORD_NAMES):
                 deeper.extend(x for x in items if is_container(x))

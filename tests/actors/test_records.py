@@ -9,7 +9,7 @@ from typing import ClassVar
 import pytest
 import torch
 
-from actors import Actor, BadRecord, RecordError, Runtime, WireRecord, endpoint, open_runtime
+from actors import Actor, BadArguments, BadRecord, RecordError, Runtime, WireRecord, endpoint, open_runtime
 from transport import records as registry
 
 pytestmark = pytest.mark.timeout(30)
@@ -110,7 +110,8 @@ async def test_a_record_the_receiver_refuses_is_a_typed_error_and_it_keeps_servi
     shop = Shop()
     ref = client.ref(server.address, (await server.spawn(shop, "shop")).name)
     # As a newer sender would: a field this side does not know.
-    monkeypatch.setattr(Part, "wire_fields", lambda self: {"name": self.name, "size": self.size, "colour": "red"})
+    monkeypatch.setitem(registry.RECORD_NAMES, Part,
+                        ("Part", lambda self: {"name": self.name, "size": self.size, "colour": "red"}))
     with pytest.raises(BadRecord, match=r"record Part: RecordError: Part: unknown key\(s\) colour"):
         await ref.endpoint(Shop.place, timeout=10).call(Order(id=1, parts=[Part(name="a")]))
     monkeypatch.undo()
@@ -126,10 +127,20 @@ async def test_an_unregistered_record_name_is_a_typed_error_both_ways(
     ref = client.ref(server.address, (await server.spawn(shop, "shop")).name)
     await ref.endpoint(Shop.place, timeout=10).call(Order(id=1))
     # Sent under a name no class holds here: refused in a call, and in a reply.
-    monkeypatch.setitem(registry.RECORD_NAMES, Order, "test.Gone")
+    monkeypatch.setitem(registry.RECORD_NAMES, Order, ("test.Gone", Order.wire_fields))
     with pytest.raises(BadRecord, match="unknown record type 'test.Gone'"):
         await ref.endpoint(Shop.place, timeout=10).call(Order(id=5))
     with pytest.raises(BadRecord, match="the reply's 1 record"):
         await ref.endpoint(Shop.last, timeout=10).call()
     monkeypatch.undo()
     assert (await ref.endpoint(Shop.last, timeout=10).call()) == Order(id=1)
+
+
+async def test_an_endpoint_refuses_what_is_not_the_record_its_signature_names(runtimes: tuple[Runtime, Runtime]) -> None:
+    server, client = runtimes
+    shop = Shop()
+    ref = client.ref(server.address, (await server.spawn(shop, "shop")).name)
+    for wrong in ({"id": 1}, Part(name="a"), None):
+        with pytest.raises(BadArguments, match="order must be a Order, not"):
+            await ref.ask("place", wrong, timeout=10)  # by name: the type checker would refuse it
+    assert shop.orders == []
