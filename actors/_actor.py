@@ -201,7 +201,7 @@ def _record_parameters(method: Callable[..., Any]) -> dict[str, tuple[type, ...]
 def _check_records(arguments: dict[str, Any], records: dict[str, tuple[type, ...]]) -> None:
     for name, classes in records.items():
         if name in arguments and not isinstance(arguments[name], classes):
-            raise TypeError(f"{name} must be a {' or '.join(c.__name__ for c in classes)}, "
+            raise TypeError(f"{name} must be {' or '.join(c.__name__ for c in classes)}, "
                             f"not {type(arguments[name]).__name__}")
 
 

@@ -141,6 +141,6 @@ async def test_an_endpoint_refuses_what_is_not_the_record_its_signature_names(ru
     shop = Shop()
     ref = client.ref(server.address, (await server.spawn(shop, "shop")).name)
     for wrong in ({"id": 1}, Part(name="a"), None):
-        with pytest.raises(BadArguments, match="order must be a Order, not"):
+        with pytest.raises(BadArguments, match="order must be Order, not"):
             await ref.ask("place", wrong, timeout=10)  # by name: the type checker would refuse it
     assert shop.orders == []
