@@ -168,7 +168,8 @@ def encode_message(
     """Encodes ``payload`` into frames ready for ``send_multipart(copy=False)``.
 
     Args:
-        payload: msgpack types and tensors, nested in lists, tuples and dicts.
+        payload: msgpack types, tensors and records (instances of classes given to
+            :func:`register_record`), nested in lists, tuples, dicts and records.
             Wrap a tensor in :class:`Coded` to pick its codec, or pass an
             :class:`~transport.codecs.Encoded` to send one encoded already.
         codec: the codec for floating tensors not wrapped in :class:`Coded`;
@@ -418,18 +419,20 @@ def _unpack_header(buf: memoryview, *, num_tensor_frames: int) -> tuple[Any, lis
     return version, table, body
 
 
-class _RecordBuilder:
-    """Turns each ``[record tag, fields]`` list into its registered record class.
+class _RecordBuilder(_ContainerBudget):
+    """The body's list hook: counts containers against the budget, and turns each
+    ``[record tag, fields]`` list into its registered record class.
 
     msgpack builds containers inside out, so a record's fields (nested records
-    included) are rebuilt before the record itself.
+    included) are rebuilt before the record itself. One hook does both, so a body
+    of many small lists pays one Python call per list, as it did before records.
     """
 
-    __slots__ = ("bad", "count", "opened", "built")
+    __slots__ = ("bad", "opened", "built")
 
     def __init__(self, bad: list[WireError] | None) -> None:
+        super().__init__(MAX_CONTAINERS, "message body")
         self.bad = bad
-        self.count: _ContainerBudget | None = None
         self.opened = self.built = 0
 
     def open(self, data: bytes) -> _RecordTag:
@@ -441,12 +444,17 @@ class _RecordBuilder:
         return _RecordTag(name)
 
     def list_hook(self, items: list[Any]) -> Any:
-        if self.count is not None:
-            self.count(items)
-        if not items or type(items[0]) is not _RecordTag:
+        self.used += 1
+        if self.used > self.limit:
+            raise WireError(f"{self.what} holds more than {self.limit} lists and maps")
+        # A record's tag is decoded before the list that holds it ends: with none
+        # pending, this list is no record.
+        if self.opened == self.built or not items or type(items[0]) is not _RecordTag:
             return items
+        return self._build(items[0].name, items)
+
+    def _build(self, name: str, items: list[Any]) -> Any:
         self.built += 1
-        name = items[0].name
         if len(items) != 2 or not isinstance(items[1], dict):
             raise WireError(f"record {excerpt(name)} must be [name, fields map]")
         cls = RECORD_CLASSES.get(name)
@@ -473,10 +481,9 @@ class _RecordBuilder:
 
 def _unpack_body(body: bytes, ext_hook: Callable[[int, bytes], Any], records: _RecordBuilder) -> Any:
     size = len(body)
-    # Each list or map takes a byte at least, so a short body needs no counting, and
-    # no body nests deeper than it has containers.
-    count = _ContainerBudget(MAX_CONTAINERS, "message body") if size > MAX_DEPTH else None
-    records.count = count
+    # Each list or map takes a byte at least, so a short body needs no map counting,
+    # and no body nests deeper than it has containers.
+    count = records if size > MAX_DEPTH else None
     # Thousands of new lists and maps trigger the cyclic GC, and a full collection walks
     # every object of the process (torch's included: ~100 ms). Nothing here makes a cycle.
     pause_gc = count is not None and gc.isenabled()

@@ -179,7 +179,8 @@ def test_malformed_input_raises_wire_error(frames: list[bytes], match: str) -> N
 
 @functools.cache
 def _valid_frames() -> tuple[bytes, ...]:
-    payload = {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": [1, "x", torch.ones(3, dtype=torch.int8)]}
+    payload = {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": [1, "x", torch.ones(3, dtype=torch.int8)],
+               "r": Point(x=1, label="a", weights=[Point(x=2, weights=torch.zeros(2))])}
     return tuple(as_bytes(encode_message(payload)) + as_bytes(encode_message(Coded(torch.randn(300), "int4")))[1:])
 
 
