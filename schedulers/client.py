@@ -5,8 +5,8 @@ Example::
     from schedulers import JobSpec, LocalCluster
 
     async with LocalCluster(nodes=2) as cluster:
-        job = await cluster.train(JobSpec(model="examples.models:residual_mlp", pipeline_stages=2,
-                                          micro_batches=4))   # or the same as keyword arguments
+        job = await cluster.train(model="examples.models:residual_mlp", pipeline_stages=2, micro_batches=4)
+        # or sections: cluster.train(JobSpec(training=Training(model=...), parallelism=Parallelism(...)))
         stats = await job.step(inputs, targets)
         await job.close()
 
@@ -33,7 +33,7 @@ import torch
 import actors
 from actors import ActorError, ActorRef, Endpoint, HeadActor
 from stages import CheckpointError
-from schedulers.jobs import JobSpec
+from schedulers.jobs import SECTIONS, JobSpec
 from schedulers.placement import PlacementWarning
 from schedulers.records import JobDescription, JobInfo, Plan, RunInfo, SettingChange, StepStats, WhereReport
 from schedulers.scheduler import SchedulerActor
@@ -70,8 +70,10 @@ class Cluster(actors.Cluster):
     async def train(self, spec: JobSpec | None = None, /, **kwargs: Any) -> Job:
         """Starts a training job; returns its handle.
 
-        Takes a :class:`~schedulers.jobs.JobSpec`, or its fields as keyword arguments
-        (see the README's table, generated from the spec's fields). Every argument is
+        Takes a :class:`~schedulers.jobs.JobSpec`, or keyword arguments: its fields by
+        their flat names (``micro_batches=8``), its sections (``parallelism=Parallelism(...)``
+        or a dict), or both (see docs/jobspec.md's table, generated from the spec's fields).
+        A factory is an import path or the function or class itself. Every argument is
         checked here, before anything is sent.
 
         Raises:
@@ -134,13 +136,20 @@ def _checkpoint_errors() -> Iterator[None]:
 
 
 def _train_signature() -> inspect.Signature:
-    """``train(spec=None, /, *, model, ...)``: what ``help(cluster.train)`` shows, derived from the spec."""
+    """``train(spec=None, /, *, model, ..., training=None, ...)``: what ``help(cluster.train)`` shows.
+
+    Every field by its flat name, then every section; derived from the spec.
+    """
     parameters = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY),
                   inspect.Parameter("spec", inspect.Parameter.POSITIONAL_ONLY, default=None,
                                     annotation="JobSpec | None")]
-    for name, param in inspect.signature(JobSpec).parameters.items():
-        parameters.append(param.replace(kind=inspect.Parameter.KEYWORD_ONLY,
-                                        default=None if name == "model" else param.default))
+    for section in SECTIONS.values():
+        for name, param in inspect.signature(section).parameters.items():
+            parameters.append(param.replace(kind=inspect.Parameter.KEYWORD_ONLY,
+                                            default=None if name == "model" else param.default))
+    for name, section in SECTIONS.items():
+        parameters.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None,
+                                            annotation=f"{section.__name__} | dict[str, Any] | None"))
     return inspect.Signature(parameters, return_annotation="Job")
 
 
@@ -205,7 +214,7 @@ class Job:
         """
         if (inputs is None) != (targets is None):
             raise ValueError("step() takes both inputs and targets, or neither (to read the data factory)")
-        timeout = self.spec.step_timeout_s + 60.0
+        timeout = self.spec.fault_tolerance.step_timeout_s + 60.0
         try:
             return await self._call(SchedulerActor.step, timeout)(inputs, targets)
         except asyncio.CancelledError:
@@ -318,8 +327,6 @@ class Job:
         """
         with _checkpoint_errors():
             return await self._call(SchedulerActor.save, None)(os.path.abspath(os.fspath(directory)))
-
-    checkpoint = save  # the console's word for it
 
     async def load(self, directory: str | os.PathLike[str], *, weights_only: bool = False) -> int:
         """Loads the checkpoint :meth:`save` wrote to ``directory``, all or nothing.

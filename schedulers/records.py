@@ -9,7 +9,6 @@ too, checked by its own ``from_wire``.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -109,12 +108,6 @@ class StepStats(WireRecord):
     lr: list[float] = field(default_factory=list)
     predicted_step_s: float | None = None
     prediction_error: float | None = None
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> StepStats:
-        """Deprecated: :meth:`from_wire`, which refuses unknown keys instead of dropping them."""
-        warnings.warn("StepStats.from_dict is deprecated; use StepStats.from_wire", DeprecationWarning, stacklevel=2)
-        return cls.from_wire(data)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -87,7 +87,8 @@ class Subscribers:
 
 def _needs_communicator(spec: JobSpec) -> bool:
     """Whether the job's ranks form a torch.distributed group (tensor or data parallel, or the dist transport)."""
-    return spec.tensor_parallel > 1 or spec.data_parallel > 1 or spec.transport != "zmq"
+    p = spec.parallelism
+    return p.tensor_parallel > 1 or p.data_parallel > 1 or spec.communication.transport != "zmq"
 
 
 @register_actor("scheduler")
@@ -145,7 +146,7 @@ class SchedulerActor(Actor):
             publish=self._publish, alive_nodes=self._alive_nodes, rendezvous=rendezvous,
             owner=current_caller(), identities=identities,
             placer=Placer(free_nodes=self._free_nodes, spawn=self._respawn, renew_rendezvous=self._renew_rendezvous))
-        log.info("%s: %s on %s", job_id, job_spec.schedule, ", ".join(names))
+        log.info("%s: %s on %s", job_id, job_spec.parallelism.schedule, ", ".join(names))
         self._publish(JobCreated(job=job_id, nodes=names))
         return JobInfo(job=job_id, bounds=bounds, nodes=names, notices=notices)
 
@@ -169,10 +170,11 @@ class SchedulerActor(Actor):
         backend = backend_for([node.to_wire() for node in nodes])
         name = f"{job_id}.rendezvous"
         members = {n.identity for n in nodes} - {""}
-        await self.runtime.spawn(RendezvousActor(members, timeout_s=spec.step_timeout_s, job=job_id), name)
+        timeout_s = spec.fault_tolerance.step_timeout_s
+        await self.runtime.spawn(RendezvousActor(members, timeout_s=timeout_s, job=job_id), name)
         loopback = all(is_local_address(n.address) for n in nodes)
         return name, {"rendezvous": [self.runtime.address, name], "backend": backend,
-                      "timeout_s": spec.step_timeout_s, "loopback": loopback}
+                      "timeout_s": timeout_s, "loopback": loopback}
 
     async def _partition(self, spec: JobSpec, node: NodeInfo) -> list[list[int]]:
         """Stage bounds for ``spec``'s model, from layer sizes that ``node`` (a worker) measures.
@@ -180,15 +182,16 @@ class SchedulerActor(Actor):
         The head never imports or calls a user's factory: the worker builds the model
         on the meta device, under its own allow-list, and returns parameter counts.
         """
-        if spec.split_points is not None:  # one traced stage module per model stage, as the user cut it
+        if spec.parallelism.split_points is not None:  # one traced stage module per model stage, as the user cut it
             return [[i, i + 1] for i in range(spec.num_model_stages)]
-        pattern = spec.partition_method.removeprefix("type:") if spec.partition_method.startswith("type:") else None
+        method = spec.parallelism.partition_method
+        pattern = method.removeprefix("type:") if method.startswith("type:") else None
         counts = await self._inspect_model(spec, node, pattern)
         if pattern is not None and sum(counts) < spec.num_model_stages:
-            raise ValueError(f"partition_method={spec.partition_method!r} matches {sum(counts)} of the model's "
+            raise ValueError(f"partition_method={method!r} matches {sum(counts)} of the model's "
                              f"{len(counts)} layers, fewer than its {spec.num_model_stages} stages; match the "
                              "class of its repeated block (e.g. 'type:block')")
-        if spec.partition_method == "uniform":
+        if method == "uniform":
             bounds = partition_uniform(len(counts), spec.num_model_stages)
         else:
             # Exact balancing is O(stages x layers log layers): off the loop for very deep models.
@@ -202,13 +205,14 @@ class SchedulerActor(Actor):
         name = f"inspect-{next(self._inspections)}"
         address, _ = await agent.endpoint(NodeActor.spawn, timeout=60).call("model_inspector", name, {})
         inspector = self.runtime.ref(address, name)
+        t, p = spec.training, spec.parallelism
         try:
-            if spec.partition_method == "profile":
+            if p.partition_method == "profile":
                 return await inspector.endpoint(ModelInspector.profile_model, timeout=600).call(
-                    spec.model, dict(spec.model_kwargs), spec.data, dict(spec.data_kwargs),
-                    spec.micro_batches * spec.data_parallel, spec.seed, spec.example_inputs)
+                    t.model, dict(t.model_kwargs), t.data, dict(t.data_kwargs),
+                    p.micro_batches * p.data_parallel, t.seed, p.example_inputs)
             return await inspector.endpoint(ModelInspector.describe_model, timeout=300).call(
-                spec.model, dict(spec.model_kwargs), pattern)
+                t.model, dict(t.model_kwargs), pattern)
         finally:
             try:
                 await agent.endpoint(NodeActor.stop_actor, timeout=10).call(name)

@@ -51,7 +51,7 @@ class StageConfig(WireRecord):
     # Any nn.Module, traced and cut before these modules (stages.build.traced); bounds are then one "layer" per stage.
     split_points: list[str] | None = None
     example_inputs: Any = None  # the micro-batch to trace on (else the data factory's first)
-    # Issue 16 (see JobSpec for each one's meaning).
+    # Training options: precision, clipping, LR schedule, ... (JobSpec says what each means).
     precision: str = "fp32"  # "fp32", "bf16", "fp16"
     loss_scale: float = 0.0  # fp16: static scale, 0 = dynamic
     initial_scale_power: int = 16

@@ -84,7 +84,7 @@ def jobs_table(infos: Sequence[JobDescription]) -> Table:
     for column in ("job", "schedule", "micro-batches", "mesh (p x t x d)", "nodes", "steps", "state"):
         table.add_column(column)
     for info in infos:
-        table.add_row(info.job, _schedule(info), str(info.spec.micro_batches), " x ".join(map(str, info.mesh)),
+        table.add_row(info.job, _schedule(info), str(info.spec.parallelism.micro_batches), " x ".join(map(str, info.mesh)),
                       ", ".join(info.nodes), str(info.steps), job_status(info))
     return table
 
@@ -108,13 +108,14 @@ def status_table(infos: Sequence[JobDescription]) -> Table:
 def job_detail(info: JobDescription) -> list[str]:
     """A job's status as lines: layout, last step, run, pending settings, bytes per edge."""
     spec, stats, mesh = info.spec, info.last_stats, info.mesh
+    codecs = f"{spec.communication.activation_codec}/{spec.communication.gradient_codec}"
     lines = [
-        f"{info.job}: {spec.model} | schedule {_schedule(info)}, {spec.micro_batches} "
+        f"{info.job}: {spec.training.model} | schedule {_schedule(info)}, {spec.parallelism.micro_batches} "
         f"micro-batches | {mesh[0]} stages x {mesh[1]} tp x {mesh[2]} dp on {', '.join(info.nodes)} "
-        f"| codecs {spec.activation_codec}/{spec.gradient_codec} | {job_status(info)}",
+        f"| codecs {codecs} | {job_status(info)}",
     ]
     if stats is not None:
-        lines.extend(_stats_lines(stats, spec.precision))
+        lines.extend(_stats_lines(stats, spec.mixed_precision.precision))
     else:
         lines.append(f"no step finished yet ({info.steps} started)")
     run = info.run
@@ -161,14 +162,14 @@ def _stats_lines(stats: StepStats, precision: str) -> list[str]:
 
 def _schedule(info: JobDescription) -> str:
     """``1f1b``, or ``auto (zero_bubble)``: the setting and, where auto chose, what runs."""
-    setting, running = info.spec.schedule, info.running
+    setting, running = info.spec.parallelism.schedule, info.running
     return f"{setting} ({running})" if running and running != setting else str(setting)
 
 
 def schedule_grid(info: JobDescription) -> str:
     """The job's compiled programs as a stage-by-time grid, with a one-line header."""
     programs = {rank: [Action.parse(a) for a in program] for rank, program in enumerate(info.programs)}
-    header = (f"{info.job}: {_schedule(info)}, {len(programs)} stages, {info.spec.micro_batches} "
+    header = (f"{info.job}: {_schedule(info)}, {len(programs)} stages, {info.spec.parallelism.micro_batches} "
               "micro-batches (one column per action slot; - idle)")
     return header + "\n" + format_grid(programs)
 

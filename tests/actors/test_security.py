@@ -1,4 +1,4 @@
-"""A cluster admits only its own keys, and each key may do only what its role may (issue 13's probe, as tests)."""
+"""A cluster admits only its own keys, and each key may do only what its role may (docs/security.md, as tests)."""
 
 from __future__ import annotations
 

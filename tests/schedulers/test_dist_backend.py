@@ -52,7 +52,7 @@ async def rendezvous(spec: JobSpec, nodes: list[NodeInfo]) -> tuple[Runtime, dic
 async def test_the_stages_dist_config_names_the_backend_of_their_devices(
     layout: dict[str, Any], devices: tuple[str, ...], backend: str
 ) -> None:
-    runtime, config = await rendezvous(JobSpec(model="examples.models:residual_mlp", **layout), placed(*devices))
+    runtime, config = await rendezvous(JobSpec.of(model="examples.models:residual_mlp", **layout), placed(*devices))
     assert config is not None and config["backend"] == backend
     assert runtime.spawned == ["job0.rendezvous"]
 
@@ -64,7 +64,7 @@ async def test_the_stages_dist_config_names_the_backend_of_their_devices(
 async def test_a_job_nccl_cannot_serve_is_refused_before_its_rendezvous_starts(
     layout: dict[str, Any], devices: tuple[str, ...], says: str
 ) -> None:
-    spec = JobSpec(model="examples.models:residual_mlp", **layout)
+    spec = JobSpec.of(model="examples.models:residual_mlp", **layout)
     runtime = Runtime()
     scheduler: Any = SimpleNamespace(runtime=runtime)
     with pytest.raises(ValueError, match=says):
@@ -73,6 +73,6 @@ async def test_a_job_nccl_cannot_serve_is_refused_before_its_rendezvous_starts(
 
 
 async def test_a_pipeline_over_zeromq_needs_no_backend_and_may_share_a_gpu() -> None:
-    runtime, config = await rendezvous(JobSpec(model="examples.models:residual_mlp", pipeline_stages=2),
+    runtime, config = await rendezvous(JobSpec.of(model="examples.models:residual_mlp", pipeline_stages=2),
                                        placed("cuda:0", "cuda:0"))
     assert config is None and runtime.spawned == []

@@ -1,4 +1,4 @@
-"""Faults end fast and never wedge: a killed or stopped worker, a cancelled step, a killed head (issue 14)."""
+"""Faults end fast and never wedge: a killed or stopped worker, a cancelled step, a killed head (docs/debugging.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Learning-rate schedules end to end (issue 16, point 3): every stage steps the job's schedule once per
+"""Learning-rate schedules end to end (see docs/precision.md): every stage steps the job's schedule once per
 applied step, StepStats reports the rate, checkpoints resume it, and a skipped step does not advance it.
 
 One LocalCluster of 4 node processes serves the module; each case compares with one

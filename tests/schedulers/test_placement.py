@@ -135,7 +135,7 @@ class _FakeScheduler(SchedulerActor):
 
 
 def spec(**kwargs: Any) -> JobSpec:
-    return JobSpec(model="examples.models:residual_mlp", **kwargs)
+    return JobSpec.of(model="examples.models:residual_mlp", **kwargs)
 
 
 @pytest.mark.asyncio

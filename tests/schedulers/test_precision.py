@@ -1,4 +1,4 @@
-"""Mixed precision, fp16 loss scaling and global-norm clipping across the pipeline (issue 16, points 1-2).
+"""Mixed precision, fp16 loss scaling and global-norm clipping across the pipeline (see docs/precision.md).
 
 The reference for each is one process doing the same arithmetic: the same micro-batches
 in order, under the same autocast, with each stage boundary cast to the compute dtype

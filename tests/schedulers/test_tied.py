@@ -1,4 +1,4 @@
-"""Tied parameters stay tied across pipeline stages, and training equals one process (issue 15, point 3)."""
+"""Tied parameters stay tied across pipeline stages, and training equals one process (see docs/parallelism.md)."""
 
 from __future__ import annotations
 
