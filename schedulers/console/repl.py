@@ -16,7 +16,6 @@ import os
 import signal
 import sys
 from collections.abc import Iterable
-from typing import Any
 
 from prompt_toolkit import PromptSession
 from prompt_toolkit.completion import CompleteEvent, Completer, Completion, PathCompleter
