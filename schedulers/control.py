@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from actors import ActorError, ActorRef, Event, Host, NodeLost, StepFailed, error_from_wire
-from stages import batch_size, FinishReport, Mesh, ReduceReport, StageActor, StageReport
+from stages import batch_size, FinishReport, Mesh, ReduceReport, StageActor, StageReport, StepOrder
 from schedulers.hang import StageProgress, diagnose
 from schedulers import job_state, recovery
 from schedulers.events import (
@@ -388,7 +388,7 @@ class JobController:
     async def _run_to_barrier(self, step: int, calls: dict[int, dict[str, Any]]) -> list[StageReport]:
         tasks = {
             rank: asyncio.ensure_future(self.stages[rank].endpoint(StageActor.run_step).call(
-                step, self.programs[self.mesh.coords(rank).pipeline], **kwargs))
+                StepOrder(step=step, program=self.programs[self.mesh.coords(rank).pipeline], **kwargs)))
             for rank, kwargs in calls.items()
         }
         loop = asyncio.get_running_loop()

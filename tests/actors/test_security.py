@@ -29,7 +29,7 @@ from actors import (
     UnknownActor,
     open_runtime,
 )
-from stages import RendezvousActor, StageActor
+from stages import RendezvousActor, StageActor, StepOrder
 from transport.security import Keypair
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180), pytest.mark.asyncio(loop_scope="module")]
@@ -159,9 +159,8 @@ async def test_only_the_head_turns_w_batching_on_for_a_step_and_a_bad_value_chan
         await job.step(*batch())
         (info,) = [d for d in await cluster.jobs() if d.job == job.id]
         stage = cluster.runtime.ref(*info.stages[0])
-        # run_step(step, program, inputs, targets, data_step, data_shard, micro_batches, snapshot, loss_scale,
-        # w_batching): a client's key and the job's own node's key are refused before any argument is read.
-        call = (5, [], None, None, None, None, None, None, None, True)
+        # run_step(order): a client's key and the job's own node's key are refused before any argument is read.
+        call = (StepOrder(step=5, program=[], w_batching=True).to_wire(),)
         async with Cluster.connect(cluster.head.address, keys=keys().directory, identity="alice") as alice:
             with pytest.raises(NotAllowed, match="may not call StageActor.run_step"):
                 await alice.runtime.ref(stage.address, stage.name).endpoint(StageActor.run_step, timeout=10).call(*call)
@@ -172,7 +171,7 @@ async def test_only_the_head_turns_w_batching_on_for_a_step_and_a_bad_value_chan
         async with open_runtime("tcp://127.0.0.1:0", keys=keys().identity("head"), ring=keys().ring) as head:
             run_step = head.ref(stage.address, stage.name).endpoint(StageActor.run_step, timeout=10)
             with pytest.raises(RemoteError, match="ValueError: w_batching must be a bool, got 'yes'"):
-                await run_step.call(*call[:-1], "yes")
+                await run_step.call({**call[0], "w_batching": "yes"})
         stats = await job.step(*batch())  # the refused call left the stage where it was
         assert stats.loss == stats.loss
     finally:
