@@ -194,7 +194,7 @@ def encode_message(
     frames: list[Any] = []
     decoded_nbytes = numel_total = padding_total = 0
 
-    def add_tensor(obj: Any) -> Any:
+    def add_extension(obj: Any) -> Any:  # a record or a tensor: what msgpack cannot pack itself
         nonlocal decoded_nbytes, numel_total, padding_total
         record = RECORD_NAMES.get(type(obj))
         if record is not None:
@@ -225,7 +225,7 @@ def encode_message(
         frames.extend(_as_buffer(frame) for frame in encoded.frames)
         return msgpack.ExtType(_TENSOR_EXT, (len(table) - 1).to_bytes(4, "little"))
 
-    body = msgpack.packb(payload, default=add_tensor, use_bin_type=True)
+    body = msgpack.packb(payload, default=add_extension, use_bin_type=True)
     header = msgpack.packb([WIRE_VERSION, table, body], use_bin_type=True)
     total = len(header) + sum(memoryview(f).nbytes for f in frames)
     if total > max_bytes or decoded_nbytes > max_bytes:
