@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from actors._lazy import lazy_exports
 
 _EXPORTS = {
+    "lazy_exports": "actors._lazy",
     "Actor": "actors._actor",
     "current_caller": "actors._actor",
     "endpoint": "actors._actor",
@@ -67,6 +68,9 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
 
 
 if TYPE_CHECKING:  # explicit re-exports, for type checkers (the names resolve lazily above)
+    from actors._lazy import (
+        lazy_exports as lazy_exports,
+    )
     from actors._actor import (
         Actor as Actor,
         current_caller as current_caller,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from actors._lazy import lazy_exports
+from actors import lazy_exports
 
 _EXPORTS = {
     "Cluster": "schedulers.client",
