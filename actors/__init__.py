@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from actors._lazy import lazy_exports
+from actors._lazy import lazy_exports as lazy_exports
 
 _EXPORTS = {
     "lazy_exports": "actors._lazy",
@@ -68,9 +68,6 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
 
 
 if TYPE_CHECKING:  # explicit re-exports, for type checkers (the names resolve lazily above)
-    from actors._lazy import (
-        lazy_exports as lazy_exports,
-    )
     from actors._actor import (
         Actor as Actor,
         current_caller as current_caller,
