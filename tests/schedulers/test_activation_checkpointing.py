@@ -22,7 +22,8 @@ from schedulers.records import StepStats
 from tests.schedulers.test_real_models import lm_batches, masked_batches
 from tests.schedulers.test_training import GPT_KWARGS, gpt_batches
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(900),
+              pytest.mark.asyncio(loop_scope="module")]
 
 MLP_KWARGS = {"blocks": 8, "dim": 16, "hidden": 64}
 BATCH, SEQ, STEPS = 16, 4, 2

@@ -21,7 +21,8 @@ from actors import Cluster, LocalCluster, RemoteError
 from schedulers.client import CheckpointError, Job
 from schedulers.scheduler import SchedulerActor
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(300),
+              pytest.mark.asyncio(loop_scope="module")]
 
 MLP = {"model": "examples.models:residual_mlp", "model_kwargs": {"blocks": 4, "dim": 16, "hidden": 32}}
 LINEARS = "tests.helpers.checkpoint_models:linears"

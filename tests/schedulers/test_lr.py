@@ -22,7 +22,8 @@ from examples.models import residual_mlp
 from schedulers.deepspeed.config import load_config
 from schedulers.console.render import job_detail
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(600),
+              pytest.mark.asyncio(loop_scope="module")]
 
 MODEL_KWARGS = {"blocks": 4, "dim": 8, "hidden": 16}
 SGD = ("torch.optim:SGD", {"lr": 0.1, "momentum": 0.9})

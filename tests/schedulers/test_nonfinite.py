@@ -19,7 +19,7 @@ from stages import StageActor
 from examples.models import residual_mlp
 from schedulers import Cluster, Job, LocalCluster
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300), pytest.mark.asyncio(loop_scope="module")]
 
 MODEL_KWARGS = {"blocks": 2, "dim": 8, "hidden": 16}
 SGD = ("torch.optim:SGD", {"lr": 0.1})

@@ -21,7 +21,8 @@ import torch
 from actors import Cluster, LocalCluster
 from tests.schedulers.test_training import GPT_KWARGS, OPTIMIZERS, WORKLOADS
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(900),
+              pytest.mark.asyncio(loop_scope="module")]
 
 MLP, GPT = WORKLOADS["mlp"], WORKLOADS["gpt"]
 TIED_GPT = {**GPT, "kwargs": {**GPT_KWARGS, "tie_embeddings": True}}

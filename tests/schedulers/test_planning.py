@@ -302,6 +302,7 @@ async def train(cluster: Cluster, steps: list[tuple[torch.Tensor, torch.Tensor]]
 @pytest.mark.slow
 @pytest.mark.asyncio(loop_scope="module")
 @pytest.mark.parametrize("options", [{"gradient_accumulation_fusion": False}, {}], ids=["plain", "fused"])
+@pytest.mark.multiprocess
 async def test_an_auto_job_trains_exactly_as_the_schedule_it_chose(cluster: Cluster, options: dict[str, Any]) -> None:
     spec = JobSpec(model=MODEL, schedule="auto", **options)
     probes = probe_steps(spec)
@@ -338,6 +339,7 @@ async def test_an_auto_job_trains_exactly_as_the_schedule_it_chose(cluster: Clus
 
 @pytest.mark.slow
 @pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.multiprocess
 async def test_a_stash_limit_nothing_fits_fails_the_planning_step_with_nothing_applied(cluster: Cluster) -> None:
     x, y = batches(1)[0]
     job = await cluster.train(model=MODEL, model_kwargs=KWARGS, pipeline_stages=2, micro_batches=4, seed=0,
@@ -360,6 +362,7 @@ async def test_a_stash_limit_nothing_fits_fails_the_planning_step_with_nothing_a
 
 @pytest.mark.slow
 @pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.multiprocess
 async def test_set_schedule_auto_from_the_console_plans_a_running_job(cluster: Cluster) -> None:
     out = io.StringIO()
     session = Session(cluster, Console(file=out, width=200), interactive=False)

@@ -22,7 +22,7 @@ from schedulers.console.render import job_detail
 from tests.helpers.models import overflowing
 from tests.schedulers.test_training import WORKLOADS
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(900)]
 
 GPT = WORKLOADS["gpt"]
 MICRO = 4

@@ -12,7 +12,8 @@ import torch
 from actors import Cluster, LocalCluster, RemoteError
 from examples.data import regression_batches
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(600),
+              pytest.mark.asyncio(loop_scope="module")]
 
 DIM = 128
 MODEL = {"blocks": 4, "dim": DIM, "hidden": 2 * DIM}

@@ -19,7 +19,7 @@ from examples.models import lm_loss
 from tests.helpers import models as helpers
 
 pytest.importorskip("transformers")  # the test setup installs it (the [hf] extra)
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(900)]
 
 SEQ, VOCAB, BATCH, MICRO = 8, 64, 8, 4
 SMALL = {"dim": 32, "heads": 2, "vocab": VOCAB, "positions": 16}

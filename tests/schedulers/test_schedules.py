@@ -240,6 +240,7 @@ def test_old_micro_batches_flag_still_works_with_a_deprecation_warning(
     assert "--microbatches is deprecated; use --micro-batches" in old.err
 
 
+@pytest.mark.multiprocess
 def test_command_line_prints_the_1f1b_bubble() -> None:
     command = [sys.executable, "-m", "schedulers.schedules"]
     command += ["--schedule", "1f1b", "--stages", "4", "--micro-batches", "8"]

@@ -39,6 +39,7 @@ def test_a_shared_parameter_is_found_under_every_name() -> None:
     ("1f1b", 2, 1, 1), ("gpipe", 2, 1, 1), ("1f1b", 4, 1, 1), ("gpipe", 4, 1, 1), ("interleaved", 2, 1, 1),
     ("1f1b", 2, 2, 1),
 ])
+@pytest.mark.multiprocess
 async def test_tied_embeddings_split_across_stages_train_as_one_process(
     cluster: Cluster, schedule: str, pipeline: int, data: int, tensor: int
 ) -> None:
@@ -64,6 +65,7 @@ async def test_tied_embeddings_split_across_stages_train_as_one_process(
 
 
 @pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.multiprocess
 async def test_tensor_parallelism_that_would_untie_a_parameter_is_refused_by_name(cluster: Cluster) -> None:
     with pytest.raises(RemoteError, match=f"tensor parallelism would untie {' = '.join(PAIR)}"):
         await cluster.train(model=TIED["model"], model_kwargs=TIED["kwargs"], loss=TIED["loss"],

@@ -21,7 +21,8 @@ from examples.models import gpt, lm_loss, residual_mlp
 from schedulers.schedules import build_schedule
 from schedulers.simulate import simulate
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(600),
+              pytest.mark.asyncio(loop_scope="module")]
 
 MODEL_KWARGS = {"blocks": 8, "dim": 16, "hidden": 32}
 OPTIMIZERS = {

@@ -56,6 +56,7 @@ async def cluster() -> AsyncIterator[Cluster]:
 @pytest.mark.slow
 @pytest.mark.asyncio(loop_scope="module")
 @pytest.mark.parametrize(("schedule", "stages"), [("1f1b", 2), ("zero_bubble", 2), ("gpipe", 4), ("interleaved", 2)])
+@pytest.mark.multiprocess
 async def test_w_batching_trains_as_one_process_and_holds_every_micro_batch_until_the_tail(
     cluster: Cluster, schedule: str, stages: int
 ) -> None:

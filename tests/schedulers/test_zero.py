@@ -22,7 +22,8 @@ from actors import Cluster, LocalCluster
 from schedulers.client import Job
 from tests.schedulers.test_training import OPTIMIZERS, WORKLOADS, train_reference
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(600),
+              pytest.mark.asyncio(loop_scope="module")]
 
 MLP = WORKLOADS["mlp"]
 MESH = {"pipeline_stages": 2, "data_parallel": 2, "micro_batches": 4, "seed": 0}
