@@ -1,18 +1,16 @@
 """Pipeline training end to end: every schedule equals single-process training.
 
-One LocalCluster of 4 node processes serves the whole module; each case starts a
-job on it, trains 3 steps on fixed global batches, and compares parameters and
-losses with one process training the same model from the same seed.
+The package's shared LocalCluster of 4 nodes (tests/schedulers/conftest.py) serves the
+module; each case starts a job on it, trains 3 steps on fixed global batches, and compares
+parameters and losses with one process training the same model from the same seed.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-import pytest_asyncio
 import torch
 
 from actors import Cluster, LocalCluster
@@ -22,7 +20,7 @@ from schedulers.schedules import build_schedule
 from schedulers.simulate import simulate
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(600),
-              pytest.mark.asyncio(loop_scope="module")]
+              pytest.mark.asyncio(loop_scope="package")]
 
 MODEL_KWARGS = {"blocks": 8, "dim": 16, "hidden": 32}
 OPTIMIZERS = {
@@ -30,12 +28,6 @@ OPTIMIZERS = {
     "adam": ("torch.optim:Adam", {"lr": 0.01}),
 }
 BATCH, SEQ, STEPS = 16, 4, 3
-
-
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def cluster() -> AsyncIterator[Cluster]:
-    async with LocalCluster(nodes=4) as cluster:
-        yield cluster
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
