@@ -117,12 +117,12 @@ def test_a_refusal_fails_the_test_even_when_caught_and_names_the_mark(pytester: 
     result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-rfE")
     result.assert_outcomes(passed=1, failed=1, errors=1)
     result.stdout.fnmatch_lines([
-        "test_inner.py::test_swallows_the_refusal started a process through subprocess.Popen ('true') but is not "
+        "test_inner.py::test_swallows_the_refusal starts a process through subprocess.Popen ('true') but is not "
         "marked multiprocess: mark it @pytest.mark.multiprocess*",
         "FAILED test_inner.py::test_swallows_the_refusal*",
     ])
     result.stdout.fnmatch_lines([
-        "E   *Failed: test_inner.py::test_in_a_module_fixture started a process*not marked multiprocess*",
+        "E   *Failed: test_inner.py::test_in_a_module_fixture starts a process*not marked multiprocess*",
         "ERROR test_inner.py::test_in_a_module_fixture*",
     ])
 

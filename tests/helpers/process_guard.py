@@ -76,7 +76,7 @@ def check_start(what: str, argv: object = None) -> None:
         return
     command = f" ({_excerpt(argv)})" if argv is not None else ""
     message = (
-        f"{item.nodeid} started a process through {what}{command} but is not marked {MARK}: "
+        f"{item.nodeid} starts a process through {what}{command} but is not marked {MARK}: "
         f"mark it @pytest.mark.{MARK} (or add pytest.mark.{MARK} to the module's pytestmark), "
         f"so that `make test-fast` (-m \"not {MARK}\") leaves it out"
     )
