@@ -143,11 +143,10 @@ class StageActor(Actor):
         # CUDA's current device is per thread: the compute thread pins itself as the node did.
         thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage{self.config.pipeline_rank}-compute",
                                     initializer=pin_device, initargs=(str(device),))
-        loop = asyncio.get_running_loop()
         try:
-            model = await loop.run_in_executor(thread, self._build, allow, device, loop)
+            loop = asyncio.get_running_loop()
+            model = await loop.run_in_executor(thread, self._build_or_leave, allow, device, loop)
         except BaseException as exc:
-            await self._leave_after_failed_build(thread)
             thread.shutdown(wait=False)
             where = f"node {context.name} (a worker)" if context is not None else "this process"
             if isinstance(exc, NotAllowed):
@@ -159,19 +158,20 @@ class StageActor(Actor):
         self.executor = StepExecutor(model, Inbox(self._inbox_limit(cfg.micro_batches)), self._send,
                                      cfg.micro_batches, thread, overlap=self._overlap)
 
-    async def _leave_after_failed_build(self, thread: ThreadPoolExecutor) -> None:
-        """Leaves the process group a build joined before it failed (a refused tensor-parallel
-        split, a factory that raised): otherwise this node refuses every later job's group."""
-        if self._link is not None:
-            self._link.close()
-            self._link = None
-        if self._groups is None:
-            return
-        self._groups = None
+    def _build_or_leave(
+        self, allow: Sequence[str], device: torch.device, loop: asyncio.AbstractEventLoop
+    ) -> StageModel:
+        """``_build``; one that fails after joining the job's process groups (a refused
+        tensor-parallel split, a factory that raised) leaves them, or this node would refuse
+        every later job's groups."""
+        joined_before = torch.distributed.is_initialized()  # another job's: never ours to leave
         try:
-            await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(thread, leave_process_groups), 5.0)
-        except TimeoutError:
-            log.warning("could not leave the process group of a failed build cleanly; stopping anyway")
+            return self._build(allow, device, loop)
+        except BaseException:
+            if not joined_before:
+                self._groups = None
+                leave_process_groups()
+            raise
 
     def _inbox_limit(self, num_microbatches: int) -> int:
         # Each micro-batch brings at most one activation and one gradient per held stage.
