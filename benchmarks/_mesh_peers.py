@@ -34,7 +34,7 @@ from benchmarks.pipeline import ActorpipePeer
 # A program with a reduction, to begin the overlapped reduction's step with (no action runs).
 _PROGRAM_TEXT = "0F0 0B0 0BARRIER 0REDUCE 0STEP"
 
-MICROBATCH_SIZE = 8  # DESIGN.md: 8 micro-batches of 8; each data-parallel replica keeps micro-batches of 8
+MICROBATCH_SIZE = 8  # docs/design.md: 8 micro-batches of 8; each data-parallel replica keeps micro-batches of 8
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

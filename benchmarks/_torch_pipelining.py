@@ -1,7 +1,7 @@
 """The torch peers of ``benchmarks.pipeline``: one process, and ``torch.distributed.pipelining``.
 
 Each peer is a group of spawned worker processes (one for the single-process peer, one
-per stage for a pipelined one) that build the reference workload (DESIGN.md), then wait
+per stage for a pipelined one) that build the reference workload (docs/design.md), then wait
 for commands from the parent: ``run`` some steps and report their times, or ``finish``:
 save the trained parameters for the exactness check, report peak RSS and exit. The
 peers stay up between commands so that ``benchmarks.pipeline`` can interleave their

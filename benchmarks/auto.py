@@ -1,7 +1,7 @@
 # Run: python -m benchmarks.auto            (add --steps 4 --rounds 2 for a quick look)
 """schedule="auto" against every manual schedule, on the reference workload at 2 stages.
 
-Peers, each a ``LocalCluster`` of 2 nodes training the reference workload (DESIGN.md),
+Peers, each a ``LocalCluster`` of 2 nodes training the reference workload (docs/design.md),
 all up at once and timed in rotated rounds of one step each (``benchmarks.pipeline.run_rounds``), so
 that the machine's noise hits every peer alike:
 - actorpipe ``schedule="auto"``: its first three (warm-up) steps run zero-bubble and time

@@ -6,7 +6,7 @@ On a machine with CUDA (within about 5 minutes with one GPU):
 1. ``zmq_fp32`` / ``zmq_bf16``: a 2-stage 1F1B job, both stages on ``cuda:0``, over the
    ZeroMQ path (activations and gradients cross device->pinned host->device through
    ``stages.comm.device_io``), trained ``--steps`` steps on the reference workload
-   (DESIGN.md: 8 residual MLP blocks of width 512, a [64, 32, 512] batch in 8
+   (docs/design.md: 8 residual MLP blocks of width 512, a [64, 32, 512] batch in 8
    micro-batches, MSE, SGD lr 0.01, seed 0), against one process on the same GPU doing
    the same arithmetic (the same micro-batches in order; in bf16 the same autocast,
    the boundary cast to bf16). Every parameter must satisfy, element by element,

@@ -1,7 +1,7 @@
 # Run: python -m benchmarks.memory            (add --steps 2 for a quicker look)
 """Activation checkpointing on the reference workload: the memory it saves, and what the recompute costs.
 
-The reference workload (DESIGN.md) at 4 stages, 1F1B, 8 micro-batches, trained with
+The reference workload (docs/design.md) at 4 stages, 1F1B, 8 micro-batches, trained with
 ``activation_checkpointing`` off and ``True`` (every layer: each block keeps its
 input) side by side, each on a fresh ``LocalCluster`` of 4 nodes, their steps taking
 turns. Fresh, because peak RSS is a process's peak since it started; side by side,

@@ -1,7 +1,7 @@
 # Run: .venv/bin/python -m benchmarks.mesh          (add --steps 4 --meshes 2,1,1 1,1,2 for a quick look)
 """The reference workload on pipeline x tensor x data meshes against one process.
 
-Peers, all measured in one run on the reference workload (DESIGN.md):
+Peers, all measured in one run on the reference workload (docs/design.md):
 - one process: the plain full-batch training step, one thread;
 - actorpipe: a ``LocalCluster`` of ``P * T * D`` nodes running one 1F1B job per mesh of
   ``--meshes`` (default (2,1,1), (1,2,1), (1,1,2) and (2,2,1)). Every micro-batch

@@ -6,7 +6,7 @@ micro-batches, both cores at once, no transfers, no bubble) reaches about 1.6x o
 process, not 2x. Two things make up the difference, measured here one at a time:
 
 - ``microbatch_penalty``: the whole model's forward and backward over the batch as 8
-  micro-batches, over the same as one batch of 64 (one process, one thread). Issue 17's
+  micro-batches, over the same as one batch of 64 (one process, one thread).
   W batching takes back at most ``w_batching_share_of_penalty`` of it: the weight-gradient
   GEMMs of every ``nn.Linear`` as one GEMM over all rows (``w_batched_ms``) instead of one
   per micro-batch (``w_per_microbatch_ms``); the forward's and the input gradient's GEMMs

@@ -1,7 +1,7 @@
 # Run: python -m benchmarks.pipeline            (add --steps 4 --stages 2 for a quick look)
 """The reference workload under actorpipe, torch.distributed.pipelining and one process.
 
-Peers, all measured in one run on the reference workload (DESIGN.md):
+Peers, all measured in one run on the reference workload (docs/design.md):
 - one process: the plain full-batch training step, one thread;
 - ``torch.distributed.pipelining`` over gloo, one process per rank, 8 micro-batches:
   ``Schedule1F1B``, ``ScheduleGPipe``, and the schedules with two model stages per rank,

@@ -1,7 +1,7 @@
 # Run: python -m benchmarks.precision            (add --steps 3 for a quick look)
 """What mixed precision changes on the reference workload: bytes between stages, step time, loss.
 
-The reference workload (DESIGN.md: 8 residual MLP blocks, 512 wide, a [64, 32, 512]
+The reference workload (docs/design.md: 8 residual MLP blocks, 512 wide, a [64, 32, 512]
 batch in 8 micro-batches, SGD) over 2 pipeline stages with 1F1B, in one
 ``LocalCluster``, as three jobs whose steps alternate in rotated order (noise hits each
 alike): ``fp32`` and ``bf16``. Reported per precision:

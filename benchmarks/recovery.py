@@ -1,5 +1,5 @@
 # Run: python -m benchmarks.recovery            (add --steps 6 for a quick look)
-"""What recovering a lost pipeline stage costs, on the reference workload (DESIGN.md) at 2 stages.
+"""What recovering a lost pipeline stage costs, on the reference workload (docs/design.md) at 2 stages.
 
 Peers, in one run on one ``LocalCluster`` (4 nodes and a spare, each job on 2 of its own):
 - ``plain``: the job without ``max_restarts``: no snapshots;

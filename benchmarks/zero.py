@@ -1,7 +1,7 @@
 # Run: .venv/bin/python -m benchmarks.zero          (add --steps 2 --dim 128 for a quick look)
 """ZeRO-1's optimizer state per replica against unsharded training, on the reference workload.
 
-Peers, measured in one run: the reference workload (DESIGN.md: 8 residual MLP blocks
+Peers, measured in one run: the reference workload (docs/design.md: 8 residual MLP blocks
 of width 512, a [64, 32, 512] batch, micro-batches of 8, MSE) trained with Adam on
 2 pipeline stages x 2 data-parallel replicas, 1F1B, once with ``zero_stage=0`` and
 once with ``zero_stage=1``, each on a fresh ``LocalCluster`` of 4 nodes. A stage's

@@ -93,16 +93,17 @@ async def _train_pipelined(args: argparse.Namespace) -> dict[str, Any]:
     step_times: list[float] = []
     bubbles: list[float] = []
     async with LocalCluster(nodes=args.stages) as cluster:
+        # Factories by themselves (their import paths are derived: nodes import them by path).
         job = await cluster.train(
-            model="examples.models:gpt",
+            model=gpt,
             model_kwargs=model_kwargs(args),
-            loss="examples.models:lm_loss",
-            optimizer=("torch.optim:AdamW", {"lr": args.lr}),
+            loss=lm_loss,
+            optimizer=(torch.optim.AdamW, {"lr": args.lr}),
             pipeline_stages=args.stages,
             schedule=args.schedule,
             micro_batches=args.micro_batches,
             seed=args.seed,
-            data="examples.data:char_batches",
+            data=char_batches,
             data_kwargs=data_kwargs(args),
         )
         try:

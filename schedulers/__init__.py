@@ -6,7 +6,7 @@ The job API is re-exported here, lazily (PEP 562), so that pure modules such as
     from schedulers import JobSpec, LocalCluster
 
     async with LocalCluster(nodes=2) as cluster:
-        job = await cluster.train(JobSpec(model="examples.models:residual_mlp", pipeline_stages=2))
+        job = await cluster.train(model="examples.models:residual_mlp", pipeline_stages=2)
 """
 
 from __future__ import annotations
@@ -19,6 +19,13 @@ _EXPORTS = {
     "Job": "schedulers.client",
     "LocalCluster": "schedulers.client",
     "JobSpec": "schedulers.jobs",
+    "Training": "schedulers.jobs",
+    "Parallelism": "schedulers.jobs",
+    "Optimization": "schedulers.jobs",
+    "MixedPrecision": "schedulers.jobs",
+    "Communication": "schedulers.jobs",
+    "Runtime": "schedulers.jobs",
+    "FaultTolerance": "schedulers.jobs",
     "JobDescription": "schedulers.records",
     "JobInfo": "schedulers.records",
     "Plan": "schedulers.records",
@@ -61,7 +68,14 @@ if TYPE_CHECKING:  # explicit re-exports, for type checkers (the names resolve l
         load_config as load_config,
     )
     from schedulers.jobs import (
+        Communication as Communication,
+        FaultTolerance as FaultTolerance,
         JobSpec as JobSpec,
+        MixedPrecision as MixedPrecision,
+        Optimization as Optimization,
+        Parallelism as Parallelism,
+        Runtime as Runtime,
+        Training as Training,
     )
     from schedulers.placement import (
         PlacementWarning as PlacementWarning,

@@ -5,8 +5,8 @@ Example::
     from schedulers import JobSpec, LocalCluster
 
     async with LocalCluster(nodes=2) as cluster:
-        job = await cluster.train(JobSpec(model="examples.models:residual_mlp", pipeline_stages=2,
-                                          micro_batches=4))   # or the same as keyword arguments
+        job = await cluster.train(model="examples.models:residual_mlp", pipeline_stages=2, micro_batches=4)
+        # or sections: cluster.train(JobSpec(training=Training(model=...), parallelism=Parallelism(...)))
         stats = await job.step(inputs, targets)
         await job.close()
 
@@ -33,7 +33,7 @@ import torch
 import actors
 from actors import ActorError, ActorRef, Endpoint, HeadActor
 from stages import CheckpointError
-from schedulers.jobs import JobSpec
+from schedulers.jobs import SECTIONS, JobSpec
 from schedulers.placement import PlacementWarning
 from schedulers.records import JobDescription, JobInfo, Plan, RunInfo, SettingChange, StepStats, WhereReport
 from schedulers.scheduler import SchedulerActor
@@ -70,8 +70,10 @@ class Cluster(actors.Cluster):
     async def train(self, spec: JobSpec | None = None, /, **kwargs: Any) -> Job:
         """Starts a training job; returns its handle.
 
-        Takes a :class:`~schedulers.jobs.JobSpec`, or its fields as keyword arguments
-        (see the README's table, generated from the spec's fields). Every argument is
+        Takes a :class:`~schedulers.jobs.JobSpec`, or keyword arguments: its fields by
+        their flat names (``micro_batches=8``), its sections (``parallelism=Parallelism(...)``
+        or a dict), or both (see docs/jobspec.md's table, generated from the spec's fields).
+        A factory is an import path or the function or class itself. Every argument is
         checked here, before anything is sent.
 
         Raises:
@@ -92,17 +94,18 @@ class Cluster(actors.Cluster):
         elif not isinstance(spec, JobSpec):
             raise TypeError(f"train() takes a JobSpec, got {type(spec).__name__}")
         await self.admit(spec.factory_modules)
-        info = JobInfo.from_wire(await self.call(SchedulerActor.create_job, timeout=600).call(spec.to_wire()))
+        info = await self.call(SchedulerActor.create_job, timeout=600).call(spec)
         for notice in info.notices:
             warnings.warn(f"{info.job}: {notice}", PlacementWarning, stacklevel=2)
         return Job(self, info, spec)
 
     async def jobs(self) -> list[JobDescription]:
         """Every job on the cluster."""
-        return [JobDescription.from_wire(d) for d in await self.call(SchedulerActor.jobs).call()]
+        return await self.call(SchedulerActor.jobs).call()
 
     async def subscribe(self, sink: ActorRef) -> None:
-        """Sends the head's node events and the scheduler's job events to ``sink.on_event(event)``."""
+        """Sends the head's node events and the scheduler's job events (:mod:`schedulers.events`) to
+        ``sink`` (an :class:`~actors.EventSink`)."""
         await self.head.endpoint(HeadActor.subscribe, timeout=10).call(sink.address, sink.name)
         await self.call(SchedulerActor.subscribe, timeout=10).call(sink.address, sink.name)
 
@@ -117,7 +120,7 @@ class Cluster(actors.Cluster):
         Raises:
             RemoteError: no such job (the message lists the running ones).
         """
-        info = JobDescription.from_wire(await self.call(SchedulerActor.describe).call(job_id))
+        info = await self.call(SchedulerActor.describe).call(job_id)
         return Job(self, JobInfo(job=info.job, bounds=info.bounds, nodes=info.nodes), info.spec)
 
 
@@ -133,13 +136,20 @@ def _checkpoint_errors() -> Iterator[None]:
 
 
 def _train_signature() -> inspect.Signature:
-    """``train(spec=None, /, *, model, ...)``: what ``help(cluster.train)`` shows, derived from the spec."""
+    """``train(spec=None, /, *, model, ..., training=None, ...)``: what ``help(cluster.train)`` shows.
+
+    Every field by its flat name, then every section; derived from the spec.
+    """
     parameters = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY),
                   inspect.Parameter("spec", inspect.Parameter.POSITIONAL_ONLY, default=None,
                                     annotation="JobSpec | None")]
-    for name, param in inspect.signature(JobSpec).parameters.items():
-        parameters.append(param.replace(kind=inspect.Parameter.KEYWORD_ONLY,
-                                        default=None if name == "model" else param.default))
+    for section in SECTIONS.values():
+        for name, param in inspect.signature(section).parameters.items():
+            parameters.append(param.replace(kind=inspect.Parameter.KEYWORD_ONLY,
+                                            default=None if name == "model" else param.default))
+    for name, section in SECTIONS.items():
+        parameters.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None,
+                                            annotation=f"{section.__name__} | dict[str, Any] | None"))
     return inspect.Signature(parameters, return_annotation="Job")
 
 
@@ -204,9 +214,9 @@ class Job:
         """
         if (inputs is None) != (targets is None):
             raise ValueError("step() takes both inputs and targets, or neither (to read the data factory)")
-        timeout = self.spec.step_timeout_s + 60.0
+        timeout = self.spec.fault_tolerance.step_timeout_s + 60.0
         try:
-            return StepStats.from_wire(await self._call(SchedulerActor.step, timeout)(inputs, targets))
+            return await self._call(SchedulerActor.step, timeout)(inputs, targets)
         except asyncio.CancelledError:
             # The driver gave up on the step: the scheduler and every stage stop it too.
             self.cluster.runtime.spawn_task(self._cancel_step(), name=f"cancel {self.id} step")
@@ -222,19 +232,19 @@ class Job:
         """Starts ``num_steps`` steps from the job's data factory in the background (see :meth:`describe`)."""
         if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
             raise ValueError(f"run() needs a number of steps >= 1, got {num_steps!r:.40}")
-        return RunInfo.from_wire(await self._call(SchedulerActor.run)(num_steps))
+        return await self._call(SchedulerActor.run)(num_steps)
 
     async def pause(self) -> JobDescription:
         """Holds the run at the next accumulation barrier (the step in progress finishes)."""
-        return JobDescription.from_wire(await self._call(SchedulerActor.pause)())
+        return await self._call(SchedulerActor.pause)()
 
     async def resume(self) -> JobDescription:
         """Lets a paused run go on."""
-        return JobDescription.from_wire(await self._call(SchedulerActor.resume)())
+        return await self._call(SchedulerActor.resume)()
 
     async def stop(self) -> JobDescription:
         """Ends the run after the step in progress (the job stays; :meth:`close` ends it)."""
-        return JobDescription.from_wire(await self._call(SchedulerActor.stop_run)())
+        return await self._call(SchedulerActor.stop_run)()
 
     async def set(self, key: str, value: Any) -> SettingChange:
         """Changes ``micro_batches``, ``schedule``, ``activation_codec`` or ``gradient_codec`` from the next barrier on.
@@ -246,13 +256,13 @@ class Job:
         Raises:
             RemoteError: the key cannot change or the value does not fit (nothing changes).
         """
-        return SettingChange.from_wire(await self._call(SchedulerActor.set_option)(key, value))
+        return await self._call(SchedulerActor.set_option)(key, value)
 
     # -- looking at it -----------------------------------------------------------------
 
     async def describe(self) -> JobDescription:
         """Spec, layout, programs, run progress and the last step's statistics."""
-        return JobDescription.from_wire(await self._call(SchedulerActor.describe)())
+        return await self._call(SchedulerActor.describe)()
 
     async def plan(self) -> Plan:
         """The candidate schedules with their predicted step time and stash, the chosen one marked.
@@ -262,11 +272,11 @@ class Job:
         prediction. With a fixed schedule, the candidates predicted from the last step,
         marking the one auto would run (``state="advice"``).
         """
-        return Plan.from_wire(await self._call(SchedulerActor.plan)())
+        return await self._call(SchedulerActor.plan)()
 
     async def where(self) -> WhereReport:
         """Where each stage is in its program now, naming any send or receive that never matched."""
-        return WhereReport.from_wire(await self._call(SchedulerActor.where)())
+        return await self._call(SchedulerActor.where)()
 
     async def trace(self, path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
         """The last step's measured timeline as Chrome/Perfetto trace JSON (on the head's clock).
@@ -317,8 +327,6 @@ class Job:
         """
         with _checkpoint_errors():
             return await self._call(SchedulerActor.save, None)(os.path.abspath(os.fspath(directory)))
-
-    checkpoint = save  # the console's word for it
 
     async def load(self, directory: str | os.PathLike[str], *, weights_only: bool = False) -> int:
         """Loads the checkpoint :meth:`save` wrote to ``directory``, all or nothing.

@@ -29,10 +29,14 @@ from typing import Any
 
 import torch
 
-from actors import ActorError, ActorRef, Host, NodeLost, StepFailed, error_from_wire
-from stages import batch_size, FinishReport, Mesh, ReduceReport, StageActor, StageReport
+from actors import ActorError, ActorRef, Event, Host, NodeLost, StepFailed, error_from_wire
+from stages import batch_size, FinishReport, Mesh, ReduceReport, StageActor, StageReport, StepOrder
 from schedulers.hang import StageProgress, diagnose
 from schedulers import job_state, recovery
+from schedulers.events import (
+    JobFailed, JobPaused, JobResumed, RunFinished, RunProgress, RunStarted, SchedulePlanned, SettingPending,
+    SettingRejected, SettingsApplied, StepFinished,
+)
 from schedulers.jobs import AUTO_PROBE, JobSpec
 from schedulers._job import Placer
 from schedulers.planning import AutoSchedule, NoScheduleFits, advise
@@ -58,7 +62,7 @@ SETTABLE = ("micro_batches", "schedule", "activation_codec", "gradient_codec")
 CLOCK_PROBES = 5  # round trips per stage when estimating its clock offset
 CLOSE_WAIT_S = 2.0  # how long close waits for a cancelled operation to let go of the job
 
-Publish = Callable[[dict[str, Any]], None]
+Publish = Callable[[Event], None]
 
 
 def compile_programs(spec: JobSpec, schedule_name: str | None = None,
@@ -66,18 +70,18 @@ def compile_programs(spec: JobSpec, schedule_name: str | None = None,
     """The programs ``spec`` runs, one per pipeline rank, as action text.
 
     Args:
-        schedule_name: the schedule to run, where ``spec.schedule`` is ``auto``
+        schedule_name: the schedule to run, where ``spec.parallelism.schedule`` is ``auto``
             (default: the probe schedule, :data:`~schedulers.jobs.AUTO_PROBE`).
-        w_batching: every W deferred to the rank's tail (default: ``spec.w_batching``).
+        w_batching: every W deferred to the rank's tail (default: ``spec.parallelism.w_batching``).
 
     Raises:
         ValueError: the schedule cannot take these sizes.
     """
-    name = spec.schedule if spec.schedule != "auto" else schedule_name or AUTO_PROBE
-    schedule = build_schedule(name, spec.pipeline_stages, spec.micro_batches,
-                              spec.num_virtual_stages if spec.schedule == "interleaved" else None,
-                              split=spec.gradient_accumulation_fusion,
-                              batch_w=spec.w_batching if w_batching is None else w_batching)
+    name = spec.parallelism.schedule if spec.parallelism.schedule != "auto" else schedule_name or AUTO_PROBE
+    schedule = build_schedule(name, spec.parallelism.pipeline_stages, spec.parallelism.micro_batches,
+                              spec.num_virtual_stages if spec.parallelism.schedule == "interleaved" else None,
+                              split=spec.runtime.gradient_accumulation_fusion,
+                              batch_w=spec.parallelism.w_batching if w_batching is None else w_batching)
     return {rank: [str(a) for a in program] for rank, program in schedule.items()}
 
 
@@ -99,15 +103,15 @@ def plan_setting(spec: JobSpec, key: str, value: Any) -> JobSpec:
     changes: dict[str, Any] = {}
     if key == "micro_batches":
         value = _parse_int(key, value)
-        batch = spec.data_kwargs.get("batch_size")
-        if isinstance(batch, int) and batch % (value * spec.data_parallel):
+        batch = spec.training.data_kwargs.get("batch_size")
+        if isinstance(batch, int) and batch % (value * spec.parallelism.data_parallel):
             raise ValueError(
                 f"micro_batches={value}: the data factory's batch_size {batch} does not split into "
-                f"{value} micro-batches x data_parallel {spec.data_parallel}; pick a divisor of "
-                f"{batch // spec.data_parallel}")
+                f"{value} micro-batches x data_parallel {spec.parallelism.data_parallel}; pick a divisor of "
+                f"{batch // spec.parallelism.data_parallel}")
     elif key == "schedule":
         value = str(value)
-        if (value == "interleaved") != (spec.schedule == "interleaved"):
+        if (value == "interleaved") != (spec.parallelism.schedule == "interleaved"):
             raise ValueError(
                 f"schedule={value}: switching between interleaved and one-stage-per-rank schedules "
                 "re-partitions the model (auto runs one stage per rank); start a new job with that schedule "
@@ -155,10 +159,10 @@ class RunState:
 class JobController:
     """Everything about one job on the head: its stage actors, steps, run, settings and last trace.
 
-    Events go to ``publish``: ``step_finished`` (loss, time, bubble, run progress),
-    ``job_failed`` (the step's error), ``run_started``, ``run_finished``,
-    ``job_paused``, ``job_resumed``, ``setting_pending``, ``settings_applied``,
-    ``setting_rejected``.
+    Events go to ``publish`` (records of :mod:`schedulers.events`): ``StepFinished`` (loss,
+    time, bubble, run progress), ``JobFailed`` (the step's error), ``RunStarted``,
+    ``RunFinished``, ``JobPaused``, ``JobResumed``, ``SettingPending``,
+    ``SettingsApplied``, ``SettingRejected``, ``SchedulePlanned``.
     """
 
     def __init__(
@@ -203,8 +207,9 @@ class JobController:
         self.restarts = 0
         self.tied: list[tuple[str, ...]] = []  # parameters shared across pipeline ranks, as the stages report
         # fp16: the loss scale every stage's next step uses (None: no scaling); the last step's norm.
-        self.scaler: LossScaler | None = None if spec.precision != "fp16" else LossScaler.for_spec(
-            spec.loss_scale, spec.initial_scale_power, spec.loss_scale_window, spec.hysteresis, spec.min_loss_scale)
+        mp = spec.mixed_precision
+        self.scaler: LossScaler | None = None if mp.precision != "fp16" else LossScaler.for_spec(
+            mp.loss_scale, mp.initial_scale_power, mp.loss_scale_window, mp.hysteresis, mp.min_loss_scale)
         self.grad_norm: float | None = None
         self.reduce_wait_s: list[float] = []  # the last release's, per stage actor
         self.last_checkpoint: tuple[str, int] | None = None  # (directory, step) of this job's newest save
@@ -216,7 +221,7 @@ class JobController:
         self.retired: list[tuple[str, ActorRef]] = []  # stage actors replaced by a recovery, stopped if their node returns
         self.last_reports: list[StageReport] = []
         self.last_stats: StepStats | None = None
-        self.stage_micro_batches = spec.micro_batches  # what the stage actors were built with
+        self.stage_micro_batches = spec.parallelism.micro_batches  # what the stage actors were built with
         self.paused = False
         self.pending: dict[str, Any] = {}
         self.pending_spec: JobSpec | None = None
@@ -259,7 +264,7 @@ class JobController:
                     self.recovery = await recovery.recover(self, lost)
             self.steps_done = goal
             self.driver_batches = self.driver_batches or inputs is not None
-            for old in [k for k in self.history if k < self.applied - 2 * self.spec.snapshot_every]:
+            for old in [k for k in self.history if k < self.applied - 2 * self.spec.fault_tolerance.snapshot_every]:
                 del self.history[old]
         if self.recovery is not None:
             stats = dataclasses.replace(stats, recovery=self.recovery)
@@ -283,13 +288,14 @@ class JobController:
         calls = step_calls(self.spec, self.applied, inputs, targets)
         self.next_step += 1
         for call in calls.values():
-            if self.spec.micro_batches != self.stage_micro_batches:
-                call["micro_batches"] = self.spec.micro_batches
-            if self.spec.max_restarts and (self.snapshot_due or self.applied % self.spec.snapshot_every == 0):
+            if self.spec.parallelism.micro_batches != self.stage_micro_batches:
+                call["micro_batches"] = self.spec.parallelism.micro_batches
+            faults = self.spec.fault_tolerance
+            if faults.max_restarts and (self.snapshot_due or self.applied % faults.snapshot_every == 0):
                 call["snapshot"] = self.applied
             if self.scaler is not None:
                 call["loss_scale"] = self.scaler.scale
-            if self.spec.schedule == "auto":  # the plan turns W batching on or off per step
+            if self.spec.parallelism.schedule == "auto":  # the plan turns W batching on or off per step
                 call["w_batching"] = self.auto.running_w_batching(self.spec)
         started = time.perf_counter()
         used_scale = self.scaler.scale if self.scaler is not None else 1.0
@@ -307,13 +313,13 @@ class JobController:
                     self.broken = f"step {step} failed while the stages applied it ({failure.message})"
                 raise
         except StepFailed as failure:
-            self._publish({"type": "job_failed", "job": self.id, "step": step, "error": str(failure)})
+            self._publish(JobFailed(job=self.id, step=step, error=str(failure)))
             raise
         self.applied += 1
         self.snapshot_due = False
         elapsed = time.perf_counter() - started
         self.last_reports = reports
-        samples = batch_size(inputs) if inputs is not None else self.spec.data_kwargs.get("batch_size")
+        samples = batch_size(inputs) if inputs is not None else self.spec.training.data_kwargs.get("batch_size")
         stats = step_stats(self.spec, step, reports, elapsed, reduce_bytes,
                            samples if isinstance(samples, int) else None, nonfinite, finished)
         scaler = self.scaler
@@ -337,7 +343,7 @@ class JobController:
             return await asyncio.to_thread(self.auto.rank, self.spec, reports, self.mesh, step)
         except NoScheduleFits as exc:
             await self._abort(step, {})
-            self._publish({"type": "job_failed", "job": self.id, "step": step, "error": str(exc)})
+            self._publish(JobFailed(job=self.id, step=step, error=str(exc)))
             raise
 
     async def _after_probe(self, reports: list[StageReport], step_time_s: float,
@@ -347,9 +353,8 @@ class JobController:
             self.auto.adopt(ranked, step_time_s - max(r.elapsed_s for r in reports))
             self.programs = self._compile(self.spec)
             chosen = self.auto.chosen
-            self._publish({"type": "schedule_planned", "job": self.id, "step": self.next_step,
-                           "schedule": chosen.label if chosen else None,
-                           "predicted_step_s": chosen.predicted_step_s if chosen else None})
+            self._publish(SchedulePlanned(job=self.id, step=self.next_step, schedule=chosen.label if chosen else None,
+                                          predicted_step_s=chosen.predicted_step_s if chosen else None))
         elif self.auto.measuring:
             self.auto.probed(reports, self.mesh)
             timed_next = self.auto.warmed_up()
@@ -368,10 +373,11 @@ class JobController:
         what auto would run.
         """
         spec, stats, reports = self.spec, self.last_stats, self.last_reports
-        if spec.schedule == "auto":
+        if spec.parallelism.schedule == "auto":
             return self.auto.plan(self.id, spec)
         if stats is None or not reports:
-            return Plan(job=self.id, schedule=spec.schedule, running=spec.schedule, state="no_steps")
+            schedule = spec.parallelism.schedule
+            return Plan(job=self.id, schedule=schedule, running=schedule, state="no_steps")
         if self._advice is None or self._advice[0] != (stats.step, spec):
             offsets = await self._clock_offsets()
             plan = await asyncio.to_thread(advise, self.id, spec, reports, self.mesh, offsets=offsets,
@@ -382,11 +388,11 @@ class JobController:
     async def _run_to_barrier(self, step: int, calls: dict[int, dict[str, Any]]) -> list[StageReport]:
         tasks = {
             rank: asyncio.ensure_future(self.stages[rank].endpoint(StageActor.run_step).call(
-                step, self.programs[self.mesh.coords(rank).pipeline], **kwargs))
+                StepOrder(step=step, program=self.programs[self.mesh.coords(rank).pipeline], **kwargs)))
             for rank, kwargs in calls.items()
         }
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.spec.step_timeout_s
+        deadline = loop.time() + self.spec.fault_tolerance.step_timeout_s
         try:
             pending: set[asyncio.Future[Any]] = set(tasks.values())
             failure: StepFailed | None = None
@@ -432,7 +438,7 @@ class JobController:
         # Hang forensics: where each stage is, which send or receive never matched, the marked grid.
         report, lines = await self._hang_report()
         return StepFailed(
-            f"step timed out after {self.spec.step_timeout_s}s:\n{report}",
+            f"step timed out after {self.spec.fault_tolerance.step_timeout_s}s:\n{report}",
             details={"stage": None, "action": None, "cause": "timeout", "where": lines},
         )
 
@@ -531,14 +537,14 @@ class JobController:
         # lowers the scale; at the lowest dynamic scale it is a real non-finite value.
         overflow = scaler is not None and bool(found) and not any(
             what.startswith("loss") for _, what in found) and not (scaler.dynamic and scaler.at_minimum)
-        clip = clip_coefficient(self.grad_norm, self.spec.gradient_clipping)
+        clip = clip_coefficient(self.grad_norm, self.spec.optimization.gradient_clipping)
         finished = [FinishReport.from_wire(r) for r in await self._on_every_stage(StageActor.finish_step, "STEP",
                                                                                   step, not found, scale, clip)]
         if scaler is not None and (overflow or not found):
             scaler.update(overflow)
         if overflow:
             log.info("%s step %d skipped: fp16 gradients overflowed at loss scale %g", self.id, step, scale)
-        elif found and self.spec.on_nonfinite == "raise":
+        elif found and self.spec.fault_tolerance.on_nonfinite == "raise":
             raise nonfinite_failed(self.mesh, step, found)
         elif found:
             log.warning("%s step %d skipped: %s", self.id, step, "; ".join(describe_findings(self.mesh, found)[:5]))
@@ -546,8 +552,9 @@ class JobController:
 
     async def _on_every_stage(self, method: Callable[..., Awaitable[Any]], action: str, *args: Any) -> list[Any]:
         """Calls a stage endpoint on every stage at once; the first failure fails the step, naming the stage."""
-        results = await asyncio.gather(*(ref.endpoint(method, timeout=self.spec.step_timeout_s).call(*args)
-                                         for ref in self.stages), return_exceptions=True)
+        timeout = self.spec.fault_tolerance.step_timeout_s
+        results = await asyncio.gather(*(ref.endpoint(method, timeout=timeout).call(*args) for ref in self.stages),
+                                       return_exceptions=True)
         for rank, result in enumerate(results):
             if isinstance(result, NodeLost):
                 where = step_failed(self.mesh, rank, action, result.message)
@@ -560,12 +567,11 @@ class JobController:
         run = self.run_state
         progress = None
         if run is not None and not run.finished and self.steps_done > run.first_step:
-            progress = {"done": self.steps_done - run.first_step, "target": run.target}
-        self._publish({"type": "step_finished", "job": self.id, "step": stats.step, "loss": stats.loss,
-                       "step_time_s": stats.step_time_s, "bubble_fraction": stats.bubble_fraction,
-                       "samples_per_s": stats.samples_per_s, "schedule": stats.schedule, "run": progress,
-                       "skipped": stats.skipped, "lr": stats.lr, "predicted_step_s": stats.predicted_step_s,
-                       "prediction_error": stats.prediction_error})
+            progress = RunProgress(done=self.steps_done - run.first_step, target=run.target)
+        self._publish(StepFinished(job=self.id, step=stats.step, loss=stats.loss, step_time_s=stats.step_time_s,
+                                   bubble_fraction=stats.bubble_fraction, samples_per_s=stats.samples_per_s,
+                                   schedule=stats.schedule, run=progress, skipped=stats.skipped, lr=stats.lr,
+                                   predicted_step_s=stats.predicted_step_s, prediction_error=stats.prediction_error))
 
     # -- queries ----------------------------------------------------------------------
 
@@ -623,7 +629,7 @@ class JobController:
         """
         if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
             raise ValueError(f"run needs a number of steps >= 1, got {num_steps!r:.40}")
-        if self.spec.data is None:
+        if self.spec.training.data is None:
             raise ValueError(f"{self.id} has no data factory to run from; start it with data='pkg.mod:factory' "
                              "(or drive it with job.step(inputs, targets))")
         if self.running:
@@ -632,7 +638,7 @@ class JobController:
                              f"wait for it or stop it first")
         state = self.run_state = RunState(target=num_steps, first_step=self.steps_done)
         state.task = self.runtime.spawn_task(self._run_steps(state), name=f"{self.id} run")
-        self._publish({"type": "run_started", "job": self.id, "steps": num_steps, "paused": self.paused})
+        self._publish(RunStarted(job=self.id, steps=num_steps, paused=self.paused))
         return state.info()
 
     async def _run_steps(self, state: RunState) -> None:
@@ -640,13 +646,13 @@ class JobController:
         try:
             while state.done < state.target and not state.stop:
                 if self.paused:
-                    self._publish({"type": "job_paused", "job": self.id, "step": self.next_step})
+                    self._publish(JobPaused(job=self.id, step=self.next_step))
                     while self.paused and not state.stop:
                         state.wake.clear()
                         await state.wake.wait()
                     if state.stop:
                         break
-                    self._publish({"type": "job_resumed", "job": self.id, "step": self.next_step})
+                    self._publish(JobResumed(job=self.id, step=self.next_step))
                 await self.step()
                 state.done += 1
             reason = "done" if state.done == state.target else "stopped"
@@ -655,14 +661,14 @@ class JobController:
             reason = "failed"
         finally:
             state.finished = True
-            self._publish({"type": "run_finished", "job": self.id, "done": state.done, "target": state.target,
-                           "reason": reason, "error": state.error})
+            self._publish(RunFinished(job=self.id, done=state.done, target=state.target, reason=reason,
+                                      error=state.error))
 
     def pause(self) -> JobDescription:
         """Holds the job's run before its next step (the current one finishes, optimizer step included)."""
         self.paused = True
         if not self.running:
-            self._publish({"type": "job_paused", "job": self.id, "step": self.next_step})
+            self._publish(JobPaused(job=self.id, step=self.next_step))
         return self.describe()
 
     def resume(self) -> JobDescription:
@@ -671,7 +677,7 @@ class JobController:
         if self.run_state is not None:
             self.run_state.wake.set()
         if not self.running:
-            self._publish({"type": "job_resumed", "job": self.id, "step": self.next_step})
+            self._publish(JobResumed(job=self.id, step=self.next_step))
         return self.describe()
 
     def stop_run(self) -> JobDescription:
@@ -691,9 +697,9 @@ class JobController:
         """
         new = plan_setting(self.pending_spec or self.spec, key, value)
         self.pending_spec = new
-        self.pending[key] = getattr(new, key)
-        self._publish({"type": "setting_pending", "job": self.id, "key": key, "value": getattr(new, key)})
-        return SettingChange(job=self.id, key=key, value=getattr(new, key), stepping=self.lock.locked(),
+        self.pending[key] = value = new.get(key)
+        self._publish(SettingPending(job=self.id, key=key, value=value))
+        return SettingChange(job=self.id, key=key, value=value, stepping=self.lock.locked(),
                              next_step=self.next_step)
 
     async def _apply_pending(self) -> None:
@@ -709,13 +715,13 @@ class JobController:
                 await asyncio.gather(*(ref.endpoint(StageActor.set_codecs, timeout=30).call(
                     new.edge_codecs("activation_codec"), new.edge_codecs("gradient_codec")) for ref in self.stages))
             except ActorError as exc:
-                self._publish({"type": "setting_rejected", "job": self.id, "key": "codecs",
-                               "error": f"the stages refused the new codecs: {exc}"})
+                self._publish(SettingRejected(job=self.id, key="codecs",
+                                              error=f"the stages refused the new codecs: {exc}"))
                 return
         self.spec = new
         self.auto.reset(new)  # auto measures again: the costs it planned with may have changed
         self.programs = self._compile(new)
-        self._publish({"type": "settings_applied", "job": self.id, "step": self.next_step, "changes": changes})
+        self._publish(SettingsApplied(job=self.id, step=self.next_step, changes=changes))
 
     # -- state (schedulers.job_state) -------------------------------------------------------
 

@@ -122,16 +122,16 @@ async def save(job: JobCore, directory: str) -> str:
         coordinator = [0]
         [staging] = await _on_stages(job, coordinator, "save", lambda g: job.stages[g].endpoint(
             StageActor.checkpoint_begin, timeout=CHECKPOINT_TIMEOUT_S).call(directory))
-        writers = [g for g in range(mesh.size) if mesh.coords(g).data == 0 or job.spec.zero_stage == 1]
+        writers = [g for g in range(mesh.size) if mesh.coords(g).data == 0 or job.spec.optimization.zero_stage == 1]
         written = await _on_stages(job, writers, "save", lambda g: job.stages[g].endpoint(
             StageActor.checkpoint_write, timeout=CHECKPOINT_TIMEOUT_S).call(staging, _shard_file(mesh, g)))
         files, model, state = merge_written(written)
         # Every stage steps the same schedule: the first writer's state speaks for all.
         schedule = written[0].get("lr_scheduler")
-        manifest = Manifest(step=job.applied, optimizer=job.spec.optimizer[0], files=files, model=model,
+        manifest = Manifest(step=job.applied, optimizer=job.spec.optimization.optimizer[0], files=files, model=model,
                             optimizer_state=state,
-                            lr_scheduler=None if schedule is None or job.spec.lr_scheduler is None else
-                            {"path": job.spec.lr_scheduler[0], "state": schedule},
+                            lr_scheduler=None if schedule is None or job.spec.optimization.lr_scheduler is None else
+                            {"path": job.spec.optimization.lr_scheduler[0], "state": schedule},
                             job={"id": job.id, "spec": _described(job.spec.to_wire()), "bounds": job.bounds,
                                  "mesh": [mesh.pipeline, mesh.tensor, mesh.data],
                                  **({"loss_scaler": job.scaler.state_dict()} if job.scaler is not None else {})})
@@ -211,7 +211,8 @@ def _described(spec: dict[str, Any]) -> dict[str, Any]:
         if isinstance(value, (list, tuple)):
             return [describe(v) for v in value]
         return value
-    return {**spec, "example_inputs": describe(spec.get("example_inputs"))}
+    parallelism = spec.get("parallelism", {})
+    return {**spec, "parallelism": {**parallelism, "example_inputs": describe(parallelism.get("example_inputs"))}}
 
 
 def restarted_history(job: JobCore) -> None:
@@ -228,11 +229,11 @@ def _unplaced(job: JobCore, manifest: Manifest, weights_only: bool, held: list[f
     keys = list(manifest.model) + ([] if weights_only else list(manifest.optimizer_state))
     problems = [f"{key}: in the checkpoint but no stage holds it in this model"
                 for key in sorted(set(keys)) if key not in every]
-    if not weights_only and manifest.optimizer_state and manifest.optimizer != job.spec.optimizer[0]:
+    if not weights_only and manifest.optimizer_state and manifest.optimizer != job.spec.optimization.optimizer[0]:
         problems.append(f"the checkpoint holds {manifest.optimizer} state but this job uses "
-                        f"{job.spec.optimizer[0]}; load with weights_only=True to take the weights alone")
+                        f"{job.spec.optimization.optimizer[0]}; load with weights_only=True to take the weights alone")
     saved = manifest.lr_scheduler
-    ours = job.spec.lr_scheduler[0] if job.spec.lr_scheduler is not None else None
+    ours = job.spec.optimization.lr_scheduler[0] if job.spec.optimization.lr_scheduler is not None else None
     if not weights_only and saved is not None and saved["path"] != ours:
         problems.append(f"the checkpoint goes on with the learning-rate schedule {saved['path'][:120]} but this job "
                         f"{'uses ' + ours if ours else 'has none'}; start the job with that lr_scheduler to continue "

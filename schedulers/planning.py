@@ -68,7 +68,7 @@ _SENT_BY = {ActionKind.SEND_F: (_F,), ActionKind.SEND_B: (_B, _I)}  # a send's e
 
 def probe_steps(spec: JobSpec) -> int:
     """How many steps a job with ``schedule="auto"`` runs the probe schedule before it plans."""
-    return PROBE_STEPS + spec.gradient_accumulation_fusion
+    return PROBE_STEPS + spec.runtime.gradient_accumulation_fusion
 
 
 class NoScheduleFits(ValueError):
@@ -304,8 +304,8 @@ class AutoSchedule:
     def reset(self, spec: JobSpec) -> None:
         """Starts over (a new job, or settings changed at the barrier): measure again if auto."""
         # With fused weight gradients, a probe step with W batching between the warm-up and the timed one.
-        self.batched_probe = spec.gradient_accumulation_fusion
-        self.probe_steps_left = probe_steps(spec) if spec.schedule == "auto" else 0
+        self.batched_probe = spec.runtime.gradient_accumulation_fusion
+        self.probe_steps_left = probe_steps(spec) if spec.parallelism.schedule == "auto" else 0
         self.weight_grad_batched: list[float] | None = None  # per rank, from the batched probe step
         self.candidates: list[Candidate] = []
         self.costs: MeasuredCosts | None = None
@@ -342,15 +342,15 @@ class AutoSchedule:
 
     def running(self, spec: JobSpec) -> str:
         """The schedule the job's next step runs."""
-        if spec.schedule != "auto":
-            return spec.schedule
+        if spec.parallelism.schedule != "auto":
+            return spec.parallelism.schedule
         chosen = self.chosen
         return chosen.schedule if chosen is not None and not self.measuring else AUTO_PROBE
 
     def running_w_batching(self, spec: JobSpec) -> bool:
         """Whether the job's next step runs with W batching."""
-        if spec.schedule != "auto":
-            return spec.w_batching
+        if spec.parallelism.schedule != "auto":
+            return spec.parallelism.w_batching
         chosen = self.chosen
         if self.measuring or chosen is None:
             return self.batched_step
@@ -365,13 +365,14 @@ class AutoSchedule:
         """The candidates, from the timed probe step's reports (before its optimizer step; no overhead yet).
 
         Raises:
-            NoScheduleFits: nothing fits ``spec.max_stash_bytes``.
+            NoScheduleFits: nothing fits ``spec.parallelism.max_stash_bytes``.
         """
         costs = dataclasses.replace(measure_costs(reports, mesh, offsets=self.offsets, step=step),
                                     weight_grad_batched=self.weight_grad_batched)
-        ranked = rank_candidates(costs, num_microbatches=spec.micro_batches, virtual_stages=spec.num_virtual_stages,
-                                 split=spec.gradient_accumulation_fusion, batch_w=spec.w_batching,
-                                 max_stash_bytes=spec.max_stash_bytes)
+        p = spec.parallelism
+        ranked = rank_candidates(costs, num_microbatches=p.micro_batches, virtual_stages=spec.num_virtual_stages,
+                                 split=spec.runtime.gradient_accumulation_fusion, batch_w=p.w_batching,
+                                 max_stash_bytes=p.max_stash_bytes)
         self.costs = costs
         return ranked
 
@@ -393,10 +394,10 @@ class AutoSchedule:
 
     def plan(self, job: str, spec: JobSpec) -> Plan:
         """The plan as ``job.plan()`` shows it, for a job with ``schedule="auto"``."""
-        chosen = self.chosen
-        return Plan(job=job, schedule=spec.schedule, running=self.running(spec),
+        chosen, p = self.chosen, spec.parallelism
+        return Plan(job=job, schedule=p.schedule, running=self.running(spec),
                     state="measuring" if self.measuring else "planned", candidates=list(self.candidates),
-                    chosen=chosen.label if chosen is not None else None, max_stash_bytes=spec.max_stash_bytes,
+                    chosen=chosen.label if chosen is not None else None, max_stash_bytes=p.max_stash_bytes,
                     costs=self.costs, last_step_s=self.last_step_s, prediction_error=self.last_error)
 
 
@@ -404,8 +405,9 @@ def advise(job: str, spec: JobSpec, reports: Sequence[StageReport], mesh: Mesh, 
            offsets: Sequence[float] | None, step_time_s: float, step: int) -> Plan:
     """The plan for a job with a fixed schedule, from its last step: what auto would run, and why."""
     costs = measure_costs(reports, mesh, offsets=offsets, step_time_s=step_time_s, step=step)
-    ranked = rank_candidates(costs, num_microbatches=spec.micro_batches, virtual_stages=spec.num_virtual_stages,
-                             split=spec.gradient_accumulation_fusion, batch_w=spec.w_batching)
+    p = spec.parallelism
+    ranked = rank_candidates(costs, num_microbatches=p.micro_batches, virtual_stages=spec.num_virtual_stages,
+                             split=spec.runtime.gradient_accumulation_fusion, batch_w=p.w_batching)
     chosen = next(c for c in ranked if c.chosen)
-    return Plan(job=job, schedule=spec.schedule, running=spec.schedule, state="advice", candidates=ranked,
+    return Plan(job=job, schedule=p.schedule, running=p.schedule, state="advice", candidates=ranked,
                 chosen=chosen.label, costs=costs, last_step_s=step_time_s)

@@ -16,6 +16,7 @@ from stages import Coords, StageActor
 
 from schedulers import job_state
 from schedulers._job import JobCore, Placer
+from schedulers.events import JobRecovered
 
 
 __all__ = ["Placer", "may_recover", "recover", "stop_retired"]
@@ -24,7 +25,7 @@ log = logging.getLogger(__name__)
 
 
 def may_recover(job: JobCore) -> bool:
-    return job.placer is not None and job.restarts < job.spec.max_restarts
+    return job.placer is not None and job.restarts < job.spec.fault_tolerance.max_restarts
 
 
 async def recover(job: JobCore, cause: NodeLost) -> dict[str, Any]:
@@ -76,7 +77,7 @@ async def recover(job: JobCore, cause: NodeLost) -> dict[str, Any]:
     checkpoint = job.last_checkpoint if not usable else None
     if not usable and (checkpoint is None or not _replayable(job, checkpoint[1])):
         zero = (" (with zero_stage=1 a replica's optimizer state is its own shard: another replica's snapshot "
-                "cannot stand in for it)") if job.spec.zero_stage == 1 and job.mesh.data > 1 else ""
+                "cannot stand in for it)") if job.spec.optimization.zero_stage == 1 and job.mesh.data > 1 else ""
         raise unrecoverable("no snapshot that every stage has, and no checkpoint of this job to go back to, "
                             f"with the batches since kept{zero}" if checkpoint is None else
                             f"no snapshot that every stage has, and the batches since its checkpoint "
@@ -96,9 +97,10 @@ async def recover(job: JobCore, cause: NodeLost) -> dict[str, Any]:
     if job.rendezvous is not None:  # the process groups form again, with the new members
         job.rendezvous, dist_config = await job.placer.renew_rendezvous(job)
     # A new member blocks in its start until every member has joined the new groups: all at once.
+    timeout = job.spec.fault_tolerance.step_timeout_s
     spawned = await asyncio.gather(
         *(job.placer.spawn(job, rank, node, dist_config) for rank, (node, _) in zip(lost, chosen)),
-        *(job.stages[r].endpoint(StageActor.rejoin, timeout=job.spec.step_timeout_s).call(dist_config or {})
+        *(job.stages[r].endpoint(StageActor.rejoin, timeout=timeout).call(dist_config or {})
           for r in (survivors if dist_config is not None else [])),
         return_exceptions=True)
     failures = [r for r in spawned if isinstance(r, BaseException)]
@@ -127,12 +129,14 @@ async def recover(job: JobCore, cause: NodeLost) -> dict[str, Any]:
     job.fenced.clear()
     job.broken = None
     job.applied = target
-    info = {"lost": sorted(moved), "moved": moved, "from_step": target, "replayed": job.steps_done - target,
-            "from_checkpoint": checkpoint[0] if checkpoint is not None else None,
-            "seconds": round(time.perf_counter() - started, 3), "restarts_left": job.spec.max_restarts -
-            job.restarts}
+    event = JobRecovered(job=job.id, lost=sorted(moved), moved=moved, from_step=target,
+                         replayed=job.steps_done - target,
+                         from_checkpoint=checkpoint[0] if checkpoint is not None else None,
+                         seconds=round(time.perf_counter() - started, 3),
+                         restarts_left=job.spec.fault_tolerance.max_restarts - job.restarts)
+    info = {k: v for k, v in event.to_wire().items() if k not in ("job", "time")}
     log.warning("%s recovered: %s", job.id, info)
-    job._publish({"type": "job_recovered", "job": job.id, **info})
+    job._publish(event)
     return info
 
 
@@ -140,7 +144,7 @@ def _replayable(job: JobCore, start: int) -> bool:
     """Whether the steps from ``start`` to the job's last can run again: their batches are kept,
     or the job has only ever read its data factory (which gives any step again)."""
     kept = all(k in job.history for k in range(start, job.steps_done))
-    return kept or (job.spec.data is not None and not job.driver_batches)
+    return kept or (job.spec.training.data is not None and not job.driver_batches)
 
 
 def _snapshot_source(job: JobCore, rank: int, lost: list[int]) -> tuple[int, bool] | None:
@@ -151,7 +155,7 @@ def _snapshot_source(job: JobCore, rank: int, lost: list[int]) -> tuple[int, boo
     copy will do (and with one pipeline stage, the job's newest checkpoint)."""
     mesh, c = job.mesh, job.mesh.coords(rank)
     replicas = [mesh.rank(Coords(data=d, pipeline=c.pipeline, tensor=c.tensor)) for d in range(mesh.data)]
-    for replica in replicas if job.spec.zero_stage == 0 else []:
+    for replica in replicas if job.spec.optimization.zero_stage == 0 else []:
         if replica not in lost:
             return replica, True
     if mesh.pipeline > 1:

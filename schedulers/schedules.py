@@ -17,6 +17,7 @@ fraction (unit costs ``F=1, B=2`` unless told otherwise)::
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -326,28 +327,6 @@ def build_schedule(
     return add_step_tail(add_send_recv(compute))
 
 
-class _StoreWarningOnAlias(argparse.Action):
-    """Stores the value; warns on stderr when given under a deprecated spelling.
-
-    The first option string is the flag's name; every later one is a deprecated alias.
-    """
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: Any,
-        option_string: str | None = None,
-    ) -> None:
-        if option_string is not None and option_string != self.option_strings[0]:
-            print(
-                f"{parser.prog}: warning: {option_string} is deprecated; "
-                f"use {self.option_strings[0]}",
-                file=sys.stderr,
-            )
-        setattr(namespace, self.dest, values)
-
-
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m schedulers.schedules",
@@ -355,10 +334,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b")
     parser.add_argument("--stages", type=int, default=4, help="pipeline ranks")
-    parser.add_argument(
-        "--micro-batches", "--microbatches", type=int, default=8, action=_StoreWarningOnAlias,
-        help="micro-batches per step (--microbatches is a deprecated alias)",
-    )
+    parser.add_argument("--micro-batches", type=int, default=8, help="micro-batches per step")
     parser.add_argument(
         "--virtual-stages", type=int, default=None, help="interleaved only (default 2)"
     )
@@ -380,7 +356,11 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--width", type=int, default=72, help="ASCII chart width")
     parser.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace JSON")
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        flags = [o for action in parser._actions for o in action.option_strings]
+        near = difflib.get_close_matches(unknown[0].partition("=")[0], flags, n=1)
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}" + (f"; did you mean {near[0]}?" if near else ""))
     try:
         args.costs = Costs(
             forward=args.forward,

@@ -30,7 +30,7 @@ def step_calls(
     first, last = stage_to_rank(0, mesh.pipeline), stage_to_rank(spec.num_model_stages - 1, mesh.pipeline)
     calls: dict[int, dict[str, Any]] = {rank: {} for rank in range(mesh.size)}
     if inputs is None and targets is None:
-        if spec.data is None:
+        if spec.training.data is None:
             raise ValueError("step() needs inputs and targets, or a job started with data='pkg.mod:factory'")
         for rank, call in calls.items():
             call["data_step"] = step
@@ -44,9 +44,9 @@ def step_calls(
     for rank, call in calls.items():
         c = mesh.coords(rank)
         if c.pipeline == first:
-            call["inputs"] = split_batch(input_shards[c.data], spec.micro_batches, "inputs")
+            call["inputs"] = split_batch(input_shards[c.data], spec.parallelism.micro_batches, "inputs")
         if c.pipeline == last:
-            call["targets"] = split_batch(target_shards[c.data], spec.micro_batches, "targets")
+            call["targets"] = split_batch(target_shards[c.data], spec.parallelism.micro_batches, "targets")
     return calls
 
 
@@ -128,8 +128,8 @@ def step_stats(
         reduce_bytes=reduce_bytes,
         samples=samples,
         samples_per_s=samples / elapsed if samples and elapsed > 0 else None,
-        schedule=spec.schedule,
-        micro_batches=spec.micro_batches,
+        schedule=spec.parallelism.schedule,
+        micro_batches=spec.parallelism.micro_batches,
         skipped=bool(nonfinite),
         nonfinite=list(nonfinite),
         lr=list(finished[0].lr) if finished else [],

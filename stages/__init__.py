@@ -6,13 +6,16 @@ Rooms, one concern each:
   a stage executes, the layout of a job's stage actors, and the records the scheduler
   and the stages exchange. Pure and torch-free: the scheduler imports them cheaply.
 - :mod:`stages.actor`: the :class:`StageActor`, a layer of endpoints over the parts below.
-- :mod:`stages.compute`: the step executor, W (weight-gradient) handling, activation
-  checkpointing, and the inline fast path.
-- :mod:`stages.build`: building a stage's layers (sequential or traced), tied
-  parameters, tensor-parallel shards.
-- :mod:`stages.comm`: moving tensors between stages and replicas: boundary values,
-  device copies, ``torch.distributed`` links and groups, the overlapped reduction, ZeRO-1.
-- :mod:`stages.state`: checkpoints on disk, snapshots in memory, learning-rate schedules.
+- :mod:`stages.compute`: the step executor, the step's tail after the barrier
+  (:mod:`stages.compute.tail`: check, reduce, decide, step), W (weight-gradient)
+  handling, activation checkpointing, and the inline fast path.
+- :mod:`stages.build`: building a stage (:func:`stages.build.stage.build_stage`: one
+  frozen result), its layers (sequential or traced), tied parameters, tensor-parallel shards.
+- :mod:`stages.comm`: moving tensors between stages and replicas: sending and taking in
+  boundary values (:mod:`stages.comm.delivery`), device copies, ``torch.distributed``
+  links and groups (:mod:`stages.comm.groups`), the overlapped reduction, ZeRO-1.
+- :mod:`stages.state`: a stage's state dicts, checkpoint parts and snapshots
+  (:mod:`stages.state.stage_state`), checkpoints on disk, learning-rate schedules.
 
 Public names are re-exported here lazily (PEP 562), so ``stages.program`` imports
 without torch.
@@ -45,6 +48,7 @@ _EXPORTS = {
     "ReduceReport": "stages.records",
     "StageConfig": "stages.records",
     "StageReport": "stages.records",
+    "StepOrder": "stages.records",
     "check_directory": "stages.state.checkpoint",
     "CheckpointError": "stages.state.checkpoint",
     "layer_of": "stages.state.checkpoint",
@@ -106,6 +110,7 @@ if TYPE_CHECKING:  # explicit re-exports, for type checkers (the names resolve l
         ReduceReport as ReduceReport,
         StageConfig as StageConfig,
         StageReport as StageReport,
+        StepOrder as StepOrder,
     )
     from stages.state.checkpoint import (
         check_directory as check_directory,

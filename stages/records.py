@@ -12,7 +12,7 @@ from typing import Any, Literal
 from actors.records import RecordError, WireRecord
 from stages.program import stage_to_rank
 
-__all__ = ["FinishReport", "RecordError", "ReduceReport", "StageConfig", "StageReport", "WireRecord"]
+__all__ = ["FinishReport", "RecordError", "ReduceReport", "StageConfig", "StageReport", "StepOrder", "WireRecord"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -51,7 +51,7 @@ class StageConfig(WireRecord):
     # Any nn.Module, traced and cut before these modules (stages.build.traced); bounds are then one "layer" per stage.
     split_points: list[str] | None = None
     example_inputs: Any = None  # the micro-batch to trace on (else the data factory's first)
-    # Issue 16 (see JobSpec for each one's meaning).
+    # Training options: precision, clipping, LR schedule, ... (JobSpec says what each means).
     precision: str = "fp32"  # "fp32", "bf16", "fp16"
     loss_scale: float = 0.0  # fp16: static scale, 0 = dynamic
     initial_scale_power: int = 16
@@ -73,6 +73,58 @@ class StageConfig(WireRecord):
     def stages(self) -> list[int]:
         """The model stages this rank holds (several when interleaved)."""
         return [s for s in range(self.num_stages) if stage_to_rank(s, self.pipeline_stages) == self.pipeline_rank]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepOrder(WireRecord):
+    """What a stage's ``run_step`` runs: one step's program and what it reads, from the scheduler.
+
+    Checked when it is made (and so when it comes off the wire), before the stage moves to the step.
+
+    Raises:
+        ValueError: a field of the wrong type or out of range (named in the message).
+    """
+
+    step: int
+    """The step's number: unique per try (a retried step gets a new one), so it fences stale messages."""
+    program: list[str]
+    """This stage's actions in their text form (``0F3``), up to the barrier and the tail after it."""
+    inputs: list[Any] | None = None
+    """The first stage's micro-batches of inputs (or None: ``data_step`` reads them)."""
+    targets: list[Any] | None = None
+    """The last stage's micro-batches of targets."""
+    data_step: int | None = None
+    """Read this step's batch from the job's data factory instead."""
+    data_shard: list[int] | None = None
+    """With ``data_step``: ``[replica, replicas]``, this replica's share of the global batch."""
+    micro_batches: int | None = None
+    """A count other than the one the stage was built with (changed at the barrier)."""
+    snapshot: int | None = None
+    """First keep a copy of the stage's state after this many applied steps (and send one to its buddy)."""
+    loss_scale: float | None = None
+    """fp16: the scale the last stage multiplies each loss by."""
+    w_batching: bool | None = None
+    """Run this step's runs of consecutive Ws as one GEMM per weight, or not (None: as built)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
+            raise ValueError(f"step must be an int >= 0, got {self.step!r:.40}")
+        if not isinstance(self.program, list) or not all(isinstance(a, str) for a in self.program):
+            raise ValueError(f"program must be a list of actions as text, got {self.program!r:.40}")
+        if self.w_batching is not None and not isinstance(self.w_batching, bool):
+            raise ValueError(f"w_batching must be a bool, got {self.w_batching!r:.40}")
+        for name in ("micro_batches", "data_step", "snapshot"):
+            value, least = getattr(self, name), 1 if name == "micro_batches" else 0
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+                raise ValueError(f"{name} must be an int >= {least}, got {value!r:.40}")
+        scale = self.loss_scale
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0):
+            raise ValueError(f"loss_scale must be a number > 0, got {scale!r:.40}")
+        shard = self.data_shard
+        if shard is not None and not (isinstance(shard, list) and len(shard) == 2
+                                      and all(isinstance(v, int) and not isinstance(v, bool) for v in shard)
+                                      and 0 <= shard[0] < shard[1]):
+            raise ValueError(f"data_shard must be [replica, replicas], got {shard!r:.40}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

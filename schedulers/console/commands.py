@@ -141,7 +141,7 @@ async def _jobs(session: Session, args: list[str]) -> None:
     if not infos:
         _print(session, "no jobs; start one with 'submit CONFIG.json'")
         return
-    session.out.print(render.jobs_table([info.to_wire() for info in infos]))
+    session.out.print(render.jobs_table(infos))
 
 
 @command("status [JOB] [--actions]", "the last step: loss, step time, samples/s, bubble, bytes per edge",
@@ -156,13 +156,13 @@ async def _status(session: Session, args: list[str]) -> None:
         if not infos:
             _print(session, "no jobs")
             return
-        session.out.print(render.status_table([info.to_wire() for info in infos]))
+        session.out.print(render.status_table(infos))
         return
     job = await session.job(session.job_arg(args, "status JOB [--actions]"))
     with session.reporting():
         info = await job.describe()
         where = await job.where() if actions else None
-    for line in render.job_detail(info.to_wire()):
+    for line in render.job_detail(info):
         _print(session, line)
     if where is not None:
         _print(session, where.report)
@@ -178,9 +178,9 @@ async def _schedule(session: Session, args: list[str]) -> None:
     with session.reporting():
         plan = await job.plan()
         info = await job.describe()
-    for line in render.plan_lines(plan.to_wire()):
+    for line in render.plan_lines(plan):
         _print(session, line)
-    _print(session, render.schedule_grid(info.to_wire()))
+    _print(session, render.schedule_grid(info))
 
 
 # -- jobs ---------------------------------------------------------------------------------
@@ -188,9 +188,10 @@ async def _schedule(session: Session, args: list[str]) -> None:
 
 @command("submit CONFIG.json [--job JOB.json]", "start a job from a DeepSpeed config (and a job file)",
          "CONFIG.json is DeepSpeed's ds_config.json as it is (JSON or hjson), or one file with actorpipe's keys as "
-         "well; --job JOB.json gives actorpipe's part (model, loss, data, mesh, codecs) so that the DeepSpeed file "
+         "well; --job JOB.json gives actorpipe's part (the spec's sections and fields: model, loss, data, "
+         "pipeline_stages, ...) so that the DeepSpeed file "
          "needs no edit. Every problem is listed at once; keys that do something else here, or nothing, are "
-         "printed as notes. See schedulers/deepspeed/config.py and the README for the keys. Afterwards the job name 'last' "
+         "printed as notes. See docs/deepspeed.md for the keys. Afterwards the job name 'last' "
          "stands for this job, e.g. 'submit cfg.json; run last 10'.",
          args=("path", "flag", "path"), min_args=1, max_args=3, flags=("--job",))
 async def _submit(session: Session, args: list[str]) -> None:
@@ -205,7 +206,7 @@ async def _submit(session: Session, args: list[str]) -> None:
     for line in config.notices:
         _print(session, f"note: {line}")
     spec = config.spec
-    _print(session, f"submitting {spec.model} on {spec.pipeline_stages} stages ...")
+    _print(session, f"submitting {spec.training.model} on {spec.parallelism.pipeline_stages} stages ...")
     try:
         with warnings.catch_warnings():  # printed below as console lines, not as Python warnings
             warnings.simplefilter("ignore", PlacementWarning)
@@ -215,7 +216,8 @@ async def _submit(session: Session, args: list[str]) -> None:
     if job.id not in session.job_ids:
         session.job_ids.append(job.id)
     session.last_submitted = job.id
-    _print(session, f"submitted {job.id}: {spec.schedule}, {spec.micro_batches} micro-batches, "
+    p = spec.parallelism
+    _print(session, f"submitted {job.id}: {p.schedule}, {p.micro_batches} micro-batches, "
                     f"stages on {', '.join(job.nodes)}, layers {job.bounds}")
     for notice in job.notices:
         _print(session, f"warning: {job.id}: {notice}")
@@ -307,7 +309,7 @@ async def _checkpoint(session: Session, args: list[str]) -> None:
     job = await session.job(args[0])
     try:
         with session.reporting():
-            await job.checkpoint(args[1])
+            await job.save(args[1])
             info = await job.describe()
     except OSError as exc:
         raise CommandError(f"cannot write {args[1]}: {exc}") from None

@@ -6,12 +6,14 @@ train_micro_batch_size_per_gpu * gradient_accumulation_steps * data_parallel``, 
 give the third; in a pipeline the accumulation steps are the micro-batches of one
 optimizer step), ``optimizer``, ``scheduler``, ``fp16`` / ``bf16``,
 ``gradient_clipping``, ``zero_optimization``, ``activation_checkpointing`` and
-``pipeline``. actorpipe's own keys name what DeepSpeed takes from Python: the model,
-loss and data factories by import path, the mesh and the wire codecs. Both may be in
-one file, or the DeepSpeed file stays as it is and actorpipe's part comes from a second
-file or from arguments::
+``pipeline``. actorpipe's own keys are the spec's own: its sections and fields, with
+the names ``cluster.train`` takes (``python -m schedulers.jobs`` lists them). A
+section holds its fields (``"parallelism": {"pipeline_stages": 2}``); a field may also
+stand at the top, flat (``"pipeline_stages": 2``), as a keyword does in the call. Both
+parts may be in one file, or the DeepSpeed file stays as it is and actorpipe's part
+comes from a second file or from arguments::
 
-    config = load_config("ds_config.json", job="job.json")     # or job={...}, or model=..., mesh=...
+    config = load_config("ds_config.json", job="job.json")     # or job={...}, or model=..., data_parallel=...
     for line in config.notices:                                # keys accepted that do something else here
         print(line)
     job = await cluster.train(config.spec)
@@ -19,22 +21,33 @@ file or from arguments::
 with ``job.json`` such as::
 
     {
-      "model": {"factory": "examples.models:gpt", "kwargs": {"dim": 128, "layers": 4}},
-      "loss": "examples.models:lm_loss",
-      "data": {"factory": "examples.data:char_batches", "kwargs": {"context": 64}},
-      "pipeline": {"stages": 2, "schedule": "1f1b"},
-      "mesh": {"tensor_parallel": 1, "data_parallel": 1},
-      "codecs": {"activation": "none", "gradient": "none", "reduce": "none"},
-      "transport": "zmq",
-      "seed": 0
+      "training": {
+        "model": "examples.models:gpt", "model_kwargs": {"dim": 128, "layers": 4},
+        "loss": "examples.models:lm_loss",
+        "data": "examples.data:char_batches", "data_kwargs": {"context": 64}
+      },
+      "parallelism": {"pipeline_stages": 2, "schedule": "1f1b"},
+      "communication": {"activation_codec": "none"}
     }
+
+actorpipe's keys are strict: an unknown one is a problem that names the nearest. Only
+DeepSpeed's stay lenient, as DeepSpeed is: an unknown top-level key of the DeepSpeed
+file (e.g. ``"cuda_visible_devices"`` in DeepSpeedExamples' files) is ignored with a
+notice, unless it is a near miss of a known one. In the job file and the arguments,
+which are actorpipe's, every top-level key must be known. Where a name is both
+DeepSpeed's and a field (``optimizer``, ``tensor_parallel``,
+``activation_checkpointing``), an object is DeepSpeed's block and anything else the
+field (``"optimizer": ["torch.optim:Adam", {"lr": 0.001}]``).
 
 Files are read as DeepSpeed reads them (hjson: comments and trailing commas are
 fine). The parts merge key by key, later over earlier (file, then job, then
-arguments); a value that replaces another is reported in a notice, one that replaces
-``"auto"`` is what ``"auto"`` is for. ``"auto"`` is resolved as the Hugging Face
-integration does where this config holds the answer (the batch sizes from each other
-and the mesh); an ``"auto"`` nothing resolves is a problem that says what would.
+arguments), a flat field as the field of its section; a value that replaces another
+is reported in a notice, one that replaces ``"auto"`` is what ``"auto"`` is for.
+``"auto"`` is resolved as the Hugging Face integration does where this config holds
+the answer (the batch sizes from each other and the mesh); an ``"auto"`` nothing
+resolves is a problem that says what would. ``train_batch_size`` is passed to the data
+factory as ``data_kwargs["batch_size"]`` (``"batch_size_arg"`` names another keyword,
+``null`` none).
 
 Every problem in the config is reported at once: one :class:`ConfigError` lists
 each, with its key and what to do. Keys that only tune DeepSpeed's own machinery are
@@ -49,34 +62,17 @@ import copy
 import difflib
 import os
 import re
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import hjson
 
-from schedulers.deepspeed.checks import (
-    AUTO,
-    ConfigError,
-    Problem,
-    Translation,
-    any_int,
-    boolean,
-    check_keys,
-    choice,
-    codec,
-    mapping,
-    names,
-    partition_method,
-    path,
-    positive_int,
-    seconds,
-    show,
-)
+from schedulers.deepspeed.checks import AUTO, ConfigError, Problem, Translation, check_keys, positive_int, show
 from schedulers.deepspeed.keys import DEEPSPEED_KEYS, PIPELINE_KEYS, translate_deepspeed_keys
 from schedulers.deepspeed.optimizer import OPTIMIZERS, translate_optimizer, translate_scheduler
-from schedulers.jobs import CODECS, SCHEDULE_NAMES, TRANSPORTS, JobSpec
+from schedulers.deepspeed.spec_keys import FORMER, SHARED, sectioned, translate_spec_keys
+from schedulers.jobs import FIELDS, SECTIONS, JobSpec
 
 __all__ = [
     "MAX_CONFIG_BYTES",
@@ -94,21 +90,13 @@ __all__ = [
 MAX_CONFIG_BYTES = 1 << 20  # a ds_config is a few KiB; a larger file is refused before it is parsed
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-# actorpipe's top-level keys (the sections below besides).
-_TOP_KEYS = (*_BATCH_KEYS, "loss", "transport", "seed", "threads_per_stage", "step_timeout_s")
-_SECTIONS: dict[str, tuple[str, ...]] = {
+# DeepSpeed's blocks this module reads itself, with their keys (keys.py reads the others).
+_BLOCKS: dict[str, tuple[str, ...]] = {
     "optimizer": ("type", "params", "legacy_fusion"),
     "scheduler": ("type", "params"),
-    "pipeline": ("stages", "schedule", "partition_method", "virtual_stages", "split_points", "max_stash_bytes",
-                 *PIPELINE_KEYS),
-    "model": ("factory", "kwargs"),
-    "data": ("factory", "kwargs", "batch_size_arg"),
-    "mesh": ("tensor_parallel", "data_parallel"),
-    "codecs": ("activation", "gradient", "reduce", "error_feedback", "measure_error"),
+    "pipeline": ("stages", *PIPELINE_KEYS),
 }
-_KNOWN = (*_TOP_KEYS, *_SECTIONS, *DEEPSPEED_KEYS)
-
-
+_KNOWN = (*_BATCH_KEYS, "batch_size_arg", *_BLOCKS, *DEEPSPEED_KEYS, *SECTIONS, *FIELDS)
 class BatchSizes(NamedTuple):
     """The three batch sizes, consistent: ``train_batch_size == micro * accumulation * data_parallel``."""
 
@@ -126,15 +114,6 @@ class TranslatedConfig:
     notices: tuple[str, ...] = ()
     """one line per key accepted that has no effect here, or does something else (``"key: what happens"``)"""
 
-    if not TYPE_CHECKING:
-        def __getattr__(self, name: str) -> Any:
-            # load_config and translate_config returned the JobSpec itself before notices existed.
-            if name.startswith("_"):
-                raise AttributeError(name)
-            warnings.warn("load_config() and translate_config() return a TranslatedConfig: use its .spec "
-                          "(and print its .notices)", DeprecationWarning, stacklevel=2)
-            return getattr(self.spec, name)
-
 
 def load_config(
     path: str | os.PathLike[str],
@@ -148,9 +127,11 @@ def load_config(
     Args:
         path: the config: DeepSpeed's ``ds_config.json`` as it is, or one file with
             actorpipe's keys as well.
-        job: actorpipe's part (model, loss, data, mesh, codecs, ...), or any key to
-            add or replace: a file path, or the keys themselves.
-        overrides: top-level keys, over both files (e.g. ``mesh={"data_parallel": 2}``).
+        job: actorpipe's part (the spec's sections or fields: model, loss, data,
+            pipeline_stages, ...), or any key to add or replace: a file path, or the
+            keys themselves. Its top-level keys are strict: an unknown one is a problem.
+        overrides: top-level keys, over both files (e.g. ``data_parallel=2`` or
+            ``parallelism={"data_parallel": 2}``); strict, as the job part.
 
     Raises:
         ConfigError: a file is not JSON/hjson, or anything in the config is wrong; its
@@ -246,46 +227,52 @@ def _without_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def _translate(t: Translation, sources: list[tuple[str, Any]], where: str) -> TranslatedConfig:
-    config = _merge(t, sources)
-    _check_top_keys(t, config)
-    sections = {name: _section(t, config, name) for name in _SECTIONS}
-    _actorpipe_keys(t, config, sections)
-    translate_deepspeed_keys(t, config, sections["pipeline"])
-    mesh_ok = "data_parallel" in t.fields or "data_parallel" not in sections["mesh"]
+    config, strict = _merge(t, sources)
+    _check_top_keys(t, config, strict)
+    blocks = {name: _block(t, config, name) for name in _BLOCKS}
+    translate_spec_keys(t, config)
+    with t.collecting():
+        _pipeline_stages(t, blocks["pipeline"])
+    translate_deepspeed_keys(t, config, blocks["pipeline"])
+    mesh_ok = not any(p.key.endswith("data_parallel") for p in t.problems)
     sizes = _batch_sizes(t, config, t.fields.get("data_parallel", 1)) if mesh_ok else None
-    if "optimizer" in config:
-        translate_optimizer(t, sections["optimizer"])
-        if "legacy_fusion" in sections["optimizer"]:
+    if _deepspeeds(config, "optimizer"):
+        translate_optimizer(t, blocks["optimizer"])
+        if "legacy_fusion" in blocks["optimizer"]:
             t.notice("optimizer.legacy_fusion", "no effect here: DeepSpeed's fused fp16 optimizer switch")
     if "scheduler" in config:
-        params = sections["optimizer"].get("params")
-        translate_scheduler(t, sections["scheduler"], lr=params.get("lr") if isinstance(params, Mapping) else None)
-    if "data" in config and sizes is not None:
+        params = blocks["optimizer"].get("params")
+        translate_scheduler(t, blocks["scheduler"], lr=params.get("lr") if isinstance(params, Mapping) else None)
+    if "data" in t.fields and sizes is not None:
         with t.collecting():
-            factory, kwargs = _data(sections["data"], sizes.train_batch_size)
-            t.set("data", factory, "data.factory")
-            t.set("data_kwargs", kwargs, "data.kwargs")
-    elif "data" in config:  # the batch sizes are wrong: check what does not depend on them
-        for check in (lambda: path(sections["data"], "factory", "data."),
-                      lambda: mapping(sections["data"], "kwargs", "data.")):
-            with t.collecting():
-                check()
+            _pass_batch_size(t, config, sizes.train_batch_size)
     if t.problems:
         raise ConfigError.of(t.problems, where=where)
     return TranslatedConfig(spec=_spec(t), notices=tuple(t.notices))
 
 
-def _merge(t: Translation, sources: list[tuple[str, Any]]) -> dict[str, Any]:
-    """The sources merged key by key, later over earlier; a replaced value gets a notice."""
+def _deepspeeds(config: Mapping[str, Any], key: str) -> bool:
+    """Whether ``config[key]`` is DeepSpeed's block (an object), where the name is a spec field too."""
+    return isinstance(config.get(key), Mapping)
+
+
+def _merge(t: Translation, sources: list[tuple[str, Any]]) -> tuple[dict[str, Any], set[str]]:
+    """The sources merged key by key, later over earlier; a replaced value gets a notice.
+
+    Returns the merged config, and the top-level keys that came from actorpipe's own
+    sources (every one after the first, the DeepSpeed file): those must all be known.
+    """
     merged: dict[str, Any] = {}
     origins: dict[str, str] = {}
-    for source, layer in sources:
+    strict: set[str] = set()
+    for index, (source, layer) in enumerate(sources):
         if not isinstance(layer, Mapping):
             raise ConfigError(source, f"must be an object of config keys, got {type(layer).__name__}")
-        # "model": "pkg:f" is short for {"factory": "pkg:f"}, so that a job file's kwargs merge onto it
-        layer = {k: {"factory": v} if k in ("model", "data") and isinstance(v, str) else v for k, v in layer.items()}
+        layer = sectioned(t, layer)
+        if index:
+            strict.update(layer)
         _merge_into(t, merged, layer, "", source, origins)
-    return merged
+    return merged, strict
 
 
 def _merge_into(t: Translation, target: dict[str, Any], layer: Mapping[str, Any], prefix: str, source: str,
@@ -313,14 +300,20 @@ def _origin(origins: dict[str, str], dotted: str) -> str:
     return origins.get(dotted, "an earlier source")
 
 
-def _check_top_keys(t: Translation, config: Mapping[str, Any]) -> None:
+def _check_top_keys(t: Translation, config: Mapping[str, Any], strict: set[str]) -> None:
     for key in config:
         if key in _KNOWN:
             continue
         name = str(key) if len(str(key)) <= 80 else str(key)[:77] + "..."
+        if key in FORMER:
+            t.problem(name, f"not a key any more: {FORMER[key]}")
+            continue
         typo = difflib.get_close_matches(str(key), _KNOWN, n=1, cutoff=0.8)
-        if typo:
-            t.problem(name, f"unknown key; did you mean {typo[0]}?")
+        if key in strict or typo:
+            near = typo or difflib.get_close_matches(str(key), _KNOWN, n=1, cutoff=0.7)
+            t.problem(name, f"unknown key; did you mean {near[0]}?" if near else
+                      "unknown key; actorpipe's keys are the spec's sections and fields (python -m schedulers.jobs "
+                      "lists them), beside DeepSpeed's")
             continue
         # e.g. "cuda_visible_devices" in DeepSpeedExamples' files: DeepSpeed reads only the keys it knows
         near = difflib.get_close_matches(str(key), _KNOWN, n=1)
@@ -328,55 +321,21 @@ def _check_top_keys(t: Translation, config: Mapping[str, Any]) -> None:
         t.notice(name, f"not a DeepSpeed or actorpipe key: ignored, as DeepSpeed ignores keys it does not know{hint}")
 
 
-def _section(t: Translation, config: Mapping[str, Any], name: str) -> dict[str, Any]:
-    """A sub-object, with its keys checked (``{}`` when absent or not an object)."""
+def _block(t: Translation, config: Mapping[str, Any], name: str) -> dict[str, Any]:
+    """One of DeepSpeed's blocks, with its keys checked (``{}`` when absent, or the spec's field of that name)."""
     value = config.get(name, {})
+    if name in SHARED and not isinstance(value, Mapping):
+        return {}  # e.g. "optimizer": ["torch.optim:Adam", {...}]: the spec's field (spec_keys)
     if not isinstance(value, Mapping):
-        t.problem(name, f"expected an object with keys {', '.join(_SECTIONS[name][:5])}, got {show(value)}")
+        t.problem(name, f"expected an object with keys {', '.join(_BLOCKS[name][:5])}, got {show(value)}")
         return {}
-    check_keys(t, f"{name}.", value, _SECTIONS[name])
+    for key in value:
+        if key in FIELDS:  # a spec field in DeepSpeed's block: say where it goes
+            t.problem(f"{name}.{key}", f"not a key of DeepSpeed's {name} block; actorpipe's is "
+                                       f"{FIELDS[key]}.{key} (or {key} at the top)")
+        elif key not in _BLOCKS[name]:
+            check_keys(t, f"{name}.", {key: None}, _BLOCKS[name])
     return dict(value)
-
-
-def _actorpipe_keys(t: Translation, config: Mapping[str, Any], sections: Mapping[str, dict[str, Any]]) -> None:
-    """The model, mesh, pipeline and codecs: each key the config gives, checked so that a problem names it."""
-    model, pipeline, mesh, codecs = (sections[name] for name in ("model", "pipeline", "mesh", "codecs"))
-    if "model" not in config:
-        t.problem("model", "missing; name the model factory, e.g. \"model\": \"examples.models:gpt\" (in the job "
-                           "file when the DeepSpeed config stays as it is)")
-    else:
-        with t.collecting():
-            t.set("model", path(model, "factory", "model."), "model.factory")
-        with t.collecting():
-            t.set("model_kwargs", mapping(model, "kwargs", "model."), "model.kwargs")
-    if pipeline.get("stages") == AUTO:
-        pipeline.pop("stages")
-        t.notice("pipeline.stages", "\"auto\" (DeepSpeed: the PipelineModule's stages) and nothing else gives them: 1 "
-                                    "stage; give pipeline.stages in the job file to split the model")
-    optional: list[tuple[str, Mapping[str, Any], str, str, Any]] = [
-        ("data_parallel", mesh, "data_parallel", "mesh.", positive_int),
-        ("pipeline_stages", pipeline, "stages", "pipeline.", positive_int),
-        ("tensor_parallel", mesh, "tensor_parallel", "mesh.", positive_int),
-        ("schedule", pipeline, "schedule", "pipeline.", choice(SCHEDULE_NAMES)),
-        ("partition_method", pipeline, "partition_method", "pipeline.", partition_method),
-        ("split_points", pipeline, "split_points", "pipeline.", names),
-        ("virtual_stages", pipeline, "virtual_stages", "pipeline.", positive_int),
-        ("max_stash_bytes", pipeline, "max_stash_bytes", "pipeline.", positive_int),
-        ("activation_codec", codecs, "activation", "codecs.", codec),
-        ("gradient_codec", codecs, "gradient", "codecs.", codec),
-        ("reduce_codec", codecs, "reduce", "codecs.", choice(CODECS)),
-        ("error_feedback", codecs, "error_feedback", "codecs.", boolean),
-        ("measure_codec_error", codecs, "measure_error", "codecs.", boolean),
-        ("seed", config, "seed", "", any_int),
-        ("loss", config, "loss", "", path),
-        ("transport", config, "transport", "", choice(TRANSPORTS)),
-        ("threads_per_stage", config, "threads_per_stage", "", positive_int),
-        ("step_timeout_s", config, "step_timeout_s", "", seconds),
-    ]
-    for name, section, key, prefix, check in optional:
-        if key in section:
-            with t.collecting():
-                t.set(name, check(section, key, prefix), prefix + key)
 
 
 def _batch_sizes(t: Translation, config: Mapping[str, Any], data_parallel: int) -> BatchSizes | None:
@@ -401,7 +360,7 @@ def _batch_sizes(t: Translation, config: Mapping[str, Any], data_parallel: int) 
             return None
         t.problem(autos[0], (
             f"\"auto\" cannot be resolved: give two of {', '.join(_BATCH_KEYS)} (in the job file, --job, or as "
-            f"arguments); \"auto\" is filled from them and mesh.data_parallel ({data_parallel})"))
+            f"arguments); \"auto\" is filled from them and data_parallel ({data_parallel})"))
         return None
     equation = (f"train_batch_size {sizes.train_batch_size} = micro {sizes.micro_batch_size} * accumulation "
                 f"{sizes.accumulation_steps} * data_parallel {data_parallel}")
@@ -473,18 +432,30 @@ def _divide(total: int, by: int, key: str, what: str) -> int:
     return total // by
 
 
-def _data(section: Mapping[str, Any], train_batch_size: int) -> tuple[str, dict[str, Any]]:
-    """The data factory and its kwargs, with the global batch size passed as ``batch_size_arg``."""
-    factory = path(section, "factory", "data.")
-    kwargs = mapping(section, "kwargs", "data.")
-    arg = section.get("batch_size_arg", "batch_size")
+def _pipeline_stages(t: Translation, pipeline: Mapping[str, Any]) -> None:
+    """DeepSpeed's ``pipeline.stages``: the pipeline stages, or ``"auto"`` (its PipelineModule's)."""
+    if "stages" not in pipeline:
+        return
+    if pipeline["stages"] == AUTO:
+        if "pipeline_stages" not in t.fields:
+            t.notice("pipeline.stages", "\"auto\" (DeepSpeed: the PipelineModule's stages) and nothing else gives "
+                                        "them: 1 stage; give pipeline_stages in the job file to split the model")
+        return
+    t.set("pipeline_stages", positive_int(pipeline, "stages", "pipeline."), "pipeline.stages")
+
+
+def _pass_batch_size(t: Translation, config: Mapping[str, Any], train_batch_size: int) -> None:
+    """``train_batch_size`` as the data factory's ``batch_size`` (or the keyword ``batch_size_arg`` names)."""
+    arg = config.get("batch_size_arg", "batch_size")
     if arg is None:
-        return factory, kwargs
+        return
     if not isinstance(arg, str):
-        raise ConfigError("data.batch_size_arg", f"expected a keyword name or null, got {show(arg)}")
+        raise ConfigError("batch_size_arg", f"expected a keyword name or null, got {show(arg)}")
+    kwargs = dict(t.fields.get("data_kwargs", {}))
     given = kwargs.setdefault(arg, train_batch_size)
     if given != train_batch_size:
-        raise ConfigError(f"data.kwargs.{arg}", (
+        raise ConfigError(f"{t.origins.get('data_kwargs', 'training.data_kwargs')}.{arg}", (
             f"expected {train_batch_size} (train_batch_size: one global batch per step), got {show(given)}; "
             "leave it out and it is filled in"))
-    return factory, kwargs
+    t.fields["data_kwargs"] = kwargs
+    t.origins.setdefault("data_kwargs", "training.data_kwargs")

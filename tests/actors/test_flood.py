@@ -1,6 +1,6 @@
 """A runtime under hostile traffic (actors/_runtime.py): it keeps answering, and logs stay short.
 
-The probe of issue 13: 30 messages of 5 MB, each a msgpack list of five million empty
+A security probe found that 30 messages of 5 MB, each a msgpack list of five million empty
 lists, kept a head from answering for over 60 s, and a 48 MiB bad codec name wrote
 50 MB to the node's log. Here a raw ZeroMQ PUSH socket, as anyone who can reach the
 address has, sends such messages while a ping's round trip is measured.

@@ -95,7 +95,7 @@ def test_a_class_reexported_from_an_unadmitted_module_is_refused() -> None:
 @pytest.mark.parametrize(
     ("path", "expected"),
     [
-        # Every factory the repository names (tests, examples, benchmarks, README).
+        # Every factory the repository names (tests, examples, benchmarks, docs).
         ("torch.nn:Linear", torch.nn.Linear),
         ("torch.nn.functional:mse_loss", torch.nn.functional.mse_loss),
         ("torch.nn.functional:cross_entropy", torch.nn.functional.cross_entropy),

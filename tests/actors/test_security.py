@@ -1,4 +1,4 @@
-"""A cluster admits only its own keys, and each key may do only what its role may (issue 13's probe, as tests)."""
+"""A cluster admits only its own keys, and each key may do only what its role may (docs/security.md, as tests)."""
 
 from __future__ import annotations
 
@@ -23,12 +23,13 @@ from actors import (
     HeadActor,
     LocalCluster,
     NodeActor,
+    NodeSilent,
     NotAllowed,
     RemoteError,
     UnknownActor,
     open_runtime,
 )
-from stages import RendezvousActor, StageActor
+from stages import RendezvousActor, StageActor, StepOrder
 from transport.security import Keypair
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(180),
@@ -104,17 +105,17 @@ async def test_a_client_cannot_act_on_another_clients_job(cluster: Cluster) -> N
 
 
 async def test_clients_cannot_register_nodes_spawn_actors_or_shut_nodes_down(cluster: Cluster) -> None:
-    node = next(n for n in await cluster.nodes() if n["name"] == "node0")
+    node = next(n for n in await cluster.nodes() if n.name == "node0")
     async with Cluster.connect(cluster.head.address, keys=keys().directory, identity="alice") as alice:
         head = alice.runtime.ref(cluster.head.address, HEAD)
         with pytest.raises(NotAllowed, match="may not call HeadActor.register"):
             await head.endpoint(HeadActor.register, timeout=10).call({"name": 7, "address": 8})
-        agent = alice.runtime.ref(node["address"], NODE)
+        agent = alice.runtime.ref(node.address, NODE)
         with pytest.raises(NotAllowed, match="may not call NodeActor.spawn"):
             await agent.endpoint(NodeActor.spawn, timeout=10).call("probe", "mine", {})
         with pytest.raises(NotAllowed, match="may not call NodeActor.shutdown"):
             await agent.endpoint(NodeActor.shutdown, timeout=10).call()
-    assert {n["name"] for n in await cluster.nodes() if n["state"] == "alive"} == {"node0", "node1"}
+    assert {n.name for n in await cluster.nodes() if n.alive} == {"node0", "node1"}
 
 
 async def test_forged_deliveries_are_refused_and_counted(cluster: Cluster) -> None:
@@ -159,9 +160,8 @@ async def test_only_the_head_turns_w_batching_on_for_a_step_and_a_bad_value_chan
         await job.step(*batch())
         (info,) = [d for d in await cluster.jobs() if d.job == job.id]
         stage = cluster.runtime.ref(*info.stages[0])
-        # run_step(step, program, inputs, targets, data_step, data_shard, micro_batches, snapshot, loss_scale,
-        # w_batching): a client's key and the job's own node's key are refused before any argument is read.
-        call = (5, [], None, None, None, None, None, None, None, True)
+        # run_step(order): a client's key and the job's own node's key are refused before any argument is read.
+        call = (StepOrder(step=5, program=[], w_batching=True).to_wire(),)
         async with Cluster.connect(cluster.head.address, keys=keys().directory, identity="alice") as alice:
             with pytest.raises(NotAllowed, match="may not call StageActor.run_step"):
                 await alice.runtime.ref(stage.address, stage.name).endpoint(StageActor.run_step, timeout=10).call(*call)
@@ -172,7 +172,7 @@ async def test_only_the_head_turns_w_batching_on_for_a_step_and_a_bad_value_chan
         async with open_runtime("tcp://127.0.0.1:0", keys=keys().identity("head"), ring=keys().ring) as head:
             run_step = head.ref(stage.address, stage.name).endpoint(StageActor.run_step, timeout=10)
             with pytest.raises(RemoteError, match="ValueError: w_batching must be a bool, got 'yes'"):
-                await run_step.call(*call[:-1], "yes")
+                await run_step.call({**call[0], "w_batching": "yes"})
         stats = await job.step(*batch())  # the refused call left the stage where it was
         assert stats.loss == stats.loss
     finally:
@@ -253,7 +253,7 @@ async def test_a_members_flood_leaves_the_head_answering_and_no_node_lost(cluste
 
         async def watch() -> None:
             async for event in events:
-                if event.get("type") == "node_lost":
+                if isinstance(event, NodeSilent):
                     lost.append(event)
 
         watcher = asyncio.ensure_future(watch())
@@ -267,7 +267,7 @@ async def test_a_members_flood_leaves_the_head_answering_and_no_node_lost(cluste
         await asyncio.sleep(2.5)  # longer than the heartbeat timeout (2 s): a starved head would mark nodes lost
         watcher.cancel()
         assert worst < 0.5, f"the head took {worst:.3f}s to answer under the flood"
-        assert not lost and {n["state"] for n in await cluster.nodes()} == {"alive"}
+        assert not lost and {n.state for n in await cluster.nodes()} == {"alive"}
     finally:
         push.close(linger=0)
         context.term()

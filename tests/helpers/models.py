@@ -102,7 +102,7 @@ def image_batches(batch_size: int = 16, size: int = 16, classes: int = 10) -> An
     return batch
 
 
-# -- models that are not a plain chain of tensors (issue 15) ------------------------------------
+# -- models that are not a plain chain of tensors (see docs/models.md) ---------------------------
 
 
 class MaskedEmbed(nn.Module):

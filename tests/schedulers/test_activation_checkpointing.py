@@ -1,5 +1,5 @@
 # .venv/bin/python -m pytest -q -p no:cacheprovider tests/schedulers/test_activation_checkpointing.py
-"""Activation checkpointing end to end (issue 16, point 4): bit for bit what the same job
+"""Activation checkpointing end to end (see docs/precision.md): bit for bit what the same job
 trains without it, for every schedule, both transports, fused weight gradients on and
 off, dropout, boundary trees and traced models; and each stage holds fewer bytes.
 

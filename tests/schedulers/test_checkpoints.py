@@ -86,7 +86,7 @@ async def test_a_new_save_replaces_the_old_one_and_clears_a_killed_saves_leftove
         assert (directory / "LATEST").read_text() == "v000002\n"
         trained = await job.state_dict()
         await train(job, batches(1, seed=3))
-        await job.checkpoint(directory / "other")  # the console's name for it
+        await job.save(directory / "other")
         await job.load(directory)
         assert_same(await job.state_dict(), trained)
 

@@ -28,12 +28,15 @@ from prompt_toolkit.completion import CompleteEvent
 from prompt_toolkit.document import Document
 from rich.console import Console
 
-from actors import LocalCluster
+from actors import Event, LocalCluster, NodeInfo, NodeJoined, NodeSilent
 from schedulers.deepspeed.config import load_config
+from schedulers.events import JobFailed, JobRecovered, RunFinished, RunProgress, SettingsApplied, StepFinished
 from schedulers.console.commands import execute, split_commands
-from schedulers.console.render import event_line
+from schedulers.console.render import event_line, job_detail, schedule_grid
 from schedulers.console.repl import ConsoleCompleter
 from schedulers.console.session import CommandError, Session
+from schedulers.jobs import JobSpec
+from schedulers.records import JobDescription, StepStats
 from schedulers.schedules import build_schedule
 from transport.loop import run
 
@@ -46,9 +49,10 @@ CPR_REQUEST = "\x1b[6n"
 SMALL_CONFIG: dict[str, Any] = {
     "train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,  # so 4 micro-batches
     "optimizer": {"type": "SGD", "params": {"lr": 0.05}},
-    "model": {"factory": "examples.models:residual_mlp", "kwargs": {"blocks": 4, "dim": 16, "hidden": 32}},
-    "data": {"factory": "examples.data:regression_batches", "kwargs": {"seq": 4, "dim": 16, "learnable": True}},
-    "pipeline": {"stages": 2, "schedule": "1f1b"},
+    "training": {"model": "examples.models:residual_mlp", "model_kwargs": {"blocks": 4, "dim": 16, "hidden": 32},
+                 "data": "examples.data:regression_batches",
+                 "data_kwargs": {"seq": 4, "dim": 16, "learnable": True}},
+    "parallelism": {"pipeline_stages": 2, "schedule": "1f1b"},
 }
 
 
@@ -314,7 +318,7 @@ def test_submit_a_deepspeed_file_as_it_is_with_a_job_file(head_address: str, tmp
       "fp16": {"enabled": false}, "zero_optimization": {"stage": 0}, "gradient_clipping": 0,
       "steps_per_print": 10, "wall_clock_breakdown": false,
     }""")
-    job.write_text(json.dumps({key: SMALL_CONFIG[key] for key in ("model", "data", "pipeline")}))
+    job.write_text(json.dumps({key: SMALL_CONFIG[key] for key in ("training", "parallelism")}))
     done = exec_console(head_address, f"submit {ds} --job {job}; run last 1; close last")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "note: steps_per_print: no effect here" in done.stdout
@@ -357,7 +361,8 @@ def test_a_hung_step_reports_where_each_stage_is_stuck(head_address: str, tmp_pa
     config.write_text(json.dumps({
         **SMALL_CONFIG, "step_timeout_s": 1.5,
         # Every forward sleeps 3 s: at the timeout stage 0 is still in its first one.
-        "model": {"factory": "tests.helpers.models:stalling", "kwargs": {"layers": 2, "dim": 16, "seconds": 3.0}},
+        "training": {**SMALL_CONFIG["training"], "model": "tests.helpers.models:stalling",
+                     "model_kwargs": {"layers": 2, "dim": 16, "seconds": 3.0}},
     }))
     done = exec_console(head_address, f"submit {config}; run last 1")
     assert done.returncode == 1
@@ -393,9 +398,9 @@ class _FakeCluster:
         return types.SimpleNamespace(id="job7", nodes=["node0", "node1"], bounds=[[0, 2], [2, 4]],
                                      notices=self.notices)
 
-    async def nodes(self) -> list[dict[str, Any]]:
-        return [{"name": f"node{i}", "state": "alive", "device": f"cuda:{i}", "host": "gpubox", "pid": 100 + i,
-                 "memory_bytes": 2**30, "last_heartbeat_age_s": 0.2} for i in range(2)]
+    async def nodes(self) -> list[NodeInfo]:
+        return [NodeInfo(name=f"node{i}", address=f"tcp://127.0.0.1:{5000 + i}", device=f"cuda:{i}", host="gpubox",
+                         pid=100 + i, memory_bytes=2**30, last_heartbeat_age_s=0.2) for i in range(2)]
 
 
 class _Submitting(_Offline):
@@ -412,7 +417,9 @@ def _deepspeed_and_job_files(tmp_path: Path) -> tuple[Path, Path]:
     ds, job = tmp_path / "ds.json", tmp_path / "job.json"
     ds.write_text('{"train_batch_size": 8, "gradient_accumulation_steps": 4, "gradient_clipping": 1.0, '
                   '"optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, "steps_per_print": 10,}')
-    job.write_text(json.dumps({"model": SMALL_CONFIG["model"], "pipeline": {"stages": 2}}))
+    training = SMALL_CONFIG["training"]
+    job.write_text(json.dumps({"model": training["model"], "model_kwargs": training["model_kwargs"],
+                               "pipeline_stages": 2}))
     return ds, job
 
 
@@ -425,7 +432,8 @@ def test_submit_takes_a_deepspeed_file_and_a_job_file(tmp_path: Path, order: str
     asyncio.run(execute(session, ["submit", *words]))  # type: ignore[arg-type]
     assert session.cluster.specs == [load_config(ds, job=job).spec]
     spec = session.cluster.specs[0]
-    assert (spec.optimizer[0], spec.gradient_clipping, spec.micro_batches) == ("torch.optim:AdamW", 1.0, 4)
+    assert spec.optimization.optimizer[0] == "torch.optim:AdamW"
+    assert (spec.optimization.gradient_clipping, spec.parallelism.micro_batches) == (1.0, 4)
     out = session.text.getvalue()
     assert "note: steps_per_print: no effect here" in out
     assert "submitted job7: 1f1b, 4 micro-batches, stages on node0, node1" in out
@@ -530,28 +538,38 @@ def test_tab_completes_paths(tmp_path: Path) -> None:
     assert found == ["config.json"]
 
 
+STEP = {"job": "job0", "step": 4, "loss": 1.5, "step_time_s": 0.0421, "bubble_fraction": 0.25, "schedule": "1f1b"}
+
+
 @pytest.mark.parametrize(("event", "line"), [
-    ({"type": "node_joined", "node": "n2"}, "+ node n2 joined"),
-    ({"type": "node_lost", "node": "n1", "silent_s": 2.31}, "! node n1 lost (silent 2.3 s)"),
-    ({"type": "step_finished", "job": "job0", "step": 4, "loss": 1.5, "step_time_s": 0.0421, "bubble_fraction": 0.25,
-      "schedule": "1f1b", "run": {"done": 5, "target": 10}},
-     "job0 step 4 [5/10] 1f1b: loss 1.5000, 0.042 s, bubble 25%"),
-    ({"type": "step_finished", "job": "job0", "step": 4, "loss": 1.5, "step_time_s": 0.0421, "bubble_fraction": 0.25,
-      "schedule": "1f1b", "lr": [0.00025, 0.00025]},
-     "job0 step 4 1f1b: loss 1.5000, 0.042 s, bubble 25%, lr 0.00025"),
-    ({"type": "step_finished", "job": "job0", "step": 4, "loss": 1.5, "step_time_s": 0.0421, "bubble_fraction": 0.25,
-      "schedule": "1f1b", "lr": [0.1, 0.01], "skipped": True},
+    (NodeJoined(node="n2"), "+ node n2 joined"),
+    (NodeSilent(node="n1", silent_s=2.31), "! node n1 lost (silent 2.3 s)"),
+    (StepFinished(**STEP, run=RunProgress(done=5, target=10)), "job0 step 4 [5/10] 1f1b: loss 1.5000, 0.042 s, bubble 25%"),
+    (StepFinished(**STEP, lr=[0.00025, 0.00025]), "job0 step 4 1f1b: loss 1.5000, 0.042 s, bubble 25%, lr 0.00025"),
+    (StepFinished(**STEP, lr=[0.1, 0.01], skipped=True),
      "job0 step 4 1f1b: loss 1.5000, 0.042 s, bubble 25%, lr 0.1/0.01 (skipped: not finite, nothing applied)"),
-    ({"type": "job_failed", "job": "job0", "step": 3, "error": "step failed: stage 1 at 1F2: boom"},
+    (JobFailed(job="job0", step=3, error="step failed: stage 1 at 1F2: boom"),
      "! job0 step 3 failed: step failed: stage 1 at 1F2: boom"),
-    ({"type": "settings_applied", "job": "job0", "step": 7, "changes": {"schedule": "gpipe"}},
-     "job0: now schedule=gpipe, from step 7 on"),
-    ({"type": "run_finished", "job": "job0", "done": 3, "target": 10, "reason": "stopped"},
-     "job0 run stopped after 3/10 steps"),
-    ({"type": "job_recovered", "job": "job0", "moved": {"node1": "spare0"}, "from_step": 3, "replayed": 1,
-      "seconds": 1.04, "restarts_left": 0},
+    (SettingsApplied(job="job0", step=7, changes={"schedule": "gpipe"}), "job0: now schedule=gpipe, from step 7 on"),
+    (RunFinished(job="job0", done=3, target=10, reason="stopped"), "job0 run stopped after 3/10 steps"),
+    (JobRecovered(job="job0", lost=["node1"], moved={"node1": "spare0"}, from_step=3, replayed=1, from_checkpoint=None,
+                  seconds=1.04, restarts_left=0),
      "* job0 recovered: node1 -> spare0; rolled back to step 3, replaying 1 in 1.0 s (0 restarts left)"),
-    ({"type": "something_new"}, None),
+    (Event(), None),  # a kind this console does not know
 ])
-def test_events_print_as_one_line(event: dict[str, Any], line: str | None) -> None:
+def test_events_print_as_one_line(event: Event, line: str | None) -> None:
     assert event_line(event) == line
+
+
+def test_a_jobs_detail_reads_its_settings_from_the_specs_sections() -> None:
+    spec = JobSpec.of(model="examples.models:residual_mlp", pipeline_stages=2, micro_batches=4,
+                      activation_codec="int8", precision="bf16", schedule="gpipe")
+    stats = StepStats(step=0, loss=1.0, step_time_s=0.1, bubble_fraction=0.0, bytes_sent=0, grad_norm=0.5)
+    info = JobDescription(job="job0", spec=spec, bounds=[[0, 2], [2, 4]], mesh=[2, 1, 1], nodes=["node0", "node1"],
+                          stages=[], steps=1, programs=[["0F0"], ["1F0"]], stepping=False, traced=True,
+                          last_stats=stats)
+    first, *rest = job_detail(info)
+    assert first.startswith("job0: examples.models:residual_mlp | schedule gpipe, 4 micro-batches | 2 stages")
+    assert "codecs int8/none" in first
+    assert any("precision bf16" in line for line in rest)
+    assert schedule_grid(info).startswith("job0: gpipe, 2 stages, 4 micro-batches")

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from actors import NodeInfo
 from stages.comm.parallel import GLOO, NCCL
 from schedulers.jobs import JobSpec
 from schedulers.scheduler import SchedulerActor
@@ -30,12 +31,12 @@ class Runtime:
         self.spawned.append(name)
 
 
-def placed(*devices: str) -> list[dict[str, Any]]:
-    return [{"name": f"node{i}", "address": f"tcp://127.0.0.1:{6000 + i}", "device": d, "host": "box",
-             "identity": f"node:node{i}", "state": "alive"} for i, d in enumerate(devices)]
+def placed(*devices: str) -> list[NodeInfo]:
+    return [NodeInfo(name=f"node{i}", address=f"tcp://127.0.0.1:{6000 + i}", device=d, host="box", pid=i,
+                     memory_bytes=0, identity=f"node:node{i}") for i, d in enumerate(devices)]
 
 
-async def rendezvous(spec: JobSpec, nodes: list[dict[str, Any]]) -> tuple[Runtime, dict[str, Any] | None]:
+async def rendezvous(spec: JobSpec, nodes: list[NodeInfo]) -> tuple[Runtime, dict[str, Any] | None]:
     runtime = Runtime()
     scheduler: Any = SimpleNamespace(runtime=runtime)
     _, config = await SchedulerActor._rendezvous(scheduler, "job0", spec, spec.mesh, nodes)
@@ -51,7 +52,7 @@ async def rendezvous(spec: JobSpec, nodes: list[dict[str, Any]]) -> tuple[Runtim
 async def test_the_stages_dist_config_names_the_backend_of_their_devices(
     layout: dict[str, Any], devices: tuple[str, ...], backend: str
 ) -> None:
-    runtime, config = await rendezvous(JobSpec(model="examples.models:residual_mlp", **layout), placed(*devices))
+    runtime, config = await rendezvous(JobSpec.of(model="examples.models:residual_mlp", **layout), placed(*devices))
     assert config is not None and config["backend"] == backend
     assert runtime.spawned == ["job0.rendezvous"]
 
@@ -63,7 +64,7 @@ async def test_the_stages_dist_config_names_the_backend_of_their_devices(
 async def test_a_job_nccl_cannot_serve_is_refused_before_its_rendezvous_starts(
     layout: dict[str, Any], devices: tuple[str, ...], says: str
 ) -> None:
-    spec = JobSpec(model="examples.models:residual_mlp", **layout)
+    spec = JobSpec.of(model="examples.models:residual_mlp", **layout)
     runtime = Runtime()
     scheduler: Any = SimpleNamespace(runtime=runtime)
     with pytest.raises(ValueError, match=says):
@@ -72,6 +73,6 @@ async def test_a_job_nccl_cannot_serve_is_refused_before_its_rendezvous_starts(
 
 
 async def test_a_pipeline_over_zeromq_needs_no_backend_and_may_share_a_gpu() -> None:
-    runtime, config = await rendezvous(JobSpec(model="examples.models:residual_mlp", pipeline_stages=2),
+    runtime, config = await rendezvous(JobSpec.of(model="examples.models:residual_mlp", pipeline_stages=2),
                                        placed("cuda:0", "cuda:0"))
     assert config is None and runtime.spawned == []

@@ -1,8 +1,10 @@
-"""The job contract: JobSpec checks every argument at the call, derives each stage's config, and is the README's table."""
+"""The job contract: JobSpec checks every argument at the call, derives each stage's config, and is the docs' table."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import math
 import re
 import warnings
@@ -10,23 +12,37 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from actors import ActorRef, RecordError
 from stages import StageConfig
 from schedulers import Cluster, JobDescription, JobSpec, StepStats
-from schedulers.jobs import CODECS, SCHEDULE_NAMES, TRANSPORTS, argument_table, field_docs, stage_config
+from schedulers.jobs import (
+    CODECS,
+    FIELDS,
+    SCHEDULE_NAMES,
+    SECTIONS,
+    TRANSPORTS,
+    FaultTolerance,
+    MixedPrecision,
+    Parallelism,
+    Training,
+    argument_table,
+    field_docs,
+    stage_config,
+)
 from schedulers.schedules import SCHEDULES
 from transport.codecs import CODEC_NAMES
 
 pytestmark = pytest.mark.timeout(30)
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+REFERENCE = Path(__file__).resolve().parents[2] / "docs" / "jobspec.md"
 MODEL = "examples.models:residual_mlp"
 
 
 @pytest.mark.parametrize(("kwargs", "error", "message"), [
-    ({"pipeline_stages": True}, TypeError, "pipeline_stages must be an int, got bool True"),
-    ({"pipeline_stages": 0}, ValueError, "pipeline_stages must be an int >= 1, got 0"),
+    ({"pipeline_stages": True}, TypeError, "^parallelism.pipeline_stages must be an int, got bool True"),
+    ({"pipeline_stages": 0}, ValueError, "^parallelism.pipeline_stages must be an int >= 1, got 0"),
     ({"micro_batches": 2.0}, TypeError, "micro_batches must be an int, got float"),
     ({"schedule": "interleaved", "virtual_stages": 0}, ValueError, "virtual_stages must be an int >= 2, got 0"),
     ({"schedule": "interleaved", "virtual_stages": -1}, ValueError, "virtual_stages must be an int >= 2"),
@@ -69,6 +85,23 @@ MODEL = "examples.models:residual_mlp"
     ({"schedule": "Auto"}, ValueError, "did you mean 'auto'"),
     ({"learning_rate": 0.1}, TypeError, "train\\(\\) got an unknown argument 'learning_rate'"),
     ({"micro_batch": 4}, TypeError, "unknown argument 'micro_batch'; did you mean micro_batches\\?"),
+    ({"seed": -1}, ValueError, "^training.seed must be an int in"),
+    ({"step_timeout_s": 0}, ValueError, "^fault_tolerance.step_timeout_s must be"),
+    ({"loss_scale": -1.0}, ValueError, "^mixed_precision.loss_scale must be a finite number >= 0"),
+    ({"zero_stage": 4}, ValueError, "^optimization.zero_stage must be an int in \\[0, 3\\]"),
+    ({"bucket_bytes": 0}, ValueError, "^communication.bucket_bytes must be an int >= 1"),
+    ({"activation_checkpointing": 0}, ValueError, "^runtime.activation_checkpointing must be an int >= 1"),
+    ({"pipeline_stages": 3, "activation_codec": ["int8"]}, ValueError, "^communication.activation_codec lists 1"),
+    ({"w_batching": True, "gradient_accumulation_fusion": False}, ValueError,
+     "^parallelism.w_batching .* needs gradient_accumulation_fusion=True"),
+    ({"parallelism": {"pipeline_stages": 0}}, ValueError, "^parallelism.pipeline_stages must be an int >= 1"),
+    ({"parallelism": {"pipline_stages": 2}}, TypeError,
+     "unknown argument 'parallelism.pipline_stages'; did you mean parallelism.pipeline_stages\\?"),
+    ({"parallelism": {"seed": 2}}, TypeError, "unknown argument 'parallelism.seed'; seed belongs in training"),
+    ({"parallelism": 2}, TypeError, "parallelism must be a Parallelism or a dict of its fields, got int 2"),
+    ({"parallelism": {"micro_batches": 2}, "micro_batches": 4}, TypeError,
+     "got micro_batches both flat and in parallelism=\\{...\\}; give it once"),
+    ({"trainin": {}}, TypeError, "unknown argument 'trainin'; did you mean training\\?"),
 ])
 def test_every_argument_is_checked_for_type_and_range_with_its_name(
     kwargs: dict[str, Any], error: type[Exception], message: str
@@ -78,10 +111,11 @@ def test_every_argument_is_checked_for_type_and_range_with_its_name(
 
 
 def test_auto_takes_a_stash_limit_or_none_and_travels() -> None:
-    spec = JobSpec(model=MODEL, pipeline_stages=2, micro_batches=3, schedule="auto", max_stash_bytes=64 << 20)
-    assert (spec.schedule, spec.max_stash_bytes, spec.num_virtual_stages) == ("auto", 64 << 20, 1)
+    spec = JobSpec.of(model=MODEL, pipeline_stages=2, micro_batches=3, schedule="auto", max_stash_bytes=64 << 20)
+    p = spec.parallelism
+    assert (p.schedule, p.max_stash_bytes, p.num_virtual_stages) == ("auto", 64 << 20, 1)
     assert JobSpec.from_wire(spec.to_wire()) == spec
-    assert JobSpec(model=MODEL, schedule="auto").max_stash_bytes is None  # no limit
+    assert JobSpec.of(model=MODEL, schedule="auto").parallelism.max_stash_bytes is None  # no limit
 
 
 def test_a_spec_without_a_model_says_how_to_name_one() -> None:
@@ -89,12 +123,91 @@ def test_a_spec_without_a_model_says_how_to_name_one() -> None:
         JobSpec.from_kwargs({"pipeline_stages": 2})
 
 
-def test_old_spellings_still_work_with_a_deprecation_warning() -> None:
-    with pytest.warns(DeprecationWarning, match="train\\(num_microbatches=...\\) is deprecated; call it micro_batches"):
-        spec = JobSpec.from_kwargs({"model": MODEL, "num_microbatches": 4})
-    assert spec.micro_batches == 4
-    with pytest.raises(TypeError, match="both num_microbatches= and micro_batches="):
-        JobSpec.from_kwargs({"model": MODEL, "num_microbatches": 4, "micro_batches": 4})
+@pytest.mark.parametrize(("old", "new"), [("num_microbatches", "micro_batches"), ("threads", "threads_per_stage")])
+def test_an_old_spelling_is_an_error_that_names_the_new_one(old: str, new: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(TypeError, match=f"unknown argument '{old}'; did you mean {new}\\?"):
+            JobSpec.from_kwargs({"model": MODEL, old: 4})
+
+
+def test_flat_keywords_route_to_their_sections_and_sections_come_whole_or_as_dicts() -> None:
+    flat = JobSpec.of(model=MODEL, pipeline_stages=2, micro_batches=4, precision="bf16",
+                      step_timeout_s=30.0)
+    whole = JobSpec(training=Training(model=MODEL), parallelism=Parallelism(pipeline_stages=2, micro_batches=4),
+                    mixed_precision=MixedPrecision(precision="bf16"), fault_tolerance=FaultTolerance(step_timeout_s=30.0))
+    dicts = JobSpec.of(training={"model": MODEL}, parallelism={"pipeline_stages": 2, "micro_batches": 4},
+                       mixed_precision={"precision": "bf16"},
+                       step_timeout_s=30.0)
+    assert flat == whole == dicts
+    assert (flat.parallelism.micro_batches, flat.mixed_precision.precision, flat.get("step_timeout_s")) == (4, "bf16", 30.0)
+    # a flat field replaces the same field of a section given whole
+    assert JobSpec.of(model=MODEL, parallelism=Parallelism(pipeline_stages=2), micro_batches=2).parallelism == \
+        Parallelism(pipeline_stages=2, micro_batches=2)
+    assert set(FIELDS) == {f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls)}
+    assert len(FIELDS) == 43
+    with pytest.raises(TypeError, match="training must be a Training, got dict"):
+        JobSpec(training={"model": MODEL})  # type: ignore[arg-type]
+    with pytest.raises(KeyError, match="'micro_batch' is not a JobSpec field; did you mean micro_batches"):
+        flat.get("micro_batch")
+
+
+def plain_factory() -> None:
+    """A module-level function: a node imports it by tests.schedulers.test_jobs:plain_factory."""
+
+
+class PlainModel:
+    """A module-level class, by tests.schedulers.test_jobs:PlainModel."""
+
+
+def test_a_factory_is_its_path_or_the_function_or_class_itself() -> None:
+    spec = JobSpec.of(model=plain_factory, loss=torch.nn.functional.mse_loss, data=PlainModel,
+                      optimizer=(torch.optim.SGD, {"lr": 0.1}), lr_scheduler=torch.optim.lr_scheduler.StepLR)
+    assert spec.training.model == "tests.schedulers.test_jobs:plain_factory"
+    assert spec.training.loss == "torch.nn.functional:mse_loss"
+    assert spec.training.data == "tests.schedulers.test_jobs:PlainModel"
+    assert spec.optimization.optimizer == ("torch.optim.sgd:SGD", {"lr": 0.1})
+    assert spec.optimization.lr_scheduler == ("torch.optim.lr_scheduler:StepLR", {})
+    assert JobSpec.from_wire(spec.to_wire()) == spec  # paths on the wire, as the nodes import them
+    assert JobSpec.of(model=MODEL, optimizer=torch.optim.Adam).optimization.optimizer == ("torch.optim.adam:Adam", {})
+
+
+def _nested() -> Any:
+    def inner() -> None:
+        pass
+    return inner
+
+
+def _in_main() -> Any:
+    def factory() -> None:
+        pass
+    factory.__module__, factory.__qualname__ = "__main__", "factory"
+    return factory
+
+
+@pytest.mark.parametrize(("factory", "error", "message"), [
+    (lambda: None, ValueError, "training.model: a node imports a factory by its path, .* a lambda has no name"),
+    (_nested(), ValueError, "training.model: .* it is defined inside a function: move it to a module's top level"),
+    (_in_main(), ValueError, "training.model: .* it is defined in __main__"),
+    (functools.partial(plain_factory), TypeError, "training.model must be an import path .* or the function or class "
+                                                  "itself, got partial"),
+    (7, TypeError, "training.model must be an import path"),
+    (_nested, ValueError, "names '_nested', and nodes import public names only"),
+])
+def test_a_factory_no_node_could_import_by_its_path_is_refused_with_why(
+    factory: Any, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        JobSpec.of(model=factory)
+
+
+def test_an_object_whose_path_imports_something_else_is_refused() -> None:
+    def impostor() -> None:
+        pass
+    impostor.__qualname__ = "plain_factory"
+    impostor.__module__ = __name__
+    with pytest.raises(ValueError, match="tests.schedulers.test_jobs:plain_factory does not import it back"):
+        JobSpec.of(model=MODEL, loss=impostor)
 
 
 def test_the_literal_choices_are_the_ones_the_lower_layers_implement() -> None:
@@ -104,36 +217,46 @@ def test_the_literal_choices_are_the_ones_the_lower_layers_implement() -> None:
 
 
 def test_a_spec_travels_and_comes_back_equal_and_refuses_what_it_does_not_know() -> None:
-    spec = JobSpec(model=MODEL, pipeline_stages=2, micro_batches=4, gradient_codec=["int8"],
-                   optimizer=("torch.optim:Adam", {"lr": 1e-3}))
-    assert JobSpec.from_wire(spec.to_wire()) == spec
+    spec = JobSpec.of(model=MODEL, pipeline_stages=2, micro_batches=4, gradient_codec=["int8"],
+                      optimizer=("torch.optim:Adam", {"lr": 1e-3}))
+    wire = spec.to_wire()
+    assert list(wire) == list(SECTIONS) and wire["parallelism"]["micro_batches"] == 4
+    assert wire["optimization"]["optimizer"] == ["torch.optim:Adam", {"lr": 1e-3}]
+    assert JobSpec.from_wire(wire) == spec
     with pytest.raises(TypeError, match="unknown argument 'extra'"):
-        JobSpec.from_wire({**spec.to_wire(), "extra": 1})
+        JobSpec.from_wire({**wire, "extra": 1})
+    with pytest.raises(TypeError, match="unknown argument 'parallelism.extra'"):
+        JobSpec.from_wire({**wire, "parallelism": {**wire["parallelism"], "extra": 1}})
     with pytest.raises(TypeError, match="a job spec must be a mapping"):
         JobSpec.from_wire(["model", MODEL])
 
 
 def test_a_schedule_module_is_admitted_with_the_factories_but_actorpipes_own_needs_no_admission() -> None:
-    own = JobSpec(model=MODEL, lr_scheduler=("stages.state.lr:WarmupLR", {"warmup_num_steps": 10}))
+    own = JobSpec.of(model=MODEL, lr_scheduler=("stages.state.lr:WarmupLR", {"warmup_num_steps": 10}))
     assert own.factory_modules == ["examples.models", "torch.nn.functional", "torch.optim"]
-    theirs = JobSpec(model=MODEL, lr_scheduler=("mypkg.schedules:warmup", {}))
+    theirs = JobSpec.of(model=MODEL, lr_scheduler=("mypkg.schedules:warmup", {}))
     assert "mypkg.schedules" in theirs.factory_modules
     assert JobSpec.from_wire(own.to_wire()) == own
 
 
 def test_replace_checks_the_new_value() -> None:
-    spec = JobSpec(model=MODEL, pipeline_stages=2, micro_batches=4)
-    assert spec.replace(micro_batches=8).micro_batches == 8
-    with pytest.raises(ValueError, match="micro_batches must be an int >= 1"):
+    spec = JobSpec.of(model=MODEL, pipeline_stages=2, micro_batches=4)
+    assert spec.replace(micro_batches=8).parallelism == Parallelism(pipeline_stages=2, micro_batches=8)
+    assert spec.replace(parallelism={"micro_batches": 2}).parallelism == Parallelism(pipeline_stages=2, micro_batches=2)
+    assert spec.replace(parallelism=Parallelism(micro_batches=2)).parallelism == Parallelism(micro_batches=2)
+    assert spec.replace(seed=3).training == Training(model=MODEL, seed=3)
+    with pytest.raises(ValueError, match="parallelism.micro_batches must be an int >= 1"):
         spec.replace(micro_batches=0)
+    with pytest.raises(TypeError, match="replace\\(\\) got an unknown argument 'micro_batch'"):
+        spec.replace(micro_batch=2)
 
 
 @pytest.mark.parametrize(("spec", "rank", "expected"), [
-    (JobSpec(model=MODEL, pipeline_stages=2, micro_batches=4), 1,
+    (JobSpec.of(model=MODEL, pipeline_stages=2, micro_batches=4), 1,
      {"pipeline_rank": 1, "pipeline_stages": 2, "micro_batches": 4, "mesh": [2, 1, 1], "global_rank": 1}),
-    (JobSpec(model=MODEL, pipeline_stages=2, tensor_parallel=2, data_parallel=2, micro_batches=2), 5,
+    (JobSpec.of(model=MODEL, pipeline_stages=2, tensor_parallel=2, data_parallel=2, micro_batches=2), 5,
      {"pipeline_rank": 0, "pipeline_stages": 2, "mesh": [2, 2, 2], "global_rank": 5}),
-    (JobSpec(model=MODEL, pipeline_stages=2, schedule="interleaved", micro_batches=4, activation_codec="int8",
+    (JobSpec.of(model=MODEL, pipeline_stages=2, schedule="interleaved", micro_batches=4, activation_codec="int8",
              threads_per_stage=None), 0,
      {"activation_codec": ["int8"] * 3, "gradient_codec": ["none"] * 3, "threads_per_stage": None}),
 ])
@@ -145,17 +268,21 @@ def test_each_stage_config_is_derived_from_the_spec(spec: JobSpec, rank: int, ex
     assert StageConfig.from_wire(wire) == config
     shared = {"model", "model_kwargs", "loss", "seed", "data", "data_kwargs", "error_feedback", "measure_codec_error",
               "reduce_codec", "bucket_bytes", "transport", "gradient_accumulation_fusion", "keep_freed_memory"}
-    assert all(wire[name] == getattr(spec, name) for name in shared)
+    assert all(wire[name] == spec.get(name) for name in shared)
 
 
-def test_the_readme_table_is_the_specs_fields() -> None:
-    assert set(field_docs()) == set(JobSpec.__dataclass_fields__), "every field has a docstring under it"
-    text = README.read_text()
+def test_the_reference_table_is_the_specs_fields() -> None:
+    assert set(field_docs()) == set(FIELDS), "every field has a docstring under it"
+    assert set(field_docs(JobSpec)) == set(SECTIONS), "every section has a docstring under it"
+    text = REFERENCE.read_text()
     table = argument_table()
-    assert table in text, ("README.md's train() argument table differs from the spec; "
-                           "paste the output of `python -m schedulers.jobs` into it")
+    assert table in text, ("docs/jobspec.md's argument table differs from the spec; replace the whole "
+                           "table there with the output of `python -m schedulers.jobs`")
+    assert "\n\n" not in table, "one contiguous block"
+    sections = re.findall(r"^\| \*\*`(\w+)`\*\* \|", table, flags=re.M)
+    assert sections == list(SECTIONS)
     rows = re.findall(r"^\| `(\w+)` \|", table, flags=re.M)
-    assert rows == list(JobSpec.__dataclass_fields__)
+    assert rows == list(FIELDS)
 
 
 class _CountingRuntime:
@@ -189,7 +316,9 @@ async def test_a_bad_train_argument_raises_at_the_call_without_contacting_the_he
     with pytest.raises(error):
         await cluster.train(**kwargs)
     with pytest.raises(TypeError, match="a JobSpec or keyword arguments, not both"):
-        await cluster.train(JobSpec(model=MODEL), seed=1)
+        await cluster.train(JobSpec.of(model=MODEL), seed=1)
+    with pytest.raises(ValueError, match="a lambda has no name"):
+        await cluster.train(model=lambda: None)
     assert runtime.sent == []
 
 
@@ -204,7 +333,7 @@ def test_step_stats_carry_samples_per_s_and_refuse_unknown_keys() -> None:
 
 
 def test_a_job_description_rebuilds_its_nested_records() -> None:
-    spec = JobSpec(model=MODEL, pipeline_stages=2, micro_batches=2)
+    spec = JobSpec.of(model=MODEL, pipeline_stages=2, micro_batches=2)
     stats = StepStats(step=3, loss=1.0, step_time_s=0.5, bubble_fraction=0.1, bytes_sent=10)
     info = JobDescription(job="job0", spec=spec, bounds=[[0, 1], [1, 2]], nodes=["a", "b"], mesh=[2, 1, 1],
                           stages=[["tcp://x:1", "job0.rank0"], ["tcp://x:2", "job0.rank1"]], steps=4,

@@ -1,4 +1,4 @@
-"""Learning-rate schedules end to end (issue 16, point 3): every stage steps the job's schedule once per
+"""Learning-rate schedules end to end (see docs/precision.md): every stage steps the job's schedule once per
 applied step, StepStats reports the rate, checkpoints resume it, and a skipped step does not advance it.
 
 The package's shared LocalCluster of 4 nodes (tests/schedulers/conftest.py) serves the module;
@@ -8,6 +8,7 @@ the same schedule.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from pathlib import Path
 from typing import Any
@@ -84,7 +85,7 @@ async def test_a_schedule_on_every_stage_equals_one_process(cluster: Cluster, sc
     try:
         stats = [await job.step(x, y) for x, y in data]
         state = await job.state_dict()
-        detail = job_detail({**(await job.describe()).to_wire(), "last_stats": stats[-1].to_wire()})
+        detail = job_detail(dataclasses.replace(await job.describe(), last_stats=stats[-1]))
     finally:
         await job.close()
     assert [s.lr for s in stats] == want_rates

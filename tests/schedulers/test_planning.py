@@ -221,10 +221,10 @@ def test_with_a_measured_batched_w_every_schedule_is_a_candidate_with_and_withou
 
 
 def test_auto_probes_w_batching_between_the_warm_up_and_the_timed_step() -> None:
-    spec = JobSpec(model=MODEL, pipeline_stages=2, micro_batches=4, schedule="auto")
+    spec = JobSpec.of(model=MODEL, pipeline_stages=2, micro_batches=4, schedule="auto")
     auto = AutoSchedule(spec)
     assert probe_steps(spec) == PROBE_STEPS + 1 == 3
-    assert probe_steps(dataclasses.replace(spec, gradient_accumulation_fusion=False)) == PROBE_STEPS
+    assert probe_steps(spec.replace(gradient_accumulation_fusion=False)) == PROBE_STEPS
     ran = []
     for _ in range(2):
         ran.append(auto.running_w_batching(spec))
@@ -242,7 +242,8 @@ def test_auto_probes_w_batching_between_the_warm_up_and_the_timed_step() -> None
 
 
 def test_auto_measures_on_the_probe_schedule_then_runs_its_choice() -> None:
-    spec = JobSpec(model=MODEL, pipeline_stages=2, micro_batches=4, schedule="auto", gradient_accumulation_fusion=False)
+    spec = JobSpec.of(model=MODEL, pipeline_stages=2, micro_batches=4, schedule="auto",
+                      gradient_accumulation_fusion=False)
     auto = AutoSchedule(spec)
     assert auto.running(spec) == AUTO_PROBE and auto.measuring and probe_steps(spec) == 2
     assert auto.plan("job0", spec).state == "measuring"
@@ -258,12 +259,12 @@ def test_auto_measures_on_the_probe_schedule_then_runs_its_choice() -> None:
     plan = auto.plan("job0", spec)
     assert (plan.state, plan.chosen, plan.prediction_error) == ("planned", chosen.label, pytest.approx(1.0))
     assert plan.costs is not None and plan.costs.overhead_s == 0.25
-    auto.reset(dataclasses.replace(spec, micro_batches=8))  # a setting changed: measure again
+    auto.reset(spec.replace(micro_batches=8))  # a setting changed: measure again
     assert auto.measuring and auto.chosen is None
 
 
 def test_a_fixed_schedule_gets_advice_from_its_last_step() -> None:
-    spec = JobSpec(model=MODEL, pipeline_stages=2, micro_batches=4, schedule="gpipe")
+    spec = JobSpec.of(model=MODEL, pipeline_stages=2, micro_batches=4, schedule="gpipe")
     reports, step_time = simulated_reports("gpipe", TRUTH)
     plan = advise("job3", spec, reports, Mesh(pipeline=2), offsets=None, step_time_s=step_time, step=3)
     assert (plan.state, plan.running, plan.costs and plan.costs.step) == ("advice", "gpipe", 3)
@@ -296,7 +297,7 @@ async def train(cluster: Cluster, steps: list[tuple[torch.Tensor, torch.Tensor]]
 @pytest.mark.parametrize("options", [{"gradient_accumulation_fusion": False}, {}], ids=["plain", "fused"])
 @pytest.mark.multiprocess
 async def test_an_auto_job_trains_exactly_as_the_schedule_it_chose(cluster: Cluster, options: dict[str, Any]) -> None:
-    spec = JobSpec(model=MODEL, schedule="auto", **options)
+    spec = JobSpec.of(model=MODEL, schedule="auto", **options)
     probes = probe_steps(spec)
     steps = batches(probes + 2)
     stats, state, plan = await train(cluster, steps, schedule="auto", **options)
@@ -305,7 +306,7 @@ async def test_an_auto_job_trains_exactly_as_the_schedule_it_chose(cluster: Clus
     assert len(chosen) == 1 and chosen[0].label == plan.chosen and chosen[0].schedule == plan.running
     assert chosen[0] == next(c for c in plan.candidates if c.runnable and c.fits)  # the fastest it may run
     plain = {"gpipe", "1f1b", "zero_bubble"}
-    fused = spec.gradient_accumulation_fusion  # then each with W batching too (measured by a probe step)
+    fused = spec.runtime.gradient_accumulation_fusion  # then each with W batching too (measured by a probe step)
     assert {c.label for c in plan.candidates if c.runnable} == plain | ({f"{n} +wbatch" for n in plain} if fused
                                                                         else set())
     assert plan.costs is not None and (plan.costs.weight_grad_batched is not None) == fused
@@ -338,7 +339,7 @@ async def test_a_stash_limit_nothing_fits_fails_the_planning_step_with_nothing_a
                               schedule="auto", max_stash_bytes=1)
     try:
         assert (await job.plan()).state == "measuring"
-        probes = probe_steps(JobSpec(model=MODEL, schedule="auto"))
+        probes = probe_steps(JobSpec.of(model=MODEL, schedule="auto"))
         for _ in range(probes - 1):
             await job.step(x, y)  # the probe steps before the timed one are ordinary steps
         before = await job.state_dict()
@@ -368,7 +369,7 @@ async def test_set_schedule_auto_from_the_console_plans_a_running_job(cluster: C
         assert f"{job.id}: schedule 1f1b; from step 0's costs, auto would run" in out.getvalue()
         await execute(session, ["set", job.id, "schedule", "auto"])
         assert f"{job.id}: schedule=auto set" in out.getvalue()
-        probes = probe_steps(JobSpec(model=MODEL, schedule="auto"))
+        probes = probe_steps(JobSpec.of(model=MODEL, schedule="auto"))
         stats = [await job.step(x, y) for _ in range(probes + 1)]
         await execute(session, ["schedule", job.id])
         await execute(session, ["status", job.id])

@@ -1,4 +1,4 @@
-"""Mixed precision, fp16 loss scaling and global-norm clipping across the pipeline (issue 16, points 1-2).
+"""Mixed precision, fp16 loss scaling and global-norm clipping across the pipeline (see docs/precision.md).
 
 The reference for each is one process doing the same arithmetic: the same micro-batches
 in order, under the same autocast, with each stage boundary cast to the compute dtype
@@ -9,6 +9,7 @@ and clipped as ``GradScaler.unscale_`` and ``clip_grad_norm_`` would.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from typing import Any
 
@@ -145,10 +146,10 @@ async def test_an_fp16_overflow_on_one_stage_skips_the_step_on_every_stage(clust
         skipped = await job.step(*batches[1])
         after = await job.state_dict()
         last = await job.step(*batches[2])
-        description = (await job.describe()).to_wire()
+        description = await job.describe()
     finally:
         await job.close()
-    detail = "\n".join(job_detail({**description, "last_stats": last.to_wire()}))
+    detail = "\n".join(job_detail(dataclasses.replace(description, last_stats=last)))
     assert "loss scale 128 (1 steps skipped for overflow), precision fp16" in detail and "grad norm" in detail
     assert not first.skipped and skipped.skipped and not last.skipped
     assert any("0.weight" in what for what in skipped.nonfinite)

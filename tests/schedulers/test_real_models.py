@@ -1,4 +1,4 @@
-"""Models nobody here wrote go in unchanged (issue 15): Hugging Face GPT-2 and LLaMA split at
+"""Models nobody here wrote go in unchanged (see docs/models.md): Hugging Face GPT-2 and LLaMA split at
 named points, a CNN that flattens in forward, and a Sequential whose blocks pass dicts with
 an integer mask; each trains as one process does, and its state keeps the model's own names."""
 

@@ -76,7 +76,7 @@ async def test_a_killed_stage_moves_to_a_spare_and_training_is_bit_identical(sna
             assert stats.recovery["from_step"] == 3 - (3 % snapshot_every)
             assert stats.recovery["replayed"] == 3 % snapshot_every
             assert recovered_in < 20
-            detail = job_detail((await job.describe()).to_wire())  # what the console's status shows
+            detail = job_detail(await job.describe())  # what the console's status shows
             assert f"recovered before this step: {victim} -> spare0" in "\n".join(detail)
             losses += [stats.loss] + await run(job, range(4, 6), batches)
             assert losses == want_losses
@@ -156,7 +156,7 @@ async def kill_every_node(local: LocalCluster, cluster: Cluster, job: Job) -> No
 
 async def wait_for_state(cluster: Cluster, node: str, state: str) -> None:
     deadline = time.monotonic() + 20
-    while not any(n["name"] == node and n["state"] == state for n in await cluster.nodes()):
+    while not any(n.name == node and n.state == state for n in await cluster.nodes()):
         assert time.monotonic() < deadline, f"{node} never became {state}"
         await asyncio.sleep(0.05)
 
@@ -301,5 +301,6 @@ async def test_a_lost_zero1_replica_goes_back_to_the_checkpoint_not_to_another_r
 ])
 def test_where_a_lost_replicas_state_comes_from(zero_stage: int, pipeline: int, lost: list[int],
                                                 source: tuple[int, bool] | None) -> None:
-    job = SimpleNamespace(mesh=Mesh(pipeline=pipeline, data=2), spec=SimpleNamespace(zero_stage=zero_stage))
+    job = SimpleNamespace(mesh=Mesh(pipeline=pipeline, data=2),
+                          spec=SimpleNamespace(optimization=SimpleNamespace(zero_stage=zero_stage)))
     assert _snapshot_source(job, lost[0], lost) == source  # type: ignore[arg-type]

@@ -120,7 +120,7 @@ async def test_load_state_dict_save_and_load(cluster: Cluster, tmp_path: object)
             await job.load_state_dict({**other, wrong: torch.zeros(1, 1)})
         with pytest.raises(RemoteError, match=f"layer 3: missing \\['{re.escape(wrong)}'\\]"):
             await job.load_state_dict({k: v for k, v in other.items() if k != wrong})
-        # The stage that refused applied none of its layers (other stages' atomicity is issue 14's).
+        # The stage that refused applied none of its layers (what the other stages do then: docs/debugging.md).
         refusing = {str(i) for i in range(*job.bounds[1])}
         after = await job.state_dict()
         assert all(torch.equal(v, restored[k]) for k, v in after.items() if k.partition(".")[0] in refusing)
@@ -282,12 +282,12 @@ async def test_stages_answer_control_calls_while_they_compute(cluster: Cluster) 
     try:
         step = asyncio.ensure_future(job.step(torch.randn(8, 8), torch.randn(8, 8)))
         await asyncio.sleep(0.5)
-        stage0 = cluster.runtime.ref(*(await cluster.scheduler.ask("jobs"))[0]["stages"][0])
+        stage0 = cluster.runtime.ref(*(await cluster.jobs())[0].stages[0])
         started = time.monotonic()
         progress = await stage0.ask("progress", timeout=5)
         assert time.monotonic() - started < 0.25  # answered between two 0.3 s forwards
         assert progress["current"] is not None and not step.done()
-        assert all(n["state"] == "alive" for n in await cluster.nodes())
+        assert all(n.alive for n in await cluster.nodes())
         await step
     finally:
         await job.close()

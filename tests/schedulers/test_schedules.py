@@ -227,17 +227,16 @@ def test_main_splits_backward_on_request(capsys: pytest.CaptureFixture[str]) -> 
     assert "makespan: 26" in out and "bubble_fraction: 0.0769" in out
 
 
-def test_old_micro_batches_flag_still_works_with_a_deprecation_warning(
+def test_the_old_micro_batches_flag_is_an_error_that_names_the_new_one(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     argv = ["--schedule", "1f1b", "--stages", "2"]
     assert main([*argv, "--micro-batches", "8"]) == 0
-    new = capsys.readouterr()
-    assert new.err == ""
-    assert main([*argv, "--microbatches", "8"]) == 0
-    old = capsys.readouterr()
-    assert old.out == new.out
-    assert "--microbatches is deprecated; use --micro-batches" in old.err
+    assert capsys.readouterr().err == ""
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--microbatches", "8"])
+    assert exit_info.value.code == 2
+    assert "unrecognized arguments: --microbatches 8; did you mean --micro-batches?" in capsys.readouterr().err
 
 
 @pytest.mark.multiprocess

@@ -1,7 +1,8 @@
-"""Tied parameters stay tied across pipeline stages, and training equals one process (issue 15, point 3)."""
+"""Tied parameters stay tied across pipeline stages, and training equals one process (see docs/parallelism.md)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -42,12 +43,12 @@ async def test_tied_embeddings_split_across_stages_train_as_one_process(
     try:
         stats: list[Any] = [await job.step(x, y) for x, y in TIED["batches"]()]
         state = await job.state_dict()
-        description = (await job.describe()).to_wire()
+        description = await job.describe()
     finally:
         await job.close()
     assert stats[-1].tied == [PAIR]  # the step says which parameters it kept tied, and so does the console
-    assert f"tied across stages: {' = '.join(PAIR)}" in "\n".join(job_detail({**description, "last_stats":
-                                                                               stats[-1].to_wire()}))
+    assert f"tied across stages: {' = '.join(PAIR)}" in "\n".join(
+        job_detail(dataclasses.replace(description, last_stats=stats[-1])))
     # Both copies (first and last stage) took the same summed gradient: the same bits.
     assert torch.equal(state[PAIR[0]], state[PAIR[1]])
     assert list(state) == list(expected_state)

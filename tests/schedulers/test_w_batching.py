@@ -1,4 +1,4 @@
-"""W batching (issue 17, point 2): the weight-gradient GEMMs of a step's micro-batches run as one."""
+"""W batching (see docs/parallelism.md): the weight-gradient GEMMs of a step's micro-batches run as one."""
 
 from __future__ import annotations
 
@@ -71,4 +71,4 @@ def test_w_batching_needs_fused_weight_gradients() -> None:
     from schedulers.jobs import JobSpec
 
     with pytest.raises(ValueError, match="needs gradient_accumulation_fusion"):
-        JobSpec(model=GPT["model"], w_batching=True, gradient_accumulation_fusion=False)
+        JobSpec.of(model=GPT["model"], w_batching=True, gradient_accumulation_fusion=False)

@@ -1,4 +1,4 @@
-"""ZeRO-1 with the pipeline: sharded optimizer state trains exactly as unsharded (issue 16, point 5).
+"""ZeRO-1 with the pipeline: sharded optimizer state trains exactly as unsharded (see docs/parallelism.md).
 
 The package's shared LocalCluster of 4 nodes (tests/schedulers/conftest.py) serves the
 module; every job is 2 pipeline stages x 2 data-parallel replicas. "Exact" means the same bits as the same job with

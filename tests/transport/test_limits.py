@@ -1,6 +1,6 @@
 """Tests for what a hostile message may cost a receiver (transport/wire.py, transport/channel.py).
 
-The probe of issue 13 as tests: decode amplification and declared sizes refused before
+A security probe's findings as tests: decode amplification and declared sizes refused before
 any allocation, msgpack bodies that are cheap on the wire but costly to build refused
 fast, a message's size checked frame by frame as it arrives, and untrusted values
 quoted only as short escaped excerpts.

@@ -19,7 +19,7 @@ from schedulers.deepspeed.config import (
     resolve_batch_sizes,
     translate_config,
 )
-from schedulers.jobs import JobSpec
+from schedulers.jobs import JobSpec, MixedPrecision
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -27,6 +27,11 @@ EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "gpt_config.json"
 DS_CONFIGS = Path(__file__).resolve().parent / "ds_configs"
 
 MINIMAL: dict[str, Any] = {"train_batch_size": 8, "model": "examples.models:residual_mlp"}
+
+
+def fields_of(spec: JobSpec, *names: str) -> tuple[Any, ...]:
+    """The spec's fields by their flat names, whatever their sections."""
+    return tuple(spec.get(name) for name in names)
 
 
 def translate(config: dict[str, Any], **kwargs: Any) -> JobSpec:
@@ -105,10 +110,11 @@ def test_inconsistent_batch_sizes_name_the_key_and_the_expected_value(
 def test_auto_batch_sizes_are_resolved_from_the_others_and_the_mesh(
     batch: dict[str, Any], data_parallel: int, expected: tuple[int, int, int], resolved: dict[str, str]
 ) -> None:
-    config = {"model": "examples.models:residual_mlp", "mesh": {"data_parallel": data_parallel}, **batch,
-              "data": {"factory": "examples.data:regression_batches"}}
+    config = {"model": "examples.models:residual_mlp", "data_parallel": data_parallel, **batch,
+              "data": "examples.data:regression_batches"}
     result = translate_config(config)
-    assert (result.spec.data_kwargs["batch_size"], result.spec.micro_batches) == (expected[0], expected[2])
+    spec = result.spec
+    assert (spec.training.data_kwargs["batch_size"], spec.parallelism.micro_batches) == (expected[0], expected[2])
     notices = dict(line.split(": ", 1) for line in result.notices)
     for key, text in resolved.items():
         assert notices[key].startswith(text)
@@ -120,7 +126,7 @@ def test_an_auto_batch_size_nothing_resolves_says_which_keys_would() -> None:
     assert found == {"train_batch_size": (
         "\"auto\" cannot be resolved: give two of train_batch_size, train_micro_batch_size_per_gpu, "
         "gradient_accumulation_steps (in the job file, --job, or as arguments); \"auto\" is filled from them and "
-        "mesh.data_parallel (1)")}
+        "data_parallel (1)")}
 
 
 # -- the translation as a whole ------------------------------------------------------------------
@@ -130,43 +136,107 @@ def test_the_example_gpt_config_translates_to_a_valid_job() -> None:
     config = load_config(EXAMPLE)
     spec = config.spec
     assert isinstance(spec, JobSpec) and config.notices == ()
-    assert spec.model == "examples.models:gpt" and spec.loss == "examples.models:lm_loss"
-    assert spec.optimizer == ("torch.optim:AdamW", {"lr": 0.001})
-    assert spec.pipeline_stages == 2 and spec.schedule == "1f1b"
-    assert spec.micro_batches == 4  # gradient_accumulation_steps: the micro-batches of one step
-    assert spec.data == "examples.data:char_batches"
-    assert spec.data_kwargs["batch_size"] == 32  # train_batch_size, filled in for the factory
-    assert spec.partition_method == "parameters"
+    assert spec.training.model == "examples.models:gpt" and spec.training.loss == "examples.models:lm_loss"
+    assert spec.optimization.optimizer == ("torch.optim:AdamW", {"lr": 0.001})
+    assert spec.parallelism.pipeline_stages == 2 and spec.parallelism.schedule == "1f1b"
+    assert spec.parallelism.micro_batches == 4  # gradient_accumulation_steps: the micro-batches of one step
+    assert spec.training.data == "examples.data:char_batches"
+    assert spec.training.data_kwargs["batch_size"] == 32  # train_batch_size, filled in for the factory
+    assert spec.parallelism.partition_method == "parameters"
 
 
 def test_keys_the_file_leaves_out_take_the_specs_defaults() -> None:
     spec = translate(MINIMAL)
-    defaults = JobSpec(model="examples.models:residual_mlp")
-    assert spec.replace(micro_batches=defaults.micro_batches) == defaults
+    defaults = JobSpec.of(model="examples.models:residual_mlp")
+    assert spec.replace(micro_batches=defaults.parallelism.micro_batches) == defaults
 
 
 def test_everything_a_config_can_say_reaches_train() -> None:
     config = {
         "train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
         "optimizer": {"type": "adam", "params": {"lr": 0.01, "betas": [0.9, 0.95], "torch_adam": True}},
-        "pipeline": {"stages": 2, "schedule": "interleaved", "partition_method": "uniform", "virtual_stages": 2},
-        "model": {"factory": "examples.models:residual_mlp", "kwargs": {"blocks": 8}},
-        "loss": "torch.nn.functional:mse_loss",
-        "data": {"factory": "examples.data:regression_batches", "kwargs": {"dim": 512}},
-        "mesh": {"tensor_parallel": 1, "data_parallel": 2},
-        "codecs": {"activation": "int8", "gradient": ["int4", "fp16", "none"], "reduce": "int8",
-                   "error_feedback": True, "measure_error": False},
-        "transport": "zmq", "seed": 3, "threads_per_stage": 2, "step_timeout_s": 30,
+        "training": {"model": "examples.models:residual_mlp", "model_kwargs": {"blocks": 8},
+                     "loss": "torch.nn.functional:mse_loss",
+                     "data": "examples.data:regression_batches", "data_kwargs": {"dim": 512}, "seed": 3},
+        "parallelism": {"pipeline_stages": 2, "schedule": "interleaved", "partition_method": "uniform",
+                        "virtual_stages": 2, "tensor_parallel": 1, "data_parallel": 2},
+        "communication": {"activation_codec": "int8", "gradient_codec": ["int4", "fp16", "none"],
+                          "reduce_codec": "int8", "error_feedback": True, "measure_codec_error": False,
+                          "transport": "zmq", "overlap_reduce": False, "bucket_bytes": 1 << 20},
+        "runtime": {"threads_per_stage": 2, "keep_freed_memory": False},
+        "fault_tolerance": {"step_timeout_s": 30, "on_nonfinite": "skip"},
+        "mixed_precision": {"precision": "bf16"},
+        "w_batching": True,  # flat, beside the sections
     }
     spec = translate(config)
-    kwargs = spec.to_wire()
-    assert spec.optimizer == ("torch.optim:AdamW", {"lr": 0.01, "betas": [0.9, 0.95]})  # DeepSpeed's adam_w_mode
-    assert (kwargs["schedule"], kwargs["virtual_stages"], kwargs["partition_method"]) == ("interleaved", 2, "uniform")
-    assert (kwargs["data_parallel"], kwargs["micro_batches"], kwargs["data_kwargs"]["batch_size"]) == (2, 4, 16)
-    assert kwargs["gradient_codec"] == ["int4", "fp16", "none"] and kwargs["reduce_codec"] == "int8"
-    assert kwargs["error_feedback"] and not kwargs["measure_codec_error"]
-    assert (kwargs["seed"], kwargs["threads_per_stage"], kwargs["step_timeout_s"]) == (3, 2, 30.0)
-    assert JobSpec.from_wire(kwargs) == spec
+    p, c = spec.parallelism, spec.communication
+    assert spec.optimization.optimizer == ("torch.optim:AdamW", {"lr": 0.01, "betas": [0.9, 0.95]})  # adam_w_mode
+    assert (p.schedule, p.virtual_stages, p.partition_method, p.w_batching) == ("interleaved", 2, "uniform", True)
+    assert (p.data_parallel, p.micro_batches, spec.training.data_kwargs["batch_size"]) == (2, 4, 16)
+    assert c.gradient_codec == ["int4", "fp16", "none"] and c.reduce_codec == "int8"
+    assert c.error_feedback and not c.measure_codec_error and not c.overlap_reduce and c.bucket_bytes == 1 << 20
+    assert (spec.training.seed, spec.runtime.threads_per_stage, spec.fault_tolerance.step_timeout_s) == (3, 2, 30.0)
+    assert (spec.runtime.keep_freed_memory, spec.fault_tolerance.on_nonfinite) == (False, "skip")
+    assert spec.mixed_precision.precision == "bf16"
+    assert JobSpec.from_wire(spec.to_wire()) == spec
+
+
+def test_a_job_file_in_the_specs_own_flat_names_trains_what_it_says(tmp_path: Path) -> None:
+    """The case that trained one stage with the factory's default model: spec names in a job file are read."""
+    (tmp_path / "ds.json").write_text(json.dumps({"train_batch_size": 8, "gradient_accumulation_steps": 2}))
+    (tmp_path / "job.json").write_text(json.dumps({
+        "model": "examples.models:residual_mlp", "pipeline_stages": 2, "model_kwargs": {"blocks": 4, "dim": 8}}))
+    result = load_config(tmp_path / "ds.json", job=tmp_path / "job.json")
+    assert result.spec.parallelism.pipeline_stages == 2
+    assert result.spec.training.model_kwargs == {"blocks": 4, "dim": 8}
+    assert result.notices == ()
+    # the same in sections, and as the call takes it
+    sections = {"training": {"model": "examples.models:residual_mlp", "model_kwargs": {"blocks": 4, "dim": 8}},
+                "parallelism": {"pipeline_stages": 2}}
+    assert translate({"train_batch_size": 8, "gradient_accumulation_steps": 2}, job=sections) == result.spec
+    assert result.spec == JobSpec.of(model="examples.models:residual_mlp", model_kwargs={"blocks": 4, "dim": 8},
+                                     pipeline_stages=2, micro_batches=2)
+
+
+@pytest.mark.parametrize(("job", "key", "message"), [
+    ({"pipline_stages": 2}, "pipline_stages", "unknown key; did you mean pipeline_stages?"),
+    ({"mesh_shape": [2, 2]}, "mesh_shape", "unknown key; actorpipe's keys are the spec's sections and fields"),
+    ({"parallelism": {"pipeline_stage": 2}}, "parallelism.pipeline_stage", "did you mean parallelism.pipeline_stages"),
+    ({"parallelism": {"seed": 2}}, "parallelism.seed", "seed belongs in training"),
+    ({"parallelism": 2}, "parallelism", "expected an object of Parallelism fields"),
+    ({"pipeline": {"schedule": "gpipe"}}, "pipeline.schedule",
+     "not a key of DeepSpeed's pipeline block; actorpipe's is parallelism.schedule"),
+    ({"model": {"factory": "examples.models:gpt"}}, "training.model", "its keyword arguments go beside it"),
+    ({"data": {"factory": "examples.data:char_batches"}}, "training.data", "go beside it, as data_kwargs"),
+    ({"codecs": {"activation": "int8"}}, "codecs", "not a key any more: its keys are now "
+                                                   "communication.activation_codec"),
+    ({"seed": 1, "training": {"seed": 2}}, "seed", "given twice, flat and as training.seed; give it once"),
+])
+def test_actorpipes_keys_are_strict_and_name_the_nearest(job: dict[str, Any], key: str, message: str) -> None:
+    found = problems_of(MINIMAL, job=job)
+    assert key in found and message in found[key], found
+
+
+def test_the_job_files_former_blocks_are_refused_even_in_the_deepspeed_file_naming_what_replaced_them() -> None:
+    found = problems_of({**MINIMAL, "mesh": {"data_parallel": 2}})
+    assert found == {"mesh": "not a key any more: its keys are now parallelism.tensor_parallel and "
+                             "parallelism.data_parallel (or flat at the top)"}
+
+
+def test_an_unknown_key_in_the_deepspeed_file_is_a_notice_but_in_the_job_file_an_error() -> None:
+    notices = notices_of({**MINIMAL, "cuda_visible_devices": "0"})
+    assert "not a DeepSpeed or actorpipe key: ignored" in notices["cuda_visible_devices"]
+    assert "cuda_visible_devices" in problems_of(MINIMAL, job={"cuda_visible_devices": "0"})
+    assert "cuda_visible_devices" in problems_of(MINIMAL, cuda_visible_devices="0")
+
+
+def test_a_name_both_deepspeed_and_the_spec_use_is_deepspeeds_block_as_an_object_and_the_field_otherwise() -> None:
+    spec = translate({**MINIMAL, "optimizer": ["torch.optim:Adam", {"lr": 0.1}], "tensor_parallel": 1,
+                      "activation_checkpointing": 2})
+    assert (spec.optimization.optimizer, spec.runtime.activation_checkpointing) == (("torch.optim:Adam", {"lr": 0.1}), 2)
+    spec = translate({**MINIMAL, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                      "tensor_parallel": {"autotp_size": 1}, "activation_checkpointing": {}})
+    assert (spec.optimization.optimizer, spec.runtime.activation_checkpointing) == (("torch.optim:SGD", {"lr": 0.1}), True)
 
 
 def test_everything_deepspeed_can_say_reaches_the_spec() -> None:
@@ -180,24 +250,25 @@ def test_everything_deepspeed_can_say_reaches_the_spec() -> None:
         "communication_data_type": "bf16", "tensor_parallel": {"autotp_size": 2},
     }
     spec = translate(config)
-    assert (spec.precision, spec.loss_scale, spec.initial_scale_power, spec.loss_scale_window, spec.hysteresis,
-            spec.min_loss_scale) == ("fp16", 128.0, 8, 50, 3, 0.5)
-    assert (spec.gradient_clipping, spec.zero_stage, spec.activation_checkpointing) == (0.5, 1, 2)
-    assert spec.lr_scheduler == ("stages.state.lr:WarmupLR", {"warmup_num_steps": 10})
-    assert (spec.partition_method, spec.reduce_codec, spec.tensor_parallel) == ("type:Linear", "bf16", 2)
+    assert spec.mixed_precision == MixedPrecision(precision="fp16", loss_scale=128.0, initial_scale_power=8,
+                                                  loss_scale_window=50, hysteresis=3, min_loss_scale=0.5)
+    assert fields_of(spec, "gradient_clipping", "zero_stage", "activation_checkpointing") == (0.5, 1, 2)
+    assert spec.optimization.lr_scheduler == ("stages.state.lr:WarmupLR", {"warmup_num_steps": 10})
+    assert fields_of(spec, "partition_method", "reduce_codec", "tensor_parallel") == ("type:Linear", "bf16", 2)
 
 
 def test_bf16_skips_a_step_with_an_overflow_as_deepspeed_does() -> None:
-    assert translate({**MINIMAL, "bf16": {"enabled": True}}).on_nonfinite == "skip"
+    assert translate({**MINIMAL, "bf16": {"enabled": True}}).fault_tolerance.on_nonfinite == "skip"
     result = translate_config({**MINIMAL, "bfloat16": {"enabled": True, "check_grad_overflow": False}})
-    assert (result.spec.precision, result.spec.on_nonfinite) == ("bf16", "raise")
+    assert (result.spec.mixed_precision.precision, result.spec.fault_tolerance.on_nonfinite) == ("bf16", "raise")
     assert "bfloat16: the old name of bf16: read as bf16" in result.notices
 
 
 @pytest.mark.parametrize("autocast", [{"enabled": True, "dtype": "torch.bfloat16"}, {"enabled": True}])
 def test_torch_autocast_is_the_precision(autocast: dict[str, Any]) -> None:
-    assert translate({**MINIMAL, "torch_autocast": autocast}).precision == "bf16"
-    assert translate({**MINIMAL, "torch_autocast": {"enabled": True, "dtype": "fp16"}}).precision == "fp16"
+    assert translate({**MINIMAL, "torch_autocast": autocast}).mixed_precision.precision == "bf16"
+    fp16 = translate({**MINIMAL, "torch_autocast": {"enabled": True, "dtype": "fp16"}})
+    assert fp16.mixed_precision.precision == "fp16"
 
 
 # -- hjson, two files, arguments ---------------------------------------------------------------------
@@ -216,7 +287,7 @@ def test_files_are_read_as_deepspeed_reads_them_hjson(tmp_path: Path) -> None:
           "fp16": {"enabled": false,},
         }
     """)
-    assert load_config(path).spec.optimizer == ("torch.optim:SGD", {"lr": 0.1})
+    assert load_config(path).spec.optimization.optimizer == ("torch.optim:SGD", {"lr": 0.1})
 
 
 @pytest.mark.parametrize(("text", "message"), [
@@ -242,8 +313,8 @@ def test_a_huge_file_is_refused_before_it_is_parsed(tmp_path: Path) -> None:
 def test_two_files_make_the_same_job_as_one(tmp_path: Path) -> None:
     ds = {"train_batch_size": 16, "gradient_accumulation_steps": 4, "gradient_clipping": 1.0,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "fp16": {"enabled": True}}
-    job = {"model": {"factory": "examples.models:residual_mlp", "kwargs": {"blocks": 4}},
-           "pipeline": {"stages": 2}, "data": "examples.data:regression_batches"}
+    job = {"model": "examples.models:residual_mlp", "model_kwargs": {"blocks": 4},
+           "parallelism": {"pipeline_stages": 2}, "data": "examples.data:regression_batches"}
     (tmp_path / "ds.json").write_text(json.dumps(ds))
     (tmp_path / "job.json").write_text(json.dumps(job))
     one = translate({**ds, **job})
@@ -258,27 +329,27 @@ def test_the_job_part_and_arguments_merge_over_the_file_with_a_notice() -> None:
     ds = {"train_batch_size": 16, "pipeline": {"stages": 4, "partition": "uniform"},
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}}}
     job = {"model": "examples.models:residual_mlp", "pipeline": {"stages": 2}, "optimizer": {"params": {"lr": 3e-4}}}
-    result = translate_config(ds, job=job, model={"kwargs": {"blocks": 4}}, seed=7)
+    result = translate_config(ds, job=job, model_kwargs={"blocks": 4}, training={"seed": 7})
     spec = result.spec
-    assert (spec.pipeline_stages, spec.partition_method, spec.seed) == (2, "uniform", 7)
-    assert spec.optimizer == ("torch.optim:AdamW", {"lr": 3e-4, "weight_decay": 0.1})
-    assert spec.model_kwargs == {"blocks": 4}
+    assert fields_of(spec, "pipeline_stages", "partition_method", "seed") == (2, "uniform", 7)
+    assert spec.optimization.optimizer == ("torch.optim:AdamW", {"lr": 3e-4, "weight_decay": 0.1})
+    assert spec.training.model_kwargs == {"blocks": 4}
     assert "pipeline.stages: 2 from the job config replaces 4 from the config" in result.notices
     assert "optimizer.params.lr: 0.0003 from the job config replaces 0.001 from the config" in result.notices
     # an optimizer of another type replaces the whole block: its params belong to the type
     other = translate(ds, job={**job, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
-    assert other.optimizer == ("torch.optim:SGD", {"lr": 0.1})
+    assert other.optimization.optimizer == ("torch.optim:SGD", {"lr": 0.1})
 
 
 def test_a_job_file_resolves_the_autos_of_a_hugging_face_style_config() -> None:
     result = load_config(DS_CONFIGS / "hf_trainer_zero1.json", job=DS_CONFIGS / "hf_trainer_job.json")
     spec = result.spec
-    assert (spec.micro_batches, spec.data_parallel, spec.data_kwargs["batch_size"]) == (2, 2, 16)
-    assert spec.optimizer == ("torch.optim:AdamW", {"lr": 3e-4, "betas": [0.9, 0.999], "eps": 1e-8,
+    assert fields_of(spec, "micro_batches", "data_parallel") == (2, 2) and spec.training.data_kwargs["batch_size"] == 16
+    assert spec.optimization.optimizer == ("torch.optim:AdamW", {"lr": 3e-4, "betas": [0.9, 0.999], "eps": 1e-8,
                                                     "weight_decay": 0.0})
-    assert spec.lr_scheduler == ("stages.state.lr:WarmupDecayLR", {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-4,
-                                                             "warmup_num_steps": 50, "total_num_steps": 1000})
-    assert (spec.precision, spec.gradient_clipping, spec.zero_stage) == ("fp16", 1.0, 1)
+    assert spec.optimization.lr_scheduler == ("stages.state.lr:WarmupDecayLR", {
+        "warmup_min_lr": 0.0, "warmup_max_lr": 3e-4, "warmup_num_steps": 50, "total_num_steps": 1000})
+    assert fields_of(spec, "precision", "gradient_clipping", "zero_stage") == ("fp16", 1.0, 1)
     notices = dict(line.split(": ", 1) for line in result.notices)
     assert notices["gradient_clipping"].startswith("\"auto\" is 1.0, the Hugging Face Trainer's default")
     assert notices["bf16.enabled"].startswith("\"auto\" is false")
@@ -298,18 +369,19 @@ def test_deepspeed_examples_style_configs_run_without_edits(ds: str) -> None:
     result = load_config(DS_CONFIGS / ds, job=DS_CONFIGS / "gpt2_job.json")
     assert (DS_CONFIGS / ds).read_bytes() == before
     spec = result.spec
-    assert isinstance(spec, JobSpec) and spec.model == "examples.models:gpt" and spec.pipeline_stages == 2
+    assert isinstance(spec, JobSpec) and fields_of(spec, "model", "pipeline_stages") == ("examples.models:gpt", 2)
     if ds == "gpt2_fp16_zero1.json":
-        assert spec.optimizer == ("torch.optim:AdamW", {"lr": 1.5e-4, "betas": [0.9, 0.95], "eps": 1e-8,
+        assert spec.optimization.optimizer == ("torch.optim:AdamW", {"lr": 1.5e-4, "betas": [0.9, 0.95], "eps": 1e-8,
                                                         "weight_decay": 0.01})
-        assert spec.lr_scheduler == ("stages.state.lr:WarmupLR", {"warmup_min_lr": 0, "warmup_max_lr": 1.5e-4,
+        assert spec.optimization.lr_scheduler == ("stages.state.lr:WarmupLR", {"warmup_min_lr": 0,
+                                                                            "warmup_max_lr": 1.5e-4,
                                                             "warmup_num_steps": 100, "warmup_type": "linear"})
-        assert (spec.precision, spec.loss_scale, spec.initial_scale_power, spec.loss_scale_window) == \
+        assert fields_of(spec, "precision", "loss_scale", "initial_scale_power", "loss_scale_window") == \
             ("fp16", 0.0, 12, 500)
-        assert (spec.gradient_clipping, spec.zero_stage, spec.activation_checkpointing) == (1.0, 1, True)
-        assert (spec.micro_batches, spec.data_kwargs["batch_size"]) == (8, 32)
+        assert fields_of(spec, "gradient_clipping", "zero_stage", "activation_checkpointing") == (1.0, 1, True)
+        assert (spec.parallelism.micro_batches, spec.training.data_kwargs["batch_size"]) == (8, 32)
     else:
-        assert (spec.partition_method, spec.activation_checkpointing, spec.micro_batches) == ("type:Linear", 1, 32)
+        assert fields_of(spec, "partition_method", "activation_checkpointing", "micro_batches") == ("type:Linear", 1, 32)
         assert "cuda_visible_devices: not a DeepSpeed or actorpipe key: ignored" in "\n".join(result.notices)
     assert JobSpec.from_wire(spec.to_wire()) == spec
 
@@ -334,7 +406,7 @@ def test_deepspeed_examples_style_configs_run_without_edits(ds: str) -> None:
     ({"type": "mypkg.optim:Lamb", "params": {"lr": 0.1, "anything": 1}}, ("mypkg.optim:Lamb", {"lr": 0.1, "anything": 1})),
 ])
 def test_optimizer_types_mean_what_they_mean_to_deepspeed(optimizer: dict[str, Any], expected: tuple[str, Any]) -> None:
-    assert translate({**MINIMAL, "optimizer": optimizer}).optimizer == expected
+    assert translate({**MINIMAL, "optimizer": optimizer}).optimization.optimizer == expected
 
 
 @pytest.mark.parametrize(("kind", "why"), [
@@ -371,7 +443,7 @@ def test_optimizer_params_are_checked_against_the_class_before_submit(params: di
 def test_auto_optimizer_params_other_than_the_learning_rate_are_the_trainers_defaults() -> None:
     result = translate_config({**MINIMAL, "optimizer": {"type": "AdamW", "params": {
         "lr": 1e-3, "betas": "auto", "eps": "auto", "weight_decay": "auto"}}})
-    assert result.spec.optimizer == ("torch.optim:AdamW", {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8,
+    assert result.spec.optimization.optimizer == ("torch.optim:AdamW", {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8,
                                                            "weight_decay": 0.0})
     assert sum("the Hugging Face Trainer's default" in line for line in result.notices) == 3
 
@@ -400,7 +472,7 @@ def test_auto_optimizer_params_other_than_the_learning_rate_are_the_trainers_def
 ])
 def test_scheduler_types_take_deepspeeds_params_unchanged(scheduler: dict[str, Any], expected: tuple[str, Any]) -> None:
     config = {**MINIMAL, "optimizer": {"type": "SGD", "params": {"lr": 0.05}}, "scheduler": scheduler}
-    assert translate(config).lr_scheduler == expected
+    assert translate(config).optimization.lr_scheduler == expected
 
 
 @pytest.mark.parametrize(("scheduler", "key", "message"), [
@@ -426,7 +498,7 @@ def test_a_wrong_schedule_is_refused_naming_the_key(scheduler: dict[str, Any], k
 
 def test_an_unknown_warmup_type_falls_back_to_log_as_in_deepspeed() -> None:
     result = translate_config({**MINIMAL, "scheduler": {"type": "WarmupLR", "params": {"warmup_type": "cosine"}}})
-    assert result.spec.lr_scheduler == ("stages.state.lr:WarmupLR", {"warmup_type": "log"})
+    assert result.spec.optimization.lr_scheduler == ("stages.state.lr:WarmupLR", {"warmup_type": "log"})
     assert "DeepSpeed falls back to log" in "\n".join(result.notices)
 
 
@@ -510,18 +582,19 @@ def test_deepspeed_sub_keys_are_honoured_or_say_what_happens_instead(block: dict
 
 
 def test_a_config_can_let_the_job_choose_its_schedule_within_a_stash_limit() -> None:
-    spec = translate({**MINIMAL, "pipeline": {"stages": 2, "schedule": "auto", "max_stash_bytes": 1 << 28}})
-    assert (spec.schedule, spec.max_stash_bytes) == ("auto", 1 << 28)
-    assert "pipeline.max_stash_bytes" in problems_of({**MINIMAL, "pipeline": {"schedule": "auto",
-                                                                              "max_stash_bytes": 0}})
+    spec = translate({**MINIMAL, "pipeline": {"stages": 2}, "schedule": "auto", "max_stash_bytes": 1 << 28})
+    assert (spec.parallelism.schedule, spec.parallelism.max_stash_bytes) == ("auto", 1 << 28)
+    assert "parallelism.max_stash_bytes" in problems_of({**MINIMAL, "parallelism": {"schedule": "auto",
+                                                                                    "max_stash_bytes": 0}})
 
 
 def test_activation_checkpointing_is_an_interval_or_every_layer() -> None:
-    assert translate({**MINIMAL, "pipeline": {"activation_checkpoint_interval": 3}}).activation_checkpointing == 3
-    assert translate({**MINIMAL, "pipeline": {"activation_checkpoint_interval": 0}}).activation_checkpointing is False
-    assert translate({**MINIMAL, "activation_checkpointing": {}}).activation_checkpointing is True
+    every = {n: translate({**MINIMAL, "pipeline": {"activation_checkpoint_interval": n}}) for n in (3, 0)}
+    assert every[3].runtime.activation_checkpointing == 3
+    assert every[0].runtime.activation_checkpointing is False
+    assert translate({**MINIMAL, "activation_checkpointing": {}}).runtime.activation_checkpointing is True
     off = translate_config({**MINIMAL, "activation_checkpointing": {}, "pipeline": {"activation_checkpoint_interval": 0}})
-    assert off.spec.activation_checkpointing is False
+    assert off.spec.runtime.activation_checkpointing is False
     assert "activation_checkpointing: checkpointing is off" in off.notices[0]
 
 
@@ -548,10 +621,10 @@ def test_activation_checkpointing_is_an_interval_or_every_layer() -> None:
     ({"gradient_allreduce_op": "sum"}, "gradient_allreduce_op", "replicas average their gradients"),
     ({"communication_data_type": "int8"}, "communication_data_type", "expected fp32, fp16 or bf16"),
     ({"sequence_parallel_size": 2}, "sequence_parallel_size", "sequence parallelism is not built here"),
-    ({"tensor_parallel": {"autotp_size": 2}, "mesh": {"tensor_parallel": 4}}, "tensor_parallel.autotp_size",
-     "says tensor_parallel=2, but mesh.tensor_parallel says 4"),
-    ({"pipeline": {"partition": "parameters", "partition_method": "uniform"}}, "pipeline.partition",
-     "says partition_method='parameters', but pipeline.partition_method says 'uniform'"),
+    ({"tensor_parallel": {"autotp_size": 2}, "parallelism": {"tensor_parallel": 4}}, "tensor_parallel.autotp_size",
+     "says tensor_parallel=2, but parallelism.tensor_parallel says 4"),
+    ({"pipeline": {"partition": "parameters"}, "partition_method": "uniform"}, "pipeline.partition",
+     "says partition_method='parameters', but parallelism.partition_method says 'uniform'"),
     ({"pipeline": {"activation_checkpoint_interval": -1}}, "pipeline.activation_checkpoint_interval", ">= 0"),
     ({"activation_checkpointing": {"partition_activation": True}}, "activation_checkpointing.partition_activation",
      "did you mean activation_checkpointing.partition_activations?"),
@@ -559,23 +632,25 @@ def test_activation_checkpointing_is_an_interval_or_every_layer() -> None:
     ({"optimiser": {"type": "SGD"}}, "optimiser", "unknown key; did you mean optimizer?"),
     ({"managed_gradient_accumulation": False}, "managed_gradient_accumulation", "false is not available"),
     ({"optimizer": {"type": "torch.optim:Adamm"}}, "optimizer.type", "torch.optim has no class 'Adamm'"),
-    ({"pipeline": {"stages": 2, "shedule": "1f1b"}}, "pipeline.shedule", "did you mean pipeline.schedule"),
-    ({"pipeline": {"schedule": "2f2b"}}, "pipeline.schedule", "expected one of gpipe, 1f1b"),
-    ({"pipeline": {"partition_method": "typo:Linear"}}, "pipeline.partition_method", "parameters, uniform"),
-    ({"pipeline": {"partition_method": "type:("}}, "pipeline.partition_method", "not a regular expression"),
-    ({"pipeline": {"split_points": "transformer.h.2"}}, "pipeline.split_points", "a list of module names"),
+    ({"pipeline": {"stages": 2, "seed_layer": True}}, "pipeline.seed_layer", "did you mean pipeline.seed_layers"),
+    ({"parallelism": {"shedule": "1f1b"}}, "parallelism.shedule", "did you mean parallelism.schedule"),
+    ({"schedule": "2f2b"}, "parallelism.schedule", "expected one of gpipe, 1f1b"),
+    ({"partition_method": "typo:Linear"}, "parallelism.partition_method", "parameters, uniform"),
+    ({"parallelism": {"partition_method": "type:("}}, "parallelism.partition_method", "not a regular expression"),
+    ({"split_points": "transformer.h.2"}, "parallelism.split_points", "a list of module names"),
     ({"pipeline": {"stages": 0}}, "pipeline.stages", "expected an integer >= 1, got 0"),
     ({"optimizer": {"type": "Lio"}}, "optimizer.type", "unknown optimizer 'Lio'"),
     ({"optimizer": {"type": "SGD", "param": {}}}, "optimizer.param", "did you mean optimizer.params"),
-    ({"codecs": {"activation": "int9"}}, "codecs.activation", "expected a codec name"),
-    ({"model": {"kwargs": {}}}, "model.factory", "expected an import path"),
-    ({"data": {"factory": "examples.data:char_batches", "kwargs": {"batch_size": 4}}},
-     "data.kwargs.batch_size", "expected 8 (train_batch_size"),
-    ({"step_timeout_s": -1}, "step_timeout_s", "> 0"),
-    ({"transport": "carrier-pigeon"}, "transport", "expected one of zmq, dist"),
-    ({"seed": "0"}, "seed", "expected an integer"),
-    ({"pipeline": {"stages": 2}, "codecs": {"gradient": ["int8", "int8"]}}, "codecs.gradient",
-     "gradient_codec lists 2 codecs but the pipeline has 1 stage boundaries"),
+    ({"activation_codec": "int9"}, "communication.activation_codec", "expected a codec name"),
+    ({"model": "examples.models"}, "training.model", "expected an import path"),
+    ({"data": "examples.data:char_batches", "data_kwargs": {"batch_size": 4}},
+     "training.data_kwargs.batch_size", "expected 8 (train_batch_size"),
+    ({"step_timeout_s": -1}, "fault_tolerance.step_timeout_s", "> 0"),
+    ({"communication": {"transport": "carrier-pigeon"}}, "communication.transport", "expected one of zmq, dist"),
+    ({"seed": "0"}, "training.seed", "expected an integer"),
+    ({"max_restarts": -1}, "fault_tolerance.max_restarts", "must be an int >= 0"),
+    ({"pipeline": {"stages": 2}, "communication": {"gradient_codec": ["int8", "int8"]}},
+     "communication.gradient_codec", "gradient_codec lists 2 codecs but the pipeline has 1 stage boundaries"),
 ])
 def test_a_wrong_key_or_value_is_an_error_that_names_it(change: dict[str, Any], key: str, message: str) -> None:
     with pytest.raises(ConfigError) as info:
@@ -609,32 +684,28 @@ def test_a_missing_model_is_named() -> None:
 
 
 def test_deepspeeds_type_partition_and_split_points_reach_the_spec() -> None:
-    spec = translate({**MINIMAL, "pipeline": {"stages": 2, "partition_method": "type:Linear"}})
-    assert spec.partition_method == "type:Linear"
-    spec = translate({**MINIMAL, "model": {"factory": "examples.hf:gpt2"},
-                      "data": {"factory": "examples.data:char_batches", "kwargs": {"batch_size": 8}},
-                      "pipeline": {"stages": 2, "split_points": ["transformer.h.2"]}})
-    assert isinstance(spec, JobSpec) and spec.split_points == ["transformer.h.2"]
+    spec = translate({**MINIMAL, "pipeline": {"stages": 2, "partition": "type:Linear"}})
+    assert spec.parallelism.partition_method == "type:Linear"
+    spec = translate({**MINIMAL, "model": "examples.hf:gpt2",
+                      "data": "examples.data:char_batches", "data_kwargs": {"batch_size": 8},
+                      "pipeline": {"stages": 2}, "split_points": ["transformer.h.2"]})
+    assert isinstance(spec, JobSpec) and spec.parallelism.split_points == ["transformer.h.2"]
 
 
-def test_the_old_return_value_still_answers_with_a_deprecation_warning(tmp_path: Path) -> None:
+def test_the_result_is_a_translated_config_with_no_spec_fields_of_its_own(tmp_path: Path) -> None:
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps(MINIMAL))
     config = load_config(path)
     assert isinstance(config, TranslatedConfig)
-    with pytest.warns(DeprecationWarning, match="use its .spec"):
-        assert config.model == "examples.models:residual_mlp"  # type: ignore[attr-defined]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert config.spec.model == "examples.models:residual_mlp"
-    with pytest.raises(AttributeError), pytest.warns(DeprecationWarning):
-        config.no_such_field  # type: ignore[attr-defined]  # noqa: B018
+    assert config.spec.training.model == "examples.models:residual_mlp"
+    with pytest.raises(AttributeError):
+        config.model  # type: ignore[attr-defined]  # noqa: B018
 
 
 def test_the_data_factory_is_checked_even_when_the_batch_sizes_are_wrong() -> None:
     found = problems_of({"model": "examples.models:residual_mlp", "train_batch_size": 30,
-                         "train_micro_batch_size_per_gpu": 8, "data": {"factory": "examples.data"}})
-    assert list(found) == ["train_batch_size", "data.factory"]
+                         "train_micro_batch_size_per_gpu": 8, "data": "examples.data"})
+    assert sorted(found) == ["train_batch_size", "training.data"]
 
 
 def test_a_job_that_is_neither_a_path_nor_keys_is_a_type_error(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""Any nn.Module split at named points (issue 15, point 1): routing, tied copies, names, and refusals."""
+"""Any nn.Module split at named points (see docs/models.md): routing, tied copies, names, and refusals."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.multiprocess
 
 ROOT = Path(__file__).resolve().parents[3]
 
-# One reference block's forward and backward on a micro-batch (DESIGN.md), in a fresh
+# One reference block's forward and backward on a micro-batch (docs/design.md), in a fresh
 # process; prints the minor page faults of each of the 12 iterations after 6 warm-up ones.
 PROBE = textwrap.dedent("""
     import resource, sys, torch

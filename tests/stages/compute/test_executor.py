@@ -377,7 +377,7 @@ async def test_each_rank_runs_its_program_in_order_with_the_scheduled_stash(case
     assert pipeline.reduces == [2] * case.num_ranks
 
 
-# README's table: 4 stages x 8 micro-batches, backward unsplit (the CLI's default).
+# docs/parallelism.md's table: 4 stages x 8 micro-batches, backward unsplit (the CLI's default).
 README_STASH = """
 gpipe        8 8 8 8
 1f1b         4 3 2 1

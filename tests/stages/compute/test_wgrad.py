@@ -112,7 +112,7 @@ def test_deferring_does_not_nest() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fused_weight_gradients_stay_on_under_cpu_autocast_and_match_autocasts_own(dtype: torch.dtype) -> None:
-    """Issue 16: ``torch.is_autocast_enabled()`` without a device type asks about CUDA, so CPU
+    """Mixed precision: ``torch.is_autocast_enabled()`` without a device type asks about CUDA, so CPU
     autocast used to mix a bf16 input with the float32 weight at the first backward
     (``expected m1 and m2 to have the same dtype``). Now the taken-over linears compute as
     autocast's own linear does, and their weight GEMMs can still be deferred."""

@@ -1,0 +1,357 @@
+"""The sections of a :class:`~schedulers.jobs.JobSpec`, one frozen dataclass per concern.
+
+Each section checks its own fields when it is made, and names a field in an error as
+``section.field``; what must fit across sections (codecs per stage boundary, ZeRO with
+pipeline stages, ...) is checked by the spec. Every field name is unique across the
+sections, so a flat keyword routes to one (:data:`FIELDS`). The docstring under each
+field is its documentation: the argument table is generated from them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, Literal, get_args
+
+from stages import Mesh, split_batch
+from schedulers._spec_checks import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_kwargs,
+    check_number,
+    check_partition_method,
+    check_seconds,
+    factory_path,
+    path_and_kwargs,
+    show,
+)
+from schedulers.schedules import build_schedule
+
+__all__ = [
+    "AUTO_PROBE",
+    "CODECS",
+    "FIELDS",
+    "NONFINITE_ACTIONS",
+    "PARTITION_METHODS",
+    "PRECISIONS",
+    "SCHEDULE_NAMES",
+    "SECTIONS",
+    "TRANSPORTS",
+    "CodecName",
+    "Communication",
+    "FaultTolerance",
+    "MixedPrecision",
+    "NonFiniteAction",
+    "Optimization",
+    "Parallelism",
+    "PartitionMethod",
+    "Precision",
+    "Runtime",
+    "ScheduleName",
+    "Training",
+    "TransportName",
+]
+
+ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zero_bubble", "auto"]
+TransportName = Literal["zmq", "dist"]
+PartitionMethod = Literal["parameters", "uniform", "profile"]
+CodecName = Literal["none", "fp16", "bf16", "int8", "fp8", "int4"]
+NonFiniteAction = Literal["raise", "skip"]
+Precision = Literal["fp32", "bf16", "fp16"]
+PRECISIONS: tuple[str, ...] = get_args(Precision)
+
+SCHEDULE_NAMES: tuple[str, ...] = get_args(ScheduleName)
+TRANSPORTS: tuple[str, ...] = get_args(TransportName)
+PARTITION_METHODS: tuple[str, ...] = get_args(PartitionMethod)
+CODECS: tuple[str, ...] = get_args(CodecName)
+NONFINITE_ACTIONS: tuple[str, ...] = get_args(NonFiniteAction)
+# What a job with schedule="auto" runs while it measures its stages (schedulers.planning):
+# ZB-H1 splits every backward into I and W, so one step times F, I and W on every stage,
+# and its peak stash (p micro-batches a stage) is no more than 1F1B's largest.
+AUTO_PROBE = "zero_bubble"
+
+_SEED_RANGE = (0, 2**63 - 1)
+
+
+class _Section:
+    """What every section shares: its name in the spec, and a check's name for a field."""
+
+    __slots__ = ()
+    name: ClassVar[str]
+
+    @classmethod
+    def key(cls, name: str) -> str:
+        """``section.field``, as errors and the job file spell it."""
+        return f"{cls.name}.{name}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Training(_Section):
+    """What is trained, on what: the model, its loss, its data and the seed it starts from."""
+
+    name: ClassVar[str] = "training"
+
+    model: str
+    """factory by import path (`package.module:callable`) or the function or class itself, returning an `nn.Sequential` (or a list of layers), or any `nn.Module` with `split_points`; each stage builds it from `seed` and keeps its slice"""
+    model_kwargs: dict[str, Any] = field(default_factory=dict)
+    """keyword arguments of the model factory"""
+    loss: str = "torch.nn.functional:mse_loss"
+    """`output, target -> scalar`, mean-reduced, by import path or itself"""
+    data: str | None = None
+    """a data factory by import path or itself: `factory(**data_kwargs)` returns `batch(step) -> (inputs, targets)`; then `job.step()` takes no batch"""
+    data_kwargs: dict[str, Any] = field(default_factory=dict)
+    """keyword arguments of the data factory"""
+    seed: int = 0
+    """seed every stage builds the model from, so each slice holds the weights one process would start from"""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "model", factory_path(self.key("model"), self.model))
+        check_kwargs(self.key("model_kwargs"), self.model_kwargs)
+        object.__setattr__(self, "loss", factory_path(self.key("loss"), self.loss))
+        if self.data is not None:
+            object.__setattr__(self, "data", factory_path(self.key("data"), self.data))
+        check_kwargs(self.key("data_kwargs"), self.data_kwargs)
+        check_int(self.key("seed"), self.seed, minimum=_SEED_RANGE[0], maximum=_SEED_RANGE[1])
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Parallelism(_Section):
+    """The mesh (pipeline x tensor x data), the pipeline's schedule and where the model is cut."""
+
+    name: ClassVar[str] = "parallelism"
+
+    pipeline_stages: int = 1
+    """pipeline ranks; the mesh has `pipeline_stages * tensor_parallel * data_parallel` stage actors, one per node"""
+    tensor_parallel: int = 1
+    """Megatron tensor-parallel degree (see "Data and tensor parallelism")"""
+    data_parallel: int = 1
+    """data-parallel replicas, each on its own shard of the global batch"""
+    micro_batches: int = 1
+    """the global batch (each replica's share) is split into this many; gradients accumulate across them"""
+    schedule: ScheduleName = "1f1b"
+    """`gpipe`, `1f1b` (PipeDream-Flush), `interleaved` (Megatron's virtual stages), `zero_bubble` (ZB-H1), or `auto`: the first two steps run `zero_bubble` and time every stage's F, B, I, W and the link; the timed simulator then ranks the schedules this partition runs (GPipe, 1F1B, zero-bubble) and the job runs the fastest that fits `max_stash_bytes` (`job.plan()` shows them all, interleaved included as a re-partition to consider; `StepStats.schedule` names the one each step ran)"""
+    virtual_stages: int | None = None
+    """model stages per rank with `interleaved` (>= 2; default 2); only for that schedule"""
+    max_stash_bytes: int | None = None
+    """with `schedule="auto"`: the most bytes of activations one stage actor may hold for backward (as `StepStats.peak_stash_bytes` counts them); auto runs the fastest schedule predicted to fit, and when none does the step that plans fails with nothing applied. `None`: no limit"""
+    w_batching: bool = False
+    """W batching: every weight-gradient GEMM waits for the end of the step and runs as one GEMM per weight over all micro-batches (a larger K, as one process's whole batch); needs `gradient_accumulation_fusion`. Costs memory: each `nn.Linear`'s inputs and output gradients stay held for every micro-batch until then. With `schedule='auto'` the plan turns it on or off"""
+    partition_method: PartitionMethod | str = "parameters"
+    """`parameters` (balance parameter counts, exactly), `uniform` (balance layer counts), `profile` (balance each layer's measured forward and backward time on a sample micro-batch from `data` or `example_inputs`; `split_points` override every method) or `type:REGEX` (balance the layers whose class name matches, case-insensitive, as DeepSpeed's `type:transformer`)"""
+    split_points: list[str] | None = None
+    """split any `nn.Module`: the names (as `named_modules()` gives them) of the modules each new stage begins at, `pipeline_stages * virtual stages - 1` of them; the model is traced with torch's pipelining front end on one micro-batch (`example_inputs`, else the data factory's first), and `state_dict`/checkpoints keep its own names"""
+    example_inputs: Any = None
+    """one micro-batch (a tensor, a tuple of positional tensors or a dict of keyword tensors, shaped as `job.step` will split the batch) to trace a model with `split_points` on, or for `partition_method="profile"` to time layers on; not needed with `data`"""
+
+    def __post_init__(self) -> None:
+        for name in ("pipeline_stages", "tensor_parallel", "data_parallel", "micro_batches"):
+            check_int(self.key(name), getattr(self, name), minimum=1)
+        check_choice(self.key("schedule"), self.schedule, SCHEDULE_NAMES, "schedule")
+        if self.virtual_stages is not None:
+            check_int(self.key("virtual_stages"), self.virtual_stages, minimum=2)
+            if self.schedule != "interleaved":
+                raise ValueError(f"{self.key('virtual_stages')}={self.virtual_stages} applies only to "
+                                 f"schedule='interleaved', not {self.schedule!r}; leave it out or use the "
+                                 "interleaved schedule")
+        if self.max_stash_bytes is not None:
+            check_int(self.key("max_stash_bytes"), self.max_stash_bytes, minimum=1)
+            if self.schedule != "auto":
+                raise ValueError(f"{self.key('max_stash_bytes')} limits what schedule='auto' may choose, and "
+                                 f"this job runs {self.schedule!r}; use schedule='auto' or leave max_stash_bytes out")
+        check_bool(self.key("w_batching"), self.w_batching)
+        check_partition_method(self.key("partition_method"), self.partition_method, PARTITION_METHODS)
+        self._check_split_points()
+        # The schedule's own limits (e.g. interleaved needs micro_batches to be a multiple of the stages).
+        build_schedule(AUTO_PROBE if self.schedule == "auto" else self.schedule, self.pipeline_stages,
+                       self.micro_batches, self.num_virtual_stages if self.schedule == "interleaved" else None)
+
+    def _check_split_points(self) -> None:
+        points = self.split_points
+        if self.example_inputs is not None:
+            try:
+                split_batch(self.example_inputs, 1, self.key("example_inputs"))
+            except (TypeError, ValueError) as exc:
+                raise TypeError(f"{self.key('example_inputs')}: {exc}") from None
+        if points is None:
+            if self.example_inputs is not None and self.partition_method != "profile":
+                raise ValueError(f"{self.key('example_inputs')} is the micro-batch a model with split_points is "
+                                 "traced on (or partition_method='profile' times layers on); give one of those, or "
+                                 "leave it out")
+            return
+        if isinstance(points, tuple):
+            points = list(points)
+            object.__setattr__(self, "split_points", points)
+        if not isinstance(points, list) or not all(isinstance(p, str) and 0 < len(p) <= 300 for p in points):
+            raise TypeError(f"{self.key('split_points')} must be a list of module names, got {show(points)}")
+        if len(points) != self.num_model_stages - 1:
+            raise ValueError(f"{self.key('split_points')} names {len(points)} modules; {self.num_model_stages} "
+                             f"model stages ({self.pipeline_stages} pipeline stages x {self.num_virtual_stages} "
+                             f"virtual) begin at {self.num_model_stages - 1} of them")
+        if self.tensor_parallel > 1:
+            raise ValueError(f"{self.key('tensor_parallel')} splits the layers of an nn.Sequential; a model split "
+                             "at split_points trains with tensor_parallel=1")
+
+    @property
+    def num_virtual_stages(self) -> int:
+        """Model stages per pipeline rank: ``virtual_stages`` (default 2) with ``interleaved``, else 1."""
+        if self.schedule == "interleaved":
+            return self.virtual_stages or 2
+        return 1
+
+    @property
+    def num_model_stages(self) -> int:
+        return self.pipeline_stages * self.num_virtual_stages
+
+    @property
+    def mesh(self) -> Mesh:
+        return Mesh(pipeline=self.pipeline_stages, tensor=self.tensor_parallel, data=self.data_parallel)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Optimization(_Section):
+    """The optimizer, its learning-rate schedule, gradient clipping and ZeRO."""
+
+    name: ClassVar[str] = "optimization"
+
+    optimizer: tuple[str, dict[str, Any]] = ("torch.optim:SGD", {"lr": 0.01})
+    """`(path, kwargs)`, e.g. `("torch.optim:Adam", {"lr": 1e-3})` or `(torch.optim.Adam, {...})`, or a bare path or class"""
+    lr_scheduler: tuple[str, dict[str, Any]] | None = None
+    """`(path, kwargs)` of a learning-rate schedule stepped once per applied optimizer step on every stage (a skipped step does not advance it): any `torch.optim.lr_scheduler` class, or DeepSpeed's (`stages.state.lr:WarmupLR`, `WarmupDecayLR`, `WarmupCosineLR`, `OneCycle`); `StepStats.lr` reports the rate, checkpoints and recovery continue it"""
+    gradient_clipping: float = 0.0
+    """clip the global gradient norm (every stage, tensor shard and replica, as `clip_grad_norm_` on one process) to this; 0 is off. `StepStats.grad_norm` reports the norm either way"""
+    zero_stage: int = 0
+    """ZeRO: 1 shards optimizer state across data-parallel replicas (each steps its shard, then the parameters are broadcast; with `data_parallel=1` nothing changes); 0 is off; 2 and 3 are refused with pipeline stages"""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "optimizer", path_and_kwargs(self.key("optimizer"), self.optimizer))
+        if self.lr_scheduler is not None:
+            object.__setattr__(self, "lr_scheduler", path_and_kwargs(self.key("lr_scheduler"), self.lr_scheduler))
+        check_number(self.key("gradient_clipping"), self.gradient_clipping)
+        check_int(self.key("zero_stage"), self.zero_stage, minimum=0, maximum=3)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MixedPrecision(_Section):
+    """The compute dtype and fp16's loss scaling (DeepSpeed's ``fp16`` / ``bf16`` blocks)."""
+
+    name: ClassVar[str] = "mixed_precision"
+
+    precision: Precision = "fp32"
+    """`fp32`; `bf16` or `fp16`: compute under autocast with float32 master weights and optimizer state, stage boundaries in the compute dtype; `fp16` scales the loss (dynamic unless `loss_scale`)"""
+    loss_scale: float = 0.0
+    """with `fp16`: a static loss scale; 0 scales dynamically (DeepSpeed's `loss_scale`)"""
+    initial_scale_power: int = 16
+    """with dynamic fp16 loss scaling: the first scale is `2**initial_scale_power`"""
+    loss_scale_window: int = 1000
+    """with dynamic fp16 loss scaling: steps without an overflow before the scale doubles"""
+    hysteresis: int = 2
+    """with dynamic fp16 loss scaling: overflows tolerated before the scale halves"""
+    min_loss_scale: float = 1.0
+    """with dynamic fp16 loss scaling: the scale never drops below this"""
+
+    def __post_init__(self) -> None:
+        check_choice(self.key("precision"), self.precision, PRECISIONS)
+        check_number(self.key("loss_scale"), self.loss_scale)
+        check_number(self.key("min_loss_scale"), self.min_loss_scale)
+        check_int(self.key("initial_scale_power"), self.initial_scale_power, minimum=0, maximum=64)
+        check_int(self.key("loss_scale_window"), self.loss_scale_window, minimum=1)
+        check_int(self.key("hysteresis"), self.hysteresis, minimum=1)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Communication(_Section):
+    """What crosses the wire and how: stage boundaries' codecs, the transport, the data-parallel reduction."""
+
+    name: ClassVar[str] = "communication"
+
+    activation_codec: CodecName | list[CodecName] = "none"
+    """wire codec for forward activations: one name for every stage boundary, or a list with one per boundary; `none` is exact"""
+    gradient_codec: CodecName | list[CodecName] = "none"
+    """wire codec for backward input-gradients, as `activation_codec`"""
+    error_feedback: bool = False
+    """keep each gradient boundary's quantization residual per micro-batch slot and add it to that slot's next gradient"""
+    measure_codec_error: bool = True
+    """decode what was sent and report its error (costs one decode per lossy send)"""
+    transport: TransportName = "zmq"
+    """stage-to-stage tensors as actor messages over ZeroMQ (`zmq`) or by `torch.distributed` point-to-point (`dist`)"""
+    reduce_codec: CodecName = "none"
+    """codec for the data-parallel gradient reduction; `none` is an exact all-reduce"""
+    bucket_bytes: int = 25 << 20
+    """size of the flat buckets the data-parallel reduction averages gradients in"""
+    overlap_reduce: bool = True
+    """start each bucket's data-parallel all-reduce during the last micro-batch's backward, as soon as its gradients are final (they live in the buckets: no copies), as DDP does; off, the buckets are copied and reduced after the barrier (the same bits, later), as they always are with a lossy `reduce_codec`"""
+
+    def __post_init__(self) -> None:
+        for name in ("activation_codec", "gradient_codec"):
+            value = getattr(self, name)
+            if isinstance(value, tuple):
+                value = list(value)
+                object.__setattr__(self, name, value)
+            if isinstance(value, list):
+                for codec in value:
+                    check_choice(self.key(name), codec, CODECS, "codec")
+            elif isinstance(value, str):
+                check_choice(self.key(name), value, CODECS, "codec")
+            else:
+                raise TypeError(f"{self.key(name)} must be a codec name or a list of them, got {show(value)}")
+        for name in ("error_feedback", "measure_codec_error", "overlap_reduce"):
+            check_bool(self.key(name), getattr(self, name))
+        check_choice(self.key("transport"), self.transport, TRANSPORTS)
+        check_choice(self.key("reduce_codec"), self.reduce_codec, CODECS, "codec")
+        check_int(self.key("bucket_bytes"), self.bucket_bytes, minimum=1)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Runtime(_Section):
+    """How each stage process computes and holds memory; none of these changes a result."""
+
+    name: ClassVar[str] = "runtime"
+
+    threads_per_stage: int | None = 1
+    """torch intra-op threads in each stage process (`None`: torch's default)"""
+    gradient_accumulation_fusion: bool = True
+    """as in Megatron: exact `nn.Linear` weight gradients accumulate into `.grad` with one GEMM, and a backward whose input gradient leaves the rank runs as `I` (sent at once) then `W`; off: plain autograd"""
+    activation_checkpointing: bool | int = False
+    """recompute activations in backward instead of keeping them: `True` checkpoints every layer (each keeps only its input), `N` each run of N layers of a stage (DeepSpeed's `activation_checkpoint_interval`; a traced stage is one run); exact, for about one more forward per micro-batch"""
+    keep_freed_memory: bool = True
+    """stage processes set glibc's malloc to keep freed buffers instead of page-faulting them in again every micro-batch"""
+
+    def __post_init__(self) -> None:
+        if self.threads_per_stage is not None:
+            check_int(self.key("threads_per_stage"), self.threads_per_stage, minimum=1)
+        for name in ("gradient_accumulation_fusion", "keep_freed_memory"):
+            check_bool(self.key(name), getattr(self, name))
+        if not isinstance(self.activation_checkpointing, bool):
+            check_int(self.key("activation_checkpointing"), self.activation_checkpointing, minimum=1)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FaultTolerance(_Section):
+    """What a slow step, a lost node or a non-finite value does to the job."""
+
+    name: ClassVar[str] = "fault_tolerance"
+
+    step_timeout_s: float = 600.0
+    """a step that takes longer fails with the stuck actions named"""
+    max_restarts: int = 0
+    """recoveries the job may make: a lost stage is respawned on a spare node and every stage rolls back to the newest snapshot, then the lost steps replay (pipeline- and data-parallel jobs over `zmq`); 0: a lost node fails the job with `NodeLost`"""
+    snapshot_every: int = 1
+    """with `max_restarts`, every stage keeps a copy of its parameters and optimizer state each this many steps, and sends one to the next pipeline rank"""
+    on_nonfinite: NonFiniteAction = "raise"
+    """a NaN or Inf in a loss or gradient, on any stage or replica, stops the step before any parameter changes: `raise` fails it with `NonFiniteError`, `skip` drops it everywhere and reports `StepStats.skipped`"""
+
+    def __post_init__(self) -> None:
+        check_seconds(self.key("step_timeout_s"), self.step_timeout_s)
+        check_int(self.key("max_restarts"), self.max_restarts, minimum=0)
+        check_int(self.key("snapshot_every"), self.snapshot_every, minimum=1)
+        check_choice(self.key("on_nonfinite"), self.on_nonfinite, NONFINITE_ACTIONS)
+
+
+_SECTION_CLASSES: tuple[type[Any], ...] = (Training, Parallelism, Optimization, MixedPrecision, Communication,
+                                           Runtime, FaultTolerance)
+SECTIONS: dict[str, type[Any]] = {cls.name: cls for cls in _SECTION_CLASSES}
+"""Each section of a :class:`JobSpec` by its name, in the spec's order."""
+FIELDS: dict[str, str] = {f.name: cls.name for cls in _SECTION_CLASSES for f in fields(cls)}
+"""Each field's section, by the field's name (unique across sections)."""
+assert len(FIELDS) == sum(len(fields(cls)) for cls in _SECTION_CLASSES), "a field name is in two sections"
+assert not set(FIELDS) & set(SECTIONS), "a field has a section's name"

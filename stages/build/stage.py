@@ -1,0 +1,251 @@
+"""Builds one stage actor's share of a job: from its config to one frozen :class:`BuiltStage`.
+
+Everything a stage computes with comes out of :func:`build_stage` at once — its modules,
+optimizer and learning-rate schedule (as a :class:`~stages.compute.executor.StageModel`),
+the names its tensors have in the whole model, its tensor-parallel shard specs, its tied
+parameters, what the data-parallel reduction averages and what the global norm counts —
+so that the actor holds one typed value, not a dozen attributes set on the way.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from actors._registry import load_object
+from stages.build import tied
+from stages.build.layers import Chain, build_layers
+from stages.build.tensor_parallel import ShardSpec, shard_for_tensor_parallel, tp_shard_specs
+from stages.build.traced import TracedStage
+from stages.comm import overlap as _overlap
+from stages.comm import zero
+from stages.comm.boundary import split_batch
+from stages.comm.groups import StageGroups, stage_mesh
+from stages.comm.parallel import start_average
+from stages.compute import wgrad as _wgrad
+from stages.compute.activations import checkpoint_interval
+from stages.compute.allocator import keep_freed_memory
+from stages.compute.executor import StageModel
+from stages.compute.inline import INLINE_MAX_S
+from stages.mesh import Coords
+from stages.program import stage_to_rank
+from stages.records import StageConfig
+from stages.state.lr_scheduler import build_scheduler
+from stages.state.stage_checkpoint import layer_key
+
+__all__ = ["BuiltStage", "Key", "build_stage", "original_key", "read_data", "tied_names"]
+
+log = logging.getLogger(__name__)
+
+Key = Callable[[int, str], str]  # (layer, the layer's own tensor name) -> the name in the whole model
+
+
+def original_key(layer: int, name: str) -> str:
+    """A traced model's key: its stage modules keep the original model's names."""
+    return name
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BuiltStage:
+    """What one stage actor computes with, as :func:`build_stage` made it."""
+
+    model: StageModel
+    """The held model stages' modules, loss, optimizer (ZeRO-1: sharded) and learning-rate schedule."""
+    held: Mapping[int, nn.Module]
+    """The held layers, by global layer index (a traced model: one per model stage)."""
+    key: Key
+    """A held layer's tensor's name in the whole model: ``"LAYER.name"``, or the name alone when traced."""
+    named_parameters: Sequence[tuple[str, torch.Tensor]]
+    """Every held parameter under its whole-model name (a shared one under each of its names)."""
+    aliases: Mapping[str, list[str]]
+    """A tied tensor's name -> its other names in the model (a state dict may give it under any)."""
+    specs: Mapping[str, list[int]]
+    """How tensor-parallel parameters are split: key -> ``[dim, world, num_fused]``."""
+    tied: tied.TiedSync
+    """The parameters this rank shares with other pipeline ranks, whose gradients it sums with them."""
+    reduce_params: Sequence[torch.Tensor]
+    """What the data-parallel reduction averages, each once, in bucket (backward) order."""
+    norm_params: Sequence[torch.Tensor]
+    """Whose gradients this stage counts in the global norm (a tensor-replicated parameter on tensor
+    rank 0 only, a tied one on the lowest pipeline rank holding it)."""
+    overlap: _overlap.OverlappedReduction | None
+    """The data-parallel reduction that starts during backward, where it serves."""
+    data: Any
+    """The data factory's instance, on a first or last stage of a job that has one; else None."""
+    tensor_rank: int
+    """This stage's rank among its tensor-parallel shards."""
+    data_rank: int
+    """This stage's rank among its data-parallel replicas."""
+
+    def shard_spec_map(self) -> dict[str, ShardSpec]:
+        """:attr:`specs` as :class:`~stages.build.tensor_parallel.ShardSpec` s."""
+        return {key: ShardSpec(*spec) for key, spec in self.specs.items()}
+
+    def tied_names(self, names: Sequence[str]) -> list[str]:
+        """A tied group's names (``"LAYER.name"``) as the whole model gives them."""
+        return tied_names(names, self.key)
+
+
+def read_data(data: Any, config: StageConfig, data_step: int, shard: Sequence[int], num_microbatches: int
+              ) -> tuple[list[Any] | None, list[Any] | None]:
+    """Step ``data_step``'s micro-batches of inputs (on a first stage) and targets (on a last), read from the
+    data factory's instance ``data``: this replica's share (``shard``: ``[replica, replicas]``), split.
+
+    Raises:
+        ValueError: the job has no data factory, or a batch that does not split evenly.
+    """
+    if data is None:
+        raise ValueError(f"job {config.job} has no data factory")
+    inputs, targets = data(data_step)
+    index, count = shard
+    first, last = 0 in config.stages, config.num_stages - 1 in config.stages
+    return (split_batch(split_batch(inputs, count, "inputs", "data_parallel")[index], num_microbatches, "inputs")
+            if first else None,
+            split_batch(split_batch(targets, count, "targets", "data_parallel")[index], num_microbatches, "targets")
+            if last else None)
+
+
+def tied_names(names: Sequence[str], key: Key) -> list[str]:
+    """A tied group's names (``"LAYER.name"``) as the whole model gives them (a traced model's own names)."""
+    shown = []
+    for name in names:
+        layer, _, rest = name.partition(".")
+        shown.append(key(int(layer), rest))
+    return list(dict.fromkeys(shown))
+
+
+def build_stage(config: StageConfig, allow: Sequence[str], device: torch.device,
+                groups: StageGroups | None = None, *, reduce_exact: bool = True) -> BuiltStage:
+    """Builds the layers, optimizer, schedule and the parts around them for the model stages ``config`` holds.
+
+    Call on the stage's compute thread (it takes seconds; tensor-parallel layers bind
+    their group there).
+
+    Args:
+        allow: the node's allow-list for the factories the config names.
+        groups: the joined process groups (``config.dist``), whose tensor group shards
+            the layers and whose data group the overlapped reduction averages over.
+        reduce_exact: the data-parallel reduction is an exact all-reduce (no lossy
+            ``reduce_codec``): only then may it start during backward.
+
+    Raises:
+        NotAllowed: a factory outside ``allow``.
+        ValueError: a factory's arguments or result the stage cannot use.
+    """
+    cfg = config
+    if cfg.threads_per_stage:
+        torch.set_num_threads(cfg.threads_per_stage)
+    if cfg.keep_freed_memory:
+        keep_freed_memory()
+    mesh = stage_mesh(cfg)
+    me = mesh.coords(cfg.global_rank)
+    shard = None
+    if groups is not None and groups.groups is not None and mesh.tensor > 1:
+        shard = functools.partial(shard_for_tensor_parallel, rank=me.tensor, world=mesh.tensor,
+                                  group=groups.groups.tensor)
+    modules, layers, key = _build_modules(cfg, allow, device, shard)
+    held = {i: layers[i] for s in cfg.stages for i in range(*cfg.bounds[s])}
+    named = [(key(i, name), p) for i, layer in held.items() for name, p in layer.named_parameters()]
+    layer_rank = {i: stage_to_rank(s, cfg.pipeline_stages) for s, (first, end) in enumerate(cfg.bounds)
+                  for i in range(first, end)}
+    sync = tied.TiedSync(cfg.pipeline_rank, tied.tied_for_rank(layers, layer_rank.__getitem__, cfg.pipeline_rank,
+                                                               held))
+    aliases: dict[str, list[str]] = {}
+    for names in tied.tied_groups(layers):
+        shown = tied_names(names, key)
+        for name in shown:
+            aliases[name] = [other for other in shown if other != name]
+    specs = {key(i, k): list(spec) for i, layer in held.items() for k, spec in tp_shard_specs(layer).items()}
+    weight_grads = None
+    if cfg.gradient_accumulation_fusion:
+        weight_grads = _wgrad.WeightGradients()
+        for module in modules.values():
+            _wgrad.install(module, weight_grads)
+    # A parameter two held layers share is one tensor: the optimizer takes it once.
+    params = list({id(p): p for module in modules.values() for p in module.parameters()}.values())
+    optimizer = _build_optimizer(cfg, allow, params, groups)
+    scheduler = build_scheduler(cfg.lr_scheduler, optimizer, allow) if cfg.lr_scheduler is not None else None
+    data = None
+    if cfg.data is not None and (0 in cfg.stages or cfg.num_stages - 1 in cfg.stages):
+        data = load_object(cfg.data, allow)(**cfg.data_kwargs)
+    log.info("stage %s/%d of job %s: model stages %s, %d parameters", cfg.pipeline_rank, cfg.pipeline_stages,
+             cfg.job, cfg.stages, sum(p.numel() for p in params))
+    reduce_params = _overlap.backward_order(modules)
+    overlap = None
+    if groups is not None and groups.data_size > 1 and cfg.overlap_reduce and reduce_exact:
+        overlap = _build_overlap(cfg, modules, named, reduce_params, weight_grads, groups)
+    # Each parameter's share of the global norm: replicated tensor-parallel ones on tensor
+    # rank 0, tied ones on the lowest pipeline rank holding them.
+    tied_elsewhere = {id(g.param) for g in sync.groups if g.ranks[0] != cfg.pipeline_rank}
+    norm_params = list({id(p): p for name, p in named
+                        if id(p) not in tied_elsewhere and (name in specs or me.tensor == 0)}.values())
+    model = StageModel(modules=modules, num_stages=cfg.num_stages, loss_fn=load_object(cfg.loss, allow),
+                       optimizer=optimizer, device=device, weight_grads=weight_grads, w_batching=cfg.w_batching,
+                       compute_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision),
+                       lr_scheduler=scheduler,
+                       # Tensor-parallel layers wait for their peers inside an action: on the thread.
+                       inline_max_s=0.0 if mesh.tensor > 1 else INLINE_MAX_S)
+    return BuiltStage(model=model, held=held, key=key, named_parameters=named, aliases=aliases, specs=specs,
+                      tied=sync, reduce_params=reduce_params, norm_params=norm_params, overlap=overlap, data=data,
+                      tensor_rank=me.tensor, data_rank=me.data)
+
+
+def _build_modules(cfg: StageConfig, allow: Sequence[str], device: torch.device,
+                   shard: Callable[[nn.Sequential], nn.Sequential] | None
+                   ) -> tuple[dict[int, nn.Module], list[nn.Module], Key]:
+    """The held model stages' modules on ``device``, every layer of the model, and how held tensors are named."""
+    built = build_layers(cfg, allow, shard)
+    every = checkpoint_interval(cfg.activation_checkpointing)  # layers per activation checkpoint; 0: off
+    modules: dict[int, nn.Module] = {}
+    if cfg.split_points is None:
+        for s in cfg.stages:
+            first, end = cfg.bounds[s]
+            modules[s] = Chain(*built[first:end], checkpoint_every=every).to(device)
+        return modules, built, layer_key
+    # A traced model: one stage module per model stage; its graph module holds the
+    # parameters under the original model's names.
+    traced = [stage for stage in built if isinstance(stage, TracedStage)]
+    for s in cfg.stages:
+        modules[s] = traced[s].to(device)
+        traced[s].checkpoint_activations = bool(every)  # the whole stage is one segment
+    return modules, [stage.module for stage in traced], original_key
+
+
+def _build_optimizer(cfg: StageConfig, allow: Sequence[str], params: Sequence[torch.Tensor],
+                     groups: StageGroups | None) -> torch.optim.Optimizer:
+    optimizer_cls = load_object(cfg.optimizer[0], allow)
+    optimizer_kwargs = dict(cfg.optimizer[1] if len(cfg.optimizer) > 1 else {})
+    mesh = stage_mesh(cfg)
+    if cfg.zero_stage == 1 and mesh.data > 1:  # with one replica there is nothing to shard
+        assert groups is not None, "ZeRO-1 across replicas needs the job's process groups"
+        me = mesh.coords(cfg.global_rank)
+        return zero.ShardedOptimizer(
+            params, optimizer_cls, optimizer_kwargs, shard=me.data, group=groups.data_group,
+            ranks=[mesh.rank(Coords(d, me.pipeline, me.tensor)) for d in range(mesh.data)],
+            bucket_bytes=cfg.bucket_bytes)
+    optimizer: torch.optim.Optimizer = optimizer_cls(params, **optimizer_kwargs)
+    return optimizer
+
+
+def _build_overlap(cfg: StageConfig, modules: dict[int, nn.Module], named: Sequence[tuple[str, torch.Tensor]],
+                   reduce_params: list[torch.Tensor], weight_grads: _wgrad.WeightGradients | None,
+                   groups: StageGroups) -> _overlap.OverlappedReduction:
+    """The data-parallel reduction that starts during backward (with replicas, ``overlap_reduce`` on
+    and an exact all-reduce: a lossy ``reduce_codec`` encodes each bucket with error feedback after
+    the barrier instead, in :func:`~stages.comm.parallel.average_gradients`)."""
+    names: dict[int, list[str]] = {}
+    for name, p in named:
+        names.setdefault(id(p), []).append(name)
+    world = groups.data_size
+
+    def reduce(flat: torch.Tensor) -> Any:
+        return start_average(flat, groups.data_group(), world)  # the group as it is now: a rejoin replaces it
+
+    return _overlap.OverlappedReduction(reduce_params, modules, names, bucket_bytes=cfg.bucket_bytes,
+                                        reduce=reduce, weight_grads=weight_grads, w_batching=cfg.w_batching)

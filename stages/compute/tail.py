@@ -1,0 +1,210 @@
+"""A step's tail on one stage, after the barrier: check, reduce, decide, step.
+
+:class:`StepTail` runs a stage's half of it: :meth:`~StepTail.reduce` checks this
+stage's gradients for NaN and infinity (before the average could spread one to every
+replica), averages them across the data-parallel replicas, sums the tied parameters'
+across pipeline ranks and reports this stage's share of the squared global norm;
+:meth:`~StepTail.finish` then unscales and clips the gradients and steps the optimizer
+and the learning-rate schedule, or drops the step.
+
+Between the two, one decision holds for every stage of the job: whether the step
+applies, the unscale and clip factors, an fp16 overflow. :func:`decide_step` makes it
+from the numbers the stages reported and nothing else, so it can run wherever those
+numbers meet: in the scheduler today, or on every stage after a small collective.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from stages.build import tied
+from stages.build.stage import BuiltStage
+from stages.comm.groups import StageGroups
+from stages.comm.parallel import average_gradients
+from stages.compute.executor import StepExecutor, nonfinite_gradients
+from stages.program import Action
+from stages.records import FinishReport, ReduceReport, StageConfig
+from stages.state.lr_scheduler import learning_rates
+from transport.codecs import ErrorFeedback, get_codec
+
+__all__ = ["StepDecision", "StepTail", "check_factor", "clip_coefficient", "decide_step", "rescale_gradients",
+           "squared_norm"]
+
+
+# -- the decisions: pure functions of the reported numbers ---------------------------------
+
+
+def clip_coefficient(norm: float, max_norm: float) -> float:
+    """The factor ``clip_grad_norm_`` multiplies gradients by: ``max_norm / (norm + 1e-6)``, at most 1."""
+    if max_norm <= 0 or not math.isfinite(norm):
+        return 1.0
+    return min(1.0, max_norm / (norm + 1e-6))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepDecision:
+    """What every stage of a job does with one step's gradients (the same on all of them)."""
+
+    apply: bool
+    """Step the optimizer and the schedule; False drops the step's gradients."""
+    unscale: float
+    """Divide the gradients by this first (fp16's loss scale; 1.0 otherwise)."""
+    clip: float
+    """Then multiply them by this (the global-norm clipping coefficient; 1.0 when off or not needed)."""
+    grad_norm: float
+    """The global gradient norm, unscaled (inf when a gradient is not finite)."""
+    overflow: bool
+    """fp16: the gradients overflowed at this scale; the step is skipped and the scale lowered."""
+
+
+def decide_step(*, nonfinite_loss: bool, nonfinite_gradient: bool, grad_sq: float, loss_scale: float = 1.0,
+                fp16: bool = False, scale_at_floor: bool = False, max_norm: float = 0.0) -> StepDecision:
+    """One step's decision, from what every stage reported.
+
+    Args:
+        nonfinite_loss: some micro-batch's loss on some stage is NaN or infinite.
+        nonfinite_gradient: some stage found a NaN or infinity in a gradient.
+        grad_sq: the squared global norm: the sum of the :class:`~stages.records.ReduceReport`
+            ``grad_sq`` shares of data-parallel replica 0.
+        loss_scale: the scale the step's losses were multiplied by (fp16).
+        fp16: the job scales its losses; a gradient that is not finite while every loss is
+            then an overflow, not an error.
+        scale_at_floor: a dynamic scale already at its lowest: there an overflow is a real
+            non-finite value.
+        max_norm: ``gradient_clipping``; 0 is off.
+    """
+    found = nonfinite_loss or nonfinite_gradient
+    grad_norm = math.sqrt(grad_sq) / loss_scale if math.isfinite(grad_sq) else float("inf")
+    overflow = fp16 and found and not nonfinite_loss and not scale_at_floor
+    return StepDecision(apply=not found, unscale=loss_scale, clip=clip_coefficient(grad_norm, max_norm),
+                        grad_norm=grad_norm, overflow=overflow)
+
+
+def check_factor(name: str, value: object) -> float:
+    """``value`` as a float, or ValueError unless it is a finite number > 0 (an unscale or clip factor)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r:.40}")
+    return float(value)
+
+
+# -- the gradients --------------------------------------------------------------------------
+
+
+def squared_norm(params: Sequence[torch.Tensor]) -> float:
+    """The sum of the squares of these parameters' gradients, in float64 (inf or nan when one is).
+
+    The norms are computed on the device and read in one sync (not one per parameter);
+    the squares are summed on the host, in order, as a float64 scalar would.
+    """
+    norms = [torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float64) for p in params if p.grad is not None]
+    total = 0.0
+    if norms:
+        for square in (torch.stack(norms).cpu() ** 2).tolist():
+            total += square
+    return total
+
+
+@torch.no_grad()
+def rescale_gradients(params: Sequence[torch.Tensor], unscale: float, clip: float) -> None:
+    """Divides the gradients by ``unscale``, then multiplies them by ``clip`` (``GradScaler.unscale_``,
+    then ``clip_grad_norm_``)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads and unscale != 1.0:
+        torch._foreach_mul_(grads, 1.0 / unscale)
+    if grads and clip != 1.0:
+        torch._foreach_mul_(grads, clip)
+
+
+class StepTail:
+    """One stage's tail of every step: :meth:`reduce` after the barrier, :meth:`finish` once decided.
+
+    Args:
+        config: the stage's config (its reduce codec and bucket size).
+        built: the stage's parts.
+        executor: runs the compute, and the program's REDUCE and STEP.
+        groups: the job's process groups (None without ``config.dist``).
+        send_tied: sends this rank's gradient of a tied parameter to another pipeline rank.
+        on_drop: called when a step is dropped (the boundaries' error feedback forgets its residuals).
+    """
+
+    def __init__(self, config: StageConfig, built: BuiltStage, executor: StepExecutor, groups: StageGroups | None,
+                 send_tied: tied.Send, on_drop: Callable[[], None] = lambda: None) -> None:
+        self.config = config
+        self.built = built
+        self.executor = executor
+        self.groups = groups
+        self.send_tied = send_tied
+        self.on_drop = on_drop
+        codec = config.reduce_codec
+        self.reduce_feedback = ErrorFeedback(codec) if get_codec(codec).lossy else None
+        self._reduced_bytes = 0
+        self._nonfinite_overlapped: list[str] = []  # the overlapped reduction's findings (local gradients)
+
+    async def reduce(self, step: int, program: Sequence[Action]) -> ReduceReport:
+        """Checks this stage's gradients, then reduces them across replicas and tied ranks; applies nothing.
+
+        The check comes first so that a NaN is blamed on the replica it came from (the
+        average would spread it to all); the reduction runs regardless, as every replica
+        must take part in it.
+        """
+        executor, built = self.executor, self.built
+        self._reduced_bytes = 0
+        named = built.named_parameters
+        overlapped = built.overlap is not None and built.overlap.active
+        # Overlapped, each bucket was checked before it went on the wire (see stages.comm.overlap).
+        found = [] if overlapped else await executor.compute(nonfinite_gradients, named)
+        started = time.perf_counter()
+        await executor.reduce(program, self._reduce)
+        wait_s = time.perf_counter() - started
+        if overlapped:
+            bad = set(self._nonfinite_overlapped)
+            found = [name for name, _ in named if name in bad]
+        await built.tied.sum(step, self.send_tied)
+        if not found and self.reduce_feedback is not None and self._reduced_bytes:
+            # A lossy reduce codec can overflow (fp16 past 65504) where the raw gradients did not.
+            reduced = await executor.compute(nonfinite_gradients, named)
+            found = [f"{name} (after the data-parallel reduction)" for name in reduced]
+        grad_sq = await executor.compute(squared_norm, built.norm_params)
+        return ReduceReport(reduced_bytes=self._reduced_bytes, nonfinite=found, grad_sq=grad_sq, wait_s=wait_s,
+                            tied=[built.tied_names(group.names) for group in built.tied.groups])
+
+    async def _reduce(self) -> None:
+        """Data-parallel gradient reduction: bucketed all-reduce averages across replicas, started
+        during backward (``stages.comm.overlap``) where that serves, else all of it now."""
+        overlap, groups = self.built.overlap, self.groups
+        if overlap is not None and overlap.active:
+            self._nonfinite_overlapped = await self.executor.compute(overlap.finish)
+            self._reduced_bytes = overlap.num_bytes
+        elif groups is not None and groups.groups is not None and groups.data_size > 1:
+            self._reduced_bytes = await self.executor.compute(
+                average_gradients, self.built.reduce_params, groups.groups, self.config.bucket_bytes,
+                self.reduce_feedback)
+
+    async def finish(self, program: Sequence[Action], *, apply: bool, unscale: float = 1.0,
+                     clip: float = 1.0) -> FinishReport:
+        """Steps the optimizer and the schedule (``apply``), or drops the step's gradients.
+
+        Before the step the gradients are divided by ``unscale``, then multiplied by
+        ``clip``, in that order. A dropped step also forgets the error-feedback residuals
+        (those of a step with non-finite gradients hold NaN); the schedule does not advance
+        on a dropped step (DeepSpeed skips it on an overflow too).
+
+        Raises:
+            ValueError: ``unscale`` or ``clip`` not a finite number > 0; nothing changed.
+        """
+        unscale, clip = check_factor("unscale", unscale), check_factor("clip", clip)
+        model = self.executor.model
+        if apply and (unscale != 1.0 or clip != 1.0):
+            params = list({id(p): p for m in model.modules.values() for p in m.parameters()}.values())
+            await self.executor.compute(rescale_gradients, params, unscale, clip)
+        await self.executor.apply(program, step=bool(apply))
+        if not apply:
+            self.on_drop()
+            if self.reduce_feedback is not None:
+                self.reduce_feedback = ErrorFeedback(self.config.reduce_codec)
+        return FinishReport(lr=learning_rates(model.optimizer))

@@ -1,0 +1,181 @@
+# .venv/bin/python -m pytest -q -p no:cacheprovider tests/stages/compute/test_tail.py
+"""The step's tail (stages.compute.tail): the decisions as pure functions, and StepTail in one process.
+
+A two-rank pipeline assembled from the stage's parts (tests/stages/stage_parts.py) must
+train exactly as one process does — with global-norm clipping too — and a step whose
+loss is not finite must change nothing on any rank.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from examples.models import residual_mlp
+from schedulers.scaling import clip_coefficient as scheduler_clip_coefficient
+from stages.compute.tail import (
+    StepDecision, check_factor, clip_coefficient, decide_step, rescale_gradients, squared_norm,
+)
+from tests.stages.stage_parts import MODEL_KWARGS, InProcessPipeline, stage_config
+
+pytestmark = pytest.mark.timeout(60)
+
+INF, NAN = float("inf"), float("nan")
+
+
+# -- the decisions --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("kwargs", "expected"), [
+    # Nothing wrong: apply, unscaled by the loss scale, the norm unscaled.
+    ({"grad_sq": 4.0}, StepDecision(apply=True, unscale=1.0, clip=1.0, grad_norm=2.0, overflow=False)),
+    ({"grad_sq": 64.0, "loss_scale": 4.0, "fp16": True},
+     StepDecision(apply=True, unscale=4.0, clip=1.0, grad_norm=2.0, overflow=False)),
+    # Clipping: max_norm / (norm + 1e-6) when the norm is larger; never more than 1.
+    ({"grad_sq": 16.0, "max_norm": 1.0},
+     StepDecision(apply=True, unscale=1.0, clip=1.0 / (4.0 + 1e-6), grad_norm=4.0, overflow=False)),
+    ({"grad_sq": 0.25, "max_norm": 1.0}, StepDecision(apply=True, unscale=1.0, clip=1.0, grad_norm=0.5,
+                                                      overflow=False)),
+    # A non-finite value anywhere drops the step; without fp16 it is never an overflow.
+    ({"grad_sq": INF, "nonfinite_gradient": True, "max_norm": 1.0},
+     StepDecision(apply=False, unscale=1.0, clip=1.0, grad_norm=INF, overflow=False)),
+    ({"grad_sq": 1.0, "nonfinite_loss": True}, StepDecision(apply=False, unscale=1.0, clip=1.0, grad_norm=1.0,
+                                                             overflow=False)),
+    # fp16: a gradient that overflowed while every loss is finite is an overflow ...
+    ({"grad_sq": INF, "nonfinite_gradient": True, "fp16": True, "loss_scale": 1024.0},
+     StepDecision(apply=False, unscale=1024.0, clip=1.0, grad_norm=INF, overflow=True)),
+    # ... but not at the lowest dynamic scale, nor with a non-finite loss.
+    ({"grad_sq": INF, "nonfinite_gradient": True, "fp16": True, "scale_at_floor": True},
+     StepDecision(apply=False, unscale=1.0, clip=1.0, grad_norm=INF, overflow=False)),
+    ({"grad_sq": INF, "nonfinite_gradient": True, "nonfinite_loss": True, "fp16": True},
+     StepDecision(apply=False, unscale=1.0, clip=1.0, grad_norm=INF, overflow=False)),
+])
+def test_decide_step(kwargs: dict[str, Any], expected: StepDecision) -> None:
+    assert decide_step(**{"nonfinite_loss": False, "nonfinite_gradient": False, **kwargs}) == expected
+
+
+@pytest.mark.parametrize("norm", [0.0, 0.5, 1.0, 1.0 + 1e-7, 3.0, 1e30, INF, NAN])
+@pytest.mark.parametrize("max_norm", [0.0, -1.0, 1.0, 2.5])
+def test_clip_coefficient_is_the_schedulers(norm: float, max_norm: float) -> None:
+    assert clip_coefficient(norm, max_norm) == scheduler_clip_coefficient(norm, max_norm)
+
+
+@pytest.mark.parametrize(("value", "ok"), [(1, True), (0.5, True), (1e-30, True), (0, False), (-1.0, False),
+                                           (INF, False), (NAN, False), (True, False), ("1", False), (None, False)])
+def test_check_factor(value: Any, ok: bool) -> None:
+    if ok:
+        assert check_factor("clip", value) == float(value)
+    else:
+        with pytest.raises(ValueError, match="clip must be a finite number > 0"):
+            check_factor("clip", value)
+
+
+def test_squared_norm_and_rescale_follow_torch() -> None:
+    params = [torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(5)),
+              torch.nn.Parameter(torch.randn(2))]
+    for p in params[:2]:
+        p.grad = torch.randn_like(p)
+    expected = float(torch.cat([p.grad.double().flatten() for p in params[:2]]).norm() ** 2)  # type: ignore[union-attr]
+    assert squared_norm(params) == pytest.approx(expected, rel=1e-12)
+    assert squared_norm(params[2:]) == 0.0
+    grads = [p.grad.clone() for p in params[:2]]  # type: ignore[union-attr]
+    rescale_gradients(params, 4.0, 0.5)
+    for p, grad in zip(params, grads):
+        torch.testing.assert_close(p.grad, grad / 4.0 * 0.5, rtol=0, atol=0)
+    params[0].grad[0, 0] = INF  # type: ignore[index]
+    assert squared_norm(params) == INF
+
+
+# -- StepTail in a pipeline of parts ---------------------------------------------------------
+
+
+@pytest.fixture
+def pipeline() -> Iterator[InProcessPipeline]:
+    pipe = InProcessPipeline([stage_config(rank) for rank in range(2)])
+    yield pipe
+    pipe.close()
+
+
+def batches(steps: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(7)
+    dim = MODEL_KWARGS["dim"]
+    return [(torch.randn(8, dim, generator=gen), torch.randn(8, dim, generator=gen)) for _ in range(steps)]
+
+
+def reference(steps: list[tuple[torch.Tensor, torch.Tensor]], max_norm: float = 0.0
+              ) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """One process, plain autograd, the whole batch per step (micro-batch losses averaged as the stages do)."""
+    torch.manual_seed(0)
+    model = residual_mlp(**MODEL_KWARGS)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    for x, y in steps:
+        optimizer.zero_grad()
+        loss = sum(F.mse_loss(model(xm), ym) for xm, ym in zip(x.chunk(2), y.chunk(2))) / 2
+        loss.backward()  # type: ignore[union-attr]
+        if max_norm:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        optimizer.step()
+        losses.append(float(loss.detach()))  # type: ignore[union-attr]
+    return copy.deepcopy(model.state_dict()), losses
+
+
+@pytest.mark.parametrize("max_norm", [0.0, 0.05])
+async def test_a_pipeline_of_parts_trains_as_one_process(pipeline: InProcessPipeline, max_norm: float) -> None:
+    steps = batches()
+    expected_state, expected_losses = reference(steps, max_norm)
+    for step, (x, y) in enumerate(steps):
+        result = await pipeline.step(step, x, y, max_norm=max_norm)
+        assert result.decision.apply
+        assert result.loss == pytest.approx(expected_losses[step], rel=1e-6)
+        if max_norm:
+            assert result.decision.clip < 1.0  # the clip took part
+        assert [len(r.lr) for r in result.finished] == [1, 1]
+    state = pipeline.state()
+    assert state.keys() == expected_state.keys()
+    for key, value in expected_state.items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+async def test_a_non_finite_loss_drops_the_step_on_every_rank(pipeline: InProcessPipeline) -> None:
+    (x, y), = batches(1)
+    await pipeline.step(0, x, y)
+    before = {k: v.clone() for k, v in pipeline.state().items()}
+    dropped = []
+    pipeline.ranks[1].tail.on_drop = lambda: dropped.append(1)
+    y = y.clone()
+    y[0, 0] = NAN
+    result = await pipeline.step(1, x, y)
+    assert math.isnan(result.loss) and not result.decision.apply
+    assert dropped == [1]
+    for key, value in pipeline.state().items():
+        assert torch.equal(value, before[key]), key
+    for rank in pipeline.ranks:  # the step's gradients are gone: the next step starts clean
+        assert all(p.grad is None for p in rank.executor.model.optimizer.param_groups[0]["params"])
+    result = await pipeline.step(2, x, batches(1)[0][1])
+    assert result.decision.apply and math.isfinite(result.loss)
+
+
+async def test_finish_refuses_a_bad_factor_before_anything_changes(pipeline: InProcessPipeline) -> None:
+    (x, y), = batches(1)
+    for r, rank in enumerate(pipeline.ranks):
+        rank.step = 0
+        await rank.executor.begin(pipeline.program(r))
+    await asyncio.gather(*(rank.executor.run(0, pipeline.program(r), x.chunk(2) if r == 0 else None,
+                                             y.chunk(2) if r == 1 else None)
+                           for r, rank in enumerate(pipeline.ranks)))
+    reports = await asyncio.gather(*(rank.tail.reduce(0, pipeline.program(r)) for r, rank in enumerate(pipeline.ranks)))
+    assert all(not report.nonfinite and report.grad_sq > 0 for report in reports)
+    before = {k: v.clone() for k, v in pipeline.state().items()}
+    with pytest.raises(ValueError, match="clip must be a finite number > 0, got nan"):
+        await pipeline.ranks[0].tail.finish(pipeline.program(0), apply=True, clip=NAN)
+    assert all(torch.equal(v, before[k]) for k, v in pipeline.state().items())
+    await pipeline.ranks[0].tail.finish(pipeline.program(0), apply=True)
+    assert not all(torch.equal(v, before[k]) for k, v in pipeline.state().items())

@@ -1,0 +1,48 @@
+# .venv/bin/python -m pytest -q -p no:cacheprovider tests/stages/test_records.py
+"""The records between the scheduler and the stages (stages.records): StepOrder, checked when made."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from stages.records import RecordError, StepOrder
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_a_step_order_round_trips_the_wire() -> None:
+    order = StepOrder(step=3, program=["0F0", "0B0"], data_step=2, data_shard=[1, 2], micro_batches=4,
+                      snapshot=2, loss_scale=1024, w_batching=True)
+    assert StepOrder.from_wire(order.to_wire()) == order
+    assert StepOrder.from_wire({"step": 0, "program": []}) == StepOrder(step=0, program=[])
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    ({"step": -1}, "step must be an int >= 0"),
+    ({"step": True}, "step must be an int >= 0"),
+    ({"program": "0F0"}, "program must be a list of actions as text"),
+    ({"program": [1]}, "program must be a list of actions as text"),
+    ({"w_batching": "yes"}, "w_batching must be a bool, got 'yes'"),
+    ({"micro_batches": 0}, "micro_batches must be an int >= 1, got 0"),
+    ({"micro_batches": 2.0}, "micro_batches must be an int >= 1"),
+    ({"snapshot": -1}, "snapshot must be an int >= 0"),
+    ({"data_step": False}, "data_step must be an int >= 0"),
+    ({"loss_scale": 0}, "loss_scale must be a number > 0, got 0"),
+    ({"loss_scale": True}, "loss_scale must be a number > 0"),
+    ({"loss_scale": "8"}, "loss_scale must be a number > 0"),
+    ({"data_shard": [2, 2]}, "data_shard must be \\[replica, replicas\\]"),
+    ({"data_shard": [0]}, "data_shard must be \\[replica, replicas\\]"),
+])
+def test_a_bad_step_order_is_refused_when_it_is_made(change: dict[str, Any], match: str) -> None:
+    wire = {"step": 1, "program": [], **change}
+    with pytest.raises(ValueError, match=match):
+        StepOrder.from_wire(wire)
+
+
+def test_a_step_order_with_an_unknown_or_missing_key_is_refused() -> None:
+    with pytest.raises(RecordError, match="unknown key\\(s\\) inputz"):
+        StepOrder.from_wire({"step": 1, "program": [], "inputz": []})
+    with pytest.raises(RecordError, match="missing key\\(s\\) program"):
+        StepOrder.from_wire({"step": 1})
