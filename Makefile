@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo typecheck bench gpu-check clean
+.PHONY: setup test test-fast demo typecheck bench gpu-check clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -15,9 +15,15 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# The whole suite, as CI runs it (.ci/run): type check, then every test.
 test: $(STAMP)
 	$(PY) -m mypy
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# The quick tier, for every edit: the tests that start no process (no node, cluster or
+# subprocess; tests/helpers/process_guard.py fails one that does without the mark).
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -m "not multiprocess"
 
 typecheck: $(STAMP)
 	$(PY) -m mypy

@@ -227,7 +227,15 @@ class StageActor(Actor):
         if cfg.dist is not None:
             groups = StageGroups(cfg, self.runtime.address, device)
             groups.join(cfg.dist, open_store(self.runtime, cfg.dist, loop))
-        return groups, build_stage(cfg, allow, device, groups, reduce_exact=not get_codec(cfg.reduce_codec).lossy)
+        try:
+            return groups, build_stage(cfg, allow, device, groups, reduce_exact=not get_codec(cfg.reduce_codec).lossy)
+        except BaseException:
+            # Joined, then refused (a tensor-parallel split that would untie a parameter, a factory
+            # that raised): leave, or this node refuses every later job's groups.
+            if groups is not None:
+                leave_process_groups()
+                groups.close()
+            raise
 
     def _parts(self) -> StageParts:
         assert self.parts is not None, "the stage has not started"

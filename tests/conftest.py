@@ -1,4 +1,5 @@
-"""Shared test settings: hypothesis profiles (CI runs the long one)."""
+"""Shared test settings: hypothesis profiles (CI runs the long one), and the guard that a
+test starting a process is marked ``multiprocess`` (tests/helpers/process_guard.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -6,6 +7,8 @@ import os
 
 import torch
 from hypothesis import HealthCheck, settings
+
+pytest_plugins = ("tests.helpers.process_guard", "pytester")
 
 torch.set_num_threads(1)
 

@@ -47,6 +47,7 @@ def private_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 @pytest.mark.asyncio
+@pytest.mark.multiprocess
 async def test_the_next_local_cluster_removes_a_killed_drivers_folder(private_tmp: Path) -> None:
     driver = subprocess.Popen([sys.executable, "-c", DRIVER], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
     try:

@@ -30,7 +30,8 @@ from actors import (
     open_runtime,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120), pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(120),
+              pytest.mark.asyncio(loop_scope="module")]
 
 
 def alive(pid: int) -> bool:

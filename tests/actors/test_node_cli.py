@@ -12,6 +12,7 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
+@pytest.mark.multiprocess
 def test_sigterm_and_sigint_stop_a_node_cleanly(tmp_path: object) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         address_file = f"{tmp_path}/addr-{sig}"
@@ -34,6 +35,7 @@ def test_sigterm_and_sigint_stop_a_node_cleanly(tmp_path: object) -> None:
             proc.wait()
 
 
+@pytest.mark.multiprocess
 def test_help_documents_every_flag() -> None:
     out = subprocess.run([sys.executable, "-m", "actors.node", "--help"], capture_output=True, text=True, check=True)
     for flag in ("--head", "--join", "--bind", "--name", "--device", "--allow", "--allow-remote",

@@ -14,7 +14,7 @@ import pytest
 from actors import ClusterKeys
 from benchmarks import _netns
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(180),
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(180),
               pytest.mark.skipif(_netns.unavailable_reason() is not None, reason=str(_netns.unavailable_reason()))]
 
 # Runs inside namespace B, on the other "host": one driver with the cluster's client

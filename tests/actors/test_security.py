@@ -32,7 +32,8 @@ from actors import (
 from stages import RendezvousActor, StageActor, StepOrder
 from transport.security import Keypair
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(180), pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(180),
+              pytest.mark.asyncio(loop_scope="module")]
 
 MODEL = {"model": "examples.models:residual_mlp", "model_kwargs": {"blocks": 2, "dim": 8}, "pipeline_stages": 2,
          "micro_batches": 2}

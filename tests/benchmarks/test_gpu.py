@@ -26,12 +26,14 @@ def run_module(*args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, 
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the real checks would run")
+@pytest.mark.multiprocess
 def test_without_cuda_it_says_so_in_the_last_line_and_exits_0() -> None:
     done, summary = run_module()
     assert done.returncode == 0, done.stderr[-2000:]
     assert summary["cuda"] is False and "is_available" in str(summary["reason"])
 
 
+@pytest.mark.multiprocess
 def test_the_cpu_dry_run_trains_two_stages_over_zeromq_as_one_process() -> None:
     done, summary = run_module("--device", "cpu", "--steps", "2")
     assert done.returncode == 0, done.stderr[-3000:]

@@ -76,6 +76,7 @@ def test_signals_deferred_holds_a_ctrl_c_until_the_block_ends() -> None:
     assert finished
 
 
+@pytest.mark.multiprocess
 def test_stop_processes_kills_what_ignores_sigterm() -> None:
     code = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
             "print('ready', flush=True); time.sleep(60)")
@@ -92,6 +93,7 @@ def test_stop_processes_kills_what_ignores_sigterm() -> None:
 
 @needs_netns
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_shaped_link_runs_at_its_rate_and_leaves_nothing_behind() -> None:
     link = _netns.make_link(f"t{os.getpid()}")
     with _netns.open_link(link):
@@ -107,6 +109,7 @@ def test_a_shaped_link_runs_at_its_rate_and_leaves_nothing_behind() -> None:
 
 
 @needs_netns
+@pytest.mark.multiprocess
 def test_a_failed_setup_leaves_another_runs_namespaces_alone() -> None:
     link = _netns.make_link(f"u{os.getpid()}")
     with _netns.open_link(link):

@@ -46,6 +46,7 @@ def test_growth_is_flat_when_every_action_costs_the_same() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.multiprocess
 def test_a_tiny_run_prints_the_overhead_per_action_last() -> None:
     command = [sys.executable, "-m", "benchmarks.overhead", "--stages", "2", "--micro-batches", "8",
                "--steps", "2", "--warmup", "1", "--rounds", "1"]

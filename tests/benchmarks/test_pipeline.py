@@ -50,6 +50,7 @@ def test_last_line_is_the_exception_of_a_traceback() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+@pytest.mark.multiprocess
 def test_a_tiny_run_prints_the_best_schedules_ratio_last() -> None:
     # Two steps of each peer at 2 stages: torch's 1F1B and interleaved 1F1B against actorpipe's.
     command = [sys.executable, "-m", "benchmarks.pipeline", "--stages", "2", "--steps", "1", "--warmup", "1",

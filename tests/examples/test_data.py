@@ -87,6 +87,7 @@ def test_char_batches_do_not_touch_the_global_random_state() -> None:
     assert torch.equal(torch.rand(3), expected)
 
 
+@pytest.mark.multiprocess
 def test_char_batches_are_the_same_in_another_process() -> None:
     code = (
         "from examples.data import char_batches;"

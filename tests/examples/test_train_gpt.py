@@ -20,6 +20,7 @@ TINY = ["--steps", "3", "--batch-size", "8", "--context", "16", "--dim", "32", "
         "--micro-batches", "4", "--eval-batches", "1", "--sample-tokens", "20"]
 
 
+@pytest.mark.multiprocess
 def test_single_process_run_prints_a_sample_and_writes_the_loss_curve(tmp_path: Path) -> None:
     out = tmp_path / "gpt"
     result = subprocess.run(
@@ -48,6 +49,7 @@ async def test_single_process_training_lowers_the_loss() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 async def test_pipelined_training_matches_the_single_process_run() -> None:
     # The design's exactness rule, through the example's own code: 2 stages, 1F1B and
     # micro-batches give one process's losses and parameters (float32 tolerance).

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("transformers")  # the test setup installs it (the [hf] extra)
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(300)]
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -10,11 +10,9 @@ compares the two with ``torch.equal``: the recompute is the same ops on the same
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-import pytest_asyncio
 import torch
 
 from actors import Cluster, LocalCluster
@@ -22,16 +20,11 @@ from schedulers.records import StepStats
 from tests.schedulers.test_real_models import lm_batches, masked_batches
 from tests.schedulers.test_training import GPT_KWARGS, gpt_batches
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(900),
+              pytest.mark.asyncio(loop_scope="package")]
 
 MLP_KWARGS = {"blocks": 8, "dim": 16, "hidden": 64}
 BATCH, SEQ, STEPS = 16, 4, 2
-
-
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def cluster() -> AsyncIterator[Cluster]:
-    async with LocalCluster(nodes=4) as cluster:
-        yield cluster
 
 
 def mlp_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -1,7 +1,8 @@
 """Checkpoints through a running cluster: exact resumption, all-or-nothing loads, other layouts, bad files.
 
-One LocalCluster of 2 node processes serves the module. The format and the kill
-windows of a save are tested without a cluster in tests/stages/state/test_checkpoint.py.
+The package's shared LocalCluster (4 nodes, tests/schedulers/conftest.py) serves the
+module. The format and the kill windows of a save are tested without a cluster in
+tests/stages/state/test_checkpoint.py.
 """
 
 from __future__ import annotations
@@ -9,28 +10,21 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import pytest_asyncio
 import torch
 
 from actors import Cluster, LocalCluster, RemoteError
 from schedulers.client import CheckpointError, Job
 from schedulers.scheduler import SchedulerActor
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(300),
+              pytest.mark.asyncio(loop_scope="package")]
 
 MLP = {"model": "examples.models:residual_mlp", "model_kwargs": {"blocks": 4, "dim": 16, "hidden": 32}}
 LINEARS = "tests.helpers.checkpoint_models:linears"
-
-
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def cluster() -> AsyncIterator[Cluster]:
-    async with LocalCluster(nodes=2) as cluster:
-        yield cluster
 
 
 def batches(count: int, dim: int = 16, seed: int = 5) -> list[tuple[torch.Tensor, torch.Tensor]]:

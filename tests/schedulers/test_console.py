@@ -177,6 +177,7 @@ def exec_console(address: str, script: str, timeout: float = 90) -> subprocess.C
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_session_at_the_prompt(head_address: str, tmp_path: Path) -> None:
     config = tmp_path / "small.json"
     config.write_text(json.dumps(SMALL_CONFIG))
@@ -281,6 +282,7 @@ def _check_png(path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_exec_runs_a_script_of_commands_and_the_example_config(head_address: str, tmp_path: Path) -> None:
     trace_path = tmp_path / "gpt.json"
     done = exec_console(head_address, f"submit examples/gpt_config.json; run last 2; status last; "
@@ -293,6 +295,7 @@ def test_exec_runs_a_script_of_commands_and_the_example_config(head_address: str
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_set_micro_batches_applies_at_the_barrier(head_address: str, tmp_path: Path) -> None:
     config = tmp_path / "small.json"
     config.write_text(json.dumps(SMALL_CONFIG))
@@ -305,6 +308,7 @@ def test_set_micro_batches_applies_at_the_barrier(head_address: str, tmp_path: P
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_submit_a_deepspeed_file_as_it_is_with_a_job_file(head_address: str, tmp_path: Path) -> None:
     ds, job = tmp_path / "ds_config.json", tmp_path / "job.json"
     ds.write_text("""{
@@ -323,6 +327,7 @@ def test_submit_a_deepspeed_file_as_it_is_with_a_job_file(head_address: str, tmp
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_exec_fails_at_the_first_command_that_fails(head_address: str, tmp_path: Path) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({**SMALL_CONFIG, "train_batch_size": 30, "gradient_accumulation_steps": 4}))
@@ -350,6 +355,7 @@ def test_exec_fails_at_the_first_command_that_fails(head_address: str, tmp_path:
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_hung_step_reports_where_each_stage_is_stuck(head_address: str, tmp_path: Path) -> None:
     config = tmp_path / "stall.json"
     config.write_text(json.dumps({

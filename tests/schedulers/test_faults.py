@@ -15,7 +15,7 @@ import torch
 from actors import HeadLost, NodeLost
 from schedulers import Cluster, Job, LocalCluster
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(240)]
 
 T = TypeVar("T")
 STALLING = {"model": "tests.helpers.models:stalling", "model_kwargs": {"seconds": 0.4}, "pipeline_stages": 2,

@@ -14,7 +14,7 @@ import torch
 
 from schedulers import Cluster, LocalCluster
 
-pytestmark = [pytest.mark.timeout(600), pytest.mark.asyncio]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600), pytest.mark.asyncio]
 
 MODEL: dict[str, Any] = {"model": "examples.models:residual_mlp", "model_kwargs": {"blocks": 2, "dim": 8, "hidden": 16}}
 # Both ways a job uses torch.distributed: a data-parallel all-reduce, and pipeline tensors by point-to-point.

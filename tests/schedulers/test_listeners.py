@@ -67,6 +67,7 @@ def test_listening_addresses_sees_a_wildcard_listener() -> None:
 
 
 @pytest.mark.parametrize("transport", ["dist"])
+@pytest.mark.multiprocess
 async def test_a_job_with_a_rendezvous_and_collectives_listens_only_on_loopback(transport: str) -> None:
     local = LocalCluster(nodes=2)
     async with local as cluster:

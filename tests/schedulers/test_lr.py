@@ -1,20 +1,19 @@
 """Learning-rate schedules end to end (see docs/precision.md): every stage steps the job's schedule once per
 applied step, StepStats reports the rate, checkpoints resume it, and a skipped step does not advance it.
 
-One LocalCluster of 4 node processes serves the module; each case compares with one
-process training the same model (float32, SGD with momentum) under the same schedule.
+The package's shared LocalCluster of 4 nodes (tests/schedulers/conftest.py) serves the module;
+each case compares with one process training the same model (float32, SGD with momentum) under
+the same schedule.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import pytest_asyncio
 import torch
 
 from actors import Cluster, LocalCluster, RemoteError
@@ -23,7 +22,8 @@ from examples.models import residual_mlp
 from schedulers.deepspeed.config import load_config
 from schedulers.console.render import job_detail
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(600),
+              pytest.mark.asyncio(loop_scope="package")]
 
 MODEL_KWARGS = {"blocks": 4, "dim": 8, "hidden": 16}
 SGD = ("torch.optim:SGD", {"lr": 0.1, "momentum": 0.9})
@@ -32,12 +32,6 @@ WARMUP_LINEAR = ("stages.state.lr:WarmupLR", {"warmup_min_lr": 0.01, "warmup_max
                                         "warmup_type": "linear"})
 STEP_LR = ("torch.optim.lr_scheduler:StepLR", {"step_size": 2, "gamma": 0.5})
 STEPS = 6
-
-
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def cluster() -> AsyncIterator[Cluster]:
-    async with LocalCluster(nodes=4) as cluster:
-        yield cluster
 
 
 def batches(count: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -1,34 +1,27 @@
 """Bad numbers end to end: a NaN anywhere stops the step everywhere, bad batches are refused.
 
-One LocalCluster of 2 nodes serves the module; each case starts a small job, feeds it
-a poisoned or malformed batch and checks what the user sees and that no parameter
-moved. The checks themselves are unit-tested in tests/stages/compute/test_executor_checks.py.
+The package's shared LocalCluster (4 nodes, tests/schedulers/conftest.py) serves the module;
+each case starts a small job, feeds it a poisoned or malformed batch and checks what the user
+sees and that no parameter moved. The checks themselves are unit-tested in
+tests/stages/compute/test_executor_checks.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-import pytest_asyncio
 import torch
 
 from actors import NonFiniteError, RemoteError, StepFailed
 from stages import StageActor
 from examples.models import residual_mlp
-from schedulers import Cluster, Job, LocalCluster
+from schedulers import Cluster, Job
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300), pytest.mark.asyncio(loop_scope="package")]
 
 MODEL_KWARGS = {"blocks": 2, "dim": 8, "hidden": 16}
 SGD = ("torch.optim:SGD", {"lr": 0.1})
-
-
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def cluster() -> AsyncIterator[Cluster]:
-    async with LocalCluster(nodes=2) as cluster:
-        yield cluster
 
 
 def batch(size: int = 8, *, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,38 +1,31 @@
 # .venv/bin/python -m pytest -q -p no:cacheprovider tests/schedulers/test_overlap.py
 """The data-parallel reduction overlapped with backward trains to the bits of the reduction after the barrier.
 
-One LocalCluster of 4 node processes serves the module; every job is 2 pipeline stages x
-2 data-parallel replicas, trained twice on the same batches: ``overlap_reduce=True`` (each
-bucket's all-reduce starts during the last micro-batch's backward, gradients viewed into
-their buckets) and ``overlap_reduce=False`` (the buckets copied and reduced after the
-barrier). Parameters and losses must be the same bits. (stages.comm.overlap itself is tested
-in memory by tests/stages/comm/test_overlap.py.)
+The package's shared LocalCluster of 4 nodes (tests/schedulers/conftest.py) serves the module;
+every job is 2 pipeline stages x 2 data-parallel replicas, trained twice on the same batches:
+``overlap_reduce=True`` (each bucket's all-reduce starts during the last micro-batch's backward,
+gradients viewed into their buckets) and ``overlap_reduce=False`` (the buckets copied and
+reduced after the barrier). Parameters and losses must be the same bits. (stages.comm.overlap
+itself is tested in memory by tests/stages/comm/test_overlap.py.)
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-import pytest_asyncio
 import torch
 
 from actors import Cluster, LocalCluster
 from tests.schedulers.test_training import GPT_KWARGS, OPTIMIZERS, WORKLOADS
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(900),
+              pytest.mark.asyncio(loop_scope="package")]
 
 MLP, GPT = WORKLOADS["mlp"], WORKLOADS["gpt"]
 TIED_GPT = {**GPT, "kwargs": {**GPT_KWARGS, "tie_embeddings": True}}
 # Small buckets (about a block each), so that each stage starts several while its backward runs.
 MESH = {"pipeline_stages": 2, "data_parallel": 2, "micro_batches": 4, "seed": 0, "bucket_bytes": 4 << 10}
-
-
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def cluster() -> AsyncIterator[Cluster]:
-    async with LocalCluster(nodes=4) as cluster:
-        yield cluster
 
 
 async def train(cluster: Cluster, workload: dict[str, Any], **options: Any) -> tuple[dict[str, torch.Tensor],

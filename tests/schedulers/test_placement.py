@@ -172,6 +172,7 @@ async def test_a_spare_on_a_gpu_no_busy_node_uses_comes_first() -> None:
 
 @pytest.mark.slow
 @pytest.mark.asyncio
+@pytest.mark.multiprocess
 async def test_a_cpu_cluster_reports_each_stages_device() -> None:
     async with LocalCluster(devices="cpu", nodes=2) as cluster:
         assert [n.device for n in await cluster.nodes()] == ["cpu", "cpu"]

@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 import io
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-import pytest_asyncio
 import torch
 from rich.console import Console
 
 from actors import RemoteError
 from stages import Mesh, StageReport
-from schedulers import Cluster, JobSpec, LocalCluster
+from schedulers import Cluster, JobSpec
 from schedulers.console.commands import execute
 from schedulers.console.session import Session
 from schedulers.jobs import AUTO_PROBE
@@ -277,12 +275,6 @@ def test_a_fixed_schedule_gets_advice_from_its_last_step() -> None:
 # -- on a cluster ----------------------------------------------------------------------------
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def cluster() -> AsyncIterator[Cluster]:
-    async with LocalCluster(nodes=4) as cluster:
-        yield cluster
-
-
 def batches(num_steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(1)
     return [(torch.randn(8, 4, 16, generator=generator), torch.randn(8, 4, 16, generator=generator))
@@ -301,8 +293,9 @@ async def train(cluster: Cluster, steps: list[tuple[torch.Tensor, torch.Tensor]]
 
 
 @pytest.mark.slow
-@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.asyncio(loop_scope="package")
 @pytest.mark.parametrize("options", [{"gradient_accumulation_fusion": False}, {}], ids=["plain", "fused"])
+@pytest.mark.multiprocess
 async def test_an_auto_job_trains_exactly_as_the_schedule_it_chose(cluster: Cluster, options: dict[str, Any]) -> None:
     spec = JobSpec.of(model=MODEL, schedule="auto", **options)
     probes = probe_steps(spec)
@@ -338,7 +331,8 @@ async def test_an_auto_job_trains_exactly_as_the_schedule_it_chose(cluster: Clus
 
 
 @pytest.mark.slow
-@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.asyncio(loop_scope="package")
+@pytest.mark.multiprocess
 async def test_a_stash_limit_nothing_fits_fails_the_planning_step_with_nothing_applied(cluster: Cluster) -> None:
     x, y = batches(1)[0]
     job = await cluster.train(model=MODEL, model_kwargs=KWARGS, pipeline_stages=2, micro_batches=4, seed=0,
@@ -360,7 +354,8 @@ async def test_a_stash_limit_nothing_fits_fails_the_planning_step_with_nothing_a
 
 
 @pytest.mark.slow
-@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.asyncio(loop_scope="package")
+@pytest.mark.multiprocess
 async def test_set_schedule_auto_from_the_console_plans_a_running_job(cluster: Cluster) -> None:
     out = io.StringIO()
     session = Session(cluster, Console(file=out, width=200), interactive=False)

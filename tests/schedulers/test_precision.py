@@ -11,11 +11,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-import pytest_asyncio
 import torch
 
 from actors import Cluster, LocalCluster
@@ -23,17 +21,11 @@ from schedulers.console.render import job_detail
 from tests.helpers.models import overflowing
 from tests.schedulers.test_training import WORKLOADS
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(900)]
 
 GPT = WORKLOADS["gpt"]
 MICRO = 4
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def cluster() -> AsyncIterator[Cluster]:
-    async with LocalCluster(nodes=4) as cluster:
-        yield cluster
 
 
 def one_process(workload: dict[str, Any], cuts: list[int], *, precision: str = "fp32", scale: float = 1.0,
@@ -106,7 +98,7 @@ PRECISION_CASES = [(precision, schedule, "zmq", 1) for precision in ("bf16", "fp
     ("bf16", "1f1b", "dist", 1), ("fp16", "zero_bubble", "dist", 1), ("bf16", "1f1b", "zmq", 2)]
 
 
-@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.asyncio(loop_scope="package")
 @pytest.mark.parametrize(("precision", "schedule", "transport", "tensor"), PRECISION_CASES)
 async def test_mixed_precision_equals_one_process_under_the_same_autocast(
     cluster: Cluster, precision: str, schedule: str, transport: str, tensor: int
@@ -129,7 +121,7 @@ async def test_mixed_precision_equals_one_process_under_the_same_autocast(
     assert [s.loss_scale for s in stats] == ([2.0 ** 16] * len(stats) if precision == "fp16" else [None] * len(stats))
 
 
-@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.asyncio(loop_scope="package")
 async def test_the_boundaries_travel_in_the_compute_dtype(cluster: Cluster) -> None:
     batch = GPT["batches"]()[:1]
     _, full, _ = await train(cluster, GPT, batches=batch, pipeline_stages=2)
@@ -138,7 +130,7 @@ async def test_the_boundaries_travel_in_the_compute_dtype(cluster: Cluster) -> N
         assert half[0].bytes_per_edge[edge] <= 0.5 * sent + 2048  # the tensors halve; message headers do not
 
 
-@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.asyncio(loop_scope="package")
 async def test_an_fp16_overflow_on_one_stage_skips_the_step_on_every_stage(cluster: Cluster) -> None:
     workload = {"model": "tests.helpers.models:overflowing", "kwargs": {}, "build": overflowing,
                 "loss": "torch.nn.functional:mse_loss", "loss_fn": torch.nn.functional.mse_loss,
@@ -166,7 +158,7 @@ async def test_an_fp16_overflow_on_one_stage_skips_the_step_on_every_stage(clust
     assert (skipped.skipped_steps, last.skipped_steps) == (1, 1)
 
 
-@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.asyncio(loop_scope="package")
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 async def test_clipping_equals_clip_grad_norm_on_one_process(cluster: Cluster, precision: str) -> None:
     state, stats, bounds = await train(cluster, GPT, pipeline_stages=2, data_parallel=2, gradient_clipping=0.5,
@@ -179,7 +171,7 @@ async def test_clipping_equals_clip_grad_norm_on_one_process(cluster: Cluster, p
     assert [s.loss for s in stats] == pytest.approx(losses, rel=1e-5)
 
 
-@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.asyncio(loop_scope="package")
 async def test_the_norm_is_reported_without_clipping_and_counts_tied_weights_once(cluster: Cluster) -> None:
     tied = {**GPT, "kwargs": {**GPT["kwargs"], "tie_embeddings": True}}
     _, stats, bounds = await train(cluster, tied, pipeline_stages=2)
@@ -188,7 +180,7 @@ async def test_the_norm_is_reported_without_clipping_and_counts_tied_weights_onc
     assert all(s.grad_norm is not None and math.isfinite(s.grad_norm) for s in stats)
 
 
-@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.asyncio(loop_scope="package")
 async def test_clipping_across_a_pipeline_tensor_data_mesh_equals_clip_grad_norm_() -> None:
     async with LocalCluster(nodes=8) as cluster:  # (2, 2, 2): every kind of sharing at once
         state, stats, bounds = await train(cluster, GPT, pipeline_stages=2, tensor_parallel=2, data_parallel=2,
@@ -198,7 +190,7 @@ async def test_clipping_across_a_pipeline_tensor_data_mesh_equals_clip_grad_norm
     assert_state_close(state, expected, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.asyncio(loop_scope="package")
 async def test_every_option_together_equals_one_process(cluster: Cluster) -> None:
     """bf16, clipping, a DeepSpeed warmup, activation checkpointing and ZeRO-1 at once, on a
     pipeline of 2 x 2 data-parallel replicas: one process doing the same arithmetic."""

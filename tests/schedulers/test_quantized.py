@@ -2,28 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 import pytest_asyncio
 import torch
 
-from actors import Cluster, LocalCluster, RemoteError
+from actors import Cluster, RemoteError
 from examples.data import regression_batches
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(600),
+              pytest.mark.asyncio(loop_scope="package")]
 
 DIM = 128
 MODEL = {"blocks": 4, "dim": DIM, "hidden": 2 * DIM}
 DATA = {"batch_size": 16, "seq": 8, "dim": DIM, "seed": 5, "learnable": True}
 STEPS = 25
-
-
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def cluster() -> AsyncIterator[Cluster]:
-    async with LocalCluster(nodes=2) as cluster:
-        yield cluster
 
 
 async def train(cluster: Cluster, steps: int = STEPS, **codecs: Any) -> tuple[list[float], Any]:
@@ -42,7 +36,7 @@ async def train(cluster: Cluster, steps: int = STEPS, **codecs: Any) -> tuple[li
         await job.close()
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
+@pytest_asyncio.fixture(loop_scope="package", scope="module")
 async def baseline(cluster: Cluster) -> tuple[list[float], Any]:
     return await train(cluster)
 

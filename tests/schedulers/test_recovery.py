@@ -55,6 +55,7 @@ def assert_same_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor
 
 
 @pytest.mark.parametrize(("snapshot_every", "batches"), [(1, False), (2, True)])
+@pytest.mark.multiprocess
 async def test_a_killed_stage_moves_to_a_spare_and_training_is_bit_identical(snapshot_every: int,
                                                                             batches: bool) -> None:
     local = LocalCluster(nodes=2, spares=1)
@@ -85,6 +86,7 @@ async def test_a_killed_stage_moves_to_a_spare_and_training_is_bit_identical(sna
             await job.close()
 
 
+@pytest.mark.multiprocess
 async def test_a_replacement_stage_continues_the_learning_rate_schedule_exactly() -> None:
     schedule = ("stages.state.lr:WarmupLR", {"warmup_min_lr": 0.001, "warmup_num_steps": 8, "warmup_type": "linear"})
     local = LocalCluster(nodes=2, spares=1)
@@ -110,6 +112,7 @@ async def test_a_replacement_stage_continues_the_learning_rate_schedule_exactly(
             await job.close()
 
 
+@pytest.mark.multiprocess
 async def test_a_node_lost_between_steps_is_replaced_when_the_job_is_next_used() -> None:
     local = LocalCluster(nodes=2, spares=1)
     async with local as cluster:
@@ -125,6 +128,7 @@ async def test_a_node_lost_between_steps_is_replaced_when_the_job_is_next_used()
             await job.close()
 
 
+@pytest.mark.multiprocess
 async def test_without_a_spare_the_job_fails_fast_naming_the_node() -> None:
     local = LocalCluster(nodes=2)
     async with local as cluster:
@@ -157,6 +161,7 @@ async def wait_for_state(cluster: Cluster, node: str, state: str) -> None:
         await asyncio.sleep(0.05)
 
 
+@pytest.mark.multiprocess
 async def test_chaos_kills_and_stops_during_a_run_end_equal_to_an_uninterrupted_run() -> None:
     steps = 30
     local = LocalCluster(nodes=2, spares=2)
@@ -194,6 +199,7 @@ async def test_chaos_kills_and_stops_during_a_run_end_equal_to_an_uninterrupted_
 
 
 @pytest.mark.parametrize("victim_rank", [1, 2])  # pipeline 1 of replica 0; pipeline 0 of replica 1
+@pytest.mark.multiprocess
 async def test_a_lost_data_parallel_member_is_rebuilt_from_its_replica_and_the_groups_form_again(
     victim_rank: int
 ) -> None:
@@ -222,6 +228,7 @@ async def test_a_lost_data_parallel_member_is_rebuilt_from_its_replica_and_the_g
             await job.close()
 
 
+@pytest.mark.multiprocess
 async def test_when_no_copy_of_a_lost_stage_survives_the_job_goes_back_to_its_newest_checkpoint(
     tmp_path: Path
 ) -> None:
@@ -243,6 +250,7 @@ async def test_when_no_copy_of_a_lost_stage_survives_the_job_goes_back_to_its_ne
             await job.close()
 
 
+@pytest.mark.multiprocess
 async def test_when_no_copy_survives_and_there_is_no_checkpoint_the_job_fails_naming_why() -> None:
     local = LocalCluster(nodes=2, spares=2)
     async with local as cluster:
@@ -256,6 +264,7 @@ async def test_when_no_copy_survives_and_there_is_no_checkpoint_the_job_fails_na
             await job.close()
 
 
+@pytest.mark.multiprocess
 async def test_a_lost_zero1_replica_goes_back_to_the_checkpoint_not_to_another_replicas_shard(tmp_path: Path) -> None:
     """With ZeRO-1 a replica's snapshot holds its own optimizer shard, so it cannot restore the other
     replica; with one pipeline stage (no neighbour keeping a copy) the job goes back to its checkpoint."""

@@ -20,7 +20,8 @@ from examples.models import residual_mlp
 from tests.helpers.models import image_batches
 from tests.helpers.import_marker import IMPORT_LOG_ENV
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(300),
+              pytest.mark.asyncio(loop_scope="module")]
 
 SMALL = {"blocks": 4, "dim": 16, "hidden": 32}
 

@@ -239,6 +239,7 @@ def test_the_old_micro_batches_flag_is_an_error_that_names_the_new_one(
     assert "unrecognized arguments: --microbatches 8; did you mean --micro-batches?" in capsys.readouterr().err
 
 
+@pytest.mark.multiprocess
 def test_command_line_prints_the_1f1b_bubble() -> None:
     command = [sys.executable, "-m", "schedulers.schedules"]
     command += ["--schedule", "1f1b", "--stages", "4", "--micro-batches", "8"]

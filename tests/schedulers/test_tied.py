@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-import pytest_asyncio
 import torch
 
-from actors import Cluster, LocalCluster, RemoteError
+from actors import Cluster, RemoteError
 from stages.build.tied import tied_groups
 from examples.models import gpt
 from schedulers.console.render import job_detail
@@ -23,23 +21,18 @@ HEAD = GPT_KWARGS["layers"] + 1  # the head's layer index: embedding, blocks, he
 PAIR = ["0.token.weight", f"{HEAD}.out.weight"]
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def cluster() -> AsyncIterator[Cluster]:
-    async with LocalCluster(nodes=4) as cluster:
-        yield cluster
-
-
 def test_a_shared_parameter_is_found_under_every_name() -> None:
     layers = list(gpt(**TIED["kwargs"]).children())
     assert tied_groups(layers) == [PAIR]
     assert tied_groups(list(gpt(**GPT_KWARGS).children())) == []
 
 
-@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.asyncio(loop_scope="package")
 @pytest.mark.parametrize(("schedule", "pipeline", "data", "tensor"), [
     ("1f1b", 2, 1, 1), ("gpipe", 2, 1, 1), ("1f1b", 4, 1, 1), ("gpipe", 4, 1, 1), ("interleaved", 2, 1, 1),
     ("1f1b", 2, 2, 1),
 ])
+@pytest.mark.multiprocess
 async def test_tied_embeddings_split_across_stages_train_as_one_process(
     cluster: Cluster, schedule: str, pipeline: int, data: int, tensor: int
 ) -> None:
@@ -64,9 +57,26 @@ async def test_tied_embeddings_split_across_stages_train_as_one_process(
     assert [s.loss for s in stats] == pytest.approx(expected_losses, rel=1e-5)
 
 
-@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.asyncio(loop_scope="package")
+@pytest.mark.multiprocess
 async def test_tensor_parallelism_that_would_untie_a_parameter_is_refused_by_name(cluster: Cluster) -> None:
     with pytest.raises(RemoteError, match=f"tensor parallelism would untie {' = '.join(PAIR)}"):
         await cluster.train(model=TIED["model"], model_kwargs=TIED["kwargs"], loss=TIED["loss"],
                             optimizer=TIED["optimizer"], pipeline_stages=2, tensor_parallel=2, micro_batches=4)
     assert await cluster.jobs() == []
+
+
+@pytest.mark.asyncio(loop_scope="package")
+@pytest.mark.multiprocess
+async def test_a_refused_tensor_parallel_job_leaves_its_nodes_to_the_next_distributed_job(cluster: Cluster) -> None:
+    # The refusal comes after the stages joined their process groups, on all four nodes.
+    with pytest.raises(RemoteError, match="tensor parallelism would untie"):
+        await cluster.train(model=TIED["model"], model_kwargs=TIED["kwargs"], loss=TIED["loss"],
+                            optimizer=TIED["optimizer"], pipeline_stages=2, tensor_parallel=2, micro_batches=4)
+    job = await cluster.train(model=TIED["model"], model_kwargs=TIED["kwargs"], loss=TIED["loss"],
+                              optimizer=TIED["optimizer"], pipeline_stages=2, data_parallel=2, micro_batches=4)
+    try:
+        x, y = TIED["batches"]()[0]
+        assert (await job.step(x, y)).loss > 0
+    finally:
+        await job.close()

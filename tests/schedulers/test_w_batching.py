@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import pytest
-import pytest_asyncio
 import torch
 from torch import nn
 
-from actors import Cluster, LocalCluster
+from actors import Cluster
 from stages.compute import wgrad as _wgrad
 from stages.program import ActionKind
 from schedulers.schedules import build_schedule
@@ -47,15 +44,10 @@ def test_every_backward_becomes_i_and_every_w_waits_for_the_tail(schedule: str) 
         assert set(kinds[first_w:]) == {ActionKind.W} and kinds.count(ActionKind.W) == kinds.count(ActionKind.I)
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def cluster() -> AsyncIterator[Cluster]:
-    async with LocalCluster(nodes=4) as cluster:
-        yield cluster
-
-
 @pytest.mark.slow
-@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.asyncio(loop_scope="package")
 @pytest.mark.parametrize(("schedule", "stages"), [("1f1b", 2), ("zero_bubble", 2), ("gpipe", 4), ("interleaved", 2)])
+@pytest.mark.multiprocess
 async def test_w_batching_trains_as_one_process_and_holds_every_micro_batch_until_the_tail(
     cluster: Cluster, schedule: str, stages: int
 ) -> None:

@@ -1,7 +1,7 @@
 """ZeRO-1 with the pipeline: sharded optimizer state trains exactly as unsharded (see docs/parallelism.md).
 
-One LocalCluster of 4 node processes serves the module; every job is 2 pipeline
-stages x 2 data-parallel replicas. "Exact" means the same bits as the same job with
+The package's shared LocalCluster of 4 nodes (tests/schedulers/conftest.py) serves the
+module; every job is 2 pipeline stages x 2 data-parallel replicas. "Exact" means the same bits as the same job with
 ``zero_stage=0`` (the gradients are the same, and each parameter's update is the one
 optimizer step the unsharded job computes), and float32-close to one process.
 """
@@ -10,28 +10,21 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import pytest_asyncio
 import torch
 
 from actors import Cluster, LocalCluster
 from schedulers.client import Job
 from tests.schedulers.test_training import OPTIMIZERS, WORKLOADS, train_reference
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(600),
+              pytest.mark.asyncio(loop_scope="package")]
 
 MLP = WORKLOADS["mlp"]
 MESH = {"pipeline_stages": 2, "data_parallel": 2, "micro_batches": 4, "seed": 0}
-
-
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def cluster() -> AsyncIterator[Cluster]:
-    async with LocalCluster(nodes=4) as cluster:
-        yield cluster
 
 
 async def start(cluster: Cluster, workload: dict[str, Any], **options: Any) -> Job:

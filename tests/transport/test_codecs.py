@@ -405,6 +405,7 @@ def test_requires_grad_tensor_encodes_without_autograd() -> None:
         assert not decode(encode(x * 2, codec)).requires_grad
 
 
+@pytest.mark.multiprocess
 def test_quantize_deprecation_warning_is_silenced() -> None:
     # torch warns once per process, so check in a fresh one with warnings as errors.
     code = "import torch, transport.codecs as c; c.decode(c.encode(torch.randn(300), 'int4'))"
@@ -640,6 +641,7 @@ def test_loader_compiles_once_then_reuses_the_cached_library(
 
 @pytest.mark.slow
 @requires_native
+@pytest.mark.multiprocess
 def test_concurrent_processes_build_one_library(tmp_path: Path) -> None:
     code = "from transport import _native; print(_native.blockquant().path)"
     root = Path(__file__).resolve().parents[2]

@@ -187,6 +187,7 @@ print(json.dumps(out))
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_amplification_is_refused_before_any_allocation() -> None:
     done = subprocess.run([sys.executable, "-c", AMPLIFICATION_PROBE], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)

@@ -192,6 +192,7 @@ MEMBER = textwrap.dedent("""
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 async def test_a_gloo_group_forms_through_the_actor_store(tmp_path: Any) -> None:
     pairs = [Keypair.generate() for _ in range(2)]
     head = Keypair.generate()

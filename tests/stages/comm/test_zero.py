@@ -111,6 +111,7 @@ def two_replicas(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.multiprocess
 def test_replicas_stepping_their_shards_equal_one_unsharded_optimizer(two_replicas: list[dict[str, Any]],
                                                                       name: str) -> None:
     model = _model()

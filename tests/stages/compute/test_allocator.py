@@ -8,6 +8,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.multiprocess
+
 ROOT = Path(__file__).resolve().parents[3]
 
 # One reference block's forward and backward on a micro-batch (docs/design.md), in a fresh

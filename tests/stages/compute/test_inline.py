@@ -325,6 +325,7 @@ async def stage_progress(cluster: Any, job: Any) -> list[dict[str, Any]]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.multiprocess
 async def test_node_processes_take_the_fast_path_except_under_tensor_parallelism() -> None:
     dims = {"blocks": 4, "dim": 4, "hidden": 4}  # tiny: every action well under the inline bound
     optimizer = ("torch.optim:SGD", {"lr": 0.05, "momentum": 0.9})

@@ -125,6 +125,7 @@ WINDOWS = [
 
 
 @pytest.mark.parametrize("point, nth, expected", WINDOWS, ids=[f"{p}-{n}" for p, n, _ in WINDOWS])
+@pytest.mark.multiprocess
 def test_a_save_killed_at_any_step_leaves_the_old_or_the_new_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, point: str, nth: int, expected: str
 ) -> None:
@@ -145,6 +146,7 @@ def test_a_save_killed_at_any_step_leaves_the_old_or_the_new_checkpoint(
 
 
 @pytest.mark.parametrize("point", ["staged", "tensor_written", "manifest_written", "renamed", "pointer_written"])
+@pytest.mark.multiprocess
 def test_a_killed_first_save_is_no_checkpoint_and_the_next_save_works(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, point: str
 ) -> None:
@@ -161,6 +163,7 @@ def test_a_killed_first_save_is_no_checkpoint_and_the_next_save_works(
     assert load(directory) == 2
 
 
+@pytest.mark.multiprocess
 def test_sigkill_at_random_instants_never_leaves_a_missing_or_mixed_checkpoint(tmp_path: Path) -> None:
     directory = str(tmp_path / "ckpt")
     save(directory, 1)
