@@ -292,5 +292,6 @@ async def test_a_lost_zero1_replica_goes_back_to_the_checkpoint_not_to_another_r
 ])
 def test_where_a_lost_replicas_state_comes_from(zero_stage: int, pipeline: int, lost: list[int],
                                                 source: tuple[int, bool] | None) -> None:
-    job = SimpleNamespace(mesh=Mesh(pipeline=pipeline, data=2), spec=SimpleNamespace(zero_stage=zero_stage))
+    job = SimpleNamespace(mesh=Mesh(pipeline=pipeline, data=2),
+                          spec=SimpleNamespace(optimization=SimpleNamespace(zero_stage=zero_stage)))
     assert _snapshot_source(job, lost[0], lost) == source  # type: ignore[arg-type]
