@@ -53,6 +53,10 @@ __all__ = ["SETTABLE", "JobController", "RunState", "compile_programs", "plan_se
 
 log = logging.getLogger(__name__)
 
+# How long a step whose reduction failed waits for the failure detector to name a lost node
+# (the head's heartbeat timeout, 2 s by default, and a margin): see JobController._lost_instead.
+LOSS_GRACE_S = 5.0
+
 # What `set JOB KEY VALUE` may change on a running job.
 SETTABLE = ("micro_batches", "schedule", "activation_codec", "gradient_codec")
 CLOCK_PROBES = 5  # round trips per stage when estimating its clock offset
@@ -400,6 +404,8 @@ class JobController:
                 done, pending = await asyncio.wait(pending, timeout=max(0.0, deadline - loop.time()),
                                                    return_when=asyncio.FIRST_COMPLETED)
                 failure = self._first_failure(tasks) if done else await self._timeout_failure()
+            if failure is not None and failure.action == "REDUCE" and not isinstance(failure, NodeLost):
+                failure = await self._lost_instead(tasks, failure, deadline)
             reports = [] if failure else [StageReport.from_wire(tasks[rank].result()) for rank in sorted(tasks)]
             if failure is None and not all(r.status == "done" for r in reports):
                 failure = StepFailed("step aborted on request", details={"stage": None, "action": None,
@@ -414,6 +420,25 @@ class JobController:
         finally:
             for task in tasks.values():
                 task.cancel()
+
+    async def _lost_instead(self, tasks: Mapping[int, asyncio.Future[Any]], failure: StepFailed,
+                            deadline: float) -> StepFailed:
+        """A stage whose reduction failed, in the tail it runs itself, most often lost a replica: the
+        collective breaks the moment a peer process dies, before the head's failure detector has
+        marked its node lost. Waits for that (at most :data:`LOSS_GRACE_S`) so that the step fails
+        with ``NodeLost``, which a job with ``max_restarts`` recovers from, as it did when the
+        reduction came after every stage's barrier; else the reduction's own failure."""
+        loop = asyncio.get_running_loop()
+        pending = [task for task in tasks.values() if not task.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=max(0.0, min(LOSS_GRACE_S, deadline - loop.time())))
+        lost = self._first_failure({rank: task for rank, task in tasks.items()
+                                    if task.done() and isinstance(task.exception(), NodeLost)})
+        if lost is None and (alive := await self._alive_nodes()) and set(self.nodes) - alive:
+            gone = sorted(set(self.nodes) - alive)[0]
+            lost = NodeLost(f"node {gone} was lost during the step ({failure.message})",
+                            details={**failure.details, "node": gone})
+        return lost or failure
 
     def _first_failure(self, tasks: Mapping[int, asyncio.Future[Any]]) -> StepFailed | None:
         for rank, task in tasks.items():
