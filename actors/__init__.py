@@ -22,6 +22,7 @@ _EXPORTS = {
     "ActorStopped": "actors._errors",
     "ActorTimeout": "actors._errors",
     "BadArguments": "actors._errors",
+    "BadRecord": "actors._errors",
     "error_from_wire": "actors._errors",
     "HeadLost": "actors._errors",
     "MailboxFull": "actors._errors",
@@ -32,10 +33,16 @@ _EXPORTS = {
     "StepFailed": "actors._errors",
     "UnknownActor": "actors._errors",
     "UnknownEndpoint": "actors._errors",
+    "EventSink": "actors._nodes",
     "HEAD": "actors._nodes",
     "HeadActor": "actors._nodes",
     "NODE": "actors._nodes",
     "NodeActor": "actors._nodes",
+    "NodeInfo": "actors._nodes",
+    "Event": "actors.events",
+    "NodeJoined": "actors.events",
+    "NodeLeft": "actors.events",
+    "NodeSilent": "actors.events",
     "ActorRef": "actors._ref",
     "Endpoint": "actors._ref",
     "actor_class": "actors._registry",
@@ -82,6 +89,7 @@ if TYPE_CHECKING:  # explicit re-exports, for type checkers (the names resolve l
         ActorStopped as ActorStopped,
         ActorTimeout as ActorTimeout,
         BadArguments as BadArguments,
+        BadRecord as BadRecord,
         error_from_wire as error_from_wire,
         HeadLost as HeadLost,
         MailboxFull as MailboxFull,
@@ -94,10 +102,18 @@ if TYPE_CHECKING:  # explicit re-exports, for type checkers (the names resolve l
         UnknownEndpoint as UnknownEndpoint,
     )
     from actors._nodes import (
+        EventSink as EventSink,
         HEAD as HEAD,
         HeadActor as HeadActor,
         NODE as NODE,
         NodeActor as NodeActor,
+        NodeInfo as NodeInfo,
+    )
+    from actors.events import (
+        Event as Event,
+        NodeJoined as NodeJoined,
+        NodeLeft as NodeLeft,
+        NodeSilent as NodeSilent,
     )
     from actors._ref import (
         ActorRef as ActorRef,

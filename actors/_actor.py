@@ -11,12 +11,15 @@ import asyncio
 import contextvars
 import inspect
 import logging
+import types
+import typing
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar, overload
+from typing import Any, Protocol, TypeVar, Union, overload
 
 from actors._errors import ActorError, BadArguments, MailboxFull, NotAllowed, UnknownEndpoint
 from actors._ref import ENDPOINT_ATTR, ActorRef
+from transport.records import RECORD_NAMES
 
 
 __all__ = ["Actor", "endpoint"]
@@ -173,6 +176,35 @@ class Actor:
         return found
 
 
+def _record_parameters(method: Callable[..., Any]) -> dict[str, tuple[type, ...]]:
+    """The parameters of ``method`` annotated with a record class (or ``Record | None``): what each must be.
+
+    A record that crosses the wire arrives as its class (see :mod:`actors.records`),
+    so an argument of another type is the caller's mistake (or an attack): the
+    mailbox refuses it with BadArguments before the endpoint runs. Annotations that
+    do not resolve at run time (names imported for type checkers only) are not checked.
+    """
+    try:
+        hints = typing.get_type_hints(method)
+    except Exception:  # noqa: BLE001 - an annotation that does not resolve here: nothing to check
+        return {}
+    checked: dict[str, tuple[type, ...]] = {}
+    for name, hint in hints.items():
+        options = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is Union \
+            else (hint,)
+        classes = tuple(o for o in options if isinstance(o, type) and o in RECORD_NAMES)
+        if name != "return" and classes and all(o in classes or o is type(None) for o in options):
+            checked[name] = classes + ((type(None),) if type(None) in options else ())
+    return checked
+
+
+def _check_records(arguments: dict[str, Any], records: dict[str, tuple[type, ...]]) -> None:
+    for name, classes in records.items():
+        if name in arguments and not isinstance(arguments[name], classes):
+            raise TypeError(f"{name} must be {' or '.join(c.__name__ for c in classes)}, "
+                            f"not {type(arguments[name]).__name__}")
+
+
 class Mailbox:
     """Runs one actor's calls: sequential ones in order, concurrent ones at once."""
 
@@ -182,6 +214,7 @@ class Mailbox:
         # inspect.signature costs tens of microseconds: once per endpoint, not per call.
         self._signatures = {name: inspect.signature(getattr(actor, name)) for name in self._endpoints}
         self._roles = {name: getattr(getattr(type(actor), name), _ENDPOINT_ATTR).roles for name in self._endpoints}
+        self._records = {name: _record_parameters(getattr(type(actor), name)) for name in self._endpoints}
         self._queue: asyncio.Queue[Call] = asyncio.Queue(actor.mailbox_size)
         self._spawn_task = spawn_task
 
@@ -230,6 +263,7 @@ class Mailbox:
         signature = self._signatures[call.method]
         try:
             bound = signature.bind(*call.args, **call.kwargs)
+            _check_records(bound.arguments, self._records[call.method])
         except TypeError as exc:
             log.warning("%s.%s: bad arguments: %s", self.actor.name, call.method, exc)
             error = BadArguments(f"{type(self.actor).__name__}.{call.method}{signature}: {exc}")

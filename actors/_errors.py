@@ -15,6 +15,7 @@ __all__ = [
     "ActorStopped",
     "ActorTimeout",
     "BadArguments",
+    "BadRecord",
     "HeadLost",
     "MailboxFull",
     "NodeLost",
@@ -77,6 +78,15 @@ class UnknownEndpoint(ActorError):
 
 class BadArguments(ActorError, TypeError):
     """The arguments do not bind to the endpoint's signature."""
+
+
+class BadRecord(ActorError, ValueError):
+    """A record in a call or its reply that the receiver cannot rebuild.
+
+    Its name is registered to no class there (the module that defines it is not
+    imported, or the two sides run different versions), or its fields do not fit
+    the class (an unknown key, a required one missing). The call did not run.
+    """
 
 
 class ActorTimeout(ActorError, TimeoutError):
@@ -146,6 +156,7 @@ ERROR_KINDS: dict[str, type[ActorError]] = {
         UnknownActor,
         UnknownEndpoint,
         BadArguments,
+        BadRecord,
         ActorTimeout,
         ActorStopped,
         MailboxFull,

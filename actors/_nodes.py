@@ -8,15 +8,18 @@ import logging
 import os
 import socket
 import time
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict, dataclass, replace
+from collections.abc import Callable
+from typing import Any, Literal
 
 from actors._actor import Actor, current_caller, endpoint
 from actors._errors import ActorError, ActorStopped, NodeLost, NotAllowed
 from actors._registry import actor_class, load_object, registered_actors
+from actors.events import Event, NodeJoined, NodeLeft, NodeSilent
+from actors.records import WireRecord
 from transport.wire import excerpt
 
-__all__ = ["HEAD", "NODE", "HeadActor", "NodeActor", "NodeContext", "NodeInfo", "node_info"]
+__all__ = ["HEAD", "NODE", "EventSink", "HeadActor", "HeartbeatSettings", "NodeActor", "NodeContext", "NodeInfo", "node_info"]
 
 log = logging.getLogger(__name__)
 
@@ -24,9 +27,18 @@ HEAD = "head"  # the head actor's name in the head node's runtime
 NODE = "node"  # the node actor's name in every worker's runtime
 
 
-@dataclass(slots=True, kw_only=True)
-class NodeInfo:
-    """What a worker tells the head about itself when it registers."""
+NodeState = Literal["alive", "lost", "left"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeInfo(WireRecord):
+    """A node as the head knows it: what the worker told it when it registered, and how it is doing.
+
+    Attributes:
+        state: ``alive``, ``lost`` (no heartbeat within the timeout) or ``left`` (it said it stops).
+        last_heartbeat_age_s: seconds since its last heartbeat, when the head was asked.
+        identity: ``role:name`` of the key it registered with (``""`` without keys).
+    """
 
     name: str
     address: str
@@ -34,9 +46,21 @@ class NodeInfo:
     pid: int
     host: str
     memory_bytes: int
-    state: str = "alive"  # alive | lost | left
+    state: NodeState = "alive"
     last_heartbeat_age_s: float = 0.0
-    identity: str = ""  # role:name of the key it registered with ("" without keys)
+    identity: str = ""
+
+    @property
+    def alive(self) -> bool:
+        return self.state == "alive"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HeartbeatSettings(WireRecord):
+    """What the head asks of a worker that registers: a heartbeat every ``interval`` s, lost after ``timeout`` s."""
+
+    interval: float
+    timeout: float
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -63,6 +87,18 @@ def node_info(name: str, address: str, device: str) -> NodeInfo:
     )
 
 
+class EventSink(Actor):
+    """An actor that takes events and hands each to ``handler``: subscribe its ref to the
+    head (``HeadActor.subscribe``) or to any publisher that tells ``on_event``."""
+
+    def __init__(self, handler: Callable[[Event], None]) -> None:
+        self.handler = handler
+
+    @endpoint
+    async def on_event(self, event: Event) -> None:
+        self.handler(event)  # (the mailbox refused anything but an Event: see actors._actor)
+
+
 class HeadActor(Actor):
     """Keeps the membership list, notices silent nodes, and tells subscribers."""
 
@@ -81,16 +117,21 @@ class HeadActor(Actor):
         self.runtime.spawn_task(self._watch(), name="heartbeat watch")
 
     @endpoint(roles=("node",))
-    async def register(self, info: dict[str, Any]) -> dict[str, float]:
-        """A worker joins (or re-joins); returns the heartbeat settings it must keep."""
+    async def register(self, info: NodeInfo) -> HeartbeatSettings:
+        """A worker joins (or re-joins); returns the heartbeat settings it must keep.
+
+        Raises:
+            ValueError: ``info`` is not a NodeInfo of sound fields, or a live node has its name.
+        """
         kinds = {"name": str, "address": str, "device": str, "pid": int, "host": str, "memory_bytes": int}
-        if not isinstance(info, dict) or any(not isinstance(info.get(k), t) or isinstance(info.get(k), bool)
-                                             for k, t in kinds.items()):
-            raise ValueError(f"register needs {', '.join(f'{k}: {t.__name__}' for k, t in kinds.items())}; "
+        if not isinstance(info, NodeInfo) or any(
+                not isinstance(getattr(info, k), t) or isinstance(getattr(info, k), bool) for k, t in kinds.items()):
+            raise ValueError(f"register needs a NodeInfo with {', '.join(f'{k}: {t.__name__}' for k, t in kinds.items())}; "
                              f"got {excerpt(info, 200)}")
-        if any(len(info[k]) > 256 for k in ("name", "address", "device", "host")):
+        if any(len(getattr(info, k)) > 256 for k in ("name", "address", "device", "host")):
             raise ValueError("register: name, address, device and host are at most 256 characters")
-        node = NodeInfo(**{k: info[k] for k in kinds}, identity=current_caller())
+        # The head decides the state and the identity (the key the worker holds), never the worker.
+        node = replace(info, state="alive", last_heartbeat_age_s=0.0, identity=current_caller())
         previous = self._nodes.get(node.name)
         if previous is not None and previous.state == "alive" and previous.pid != node.pid:
             raise ValueError(f"a live node is already named {node.name!r} (pid {previous.pid}); pick another --name")
@@ -98,8 +139,8 @@ class HeadActor(Actor):
         self._last_seen[node.name] = time.monotonic()
         log.info("node %s joined from %s (%s, pid %d)", excerpt(node.name), excerpt(node.host),
                  excerpt(node.device), node.pid)
-        self._publish({"type": "node_joined", "node": node.name})
-        return {"heartbeat_interval": self.heartbeat_interval, "heartbeat_timeout": self.heartbeat_timeout}
+        self._publish(NodeJoined(node=node.name))
+        return HeartbeatSettings(interval=self.heartbeat_interval, timeout=self.heartbeat_timeout)
 
     @endpoint(roles=("node",))
     async def heartbeat(self, name: str) -> bool:
@@ -114,18 +155,16 @@ class HeadActor(Actor):
     async def deregister(self, name: str) -> None:
         node = self._nodes.get(name)
         if node is not None and node.state == "alive":
-            node.state = "left"
+            self._nodes[name] = replace(node, state="left")
             log.info("node %s left", name)
-            self._publish({"type": "node_left", "node": name})
+            self._publish(NodeLeft(node=name))
 
     @endpoint(concurrent=True)
-    async def nodes(self) -> list[dict[str, Any]]:
+    async def nodes(self) -> list[NodeInfo]:
+        """Every node the head knows, with its state and the age of its last heartbeat."""
         now = time.monotonic()
-        out = []
-        for name, node in self._nodes.items():
-            node.last_heartbeat_age_s = round(now - self._last_seen[name], 3)
-            out.append(asdict(node))
-        return out
+        return [replace(node, last_heartbeat_age_s=round(now - self._last_seen[name], 3))
+                for name, node in self._nodes.items()]
 
     @endpoint(concurrent=True)
     async def ping(self) -> float:
@@ -134,7 +173,7 @@ class HeadActor(Actor):
 
     @endpoint
     async def subscribe(self, address: str, actor: str) -> None:
-        """Sends every later event to ``actor.on_event(event)`` at ``address``."""
+        """Sends every later event to ``actor.on_event(event)`` at ``address`` (an :class:`EventSink`)."""
         self._subscribers.add((address, actor))
 
     @endpoint
@@ -153,23 +192,24 @@ class HeadActor(Actor):
                 stall = now - before - tick
                 self._last_seen = {name: seen + stall for name, seen in self._last_seen.items()}
                 continue
-            for name, node in self._nodes.items():
+            for name, node in list(self._nodes.items()):
                 silent = now - self._last_seen[name]
                 if node.state == "alive" and silent > self.heartbeat_timeout:
-                    node.state = "lost"
+                    self._nodes[name] = replace(node, state="lost")
                     log.warning("node %s lost: no heartbeat for %.1fs", name, silent)
                     self.runtime.fail_calls_to(node.address, NodeLost(
                         f"node {name} was lost: no heartbeat for {silent:.1f}s", details={"node": name}))
-                    self._publish({"type": "node_lost", "node": name, "silent_s": round(silent, 3)})
+                    self._publish(NodeSilent(node=name, silent_s=round(silent, 3)))
 
-    def _publish(self, event: dict[str, Any]) -> None:
-        event = {**event, "time": time.time()}
+    def _publish(self, event: Event) -> None:
+        event = replace(event, time=time.time())
         for address, actor in list(self._subscribers):
             self.runtime.spawn_task(self._notify(address, actor, event), name="notify")
 
-    async def _notify(self, address: str, actor: str, event: dict[str, Any]) -> None:
+    async def _notify(self, address: str, actor: str, event: Event) -> None:
         try:
-            await asyncio.wait_for(self.runtime.ref(address, actor).tell("on_event", event), 2.0)
+            sink = self.runtime.ref(address, actor).endpoint(EventSink.on_event)
+            await asyncio.wait_for(sink.tell(event), 2.0)
         except (TimeoutError, ActorError):
             log.info("dropping subscriber %s at %s: it does not take events", actor, address)
             self._subscribers.discard((address, actor))

@@ -65,9 +65,10 @@ class ActorRef:
     ) -> Endpoint[P, R]:
         """A typed handle on one of the actor's endpoints, named by the method itself.
 
-        ``await ref.endpoint(Counter.add, timeout=5).call(2)`` is ``ref.ask("add", 2,
-        timeout=5)`` with the arguments and the result checked by the type checker
-        against ``Counter.add``'s signature, and no method name in a string.
+        ``await ref.endpoint(Counter.add, timeout=5).call(2)`` is the call :meth:`ask`
+        makes with the name ``add``, with the arguments and the result checked by the
+        type checker against ``Counter.add``'s signature, and no method name in a string.
+        Library code calls endpoints this way only (``tests/test_layers.py`` checks it).
 
         Raises:
             TypeError: ``method`` is not marked with ``@endpoint``.

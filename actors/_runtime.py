@@ -25,6 +25,7 @@ from actors._errors import (
     ActorError,
     ActorStopped,
     ActorTimeout,
+    BadRecord,
     UnknownActor,
     error_from_wire,
     error_to_wire,
@@ -240,17 +241,40 @@ class Runtime:
 
     def _on_frames(self, frames: list[Any]) -> None:
         """Decodes and dispatches one message, from the receiver's reader callback."""
+        bad_records: list[WireError] = []
         try:
-            message = decode_message(frames, max_bytes=self._max_message_bytes)
+            message = decode_message(frames, max_bytes=self._max_message_bytes, bad_records=bad_records)
         except WireError as exc:
             log.warning("dropped a malformed message: %s", exc)
             return
         # Who sent it: the name the key ring gives its CURVE key (the gate set it at the handshake).
         caller = str(frames[0].get("User-Id")) if self._keys is not None else INSECURE
         try:
-            self._dispatch(message, caller)
+            if bad_records:
+                self._refuse_bad_records(message, bad_records)
+            else:
+                self._dispatch(message, caller)
         except Exception:  # a bug here must not stop the runtime from serving
             log.exception("could not dispatch a message")
+
+    def _refuse_bad_records(self, message: Any, bad_records: list[WireError]) -> None:
+        """Answers a message whose records could not be rebuilt with a typed error, where someone waits."""
+        reasons = "; ".join(excerpt(str(exc), 300) for exc in bad_records[:3])
+        error = BadRecord(f"{len(bad_records)} record(s) could not be rebuilt at {self.address}: {reasons}")
+        kind = message.get("t") if isinstance(message, dict) else None
+        if kind == "rep":
+            entry = self._pending.get(message.get("id")) if type(message.get("id")) is int else None
+            if entry is not None and not entry[0].done():
+                entry[0].set_exception(BadRecord(f"the reply's {error.message}"))
+                return
+        elif kind == "req":
+            call_id, reply_to = message.get("id"), message.get("r")
+            if isinstance(reply_to, str) and len(reply_to) <= 1024 and isinstance(call_id, int):
+                log.warning("refused a request to %s.%s: %s", excerpt(message.get("to")), excerpt(message.get("m")),
+                            excerpt(error.message, 300))
+                self.spawn_task(self._remote_replier(reply_to, call_id)(False, error))
+                return
+        log.warning("dropped a message: %s", excerpt(error.message, 300))
 
     def _dispatch(self, message: Any, caller: str = INSECURE) -> None:
         kind = message.get("t") if isinstance(message, dict) else None

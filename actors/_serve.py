@@ -9,12 +9,12 @@ import os
 import signal
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from actors._errors import ActorError
 from actors._ref import ActorRef
-from actors._nodes import HEAD, NODE, HeadActor, NodeActor, node_info
+from actors._nodes import HEAD, NODE, HeadActor, HeartbeatSettings, NodeActor, NodeInfo, node_info
 from actors._registry import registered_actors
 from actors.plugins import load_plugin
 from actors._runtime import open_runtime
@@ -142,25 +142,25 @@ async def serve_worker(config: WorkerConfig) -> None:
         info = node_info(config.name, runtime.address, config.device)
         await runtime.spawn(NodeActor(info, config.allow, stop, os.environ.pop(ADMIT_TOKEN_ENV, "")), NODE)
         head = runtime.ref(head_address(config.join, config.keys), HEAD)
-        settings = await _register(head, asdict(info), config.head_timeout, stop)
+        settings = await _register(head, info, config.head_timeout, stop)
         if settings is None:
             return
-        runtime.spawn_task(_heartbeat(head, config, asdict(info), settings, stop), name="heartbeat")
+        runtime.spawn_task(_heartbeat(head, config, info, settings, stop), name="heartbeat")
         await stop.wait()
         log.info("node stopping")
         try:
-            await head.ask("deregister", config.name, timeout=1.0)
+            await head.endpoint(HeadActor.deregister, timeout=1.0).call(config.name)
         except (ActorError, OSError):
             pass
 
 
 async def _register(
-    head: ActorRef, info: dict[str, Any], head_timeout: float, stop: asyncio.Event
-) -> dict[str, Any] | None:
+    head: ActorRef, info: NodeInfo, head_timeout: float, stop: asyncio.Event
+) -> HeartbeatSettings | None:
     deadline = time.monotonic() + head_timeout
     while not stop.is_set():
         try:
-            settings: dict[str, Any] = await head.ask("register", info, timeout=1.0)
+            settings = await head.endpoint(HeadActor.register, timeout=1.0).call(info)
             log.info("registered with the head at %s", head.address)
             return settings
         except ActorError as exc:
@@ -171,17 +171,17 @@ async def _register(
 
 
 async def _heartbeat(
-    head: ActorRef, config: WorkerConfig, info: dict[str, Any], settings: dict[str, Any], stop: asyncio.Event
+    head: ActorRef, config: WorkerConfig, info: NodeInfo, settings: HeartbeatSettings, stop: asyncio.Event
 ) -> None:
-    interval = float(settings["heartbeat_interval"])
+    interval = settings.interval
     last_ok = time.monotonic()
     while True:
         try:
-            known = await head.ask("heartbeat", config.name, timeout=max(interval, 1.0))
+            known = await head.endpoint(HeadActor.heartbeat, timeout=max(interval, 1.0)).call(config.name)
             last_ok = time.monotonic()
             if not known:
                 log.warning("the head forgot this node; registering again")
-                await head.ask("register", info, timeout=1.0)
+                await head.endpoint(HeadActor.register, timeout=1.0).call(info)
         except ActorError as exc:
             if time.monotonic() - last_ok > config.head_timeout:
                 log.error("head unreachable for %.0fs (%s); stopping", config.head_timeout, exc)

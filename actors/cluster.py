@@ -6,9 +6,11 @@ This is the generic part (nodes, spawning actors, events). The job API (``train`
 
 Example::
 
+    from actors.probe import ProbeActor
+
     async with LocalCluster(nodes=2) as cluster:
         ref = await cluster.spawn("node0", "probe", "p")
-        assert await ref.ask("echo", 42) == 42
+        assert await ref.endpoint(ProbeActor.echo).call(42) == 42
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ import time
 from collections.abc import AsyncIterator, Generator, Iterable, Sequence
 from typing import Any, Generic, TypeVar
 
-from actors._actor import Actor, endpoint
 from actors._errors import ActorError, ActorTimeout, HeadLost, NotAllowed
-from actors._nodes import HEAD, NODE, HeadActor
+from actors._nodes import HEAD, NODE, EventSink, HeadActor, NodeActor, NodeInfo
+from actors.events import Event
 from actors._serve import ADMIT_TOKEN_ENV, head_address, security
 from actors.devices import DeviceSpec, node_devices, visible_gpu_count
 from actors.keys import DEFAULT_KEYS, ClusterKeys
@@ -46,19 +48,6 @@ log = logging.getLogger(__name__)
 C = TypeVar("C", bound="Cluster")
 
 
-class _EventSink(Actor):
-    """Receives the head's events into a bounded queue the driver reads."""
-
-    def __init__(self, queue: asyncio.Queue[dict[str, Any]]) -> None:
-        self.queue = queue
-
-    @endpoint
-    async def on_event(self, event: dict[str, Any]) -> None:
-        if self.queue.full():  # keep the newest: a driver that stopped reading lost only old news
-            self.queue.get_nowait()
-        self.queue.put_nowait(event)
-
-
 class Cluster:
     """A driver's connection to a head node; close it with ``close()`` or ``async with``."""
 
@@ -66,7 +55,7 @@ class Cluster:
         self.runtime = runtime
         self.head = head
         self._stack = stack
-        self._events: asyncio.Queue[dict[str, Any]] | None = None
+        self._events: asyncio.Queue[Event] | None = None
         self._admit_token = ""  # set by LocalCluster, which may admit a job's factories
         self.head_lost: HeadLost | None = None  # set once the head is gone (see watch_head)
         self.head_process: subprocess.Popen[bytes] | None = None  # LocalCluster's head: watched directly
@@ -124,9 +113,9 @@ class Cluster:
         if not self._admit_token:
             return
         prefixes = sorted(set(modules))
-        nodes = [n for n in await self.nodes() if n["state"] == "alive"]
+        nodes = [n for n in await self.nodes() if n.alive]
         agents = [self.node_ref(n) for n in nodes] + [self.runtime.ref(self.head.address, NODE)]
-        answers = await asyncio.gather(*(agent.ask("admit", self._admit_token, prefixes, timeout=30)
+        answers = await asyncio.gather(*(agent.endpoint(NodeActor.admit, timeout=30).call(self._admit_token, prefixes)
                                          for agent in agents), return_exceptions=True)
         for agent, answer in zip(agents, answers):
             if isinstance(answer, NotAllowed):
@@ -167,40 +156,47 @@ class Cluster:
         directory = None if insecure else os.fspath(keys or os.environ.get("ACTORPIPE_KEYS", DEFAULT_KEYS))
         return _Connecting(target, address, bind, timeout, allow_remote, directory, identity, max_message_bytes)
 
-    async def nodes(self) -> list[dict[str, Any]]:
+    async def nodes(self) -> list[NodeInfo]:
         """Every node the head knows: name, address, device, pid, host, memory, state."""
-        nodes: list[dict[str, Any]] = await self.head.ask("nodes", timeout=10.0)
-        return nodes
+        return await self.head.endpoint(HeadActor.nodes, timeout=10.0).call()
 
-    async def wait_for_nodes(self, count: int, *, timeout: float = 60.0) -> list[dict[str, Any]]:
+    async def wait_for_nodes(self, count: int, *, timeout: float = 60.0) -> list[NodeInfo]:
         """Waits until ``count`` nodes are alive; returns them."""
         deadline = time.monotonic() + timeout
         while True:
-            alive = [n for n in await self.nodes() if n["state"] == "alive"]
+            alive = [n for n in await self.nodes() if n.alive]
             if len(alive) >= count:
                 return alive
             if time.monotonic() > deadline:
                 raise ActorTimeout(f"{len(alive)} of {count} nodes joined within {timeout}s")
             await asyncio.sleep(0.05)
 
-    def node_ref(self, node: dict[str, Any]) -> ActorRef:
+    def node_ref(self, node: NodeInfo) -> ActorRef:
         """The node actor of a node listed by :meth:`nodes`."""
-        return self.runtime.ref(node["address"], NODE)
+        return self.runtime.ref(node.address, NODE)
 
     async def spawn(self, node_name: str, class_name: str, actor_name: str, **kwargs: Any) -> ActorRef:
         """Starts a registered actor class on a node; returns a ref to it."""
-        node = next((n for n in await self.nodes() if n["name"] == node_name and n["state"] == "alive"), None)
+        node = next((n for n in await self.nodes() if n.name == node_name and n.alive), None)
         if node is None:
             raise ValueError(f"no live node named {node_name!r}")
-        address, name = await self.node_ref(node).ask("spawn", class_name, actor_name, kwargs, timeout=60.0)
+        address, name = await self.node_ref(node).endpoint(NodeActor.spawn, timeout=60.0).call(
+            class_name, actor_name, kwargs)
         return self.runtime.ref(address, name)
 
-    async def events(self) -> AsyncIterator[dict[str, Any]]:
-        """Yields the head's events (node_joined, node_left, node_lost, …) from now on."""
+    async def events(self) -> AsyncIterator[Event]:
+        """Yields the head's events (:class:`~actors.NodeJoined`, ``NodeLeft``, ``NodeSilent``) from now on."""
         if self._events is None:
-            self._events = asyncio.Queue(1024)
-            sink = await self.runtime.spawn(_EventSink(self._events), "events")
-            await self.head.ask("subscribe", sink.address, sink.name, timeout=10.0)
+            queue: asyncio.Queue[Event] = asyncio.Queue(1024)
+
+            def keep(event: Event) -> None:
+                if queue.full():  # keep the newest: a driver that stopped reading lost only old news
+                    queue.get_nowait()
+                queue.put_nowait(event)
+
+            self._events = queue
+            sink = await self.runtime.spawn(EventSink(keep), "events")
+            await self.head.endpoint(HeadActor.subscribe, timeout=10.0).call(sink.address, sink.name)
         while True:
             yield await self._events.get()
 
@@ -245,7 +241,7 @@ class _Connecting(Generic[C]):
             runtime = await stack.enter_async_context(open_runtime(
                 bind, allow_remote=self._allow_remote, max_message_bytes=self._max_message_bytes, **secure))
             head = runtime.ref(head_address(address, self._keys), HEAD)
-            await head.ask("nodes", timeout=timeout)
+            await head.endpoint(HeadActor.nodes, timeout=timeout).call()
         except BaseException:
             await stack.aclose()
             raise
@@ -386,7 +382,7 @@ class LocalCluster:
         self._cluster._admit_token = self._admit_token
         self._cluster.head_process = self.processes["head"]
         deadline = time.monotonic() + self.startup_timeout
-        while len([n for n in await self._cluster.nodes() if n["state"] == "alive"]) < len(self._node_names()):
+        while len([n for n in await self._cluster.nodes() if n.alive]) < len(self._node_names()):
             self._check_alive()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"not every node registered within {self.startup_timeout}s")

@@ -63,12 +63,12 @@ class ProbeActor(Actor):
             ``rtts_s``: each call's round trip (``in_flight == 1``), and ``elapsed_s``
             for all ``count`` calls with ``in_flight`` outstanding at a time.
         """
-        peer = self.runtime.ref(address, name)
+        ping = self.runtime.ref(address, name).endpoint(ProbeActor.ping, timeout=30)
         rtts: list[float] = []
 
         async def one() -> None:
             start = time.perf_counter()
-            await peer.ask("ping", timeout=30)
+            await ping.call()
             rtts.append(time.perf_counter() - start)
 
         async def lane(calls: int) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from actors.probe import ProbeActor
 from schedulers import LocalCluster
 from transport.loop import run
 
@@ -87,9 +88,10 @@ async def measure_actors(count: int, in_flight_count: int, *, insecure: bool = F
     async with LocalCluster(nodes=2, insecure=insecure) as cluster:
         pinger = await cluster.spawn("node0", "probe", "pinger")
         target = await cluster.spawn("node1", "probe", "target")
-        await pinger.ask("ping_peer", target.address, target.name, 200, timeout=120)  # warm up
-        single = await pinger.ask("ping_peer", target.address, target.name, count, timeout=600)
-        many = await pinger.ask("ping_peer", target.address, target.name, in_flight_count, 64, timeout=600)
+        ping_peer = pinger.endpoint(ProbeActor.ping_peer, timeout=600)
+        await ping_peer.call(target.address, target.name, 200)  # warm up
+        single = await ping_peer.call(target.address, target.name, count)
+        many = await ping_peer.call(target.address, target.name, in_flight_count, 64)
         return single["rtts_s"], in_flight_count / many["elapsed_s"]
 
 

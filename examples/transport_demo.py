@@ -14,6 +14,7 @@ import time
 import torch
 
 from actors import LocalCluster
+from actors.probe import ProbeActor
 from transport.codecs import CODEC_NAMES, decode, encode
 from transport.loop import run
 from transport.wire import Coded
@@ -23,18 +24,19 @@ async def main() -> None:
     torch.manual_seed(0)
     async with LocalCluster(nodes=2) as cluster:
         for node in await cluster.nodes():
-            print(f"node {node['name']}: pid {node['pid']} at {node['address']} ({node['device']})")
+            print(f"node {node.name}: pid {node.pid} at {node.address} ({node.device})")
         a = await cluster.spawn("node0", "probe", "a")
         b = await cluster.spawn("node1", "probe", "b")
-        result = await a.ask("ping_peer", b.address, b.name, 500, timeout=60)
+        result = await a.endpoint(ProbeActor.ping_peer, timeout=60).call(b.address, b.name, 500)
         print(f"actor round trip node0 -> node1: median {statistics.median(result['rtts_s']) * 1e6:.0f} us")
 
         activation = torch.randn(8, 32, 512) * 3  # one reference micro-batch: 512 KiB
         print(f"\n{'codec':>6} {'bytes':>9} {'ratio':>6} {'rel. error':>11} {'echo ms':>8}")
+        echo = b.endpoint(ProbeActor.echo, timeout=30)
         for name in CODEC_NAMES:
-            await b.ask("echo", Coded(activation, name), timeout=30)  # first call warms kernels up
+            await echo.call(Coded(activation, name))  # first call warms kernels up
             start = time.perf_counter()
-            back = await b.ask("echo", Coded(activation, name), timeout=30)
+            back = await echo.call(Coded(activation, name))
             elapsed = time.perf_counter() - start
             nbytes = encode(activation, name).nbytes
             error = (back - activation).norm() / activation.norm()

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
-from actors import ActorRef, Host
+from actors import ActorRef, Event, Host
 from stages import Mesh
 from schedulers.jobs import JobSpec
 from schedulers.scaling import LossScaler
@@ -46,7 +46,7 @@ class JobCore(Protocol):
     placer: Placer | None
     identities: list[str]
     retired: list[tuple[str, ActorRef]]
-    _publish: Callable[[dict[str, Any]], None]
+    _publish: Callable[[Event], None]
     _alive_nodes: Callable[[], Awaitable[set[str]]]
 
     def _operation(self, *, stepping: bool = False, repairs: bool = False) -> AbstractAsyncContextManager[None]:

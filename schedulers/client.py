@@ -94,17 +94,18 @@ class Cluster(actors.Cluster):
         elif not isinstance(spec, JobSpec):
             raise TypeError(f"train() takes a JobSpec, got {type(spec).__name__}")
         await self.admit(spec.factory_modules)
-        info = JobInfo.from_wire(await self.call(SchedulerActor.create_job, timeout=600).call(spec.to_wire()))
+        info = await self.call(SchedulerActor.create_job, timeout=600).call(spec)
         for notice in info.notices:
             warnings.warn(f"{info.job}: {notice}", PlacementWarning, stacklevel=2)
         return Job(self, info, spec)
 
     async def jobs(self) -> list[JobDescription]:
         """Every job on the cluster."""
-        return [JobDescription.from_wire(d) for d in await self.call(SchedulerActor.jobs).call()]
+        return await self.call(SchedulerActor.jobs).call()
 
     async def subscribe(self, sink: ActorRef) -> None:
-        """Sends the head's node events and the scheduler's job events to ``sink.on_event(event)``."""
+        """Sends the head's node events and the scheduler's job events (:mod:`schedulers.events`) to
+        ``sink`` (an :class:`~actors.EventSink`)."""
         await self.head.endpoint(HeadActor.subscribe, timeout=10).call(sink.address, sink.name)
         await self.call(SchedulerActor.subscribe, timeout=10).call(sink.address, sink.name)
 
@@ -119,7 +120,7 @@ class Cluster(actors.Cluster):
         Raises:
             RemoteError: no such job (the message lists the running ones).
         """
-        info = JobDescription.from_wire(await self.call(SchedulerActor.describe).call(job_id))
+        info = await self.call(SchedulerActor.describe).call(job_id)
         return Job(self, JobInfo(job=info.job, bounds=info.bounds, nodes=info.nodes), info.spec)
 
 
@@ -215,7 +216,7 @@ class Job:
             raise ValueError("step() takes both inputs and targets, or neither (to read the data factory)")
         timeout = self.spec.fault_tolerance.step_timeout_s + 60.0
         try:
-            return StepStats.from_wire(await self._call(SchedulerActor.step, timeout)(inputs, targets))
+            return await self._call(SchedulerActor.step, timeout)(inputs, targets)
         except asyncio.CancelledError:
             # The driver gave up on the step: the scheduler and every stage stop it too.
             self.cluster.runtime.spawn_task(self._cancel_step(), name=f"cancel {self.id} step")
@@ -231,19 +232,19 @@ class Job:
         """Starts ``num_steps`` steps from the job's data factory in the background (see :meth:`describe`)."""
         if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
             raise ValueError(f"run() needs a number of steps >= 1, got {num_steps!r:.40}")
-        return RunInfo.from_wire(await self._call(SchedulerActor.run)(num_steps))
+        return await self._call(SchedulerActor.run)(num_steps)
 
     async def pause(self) -> JobDescription:
         """Holds the run at the next accumulation barrier (the step in progress finishes)."""
-        return JobDescription.from_wire(await self._call(SchedulerActor.pause)())
+        return await self._call(SchedulerActor.pause)()
 
     async def resume(self) -> JobDescription:
         """Lets a paused run go on."""
-        return JobDescription.from_wire(await self._call(SchedulerActor.resume)())
+        return await self._call(SchedulerActor.resume)()
 
     async def stop(self) -> JobDescription:
         """Ends the run after the step in progress (the job stays; :meth:`close` ends it)."""
-        return JobDescription.from_wire(await self._call(SchedulerActor.stop_run)())
+        return await self._call(SchedulerActor.stop_run)()
 
     async def set(self, key: str, value: Any) -> SettingChange:
         """Changes ``micro_batches``, ``schedule``, ``activation_codec`` or ``gradient_codec`` from the next barrier on.
@@ -255,13 +256,13 @@ class Job:
         Raises:
             RemoteError: the key cannot change or the value does not fit (nothing changes).
         """
-        return SettingChange.from_wire(await self._call(SchedulerActor.set_option)(key, value))
+        return await self._call(SchedulerActor.set_option)(key, value)
 
     # -- looking at it -----------------------------------------------------------------
 
     async def describe(self) -> JobDescription:
         """Spec, layout, programs, run progress and the last step's statistics."""
-        return JobDescription.from_wire(await self._call(SchedulerActor.describe)())
+        return await self._call(SchedulerActor.describe)()
 
     async def plan(self) -> Plan:
         """The candidate schedules with their predicted step time and stash, the chosen one marked.
@@ -271,11 +272,11 @@ class Job:
         prediction. With a fixed schedule, the candidates predicted from the last step,
         marking the one auto would run (``state="advice"``).
         """
-        return Plan.from_wire(await self._call(SchedulerActor.plan)())
+        return await self._call(SchedulerActor.plan)()
 
     async def where(self) -> WhereReport:
         """Where each stage is in its program now, naming any send or receive that never matched."""
-        return WhereReport.from_wire(await self._call(SchedulerActor.where)())
+        return await self._call(SchedulerActor.where)()
 
     async def trace(self, path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
         """The last step's measured timeline as Chrome/Perfetto trace JSON (on the head's clock).

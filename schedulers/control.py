@@ -28,10 +28,14 @@ from typing import Any
 
 import torch
 
-from actors import ActorError, ActorRef, Host, NodeLost, StepFailed, error_from_wire
+from actors import ActorError, ActorRef, Event, Host, NodeLost, StepFailed, error_from_wire
 from stages import batch_size, FinishReport, Mesh, ReduceReport, StageActor, StageReport, StepOrder
 from schedulers.hang import StageProgress, diagnose
 from schedulers import job_state, recovery
+from schedulers.events import (
+    JobFailed, JobPaused, JobResumed, RunFinished, RunProgress, RunStarted, SchedulePlanned, SettingPending,
+    SettingRejected, SettingsApplied, StepFinished,
+)
 from schedulers.jobs import AUTO_PROBE, JobSpec
 from schedulers._job import Placer
 from schedulers.planning import AutoSchedule, NoScheduleFits, advise
@@ -62,7 +66,7 @@ SETTABLE = ("micro_batches", "schedule", "activation_codec", "gradient_codec")
 CLOCK_PROBES = 5  # round trips per stage when estimating its clock offset
 CLOSE_WAIT_S = 2.0  # how long close waits for a cancelled operation to let go of the job
 
-Publish = Callable[[dict[str, Any]], None]
+Publish = Callable[[Event], None]
 
 
 def compile_programs(spec: JobSpec, schedule_name: str | None = None,
@@ -159,10 +163,10 @@ class RunState:
 class JobController:
     """Everything about one job on the head: its stage actors, steps, run, settings and last trace.
 
-    Events go to ``publish``: ``step_finished`` (loss, time, bubble, run progress),
-    ``job_failed`` (the step's error), ``run_started``, ``run_finished``,
-    ``job_paused``, ``job_resumed``, ``setting_pending``, ``settings_applied``,
-    ``setting_rejected``.
+    Events go to ``publish`` (records of :mod:`schedulers.events`): ``StepFinished`` (loss,
+    time, bubble, run progress), ``JobFailed`` (the step's error), ``RunStarted``,
+    ``RunFinished``, ``JobPaused``, ``JobResumed``, ``SettingPending``,
+    ``SettingsApplied``, ``SettingRejected``, ``SchedulePlanned``.
     """
 
     def __init__(
@@ -316,7 +320,7 @@ class JobController:
                     self.broken = f"step {step} failed while the stages applied it ({failure.message})"
                 raise
         except StepFailed as failure:
-            self._publish({"type": "job_failed", "job": self.id, "step": step, "error": str(failure)})
+            self._publish(JobFailed(job=self.id, step=step, error=str(failure)))
             raise
         self.applied += 1
         self.snapshot_due = False
@@ -346,7 +350,7 @@ class JobController:
             return await asyncio.to_thread(self.auto.rank, self.spec, reports, self.mesh, step)
         except NoScheduleFits as exc:
             await self._abort(step, {})
-            self._publish({"type": "job_failed", "job": self.id, "step": step, "error": str(exc)})
+            self._publish(JobFailed(job=self.id, step=step, error=str(exc)))
             raise
 
     async def _after_probe(self, reports: list[StageReport], step_time_s: float,
@@ -356,9 +360,8 @@ class JobController:
             self.auto.adopt(ranked, step_time_s - max(r.elapsed_s for r in reports))
             self.programs = self._compile(self.spec)
             chosen = self.auto.chosen
-            self._publish({"type": "schedule_planned", "job": self.id, "step": self.next_step,
-                           "schedule": chosen.label if chosen else None,
-                           "predicted_step_s": chosen.predicted_step_s if chosen else None})
+            self._publish(SchedulePlanned(job=self.id, step=self.next_step, schedule=chosen.label if chosen else None,
+                                          predicted_step_s=chosen.predicted_step_s if chosen else None))
         elif self.auto.measuring:
             self.auto.probed(reports, self.mesh)
             timed_next = self.auto.warmed_up()
@@ -392,7 +395,7 @@ class JobController:
     async def _run_to_barrier(self, step: int, calls: dict[int, dict[str, Any]]) -> list[StageReport]:
         tasks = {
             rank: asyncio.ensure_future(self.stages[rank].endpoint(StageActor.run_step).call(
-                StepOrder(step=step, program=self.programs[self.mesh.coords(rank).pipeline], **kwargs).to_wire()))
+                StepOrder(step=step, program=self.programs[self.mesh.coords(rank).pipeline], **kwargs)))
             for rank, kwargs in calls.items()
         }
         loop = asyncio.get_running_loop()
@@ -599,12 +602,11 @@ class JobController:
         run = self.run_state
         progress = None
         if run is not None and not run.finished and self.steps_done > run.first_step:
-            progress = {"done": self.steps_done - run.first_step, "target": run.target}
-        self._publish({"type": "step_finished", "job": self.id, "step": stats.step, "loss": stats.loss,
-                       "step_time_s": stats.step_time_s, "bubble_fraction": stats.bubble_fraction,
-                       "samples_per_s": stats.samples_per_s, "schedule": stats.schedule, "run": progress,
-                       "skipped": stats.skipped, "lr": stats.lr, "predicted_step_s": stats.predicted_step_s,
-                       "prediction_error": stats.prediction_error})
+            progress = RunProgress(done=self.steps_done - run.first_step, target=run.target)
+        self._publish(StepFinished(job=self.id, step=stats.step, loss=stats.loss, step_time_s=stats.step_time_s,
+                                   bubble_fraction=stats.bubble_fraction, samples_per_s=stats.samples_per_s,
+                                   schedule=stats.schedule, run=progress, skipped=stats.skipped, lr=stats.lr,
+                                   predicted_step_s=stats.predicted_step_s, prediction_error=stats.prediction_error))
 
     # -- queries ----------------------------------------------------------------------
 
@@ -671,7 +673,7 @@ class JobController:
                              f"wait for it or stop it first")
         state = self.run_state = RunState(target=num_steps, first_step=self.steps_done)
         state.task = self.runtime.spawn_task(self._run_steps(state), name=f"{self.id} run")
-        self._publish({"type": "run_started", "job": self.id, "steps": num_steps, "paused": self.paused})
+        self._publish(RunStarted(job=self.id, steps=num_steps, paused=self.paused))
         return state.info()
 
     async def _run_steps(self, state: RunState) -> None:
@@ -679,13 +681,13 @@ class JobController:
         try:
             while state.done < state.target and not state.stop:
                 if self.paused:
-                    self._publish({"type": "job_paused", "job": self.id, "step": self.next_step})
+                    self._publish(JobPaused(job=self.id, step=self.next_step))
                     while self.paused and not state.stop:
                         state.wake.clear()
                         await state.wake.wait()
                     if state.stop:
                         break
-                    self._publish({"type": "job_resumed", "job": self.id, "step": self.next_step})
+                    self._publish(JobResumed(job=self.id, step=self.next_step))
                 await self.step()
                 state.done += 1
             reason = "done" if state.done == state.target else "stopped"
@@ -694,14 +696,14 @@ class JobController:
             reason = "failed"
         finally:
             state.finished = True
-            self._publish({"type": "run_finished", "job": self.id, "done": state.done, "target": state.target,
-                           "reason": reason, "error": state.error})
+            self._publish(RunFinished(job=self.id, done=state.done, target=state.target, reason=reason,
+                                      error=state.error))
 
     def pause(self) -> JobDescription:
         """Holds the job's run before its next step (the current one finishes, optimizer step included)."""
         self.paused = True
         if not self.running:
-            self._publish({"type": "job_paused", "job": self.id, "step": self.next_step})
+            self._publish(JobPaused(job=self.id, step=self.next_step))
         return self.describe()
 
     def resume(self) -> JobDescription:
@@ -710,7 +712,7 @@ class JobController:
         if self.run_state is not None:
             self.run_state.wake.set()
         if not self.running:
-            self._publish({"type": "job_resumed", "job": self.id, "step": self.next_step})
+            self._publish(JobResumed(job=self.id, step=self.next_step))
         return self.describe()
 
     def stop_run(self) -> JobDescription:
@@ -731,7 +733,7 @@ class JobController:
         new = plan_setting(self.pending_spec or self.spec, key, value)
         self.pending_spec = new
         self.pending[key] = value = new.get(key)
-        self._publish({"type": "setting_pending", "job": self.id, "key": key, "value": value})
+        self._publish(SettingPending(job=self.id, key=key, value=value))
         return SettingChange(job=self.id, key=key, value=value, stepping=self.lock.locked(),
                              next_step=self.next_step)
 
@@ -748,13 +750,13 @@ class JobController:
                 await asyncio.gather(*(ref.endpoint(StageActor.set_codecs, timeout=30).call(
                     new.edge_codecs("activation_codec"), new.edge_codecs("gradient_codec")) for ref in self.stages))
             except ActorError as exc:
-                self._publish({"type": "setting_rejected", "job": self.id, "key": "codecs",
-                               "error": f"the stages refused the new codecs: {exc}"})
+                self._publish(SettingRejected(job=self.id, key="codecs",
+                                              error=f"the stages refused the new codecs: {exc}"))
                 return
         self.spec = new
         self.auto.reset(new)  # auto measures again: the costs it planned with may have changed
         self.programs = self._compile(new)
-        self._publish({"type": "settings_applied", "job": self.id, "step": self.next_step, "changes": changes})
+        self._publish(SettingsApplied(job=self.id, step=self.next_step, changes=changes))
 
     # -- state (schedulers.job_state) -------------------------------------------------------
 

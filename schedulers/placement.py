@@ -1,8 +1,8 @@
 """Which nodes a job's stage actors go to: one per node, free nodes first, one per GPU where possible.
 
-Pure (node maps in, node maps out), so that every rule is tested with fake node lists
-and no process. A node map is what the head lists (``name``, ``state``, ``device``,
-``host``; other keys ride along). Two nodes share a GPU when they name the same
+Pure (node records in, node records out), so that every rule is tested with made-up
+node lists and no process. A node is what the head lists (:class:`~actors.NodeInfo`:
+``name``, ``device``, ``host``, …). Two nodes share a GPU when they name the same
 ``cuda:K`` on the same host.
 
 The rules, in order of preference for each pick: a node whose GPU holds no stage
@@ -19,7 +19,9 @@ job on one GPU when the job needs an NCCL communicator, which NCCL refuses
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
+
+from actors import NodeInfo
 
 __all__ = ["Placement", "PlacementWarning", "choose_nodes", "gpu_of"]
 
@@ -41,18 +43,17 @@ class PlacementWarning(UserWarning):
 class Placement(NamedTuple):
     """The chosen nodes, by global rank, and what the driver should hear about them."""
 
-    nodes: list[dict[str, Any]]
+    nodes: list[NodeInfo]
     notices: list[str]
 
 
-def gpu_of(node: Mapping[str, Any]) -> tuple[str, str] | None:
-    """``(host, "cuda:K")`` for a GPU node, None for a CPU (or unknown) one."""
-    device = str(node.get("device", "cpu"))
-    return (str(node.get("host", "")), device) if device.startswith("cuda") else None
+def gpu_of(node: NodeInfo) -> tuple[str, str] | None:
+    """``(host, "cuda:K")`` for a GPU node, None for a CPU one."""
+    return (node.host, node.device) if node.device.startswith("cuda") else None
 
 
 def choose_nodes(
-    alive: Sequence[Mapping[str, Any]], busy: Mapping[str, str], count: int, *, exclusive_gpus: bool = False,
+    alive: Sequence[NodeInfo], busy: Mapping[str, str], count: int, *, exclusive_gpus: bool = False,
 ) -> Placement:
     """``count`` of the ``alive`` nodes for a job's stage actors, by the rules in the module docstring.
 
@@ -73,46 +74,45 @@ def choose_nodes(
     others: dict[tuple[str, str], str] = {}  # a GPU -> a job that already computes on it
     for node in alive:
         gpu = gpu_of(node)
-        if gpu is not None and node["name"] in busy:
-            others.setdefault(gpu, busy[node["name"]])
-    remaining = sorted(alive, key=lambda n: str(n["name"]))
-    chosen: list[dict[str, Any]] = []
+        if gpu is not None and node.name in busy:
+            others.setdefault(gpu, busy[node.name])
+    remaining = sorted(alive, key=lambda n: n.name)
+    chosen: list[NodeInfo] = []
     notices: list[str] = []
     for _ in range(count):
-        pick = min(remaining, key=lambda n: (_taken(n, others, chosen), n["name"] in busy, str(n["name"])))
+        pick = min(remaining, key=lambda n: (_taken(n, others, chosen), n.name in busy, n.name))
         remaining.remove(pick)
         if _taken(pick, others, chosen):
             notices.append(_shared(pick, others, chosen, exclusive_gpus))
-        chosen.append(dict(pick))
+        chosen.append(pick)
     if len({gpu_of(n) is None for n in chosen}) > 1:
         notices.append(f"the job's stage actors mix CPU and GPU nodes ({', '.join(_where(n) for n in chosen)}): "
                        "the CPU stages set the pace; start GPU nodes only, or place the job on CPU nodes")
     return Placement(chosen, notices)
 
 
-def _taken(node: Mapping[str, Any], others: Mapping[tuple[str, str], str], chosen: Sequence[Mapping[str, Any]]) -> bool:
+def _taken(node: NodeInfo, others: Mapping[tuple[str, str], str], chosen: Sequence[NodeInfo]) -> bool:
     """Whether ``node`` is on a GPU that another job, or a node already chosen, computes on."""
     gpu = gpu_of(node)
     return gpu is not None and (gpu in others or any(gpu_of(n) == gpu for n in chosen))
 
 
-def _shared(node: Mapping[str, Any], others: Mapping[tuple[str, str], str], chosen: Sequence[Mapping[str, Any]],
+def _shared(node: NodeInfo, others: Mapping[tuple[str, str], str], chosen: Sequence[NodeInfo],
             exclusive: bool) -> str:
     """The notice for ``node``, whose GPU is taken; raises where NCCL would refuse the sharing."""
     gpu = gpu_of(node)
     assert gpu is not None, "only a GPU node is taken"
-    mates = [str(n["name"]) for n in chosen if gpu_of(n) == gpu]
+    mates = [n.name for n in chosen if gpu_of(n) == gpu]
     if mates and exclusive:
-        raise ValueError(f"this job needs a GPU per rank for its NCCL communicator, but node {node['name']} would "
+        raise ValueError(f"this job needs a GPU per rank for its NCCL communicator, but node {node.name} would "
                          f"share {_where(node)} with its {', '.join(mates)} (every other GPU is taken), which NCCL "
                          f"refuses; {_REMEDY}, or use transport='zmq' with tensor_parallel=1 and data_parallel=1")
     who = [f"this job's {', '.join(mates)}"] if mates else []
     if gpu in others:
         who.append(f"a stage actor of {others[gpu]}")
-    return (f"node {node['name']} shares {_where(node)} with {' and '.join(who)}: every GPU of the cluster already "
+    return (f"node {node.name} shares {_where(node)} with {' and '.join(who)}: every GPU of the cluster already "
             f"holds a stage actor, so they contend for its memory and compute; {_REMEDY}")
 
 
-def _where(node: Mapping[str, Any]) -> str:
-    host = node.get("host")
-    return f"{node.get('device', 'cpu')} on {host}" if host else str(node.get("device", "cpu"))
+def _where(node: NodeInfo) -> str:
+    return f"{node.device} on {node.host}" if node.host else node.device

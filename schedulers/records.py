@@ -1,8 +1,10 @@
 """What the scheduler answers its clients: typed records both sides import.
 
-The scheduler actor builds these and sends them as maps (``to_wire``); the client
-(:class:`~schedulers.client.Job`) rebuilds them with ``from_wire``, which refuses an
-unknown key, so nothing the scheduler reports is dropped on the way.
+The scheduler actor's endpoints return these, and they travel as records (see
+:mod:`actors.records`): the client (:class:`~schedulers.client.Job`) gets the same
+classes back, rebuilt by ``from_wire``, which refuses an unknown key, so nothing the
+scheduler reports is dropped on the way. A :class:`~schedulers.jobs.JobSpec` travels
+too, checked by its own ``from_wire``.
 """
 
 from __future__ import annotations
@@ -12,9 +14,13 @@ from typing import Any, ClassVar
 
 from actors import WireRecord
 from schedulers.jobs import JobSpec
+from transport.records import register_record
 
 __all__ = ["Candidate", "JobDescription", "JobInfo", "MeasuredCosts", "Plan", "RunInfo", "SettingChange", "StepStats",
            "WhereReport"]
+
+# A spec is checked by its own from_wire (every field, as at the call), not WireRecord's.
+register_record(JobSpec, "JobSpec", fields=JobSpec.to_wire)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

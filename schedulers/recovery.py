@@ -16,6 +16,7 @@ from stages import Coords, StageActor
 
 from schedulers import job_state
 from schedulers._job import JobCore, Placer
+from schedulers.events import JobRecovered
 
 
 __all__ = ["Placer", "may_recover", "recover", "stop_retired"]
@@ -129,12 +130,14 @@ async def recover(job: JobCore, cause: NodeLost) -> dict[str, Any]:
     job.fenced.clear()
     job.broken = None
     job.applied = target
-    info = {"lost": sorted(moved), "moved": moved, "from_step": target, "replayed": job.steps_done - target,
-            "from_checkpoint": checkpoint[0] if checkpoint is not None else None,
-            "seconds": round(time.perf_counter() - started, 3), "restarts_left": job.spec.fault_tolerance.max_restarts -
-            job.restarts}
+    event = JobRecovered(job=job.id, lost=sorted(moved), moved=moved, from_step=target,
+                         replayed=job.steps_done - target,
+                         from_checkpoint=checkpoint[0] if checkpoint is not None else None,
+                         seconds=round(time.perf_counter() - started, 3),
+                         restarts_left=job.spec.fault_tolerance.max_restarts - job.restarts)
+    info = {k: v for k, v in event.to_wire().items() if k not in ("job", "time")}
     log.warning("%s recovered: %s", job.id, info)
-    job._publish({"type": "job_recovered", "job": job.id, **info})
+    job._publish(event)
     return info
 
 

@@ -12,6 +12,7 @@ that calls them (typed, through ``ref.endpoint(SchedulerActor.method)``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -25,8 +26,11 @@ from actors import (
     Actor,
     ActorError,
     ActorRef,
+    Event,
+    EventSink,
     HeadActor,
     NodeActor,
+    NodeInfo,
     NotAllowed,
     current_caller,
     endpoint,
@@ -40,6 +44,7 @@ from schedulers._job import JobCore, Placer
 from schedulers.jobs import JobSpec, stage_config
 from schedulers.partition import partition_by_parameters, partition_uniform
 from schedulers.placement import Placement, choose_nodes, gpu_of
+from schedulers.events import JobClosed, JobCreated
 from schedulers.records import JobDescription, JobInfo, Plan, RunInfo, SettingChange, StepStats, WhereReport
 from transport.channel import is_local_address
 
@@ -66,15 +71,15 @@ class Subscribers:
     def discard(self, address: str, actor: str) -> None:
         self._actors.discard((address, actor))
 
-    def publish(self, actor: Actor, event: dict[str, Any]) -> None:
+    def publish(self, actor: Actor, event: Event) -> None:
         """Tells every subscriber ``event`` (with the head's time) without waiting for them."""
-        event = {**event, "time": time.time()}
+        event = dataclasses.replace(event, time=time.time())
         for address, name in list(self._actors):
             actor.runtime.spawn_task(self._notify(actor, address, name, event), name="scheduler notify")
 
-    async def _notify(self, actor: Actor, address: str, name: str, event: dict[str, Any]) -> None:
+    async def _notify(self, actor: Actor, address: str, name: str, event: Event) -> None:
         try:
-            await asyncio.wait_for(actor.runtime.ref(address, name).tell("on_event", event), 2.0)
+            await asyncio.wait_for(actor.runtime.ref(address, name).endpoint(EventSink.on_event).tell(event), 2.0)
         except Exception:  # noqa: BLE001 - gone, slow or closing: a subscriber never breaks the scheduler
             log.info("dropping subscriber %s at %s: it does not take events", name, address)
             self.discard(address, name)
@@ -90,8 +95,8 @@ def _needs_communicator(spec: JobSpec) -> bool:
 class SchedulerActor(Actor):
     """Places jobs on nodes and runs them, one :class:`~schedulers.control.JobController` per job.
 
-    Events (``on_event`` to every subscriber): ``job_created``, ``job_closed``, and
-    each job's (see :class:`~schedulers.control.JobController`).
+    Events (``on_event`` to every subscriber, records of :mod:`schedulers.events`):
+    ``JobCreated``, ``JobClosed``, and each job's (see :class:`~schedulers.control.JobController`).
     """
 
     def __init__(self) -> None:
@@ -100,23 +105,22 @@ class SchedulerActor(Actor):
         self._inspections = itertools.count()
         self._subscribers = Subscribers()
 
-    def _publish(self, event: dict[str, Any]) -> None:
+    def _publish(self, event: Event) -> None:
         self._subscribers.publish(self, event)
 
     # -- jobs ------------------------------------------------------------------------------
 
     @endpoint(roles=("client",))
-    async def create_job(self, spec: dict[str, Any]) -> dict[str, Any]:
-        """Checks ``spec`` (a :class:`JobSpec` on the wire), places its stage actors and builds them.
+    async def create_job(self, job_spec: JobSpec) -> JobInfo:
+        """Places ``job_spec``'s stage actors and builds them (the spec was checked as it arrived).
 
         Returns:
-            A :class:`~schedulers.records.JobInfo` as a map.
+            The job's id, layout, nodes and placement notices.
 
         Raises:
             TypeError, ValueError: a bad spec, or too few nodes for the job.
             NotAllowed: a factory outside the allow-list (the message names the node that refused it).
         """
-        job_spec = JobSpec.from_wire(spec)
         mesh = job_spec.mesh
         nodes, notices = await self._place(job_spec)
         bounds = await self._partition(job_spec, nodes[0])
@@ -126,7 +130,7 @@ class SchedulerActor(Actor):
         rendezvous, dist_config = await self._rendezvous(job_id, job_spec, mesh, nodes)
         try:
             stages = await self._spawn_stages(job_id, job_spec, bounds, nodes, dist_config)
-            identities = sorted({str(n.get("identity", "")) for n in nodes} - {""})
+            identities = sorted({n.identity for n in nodes} - {""})
             await asyncio.gather(*(
                 ref.endpoint(StageActor.connect, timeout=30).call(
                     [stages[r].to_wire() for r in mesh.pipeline_ranks(c.data, c.tensor)], identities,
@@ -137,18 +141,18 @@ class SchedulerActor(Actor):
             if rendezvous is not None:
                 await self.runtime.stop_actor(rendezvous)
             raise
-        names = [n["name"] for n in nodes]
+        names = [n.name for n in nodes]
         self._jobs[job_id] = JobController(
             runtime=self.runtime, job_id=job_id, spec=job_spec, stages=stages, nodes=names, bounds=bounds,
             publish=self._publish, alive_nodes=self._alive_nodes, rendezvous=rendezvous,
             owner=current_caller(), identities=identities,
             placer=Placer(free_nodes=self._free_nodes, spawn=self._respawn, renew_rendezvous=self._renew_rendezvous))
         log.info("%s: %s on %s", job_id, job_spec.parallelism.schedule, ", ".join(names))
-        self._publish({"type": "job_created", "job": job_id, "nodes": names})
-        return JobInfo(job=job_id, bounds=bounds, nodes=names, notices=notices).to_wire()
+        self._publish(JobCreated(job=job_id, nodes=names))
+        return JobInfo(job=job_id, bounds=bounds, nodes=names, notices=notices)
 
     async def _rendezvous(
-        self, job_id: str, spec: JobSpec, mesh: Mesh, nodes: list[dict[str, Any]]
+        self, job_id: str, spec: JobSpec, mesh: Mesh, nodes: list[NodeInfo]
     ) -> tuple[str | None, dict[str, Any] | None]:
         """The job's torch.distributed rendezvous, for a mesh that needs collectives.
 
@@ -162,16 +166,18 @@ class SchedulerActor(Actor):
         """
         if not _needs_communicator(spec):
             return None, None
-        backend = backend_for(nodes)  # before anything starts: a mixed or GPU-sharing job is refused here
+        # Before anything starts: a mixed or GPU-sharing job is refused here. (The stage
+        # package still reads nodes as maps.)
+        backend = backend_for([node.to_wire() for node in nodes])
         name = f"{job_id}.rendezvous"
-        members = {str(n.get("identity", "")) for n in nodes} - {""}
+        members = {n.identity for n in nodes} - {""}
         timeout_s = spec.fault_tolerance.step_timeout_s
         await self.runtime.spawn(RendezvousActor(members, timeout_s=timeout_s, job=job_id), name)
-        loopback = all(is_local_address(str(n["address"])) for n in nodes)
+        loopback = all(is_local_address(n.address) for n in nodes)
         return name, {"rendezvous": [self.runtime.address, name], "backend": backend,
                       "timeout_s": timeout_s, "loopback": loopback}
 
-    async def _partition(self, spec: JobSpec, node: dict[str, Any]) -> list[list[int]]:
+    async def _partition(self, spec: JobSpec, node: NodeInfo) -> list[list[int]]:
         """Stage bounds for ``spec``'s model, from layer sizes that ``node`` (a worker) measures.
 
         The head never imports or calls a user's factory: the worker builds the model
@@ -193,10 +199,10 @@ class SchedulerActor(Actor):
             bounds = await asyncio.to_thread(partition_by_parameters, counts, spec.num_model_stages)
         return [list(b) for b in bounds]
 
-    async def _inspect_model(self, spec: JobSpec, node: dict[str, Any], pattern: str | None) -> list[int]:
+    async def _inspect_model(self, spec: JobSpec, node: NodeInfo, pattern: str | None) -> list[int]:
         """Each layer's parameter count (or time, to partition by profile), measured by a
         model inspector spawned on ``node`` for this question and stopped after it."""
-        agent = self.runtime.ref(node["address"], NODE)
+        agent = self.runtime.ref(node.address, NODE)
         name = f"inspect-{next(self._inspections)}"
         address, _ = await agent.endpoint(NodeActor.spawn, timeout=60).call("model_inspector", name, {})
         inspector = self.runtime.ref(address, name)
@@ -212,13 +218,13 @@ class SchedulerActor(Actor):
             try:
                 await agent.endpoint(NodeActor.stop_actor, timeout=10).call(name)
             except ActorError as exc:
-                log.warning("could not stop model inspector %s on %s: %s", name, node["name"], exc)
+                log.warning("could not stop model inspector %s on %s: %s", name, node.name, exc)
 
-    async def _nodes(self) -> list[dict[str, Any]]:
+    async def _nodes(self) -> list[NodeInfo]:
         return await self.runtime.ref(self.runtime.address, HEAD).endpoint(HeadActor.nodes).call()
 
     async def _alive_nodes(self) -> set[str]:
-        return {n["name"] for n in await self._nodes() if n["state"] == "alive"}
+        return {n.name for n in await self._nodes() if n.alive}
 
     async def _place(self, spec: JobSpec) -> Placement:
         """The job's nodes by global rank (see :func:`~schedulers.placement.choose_nodes`) and its notices.
@@ -227,7 +233,7 @@ class SchedulerActor(Actor):
             ValueError: too few alive nodes, or ranks that would share a GPU in an NCCL communicator.
         """
         mesh = spec.mesh
-        alive = [n for n in await self._nodes() if n["state"] == "alive"]
+        alive = [n for n in await self._nodes() if n.alive]
         if len(alive) < mesh.size:
             raise ValueError(
                 f"this job needs {mesh.size} nodes ({mesh.pipeline} pipeline x {mesh.tensor} tensor x "
@@ -238,12 +244,13 @@ class SchedulerActor(Actor):
         return choose_nodes(alive, busy, mesh.size, exclusive_gpus=_needs_communicator(spec))
 
     async def _spawn_stages(
-        self, job_id: str, spec: JobSpec, bounds: list[list[int]], nodes: list[dict[str, Any]],
+        self, job_id: str, spec: JobSpec, bounds: list[list[int]], nodes: list[NodeInfo],
         dist_config: dict[str, Any] | None,
     ) -> list[ActorRef]:
-        async def spawn(rank: int, node: dict[str, Any]) -> ActorRef:
+        async def spawn(rank: int, node: NodeInfo) -> ActorRef:
             config = stage_config(spec, job=job_id, global_rank=rank, bounds=bounds, dist=dist_config)
-            agent = self.runtime.ref(node["address"], NODE).endpoint(NodeActor.spawn, timeout=300)
+            # A stage is built from its config's fields as keyword arguments (StageActor(**config)).
+            agent = self.runtime.ref(node.address, NODE).endpoint(NodeActor.spawn, timeout=300)
             address, name = await agent.call("stage", f"{job_id}.rank{rank}", config.to_wire())
             return self.runtime.ref(address, name)
 
@@ -262,20 +269,20 @@ class SchedulerActor(Actor):
             ValueError: too few.
         """
         busy = taken | {name for job in self._jobs.values() for name in job.nodes}
-        alive = [n for n in await self._nodes() if n["state"] == "alive"]
-        used = {gpu_of(n) for n in alive if n["name"] in busy} - {None}  # a lost node's GPU is free again
-        free = sorted((n for n in alive if n["name"] not in busy), key=lambda n: (gpu_of(n) in used, n["name"]))
+        alive = [n for n in await self._nodes() if n.alive]
+        used = {gpu_of(n) for n in alive if n.name in busy} - {None}  # a lost node's GPU is free again
+        free = sorted((n for n in alive if n.name not in busy), key=lambda n: (gpu_of(n) in used, n.name))
         if len(free) < count:
             raise ValueError(f"no alive node is free ({len(free)} of {count} needed); start a spare "
                              "(LocalCluster(spares=...) or another python -m actors.node --join)")
-        return [(str(n["name"]), str(n.get("identity", ""))) for n in free[:count]]
+        return [(n.name, n.identity) for n in free[:count]]
 
     async def _respawn(self, job: JobCore, rank: int, node_name: str,
                        dist: dict[str, Any] | None) -> ActorRef:
         """Job ``job``'s rank ``rank`` built afresh on node ``node_name`` (a recovery)."""
-        node = next(n for n in await self._nodes() if n["name"] == node_name)
+        node = next(n for n in await self._nodes() if n.name == node_name)
         config = stage_config(job.spec, job=job.id, global_rank=rank, bounds=job.bounds, dist=dist)
-        agent = self.runtime.ref(node["address"], NODE).endpoint(NodeActor.spawn, timeout=300)
+        agent = self.runtime.ref(node.address, NODE).endpoint(NodeActor.spawn, timeout=300)
         address, name = await agent.call("stage", f"{job.id}.rank{rank}.restart{job.restarts}", config.to_wire())
         return self.runtime.ref(address, name)
 
@@ -283,7 +290,7 @@ class SchedulerActor(Actor):
         """A fresh rendezvous for ``job``'s members as they are now; the old one stops."""
         if job.rendezvous is not None:
             await self.runtime.stop_actor(job.rendezvous)
-        by_name = {n["name"]: n for n in await self._nodes()}
+        by_name = {n.name: n for n in await self._nodes()}
         name, config = await self._rendezvous(f"{job.id}.r{job.restarts}", job.spec, job.mesh,
                                               [by_name[node] for node in job.nodes])
         assert name is not None and config is not None
@@ -291,7 +298,7 @@ class SchedulerActor(Actor):
 
     async def _stop_stages(self, stages: list[ActorRef]) -> None:
         """Stops stage actors on the nodes still alive, each within a few seconds (a lost node's go with it)."""
-        alive = {n["address"] for n in await self._nodes() if n["state"] == "alive"}
+        alive = {n.address for n in await self._nodes() if n.alive}
 
         async def stop(ref: ActorRef) -> None:
             try:
@@ -308,12 +315,12 @@ class SchedulerActor(Actor):
         job = self._jobs.pop(job_id, None)
         if job is not None:
             await job.close(self._stop_stages)
-            self._publish({"type": "job_closed", "job": job_id})
+            self._publish(JobClosed(job=job_id))
 
     @endpoint(concurrent=True, roles=("client",))
-    async def jobs(self) -> list[dict[str, Any]]:
-        """Every job the caller may see (its own; all for the admin), as :class:`JobDescription` maps."""
-        return [job.describe().to_wire() for job in self._jobs.values() if _may_act_on(job)]
+    async def jobs(self) -> list[JobDescription]:
+        """Every job the caller may see (its own; all for the admin)."""
+        return [job.describe() for job in self._jobs.values() if _may_act_on(job)]
 
     def _job(self, job_id: str) -> JobController:
         """The job ``job_id``, if the caller owns it (or holds the admin key).
@@ -331,15 +338,12 @@ class SchedulerActor(Actor):
             raise NotAllowed(f"{job_id} belongs to {job.owner}; only its owner or the admin key may act on it")
         return job
 
-    # -- one job's calls (each returns a record of schedulers.records as a map) ----------------------
+    # -- one job's calls (each returns a record of schedulers.records) -----------------------------
 
     @endpoint(concurrent=True, roles=("client",))
-    async def step(
-        self, job_id: str, inputs: Any = None, targets: Any = None
-    ) -> dict[str, Any]:
-        """One optimizer step of ``job_id``; a :class:`StepStats` map. See :meth:`JobController.step`."""
-        stats: StepStats = await self._job(job_id).step(inputs, targets)
-        return stats.to_wire()
+    async def step(self, job_id: str, inputs: Any = None, targets: Any = None) -> StepStats:
+        """One optimizer step of ``job_id``. See :meth:`JobController.step`."""
+        return await self._job(job_id).step(inputs, targets)
 
     @endpoint(concurrent=True, roles=("client",))
     async def cancel_step(self, job_id: str) -> bool:
@@ -351,49 +355,44 @@ class SchedulerActor(Actor):
         return self._job(job_id).cancel_step()
 
     @endpoint(concurrent=True, roles=("client",))
-    async def describe(self, job_id: str) -> dict[str, Any]:
-        """A :class:`JobDescription` map: spec, layout, programs, run, last step."""
-        description: JobDescription = self._job(job_id).describe()
-        return description.to_wire()
+    async def describe(self, job_id: str) -> JobDescription:
+        """The job's spec, layout, programs, run and last step."""
+        return self._job(job_id).describe()
 
     @endpoint(concurrent=True, roles=("client",))
-    async def where(self, job_id: str) -> dict[str, Any]:
-        """A :class:`WhereReport` map: each stage's current action, what it waits for, the marked grid."""
-        report: WhereReport = await self._job(job_id).where()
-        return report.to_wire()
+    async def where(self, job_id: str) -> WhereReport:
+        """Each stage's current action, what it waits for, the marked grid."""
+        return await self._job(job_id).where()
 
     @endpoint(concurrent=True, roles=("client",))
-    async def run(self, job_id: str, num_steps: int) -> dict[str, Any]:
-        """Starts ``num_steps`` steps from the job's data factory in the background; a :class:`RunInfo` map."""
-        info: RunInfo = self._job(job_id).start_run(num_steps)
-        return info.to_wire()
+    async def run(self, job_id: str, num_steps: int) -> RunInfo:
+        """Starts ``num_steps`` steps from the job's data factory in the background."""
+        return self._job(job_id).start_run(num_steps)
 
     @endpoint(concurrent=True, roles=("client",))
-    async def pause(self, job_id: str) -> dict[str, Any]:
-        """Holds the job's run before its next step; a :class:`JobDescription` map."""
-        return self._job(job_id).pause().to_wire()
+    async def pause(self, job_id: str) -> JobDescription:
+        """Holds the job's run before its next step."""
+        return self._job(job_id).pause()
 
     @endpoint(concurrent=True, roles=("client",))
-    async def resume(self, job_id: str) -> dict[str, Any]:
-        """Lets a paused run go on; a :class:`JobDescription` map."""
-        return self._job(job_id).resume().to_wire()
+    async def resume(self, job_id: str) -> JobDescription:
+        """Lets a paused run go on."""
+        return self._job(job_id).resume()
 
     @endpoint(concurrent=True, roles=("client",))
-    async def stop_run(self, job_id: str) -> dict[str, Any]:
-        """Ends the job's run after its current step; a :class:`JobDescription` map."""
-        return self._job(job_id).stop_run().to_wire()
+    async def stop_run(self, job_id: str) -> JobDescription:
+        """Ends the job's run after its current step."""
+        return self._job(job_id).stop_run()
 
     @endpoint(concurrent=True, roles=("client",))
-    async def set_option(self, job_id: str, key: str, value: Any) -> dict[str, Any]:
-        """Changes ``key`` from the next step on; a :class:`SettingChange` map."""
-        change: SettingChange = self._job(job_id).set(key, value)
-        return change.to_wire()
+    async def set_option(self, job_id: str, key: str, value: Any) -> SettingChange:
+        """Changes ``key`` from the next step on."""
+        return self._job(job_id).set(key, value)
 
     @endpoint(concurrent=True, roles=("client",))
-    async def plan(self, job_id: str) -> dict[str, Any]:
-        """The candidate schedules with predicted step time and stash, the chosen one marked; a :class:`Plan` map."""
-        plan: Plan = await self._job(job_id).plan()
-        return plan.to_wire()
+    async def plan(self, job_id: str) -> Plan:
+        """The candidate schedules with predicted step time and stash, the chosen one marked."""
+        return await self._job(job_id).plan()
 
     @endpoint(concurrent=True, roles=("client",))
     async def trace(self, job_id: str) -> dict[str, Any]:

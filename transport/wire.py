@@ -8,11 +8,17 @@ tuples, dicts) with tensors anywhere in it. On the wire::
 
 ``body_bytes`` is the msgpack of the payload with each tensor replaced by an ext
 value that holds its index in ``tensor_table``; each table row is
-``[codec, dtype, shape, params, num_frames]``. The receiver checks every row against
+``[codec, dtype, shape, params, num_frames]``. A record (a class registered with
+:func:`register_record`) travels as the list ``[ext(name), fields]``: an ext value
+holding its registered name, then the map of its fields, which may hold tensors and
+records in turn. The receiver rebuilds only registered classes, through their own
+strict ``from_wire``. The receiver checks every row against
 the codec's own idea of the frame sizes before it touches a frame, then rebuilds
 each tensor over the received buffer (no copy for the ``none`` codec).
 
-Nothing is ever unpickled. Every malformed input raises a :class:`WireError`.
+Nothing is ever unpickled, and nothing a message names is imported or called but
+the ``from_wire`` of a class this process registered. Every malformed input raises
+a :class:`WireError`.
 
 What a message may cost the receiver is bounded before the cost is paid (a message
 comes from whoever can reach the socket):
@@ -50,6 +56,7 @@ import msgpack
 import torch
 
 from transport.codecs import CODEC_NAMES, Codec, CodecError, Encoded, get_codec
+from transport.records import MAX_RECORD_NAME, RECORD_CLASSES, RECORD_NAMES, RecordType, record_types, register_record
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
@@ -62,10 +69,13 @@ __all__ = [
     "Coded",
     "MessageTooLarge",
     "RAISE_THE_LIMIT",
+    "RecordType",
     "WireError",
     "decode_message",
     "encode_message",
     "excerpt",
+    "record_types",
+    "register_record",
 ]
 
 WIRE_VERSION = 1
@@ -76,6 +86,7 @@ RAISE_THE_LIMIT = (
     "on the head and every worker, LocalCluster(max_message_bytes=N), Cluster.connect(..., max_message_bytes=N)), "
     "or send less per message (job.save(DIR) writes a checkpoint without sending its tensors)")
 _TENSOR_EXT = 1
+_RECORD_EXT = 2
 _MAX_NDIM = 32
 _MAX_FRAMES_PER_TENSOR = 8
 
@@ -134,6 +145,13 @@ class MessageTooLarge(WireError):
 
 
 @dataclass(frozen=True, slots=True)
+class _RecordTag:
+    """The ext value that opens a record: ``[tag, fields]`` becomes the record."""
+
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
 class Coded:
     """A tensor marked to travel with a given codec instead of the message default.
 
@@ -150,7 +168,8 @@ def encode_message(
     """Encodes ``payload`` into frames ready for ``send_multipart(copy=False)``.
 
     Args:
-        payload: msgpack types and tensors, nested in lists, tuples and dicts.
+        payload: msgpack types, tensors and records (instances of classes given to
+            :func:`register_record`), nested in lists, tuples, dicts and records.
             Wrap a tensor in :class:`Coded` to pick its codec, or pass an
             :class:`~transport.codecs.Encoded` to send one encoded already.
         codec: the codec for floating tensors not wrapped in :class:`Coded`;
@@ -175,8 +194,11 @@ def encode_message(
     frames: list[Any] = []
     decoded_nbytes = numel_total = padding_total = 0
 
-    def add_tensor(obj: Any) -> msgpack.ExtType:
+    def add_extension(obj: Any) -> Any:  # a record or a tensor: what msgpack cannot pack itself
         nonlocal decoded_nbytes, numel_total, padding_total
+        record = RECORD_NAMES.get(type(obj))
+        if record is not None:
+            return [msgpack.ExtType(_RECORD_EXT, record[0].encode()), record[1](obj)]
         if isinstance(obj, Encoded):  # encoded already (e.g. on a compute thread)
             encoded = obj
         elif isinstance(obj, Coded):
@@ -189,8 +211,8 @@ def encode_message(
             encoded = chosen.encode(obj.detach())
         else:
             raise TypeError(
-                f"cannot send an object of type {type(obj).__qualname__}: messages hold "
-                "None, bool, int, float, str, bytes, lists, dicts and tensors"
+                f"cannot send an object of type {type(obj).__qualname__}: messages hold None, bool, "
+                "int, float, str, bytes, lists, dicts, tensors and registered records (register_record)"
             )
         numel = math.prod(encoded.shape)
         problem = _expansion_problem(encoded.codec, encoded.dtype, numel, encoded.nbytes)
@@ -203,7 +225,7 @@ def encode_message(
         frames.extend(_as_buffer(frame) for frame in encoded.frames)
         return msgpack.ExtType(_TENSOR_EXT, (len(table) - 1).to_bytes(4, "little"))
 
-    body = msgpack.packb(payload, default=add_tensor, use_bin_type=True)
+    body = msgpack.packb(payload, default=add_extension, use_bin_type=True)
     header = msgpack.packb([WIRE_VERSION, table, body], use_bin_type=True)
     total = len(header) + sum(memoryview(f).nbytes for f in frames)
     if total > max_bytes or decoded_nbytes > max_bytes:
@@ -221,7 +243,9 @@ def encode_message(
     return [header, *frames]
 
 
-def decode_message(frames: Sequence[Any], *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Any:
+def decode_message(
+    frames: Sequence[Any], *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, bad_records: list[WireError] | None = None
+) -> Any:
     """Rebuilds a payload from frames received off the wire.
 
     Every size is checked before the memory it implies is committed (see the module
@@ -231,10 +255,14 @@ def decode_message(frames: Sequence[Any], *, max_bytes: int = DEFAULT_MAX_MESSAG
         frames: ``zmq.Frame`` objects, bytes, bytearrays or memoryviews.
         max_bytes: the largest message accepted, header and frames together, and
             the most bytes its tensors may take once decoded.
+        bad_records: where to report a record that cannot be rebuilt (a name no
+            class is registered under, or fields its ``from_wire`` refuses) instead
+            of raising; the record decodes as None. The rest of the message is sound
+            then, so a receiver can answer its sender with a typed error.
 
     Returns:
-        The payload, tensors rebuilt on the CPU. A tensor sent with the ``none``
-        codec shares memory with its received frame.
+        The payload, tensors rebuilt on the CPU, records rebuilt as their classes.
+        A tensor sent with the ``none`` codec shares memory with its received frame.
 
     Raises:
         MessageTooLarge: over ``max_bytes`` on the wire or decoded, or over
@@ -254,7 +282,11 @@ def decode_message(frames: Sequence[Any], *, max_bytes: int = DEFAULT_MAX_MESSAG
         raise WireError(f"wire version {excerpt(version)} is not supported (this side speaks {WIRE_VERSION})")
     tensors = _rebuild_tensors(table, buffers[1:], max_bytes=max_bytes)
 
-    def ext_hook(code: int, data: bytes) -> torch.Tensor:
+    records = _RecordBuilder(bad_records)
+
+    def ext_hook(code: int, data: bytes) -> torch.Tensor | _RecordTag:
+        if code == _RECORD_EXT:
+            return records.open(data)
         if code != _TENSOR_EXT or len(data) != 4:
             raise WireError(f"unknown msgpack extension type {code}")
         index = int.from_bytes(data, "little")
@@ -262,7 +294,7 @@ def decode_message(frames: Sequence[Any], *, max_bytes: int = DEFAULT_MAX_MESSAG
             raise WireError(f"tensor reference {index} but the table has {len(tensors)} rows")
         return tensors[index]
 
-    return _unpack_body(body, ext_hook)
+    return _unpack_body(body, ext_hook, records)
 
 
 def excerpt(value: object, limit: int = 80) -> str:
@@ -387,11 +419,71 @@ def _unpack_header(buf: memoryview, *, num_tensor_frames: int) -> tuple[Any, lis
     return version, table, body
 
 
-def _unpack_body(body: bytes, ext_hook: Callable[[int, bytes], Any]) -> Any:
+class _RecordBuilder(_ContainerBudget):
+    """The body's list hook: counts containers against the budget, and turns each
+    ``[record tag, fields]`` list into its registered record class.
+
+    msgpack builds containers inside out, so a record's fields (nested records
+    included) are rebuilt before the record itself. One hook does both, so a body
+    of many small lists pays one Python call per list, as it did before records.
+    """
+
+    __slots__ = ("bad", "opened", "built")
+
+    def __init__(self, bad: list[WireError] | None) -> None:
+        super().__init__(MAX_CONTAINERS, "message body")
+        self.bad = bad
+        self.opened = self.built = 0
+
+    def open(self, data: bytes) -> _RecordTag:
+        try:
+            name = data.decode()
+        except UnicodeDecodeError:
+            raise WireError(f"record name {excerpt(data)} is not UTF-8") from None
+        self.opened += 1
+        return _RecordTag(name)
+
+    def list_hook(self, items: list[Any]) -> Any:
+        self.used += 1
+        if self.used > self.limit:
+            raise WireError(f"{self.what} holds more than {self.limit} lists and maps")
+        # A record's tag is decoded before the list that holds it ends: with none
+        # pending, this list is no record.
+        if self.opened == self.built or not items or type(items[0]) is not _RecordTag:
+            return items
+        return self._build(items[0].name, items)
+
+    def _build(self, name: str, items: list[Any]) -> Any:
+        self.built += 1
+        if len(items) != 2 or not isinstance(items[1], dict):
+            raise WireError(f"record {excerpt(name)} must be [name, fields map]")
+        cls = RECORD_CLASSES.get(name)
+        try:
+            if cls is None:
+                raise WireError(
+                    f"unknown record type {excerpt(name)}: no class is registered under that name here "
+                    "(the module that defines it is not imported, or the peers run different versions)"
+                )
+            try:
+                return cls.from_wire(items[1])
+            except Exception as exc:  # the class's own strict rules: typed here, whatever it raised
+                raise WireError(f"record {name}: {type(exc).__name__}: {_clip(exc)}") from None
+        except WireError as exc:
+            if self.bad is None:
+                raise
+            self.bad.append(exc)
+            return None
+
+    def check_closed(self) -> None:
+        if self.opened != self.built:
+            raise WireError(f"{self.opened - self.built} record tag(s) outside a [name, fields] list")
+
+
+def _unpack_body(body: bytes, ext_hook: Callable[[int, bytes], Any], records: _RecordBuilder) -> Any:
     size = len(body)
-    # Each list or map takes a byte at least, so a short body needs no counting, and
-    # no body nests deeper than it has containers.
-    count = _ContainerBudget(MAX_CONTAINERS, "message body") if size > MAX_DEPTH else None
+    # Each list or map takes a byte at least, so a short body needs no map counting,
+    # and no body nests deeper than it has containers.
+    count = records if size > MAX_DEPTH else None
     # Thousands of new lists and maps trigger the cyclic GC, and a full collection walks
     # every object of the process (torch's included: ~100 ms). Nothing here makes a cycle.
     pause_gc = count is not None and gc.isenabled()
@@ -400,8 +492,8 @@ def _unpack_body(body: bytes, ext_hook: Callable[[int, bytes], Any]) -> Any:
     try:
         payload = msgpack.unpackb(
             body, ext_hook=ext_hook, raw=False, strict_map_key=False, timestamp=0,
-            list_hook=count, object_hook=count,
-            max_str_len=size, max_bin_len=size, max_ext_len=4,  # a tensor reference
+            list_hook=records.list_hook, object_hook=count,
+            max_str_len=size, max_bin_len=size, max_ext_len=MAX_RECORD_NAME,  # a name or a tensor reference
             max_array_len=min(size, MAX_ITEMS), max_map_len=min(size // 2, MAX_ITEMS),
         )
     except WireError:
@@ -411,6 +503,7 @@ def _unpack_body(body: bytes, ext_hook: Callable[[int, bytes], Any]) -> Any:
     finally:
         if pause_gc:
             gc.enable()
+    records.check_closed()
     if count is not None and count.used > MAX_DEPTH:
         _check_depth(payload)
     return payload
@@ -418,14 +511,22 @@ def _unpack_body(body: bytes, ext_hook: Callable[[int, bytes], Any]) -> Any:
 
 def _check_depth(payload: Any) -> None:
     """Raises WireError if lists and maps nest deeper than MAX_DEPTH in ``payload``."""
-    level = [payload] if type(payload) in (list, dict) else []
+    def is_container(x: Any) -> bool:
+        return type(x) is list or type(x) is dict or type(x) in RECORD_NAMES
+
+    level = [payload] if is_container(payload) else []
     for _ in range(MAX_DEPTH):
         deeper: list[Any] = []
         for container in level:
-            items = container.values() if type(container) is dict else container
+            if type(container) is dict:
+                items: Any = container.values()
+            elif type(container) is list:
+                items = container
+            else:  # a record: its fields
+                items = list(RECORD_NAMES[type(container)][1](container).values())
             kinds = set(map(type, items))  # C speed: most containers hold no containers
-            if list in kinds or dict in kinds:
-                deeper.extend(x for x in items if type(x) is list or type(x) is dict)
+            if list in kinds or dict in kinds or not kinds.isdisjoint(RECORD_NAMES):
+                deeper.extend(x for x in items if is_container(x))
         if not deeper:
             return
         level = deeper

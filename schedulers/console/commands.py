@@ -141,7 +141,7 @@ async def _jobs(session: Session, args: list[str]) -> None:
     if not infos:
         _print(session, "no jobs; start one with 'submit CONFIG.json'")
         return
-    session.out.print(render.jobs_table([info.to_wire() for info in infos]))
+    session.out.print(render.jobs_table(infos))
 
 
 @command("status [JOB] [--actions]", "the last step: loss, step time, samples/s, bubble, bytes per edge",
@@ -156,13 +156,13 @@ async def _status(session: Session, args: list[str]) -> None:
         if not infos:
             _print(session, "no jobs")
             return
-        session.out.print(render.status_table([info.to_wire() for info in infos]))
+        session.out.print(render.status_table(infos))
         return
     job = await session.job(session.job_arg(args, "status JOB [--actions]"))
     with session.reporting():
         info = await job.describe()
         where = await job.where() if actions else None
-    for line in render.job_detail(info.to_wire()):
+    for line in render.job_detail(info):
         _print(session, line)
     if where is not None:
         _print(session, where.report)
@@ -178,9 +178,9 @@ async def _schedule(session: Session, args: list[str]) -> None:
     with session.reporting():
         plan = await job.plan()
         info = await job.describe()
-    for line in render.plan_lines(plan.to_wire()):
+    for line in render.plan_lines(plan):
         _print(session, line)
-    _print(session, render.schedule_grid(info.to_wire()))
+    _print(session, render.schedule_grid(info))
 
 
 # -- jobs ---------------------------------------------------------------------------------

@@ -16,7 +16,6 @@ import os
 import signal
 import sys
 from collections.abc import Iterable
-from typing import Any
 
 from prompt_toolkit import PromptSession
 from prompt_toolkit.completion import CompleteEvent, Completer, Completion, PathCompleter
@@ -25,11 +24,12 @@ from prompt_toolkit.history import FileHistory, History, InMemoryHistory
 from prompt_toolkit.patch_stdout import patch_stdout
 from rich.console import Console
 
-from actors import ActorError
+from actors import ActorError, Event, NodeSilent
 from schedulers.console import render
 from schedulers.console.commands import COMMANDS, execute, split_commands
 from schedulers.console.session import CommandError, Session, open_session
 from schedulers.control import SETTABLE
+from schedulers.events import JobFailed, JobPaused, JobRecovered, JobResumed, SettingRejected, SettingsApplied
 from schedulers.schedules import SCHEDULES
 from transport.codecs import CODEC_NAMES
 
@@ -82,10 +82,10 @@ def _starting(prefix: str, choices: Iterable[str]) -> Iterable[Completion]:
 
 
 def _toolbar(session: Session) -> str:
-    runs = [f"{job} {render.progress_bar(r['done'], r['target'], 12)}"
-            + (f" loss {r['loss']:.3f}" if isinstance(r.get("loss"), float) else "")
-            + (" paused" if r.get("paused") else "")
-            for job, r in sorted(session.runs.items()) if r.get("active")]
+    runs = [f"{job} {render.progress_bar(r.done, r.target, 12)}"
+            + (f" loss {r.loss:.3f}" if isinstance(r.loss, float) else "")
+            + (" paused" if r.paused else "")
+            for job, r in sorted(session.runs.items()) if r.active]
     return f" {session.address} | {session.num_nodes} nodes | {len(session.job_ids)} jobs" + \
         (" | " + " | ".join(runs) if runs else "") + " | help, Tab, Ctrl-D "
 
@@ -130,7 +130,7 @@ async def interact(session: Session, history: History) -> int:
         logging.basicConfig(level=logging.WARNING, stream=sys.stderr, force=True,
                             format="%(levelname)s %(name)s: %(message)s")
 
-        def show(event: dict[str, Any]) -> None:
+        def show(event: Event) -> None:
             line = render.event_line(event)
             if line is not None:
                 session.out.print(line, markup=False, highlight=False, soft_wrap=True, style=_style(event))
@@ -165,11 +165,10 @@ async def interact(session: Session, history: History) -> int:
     return 0
 
 
-def _style(event: dict[str, Any]) -> str | None:
-    kind = event.get("type")
-    if kind in ("job_failed", "node_lost", "setting_rejected"):
+def _style(event: Event) -> str | None:
+    if isinstance(event, (JobFailed, NodeSilent, SettingRejected)):
         return "bold red"
-    if kind in ("settings_applied", "job_paused", "job_resumed", "job_recovered"):
+    if isinstance(event, (SettingsApplied, JobPaused, JobResumed, JobRecovered)):
         return "bold"
     return None
 

@@ -4,32 +4,33 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
+from dataclasses import dataclass
 
 from rich.console import Console
 
-from actors import Actor, ActorError, ActorRef, endpoint
+from actors import ActorError, ActorRef, Event, EventSink, NodeJoined, NodeLeft, NodeSilent
 from schedulers.client import Cluster, Job
+from schedulers.events import JobClosed, JobCreated, JobEvent, JobPaused, JobResumed, RunFinished, RunStarted, StepFinished
 from schedulers.records import JobDescription
 
 __all__ = ["CommandError", "Session", "open_session"]
 
-EventHandler = Callable[[dict[str, Any]], None]
+EventHandler = Callable[[Event], None]
 
 
 class CommandError(Exception):
     """A command the user got wrong, or that failed; the message says what to do."""
 
 
-class _Feed(Actor):
-    """Receives the head's and the scheduler's events and hands them to the console."""
+@dataclass(slots=True, kw_only=True)
+class RunView:
+    """A job's run as the toolbar shows it, kept current from the events."""
 
-    def __init__(self, handler: EventHandler) -> None:
-        self.handler = handler
-
-    @endpoint
-    async def on_event(self, event: dict[str, Any]) -> None:
-        self.handler(event)
+    done: int
+    target: int
+    active: bool
+    paused: bool = False
+    loss: float | None = None
 
 
 class Session:
@@ -48,7 +49,7 @@ class Session:
         self.out = out
         self.interactive = interactive
         self.job_ids: list[str] = []
-        self.runs: dict[str, dict[str, Any]] = {}
+        self.runs: dict[str, RunView] = {}
         self.num_nodes = 0
         self.last_submitted: str | None = None  # what the job name "last" stands for
         self.on_event: EventHandler | None = None
@@ -83,9 +84,10 @@ class Session:
         self.job_ids = [info.job for info in infos]
         for info in infos:
             if info.run is not None:
-                self.runs[info.job] = {**info.run.to_wire(), "paused": info.paused,
-                                       "loss": info.last_stats.loss if info.last_stats else None}
-        self.num_nodes = sum(1 for n in nodes if n["state"] == "alive")
+                self.runs[info.job] = RunView(done=info.run.done, target=info.run.target, active=info.run.active,
+                                              paused=info.paused,
+                                              loss=info.last_stats.loss if info.last_stats else None)
+        self.num_nodes = sum(1 for n in nodes if n.alive)
         return infos
 
     async def describe(self, job_id: str) -> JobDescription:
@@ -114,7 +116,7 @@ class Session:
 
     async def start_feed(self) -> None:
         """Subscribes to the head's node events and the scheduler's job events."""
-        self._feed = await self.cluster.runtime.spawn(_Feed(self._dispatch), "console-feed")
+        self._feed = await self.cluster.runtime.spawn(EventSink(self._dispatch), "console-feed")
         await self.cluster.subscribe(self._feed)
 
     async def stop_feed(self) -> None:
@@ -124,36 +126,37 @@ class Session:
             await self.cluster.unsubscribe(self._feed)
         self._feed = None
 
-    def _dispatch(self, event: dict[str, Any]) -> None:
+    def _dispatch(self, event: Event) -> None:
         self._track(event)
         if self.on_event is not None:
             self.on_event(event)
 
-    def _track(self, event: dict[str, Any]) -> None:
+    def _track(self, event: Event) -> None:
         """Keeps completion and the toolbar current from the events alone."""
-        kind, job = event.get("type"), event.get("job")
-        if kind == "job_created" and job not in self.job_ids:
-            self.job_ids.append(str(job))
-        elif kind == "job_closed":
-            self.job_ids = [j for j in self.job_ids if j != job]
-            self.runs.pop(str(job), None)
-        elif kind == "node_joined":
+        if isinstance(event, NodeJoined):
             self.num_nodes += 1
-        elif kind in ("node_left", "node_lost"):
+        elif isinstance(event, (NodeLeft, NodeSilent)):
             self.num_nodes = max(0, self.num_nodes - 1)
-        elif kind == "run_started":
-            self.runs[str(job)] = {"done": 0, "target": event.get("steps", 0), "active": True,
-                                   "paused": event.get("paused", False), "loss": None}
-        elif str(job) in self.runs:
-            run = self.runs[str(job)]
-            if kind == "step_finished" and event.get("run"):
-                run.update(done=event["run"]["done"], loss=event.get("loss"))
-            elif kind == "job_paused":
-                run["paused"] = True
-            elif kind == "job_resumed":
-                run["paused"] = False
-            elif kind == "run_finished":
-                run.update(active=False, done=event.get("done", run["done"]))
+        elif not isinstance(event, JobEvent):
+            return
+        elif isinstance(event, JobCreated):
+            if event.job not in self.job_ids:
+                self.job_ids.append(event.job)
+        elif isinstance(event, JobClosed):
+            self.job_ids = [j for j in self.job_ids if j != event.job]
+            self.runs.pop(event.job, None)
+        elif isinstance(event, RunStarted):
+            self.runs[event.job] = RunView(done=0, target=event.steps, active=True, paused=event.paused)
+        elif event.job in self.runs:
+            run = self.runs[event.job]
+            if isinstance(event, StepFinished) and event.run is not None:
+                run.done, run.loss = event.run.done, event.loss
+            elif isinstance(event, JobPaused):
+                run.paused = True
+            elif isinstance(event, JobResumed):
+                run.paused = False
+            elif isinstance(event, RunFinished):
+                run.active, run.done = False, event.done
 
 
 def _message(exc: ActorError) -> str:

@@ -23,6 +23,7 @@ from actors import (
     ClusterKeys,
     LocalCluster,
     NodeActor,
+    NodeSilent,
     NotAllowed,
     RemoteError,
     UnknownEndpoint,
@@ -55,22 +56,22 @@ async def cluster() -> AsyncIterator[Cluster]:
 
 
 async def test_nodes_register_with_their_details(cluster: Cluster) -> None:
-    nodes = {n["name"]: n for n in await cluster.nodes()}
+    nodes = {n.name: n for n in await cluster.nodes()}
     assert set(nodes) == {"node0", "node1"}
     for node in nodes.values():
-        assert node["state"] == "alive" and node["device"] == "cpu"
-        assert node["pid"] != os.getpid() and alive(node["pid"])
-        assert node["memory_bytes"] > 0 and node["host"]
-        assert node["address"].startswith("tcp://127.0.0.1:")
-        assert node["last_heartbeat_age_s"] < 2.0
+        assert node.state == "alive" and node.device == "cpu"
+        assert node.pid != os.getpid() and alive(node.pid)
+        assert node.memory_bytes > 0 and node.host
+        assert node.address.startswith("tcp://127.0.0.1:")
+        assert node.last_heartbeat_age_s < 2.0
 
 
 async def test_round_trip_across_processes(cluster: Cluster) -> None:
     ref = await cluster.spawn("node0", "probe", "echo", label="first")
     assert await ref.ask("echo", {"nested": [1, "two", None]}) == {"nested": [1, "two", None]}
     who = await ref.ask("whoami")
-    node0 = next(n for n in await cluster.nodes() if n["name"] == "node0")
-    assert who == {"pid": node0["pid"], "label": "first", "name": "echo"}
+    node0 = next(n for n in await cluster.nodes() if n.name == "node0")
+    assert who == {"pid": node0.pid, "label": "first", "name": "echo"}
 
 
 async def test_remote_error_carries_the_remote_traceback(cluster: Cluster) -> None:
@@ -90,7 +91,7 @@ async def test_only_registered_actor_classes_are_spawned(cluster: Cluster) -> No
 
 
 async def test_factories_outside_the_allow_list_are_refused(cluster: Cluster) -> None:
-    node = cluster.node_ref(next(n for n in await cluster.nodes() if n["name"] == "node0"))
+    node = cluster.node_ref(next(n for n in await cluster.nodes() if n.name == "node0"))
     assert await node.ask("check_import", "torch.nn:Linear") == "torch.nn.modules.linear.Linear"
     assert (await node.ask("check_import", "tests.actors.test_node:alive")).endswith("alive")
     with pytest.raises(NotAllowed, match="start the node with --allow os"):
@@ -100,7 +101,7 @@ async def test_factories_outside_the_allow_list_are_refused(cluster: Cluster) ->
 
 
 async def test_the_allow_list_bypass_is_refused_by_a_node_and_names_it(cluster: Cluster, tmp_path: Path) -> None:
-    node = cluster.node_ref(next(n for n in await cluster.nodes() if n["name"] == "node0"))
+    node = cluster.node_ref(next(n for n in await cluster.nodes() if n.name == "node0"))
     marker = tmp_path / "marker.txt"
     with pytest.raises(NotAllowed, match="node node0 refused it: .* may not pass through modules"):
         await node.ask("check_import", "torch.nn:functional.torch.os.system")
@@ -166,7 +167,7 @@ async def test_malformed_frames_to_a_node_leave_it_serving(cluster: Cluster) -> 
 
 async def test_connect_attaches_a_second_driver(cluster: Cluster) -> None:
     async with Cluster.connect(cluster.head.address, keys=_KEYS[0].directory) as second:
-        assert {n["name"] for n in await second.nodes()} == {"node0", "node1"}
+        assert {n.name for n in await second.nodes()} == {"node0", "node1"}
 
 
 async def test_killed_node_is_reported_lost_within_the_timeout() -> None:
@@ -179,9 +180,9 @@ async def test_killed_node_is_reported_lost_within_the_timeout() -> None:
         os.kill(lc.processes["node1"].pid, signal.SIGKILL)
         event = await asyncio.wait_for(first, 10)
         elapsed = time.monotonic() - killed_at
-        assert event["type"] == "node_lost" and event["node"] == "node1"
+        assert isinstance(event, NodeSilent) and event.node == "node1"
         assert elapsed <= 3.0, f"lost after {elapsed:.2f}s"
-        states = {n["name"]: n["state"] for n in await cluster.nodes()}
+        states = {n.name: n.state for n in await cluster.nodes()}
         assert states == {"node0": "alive", "node1": "lost"}
         await events.aclose()
         first.cancel()

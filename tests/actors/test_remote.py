@@ -29,7 +29,7 @@ PROBE = textwrap.dedent("""
     async def main(address, keys, bind):
         async with Cluster.connect(address, keys=keys, bind=bind, allow_remote=True, timeout=30) as driver:
             nodes = await driver.wait_for_nodes(1, timeout=60)
-            print("member sees", sorted(n["name"] for n in nodes), flush=True)
+            print("member sees", sorted(n.name for n in nodes), flush=True)
         stranger = Keypair.generate()
         for label, security in (("stranger", {"keys": stranger, "ring": lambda: {stranger.public: "client:me"}}),
                                 ("plaintext", {})):

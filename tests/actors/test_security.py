@@ -23,6 +23,7 @@ from actors import (
     HeadActor,
     LocalCluster,
     NodeActor,
+    NodeSilent,
     NotAllowed,
     RemoteError,
     UnknownActor,
@@ -103,17 +104,17 @@ async def test_a_client_cannot_act_on_another_clients_job(cluster: Cluster) -> N
 
 
 async def test_clients_cannot_register_nodes_spawn_actors_or_shut_nodes_down(cluster: Cluster) -> None:
-    node = next(n for n in await cluster.nodes() if n["name"] == "node0")
+    node = next(n for n in await cluster.nodes() if n.name == "node0")
     async with Cluster.connect(cluster.head.address, keys=keys().directory, identity="alice") as alice:
         head = alice.runtime.ref(cluster.head.address, HEAD)
         with pytest.raises(NotAllowed, match="may not call HeadActor.register"):
             await head.endpoint(HeadActor.register, timeout=10).call({"name": 7, "address": 8})
-        agent = alice.runtime.ref(node["address"], NODE)
+        agent = alice.runtime.ref(node.address, NODE)
         with pytest.raises(NotAllowed, match="may not call NodeActor.spawn"):
             await agent.endpoint(NodeActor.spawn, timeout=10).call("probe", "mine", {})
         with pytest.raises(NotAllowed, match="may not call NodeActor.shutdown"):
             await agent.endpoint(NodeActor.shutdown, timeout=10).call()
-    assert {n["name"] for n in await cluster.nodes() if n["state"] == "alive"} == {"node0", "node1"}
+    assert {n.name for n in await cluster.nodes() if n.alive} == {"node0", "node1"}
 
 
 async def test_forged_deliveries_are_refused_and_counted(cluster: Cluster) -> None:
@@ -251,7 +252,7 @@ async def test_a_members_flood_leaves_the_head_answering_and_no_node_lost(cluste
 
         async def watch() -> None:
             async for event in events:
-                if event.get("type") == "node_lost":
+                if isinstance(event, NodeSilent):
                     lost.append(event)
 
         watcher = asyncio.ensure_future(watch())
@@ -265,7 +266,7 @@ async def test_a_members_flood_leaves_the_head_answering_and_no_node_lost(cluste
         await asyncio.sleep(2.5)  # longer than the heartbeat timeout (2 s): a starved head would mark nodes lost
         watcher.cancel()
         assert worst < 0.5, f"the head took {worst:.3f}s to answer under the flood"
-        assert not lost and {n["state"] for n in await cluster.nodes()} == {"alive"}
+        assert not lost and {n.state for n in await cluster.nodes()} == {"alive"}
     finally:
         push.close(linger=0)
         context.term()

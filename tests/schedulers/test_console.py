@@ -28,13 +28,15 @@ from prompt_toolkit.completion import CompleteEvent
 from prompt_toolkit.document import Document
 from rich.console import Console
 
-from actors import LocalCluster
+from actors import Event, LocalCluster, NodeInfo, NodeJoined, NodeSilent
 from schedulers.deepspeed.config import load_config
+from schedulers.events import JobFailed, JobRecovered, RunFinished, RunProgress, SettingsApplied, StepFinished
 from schedulers.console.commands import execute, split_commands
 from schedulers.console.render import event_line, job_detail, schedule_grid
 from schedulers.console.repl import ConsoleCompleter
 from schedulers.console.session import CommandError, Session
 from schedulers.jobs import JobSpec
+from schedulers.records import JobDescription, StepStats
 from schedulers.schedules import build_schedule
 from transport.loop import run
 
@@ -390,9 +392,9 @@ class _FakeCluster:
         return types.SimpleNamespace(id="job7", nodes=["node0", "node1"], bounds=[[0, 2], [2, 4]],
                                      notices=self.notices)
 
-    async def nodes(self) -> list[dict[str, Any]]:
-        return [{"name": f"node{i}", "state": "alive", "device": f"cuda:{i}", "host": "gpubox", "pid": 100 + i,
-                 "memory_bytes": 2**30, "last_heartbeat_age_s": 0.2} for i in range(2)]
+    async def nodes(self) -> list[NodeInfo]:
+        return [NodeInfo(name=f"node{i}", address=f"tcp://127.0.0.1:{5000 + i}", device=f"cuda:{i}", host="gpubox",
+                         pid=100 + i, memory_bytes=2**30, last_heartbeat_age_s=0.2) for i in range(2)]
 
 
 class _Submitting(_Offline):
@@ -530,38 +532,36 @@ def test_tab_completes_paths(tmp_path: Path) -> None:
     assert found == ["config.json"]
 
 
+STEP = {"job": "job0", "step": 4, "loss": 1.5, "step_time_s": 0.0421, "bubble_fraction": 0.25, "schedule": "1f1b"}
+
+
 @pytest.mark.parametrize(("event", "line"), [
-    ({"type": "node_joined", "node": "n2"}, "+ node n2 joined"),
-    ({"type": "node_lost", "node": "n1", "silent_s": 2.31}, "! node n1 lost (silent 2.3 s)"),
-    ({"type": "step_finished", "job": "job0", "step": 4, "loss": 1.5, "step_time_s": 0.0421, "bubble_fraction": 0.25,
-      "schedule": "1f1b", "run": {"done": 5, "target": 10}},
-     "job0 step 4 [5/10] 1f1b: loss 1.5000, 0.042 s, bubble 25%"),
-    ({"type": "step_finished", "job": "job0", "step": 4, "loss": 1.5, "step_time_s": 0.0421, "bubble_fraction": 0.25,
-      "schedule": "1f1b", "lr": [0.00025, 0.00025]},
-     "job0 step 4 1f1b: loss 1.5000, 0.042 s, bubble 25%, lr 0.00025"),
-    ({"type": "step_finished", "job": "job0", "step": 4, "loss": 1.5, "step_time_s": 0.0421, "bubble_fraction": 0.25,
-      "schedule": "1f1b", "lr": [0.1, 0.01], "skipped": True},
+    (NodeJoined(node="n2"), "+ node n2 joined"),
+    (NodeSilent(node="n1", silent_s=2.31), "! node n1 lost (silent 2.3 s)"),
+    (StepFinished(**STEP, run=RunProgress(done=5, target=10)), "job0 step 4 [5/10] 1f1b: loss 1.5000, 0.042 s, bubble 25%"),
+    (StepFinished(**STEP, lr=[0.00025, 0.00025]), "job0 step 4 1f1b: loss 1.5000, 0.042 s, bubble 25%, lr 0.00025"),
+    (StepFinished(**STEP, lr=[0.1, 0.01], skipped=True),
      "job0 step 4 1f1b: loss 1.5000, 0.042 s, bubble 25%, lr 0.1/0.01 (skipped: not finite, nothing applied)"),
-    ({"type": "job_failed", "job": "job0", "step": 3, "error": "step failed: stage 1 at 1F2: boom"},
+    (JobFailed(job="job0", step=3, error="step failed: stage 1 at 1F2: boom"),
      "! job0 step 3 failed: step failed: stage 1 at 1F2: boom"),
-    ({"type": "settings_applied", "job": "job0", "step": 7, "changes": {"schedule": "gpipe"}},
-     "job0: now schedule=gpipe, from step 7 on"),
-    ({"type": "run_finished", "job": "job0", "done": 3, "target": 10, "reason": "stopped"},
-     "job0 run stopped after 3/10 steps"),
-    ({"type": "job_recovered", "job": "job0", "moved": {"node1": "spare0"}, "from_step": 3, "replayed": 1,
-      "seconds": 1.04, "restarts_left": 0},
+    (SettingsApplied(job="job0", step=7, changes={"schedule": "gpipe"}), "job0: now schedule=gpipe, from step 7 on"),
+    (RunFinished(job="job0", done=3, target=10, reason="stopped"), "job0 run stopped after 3/10 steps"),
+    (JobRecovered(job="job0", lost=["node1"], moved={"node1": "spare0"}, from_step=3, replayed=1, from_checkpoint=None,
+                  seconds=1.04, restarts_left=0),
      "* job0 recovered: node1 -> spare0; rolled back to step 3, replaying 1 in 1.0 s (0 restarts left)"),
-    ({"type": "something_new"}, None),
+    (Event(), None),  # a kind this console does not know
 ])
-def test_events_print_as_one_line(event: dict[str, Any], line: str | None) -> None:
+def test_events_print_as_one_line(event: Event, line: str | None) -> None:
     assert event_line(event) == line
 
 
 def test_a_jobs_detail_reads_its_settings_from_the_specs_sections() -> None:
     spec = JobSpec.of(model="examples.models:residual_mlp", pipeline_stages=2, micro_batches=4,
                       activation_codec="int8", precision="bf16", schedule="gpipe")
-    info = {"job": "job0", "spec": spec.to_wire(), "mesh": [2, 1, 1], "nodes": ["node0", "node1"], "steps": 1,
-            "programs": [["0F0"], ["1F0"]], "last_stats": {"step": 0, "loss": 1.0, "grad_norm": 0.5}}
+    stats = StepStats(step=0, loss=1.0, step_time_s=0.1, bubble_fraction=0.0, bytes_sent=0, grad_norm=0.5)
+    info = JobDescription(job="job0", spec=spec, bounds=[[0, 2], [2, 4]], mesh=[2, 1, 1], nodes=["node0", "node1"],
+                          stages=[], steps=1, programs=[["0F0"], ["1F0"]], stepping=False, traced=True,
+                          last_stats=stats)
     first, *rest = job_detail(info)
     assert first.startswith("job0: examples.models:residual_mlp | schedule gpipe, 4 micro-batches | 2 stages")
     assert "codecs int8/none" in first

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from actors import NodeInfo
 from stages.comm.parallel import GLOO, NCCL
 from schedulers.jobs import JobSpec
 from schedulers.scheduler import SchedulerActor
@@ -30,12 +31,12 @@ class Runtime:
         self.spawned.append(name)
 
 
-def placed(*devices: str) -> list[dict[str, Any]]:
-    return [{"name": f"node{i}", "address": f"tcp://127.0.0.1:{6000 + i}", "device": d, "host": "box",
-             "identity": f"node:node{i}", "state": "alive"} for i, d in enumerate(devices)]
+def placed(*devices: str) -> list[NodeInfo]:
+    return [NodeInfo(name=f"node{i}", address=f"tcp://127.0.0.1:{6000 + i}", device=d, host="box", pid=i,
+                     memory_bytes=0, identity=f"node:node{i}") for i, d in enumerate(devices)]
 
 
-async def rendezvous(spec: JobSpec, nodes: list[dict[str, Any]]) -> tuple[Runtime, dict[str, Any] | None]:
+async def rendezvous(spec: JobSpec, nodes: list[NodeInfo]) -> tuple[Runtime, dict[str, Any] | None]:
     runtime = Runtime()
     scheduler: Any = SimpleNamespace(runtime=runtime)
     _, config = await SchedulerActor._rendezvous(scheduler, "job0", spec, spec.mesh, nodes)

@@ -89,7 +89,7 @@ async def test_a_stopped_worker_that_comes_back_is_aborted_and_the_job_goes_on()
 
 async def wait_alive(cluster: Cluster, node: str) -> None:
     deadline = time.monotonic() + 20
-    while not any(n["name"] == node and n["state"] == "alive" for n in await cluster.nodes()):
+    while not any(n.name == node and n.alive for n in await cluster.nodes()):
         assert time.monotonic() < deadline, f"{node} did not come back"
         await asyncio.sleep(0.1)
 

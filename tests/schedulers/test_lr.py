@@ -7,6 +7,7 @@ process training the same model (float32, SGD with momentum) under the same sche
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -90,7 +91,7 @@ async def test_a_schedule_on_every_stage_equals_one_process(cluster: Cluster, sc
     try:
         stats = [await job.step(x, y) for x, y in data]
         state = await job.state_dict()
-        detail = job_detail({**(await job.describe()).to_wire(), "last_stats": stats[-1].to_wire()})
+        detail = job_detail(dataclasses.replace(await job.describe(), last_stats=stats[-1]))
     finally:
         await job.close()
     assert [s.lr for s in stats] == want_rates

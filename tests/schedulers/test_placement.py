@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import types
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
 import torch
 
+from actors import NodeInfo
 from schedulers import JobSpec, LocalCluster, PlacementWarning
 from schedulers.placement import choose_nodes, gpu_of
 from schedulers.scheduler import SchedulerActor
@@ -17,17 +19,25 @@ from schedulers.scheduler import SchedulerActor
 pytestmark = pytest.mark.timeout(120)
 
 
-def nodes(*devices: str, host: str = "h") -> list[dict[str, Any]]:
+def node(name: str, device: str, host: str = "h", pid: int = 0) -> NodeInfo:
+    return NodeInfo(name=name, address=f"tcp://{host}:1", device=device, pid=pid, host=host, memory_bytes=0)
+
+
+def nodes(*devices: str, host: str = "h") -> list[NodeInfo]:
     """Alive nodes ``n0``, ``n1``, ... on ``devices`` (``"h2/cuda:0"`` puts one on another host)."""
     out = []
     for i, device in enumerate(devices):
         where, _, name = device.rpartition("/")
-        out.append({"name": f"n{i}", "device": name, "host": where or host, "state": "alive", "pid": i})
+        out.append(node(f"n{i}", name, where or host, pid=i))
     return out
 
 
-def names(chosen: Sequence[Mapping[str, Any]]) -> list[str]:
-    return [str(n["name"]) for n in chosen]
+def lose(cluster: list[NodeInfo], index: int) -> None:
+    cluster[index] = dataclasses.replace(cluster[index], state="lost")
+
+
+def names(chosen: Sequence[NodeInfo]) -> list[str]:
+    return [n.name for n in chosen]
 
 
 # (node devices, busy node -> job, stage actors) -> chosen nodes by rank, how many notices.
@@ -66,12 +76,12 @@ def test_a_gpu_is_shared_only_when_every_gpu_is_taken() -> None:
 
     cluster = nodes("cuda:0", "cuda:0", "cuda:1", "cuda:2", "cuda:2", "cuda:3")
     for num_busy in range(len(cluster) + 1):
-        for busy_names in itertools.combinations([n["name"] for n in cluster], num_busy):
+        for busy_names in itertools.combinations([n.name for n in cluster], num_busy):
             busy = {name: "job0" for name in busy_names}
             for count in range(1, len(cluster) + 1):
                 chosen = choose_nodes(cluster, busy, count).nodes
                 used = [gpu_of(n) for n in chosen]
-                holders = {gpu_of(n) for n in cluster if n["name"] in busy}
+                holders = {gpu_of(n) for n in cluster if n.name in busy}
                 idle = {gpu_of(n) for n in cluster} - holders - set(used)
                 if len(set(used)) < len(used) or set(used) & holders:
                     assert not idle, (busy, count, names(chosen))
@@ -108,20 +118,19 @@ def test_too_few_nodes() -> None:
 
 
 def test_gpu_of() -> None:
-    assert gpu_of({"device": "cuda:1", "host": "x"}) == ("x", "cuda:1")
-    assert gpu_of({"device": "cpu", "host": "x"}) is None
-    assert gpu_of({"name": "old"}) is None  # a node map without a device is a CPU node
+    assert gpu_of(node("a", "cuda:1", "x")) == ("x", "cuda:1")
+    assert gpu_of(node("a", "cpu", "x")) is None
 
 
 class _FakeScheduler(SchedulerActor):
     """The scheduler with the head's node list replaced by a fake one, and jobs as (id, nodes)."""
 
-    def __init__(self, node_list: list[dict[str, Any]], jobs: dict[str, list[str]]) -> None:
+    def __init__(self, node_list: list[NodeInfo], jobs: dict[str, list[str]]) -> None:
         super().__init__()
         self.node_list = node_list
         self._jobs = {job: types.SimpleNamespace(id=job, nodes=names) for job, names in jobs.items()}  # type: ignore
 
-    async def _nodes(self) -> list[dict[str, Any]]:
+    async def _nodes(self) -> list[NodeInfo]:
         return self.node_list
 
 
@@ -132,7 +141,7 @@ def spec(**kwargs: Any) -> JobSpec:
 @pytest.mark.asyncio
 async def test_the_scheduler_places_by_gpu_and_skips_lost_nodes() -> None:
     cluster = nodes("cuda:0", "cuda:0", "cuda:1", "cuda:1", "cuda:2")
-    cluster[2]["state"] = "lost"  # n2 is gone: its GPU still has n3
+    lose(cluster, 2)  # n2 is gone: its GPU still has n3
     scheduler = _FakeScheduler(cluster, {"job0": ["n4"]})
     placement = await scheduler._place(spec(pipeline_stages=2))
     assert names(placement.nodes) == ["n0", "n3"] and placement.notices == []
@@ -155,7 +164,7 @@ async def test_the_scheduler_refuses_an_nccl_job_that_would_share_a_gpu() -> Non
 @pytest.mark.asyncio
 async def test_a_spare_on_a_gpu_no_busy_node_uses_comes_first() -> None:
     cluster = nodes("cuda:0", "cuda:1", "cuda:0", "cuda:1")  # n0, n1 run job0; n2, n3 are spares
-    cluster[1]["state"] = "lost"
+    lose(cluster, 1)
     scheduler = _FakeScheduler(cluster, {"job0": ["n0", "n1"]})
     assert await scheduler._free_nodes(1, {"n0", "n1"}) == [("n3", "")]  # n1's GPU is free again; n2 shares n0's
     assert await scheduler._free_nodes(2, {"n0", "n1"}) == [("n3", ""), ("n2", "")]
@@ -165,7 +174,7 @@ async def test_a_spare_on_a_gpu_no_busy_node_uses_comes_first() -> None:
 @pytest.mark.asyncio
 async def test_a_cpu_cluster_reports_each_stages_device() -> None:
     async with LocalCluster(devices="cpu", nodes=2) as cluster:
-        assert [n["device"] for n in await cluster.nodes()] == ["cpu", "cpu"]
+        assert [n.device for n in await cluster.nodes()] == ["cpu", "cpu"]
         with warnings.catch_warnings():
             warnings.simplefilter("error", PlacementWarning)  # nothing to warn about on CPU
             job = await cluster.train(model="examples.models:residual_mlp",

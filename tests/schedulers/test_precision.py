@@ -9,6 +9,7 @@ and clipped as ``GradScaler.unscale_`` and ``clip_grad_norm_`` would.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import AsyncIterator
 from typing import Any
@@ -153,10 +154,10 @@ async def test_an_fp16_overflow_on_one_stage_skips_the_step_on_every_stage(clust
         skipped = await job.step(*batches[1])
         after = await job.state_dict()
         last = await job.step(*batches[2])
-        description = (await job.describe()).to_wire()
+        description = await job.describe()
     finally:
         await job.close()
-    detail = "\n".join(job_detail({**description, "last_stats": last.to_wire()}))
+    detail = "\n".join(job_detail(dataclasses.replace(description, last_stats=last)))
     assert "loss scale 128 (1 steps skipped for overflow), precision fp16" in detail and "grad norm" in detail
     assert not first.skipped and skipped.skipped and not last.skipped
     assert any("0.weight" in what for what in skipped.nonfinite)

@@ -139,8 +139,8 @@ async def test_quantized_data_parallel_reduction_keeps_replicas_identical(cluste
         try:
             for _ in range(STEPS):
                 stats = await job.step()
-            (info,) = [j for j in await cluster.scheduler.ask("jobs") if j["job"] == job.id]
-            replicas = [await cluster.runtime.ref(*ref).ask("state_dict") for ref in info["stages"]]
+            (info,) = [j for j in await cluster.jobs() if j.job == job.id]
+            replicas = [await cluster.runtime.ref(*ref).ask("state_dict") for ref in info.stages]
             return stats.loss, stats.reduce_bytes, replicas
         finally:
             await job.close()

@@ -75,7 +75,7 @@ async def test_a_killed_stage_moves_to_a_spare_and_training_is_bit_identical(sna
             assert stats.recovery["from_step"] == 3 - (3 % snapshot_every)
             assert stats.recovery["replayed"] == 3 % snapshot_every
             assert recovered_in < 20
-            detail = job_detail((await job.describe()).to_wire())  # what the console's status shows
+            detail = job_detail(await job.describe())  # what the console's status shows
             assert f"recovered before this step: {victim} -> spare0" in "\n".join(detail)
             losses += [stats.loss] + await run(job, range(4, 6), batches)
             assert losses == want_losses
@@ -152,7 +152,7 @@ async def kill_every_node(local: LocalCluster, cluster: Cluster, job: Job) -> No
 
 async def wait_for_state(cluster: Cluster, node: str, state: str) -> None:
     deadline = time.monotonic() + 20
-    while not any(n["name"] == node and n["state"] == state for n in await cluster.nodes()):
+    while not any(n.name == node and n.state == state for n in await cluster.nodes()):
         assert time.monotonic() < deadline, f"{node} never became {state}"
         await asyncio.sleep(0.05)
 

@@ -281,12 +281,12 @@ async def test_stages_answer_control_calls_while_they_compute(cluster: Cluster) 
     try:
         step = asyncio.ensure_future(job.step(torch.randn(8, 8), torch.randn(8, 8)))
         await asyncio.sleep(0.5)
-        stage0 = cluster.runtime.ref(*(await cluster.scheduler.ask("jobs"))[0]["stages"][0])
+        stage0 = cluster.runtime.ref(*(await cluster.jobs())[0].stages[0])
         started = time.monotonic()
         progress = await stage0.ask("progress", timeout=5)
         assert time.monotonic() - started < 0.25  # answered between two 0.3 s forwards
         assert progress["current"] is not None and not step.done()
-        assert all(n["state"] == "alive" for n in await cluster.nodes())
+        assert all(n.alive for n in await cluster.nodes())
         await step
     finally:
         await job.close()

@@ -319,7 +319,7 @@ async def test_the_loop_thread_computes_with_the_compute_threads_torch_threads()
 
 async def stage_progress(cluster: Any, job: Any) -> list[dict[str, Any]]:
     """Each stage actor's ``progress``, of ``job``."""
-    [stages] = [j["stages"] for j in await cluster.scheduler.ask("jobs") if j["job"] == job.id]
+    [stages] = [j.stages for j in await cluster.jobs() if j.job == job.id]
     return [await cluster.runtime.ref(*ref).ask("progress", timeout=5) for ref in stages]
 
 

@@ -1,0 +1,106 @@
+"""Tests for actors/_nodes.py in one process: the head keeps NodeInfo records and tells EventSinks typed events."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator
+
+import pytest
+
+from actors import (
+    HEAD,
+    BadArguments,
+    Event,
+    EventSink,
+    HeadActor,
+    NodeInfo,
+    NodeJoined,
+    NodeLeft,
+    NodeSilent,
+    RemoteError,
+    Runtime,
+    open_runtime,
+)
+from actors._nodes import HeartbeatSettings
+
+pytestmark = pytest.mark.timeout(30)
+
+WORKER = NodeInfo(name="node0", address="tcp://127.0.0.1:1", device="cpu", pid=11, host="box", memory_bytes=1 << 30)
+
+
+@pytest.fixture
+async def head_and_client() -> AsyncIterator[tuple[HeadActor, Runtime, Runtime]]:
+    async with open_runtime("ipc://") as server, open_runtime("tcp://127.0.0.1:0") as client:
+        head = HeadActor(heartbeat_interval=0.05, heartbeat_timeout=0.2)
+        await server.spawn(head, HEAD)
+        yield head, server, client
+
+
+async def subscribe(client: Runtime, head_address: str) -> asyncio.Queue[Event]:
+    events: asyncio.Queue[Event] = asyncio.Queue()
+    sink = await client.spawn(EventSink(events.put_nowait), "events")
+    await client.ref(head_address, HEAD).endpoint(HeadActor.subscribe, timeout=5).call(sink.address, sink.name)
+    return events
+
+
+async def test_a_node_registers_as_a_record_and_its_events_arrive_as_records(
+    head_and_client: tuple[HeadActor, Runtime, Runtime]
+) -> None:
+    _, server, client = head_and_client
+    head = client.ref(server.address, HEAD)
+    events = await subscribe(client, server.address)
+    settings = await head.endpoint(HeadActor.register, timeout=5).call(WORKER)
+    assert settings == HeartbeatSettings(interval=0.05, timeout=0.2)
+    [node] = await head.endpoint(HeadActor.nodes, timeout=5).call()
+    assert isinstance(node, NodeInfo) and node.alive and (node.name, node.pid, node.host) == ("node0", 11, "box")
+    joined = await asyncio.wait_for(events.get(), 5)
+    assert isinstance(joined, NodeJoined) and joined.node == "node0" and joined.kind == "node_joined"
+    assert joined.time > 0  # the head's clock, set when published
+    # Silent past the timeout: lost, and the subscriber hears it as a NodeSilent.
+    silent = await asyncio.wait_for(events.get(), 5)
+    assert isinstance(silent, NodeSilent) and silent.node == "node0" and silent.silent_s > 0.2
+    assert [n.state for n in await head.endpoint(HeadActor.nodes, timeout=5).call()] == ["lost"]
+    await head.endpoint(HeadActor.register, timeout=5).call(WORKER)  # it comes back
+    await head.endpoint(HeadActor.deregister, timeout=5).call("node0")
+    assert isinstance(await asyncio.wait_for(events.get(), 5), NodeJoined)
+    left = await asyncio.wait_for(events.get(), 5)
+    assert isinstance(left, NodeLeft) and left.node == "node0"
+
+
+async def test_the_head_decides_a_nodes_state_and_identity(head_and_client: tuple[HeadActor, Runtime, Runtime]) -> None:
+    _, server, client = head_and_client
+    head = client.ref(server.address, HEAD)
+    await head.endpoint(HeadActor.register, timeout=5).call(
+        dataclasses.replace(WORKER, state="lost", identity="admin:me"))
+    [node] = await head.endpoint(HeadActor.nodes, timeout=5).call()
+    assert node.state == "alive" and node.identity == ""  # a runtime without keys: no identity
+
+
+BAD_REGISTRATIONS = [
+    ({"name": "node0", "address": "x"}, BadArguments, "info must be NodeInfo, not dict"),
+    (dataclasses.replace(WORKER, pid="11"), RemoteError, "register needs a NodeInfo with"),  # type: ignore[arg-type]
+    (dataclasses.replace(WORKER, pid=True), RemoteError, "register needs a NodeInfo with"),
+    (dataclasses.replace(WORKER, host="h" * 300), RemoteError, "at most 256 characters"),
+]
+
+
+@pytest.mark.parametrize(("info", "error", "match"), BAD_REGISTRATIONS)
+async def test_a_bad_registration_is_refused_and_the_head_keeps_serving(
+    head_and_client: tuple[HeadActor, Runtime, Runtime], info: object, error: type[Exception], match: str
+) -> None:
+    _, server, client = head_and_client
+    head = client.ref(server.address, HEAD)
+    with pytest.raises(error, match=match):
+        await head.endpoint(HeadActor.register, timeout=5).call(info)  # type: ignore[arg-type]
+    assert await head.endpoint(HeadActor.nodes, timeout=5).call() == []
+
+
+async def test_an_event_sink_takes_events_only() -> None:
+    async with open_runtime("ipc://") as runtime:
+        taken: list[Event] = []
+        sink = await runtime.spawn(EventSink(taken.append), "events")
+        await sink.endpoint(EventSink.on_event, timeout=5).call(NodeLeft(node="n"))
+        with pytest.raises(BadArguments, match="event must be Event, not dict"):
+            await sink.endpoint(EventSink.on_event, timeout=5).call({"type": "node_left"})  # type: ignore[arg-type]
+        assert taken == [NodeLeft(node="n")]
