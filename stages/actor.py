@@ -194,7 +194,7 @@ def _vote_sender(ref: ActorRef) -> Callable[[int, int, TailVote], Awaitable[obje
     tell = ref.endpoint(StageActor.vote).tell
 
     async def send(step: int, rank: int, vote: TailVote) -> object:
-        return await tell(step, rank, vote.to_wire())
+        return await tell(step, rank, vote)
 
     return send
 
