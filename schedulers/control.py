@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -41,7 +40,8 @@ from schedulers.jobs import AUTO_PROBE, JobSpec
 from schedulers._job import Placer
 from schedulers.planning import AutoSchedule, NoScheduleFits, advise
 from schedulers.records import Candidate, JobDescription, Plan, RunInfo, SettingChange, StepStats, WhereReport
-from schedulers.scaling import LossScaler, clip_coefficient
+from schedulers.scaling import LossScaler
+from stages.compute.agreement import decide_votes, vote_of
 from schedulers.schedules import build_schedule
 from schedulers.stepping import (
     describe_findings,
@@ -56,6 +56,10 @@ from schedulers.trace import StageRecord, estimate_offset, to_chrome_trace
 __all__ = ["SETTABLE", "JobController", "RunState", "compile_programs", "plan_setting"]
 
 log = logging.getLogger(__name__)
+
+# How long a step whose reduction failed waits for the failure detector to name a lost node
+# (the head's heartbeat timeout, 2 s by default, and a margin): see JobController._lost_instead.
+LOSS_GRACE_S = 5.0
 
 # What `set JOB KEY VALUE` may change on a running job.
 SETTABLE = ("micro_batches", "schedule", "activation_codec", "gradient_codec")
@@ -297,16 +301,19 @@ class JobController:
                 call["loss_scale"] = self.scaler.scale
             if self.spec.parallelism.schedule == "auto":  # the plan turns W batching on or off per step
                 call["w_batching"] = self.auto.running_w_batching(self.spec)
+            # The stages run the tail themselves (one answer per step), except on the step that
+            # schedule="auto" plans from: there nothing applies before the plan fits max_stash_bytes.
+            call.update(self._tail_order() if not self.auto.timed else {})
         started = time.perf_counter()
         used_scale = self.scaler.scale if self.scaler is not None else 1.0
         ran, ranked, planning_s = self.auto.running(self.spec), None, 0.0
         try:
-            reports = await self._run_to_barrier(step, calls)
-            if self.auto.timed:  # schedule="auto": plan now, so that a max_stash_bytes nothing fits applies nothing
-                planning_s = time.perf_counter()
-                ranked = await self._rank_candidates(step, reports)
-                planning_s = time.perf_counter() - planning_s
             try:
+                reports = await self._run_to_barrier(step, calls)
+                if self.auto.timed:  # schedule="auto": plan now, so that a max_stash_bytes nothing fits applies nothing
+                    planning_s = time.perf_counter()
+                    ranked = await self._rank_candidates(step, reports)
+                    planning_s = time.perf_counter() - planning_s
                 reduce_bytes, nonfinite, finished = await self._release(step, reports)
             except StepFailed as failure:
                 if failure.action == "STEP":  # some stages may have stepped their optimizer and others not
@@ -400,6 +407,8 @@ class JobController:
                 done, pending = await asyncio.wait(pending, timeout=max(0.0, deadline - loop.time()),
                                                    return_when=asyncio.FIRST_COMPLETED)
                 failure = self._first_failure(tasks) if done else await self._timeout_failure()
+            if failure is not None and failure.action == "REDUCE" and not isinstance(failure, NodeLost):
+                failure = await self._lost_instead(tasks, failure, deadline)
             reports = [] if failure else [StageReport.from_wire(tasks[rank].result()) for rank in sorted(tasks)]
             if failure is None and not all(r.status == "done" for r in reports):
                 failure = StepFailed("step aborted on request", details={"stage": None, "action": None,
@@ -414,6 +423,25 @@ class JobController:
         finally:
             for task in tasks.values():
                 task.cancel()
+
+    async def _lost_instead(self, tasks: Mapping[int, asyncio.Future[Any]], failure: StepFailed,
+                            deadline: float) -> StepFailed:
+        """A stage whose reduction failed, in the tail it runs itself, most often lost a replica: the
+        collective breaks the moment a peer process dies, before the head's failure detector has
+        marked its node lost. Waits for that (at most :data:`LOSS_GRACE_S`) so that the step fails
+        with ``NodeLost``, which a job with ``max_restarts`` recovers from, as it did when the
+        reduction came after every stage's barrier; else the reduction's own failure."""
+        loop = asyncio.get_running_loop()
+        pending = [task for task in tasks.values() if not task.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=max(0.0, min(LOSS_GRACE_S, deadline - loop.time())))
+        lost = self._first_failure({rank: task for rank, task in tasks.items()
+                                    if task.done() and isinstance(task.exception(), NodeLost)})
+        if lost is None and (alive := await self._alive_nodes()) and set(self.nodes) - alive:
+            gone = sorted(set(self.nodes) - alive)[0]
+            lost = NodeLost(f"node {gone} was lost during the step ({failure.message})",
+                            details={**failure.details, "node": gone})
+        return lost or failure
 
     def _first_failure(self, tasks: Mapping[int, asyncio.Future[Any]]) -> StepFailed | None:
         for rank, task in tasks.items():
@@ -509,11 +537,20 @@ class JobController:
         self.operation.cancel()
         return True
 
-    async def _release(self, step: int, reports: list[StageReport]) -> tuple[int, list[str], list[FinishReport]]:
-        """Releases the barrier everywhere: every stage reduces and checks, then all step or none does.
+    def _tail_order(self) -> dict[str, Any]:
+        """What a stage needs to decide the step's tail itself (see :mod:`stages.compute.agreement`)."""
+        scaler = self.scaler
+        return {"finish": True, "max_norm": float(self.spec.optimization.gradient_clipping),
+                "fp16": scaler is not None, "scale_at_floor": scaler is not None and scaler.dynamic and scaler.at_minimum}
 
-        One NaN or infinity in any loss or gradient, on any stage or replica, means no
-        stage steps (``on_nonfinite``: the step raises, or is skipped and reported).
+    async def _release(self, step: int, reports: list[StageReport]) -> tuple[int, list[str], list[FinishReport]]:
+        """The step's tail: every stage reduces and checks, then all step or none does.
+
+        The stages ran it themselves when their reports carry it (``StepOrder.finish``); this
+        makes the same decision from the same numbers, for the statistics and the loss scale.
+        Otherwise it releases the barrier everywhere by calls of its own. One NaN or infinity
+        in any loss or gradient, on any stage or replica, means no stage steps
+        (``on_nonfinite``: the step raises, or is skipped and reported).
 
         Returns:
             The bytes the data-parallel reduction sent, the non-finite findings (empty
@@ -523,27 +560,25 @@ class JobController:
             NonFiniteError: a finding, with ``on_nonfinite="raise"``; nothing was applied.
             StepFailed: a stage failed to reduce or step.
         """
-        reduced = [ReduceReport.from_wire(r) for r in await self._on_every_stage(StageActor.reduce_step, "REDUCE",
-                                                                                 step)]
+        ran_tail = all(r.reduced is not None and r.finished is not None for r in reports)
+        reduced = [r.reduced for r in reports if r.reduced is not None] if ran_tail else [
+            ReduceReport.from_wire(r) for r in await self._on_every_stage(StageActor.reduce_step, "REDUCE", step)]
         found = nonfinite_findings(self.mesh, reports, reduced)
         self.reduce_wait_s = [r.wait_s for r in reduced]
         self.tied = sorted({tuple(names) for r in reduced for names in r.tied})
-        # Replicas hold the same averaged gradients: replica 0's shares make up the global norm.
-        squares = sum(r.grad_sq for g, r in enumerate(reduced) if self.mesh.coords(g).data == 0)
         scaler = self.scaler
-        scale = scaler.scale if scaler is not None else 1.0
-        self.grad_norm = math.sqrt(squares) / scale if math.isfinite(squares) else float("inf")
-        # fp16: a gradient that overflowed (the losses are finite) skips the step everywhere and
-        # lowers the scale; at the lowest dynamic scale it is a real non-finite value.
-        overflow = scaler is not None and bool(found) and not any(
-            what.startswith("loss") for _, what in found) and not (scaler.dynamic and scaler.at_minimum)
-        clip = clip_coefficient(self.grad_norm, self.spec.optimization.gradient_clipping)
-        finished = [FinishReport.from_wire(r) for r in await self._on_every_stage(StageActor.finish_step, "STEP",
-                                                                                  step, not found, scale, clip)]
-        if scaler is not None and (overflow or not found):
-            scaler.update(overflow)
-        if overflow:
-            log.info("%s step %d skipped: fp16 gradients overflowed at loss scale %g", self.id, step, scale)
+        order = self._tail_order()
+        decision = decide_votes(self.mesh, [vote_of(s.losses, r) for s, r in zip(reports, reduced)],
+                                loss_scale=scaler.scale if scaler is not None else 1.0, fp16=order["fp16"],
+                                scale_at_floor=order["scale_at_floor"], max_norm=order["max_norm"])
+        self.grad_norm = decision.grad_norm
+        finished = [r.finished for r in reports if r.finished is not None] if ran_tail else [
+            FinishReport.from_wire(r) for r in await self._on_every_stage(
+                StageActor.finish_step, "STEP", step, decision.apply, decision.unscale, decision.clip)]
+        if scaler is not None and (decision.overflow or decision.apply):
+            scaler.update(decision.overflow)
+        if decision.overflow:
+            log.info("%s step %d skipped: fp16 gradients overflowed at loss scale %g", self.id, step, decision.unscale)
         elif found and self.spec.fault_tolerance.on_nonfinite == "raise":
             raise nonfinite_failed(self.mesh, step, found)
         elif found:

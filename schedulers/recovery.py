@@ -111,7 +111,8 @@ async def recover(job: JobCore, cause: NodeLost) -> dict[str, Any]:
         job.stages[rank] = ref
     await asyncio.gather(*(
         ref.endpoint(StageActor.connect, timeout=30).call(
-            [job.stages[r].to_wire() for r in job.mesh.pipeline_ranks(c.data, c.tensor)], job.identities)
+            [job.stages[r].to_wire() for r in job.mesh.pipeline_ranks(c.data, c.tensor)], job.identities,
+            [member.to_wire() for member in job.stages])
         for ref, c in ((ref, job.mesh.coords(g)) for g, ref in enumerate(job.stages))))
     if checkpoint is not None:  # every stage, the new ones too, from the job's newest checkpoint
         for k in range(target, job.steps_done):

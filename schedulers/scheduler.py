@@ -133,7 +133,8 @@ class SchedulerActor(Actor):
             identities = sorted({n.identity for n in nodes} - {""})
             await asyncio.gather(*(
                 ref.endpoint(StageActor.connect, timeout=30).call(
-                    [stages[r].to_wire() for r in mesh.pipeline_ranks(c.data, c.tensor)], identities)
+                    [stages[r].to_wire() for r in mesh.pipeline_ranks(c.data, c.tensor)], identities,
+                    [member.to_wire() for member in stages])
                 for ref, c in ((ref, mesh.coords(g)) for g, ref in enumerate(stages))
             ))
         except BaseException:

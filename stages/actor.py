@@ -23,7 +23,7 @@ import gc
 import logging
 import resource
 import time
-from collections.abc import Callable, Coroutine, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -43,10 +43,12 @@ from stages.comm.groups import StageGroups
 from stages.comm.parallel import leave_process_groups
 from stages.comm.rendezvous import ActorStore
 from stages.compute.executor import ActionFailed, Inbox, StepExecutor, StepTrace
+from stages.compute.agreement import Ballot, TailFailed, run_tail
 from stages.compute.tail import StepTail
 from stages.devices import pin_device
 from stages.program import Action
-from stages.records import StageConfig, StageReport, StepOrder
+from stages.mesh import Mesh
+from stages.records import StageConfig, StageReport, StepOrder, TailVote
 from stages.state.stage_state import StageState
 from transport.codecs import get_codec
 
@@ -187,6 +189,16 @@ def stage_report(trace: StepTrace, parts: StageParts) -> StageReport:
         device=str(model.device))
 
 
+def _vote_sender(ref: ActorRef) -> Callable[[int, int, TailVote], Awaitable[object]]:
+    """How this stage sends a vote to the member ``ref`` (one message, no answer awaited)."""
+    tell = ref.endpoint(StageActor.vote).tell
+
+    async def send(step: int, rank: int, vote: TailVote) -> object:
+        return await tell(step, rank, vote)
+
+    return send
+
+
 @register_actor("stage")
 class StageActor(Actor):
     """One pipeline stage (or several, interleaved) of one job, on one node."""
@@ -201,6 +213,8 @@ class StageActor(Actor):
         self._step = -1
         self._program: list[Action] = []  # the last step's, whose tail reduce_step and finish_step run
         self._running: tuple[int, asyncio.Task[Any]] | None = None
+        self.ballot = Ballot(Mesh(**dict(zip(("pipeline", "tensor", "data"), self.config.mesh))),
+                             self.config.global_rank)  # the tail's votes (see stages.compute.agreement)
 
     async def on_start(self) -> None:
         context = self.node_context
@@ -266,9 +280,11 @@ class StageActor(Actor):
     # -- set-up and one step ----------------------------------------------------------
 
     @endpoint(roles=("head",))
-    async def connect(self, peers: list[list[str]], identities: list[str] | None = None) -> None:
-        """Learns every rank's stage actor, by rank, and the keys (``role:name``) their nodes hold:
-        deliveries are taken only from those keys."""
+    async def connect(self, peers: list[list[str]], identities: list[str] | None = None,
+                      members: list[list[str]] | None = None) -> None:
+        """Learns every pipeline rank's stage actor, by rank, the keys (``role:name``) their nodes hold
+        (deliveries and votes are taken only from those keys) and, for a tail the stages run
+        themselves, every stage actor of the job by global rank (``members``)."""
         if len(peers) != self.config.pipeline_stages:
             raise ValueError(f"expected {self.config.pipeline_stages} peers, got {len(peers)}")
         self.peers = [self.runtime.ref(address, name) for address, name in peers]
@@ -277,6 +293,9 @@ class StageActor(Actor):
                                                  deliver_header=ref.endpoint(StageActor.deliver_header).tell)
                                    for ref in self.peers]
         self._peer_identities = frozenset(i for i in identities or () if i)
+        if members is not None:
+            refs = [self.runtime.ref(address, name) for address, name in members]
+            self.ballot.connect([_vote_sender(ref) for ref in refs])
 
     @endpoint(roles=("head",))
     async def run_step(self, order: StepOrder | dict[str, Any]) -> dict[str, Any]:
@@ -306,7 +325,42 @@ class StageActor(Actor):
         report = await end_step(parts, step, task)
         if report.status == "done":
             self._program = actions
+            if checked.finish:
+                report = await self._run_tail(step, actions, checked, report)
         return report.to_wire()
+
+    async def _run_tail(self, step: int, actions: list[Action], order: StepOrder, report: StageReport
+                        ) -> StageReport:
+        """The step's tail, after the barrier, in a task that :meth:`abort_step` can cancel."""
+        parts = self._parts()
+        task = self.runtime.spawn_task(run_tail(parts.tail, self.ballot, step, actions, order, report),
+                                       name=f"step {step} tail")
+        self._running = (step, task)
+        try:
+            await asyncio.wait({task})
+        finally:
+            self._running = None
+        if task.cancelled() or isinstance(task.exception(), TailFailed):
+            self.ballot.forget(step)
+            await parts.executor.reset(step)
+        if task.cancelled():
+            return StageReport(status="aborted")
+        failure = task.exception()
+        if isinstance(failure, TailFailed):
+            log.warning("step %d failed at %s: %s", step, failure.action, failure.cause)
+            return StageReport(status="failed", action=failure.action, error=error_to_wire(failure.cause))
+        return task.result()
+
+    @endpoint(concurrent=True, roles=("node",))
+    async def vote(self, step: int, rank: int, vote: TailVote | dict[str, Any]) -> None:
+        """Stage actor ``rank``'s vote on step ``step``'s decision (see :mod:`stages.compute.agreement`).
+        NotAllowed: not a member's key, not this step or the next, a rank outside the mesh, a second vote."""
+        with self._refusing():
+            try:
+                checked = vote if isinstance(vote, TailVote) else TailVote.from_wire(vote)
+            except ValueError as exc:
+                raise NotAllowed(f"not a vote: {exc}") from None
+            self.ballot.receive(self._step, step, rank, checked)
 
     @endpoint(roles=("head",))
     async def reduce_step(self, step: int) -> dict[str, Any]:

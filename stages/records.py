@@ -7,12 +7,13 @@ leaf (no torch, no ZeroMQ), so the scheduler imports it cheaply.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from actors.records import RecordError, WireRecord
 from stages.program import stage_to_rank
 
-__all__ = ["FinishReport", "RecordError", "ReduceReport", "StageConfig", "StageReport", "StepOrder", "WireRecord"]
+__all__ = ["FinishReport", "RecordError", "ReduceReport", "StageConfig", "StageReport", "StepOrder", "TailVote",
+           "WireRecord"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -105,6 +106,15 @@ class StepOrder(WireRecord):
     """fp16: the scale the last stage multiplies each loss by."""
     w_batching: bool | None = None
     """Run this step's runs of consecutive Ws as one GEMM per weight, or not (None: as built)."""
+    finish: bool = False
+    """Run the step's tail too, after the barrier: reduce, agree with every stage of the job on the
+    step's decision (:class:`TailVote`), then step or drop; one answer per step."""
+    max_norm: float = 0.0
+    """With ``finish``: the global-norm clipping threshold (0: off)."""
+    fp16: bool = False
+    """With ``finish``: the losses are scaled, so a non-finite gradient with finite losses is an overflow."""
+    scale_at_floor: bool = False
+    """With ``finish``: the dynamic loss scale is at its lowest, where an overflow is a real non-finite value."""
 
     def __post_init__(self) -> None:
         if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
@@ -113,6 +123,12 @@ class StepOrder(WireRecord):
             raise ValueError(f"program must be a list of actions as text, got {self.program!r:.40}")
         if self.w_batching is not None and not isinstance(self.w_batching, bool):
             raise ValueError(f"w_batching must be a bool, got {self.w_batching!r:.40}")
+        for flag in ("finish", "fp16", "scale_at_floor"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r:.40}")
+        norm = self.max_norm
+        if isinstance(norm, bool) or not isinstance(norm, (int, float)) or not 0 <= norm < float("inf"):
+            raise ValueError(f"max_norm must be a finite number >= 0, got {norm!r:.40}")
         for name in ("micro_batches", "data_step", "snapshot"):
             value, least = getattr(self, name), 1 if name == "micro_batches" else 0
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
@@ -125,47 +141,6 @@ class StepOrder(WireRecord):
                                       and all(isinstance(v, int) and not isinstance(v, bool) for v in shard)
                                       and 0 <= shard[0] < shard[1]):
             raise ValueError(f"data_shard must be [replica, replicas], got {shard!r:.40}")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StageReport(WireRecord):
-    """What a stage's ``run_step`` returns: its step's trace, or what failed.
-
-    Attributes:
-        status: ``done`` (the program reached its barrier), ``failed`` (an action raised:
-            ``action`` and ``error`` say which and what) or ``aborted`` (``abort_step``).
-        losses: the last stage's loss per micro-batch, in micro-batch order.
-        busy_s, elapsed_s: seconds computing, and from the program's start to its barrier.
-        peak_stash: the most micro-batch activations held at once.
-        peak_stash_bytes: the most bytes of activations held at once for backward: the
-            storages of the tensors autograd saved, the stashed outputs and boundary inputs
-            (parameters and the step's batch left out), counted between actions.
-        bytes_sent: per edge and direction (``"F 0->1"``), bytes put on the wire.
-        spans: ``[action, start, end]`` per action, seconds from ``started_at``.
-        started_at: the stage's wall clock when the program started.
-        peak_rss_bytes: the stage process's peak resident memory.
-        codec_stats: per edge and direction: codec, bytes, raw_bytes, sq_err, sq_norm.
-        optimizer_state_bytes: the bytes of the optimizer state this stage holds at the
-            barrier (the previous step's; with ZeRO-1, its shard's).
-        device: the device the stage computes on (``cpu``, ``cuda:1``); "" from a
-            stage that predates the field.
-    """
-
-    status: Literal["done", "failed", "aborted"]
-    action: str | None = None
-    error: dict[str, Any] | None = None
-    losses: list[float] = field(default_factory=list)
-    busy_s: float = 0.0
-    elapsed_s: float = 0.0
-    peak_stash: int = 0
-    peak_stash_bytes: int = 0
-    bytes_sent: dict[str, int] = field(default_factory=dict)
-    spans: list[list[Any]] = field(default_factory=list)
-    started_at: float = 0.0
-    peak_rss_bytes: int = 0
-    codec_stats: dict[str, dict[str, Any]] = field(default_factory=dict)
-    optimizer_state_bytes: int = 0
-    device: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -204,3 +179,75 @@ class FinishReport(WireRecord):
     """
 
     lr: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageReport(WireRecord):
+    """What a stage's ``run_step`` returns: its step's trace, or what failed.
+
+    Attributes:
+        status: ``done`` (the program reached its barrier), ``failed`` (an action raised:
+            ``action`` and ``error`` say which and what) or ``aborted`` (``abort_step``).
+        losses: the last stage's loss per micro-batch, in micro-batch order.
+        busy_s, elapsed_s: seconds computing, and from the program's start to its barrier.
+        peak_stash: the most micro-batch activations held at once.
+        peak_stash_bytes: the most bytes of activations held at once for backward: the
+            storages of the tensors autograd saved, the stashed outputs and boundary inputs
+            (parameters and the step's batch left out), counted between actions.
+        bytes_sent: per edge and direction (``"F 0->1"``), bytes put on the wire.
+        spans: ``[action, start, end]`` per action, seconds from ``started_at``.
+        started_at: the stage's wall clock when the program started.
+        peak_rss_bytes: the stage process's peak resident memory.
+        codec_stats: per edge and direction: codec, bytes, raw_bytes, sq_err, sq_norm.
+        optimizer_state_bytes: the bytes of the optimizer state this stage holds at the
+            barrier (the previous step's; with ZeRO-1, its shard's).
+        device: the device the stage computes on (``cpu``, ``cuda:1``); "" from a
+            stage that predates the field.
+        reduced, finished: with :attr:`StepOrder.finish`, the step's tail as the stage ran it
+            after its barrier (see :class:`ReduceReport`, :class:`FinishReport`); None when
+            the scheduler drives the tail by calls of its own.
+    """
+
+    nested: ClassVar[dict[str, Any]] = {"reduced": ReduceReport, "finished": FinishReport}
+
+    status: Literal["done", "failed", "aborted"]
+    action: str | None = None
+    error: dict[str, Any] | None = None
+    losses: list[float] = field(default_factory=list)
+    busy_s: float = 0.0
+    elapsed_s: float = 0.0
+    peak_stash: int = 0
+    peak_stash_bytes: int = 0
+    bytes_sent: dict[str, int] = field(default_factory=dict)
+    spans: list[list[Any]] = field(default_factory=list)
+    started_at: float = 0.0
+    peak_rss_bytes: int = 0
+    codec_stats: dict[str, dict[str, Any]] = field(default_factory=dict)
+    optimizer_state_bytes: int = 0
+    device: str = ""
+    reduced: ReduceReport | None = None
+    finished: FinishReport | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TailVote(WireRecord):
+    """One stage's numbers for a step's global decision, sent to every stage of the job after its
+    reduction, so that each makes the same decision (:func:`stages.compute.tail.decide_step`).
+
+    Raises:
+        ValueError: a field of the wrong type.
+    """
+
+    nonfinite_loss: bool
+    """A loss of this stage's micro-batches is NaN or infinite."""
+    nonfinite_gradient: bool
+    """A gradient on this stage is NaN or infinite (before or after the reduction)."""
+    grad_sq: float
+    """This stage's share of the squared global norm (:attr:`ReduceReport.grad_sq`)."""
+
+    def __post_init__(self) -> None:
+        for name in ("nonfinite_loss", "nonfinite_gradient"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r:.40}")
+        if isinstance(self.grad_sq, bool) or not isinstance(self.grad_sq, (int, float)):
+            raise ValueError(f"grad_sq must be a number, got {self.grad_sq!r:.40}")

@@ -3,13 +3,15 @@
 
 No node processes: the actors run in one runtime without keys, called through typed
 endpoints as the scheduler calls them. A step goes run_step -> reduce_step ->
-finish_step; a bad order is refused before the stage moves to its step; a delivery
+finish_step, or runs its tail inside run_step (one answer per step, the stages voting on
+the decision); a bad order is refused before the stage moves to its step; a delivery
 for a slot no program has is refused and counted; stopping drops every part.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -21,6 +23,7 @@ from actors._ref import ActorRef
 from actors._runtime import Runtime, open_runtime
 from schedulers.schedules import build_schedule
 from stages.actor import StageActor
+from stages.compute.tail import decide_step
 from stages.records import FinishReport, ReduceReport, StageReport, StepOrder
 from tests.stages.stage_parts import MODEL_KWARGS, stage_config
 
@@ -107,3 +110,87 @@ async def test_stopping_drops_every_part(stages: tuple[Runtime, list[StageActor]
     assert actors[0].parts is not None
     await runtime.stop_actor(refs[0].name)
     assert actors[0].parts is None
+
+
+async def _open_pair(runtime: Runtime, prefix: str) -> list[ActorRef]:
+    """Two stage actors that know each other as pipeline peers and as the job's members (the tail's votes)."""
+    refs = [await runtime.spawn(StageActor(**stage_config(rank).to_wire()), f"{prefix}{rank}") for rank in range(2)]
+    wire = [r.to_wire() for r in refs]
+    for ref in refs:
+        await ref.endpoint(StageActor.connect, timeout=10).call(wire, None, wire)
+    return refs
+
+
+async def test_a_step_whose_stages_run_its_tail_equals_one_driven_by_calls() -> None:
+    """One answer per step: reduce, the vote, clipping and the optimizer step all happen in run_step,
+    and the result equals the scheduler's reduce_step/finish_step path to the last bit."""
+    async with open_runtime() as runtime:
+        inline, driven = await _open_pair(runtime, "inline"), await _open_pair(runtime, "driven")
+        for step in range(3):
+            answers = [StageReport.from_wire(r) for r in await asyncio.gather(*(
+                ref.endpoint(StageActor.run_step, timeout=30).call(
+                    dataclasses.replace(order, finish=True, max_norm=0.05).to_wire())
+                for ref, order in zip(inline, orders(step))))]
+            assert [a.status for a in answers] == ["done", "done"]
+            assert all(a.reduced is not None and a.finished is not None for a in answers)
+            reports = [StageReport.from_wire(r) for r in await asyncio.gather(*(
+                ref.endpoint(StageActor.run_step, timeout=30).call(order.to_wire())
+                for ref, order in zip(driven, orders(step))))]
+            reduced = [ReduceReport.from_wire(r) for r in await asyncio.gather(*(
+                ref.endpoint(StageActor.reduce_step, timeout=30).call(step) for ref in driven))]
+            decision = decide_step(nonfinite_loss=False, nonfinite_gradient=False,
+                                   grad_sq=sum(r.grad_sq for r in reduced), max_norm=0.05)
+            assert decision.clip < 1.0  # clipping took part
+            await asyncio.gather(*(ref.endpoint(StageActor.finish_step, timeout=30).call(
+                step, True, decision.unscale, decision.clip) for ref in driven))
+            assert [a.losses for a in answers] == [r.losses for r in reports]
+            assert [a.reduced.grad_sq for a in answers if a.reduced] == [r.grad_sq for r in reduced]
+        for a, b in zip(inline, driven):
+            mine = await a.endpoint(StageActor.state_dict, timeout=10).call()
+            theirs = await b.endpoint(StageActor.state_dict, timeout=10).call()
+            assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+async def test_a_stage_waiting_for_votes_is_aborted_and_forgets_the_step() -> None:
+    async with open_runtime() as runtime:
+        refs = await _open_pair(runtime, "stage")
+        first, second = orders(0)
+        # Rank 1 runs its program but not the tail, so rank 0 waits for a vote that never comes.
+        waiting = asyncio.ensure_future(refs[0].endpoint(StageActor.run_step, timeout=30).call(
+            dataclasses.replace(first, finish=True).to_wire()))
+        assert StageReport.from_wire(await refs[1].endpoint(StageActor.run_step, timeout=30).call(
+            second.to_wire())).status == "done"
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        await refs[0].endpoint(StageActor.abort_step, timeout=10).call(0)
+        assert StageReport.from_wire(await waiting).status == "aborted"
+        await refs[1].endpoint(StageActor.abort_step, timeout=10).call(0)
+        answers = [StageReport.from_wire(r) for r in await asyncio.gather(*(  # the next step is whole
+            ref.endpoint(StageActor.run_step, timeout=30).call(dataclasses.replace(order, finish=True).to_wire())
+            for ref, order in zip(refs, orders(1))))]
+        assert [a.status for a in answers] == ["done", "done"]
+
+
+@pytest.mark.parametrize(("step", "rank", "vote", "match"), [
+    (7, 0, {"nonfinite_loss": False, "nonfinite_gradient": False, "grad_sq": 1.0}, "only this step's or the next's"),
+    (0, 5, {"nonfinite_loss": False, "nonfinite_gradient": False, "grad_sq": 1.0}, "outside a mesh of 2"),
+    (0, 0, {"nonfinite_loss": "no", "nonfinite_gradient": False, "grad_sq": 1.0}, "not a vote"),
+    (0, 0, {"grad_sq": 1.0}, "not a vote"),
+])
+async def test_a_vote_outside_the_step_or_the_mesh_is_refused_and_counted(
+        stages: tuple[Runtime, list[StageActor], list[ActorRef]], step: int, rank: int, vote: dict[str, Any],
+        match: str) -> None:
+    _, actors, refs = stages
+    refused = actors[1].refused_calls
+    with pytest.raises(NotAllowed, match=match):
+        await refs[1].endpoint(StageActor.vote, timeout=10).call(step, rank, vote)
+    assert actors[1].refused_calls == refused + 1
+
+
+async def test_a_second_vote_of_one_member_is_refused(stages: tuple[Runtime, list[StageActor], list[ActorRef]]) -> None:
+    _, _, refs = stages
+    vote = refs[1].endpoint(StageActor.vote, timeout=10)
+    ballot = {"nonfinite_loss": False, "nonfinite_gradient": False, "grad_sq": 1.0}
+    await vote.call(0, 0, ballot)
+    with pytest.raises(NotAllowed, match="rank 0 voted twice on step 0"):
+        await vote.call(0, 0, ballot)

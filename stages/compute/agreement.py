@@ -1,0 +1,149 @@
+"""A step's tail run by the stages themselves: reduce, agree on the decision, step.
+
+Without it the scheduler drives the tail by two more round trips per step (every
+stage's ``reduce_step``, its decision, every stage's ``finish_step``). With
+:attr:`~stages.records.StepOrder.finish`, each stage runs its tail right after its
+barrier: it reduces (:meth:`~stages.compute.tail.StepTail.reduce`), sends one small
+:class:`~stages.records.TailVote` to every stage actor of the job and waits for
+theirs (the collective: a few numbers each), makes the decision from the votes, in
+rank order, with the same pure function the scheduler uses (:func:`decide_votes`),
+and steps or drops. The driver gets one answer per step, and the scheduler makes the
+same decision from the same numbers in the stages' reports, so its loss scale and
+statistics follow without another message.
+
+The votes of a step are fenced like deliveries: only for the stage's current step or
+the next, at most one per member, so a stale or repeated vote is refused and what a
+peer can make a stage hold is bounded by the mesh's size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+from collections.abc import Awaitable, Callable, Sequence
+
+from actors._errors import NotAllowed
+from stages.mesh import Mesh
+from stages.program import Action
+from stages.records import ReduceReport, StageReport, StepOrder, TailVote
+from stages.compute.tail import StepDecision, StepTail, decide_step
+
+__all__ = ["Ballot", "TailFailed", "decide_votes", "run_tail", "vote_of"]
+
+SendVote = Callable[[int, int, TailVote], Awaitable[object]]
+
+
+class TailFailed(Exception):
+    """A stage's tail failed at ``action`` (``REDUCE`` or ``STEP``), for ``cause``."""
+
+    def __init__(self, action: str, cause: BaseException) -> None:
+        super().__init__(f"{action}: {cause}")
+        self.action = action
+        self.cause = cause
+
+
+def vote_of(losses: Sequence[float], reduced: ReduceReport) -> TailVote:
+    """What a stage says of its step, from its losses and its reduction's report."""
+    return TailVote(nonfinite_loss=not all(math.isfinite(loss) for loss in losses),
+                    nonfinite_gradient=bool(reduced.nonfinite), grad_sq=float(reduced.grad_sq))
+
+
+def decide_votes(mesh: Mesh, votes: Sequence[TailVote], *, loss_scale: float, fp16: bool, scale_at_floor: bool,
+                 max_norm: float) -> StepDecision:
+    """The step's decision from every member's vote, by global rank: the squared norm adds the shares of
+    data-parallel replica 0 in rank order (the replicas hold the same averaged gradients), so every stage
+    and the scheduler compute the same float."""
+    if len(votes) != mesh.size:
+        raise ValueError(f"{len(votes)} votes for a mesh of {mesh.size}")
+    grad_sq = sum(vote.grad_sq for rank, vote in enumerate(votes) if mesh.coords(rank).data == 0)
+    return decide_step(nonfinite_loss=any(v.nonfinite_loss for v in votes),
+                       nonfinite_gradient=any(v.nonfinite_gradient for v in votes), grad_sq=grad_sq,
+                       loss_scale=loss_scale, fp16=fp16, scale_at_floor=scale_at_floor, max_norm=max_norm)
+
+
+class Ballot:
+    """One stage's ballot box: its vote goes to every member, theirs come in by :meth:`receive`.
+
+    Args:
+        mesh: the job's mesh (its size is the number of votes a step needs).
+        rank: this stage actor's global rank.
+    """
+
+    def __init__(self, mesh: Mesh, rank: int) -> None:
+        self.mesh = mesh
+        self.rank = rank
+        self.senders: list[SendVote] = []  # by global rank (see :meth:`connect`); this rank's is unused
+        self._votes: dict[int, dict[int, TailVote]] = {}
+        self._complete: dict[int, asyncio.Event] = {}
+
+    def connect(self, senders: Sequence[SendVote]) -> None:
+        """Learns how to reach every member, by global rank."""
+        if len(senders) != self.mesh.size:
+            raise ValueError(f"expected {self.mesh.size} members, got {len(senders)}")
+        self.senders = list(senders)
+
+    def receive(self, current: int, step: int, rank: int, vote: TailVote) -> None:
+        """Takes member ``rank``'s vote on ``step``, while this stage is at step ``current``.
+
+        Raises:
+            NotAllowed: a step other than the current or the next, a rank outside the mesh,
+                or a second vote of one member on one step.
+        """
+        if isinstance(step, bool) or not isinstance(step, int) or not current <= step <= current + 1:
+            raise NotAllowed(f"a vote on step {step!r:.20} while at step {current}: only this step's or the next's")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.mesh.size:
+            raise NotAllowed(f"a vote from rank {rank!r:.20}, outside a mesh of {self.mesh.size}")
+        for old in [s for s in self._votes if s < current]:
+            self.forget(old)
+        box = self._votes.setdefault(step, {})
+        if rank in box:
+            raise NotAllowed(f"rank {rank} voted twice on step {step}")
+        box[rank] = vote
+        if len(box) == self.mesh.size:
+            self._event(step).set()
+
+    async def gather(self, step: int, vote: TailVote) -> list[TailVote]:
+        """Sends this stage's ``vote`` to every other member and returns every member's, by rank, once all
+        are in (cancelled by an abort; the scheduler aborts every stage when one fails)."""
+        assert self.senders, "the ballot has no members (see connect)"
+        self.receive(step, step, self.rank, vote)
+        await asyncio.gather(*(send(step, self.rank, vote) for rank, send in enumerate(self.senders)
+                               if rank != self.rank))
+        await self._event(step).wait()
+        box = self._votes[step]
+        self.forget(step)
+        return [box[rank] for rank in range(self.mesh.size)]
+
+    def forget(self, step: int) -> None:
+        """Drops ``step``'s votes (done, or aborted)."""
+        self._votes.pop(step, None)
+        self._complete.pop(step, None)
+
+    def _event(self, step: int) -> asyncio.Event:
+        event = self._complete.get(step)
+        if event is None:
+            event = self._complete[step] = asyncio.Event()
+        return event
+
+
+async def run_tail(tail: StepTail, ballot: Ballot, step: int, actions: Sequence[Action], order: StepOrder,
+                   report: StageReport) -> StageReport:
+    """Runs step ``step``'s tail after the barrier (see the module docstring); returns ``report`` with the
+    tail's :class:`~stages.records.ReduceReport` and :class:`~stages.records.FinishReport`.
+
+    Raises:
+        TailFailed: the reduction (``REDUCE``) or the optimizer step (``STEP``) failed.
+    """
+    try:
+        reduced = await tail.reduce(step, actions)
+    except Exception as exc:
+        raise TailFailed("REDUCE", exc) from exc
+    votes = await ballot.gather(step, vote_of(report.losses, reduced))
+    decision = decide_votes(ballot.mesh, votes, loss_scale=order.loss_scale if order.loss_scale is not None else 1.0,
+                            fp16=order.fp16, scale_at_floor=order.scale_at_floor, max_norm=order.max_norm)
+    try:
+        finished = await tail.finish(actions, apply=decision.apply, unscale=decision.unscale, clip=decision.clip)
+    except Exception as exc:
+        raise TailFailed("STEP", exc) from exc
+    return dataclasses.replace(report, reduced=reduced, finished=finished)

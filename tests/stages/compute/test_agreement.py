@@ -1,0 +1,86 @@
+# .venv/bin/python -m pytest -q -p no:cacheprovider tests/stages/compute/test_agreement.py
+"""The stages' agreement on a step's decision (stages.compute.agreement), in one process.
+
+Every member's ballot gets every vote and makes the same decision; the squared norm adds
+data-parallel replica 0's shares in rank order, as the scheduler does; a vote is fenced
+to the current step or the next, to the mesh, and to one per member.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+
+from actors._errors import NotAllowed
+from stages.compute.agreement import Ballot, decide_votes, vote_of
+from stages.compute.tail import decide_step
+from stages.mesh import Mesh
+from stages.records import ReduceReport, TailVote
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _vote(grad_sq: float, *, loss: bool = False, gradient: bool = False) -> TailVote:
+    return TailVote(nonfinite_loss=loss, nonfinite_gradient=gradient, grad_sq=grad_sq)
+
+
+def test_the_norm_adds_replica_zeros_shares_in_rank_order() -> None:
+    mesh = Mesh(pipeline=2, data=2)  # ranks 0, 1: replica 0; ranks 2, 3: replica 1
+    votes = [_vote(0.1), _vote(0.2), _vote(100.0), _vote(100.0)]
+    decision = decide_votes(mesh, votes, loss_scale=1.0, fp16=False, scale_at_floor=False, max_norm=0.1)
+    assert decision == decide_step(nonfinite_loss=False, nonfinite_gradient=False, grad_sq=0.0 + 0.1 + 0.2,
+                                   max_norm=0.1)
+    assert decision.apply and decision.clip < 1.0
+    assert decision.grad_norm == math.sqrt(0.1 + 0.2)
+
+
+@pytest.mark.parametrize(("votes", "fp16", "floor", "apply", "overflow"), [
+    ([_vote(1.0), _vote(1.0, gradient=True)], False, False, False, False),
+    ([_vote(1.0), _vote(1.0, gradient=True)], True, False, False, True),   # fp16: an overflow
+    ([_vote(1.0), _vote(1.0, gradient=True)], True, True, False, False),   # at the floor: a real NaN
+    ([_vote(1.0, loss=True), _vote(1.0, gradient=True)], True, False, False, False),  # a bad loss is never one
+    ([_vote(1.0), _vote(2.0)], True, False, True, False),
+])
+def test_one_bad_value_anywhere_drops_the_step_everywhere(votes: list[TailVote], fp16: bool, floor: bool,
+                                                         apply: bool, overflow: bool) -> None:
+    decision = decide_votes(Mesh(pipeline=2), votes, loss_scale=8.0, fp16=fp16, scale_at_floor=floor, max_norm=0.0)
+    assert (decision.apply, decision.overflow, decision.unscale) == (apply, overflow, 8.0)
+
+
+def test_a_vote_says_what_its_stage_saw() -> None:
+    assert vote_of([1.0, float("nan")], ReduceReport(grad_sq=2.0)) == _vote(2.0, loss=True)
+    assert vote_of([], ReduceReport(nonfinite=["0.weight"], grad_sq=float("inf"))) == _vote(
+        float("inf"), gradient=True)
+
+
+async def test_every_member_gathers_every_vote_and_decides_alike() -> None:
+    mesh = Mesh(pipeline=3)
+    ballots = [Ballot(mesh, rank) for rank in range(3)]
+    current = 4
+
+    def sender(to: Ballot):  # type: ignore[no-untyped-def]
+        async def send(step: int, rank: int, vote: TailVote) -> None:
+            await asyncio.sleep(0)
+            to.receive(current, step, rank, vote)
+        return send
+
+    for ballot in ballots:
+        ballot.connect([sender(other) for other in ballots])
+    mine = [_vote(float(rank + 1), gradient=rank == 2) for rank in range(3)]
+    gathered = await asyncio.gather(*(ballot.gather(4, vote) for ballot, vote in zip(ballots, mine)))
+    assert all(votes == mine for votes in gathered)
+    assert all(not ballot._votes for ballot in ballots)  # forgotten once used
+
+
+def test_votes_are_fenced_to_this_step_or_the_next_to_the_mesh_and_to_one_per_member() -> None:
+    ballot = Ballot(Mesh(pipeline=2), 0)
+    ballot.receive(3, 4, 1, _vote(1.0))  # the next step: a fast peer
+    for step, rank, match in [(2, 1, "only this step's or the next's"), (5, 1, "only this step's or the next's"),
+                              (3, 2, "outside a mesh of 2"), (3, -1, "outside a mesh of 2"),
+                              (4, 1, "rank 1 voted twice on step 4"), (True, 0, "only this step's")]:
+        with pytest.raises(NotAllowed, match=match):
+            ballot.receive(3, step, rank, _vote(1.0))
+    ballot.receive(5, 5, 1, _vote(1.0))
+    assert set(ballot._votes) == {5}  # what an older step left is dropped
