@@ -26,11 +26,11 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-from actors._actor import Actor, caller_among, current_caller, endpoint
+from actors._actor import Actor, Host, caller_among, current_caller, endpoint
 from actors._errors import ActorError, NotAllowed, error_to_wire
 from actors._ref import ActorRef
 from actors._registry import DEFAULT_ALLOW, register_actor
@@ -43,7 +43,7 @@ from stages.comm.groups import StageGroups
 from stages.comm.parallel import leave_process_groups
 from stages.comm.rendezvous import ActorStore
 from stages.compute.executor import ActionFailed, Inbox, StepExecutor, StepTrace
-from stages.compute.agreement import Ballot, TailFailed, run_tail
+from stages.compute.agreement import Ballot, run_tail, tail_report
 from stages.compute.tail import StepTail
 from stages.devices import pin_device
 from stages.program import Action
@@ -55,6 +55,7 @@ from transport.codecs import get_codec
 __all__ = ["StageActor", "StageConfig"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,6 +200,24 @@ def _vote_sender(ref: ActorRef) -> Callable[[int, int, TailVote], Awaitable[obje
     return send
 
 
+def join_and_build(config: StageConfig, runtime: Host, allow: Sequence[str], device: torch.device,
+               loop: asyncio.AbstractEventLoop) -> tuple[StageGroups | None, BuiltStage]:
+    """On the compute thread: joins the job's process groups (``config.dist``), then builds the stage."""
+    cfg, groups = config, None
+    if cfg.dist is not None:
+        groups = StageGroups(cfg, runtime.address, device)
+        groups.join(cfg.dist, open_store(runtime, cfg.dist, loop))
+    try:
+        return groups, build_stage(cfg, allow, device, groups, reduce_exact=not get_codec(cfg.reduce_codec).lossy)
+    except BaseException:
+        # Joined, then refused (a tensor-parallel split that would untie a parameter, a factory
+        # that raised): leave, or this node refuses every later job's groups.
+        if groups is not None:
+            leave_process_groups()
+            groups.close()
+        raise
+
+
 @register_actor("stage")
 class StageActor(Actor):
     """One pipeline stage (or several, interleaved) of one job, on one node."""
@@ -226,30 +245,13 @@ class StageActor(Actor):
                                     initializer=pin_device, initargs=(str(device),))
         try:
             groups, built = await asyncio.get_running_loop().run_in_executor(
-                thread, self._build, allow, device, asyncio.get_running_loop())
+                thread, join_and_build, self.config, self.runtime, allow, device, asyncio.get_running_loop())
         except BaseException as exc:
             thread.shutdown(wait=False)
             raise _where(exc, f"node {context.name} (a worker)" if context is not None else "this process") from None
         spawn = self.runtime.spawn_task
         self.parts = assemble(self.config, built, groups, thread, lambda coro, name: spawn(coro, name=name),
                               self._send_tied, self._peer_endpoints)
-
-    def _build(self, allow: Sequence[str], device: torch.device, loop: asyncio.AbstractEventLoop
-               ) -> tuple[StageGroups | None, BuiltStage]:
-        """On the compute thread: joins the job's process groups (``config.dist``), then builds the stage."""
-        cfg, groups = self.config, None
-        if cfg.dist is not None:
-            groups = StageGroups(cfg, self.runtime.address, device)
-            groups.join(cfg.dist, open_store(self.runtime, cfg.dist, loop))
-        try:
-            return groups, build_stage(cfg, allow, device, groups, reduce_exact=not get_codec(cfg.reduce_codec).lossy)
-        except BaseException:
-            # Joined, then refused (a tensor-parallel split that would untie a parameter, a factory
-            # that raised): leave, or this node refuses every later job's groups.
-            if groups is not None:
-                leave_process_groups()
-                groups.close()
-            raise
 
     def _parts(self) -> StageParts:
         assert self.parts is not None, "the stage has not started"
@@ -314,42 +316,25 @@ class StageActor(Actor):
         actions, inputs, targets = await begin_step(self.config, parts, checked)
         if checked.snapshot is not None:
             await self._snapshot(checked.snapshot)
-        # The program runs in a task of its own so that abort_step can cancel it
-        # without cancelling this endpoint (and with it the mailbox).
-        task = self.runtime.spawn_task(parts.executor.run(step, actions, inputs, targets), name=f"step {step}")
-        self._running = (step, task)
-        try:
-            await asyncio.wait({task})
-        finally:
-            self._running = None
-        report = await end_step(parts, step, task)
+        report = await end_step(parts, step, await self._abortable(
+            step, parts.executor.run(step, actions, inputs, targets), f"step {step}"))
         if report.status == "done":
             self._program = actions
             if checked.finish:
-                report = await self._run_tail(step, actions, checked, report)
+                report = await tail_report(parts.executor, self.ballot, step, await self._abortable(
+                    step, run_tail(parts.tail, self.ballot, step, actions, checked, report), f"step {step} tail"))
         return report.to_wire()
 
-    async def _run_tail(self, step: int, actions: list[Action], order: StepOrder, report: StageReport
-                        ) -> StageReport:
-        """The step's tail, after the barrier, in a task that :meth:`abort_step` can cancel."""
-        parts = self._parts()
-        task = self.runtime.spawn_task(run_tail(parts.tail, self.ballot, step, actions, order, report),
-                                       name=f"step {step} tail")
+    async def _abortable(self, step: int, work: Coroutine[Any, Any, T], name: str) -> asyncio.Task[T]:
+        """Runs ``work`` in a task of its own, so that :meth:`abort_step` can cancel it without cancelling
+        this endpoint (and with it the mailbox); returns the task once it has ended."""
+        task = self.runtime.spawn_task(work, name=name)
         self._running = (step, task)
         try:
             await asyncio.wait({task})
         finally:
             self._running = None
-        if task.cancelled() or isinstance(task.exception(), TailFailed):
-            self.ballot.forget(step)
-            await parts.executor.reset(step)
-        if task.cancelled():
-            return StageReport(status="aborted")
-        failure = task.exception()
-        if isinstance(failure, TailFailed):
-            log.warning("step %d failed at %s: %s", step, failure.action, failure.cause)
-            return StageReport(status="failed", action=failure.action, error=error_to_wire(failure.cause))
-        return task.result()
+        return task
 
     @endpoint(concurrent=True, roles=("node",))
     async def vote(self, step: int, rank: int, vote: TailVote | dict[str, Any]) -> None:

@@ -156,9 +156,10 @@ def test_the_stage_compute_thread_pins_the_nodes_device(monkeypatch: pytest.Monk
         raise Built
 
     actor = stage.StageActor.__new__(stage.StageActor)
-    actor.config = type("Config", (), {"pipeline_rank": 1})()  # only what on_start reads before _build
+    actor.config = type("Config", (), {"pipeline_rank": 1})()  # only what on_start reads before it builds
+    actor.runtime = None  # type: ignore[assignment]  # not spawned: the fake build never reaches it
     actor.node_context = NodeContext(name="node1", device="cuda:1", allow_list=[])
-    monkeypatch.setattr(actor, "_build", build, raising=False)
+    monkeypatch.setattr(stage, "join_and_build", build)
     with pytest.raises(Built):
         asyncio.run(actor.on_start())
     assert [device for _, device in pinned] == ["cuda:1"]
