@@ -656,7 +656,7 @@ class JobController:
 
     # -- runs, pause and resume ---------------------------------------------------------
 
-    def start_run(self, num_steps: int) -> RunInfo:
+    def run(self, num_steps: int) -> RunInfo:
         """Starts ``num_steps`` steps from the job's data factory, in the background.
 
         Raises:
@@ -715,7 +715,7 @@ class JobController:
             self._publish(JobResumed(job=self.id, step=self.next_step))
         return self.describe()
 
-    def stop_run(self) -> JobDescription:
+    def stop(self) -> JobDescription:
         """Ends the job's run after its current step (and out of a pause)."""
         if self.run_state is not None:
             self.run_state.stop = True
