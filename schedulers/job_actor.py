@@ -47,24 +47,24 @@ class JobActor(Actor):
             stop_stages: stops stage actors (the scheduler's; a lost node's go with it).
             closed: told the job's id once it is closed (the scheduler forgets the job and stops this actor).
         """
-        self.job = job
+        self.controller = job
         self._stop_stages = stop_stages
         self._closed = closed
         self._closing = False
 
     @property
     def id(self) -> str:
-        return self.job.id
+        return self.controller.core.id
 
     @property
     def owner(self) -> str:
         """``role:name`` of the key that created the job."""
-        return self.job.owner
+        return self.controller.core.owner
 
     @property
     def nodes(self) -> list[str]:
         """The job's nodes by global rank."""
-        return self.job.nodes
+        return self.controller.core.nodes
 
     def _controller(self) -> JobController:
         """The job, if the caller owns it (or holds the admin key).
@@ -75,7 +75,7 @@ class JobActor(Actor):
         if not may_act_on(self.owner):
             self.refused_calls += 1
             raise NotAllowed(f"{self.id} belongs to {self.owner}; only its owner or the admin key may act on it")
-        return self.job
+        return self.controller
 
     # -- training ---------------------------------------------------------------------------
 

@@ -40,7 +40,7 @@ from stages import backend_for, Mesh, RendezvousActor, StageActor
 from stages.build.describe import ModelInspector
 from schedulers.control import JobController
 from schedulers.job_actor import JobActor, may_act_on
-from schedulers._job import JobCore, Placer
+from schedulers.job_core import JobCore, Placer
 from schedulers.jobs import JobSpec, stage_config
 from schedulers.partition import partition_by_parameters, partition_uniform
 from schedulers.placement import Placement, choose_nodes, gpu_of
@@ -315,7 +315,7 @@ class SchedulerActor(Actor):
     @endpoint(concurrent=True, roles=("client",))
     async def jobs(self) -> list[JobDescription]:
         """Every job the caller may see (its own; all for the admin)."""
-        return [job.job.describe() for job in self._jobs.values() if may_act_on(job.owner)]
+        return [job.controller.describe() for job in self._jobs.values() if may_act_on(job.owner)]
 
     @endpoint(concurrent=True, roles=("client",))
     async def job(self, job_id: str) -> JobInfo:
@@ -336,7 +336,7 @@ class SchedulerActor(Actor):
 
     @staticmethod
     def _info(job: JobActor, notices: list[str] | None = None) -> JobInfo:
-        c = job.job
+        c = job.controller.core
         return JobInfo(job=c.id, bounds=c.bounds, nodes=list(c.nodes), actor=job.ref.to_wire(),
                        notices=notices or [])
 
