@@ -10,10 +10,10 @@ Example::
         stats = await job.step(inputs, targets)
         await job.close()
 
-This module is the one client of the scheduler actor: the console, the examples and
-the benchmarks all go through :class:`Job`. Every call is typed against the
-scheduler's endpoint (``ref.endpoint(SchedulerActor.step)``) and every answer comes
-back as a record of :mod:`schedulers.records`.
+This module is the one client of the scheduler actor and of the job actors it spawns:
+the console, the examples and the benchmarks all go through :class:`Job`. Every call
+is typed against the actor's endpoint (``ref.endpoint(JobActor.step)``) and every
+answer comes back as a record of :mod:`schedulers.records`.
 """
 
 from __future__ import annotations
@@ -31,11 +31,12 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import torch
 
 import actors
-from actors import ActorError, ActorRef, Endpoint, HeadActor
+from actors import ActorError, ActorRef, Endpoint, HeadActor, UnknownActor
 from stages import CheckpointError
 from schedulers.jobs import SECTIONS, JobSpec
 from schedulers.placement import PlacementWarning
 from schedulers.records import JobDescription, JobInfo, Plan, RunInfo, SettingChange, StepStats, WhereReport
+from schedulers.job_actor import JobActor
 from schedulers.scheduler import SchedulerActor
 
 __all__ = ["SCHEDULER", "CheckpointError", "Cluster", "Job", "LocalCluster"]
@@ -119,9 +120,11 @@ class Cluster(actors.Cluster):
 
         Raises:
             RemoteError: no such job (the message lists the running ones).
+            NotAllowed: another client's job.
         """
-        info = await self.call(SchedulerActor.describe).call(job_id)
-        return Job(self, JobInfo(job=info.job, bounds=info.bounds, nodes=info.nodes), info.spec)
+        info = await self.call(SchedulerActor.job).call(job_id)
+        description = await self.runtime.ref(*info.actor).endpoint(JobActor.describe, timeout=60).call()
+        return Job(self, info, description.spec)
 
 
 @contextlib.contextmanager
@@ -168,7 +171,8 @@ class LocalCluster(actors.LocalCluster):
 
 
 class Job:
-    """A job running on a cluster: every method is a call to the head's scheduler actor.
+    """A job running on a cluster: every method is a call to the job's actor on the head
+    (:class:`~schedulers.job_actor.JobActor`).
 
     Attributes:
         id: the job's name on the cluster (``job0``).
@@ -176,6 +180,7 @@ class Job:
         nodes: each stage actor's node, by global rank.
         spec: the job's specification as it was started.
         notices: what the scheduler warned about its placement (see :class:`~schedulers.records.JobInfo`).
+        ref: the job's actor on the head.
     """
 
     def __init__(self, cluster: Cluster, info: JobInfo, spec: JobSpec) -> None:
@@ -185,17 +190,19 @@ class Job:
         self.nodes = info.nodes
         self.spec = spec
         self.notices = list(info.notices)
+        address, name = info.actor
+        self.ref = cluster.runtime.ref(address, name)
 
     def _call(
-        self, method: Callable[Concatenate[SchedulerActor, str, P], Awaitable[R]], timeout: float | None = 60.0
-    ) -> Callable[P, Awaitable[R]]:
-        """The scheduler's ``method`` with this job's id filled in."""
-        handle: Endpoint[Concatenate[str, P], R] = self.cluster.call(method, timeout=timeout)
+        self, method: Callable[Concatenate[JobActor, P], Awaitable[R]], timeout: float | None = 60.0
+    ) -> Endpoint[P, R]:
+        """A typed handle on one of the job actor's endpoints.
 
-        async def call(*args: P.args, **kwargs: P.kwargs) -> R:
-            return await handle.call(self.id, *args, **kwargs)
-
-        return call
+        Raises:
+            HeadLost: the head is known to be gone.
+        """
+        self.cluster.check_head()
+        return self.ref.endpoint(method, timeout=timeout)
 
     # -- training --------------------------------------------------------------------
 
@@ -216,7 +223,7 @@ class Job:
             raise ValueError("step() takes both inputs and targets, or neither (to read the data factory)")
         timeout = self.spec.fault_tolerance.step_timeout_s + 60.0
         try:
-            return await self._call(SchedulerActor.step, timeout)(inputs, targets)
+            return await self._call(JobActor.step, timeout).call(inputs, targets)
         except asyncio.CancelledError:
             # The driver gave up on the step: the scheduler and every stage stop it too.
             self.cluster.runtime.spawn_task(self._cancel_step(), name=f"cancel {self.id} step")
@@ -224,7 +231,7 @@ class Job:
 
     async def _cancel_step(self) -> None:
         try:
-            await self._call(SchedulerActor.cancel_step, 5.0)()
+            await self._call(JobActor.cancel_step, 5.0).call()
         except ActorError as exc:
             log.info("could not cancel %s's step: %s", self.id, exc)
 
@@ -232,19 +239,19 @@ class Job:
         """Starts ``num_steps`` steps from the job's data factory in the background (see :meth:`describe`)."""
         if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
             raise ValueError(f"run() needs a number of steps >= 1, got {num_steps!r:.40}")
-        return await self._call(SchedulerActor.run)(num_steps)
+        return await self._call(JobActor.run).call(num_steps)
 
     async def pause(self) -> JobDescription:
         """Holds the run at the next accumulation barrier (the step in progress finishes)."""
-        return await self._call(SchedulerActor.pause)()
+        return await self._call(JobActor.pause).call()
 
     async def resume(self) -> JobDescription:
         """Lets a paused run go on."""
-        return await self._call(SchedulerActor.resume)()
+        return await self._call(JobActor.resume).call()
 
     async def stop(self) -> JobDescription:
         """Ends the run after the step in progress (the job stays; :meth:`close` ends it)."""
-        return await self._call(SchedulerActor.stop_run)()
+        return await self._call(JobActor.stop).call()
 
     async def set(self, key: str, value: Any) -> SettingChange:
         """Changes ``micro_batches``, ``schedule``, ``activation_codec`` or ``gradient_codec`` from the next barrier on.
@@ -256,13 +263,13 @@ class Job:
         Raises:
             RemoteError: the key cannot change or the value does not fit (nothing changes).
         """
-        return await self._call(SchedulerActor.set_option)(key, value)
+        return await self._call(JobActor.set).call(key, value)
 
     # -- looking at it -----------------------------------------------------------------
 
     async def describe(self) -> JobDescription:
         """Spec, layout, programs, run progress and the last step's statistics."""
-        return await self._call(SchedulerActor.describe)()
+        return await self._call(JobActor.describe).call()
 
     async def plan(self) -> Plan:
         """The candidate schedules with their predicted step time and stash, the chosen one marked.
@@ -272,11 +279,11 @@ class Job:
         prediction. With a fixed schedule, the candidates predicted from the last step,
         marking the one auto would run (``state="advice"``).
         """
-        return await self._call(SchedulerActor.plan)()
+        return await self._call(JobActor.plan).call()
 
     async def where(self) -> WhereReport:
         """Where each stage is in its program now, naming any send or receive that never matched."""
-        return await self._call(SchedulerActor.where)()
+        return await self._call(JobActor.where).call()
 
     async def trace(self, path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
         """The last step's measured timeline as Chrome/Perfetto trace JSON (on the head's clock).
@@ -284,7 +291,7 @@ class Job:
         Args:
             path: also write it there.
         """
-        trace = await self._call(SchedulerActor.trace)()
+        trace = await self._call(JobActor.trace).call()
         if path is not None:
             with open(path, "w") as f:
                 json.dump(trace, f)
@@ -301,11 +308,11 @@ class Job:
         ``Cluster.connect(..., max_message_bytes=...)``) or use :meth:`save`, which
         sends no tensors at all.
         """
-        return await self._call(SchedulerActor.state_dict, 600)()
+        return await self._call(JobActor.state_dict, 600).call()
 
     async def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Loads a whole-model state (as :meth:`state_dict` returns) into the stages."""
-        await self._call(SchedulerActor.load_state_dict, 600)({k: v.detach().cpu() for k, v in state.items()})
+        await self._call(JobActor.load_state_dict, 600).call({k: v.detach().cpu() for k, v in state.items()})
 
     async def save(self, directory: str | os.PathLike[str]) -> str:
         """Writes a checkpoint to ``directory``: weights, optimizer state, learning-rate schedule and step count.
@@ -326,7 +333,7 @@ class Job:
                 node cannot write there (named, with why).
         """
         with _checkpoint_errors():
-            return await self._call(SchedulerActor.save, None)(os.path.abspath(os.fspath(directory)))
+            return await self._call(JobActor.save, None).call(os.path.abspath(os.fspath(directory)))
 
     async def load(self, directory: str | os.PathLike[str], *, weights_only: bool = False) -> int:
         """Loads the checkpoint :meth:`save` wrote to ``directory``, all or nothing.
@@ -351,12 +358,15 @@ class Job:
                 the job's weights and optimizer are unchanged.
         """
         with _checkpoint_errors():
-            return await self._call(SchedulerActor.load, None)(os.path.abspath(os.fspath(directory)),
+            return await self._call(JobActor.load, None).call(os.path.abspath(os.fspath(directory)),
                                                                bool(weights_only))
 
     async def close(self) -> None:
-        """Stops the job's run and its stage actors."""
-        await self._call(SchedulerActor.close_job)()
+        """Stops the job's run, its stage actors and its actor; closing twice is fine."""
+        try:
+            await self._call(JobActor.close).call()
+        except UnknownActor:  # closed already: its actor is gone
+            pass
 
     async def __aenter__(self) -> Job:
         return self

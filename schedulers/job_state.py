@@ -1,7 +1,8 @@
 """A job's state: read and loaded whole, and checkpointed by its stages themselves.
 
-Functions of a :class:`~schedulers.control.JobCore` (``job``), kept apart so that
-the controller's module stays about steps; the checkpoint format is :mod:`stages.state.checkpoint`.
+Functions of a :class:`~schedulers.job_core.JobCore` (``job``), which they hold through
+its :meth:`~schedulers.job_core.JobCore.operation` and change through its methods; the
+checkpoint format is :mod:`stages.state.checkpoint`.
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ from stages import (
     ShardSpec,
     StageActor,
 )
-from schedulers._job import JobCore
+from schedulers.job_core import JobCore
 from schedulers.stepping import key_order
 
 
-__all__ = ["load", "load_state_dict", "restarted_history", "save", "state_dict"]
+__all__ = ["apply_checkpoint", "load", "load_state_dict", "save", "state_dict"]
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ async def state_dict(job: JobCore) -> dict[str, torch.Tensor]:
     Tensor-parallel shards are put back together; data-parallel replica 0 speaks for all.
     """
     mesh = job.mesh
-    async with job._operation():
+    async with job.operation():
         specs = await _shard_specs(job)
         state: dict[str, torch.Tensor] = {}
         for p in range(mesh.pipeline):
@@ -73,7 +74,7 @@ async def load_state_dict(job: JobCore, state: dict[str, torch.Tensor]) -> None:
         KeyError: keys no stage holds.
     """
     mesh = job.mesh
-    async with job._operation(repairs=True):
+    async with job.operation(repairs=True):
         specs = await _shard_specs(job)
         held = await _held_keys(job)
 
@@ -84,7 +85,7 @@ async def load_state_dict(job: JobCore, state: dict[str, torch.Tensor]) -> None:
 
         taken = await asyncio.gather(*(ref.endpoint(StageActor.load_state_dict, timeout=300).call(part(g))
                                        for g, ref in enumerate(job.stages)))
-        restarted_history(job)  # every stage holds the same state again, from elsewhere
+        job.restarted_history()  # every stage holds the same state again, from elsewhere
     missing = set(state) - {k for keys in taken for k in keys}
     if missing:
         raise KeyError(f"keys no stage holds: {sorted(missing)[:10]}")
@@ -118,7 +119,7 @@ async def save(job: JobCore, directory: str) -> str:
     """
     directory = check_directory(directory)
     mesh = job.mesh
-    async with job._operation():
+    async with job.operation():
         coordinator = [0]
         [staging] = await _on_stages(job, coordinator, "save", lambda g: job.stages[g].endpoint(
             StageActor.checkpoint_begin, timeout=CHECKPOINT_TIMEOUT_S).call(directory))
@@ -138,7 +139,7 @@ async def save(job: JobCore, directory: str) -> str:
         [version] = await _on_stages(job, coordinator, "save", lambda g: job.stages[g].endpoint(
             StageActor.checkpoint_commit, timeout=CHECKPOINT_TIMEOUT_S).call(directory, staging,
                                                                               manifest.to_wire()))
-        job.last_checkpoint = (directory, manifest.step)  # what a recovery falls back to
+        job.saved(directory, manifest.step)  # what a recovery falls back to
     return str(version)
 
 
@@ -160,11 +161,11 @@ async def load(job: JobCore, directory: str, weights_only: bool = False) -> int:
         CheckpointError: every problem found, on every stage; nothing was applied.
     """
     directory = check_directory(directory)
-    async with job._operation(repairs=True):
+    async with job.operation(repairs=True):
         step = await apply_checkpoint(job, directory, weights_only)
         if not weights_only:  # the data factory goes on from the checkpoint's step
-            job.applied = job.steps_done = step
-        restarted_history(job)
+            job.loaded(step)
+        job.restarted_history()
     return step
 
 
@@ -190,8 +191,7 @@ async def apply_checkpoint(job: JobCore, directory: str, weights_only: bool = Fa
                               problems)
     await _on_stages(job, list(plans), "load", lambda g: job.stages[g].endpoint(
         StageActor.checkpoint_apply, timeout=CHECKPOINT_TIMEOUT_S).call(weights_only))
-    job.broken = None
-    job.snapshot_due = True
+    job.checkpoint_applied()
     saved_scale = manifest.job.get("loss_scaler")
     if job.scaler is not None and not weights_only and isinstance(saved_scale, dict):
         try:  # fp16: the loss scale goes on from where it was
@@ -213,14 +213,6 @@ def _described(spec: dict[str, Any]) -> dict[str, Any]:
         return value
     parallelism = spec.get("parallelism", {})
     return {**spec, "parallelism": {**parallelism, "example_inputs": describe(parallelism.get("example_inputs"))}}
-
-
-def restarted_history(job: JobCore) -> None:
-    """After a load the stages hold another history: no batch kept and no snapshot from
-    before counts; the next step takes a snapshot whatever ``snapshot_every`` says."""
-    job.broken = None
-    job.history.clear()
-    job.snapshot_due = True
 
 
 def _unplaced(job: JobCore, manifest: Manifest, weights_only: bool, held: list[frozenset[str]]) -> list[str]:
@@ -252,7 +244,7 @@ async def _discard_loads(job: JobCore) -> None:
 
 
 async def _on_stages(
-    job, ranks: list[int], what: str, call: Callable[[int], Awaitable[Any]], *, discard: bool = False
+    job: JobCore, ranks: list[int], what: str, call: Callable[[int], Awaitable[Any]], *, discard: bool = False
 ) -> list[Any]:
     """``call(rank)`` for every global rank in ``ranks`` at once; their answers, in order.
 

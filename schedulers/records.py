@@ -112,9 +112,11 @@ class StepStats(WireRecord):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class JobInfo(WireRecord):
-    """A new job's layout: its id, each model stage's ``[first, end)`` layers, and its nodes by global rank.
+    """A job's layout: its id, each model stage's ``[first, end)`` layers, its nodes by global rank, and its actor.
 
     Attributes:
+        actor: ``[address, name]`` of the job's actor on the head
+            (:class:`~schedulers.job_actor.JobActor`), which every operation on the job calls.
         notices: what the scheduler warns about the placement (stage actors that share a
             GPU because every GPU is taken; CPU and GPU nodes in one job); the driver
             warns each as a :class:`~schedulers.placement.PlacementWarning`.
@@ -123,6 +125,7 @@ class JobInfo(WireRecord):
     job: str
     bounds: list[list[int]]
     nodes: list[str]
+    actor: list[str]
     notices: list[str] = field(default_factory=list)
 
 

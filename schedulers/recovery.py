@@ -1,7 +1,7 @@
 """How a job recovers from a lost node: respawn, restore from snapshots, form the groups again.
 
-Functions of a :class:`~schedulers.control.JobCore` (``job``), kept apart so that
-the controller's module stays about steps; :func:`recover` is the entry point.
+Functions of a :class:`~schedulers.job_core.JobCore` (``job``), which they change
+through its methods; :func:`recover` is the entry point.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from actors import NODE, ActorError, ActorRef, NodeActor, NodeLost
 from stages import Coords, StageActor
 
 from schedulers import job_state
-from schedulers._job import JobCore, Placer
+from schedulers.job_core import JobCore, Placer
 from schedulers.events import JobRecovered
 
 
@@ -31,7 +31,7 @@ def may_recover(job: JobCore) -> bool:
 async def recover(job: JobCore, cause: NodeLost) -> dict[str, Any]:
     """Replaces the job's lost stages on free nodes and rolls every stage back to the newest
     snapshot they all have (or, when no copy of a lost rank survived, to the job's newest
-    checkpoint); the caller then replays the steps since (see :meth:`_catch_up`).
+    checkpoint); the caller then replays the steps since (see :meth:`~schedulers.control.JobController.step`).
 
     A lost rank's snapshot comes from the next pipeline rank, which it sent it to;
     the survivors restore their own. The parameters after the replay are those of
@@ -42,8 +42,8 @@ async def recover(job: JobCore, cause: NodeLost) -> dict[str, Any]:
             one keeping its snapshot were both lost); the job stays failed.
     """
     started = time.perf_counter()
-    job.restarts += 1
-    alive = await job._alive_nodes()
+    job.restarting()
+    alive = await job.alive_nodes()
     size = job.mesh.size
     lost = [rank for rank, node in enumerate(job.nodes) if node not in alive]
     survivors = [rank for rank in range(size) if rank not in lost]
@@ -90,12 +90,11 @@ async def recover(job: JobCore, cause: NodeLost) -> dict[str, Any]:
         raise unrecoverable(str(exc)) from None
     moved = {job.nodes[rank]: node for rank, (node, _) in zip(lost, chosen)}
     for rank, (node, identity) in zip(lost, chosen):
-        job.retired.append((job.nodes[rank], job.stages[rank]))
-        job.nodes[rank] = node
-        job.identities = sorted({*job.identities, identity} - {""})
+        job.moved(rank, node, identity)
     dist_config = None
     if job.rendezvous is not None:  # the process groups form again, with the new members
-        job.rendezvous, dist_config = await job.placer.renew_rendezvous(job)
+        rendezvous, dist_config = await job.placer.renew_rendezvous(job)
+        job.renewed_rendezvous(rendezvous)
     # A new member blocks in its start until every member has joined the new groups: all at once.
     timeout = job.spec.fault_tolerance.step_timeout_s
     spawned = await asyncio.gather(
@@ -108,15 +107,14 @@ async def recover(job: JobCore, cause: NodeLost) -> dict[str, Any]:
         raise unrecoverable(f"could not rebuild the lost stage(s): {failures[0]}")
     for rank, ref in zip(lost, spawned):
         assert isinstance(ref, ActorRef)
-        job.stages[rank] = ref
+        job.replaced(rank, ref)
     await asyncio.gather(*(
         ref.endpoint(StageActor.connect, timeout=30).call(
             [job.stages[r].to_wire() for r in job.mesh.pipeline_ranks(c.data, c.tensor)], job.identities,
             [member.to_wire() for member in job.stages])
         for ref, c in ((ref, job.mesh.coords(g)) for g, ref in enumerate(job.stages))))
     if checkpoint is not None:  # every stage, the new ones too, from the job's newest checkpoint
-        for k in range(target, job.steps_done):
-            job.history.setdefault(k, (None, None))  # a data-factory job (see _replayable)
+        job.replays_from_factory(target)  # a data-factory job (see _replayable)
         await job_state.apply_checkpoint(job, checkpoint[0])
     else:
         for rank in lost:
@@ -127,9 +125,7 @@ async def recover(job: JobCore, cause: NodeLost) -> dict[str, Any]:
             await job.stages[rank].endpoint(StageActor.restore_snapshot, timeout=300).call(target, state)
         await asyncio.gather(*(job.stages[r].endpoint(StageActor.restore_snapshot, timeout=300).call(target)
                                for r in survivors))
-    job.fenced.clear()
-    job.broken = None
-    job.applied = target
+    job.rolled_back(target)
     event = JobRecovered(job=job.id, lost=sorted(moved), moved=moved, from_step=target,
                          replayed=job.steps_done - target,
                          from_checkpoint=checkpoint[0] if checkpoint is not None else None,
@@ -137,7 +133,7 @@ async def recover(job: JobCore, cause: NodeLost) -> dict[str, Any]:
                          restarts_left=job.spec.fault_tolerance.max_restarts - job.restarts)
     info = {k: v for k, v in event.to_wire().items() if k not in ("job", "time")}
     log.warning("%s recovered: %s", job.id, info)
-    job._publish(event)
+    job.publish(event)
     return info
 
 
@@ -168,9 +164,7 @@ def _snapshot_source(job: JobCore, rank: int, lost: list[int]) -> tuple[int, boo
 
 def stop_retired(job: JobCore, alive: set[str]) -> None:
     """Stops replaced stage actors whose node came back (best effort, in the background)."""
-    back = [(node, ref) for node, ref in job.retired if node in alive]
-    for node, ref in back:
-        job.retired.remove((node, ref))
+    for ref in job.returned(alive):
         job.runtime.spawn_task(_stop_retired_one(job, ref), name=f"stop retired {ref.name}")
 
 

@@ -1,12 +1,14 @@
-"""The scheduler actor, on the head node: places jobs and hands every call on a job to its controller.
+"""The scheduler actor, on the head node: places jobs, and spawns one job actor per job.
 
 Creating a job places one stage actor per node of the mesh, partitions the model from
 the layer sizes the first of those nodes measures (the head never imports user code),
 starts the ``torch.distributed`` rendezvous when the mesh needs one, and wires the
-stages to their pipeline peers; from then on a
-:class:`~schedulers.control.JobController` owns the job. The endpoints here are the
-whole remote surface of the scheduler; :class:`~schedulers.client.Job` is the client
-that calls them (typed, through ``ref.endpoint(SchedulerActor.method)``).
+stages to their pipeline peers; from then on the job's own actor
+(:class:`~schedulers.job_actor.JobActor`, with its
+:class:`~schedulers.control.JobController`) owns the job, and every operation on it
+is a call to that actor. The scheduler keeps what is cluster-wide: creating jobs,
+listing them, finding one by id, and the event subscribers.
+:class:`~schedulers.client.Cluster` calls it (typed, through ``ref.endpoint(SchedulerActor.method)``).
 """
 
 from __future__ import annotations
@@ -17,8 +19,6 @@ import itertools
 import logging
 import time
 from typing import Any
-
-import torch
 
 from actors import (
     HEAD,
@@ -34,29 +34,23 @@ from actors import (
     NotAllowed,
     current_caller,
     endpoint,
-    may_call,
     register_actor,
 )
 from stages import backend_for, Mesh, RendezvousActor, StageActor
 from stages.build.describe import ModelInspector
 from schedulers.control import JobController
-from schedulers._job import JobCore, Placer
+from schedulers.job_actor import JobActor, may_act_on
+from schedulers.job_core import JobCore, Placer
 from schedulers.jobs import JobSpec, stage_config
 from schedulers.partition import partition_by_parameters, partition_uniform
 from schedulers.placement import Placement, choose_nodes, gpu_of
 from schedulers.events import JobClosed, JobCreated
-from schedulers.records import JobDescription, JobInfo, Plan, RunInfo, SettingChange, StepStats, WhereReport
+from schedulers.records import JobDescription, JobInfo
 from transport.channel import is_local_address
 
 __all__ = ["SchedulerActor", "Subscribers"]
 
 log = logging.getLogger(__name__)
-
-
-def _may_act_on(job: JobController) -> bool:
-    """Whether the caller of the endpoint being served owns ``job`` (or may act on every job)."""
-    caller = current_caller()
-    return caller == job.owner or may_call(caller, frozenset())
 
 
 class Subscribers:
@@ -93,14 +87,14 @@ def _needs_communicator(spec: JobSpec) -> bool:
 
 @register_actor("scheduler")
 class SchedulerActor(Actor):
-    """Places jobs on nodes and runs them, one :class:`~schedulers.control.JobController` per job.
+    """Places jobs on nodes and runs them, one :class:`~schedulers.job_actor.JobActor` per job.
 
     Events (``on_event`` to every subscriber, records of :mod:`schedulers.events`):
     ``JobCreated``, ``JobClosed``, and each job's (see :class:`~schedulers.control.JobController`).
     """
 
     def __init__(self) -> None:
-        self._jobs: dict[str, JobController] = {}
+        self._jobs: dict[str, JobActor] = {}
         self._ids = itertools.count()
         self._inspections = itertools.count()
         self._subscribers = Subscribers()
@@ -142,14 +136,17 @@ class SchedulerActor(Actor):
                 await self.runtime.stop_actor(rendezvous)
             raise
         names = [n.name for n in nodes]
-        self._jobs[job_id] = JobController(
+        controller = JobController(
             runtime=self.runtime, job_id=job_id, spec=job_spec, stages=stages, nodes=names, bounds=bounds,
             publish=self._publish, alive_nodes=self._alive_nodes, rendezvous=rendezvous,
             owner=current_caller(), identities=identities,
             placer=Placer(free_nodes=self._free_nodes, spawn=self._respawn, renew_rendezvous=self._renew_rendezvous))
+        job = JobActor(controller, stop_stages=self._stop_stages, closed=self._job_closed)
+        await self.runtime.spawn(job, f"{job_id}.control")
+        self._jobs[job_id] = job
         log.info("%s: %s on %s", job_id, job_spec.parallelism.schedule, ", ".join(names))
         self._publish(JobCreated(job=job_id, nodes=names))
-        return JobInfo(job=job_id, bounds=bounds, nodes=names, notices=notices)
+        return self._info(job, notices)
 
     async def _rendezvous(
         self, job_id: str, spec: JobSpec, mesh: Mesh, nodes: list[NodeInfo]
@@ -308,22 +305,21 @@ class SchedulerActor(Actor):
 
         await asyncio.gather(*(stop(ref) for ref in stages if ref.address in alive))
 
-    @endpoint(concurrent=True, roles=("client",))
-    async def close_job(self, job_id: str) -> None:
-        """Stops the job's run and its stage actors (after a step in progress); closing twice is fine."""
-        self._job(job_id)  # the owner's (or admin's) to close
+    async def _job_closed(self, job_id: str) -> None:
+        """A job actor closed its job: the scheduler forgets it and stops the actor."""
         job = self._jobs.pop(job_id, None)
         if job is not None:
-            await job.close(self._stop_stages)
+            await self.runtime.stop_actor(job.name)
             self._publish(JobClosed(job=job_id))
 
     @endpoint(concurrent=True, roles=("client",))
     async def jobs(self) -> list[JobDescription]:
         """Every job the caller may see (its own; all for the admin)."""
-        return [job.describe() for job in self._jobs.values() if _may_act_on(job)]
+        return [job.controller.describe() for job in self._jobs.values() if may_act_on(job.owner)]
 
-    def _job(self, job_id: str) -> JobController:
-        """The job ``job_id``, if the caller owns it (or holds the admin key).
+    @endpoint(concurrent=True, roles=("client",))
+    async def job(self, job_id: str) -> JobInfo:
+        """The job ``job_id`` (with its actor's address), if the caller owns it (or holds the admin key).
 
         Raises:
             KeyError: no such job (the caller's own jobs are listed).
@@ -331,99 +327,18 @@ class SchedulerActor(Actor):
         """
         job = self._jobs.get(job_id)
         if job is None:
-            mine = [j.id for j in self._jobs.values() if _may_act_on(j)]
+            mine = [j.id for j in self._jobs.values() if may_act_on(j.owner)]
             raise KeyError(f"no job {str(job_id)[:40]!r}; running: {', '.join(mine) or 'none'}")
-        if not _may_act_on(job):
+        if not may_act_on(job.owner):
             self.refused_calls += 1
             raise NotAllowed(f"{job_id} belongs to {job.owner}; only its owner or the admin key may act on it")
-        return job
+        return self._info(job)
 
-    # -- one job's calls (each returns a record of schedulers.records) -----------------------------
-
-    @endpoint(concurrent=True, roles=("client",))
-    async def step(self, job_id: str, inputs: Any = None, targets: Any = None) -> StepStats:
-        """One optimizer step of ``job_id``. See :meth:`JobController.step`."""
-        return await self._job(job_id).step(inputs, targets)
-
-    @endpoint(concurrent=True, roles=("client",))
-    async def cancel_step(self, job_id: str) -> bool:
-        """Cancels the job's step in progress (a driver that cancelled ``job.step``); every stage aborts it.
-
-        Returns:
-            Whether a step was running.
-        """
-        return self._job(job_id).cancel_step()
-
-    @endpoint(concurrent=True, roles=("client",))
-    async def describe(self, job_id: str) -> JobDescription:
-        """The job's spec, layout, programs, run and last step."""
-        return self._job(job_id).describe()
-
-    @endpoint(concurrent=True, roles=("client",))
-    async def where(self, job_id: str) -> WhereReport:
-        """Each stage's current action, what it waits for, the marked grid."""
-        return await self._job(job_id).where()
-
-    @endpoint(concurrent=True, roles=("client",))
-    async def run(self, job_id: str, num_steps: int) -> RunInfo:
-        """Starts ``num_steps`` steps from the job's data factory in the background."""
-        return self._job(job_id).start_run(num_steps)
-
-    @endpoint(concurrent=True, roles=("client",))
-    async def pause(self, job_id: str) -> JobDescription:
-        """Holds the job's run before its next step."""
-        return self._job(job_id).pause()
-
-    @endpoint(concurrent=True, roles=("client",))
-    async def resume(self, job_id: str) -> JobDescription:
-        """Lets a paused run go on."""
-        return self._job(job_id).resume()
-
-    @endpoint(concurrent=True, roles=("client",))
-    async def stop_run(self, job_id: str) -> JobDescription:
-        """Ends the job's run after its current step."""
-        return self._job(job_id).stop_run()
-
-    @endpoint(concurrent=True, roles=("client",))
-    async def set_option(self, job_id: str, key: str, value: Any) -> SettingChange:
-        """Changes ``key`` from the next step on."""
-        return self._job(job_id).set(key, value)
-
-    @endpoint(concurrent=True, roles=("client",))
-    async def plan(self, job_id: str) -> Plan:
-        """The candidate schedules with predicted step time and stash, the chosen one marked."""
-        return await self._job(job_id).plan()
-
-    @endpoint(concurrent=True, roles=("client",))
-    async def trace(self, job_id: str) -> dict[str, Any]:
-        """The last step's measured timeline as Chrome/Perfetto trace JSON, on the head's clock."""
-        return await self._job(job_id).trace()
-
-    @endpoint(concurrent=True, roles=("client",))
-    async def state_dict(self, job_id: str) -> dict[str, torch.Tensor]:
-        """The whole model's state under the unpartitioned keys."""
-        return await self._job(job_id).state_dict()
-
-    @endpoint(concurrent=True, roles=("client",))
-    async def load_state_dict(self, job_id: str, state: dict[str, torch.Tensor]) -> None:
-        """Loads a whole-model state into every member; every key must be taken."""
-        await self._job(job_id).load_state_dict(state)
-
-    @endpoint(concurrent=True, roles=("client",))
-    async def save(self, job_id: str, directory: str) -> str:
-        """Writes a checkpoint of ``job_id`` to ``directory`` (absolute); the new version's path.
-
-        See :meth:`JobController.save`: the stages write, the head only coordinates.
-        """
-        return await self._job(job_id).save(directory)
-
-    @endpoint(concurrent=True, roles=("client",))
-    async def load(self, job_id: str, directory: str, weights_only: bool = False) -> int:
-        """Loads the checkpoint in ``directory`` (absolute), all or nothing; returns its step.
-
-        See :meth:`JobController.load`.
-        """
-        return await self._job(job_id).load(directory, bool(weights_only))
+    @staticmethod
+    def _info(job: JobActor, notices: list[str] | None = None) -> JobInfo:
+        c = job.controller.core
+        return JobInfo(job=c.id, bounds=c.bounds, nodes=list(c.nodes), actor=job.ref.to_wire(),
+                       notices=notices or [])
 
     # -- events ---------------------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from schedulers.deepspeed.config import ConfigError, load_config
 from schedulers.console import render
 from schedulers.console.session import CommandError, Session
-from schedulers.control import SETTABLE
+from schedulers.settings import SETTABLE
 from schedulers.placement import PlacementWarning
 from schedulers.trace import plot_trace
 

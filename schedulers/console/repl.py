@@ -28,7 +28,7 @@ from actors import ActorError, Event, NodeSilent
 from schedulers.console import render
 from schedulers.console.commands import COMMANDS, execute, split_commands
 from schedulers.console.session import CommandError, Session, open_session
-from schedulers.control import SETTABLE
+from schedulers.settings import SETTABLE
 from schedulers.events import JobFailed, JobPaused, JobRecovered, JobResumed, SettingRejected, SettingsApplied
 from schedulers.schedules import SCHEDULES
 from transport.codecs import CODEC_NAMES

@@ -30,6 +30,7 @@ from actors import (
     open_runtime,
 )
 from stages import RendezvousActor, StageActor, StepOrder
+from schedulers.job_actor import JobActor
 from transport.security import Keypair
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(180),
@@ -93,12 +94,16 @@ async def test_a_client_cannot_act_on_another_clients_job(cluster: Cluster) -> N
             assert job.id not in [d.job for d in await bob.jobs()]  # not even listed
             with pytest.raises(NotAllowed, match=f"{job.id} belongs to client:alice"):
                 await bob.job(job.id)
-            theirs = await alice.job(job.id)  # a handle on alice's job ...
-            theirs.cluster = bob  # ... whose calls go through bob's connection: what a forged call does
-            for attempt in (theirs.state_dict(), theirs.close(), theirs.load_state_dict({}),
-                            theirs.set("micro_batches", 4), theirs.step(*batch())):
-                with pytest.raises(NotAllowed, match="only its owner or the admin key"):
+            # Bob calls alice's job actor through his own connection: what a forged call does.
+            forged = bob.runtime.ref(*job.ref.to_wire())
+            for attempt in (forged.endpoint(JobActor.state_dict).call(), forged.endpoint(JobActor.close).call(),
+                            forged.endpoint(JobActor.load_state_dict).call({}),
+                            forged.endpoint(JobActor.set).call("micro_batches", 4),
+                            forged.endpoint(JobActor.step).call(*batch()), forged.endpoint(JobActor.run).call(1),
+                            forged.ask("describe", timeout=10), forged.ask("stop", timeout=10)):  # by name too
+                with pytest.raises(NotAllowed, match=f"{job.id} belongs to client:alice; only its owner or the admin"):
                     await attempt
+            assert (await job.describe()).steps == 1  # alice's job goes on, unchanged
             assert [d.job for d in await cluster.jobs()] == [job.id]  # the admin key sees (and may do) all
         finally:
             await job.close()

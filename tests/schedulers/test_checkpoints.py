@@ -18,7 +18,7 @@ import torch
 
 from actors import Cluster, LocalCluster, RemoteError
 from schedulers.client import CheckpointError, Job
-from schedulers.scheduler import SchedulerActor
+from schedulers.job_actor import JobActor
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(300),
               pytest.mark.asyncio(loop_scope="package")]
@@ -263,11 +263,11 @@ async def test_directories_that_are_not_checkpoints_are_refused_clearly(cluster:
         assert "save to a new or empty directory" in str(info.value)
         assert sorted(os.listdir(old)) == ["model.pt"]
         # Paths from a client are resolved by the client; the head refuses a relative one.
-        save = cluster.call(SchedulerActor.save)
+        save = job.ref.endpoint(JobActor.save)
         with pytest.raises(RemoteError, match="must be absolute"):
-            await save.call(job.id, "relative/ckpt")
+            await save.call("relative/ckpt")
         with pytest.raises(RemoteError, match="must be absolute and normalized"):
-            await save.call(job.id, f"{tmp_path}/a/../../escape")
+            await save.call(f"{tmp_path}/a/../../escape")
         (tmp_path / "a-file").write_text("not a directory")
         with pytest.raises(CheckpointError, match=r"on node node\d: cannot write a checkpoint to") as info:
             await job.save(tmp_path / "a-file" / "ckpt")  # no node can make a directory there

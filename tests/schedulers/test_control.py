@@ -6,7 +6,8 @@ from typing import Any
 
 import pytest
 
-from schedulers.control import compile_programs, plan_setting
+from schedulers.job_core import compile_programs
+from schedulers.settings import plan_setting
 from schedulers.jobs import JobSpec
 
 pytestmark = pytest.mark.timeout(30)

@@ -198,6 +198,6 @@ def test_records_from_before_devices_still_decode() -> None:
     report = StageReport(status="done").to_wire()
     del report["device"]
     assert StageReport.from_wire(report).device == ""
-    info = JobInfo(job="job0", bounds=[[0, 1]], nodes=["node0"]).to_wire()
+    info = JobInfo(job="job0", bounds=[[0, 1]], nodes=["node0"], actor=["tcp://a", "job0.control"]).to_wire()
     del info["notices"]
     assert JobInfo.from_wire(info).notices == []

@@ -25,7 +25,8 @@ COSTS = MeasuredCosts(forward=[0.1, 0.2], backward=[0.2, 0.4], input_grad=[0.1, 
                       stash_bytes=[1.0, 2.0])  # bandwidth: inf, which msgpack carries as a float
 RECORDS = [
     STATS,
-    JobInfo(job="job0", bounds=[[0, 2], [2, 4]], nodes=["n0", "n1"], notices=["shared"]),
+    JobInfo(job="job0", bounds=[[0, 2], [2, 4]], nodes=["n0", "n1"], actor=["tcp://a", "job0.control"],
+            notices=["shared"]),
     JobDescription(job="job0", spec=SPEC, bounds=[[0, 2], [2, 4]], nodes=["n0", "n1"], mesh=[2, 1, 1],
                    stages=[["tcp://a", "job0.rank0"]], steps=4, programs=[["0F0"]], stepping=False, traced=True,
                    run=RunInfo(target=10, first_step=0, done=4), last_stats=STATS, pending={"micro_batches": 8}),
@@ -84,6 +85,6 @@ def test_a_spec_travels_checked_with_its_tensors_as_frames() -> None:
 
 
 def test_a_record_from_a_newer_scheduler_is_refused_not_half_read() -> None:
-    fields = {**JobInfo(job="job0", bounds=[], nodes=[]).wire_fields(), "shard": 3}
+    fields = {**JobInfo(job="job0", bounds=[], nodes=[], actor=[]).wire_fields(), "shard": 3}
     with pytest.raises(WireError, match=r"record JobInfo: RecordError: JobInfo: unknown key\(s\) shard"):
         decode_message(encode_message([msgpack.ExtType(2, b"JobInfo"), fields]))

@@ -14,9 +14,10 @@ import pytest
 import pytest_asyncio
 import torch
 
-from actors import Cluster, LocalCluster, NotAllowed, RemoteError, StepFailed
+from actors import Cluster, LocalCluster, NotAllowed, RemoteError, StepFailed, UnknownActor
 from examples.data import regression_batches
 from examples.models import residual_mlp
+from schedulers.job_actor import JobActor
 from tests.helpers.models import image_batches
 from tests.helpers.import_marker import IMPORT_LOG_ENV
 
@@ -62,6 +63,22 @@ async def test_stage_that_raises_fails_the_step_with_stage_action_and_cause(clus
         assert stats.step == 1 and stats.loss > 0
     finally:
         await job.close()
+
+
+async def test_each_job_has_an_actor_that_closing_the_job_stops(cluster: Cluster) -> None:
+    job = await cluster.train(model="examples.models:residual_mlp", model_kwargs=SMALL, pipeline_stages=2,
+                              micro_batches=4)
+    assert job.ref.name == f"{job.id}.control" and job.ref.address == cluster.head.address
+    again = await cluster.job(job.id)  # found by id: the same actor
+    assert again.ref == job.ref and again.spec == job.spec and again.nodes == job.nodes
+    assert (await again.step(*batch())).step == 0
+    await job.close()
+    with pytest.raises(UnknownActor, match=f"no actor named '{job.id}.control'"):
+        await job.ref.endpoint(JobActor.describe, timeout=10).call()
+    await job.close()  # twice is fine
+    assert job.id not in [d.job for d in await cluster.jobs()]
+    with pytest.raises(RemoteError, match=f"no job '{job.id}'"):
+        await cluster.job(job.id)
 
 
 async def test_stages_can_read_their_own_data(cluster: Cluster) -> None:

@@ -114,7 +114,7 @@ class Case:
         return self.num_ranks * self.num_virtual_stages
 
     def programs(self) -> dict[int, list[Action]]:
-        # As schedulers.control.compile_programs calls it.
+        # As schedulers.job_core.compile_programs calls it.
         virtual = self.num_virtual_stages if self.schedule == "interleaved" else None
         return build_schedule(self.schedule, self.num_ranks, self.num_microbatches, virtual, split=self.fusion)
 

@@ -1,0 +1,254 @@
+"""One job's members, its position in training and its hold on them: what every part of its controller shares.
+
+:class:`JobCore` is the state the parts of :class:`~schedulers.control.JobController`
+(the step path, runs, settings) and its helper modules (:mod:`schedulers.recovery`,
+:mod:`schedulers.job_state`) work on. They read its attributes and change it only
+through its methods, each named for what happened (``rolled_back``, ``moved``,
+``loaded``), so that no part writes another's bookkeeping by hand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from actors import ActorRef, Event, Host
+from stages import Mesh, StageReport
+from schedulers.jobs import AUTO_PROBE, JobSpec
+from schedulers.planning import AutoSchedule
+from schedulers.records import StepStats
+from schedulers.scaling import LossScaler
+from schedulers.schedules import build_schedule
+
+__all__ = ["JobCore", "Placer", "compile_programs"]
+
+Publish = Callable[[Event], None]
+
+
+def compile_programs(spec: JobSpec, schedule_name: str | None = None,
+                     w_batching: bool | None = None) -> dict[int, list[str]]:
+    """The programs ``spec`` runs, one per pipeline rank, as action text.
+
+    Args:
+        schedule_name: the schedule to run, where ``spec.parallelism.schedule`` is ``auto``
+            (default: the probe schedule, :data:`~schedulers.jobs.AUTO_PROBE`).
+        w_batching: every W deferred to the rank's tail (default: ``spec.parallelism.w_batching``).
+
+    Raises:
+        ValueError: the schedule cannot take these sizes.
+    """
+    name = spec.parallelism.schedule if spec.parallelism.schedule != "auto" else schedule_name or AUTO_PROBE
+    schedule = build_schedule(name, spec.parallelism.pipeline_stages, spec.parallelism.micro_batches,
+                              spec.num_virtual_stages if spec.parallelism.schedule == "interleaved" else None,
+                              split=spec.runtime.gradient_accumulation_fusion,
+                              batch_w=spec.parallelism.w_batching if w_batching is None else w_batching)
+    return {rank: [str(a) for a in program] for rank, program in schedule.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class Placer:
+    """What a recovery asks of the scheduler: free nodes, a stage spawned, a fresh rendezvous."""
+
+    # ``count`` alive nodes no job uses, none of ``taken``: (name, key identity) each.
+    free_nodes: Callable[[int, set[str]], Awaitable[list[tuple[str, str]]]]
+    # Rank R's stage actor of the job, built on node N with this dist config.
+    spawn: Callable[[JobCore, int, str, dict[str, Any] | None], Awaitable[ActorRef]]
+    # A new rendezvous for the job's (new) members: (its name, the stages' dist config); the old one stops.
+    renew_rendezvous: Callable[[JobCore], Awaitable[tuple[str, dict[str, Any]]]]
+
+
+class JobCore:
+    """A job's members (stage actors, nodes, rendezvous), its position in training, and its lock.
+
+    Every attribute is public to read; the helpers change the job through the methods.
+
+    Args:
+        check_members: run at the start of every :meth:`operation`, under the lock (the
+            controller's: fail fast on a lost node, or recover from it).
+    """
+
+    def __init__(
+        self, *, runtime: Host, job_id: str, spec: JobSpec, stages: list[ActorRef], nodes: list[str],
+        bounds: list[list[int]], publish: Publish, alive_nodes: Callable[[], Awaitable[set[str]]],
+        check_members: Callable[[bool], Awaitable[None]], rendezvous: str | None = None, owner: str = "",
+        placer: Placer | None = None, identities: list[str] | None = None,
+    ) -> None:
+        self.runtime = runtime
+        self.id = job_id
+        self.owner = owner  # role:name of the key that created the job
+        self.spec = spec
+        self.mesh: Mesh = spec.mesh
+        self.stages = stages  # by global rank in the mesh
+        self.nodes = nodes  # by global rank
+        self.bounds = bounds
+        self.auto = AutoSchedule(spec)  # schedule="auto": measuring, then the plan
+        self.programs = self.compile(spec)
+        self.rendezvous = rendezvous  # the name of the job's torch.distributed rendezvous actor, if any
+        self.placer = placer
+        self.identities = sorted(set(identities or ()) - {""})  # the keys of the job's nodes
+        self.lock = asyncio.Lock()
+        self.operation_task: asyncio.Task[Any] | None = None  # the call holding the lock (close cancels it)
+        self.stepping = False  # the operation is a step (a driver may cancel it)
+        # Ranks whose node was lost during a step they were not told to abort: aborted when it comes back.
+        self.fenced: dict[int, int] = {}
+        self.broken: str | None = None  # set when stages may disagree (a release failed): only load or close help
+        self.next_step = 0  # the next step number: one per attempt, never reused (it fences stale messages)
+        self.applied = 0  # steps the stages' state holds (rolled back by a recovery)
+        self.steps_done = 0  # steps the job has completed (what a recovery replays up to)
+        # Each step's batch since the snapshot a recovery would roll back to ((None, None): the data factory).
+        self.history: dict[int, tuple[Any, Any]] = {}  # applied-step index -> (inputs, targets)
+        self.restarts = 0
+        self.retired: list[tuple[str, ActorRef]] = []  # stage actors replaced by a recovery, stopped if their node returns
+        # fp16: the loss scale every stage's next step uses (None: no scaling).
+        mp = spec.mixed_precision
+        self.scaler: LossScaler | None = None if mp.precision != "fp16" else LossScaler.for_spec(
+            mp.loss_scale, mp.initial_scale_power, mp.loss_scale_window, mp.hysteresis, mp.min_loss_scale)
+        self.last_checkpoint: tuple[str, int] | None = None  # (directory, step) of this job's newest save
+        self.driver_batches = False  # a step took the driver's batch (so the data factory cannot replay it)
+        self.snapshot_due = False  # take one at the next step whatever snapshot_every says (after a load)
+        self.stage_micro_batches = spec.parallelism.micro_batches  # what the stage actors were built with
+        self.last_reports: list[StageReport] = []
+        self.last_stats: StepStats | None = None
+        self._publish = publish
+        self._alive_nodes = alive_nodes
+        self._check_members = check_members
+
+    def compile(self, spec: JobSpec) -> dict[int, list[str]]:
+        """The programs of the job's next step (with ``schedule="auto"``: what the plan runs now)."""
+        return compile_programs(spec, self.auto.running(spec), self.auto.running_w_batching(spec))
+
+    def publish(self, event: Event) -> None:
+        """Tells the scheduler's subscribers ``event``."""
+        self._publish(event)
+
+    async def alive_nodes(self) -> set[str]:
+        """The names of the cluster's alive nodes (the head's view)."""
+        return await self._alive_nodes()
+
+    @contextlib.asynccontextmanager
+    async def operation(self, *, stepping: bool = False, repairs: bool = False) -> AsyncIterator[None]:
+        """Holds the job for one operation (a step, a state read or load) that ``close`` may cancel.
+
+        Args:
+            stepping: the operation is a step (``cancel_step`` may cancel it).
+            repairs: the operation may run on stages that disagree (a load).
+
+        Raises:
+            NodeLost: a node of the job is lost (at once: nothing is sent to the others).
+            StepFailed: the stages may disagree after a failed release (load a checkpoint).
+        """
+        async with self.lock:
+            await self._check_members(repairs)
+            self.operation_task, self.stepping = asyncio.current_task(), stepping
+            try:
+                yield
+            finally:
+                self.operation_task, self.stepping = None, False
+
+    def respecified(self, spec: JobSpec) -> None:
+        """The job runs ``spec`` from its next step on (settings changed at the barrier)."""
+        self.spec = spec
+        self.auto.reset(spec)  # auto measures again: the costs it planned with may have changed
+        self.programs = self.compile(spec)
+
+    # -- what a step did -------------------------------------------------------------------
+
+    def keep_batch(self, inputs: Any, targets: Any) -> int:
+        """The next step's batch ((None, None): the data factory's), kept for a replay; the step count it reaches."""
+        self.history[self.steps_done] = (inputs, targets)
+        return self.steps_done + 1
+
+    def completed(self, goal: int, *, driver_batch: bool) -> None:
+        """The job completed ``goal`` steps; batches older than a recovery could replay are dropped."""
+        self.steps_done = goal
+        self.driver_batches = self.driver_batches or driver_batch
+        for old in [k for k in self.history if k < self.applied - 2 * self.spec.fault_tolerance.snapshot_every]:
+            del self.history[old]
+
+    def attempted(self) -> int:
+        """A new attempt at a step: its number (one per attempt, never reused)."""
+        step = self.next_step
+        self.next_step += 1
+        return step
+
+    def applied_one(self, reports: list[StageReport]) -> None:
+        """The stages applied one more step; ``reports`` are theirs (the trace and the plan read them)."""
+        self.applied += 1
+        self.snapshot_due = False
+        self.last_reports = reports
+
+    def diverged(self, why: str) -> None:
+        """The stages may disagree (a release failed part-way): only a load or close helps."""
+        self.broken = why
+
+    def fence(self, rank: int, step: int) -> None:
+        """Rank ``rank``'s node was lost during step ``step``: it is told to abort it if it comes back."""
+        self.fenced[rank] = max(step, self.fenced.get(rank, step))
+
+    def recompile(self) -> None:
+        """The programs follow what ``schedule="auto"`` runs now."""
+        self.programs = self.compile(self.spec)
+
+    # -- what a recovery does (schedulers.recovery) -------------------------------------------
+
+    def restarting(self) -> None:
+        """A recovery begins: it counts against ``max_restarts``."""
+        self.restarts += 1
+
+    def moved(self, rank: int, node: str, identity: str) -> None:
+        """Rank ``rank`` moves to ``node`` (key ``identity``); its old actor is retired (stopped if its node
+        returns)."""
+        self.retired.append((self.nodes[rank], self.stages[rank]))
+        self.nodes[rank] = node
+        self.identities = sorted({*self.identities, identity} - {""})
+
+    def renewed_rendezvous(self, name: str | None) -> None:
+        """The job's process groups form again through rendezvous actor ``name`` (None: it stopped)."""
+        self.rendezvous = name
+
+    def replaced(self, rank: int, ref: ActorRef) -> None:
+        """Rank ``rank``'s stage actor is now ``ref``."""
+        self.stages[rank] = ref
+
+    def replays_from_factory(self, start: int) -> None:
+        """The steps from ``start`` on are replayed from the data factory (their batches were not kept)."""
+        for k in range(start, self.steps_done):
+            self.history.setdefault(k, (None, None))
+
+    def rolled_back(self, step: int) -> None:
+        """Every stage holds step ``step``'s state again, all agreeing; the steps since are to replay."""
+        self.fenced.clear()
+        self.broken = None
+        self.applied = step
+
+    def returned(self, alive: set[str]) -> list[ActorRef]:
+        """Retired stage actors whose node is alive again (no longer retired: the caller stops them)."""
+        back = [(node, ref) for node, ref in self.retired if node in alive]
+        for entry in back:
+            self.retired.remove(entry)
+        return [ref for _, ref in back]
+
+    # -- what state and checkpoints do (schedulers.job_state) -----------------------------------
+
+    def restarted_history(self) -> None:
+        """After a load the stages hold another history: no batch kept and no snapshot from
+        before counts; the next step takes a snapshot whatever ``snapshot_every`` says."""
+        self.broken = None
+        self.history.clear()
+        self.snapshot_due = True
+
+    def checkpoint_applied(self) -> None:
+        """Every stage took a checkpoint's state: they agree again, and drop their snapshots."""
+        self.broken = None
+        self.snapshot_due = True
+
+    def loaded(self, step: int) -> None:
+        """A whole checkpoint of step ``step`` was loaded: the data factory goes on from there."""
+        self.applied = self.steps_done = step
+
+    def saved(self, directory: str, step: int) -> None:
+        """A checkpoint of step ``step`` is in ``directory``: what a recovery falls back to."""
+        self.last_checkpoint = (directory, step)

@@ -1,0 +1,119 @@
+"""Settings a running job changes: checked at once, applied before its next step.
+
+``set`` checks a new setting at once (:func:`plan_setting`) and :class:`Settings`
+applies it before the next step begins, so the stages never see a half-changed job
+and keep their weights and optimizer state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from actors import ActorError
+from stages import StageActor
+from schedulers.events import SettingPending, SettingRejected, SettingsApplied
+from schedulers.job_core import JobCore, compile_programs
+from schedulers.jobs import JobSpec
+from schedulers.records import SettingChange
+
+__all__ = ["SETTABLE", "Settings", "plan_setting"]
+
+# What `set JOB KEY VALUE` may change on a running job.
+SETTABLE = ("micro_batches", "schedule", "activation_codec", "gradient_codec")
+
+
+def plan_setting(spec: JobSpec, key: str, value: Any) -> JobSpec:
+    """The spec a running job would have after ``set key value``, checked now.
+
+    Args:
+        spec: the job's spec, with any earlier pending settings applied.
+        key: one of :data:`SETTABLE`.
+        value: the new value; text is parsed (``"8"``, ``"gpipe"``, ``"int8"`` or ``"int8,none"``).
+            A fixed schedule drops ``max_stash_bytes`` (a limit on what ``auto`` chooses).
+
+    Raises:
+        ValueError: an unknown key, or a value that does not parse or fit the job
+            (the message says which and what would).
+    """
+    if key not in SETTABLE:
+        raise ValueError(f"cannot set {key!r} on a running job; settable: {', '.join(SETTABLE)}")
+    changes: dict[str, Any] = {}
+    if key == "micro_batches":
+        value = _parse_int(key, value)
+        batch = spec.training.data_kwargs.get("batch_size")
+        if isinstance(batch, int) and batch % (value * spec.parallelism.data_parallel):
+            raise ValueError(
+                f"micro_batches={value}: the data factory's batch_size {batch} does not split into "
+                f"{value} micro-batches x data_parallel {spec.parallelism.data_parallel}; pick a divisor of "
+                f"{batch // spec.parallelism.data_parallel}")
+    elif key == "schedule":
+        value = str(value)
+        if (value == "interleaved") != (spec.parallelism.schedule == "interleaved"):
+            raise ValueError(
+                f"schedule={value}: switching between interleaved and one-stage-per-rank schedules "
+                "re-partitions the model (auto runs one stage per rank); start a new job with that schedule "
+                "instead")
+        if value != "auto":
+            changes["max_stash_bytes"] = None  # the limit is auto's; a fixed schedule drops it
+    elif isinstance(value, str) and "," in value:
+        value = value.split(",")
+    try:
+        new = spec.replace(**{key: value}, **changes)
+    except TypeError as exc:
+        raise ValueError(str(exc)) from None
+    compile_programs(new)  # e.g. interleaved needs micro_batches to be a multiple of the stages
+    return new
+
+
+def _parse_int(key: str, value: Any) -> int:
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{key} must be an integer >= 1, got {value!r:.40}") from None
+    if number < 1 or isinstance(value, bool):
+        raise ValueError(f"{key} must be an integer >= 1, got {value!r:.40}")
+    return number
+
+
+
+class Settings:
+    """A job's pending settings: checked when set, applied at the start of its next step."""
+
+    def __init__(self, job: JobCore) -> None:
+        self.job = job
+        self.pending: dict[str, Any] = {}
+        self.pending_spec: JobSpec | None = None
+
+    def set(self, key: str, value: Any) -> SettingChange:
+        """Changes ``key`` (one of :data:`SETTABLE`) from the next step on.
+
+        Raises:
+            ValueError: the key cannot change, or the value does not fit; nothing changes.
+        """
+        job = self.job
+        new = plan_setting(self.pending_spec or job.spec, key, value)
+        self.pending_spec = new
+        self.pending[key] = value = new.get(key)
+        job.publish(SettingPending(job=job.id, key=key, value=value))
+        return SettingChange(job=job.id, key=key, value=value, stepping=job.lock.locked(),
+                             next_step=job.next_step)
+
+    async def apply_pending(self) -> None:
+        """Before a step, under the job's lock: the pending settings take effect."""
+        job, new = self.job, self.pending_spec
+        if new is None:
+            return
+        changes = dict(self.pending)
+        self.pending.clear()
+        self.pending_spec = None
+        if "activation_codec" in changes or "gradient_codec" in changes:
+            try:
+                await asyncio.gather(*(ref.endpoint(StageActor.set_codecs, timeout=30).call(
+                    new.edge_codecs("activation_codec"), new.edge_codecs("gradient_codec")) for ref in job.stages))
+            except ActorError as exc:
+                job.publish(SettingRejected(job=job.id, key="codecs",
+                                            error=f"the stages refused the new codecs: {exc}"))
+                return
+        job.respecified(new)
+        job.publish(SettingsApplied(job=job.id, step=job.next_step, changes=changes))
