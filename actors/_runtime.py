@@ -219,9 +219,10 @@ class Runtime:
     def _deliver_local(self, name: str, call: Call) -> None:
         mailbox = self._mailboxes.get(name)
         if mailbox is None:
-            raise UnknownActor(
-                f"no actor named {name!r} at {self.address}; running: {', '.join(self._mailboxes) or 'none'}"
-            )
+            # Which actors run here is this process's business (other clients' jobs among them):
+            # the caller learns only that the name is unknown; the debug log here says what runs.
+            log.debug("no actor named %s here; running: %s", excerpt(name), ", ".join(self._mailboxes) or "none")
+            raise UnknownActor(f"no actor named {name!r} at {self.address}")
         mailbox.deliver(call)
 
     async def _send(self, address: str, message: dict[str, Any]) -> int:

@@ -162,8 +162,9 @@ async def test_bad_calls_get_clear_errors_and_the_actor_keeps_serving(
 async def test_unknown_actor(runtimes: tuple[Runtime, Runtime]) -> None:
     server, client = runtimes
     await spawn_counter(server, client)
-    with pytest.raises(UnknownActor, match="no actor named 'ghost'.*running: counter"):
+    with pytest.raises(UnknownActor, match="no actor named 'ghost'") as info:
         await client.ref(server.address, "ghost").ask("add", 1)
+    assert "counter" not in str(info.value)  # a caller does not learn which actors run there
 
 
 async def test_unsendable_result_becomes_an_error(runtimes: tuple[Runtime, Runtime]) -> None:
