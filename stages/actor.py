@@ -232,6 +232,7 @@ class StageActor(Actor):
         self._step = -1
         self._program: list[Action] = []  # the last step's, whose tail reduce_step and finish_step run
         self._running: tuple[int, asyncio.Task[Any]] | None = None
+        self._aborted = -1  # the newest step abort_step named: a part of it not yet begun never runs
         self.ballot = Ballot(Mesh(**dict(zip(("pipeline", "tensor", "data"), self.config.mesh))),
                              self.config.global_rank)  # the tail's votes (see stages.compute.agreement)
 
@@ -330,6 +331,8 @@ class StageActor(Actor):
         this endpoint (and with it the mailbox); returns the task once it has ended."""
         task = self.runtime.spawn_task(work, name=name)
         self._running = (step, task)
+        if step <= self._aborted:  # abort_step came between the program and the tail, or before both
+            task.cancel()
         try:
             await asyncio.wait({task})
         finally:
@@ -369,6 +372,7 @@ class StageActor(Actor):
         member cut off mid-step is told to abort when it comes back, and a delivery for a
         step other than the current or next is refused.
         """
+        self._aborted = max(self._aborted, step)
         running = self._running
         if running is not None and running[0] <= step:
             running[1].cancel()  # run_step resets once the program has stopped

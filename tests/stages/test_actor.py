@@ -194,3 +194,42 @@ async def test_a_second_vote_of_one_member_is_refused(stages: tuple[Runtime, lis
     await vote.call(0, 0, ballot)
     with pytest.raises(NotAllowed, match="rank 0 voted twice on step 0"):
         await vote.call(0, 0, ballot)
+
+
+async def test_an_abort_between_the_program_and_the_tail_fences_the_tail(monkeypatch: pytest.MonkeyPatch) -> None:
+    """abort_step arriving after the program ended but before the tail began must not leave the
+    stage waiting for votes that never come (its mailbox would hold every later step behind it)."""
+    import stages.actor as stage_module
+
+    real_end_step = stage_module.end_step
+    async with open_runtime() as runtime:
+        refs = await _open_pair(runtime, "stage")
+        first_stage = runtime._mailboxes[refs[0].name].actor  # type: ignore[attr-defined]
+
+        async def end_then_abort(parts: Any, step: int, task: Any) -> StageReport:
+            report = await real_end_step(parts, step, task)
+            if parts is first_stage.parts:  # only stage 0's, and only in the gap
+                await refs[0].endpoint(StageActor.abort_step, timeout=10).call(step)
+            return report
+
+        monkeypatch.setattr(stage_module, "end_step", end_then_abort)
+        first, second = orders(0)
+        answers = [StageReport.from_wire(r) for r in await asyncio.gather(
+            refs[0].endpoint(StageActor.run_step, timeout=30).call(dataclasses.replace(first, finish=True).to_wire()),
+            refs[1].endpoint(StageActor.run_step, timeout=30).call(second.to_wire()))]
+        assert answers[0].status == "aborted"
+        monkeypatch.setattr(stage_module, "end_step", real_end_step)
+        await refs[1].endpoint(StageActor.abort_step, timeout=10).call(0)
+        answers = [StageReport.from_wire(r) for r in await asyncio.gather(*(  # the next step is whole
+            ref.endpoint(StageActor.run_step, timeout=30).call(dataclasses.replace(order, finish=True).to_wire())
+            for ref, order in zip(refs, orders(1))))]
+        assert [a.status for a in answers] == ["done", "done"]
+
+
+async def test_a_step_aborted_before_it_began_never_runs(stages: tuple[Runtime, list[StageActor], list[ActorRef]]
+                                                         ) -> None:
+    _, _, refs = stages
+    await refs[0].endpoint(StageActor.abort_step, timeout=10).call(0)
+    report = StageReport.from_wire(await refs[0].endpoint(StageActor.run_step, timeout=30).call(
+        orders(0)[0].to_wire()))
+    assert report.status == "aborted"
