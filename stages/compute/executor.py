@@ -6,13 +6,15 @@ control calls while the stage computes; transfers therefore overlap compute. An
 action known to be short (:mod:`stages.compute.inline`) runs on the loop's own thread
 instead, when the compute thread is idle: the hand-off would cost more than the action.
 Sends are posted as soon as the value exists and never wait for the receiver to
-use it; a RECV waits only until its value has arrived.
+use it; a RECV waits only until its value has arrived. The passes themselves (forward,
+backward, weight backward) and what a micro-batch holds between them are
+:class:`~stages.compute.passes.StagePasses`; :class:`StageModel` and
+:func:`check_target_shape` live there too and are re-exported here.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -20,24 +22,20 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
-from torch import nn
-from torch.optim.lr_scheduler import LRScheduler
 
 from stages.compute import activations as _activations
 from stages.compute import inline as _inline
 from stages.comm import overlap as _overlap
-from stages.compute import wgrad as _wgrad
 from stages.comm import boundary
 from stages.comm.boundary import Payload
 from stages.comm.device_io import DeviceIO
+from stages.compute.passes import StageModel, StagePasses, check_target_shape
 from stages.program import Action, ActionKind
 
 __all__ = ["Inbox", "StageModel", "StepExecutor", "StepTrace", "check_target_shape", "nonfinite_gradients"]
 
 T = TypeVar("T")
 _K = ActionKind
-# The kinds whose compute may run inline: the step's own actions (a SEND's compute is its codec's encode).
-_INLINE_KINDS = frozenset({_K.F, _K.B, _K.I, _K.W, _K.SEND_F, _K.SEND_B})
 
 
 class Inbox:
@@ -83,37 +81,6 @@ class Inbox:
 
 
 @dataclass(slots=True)
-class StageModel:
-    """What one stage actor computes with: its model stages, loss and optimizer."""
-
-    modules: Mapping[int, nn.Module]  # model stage -> its layers
-    num_stages: int  # model stages in the whole pipeline
-    loss_fn: Callable[[Any, Any], torch.Tensor]
-    optimizer: torch.optim.Optimizer
-    device: torch.device
-    # Set when the stage's nn.Linear weight gradients are fused (stages.compute.wgrad): then I
-    # defers just the weight GEMMs and W runs them, without a second pass over the graph.
-    weight_grads: _wgrad.WeightGradients | None = None
-    # The job's learning-rate schedule: stepped once per applied optimizer step, never on a dropped one.
-    lr_scheduler: LRScheduler | None = None
-    # Mixed precision: compute under autocast in this dtype (float32 master weights), and
-    # send floating-point boundary values in it. None: float32 throughout.
-    compute_dtype: torch.dtype | None = None
-    # W batching: a run of consecutive Ws computes each weight's gradient as one GEMM.
-    w_batching: bool = False
-    # The fast path (stages.compute.inline): an action estimated under this runs on the loop's thread.
-    # 0 turns it off: for a stage whose compute waits on other processes (tensor-parallel
-    # collectives inside forward and backward), which must never hold up the loop's heartbeats.
-    inline_max_s: float = _inline.INLINE_MAX_S
-
-    def autocast(self) -> Any:
-        """The context a forward (and a recompute) runs in."""
-        if self.compute_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.compute_dtype)
-
-
-@dataclass(slots=True)
 class StepTrace:
     """What one step did on one stage actor, for StepStats and traces."""
 
@@ -151,26 +118,21 @@ class StepExecutor:
     ) -> None:
         self.model = model
         self.io = io if io is not None else DeviceIO(model.device)
-        self.overlap = overlap
         self.inbox = inbox
         self._send = send
-        self.num_microbatches = num_microbatches
+        self.num_microbatches = num_microbatches  # read by each step's run
+        self.loss_scale = 1.0  # fp16: the step's loss scale (set by the stage before each step)
         self._thread = thread  # one worker: compute runs in program order
         self.current: Action | None = None
         self.done_actions: int = 0
-        # Per-step state.
-        # (stage, micro-batch) -> (the input leaves that collect gradients, the outputs that need one)
-        self._stash: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        self._pending_grads: dict[tuple[int, int], list[torch.Tensor | None] | None] = {}  # I -> W, plain autograd
-        self._pending_w: dict[tuple[int, int], list[_wgrad.PendingWeightGrad]] = {}  # I -> W, fused
-        self._values: dict[tuple[str, int, int], Any] = {}  # received trees, and payloads to send
-        self.loss_scale = 1.0  # fp16: the step's loss scale (set by the stage before each step)
-        self._upcoming: Action | None = None  # the action after the one running (W batching looks ahead)
-        self._w_batch: list[tuple[tuple[int, int], list[_wgrad.PendingWeightGrad]]] = []
-        # (stage, micro-batch) -> the storages it holds for its backward, from F until B (or W).
-        self._held: dict[tuple[int, int], _activations.Storages] = {}
-        self._resident: _activations.Storages = {}  # what lives anyway: parameters, buffers, the batch
-        self._w_batching: bool | None = None  # this step's, when it differs from the model's (schedule="auto")
+        # The passes and everything a micro-batch holds between them (stash, values, pending Ws).
+        passes = self._passes = StagePasses(model, self.io, overlap)
+        # Bound once, so that the per-action path makes no bound method (values is never rebound).
+        self._values = passes.values
+        self._inline_key, self._tracked = passes.inline_key, passes.tracked
+        self._input_of, self._target_of = passes.input_of, passes.target_of
+        self._forward_held, self._backward, self._weight_backward = \
+            passes.forward_held, passes.backward, passes.weight_backward
         # The step's losses, as the device left them: read once, at the end of the step (one sync, not one
         # per micro-batch on the compute stream).
         self._losses: dict[int, torch.Tensor] = {}
@@ -189,11 +151,25 @@ class StepExecutor:
     def inline_policy(self, policy: _inline.InlinePolicy) -> None:
         self._dispatch.policy = policy
 
+    @property
+    def overlap(self) -> _overlap.OverlappedReduction | None:
+        """The data-parallel reduction that starts during backward, if there is one (tests replace it)."""
+        return self._passes.overlap
+
+    @overlap.setter
+    def overlap(self, overlap: _overlap.OverlappedReduction | None) -> None:
+        self._passes.overlap = overlap
+
+    @property
+    def w_batching(self) -> bool:
+        """Whether this step runs its runs of consecutive Ws as one GEMM per weight."""
+        return self._passes.w_batching
+
     async def compute(self, fn: Callable[..., T], *args: Any) -> T:
         """Runs ``fn`` on the compute thread, or, for a short action, inline on the loop's thread.
 
         The first compute a step's F, B, I, W or SEND action makes (its forward, backward,
-        encode) is learnt per kind (:meth:`_inline_key`) and runs inline once its kind is
+        encode) is learnt per kind (:meth:`StagePasses.inline_key`) and runs inline once its kind is
         known to be short and the compute thread is idle (:class:`~stages.compute.inline.ComputeDispatcher`).
         Every other call (the optimizer step, checks, checkpoints, collectives) runs on the
         compute thread.
@@ -202,17 +178,6 @@ class StepExecutor:
             key, self._action_key = self._action_key, None
             return await self._dispatch.run(key, fn, *args)
         return await self._dispatch.submit(fn, *args)
-
-    def _inline_key(self, action: Action) -> Hashable | None:
-        """What an action's compute is learnt by (None: it never runs inline): its kind and stage;
-        a W also by whether it only joins a W batch (near free) or runs the batch's GEMMs."""
-        if action.kind not in _INLINE_KINDS:
-            return None
-        if action.kind is _K.W:
-            joins = self.w_batching and (action.stage, action.microbatch) in self._pending_w \
-                and self._w_batch_continues()
-            return (action.kind, action.stage, joins)
-        return (action.kind, action.stage)
 
     async def begin(self, program: Sequence[Action], *, w_batching: bool | None = None) -> None:
         """Prepares a step that will run ``program``: before anything of the step can fail, so that a
@@ -228,14 +193,9 @@ class StepExecutor:
         if w_batching and self.model.weight_grads is None:
             raise ValueError("w_batching runs the fused weight-gradient GEMMs together; this stage has none "
                              "(gradient_accumulation_fusion is off)")
-        self._w_batching = w_batching
+        self._passes.step_w_batching = w_batching
         if self.overlap is not None:
             await self.compute(self.overlap.begin, program, self.w_batching)
-
-    @property
-    def w_batching(self) -> bool:
-        """Whether this step runs its runs of consecutive Ws as one GEMM per weight."""
-        return self.model.w_batching if self._w_batching is None else self._w_batching
 
     async def run(
         self,
@@ -252,17 +212,15 @@ class StepExecutor:
         trace = StepTrace(started_at=time.time())
         start = time.perf_counter()
         self.inbox.drop_step(step - 1)  # late arrivals of an aborted earlier step
-        self._inputs, self._targets = inputs, targets
-        modules = self.model.modules.values()
-        self._resident = _activations.storages([*boundary.tree_tensors(inputs), *boundary.tree_tensors(targets),
-                                                *(t for m in modules for t in (*m.parameters(), *m.buffers()))])
+        passes = self._passes
+        passes.start_step(inputs, targets, loss_scale=self.loss_scale, num_microbatches=self.num_microbatches)
         self.done_actions = 0
         self._losses = {}
         for index, action in enumerate(program):
             if action.kind is _K.BARRIER:
                 break
             self.current = action
-            self._upcoming = program[index + 1] if index + 1 < len(program) else None
+            passes.upcoming = program[index + 1] if index + 1 < len(program) else None
             self._action_key, self._action_task = self._inline_key(action), asyncio.current_task()
             t0 = time.perf_counter()
             try:
@@ -278,16 +236,15 @@ class StepExecutor:
             if action.kind in (_K.F, _K.B, _K.I, _K.W):
                 trace.busy_s += t1 - t0
             # A micro-batch between I and W still holds its activations (as W's inputs).
-            trace.peak_stash = max(trace.peak_stash, len(self._stash) + len(self._pending_w) + len(self._w_batch))
-            trace.peak_stash_bytes = max(trace.peak_stash_bytes, _activations.union_bytes(self._held.values()))
+            trace.peak_stash = max(trace.peak_stash, len(passes.stash) + len(passes.pending_w) + len(passes.w_batch))
+            trace.peak_stash_bytes = max(trace.peak_stash_bytes, _activations.union_bytes(passes.held.values()))
             self.done_actions += 1
         self.current = None
         trace.elapsed_s = time.perf_counter() - start
         # On a GPU the one sync for the losses waits on the compute thread, not on the loop.
         trace.losses = await self.compute(_as_floats, self._losses) if self.io.staged else _as_floats(self._losses)
-        if self._stash or self._values or self._pending_w or self._w_batch:
-            leftover = sorted(map(str, list(self._stash) + list(self._values) + list(self._pending_w)
-                                  + [key for key, _ in self._w_batch]))
+        leftover = passes.leftover()
+        if leftover:
             raise ActionFailed(Action(stage=program[0].stage, kind=_K.BARRIER),
                                RuntimeError(f"program ended with values still held: {leftover}"))
         return trace
@@ -320,7 +277,7 @@ class StepExecutor:
         replica issues the same collectives; the next :meth:`begin` waits for them.
         """
         self.inbox.drop_step(step)
-        await self.compute(self._clear)
+        await self.compute(self._passes.clear)
 
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)
@@ -358,161 +315,11 @@ class StepExecutor:
             edge = f"{tag} {s}->{s + 1 if tag == 'F' else s - 1}"
             trace.bytes_sent[edge] = trace.bytes_sent.get(edge, 0) + nbytes
 
-    def _input_of(self, stage: int, mb: int) -> Any:
-        if stage == 0:
-            if self._inputs is None:
-                raise RuntimeError("stage 0 has no inputs for this step")
-            return self._to_device(self._inputs[mb])
-        return self._values.pop(("F", stage - 1, mb))
-
-    def _target_of(self, stage: int, mb: int) -> Any:
-        if stage != self.model.num_stages - 1:
-            return None
-        if self._targets is None:
-            raise RuntimeError("the last stage has no targets for this step")
-        return self._to_device(self._targets[mb])
-
-    def _to_device(self, tree: Any) -> Any:
-        """A micro-batch of the batch on the model's device (through the copy stream on a GPU)."""
-        if not self.io.staged:
-            return _to_device(tree, self.model.device)
-        payload = boundary.pack(tree)
-        return boundary.unpack(Payload(self.io.to_device(payload.leaves), payload.spec), self.model.device)
-
-    # -- compute (on the compute thread) --------------------------------------------
-
-    def _tracked(self, action: Action, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)``, a backward action, reported to the overlapped reduction."""
-        if self.overlap is None:
-            return fn(*args)
-        with self.overlap.action(action):
-            return fn(*args)
-
-    def _forward_held(self, stage: int, mb: int, x: Any, target: Any) -> torch.Tensor | None:
-        """:meth:`_forward`, noting what the micro-batch now holds for its backward (``peak_stash_bytes``)."""
-        counting = self.overlap.forward(stage, mb) if self.overlap is not None else contextlib.nullcontext()
-        with _activations.SavedActivations(self._resident) as saved, counting:
-            loss = self._forward(stage, mb, x, target)
-        inputs, outs = self._stash[(stage, mb)]
-        saved.add(inputs + outs)
-        self._held[(stage, mb)] = saved.storages
-        return loss
-
-    def _forward(self, stage: int, mb: int, x: Any, target: Any) -> torch.Tensor | None:
-        module = self.model.modules[stage]
-        with torch.enable_grad():
-            with self.model.autocast():
-                # Stage 0 takes the batch as the model takes it (tensor, positional tuple or
-                # keyword dict); a later stage takes what the one before it returned.
-                out = boundary.call_module(module, x) if stage == 0 else module(x)
-                if target is not None:
-                    check_target_shape(out, target)
-                    loss = self.model.loss_fn(out, target).float()
-            inputs = boundary.grad_leaves(x) if stage > 0 else []
-            if target is None:
-                if self.model.compute_dtype is not None:
-                    # The boundary travels in the compute dtype (half the bytes); the cast is
-                    # part of the graph, so the gradient that comes back meets it.
-                    out = boundary.cast_floating(out, self.model.compute_dtype)
-                sent = boundary.pack(out)
-                self._stash[(stage, mb)] = (inputs, [t for t in boundary.tree_tensors(out) if t.requires_grad])
-                self._values[("F", stage, mb)] = sent
-                return None
-            # The step's loss is the mean over micro-batches, as one process computes
-            # it on the whole batch; each micro-batch's gradient is scaled to match.
-            scaled = loss * self.loss_scale if self.loss_scale != 1.0 else loss
-            self._stash[(stage, mb)] = (inputs, [scaled / self.num_microbatches])
-            return loss.detach()
-
-    def _backward(self, stage: int, mb: int, grads: list[torch.Tensor | None] | None,
-                  input_only: bool) -> list[torch.Tensor | None] | None:
-        """The stage's backward for one micro-batch; returns its inputs' gradients (None on stage 0).
-
-        ``grads`` pairs with the outputs that need a gradient (None: the loss); an output
-        the next stage did not use gets None and no backward.
-        """
-        key = (stage, mb)
-        weight_grads = self.model.weight_grads
-        if not input_only:
-            inputs, outs = self._stash.pop(key)
-            del self._held[key]
-            _run_backward(outs, grads)
-            return None if stage == 0 else [x.grad for x in inputs]
-        if weight_grads is not None:
-            # I: the whole backward except the linears' weight GEMMs, which wait for W;
-            # the graph is released here, W needs only the recorded pairs.
-            inputs, outs = self._stash.pop(key)
-            with weight_grads.deferring() as pending:
-                _run_backward(outs, grads)
-            self._pending_w[key] = pending
-            self._held[key] = _activations.storages((t for _, _, *pair in pending for t in pair), self._resident)
-            return None if stage == 0 else [x.grad for x in inputs]
-        # I without fused linears: the input gradient alone, which the upstream stage is
-        # waiting for; the graph stays alive and W walks it again for the parameters.
-        inputs, outs = self._stash[key]
-        self._pending_grads[key] = grads
-        self._held[key] |= _activations.storages((g for g in grads or () if g is not None), self._resident)
-        if stage == 0:
-            return None
-        pairs = _with_grads(outs, grads)
-        if not inputs or not pairs:
-            return [None] * len(inputs)
-        return list(torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs],
-                                        retain_graph=True, allow_unused=True))
-
-    def _weight_backward(self, stage: int, mb: int) -> None:
-        key = (stage, mb)
-        if key in self._pending_w and self.w_batching:
-            # W batching: consecutive Ws (the tail defer_weight_grads makes) run each weight's
-            # GEMM once, over all their micro-batches' rows.
-            self._w_batch.append((key, self._pending_w.pop(key)))
-            if self._w_batch_continues():
-                return
-            batch, self._w_batch = self._w_batch, []
-            assert self.model.weight_grads is not None
-            _wgrad.apply_batched([pending for _, pending in batch], self.model.weight_grads.on_write)
-            for done, _ in batch:
-                del self._held[done]
-            return
-        del self._held[key]
-        if key in self._pending_w:
-            assert self.model.weight_grads is not None
-            _wgrad.apply(self._pending_w.pop(key), self.model.weight_grads.on_write)
-            return
-        _, outs = self._stash.pop(key)
-        grads = self._pending_grads.pop(key)
-        params = [p for p in self.model.modules[stage].parameters() if p.requires_grad]
-        pairs = _with_grads(outs, grads)
-        if params and pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=params)
-
-    def _w_batch_continues(self) -> bool:
-        """Whether the W batch takes in the next action too (a W whose weight GEMMs wait)."""
-        upcoming = self._upcoming
-        return upcoming is not None and upcoming.kind is _K.W and \
-            (upcoming.stage, upcoming.microbatch) in self._pending_w
-
     def _optimizer_step(self) -> None:
         self.model.optimizer.step()
         if self.model.lr_scheduler is not None:
             self.model.lr_scheduler.step()
         self.model.optimizer.zero_grad(set_to_none=True)
-
-    def _clear(self) -> None:
-        if self.overlap is not None:
-            self.overlap.abandon()
-        self._stash.clear()
-        self._pending_grads.clear()
-        self._pending_w.clear()
-        self._held.clear()
-        self._values.clear()
-        self.model.optimizer.zero_grad(set_to_none=True)
-
-
-def _to_device(tree: Any, device: torch.device) -> Any:
-    if isinstance(tree, torch.Tensor):
-        return tree.to(device, non_blocking=True)
-    return boundary.unpack(boundary.pack(tree), device)
 
 
 def _as_floats(losses: Mapping[int, torch.Tensor]) -> dict[int, float]:
@@ -521,44 +328,6 @@ def _as_floats(losses: Mapping[int, torch.Tensor]) -> dict[int, float]:
         return {}
     values = torch.stack([losses[m].reshape(()) for m in losses]).tolist()
     return dict(zip(losses, values))
-
-
-def _with_grads(outs: list[torch.Tensor], grads: Sequence[torch.Tensor | None] | None
-                ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """Outputs paired with their incoming gradients, leaving out those that got none (unused downstream)."""
-    if grads is None:  # the loss
-        return [(out, None) for out in outs]
-    if len(grads) != len(outs):
-        raise ValueError(f"{len(grads)} gradients came back for the {len(outs)} outputs that need one")
-    return [(out, grad) for out, grad in zip(outs, grads) if grad is not None]
-
-
-def _run_backward(outs: list[torch.Tensor], grads: Sequence[torch.Tensor | None] | None) -> None:
-    pairs = _with_grads(outs, grads)
-    if pairs:
-        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])  # type: ignore[arg-type]
-
-
-def check_target_shape(output: torch.Tensor, target: torch.Tensor) -> None:
-    """Refuses a target that an element-wise loss would silently broadcast against the output.
-
-    ``mse_loss([4, 8] output, [4, 1] target)`` trains on a 32-element broadcast without a
-    word. A target of the output's shape always passes; so does one with fewer dims and
-    integer values (class indices: ``[N]`` for ``[N, C]`` logits, ``[B, T]`` for ``[B, T, V]``).
-    Refused are a floating-point target of another shape, and any target with the
-    output's number of dims but another shape: for those the loss either broadcasts or
-    needs a reshape the model should do itself.
-
-    Raises:
-        ValueError: names both shapes.
-    """
-    if not isinstance(output, torch.Tensor) or not isinstance(target, torch.Tensor) or output.shape == target.shape:
-        return
-    if target.is_floating_point() or target.dim() == output.dim():
-        raise ValueError(
-            f"targets of shape {tuple(target.shape)} do not match the model's output of shape "
-            f"{tuple(output.shape)}; the loss would broadcast one against the other. Give targets "
-            f"shaped like the output (or integer class indices with fewer dims)")
 
 
 def nonfinite_gradients(named: Sequence[tuple[str, torch.Tensor]]) -> list[str]:
