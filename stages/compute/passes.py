@@ -273,6 +273,7 @@ class StagePasses:
         self.stash.clear()
         self._pending_grads.clear()
         self.pending_w.clear()
+        self.w_batch = []  # a run of batched Ws cut short by the abort
         self.held.clear()
         self.values.clear()
         self.model.optimizer.zero_grad(set_to_none=True)

@@ -446,3 +446,17 @@ async def test_failed_action_is_named_and_nothing_of_its_step_is_applied(
             assert [t.peak_stash for t in traces] == list(simulate(pipeline.programs).peak_stash)
     assert_same_state(model, expected_state)
     assert losses == pytest.approx(expected_losses, rel=1e-5)
+
+
+async def test_an_aborted_step_forgets_a_run_of_batched_ws_it_cut_short() -> None:
+    """reset drops every per-step container, the W batch in progress too: left over, it failed the
+    next step's check that nothing is still held (or joined the next step's batch)."""
+    case = Case(schedule="zero_bubble", num_ranks=2, num_microbatches=4)
+    async with open_pipeline(case, build_model()) as pipeline:
+        executor = pipeline.executors[0]
+        executor._passes.w_batch.append(((0, 0), []))  # as a run of Ws cut short leaves it
+        await executor.reset(0)
+        assert executor._passes.w_batch == []
+        (x, y), = global_batches()[:1]
+        loss, *_ = await pipeline.train_step(1, x, y)
+        assert loss == loss  # the next step runs whole (a finite loss, no "still held" failure)
