@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import torch
 
 from actors._actor import Actor, Host, caller_among, current_caller, endpoint
-from actors._errors import ActorError, NotAllowed, error_to_wire
+from actors._errors import ActorError, NotAllowed
 from actors._ref import ActorRef
 from actors._registry import DEFAULT_ALLOW, register_actor
 from stages.build import tied
@@ -42,7 +42,7 @@ from stages.comm.device_io import DeviceIO
 from stages.comm.groups import StageGroups
 from stages.comm.parallel import leave_process_groups
 from stages.comm.rendezvous import ActorStore
-from stages.compute.executor import ActionFailed, Inbox, StepExecutor, StepTrace
+from stages.compute.executor import ActionFailed, ended_early, Inbox, StepExecutor, StepTrace
 from stages.compute.agreement import Ballot, run_tail, tail_report
 from stages.compute.tail import StepTail
 from stages.devices import pin_device
@@ -163,15 +163,9 @@ async def begin_step(config: StageConfig, parts: StageParts, order: StepOrder
 
 async def end_step(parts: StageParts, step: int, task: asyncio.Task[StepTrace]) -> StageReport:
     """The report of step ``step``'s program, run by ``task``: done, failed (its values dropped), or aborted."""
-    executor = parts.executor
-    if task.cancelled() or isinstance(task.exception(), ActionFailed):
-        await executor.reset(step)
-    if task.cancelled():
-        return StageReport(status="aborted")
-    failure = task.exception()
-    if isinstance(failure, ActionFailed):
-        log.warning("step %d failed at %s: %s", step, failure.action, failure.cause)
-        return StageReport(status="failed", action=str(failure.action), error=error_to_wire(failure.cause))
+    ended = await ended_early(parts.executor, step, task, ActionFailed)
+    if ended is not None:
+        return ended
     trace = task.result()
     if parts.groups is not None and parts.groups.link is not None:
         await parts.groups.link.flush()

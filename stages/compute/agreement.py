@@ -20,20 +20,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import logging
 import math
 from collections.abc import Awaitable, Callable, Sequence
 
-from actors._errors import NotAllowed, error_to_wire
+from actors._errors import NotAllowed
 from stages.mesh import Mesh
 from stages.program import Action
 from stages.records import ReduceReport, StageReport, StepOrder, TailVote
-from stages.compute.executor import StepExecutor
+from stages.compute.executor import StepExecutor, ended_early
 from stages.compute.tail import StepDecision, StepTail, decide_step
 
 __all__ = ["Ballot", "TailFailed", "decide_votes", "run_tail", "tail_report", "vote_of"]
-
-log = logging.getLogger(__name__)
 
 SendVote = Callable[[int, int, TailVote], Awaitable[object]]
 
@@ -157,13 +154,8 @@ async def tail_report(executor: StepExecutor, ballot: Ballot, step: int, task: a
                       ) -> StageReport:
     """The report of step ``step``'s tail, run by ``task`` (:func:`run_tail`): done, failed (the step's
     values and votes dropped) or aborted."""
-    if task.cancelled() or isinstance(task.exception(), TailFailed):
+    ended = await ended_early(executor, step, task, TailFailed)
+    if ended is not None:
         ballot.forget(step)
-        await executor.reset(step)
-    if task.cancelled():
-        return StageReport(status="aborted")
-    failure = task.exception()
-    if isinstance(failure, TailFailed):
-        log.warning("step %d failed at %s: %s", step, failure.action, failure.cause)
-        return StageReport(status="failed", action=failure.action, error=error_to_wire(failure.cause))
+        return ended
     return task.result()

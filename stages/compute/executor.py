@@ -15,6 +15,7 @@ backward, weight backward) and what a micro-batch holds between them are
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +31,11 @@ from stages.comm import boundary
 from stages.comm.boundary import Payload
 from stages.comm.device_io import DeviceIO
 from stages.compute.passes import StageModel, StagePasses, check_target_shape
+from actors._errors import error_to_wire
 from stages.program import Action, ActionKind
+from stages.records import StageReport
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Inbox", "StageModel", "StepExecutor", "StepTrace", "check_target_shape", "nonfinite_gradients"]
 
@@ -354,3 +359,19 @@ class ActionFailed(Exception):
         super().__init__(f"{action}: {type(cause).__name__}: {cause}")
         self.action = action
         self.cause = cause
+
+
+async def ended_early(executor: StepExecutor, step: int, task: asyncio.Future[Any],
+                      failed: type[BaseException]) -> StageReport | None:
+    """The report of a part of step ``step`` (its program, or its tail) run by ``task`` when it did not
+    finish: aborted (cancelled) or failed (it raised ``failed``, which carries ``action`` and ``cause``),
+    the step's values and gradients dropped either way; None when it finished (or raised anything else,
+    which ``task.result()`` raises again)."""
+    if not task.cancelled() and not isinstance(task.exception(), failed):
+        return None
+    await executor.reset(step)
+    if task.cancelled():
+        return StageReport(status="aborted")
+    failure: Any = task.exception()
+    log.warning("step %d failed at %s: %s", step, failure.action, failure.cause)
+    return StageReport(status="failed", action=str(failure.action), error=error_to_wire(failure.cause))
