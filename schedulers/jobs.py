@@ -27,9 +27,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from stages import BUILTIN_SCHEDULES, Mesh, StageConfig
-from schedulers._spec_checks import nearest, show
-from schedulers.sections import (
+from schedulers.schedules import build_schedule
+from stages import BUILTIN_SCHEDULES, Mesh, StageConfig, split_batch
+from stages.spec_checks import nearest, show
+from stages.sections import (
     AUTO_PROBE,
     CODECS,
     FIELDS,
@@ -126,6 +127,14 @@ class JobSpec:
     def _check_across_sections(self) -> None:
         """What one section alone cannot check: the settings that must fit each other."""
         p, t, c = self.parallelism, self.training, self.communication
+        if p.example_inputs is not None:  # a batch (torch): checked here, so that the sections stay torch-free
+            try:
+                split_batch(p.example_inputs, 1, "parallelism.example_inputs")
+            except (TypeError, ValueError) as exc:
+                raise TypeError(f"parallelism.example_inputs: {exc}") from None
+        # The schedule's own limits (e.g. interleaved needs micro_batches to be a multiple of the stages).
+        build_schedule(AUTO_PROBE if p.schedule == "auto" else p.schedule, p.pipeline_stages, p.micro_batches,
+                       p.num_virtual_stages if p.schedule == "interleaved" else None)
         if p.partition_method == "profile" and t.data is None and p.example_inputs is None:
             raise ValueError("parallelism.partition_method='profile' times each layer on a sample micro-batch from "
                              "the job's data factory: give data='pkg.mod:factory' or example_inputs=<one "
@@ -197,15 +206,7 @@ class JobSpec:
         Raises:
             ValueError: a list whose length is not the number of boundaries.
         """
-        value = getattr(self.communication, name)
-        edges = self.num_model_stages - 1
-        codecs = [value] * edges if isinstance(value, str) else list(value)
-        if len(codecs) != edges:
-            raise ValueError(
-                f"communication.{name} lists {len(codecs)} codecs but the pipeline has {edges} stage boundaries "
-                f"({self.num_model_stages} model stages); give one per boundary or a single name"
-            )
-        return codecs
+        return self.communication.edge_codecs(name, self.num_model_stages - 1)
 
     @property
     def num_virtual_stages(self) -> int:
@@ -310,34 +311,11 @@ def stage_config(
     bounds: Sequence[Sequence[int]],
     dist: Mapping[str, Any] | None,
 ) -> StageConfig:
-    """The configuration of the stage actor at ``global_rank`` of ``spec``'s mesh: the one derivation.
-
-    Stages still take one flat record; the sections it is derived from are the spec's.
-    """
-    mesh = spec.mesh
-    t, p, o, m, c, r = (spec.training, spec.parallelism, spec.optimization, spec.mixed_precision,
-                        spec.communication, spec.runtime)
-    return StageConfig(
-        job=job, pipeline_rank=mesh.coords(global_rank).pipeline, pipeline_stages=p.pipeline_stages,
-        mesh=[mesh.pipeline, mesh.tensor, mesh.data], global_rank=global_rank,
-        bounds=[list(b) for b in bounds], dist=dict(dist) if dist is not None else None,
-        model=t.model, model_kwargs=dict(t.model_kwargs), loss=t.loss, seed=t.seed,
-        data=t.data, data_kwargs=dict(t.data_kwargs),
-        optimizer=[o.optimizer[0], dict(o.optimizer[1])], micro_batches=p.micro_batches,
-        activation_codec=spec.edge_codecs("activation_codec"), gradient_codec=spec.edge_codecs("gradient_codec"),
-        error_feedback=c.error_feedback, measure_codec_error=c.measure_codec_error,
-        reduce_codec=c.reduce_codec, bucket_bytes=c.bucket_bytes, overlap_reduce=c.overlap_reduce,
-        transport=c.transport, threads_per_stage=r.threads_per_stage,
-        gradient_accumulation_fusion=r.gradient_accumulation_fusion, keep_freed_memory=r.keep_freed_memory,
-        split_points=list(p.split_points) if p.split_points is not None else None,
-        example_inputs=p.example_inputs,
-        precision=m.precision, loss_scale=float(m.loss_scale), initial_scale_power=m.initial_scale_power,
-        loss_scale_window=m.loss_scale_window, hysteresis=m.hysteresis,
-        min_loss_scale=float(m.min_loss_scale), gradient_clipping=float(o.gradient_clipping),
-        lr_scheduler=[o.lr_scheduler[0], dict(o.lr_scheduler[1])] if o.lr_scheduler is not None else None,
-        activation_checkpointing=r.activation_checkpointing, zero_stage=o.zero_stage,
-        w_batching=p.w_batching,
-    )
+    """The configuration of the stage actor at ``global_rank`` of ``spec``'s mesh: the sections a stage reads."""
+    return StageConfig(job=job, global_rank=global_rank, bounds=[list(b) for b in bounds],
+                       dist=dict(dist) if dist is not None else None, training=spec.training,
+                       parallelism=spec.parallelism, optimization=spec.optimization,
+                       mixed_precision=spec.mixed_precision, communication=spec.communication, runtime=spec.runtime)
 
 
 # -- the reference table (docs/jobspec.md) --------------------------------------------

@@ -202,7 +202,7 @@ def join_and_build(config: StageConfig, runtime: Host, allow: Sequence[str], dev
         groups = StageGroups(cfg, runtime.address, device)
         groups.join(cfg.dist, open_store(runtime, cfg.dist, loop))
     try:
-        return groups, build_stage(cfg, allow, device, groups, reduce_exact=not get_codec(cfg.reduce_codec).lossy)
+        return groups, build_stage(cfg, allow, device, groups, reduce_exact=not get_codec(cfg.communication.reduce_codec).lossy)
     except BaseException:
         # Joined, then refused (a tensor-parallel split that would untie a parameter, a factory
         # that raised): leave, or this node refuses every later job's groups.
@@ -227,8 +227,7 @@ class StageActor(Actor):
         self._program: list[Action] = []  # the last step's, whose tail reduce_step and finish_step run
         self._running: tuple[int, asyncio.Task[Any]] | None = None
         self._aborted = -1  # the newest step abort_step named: a part of it not yet begun never runs
-        self.ballot = Ballot(Mesh(**dict(zip(("pipeline", "tensor", "data"), self.config.mesh))),
-                             self.config.global_rank)  # the tail's votes (see stages.compute.agreement)
+        self.ballot = Ballot(self.config.mesh, self.config.global_rank)  # the tail's votes (stages.compute.agreement)
 
     async def on_start(self) -> None:
         context = self.node_context

@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 from actors.records import RecordError, WireRecord
+from stages.mesh import Mesh
 from stages.program import stage_to_rank
+from stages.sections import Communication, MixedPrecision, Optimization, Parallelism, Runtime, Training
 
 __all__ = ["FinishReport", "RecordError", "ReduceReport", "StageConfig", "StageReport", "StepOrder", "TailVote",
            "WireRecord"]
@@ -18,52 +20,52 @@ __all__ = ["FinishReport", "RecordError", "ReduceReport", "StageConfig", "StageR
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StageConfig(WireRecord):
-    """Everything a stage actor is built from (derived from the job's spec by ``schedulers.jobs.stage_config``)."""
+    """What a stage actor is built from: where it sits in the job, and the spec's sections it reads.
+
+    The sections are the job's own (:mod:`stages.sections`), as the scheduler's
+    ``schedulers.jobs.stage_config`` takes them from the spec; the scheduler's own
+    section (fault tolerance) stays behind.
+    """
+
+    nested: ClassVar[dict[str, Any]] = {"training": Training, "parallelism": Parallelism,
+                                        "optimization": Optimization, "mixed_precision": MixedPrecision,
+                                        "communication": Communication, "runtime": Runtime}
 
     job: str
-    pipeline_rank: int
-    pipeline_stages: int
-    bounds: list[list[int]]  # per model stage: [first layer, end layer)
-    model: str
-    model_kwargs: dict[str, Any] = field(default_factory=dict)
-    loss: str = "torch.nn.functional:mse_loss"
-    optimizer: list[Any] = field(default_factory=lambda: ["torch.optim:SGD", {"lr": 0.01}])
-    micro_batches: int = 1
-    seed: int = 0
-    activation_codec: list[str] = field(default_factory=list)  # one per stage boundary
-    gradient_codec: list[str] = field(default_factory=list)
-    error_feedback: bool = False  # on gradient boundaries with a lossy codec
-    measure_codec_error: bool = True
-    data: str | None = None
-    data_kwargs: dict[str, Any] = field(default_factory=dict)
-    threads_per_stage: int | None = 1
-    gradient_accumulation_fusion: bool = True  # nn.Linear weight gradients via stages.compute.wgrad
-    keep_freed_memory: bool = True  # glibc malloc keeps freed buffers (stages.compute.allocator)
-    # The mesh, as [pipeline, tensor, data] sizes, and this actor's global rank in it.
-    mesh: list[int] = field(default_factory=lambda: [1, 1, 1])
-    global_rank: int = 0
-    # torch.distributed: {"rendezvous": [ADDRESS, ACTOR], "backend": "gloo", "timeout_s": 600, "loopback": true}
-    # (see stages.comm.parallel.join_process_groups).
+    global_rank: int
+    """This actor's rank in the job's mesh (``parallelism.mesh``)."""
+    bounds: list[list[int]]
+    """Per model stage: [first layer, end layer) (one "layer" per stage for a model cut at ``split_points``)."""
     dist: dict[str, Any] | None = None
-    bucket_bytes: int = 25 << 20
-    overlap_reduce: bool = True  # start each bucket's all-reduce during backward (stages.comm.overlap) where it serves
-    reduce_codec: str = "none"  # data-parallel gradient codec (with error feedback when lossy)
-    transport: str = "zmq"  # stage-to-stage tensors: "zmq" (actor messages) or "dist" (torch.distributed p2p)
-    # Any nn.Module, traced and cut before these modules (stages.build.traced); bounds are then one "layer" per stage.
-    split_points: list[str] | None = None
-    example_inputs: Any = None  # the micro-batch to trace on (else the data factory's first)
-    # Training options: precision, clipping, LR schedule, ... (JobSpec says what each means).
-    precision: str = "fp32"  # "fp32", "bf16", "fp16"
-    loss_scale: float = 0.0  # fp16: static scale, 0 = dynamic
-    initial_scale_power: int = 16
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
-    min_loss_scale: float = 1.0
-    gradient_clipping: float = 0.0  # global norm; 0 = off
-    lr_scheduler: list[Any] | None = None  # [path, kwargs]
-    activation_checkpointing: bool | int = False  # True: every layer; N: every N layers
-    zero_stage: int = 0  # 1: optimizer state sharded across data-parallel replicas
-    w_batching: bool = False  # consecutive W actions run each weight's GEMM once over their micro-batches
+    """torch.distributed: ``{"rendezvous": [ADDRESS, ACTOR], "backend": "gloo", "timeout_s": 600, "loopback":
+    true}`` (see :func:`stages.comm.parallel.join_process_groups`); None: no process groups."""
+    training: Training
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    optimization: Optimization = field(default_factory=Optimization)
+    mixed_precision: MixedPrecision = field(default_factory=MixedPrecision)
+    communication: Communication = field(default_factory=Communication)
+    runtime: Runtime = field(default_factory=Runtime)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.global_rank < self.mesh.size:
+            raise ValueError(f"StageConfig.global_rank {self.global_rank} is outside the mesh of {self.mesh.size}")
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.parallelism.mesh
+
+    @property
+    def pipeline_stages(self) -> int:
+        return self.parallelism.pipeline_stages
+
+    @property
+    def pipeline_rank(self) -> int:
+        return self.mesh.coords(self.global_rank).pipeline
+
+    @property
+    def micro_batches(self) -> int:
+        """The micro-batches the stage is built for (a step may name another count)."""
+        return self.parallelism.micro_batches
 
     @property
     def num_stages(self) -> int:
@@ -74,6 +76,16 @@ class StageConfig(WireRecord):
     def stages(self) -> list[int]:
         """The model stages this rank holds (several when interleaved)."""
         return [s for s in range(self.num_stages) if stage_to_rank(s, self.pipeline_stages) == self.pipeline_rank]
+
+    @property
+    def activation_codec(self) -> list[str]:
+        """One codec per stage boundary, forward."""
+        return self.communication.edge_codecs("activation_codec", self.num_stages - 1)
+
+    @property
+    def gradient_codec(self) -> list[str]:
+        """One codec per stage boundary, backward."""
+        return self.communication.edge_codecs("gradient_codec", self.num_stages - 1)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -2,7 +2,7 @@
 
 Layers point down only: ``schedulers`` -> ``stages`` -> ``actors`` -> ``transport``.
 The runtime (modules directly under ``actors/``) imports no torch; the instruction set,
-the mesh and the records are stdlib-only leaves that both sides import cheaply.
+the mesh, the records and the job spec's sections are stdlib-only leaves that both sides import cheaply.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LEAVES = ["stages/program.py", "stages/mesh.py", "stages/records.py", "actors/records.py", "actors/events.py",
-          "transport/records.py"]
+LEAVES = ["stages/program.py", "stages/mesh.py", "stages/records.py", "stages/sections.py", "stages/spec_checks.py",
+          "actors/records.py", "actors/events.py", "transport/records.py"]
 # What each package may never import (imports point down only).
 ABOVE = {"transport": {"actors", "stages", "schedulers"}, "actors": {"stages", "schedulers"}, "stages": {"schedulers"}}
 

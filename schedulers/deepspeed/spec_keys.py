@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
-from schedulers._spec_checks import nearest
+from stages.spec_checks import nearest
 from schedulers.deepspeed.checks import (
     Check,
     Translation,

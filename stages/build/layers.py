@@ -57,11 +57,11 @@ def build_layers(
     exactly the weights one process would start from; ``shard`` then cuts a
     tensor-parallel rank's share out of the whole model (it knows layers by position).
     """
-    factory = load_object(config.model, allow)
-    torch.manual_seed(config.seed)
-    if config.split_points is not None:
-        return list(_traced_layers(factory(**config.model_kwargs), config, allow))
-    model = nn.Sequential(*model_layers(factory(**config.model_kwargs), config.model))
+    factory = load_object(config.training.model, allow)
+    torch.manual_seed(config.training.seed)
+    if config.parallelism.split_points is not None:
+        return list(_traced_layers(factory(**config.training.model_kwargs), config, allow))
+    model = nn.Sequential(*model_layers(factory(**config.training.model_kwargs), config.training.model))
     if shard is not None:
         before = tied.tied_groups(list(model.children()))
         model = shard(model)
@@ -72,7 +72,7 @@ def build_layers(
     layers = list(model.children())
     if config.bounds[-1][1] != len(layers):
         raise ValueError(
-            f"the partition covers {config.bounds[-1][1]} layers but {config.model} built {len(layers)}"
+            f"the partition covers {config.bounds[-1][1]} layers but {config.training.model} built {len(layers)}"
         )
     return layers
 
@@ -80,16 +80,16 @@ def build_layers(
 def _traced_layers(built: Any, config: StageConfig, allow: Sequence[str]) -> list[TracedStage]:
     """The model stages of any nn.Module, traced on the job's example micro-batch (see :mod:`stages.build.traced`)."""
     if not isinstance(built, nn.Module):
-        raise TypeError(f"{config.model} built a {type(built).__name__}; split_points split an nn.Module")
-    assert config.split_points is not None
-    example = config.example_inputs
+        raise TypeError(f"{config.training.model} built a {type(built).__name__}; split_points split an nn.Module")
+    assert config.parallelism.split_points is not None
+    example = config.parallelism.example_inputs
     if example is None:
-        if config.data is None:
+        if config.training.data is None:
             raise ValueError("a model with split_points needs example_inputs or a data factory to trace on")
-        inputs, _ = load_object(config.data, allow)(**config.data_kwargs)(0)
-        replica = split_batch(inputs, config.mesh[2], "inputs", "data_parallel")[0]
+        inputs, _ = load_object(config.training.data, allow)(**config.training.data_kwargs)(0)
+        replica = split_batch(inputs, config.mesh.data, "inputs", "data_parallel")[0]
         example = split_batch(replica, config.micro_batches, "inputs")[0]
-    stages = trace_stages(built, config.split_points, example, config.model)
+    stages = trace_stages(built, config.parallelism.split_points, example, config.training.model)
     if len(stages) != config.bounds[-1][1]:
         raise ValueError(f"the job has {config.bounds[-1][1]} model stages but {len(stages)} came of the split")
     return stages

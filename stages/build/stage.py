@@ -26,7 +26,7 @@ from stages.build.traced import TracedStage
 from stages.comm import overlap as _overlap
 from stages.comm import zero
 from stages.comm.boundary import split_batch
-from stages.comm.groups import StageGroups, stage_mesh
+from stages.comm.groups import StageGroups
 from stages.comm.parallel import start_average
 from stages.compute import wgrad as _wgrad
 from stages.compute.activations import checkpoint_interval
@@ -139,11 +139,11 @@ def build_stage(config: StageConfig, allow: Sequence[str], device: torch.device,
         ValueError: a factory's arguments or result the stage cannot use.
     """
     cfg = config
-    if cfg.threads_per_stage:
-        torch.set_num_threads(cfg.threads_per_stage)
-    if cfg.keep_freed_memory:
+    if cfg.runtime.threads_per_stage:
+        torch.set_num_threads(cfg.runtime.threads_per_stage)
+    if cfg.runtime.keep_freed_memory:
         keep_freed_memory()
-    mesh = stage_mesh(cfg)
+    mesh = cfg.mesh
     me = mesh.coords(cfg.global_rank)
     shard = None
     if groups is not None and groups.groups is not None and mesh.tensor > 1:
@@ -163,31 +163,31 @@ def build_stage(config: StageConfig, allow: Sequence[str], device: torch.device,
             aliases[name] = [other for other in shown if other != name]
     specs = {key(i, k): list(spec) for i, layer in held.items() for k, spec in tp_shard_specs(layer).items()}
     weight_grads = None
-    if cfg.gradient_accumulation_fusion:
+    if cfg.runtime.gradient_accumulation_fusion:
         weight_grads = _wgrad.WeightGradients()
         for module in modules.values():
             _wgrad.install(module, weight_grads)
     # A parameter two held layers share is one tensor: the optimizer takes it once.
     params = list({id(p): p for module in modules.values() for p in module.parameters()}.values())
     optimizer = _build_optimizer(cfg, allow, params, groups)
-    scheduler = build_scheduler(cfg.lr_scheduler, optimizer, allow) if cfg.lr_scheduler is not None else None
+    scheduler = build_scheduler(cfg.optimization.lr_scheduler, optimizer, allow) if cfg.optimization.lr_scheduler is not None else None
     data = None
-    if cfg.data is not None and (0 in cfg.stages or cfg.num_stages - 1 in cfg.stages):
-        data = load_object(cfg.data, allow)(**cfg.data_kwargs)
+    if cfg.training.data is not None and (0 in cfg.stages or cfg.num_stages - 1 in cfg.stages):
+        data = load_object(cfg.training.data, allow)(**cfg.training.data_kwargs)
     log.info("stage %s/%d of job %s: model stages %s, %d parameters", cfg.pipeline_rank, cfg.pipeline_stages,
              cfg.job, cfg.stages, sum(p.numel() for p in params))
     reduce_params = _overlap.backward_order(modules)
     overlap = None
-    if groups is not None and groups.data_size > 1 and cfg.overlap_reduce and reduce_exact:
+    if groups is not None and groups.data_size > 1 and cfg.communication.overlap_reduce and reduce_exact:
         overlap = _build_overlap(cfg, modules, named, reduce_params, weight_grads, groups)
     # Each parameter's share of the global norm: replicated tensor-parallel ones on tensor
     # rank 0, tied ones on the lowest pipeline rank holding them.
     tied_elsewhere = {id(g.param) for g in sync.groups if g.ranks[0] != cfg.pipeline_rank}
     norm_params = list({id(p): p for name, p in named
                         if id(p) not in tied_elsewhere and (name in specs or me.tensor == 0)}.values())
-    model = StageModel(modules=modules, num_stages=cfg.num_stages, loss_fn=load_object(cfg.loss, allow),
-                       optimizer=optimizer, device=device, weight_grads=weight_grads, w_batching=cfg.w_batching,
-                       compute_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision),
+    model = StageModel(modules=modules, num_stages=cfg.num_stages, loss_fn=load_object(cfg.training.loss, allow),
+                       optimizer=optimizer, device=device, weight_grads=weight_grads, w_batching=cfg.parallelism.w_batching,
+                       compute_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.mixed_precision.precision),
                        lr_scheduler=scheduler,
                        # Tensor-parallel layers wait for their peers inside an action: on the thread.
                        inline_max_s=0.0 if mesh.tensor > 1 else INLINE_MAX_S)
@@ -201,9 +201,9 @@ def _build_modules(cfg: StageConfig, allow: Sequence[str], device: torch.device,
                    ) -> tuple[dict[int, nn.Module], list[nn.Module], Key]:
     """The held model stages' modules on ``device``, every layer of the model, and how held tensors are named."""
     built = build_layers(cfg, allow, shard)
-    every = checkpoint_interval(cfg.activation_checkpointing)  # layers per activation checkpoint; 0: off
+    every = checkpoint_interval(cfg.runtime.activation_checkpointing)  # layers per activation checkpoint; 0: off
     modules: dict[int, nn.Module] = {}
-    if cfg.split_points is None:
+    if cfg.parallelism.split_points is None:
         for s in cfg.stages:
             first, end = cfg.bounds[s]
             modules[s] = Chain(*built[first:end], checkpoint_every=every).to(device)
@@ -219,16 +219,16 @@ def _build_modules(cfg: StageConfig, allow: Sequence[str], device: torch.device,
 
 def _build_optimizer(cfg: StageConfig, allow: Sequence[str], params: Sequence[torch.Tensor],
                      groups: StageGroups | None) -> torch.optim.Optimizer:
-    optimizer_cls = load_object(cfg.optimizer[0], allow)
-    optimizer_kwargs = dict(cfg.optimizer[1] if len(cfg.optimizer) > 1 else {})
-    mesh = stage_mesh(cfg)
-    if cfg.zero_stage == 1 and mesh.data > 1:  # with one replica there is nothing to shard
+    optimizer_cls = load_object(cfg.optimization.optimizer[0], allow)
+    optimizer_kwargs = dict(cfg.optimization.optimizer[1] if len(cfg.optimization.optimizer) > 1 else {})
+    mesh = cfg.mesh
+    if cfg.optimization.zero_stage == 1 and mesh.data > 1:  # with one replica there is nothing to shard
         assert groups is not None, "ZeRO-1 across replicas needs the job's process groups"
         me = mesh.coords(cfg.global_rank)
         return zero.ShardedOptimizer(
             params, optimizer_cls, optimizer_kwargs, shard=me.data, group=groups.data_group,
             ranks=[mesh.rank(Coords(d, me.pipeline, me.tensor)) for d in range(mesh.data)],
-            bucket_bytes=cfg.bucket_bytes)
+            bucket_bytes=cfg.communication.bucket_bytes)
     optimizer: torch.optim.Optimizer = optimizer_cls(params, **optimizer_kwargs)
     return optimizer
 
@@ -247,5 +247,5 @@ def _build_overlap(cfg: StageConfig, modules: dict[int, nn.Module], named: Seque
     def reduce(flat: torch.Tensor) -> Any:
         return start_average(flat, groups.data_group(), world)  # the group as it is now: a rejoin replaces it
 
-    return _overlap.OverlappedReduction(reduce_params, modules, names, bucket_bytes=cfg.bucket_bytes,
-                                        reduce=reduce, weight_grads=weight_grads, w_batching=cfg.w_batching)
+    return _overlap.OverlappedReduction(reduce_params, modules, names, bucket_bytes=cfg.communication.bucket_bytes,
+                                        reduce=reduce, weight_grads=weight_grads, w_batching=cfg.parallelism.w_batching)

@@ -26,7 +26,6 @@ from stages.comm.boundary import Payload
 from stages.comm.device_io import DeviceIO
 from stages.comm.p2p import DistLink
 from stages.compute.executor import Inbox
-from stages.comm.groups import stage_mesh
 from stages.mesh import Coords
 from stages.program import Action, ActionKind, stage_to_rank
 from stages.records import StageConfig
@@ -72,7 +71,7 @@ class Sender:
     def __init__(self, config: StageConfig, compute: Compute, io: DeviceIO, link: DistLink | None = None) -> None:
         check_codecs(config, list(config.activation_codec), list(config.gradient_codec))
         self.config = config
-        self.mesh = stage_mesh(config)
+        self.mesh = config.mesh
         self.compute = compute
         self.io = io
         self.link = link
@@ -138,7 +137,7 @@ class Sender:
         stats["bytes"] += nbytes
         stats["raw_bytes"] += value.nbytes
         stats["sq_err"] += sq_err
-        if codec != "none" and self.config.measure_codec_error:
+        if codec != "none" and self.config.communication.measure_codec_error:
             stats["sq_norm"] += sum(float(t.double().pow(2).sum()) for t in value.leaves if t.is_floating_point())
 
     def encode(self, forward: bool, edge: int, microbatch: int, leaves: list[torch.Tensor],
@@ -151,12 +150,12 @@ class Sender:
             if not value.is_floating_point():
                 out.append(value)
                 continue
-            if not forward and self.config.error_feedback:
+            if not forward and self.config.communication.error_feedback:
                 encoded = self.feedback[edge].encode(value, stream=(microbatch, index))
             else:
                 encoded = get_codec(codec).encode(value)
             out.append(encoded)
-            if self.config.measure_codec_error:
+            if self.config.communication.measure_codec_error:
                 decoded = get_codec(codec).decode(encoded).to(value.device)
                 sq_err += float((decoded.double() - value.double()).pow(2).sum())
         return out, sq_err
@@ -175,7 +174,7 @@ class Receiver:
     def __init__(self, config: StageConfig, inbox: Inbox,
                  spawn: Callable[[Coroutine[Any, Any, None], str], Any], link: DistLink | None = None) -> None:
         self.config = config
-        self.mesh = stage_mesh(config)
+        self.mesh = config.mesh
         self.inbox = inbox
         self.spawn = spawn
         self.link = link

@@ -22,14 +22,9 @@ from stages.comm.parallel import ProcessGroups, join_process_groups, leave_proce
 from stages.mesh import Mesh
 from stages.records import StageConfig
 
-__all__ = ["StageGroups", "stage_mesh"]
+__all__ = ["StageGroups"]
 
 log = logging.getLogger(__name__)
-
-
-def stage_mesh(config: StageConfig) -> Mesh:
-    """The job's mesh, from the config's ``[pipeline, tensor, data]`` sizes."""
-    return Mesh(**dict(zip(("pipeline", "tensor", "data"), config.mesh)))
 
 
 class StageGroups:
@@ -43,7 +38,7 @@ class StageGroups:
 
     def __init__(self, config: StageConfig, own_address: str, device: torch.device) -> None:
         self.config = config
-        self.mesh = stage_mesh(config)
+        self.mesh = config.mesh
         self.own_address = own_address
         self.device = device
         self.groups: ProcessGroups | None = None
@@ -67,7 +62,7 @@ class StageGroups:
         cfg = self.config
         self.groups = join_process_groups(dist_config, self.mesh, cfg.global_rank, cfg.job, store,
                                           own_address=self.own_address, pairs=self._pairs(), device=self.device)
-        if cfg.transport == "dist" and self.link is None:
+        if cfg.communication.transport == "dist" and self.link is None:
             self.link = open_link(self.device, self.groups.pairs, cfg.global_rank)
         return self.groups
 
@@ -105,7 +100,7 @@ class StageGroups:
     def _pairs(self) -> list[tuple[int, int]]:
         """The pipeline neighbours' two-rank groups every member builds: with transport="dist" only."""
         cfg = self.config
-        return pipeline_pairs(self.mesh, cfg.num_stages) if cfg.transport == "dist" else []
+        return pipeline_pairs(self.mesh, cfg.num_stages) if cfg.communication.transport == "dist" else []
 
     def close(self) -> None:
         """Closes the link and drops the groups (after :func:`leave_process_groups` on the compute thread)."""

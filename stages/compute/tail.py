@@ -140,7 +140,7 @@ class StepTail:
         self.groups = groups
         self.send_tied = send_tied
         self.on_drop = on_drop
-        codec = config.reduce_codec
+        codec = config.communication.reduce_codec
         self.reduce_feedback = ErrorFeedback(codec) if get_codec(codec).lossy else None
         self._reduced_bytes = 0
         self._nonfinite_overlapped: list[str] = []  # the overlapped reduction's findings (local gradients)
@@ -182,7 +182,7 @@ class StepTail:
             self._reduced_bytes = overlap.num_bytes
         elif groups is not None and groups.groups is not None and groups.data_size > 1:
             self._reduced_bytes = await self.executor.compute(
-                average_gradients, self.built.reduce_params, groups.groups, self.config.bucket_bytes,
+                average_gradients, self.built.reduce_params, groups.groups, self.config.communication.bucket_bytes,
                 self.reduce_feedback)
 
     async def finish(self, program: Sequence[Action], *, apply: bool, unscale: float = 1.0,
@@ -206,5 +206,5 @@ class StepTail:
         if not apply:
             self.on_drop()
             if self.reduce_feedback is not None:
-                self.reduce_feedback = ErrorFeedback(self.config.reduce_codec)
+                self.reduce_feedback = ErrorFeedback(self.config.communication.reduce_codec)
         return FinishReport(lr=learning_rates(model.optimizer))

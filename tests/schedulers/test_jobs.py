@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from actors import ActorRef, RecordError
-from stages import StageConfig
+from stages import Mesh, StageConfig
 from schedulers import Cluster, JobDescription, JobSpec, StepStats
 from schedulers.jobs import (
     CODECS,
@@ -253,22 +253,22 @@ def test_replace_checks_the_new_value() -> None:
 
 @pytest.mark.parametrize(("spec", "rank", "expected"), [
     (JobSpec.of(model=MODEL, pipeline_stages=2, micro_batches=4), 1,
-     {"pipeline_rank": 1, "pipeline_stages": 2, "micro_batches": 4, "mesh": [2, 1, 1], "global_rank": 1}),
+     {"pipeline_rank": 1, "pipeline_stages": 2, "micro_batches": 4, "stages": [1], "global_rank": 1}),
     (JobSpec.of(model=MODEL, pipeline_stages=2, tensor_parallel=2, data_parallel=2, micro_batches=2), 5,
-     {"pipeline_rank": 0, "pipeline_stages": 2, "mesh": [2, 2, 2], "global_rank": 5}),
+     {"pipeline_rank": 0, "pipeline_stages": 2, "mesh": Mesh(pipeline=2, tensor=2, data=2), "global_rank": 5}),
     (JobSpec.of(model=MODEL, pipeline_stages=2, schedule="interleaved", micro_batches=4, activation_codec="int8",
              threads_per_stage=None), 0,
-     {"activation_codec": ["int8"] * 3, "gradient_codec": ["none"] * 3, "threads_per_stage": None}),
+     {"activation_codec": ["int8"] * 3, "gradient_codec": ["none"] * 3, "stages": [0, 2]}),
 ])
 def test_each_stage_config_is_derived_from_the_spec(spec: JobSpec, rank: int, expected: dict[str, Any]) -> None:
     bounds = [[i, i + 1] for i in range(spec.num_model_stages)]
     config = stage_config(spec, job="job0", global_rank=rank, bounds=bounds, dist=None)
-    wire = config.to_wire()
-    assert {k: wire[k] for k in expected} == expected
-    assert StageConfig.from_wire(wire) == config
-    shared = {"model", "model_kwargs", "loss", "seed", "data", "data_kwargs", "error_feedback", "measure_codec_error",
-              "reduce_codec", "bucket_bytes", "transport", "gradient_accumulation_fusion", "keep_freed_memory"}
-    assert all(wire[name] == spec.get(name) for name in shared)
+    assert {k: getattr(config, k) for k in expected} == expected
+    assert StageConfig.from_wire(config.to_wire()) == config
+    # A stage reads the spec's own sections; the scheduler's (fault tolerance) stays behind.
+    sections = {name: getattr(spec, name) for name in SECTIONS if name != "fault_tolerance"}
+    assert {name: getattr(config, name) for name in sections} == sections
+    assert "fault_tolerance" not in config.to_wire()
 
 
 def test_the_reference_table_is_the_specs_fields() -> None:

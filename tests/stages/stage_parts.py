@@ -28,25 +28,32 @@ from stages.compute.executor import Inbox, StepExecutor, StepTrace
 from stages.compute.tail import StepDecision, StepTail, decide_step
 from stages.program import Action
 from stages.records import FinishReport, ReduceReport, StageConfig
+from stages.sections import FIELDS, SECTIONS
 from stages.state.stage_state import StageState
 
 MODEL_KWARGS = {"blocks": 4, "dim": 8, "hidden": 16}
 
 
 def stage_config(rank: int, num_ranks: int = 2, **overrides: Any) -> StageConfig:
-    """Rank ``rank``'s config for ``examples.models:residual_mlp`` cut in ``num_ranks`` even stages."""
-    blocks = int(overrides.get("model_kwargs", MODEL_KWARGS).get("blocks", 0))
+    """Rank ``rank``'s config for ``examples.models:residual_mlp`` cut in ``num_ranks`` even stages.
+
+    ``overrides`` are spec fields by their flat names (routed to their sections), or ``bounds``.
+    """
+    model_kwargs = overrides.pop("model_kwargs", dict(MODEL_KWARGS))
+    blocks = int(model_kwargs.get("blocks", 0))
     cuts = [round(i * blocks / num_ranks) for i in range(num_ranks + 1)]  # unless overrides give bounds
+    bounds = overrides.pop("bounds", [[cuts[i], cuts[i + 1]] for i in range(num_ranks)])
     fields: dict[str, Any] = {
-        "job": "test", "pipeline_rank": rank, "pipeline_stages": num_ranks, "global_rank": rank,
-        "bounds": [[cuts[i], cuts[i + 1]] for i in range(num_ranks)], "mesh": [num_ranks, 1, 1],
-        "model": "examples.models:residual_mlp", "model_kwargs": dict(MODEL_KWARGS),
-        "optimizer": ["torch.optim:SGD", {"lr": 0.05, "momentum": 0.9}], "micro_batches": 2,
-        "activation_codec": ["none"] * (num_ranks - 1), "gradient_codec": ["none"] * (num_ranks - 1),
-        "threads_per_stage": None, "keep_freed_memory": False,
+        "model": "examples.models:residual_mlp", "model_kwargs": model_kwargs, "pipeline_stages": num_ranks,
+        "optimizer": ("torch.optim:SGD", {"lr": 0.05, "momentum": 0.9}), "micro_batches": 2,
+        "threads_per_stage": None, "keep_freed_memory": False, **overrides,
     }
-    fields.update(overrides)
-    return StageConfig(**fields)
+    sections: dict[str, dict[str, Any]] = {}
+    for name, value in fields.items():
+        sections.setdefault(FIELDS[name], {})[name] = value
+    sections.pop("fault_tolerance", None)
+    return StageConfig(job="test", global_rank=rank, bounds=bounds,
+                       **{name: SECTIONS[name](**values) for name, values in sections.items()})
 
 
 @dataclass

@@ -2,7 +2,11 @@
 
 Each section checks its own fields when it is made, and names a field in an error as
 ``section.field``; what must fit across sections (codecs per stage boundary, ZeRO with
-pipeline stages, ...) is checked by the spec. Every field name is unique across the
+pipeline stages, the schedule's own limits, ...) is checked by the spec. The sections
+live here, below the scheduler, because a stage actor is built from them: its
+:class:`~stages.records.StageConfig` carries the sections it needs as they are (they
+are wire records, checked again when they arrive), so a new setting touches its
+section, its one consumer and a test. Every field name is unique across the
 sections, so a flat keyword routes to one (:data:`FIELDS`). The docstring under each
 field is its documentation: the argument table is generated from them.
 """
@@ -12,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Literal, get_args
 
-from stages import Mesh, split_batch
-from schedulers._spec_checks import (
+from actors.records import WireRecord
+from stages.spec_checks import (
     check_bool,
     check_choice,
     check_int,
@@ -25,7 +29,7 @@ from schedulers._spec_checks import (
     path_and_kwargs,
     show,
 )
-from schedulers.schedules import build_schedule
+from stages.mesh import Mesh
 
 __all__ = [
     "AUTO_PROBE",
@@ -73,11 +77,19 @@ AUTO_PROBE = "zero_bubble"
 _SEED_RANGE = (0, 2**63 - 1)
 
 
-class _Section:
-    """What every section shares: its name in the spec, and a check's name for a field."""
+class _Section(WireRecord):
+    """What every section shares: its name in the spec, and a check's name for a field.
+
+    A section is a wire record (it travels inside a stage's config) under the name
+    ``JobSpec.<section>``.
+    """
 
     __slots__ = ()
     name: ClassVar[str]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        cls.wire_name = f"JobSpec.{cls.__dict__.get('name', cls.__name__)}"
+        super().__init_subclass__(**kwargs)
 
     @classmethod
     def key(cls, name: str) -> str:
@@ -161,17 +173,9 @@ class Parallelism(_Section):
         check_bool(self.key("w_batching"), self.w_batching)
         check_partition_method(self.key("partition_method"), self.partition_method, PARTITION_METHODS)
         self._check_split_points()
-        # The schedule's own limits (e.g. interleaved needs micro_batches to be a multiple of the stages).
-        build_schedule(AUTO_PROBE if self.schedule == "auto" else self.schedule, self.pipeline_stages,
-                       self.micro_batches, self.num_virtual_stages if self.schedule == "interleaved" else None)
 
     def _check_split_points(self) -> None:
         points = self.split_points
-        if self.example_inputs is not None:
-            try:
-                split_batch(self.example_inputs, 1, self.key("example_inputs"))
-            except (TypeError, ValueError) as exc:
-                raise TypeError(f"{self.key('example_inputs')}: {exc}") from None
         if points is None:
             if self.example_inputs is not None and self.partition_method != "profile":
                 raise ValueError(f"{self.key('example_inputs')} is the micro-batch a model with split_points is "
@@ -299,6 +303,21 @@ class Communication(_Section):
         check_choice(self.key("transport"), self.transport, TRANSPORTS)
         check_choice(self.key("reduce_codec"), self.reduce_codec, CODECS, "codec")
         check_int(self.key("bucket_bytes"), self.bucket_bytes, minimum=1)
+
+    def edge_codecs(self, name: Literal["activation_codec", "gradient_codec"], edges: int) -> list[str]:
+        """``activation_codec`` or ``gradient_codec`` as one codec per stage boundary (``edges`` of them).
+
+        Raises:
+            ValueError: a list whose length is not the number of boundaries.
+        """
+        value = getattr(self, name)
+        codecs = [value] * edges if isinstance(value, str) else list(value)
+        if len(codecs) != edges:
+            raise ValueError(
+                f"{self.key(name)} lists {len(codecs)} codecs but the pipeline has {edges} stage boundaries "
+                f"({edges + 1} model stages); give one per boundary or a single name"
+            )
+        return codecs
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
