@@ -27,6 +27,7 @@ _EXPORTS = {
     "BadRecord": "actors._errors",
     "error_from_wire": "actors._errors",
     "HeadLost": "actors._errors",
+    "LimitExceeded": "actors._errors",
     "MailboxFull": "actors._errors",
     "NodeLost": "actors._errors",
     "NonFiniteError": "actors._errors",
@@ -35,6 +36,8 @@ _EXPORTS = {
     "StepFailed": "actors._errors",
     "UnknownActor": "actors._errors",
     "UnknownEndpoint": "actors._errors",
+    "UserCodeExit": "actors._errors",
+    "contained": "actors._errors",
     "EventSink": "actors._nodes",
     "HEAD": "actors._nodes",
     "HeadActor": "actors._nodes",
@@ -49,6 +52,7 @@ _EXPORTS = {
     "Endpoint": "actors._ref",
     "actor_class": "actors._registry",
     "DEFAULT_ALLOW": "actors._registry",
+    "EXAMPLE_FACTORIES": "actors._registry",
     "load_object": "actors._registry",
     "register_actor": "actors._registry",
     "open_runtime": "actors._runtime",
@@ -84,6 +88,7 @@ if TYPE_CHECKING:  # explicit re-exports, for type checkers (the names resolve l
         BadRecord as BadRecord,
         error_from_wire as error_from_wire,
         HeadLost as HeadLost,
+        LimitExceeded as LimitExceeded,
         MailboxFull as MailboxFull,
         NodeLost as NodeLost,
         NonFiniteError as NonFiniteError,
@@ -92,6 +97,8 @@ if TYPE_CHECKING:  # explicit re-exports, for type checkers (the names resolve l
         StepFailed as StepFailed,
         UnknownActor as UnknownActor,
         UnknownEndpoint as UnknownEndpoint,
+        UserCodeExit as UserCodeExit,
+        contained as contained,
     )
     from actors._nodes import (
         EventSink as EventSink,
@@ -114,6 +121,7 @@ if TYPE_CHECKING:  # explicit re-exports, for type checkers (the names resolve l
     from actors._registry import (
         actor_class as actor_class,
         DEFAULT_ALLOW as DEFAULT_ALLOW,
+        EXAMPLE_FACTORIES as EXAMPLE_FACTORIES,
         load_object as load_object,
         register_actor as register_actor,
     )

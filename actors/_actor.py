@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, Union, overload
 
-from actors._errors import ActorError, BadArguments, MailboxFull, NotAllowed, UnknownEndpoint
+from actors._errors import ActorError, BadArguments, MailboxFull, NotAllowed, UnknownEndpoint, exit_error
 from actors._ref import ENDPOINT_ATTR, ActorRef
 from transport.records import RECORD_NAMES
 
@@ -276,6 +276,9 @@ class Mailbox:
             raise
         except Exception as exc:
             await self._fail(call, exc)
+            return
+        except (SystemExit, KeyboardInterrupt) as exc:  # a job's code run on the loop: not the node's exit
+            await self._fail(call, exit_error(exc, f"{type(self.actor).__name__}.{call.method}"))
             return
         if call.reply is not None:
             await call.reply(True, result)

@@ -8,7 +8,10 @@ never as pickled objects. The caller rebuilds only the classes named in
 from __future__ import annotations
 
 import traceback
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 __all__ = [
     "ActorError",
@@ -17,6 +20,7 @@ __all__ = [
     "BadArguments",
     "BadRecord",
     "HeadLost",
+    "LimitExceeded",
     "MailboxFull",
     "NodeLost",
     "NonFiniteError",
@@ -25,7 +29,10 @@ __all__ = [
     "StepFailed",
     "UnknownActor",
     "UnknownEndpoint",
+    "UserCodeExit",
+    "contained",
     "error_from_wire",
+    "exit_error",
     "error_to_wire",
 ]
 
@@ -105,6 +112,51 @@ class NotAllowed(ActorError, PermissionError):
     """An import path or actor class the node does not admit."""
 
 
+class LimitExceeded(NotAllowed):
+    """A request past a limit the operator set (``python -m actors.node --head --limit NAME=VALUE``):
+    ``limit`` names it, ``value`` is what was asked and ``allowed`` the most the cluster takes."""
+
+    @property
+    def limit(self) -> str:
+        return str(self.details.get("limit", ""))
+
+    @property
+    def value(self) -> Any:
+        return self.details.get("value")
+
+    @property
+    def allowed(self) -> Any:
+        return self.details.get("allowed")
+
+
+class UserCodeExit(ActorError):
+    """A job's own code (a model, data or loss factory, a module it imports) called ``sys.exit``
+    or raised ``KeyboardInterrupt``: the call fails with this, and the node goes on serving."""
+
+
+def contained(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``, with a ``SystemExit`` or ``KeyboardInterrupt`` it raises turned into :class:`UserCodeExit`.
+
+    Every place a node runs a job's code (building a stage, a step's compute, inspecting a
+    model, importing a factory) runs it through this, on whichever thread: left alone,
+    such an exception ends the event loop that serves every job on the node. (The node's
+    own SIGINT and SIGTERM are loop signal handlers, never a ``KeyboardInterrupt``.)
+    """
+    try:
+        return fn(*args)
+    except (SystemExit, KeyboardInterrupt) as exc:
+        raise exit_error(exc, getattr(fn, "__qualname__", None) or type(fn).__name__) from None
+
+
+def exit_error(exc: SystemExit | KeyboardInterrupt, where: str) -> UserCodeExit:
+    """The :class:`UserCodeExit` for ``exc``, raised by a job's code in ``where``."""
+    if isinstance(exc, SystemExit):
+        return UserCodeExit(f"the job's code called sys.exit({exc.code!r}) in {where}; a factory, data source or "
+                            "loss must return or raise an exception, never exit the process")
+    return UserCodeExit(f"the job's code raised KeyboardInterrupt in {where}; nothing interrupted it: raise an "
+                        "ordinary exception instead")
+
+
 class StepFailed(ActorError):
     """A training step failed; nothing was applied. ``stage``, ``action`` and ``cause`` say where and why."""
 
@@ -161,6 +213,8 @@ ERROR_KINDS: dict[str, type[ActorError]] = {
         ActorStopped,
         MailboxFull,
         NotAllowed,
+        LimitExceeded,
+        UserCodeExit,
         StepFailed,
         NodeLost,
         HeadLost,

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from actors._actor import Actor, current_caller, endpoint
-from actors._errors import ActorError, ActorStopped, NodeLost, NotAllowed
+from actors._errors import ActorError, ActorStopped, NodeLost, NotAllowed, contained
 from actors._registry import actor_class, load_object, registered_actors
 from actors.events import Event, NodeJoined, NodeLeft, NodeSilent
 from actors.records import WireRecord
@@ -253,7 +253,7 @@ class NodeActor(Actor):
         """
         self._refuse_user_code_on_head()
         try:
-            obj = load_object(path, self.allow)
+            obj = contained(load_object, path, self.allow)  # importing runs the module's code
         except NotAllowed as exc:
             raise NotAllowed(f"node {self.info.name} refused it: {exc.message}") from None
         except ModuleNotFoundError as exc:

@@ -19,11 +19,18 @@ from typing import Any, TypeVar
 from actors._actor import Actor
 from actors._errors import NotAllowed
 
-__all__ = ["DEFAULT_ALLOW", "actor_class", "load_object", "register_actor", "registered_actors"]
+__all__ = ["DEFAULT_ALLOW", "EXAMPLE_FACTORIES", "actor_class", "load_object", "register_actor", "registered_actors"]
 
 A = TypeVar("A", bound=type[Actor])
 
-DEFAULT_ALLOW = ("torch.nn", "torch.optim", "examples")
+# What every node admits: torch's layers, losses and optimizers. The operator names the rest
+# (``--allow``); nothing else is admitted by default, not even the project's own scripts.
+DEFAULT_ALLOW = ("torch.nn", "torch.optim")
+# The examples' factory modules (models, data, Hugging Face models): a LocalCluster admits them
+# for the demo, and so does a stage actor in the driver's own process. Never the example
+# scripts (train_gpt, train_hf, ...), whose functions parse command lines, plot, write files
+# and start clusters: those are not factories.
+EXAMPLE_FACTORIES = ("examples.models", "examples.data", "examples.hf")
 _ACTOR_CLASSES: dict[str, type[Actor]] = {}
 # exec, eval, getattr, __import__, open: no factory lives there, whatever the allow-list says.
 _NEVER_ALLOWED = frozenset({"builtins"})

@@ -29,6 +29,7 @@ from actors._errors import (
     UnknownActor,
     error_from_wire,
     error_to_wire,
+    exit_error,
 )
 from actors._ref import ActorRef
 from actors._senders import SenderPool, SenderPoolConfig
@@ -143,6 +144,10 @@ class Runtime:
         except Exception as exc:
             await actor.on_failure("on_start", exc)
             raise
+        except (SystemExit, KeyboardInterrupt) as exc:  # a job's code on the loop: not the node's exit
+            error = exit_error(exc, f"{type(actor).__name__}.on_start")
+            await actor.on_failure("on_start", error)
+            raise error from None
         mailbox = Mailbox(actor, lambda coro: self.spawn_task(coro, name=f"{name} concurrent call"))  # type: ignore[arg-type]
         self._mailboxes[name] = mailbox
         self._mailbox_tasks[name] = self.spawn_task(mailbox.run(), name=f"mailbox {name}")

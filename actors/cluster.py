@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Generator, Iterable, Sequence
+from collections.abc import AsyncIterator, Generator, Iterable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 from actors._errors import ActorError, ActorTimeout, HeadLost, NotAllowed
@@ -36,6 +36,7 @@ from actors.events import Event
 from actors._serve import ADMIT_TOKEN_ENV, head_address, security
 from actors.devices import DeviceSpec, node_devices, visible_gpu_count
 from actors.keys import DEFAULT_KEYS, ClusterKeys
+from actors._registry import EXAMPLE_FACTORIES
 from actors._ref import ActorRef
 from actors._runtime import Runtime, open_runtime
 from actors.plugins import GROUP, load_plugin
@@ -283,7 +284,11 @@ class LocalCluster:
             node per entry, each ``"cpu"`` or ``"cuda:K"``; a GPU named twice is shared
             on purpose. Spares continue the same turn. A GPU node is started with
             ``--device cuda:K`` and pins itself to that GPU. See :mod:`actors.devices`.
-        allow: extra module prefixes the workers admit (``--allow``).
+        allow: module prefixes the workers admit (``--allow``) besides torch's (``DEFAULT_ALLOW``).
+        limits: the head's limits on jobs and clients by name (``--limit NAME=VALUE``; None lifts
+            one): ``{"micro_batches": 1024, "jobs_per_client": 2}``; see ``schedulers.limits``.
+        examples: admit the examples' factory modules too (``EXAMPLE_FACTORIES``: models, data and
+            Hugging Face models, never the example scripts), for the demo.
         heartbeat_timeout: seconds of silence before the head marks a node lost.
         startup_timeout: seconds to wait for every node to register.
         log_level: the nodes' logging level (default WARNING: quiet).
@@ -312,6 +317,8 @@ class LocalCluster:
         spares: int = 0,
         devices: DeviceSpec = "auto",
         allow: Iterable[str] = (),
+        examples: bool = True,
+        limits: Mapping[str, float | int | None] | None = None,
         heartbeat_timeout: float = 2.0,
         startup_timeout: float = 60.0,
         log_level: str = "WARNING",
@@ -330,7 +337,8 @@ class LocalCluster:
         if devices == "auto" and num_gpus and self.num_nodes > num_gpus:
             log.warning("LocalCluster(nodes=%d) on %d GPU(s): nodes share GPUs in turn (%s); pass nodes=%d for one "
                         "node per GPU, or devices='cpu'", self.num_nodes, num_gpus, ", ".join(placed), num_gpus)
-        self.allow = tuple(allow)
+        self.allow = (*EXAMPLE_FACTORIES, *allow) if examples else tuple(allow)
+        self.limits = {name: "none" if value is None else value for name, value in (limits or {}).items()}
         self.heartbeat_timeout = heartbeat_timeout
         self.startup_timeout = startup_timeout
         self.log_level = log_level
@@ -368,8 +376,9 @@ class LocalCluster:
             for name in self._node_names():
                 self.keys.add("node", name)
             secure = ["--keys", self.keys.directory]
+        limits = [arg for name, value in self.limits.items() for arg in ("--limit", f"{name}={value}")]
         self._launch("head", ["--head", "--bind", "tcp://127.0.0.1:0", "--address-file", address_file,
-                              "--heartbeat-timeout", str(self.heartbeat_timeout), *secure])
+                              "--heartbeat-timeout", str(self.heartbeat_timeout), *limits, *secure])
         self.address = await self._wait_for_file(address_file)
         for name in self._node_names():
             self._launch(name, self._worker_args(name, secure))

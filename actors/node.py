@@ -32,7 +32,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "cpu or cuda:K (a GPU this process sees; the worker pins itself to it)")
     parser.add_argument("--allow", action="append", default=[], metavar="PREFIX",
                         help="admit factories under this module prefix (repeatable); "
-                        f"always admitted: {', '.join(DEFAULT_ALLOW)}")
+                        f"always admitted: {', '.join(DEFAULT_ALLOW)} (a LocalCluster also admits the examples' factories)")
     parser.add_argument("--allow-remote", action="store_true",
                         help="permit binding an address that is not loopback")
     parser.add_argument("--keys", metavar="DIR", default=os.environ.get("ACTORPIPE_KEYS", DEFAULT_KEYS),
@@ -55,6 +55,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-message-bytes", type=_positive_int, default=DEFAULT_MAX_MESSAGE_BYTES, metavar="N",
                         help="the largest message this process sends or takes, in bytes (default %(default)s = 1 GiB); "
                         "give the head, every worker and the driver the same value")
+    parser.add_argument("--limit", action="append", default=[], metavar="NAME=VALUE",
+                        help="head: a limit on what a job or a client may ask (repeatable; e.g. micro_batches=1024, "
+                        "jobs_per_client=2, parameters=1e9; 'none' lifts one); see docs/security.md")
     parser.add_argument("--log-level", default=os.environ.get("ACTORPIPE_LOG", "INFO"), help="logging level")
     return parser.parse_args(argv)
 
@@ -78,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
                             allow=DEFAULT_ALLOW + tuple(args.allow),
                             plugins=tuple(args.plugin) if args.plugin is not None else head_modules(),
                             keys=None if args.insecure else args.keys, identity=args.identity or "head",
-                            max_message_bytes=args.max_message_bytes)
+                            max_message_bytes=args.max_message_bytes, limits=tuple(args.limit))
         run(serve_head(head))
     else:
         worker = WorkerConfig(join=args.join, name=name, device=args.device,

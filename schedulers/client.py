@@ -94,6 +94,8 @@ class Cluster(actors.Cluster):
             raise TypeError(f"train() takes a JobSpec or keyword arguments, not both (got {', '.join(kwargs)})")
         elif not isinstance(spec, JobSpec):
             raise TypeError(f"train() takes a JobSpec, got {type(spec).__name__}")
+        else:
+            spec.check_schedule()  # here, at the call, as from_kwargs does
         await self.admit(spec.factory_modules)
         info = await self.call(SchedulerActor.create_job, timeout=600).call(spec)
         for notice in info.notices:

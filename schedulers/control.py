@@ -35,6 +35,7 @@ from schedulers.events import StepFinished
 from schedulers.job_core import JobCore, Placer
 from schedulers.job_views import JobViews
 from schedulers.jobs import JobSpec
+from schedulers.limits import Limits
 from schedulers.records import JobDescription, Plan, RunInfo, SettingChange, StepStats, WhereReport
 from schedulers.runs import Runs
 from schedulers.settings import Settings
@@ -60,7 +61,7 @@ class JobController:
         self, *, runtime: Host, job_id: str, spec: JobSpec, stages: list[ActorRef], nodes: list[str],
         bounds: list[list[int]], publish: Callable[[Event], None], alive_nodes: Callable[[], Awaitable[set[str]]],
         rendezvous: str | None = None, owner: str = "", placer: Placer | None = None,
-        identities: list[str] | None = None,
+        identities: list[str] | None = None, limits: Limits | None = None,
     ) -> None:
         self.core = JobCore(runtime=runtime, job_id=job_id, spec=spec, stages=stages, nodes=nodes, bounds=bounds,
                             publish=publish, alive_nodes=alive_nodes, check_members=self._check_members,
@@ -68,7 +69,7 @@ class JobController:
         self.views = JobViews(self.core)
         self.steps = StepPath(self.core, self.views)
         self.runs = Runs(self.core, self.step)
-        self.settings = Settings(self.core)
+        self.settings = Settings(self.core, limits or Limits())
         self._recovery: dict[str, Any] | None = None  # what the last recovery did, for the next StepStats
 
     @property
@@ -190,13 +191,14 @@ class JobController:
 
     # -- settings, applied at the barrier (schedulers.settings) ---------------------------------
 
-    def set(self, key: str, value: Any) -> SettingChange:
+    async def set(self, key: str, value: Any) -> SettingChange:
         """Changes ``key`` (one of :data:`~schedulers.settings.SETTABLE`) from the next step on.
 
         Raises:
             ValueError: the key cannot change, or the value does not fit; nothing changes.
+            LimitExceeded: the value is past the operator's limits.
         """
-        return self.settings.set(key, value)
+        return await self.settings.set(key, value)
 
     # -- views (schedulers.job_views) ----------------------------------------------------------
 

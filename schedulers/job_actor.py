@@ -116,7 +116,7 @@ class JobActor(Actor):
     @endpoint(concurrent=True, roles=("client",))
     async def set(self, key: str, value: Any) -> SettingChange:
         """Changes ``key`` from the next step on."""
-        return self._controller().set(key, value)
+        return await self._controller().set(key, value)
 
     # -- looking at it ----------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -41,11 +42,20 @@ def compile_programs(spec: JobSpec, schedule_name: str | None = None,
         ValueError: the schedule cannot take these sizes.
     """
     name = spec.parallelism.schedule if spec.parallelism.schedule != "auto" else schedule_name or AUTO_PROBE
-    schedule = build_schedule(name, spec.parallelism.pipeline_stages, spec.parallelism.micro_batches,
-                              spec.num_virtual_stages if spec.parallelism.schedule == "interleaved" else None,
-                              split=spec.runtime.gradient_accumulation_fusion,
-                              batch_w=spec.parallelism.w_batching if w_batching is None else w_batching)
-    return {rank: [str(a) for a in program] for rank, program in schedule.items()}
+    programs = _compiled(name, spec.parallelism.pipeline_stages, spec.parallelism.micro_batches,
+                         spec.num_virtual_stages if spec.parallelism.schedule == "interleaved" else None,
+                         spec.runtime.gradient_accumulation_fusion,
+                         spec.parallelism.w_batching if w_batching is None else w_batching)
+    return {rank: list(program) for rank, program in programs.items()}
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled(name: str, stages: int, micro_batches: int, virtual: int | None, split: bool,
+              batch_w: bool) -> dict[int, tuple[str, ...]]:
+    # Once per schedule: the head compiles a new spec off its loop (schedulers.limits.off_loop),
+    # and the job's own compile of the same sizes then finds it here.
+    schedule = build_schedule(name, stages, micro_batches, virtual, split=split, batch_w=batch_w)
+    return {rank: tuple(str(a) for a in program) for rank, program in schedule.items()}
 
 
 @dataclass(frozen=True, slots=True)

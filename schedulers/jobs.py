@@ -132,9 +132,6 @@ class JobSpec:
                 split_batch(p.example_inputs, 1, "parallelism.example_inputs")
             except (TypeError, ValueError) as exc:
                 raise TypeError(f"parallelism.example_inputs: {exc}") from None
-        # The schedule's own limits (e.g. interleaved needs micro_batches to be a multiple of the stages).
-        build_schedule(AUTO_PROBE if p.schedule == "auto" else p.schedule, p.pipeline_stages, p.micro_batches,
-                       p.num_virtual_stages if p.schedule == "interleaved" else None)
         if p.partition_method == "profile" and t.data is None and p.example_inputs is None:
             raise ValueError("parallelism.partition_method='profile' times each layer on a sample micro-batch from "
                              "the job's data factory: give data='pkg.mod:factory' or example_inputs=<one "
@@ -161,6 +158,19 @@ class JobSpec:
             raise ValueError(f"optimization.zero_stage={zero} is not built yet; zero_stage=1 shards the optimizer "
                              "state")
 
+    def check_schedule(self) -> None:
+        """Compiles the spec's schedule once, for its own limits (e.g. interleaved needs ``micro_batches``
+        to be a multiple of the stages): at the driver's call (:meth:`from_kwargs`). The head compiles a
+        spec off its loop after checking the operator's limits (:mod:`schedulers.limits`), never as the
+        spec comes off the wire: that takes time in proportion to stages x micro-batches.
+
+        Raises:
+            ValueError: the schedule cannot take these sizes.
+        """
+        p = self.parallelism
+        build_schedule(AUTO_PROBE if p.schedule == "auto" else p.schedule, p.pipeline_stages, p.micro_batches,
+                       p.num_virtual_stages if p.schedule == "interleaved" else None)
+
     @classmethod
     def of(cls, **kwargs: Any) -> JobSpec:
         """A spec from flat field names and/or sections, as ``cluster.train`` takes them (see :meth:`from_kwargs`)."""
@@ -179,7 +189,9 @@ class JobSpec:
                 field given twice, a missing ``model``, or a value of the wrong type.
             ValueError: a value that cannot work.
         """
-        return _assemble({}, kwargs, "train()")
+        spec = _assemble({}, kwargs, "train()")
+        spec.check_schedule()
+        return spec
 
     def replace(self, **changes: Any) -> JobSpec:
         """A copy with ``changes`` applied, checked like a new spec.

@@ -34,14 +34,16 @@ from actors import (
     NotAllowed,
     current_caller,
     endpoint,
+    may_call,
     register_actor,
 )
 from stages import backend_for, Mesh, RendezvousActor, StageActor
 from stages.build.describe import ModelInspector
 from schedulers.control import JobController
 from schedulers.job_actor import JobActor, may_act_on
-from schedulers.job_core import JobCore, Placer
+from schedulers.job_core import JobCore, Placer, compile_programs
 from schedulers.jobs import JobSpec, stage_config
+from schedulers.limits import check_spec, off_loop, parse_limits
 from schedulers.partition import partition_by_parameters, partition_uniform
 from schedulers.placement import Placement, choose_nodes, gpu_of
 from schedulers.events import JobClosed, JobCreated
@@ -93,7 +95,9 @@ class SchedulerActor(Actor):
     ``JobCreated``, ``JobClosed``, and each job's (see :class:`~schedulers.control.JobController`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, limits: dict[str, Any] | list[str] | None = None) -> None:
+        # The operator's (--limit NAME=VALUE on the head): checked before any work is done for a job.
+        self.limits = parse_limits(limits or {})
         self._jobs: dict[str, JobActor] = {}
         self._ids = itertools.count()
         self._inspections = itertools.count()
@@ -114,8 +118,13 @@ class SchedulerActor(Actor):
         Raises:
             TypeError, ValueError: a bad spec, or too few nodes for the job.
             NotAllowed: a factory outside the allow-list (the message names the node that refused it).
+            LimitExceeded: past the operator's limits (checked first, before any work).
         """
         mesh = job_spec.mesh
+        self._check_client_limits(job_spec)
+        # Compiled once, off the loop: the job's controller finds it compiled (schedulers.job_core).
+        await off_loop(compile_programs, job_spec, timeout_s=self.limits.compile_timeout_s,
+                       what="compiling the job's schedule")
         nodes, notices = await self._place(job_spec)
         bounds = await self._partition(job_spec, nodes[0])
         job_id = f"job{next(self._ids)}"
@@ -139,7 +148,7 @@ class SchedulerActor(Actor):
         controller = JobController(
             runtime=self.runtime, job_id=job_id, spec=job_spec, stages=stages, nodes=names, bounds=bounds,
             publish=self._publish, alive_nodes=self._alive_nodes, rendezvous=rendezvous,
-            owner=current_caller(), identities=identities,
+            owner=current_caller(), identities=identities, limits=self.limits,
             placer=Placer(free_nodes=self._free_nodes, spawn=self._respawn, renew_rendezvous=self._renew_rendezvous))
         job = JobActor(controller, stop_stages=self._stop_stages, closed=self._job_closed)
         await self.runtime.spawn(job, f"{job_id}.control")
@@ -147,6 +156,26 @@ class SchedulerActor(Actor):
         log.info("%s: %s on %s", job_id, job_spec.parallelism.schedule, ", ".join(names))
         self._publish(JobCreated(job=job_id, nodes=names))
         return self._info(job, notices)
+
+    def _check_client_limits(self, spec: JobSpec) -> None:
+        """The operator's limits on the spec, and on what its client holds already (jobs, nodes).
+
+        Raises:
+            LimitExceeded: names the limit.
+        """
+        limits = self.limits
+        check_spec(spec, limits)
+        caller = current_caller()
+        if may_call(caller, frozenset()):  # the admin and this process are not a client
+            return
+        mine = [job for job in self._jobs.values() if job.owner == caller]
+        if limits.jobs_per_client is not None and len(mine) + 1 > limits.jobs_per_client:
+            raise limits.exceeded("jobs_per_client", len(mine) + 1, limits.jobs_per_client,
+                                  f"the open jobs of {caller}, with this one,")
+        held = sum(len(job.nodes) for job in mine) + spec.mesh.size
+        if limits.nodes_per_client is not None and held > limits.nodes_per_client:
+            raise limits.exceeded("nodes_per_client", held, limits.nodes_per_client,
+                                  f"the nodes {caller}'s open jobs would hold, with this one,")
 
     async def _rendezvous(
         self, job_id: str, spec: JobSpec, mesh: Mesh, nodes: list[NodeInfo]
@@ -185,6 +214,13 @@ class SchedulerActor(Actor):
         method = spec.parallelism.partition_method
         pattern = method.removeprefix("type:") if method.startswith("type:") else None
         counts = await self._inspect_model(spec, node, pattern)
+        if self.limits.parameters is not None:
+            # The model's size as the worker counts it on the meta device, before any stage builds it.
+            sizes = counts if method in ("parameters", "uniform") else \
+                await self._inspect_model(spec, node, None, profile=False)
+            if sum(sizes) > self.limits.parameters:
+                raise self.limits.exceeded("parameters", sum(sizes), self.limits.parameters,
+                                           f"the parameters of {spec.training.model}")
         if pattern is not None and sum(counts) < spec.num_model_stages:
             raise ValueError(f"partition_method={method!r} matches {sum(counts)} of the model's "
                              f"{len(counts)} layers, fewer than its {spec.num_model_stages} stages; match the "
@@ -196,7 +232,8 @@ class SchedulerActor(Actor):
             bounds = await asyncio.to_thread(partition_by_parameters, counts, spec.num_model_stages)
         return [list(b) for b in bounds]
 
-    async def _inspect_model(self, spec: JobSpec, node: NodeInfo, pattern: str | None) -> list[int]:
+    async def _inspect_model(self, spec: JobSpec, node: NodeInfo, pattern: str | None, *,
+                             profile: bool | None = None) -> list[int]:
         """Each layer's parameter count (or time, to partition by profile), measured by a
         model inspector spawned on ``node`` for this question and stopped after it."""
         agent = self.runtime.ref(node.address, NODE)
@@ -205,7 +242,7 @@ class SchedulerActor(Actor):
         inspector = self.runtime.ref(address, name)
         t, p = spec.training, spec.parallelism
         try:
-            if p.partition_method == "profile":
+            if p.partition_method == "profile" if profile is None else profile:
                 return await inspector.endpoint(ModelInspector.profile_model, timeout=600).call(
                     t.model, dict(t.model_kwargs), t.data, dict(t.data_kwargs),
                     p.micro_batches * p.data_parallel, t.seed, p.example_inputs)

@@ -13,7 +13,8 @@ from typing import Any
 from actors import ActorError
 from stages import StageActor
 from schedulers.events import SettingPending, SettingRejected, SettingsApplied
-from schedulers.job_core import JobCore, compile_programs
+from schedulers.job_core import JobCore
+from schedulers.limits import Limits, check_spec, off_loop
 from schedulers.jobs import JobSpec
 from schedulers.records import SettingChange
 
@@ -59,11 +60,9 @@ def plan_setting(spec: JobSpec, key: str, value: Any) -> JobSpec:
     elif isinstance(value, str) and "," in value:
         value = value.split(",")
     try:
-        new = spec.replace(**{key: value}, **changes)
+        return spec.replace(**{key: value}, **changes)
     except TypeError as exc:
         raise ValueError(str(exc)) from None
-    compile_programs(new)  # e.g. interleaved needs micro_batches to be a multiple of the stages
-    return new
 
 
 def _parse_int(key: str, value: Any) -> int:
@@ -80,21 +79,32 @@ def _parse_int(key: str, value: Any) -> int:
 class Settings:
     """A job's pending settings: checked when set, applied at the start of its next step."""
 
-    def __init__(self, job: JobCore) -> None:
+    def __init__(self, job: JobCore, limits: Limits) -> None:
         self.job = job
+        self.limits = limits
         self.pending: dict[str, Any] = {}
         self.pending_spec: JobSpec | None = None
+        self._setting = asyncio.Lock()
 
-    def set(self, key: str, value: Any) -> SettingChange:
+    async def set(self, key: str, value: Any) -> SettingChange:
         """Changes ``key`` (one of :data:`SETTABLE`) from the next step on.
+
+        The new spec is checked against the operator's limits, then its schedule compiled
+        off the head's loop (e.g. interleaved needs micro_batches to be a multiple of the
+        stages), before anything changes.
 
         Raises:
             ValueError: the key cannot change, or the value does not fit; nothing changes.
+            LimitExceeded: past the operator's limits, or the schedule took too long to compile.
         """
         job = self.job
-        new = plan_setting(self.pending_spec or job.spec, key, value)
-        self.pending_spec = new
-        self.pending[key] = value = new.get(key)
+        async with self._setting:  # one at a time: each builds on the pending spec the last one left
+            new = plan_setting(self.pending_spec or job.spec, key, value)
+            check_spec(new, self.limits)
+            await off_loop(job.compile, new, timeout_s=self.limits.compile_timeout_s,
+                           what=f"compiling the schedule for {key}={value}")
+            self.pending_spec = new
+            self.pending[key] = value = new.get(key)
         job.publish(SettingPending(job=job.id, key=key, value=value))
         return SettingChange(job=job.id, key=key, value=value, stepping=job.lock.locked(),
                              next_step=job.next_step)

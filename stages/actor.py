@@ -31,9 +31,9 @@ from typing import Any, TypeVar
 import torch
 
 from actors._actor import Actor, Host, caller_among, current_caller, endpoint
-from actors._errors import ActorError, NotAllowed
+from actors._errors import ActorError, NotAllowed, contained
 from actors._ref import ActorRef
-from actors._registry import DEFAULT_ALLOW, register_actor
+from actors._registry import DEFAULT_ALLOW, EXAMPLE_FACTORIES, register_actor
 from stages.build import tied
 from stages.build.stage import BuiltStage, build_stage, read_data
 from stages.comm import zero
@@ -231,7 +231,8 @@ class StageActor(Actor):
 
     async def on_start(self) -> None:
         context = self.node_context
-        allow = context.allow if context is not None else DEFAULT_ALLOW
+        # No node: an actor in the driver's own process (tests, notebooks), which admits the examples too.
+        allow = context.allow if context is not None else DEFAULT_ALLOW + EXAMPLE_FACTORIES
         device = torch.device(context.device if context is not None else "cpu")
         # Importing the factory and building the model take seconds: on the compute thread, so that this
         # node keeps heartbeating meanwhile. CUDA's current device is per thread: it pins itself as the node did.
@@ -239,7 +240,7 @@ class StageActor(Actor):
                                     initializer=pin_device, initargs=(str(device),))
         try:
             groups, built = await asyncio.get_running_loop().run_in_executor(
-                thread, join_and_build, self.config, self.runtime, allow, device, asyncio.get_running_loop())
+                thread, contained, join_and_build, self.config, self.runtime, allow, device, asyncio.get_running_loop())
         except BaseException as exc:
             thread.shutdown(wait=False)
             raise _where(exc, f"node {context.name} (a worker)" if context is not None else "this process") from None

@@ -9,12 +9,13 @@ own allow-list.
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Any
 
 from actors._actor import Actor, endpoint
-from actors._errors import NotAllowed
+from actors._errors import NotAllowed, contained
 from actors._nodes import HEAD
-from actors._registry import DEFAULT_ALLOW, register_actor
+from actors._registry import DEFAULT_ALLOW, EXAMPLE_FACTORIES, register_actor
 from stages.build.layers import layer_parameter_counts, layer_times
 
 __all__ = ["ModelInspector"]
@@ -35,7 +36,7 @@ class ModelInspector(Actor):
     @property
     def _allow(self) -> tuple[str, ...]:
         context = self.node_context
-        return context.allow if context is not None else DEFAULT_ALLOW
+        return context.allow if context is not None else DEFAULT_ALLOW + EXAMPLE_FACTORIES  # in the driver's process
 
     @endpoint(roles=("head",))
     async def describe_model(self, path: str, kwargs: dict[str, Any], type_pattern: str | None = None) -> list[int]:
@@ -53,7 +54,7 @@ class ModelInspector(Actor):
         if not isinstance(kwargs, dict):
             raise TypeError(f"model kwargs must be a map, got {type(kwargs).__name__}")
         try:
-            return await asyncio.to_thread(layer_parameter_counts, path, kwargs, self._allow, type_pattern)
+            return await asyncio.to_thread(contained, layer_parameter_counts, path, kwargs, self._allow, type_pattern)
         except NotAllowed as exc:
             raise NotAllowed(f"{self._where()} refused the model: {exc.message}") from None
         except ModuleNotFoundError as exc:
@@ -71,7 +72,7 @@ class ModelInspector(Actor):
         if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
             raise ValueError(f"micro_batches must be an int >= 1, got {micro_batches!r:.40}")
         try:
-            return await asyncio.to_thread(layer_times, path, kwargs, self._allow, data, data_kwargs,
-                                           micro_batches, int(seed), example=example)
+            return await asyncio.to_thread(contained, functools.partial(
+                layer_times, path, kwargs, self._allow, data, data_kwargs, micro_batches, int(seed), example=example))
         except NotAllowed as exc:
             raise NotAllowed(f"{self._where()} refused the model or data: {exc.message}") from None

@@ -6,7 +6,7 @@ never builds it, but asks a worker for per-layer sizes (:func:`layer_parameter_c
 
 from __future__ import annotations
 
-import re
+import regex
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -112,11 +112,37 @@ def layer_parameter_counts(model: str, model_kwargs: dict[str, Any], allow: Sequ
         built = factory(**model_kwargs)
     layers = model_layers(built, model)
     if type_pattern is not None:
-        if not isinstance(type_pattern, str) or len(type_pattern) > 200:
-            raise ValueError("type_pattern is a regular expression of at most 200 characters")
-        matches = re.compile(type_pattern, re.IGNORECASE).search
-        return [1 if matches(type(layer).__name__) else 0 for layer in layers]
+        return match_layer_types(type_pattern, [type(layer).__name__ for layer in layers])
     return [sum(p.numel() for p in layer.parameters()) for layer in layers]
+
+
+# What matching partition_method="type:REGEX" against every layer may cost, in all.
+MATCH_BUDGET_S = 1.0
+
+
+def match_layer_types(pattern: str, names: Sequence[str], *, budget_s: float = MATCH_BUDGET_S) -> list[int]:
+    """1 for each class name ``pattern`` matches (case-insensitive ``search``), else 0.
+
+    The match runs under a time budget (the ``regex`` module's timeout): a pattern that
+    backtracks catastrophically (``(\\w|\\w)*!``) fails here with an error instead of
+    holding the interpreter, and with it the node's heartbeat and every other job.
+
+    Raises:
+        ValueError: not a pattern of at most 200 characters, or it ran out of time.
+    """
+    if not isinstance(pattern, str) or not 0 < len(pattern) <= 200:
+        raise ValueError("type_pattern is a regular expression of 1 to 200 characters")
+    try:
+        compiled = regex.compile(pattern, regex.IGNORECASE)
+    except regex.error as exc:
+        raise ValueError(f"type:{pattern[:60]!r} is not a regular expression ({exc})") from None
+    deadline = time.monotonic() + budget_s
+    try:
+        return [1 if compiled.search(name, timeout=max(deadline - time.monotonic(), 1e-3)) else 0 for name in names]
+    except TimeoutError:
+        raise ValueError(f"partition_method 'type:{pattern[:60]}' took more than {budget_s:g}s to match the "
+                         f"model's {len(names)} layer class names (a pattern with nested repetition backtracks "
+                         "without end); name the repeated block's class, e.g. 'type:block'") from None
 
 
 def model_layers(built: Any, path: str) -> list[nn.Module]:

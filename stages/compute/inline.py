@@ -43,6 +43,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from actors._errors import contained
+
 __all__ = ["BAN_RUNS", "CLEAN_RUNS", "DEMOTE_S", "INLINE_MAX_S", "WARMUP_RUNS", "YIELD_AFTER_S",
            "ComputeDispatcher", "InlinePolicy"]
 
@@ -162,7 +164,7 @@ class ComputeDispatcher:
 
     async def submit(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on the compute thread."""
-        future = self._thread.submit(fn, *args)
+        future = self._thread.submit(contained, fn, *args)  # a job's sys.exit must not end the node
         self._last_submitted = future
         self._unyielded_s = 0.0  # awaiting it gives the loop its turn
         return await asyncio.wrap_future(future)
@@ -197,7 +199,7 @@ class ComputeDispatcher:
         try:
             # The current CUDA device is per thread too.
             with torch.cuda.device(self._device) if self._device.type == "cuda" else contextlib.nullcontext():
-                return fn(*args)
+                return contained(fn, *args)
         finally:
             seconds = time.perf_counter() - start
             self._unyielded_s += seconds

@@ -8,13 +8,31 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors import DEFAULT_ALLOW, NotAllowed, load_object
+from actors import DEFAULT_ALLOW, EXAMPLE_FACTORIES, NotAllowed, load_object
 from examples import data, models
 from tests.helpers import reexports
 
 pytestmark = pytest.mark.timeout(60)
 
-ALLOW = (*DEFAULT_ALLOW, "tests.helpers")
+ALLOW = (*DEFAULT_ALLOW, *EXAMPLE_FACTORIES, "tests.helpers")
+
+
+@pytest.mark.parametrize("path", ["examples.train_gpt:parse_args", "examples.train_gpt:main",
+                                  "examples.train_gpt:plot_losses", "examples.train_hf:main",
+                                  "examples.models:residual_mlp"])
+def test_a_node_admits_no_example_unless_the_operator_does(path: str) -> None:
+    # DEFAULT_ALLOW is what every node admits; the examples are the operator's choice (a LocalCluster's).
+    with pytest.raises(NotAllowed, match="not on this node's allow-list"):
+        load_object(path, DEFAULT_ALLOW)
+
+
+@pytest.mark.parametrize("path", ["examples.train_gpt:parse_args", "examples.train_gpt:main",
+                                  "examples.train_gpt:plot_losses", "examples.transport_demo:main"])
+def test_the_example_scripts_are_never_factories(path: str) -> None:
+    # What a LocalCluster admits for the demo: the factory modules, never the scripts (they parse
+    # command lines, plot, write files and start clusters).
+    with pytest.raises(NotAllowed, match="not on this node's allow-list"):
+        load_object(path, (*DEFAULT_ALLOW, *EXAMPLE_FACTORIES))
 
 
 @pytest.mark.parametrize(

@@ -121,7 +121,7 @@ def test_data_parallel_replicas_on_two_hosts_meet_through_the_heads_channel(tmp_
                 processes.append(_netns.start_process(ns, [
                     sys.executable, "-m", "actors.node", "--join", address, "--name", name, "--bind",
                     f"tcp://{host}:0", "--allow-remote", "--keys", keys.directory, "--identity", name,
-                    "--log-level", "WARNING"]))
+                    "--allow", "examples.models", "--log-level", "WARNING"]))
             run = subprocess.run(_netns.netns_exec(link.ns_b, [
                 sys.executable, "-c", TRAIN, address, keys.directory, f"tcp://{link.addr_b}:0"]),
                 cwd=_netns.REPO_ROOT, capture_output=True, text=True, timeout=150)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
@@ -23,6 +24,8 @@ from actors import (
     Runtime,
     UnknownActor,
     UnknownEndpoint,
+    UserCodeExit,
+    contained,
     endpoint,
     open_runtime,
 )
@@ -327,3 +330,38 @@ async def test_close_stops_actors_fails_pending_calls_and_leaves_nothing_behind(
     import os
 
     assert not os.path.exists(path)
+
+
+class Exiting(Actor):
+    """An actor running a job's code that exits or interrupts: on the loop, on a thread, at start."""
+
+    def __init__(self, exit_at_start: bool = False) -> None:
+        self.exit_at_start = exit_at_start
+
+    async def on_start(self) -> None:
+        if self.exit_at_start:
+            sys.exit(2)
+
+    @endpoint
+    async def exit_here(self, code: int) -> None:
+        sys.exit(code)
+
+    @endpoint
+    async def interrupt_on_a_thread(self) -> None:
+        def interrupt() -> None:
+            raise KeyboardInterrupt
+
+        await asyncio.to_thread(contained, interrupt)
+
+
+async def test_a_jobs_sys_exit_fails_the_call_and_the_runtime_keeps_serving(runtimes: tuple[Runtime, Runtime]) -> None:
+    server, client = runtimes
+    ref = client.ref(server.address, (await server.spawn(Exiting(), "exiting")).name)
+    with pytest.raises(UserCodeExit, match=r"sys.exit\(7\) in Exiting.exit_here"):
+        await ref.endpoint(Exiting.exit_here, timeout=10).call(7)
+    with pytest.raises(UserCodeExit, match="KeyboardInterrupt in .*interrupt"):
+        await ref.endpoint(Exiting.interrupt_on_a_thread, timeout=10).call()
+    with pytest.raises(UserCodeExit, match=r"sys.exit\(2\) in Exiting.on_start"):
+        await server.spawn(Exiting(exit_at_start=True), "exiting-at-start")
+    _, counter = await spawn_counter(server, client)
+    assert await counter.endpoint(Counter.add, timeout=10).call(3) == 3  # the runtime goes on

@@ -49,7 +49,8 @@ def test_settings_that_fit_give_the_new_spec(key: str, value: Any, field: str, e
 def test_settings_that_do_not_fit_are_refused_with_why(base: dict[str, Any], key: str, value: str,
                                                         message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        plan_setting(spec(**base), key, value)
+        # As Settings.set does: planned at once, then compiled (off the head's loop there).
+        compile_programs(plan_setting(spec(**base), key, value))
 
 
 def test_a_fixed_schedule_drops_autos_stash_limit_and_auto_compiles_its_probe() -> None:

@@ -73,7 +73,8 @@ async def test_a_local_cluster_trains_on_a_node_joined_by_hand() -> None:
         subprocess.run([sys.executable, "-m", "actors.keys", "add", keys, "node", "node9"], check=True,
                        stdout=subprocess.DEVNULL)
         hand = subprocess.Popen([sys.executable, "-m", "actors.node", "--join", local.address, "--name", "node9",
-                                 "--keys", keys, "--identity", "node9", "--log-level", "WARNING"],
+                                 "--keys", keys, "--identity", "node9", "--allow", "examples.models",
+                                 "--log-level", "WARNING"],
                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
         try:
             await cluster.wait_for_nodes(2, timeout=60)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from actors._registry import DEFAULT_ALLOW
+from actors._registry import DEFAULT_ALLOW, EXAMPLE_FACTORIES
 from schedulers.schedules import build_schedule
 from stages.actor import inbox_limit
 from stages.build.stage import BuiltStage, build_stage
@@ -101,7 +101,7 @@ class InProcessPipeline:
 
     def _assemble(self, config: StageConfig) -> Rank:
         device = torch.device("cpu")
-        built = build_stage(config, DEFAULT_ALLOW, device)
+        built = build_stage(config, DEFAULT_ALLOW + EXAMPLE_FACTORIES, device)
         thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rank{config.pipeline_rank}-compute")
         self._threads.append(thread)
         io = DeviceIO(device)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from actors._errors import NotAllowed
-from actors._registry import DEFAULT_ALLOW
+from actors._registry import DEFAULT_ALLOW, EXAMPLE_FACTORIES
 from stages.build.stage import BuiltStage, build_stage, read_data
 from tests.stages.stage_parts import MODEL_KWARGS, stage_config
 
@@ -21,7 +21,7 @@ DATA = {"data": "examples.data:regression_batches", "data_kwargs": {"batch_size"
 
 
 def build(rank: int = 0, num_ranks: int = 2, **overrides: Any) -> BuiltStage:
-    return build_stage(stage_config(rank, num_ranks, **overrides), DEFAULT_ALLOW, CPU)
+    return build_stage(stage_config(rank, num_ranks, **overrides), DEFAULT_ALLOW + EXAMPLE_FACTORIES, CPU)
 
 
 def test_a_built_stage_is_one_frozen_value_holding_its_layers_and_their_names() -> None:

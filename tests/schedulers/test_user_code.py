@@ -1,0 +1,128 @@
+"""A client is not the operator: a job's code, its settings and its sizes stay inside that job.
+
+Two client keys (alice, bob) share one LocalCluster. Each case is something one
+client's job did to the cluster before (docs/security.md): its code exiting the node
+process, a partition pattern holding a node's interpreter, a spec that froze the
+head's loop while its schedule compiled. After each, the nodes are alive and bob's
+job steps on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import pytest_asyncio
+import torch
+
+from actors import Cluster, LimitExceeded, LocalCluster, RemoteError, StepFailed, UserCodeExit
+from schedulers import JobSpec
+from schedulers.scheduler import SchedulerActor
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(240),
+              pytest.mark.asyncio(loop_scope="module")]
+
+MODEL = {"model": "examples.models:residual_mlp", "model_kwargs": {"blocks": 2, "dim": 8}, "micro_batches": 2}
+USER = "tests.helpers.user_code"
+LIMITS = {"micro_batches": 64, "jobs_per_client": 2, "threads_per_stage": 8, "step_timeout_s": 3600,
+          "max_restarts": 10}
+_LOCAL: list[LocalCluster] = []
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def cluster() -> AsyncIterator[Cluster]:
+    local = LocalCluster(nodes=2, allow=[USER], limits=LIMITS)
+    async with local as cluster:
+        assert local.keys is not None
+        local.keys.add("client", "alice")
+        local.keys.add("client", "bob")
+        _LOCAL[:] = [local]
+        yield cluster
+
+
+def connect(cluster: Cluster, who: str) -> Any:
+    keys = _LOCAL[0].keys
+    assert keys is not None
+    return Cluster.connect(cluster.head.address, keys=keys.directory, identity=who)
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(4, 2, 8), torch.randn(4, 2, 8)
+
+
+async def assert_the_cluster_serves(cluster: Cluster, bob: Cluster) -> None:
+    """Every node is alive and one process each (none exited), and bob's new job steps."""
+    assert {n.name for n in await cluster.nodes() if n.alive} == {"node0", "node1"}
+    assert all(proc.poll() is None for proc in _LOCAL[0].processes.values())
+    job = await bob.train(**MODEL, pipeline_stages=2)
+    try:
+        assert (await job.step(*batch())).loss > 0
+    finally:
+        await job.close()
+
+
+@pytest.mark.parametrize(("factory", "code"), [
+    ({"data": f"{USER}:exiting_data"}, "sys.exit(4)"),  # a data factory, called as each stage builds
+    ({"model": f"{USER}:exiting_model"}, "sys.exit(3)"),  # the model, built by the worker that partitions
+    ({"model": f"{USER}:interrupting_model"}, "KeyboardInterrupt"),
+])
+async def test_a_jobs_code_that_exits_fails_that_job_only(cluster: Cluster, factory: dict[str, Any],
+                                                          code: str) -> None:
+    async with connect(cluster, "alice") as alice, connect(cluster, "bob") as bob:
+        with pytest.raises(UserCodeExit, match=code.replace("(", r"\(").replace(")", r"\)")):
+            await alice.train(**{**MODEL, **factory}, pipeline_stages=2)
+        await assert_the_cluster_serves(cluster, bob)
+
+
+async def test_a_loss_that_exits_fails_the_step_and_the_job_goes_on(cluster: Cluster) -> None:
+    async with connect(cluster, "alice") as alice, connect(cluster, "bob") as bob:
+        job = await alice.train(**MODEL, pipeline_stages=2, loss=f"{USER}:exiting_loss")
+        try:
+            with pytest.raises(StepFailed, match=r"sys.exit\(5\)"):
+                await job.step(*batch())
+        finally:
+            await job.close()
+        await assert_the_cluster_serves(cluster, bob)
+
+
+async def test_a_backtracking_partition_pattern_cannot_hang_a_node(cluster: Cluster) -> None:
+    # re.search held the worker's interpreter on this for ever: no heartbeat, the node marked lost.
+    async with connect(cluster, "alice") as alice, connect(cluster, "bob") as bob:
+        with pytest.raises(RemoteError, match="matches 0 of the model's"):
+            await alice.train(**MODEL, pipeline_stages=2, partition_method=r"type:(\w|\w|\w|\w)*!")
+        await assert_the_cluster_serves(cluster, bob)
+
+
+@pytest.mark.parametrize(("change", "limit"), [
+    ({"micro_batches": 150_000}, "micro_batches"),  # its schedule froze the head's loop for 14 s
+    ({"threads_per_stage": 10**6}, "threads_per_stage"),
+    ({"step_timeout_s": 1e300}, "step_timeout_s"),
+    ({"max_restarts": 10**9}, "max_restarts"),
+])
+async def test_a_spec_past_the_operators_limits_is_refused_before_any_work(cluster: Cluster, change: dict[str, Any],
+                                                                            limit: str) -> None:
+    async with connect(cluster, "alice") as alice, connect(cluster, "bob") as bob:
+        # Sent as a raw spec, past the driver's own checks (JobSpec() compiles nothing).
+        spec = JobSpec.of(**MODEL, pipeline_stages=2).replace(**change)
+        with pytest.raises(LimitExceeded, match=f"past this cluster's limit {limit}=") as caught:
+            await alice.call(SchedulerActor.create_job, timeout=60).call(spec)
+        assert caught.value.limit == limit
+        await assert_the_cluster_serves(cluster, bob)
+
+
+async def test_jobs_per_client_and_settings_are_bounded(cluster: Cluster) -> None:
+    async with connect(cluster, "alice") as alice, connect(cluster, "bob") as bob:
+        jobs = [await alice.train(**MODEL) for _ in range(2)]
+        try:
+            with pytest.raises(LimitExceeded, match="limit jobs_per_client=2"):
+                await alice.train(**MODEL)
+            with pytest.raises(LimitExceeded, match="limit micro_batches=64"):
+                await jobs[0].set("micro_batches", 150_000)
+            assert (await jobs[0].describe()).spec.parallelism.micro_batches == 2  # nothing changed
+            await jobs[0].set("micro_batches", 4)  # within the limit: compiled off the loop, applied next step
+            assert (await jobs[0].step(*batch())).loss > 0
+            await assert_the_cluster_serves(cluster, bob)  # bob's jobs are his own count
+        finally:
+            for job in jobs:
+                await job.close()
