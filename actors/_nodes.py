@@ -224,7 +224,9 @@ class NodeActor(Actor):
         self._stop = stop
         self._admit_token = admit_token
 
-    @endpoint(roles=("head",))
+    # Concurrent: a stage builds its model in on_start (seconds, or as long as a job's data
+    # factory takes); the agent answers every other job's spawn and stop meanwhile.
+    @endpoint(concurrent=True, roles=("head",))
     async def spawn(self, class_name: str, actor_name: str, kwargs: dict[str, Any]) -> list[str]:
         """Builds actor ``class_name`` (from the registry) as ``actor_name``; returns its ref."""
         cls = actor_class(class_name)
@@ -233,7 +235,7 @@ class NodeActor(Actor):
         ref = await self.runtime.spawn(actor, actor_name)
         return ref.to_wire()
 
-    @endpoint(roles=("head",))
+    @endpoint(concurrent=True, roles=("head",))
     async def stop_actor(self, actor_name: str) -> None:
         await self.runtime.stop_actor(actor_name)
 

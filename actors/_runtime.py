@@ -103,6 +103,7 @@ class Runtime:
         self._max_message_bytes = max_message_bytes
         self.address: str = receiver.address
         self._mailboxes: dict[str, Mailbox] = {}
+        self._starting: set[str] = set()  # names whose actor is in on_start
         self._mailbox_tasks: dict[str, asyncio.Task[None]] = {}
         self._senders = SenderPool(self._open_sender, sender_pool, spawn_task=self.spawn_task)
         self._pending: dict[int, tuple[asyncio.Future[Any], str]] = {}
@@ -136,9 +137,10 @@ class Runtime:
         """
         if self._closed:
             raise ActorStopped(f"runtime at {self.address} is closed")
-        if name in self._mailboxes:
+        if name in self._mailboxes or name in self._starting:
             raise ValueError(f"an actor named {name!r} already runs at {self.address}")
         actor.name, actor.runtime, actor.ref = name, self, ActorRef(self, self.address, name)
+        self._starting.add(name)  # spawns may overlap (a node builds several jobs' stages at once)
         try:
             await actor.on_start()
         except Exception as exc:
@@ -148,6 +150,8 @@ class Runtime:
             error = exit_error(exc, f"{type(actor).__name__}.on_start")
             await actor.on_failure("on_start", error)
             raise error from None
+        finally:
+            self._starting.discard(name)
         mailbox = Mailbox(actor, lambda coro: self.spawn_task(coro, name=f"{name} concurrent call"))  # type: ignore[arg-type]
         self._mailboxes[name] = mailbox
         self._mailbox_tasks[name] = self.spawn_task(mailbox.run(), name=f"mailbox {name}")

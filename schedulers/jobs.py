@@ -253,14 +253,15 @@ class JobSpec:
 
     @classmethod
     def from_wire(cls, data: Any) -> JobSpec:
-        """The spec :meth:`to_wire` sent; checked like any other.
+        """The spec :meth:`to_wire` sent; checked like any other, except for its schedule, which the
+        head compiles after its limits and off its loop (:meth:`check_schedule`), never as it decodes.
 
         Raises:
             TypeError, ValueError: not a spec, or one with unknown keys or bad values.
         """
         if not isinstance(data, dict):
             raise TypeError(f"a job spec must be a mapping, got {show(data)}")
-        return cls.from_kwargs(data)
+        return _assemble({}, data, "JobSpec.from_wire()")
 
 
 def _assemble(base: dict[str, Any], changes: Mapping[str, Any], call: str) -> JobSpec:

@@ -99,6 +99,9 @@ class SchedulerActor(Actor):
         # The operator's (--limit NAME=VALUE on the head): checked before any work is done for a job.
         self.limits = parse_limits(limits or {})
         self._jobs: dict[str, JobActor] = {}
+        # Jobs being created (concurrently): their owner and nodes, counted as the open jobs are.
+        self._building: dict[str, tuple[str, list[str]]] = {}
+        self._placing = asyncio.Lock()
         self._ids = itertools.count()
         self._inspections = itertools.count()
         self._subscribers = Subscribers()
@@ -108,7 +111,9 @@ class SchedulerActor(Actor):
 
     # -- jobs ------------------------------------------------------------------------------
 
-    @endpoint(roles=("client",))
+    # Concurrent: one client's job may take long to build (its data factory, a large model);
+    # another's is placed and built meanwhile. Placement itself is one at a time.
+    @endpoint(concurrent=True, roles=("client",))
     async def create_job(self, job_spec: JobSpec) -> JobInfo:
         """Places ``job_spec``'s stage actors and builds them (the spec was checked as it arrived).
 
@@ -125,9 +130,20 @@ class SchedulerActor(Actor):
         # Compiled once, off the loop: the job's controller finds it compiled (schedulers.job_core).
         await off_loop(compile_programs, job_spec, timeout_s=self.limits.compile_timeout_s,
                        what="compiling the job's schedule")
-        nodes, notices = await self._place(job_spec)
+        async with self._placing:  # each placement sees the nodes of every job placed before it
+            self._check_client_limits(job_spec)  # again: others may have been placed meanwhile
+            nodes, notices = await self._place(job_spec)
+            job_id = f"job{next(self._ids)}"
+            self._building[job_id] = (current_caller(), [n.name for n in nodes])
+        try:
+            return await self._build_job(job_id, job_spec, nodes, notices)
+        finally:
+            del self._building[job_id]
+
+    async def _build_job(self, job_id: str, job_spec: JobSpec, nodes: list[NodeInfo], notices: list[str]) -> JobInfo:
+        """Partitions, spawns and connects the stages of a placed job, and starts its job actor."""
+        mesh = job_spec.mesh
         bounds = await self._partition(job_spec, nodes[0])
-        job_id = f"job{next(self._ids)}"
         for notice in notices:
             log.warning("%s: %s", job_id, notice)
         rendezvous, dist_config = await self._rendezvous(job_id, job_spec, mesh, nodes)
@@ -168,11 +184,12 @@ class SchedulerActor(Actor):
         caller = current_caller()
         if may_call(caller, frozenset()):  # the admin and this process are not a client
             return
-        mine = [job for job in self._jobs.values() if job.owner == caller]
+        mine = [job.nodes for job in self._jobs.values() if job.owner == caller]
+        mine += [names for owner, names in self._building.values() if owner == caller]
         if limits.jobs_per_client is not None and len(mine) + 1 > limits.jobs_per_client:
             raise limits.exceeded("jobs_per_client", len(mine) + 1, limits.jobs_per_client,
                                   f"the open jobs of {caller}, with this one,")
-        held = sum(len(job.nodes) for job in mine) + spec.mesh.size
+        held = sum(len(names) for names in mine) + spec.mesh.size
         if limits.nodes_per_client is not None and held > limits.nodes_per_client:
             raise limits.exceeded("nodes_per_client", held, limits.nodes_per_client,
                                   f"the nodes {caller}'s open jobs would hold, with this one,")
@@ -275,6 +292,7 @@ class SchedulerActor(Actor):
                 "start more nodes or shrink the mesh"
             )
         busy = {name: job.id for job in self._jobs.values() for name in job.nodes}
+        busy.update({name: job_id for job_id, (_, names) in self._building.items() for name in names})
         return choose_nodes(alive, busy, mesh.size, exclusive_gpus=_needs_communicator(spec))
 
     async def _spawn_stages(

@@ -9,7 +9,9 @@ job steps on.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -84,6 +86,25 @@ async def test_a_loss_that_exits_fails_the_step_and_the_job_goes_on(cluster: Clu
         finally:
             await job.close()
         await assert_the_cluster_serves(cluster, bob)
+
+
+async def test_one_jobs_slow_build_does_not_hold_up_another_clients_job(cluster: Cluster, tmp_path: Path) -> None:
+    # Alice's data factory takes until the test opens its gate; the nodes' agents used to build
+    # one stage at a time, so bob's job waited for hers (6.1 s behind a 7 s factory).
+    started, gate = tmp_path / "started", tmp_path / "gate"
+    async with connect(cluster, "alice") as alice, connect(cluster, "bob") as bob:
+        slow = asyncio.ensure_future(alice.train(**MODEL, pipeline_stages=2, data=f"{USER}:gated_data",
+                                                 data_kwargs={"started": str(started), "gate": str(gate)}))
+        try:
+            while not started.exists():
+                assert not slow.done(), slow.exception()
+                await asyncio.sleep(0.02)
+            await asyncio.wait_for(assert_the_cluster_serves(cluster, bob), 120)  # while alice's builds
+            assert not slow.done()
+        finally:
+            gate.touch()
+            job = await slow
+            await job.close()
 
 
 async def test_a_backtracking_partition_pattern_cannot_hang_a_node(cluster: Cluster) -> None:
