@@ -158,7 +158,7 @@ class StepPath:
                 failure = self._first_failure(tasks) if done else await self._timeout_failure()
             if failure is not None and failure.action == "REDUCE" and not isinstance(failure, NodeLost):
                 failure = await self._lost_instead(tasks, failure, deadline)
-            reports = [] if failure else [StageReport.from_wire(tasks[rank].result()) for rank in sorted(tasks)]
+            reports = [] if failure else [tasks[rank].result() for rank in sorted(tasks)]
             if failure is None and not all(r.status == "done" for r in reports):
                 failure = StepFailed("step aborted on request", details={"stage": None, "action": None,
                                                                           "cause": "aborted"})
@@ -206,7 +206,7 @@ class StepPath:
                 cause = f"{type(exc).__name__}: {exc}" if not isinstance(exc, ActorError) else \
                     f"{exc.remote_type}: {exc.message}"
                 return step_failed(job.mesh, rank, None, cause)
-            report = StageReport.from_wire(task.result())
+            report = task.result()
             if report.status == "failed":
                 error = error_from_wire(report.error)
                 return step_failed(job.mesh, rank, report.action, f"{error.remote_type}: {error.message}",
@@ -266,8 +266,8 @@ class StepPath:
         """
         job = self.job
         ran_tail = all(r.reduced is not None and r.finished is not None for r in reports)
-        reduced = [r.reduced for r in reports if r.reduced is not None] if ran_tail else [
-            ReduceReport.from_wire(r) for r in await self._on_every_stage(StageActor.reduce_step, "REDUCE", step)]
+        reduced: list[ReduceReport] = [r.reduced for r in reports if r.reduced is not None] if ran_tail else \
+            await self._on_every_stage(StageActor.reduce_step, "REDUCE", step)
         found = nonfinite_findings(job.mesh, reports, reduced)
         self.reduce_wait_s = [r.wait_s for r in reduced]
         self.tied = sorted({tuple(names) for r in reduced for names in r.tied})
@@ -277,9 +277,9 @@ class StepPath:
                                 loss_scale=scaler.scale if scaler is not None else 1.0, fp16=order["fp16"],
                                 scale_at_floor=order["scale_at_floor"], max_norm=order["max_norm"])
         self.grad_norm = decision.grad_norm
-        finished = [r.finished for r in reports if r.finished is not None] if ran_tail else [
-            FinishReport.from_wire(r) for r in await self._on_every_stage(
-                StageActor.finish_step, "STEP", step, decision.apply, decision.unscale, decision.clip)]
+        finished: list[FinishReport] = [r.finished for r in reports if r.finished is not None] if ran_tail else \
+            await self._on_every_stage(StageActor.finish_step, "STEP", step, decision.apply, decision.unscale,
+                                       decision.clip)
         if scaler is not None and (decision.overflow or decision.apply):
             scaler.update(decision.overflow)
         if decision.overflow:

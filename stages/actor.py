@@ -48,7 +48,7 @@ from stages.compute.tail import StepTail
 from stages.devices import pin_device
 from stages.program import Action
 from stages.mesh import Mesh
-from stages.records import StageConfig, StageReport, StepOrder, TailVote
+from stages.records import FinishReport, ReduceReport, StageConfig, StageReport, StepOrder, TailVote
 from stages.state.stage_state import StageState
 from transport.codecs import get_codec
 
@@ -295,12 +295,11 @@ class StageActor(Actor):
             self.ballot.connect([_vote_sender(ref) for ref in refs])
 
     @endpoint(roles=("head",))
-    async def run_step(self, order: StepOrder | dict[str, Any]) -> dict[str, Any]:
-        """Runs a :class:`~stages.records.StepOrder` (sent as a map) up to its barrier.
+    async def run_step(self, order: StepOrder | dict[str, Any]) -> StageReport:
+        """Runs a :class:`~stages.records.StepOrder` up to its barrier (and its tail, with ``finish``).
 
         Returns:
-            A :class:`~stages.records.StageReport` as a map: the step's trace, or which
-            action failed and why, or that :meth:`abort_step` stopped it.
+            The step's trace, or which action failed and why, or that :meth:`abort_step` stopped it.
 
         Raises:
             ValueError, RecordError: not a well-formed order; the stage did not move to its step.
@@ -318,7 +317,7 @@ class StageActor(Actor):
             if checked.finish:
                 report = await tail_report(parts.executor, self.ballot, step, await self._abortable(
                     step, run_tail(parts.tail, self.ballot, step, actions, checked, report), f"step {step} tail"))
-        return report.to_wire()
+        return report
 
     async def _abortable(self, step: int, work: Coroutine[Any, Any, T], name: str) -> asyncio.Task[T]:
         """Runs ``work`` in a task of its own, so that :meth:`abort_step` can cancel it without cancelling
@@ -345,18 +344,18 @@ class StageActor(Actor):
             self.ballot.receive(self._step, step, rank, checked)
 
     @endpoint(roles=("head",))
-    async def reduce_step(self, step: int) -> dict[str, Any]:
+    async def reduce_step(self, step: int) -> ReduceReport:
         """The barrier is released: checks this stage's gradients, then reduces them across replicas and
-        tied ranks; applies nothing (see :meth:`StepTail.reduce`). Returns a ``ReduceReport`` as a map."""
-        return (await self._parts().tail.reduce(step, self._program)).to_wire()
+        tied ranks; applies nothing (see :meth:`StepTail.reduce`)."""
+        return await self._parts().tail.reduce(step, self._program)
 
     @endpoint(roles=("head",))
     async def finish_step(self, step: int, apply: bool = True, unscale: float = 1.0, clip: float = 1.0
-                          ) -> dict[str, Any]:
+                          ) -> FinishReport:
         """Steps the optimizer and the learning-rate schedule (``apply``), gradients first divided by
         ``unscale`` and multiplied by ``clip``, or drops the step (see :meth:`StepTail.finish`).
-        Returns a ``FinishReport`` as a map: the learning rates now."""
-        return (await self._parts().tail.finish(self._program, apply=apply, unscale=unscale, clip=clip)).to_wire()
+        Returns the learning rates now."""
+        return await self._parts().tail.finish(self._program, apply=apply, unscale=unscale, clip=clip)
 
     @endpoint(concurrent=True, roles=("head",))
     async def abort_step(self, step: int) -> None:
