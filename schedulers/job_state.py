@@ -2,7 +2,7 @@
 
 Functions of a :class:`~schedulers.job_core.JobCore` (``job``), which they hold through
 its :meth:`~schedulers.job_core.JobCore.operation` and change through its methods; the
-checkpoint format is :mod:`stages.state.checkpoint`.
+checkpoint format is :mod:`stages.state.checkpoint` and :mod:`stages.state.manifest`.
 """
 
 from __future__ import annotations
