@@ -47,9 +47,9 @@ def client_subtree(caller: str, root: str) -> str | None:
     if may_call(caller, frozenset()):
         return None
     name = caller.partition(":")[2]
-    if not name or set(name) <= {"."} or not all(c.isalnum() or c in "_.@" for c in name):
-        raise NotAllowed(f"the key {caller[:60]!r} has no checkpoint directory of its own; "
-                         "a key name is letters, digits, '_', '.' or '@' (python -m actors.keys add)")
+    if not name or set(name) <= {"."} or not all(c.isalnum() or c in "_.@-" for c in name):
+        raise NotAllowed(f"the key {caller[:60]!r} has no checkpoint directory of its own: its name must be "
+                         "letters, digits, '_', '.', '@' or '-', and not dots alone (python -m actors.keys add)")
     return os.path.join(root, name)
 
 

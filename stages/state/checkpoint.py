@@ -316,9 +316,9 @@ def check_staging(staging: Any, name: str = "p0-t0.bin", *, job: str | None = No
     check_directory(staging)
     prefix = _STAGING_PREFIX if job is None else _staging_prefix(_check_job(job))
     if not os.path.basename(staging).startswith(prefix) or FILE.fullmatch(name) is None:
+        whose = "a" if job is None else "this job's"
         raise CheckpointError(f"refused to write {name[:40]!r} into {staging[:200]!r}",
-                              [f"not {'a' if job is None else 'this job'}'s staging directory, or not a shard "
-                               "file name"])
+                              [f"not {whose} staging directory, or not a shard file name"])
     return os.path.join(staging, name)
 
 

@@ -18,6 +18,7 @@ RESOLVED = [
     ("client:alice", "/srv/ckpt/alice/x/../run1", None, "/srv/ckpt/alice/run1", "/srv/ckpt/alice"),
     ("client:alice", ".", None, "/srv/ckpt/alice", "/srv/ckpt/alice"),
     ("client:alice.b@c", "run1", None, "/srv/ckpt/alice.b@c/run1", "/srv/ckpt/alice.b@c"),
+    ("client:alice-2", "run1", None, "/srv/ckpt/alice-2/run1", "/srv/ckpt/alice-2"),  # a key file made by hand
     ("admin:admin", "/anywhere/run1", None, "/anywhere/run1", None),
     ("admin:admin", "run1", "/home/me", "/home/me/run1", None),
     ("admin:admin", "../run1", "/home/me", "/home/run1", None),
@@ -47,7 +48,7 @@ def test_a_client_cannot_name_a_path_outside_its_own_subtree(directory: str) -> 
         resolve(directory, "/home/bob", caller="client:bob", root=ROOT)
 
 
-@pytest.mark.parametrize("caller", ["client:..", "client:.", "client:", "client:a/b"])
+@pytest.mark.parametrize("caller", ["client:..", "client:.", "client:", "client:a/b", "client:a b"])
 def test_a_key_whose_name_is_no_directory_has_no_subtree(caller: str) -> None:
     with pytest.raises(NotAllowed, match="has no checkpoint directory of its own"):
         client_subtree(caller, ROOT)
