@@ -43,6 +43,9 @@ class HeadConfig:
     identity: str = "head"
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # the largest message sent or taken (--max-message-bytes)
     limits: tuple[str, ...] = ()  # the operator's NAME=VALUE limits on jobs and clients (--limit), for the scheduler
+    # Where clients' checkpoints go, each key in its own subtree (--checkpoint-root); relative: to the
+    # working directory. The scheduler actor, which the head hosts, is built with it.
+    checkpoint_root: str = "checkpoints"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -111,7 +114,8 @@ async def serve_head(config: HeadConfig) -> None:
         for module in config.plugins:
             importlib.import_module(module)
         if "scheduler" in registered_actors():
-            await agent.spawn("scheduler", "scheduler", {"limits": list(config.limits)})
+            await agent.spawn("scheduler", "scheduler", {"checkpoint_root": os.path.abspath(config.checkpoint_root),
+                                                         "limits": list(config.limits)})
         else:
             log.warning("no scheduler on this head (plugins: %s): jobs cannot be created; install the "
                         "project (pip install -e .) so its 'head' entry point is found, or pass --plugin MODULE",

@@ -297,12 +297,19 @@ class LocalCluster:
             its own ``node`` key, the driver the ``admin`` key.
         max_message_bytes: the largest message any process of the cluster (head,
             nodes, driver) sends or takes; the default is 1 GiB.
+        checkpoint_root: the head's ``--checkpoint-root``: the directory that client keys
+            added to ``keys`` save under, each in its own subtree (``ROOT/alice``). By
+            default a directory in the cluster's private temporary directory, removed
+            with it on exit: pass one to keep those checkpoints. The driver holds the
+            admin key and saves wherever it names.
 
     Attributes:
         devices: each node's device by name (``{"node0": "cuda:0", ...}``), as started.
         keys: the cluster's :class:`~actors.keys.ClusterKeys` while it runs (None when
             insecure); ``Cluster.connect(address, keys=local.keys.directory)`` attaches
             another driver.
+        checkpoint_root: the head's checkpoint root (absolute), once the cluster started
+            (before, the one passed, or None).
 
     On exit, whether the block finished, raised or was cancelled (Ctrl-C), every
     process is stopped (SIGTERM, then SIGKILL after a grace period) and waited for.
@@ -324,6 +331,7 @@ class LocalCluster:
         log_level: str = "WARNING",
         insecure: bool = False,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        checkpoint_root: str | os.PathLike[str] | None = None,
     ) -> None:
         if isinstance(max_message_bytes, bool) or not isinstance(max_message_bytes, int) or max_message_bytes < 1:
             raise ValueError(f"max_message_bytes must be an int >= 1, got {max_message_bytes!r:.40}")
@@ -349,6 +357,8 @@ class LocalCluster:
         self._admit_token = secrets.token_hex(16)
         self.insecure = insecure
         self.keys: ClusterKeys | None = None
+        self._own_checkpoint_root = checkpoint_root is None
+        self.checkpoint_root = os.path.abspath(checkpoint_root) if checkpoint_root is not None else None
 
     @property
     def pids(self) -> list[int]:
@@ -369,6 +379,8 @@ class LocalCluster:
         self._tempdir = tempfile.mkdtemp(prefix=_TEMPDIR_PREFIX)
         _write_owner(self._tempdir)
         address_file = os.path.join(self._tempdir, "head.address")
+        root = os.path.join(self._tempdir, "checkpoints") if self._own_checkpoint_root else self.checkpoint_root
+        self.checkpoint_root = root
         if self.insecure:
             secure: list[str] = ["--insecure"]
         else:
@@ -378,7 +390,8 @@ class LocalCluster:
             secure = ["--keys", self.keys.directory]
         limits = [arg for name, value in self.limits.items() for arg in ("--limit", f"{name}={value}")]
         self._launch("head", ["--head", "--bind", "tcp://127.0.0.1:0", "--address-file", address_file,
-                              "--heartbeat-timeout", str(self.heartbeat_timeout), *limits, *secure])
+                              "--heartbeat-timeout", str(self.heartbeat_timeout), "--checkpoint-root", str(root),
+                              *limits, *secure])
         self.address = await self._wait_for_file(address_file)
         for name in self._node_names():
             self._launch(name, self._worker_args(name, secure))
@@ -456,6 +469,8 @@ class LocalCluster:
             shutil.rmtree(self._tempdir, ignore_errors=True)
             self._tempdir = None
             self.keys = None
+            if self._own_checkpoint_root:
+                self.checkpoint_root = None
 
 
 _TEMPDIR_PREFIX = "actorpipe-cluster-"

@@ -52,6 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--plugin", action="append", default=None, metavar="MODULE",
                         help="head: import MODULE at start-up to register the actors it hosts "
                         "(repeatable; default: the installed 'head' plugin, the scheduler actor)")
+    parser.add_argument("--checkpoint-root", metavar="DIR", default="checkpoints",
+                        help="head: the directory clients' checkpoints go under, each client key in its own "
+                        "subtree (DIR/NAME); the admin key may save anywhere (default: ./%(default)s)")
     parser.add_argument("--max-message-bytes", type=_positive_int, default=DEFAULT_MAX_MESSAGE_BYTES, metavar="N",
                         help="the largest message this process sends or takes, in bytes (default %(default)s = 1 GiB); "
                         "give the head, every worker and the driver the same value")
@@ -81,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
                             allow=DEFAULT_ALLOW + tuple(args.allow),
                             plugins=tuple(args.plugin) if args.plugin is not None else head_modules(),
                             keys=None if args.insecure else args.keys, identity=args.identity or "head",
-                            max_message_bytes=args.max_message_bytes, limits=tuple(args.limit))
+                            max_message_bytes=args.max_message_bytes, limits=tuple(args.limit),
+                            checkpoint_root=os.path.abspath(args.checkpoint_root))
         run(serve_head(head))
     else:
         worker = WorkerConfig(join=args.join, name=name, device=args.device,

@@ -129,6 +129,13 @@ class Cluster(actors.Cluster):
         return Job(self, info, description.spec)
 
 
+def _as_sent(directory: str | os.PathLike[str]) -> tuple[str, str | None]:
+    """A checkpoint path as the head takes it: an absolute one normalized, a relative one as it is with
+    this driver's working directory beside it (the head takes a client's under its own subtree instead)."""
+    path = os.fspath(directory)
+    return (os.path.abspath(path), None) if os.path.isabs(path) else (path, os.getcwd())
+
+
 @contextlib.contextmanager
 def _checkpoint_errors() -> Iterator[None]:
     """A checkpoint problem raised on the head or a stage arrives as :class:`CheckpointError` here."""
@@ -322,20 +329,26 @@ class Job:
         Every stage writes its own file straight into ``directory`` at once (nothing big
         passes through the head or this driver), each tensor with a crc32, everything
         fsynced; ``directory/LATEST`` then switches to the new version atomically, so a
-        crash at any instant leaves the previous checkpoint or the new one, whole. A
-        relative path is taken from this driver's working directory. Every node writes
-        there itself: on several machines it must be on a filesystem they all mount at
-        the same path.
+        crash at any instant leaves the previous checkpoint or the new one, whole.
+
+        Where: a client key's checkpoints stay in its own subtree of the head's
+        checkpoint root (``ROOT/alice`` for the key ``alice``; ``--checkpoint-root`` on
+        the head): a relative ``directory`` is taken there, an absolute one must lie
+        inside it. The admin key (a ``LocalCluster``'s driver) saves anywhere, a
+        relative path from this driver's working directory. Every node writes there
+        itself: on several machines it must be on a filesystem they all mount at the
+        same path.
 
         Returns:
-            The new version's directory (``directory/v000003``).
+            The new version's directory (``.../directory/v000003``), as the nodes see it.
 
         Raises:
+            NotAllowed: a client's ``directory`` outside its own subtree (the message names it).
             CheckpointError: ``directory`` holds something that is not a checkpoint, or a
                 node cannot write there (named, with why).
         """
         with _checkpoint_errors():
-            return await self._call(JobActor.save, None).call(os.path.abspath(os.fspath(directory)))
+            return await self._call(JobActor.save, None).call(*_as_sent(directory))
 
     async def load(self, directory: str | os.PathLike[str], *, weights_only: bool = False) -> int:
         """Loads the checkpoint :meth:`save` wrote to ``directory``, all or nothing.
@@ -355,13 +368,14 @@ class Job:
             The step the checkpoint was saved at.
 
         Raises:
+            NotAllowed: a client's ``directory`` outside its own subtree (as for :meth:`save`).
             CheckpointError: every problem found (missing or extra keys, wrong shapes or
                 dtypes, checksum mismatches naming the file and key, not a checkpoint);
                 the job's weights and optimizer are unchanged.
         """
+        path, relative_to = _as_sent(directory)
         with _checkpoint_errors():
-            return await self._call(JobActor.load, None).call(os.path.abspath(os.fspath(directory)),
-                                                               bool(weights_only))
+            return await self._call(JobActor.load, None).call(path, bool(weights_only), relative_to)
 
     async def close(self) -> None:
         """Stops the job's run, its stage actors and its actor; closing twice is fine."""

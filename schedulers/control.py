@@ -31,6 +31,7 @@ import torch
 from actors import ActorError, ActorRef, Event, Host, NodeLost, StepFailed
 from stages import StageActor
 from schedulers import job_state, recovery
+from schedulers.checkpoint_paths import CheckpointPath
 from schedulers.events import StepFinished
 from schedulers.job_core import JobCore, Placer
 from schedulers.job_views import JobViews
@@ -241,13 +242,13 @@ class JobController:
         """Loads a whole-model state into every member (see :func:`schedulers.job_state.load_state_dict`)."""
         await job_state.load_state_dict(self.core, state)
 
-    async def save(self, directory: str) -> str:
-        """Checkpoints the job into ``directory`` (see :func:`schedulers.job_state.save`)."""
-        return await job_state.save(self.core, directory)
+    async def save(self, path: CheckpointPath) -> str:
+        """Checkpoints the job into ``path`` (see :func:`schedulers.job_state.save`)."""
+        return await job_state.save(self.core, path)
 
-    async def load(self, directory: str, weights_only: bool = False) -> int:
+    async def load(self, path: CheckpointPath, weights_only: bool = False) -> int:
         """Loads a checkpoint, all or nothing (see :func:`schedulers.job_state.load`)."""
-        return await job_state.load(self.core, directory, weights_only)
+        return await job_state.load(self.core, path, weights_only)
 
     # -- life ----------------------------------------------------------------------------------
 

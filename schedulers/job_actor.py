@@ -4,7 +4,9 @@
 one :class:`JobActor` per job (named ``<job>.control``) and returns its address in
 :class:`~schedulers.records.JobInfo`; the driver's :class:`~schedulers.client.Job` calls
 it by a typed ref (``ref.endpoint(JobActor.step).call(...)``). Only the client that
-created the job, or the admin key, may call it. Closing the job stops the actor.
+created the job, or the admin key, may call it, and a client's checkpoints stay in its
+own subtree of the head's checkpoint root (:mod:`schedulers.checkpoint_paths`).
+Closing the job stops the actor.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 import torch
 
 from actors import Actor, ActorRef, NotAllowed, current_caller, endpoint, may_call
+from schedulers.checkpoint_paths import CheckpointPath, resolve
 from schedulers.control import JobController
 from schedulers.records import JobDescription, Plan, RunInfo, SettingChange, StepStats, WhereReport
 
@@ -39,15 +42,18 @@ class JobActor(Actor):
 
     def __init__(
         self, job: JobController, *, stop_stages: Callable[[list[ActorRef]], Awaitable[None]],
-        closed: Callable[[str], Awaitable[None]],
+        closed: Callable[[str], Awaitable[None]], checkpoint_root: str,
     ) -> None:
         """
         Args:
             job: the job's controller.
             stop_stages: stops stage actors (the scheduler's; a lost node's go with it).
             closed: told the job's id once it is closed (the scheduler forgets the job and stops this actor).
+            checkpoint_root: the head's checkpoint root (absolute): a client's checkpoints stay under
+                ``checkpoint_root/NAME``.
         """
         self.controller = job
+        self.checkpoint_root = checkpoint_root
         self._stop_stages = stop_stages
         self._closed = closed
         self._closing = False
@@ -76,6 +82,18 @@ class JobActor(Actor):
             self.refused_calls += 1
             raise NotAllowed(f"{self.id} belongs to {self.owner}; only its owner or the admin key may act on it")
         return self.controller
+
+    def _checkpoint_path(self, directory: str, relative_to: str | None) -> CheckpointPath:
+        """``directory`` resolved for the caller (see :func:`schedulers.checkpoint_paths.resolve`).
+
+        Raises:
+            NotAllowed: a client's path outside its own subtree of the checkpoint root.
+        """
+        try:
+            return resolve(directory, relative_to, caller=current_caller(), root=self.checkpoint_root)
+        except NotAllowed:
+            self.refused_calls += 1
+            raise
 
     # -- training ---------------------------------------------------------------------------
 
@@ -153,17 +171,29 @@ class JobActor(Actor):
         await self._controller().load_state_dict(state)
 
     @endpoint(concurrent=True, roles=("client",))
-    async def save(self, directory: str) -> str:
-        """Writes a checkpoint to ``directory`` (absolute); the new version's path.
+    async def save(self, directory: str, relative_to: str | None = None) -> str:
+        """Writes a checkpoint to ``directory``; the new version's path.
 
-        The stages write, the head only coordinates (see :func:`schedulers.job_state.save`).
+        A client's ``directory`` is taken under its own subtree of the checkpoint root
+        (relative) or must lie inside it (absolute); the admin's is any absolute path, or
+        a relative one under ``relative_to`` (the driver's working directory). The
+        stages write, the head only coordinates (see :func:`schedulers.job_state.save`).
+
+        Raises:
+            NotAllowed: another client's job, or a client's path outside its subtree.
         """
-        return await self._controller().save(directory)
+        job = self._controller()
+        return await job.save(self._checkpoint_path(directory, relative_to))
 
     @endpoint(concurrent=True, roles=("client",))
-    async def load(self, directory: str, weights_only: bool = False) -> int:
-        """Loads the checkpoint in ``directory`` (absolute), all or nothing; returns its step."""
-        return await self._controller().load(directory, bool(weights_only))
+    async def load(self, directory: str, weights_only: bool = False, relative_to: str | None = None) -> int:
+        """Loads the checkpoint in ``directory`` (as for :meth:`save`), all or nothing; returns its step.
+
+        Raises:
+            NotAllowed: another client's job, or a client's path outside its subtree.
+        """
+        job = self._controller()
+        return await job.load(self._checkpoint_path(directory, relative_to), bool(weights_only))
 
     # -- life -------------------------------------------------------------------------------
 

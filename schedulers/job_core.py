@@ -18,6 +18,7 @@ from typing import Any
 
 from actors import ActorRef, Event, Host
 from stages import Mesh, StageReport
+from schedulers.checkpoint_paths import CheckpointPath
 from schedulers.jobs import AUTO_PROBE, JobSpec
 from schedulers.planning import AutoSchedule
 from schedulers.records import StepStats
@@ -116,7 +117,7 @@ class JobCore:
         mp = spec.mixed_precision
         self.scaler: LossScaler | None = None if mp.precision != "fp16" else LossScaler.for_spec(
             mp.loss_scale, mp.initial_scale_power, mp.loss_scale_window, mp.hysteresis, mp.min_loss_scale)
-        self.last_checkpoint: tuple[str, int] | None = None  # (directory, step) of this job's newest save
+        self.last_checkpoint: tuple[CheckpointPath, int] | None = None  # (where, step) of this job's newest save
         self.driver_batches = False  # a step took the driver's batch (so the data factory cannot replay it)
         self.snapshot_due = False  # take one at the next step whatever snapshot_every says (after a load)
         self.stage_micro_batches = spec.parallelism.micro_batches  # what the stage actors were built with
@@ -259,6 +260,6 @@ class JobCore:
         """A whole checkpoint of step ``step`` was loaded: the data factory goes on from there."""
         self.applied = self.steps_done = step
 
-    def saved(self, directory: str, step: int) -> None:
-        """A checkpoint of step ``step`` is in ``directory``: what a recovery falls back to."""
-        self.last_checkpoint = (directory, step)
+    def saved(self, path: CheckpointPath, step: int) -> None:
+        """A checkpoint of step ``step`` is in ``path``: what a recovery falls back to."""
+        self.last_checkpoint = (path, step)

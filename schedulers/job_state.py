@@ -2,7 +2,7 @@
 
 Functions of a :class:`~schedulers.job_core.JobCore` (``job``), which they hold through
 its :meth:`~schedulers.job_core.JobCore.operation` and change through its methods; the
-checkpoint format is :mod:`stages.state.checkpoint`.
+checkpoint format is :mod:`stages.state.checkpoint` and :mod:`stages.state.manifest`.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from stages import (
     ShardSpec,
     StageActor,
 )
+from schedulers.checkpoint_paths import CheckpointPath
 from schedulers.job_core import JobCore
 from schedulers.stepping import key_order
 
@@ -102,27 +103,28 @@ async def _held_keys(job: JobCore, aliases: bool = True) -> list[frozenset[str]]
 # -- checkpoints (the format: stages.state.checkpoint) -------------------------------------------
 
 
-async def save(job: JobCore, directory: str) -> str:
+async def save(job: JobCore, path: CheckpointPath) -> str:
     """Writes a checkpoint of the weights, optimizer state, learning-rate schedule and step count; returns
     the new version's path.
 
     Data-parallel replica 0 of every (pipeline, tensor) coordinate writes its own file
-    straight into ``directory``, in parallel; nothing big passes through the head (with
+    straight into ``path.directory``, in parallel; nothing big passes through the head (with
     ZeRO-1 every other replica writes its shard's optimizer state too, so the manifest
     holds every parameter's state once, as an unsharded job's does). The
-    first stage actor makes the staging directory and, once every file is fsynced,
-    switches ``LATEST`` to the new version atomically.
+    first stage actor makes the job's staging directory (inside ``path.within``, links
+    resolved, for a client) and, once every file is fsynced, switches ``LATEST`` to the
+    new version atomically.
 
     Raises:
-        CheckpointError: a relative path, a directory that holds something else, or a
-            node that cannot write there (named, with why).
+        CheckpointError: a relative path, a directory that holds something else or leads
+            out of the client's subtree, or a node that cannot write there (named, with why).
     """
-    directory = check_directory(directory)
+    directory = check_directory(path.directory)
     mesh = job.mesh
     async with job.operation():
         coordinator = [0]
         [staging] = await _on_stages(job, coordinator, "save", lambda g: job.stages[g].endpoint(
-            StageActor.checkpoint_begin, timeout=CHECKPOINT_TIMEOUT_S).call(directory))
+            StageActor.checkpoint_begin, timeout=CHECKPOINT_TIMEOUT_S).call(directory, path.within))
         writers = [g for g in range(mesh.size) if mesh.coords(g).data == 0 or job.spec.optimization.zero_stage == 1]
         written = await _on_stages(job, writers, "save", lambda g: job.stages[g].endpoint(
             StageActor.checkpoint_write, timeout=CHECKPOINT_TIMEOUT_S).call(staging, _shard_file(mesh, g)))
@@ -139,12 +141,12 @@ async def save(job: JobCore, directory: str) -> str:
         [version] = await _on_stages(job, coordinator, "save", lambda g: job.stages[g].endpoint(
             StageActor.checkpoint_commit, timeout=CHECKPOINT_TIMEOUT_S).call(directory, staging,
                                                                               manifest.to_wire()))
-        job.saved(directory, manifest.step)  # what a recovery falls back to
+        job.saved(path, manifest.step)  # what a recovery falls back to
     return str(version)
 
 
-async def load(job: JobCore, directory: str, weights_only: bool = False) -> int:
-    """Loads the checkpoint in ``directory`` into every member, all or nothing; returns its step.
+async def load(job: JobCore, path: CheckpointPath, weights_only: bool = False) -> int:
+    """Loads the checkpoint in ``path.directory`` into every member, all or nothing; returns its step.
 
     Phase one: every stage actor reads its part and checks every key, shape, dtype
     and checksum, while the head checks that every tensor of the checkpoint is
@@ -160,23 +162,24 @@ async def load(job: JobCore, directory: str, weights_only: bool = False) -> int:
     Raises:
         CheckpointError: every problem found, on every stage; nothing was applied.
     """
-    directory = check_directory(directory)
+    check_directory(path.directory)
     async with job.operation(repairs=True):
-        step = await apply_checkpoint(job, directory, weights_only)
+        step = await apply_checkpoint(job, path, weights_only)
         if not weights_only:  # the data factory goes on from the checkpoint's step
             job.loaded(step)
         job.restarted_history()
     return step
 
 
-async def apply_checkpoint(job: JobCore, directory: str, weights_only: bool = False) -> int:
+async def apply_checkpoint(job: JobCore, path: CheckpointPath, weights_only: bool = False) -> int:
     """:func:`load`'s two phases, for a caller that holds the job (a recovery too); returns the step.
 
     Every stage drops its snapshots and takes one at the next step; the job's data
     position and kept batches are the caller's to set.
     """
+    directory = path.directory
     [found] = await _on_stages(job, [0], "load", lambda g: job.stages[g].endpoint(
-        StageActor.checkpoint_manifest, timeout=CHECKPOINT_TIMEOUT_S).call(directory))
+        StageActor.checkpoint_manifest, timeout=CHECKPOINT_TIMEOUT_S).call(directory, path.within))
     version, manifest = str(found[0]), Manifest.from_wire(found[1])
     held = await _held_keys(job, aliases=False)
     problems = _unplaced(job, manifest, weights_only, held)

@@ -21,8 +21,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any, TypeVar
 
-from actors import LimitExceeded
-from actors.records import WireRecord
+from actors import LimitExceeded, WireRecord
 from schedulers.jobs import JobSpec
 
 __all__ = ["Limits", "check_spec", "off_loop", "parse_limits"]

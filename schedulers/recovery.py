@@ -81,7 +81,7 @@ async def recover(job: JobCore, cause: NodeLost) -> dict[str, Any]:
         raise unrecoverable("no snapshot that every stage has, and no checkpoint of this job to go back to, "
                             f"with the batches since kept{zero}" if checkpoint is None else
                             f"no snapshot that every stage has, and the batches since its checkpoint "
-                            f"{checkpoint[0]} (step {checkpoint[1]}) are no longer kept{zero}")
+                            f"{checkpoint[0].directory} (step {checkpoint[1]}) are no longer kept{zero}")
     target = max(usable) if usable else checkpoint[1] if checkpoint is not None else 0
     assert job.placer is not None
     try:
@@ -128,7 +128,7 @@ async def recover(job: JobCore, cause: NodeLost) -> dict[str, Any]:
     job.rolled_back(target)
     event = JobRecovered(job=job.id, lost=sorted(moved), moved=moved, from_step=target,
                          replayed=job.steps_done - target,
-                         from_checkpoint=checkpoint[0] if checkpoint is not None else None,
+                         from_checkpoint=checkpoint[0].directory if checkpoint is not None else None,
                          seconds=round(time.perf_counter() - started, 3),
                          restarts_left=job.spec.fault_tolerance.max_restarts - job.restarts)
     info = {k: v for k, v in event.to_wire().items() if k not in ("job", "time")}

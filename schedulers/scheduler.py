@@ -17,6 +17,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import os
 import time
 from typing import Any
 
@@ -95,8 +96,17 @@ class SchedulerActor(Actor):
     ``JobCreated``, ``JobClosed``, and each job's (see :class:`~schedulers.control.JobController`).
     """
 
-    def __init__(self, limits: dict[str, Any] | list[str] | None = None) -> None:
-        # The operator's (--limit NAME=VALUE on the head): checked before any work is done for a job.
+    def __init__(self, checkpoint_root: str = "checkpoints",
+                 limits: dict[str, Any] | list[str] | None = None) -> None:
+        """
+        Args:
+            checkpoint_root: the directory a client's checkpoints stay under, each key in its own
+                subtree (``ROOT/alice``); relative: to the head's working directory. The head's
+                ``--checkpoint-root`` (see :mod:`schedulers.checkpoint_paths`).
+            limits: the operator's limits (``--limit NAME=VALUE`` on the head, see
+                :mod:`schedulers.limits`): checked before any work is done for a job.
+        """
+        self.checkpoint_root = os.path.abspath(checkpoint_root)
         self.limits = parse_limits(limits or {})
         self._jobs: dict[str, JobActor] = {}
         # Jobs being created (concurrently): their owner and nodes, counted as the open jobs are.
@@ -166,7 +176,8 @@ class SchedulerActor(Actor):
             publish=self._publish, alive_nodes=self._alive_nodes, rendezvous=rendezvous,
             owner=current_caller(), identities=identities, limits=self.limits,
             placer=Placer(free_nodes=self._free_nodes, spawn=self._respawn, renew_rendezvous=self._renew_rendezvous))
-        job = JobActor(controller, stop_stages=self._stop_stages, closed=self._job_closed)
+        job = JobActor(controller, stop_stages=self._stop_stages, closed=self._job_closed,
+                       checkpoint_root=self.checkpoint_root)
         await self.runtime.spawn(job, f"{job_id}.control")
         self._jobs[job_id] = job
         log.info("%s: %s on %s", job_id, job_spec.parallelism.schedule, ", ".join(names))

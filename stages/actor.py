@@ -91,7 +91,8 @@ def assemble(config: StageConfig, built: BuiltStage, groups: StageGroups | None,
         built=built, executor=executor, groups=groups, sender=sender,
         receiver=Receiver(config, executor.inbox, spawn, link),
         tail=StepTail(config, built, executor, groups, send_tied, on_drop=sender.forget_feedback),
-        state=StageState(built, executor, pipeline_rank=config.pipeline_rank, pipeline_stages=config.pipeline_stages))
+        state=StageState(built, executor, pipeline_rank=config.pipeline_rank, pipeline_stages=config.pipeline_stages,
+                         job=config.job))
 
 
 async def close_parts(parts: StageParts) -> None:
@@ -498,9 +499,14 @@ class StageActor(Actor):
         return self._parts().state.state_keys(aliases)
 
     @endpoint(roles=("head",))
-    async def checkpoint_begin(self, directory: str) -> str:
-        """As the job's coordinator: makes the next version's staging directory in ``directory``; returns it."""
-        return await self._parts().state.begin(directory)
+    async def checkpoint_begin(self, directory: str, within: str | None = None) -> str:
+        """As the job's coordinator: makes the job's staging directory in ``directory``; returns it.
+
+        Only the head calls it, with a path it resolved for the job's owner; ``within`` is
+        that client's subtree of the checkpoint root, which ``directory`` must not leave
+        on this node either (links resolved), or None for the admin.
+        """
+        return await self._parts().state.begin(directory, within)
 
     @endpoint(roles=("head",))
     async def checkpoint_write(self, staging: str, file: str) -> dict[str, Any]:
@@ -513,9 +519,10 @@ class StageActor(Actor):
         return await self._parts().state.commit(directory, staging, manifest)
 
     @endpoint(roles=("head",))
-    async def checkpoint_manifest(self, directory: str) -> list[Any]:
-        """As the coordinator: ``[version directory, manifest]`` of the checkpoint ``LATEST`` names."""
-        return await self._parts().state.manifest(directory)
+    async def checkpoint_manifest(self, directory: str, within: str | None = None) -> list[Any]:
+        """As the coordinator: ``[version directory, manifest]`` of the checkpoint ``LATEST`` names
+        (``within``: as for :meth:`checkpoint_begin`)."""
+        return await self._parts().state.manifest(directory, within)
 
     @endpoint(roles=("head",))
     async def checkpoint_check(self, version: str, plan: dict[str, Any]) -> list[str]:

@@ -309,11 +309,12 @@ async def _checkpoint(session: Session, args: list[str]) -> None:
     job = await session.job(args[0])
     try:
         with session.reporting():
-            await job.save(args[1])
+            version = await job.save(args[1])
             info = await job.describe()
     except OSError as exc:
         raise CommandError(f"cannot write {args[1]}: {exc}") from None
-    _print(session, f"{args[0]}: checkpoint of step {info.steps} written to {args[1]}")
+    # Where it went: a client's relative path lands in its own subtree of the head's checkpoint root.
+    _print(session, f"{args[0]}: checkpoint of step {info.steps} written to {version}")
 
 
 @command("close JOB", "stop the job's stage actors", args=("job",), min_args=1)

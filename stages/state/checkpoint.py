@@ -7,14 +7,25 @@ A checkpoint directory ``DIR`` holds versions and a pointer to the complete one:
                                 file, offset, size and crc32
     DIR/v000007/p0-t0.bin       the raw bytes of one stage actor's tensors (pipeline rank 0, tensor rank 0),
                                 back to back: no pickle, every byte covered by a checksum
-    DIR/.staging-v000008-1f2e/  a save in progress, or one that was killed (the next save removes it)
+    DIR/.staging-job3-1f2e9a0c/ job3's save in progress, or one that was killed (job3's next save removes it)
 
-A save makes a staging directory, lets every writer put its file there (fsynced),
-writes the manifest, renames the staging directory to its version, and only then
-points ``LATEST`` at it; old versions go after the pointer has moved. A kill at any
-instant therefore leaves ``LATEST`` naming a complete version: the old one or the new
-one, never none and never a mix. The steps are named by :func:`_reached`, which tests
-use to stop a writer at each of them.
+A save makes a staging directory named by its job, lets every writer put its file
+there (fsynced), writes the manifest, renames the staging directory to the next free
+version number, and only then points ``LATEST`` at it; older versions go after the
+pointer has moved. A kill at any instant therefore leaves ``LATEST`` naming a
+complete version: the old one or the new one, never none and never a mix. The steps
+are named by :func:`_reached`, which tests use to stop a writer at each of them.
+
+Saves of several jobs to one directory do not undo each other: a save removes only
+its own job's staging directories, a version number is claimed by the rename itself
+(a directory rename never replaces a version), and the rename, the pointer and the
+removal of older versions happen under an exclusive ``flock`` of ``DIR`` (on a
+filesystem without one, such saves must not overlap in time).
+
+A client's checkpoints stay in its own subtree of the operator's checkpoint root: the
+head resolves the path as written, and :func:`check_within` makes every node refuse
+one that a symbolic link leads out of it. No message here lists a directory's
+contents or repeats a file's bytes: the directory may be someone else's.
 
 Keys are the unpartitioned model's (``3.fc1.weight``), and optimizer state is kept per
 parameter under the same key, so a checkpoint loads into any layout: another stage
@@ -22,246 +33,64 @@ count, schedule, tensor- or data-parallel degree. Every node reads and writes ``
 itself, so on several machines it must be on a filesystem every node mounts at the
 same path.
 
-This module is the format and the filesystem; :mod:`stages.state.stage_checkpoint` is what
-one stage writes and loads, and the scheduler's controller runs the two phases.
+This module is the filesystem: the directory, its versions and the shards' bytes;
+:mod:`stages.state.manifest` is what a manifest says (and :class:`CheckpointError`),
+:mod:`stages.state.stage_checkpoint` what one stage writes and loads, and the
+scheduler's controller runs the two phases.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
+import logging
 import os
 import re
 import secrets
 import shutil
 import zlib
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from stages.build.tensor_parallel import ShardSpec, gather_tensor
+from stages.state.manifest import (
+    DTYPES,
+    FILE,
+    FORMAT,
+    CheckpointError,
+    Manifest,
+    TensorEntry,
+    TensorPart,
+    layer_of,
+    merge_written,
+)
 
 __all__ = [
     "FORMAT", "CheckpointError", "Manifest", "TensorEntry", "TensorPart", "begin_version", "check_directory",
-    "check_staging", "check_version", "commit_version", "dtype_name", "layer_of", "merge_written", "read_entry",
-    "read_manifest", "write_tensors",
+    "check_staging", "check_version", "check_within", "commit_version", "dtype_name", "layer_of", "merge_written",
+    "read_entry", "read_manifest", "write_tensors",
 ]
 
-FORMAT = "actorpipe-checkpoint"
-FORMAT_VERSION = 1
+log = logging.getLogger(__name__)
+
 LATEST = "LATEST"
 MANIFEST = "manifest.json"
 _STAGING_PREFIX = ".staging-"
 _VERSION = re.compile(r"v(\d{6})")
-_FILE = re.compile(r"p\d{1,6}-t\d{1,6}(-d\d{1,6})?\.bin")  # -dN: replica N's ZeRO-1 optimizer shard
+_JOB = re.compile(r"[A-Za-z0-9_.]{1,64}")  # a job id, as its staging directories' names carry it
 _MAX_PATH = 4096
 _MAX_MANIFEST_BYTES = 256 << 20
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
-    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
 _SHARED_FS = ("on several machines the checkpoint directory must be on a filesystem every node mounts "
               "at the same path")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be written or loaded as asked; ``problems`` lists each thing wrong.
-
-    A load that raises it has applied nothing anywhere.
-    """
-
-    def __init__(self, summary: str, problems: list[str] | None = None) -> None:
-        self.summary = summary
-        self.problems = list(problems or [])
-        shown = self.problems[:50]
-        more = len(self.problems) - len(shown)
-        lines = [summary, *(f"  - {p}" for p in shown), *([f"  - ... and {more} more"] if more > 0 else [])]
-        super().__init__("\n".join(lines))
-
-    @classmethod
-    def from_message(cls, message: str) -> CheckpointError:
-        """Rebuilds one from its message (as it arrives from another process)."""
-        summary, *rest = message.split("\n")
-        return cls(summary, [line.removeprefix("  - ") for line in rest if line.startswith("  - ")])
 
 
 def _reached(point: str) -> None:
     """A named step of a save (``staged``, ``tensor_written``, ``manifest_written``, ``renamed``,
     ``pointer_written``, ``pointed``, ``old_removed``); tests replace this to stop the process there."""
-
-
-# --- what the manifest says --------------------------------------------------------------------
-
-
-def _expect(condition: bool, problem: str) -> None:
-    if not condition:
-        raise CheckpointError("the checkpoint's manifest is malformed", [problem])
-
-
-def _int_list(value: Any, what: str) -> list[int]:
-    _expect(isinstance(value, list) and all(type(v) is int and v >= 0 for v in value),
-            f"{what}: expected a list of integers >= 0, got {str(value)[:60]}")
-    return list(value)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TensorPart:
-    """Where one tensor-parallel rank's part of a tensor lies, and its checksum."""
-
-    file: str
-    offset: int
-    nbytes: int
-    shape: list[int]
-    crc32: int
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"file": self.file, "offset": self.offset, "nbytes": self.nbytes, "shape": self.shape,
-                "crc32": self.crc32}
-
-    @classmethod
-    def from_wire(cls, data: Any, what: str) -> TensorPart:
-        _expect(isinstance(data, dict) and set(data) == {"file", "offset", "nbytes", "shape", "crc32"},
-                f"{what}: a part needs exactly file, offset, nbytes, shape, crc32")
-        _expect(isinstance(data["file"], str) and _FILE.fullmatch(data["file"]) is not None,
-                f"{what}: file {str(data['file'])[:60]!r} is not a shard file name (pP-tT.bin)")
-        numbers = _int_list([data["offset"], data["nbytes"], data["crc32"]], f"{what} offset/nbytes/crc32")
-        return cls(file=data["file"], offset=numbers[0], nbytes=numbers[1], shape=_int_list(data["shape"], what),
-                   crc32=numbers[2])
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TensorEntry:
-    """One tensor of the unpartitioned model: its whole shape, dtype, split and parts (by tensor rank)."""
-
-    shape: list[int]
-    dtype: str
-    shard: list[int] | None  # [dim, world, num_fused] when split over tensor-parallel ranks
-    parts: list[TensorPart]
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"shape": self.shape, "dtype": self.dtype, "shard": self.shard,
-                "parts": [p.to_wire() for p in self.parts]}
-
-    @classmethod
-    def from_wire(cls, data: Any, what: str) -> TensorEntry:
-        _expect(isinstance(data, dict) and set(data) == {"shape", "dtype", "shard", "parts"},
-                f"{what}: an entry needs exactly shape, dtype, shard, parts")
-        _expect(data["dtype"] in _DTYPES, f"{what}: unknown dtype {str(data['dtype'])[:30]!r}")
-        shard = None if data["shard"] is None else _int_list(data["shard"], f"{what} shard")
-        _expect(shard is None or (len(shard) == 3 and shard[1] >= 1 and shard[2] >= 1),
-                f"{what}: shard must be [dim, world, num_fused]")
-        _expect(isinstance(data["parts"], list) and len(data["parts"]) == (shard[1] if shard else 1),
-                f"{what}: expected {shard[1] if shard else 1} part(s)")
-        parts = [TensorPart.from_wire(p, what) for p in data["parts"]]
-        return cls(shape=_int_list(data["shape"], what), dtype=data["dtype"], shard=shard, parts=parts)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Manifest:
-    """What a checkpoint version holds; also the plan a stage gets on load (the entries it needs).
-
-    ``optimizer_state`` maps a parameter's key to its optimizer state (``exp_avg``,
-    ``step``…) as entries split like the parameter; ``optimizer`` is the optimizer's
-    import path; ``step`` is the job's next step at the save; ``lr_scheduler`` is the
-    learning-rate schedule's ``{"path", "state"}`` (plain data, the same on every
-    stage), or None: no schedule, or a manifest written before schedules were kept.
-    """
-
-    step: int
-    optimizer: str
-    files: dict[str, int]  # file -> size in bytes
-    model: dict[str, TensorEntry]
-    optimizer_state: dict[str, dict[str, TensorEntry]]
-    job: dict[str, Any] = field(default_factory=dict)  # who wrote it, for people: job id, spec, layout
-    lr_scheduler: dict[str, Any] | None = None
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"format": FORMAT, "version": FORMAT_VERSION, "step": self.step, "optimizer": self.optimizer,
-                "files": self.files, "model": {k: e.to_wire() for k, e in self.model.items()},
-                "optimizer_state": {k: {n: e.to_wire() for n, e in s.items()}
-                                    for k, s in self.optimizer_state.items()},
-                "job": self.job, "lr_scheduler": self.lr_scheduler}
-
-    @classmethod
-    def from_wire(cls, data: Any) -> Manifest:
-        """Checks every field of an untrusted manifest (it comes from disk).
-
-        Raises:
-            CheckpointError: another format or version, or any malformed field.
-        """
-        _expect(isinstance(data, dict) and data.get("format") == FORMAT, f"not an {FORMAT} manifest")
-        _expect(data.get("version") == FORMAT_VERSION,
-                f"format version {str(data.get('version'))[:20]}; this actorpipe reads {FORMAT_VERSION}")
-        _expect(isinstance(data.get("files"), dict) and all(
-            isinstance(k, str) and _FILE.fullmatch(k) and type(v) is int and v >= 0 for k, v in data["files"].items()),
-            "files: expected a map of shard file name to size")
-        model, state = data.get("model"), data.get("optimizer_state")
-        _expect(isinstance(model, dict) and isinstance(state, dict) and all(isinstance(s, dict) for s in state.values()),
-                "model and optimizer_state must be maps")
-        _expect(type(data.get("step")) is int and isinstance(data.get("optimizer"), str), "step and optimizer")
-        schedule = data.get("lr_scheduler")  # absent from manifests written before schedules were kept
-        _expect(schedule is None or (isinstance(schedule, dict) and set(schedule) == {"path", "state"}
-                                     and isinstance(schedule["path"], str) and isinstance(schedule["state"], dict)),
-                "lr_scheduler: expected null or a map of path and state")
-        return cls(
-            step=data["step"], optimizer=data["optimizer"], files=dict(data["files"]),
-            model={str(k): TensorEntry.from_wire(e, str(k)[:80]) for k, e in model.items()},
-            optimizer_state={str(k): {str(n): TensorEntry.from_wire(e, f"{str(k)[:80]} {str(n)[:20]}")
-                                      for n, e in s.items()} for k, s in state.items()},
-            job=data.get("job") if isinstance(data.get("job"), dict) else {}, lr_scheduler=schedule)
-
-    def entries(self) -> Iterator[tuple[str, TensorEntry]]:
-        """Every tensor with a label for messages: ``3.fc1.weight``, ``3.fc1.weight (optimizer exp_avg)``."""
-        yield from self.model.items()
-        for key, state in self.optimizer_state.items():
-            for name, entry in state.items():
-                yield f"{key} (optimizer {name})", entry
-
-    def restrict(self, keys: frozenset[str], *, weights_only: bool) -> Manifest:
-        """The part of the checkpoint the holder of ``keys`` (its state's, and its parameters') reads."""
-        def mine(key: str) -> bool:
-            return key in keys
-
-        state = {} if weights_only else {k: s for k, s in self.optimizer_state.items() if mine(k)}
-        return Manifest(step=self.step, optimizer=self.optimizer, files=self.files,
-                        model={k: e for k, e in self.model.items() if mine(k)}, optimizer_state=state,
-                        lr_scheduler=None if weights_only else self.lr_scheduler)
-
-
-def layer_of(key: str) -> int | None:
-    """The layer index a key starts with (``3.fc1.weight`` -> 3), or None."""
-    head = key.partition(".")[0]
-    return int(head) if head.isdigit() and len(head) < 10 else None
-
-
-def merge_written(
-    written: list[dict[str, Any]]
-) -> tuple[dict[str, int], dict[str, TensorEntry], dict[str, dict[str, TensorEntry]]]:
-    """The manifest's files, model and optimizer state, from every writer's answer.
-
-    A writer reports ``{"file", "bytes", "tensors": [...]}``, one item per tensor it
-    wrote: ``{"key", "state" (None, or the optimizer state's name), "shape" (whole),
-    "dtype", "shard", "rank" (its tensor-parallel rank), "part"}``; the parts of a split
-    tensor are put in tensor-rank order.
-    """
-    files: dict[str, int] = {}
-    found: dict[tuple[str, str | None], dict[str, Any]] = {}
-    for answer in written:
-        files[answer["file"]] = answer["bytes"]
-        for info in answer["tensors"]:
-            entry = found.setdefault((info["key"], info["state"]), {**info, "parts": {}})
-            assert entry["shape"] == info["shape"] and entry["shard"] == info["shard"], info["key"]
-            entry["parts"][info["rank"]] = TensorPart(**info["part"])
-    model: dict[str, TensorEntry] = {}
-    state: dict[str, dict[str, TensorEntry]] = {}
-    for (key, name), info in found.items():
-        tensor = TensorEntry(shape=info["shape"], dtype=info["dtype"], shard=info["shard"],
-                             parts=[info["parts"][r] for r in sorted(info["parts"])])
-        if name is None:
-            model[key] = tensor
-        else:
-            state.setdefault(key, {})[name] = tensor
-    return files, model, state
 
 
 # --- bytes on disk ---------------------------------------------------------------------------
@@ -344,7 +173,7 @@ def read_entry(version: str, entry: TensorEntry, files: Mapping[str, int], label
         CheckpointError: a missing or short file, a checksum mismatch, parts that do not
             make the recorded shape; the message names the file and the key.
     """
-    dtype = _DTYPES[entry.dtype]
+    dtype = DTYPES[entry.dtype]
     parts = [_read_part(version, part, dtype, files, label) for part in entry.parts]
     whole = gather_tensor(parts, ShardSpec(*entry.shard)) if entry.shard is not None else parts[0]
     if list(whole.shape) != entry.shape:
@@ -359,20 +188,25 @@ def dtype_name(dtype: torch.dtype) -> str:
         CheckpointError: a dtype checkpoints do not store.
     """
     name = str(dtype).removeprefix("torch.")
-    if name not in _DTYPES:
-        raise CheckpointError(f"cannot checkpoint a {name} tensor", [f"supported: {', '.join(_DTYPES)}"])
+    if name not in DTYPES:
+        raise CheckpointError(f"cannot checkpoint a {name} tensor", [f"supported: {', '.join(DTYPES)}"])
     return name
 
 
 # --- the directory: versions and the pointer ------------------------------------------------------
 
 
+_NO_CHECKPOINT = (f"a checkpoint directory is one job.save wrote: {LATEST} and its versions; {_SHARED_FS}; "
+                  "model.pt, the unversioned format of earlier actorpipe, loads with "
+                  "torch.load(path, weights_only=True) and job.load_state_dict")
+
+
 def check_directory(path: Any) -> str:
     """``path`` if it is a usable checkpoint directory name: absolute and normalized.
 
     Paths come from clients, and every node resolves them on its own: a relative one
-    would land in each node's working directory, so it is refused (``Job.save``
-    resolves it against the driver's working directory first).
+    would land in each node's working directory, so it is refused (the head resolves
+    a client's path first: see ``schedulers.checkpoint_paths``).
 
     Raises:
         CheckpointError: not a string, too long, relative, or not normalized (``..``).
@@ -386,39 +220,81 @@ def check_directory(path: Any) -> str:
     return path
 
 
+def _inside(path: str, base: str) -> bool:
+    return path == base or path.startswith(base.rstrip(os.sep) + os.sep)
+
+
+def check_within(directory: Any, within: Any) -> str:
+    """``directory`` if it lies inside ``within`` as written and on this node, symbolic links resolved.
+
+    The head resolved a client's path as written; this is each node's own look at its
+    own filesystem, so that a link inside a client's subtree cannot lead a save or a
+    load out of it.
+
+    Raises:
+        CheckpointError: it lies outside ``within``; the message says where it must stay, never
+            where a link leads.
+    """
+    directory, within = check_directory(directory), check_directory(within)
+    if not (_inside(directory, within) and _inside(os.path.realpath(directory), os.path.realpath(within))):
+        raise CheckpointError(f"{directory[:200]} is outside {within[:200]} (links resolved)",
+                              ["a client's checkpoints stay in its own directory of the checkpoint root"])
+    return directory
+
+
+def _check_job(job: Any) -> str:
+    if not isinstance(job, str) or _JOB.fullmatch(job) is None:
+        raise CheckpointError(f"{str(job)[:80]!r} is not a job id (letters, digits, '_', '.')")
+    return job
+
+
+def _staging_prefix(job: str) -> str:
+    """What job ``job``'s staging directories start with (``.staging-job3-``; a job id has no ``-``)."""
+    return f"{_STAGING_PREFIX}{job}-"
+
+
 def _versions(directory: str) -> list[str]:
     return sorted(n for n in os.listdir(directory) if _VERSION.fullmatch(n))
 
 
 def _refuse_foreign(directory: str, entries: list[str]) -> None:
-    """A directory that already holds something other than checkpoints is not ours to fill or clean."""
+    """A directory that already holds something other than checkpoints is not ours to fill or clean.
+
+    The message does not name what it holds: the directory may be someone else's.
+    """
     ours = [LATEST, f"{LATEST}.tmp"]
     foreign = [n for n in entries if n not in ours and not _VERSION.fullmatch(n) and not n.startswith(_STAGING_PREFIX)]
     if foreign and LATEST not in entries:
-        raise CheckpointError(
-            f"{directory} is not an actorpipe checkpoint directory (no {LATEST}) and is not empty",
-            [f"it holds {', '.join(sorted(foreign)[:5])}; save to a new or empty directory"])
+        log.debug("refused to save to %s: %d entries that are not a checkpoint's", directory, len(foreign))
+        raise CheckpointError(f"{directory} is not an actorpipe checkpoint directory and is not empty",
+                              ["save to a new or empty directory"])
 
 
-def begin_version(directory: str) -> str:
-    """Makes the staging directory of the next version (after removing a killed save's leftovers).
+def begin_version(directory: str, job: str, *, within: str | None = None) -> str:
+    """Makes job ``job``'s staging directory for a save to ``directory``, after removing what a killed
+    save of the same job left there (a job saves one at a time; other jobs' are left alone).
+
+    Args:
+        within: the subtree ``directory`` must stay in on this node (a client's), or None.
 
     Returns:
-        Its path, ``DIR/.staging-vNNNNNN-XXXXXXXX``.
+        Its path, ``DIR/.staging-JOB-XXXXXXXX``.
 
     Raises:
-        CheckpointError: ``directory`` cannot be made, or holds something else.
+        CheckpointError: ``directory`` cannot be made, holds something else, or lies outside ``within``.
     """
-    directory = check_directory(directory)
+    directory, job = check_directory(directory), _check_job(job)
+    if within is not None:
+        check_within(directory, within)
     try:
         os.makedirs(directory, exist_ok=True)
         entries = os.listdir(directory)
         _refuse_foreign(directory, entries)
+        mine = _staging_prefix(job)
         for name in entries:
-            if name.startswith(_STAGING_PREFIX):
+            if name.startswith(mine):
                 shutil.rmtree(os.path.join(directory, name))
-        numbers = [int(n[1:]) for n in _versions(directory)]
-        staging = os.path.join(directory, f"{_STAGING_PREFIX}v{max(numbers, default=0) + 1:06d}-{secrets.token_hex(4)}")
+        staging = os.path.join(directory, f"{mine}{secrets.token_hex(4)}")
         os.mkdir(staging)
         _fsync_directory(directory)
         _fsync_directory(os.path.dirname(directory))
@@ -428,16 +304,21 @@ def begin_version(directory: str) -> str:
     return staging
 
 
-def check_staging(staging: Any, name: str = "p0-t0.bin") -> str:
+def check_staging(staging: Any, name: str = "p0-t0.bin", *, job: str | None = None) -> str:
     """The path of shard file ``name`` in ``staging``, both checked (they come over the wire).
 
+    Args:
+        job: the staging directory must be this job's (a stage writes only into its own job's).
+
     Raises:
-        CheckpointError: not a staging directory, or not a shard file name.
+        CheckpointError: not a (this job's) staging directory, or not a shard file name.
     """
     check_directory(staging)
-    if not os.path.basename(staging).startswith(_STAGING_PREFIX) or _FILE.fullmatch(name) is None:
+    prefix = _STAGING_PREFIX if job is None else _staging_prefix(_check_job(job))
+    if not os.path.basename(staging).startswith(prefix) or FILE.fullmatch(name) is None:
+        whose = "a" if job is None else "this job's"
         raise CheckpointError(f"refused to write {name[:40]!r} into {staging[:200]!r}",
-                              ["not a staging directory or not a shard file name"])
+                              [f"not {whose} staging directory, or not a shard file name"])
     return os.path.join(staging, name)
 
 
@@ -453,34 +334,111 @@ def check_version(version: Any) -> str:
     return version
 
 
-def commit_version(directory: str, staging: str, manifest: Manifest) -> str:
-    """Completes a save: manifest, fsync, rename to the version, then the pointer; removes old versions.
+@contextlib.contextmanager
+def _exclusive(directory: str) -> Iterator[None]:
+    """Holds an exclusive ``flock`` of ``directory``; on a filesystem without one, goes on unlocked."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as exc:
+            log.debug("no flock of %s (%s): saves of several jobs to it must not overlap", directory, exc)
+        yield
+    finally:
+        os.close(fd)  # and with it the lock
+
+
+def _claim_version(directory: str, staging: str) -> str:
+    """Renames ``staging`` to the next free version; returns the version's path.
+
+    A directory rename replaces only an empty directory, and a version never is one:
+    two saves cannot take the same number, and the second takes the next.
+    """
+    number = max((int(n[1:]) for n in _versions(directory)), default=0) + 1
+    while True:
+        version = os.path.join(directory, f"v{number:06d}")
+        try:
+            os.rename(staging, version)
+            return version
+        except OSError as exc:
+            if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+        number += 1
+
+
+def _pointer(directory: str) -> str | None:
+    """The version ``LATEST`` names, or None: no directory, no pointer, or one that names no version.
+
+    Why is logged at debug level, on this node: a caller's message must not tell what a
+    directory holds, nor repeat a file's bytes.
+    """
+    path = os.path.join(directory, LATEST)
+    if not os.path.isfile(path):
+        log.debug("no checkpoint at %s: %s", directory, "no such directory" if not os.path.isdir(directory)
+                  else f"no {LATEST} file")
+        return None
+    try:
+        with open(path, "rb") as f:
+            name = f.read(64).decode("ascii", "replace").strip()
+    except OSError as exc:
+        log.debug("no checkpoint at %s: %s", directory, exc.strerror)
+        return None
+    if _VERSION.fullmatch(name) is None:
+        log.debug("no checkpoint at %s: its %s does not name a version", directory, LATEST)
+        return None
+    return name
+
+
+def commit_version(directory: str, staging: str, manifest: Manifest, job: str) -> str:
+    """Completes job ``job``'s save: manifest, fsync, rename to the next version, the pointer; removes
+    older versions.
+
+    The rename, the pointer and the removal hold the directory's lock, so a concurrent
+    save of another job never loses its version, and the pointer only moves forward.
 
     Returns:
         The new version's path.
 
     Raises:
-        CheckpointError: a shard file is missing or not the size its writer reported.
+        CheckpointError: not ``job``'s staging directory in ``directory``, a shard file missing or not the
+            size its writer reported, or the filesystem refused.
     """
     directory = check_directory(directory)
-    check_staging(staging)
+    check_staging(staging, job=job)
     if os.path.dirname(staging) != directory:
         raise CheckpointError(f"{staging[:200]} is not in {directory[:200]}")
     for name, size in manifest.files.items():
         path = os.path.join(staging, name)
         if not os.path.isfile(path) or os.path.getsize(path) != size:
             raise CheckpointError(f"the save to {directory} is incomplete", [f"{path} is missing or not {size} bytes"])
-    with open(os.path.join(staging, MANIFEST), "x") as f:
-        json.dump(manifest.to_wire(), f)
-        f.flush()
-        os.fsync(f.fileno())
-    _fsync_directory(staging)
-    _reached("manifest_written")
-    name = os.path.basename(staging).removeprefix(_STAGING_PREFIX).split("-")[0]
-    version = os.path.join(directory, name)
-    os.rename(staging, version)
-    _fsync_directory(directory)
-    _reached("renamed")
+    try:
+        with open(os.path.join(staging, MANIFEST), "x") as f:
+            json.dump(manifest.to_wire(), f)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_directory(staging)
+        _reached("manifest_written")
+        with _exclusive(directory):
+            version = _claim_version(directory, staging)
+            _fsync_directory(directory)
+            _reached("renamed")
+            name = os.path.basename(version)
+            _point(directory, name)
+            for old in _versions(directory):
+                if old < name:  # newer ones (only without a lock: another save's) stay
+                    shutil.rmtree(os.path.join(directory, old), ignore_errors=True)
+                    _reached("old_removed")
+    except OSError as exc:
+        raise CheckpointError(f"cannot complete the save to {directory}", [str(exc)]) from exc
+    return version
+
+
+def _point(directory: str, name: str) -> None:
+    """Points ``LATEST`` at version ``name`` (an fsynced temporary, ``os.replace``, the directory fsynced),
+    unless it names a newer one already."""
+    current = _pointer(directory)
+    if current is not None and current > name:
+        return
     pointer = os.path.join(directory, f"{LATEST}.tmp")
     with open(pointer, "w") as f:
         f.write(name + "\n")
@@ -490,33 +448,24 @@ def commit_version(directory: str, staging: str, manifest: Manifest) -> str:
     os.replace(pointer, os.path.join(directory, LATEST))
     _fsync_directory(directory)
     _reached("pointed")
-    for old in _versions(directory):
-        if old != name:
-            shutil.rmtree(os.path.join(directory, old), ignore_errors=True)
-            _reached("old_removed")
-    return version
 
 
-def read_manifest(directory: str) -> tuple[str, Manifest]:
+def read_manifest(directory: str, *, within: str | None = None) -> tuple[str, Manifest]:
     """The version ``LATEST`` points at, and its manifest.
 
+    Args:
+        within: the subtree ``directory`` must stay in on this node (a client's), or None.
+
     Raises:
-        CheckpointError: no such directory, not a checkpoint (e.g. one written before
-            checkpoints were versioned), or a malformed pointer or manifest.
+        CheckpointError: outside ``within``; no checkpoint there (one message whatever the
+            directory holds or lacks); a version that cannot be read or a malformed manifest.
     """
     directory = check_directory(directory)
-    if not os.path.isdir(directory):
-        raise CheckpointError(f"no checkpoint at {directory}: no such directory on this node", [_SHARED_FS])
-    pointer = os.path.join(directory, LATEST)
-    if not os.path.isfile(pointer):
-        problem = (f"{MANIFEST} and {LATEST} are missing; model.pt is the unversioned format of earlier "
-                   "actorpipe: load it with torch.load(path, weights_only=True) and job.load_state_dict"
-                   if os.path.exists(os.path.join(directory, "model.pt")) else f"it has no {LATEST} file")
-        raise CheckpointError(f"{directory} is not an actorpipe checkpoint", [problem])
-    with open(pointer, "rb") as f:
-        name = f.read(64).decode("ascii", "replace").strip()
-    if _VERSION.fullmatch(name) is None:
-        raise CheckpointError(f"{pointer} does not name a version", [f"it says {name[:20]!r}"])
+    if within is not None:
+        check_within(directory, within)
+    name = _pointer(directory)
+    if name is None:
+        raise CheckpointError(f"no actorpipe checkpoint at {directory}", [_NO_CHECKPOINT])
     version = os.path.join(directory, name)
     path = os.path.join(version, MANIFEST)
     try:

@@ -101,11 +101,13 @@ class StageState:
         built: the stage's layers and how they are named.
         executor: runs the work on the compute thread; its model holds the optimizer and schedule.
         pipeline_rank, pipeline_stages: where this stage sits (a snapshot comes from another rank).
+        job: the job's id: a save's staging directory is named by it, and a stage writes only into its own job's.
     """
 
     def __init__(self, built: BuiltStage, executor: StepExecutor, *, pipeline_rank: int,
-                 pipeline_stages: int) -> None:
+                 pipeline_stages: int, job: str) -> None:
         self.built = built
+        self.job = job
         self.executor = executor
         self.pipeline_rank = pipeline_rank
         self.pipeline_stages = pipeline_stages
@@ -135,12 +137,18 @@ class StageState:
 
     # -- checkpoints (the format: stages.state.checkpoint) ------------------------------
 
-    async def begin(self, directory: str) -> str:
-        """As the job's coordinator: makes the next version's staging directory; returns it."""
-        return await self._compute(checkpoint.begin_version, directory)
+    async def begin(self, directory: str, within: str | None = None) -> str:
+        """As the job's coordinator: makes the job's staging directory for a save; returns it.
+
+        Args:
+            within: the subtree ``directory`` must stay in, links resolved (a client's), or None.
+        """
+        return await self._compute(functools.partial(checkpoint.begin_version, within=within), directory, self.job)
 
     async def write(self, staging: str, file: str) -> dict[str, Any]:
-        """Writes this stage's tensors and optimizer state to ``staging/file``; returns their manifest items."""
+        """Writes this stage's tensors and optimizer state to ``staging/file`` (a staging directory of
+        this stage's job); returns their manifest items."""
+        checkpoint.check_staging(staging, file, job=self.job)
         built, model = self.built, self.executor.model
         # Replica 0 writes the weights; with ZeRO-1 every replica writes its shard's optimizer state.
         write = functools.partial(write_stage, key=built.key, model=built.data_rank == 0,
@@ -151,11 +159,13 @@ class StageState:
     async def commit(self, directory: str, staging: str, manifest: dict[str, Any]) -> str:
         """As the coordinator: completes the save; returns the version."""
         return await self._compute(checkpoint.commit_version, directory, staging,
-                                   checkpoint.Manifest.from_wire(manifest))
+                                   checkpoint.Manifest.from_wire(manifest), self.job)
 
-    async def manifest(self, directory: str) -> list[Any]:
-        """As the coordinator: ``[version directory, manifest]`` of the checkpoint ``LATEST`` names."""
-        version, manifest = await self._compute(checkpoint.read_manifest, directory)
+    async def manifest(self, directory: str, within: str | None = None) -> list[Any]:
+        """As the coordinator: ``[version directory, manifest]`` of the checkpoint ``LATEST`` names
+        (``within``: as for :meth:`begin`)."""
+        version, manifest = await self._compute(functools.partial(checkpoint.read_manifest, within=within),
+                                                directory)
         return [version, manifest.to_wire()]
 
     async def check(self, version: str, plan: dict[str, Any]) -> list[str]:

@@ -40,7 +40,7 @@ def test_help_documents_every_flag() -> None:
     out = subprocess.run([sys.executable, "-m", "actors.node", "--help"], capture_output=True, text=True, check=True)
     for flag in ("--head", "--join", "--bind", "--name", "--device", "--allow", "--allow-remote",
                  "--heartbeat-interval", "--heartbeat-timeout", "--head-timeout", "--address-file", "--log-level",
-                 "--keys", "--identity", "--insecure", "--max-message-bytes"):
+                 "--keys", "--identity", "--insecure", "--max-message-bytes", "--checkpoint-root"):
         assert flag in out.stdout
 
 
@@ -51,3 +51,10 @@ def test_the_node_command_line_takes_the_message_limit() -> None:
     assert parse_args(["--join", "tcp://127.0.0.1:1"]).max_message_bytes == 1 << 30
     with pytest.raises(SystemExit):
         parse_args(["--head", "--max-message-bytes", "0"])
+
+
+def test_the_heads_checkpoint_root_defaults_to_checkpoints_in_its_working_directory() -> None:
+    from actors.node import parse_args
+
+    assert parse_args(["--head"]).checkpoint_root == "checkpoints"  # made absolute from the head's directory
+    assert parse_args(["--head", "--checkpoint-root", "/srv/ckpt"]).checkpoint_root == "/srv/ckpt"

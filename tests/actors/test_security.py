@@ -7,6 +7,7 @@ import os
 import stat
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -30,6 +31,7 @@ from actors import (
     open_runtime,
 )
 from stages import RendezvousActor, StageActor, StepOrder
+from schedulers.client import CheckpointError
 from schedulers.job_actor import JobActor
 from transport.security import Keypair
 
@@ -59,6 +61,16 @@ def keys() -> ClusterKeys:
 
 def batch() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(4, 2, 8), torch.randn(4, 2, 8)
+
+
+def checkpoint_root() -> str:
+    """The head's checkpoint root: the cluster's own (in its temporary directory), since none was given."""
+    assert _LOCAL[0].checkpoint_root is not None
+    return _LOCAL[0].checkpoint_root
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
 async def test_the_key_directory_is_private(cluster: Cluster) -> None:
@@ -100,6 +112,7 @@ async def test_a_client_cannot_act_on_another_clients_job(cluster: Cluster) -> N
                             forged.endpoint(JobActor.load_state_dict).call({}),
                             forged.endpoint(JobActor.set).call("micro_batches", 4),
                             forged.endpoint(JobActor.step).call(*batch()), forged.endpoint(JobActor.run).call(1),
+                            forged.endpoint(JobActor.save).call("run"), forged.endpoint(JobActor.load).call("run"),
                             forged.ask("describe", timeout=10), forged.ask("stop", timeout=10)):  # by name too
                 with pytest.raises(NotAllowed, match=f"{job.id} belongs to client:alice; only its owner or the admin"):
                     await attempt
@@ -107,6 +120,111 @@ async def test_a_client_cannot_act_on_another_clients_job(cluster: Cluster) -> N
             assert [d.job for d in await cluster.jobs()] == [job.id]  # the admin key sees (and may do) all
         finally:
             await job.close()
+
+
+# -- checkpoints are the job's own: a client keeps them under ROOT/NAME --------------------------
+
+
+async def test_a_client_saves_under_its_own_subtree_and_another_client_cannot_load_or_save_there(
+    cluster: Cluster
+) -> None:
+    root = checkpoint_root()
+    async with Cluster.connect(cluster.head.address, keys=keys().directory, identity="alice") as alice, \
+            Cluster.connect(cluster.head.address, keys=keys().directory, identity="bob") as bob:
+        hers, his = await alice.train(**MODEL), await bob.train(**MODEL, seed=1)
+        try:
+            await hers.step(*batch())
+            assert await hers.save("run") == f"{root}/alice/run/v000001"  # relative: under her subtree
+            await hers.step(*batch())
+            assert await hers.save("run") == f"{root}/alice/run/v000002"
+            saved, own = await hers.state_dict(), await his.state_dict()
+            for path in (f"{root}/alice/run", "../alice/run", f"{root}/bob/../alice/run", f"{root}/alice"):
+                for attempt in (his.load(path), his.load(path, weights_only=True), his.save(path)):
+                    with pytest.raises(NotAllowed, match=f"is outside {root}/bob, where the checkpoints of "
+                                                         "client:bob are kept") as info:
+                        await attempt
+                    assert "v00000" not in str(info.value) and "LATEST" not in str(info.value), path
+            assert_same(await his.state_dict(), own)  # none of her weights
+            assert sorted(os.listdir(f"{root}/alice/run")) == ["LATEST", "v000002"]  # nothing of hers deleted
+            # His own "run" is another directory, and her next load is her own save.
+            assert await his.save("run") == f"{root}/bob/run/v000001"
+            await hers.step(*batch())
+            assert await hers.load("run") == 2
+            assert_same(await hers.state_dict(), saved)
+        finally:
+            await hers.close()
+            await his.close()
+
+
+async def test_the_admin_key_saves_and_loads_anywhere(
+    cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = checkpoint_root()
+    monkeypatch.chdir(tmp_path)
+    async with Cluster.connect(cluster.head.address, keys=keys().directory, identity="alice") as alice:
+        hers = await alice.train(**MODEL)
+        try:
+            await hers.save("for-the-admin")
+            job = await cluster.train(**MODEL, seed=3)  # the LocalCluster's driver holds the admin key
+            try:
+                assert await job.save(tmp_path / "mine") == f"{tmp_path}/mine/v000001"  # outside the root
+                assert await job.save("relative") == f"{tmp_path}/relative/v000001"  # from the driver's directory
+                assert await job.load(f"{root}/alice/for-the-admin") == 0  # inside a client's subtree
+                assert_same(await job.state_dict(), await hers.state_dict())
+                assert await job.save(f"{root}/alice/from-the-admin") == f"{root}/alice/from-the-admin/v000001"
+            finally:
+                await job.close()
+            assert await hers.load("from-the-admin") == 0
+        finally:
+            await hers.close()
+
+
+async def test_checkpoint_errors_name_no_file_and_repeat_no_bytes(cluster: Cluster) -> None:
+    """What the operator (or anyone with a shell) put in a client's subtree is not told back to the client."""
+    root = checkpoint_root()
+    notes = Path(root, "bob", "notes")
+    notes.mkdir(parents=True)
+    for name in ("id_ed25519", "notes.txt", "payroll.csv"):
+        (notes / name).write_text("private")
+    Path(root, "bob", "pointer").mkdir()
+    Path(root, "bob", "pointer", "LATEST").write_text("hunter2 is the password\n")
+    Path(root, "bob", "empty").mkdir()
+    async with Cluster.connect(cluster.head.address, keys=keys().directory, identity="bob") as bob:
+        job = await bob.train(**MODEL)
+        try:
+            with pytest.raises(CheckpointError, match=f"{root}/bob/notes is not an actorpipe checkpoint directory") \
+                    as info:
+                await job.save("notes")
+            messages = [str(info.value)]
+            for name in ("notes", "pointer", "empty", "missing"):
+                with pytest.raises(CheckpointError, match=f"no actorpipe checkpoint at {root}/bob/{name}\n") as info:
+                    await job.load(name)
+                messages.append(str(info.value).replace(name, "DIR"))
+            assert len(set(messages[1:])) == 1  # what a directory holds or lacks is not told apart
+            for message in messages:
+                assert not any(word in message for word in ("id_ed25519", "notes.txt", "payroll", "hunter2")), message
+            assert sorted(os.listdir(notes)) == ["id_ed25519", "notes.txt", "payroll.csv"]
+        finally:
+            await job.close()
+
+
+async def test_a_jobs_save_leaves_another_jobs_staging_directory_alone(cluster: Cluster) -> None:
+    root = checkpoint_root()
+    async with Cluster.connect(cluster.head.address, keys=keys().directory, identity="alice") as alice:
+        first, second = await alice.train(**MODEL), await alice.train(**MODEL)
+        try:
+            await first.save("shared")
+            # The first job's next save, in progress: its staging directory, half written.
+            staging = Path(root, "alice", "shared", f".staging-{first.id}-0000beef")
+            staging.mkdir()
+            (staging / "p0-t0.bin").write_bytes(b"half")
+            assert await second.save("shared") == f"{root}/alice/shared/v000002"
+            assert (staging / "p0-t0.bin").read_bytes() == b"half"  # the other job's save goes on
+            assert await first.save("shared") == f"{root}/alice/shared/v000003"  # and clears its own leftover
+            assert sorted(os.listdir(Path(root, "alice", "shared"))) == ["LATEST", "v000003"]
+        finally:
+            await first.close()
+            await second.close()
 
 
 async def test_clients_cannot_register_nodes_spawn_actors_or_shut_nodes_down(cluster: Cluster) -> None:

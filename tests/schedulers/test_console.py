@@ -235,11 +235,14 @@ def test_a_session_at_the_prompt(head_address: str, tmp_path: Path) -> None:
         activation_bytes = float(edges.group(3)) * scale[edges.group(4)]
         assert activation_bytes < 0.5 * gradient_bytes, edges.group(0)
 
-        trace_path, png_path, checkpoint = tmp_path / "step.json", tmp_path / "step.png", tmp_path / "ckpt"
+        trace_path, png_path = tmp_path / "step.json", tmp_path / "step.png"
         # 36 spans: stage 1 splits each B into I and W.
         term.command(f"trace {job} {trace_path}", r"wrote .*: step \d+, 2 tracks, 36 spans, 8 transfers")
         term.command(f"plot {job} {png_path}", rf"wrote {re.escape(str(png_path))}")
-        term.command(f"checkpoint {job} {checkpoint}", r"checkpoint of step \d+ written")
+        # The console holds the client key: its checkpoints go to its own subtree of the head's root.
+        [written] = term.command(f"checkpoint {job} ckpt",
+                                 r"checkpoint of step \d+ written to (/\S+/client/ckpt)/v000001")
+        checkpoint = Path(written.group(1))
         term.command(f"close {job}", rf"{job}: closed")
         term.child.sendline("quit")
         term.child.expect(pexpect.EOF, timeout=30)

@@ -112,7 +112,7 @@ class InProcessPipeline:
         tail = StepTail(config, built, executor, None, self._send_tied_from(config.pipeline_rank),
                         on_drop=sender.forget_feedback)
         state = StageState(built, executor, pipeline_rank=config.pipeline_rank,
-                           pipeline_stages=config.pipeline_stages)
+                           pipeline_stages=config.pipeline_stages, job=config.job)
         return Rank(config, built, executor, sender, receiver, tail, state)
 
     def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:

@@ -49,16 +49,20 @@ def optimizer_of(layers: dict[int, nn.Module], value: float) -> torch.optim.Opti
     return opt
 
 
-def save(directory: str, value: int) -> str:
-    """One save as the controller runs it: begin, every stage writes, commit."""
-    staging = ck.begin_version(directory)
+def write(staging: str, value: int) -> ck.Manifest:
+    """Every stage's file of a save of ``value`` into ``staging``, and the manifest of them."""
     written = []
     for i, layer in stages(float(value)).items():
         opt = optimizer_of({i: layer}, float(value))
         written.append(write_stage(staging, f"p{i}-t0.bin", {i: layer}, opt, {}, 0))
     files, model, state = ck.merge_written(written)
-    manifest = ck.Manifest(step=value, optimizer="torch.optim:SGD", files=files, model=model, optimizer_state=state)
-    return ck.commit_version(directory, staging, manifest)
+    return ck.Manifest(step=value, optimizer="torch.optim:SGD", files=files, model=model, optimizer_state=state)
+
+
+def save(directory: str, value: int, job: str = "job0") -> str:
+    """One save as the controller runs it: begin, every stage writes, commit."""
+    staging = ck.begin_version(directory, job)
+    return ck.commit_version(directory, staging, write(staging, value), job)
 
 
 def held_keys(layers: dict[int, torch.nn.Module]) -> frozenset[str]:
@@ -157,7 +161,7 @@ def test_a_killed_first_save_is_no_checkpoint_and_the_next_save_works(
         save(directory, 1)
 
     assert in_child(killed_save) == KILLED
-    with pytest.raises(ck.CheckpointError, match="not an actorpipe checkpoint"):
+    with pytest.raises(ck.CheckpointError, match="no actorpipe checkpoint at"):
         load(directory)
     save(directory, 2)
     assert load(directory) == 2
@@ -240,8 +244,95 @@ def test_a_pointer_that_names_no_version_is_refused(tmp_path: Path) -> None:
     directory = tmp_path / "ckpt"
     save(str(directory), 1)
     (directory / "LATEST").write_text("../../etc\n")
-    with pytest.raises(ck.CheckpointError, match="does not name a version"):
+    with pytest.raises(ck.CheckpointError, match="no actorpipe checkpoint at") as info:
         ck.read_manifest(str(directory))
+    assert "etc" not in str(info.value)  # the pointer's bytes are not repeated
+
+
+def test_what_is_not_a_checkpoint_is_refused_without_telling_what_the_directory_holds(tmp_path: Path) -> None:
+    """Whatever a directory holds or lacks, a load hears one message, and a save refused names no file."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "files").mkdir()
+    for name in ("id_ed25519", "notes.txt", "payroll.csv"):
+        (tmp_path / "files" / name).write_text("private")
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "model.pt").write_bytes(b"an unversioned checkpoint")
+    (tmp_path / "pointer").mkdir()
+    (tmp_path / "pointer" / "LATEST").write_text("hunter2-secret\n")
+    summaries = set()
+    for name in ("missing", "empty", "files", "old", "pointer"):
+        with pytest.raises(ck.CheckpointError) as info:
+            ck.read_manifest(str(tmp_path / name))
+        summaries.add(info.value.summary.replace(name, "DIR"))
+        assert not any(word in str(info.value) for word in ("id_ed25519", "notes.txt", "payroll", "hunter2")), name
+        assert "model.pt" in str(info.value)  # the hint is always there: it tells nothing about the directory
+    assert summaries == {f"no actorpipe checkpoint at {tmp_path}/DIR"}
+    with pytest.raises(ck.CheckpointError, match="is not an actorpipe checkpoint directory") as info:
+        ck.begin_version(str(tmp_path / "files"), "job0")
+    assert not any(word in str(info.value) for word in ("id_ed25519", "notes.txt", "payroll"))
+    assert sorted(os.listdir(tmp_path / "files")) == ["id_ed25519", "notes.txt", "payroll.csv"]
+
+
+def test_a_save_removes_only_its_own_jobs_staging_directories(tmp_path: Path) -> None:
+    directory = str(tmp_path / "ckpt")
+    other = ck.begin_version(directory, "job1")  # another job's save, in progress
+    killed = ck.begin_version(directory, "job0")  # this job's save, killed before its commit
+    staging = ck.begin_version(directory, "job0")
+    assert os.path.isdir(other) and not os.path.exists(killed)
+    assert os.path.basename(staging).startswith(".staging-job0-")
+    ck.commit_version(directory, staging, write(staging, 1), "job0")
+    assert os.path.isdir(other)  # the other job's save goes on
+    ck.commit_version(directory, other, write(other, 2), "job1")
+    assert load(directory) == 2
+    assert sorted(os.listdir(directory)) == ["LATEST", "v000002"]
+
+
+def test_two_jobs_saving_to_one_directory_at_once_both_complete_and_the_later_commit_is_latest(
+    tmp_path: Path
+) -> None:
+    """The version number is taken at the commit: two saves begun together do not collide."""
+    directory = str(tmp_path / "ckpt")
+    save(directory, 1)
+    first, second = ck.begin_version(directory, "job1"), ck.begin_version(directory, "job2")
+    manifests = write(first, 2), write(second, 3)
+    assert ck.commit_version(directory, second, manifests[1], "job2") == f"{directory}/v000002"
+    assert load(directory) == 3
+    assert ck.commit_version(directory, first, manifests[0], "job1") == f"{directory}/v000003"
+    assert load(directory) == 2
+    assert sorted(os.listdir(directory)) == ["LATEST", "v000003"]
+
+
+def test_a_stage_writes_and_commits_only_into_its_own_jobs_staging_directory(tmp_path: Path) -> None:
+    directory = str(tmp_path / "ckpt")
+    staging = ck.begin_version(directory, "job1")
+    with pytest.raises(ck.CheckpointError, match="not this job's staging directory"):
+        ck.check_staging(staging, "p0-t0.bin", job="job10")
+    manifest = write(staging, 1)
+    with pytest.raises(ck.CheckpointError, match="not this job's staging directory"):
+        ck.commit_version(directory, staging, manifest, "job0")
+    with pytest.raises(ck.CheckpointError, match="is not a job id"):
+        ck.begin_version(directory, "../job0")
+    assert ck.commit_version(directory, staging, manifest, "job1") == f"{directory}/v000001"
+
+
+def test_a_link_out_of_the_clients_subtree_is_refused_on_the_node(tmp_path: Path) -> None:
+    root, elsewhere = tmp_path / "root", tmp_path / "elsewhere"
+    (root / "alice").mkdir(parents=True)
+    elsewhere.mkdir()
+    save(str(elsewhere / "ckpt"), 1)
+    (root / "alice" / "link").symlink_to(elsewhere)
+    within = str(root / "alice")
+    for attempt in (lambda: ck.begin_version(f"{within}/link/ckpt", "job0", within=within),
+                    lambda: ck.read_manifest(f"{within}/link/ckpt", within=within),
+                    lambda: ck.read_manifest(f"{root}/bob", within=within)):
+        with pytest.raises(ck.CheckpointError, match=f"is outside {within} \\(links resolved\\)") as info:
+            attempt()
+        assert "elsewhere" not in str(info.value)  # where the link leads is not told
+    assert sorted(os.listdir(elsewhere / "ckpt")) == ["LATEST", "v000001"]
+    # A subtree that is itself a link (the operator's choice) is the subtree.
+    (root / "carol").symlink_to(elsewhere)
+    assert ck.read_manifest(f"{root}/carol/ckpt", within=f"{root}/carol")[1].step == 1
+    assert save(f"{within}/run", 2) == f"{within}/run/v000001"
 
 
 @pytest.mark.parametrize("path", ["relative/dir", "/a/../b", "/a//b", "", "/a\0b", 7])
@@ -276,12 +367,12 @@ def save_scheduled(directory: str) -> tuple[torch.optim.Optimizer, LRScheduler]:
     for _ in range(3):
         opt.step()
         scheduler.step()
-    staging = ck.begin_version(directory)
+    staging = ck.begin_version(directory, "job0")
     answer = write_stage(staging, "p0-t0.bin", layers, opt, {}, 0, scheduler=scheduler)
     files, model, state = ck.merge_written([answer])
     schedule = {"path": STEP_LR, "state": answer["lr_scheduler"]}
     ck.commit_version(directory, staging, ck.Manifest(step=3, optimizer="torch.optim:SGD", files=files, model=model,
-                                                      optimizer_state=state, lr_scheduler=schedule))
+                                                      optimizer_state=state, lr_scheduler=schedule), "job0")
     return opt, scheduler
 
 

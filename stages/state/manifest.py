@@ -1,0 +1,219 @@
+"""What a checkpoint version's manifest says, and the error every checkpoint problem is.
+
+The manifest (``DIR/vNNNNNN/manifest.json``) lists every tensor of the unpartitioned
+model and every parameter's optimizer state: whole shape, dtype, tensor-parallel
+split, and for each part its shard file, offset, size and crc32. It comes from disk,
+so :meth:`Manifest.from_wire` checks every field. The directory and the bytes are
+:mod:`stages.state.checkpoint`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["FORMAT", "CheckpointError", "Manifest", "TensorEntry", "TensorPart", "layer_of", "merge_written"]
+
+FORMAT = "actorpipe-checkpoint"
+FORMAT_VERSION = 1
+FILE = re.compile(r"p\d{1,6}-t\d{1,6}(-d\d{1,6})?\.bin")  # a shard file; -dN: replica N's ZeRO-1 optimizer shard
+DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}  # the dtypes stored, by name
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be written or loaded as asked; ``problems`` lists each thing wrong.
+
+    A load that raises it has applied nothing anywhere.
+    """
+
+    def __init__(self, summary: str, problems: list[str] | None = None) -> None:
+        self.summary = summary
+        self.problems = list(problems or [])
+        shown = self.problems[:50]
+        more = len(self.problems) - len(shown)
+        lines = [summary, *(f"  - {p}" for p in shown), *([f"  - ... and {more} more"] if more > 0 else [])]
+        super().__init__("\n".join(lines))
+
+    @classmethod
+    def from_message(cls, message: str) -> CheckpointError:
+        """Rebuilds one from its message (as it arrives from another process)."""
+        summary, *rest = message.split("\n")
+        return cls(summary, [line.removeprefix("  - ") for line in rest if line.startswith("  - ")])
+
+
+
+def _expect(condition: bool, problem: str) -> None:
+    if not condition:
+        raise CheckpointError("the checkpoint's manifest is malformed", [problem])
+
+
+def _int_list(value: Any, what: str) -> list[int]:
+    _expect(isinstance(value, list) and all(type(v) is int and v >= 0 for v in value),
+            f"{what}: expected a list of integers >= 0, got {str(value)[:60]}")
+    return list(value)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TensorPart:
+    """Where one tensor-parallel rank's part of a tensor lies, and its checksum."""
+
+    file: str
+    offset: int
+    nbytes: int
+    shape: list[int]
+    crc32: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"file": self.file, "offset": self.offset, "nbytes": self.nbytes, "shape": self.shape,
+                "crc32": self.crc32}
+
+    @classmethod
+    def from_wire(cls, data: Any, what: str) -> TensorPart:
+        _expect(isinstance(data, dict) and set(data) == {"file", "offset", "nbytes", "shape", "crc32"},
+                f"{what}: a part needs exactly file, offset, nbytes, shape, crc32")
+        _expect(isinstance(data["file"], str) and FILE.fullmatch(data["file"]) is not None,
+                f"{what}: file {str(data['file'])[:60]!r} is not a shard file name (pP-tT.bin)")
+        numbers = _int_list([data["offset"], data["nbytes"], data["crc32"]], f"{what} offset/nbytes/crc32")
+        return cls(file=data["file"], offset=numbers[0], nbytes=numbers[1], shape=_int_list(data["shape"], what),
+                   crc32=numbers[2])
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TensorEntry:
+    """One tensor of the unpartitioned model: its whole shape, dtype, split and parts (by tensor rank)."""
+
+    shape: list[int]
+    dtype: str
+    shard: list[int] | None  # [dim, world, num_fused] when split over tensor-parallel ranks
+    parts: list[TensorPart]
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"shape": self.shape, "dtype": self.dtype, "shard": self.shard,
+                "parts": [p.to_wire() for p in self.parts]}
+
+    @classmethod
+    def from_wire(cls, data: Any, what: str) -> TensorEntry:
+        _expect(isinstance(data, dict) and set(data) == {"shape", "dtype", "shard", "parts"},
+                f"{what}: an entry needs exactly shape, dtype, shard, parts")
+        _expect(data["dtype"] in DTYPES, f"{what}: unknown dtype {str(data['dtype'])[:30]!r}")
+        shard = None if data["shard"] is None else _int_list(data["shard"], f"{what} shard")
+        _expect(shard is None or (len(shard) == 3 and shard[1] >= 1 and shard[2] >= 1),
+                f"{what}: shard must be [dim, world, num_fused]")
+        _expect(isinstance(data["parts"], list) and len(data["parts"]) == (shard[1] if shard else 1),
+                f"{what}: expected {shard[1] if shard else 1} part(s)")
+        parts = [TensorPart.from_wire(p, what) for p in data["parts"]]
+        return cls(shape=_int_list(data["shape"], what), dtype=data["dtype"], shard=shard, parts=parts)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Manifest:
+    """What a checkpoint version holds; also the plan a stage gets on load (the entries it needs).
+
+    ``optimizer_state`` maps a parameter's key to its optimizer state (``exp_avg``,
+    ``step``…) as entries split like the parameter; ``optimizer`` is the optimizer's
+    import path; ``step`` is the job's next step at the save; ``lr_scheduler`` is the
+    learning-rate schedule's ``{"path", "state"}`` (plain data, the same on every
+    stage), or None: no schedule, or a manifest written before schedules were kept.
+    """
+
+    step: int
+    optimizer: str
+    files: dict[str, int]  # file -> size in bytes
+    model: dict[str, TensorEntry]
+    optimizer_state: dict[str, dict[str, TensorEntry]]
+    job: dict[str, Any] = field(default_factory=dict)  # who wrote it, for people: job id, spec, layout
+    lr_scheduler: dict[str, Any] | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"format": FORMAT, "version": FORMAT_VERSION, "step": self.step, "optimizer": self.optimizer,
+                "files": self.files, "model": {k: e.to_wire() for k, e in self.model.items()},
+                "optimizer_state": {k: {n: e.to_wire() for n, e in s.items()}
+                                    for k, s in self.optimizer_state.items()},
+                "job": self.job, "lr_scheduler": self.lr_scheduler}
+
+    @classmethod
+    def from_wire(cls, data: Any) -> Manifest:
+        """Checks every field of an untrusted manifest (it comes from disk).
+
+        Raises:
+            CheckpointError: another format or version, or any malformed field.
+        """
+        _expect(isinstance(data, dict) and data.get("format") == FORMAT, f"not an {FORMAT} manifest")
+        _expect(data.get("version") == FORMAT_VERSION,
+                f"format version {str(data.get('version'))[:20]}; this actorpipe reads {FORMAT_VERSION}")
+        _expect(isinstance(data.get("files"), dict) and all(
+            isinstance(k, str) and FILE.fullmatch(k) and type(v) is int and v >= 0 for k, v in data["files"].items()),
+            "files: expected a map of shard file name to size")
+        model, state = data.get("model"), data.get("optimizer_state")
+        _expect(isinstance(model, dict) and isinstance(state, dict) and all(isinstance(s, dict) for s in state.values()),
+                "model and optimizer_state must be maps")
+        _expect(type(data.get("step")) is int and isinstance(data.get("optimizer"), str), "step and optimizer")
+        schedule = data.get("lr_scheduler")  # absent from manifests written before schedules were kept
+        _expect(schedule is None or (isinstance(schedule, dict) and set(schedule) == {"path", "state"}
+                                     and isinstance(schedule["path"], str) and isinstance(schedule["state"], dict)),
+                "lr_scheduler: expected null or a map of path and state")
+        return cls(
+            step=data["step"], optimizer=data["optimizer"], files=dict(data["files"]),
+            model={str(k): TensorEntry.from_wire(e, str(k)[:80]) for k, e in model.items()},
+            optimizer_state={str(k): {str(n): TensorEntry.from_wire(e, f"{str(k)[:80]} {str(n)[:20]}")
+                                      for n, e in s.items()} for k, s in state.items()},
+            job=data.get("job") if isinstance(data.get("job"), dict) else {}, lr_scheduler=schedule)
+
+    def entries(self) -> Iterator[tuple[str, TensorEntry]]:
+        """Every tensor with a label for messages: ``3.fc1.weight``, ``3.fc1.weight (optimizer exp_avg)``."""
+        yield from self.model.items()
+        for key, state in self.optimizer_state.items():
+            for name, entry in state.items():
+                yield f"{key} (optimizer {name})", entry
+
+    def restrict(self, keys: frozenset[str], *, weights_only: bool) -> Manifest:
+        """The part of the checkpoint the holder of ``keys`` (its state's, and its parameters') reads."""
+        def mine(key: str) -> bool:
+            return key in keys
+
+        state = {} if weights_only else {k: s for k, s in self.optimizer_state.items() if mine(k)}
+        return Manifest(step=self.step, optimizer=self.optimizer, files=self.files,
+                        model={k: e for k, e in self.model.items() if mine(k)}, optimizer_state=state,
+                        lr_scheduler=None if weights_only else self.lr_scheduler)
+
+
+def layer_of(key: str) -> int | None:
+    """The layer index a key starts with (``3.fc1.weight`` -> 3), or None."""
+    head = key.partition(".")[0]
+    return int(head) if head.isdigit() and len(head) < 10 else None
+
+
+def merge_written(
+    written: list[dict[str, Any]]
+) -> tuple[dict[str, int], dict[str, TensorEntry], dict[str, dict[str, TensorEntry]]]:
+    """The manifest's files, model and optimizer state, from every writer's answer.
+
+    A writer reports ``{"file", "bytes", "tensors": [...]}``, one item per tensor it
+    wrote: ``{"key", "state" (None, or the optimizer state's name), "shape" (whole),
+    "dtype", "shard", "rank" (its tensor-parallel rank), "part"}``; the parts of a split
+    tensor are put in tensor-rank order.
+    """
+    files: dict[str, int] = {}
+    found: dict[tuple[str, str | None], dict[str, Any]] = {}
+    for answer in written:
+        files[answer["file"]] = answer["bytes"]
+        for info in answer["tensors"]:
+            entry = found.setdefault((info["key"], info["state"]), {**info, "parts": {}})
+            assert entry["shape"] == info["shape"] and entry["shard"] == info["shard"], info["key"]
+            entry["parts"][info["rank"]] = TensorPart(**info["part"])
+    model: dict[str, TensorEntry] = {}
+    state: dict[str, dict[str, TensorEntry]] = {}
+    for (key, name), info in found.items():
+        tensor = TensorEntry(shape=info["shape"], dtype=info["dtype"], shard=info["shard"],
+                             parts=[info["parts"][r] for r in sorted(info["parts"])])
+        if name is None:
+            model[key] = tensor
+        else:
+            state.setdefault(key, {})[name] = tensor
+    return files, model, state
