@@ -23,6 +23,7 @@ __all__ = [
     "NotAllowed",
     "RemoteError",
     "StepFailed",
+    "TooManySubscribers",
     "UnknownActor",
     "UnknownEndpoint",
     "error_from_wire",
@@ -105,6 +106,14 @@ class NotAllowed(ActorError, PermissionError):
     """An import path or actor class the node does not admit."""
 
 
+class TooManySubscribers(ActorError):
+    """A publisher holds as many subscriptions as it takes, from this key or in all.
+
+    Unsubscribe one (``Cluster.unsubscribe``, or close a connection); a subscriber
+    that stops taking events is dropped at the next event it misses.
+    """
+
+
 class StepFailed(ActorError):
     """A training step failed; nothing was applied. ``stage``, ``action`` and ``cause`` say where and why."""
 
@@ -161,6 +170,7 @@ ERROR_KINDS: dict[str, type[ActorError]] = {
         ActorStopped,
         MailboxFull,
         NotAllowed,
+        TooManySubscribers,
         StepFailed,
         NodeLost,
         HeadLost,

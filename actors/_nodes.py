@@ -1,4 +1,8 @@
-"""The head actor (membership, heartbeats, events) and the worker's node actor (spawning)."""
+"""The head actor (membership, heartbeats, events) and the worker's node actor (spawning).
+
+The head's node events go to every subscriber: they are about the cluster's
+members, never about a job.
+"""
 
 from __future__ import annotations
 
@@ -9,17 +13,18 @@ import os
 import socket
 import time
 from dataclasses import asdict, dataclass, replace
-from collections.abc import Callable
 from typing import Any, Literal
 
 from actors._actor import Actor, current_caller, endpoint
-from actors._errors import ActorError, ActorStopped, NodeLost, NotAllowed
+from actors._errors import NodeLost, NotAllowed
 from actors._registry import actor_class, load_object, registered_actors
+from actors._subscribers import EventSink, Subscribers
 from actors.events import Event, NodeJoined, NodeLeft, NodeSilent
 from actors.records import WireRecord
 from transport.wire import excerpt
 
-__all__ = ["HEAD", "NODE", "EventSink", "HeadActor", "HeartbeatSettings", "NodeActor", "NodeContext", "NodeInfo", "node_info"]
+__all__ = ["HEAD", "NODE", "EventSink", "HeadActor", "HeartbeatSettings", "NodeActor", "NodeContext",
+           "NodeInfo", "node_info"]
 
 log = logging.getLogger(__name__)
 
@@ -87,18 +92,6 @@ def node_info(name: str, address: str, device: str) -> NodeInfo:
     )
 
 
-class EventSink(Actor):
-    """An actor that takes events and hands each to ``handler``: subscribe its ref to the
-    head (``HeadActor.subscribe``) or to any publisher that tells ``on_event``."""
-
-    def __init__(self, handler: Callable[[Event], None]) -> None:
-        self.handler = handler
-
-    @endpoint
-    async def on_event(self, event: Event) -> None:
-        self.handler(event)  # (the mailbox refused anything but an Event: see actors._actor)
-
-
 class HeadActor(Actor):
     """Keeps the membership list, notices silent nodes, and tells subscribers."""
 
@@ -111,7 +104,7 @@ class HeadActor(Actor):
         self.heartbeat_timeout = heartbeat_timeout
         self._nodes: dict[str, NodeInfo] = {}
         self._last_seen: dict[str, float] = {}
-        self._subscribers: set[tuple[str, str]] = set()
+        self._subscribers = Subscribers("head")
 
     async def on_start(self) -> None:
         self.runtime.spawn_task(self._watch(), name="heartbeat watch")
@@ -171,14 +164,21 @@ class HeadActor(Actor):
         """The head's clock: a driver's liveness probe (any member may ask)."""
         return time.time()
 
-    @endpoint
-    async def subscribe(self, address: str, actor: str) -> None:
-        """Sends every later event to ``actor.on_event(event)`` at ``address`` (an :class:`EventSink`)."""
-        self._subscribers.add((address, actor))
+    @endpoint(roles=("client",))
+    async def subscribe(self, actor: str) -> None:
+        """Sends every later node event to ``actor.on_event(event)`` (an :class:`EventSink`) in the
+        calling runtime, at its own address (see :mod:`actors._subscribers`).
 
-    @endpoint
-    async def unsubscribe(self, address: str, actor: str) -> None:
-        self._subscribers.discard((address, actor))
+        Raises:
+            NotAllowed: the call came from an address that is not the caller's own.
+            TooManySubscribers: the caller's key (or the head) holds as many as it may.
+        """
+        self._subscribers.add(self.runtime, actor)
+
+    @endpoint(roles=("client",))
+    async def unsubscribe(self, actor: str) -> None:
+        """Stops the events :meth:`subscribe` started for ``actor`` of the calling runtime."""
+        self._subscribers.remove(self.runtime, actor)
 
     async def _watch(self) -> None:
         tick = min(self.heartbeat_interval, self.heartbeat_timeout / 8)
@@ -202,17 +202,8 @@ class HeadActor(Actor):
                     self._publish(NodeSilent(node=name, silent_s=round(silent, 3)))
 
     def _publish(self, event: Event) -> None:
-        event = replace(event, time=time.time())
-        for address, actor in list(self._subscribers):
-            self.runtime.spawn_task(self._notify(address, actor, event), name="notify")
-
-    async def _notify(self, address: str, actor: str, event: Event) -> None:
-        try:
-            sink = self.runtime.ref(address, actor).endpoint(EventSink.on_event)
-            await asyncio.wait_for(sink.tell(event), 2.0)
-        except (TimeoutError, ActorError):
-            log.info("dropping subscriber %s at %s: it does not take events", actor, address)
-            self._subscribers.discard((address, actor))
+        """Tells every subscriber: a node event is about the cluster's members, which every key may know."""
+        self._subscribers.publish(self.runtime, event)
 
 
 class NodeActor(Actor):

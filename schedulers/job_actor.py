@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from actors import Actor, ActorRef, NotAllowed, current_caller, endpoint, may_call
+from actors import Actor, ActorRef, NotAllowed, current_caller, endpoint, may_see
 from schedulers.control import JobController
 from schedulers.records import JobDescription, Plan, RunInfo, SettingChange, StepStats, WhereReport
 
@@ -26,8 +26,7 @@ log = logging.getLogger(__name__)
 
 def may_act_on(owner: str) -> bool:
     """Whether the caller of the endpoint being served is ``owner`` (or may act on every job)."""
-    caller = current_caller()
-    return caller == owner or may_call(caller, frozenset())
+    return may_see(current_caller(), owner)
 
 
 class JobActor(Actor):

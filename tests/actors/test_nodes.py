@@ -40,7 +40,7 @@ async def head_and_client() -> AsyncIterator[tuple[HeadActor, Runtime, Runtime]]
 async def subscribe(client: Runtime, head_address: str) -> asyncio.Queue[Event]:
     events: asyncio.Queue[Event] = asyncio.Queue()
     sink = await client.spawn(EventSink(events.put_nowait), "events")
-    await client.ref(head_address, HEAD).endpoint(HeadActor.subscribe, timeout=5).call(sink.address, sink.name)
+    await client.ref(head_address, HEAD).endpoint(HeadActor.subscribe, timeout=5).call(sink.name)
     return events
 
 
