@@ -43,6 +43,7 @@ _EXPORTS = {
     "HeadActor": "actors._nodes",
     "NODE": "actors._nodes",
     "NodeActor": "actors._nodes",
+    "NodeDescription": "actors._nodes",
     "NodeInfo": "actors._nodes",
     "Event": "actors.events",
     "NodeJoined": "actors.events",
@@ -105,6 +106,7 @@ if TYPE_CHECKING:  # explicit re-exports, for type checkers (the names resolve l
         HeadActor as HeadActor,
         NODE as NODE,
         NodeActor as NodeActor,
+        NodeDescription as NodeDescription,
         NodeInfo as NodeInfo,
     )
     from actors.events import (

@@ -1,7 +1,10 @@
 """The head actor (membership, heartbeats, events) and the worker's node actor (spawning).
 
-The head's node events go to every subscriber: they are about the cluster's
-members, never about a job.
+What each tells whom: the head's node events go to every subscriber (they are about
+the cluster's members, never about a job); a node describes itself and checks an
+import path for anyone admitted, but only the head's and the admin key (and the
+process itself) hear its pid, the actors it hosts (other clients' jobs among them),
+its allow-list and its folder (:func:`~actors.sees_all`).
 """
 
 from __future__ import annotations
@@ -12,11 +15,11 @@ import logging
 import os
 import socket
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from actors._actor import Actor, current_caller, endpoint
-from actors._errors import NodeLost, NotAllowed
+from actors._actor import Actor, current_caller, endpoint, sees_all
+from actors._errors import NodeLost, NotAllowed, RemoteError
 from actors._registry import actor_class, load_object, registered_actors
 from actors._subscribers import EventSink, Subscribers
 from actors.events import Event, NodeJoined, NodeLeft, NodeSilent
@@ -24,7 +27,7 @@ from actors.records import WireRecord
 from transport.wire import excerpt
 
 __all__ = ["HEAD", "NODE", "EventSink", "HeadActor", "HeartbeatSettings", "NodeActor", "NodeContext",
-           "NodeInfo", "node_info"]
+           "NodeDescription", "NodeInfo", "node_info"]
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +72,36 @@ class HeartbeatSettings(WireRecord):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class NodeDescription(WireRecord):
+    """What a node's agent says of itself (:meth:`NodeActor.describe`).
+
+    Everyone admitted hears the first five fields. The rest are the operator's
+    view, for the head's and the admin key only (:func:`~actors.sees_all`); a client
+    gets None there: they would name other clients' jobs (``actors``), a process
+    (``pid``) and how the node is set up (``allow``, ``working_directory``).
+
+    Attributes:
+        registry: the actor classes the node may spawn.
+        num_actors: how many actors it hosts now (its agent included).
+        actors: their names.
+        allow: the module prefixes its factories may come from.
+        working_directory: where it runs (what a factory's module is imported relative to).
+    """
+
+    name: str
+    device: str
+    memory_bytes: int
+    registry: list[str]
+    num_actors: int
+    pid: int | None = None
+    host: str | None = None
+    address: str | None = None
+    actors: list[str] | None = None
+    allow: list[str] | None = None
+    working_directory: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class NodeContext:
     """What an actor spawned on a node may know of it: its device and (live) allow-list."""
 
@@ -79,6 +112,14 @@ class NodeContext:
     @property
     def allow(self) -> tuple[str, ...]:
         return tuple(self.allow_list)
+
+
+def _import_failure(node: str, exc: Exception, reveal: bool) -> Exception:
+    """What a caller hears of a path that did not load: the operator the error with its
+    traceback; anyone else its type and message only (a traceback shows the node's files)."""
+    if reveal and isinstance(exc, ModuleNotFoundError):
+        return ModuleNotFoundError(f"node {node}: {exc}", name=exc.name)
+    return RemoteError(f"node {node}: {str(exc)[:300]}", remote_type=type(exc).__name__)
 
 
 def node_info(name: str, address: str, device: str) -> NodeInfo:
@@ -229,26 +270,43 @@ class NodeActor(Actor):
         await self.runtime.stop_actor(actor_name)
 
     @endpoint(concurrent=True)
-    async def describe(self) -> dict[str, Any]:
-        return {**asdict(self.info), "actors": self.runtime.actor_names(), "registry": registered_actors(),
-                "allow": list(self.allow)}
+    async def describe(self) -> NodeDescription:
+        """This node: its name, device, memory and what it may spawn; the operator's view
+        (pid, host, address, actors, allow-list, folder) only for the head's and admin key."""
+        actors = self.runtime.actor_names()
+        public = NodeDescription(name=self.info.name, device=self.info.device, memory_bytes=self.info.memory_bytes,
+                                 registry=registered_actors(), num_actors=len(actors))
+        if not sees_all(current_caller()):
+            return public
+        return replace(public, pid=self.info.pid, host=self.info.host, address=self.info.address, actors=actors,
+                       allow=list(self.allow), working_directory=os.getcwd())
 
     @endpoint
     async def check_import(self, path: str) -> str:
         """Resolves ``path`` against this node's allow-list; returns where the factory is defined.
 
+        A client hears whether the path imports and is admitted, and why not, but
+        not the allow-list nor the node's folder and ``PYTHONPATH`` (the head's and
+        admin key do, to fix a node's set-up).
+
         Raises:
             NotAllowed: the allow-list refuses ``path`` (the message names this node), or
                 this is the head, which never imports user code.
             ValueError: ``path`` is not an import path.
+            ModuleNotFoundError: the module does not import on this node.
         """
         self._refuse_user_code_on_head()
+        reveal = sees_all(current_caller())
         try:
-            obj = load_object(path, self.allow)
+            obj = load_object(path, self.allow, reveal=reveal)
         except NotAllowed as exc:
             raise NotAllowed(f"node {self.info.name} refused it: {exc.message}") from None
         except ModuleNotFoundError as exc:
-            raise ModuleNotFoundError(f"node {self.info.name}: {exc}", name=exc.name) from None
+            raise _import_failure(self.info.name, exc, reveal) from None
+        except Exception as exc:
+            if reveal:
+                raise
+            raise _import_failure(self.info.name, exc, reveal) from None
         return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__name__)}"
 
     def _refuse_user_code_on_head(self) -> None:

@@ -25,6 +25,7 @@ from actors import (
     HeadActor,
     LocalCluster,
     NodeActor,
+    NodeDescription,
     NodeSilent,
     NotAllowed,
     RemoteError,
@@ -171,6 +172,44 @@ async def test_a_key_holds_a_bounded_number_of_subscriptions_and_closing_frees_t
     async with Cluster.connect(cluster.head.address, keys=keys().directory, identity="alice") as again:
         for i in range(16):  # the closed connection gave its subscriptions back
             await feed(again, f"feed{i}")
+
+
+async def test_a_node_describes_itself_and_checks_imports_for_a_client_without_its_internals(cluster: Cluster) -> None:
+    job = await cluster.train(**MODEL)  # the admin's: its stage actors run on both nodes
+    try:
+        node = next(n for n in await cluster.nodes() if n.name == "node0")
+        head_agent = cluster.runtime.ref(cluster.head.address, NODE)
+        async with Cluster.connect(cluster.head.address, keys=keys().directory, identity="alice") as alice:
+            for agent, name in ((cluster.node_ref(node), "node0"), (head_agent, "head")):
+                mine = await alice.runtime.ref(agent.address, NODE).endpoint(NodeActor.describe, timeout=10).call()
+                assert isinstance(mine, NodeDescription) and mine.name == name and mine.num_actors >= 2
+                assert (mine.pid, mine.host, mine.address, mine.actors, mine.allow, mine.working_directory) == \
+                    (None,) * 6
+                assert job.id not in str(mine.to_wire())  # no other job's actor names
+                full = await agent.endpoint(NodeActor.describe, timeout=10).call()  # the admin's view: everything
+                assert full.actors is not None and any(a.startswith(job.id) for a in full.actors)
+                assert full.allow and full.working_directory and full.num_actors == len(full.actors)
+                assert full.pid == node.pid if name == "node0" else full.pid
+
+            check = alice.runtime.ref(node.address, NODE).endpoint(NodeActor.check_import, timeout=10)
+            admin_check = cluster.node_ref(node).endpoint(NodeActor.check_import, timeout=10)
+            assert await check.call("torch.nn:Linear") == "torch.nn.modules.linear.Linear"
+            for path, reason in (("os:system", "is not on this node's allow-list; start the node with --allow os"),
+                                 ("torch.nn.functional:conv2d", "defined outside this node's allow-list and only")):
+                with pytest.raises(NotAllowed, match=reason) as refused:
+                    await check.call(path)
+                assert "torch.optim" not in refused.value.message  # the allow-list's entries stay on the node
+                with pytest.raises(NotAllowed, match=r"allow-list \(torch\.nn, torch\.optim"):
+                    await admin_check.call(path)
+            with pytest.raises(RemoteError) as missing:
+                await check.call("examples.not_there:model")
+            assert missing.value.remote_type == "ModuleNotFoundError" and "No module named" in missing.value.message
+            assert "runs in" not in missing.value.message and "PYTHONPATH=" not in missing.value.message
+            assert not missing.value.remote_traceback  # a traceback would show the node's files
+            with pytest.raises(RemoteError, match="this process runs in .* with PYTHONPATH="):
+                await admin_check.call("examples.not_there:model")
+    finally:
+        await job.close()
 
 
 async def test_clients_cannot_register_nodes_spawn_actors_or_shut_nodes_down(cluster: Cluster) -> None:
