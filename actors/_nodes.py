@@ -46,6 +46,8 @@ class NodeInfo(WireRecord):
         state: ``alive``, ``lost`` (no heartbeat within the timeout) or ``left`` (it said it stops).
         last_heartbeat_age_s: seconds since its last heartbeat, when the head was asked.
         identity: ``role:name`` of the key it registered with (``""`` without keys).
+        pid: the worker's process id; 0 in :meth:`HeadActor.nodes`' answer to a client
+            (a process on someone's machine is the operator's business).
     """
 
     name: str
@@ -195,9 +197,11 @@ class HeadActor(Actor):
 
     @endpoint(concurrent=True)
     async def nodes(self) -> list[NodeInfo]:
-        """Every node the head knows, with its state and the age of its last heartbeat."""
+        """Every node the head knows, with its state and the age of its last heartbeat (a client's: pid 0)."""
         now = time.monotonic()
-        return [replace(node, last_heartbeat_age_s=round(now - self._last_seen[name], 3))
+        operator = sees_all(current_caller())
+        return [replace(node, last_heartbeat_age_s=round(now - self._last_seen[name], 3),
+                        pid=node.pid if operator else 0)
                 for name, node in self._nodes.items()]
 
     @endpoint(concurrent=True)

@@ -180,6 +180,7 @@ async def test_a_node_describes_itself_and_checks_imports_for_a_client_without_i
         node = next(n for n in await cluster.nodes() if n.name == "node0")
         head_agent = cluster.runtime.ref(cluster.head.address, NODE)
         async with Cluster.connect(cluster.head.address, keys=keys().directory, identity="alice") as alice:
+            assert {n.pid for n in await alice.nodes()} == {0} and node.pid  # the membership list, without pids
             for agent, name in ((cluster.node_ref(node), "node0"), (head_agent, "head")):
                 mine = await alice.runtime.ref(agent.address, NODE).endpoint(NodeActor.describe, timeout=10).call()
                 assert isinstance(mine, NodeDescription) and mine.name == name and mine.num_actors >= 2
