@@ -20,6 +20,8 @@ _EXPORTS = {
     "Host": "actors._actor",
     "LOCAL": "actors._actor",
     "may_call": "actors._actor",
+    "may_see": "actors._actor",
+    "sees_all": "actors._actor",
     "ActorError": "actors._errors",
     "ActorStopped": "actors._errors",
     "ActorTimeout": "actors._errors",
@@ -34,15 +36,17 @@ _EXPORTS = {
     "NotAllowed": "actors._errors",
     "RemoteError": "actors._errors",
     "StepFailed": "actors._errors",
+    "TooManySubscribers": "actors._errors",
     "UnknownActor": "actors._errors",
     "UnknownEndpoint": "actors._errors",
     "UserCodeExit": "actors._errors",
     "contained": "actors._errors",
-    "EventSink": "actors._nodes",
+    "EventSink": "actors._subscribers",
     "HEAD": "actors._nodes",
     "HeadActor": "actors._nodes",
     "NODE": "actors._nodes",
     "NodeActor": "actors._nodes",
+    "NodeDescription": "actors._nodes",
     "NodeInfo": "actors._nodes",
     "Event": "actors.events",
     "NodeJoined": "actors.events",
@@ -55,6 +59,7 @@ _EXPORTS = {
     "EXAMPLE_FACTORIES": "actors._registry",
     "load_object": "actors._registry",
     "register_actor": "actors._registry",
+    "Subscribers": "actors._subscribers",
     "open_runtime": "actors._runtime",
     "Runtime": "actors._runtime",
     "Cluster": "actors.cluster",
@@ -79,6 +84,8 @@ if TYPE_CHECKING:  # explicit re-exports, for type checkers (the names resolve l
         Host as Host,
         LOCAL as LOCAL,
         may_call as may_call,
+        may_see as may_see,
+        sees_all as sees_all,
     )
     from actors._errors import (
         ActorError as ActorError,
@@ -95,17 +102,18 @@ if TYPE_CHECKING:  # explicit re-exports, for type checkers (the names resolve l
         NotAllowed as NotAllowed,
         RemoteError as RemoteError,
         StepFailed as StepFailed,
+        TooManySubscribers as TooManySubscribers,
         UnknownActor as UnknownActor,
         UnknownEndpoint as UnknownEndpoint,
         UserCodeExit as UserCodeExit,
         contained as contained,
     )
     from actors._nodes import (
-        EventSink as EventSink,
         HEAD as HEAD,
         HeadActor as HeadActor,
         NODE as NODE,
         NodeActor as NodeActor,
+        NodeDescription as NodeDescription,
         NodeInfo as NodeInfo,
     )
     from actors.events import (
@@ -124,6 +132,10 @@ if TYPE_CHECKING:  # explicit re-exports, for type checkers (the names resolve l
         EXAMPLE_FACTORIES as EXAMPLE_FACTORIES,
         load_object as load_object,
         register_actor as register_actor,
+    )
+    from actors._subscribers import (
+        EventSink as EventSink,
+        Subscribers as Subscribers,
     )
     from actors._runtime import (
         open_runtime as open_runtime,

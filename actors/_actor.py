@@ -34,6 +34,7 @@ _ENDPOINT_ATTR = ENDPOINT_ATTR
 LOCAL = "local:"  # the caller of a call from the same process
 INSECURE = ""  # the caller of a call through a runtime without keys (every caller is trusted)
 _caller: contextvars.ContextVar[str] = contextvars.ContextVar("actorpipe_caller", default=LOCAL)
+_reply_to: contextvars.ContextVar[str | None] = contextvars.ContextVar("actorpipe_reply_to", default=None)
 
 
 def current_caller() -> str:
@@ -42,6 +43,16 @@ def current_caller() -> str:
     ``local:`` for a call from this process, ``""`` through a runtime without keys.
     """
     return _caller.get()
+
+
+def current_reply_address() -> str | None:
+    """Where the reply to the call an endpoint is serving goes: the address its request named.
+
+    None for a call from this process and for a ``tell``. The caller chose it, so it
+    proves nothing by itself: :meth:`Host.caller_address` checks it against the
+    caller's key.
+    """
+    return _reply_to.get()
 
 
 def caller_role(caller: str) -> str:
@@ -69,6 +80,18 @@ def may_call(caller: str, roles: frozenset[str] | None) -> bool:
         return True
     role = caller_role(caller)
     return role == "admin" or role in roles
+
+
+def may_see(viewer: str, owner: str) -> bool:
+    """Whether ``viewer`` may see what ``owner``'s key owns (a job, its events): the owner itself,
+    or a caller that may act on everything (admin, the process itself, anyone without keys)."""
+    return viewer == owner or may_call(viewer, frozenset())
+
+
+def sees_all(caller: str) -> bool:
+    """Whether ``caller`` gets the operator's view of a node (its pid, actors, allow-list, folder):
+    the head's key, and whoever :func:`may_see` everything."""
+    return may_call(caller, frozenset({"head"}))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -125,6 +148,17 @@ class Host(Protocol):
 
     def fail_calls_to(self, address: str, error: ActorError) -> int: ...
 
+    def caller_address(self) -> str:
+        """The address of the runtime that made the call being served, checked to be the caller's own.
+
+        What a publisher sends events to: never an address a caller merely names.
+
+        Raises:
+            NotAllowed: the call named no reply address (a ``tell``), or one that is not
+                the caller's own (see :meth:`Runtime.caller_address <actors.Runtime.caller_address>`).
+        """
+        ...
+
 
 @dataclass(slots=True, kw_only=True)
 class Call:
@@ -135,6 +169,7 @@ class Call:
     kwargs: dict[str, Any]
     reply: Callable[[bool, Any], Awaitable[None]] | None  # None for tell
     caller: str = LOCAL  # role:name of the key that sent it (see current_caller)
+    reply_to: str | None = None  # the address the request named for its reply (see current_reply_address)
 
 
 class Actor:
@@ -259,6 +294,7 @@ class Mailbox:
 
     async def run_call(self, call: Call) -> None:
         _caller.set(call.caller)  # this task's (a concurrent call has a task of its own)
+        _reply_to.set(call.reply_to)
         method = getattr(self.actor, call.method)
         signature = self._signatures[call.method]
         try:

@@ -27,6 +27,7 @@ __all__ = [
     "NotAllowed",
     "RemoteError",
     "StepFailed",
+    "TooManySubscribers",
     "UnknownActor",
     "UnknownEndpoint",
     "UserCodeExit",
@@ -155,6 +156,12 @@ def exit_error(exc: SystemExit | KeyboardInterrupt, where: str) -> UserCodeExit:
                             "loss must return or raise an exception, never exit the process")
     return UserCodeExit(f"the job's code raised KeyboardInterrupt in {where}; nothing interrupted it: raise an "
                         "ordinary exception instead")
+class TooManySubscribers(ActorError):
+    """A publisher holds as many subscriptions as it takes, from this key or in all.
+
+    Unsubscribe one (``Cluster.unsubscribe``, or close a connection); a subscriber
+    that stops taking events is dropped at the next event it misses.
+    """
 
 
 class StepFailed(ActorError):
@@ -215,6 +222,7 @@ ERROR_KINDS: dict[str, type[ActorError]] = {
         NotAllowed,
         LimitExceeded,
         UserCodeExit,
+        TooManySubscribers,
         StepFailed,
         NodeLost,
         HeadLost,

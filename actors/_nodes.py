@@ -1,4 +1,11 @@
-"""The head actor (membership, heartbeats, events) and the worker's node actor (spawning)."""
+"""The head actor (membership, heartbeats, events) and the worker's node actor (spawning).
+
+What each tells whom: the head's node events go to every subscriber (they are about
+the cluster's members, never about a job); a node describes itself and checks an
+import path for anyone admitted, but only the head's and the admin key (and the
+process itself) hear its pid, the actors it hosts (other clients' jobs among them),
+its allow-list and its folder (:func:`~actors.sees_all`).
+"""
 
 from __future__ import annotations
 
@@ -8,18 +15,19 @@ import logging
 import os
 import socket
 import time
-from dataclasses import asdict, dataclass, replace
-from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from actors._actor import Actor, current_caller, endpoint
-from actors._errors import ActorError, ActorStopped, NodeLost, NotAllowed, contained
+from actors._actor import Actor, current_caller, endpoint, sees_all
+from actors._errors import NodeLost, NotAllowed, RemoteError, contained
 from actors._registry import actor_class, load_object, registered_actors
+from actors._subscribers import EventSink, Subscribers
 from actors.events import Event, NodeJoined, NodeLeft, NodeSilent
 from actors.records import WireRecord
 from transport.wire import excerpt
 
-__all__ = ["HEAD", "NODE", "EventSink", "HeadActor", "HeartbeatSettings", "NodeActor", "NodeContext", "NodeInfo", "node_info"]
+__all__ = ["HEAD", "NODE", "EventSink", "HeadActor", "HeartbeatSettings", "NodeActor", "NodeContext",
+           "NodeDescription", "NodeInfo", "node_info"]
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +46,8 @@ class NodeInfo(WireRecord):
         state: ``alive``, ``lost`` (no heartbeat within the timeout) or ``left`` (it said it stops).
         last_heartbeat_age_s: seconds since its last heartbeat, when the head was asked.
         identity: ``role:name`` of the key it registered with (``""`` without keys).
+        pid: the worker's process id; 0 in :meth:`HeadActor.nodes`' answer to a client
+            (a process on someone's machine is the operator's business).
     """
 
     name: str
@@ -64,6 +74,36 @@ class HeartbeatSettings(WireRecord):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class NodeDescription(WireRecord):
+    """What a node's agent says of itself (:meth:`NodeActor.describe`).
+
+    Everyone admitted hears the first five fields. The rest are the operator's
+    view, for the head's and the admin key only (:func:`~actors.sees_all`); a client
+    gets None there: they would name other clients' jobs (``actors``), a process
+    (``pid``) and how the node is set up (``allow``, ``working_directory``).
+
+    Attributes:
+        registry: the actor classes the node may spawn.
+        num_actors: how many actors it hosts now (its agent included).
+        actors: their names.
+        allow: the module prefixes its factories may come from.
+        working_directory: where it runs (what a factory's module is imported relative to).
+    """
+
+    name: str
+    device: str
+    memory_bytes: int
+    registry: list[str]
+    num_actors: int
+    pid: int | None = None
+    host: str | None = None
+    address: str | None = None
+    actors: list[str] | None = None
+    allow: list[str] | None = None
+    working_directory: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class NodeContext:
     """What an actor spawned on a node may know of it: its device and (live) allow-list."""
 
@@ -76,6 +116,14 @@ class NodeContext:
         return tuple(self.allow_list)
 
 
+def _import_failure(node: str, exc: Exception, reveal: bool) -> Exception:
+    """What a caller hears of a path that did not load: the operator the error with its
+    traceback; anyone else its type and message only (a traceback shows the node's files)."""
+    if reveal and isinstance(exc, ModuleNotFoundError):
+        return ModuleNotFoundError(f"node {node}: {exc}", name=exc.name)
+    return RemoteError(f"node {node}: {str(exc)[:300]}", remote_type=type(exc).__name__)
+
+
 def node_info(name: str, address: str, device: str) -> NodeInfo:
     """Describes this process as a node."""
     try:
@@ -85,18 +133,6 @@ def node_info(name: str, address: str, device: str) -> NodeInfo:
     return NodeInfo(
         name=name, address=address, device=device, pid=os.getpid(), host=socket.gethostname(), memory_bytes=memory
     )
-
-
-class EventSink(Actor):
-    """An actor that takes events and hands each to ``handler``: subscribe its ref to the
-    head (``HeadActor.subscribe``) or to any publisher that tells ``on_event``."""
-
-    def __init__(self, handler: Callable[[Event], None]) -> None:
-        self.handler = handler
-
-    @endpoint
-    async def on_event(self, event: Event) -> None:
-        self.handler(event)  # (the mailbox refused anything but an Event: see actors._actor)
 
 
 class HeadActor(Actor):
@@ -111,7 +147,7 @@ class HeadActor(Actor):
         self.heartbeat_timeout = heartbeat_timeout
         self._nodes: dict[str, NodeInfo] = {}
         self._last_seen: dict[str, float] = {}
-        self._subscribers: set[tuple[str, str]] = set()
+        self._subscribers = Subscribers("head")
 
     async def on_start(self) -> None:
         self.runtime.spawn_task(self._watch(), name="heartbeat watch")
@@ -161,9 +197,11 @@ class HeadActor(Actor):
 
     @endpoint(concurrent=True)
     async def nodes(self) -> list[NodeInfo]:
-        """Every node the head knows, with its state and the age of its last heartbeat."""
+        """Every node the head knows, with its state and the age of its last heartbeat (a client's: pid 0)."""
         now = time.monotonic()
-        return [replace(node, last_heartbeat_age_s=round(now - self._last_seen[name], 3))
+        operator = sees_all(current_caller())
+        return [replace(node, last_heartbeat_age_s=round(now - self._last_seen[name], 3),
+                        pid=node.pid if operator else 0)
                 for name, node in self._nodes.items()]
 
     @endpoint(concurrent=True)
@@ -171,14 +209,21 @@ class HeadActor(Actor):
         """The head's clock: a driver's liveness probe (any member may ask)."""
         return time.time()
 
-    @endpoint
-    async def subscribe(self, address: str, actor: str) -> None:
-        """Sends every later event to ``actor.on_event(event)`` at ``address`` (an :class:`EventSink`)."""
-        self._subscribers.add((address, actor))
+    @endpoint(roles=("client",))
+    async def subscribe(self, actor: str) -> None:
+        """Sends every later node event to ``actor.on_event(event)`` (an :class:`EventSink`) in the
+        calling runtime, at its own address (see :mod:`actors._subscribers`).
 
-    @endpoint
-    async def unsubscribe(self, address: str, actor: str) -> None:
-        self._subscribers.discard((address, actor))
+        Raises:
+            NotAllowed: the call came from an address that is not the caller's own.
+            TooManySubscribers: the caller's key (or the head) holds as many as it may.
+        """
+        self._subscribers.add(self.runtime, actor)
+
+    @endpoint(roles=("client",))
+    async def unsubscribe(self, actor: str) -> None:
+        """Stops the events :meth:`subscribe` started for ``actor`` of the calling runtime."""
+        self._subscribers.remove(self.runtime, actor)
 
     async def _watch(self) -> None:
         tick = min(self.heartbeat_interval, self.heartbeat_timeout / 8)
@@ -202,17 +247,8 @@ class HeadActor(Actor):
                     self._publish(NodeSilent(node=name, silent_s=round(silent, 3)))
 
     def _publish(self, event: Event) -> None:
-        event = replace(event, time=time.time())
-        for address, actor in list(self._subscribers):
-            self.runtime.spawn_task(self._notify(address, actor, event), name="notify")
-
-    async def _notify(self, address: str, actor: str, event: Event) -> None:
-        try:
-            sink = self.runtime.ref(address, actor).endpoint(EventSink.on_event)
-            await asyncio.wait_for(sink.tell(event), 2.0)
-        except (TimeoutError, ActorError):
-            log.info("dropping subscriber %s at %s: it does not take events", actor, address)
-            self._subscribers.discard((address, actor))
+        """Tells every subscriber: a node event is about the cluster's members, which every key may know."""
+        self._subscribers.publish(self.runtime, event)
 
 
 class NodeActor(Actor):
@@ -240,26 +276,43 @@ class NodeActor(Actor):
         await self.runtime.stop_actor(actor_name)
 
     @endpoint(concurrent=True)
-    async def describe(self) -> dict[str, Any]:
-        return {**asdict(self.info), "actors": self.runtime.actor_names(), "registry": registered_actors(),
-                "allow": list(self.allow)}
+    async def describe(self) -> NodeDescription:
+        """This node: its name, device, memory and what it may spawn; the operator's view
+        (pid, host, address, actors, allow-list, folder) only for the head's and admin key."""
+        actors = self.runtime.actor_names()
+        public = NodeDescription(name=self.info.name, device=self.info.device, memory_bytes=self.info.memory_bytes,
+                                 registry=registered_actors(), num_actors=len(actors))
+        if not sees_all(current_caller()):
+            return public
+        return replace(public, pid=self.info.pid, host=self.info.host, address=self.info.address, actors=actors,
+                       allow=list(self.allow), working_directory=os.getcwd())
 
     @endpoint
     async def check_import(self, path: str) -> str:
         """Resolves ``path`` against this node's allow-list; returns where the factory is defined.
 
+        A client hears whether the path imports and is admitted, and why not, but
+        not the allow-list nor the node's folder and ``PYTHONPATH`` (the head's and
+        admin key do, to fix a node's set-up).
+
         Raises:
             NotAllowed: the allow-list refuses ``path`` (the message names this node), or
                 this is the head, which never imports user code.
             ValueError: ``path`` is not an import path.
+            ModuleNotFoundError: the module does not import on this node.
         """
         self._refuse_user_code_on_head()
+        reveal = sees_all(current_caller())
         try:
-            obj = contained(load_object, path, self.allow)  # importing runs the module's code
+            obj = contained(lambda: load_object(path, self.allow, reveal=reveal))  # importing runs its code
         except NotAllowed as exc:
             raise NotAllowed(f"node {self.info.name} refused it: {exc.message}") from None
         except ModuleNotFoundError as exc:
-            raise ModuleNotFoundError(f"node {self.info.name}: {exc}", name=exc.name) from None
+            raise _import_failure(self.info.name, exc, reveal) from None
+        except Exception as exc:
+            if reveal:
+                raise
+            raise _import_failure(self.info.name, exc, reveal) from None
         return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__name__)}"
 
     def _refuse_user_code_on_head(self) -> None:

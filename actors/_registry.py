@@ -76,7 +76,7 @@ def is_allowed(module: str, allow: Iterable[str]) -> bool:
     return any(module == prefix or module.startswith(prefix + ".") for prefix in allow)
 
 
-def load_object(path: str, allow: Iterable[str]) -> Any:
+def load_object(path: str, allow: Iterable[str], *, reveal: bool = True) -> Any:
     """Looks up the factory ``package.module:name`` (or ``package.module:Class.name``), never evaluating it.
 
     What a path may name, each rule checked before the next step is taken:
@@ -101,6 +101,11 @@ def load_object(path: str, allow: Iterable[str]) -> Any:
     Re-exports inside the allowed prefixes are fine: ``torch.optim:SGD`` is defined in
     ``torch.optim.sgd``.
 
+    Args:
+        reveal: whether the messages may list the allow-list and name this process's
+            folder and ``PYTHONPATH`` (what an operator fixes a node with); False for
+            an answer to a client, which hears only which rule refused the path.
+
     Raises:
         ValueError: ``path`` is not of the form ``package.module:attribute``.
         NotAllowed: any rule above is broken; the message says which and what to do.
@@ -121,23 +126,29 @@ def load_object(path: str, allow: Iterable[str]) -> Any:
                          "never holds factories: define a function in an allowed module")
     if not is_allowed(module_name, allow):
         raise NotAllowed(
-            f"{_excerpt(path)} is not on this node's allow-list ({', '.join(allow) or 'empty'}); start the "
+            f"{_excerpt(path)} is not on {_allow_list(allow, reveal)}; start the "
             f"node with --allow {module_name} (LocalCluster(allow=[...]) does this for you)"
         )
     try:
         obj: Any = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
+        where = (f"this process runs in {os.getcwd()} with PYTHONPATH={os.environ.get('PYTHONPATH') or '(unset)'}: "
+                 if reveal else "")
         raise ModuleNotFoundError(
-            f"{_excerpt(path)}: {exc}; this process runs in {os.getcwd()} with PYTHONPATH="
-            f"{os.environ.get('PYTHONPATH') or '(unset)'}: start it where {module_name} imports (the folder that "
+            f"{_excerpt(path)}: {exc}; {where}start it where {module_name} imports (the folder that "
             f"holds it) or add that folder to PYTHONPATH", name=exc.name) from None
     *through, last = attribute.split(".")
     for depth, part in enumerate(through):
         obj = _attribute(obj, part)
-        _check_intermediate(path, ".".join(through[:depth + 1]), obj, allow)
+        _check_intermediate(path, ".".join(through[:depth + 1]), obj, allow, reveal)
     obj = _attribute(obj, last)
-    _check_factory(path, obj, allow)
+    _check_factory(path, obj, allow, reveal)
     return obj
+
+
+def _allow_list(allow: tuple[str, ...], reveal: bool) -> str:
+    """"this node's allow-list", with its entries when they may be shown."""
+    return f"this node's allow-list ({', '.join(allow) or 'empty'})" if reveal else "this node's allow-list"
 
 
 def _excerpt(value: object) -> str:
@@ -164,7 +175,7 @@ def _attribute(owner: Any, name: str) -> Any:
     return value
 
 
-def _check_intermediate(path: str, reached: str, obj: Any, allow: tuple[str, ...]) -> None:
+def _check_intermediate(path: str, reached: str, obj: Any, allow: tuple[str, ...], reveal: bool) -> None:
     module = path.partition(":")[0]
     if isinstance(obj, types.ModuleType):
         raise NotAllowed(
@@ -180,12 +191,12 @@ def _check_intermediate(path: str, reached: str, obj: Any, allow: tuple[str, ...
     defined_in = obj.__module__
     if not is_allowed(defined_in, allow):
         raise NotAllowed(
-            f"{_excerpt(path)}: class {reached} is defined in {defined_in}, which this node's allow-list "
-            f"({', '.join(allow) or 'empty'}) does not admit; {module} only re-exports it"
+            f"{_excerpt(path)}: class {reached} is defined in {defined_in}, which {_allow_list(allow, reveal)} "
+            f"does not admit; {module} only re-exports it"
         )
 
 
-def _check_factory(path: str, obj: Any, allow: tuple[str, ...]) -> None:
+def _check_factory(path: str, obj: Any, allow: tuple[str, ...], reveal: bool) -> None:
     if isinstance(obj, types.ModuleType):
         raise NotAllowed(
             f"{_excerpt(path)} names module {obj.__name__}, not a factory; name a function or class in it, "
@@ -210,8 +221,8 @@ def _check_factory(path: str, obj: Any, allow: tuple[str, ...]) -> None:
                          "getattr, open…) never holds factories: define a function in an allowed module")
     if not is_allowed(defined_in, allow):
         raise NotAllowed(
-            f"{_excerpt(path)} is {defined_in}.{name}, defined outside this node's allow-list "
-            f"({', '.join(allow) or 'empty'}) and only re-exported by {path.partition(':')[0]}; name it where "
+            f"{_excerpt(path)} is {defined_in}.{name}, defined outside {_allow_list(allow, reveal)} "
+            f"and only re-exported by {path.partition(':')[0]}; name it where "
             f"it is defined and start the node with --allow {defined_in} if you trust that module, or define "
             "a function in an allowed module that calls it"
         )

@@ -20,21 +20,22 @@ from typing import Any
 
 import zmq
 
-from actors._actor import INSECURE, Actor, Call, Mailbox
+from actors._actor import INSECURE, LOCAL, Actor, Call, Mailbox, current_caller, current_reply_address
 from actors._errors import (
     ActorError,
     ActorStopped,
     ActorTimeout,
     BadRecord,
+    NotAllowed,
     UnknownActor,
     error_from_wire,
     error_to_wire,
     exit_error,
 )
 from actors._ref import ActorRef
-from actors._senders import SenderPool, SenderPoolConfig
+from actors._senders import SenderPool, SenderPoolConfig, _is_numeric_address
 from transport.channel import Receiver, Sender, open_receiver, open_sender
-from transport.security import Gate, Keypair
+from transport.security import Gate, Keypair, split_address
 from transport.wire import DEFAULT_MAX_MESSAGE_BYTES, WireError, decode_message, encode_message, excerpt
 
 __all__ = ["Runtime", "open_runtime"]
@@ -225,6 +226,36 @@ class Runtime:
                 failed += 1
         return failed
 
+    def caller_address(self) -> str:
+        """The address of the runtime that made the call being served, checked to be the caller's own.
+
+        A call from this process: this runtime's address. Otherwise the address its
+        request named for the reply, which must be a numeric ``tcp://`` or an
+        ``ipc://`` address (no name to look up), and, with keys, must carry the
+        caller's own public key: whatever connects there must prove it holds that key,
+        so nothing sent there reaches anyone else. Without keys every peer is trusted,
+        and the reply address is taken as it is.
+
+        Raises:
+            NotAllowed: a ``tell`` (no reply address), or an address that is not the caller's own.
+        """
+        caller, address = current_caller(), current_reply_address()
+        if caller == LOCAL:
+            return self.address
+        if address is None:
+            raise NotAllowed(f"{caller[:60]!r} sent no reply address (a tell): call it, from the runtime that "
+                             "is to be reached")
+        try:
+            key = split_address(address)[1]
+        except ValueError:
+            key = None
+        if not _is_numeric_address(address) or (self._gate is not None and (
+                key is None or self._gate.name_of(key) != caller)):
+            raise NotAllowed(f"{caller[:60]!r} called from {excerpt(address, 120)}, which is not its own address: "
+                             "a subscriber is reached only at the address of the runtime that called, and that "
+                             "address must carry the caller's own key")
+        return address
+
     def _deliver_local(self, name: str, call: Call) -> None:
         mailbox = self._mailboxes.get(name)
         if mailbox is None:
@@ -326,7 +357,8 @@ class Runtime:
                     f"malformed request: needs to, m, a, k, with names of at most {longest} characters")))
             return
         try:
-            self._deliver_local(name, Call(method=method, args=args, kwargs=kwargs, reply=reply, caller=caller))
+            self._deliver_local(name, Call(method=method, args=args, kwargs=kwargs, reply=reply, caller=caller,
+                                           reply_to=reply_to if reply is not None else None))
         except ActorError as exc:
             log.warning("request %s.%s from %s: %s", excerpt(name), excerpt(method), excerpt(reply_to),
                         excerpt(exc.message, 200))

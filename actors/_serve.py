@@ -99,9 +99,14 @@ def head_address(address: str, directory: str | None) -> str:
 
 
 async def serve_head(config: HeadConfig) -> None:
-    """Runs the head node until SIGINT or SIGTERM."""
-    stop = _stop_on_signals()
+    """Runs the head node until SIGINT or SIGTERM.
+
+    Raises:
+        KeyFileError: the key directory (or a secret key in it) is open to other users;
+            checked first, before anything listens.
+    """
     secure = security(config.keys, config.identity, create=True)
+    stop = _stop_on_signals()
     async with open_runtime(config.bind, allow_remote=config.allow_remote, max_message_bytes=config.max_message_bytes,
                             **secure) as runtime:
         head = HeadActor(heartbeat_interval=config.heartbeat_interval, heartbeat_timeout=config.heartbeat_timeout)
@@ -132,16 +137,18 @@ async def serve_worker(config: WorkerConfig) -> None:
     """Runs a worker node: registers, heartbeats, and serves until told to stop.
 
     Raises:
+        KeyFileError: the key directory is missing, lacks the key, or is open to other
+            users; checked first, before anything is imported or listens.
         TimeoutError: the head could not be reached for ``head_timeout`` seconds.
         ValueError: ``device`` is not ``cpu`` or a GPU this process sees.
     """
+    secure = security(config.keys, config.identity)
     # Before the runtime: the installed worker plugin registers the actors this node
     # hosts and pins this thread to the node's device.
     worker = load_plugin("worker")
     if worker is not None:
         worker.start(config.device)
     stop = _stop_on_signals()
-    secure = security(config.keys, config.identity)
     async with open_runtime(config.bind, allow_remote=config.allow_remote, max_message_bytes=config.max_message_bytes,
                             **secure) as runtime:
         info = node_info(config.name, runtime.address, config.device)

@@ -31,7 +31,8 @@ from collections.abc import AsyncIterator, Generator, Iterable, Mapping, Sequenc
 from typing import Any, Generic, TypeVar
 
 from actors._errors import ActorError, ActorTimeout, HeadLost, NotAllowed
-from actors._nodes import HEAD, NODE, EventSink, HeadActor, NodeActor, NodeInfo
+from actors._nodes import HEAD, NODE, HeadActor, NodeActor, NodeInfo
+from actors._subscribers import EventSink
 from actors.events import Event
 from actors._serve import ADMIT_TOKEN_ENV, head_address, security
 from actors.devices import DeviceSpec, node_devices, visible_gpu_count
@@ -57,6 +58,7 @@ class Cluster:
         self.head = head
         self._stack = stack
         self._events: asyncio.Queue[Event] | None = None
+        self._sinks: dict[str, ActorRef] = {}  # subscribed, by name: unsubscribed on close
         self._admit_token = ""  # set by LocalCluster, which may admit a job's factories
         self.head_lost: HeadLost | None = None  # set once the head is gone (see watch_head)
         self.head_process: subprocess.Popen[bytes] | None = None  # LocalCluster's head: watched directly
@@ -197,11 +199,37 @@ class Cluster:
 
             self._events = queue
             sink = await self.runtime.spawn(EventSink(keep), "events")
-            await self.head.endpoint(HeadActor.subscribe, timeout=10.0).call(sink.address, sink.name)
+            await Cluster.subscribe(self, sink)  # the head's node events only, whatever a subclass adds
         while True:
             yield await self._events.get()
 
+    async def subscribe(self, sink: ActorRef) -> None:
+        """Sends the head's node events to ``sink``, an :class:`~actors.EventSink` in this connection's
+        runtime (``await cluster.runtime.spawn(EventSink(handler), name)``), until :meth:`unsubscribe` or close.
+
+        The head reaches a subscriber only at the address of the runtime that subscribed.
+
+        Raises:
+            ValueError: ``sink`` lives in another runtime.
+            TooManySubscribers: this key holds as many subscriptions as the head takes from one key.
+        """
+        if sink.address != self.runtime.address:
+            raise ValueError(f"subscribe takes an EventSink of this connection's runtime ({self.runtime.address}), "
+                             f"not one at {sink.address}: the head sends events only to the runtime that subscribed")
+        await self.head.endpoint(HeadActor.subscribe, timeout=10.0).call(sink.name)
+        self._sinks[sink.name] = sink
+
+    async def unsubscribe(self, sink: ActorRef) -> None:
+        """Stops the events :meth:`subscribe` started."""
+        self._sinks.pop(sink.name, None)
+        await self.head.endpoint(HeadActor.unsubscribe, timeout=2.0).call(sink.name)
+
     async def close(self) -> None:
+        """Ends this connection's subscriptions (so its key's count drops at once) and closes its runtime."""
+        if self.head_lost is None:
+            for sink in list(self._sinks.values()):
+                with contextlib.suppress(ActorError):
+                    await self.unsubscribe(sink)
         await self._stack.aclose()
 
     async def __aenter__(self) -> Cluster:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import stat
 import sys
 import threading
@@ -55,13 +56,17 @@ class ClusterKeys:
     def create(cls, directory: str | os.PathLike[str]) -> ClusterKeys:
         """Makes the directory and the default keypairs that are missing; admits them.
 
+        A directory that exists keeps its mode: one open to other users is refused,
+        never silently tightened (its keys may have been read already, and a copy on
+        another machine would stay loose).
+
         Raises:
-            KeyFileError: the directory exists and others may read or write it.
+            KeyFileError: the directory, ``authorized/`` or a secret key file in it is open
+                to other users (the message gives the ``chmod`` that fixes it).
         """
         keys = cls(directory)
-        os.makedirs(keys._authorized, mode=0o700, exist_ok=True)
-        os.chmod(keys.directory, 0o700)
-        os.chmod(keys._authorized, 0o700)
+        _make_private_directory(keys.directory)
+        _make_private_directory(keys._authorized)
         keys.check_private()
         for role in _DEFAULT_IDENTITIES:
             if not os.path.exists(keys._secret_path(role)):
@@ -69,26 +74,42 @@ class ClusterKeys:
         return keys
 
     def check_private(self) -> None:
-        """Refuses a key directory that other users may read or write (as ssh refuses a loose ~/.ssh)."""
+        """Refuses key material that other users may read or write, as ssh refuses a loose ``~/.ssh``.
+
+        Checked: the directory and ``authorized/`` (mode 0700 or tighter: whoever may
+        write ``authorized/`` admits any key) and every ``*.key_secret`` file in the
+        directory (0600 or tighter). Every role checks at start, before it uses a key.
+
+        Raises:
+            KeyFileError: no such directory, or a path open to other users; the message
+                names the path and the ``chmod`` that fixes it.
+        """
         if not os.path.isdir(self.directory):
             raise KeyFileError(f"no key directory at {self.directory}; the head makes one on first start "
                             "(python -m actors.node --head --keys DIR) or run python -m actors.keys init DIR")
-        mode = stat.S_IMODE(os.stat(self.directory).st_mode)
-        if mode & 0o077:
-            raise KeyFileError(f"key directory {self.directory} is open to other users (mode {mode:o}); "
-                            f"chmod 700 {self.directory}")
+        _check_mode(self.directory, "key directory", 0o700)
+        if os.path.isdir(self._authorized):
+            _check_mode(self._authorized, "directory of admitted keys", 0o700)
+        for entry in sorted(os.listdir(self.directory)):
+            if entry.endswith(".key_secret"):
+                _check_mode(os.path.join(self.directory, entry), "secret key file", 0o600)
 
     def add(self, role: str, name: str, keypair: Keypair | None = None) -> Keypair:
         """Makes (or stores) the keypair ``name`` with ``role`` and admits its public key.
 
         The default identities (``head``, ``node``, ``admin``, ``client``) are saved
-        in the directory itself; any other's secret half is saved there too, to be
-        handed to its owner.
+        in the directory itself; any other's secret half is saved there too (mode
+        0600), to be handed to its owner.
+
+        Raises:
+            KeyFileError: an unknown role or a bad name, or the directory is unsafe
+                (see :meth:`check_private`).
         """
         if role not in ROLES:
             raise KeyFileError(f"unknown role {role!r}; roles: {', '.join(ROLES)}")
         if not name or not all(c.isalnum() or c in "_.@" for c in name):
             raise KeyFileError(f"a key name is letters, digits, '_', '.' or '@'; got {name[:40]!r}")
+        self.check_private()
         keypair = keypair or Keypair.generate()
         keypair.save(self.directory, name)
         write_public_key(os.path.join(self._authorized, f"{role}-{name}.key"), keypair.public)
@@ -140,6 +161,24 @@ class ClusterKeys:
 
     def _secret_path(self, name: str) -> str:
         return os.path.join(self.directory, f"{name}.key_secret")
+
+
+def _make_private_directory(path: str) -> None:
+    """Makes ``path`` with mode 0700 if it is missing; one that exists is left as it is (and judged)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        return
+    os.chmod(path, 0o700)  # just made, so ours: exactly 0700 whatever the umask
+
+
+def _check_mode(path: str, what: str, most: int) -> None:
+    """Raises KeyFileError when ``path`` grants anything beyond ``most`` (0700 or 0600) to group or others."""
+    mode = stat.S_IMODE(os.stat(path).st_mode)
+    if mode & 0o077:
+        raise KeyFileError(f"{what} {path} is open to other users (mode {mode:03o}); fix it with: "
+                           f"chmod {most:o} {shlex.quote(path)}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,7 @@ import sys
 
 from actors._registry import DEFAULT_ALLOW
 from actors.devices import device_argument
-from actors.keys import DEFAULT_KEYS
+from actors.keys import DEFAULT_KEYS, KeyFileError
 from actors.plugins import head_modules
 from actors._serve import HeadConfig, WorkerConfig, serve_head, serve_worker
 from transport.loop import run
@@ -78,22 +78,25 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s [{name}] %(levelname)s %(name)s: %(message)s")
     if args.head:
-        head = HeadConfig(bind=args.bind or "tcp://127.0.0.1:5555", allow_remote=args.allow_remote,
-                            heartbeat_interval=args.heartbeat_interval,
-                            heartbeat_timeout=args.heartbeat_timeout, address_file=args.address_file,
-                            allow=DEFAULT_ALLOW + tuple(args.allow),
-                            plugins=tuple(args.plugin) if args.plugin is not None else head_modules(),
-                            keys=None if args.insecure else args.keys, identity=args.identity or "head",
-                            max_message_bytes=args.max_message_bytes, limits=tuple(args.limit),
-                            checkpoint_root=os.path.abspath(args.checkpoint_root))
-        run(serve_head(head))
+        serve = serve_head(HeadConfig(
+            bind=args.bind or "tcp://127.0.0.1:5555", allow_remote=args.allow_remote,
+            heartbeat_interval=args.heartbeat_interval, heartbeat_timeout=args.heartbeat_timeout,
+            address_file=args.address_file, allow=DEFAULT_ALLOW + tuple(args.allow),
+            plugins=tuple(args.plugin) if args.plugin is not None else head_modules(),
+            keys=None if args.insecure else args.keys, identity=args.identity or "head",
+            max_message_bytes=args.max_message_bytes, limits=tuple(args.limit),
+            checkpoint_root=os.path.abspath(args.checkpoint_root)))
     else:
-        worker = WorkerConfig(join=args.join, name=name, device=args.device,
-                              bind=args.bind or "tcp://127.0.0.1:0", allow_remote=args.allow_remote,
-                              allow=DEFAULT_ALLOW + tuple(args.allow), head_timeout=args.head_timeout,
-                              keys=None if args.insecure else args.keys, identity=args.identity or "node",
-                              max_message_bytes=args.max_message_bytes)
-        run(serve_worker(worker))
+        serve = serve_worker(WorkerConfig(
+            join=args.join, name=name, device=args.device, bind=args.bind or "tcp://127.0.0.1:0",
+            allow_remote=args.allow_remote, allow=DEFAULT_ALLOW + tuple(args.allow), head_timeout=args.head_timeout,
+            keys=None if args.insecure else args.keys, identity=args.identity or "node",
+            max_message_bytes=args.max_message_bytes))
+    try:
+        run(serve)
+    except KeyFileError as exc:  # keys it may not use (missing, or open to others): one line says what to fix
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

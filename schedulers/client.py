@@ -31,7 +31,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import torch
 
 import actors
-from actors import ActorError, ActorRef, Endpoint, HeadActor, UnknownActor
+from actors import ActorError, ActorRef, Endpoint, UnknownActor
 from stages import CheckpointError
 from schedulers.jobs import SECTIONS, JobSpec
 from schedulers.placement import PlacementWarning
@@ -108,14 +108,25 @@ class Cluster(actors.Cluster):
 
     async def subscribe(self, sink: ActorRef) -> None:
         """Sends the head's node events and the scheduler's job events (:mod:`schedulers.events`) to
-        ``sink`` (an :class:`~actors.EventSink`)."""
-        await self.head.endpoint(HeadActor.subscribe, timeout=10).call(sink.address, sink.name)
-        await self.call(SchedulerActor.subscribe, timeout=10).call(sink.address, sink.name)
+        ``sink``, an :class:`~actors.EventSink` in this connection's runtime: the events of every job
+        this key may see (a client's own jobs; every job for the admin key).
+
+        Raises:
+            ValueError: ``sink`` lives in another runtime.
+            TooManySubscribers: this key holds as many subscriptions as the head or scheduler takes.
+        """
+        await super().subscribe(sink)
+        try:
+            await self.call(SchedulerActor.subscribe, timeout=10).call(sink.name)
+        except BaseException:
+            with contextlib.suppress(ActorError):
+                await super().unsubscribe(sink)
+            raise
 
     async def unsubscribe(self, sink: ActorRef) -> None:
         """Stops the events :meth:`subscribe` started."""
-        await self.head.endpoint(HeadActor.unsubscribe, timeout=2).call(sink.address, sink.name)
-        await self.call(SchedulerActor.unsubscribe, timeout=2).call(sink.address, sink.name)
+        await super().unsubscribe(sink)
+        await self.call(SchedulerActor.unsubscribe, timeout=2).call(sink.name)
 
     async def job(self, job_id: str) -> Job:
         """A handle on a job that is already running (e.g. one the console did not start).

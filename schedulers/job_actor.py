@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from actors import Actor, ActorRef, NotAllowed, current_caller, endpoint, may_call
+from actors import Actor, ActorRef, NotAllowed, current_caller, endpoint, may_see
 from schedulers.checkpoint_paths import CheckpointPath, resolve
 from schedulers.control import JobController
 from schedulers.records import JobDescription, Plan, RunInfo, SettingChange, StepStats, WhereReport
@@ -29,8 +29,7 @@ log = logging.getLogger(__name__)
 
 def may_act_on(owner: str) -> bool:
     """Whether the caller of the endpoint being served is ``owner`` (or may act on every job)."""
-    caller = current_caller()
-    return caller == owner or may_call(caller, frozenset())
+    return may_see(current_caller(), owner)
 
 
 class JobActor(Actor):

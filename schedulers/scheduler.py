@@ -7,18 +7,20 @@ stages to their pipeline peers; from then on the job's own actor
 (:class:`~schedulers.job_actor.JobActor`, with its
 :class:`~schedulers.control.JobController`) owns the job, and every operation on it
 is a call to that actor. The scheduler keeps what is cluster-wide: creating jobs,
-listing them, finding one by id, and the event subscribers.
+listing them, finding one by id, and the event subscribers (each hears only the
+events of jobs its key may see: a client its own, the admin key all; see
+:mod:`actors._subscribers`).
 :class:`~schedulers.client.Cluster` calls it (typed, through ``ref.endpoint(SchedulerActor.method)``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from actors import (
@@ -28,11 +30,11 @@ from actors import (
     ActorError,
     ActorRef,
     Event,
-    EventSink,
     HeadActor,
     NodeActor,
     NodeInfo,
     NotAllowed,
+    Subscribers,
     current_caller,
     endpoint,
     may_call,
@@ -51,35 +53,9 @@ from schedulers.events import JobClosed, JobCreated
 from schedulers.records import JobDescription, JobInfo
 from transport.channel import is_local_address
 
-__all__ = ["SchedulerActor", "Subscribers"]
+__all__ = ["SchedulerActor"]
 
 log = logging.getLogger(__name__)
-
-
-class Subscribers:
-    """Actors that asked for events; one that stops taking them is dropped."""
-
-    def __init__(self) -> None:
-        self._actors: set[tuple[str, str]] = set()
-
-    def add(self, address: str, actor: str) -> None:
-        self._actors.add((address, actor))
-
-    def discard(self, address: str, actor: str) -> None:
-        self._actors.discard((address, actor))
-
-    def publish(self, actor: Actor, event: Event) -> None:
-        """Tells every subscriber ``event`` (with the head's time) without waiting for them."""
-        event = dataclasses.replace(event, time=time.time())
-        for address, name in list(self._actors):
-            actor.runtime.spawn_task(self._notify(actor, address, name, event), name="scheduler notify")
-
-    async def _notify(self, actor: Actor, address: str, name: str, event: Event) -> None:
-        try:
-            await asyncio.wait_for(actor.runtime.ref(address, name).endpoint(EventSink.on_event).tell(event), 2.0)
-        except Exception:  # noqa: BLE001 - gone, slow or closing: a subscriber never breaks the scheduler
-            log.info("dropping subscriber %s at %s: it does not take events", name, address)
-            self.discard(address, name)
 
 
 def _needs_communicator(spec: JobSpec) -> bool:
@@ -92,8 +68,9 @@ def _needs_communicator(spec: JobSpec) -> bool:
 class SchedulerActor(Actor):
     """Places jobs on nodes and runs them, one :class:`~schedulers.job_actor.JobActor` per job.
 
-    Events (``on_event`` to every subscriber, records of :mod:`schedulers.events`):
-    ``JobCreated``, ``JobClosed``, and each job's (see :class:`~schedulers.control.JobController`).
+    Events (``on_event`` to the subscribers that may see the job, records of
+    :mod:`schedulers.events`): ``JobCreated``, ``JobClosed``, and each job's (see
+    :class:`~schedulers.control.JobController`).
     """
 
     def __init__(self, checkpoint_root: str = "checkpoints",
@@ -114,10 +91,13 @@ class SchedulerActor(Actor):
         self._placing = asyncio.Lock()
         self._ids = itertools.count()
         self._inspections = itertools.count()
-        self._subscribers = Subscribers()
+        self._subscribers = Subscribers("scheduler")
 
-    def _publish(self, event: Event) -> None:
-        self._subscribers.publish(self, event)
+    def _publisher(self, owner: str) -> Callable[[Event], None]:
+        """Publishes the events of a job that ``owner``'s key created, to those who may see that job."""
+        def publish(event: Event) -> None:
+            self._subscribers.publish(self.runtime, event, owner=owner)
+        return publish
 
     # -- jobs ------------------------------------------------------------------------------
 
@@ -171,17 +151,18 @@ class SchedulerActor(Actor):
                 await self.runtime.stop_actor(rendezvous)
             raise
         names = [n.name for n in nodes]
+        owner = current_caller()
         controller = JobController(
             runtime=self.runtime, job_id=job_id, spec=job_spec, stages=stages, nodes=names, bounds=bounds,
-            publish=self._publish, alive_nodes=self._alive_nodes, rendezvous=rendezvous,
-            owner=current_caller(), identities=identities, limits=self.limits,
+            publish=self._publisher(owner), alive_nodes=self._alive_nodes, rendezvous=rendezvous,
+            owner=owner, identities=identities, limits=self.limits,
             placer=Placer(free_nodes=self._free_nodes, spawn=self._respawn, renew_rendezvous=self._renew_rendezvous))
         job = JobActor(controller, stop_stages=self._stop_stages, closed=self._job_closed,
                        checkpoint_root=self.checkpoint_root)
         await self.runtime.spawn(job, f"{job_id}.control")
         self._jobs[job_id] = job
         log.info("%s: %s on %s", job_id, job_spec.parallelism.schedule, ", ".join(names))
-        self._publish(JobCreated(job=job_id, nodes=names))
+        self._publisher(owner)(JobCreated(job=job_id, nodes=names))
         return self._info(job, notices)
 
     def _check_client_limits(self, spec: JobSpec) -> None:
@@ -376,7 +357,7 @@ class SchedulerActor(Actor):
         job = self._jobs.pop(job_id, None)
         if job is not None:
             await self.runtime.stop_actor(job.name)
-            self._publish(JobClosed(job=job_id))
+            self._publisher(job.owner)(JobClosed(job=job_id))
 
     @endpoint(concurrent=True, roles=("client",))
     async def jobs(self) -> list[JobDescription]:
@@ -408,11 +389,18 @@ class SchedulerActor(Actor):
 
     # -- events ---------------------------------------------------------------------------------
 
-    @endpoint
-    async def subscribe(self, address: str, actor: str) -> None:
-        """Sends every later job event to ``actor.on_event(event)`` at ``address``."""
-        self._subscribers.add(address, actor)
+    @endpoint(roles=("client",))
+    async def subscribe(self, actor: str) -> None:
+        """Sends every later event of the jobs the caller may see (its own; all for the admin key)
+        to ``actor.on_event(event)`` (an :class:`~actors.EventSink`) in the calling runtime.
 
-    @endpoint
-    async def unsubscribe(self, address: str, actor: str) -> None:
-        self._subscribers.discard(address, actor)
+        Raises:
+            NotAllowed: the call came from an address that is not the caller's own.
+            TooManySubscribers: the caller's key (or the scheduler) holds as many as it may.
+        """
+        self._subscribers.add(self.runtime, actor)
+
+    @endpoint(roles=("client",))
+    async def unsubscribe(self, actor: str) -> None:
+        """Stops the events :meth:`subscribe` started for ``actor`` of the calling runtime."""
+        self._subscribers.remove(self.runtime, actor)

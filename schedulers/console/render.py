@@ -55,12 +55,12 @@ def progress_bar(done: int, total: int, width: int = 20) -> str:
 
 
 def nodes_table(nodes: Sequence[NodeInfo]) -> Table:
-    """The head's nodes: name, state, device, host, pid, memory, last heartbeat."""
+    """The head's nodes: name, state, device, host, pid (``-`` for a client's key), memory, last heartbeat."""
     table = Table(title="nodes", title_justify="left")
     for column in ("name", "state", "device", "host", "pid", "memory", "last heartbeat"):
         table.add_column(column, justify="right" if column in ("pid", "memory", "last heartbeat") else "left")
     for n in sorted(nodes, key=lambda n: n.name):
-        table.add_row(n.name, n.state, n.device, n.host, str(n.pid), format_bytes(n.memory_bytes),
+        table.add_row(n.name, n.state, n.device, n.host, str(n.pid or "-"), format_bytes(n.memory_bytes),
                       f"{n.last_heartbeat_age_s:.1f} s ago")
     return table
 

@@ -40,7 +40,7 @@ async def head_and_client() -> AsyncIterator[tuple[HeadActor, Runtime, Runtime]]
 async def subscribe(client: Runtime, head_address: str) -> asyncio.Queue[Event]:
     events: asyncio.Queue[Event] = asyncio.Queue()
     sink = await client.spawn(EventSink(events.put_nowait), "events")
-    await client.ref(head_address, HEAD).endpoint(HeadActor.subscribe, timeout=5).call(sink.address, sink.name)
+    await client.ref(head_address, HEAD).endpoint(HeadActor.subscribe, timeout=5).call(sink.name)
     return events
 
 
@@ -59,7 +59,7 @@ async def test_a_node_registers_as_a_record_and_its_events_arrive_as_records(
     assert joined.time > 0  # the head's clock, set when published
     # Silent past the timeout: lost, and the subscriber hears it as a NodeSilent.
     silent = await asyncio.wait_for(events.get(), 5)
-    assert isinstance(silent, NodeSilent) and silent.node == "node0" and silent.silent_s > 0.2
+    assert isinstance(silent, NodeSilent) and silent.node == "node0" and silent.silent_s >= 0.2  # (to the ms)
     assert [n.state for n in await head.endpoint(HeadActor.nodes, timeout=5).call()] == ["lost"]
     await head.endpoint(HeadActor.register, timeout=5).call(WORKER)  # it comes back
     await head.endpoint(HeadActor.deregister, timeout=5).call("node0")

@@ -164,3 +164,29 @@ def test_messages_carry_only_a_short_excerpt_of_the_path() -> None:
         load_object("!" * 100_000, ALLOW)
     assert len(str(bad.value)) < 400
 
+
+
+@pytest.mark.parametrize(
+    ("path", "error", "operator_sees"),
+    [
+        ("os:system", NotAllowed, "allow-list (torch.nn, torch.optim, examples.models, examples.data, examples.hf, tests.helpers)"),
+        ("tests.helpers.reexports:run", NotAllowed, "allow-list (torch.nn, torch.optim, examples.models, examples.data, examples.hf, tests.helpers)"),
+        ("torch.nn.functional:Tensor.add", NotAllowed, "allow-list (torch.nn, torch.optim, examples.models, examples.data, examples.hf, tests.helpers)"),
+        ("tests.helpers.not_there:model", ModuleNotFoundError, "this process runs in"),
+    ],
+)
+def test_a_clients_answer_names_the_rule_but_not_the_allow_list_nor_the_folder(
+    path: str, error: type[Exception], operator_sees: str
+) -> None:
+    with pytest.raises(error) as operator:
+        load_object(path, ALLOW)
+    assert operator_sees in str(operator.value)
+    with pytest.raises(error) as client:
+        load_object(path, ALLOW, reveal=False)
+    said = str(client.value)
+    assert "allow-list (" not in said and "tests.helpers," not in said and "runs in" not in said
+    assert "PYTHONPATH=" not in said and str(Path.cwd()) not in said
+    # The same rule in the same words otherwise: the client still learns what to ask for.
+    shown = str(operator.value).replace(f" ({', '.join(ALLOW)})", "")
+    assert said == (shown if error is NotAllowed else shown.replace(shown[shown.index("this process"):
+                                                                          shown.index("start it where")], ""))

@@ -21,17 +21,22 @@ from actors import (
     ActorTimeout,
     Cluster,
     ClusterKeys,
+    Event,
+    EventSink,
     HeadActor,
     LocalCluster,
     NodeActor,
+    NodeDescription,
     NodeSilent,
     NotAllowed,
     RemoteError,
+    TooManySubscribers,
     UnknownActor,
     open_runtime,
 )
 from stages import RendezvousActor, StageActor, StepOrder
 from schedulers.client import CheckpointError
+from schedulers.events import JobClosed, JobEvent, StepFinished
 from schedulers.job_actor import JobActor
 from transport.security import Keypair
 
@@ -225,6 +230,105 @@ async def test_a_jobs_save_leaves_another_jobs_staging_directory_alone(cluster: 
         finally:
             await first.close()
             await second.close()
+
+
+async def feed(cluster: Cluster, name: str = "feed") -> asyncio.Queue[Event]:
+    """Subscribes a new EventSink of ``cluster``'s runtime to the head's and the scheduler's events."""
+    events: asyncio.Queue[Event] = asyncio.Queue()
+    await cluster.subscribe(await cluster.runtime.spawn(EventSink(events.put_nowait), name))
+    return events
+
+
+async def heard_until(events: asyncio.Queue[Event], last: type[JobEvent], job: str) -> list[Event]:
+    """Every event up to ``last`` of ``job`` (the scheduler tells each subscriber in publishing order)."""
+    heard: list[Event] = []
+    while True:
+        heard.append(event := await asyncio.wait_for(events.get(), 60))
+        if isinstance(event, last) and event.job == job:
+            return heard
+
+
+async def test_a_clients_subscription_hears_only_its_own_jobs_and_only_where_it_subscribed(cluster: Cluster) -> None:
+    async with Cluster.connect(cluster.head.address, keys=keys().directory, identity="alice") as alice, \
+            Cluster.connect(cluster.head.address, keys=keys().directory, identity="bob") as bob:
+        alices, bobs, admins = await feed(alice), await feed(bob), await feed(cluster)
+        # Alice asks the scheduler to send to a sink of bob's runtime: a request whose reply address is his.
+        stolen: asyncio.Queue[Event] = asyncio.Queue()
+        await bob.runtime.spawn(EventSink(stolen.put_nowait), "forged")
+        await alice.runtime._send(cluster.head.address, {"t": "req", "id": 1 << 40, "to": "scheduler",
+                                                          "m": "subscribe", "a": ["forged"], "k": {},
+                                                          "r": bob.runtime.address})
+        job = await alice.train(**MODEL)
+        try:
+            await job.step(*batch())
+            theirs = await bob.train(**MODEL)  # while alice's job runs: neither hears the other's
+            await theirs.close()
+        finally:
+            await job.close()
+        # Alice's job closed last: each feed heard all it would of both jobs by its last event.
+        heard = {"alice": await heard_until(alices, JobClosed, job.id),
+                 "bob": await heard_until(bobs, JobClosed, theirs.id),
+                 "admin": await heard_until(admins, JobClosed, job.id)}
+    jobs = {who: {e.job for e in events if isinstance(e, JobEvent)} for who, events in heard.items()}
+    assert jobs == {"alice": {job.id}, "bob": {theirs.id}, "admin": {job.id, theirs.id}}
+    [step] = [e for e in heard["alice"] if isinstance(e, StepFinished)]
+    assert step.loss == step.loss and not [e for e in heard["bob"] if isinstance(e, StepFinished)]
+    assert stolen.empty()  # the forged subscription was refused: nothing of alice's reached bob's runtime
+
+
+async def test_a_key_holds_a_bounded_number_of_subscriptions_and_closing_frees_them(cluster: Cluster) -> None:
+    async with Cluster.connect(cluster.head.address, keys=keys().directory, identity="alice") as alice:
+        for i in range(16):
+            await feed(alice, f"feed{i}")
+        with pytest.raises(TooManySubscribers, match="'client:alice' already holds 16 subscriptions to the head"):
+            await feed(alice, "one too many")
+        # Bob's key has its own count; and a sink of another runtime is refused before anything is sent.
+        async with Cluster.connect(cluster.head.address, keys=keys().directory, identity="bob") as bob:
+            await feed(bob)
+            with pytest.raises(ValueError, match="an EventSink of this connection's runtime"):
+                await bob.subscribe(alice.runtime.ref(alice.runtime.address, "feed0"))
+    async with Cluster.connect(cluster.head.address, keys=keys().directory, identity="alice") as again:
+        for i in range(16):  # the closed connection gave its subscriptions back
+            await feed(again, f"feed{i}")
+
+
+async def test_a_node_describes_itself_and_checks_imports_for_a_client_without_its_internals(cluster: Cluster) -> None:
+    job = await cluster.train(**MODEL)  # the admin's: its stage actors run on both nodes
+    try:
+        node = next(n for n in await cluster.nodes() if n.name == "node0")
+        head_agent = cluster.runtime.ref(cluster.head.address, NODE)
+        async with Cluster.connect(cluster.head.address, keys=keys().directory, identity="alice") as alice:
+            assert {n.pid for n in await alice.nodes()} == {0} and node.pid  # the membership list, without pids
+            for agent, name in ((cluster.node_ref(node), "node0"), (head_agent, "head")):
+                mine = await alice.runtime.ref(agent.address, NODE).endpoint(NodeActor.describe, timeout=10).call()
+                assert isinstance(mine, NodeDescription) and mine.name == name and mine.num_actors >= 2
+                assert (mine.pid, mine.host, mine.address, mine.actors, mine.allow, mine.working_directory) == \
+                    (None,) * 6
+                assert job.id not in str(mine.to_wire())  # no other job's actor names
+                full = await agent.endpoint(NodeActor.describe, timeout=10).call()  # the admin's view: everything
+                assert full.actors is not None and any(a.startswith(job.id) for a in full.actors)
+                assert full.allow and full.working_directory and full.num_actors == len(full.actors)
+                assert full.pid == node.pid if name == "node0" else full.pid
+
+            check = alice.runtime.ref(node.address, NODE).endpoint(NodeActor.check_import, timeout=10)
+            admin_check = cluster.node_ref(node).endpoint(NodeActor.check_import, timeout=10)
+            assert await check.call("torch.nn:Linear") == "torch.nn.modules.linear.Linear"
+            for path, reason in (("os:system", "is not on this node's allow-list; start the node with --allow os"),
+                                 ("torch.nn.functional:conv2d", "defined outside this node's allow-list and only")):
+                with pytest.raises(NotAllowed, match=reason) as refused:
+                    await check.call(path)
+                assert "torch.optim" not in refused.value.message  # the allow-list's entries stay on the node
+                with pytest.raises(NotAllowed, match=r"allow-list \(torch\.nn, torch\.optim"):
+                    await admin_check.call(path)
+            with pytest.raises(RemoteError) as missing:
+                await check.call("examples.models.not_there:model")
+            assert missing.value.remote_type == "ModuleNotFoundError" and "No module named" in missing.value.message
+            assert "runs in" not in missing.value.message and "PYTHONPATH=" not in missing.value.message
+            assert not missing.value.remote_traceback  # a traceback would show the node's files
+            with pytest.raises(RemoteError, match="this process runs in .* with PYTHONPATH="):
+                await admin_check.call("examples.models.not_there:model")
+    finally:
+        await job.close()
 
 
 async def test_clients_cannot_register_nodes_spawn_actors_or_shut_nodes_down(cluster: Cluster) -> None:

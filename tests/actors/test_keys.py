@@ -1,0 +1,121 @@
+"""Tests for actors/keys.py: every role refuses key material that other users may read, in one process.
+
+Each case loosens one path of a fresh key directory and starts a role on it the way
+its entry point does (``serve_head``, ``serve_worker``, ``Cluster.connect``, the
+``python -m actors.node`` and ``python -m actors.keys`` command lines): the start fails
+before anything listens, naming the path and the ``chmod`` that fixes it, and the mode
+is left as it was (the head used to tighten a loose directory silently and start).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from actors import Cluster, ClusterKeys, KeyFileError
+from actors._serve import HeadConfig, WorkerConfig, serve_head, serve_worker
+from actors.keys import main as keys_main
+from actors.node import main as node_main
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def keys(tmp_path: Path) -> ClusterKeys:
+    """A fresh key directory with the default keys and a client ``alice``."""
+    made = ClusterKeys.create(tmp_path / "keys")
+    made.add("client", "alice")
+    return made
+
+
+def mode(path: str) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+# What is loosened (relative to the key directory), to which mode, and the command that fixes it.
+LOOSE = [
+    ("", 0o755, "chmod 700"),
+    ("", 0o750, "chmod 700"),
+    ("", 0o701, "chmod 700"),
+    ("authorized", 0o777, "chmod 700"),
+    ("head.key_secret", 0o644, "chmod 600"),
+    ("node.key_secret", 0o640, "chmod 600"),
+    ("alice.key_secret", 0o604, "chmod 600"),
+]
+
+
+def start_head(directory: str) -> Awaitable[None]:
+    return serve_head(HeadConfig(bind="tcp://127.0.0.1:0", keys=directory))
+
+
+def start_worker(directory: str) -> Awaitable[None]:
+    return serve_worker(WorkerConfig(join="tcp://127.0.0.1:1", name="w", keys=directory))
+
+
+async def start_client(directory: str) -> None:
+    await Cluster.connect("tcp://127.0.0.1:1", keys=directory, identity="alice")
+
+
+ROLES: dict[str, Callable[[str], Awaitable[None]]] = {
+    "head": start_head, "node": start_worker, "client": start_client,
+}
+
+
+@pytest.mark.parametrize("role", sorted(ROLES))
+@pytest.mark.parametrize(("entry", "loose", "fix"), LOOSE)
+async def test_every_role_refuses_keys_open_to_other_users_and_says_how_to_fix_it(
+    keys: ClusterKeys, role: str, entry: str, loose: int, fix: str
+) -> None:
+    path = os.path.join(keys.directory, entry) if entry else keys.directory
+    os.chmod(path, loose)
+    with pytest.raises(KeyFileError) as refused:
+        await ROLES[role](keys.directory)
+    assert f"{path} is open to other users (mode {loose:03o}); fix it with: {fix} {path}" in str(refused.value)
+    assert mode(path) == loose  # refused, not silently tightened
+    os.chmod(path, 0o700 if fix == "chmod 700" else 0o600)
+    keys.check_private()  # the command it gave is the whole fix
+
+
+def test_the_command_lines_refuse_loose_keys_with_one_line(keys: ClusterKeys, capsys: pytest.CaptureFixture[str]) -> None:
+    os.chmod(keys.directory, 0o755)
+    for argv in (["--head", "--bind", "tcp://127.0.0.1:0", "--keys", keys.directory],
+                 ["--join", "tcp://127.0.0.1:1", "--keys", keys.directory]):
+        assert node_main(argv) == 2
+        assert f"error: key directory {keys.directory} is open to other users" in capsys.readouterr().err
+    assert keys_main(["add", keys.directory, "client", "bob"]) == 2
+    assert f"chmod 700 {keys.directory}" in capsys.readouterr().err
+    assert not os.path.exists(os.path.join(keys.directory, "bob.key_secret"))
+    assert mode(keys.directory) == 0o755
+
+
+@pytest.fixture
+def umask(request: pytest.FixtureRequest) -> Iterator[int]:
+    previous = os.umask(request.param)
+    try:
+        yield request.param
+    finally:
+        os.umask(previous)
+
+
+@pytest.mark.parametrize("umask", [0o000, 0o022, 0o077], indirect=True)
+def test_a_new_key_directory_is_private_whatever_the_umask(tmp_path: Path, umask: int) -> None:
+    keys = ClusterKeys.create(tmp_path / "deep" / "keys")  # a missing parent is made too
+    keys.add("client", "alice")
+    assert mode(keys.directory) == 0o700 and mode(os.path.join(keys.directory, "authorized")) == 0o700
+    for root, _, files in os.walk(keys.directory):
+        for name in files:
+            assert mode(os.path.join(root, name)) == 0o600, name
+    keys.check_private()
+    assert keys.identity("alice").public in keys.ring()
+
+
+def test_an_existing_private_directory_is_used_as_it_is(keys: ClusterKeys) -> None:
+    secret = os.path.join(keys.directory, "head.key_secret")
+    head = keys.identity("head")
+    os.chmod(secret, 0o400)  # tighter than 0600 is fine, and kept
+    again = ClusterKeys.create(keys.directory)
+    assert again.identity("head") == head and mode(secret) == 0o400  # nothing was remade or changed
