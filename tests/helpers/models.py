@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -57,6 +60,17 @@ def exploding(layers: int = 4, dim: int = 8, explode_layer: int = 3, at: int = 2
 def stalling(layers: int = 2, dim: int = 8, seconds: float = 0.5, gate: str | None = None) -> nn.Sequential:
     """Linears that each sleep ``seconds`` per forward (only while the file ``gate`` exists, if given)."""
     return nn.Sequential(*[nn.Sequential(nn.Linear(dim, dim), Stall(seconds, gate)) for _ in range(layers)])
+
+
+@contextlib.contextmanager
+def stalled(gate: Path) -> Iterator[None]:
+    """Makes ``gate`` exist for the block: a :func:`stalling` model built with it sleeps in
+    every forward inside the block and in none outside it."""
+    gate.touch()
+    try:
+        yield
+    finally:
+        gate.unlink()
 
 
 class RejectNonFinite(nn.Module):

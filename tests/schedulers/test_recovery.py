@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import random
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -21,6 +19,7 @@ from stages import Mesh
 from schedulers import Cluster, Job, LocalCluster
 from schedulers.console.render import job_detail
 from schedulers.recovery import _snapshot_source
+from tests.helpers.models import stalled
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -28,29 +27,18 @@ DATA = {"batch_size": 8, "seq": 2, "dim": 8}
 
 
 def spec(seconds: float = 0.15, gate: Path | None = None, **changes: Any) -> dict[str, Any]:
-    """A job of 4 linears that each sleep ``seconds`` per forward (only while ``gate`` exists, if given)."""
+    """A job of 4 linears that each sleep ``seconds`` per forward (with a ``gate``, only inside ``stalled(gate)``).
+
+    A step run inside ``stalled(gate)`` takes about 1.5 s, long enough to kill a node during
+    it; the steps before and after run at full speed. The tests keep the block open until
+    the step they killed in has recovered, so that its replay runs as slowly as every step
+    used to: a replacement stage that gets its neighbour's first activation before its own
+    step order refuses it (its step count starts at -1) and the step hangs.
+    """
     stall = {"seconds": seconds} if gate is None else {"seconds": seconds, "gate": str(gate)}
     return {"model": "tests.helpers.models:stalling", "model_kwargs": {"layers": 4, **stall},
             "pipeline_stages": 2, "micro_batches": 4, "optimizer": ("torch.optim:AdamW", {"lr": 0.01}),
             "data": "examples.data:regression_batches", "data_kwargs": DATA, **changes}
-
-
-@contextlib.contextmanager
-def stalled(gate: Path) -> Iterator[None]:
-    """Every forward of a job whose model has this ``gate`` sleeps inside the block: a step
-    started in it takes long enough (about 1.5 s) to kill a node during it; the steps before
-    and after run at full speed.
-
-    The tests keep the block open until the step they killed in has recovered, so that its
-    replay runs as slowly as every step used to: a replacement stage that gets its
-    neighbour's first activation before its own step order refuses it (its step count
-    starts at -1) and the step hangs.
-    """
-    gate.touch()
-    try:
-        yield
-    finally:
-        gate.unlink()
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
