@@ -298,7 +298,7 @@ async def limited() -> AsyncIterator[tuple[LocalCluster, Cluster]]:
 async def test_a_model_over_the_message_limit_checkpoints_and_loads_without_one_big_message(
     limited: tuple[LocalCluster, Cluster], tmp_path: Path
 ) -> None:
-    """8 linears of 64 x 64 float32 (16 KiB each), 2 stages of 64 KiB: each over the 64 KiB message limit."""
+    """8 linears of 64 x 64 float32 (16 KiB each), 2 stages of 64 KiB: no stage's share fits one 64 KiB message."""
     local, cluster = limited
     assert local.max_message_bytes == LIMIT
     dims = [64] * 9
