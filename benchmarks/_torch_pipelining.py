@@ -135,7 +135,8 @@ class _Trainer:
             # Stand-ins for what a pipeline would hand this stage: an input activation and an
             # output gradient per micro-batch, of the real shapes.
             gen = torch.Generator().manual_seed(SEED + rank)
-            micro = (BATCH_SHAPE[0] // NUM_MICROBATCHES, *BATCH_SHAPE[1:])
+            batch_shape = spec.workload.batch_shape
+            micro = (batch_shape[0] // NUM_MICROBATCHES, *batch_shape[1:])
             self.stand_ins = [(torch.randn(micro, generator=gen), torch.randn(micro, generator=gen))
                               for _ in range(NUM_MICROBATCHES)]
 

@@ -25,6 +25,11 @@ stages (``actorpipe_best_Nstages`` and ``torch_best_Nstages`` name them). A torc
 schedule that fails to start or to run its warm-up steps is dropped from the run with
 the reason printed and kept under ``torch_not_run``.
 
+``--blocks N --dim D`` trains a smaller model of the same kind instead (``N`` residual
+MLP blocks ``D`` wide on a ``[64, 32, D]`` batch), every peer alike: a run that checks
+the plumbing (the test suite's) without paying for the reference model's compute. Its
+figures are not the reference workload's; the JSON's ``workload`` says which it was.
+
 The peers run in one group per stage count (each with its own one-process reference),
 so that only one group's processes are up at a time. In a group every peer starts and
 runs its warm-up steps; then the timed steps run in rounds, each round a few steps of
@@ -55,6 +60,7 @@ import torch
 from benchmarks._torch_pipelining import (
     BATCH_SHAPE,
     COMPUTE_ONLY,
+    DIM,
     NUM_BLOCKS,
     NUM_MICROBATCHES,
     REFERENCE,
@@ -190,33 +196,44 @@ def actorpipe_missing() -> str | None:
     return None
 
 
+def workload_of(args: argparse.Namespace) -> Workload:
+    """The model every peer trains: the reference workload, or ``--blocks`` x ``--dim`` of its kind."""
+    if (args.blocks, args.dim) == (NUM_BLOCKS, DIM):
+        return REFERENCE
+    return Workload(model_kwargs={"blocks": args.blocks, "dim": args.dim},
+                    batch_shape=(*BATCH_SHAPE[:-1], args.dim))
+
+
 def make_groups(args: argparse.Namespace, state_dir: str) -> list[list[Peer]]:
     """Every peer the flags ask for, in one group per stage count; each group's first
     peer is its own one-process reference (the others' exactness is checked against it)."""
+    workload = workload_of(args)
     groups: list[list[Peer]] = []
     for num_stages in args.stages:
         # Each group's reference trains as many steps as its peers; they pool as "single_process".
-        peers: list[Peer] = [TorchPeer(num_stages=1, schedule="-", state_dir=state_dir,
+        peers: list[Peer] = [TorchPeer(num_stages=1, schedule="-", state_dir=state_dir, workload=workload,
                                        name=f"single_process.{num_stages}stages")]
         if num_stages == 2 and not args.skip_variants:
             # The ceiling: each stage's micro-batches computed back to back on both cores at
             # once, with no pipeline (no bubble, no transfers).
-            peers.append(TorchPeer(num_stages=2, schedule=COMPUTE_ONLY, state_dir=state_dir))
+            peers.append(TorchPeer(num_stages=2, schedule=COMPUTE_ONLY, state_dir=state_dir, workload=workload))
         if not args.skip_torch:
-            peers += [TorchPeer(num_stages=num_stages, schedule=schedule, state_dir=state_dir)
+            peers += [TorchPeer(num_stages=num_stages, schedule=schedule, state_dir=state_dir, workload=workload)
                       for schedule in args.torch_schedules]
         if not args.skip_actorpipe:
-            peers += [ActorpipePeer(num_stages=num_stages, schedule=schedule) for schedule in args.actorpipe_schedules]
+            peers += [ActorpipePeer(num_stages=num_stages, schedule=schedule, workload=workload)
+                      for schedule in args.actorpipe_schedules]
         if not args.skip_actorpipe and not args.skip_variants and num_stages == 2:
             # Stage-to-stage tensors over torch.distributed (gloo) instead of ZeroMQ.
-            peers.append(ActorpipePeer(num_stages=2, schedule="1f1b", transport="dist"))
+            peers.append(ActorpipePeer(num_stages=2, schedule="1f1b", transport="dist", workload=workload))
             # W batching: each weight's gradient one GEMM over all micro-batches, at the step's tail.
             for schedule in ("1f1b", "zero_bubble"):
                 peers.append(ActorpipePeer(num_stages=2, schedule=schedule, name=f"actorpipe_{schedule}_2stages_wbatch",
-                                           options={"w_batching": True}))
+                                           options={"w_batching": True}, workload=workload))
             # 1F1B with plain autograd and glibc's default allocator: what those two defaults buy.
             peers.append(ActorpipePeer(num_stages=2, schedule="1f1b", name="actorpipe_1f1b_2stages_plain",
-                                       options={"gradient_accumulation_fusion": False, "keep_freed_memory": False}))
+                                       options={"gradient_accumulation_fusion": False, "keep_freed_memory": False},
+                                       workload=workload))
         groups.append(peers)
     return groups
 
@@ -471,13 +488,20 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--skip-actorpipe", action="store_true", help="no actorpipe peers")
     parser.add_argument("--skip-variants", action="store_true",
                         help="no compute-only ceiling and no actorpipe variants (dist, W batching, plain) at 2 stages")
+    parser.add_argument("--blocks", type=int, default=NUM_BLOCKS,
+                        help=f"residual MLP blocks of the model (default {NUM_BLOCKS}, the reference workload's)")
+    parser.add_argument("--dim", type=int, default=DIM,
+                        help=f"the model's width and the batch's last dimension (default {DIM}, the reference "
+                             "workload's); a smaller model checks the plumbing, not the performance")
     args = parser.parse_args()
     if args.steps < 1 or args.warmup < 1 or args.rounds < 1:
         # A warm-up step finds a torch schedule that cannot run before the timed rounds.
         parser.error("--steps, --warmup and --rounds must be >= 1")
-    if any(n < 2 or NUM_BLOCKS % (2 * n) for n in args.stages):
+    if args.blocks < 1 or args.dim < 1:
+        parser.error(f"--blocks and --dim must be >= 1, got {args.blocks} and {args.dim}")
+    if any(n < 2 or args.blocks % (2 * n) for n in args.stages):
         # The interleaved schedules hold two model stages per rank.
-        parser.error(f"--stages must divide the {NUM_BLOCKS} blocks into 2 model stages per rank, got {args.stages}")
+        parser.error(f"--stages must divide the {args.blocks} blocks into 2 model stages per rank, got {args.stages}")
     return args
 
 
@@ -495,7 +519,8 @@ def main() -> None:
     summary = summarize(results, args.stages)
     print_ratios(summary)
     print_not_run(not_run, args)
-    summary.update(steps=args.steps, warmup=args.warmup, rounds=args.rounds, torch_not_run=not_run,
+    summary.update(workload={"blocks": args.blocks, "dim": args.dim}, steps=args.steps, warmup=args.warmup,
+                   rounds=args.rounds, torch_not_run=not_run,
                    wall_s=round(time.perf_counter() - started, 1), actorpipe_skipped=missing)
     print(json.dumps(summary))
 

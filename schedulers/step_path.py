@@ -179,14 +179,18 @@ class StepPath:
         collective breaks the moment a peer process dies, before the head's failure detector has
         marked its node lost. Waits for that (at most :data:`LOSS_GRACE_S`) so that the step fails
         with ``NodeLost``, which a job with ``max_restarts`` recovers from, as it did when the
-        reduction came after every stage's barrier; else the reduction's own failure."""
+        reduction came after every stage's barrier; else the reduction's own failure.
+
+        The wait ends at the first call that fails with ``NodeLost``: the lost stage's pipeline
+        neighbours wait for tensors that never come, so waiting for every call took the whole
+        grace (about 3 s past the detector) before each such recovery."""
         job = self.job
         loop = asyncio.get_running_loop()
-        pending = [task for task in tasks.values() if not task.done()]
-        if pending:
-            await asyncio.wait(pending, timeout=max(0.0, min(LOSS_GRACE_S, deadline - loop.time())))
-        lost = self._first_failure({rank: task for rank, task in tasks.items()
-                                    if task.done() and isinstance(task.exception(), NodeLost)})
+        give_up = loop.time() + max(0.0, min(LOSS_GRACE_S, deadline - loop.time()))
+        pending = {task for task in tasks.values() if not task.done()}
+        while pending and not _lost_calls(tasks) and (left := give_up - loop.time()) > 0:
+            _, pending = await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        lost = self._first_failure(_lost_calls(tasks))
         if lost is None and (alive := await job.alive_nodes()) and set(job.nodes) - alive:
             gone = sorted(set(job.nodes) - alive)[0]
             lost = NodeLost(f"node {gone} was lost during the step ({failure.message})",
@@ -303,3 +307,8 @@ class StepPath:
             if isinstance(result, BaseException):
                 raise step_failed(job.mesh, rank, action, f"{type(result).__name__}: {result}")
         return results
+
+
+def _lost_calls(tasks: Mapping[int, asyncio.Future[Any]]) -> dict[int, asyncio.Future[Any]]:
+    """The stage calls, by rank, that ended in ``NodeLost``."""
+    return {rank: task for rank, task in tasks.items() if task.done() and isinstance(task.exception(), NodeLost)}

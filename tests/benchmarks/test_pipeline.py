@@ -4,6 +4,7 @@ Run: .venv/bin/python -m pytest -q tests/benchmarks/test_pipeline.py
 """
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -11,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.pipeline import ACTORPIPE_SCHEDULES, PeerResult, fastest, last_line, split_steps
+from benchmarks._torch_pipelining import DIM, NUM_BLOCKS, REFERENCE
+from benchmarks.pipeline import ACTORPIPE_SCHEDULES, PeerResult, fastest, last_line, split_steps, workload_of
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -48,17 +50,26 @@ def test_last_line_is_the_exception_of_a_traceback() -> None:
     assert last_line(text) == "ValueError: needs 2 stages"
 
 
+def test_blocks_and_dim_pick_a_smaller_model_of_the_reference_kind() -> None:
+    assert workload_of(argparse.Namespace(blocks=NUM_BLOCKS, dim=DIM)) is REFERENCE
+    small = workload_of(argparse.Namespace(blocks=4, dim=32))
+    assert small.model == REFERENCE.model and small.model_kwargs == {"blocks": 4, "dim": 32}
+    assert small.batch_shape == (*REFERENCE.batch_shape[:-1], 32)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.multiprocess
 def test_a_tiny_run_prints_the_best_schedules_ratio_last() -> None:
-    # Two steps of each peer at 2 stages: torch's 1F1B and interleaved 1F1B against actorpipe's.
+    # Two steps of each peer at 2 stages: torch's 1F1B and interleaved 1F1B against actorpipe's,
+    # on a model of the reference's kind small enough that the peers' start-up is the cost.
     command = [sys.executable, "-m", "benchmarks.pipeline", "--stages", "2", "--steps", "1", "--warmup", "1",
                "--rounds", "1", "--skip-variants", "--torch-schedules", "1f1b", "interleaved",
-               "--actorpipe-schedules", "1f1b", "interleaved"]
+               "--actorpipe-schedules", "1f1b", "interleaved", "--blocks", "4", "--dim", "32"]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=540)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["workload"] == {"blocks": 4, "dim": 32}
     assert summary["vs_torch_best_2stages"] > 0
     assert summary["actorpipe_best_2stages"] in ("1f1b", "interleaved")
     assert summary["torch_best_2stages"] in ("1f1b", "interleaved")

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,14 +29,20 @@ class Explode(nn.Module):
 
 
 class Stall(nn.Module):
-    """Sleeps on every forward: keeps a step busy long enough to act during it."""
+    """Sleeps on every forward: keeps a step busy long enough to act during it.
 
-    def __init__(self, seconds: float) -> None:
+    With a ``gate`` (a file's path), it sleeps only while that file exists, so that a test
+    slows down just the step it acts in and runs the others at full speed.
+    """
+
+    def __init__(self, seconds: float, gate: str | None = None) -> None:
         super().__init__()
         self.seconds = seconds
+        self.gate = gate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        time.sleep(self.seconds)
+        if self.gate is None or os.path.exists(self.gate):
+            time.sleep(self.seconds)
         return x
 
 
@@ -47,8 +57,20 @@ def exploding(layers: int = 4, dim: int = 8, explode_layer: int = 3, at: int = 2
     return nn.Sequential(*stack)
 
 
-def stalling(layers: int = 2, dim: int = 8, seconds: float = 0.5) -> nn.Sequential:
-    return nn.Sequential(*[nn.Sequential(nn.Linear(dim, dim), Stall(seconds)) for _ in range(layers)])
+def stalling(layers: int = 2, dim: int = 8, seconds: float = 0.5, gate: str | None = None) -> nn.Sequential:
+    """Linears that each sleep ``seconds`` per forward (only while the file ``gate`` exists, if given)."""
+    return nn.Sequential(*[nn.Sequential(nn.Linear(dim, dim), Stall(seconds, gate)) for _ in range(layers)])
+
+
+@contextlib.contextmanager
+def stalled(gate: Path) -> Iterator[None]:
+    """Makes ``gate`` exist for the block: a :func:`stalling` model built with it sleeps in
+    every forward inside the block and in none outside it."""
+    gate.touch()
+    try:
+        yield
+    finally:
+        gate.unlink()
 
 
 class RejectNonFinite(nn.Module):

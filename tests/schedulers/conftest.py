@@ -1,4 +1,4 @@
-"""The scheduler tests' shared fixture: one LocalCluster for the modules whose jobs need no fresh one."""
+"""The scheduler tests' shared fixtures: LocalClusters for the modules whose jobs need no fresh one."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
@@ -19,4 +19,15 @@ async def cluster() -> AsyncIterator[Cluster]:
     ``pytest.mark.asyncio(loop_scope="package")``.
     """
     async with LocalCluster(nodes=4) as cluster:
+        yield cluster
+
+
+@pytest_asyncio.fixture(loop_scope="package", scope="package")
+async def eight() -> AsyncIterator[Cluster]:
+    """Eight CPU nodes, for the jobs on a (pipeline, tensor, data) = (2, 2, 2) mesh that
+    test_training and test_precision each run: nine processes that import torch cost
+    several seconds a start on a small machine. Each job is closed when its test ends,
+    whatever the test found. Idle, the nine use about 2% of one core.
+    """
+    async with LocalCluster(nodes=8) as cluster:
         yield cluster

@@ -1,7 +1,8 @@
 """Checkpoints through a running cluster: exact resumption, all-or-nothing loads, other layouts, bad files.
 
 The package's shared LocalCluster (4 nodes, tests/schedulers/conftest.py) serves the
-module. The format and the kill windows of a save are tested without a cluster in
+module, except the tests of the message limit: they share one of 2 nodes whose limit
+is 64 KiB. The format and the kill windows of a save are tested without a cluster in
 tests/stages/state/test_checkpoint.py.
 """
 
@@ -10,10 +11,12 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import pytest_asyncio
 import torch
 
 from actors import Cluster, LocalCluster, RemoteError
@@ -282,17 +285,34 @@ def _checksums(version: Path) -> dict[str, int]:
     return {label: part["crc32"] for label, part in _parts(manifest)}
 
 
-async def test_a_two_gib_model_checkpoints_and_loads_without_one_big_message(cluster: Cluster, tmp_path: Path) -> None:
-    """8 linears of 8192 x 8192 float32 (256 MiB each), 2 stages of 1 GiB: over the 1 GiB message limit."""
-    dims = [8192] * 9
+# A message limit small enough that a model over it is a few KiB of compute, not gigabytes: the
+# same property as a 2 GiB model under the default 1 GiB limit, at a thousandth of the bytes.
+LIMIT = 64 << 10
+
+
+@pytest_asyncio.fixture(loop_scope="package", scope="module")
+async def limited() -> AsyncIterator[tuple[LocalCluster, Cluster]]:
+    """Two nodes whose every process (head, nodes, this driver) takes messages of at most ``LIMIT`` bytes."""
+    local = LocalCluster(nodes=2, max_message_bytes=LIMIT)
+    async with local as cluster:
+        yield local, cluster
+
+
+async def test_a_model_over_the_message_limit_checkpoints_and_loads_without_one_big_message(
+    limited: tuple[LocalCluster, Cluster], tmp_path: Path
+) -> None:
+    """8 linears of 64 x 64 float32 (16 KiB each), 2 stages of 64 KiB: no stage's share fits one 64 KiB message."""
+    local, cluster = limited
+    assert local.max_message_bytes == LIMIT
+    dims = [64] * 9
     async with await cluster.train(model=LINEARS, model_kwargs={"dims": dims, "bias": False}, pipeline_stages=2,
                                    micro_batches=1, optimizer=("torch.optim:SGD", {"lr": 0.1})) as job:
         with pytest.raises(RemoteError, match=r"--max-message-bytes N on the head and every worker.*job\.save"):
             await job.state_dict()  # one stage's share does not fit in one message
         first = Path(await job.save(tmp_path / "a"))
-        assert sorted((first / f).stat().st_size for f in ("p0-t0.bin", "p1-t0.bin")) == [1 << 30, 1 << 30]
+        assert sorted((first / f).stat().st_size for f in ("p0-t0.bin", "p1-t0.bin")) == [LIMIT, LIMIT]
         gen = torch.Generator().manual_seed(0)
-        await job.step(torch.randn(2, 8192, generator=gen), torch.randn(2, 8192, generator=gen))
+        await job.step(torch.randn(2, 64, generator=gen), torch.randn(2, 64, generator=gen))
         second = Path(await job.save(tmp_path / "b"))
         assert await job.load(tmp_path / "a") == 0
         third = Path(await job.save(tmp_path / "c"))  # what the stages hold after the load
@@ -301,15 +321,16 @@ async def test_a_two_gib_model_checkpoints_and_loads_without_one_big_message(clu
     assert all(_checksums(second)[k] != crc for k, crc in _checksums(first).items())  # the step changed every layer
 
 
-async def test_the_message_limit_reaches_every_process_and_save_does_not_need_it(tmp_path: Path) -> None:
+async def test_the_message_limit_reaches_every_process_and_save_does_not_need_it(
+    limited: tuple[LocalCluster, Cluster], tmp_path: Path
+) -> None:
     with pytest.raises(ValueError, match="max_message_bytes must be an int >= 1"):
         LocalCluster(nodes=1, max_message_bytes=0)
+    _, small = limited
     mlp = {**MLP, "model_kwargs": {"blocks": 4, "dim": 64, "hidden": 256}}  # about 270 KB per stage
-    async with LocalCluster(nodes=2, max_message_bytes=64 << 10) as small:
-        async with await small.train(**mlp, pipeline_stages=2, micro_batches=1) as job:
-            # The stage's own runtime refuses its 270 KB answer: the nodes took the limit.
-            with pytest.raises(RemoteError, match=r"over the limit of 65536; raise the limit .*--max-message-bytes"):
-                await job.state_dict()
-            await job.save(tmp_path / "ckpt")
-            assert await job.load(tmp_path / "ckpt") == 0
-
+    async with await small.train(**mlp, pipeline_stages=2, micro_batches=1) as job:
+        # The stage's own runtime refuses its 270 KB answer: the nodes took the limit.
+        with pytest.raises(RemoteError, match=r"over the limit of 65536; raise the limit .*--max-message-bytes"):
+            await job.state_dict()
+        await job.save(tmp_path / "ckpt")
+        assert await job.load(tmp_path / "ckpt") == 0

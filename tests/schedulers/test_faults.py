@@ -7,6 +7,7 @@ import os
 import signal
 import time
 from collections.abc import Awaitable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
@@ -14,12 +15,18 @@ import torch
 
 from actors import HeadLost, NodeLost
 from schedulers import Cluster, Job, LocalCluster
+from tests.helpers.models import stalled
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(240)]
 
 T = TypeVar("T")
 STALLING = {"model": "tests.helpers.models:stalling", "model_kwargs": {"seconds": 0.4}, "pipeline_stages": 2,
             "micro_batches": 4, "schedule": "gpipe"}
+
+
+def gated(gate: Path) -> dict[str, Any]:
+    """STALLING whose forwards sleep only inside ``stalled(gate)``: the steps around a fault run at full speed."""
+    return {**STALLING, "model_kwargs": {**STALLING["model_kwargs"], "gate": str(gate)}}
 
 
 def batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,14 +50,16 @@ async def start_step(job: Job) -> asyncio.Task[Any]:
     return task
 
 
-async def test_a_killed_worker_fails_every_later_call_at_once_and_close_is_quick() -> None:
+async def test_a_killed_worker_fails_every_later_call_at_once_and_close_is_quick(tmp_path: Path) -> None:
     local = LocalCluster(nodes=2)
+    gate = tmp_path / "stall"
     async with local as cluster:
-        job = await cluster.train(**STALLING)
+        job = await cluster.train(**gated(gate))
         await job.step(*batch())
-        step = await start_step(job)
-        os.kill(local.processes[job.nodes[1]].pid, signal.SIGKILL)
-        failure, _ = await timed(step, 5)
+        with stalled(gate):
+            step = await start_step(job)
+            os.kill(local.processes[job.nodes[1]].pid, signal.SIGKILL)
+            failure, _ = await timed(step, 5)
         assert isinstance(failure, NodeLost) and failure.node == job.nodes[1], failure
         for call in (job.step(*batch()), job.state_dict(), job.load_state_dict({})):
             outcome, seconds = await timed(call, 3)
@@ -60,23 +69,25 @@ async def test_a_killed_worker_fails_every_later_call_at_once_and_close_is_quick
         assert seconds < 5
 
 
-async def test_a_stopped_worker_that_comes_back_is_aborted_and_the_job_goes_on() -> None:
+async def test_a_stopped_worker_that_comes_back_is_aborted_and_the_job_goes_on(tmp_path: Path) -> None:
     local = LocalCluster(nodes=2)
+    gate = tmp_path / "stall"
     async with local as cluster:
-        job = await cluster.train(**STALLING)
+        job = await cluster.train(**gated(gate))
         try:
             await job.step(*batch())
-            step = await start_step(job)
-            victim = local.processes[job.nodes[1]].pid
-            os.kill(victim, signal.SIGSTOP)
-            try:
-                failure, seconds = await timed(step, 5)
-                assert isinstance(failure, NodeLost), failure
-                assert seconds < 5
-                outcome, seconds = await timed(job.step(*batch()), 3)  # still gone: at once
-                assert isinstance(outcome, NodeLost) and seconds < 3
-            finally:
-                os.kill(victim, signal.SIGCONT)
+            with stalled(gate):
+                step = await start_step(job)
+                victim = local.processes[job.nodes[1]].pid
+                os.kill(victim, signal.SIGSTOP)
+                try:
+                    failure, seconds = await timed(step, 5)
+                    assert isinstance(failure, NodeLost), failure
+                    assert seconds < 5
+                    outcome, seconds = await timed(job.step(*batch()), 3)  # still gone: at once
+                    assert isinstance(outcome, NodeLost) and seconds < 3
+                finally:
+                    os.kill(victim, signal.SIGCONT)
             await wait_alive(cluster, job.nodes[1])
             # The member missed the abort while stopped; it is told now, and the step runs.
             stats, _ = await timed(job.step(*batch()), 20)

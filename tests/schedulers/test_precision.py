@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from actors import Cluster, LocalCluster
+from actors import Cluster
 from schedulers.console.render import job_detail
 from tests.helpers.models import overflowing
 from tests.schedulers.test_training import WORKLOADS
@@ -181,10 +181,10 @@ async def test_the_norm_is_reported_without_clipping_and_counts_tied_weights_onc
 
 
 @pytest.mark.asyncio(loop_scope="package")
-async def test_clipping_across_a_pipeline_tensor_data_mesh_equals_clip_grad_norm_() -> None:
-    async with LocalCluster(nodes=8) as cluster:  # (2, 2, 2): every kind of sharing at once
-        state, stats, bounds = await train(cluster, GPT, pipeline_stages=2, tensor_parallel=2, data_parallel=2,
-                                           gradient_clipping=0.5)
+async def test_clipping_across_a_pipeline_tensor_data_mesh_equals_clip_grad_norm_(eight: Cluster) -> None:
+    # (2, 2, 2): every kind of sharing at once
+    state, stats, bounds = await train(eight, GPT, pipeline_stages=2, tensor_parallel=2, data_parallel=2,
+                                       gradient_clipping=0.5)
     expected, _, norms = one_process(GPT, cuts_of(bounds), clip=0.5, replicas=2)
     assert [s.grad_norm for s in stats] == pytest.approx(norms, rel=1e-5)
     assert_state_close(state, expected, rtol=1e-5, atol=1e-6)

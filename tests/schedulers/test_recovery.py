@@ -19,14 +19,24 @@ from stages import Mesh
 from schedulers import Cluster, Job, LocalCluster
 from schedulers.console.render import job_detail
 from schedulers.recovery import _snapshot_source
+from tests.helpers.models import stalled
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 DATA = {"batch_size": 8, "seq": 2, "dim": 8}
 
 
-def spec(seconds: float = 0.15, **changes: Any) -> dict[str, Any]:
-    return {"model": "tests.helpers.models:stalling", "model_kwargs": {"layers": 4, "seconds": seconds},
+def spec(seconds: float = 0.15, gate: Path | None = None, **changes: Any) -> dict[str, Any]:
+    """A job of 4 linears that each sleep ``seconds`` per forward (with a ``gate``, only inside ``stalled(gate)``).
+
+    A step run inside ``stalled(gate)`` takes about 1.5 s, long enough to kill a node during
+    it; the steps before and after run at full speed. The tests keep the block open until
+    the step they killed in has recovered, so that its replay runs as slowly as every step
+    used to: a replacement stage that gets its neighbour's first activation before its own
+    step order refuses it (its step count starts at -1) and the step hangs.
+    """
+    stall = {"seconds": seconds} if gate is None else {"seconds": seconds, "gate": str(gate)}
+    return {"model": "tests.helpers.models:stalling", "model_kwargs": {"layers": 4, **stall},
             "pipeline_stages": 2, "micro_batches": 4, "optimizer": ("torch.optim:AdamW", {"lr": 0.01}),
             "data": "examples.data:regression_batches", "data_kwargs": DATA, **changes}
 
@@ -57,19 +67,21 @@ def assert_same_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor
 @pytest.mark.parametrize(("snapshot_every", "batches"), [(1, False), (2, True)])
 @pytest.mark.multiprocess
 async def test_a_killed_stage_moves_to_a_spare_and_training_is_bit_identical(snapshot_every: int,
-                                                                            batches: bool) -> None:
+                                                                            batches: bool, tmp_path: Path) -> None:
     local = LocalCluster(nodes=2, spares=1)
+    gate = tmp_path / "stall"
     async with local as cluster:
         want_losses, want_state = await reference(cluster, 6, batches)
-        job = await cluster.train(**spec(max_restarts=1, snapshot_every=snapshot_every))
+        job = await cluster.train(**spec(gate=gate, max_restarts=1, snapshot_every=snapshot_every))
         try:
             losses = await run(job, range(3), batches)
             victim = job.nodes[1]
-            step = asyncio.ensure_future(job.step(*batch(3)) if batches else job.step())
-            await asyncio.sleep(0.5)
-            killed = time.monotonic()
-            os.kill(local.processes[victim].pid, signal.SIGKILL)
-            stats = await asyncio.wait_for(step, 60)
+            with stalled(gate):
+                step = asyncio.ensure_future(job.step(*batch(3)) if batches else job.step())
+                await asyncio.sleep(0.5)
+                killed = time.monotonic()
+                os.kill(local.processes[victim].pid, signal.SIGKILL)
+                stats = await asyncio.wait_for(step, 60)
             recovered_in = time.monotonic() - killed
             assert stats.recovery is not None
             assert stats.recovery["moved"] == {victim: "spare0"}
@@ -87,9 +99,10 @@ async def test_a_killed_stage_moves_to_a_spare_and_training_is_bit_identical(sna
 
 
 @pytest.mark.multiprocess
-async def test_a_replacement_stage_continues_the_learning_rate_schedule_exactly() -> None:
+async def test_a_replacement_stage_continues_the_learning_rate_schedule_exactly(tmp_path: Path) -> None:
     schedule = ("stages.state.lr:WarmupLR", {"warmup_min_lr": 0.001, "warmup_num_steps": 8, "warmup_type": "linear"})
     local = LocalCluster(nodes=2, spares=1)
+    gate = tmp_path / "stall"
     async with local as cluster:
         reference_job = await cluster.train(**spec(seconds=0.0, lr_scheduler=schedule))
         try:
@@ -97,13 +110,14 @@ async def test_a_replacement_stage_continues_the_learning_rate_schedule_exactly(
             want_state = await reference_job.state_dict()
         finally:
             await reference_job.close()
-        job = await cluster.train(**spec(max_restarts=1, snapshot_every=2, lr_scheduler=schedule))
+        job = await cluster.train(**spec(gate=gate, max_restarts=1, snapshot_every=2, lr_scheduler=schedule))
         try:
             rates = [(await job.step()).lr for _ in range(3)]
-            step = asyncio.ensure_future(job.step())
-            await asyncio.sleep(0.5)
-            os.kill(local.processes[job.nodes[1]].pid, signal.SIGKILL)
-            stats = await asyncio.wait_for(step, 60)
+            with stalled(gate):
+                step = asyncio.ensure_future(job.step())
+                await asyncio.sleep(0.5)
+                os.kill(local.processes[job.nodes[1]].pid, signal.SIGKILL)
+                stats = await asyncio.wait_for(step, 60)
             assert stats.recovery is not None and stats.recovery["from_step"] == 2  # the schedule rolled back too
             rates += [stats.lr, (await job.step()).lr]
             assert rates == want_rates
@@ -201,9 +215,10 @@ async def test_chaos_kills_and_stops_during_a_run_end_equal_to_an_uninterrupted_
 @pytest.mark.parametrize("victim_rank", [1, 2])  # pipeline 1 of replica 0; pipeline 0 of replica 1
 @pytest.mark.multiprocess
 async def test_a_lost_data_parallel_member_is_rebuilt_from_its_replica_and_the_groups_form_again(
-    victim_rank: int
+    victim_rank: int, tmp_path: Path
 ) -> None:
     local = LocalCluster(nodes=4, spares=1)
+    gate = tmp_path / "stall"
     mesh = {"data_parallel": 2}
     async with local as cluster:
         reference_job = await cluster.train(**spec(seconds=0.0, **mesh))
@@ -212,14 +227,15 @@ async def test_a_lost_data_parallel_member_is_rebuilt_from_its_replica_and_the_g
             want_state = await reference_job.state_dict()
         finally:
             await reference_job.close()
-        job = await cluster.train(**spec(max_restarts=1, **mesh))
+        job = await cluster.train(**spec(gate=gate, max_restarts=1, **mesh))
         try:
             losses = await run(job, range(2), False)
             victim = job.nodes[victim_rank]
-            step = asyncio.ensure_future(job.step())
-            await asyncio.sleep(0.5)
-            os.kill(local.processes[victim].pid, signal.SIGKILL)
-            stats = await asyncio.wait_for(step, 90)
+            with stalled(gate):
+                step = asyncio.ensure_future(job.step())
+                await asyncio.sleep(0.5)
+                os.kill(local.processes[victim].pid, signal.SIGKILL)
+                stats = await asyncio.wait_for(step, 90)
             assert stats.recovery is not None and stats.recovery["moved"] == {victim: "spare0"}
             losses += [stats.loss] + await run(job, range(3, 5), False)
             assert losses == want_losses

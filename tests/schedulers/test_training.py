@@ -1,8 +1,9 @@
 """Pipeline training end to end: every schedule equals single-process training.
 
 The package's shared LocalCluster of 4 nodes (tests/schedulers/conftest.py) serves the
-module; each case starts a job on it, trains 3 steps on fixed global batches, and compares
-parameters and losses with one process training the same model from the same seed.
+module, and its 8-node one the (2, 2, 2) mesh; each case starts a job on it, trains 3
+steps on fixed global batches, and compares parameters and losses with one process
+training the same model from the same seed.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from actors import Cluster, LocalCluster
+from actors import Cluster
 from examples.data import char_batches
 from examples.models import gpt, lm_loss, residual_mlp
 from schedulers.schedules import build_schedule
@@ -170,22 +171,20 @@ async def test_mesh_training_equals_one_process(
     assert losses == pytest.approx(expected_losses, rel=1e-5)
 
 
-async def test_full_mesh_of_eight_equals_one_process() -> None:
+async def test_full_mesh_of_eight_equals_one_process(eight: Cluster) -> None:
     """(P,T,D) = (2,2,2): eight node processes, oversubscribed on a small machine but exact."""
-    async with LocalCluster(nodes=8) as eight:
-        for workload in WORKLOADS.values():
-            expected_state, expected_losses = train_reference(workload)
-            job = await eight.train(
-                model=workload["model"], model_kwargs=workload["kwargs"], loss=workload["loss"],
-                optimizer=workload["optimizer"], pipeline_stages=2, tensor_parallel=2, data_parallel=2,
-                schedule="1f1b", micro_batches=4, seed=0,
-            )
+    for workload in WORKLOADS.values():
+        expected_state, expected_losses = train_reference(workload)
+        async with await eight.train(
+            model=workload["model"], model_kwargs=workload["kwargs"], loss=workload["loss"],
+            optimizer=workload["optimizer"], pipeline_stages=2, tensor_parallel=2, data_parallel=2,
+            schedule="1f1b", micro_batches=4, seed=0,
+        ) as job:
             losses = [(await job.step(x, y)).loss for x, y in workload["batches"]()]
             state = await job.state_dict()
             await job.load_state_dict(expected_state)  # sharded back out to every member
             reloaded = await job.state_dict()
-            await job.close()
-            for key, value in expected_state.items():
-                torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
-                assert torch.equal(reloaded[key], value), key
-            assert losses == pytest.approx(expected_losses, rel=1e-5)
+        for key, value in expected_state.items():
+            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+            assert torch.equal(reloaded[key], value), key
+        assert losses == pytest.approx(expected_losses, rel=1e-5)
