@@ -111,7 +111,7 @@ async def recover(job: JobCore, cause: NodeLost) -> dict[str, Any]:
     await asyncio.gather(*(
         ref.endpoint(StageActor.connect, timeout=30).call(
             [job.stages[r].to_wire() for r in job.mesh.pipeline_ranks(c.data, c.tensor)], job.identities,
-            [member.to_wire() for member in job.stages])
+            [member.to_wire() for member in job.stages], job.next_step - 1)
         for ref, c in ((ref, job.mesh.coords(g)) for g, ref in enumerate(job.stages))))
     if checkpoint is not None:  # every stage, the new ones too, from the job's newest checkpoint
         job.replays_from_factory(target)  # a data-factory job (see _replayable)

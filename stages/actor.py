@@ -279,12 +279,19 @@ class StageActor(Actor):
 
     @endpoint(roles=("head",))
     async def connect(self, peers: list[list[str]], identities: list[str] | None = None,
-                      members: list[list[str]] | None = None) -> None:
+                      members: list[list[str]] | None = None, step: int = -1) -> None:
         """Learns every pipeline rank's stage actor, by rank, the keys (``role:name``) their nodes hold
         (deliveries and votes are taken only from those keys) and, for a tail the stages run
-        themselves, every stage actor of the job by global rank (``members``)."""
+        themselves, every stage actor of the job by global rank (``members``).
+
+        ``step`` is the newest step number the job has issued (a recovery's): a stage that has run
+        fewer (a replacement, at -1) takes it as its own, so that a neighbour's value for the next
+        step that comes before its own order is kept, not refused (the step would wait for it)."""
         if len(peers) != self.config.pipeline_stages:
             raise ValueError(f"expected {self.config.pipeline_stages} peers, got {len(peers)}")
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise TypeError(f"step must be an int, got {type(step).__name__}")
+        self._step = max(self._step, step)
         self.peers = [self.runtime.ref(address, name) for address, name in peers]
         # The hot path's endpoints, made once here, not per micro-batch.
         self._peer_endpoints[:] = [PeerEndpoints(deliver=ref.endpoint(StageActor.deliver).tell,

@@ -30,10 +30,10 @@ def spec(seconds: float = 0.15, gate: Path | None = None, **changes: Any) -> dic
     """A job of 4 linears that each sleep ``seconds`` per forward (with a ``gate``, only inside ``stalled(gate)``).
 
     A step run inside ``stalled(gate)`` takes about 1.5 s, long enough to kill a node during
-    it; the steps before and after run at full speed. The tests keep the block open until
-    the step they killed in has recovered, so that its replay runs as slowly as every step
-    used to: a replacement stage that gets its neighbour's first activation before its own
-    step order refuses it (its step count starts at -1) and the step hangs.
+    it; the steps before and after, the recovered replay among them, run at full speed. (A
+    fast replay once hung: a replacement stage, at step -1, refused its neighbour's first
+    activation when it came before its own step order. A recovery now tells every stage the
+    job's step when it connects them.)
     """
     stall = {"seconds": seconds} if gate is None else {"seconds": seconds, "gate": str(gate)}
     return {"model": "tests.helpers.models:stalling", "model_kwargs": {"layers": 4, **stall},
@@ -81,7 +81,7 @@ async def test_a_killed_stage_moves_to_a_spare_and_training_is_bit_identical(sna
                 await asyncio.sleep(0.5)
                 killed = time.monotonic()
                 os.kill(local.processes[victim].pid, signal.SIGKILL)
-                stats = await asyncio.wait_for(step, 60)
+            stats = await asyncio.wait_for(step, 60)  # the replay runs at full speed
             recovered_in = time.monotonic() - killed
             assert stats.recovery is not None
             assert stats.recovery["moved"] == {victim: "spare0"}
@@ -117,7 +117,7 @@ async def test_a_replacement_stage_continues_the_learning_rate_schedule_exactly(
                 step = asyncio.ensure_future(job.step())
                 await asyncio.sleep(0.5)
                 os.kill(local.processes[job.nodes[1]].pid, signal.SIGKILL)
-                stats = await asyncio.wait_for(step, 60)
+            stats = await asyncio.wait_for(step, 60)  # the replay runs at full speed
             assert stats.recovery is not None and stats.recovery["from_step"] == 2  # the schedule rolled back too
             rates += [stats.lr, (await job.step()).lr]
             assert rates == want_rates
@@ -235,7 +235,7 @@ async def test_a_lost_data_parallel_member_is_rebuilt_from_its_replica_and_the_g
                 step = asyncio.ensure_future(job.step())
                 await asyncio.sleep(0.5)
                 os.kill(local.processes[victim].pid, signal.SIGKILL)
-                stats = await asyncio.wait_for(step, 90)
+            stats = await asyncio.wait_for(step, 90)  # the replay runs at full speed
             assert stats.recovery is not None and stats.recovery["moved"] == {victim: "spare0"}
             losses += [stats.loss] + await run(job, range(3, 5), False)
             assert losses == want_losses

@@ -90,6 +90,25 @@ async def test_a_bad_order_is_refused_before_the_stage_moves_to_its_step(
     assert [r.status for r in reports] == ["done", "done"]
 
 
+async def test_a_replacement_told_the_jobs_step_keeps_the_next_steps_early_values(
+        stages: tuple[Runtime, list[StageActor], list[ActorRef]]) -> None:
+    # A recovery's replacement starts at step -1; the job's steps are numbered on (a retried step gets a
+    # new number). Its neighbour's first activation of step 12 may come before its own order for step 12.
+    runtime, _, refs = stages
+    replacement = StageActor(**stage_config(1).to_wire())
+    ref = await runtime.spawn(replacement, "replacement")
+    peers = [refs[0].to_wire(), ref.to_wire()]
+    deliver = ref.endpoint(StageActor.deliver, timeout=10)
+    await ref.endpoint(StageActor.connect, timeout=10).call(peers)
+    with pytest.raises(NotAllowed, match="expects no 'F' for stage 1, micro-batch 0 of step 12"):
+        await deliver.call(12, "F", 1, 0, [torch.zeros(4, MODEL_KWARGS["dim"])], 0)  # the step would wait for it
+    await ref.endpoint(StageActor.connect, timeout=10).call(peers, None, None, 11)  # as a recovery connects it
+    await deliver.call(12, "F", 1, 0, [torch.zeros(4, MODEL_KWARGS["dim"])], 0)  # kept for its step
+    assert replacement._step == 11
+    await ref.endpoint(StageActor.connect, timeout=10).call(peers, None, None, 3)  # never back
+    assert replacement._step == 11
+
+
 async def test_a_delivery_for_no_slot_is_refused_and_counted(
         stages: tuple[Runtime, list[StageActor], list[ActorRef]]) -> None:
     _, actors, refs = stages
