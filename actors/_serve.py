@@ -50,8 +50,11 @@ class HeadConfig:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WorkerConfig:
-    join: str
+    join: str  # the head's address; "" with join_file
     name: str
+    # Or a file the head writes its address to (--join-file): the worker starts beside the head and
+    # waits (up to head_timeout) for the file, so both import at once (a LocalCluster's nodes do).
+    join_file: str | None = None
     device: str = "cpu"
     bind: str = "tcp://127.0.0.1:0"
     allow_remote: bool = False
@@ -133,6 +136,29 @@ async def serve_head(config: HeadConfig) -> None:
         log.info("head stopping")
 
 
+async def _read_join_file(path: str | None, timeout: float, stop: asyncio.Event) -> str:
+    """The head's address from ``path`` once the head has written it ("" if stopped meanwhile).
+
+    Raises:
+        TimeoutError: no address within ``timeout`` seconds.
+    """
+    if not path:
+        raise ValueError("a worker needs the head's address (--join) or the file it is written to (--join-file)")
+    deadline = time.monotonic() + timeout
+    while not stop.is_set():
+        try:
+            with open(path) as f:
+                address = f.read().strip()
+            if address:  # the head writes it atomically: whole or not at all
+                return address
+        except FileNotFoundError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the head wrote no address to {path} within {timeout}s")
+        await asyncio.sleep(0.02)
+    return ""
+
+
 async def serve_worker(config: WorkerConfig) -> None:
     """Runs a worker node: registers, heartbeats, and serves until told to stop.
 
@@ -153,7 +179,10 @@ async def serve_worker(config: WorkerConfig) -> None:
                             **secure) as runtime:
         info = node_info(config.name, runtime.address, config.device)
         await runtime.spawn(NodeActor(info, config.allow, stop, os.environ.pop(ADMIT_TOKEN_ENV, "")), NODE)
-        head = runtime.ref(head_address(config.join, config.keys), HEAD)
+        join = config.join or await _read_join_file(config.join_file, config.head_timeout, stop)
+        if not join:
+            return
+        head = runtime.ref(head_address(join, config.keys), HEAD)
         settings = await _register(head, info, config.head_timeout, stop)
         if settings is None:
             return

@@ -420,9 +420,9 @@ class LocalCluster:
         self._launch("head", ["--head", "--bind", "tcp://127.0.0.1:0", "--address-file", address_file,
                               "--heartbeat-timeout", str(self.heartbeat_timeout), "--checkpoint-root", str(root),
                               *limits, *secure])
+        for name in self._node_names():  # beside the head: each imports while the others do
+            self._launch(name, self._worker_args(name, secure, address_file))
         self.address = await self._wait_for_file(address_file)
-        for name in self._node_names():
-            self._launch(name, self._worker_args(name, secure))
         cls = self.cluster_class or cluster_class()
         if self.keys is None:
             self._cluster = await cls.connect(self.address, insecure=True, max_message_bytes=self.max_message_bytes)
@@ -439,11 +439,13 @@ class LocalCluster:
             await asyncio.sleep(0.05)
         return self._cluster
 
-    def _worker_args(self, name: str, secure: Sequence[str]) -> list[str]:
-        """``python -m actors.node`` arguments for worker ``name``: joins the head, on its device."""
+    def _worker_args(self, name: str, secure: Sequence[str], address_file: str) -> list[str]:
+        """``python -m actors.node`` arguments for worker ``name``: joins the head (whose address it reads
+        from the head's ``address_file`` once written), on its device."""
         allow = [arg for prefix in self.allow for arg in ("--allow", prefix)]
         identity = [] if self.insecure else ["--identity", name]
-        return ["--join", self.address, "--name", name, "--device", self.devices[name], *allow, *secure, *identity]
+        return ["--join-file", address_file, "--name", name, "--device", self.devices[name], *allow, *secure,
+                *identity]
 
     def _node_names(self) -> list[str]:
         return [f"node{i}" for i in range(self.num_nodes)] + [f"spare{i}" for i in range(self.num_spares)]

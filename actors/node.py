@@ -25,6 +25,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     role = parser.add_mutually_exclusive_group(required=True)
     role.add_argument("--head", action="store_true", help="start the head node")
     role.add_argument("--join", metavar="ADDRESS", help="start a worker that joins the head at ADDRESS")
+    role.add_argument("--join-file", metavar="PATH",
+                      help="start a worker that joins the head whose address appears in PATH (the head's "
+                      "--address-file): it may start before the head, and waits up to --head-timeout")
     parser.add_argument("--bind", help="address to listen on (head default tcp://127.0.0.1:5555, "
                         "worker default tcp://127.0.0.1:0, i.e. any free port)")
     parser.add_argument("--name", help="worker name (default: HOSTNAME-PID)")
@@ -88,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             checkpoint_root=os.path.abspath(args.checkpoint_root)))
     else:
         serve = serve_worker(WorkerConfig(
-            join=args.join, name=name, device=args.device, bind=args.bind or "tcp://127.0.0.1:0",
+            join=args.join or "", join_file=args.join_file, name=name, device=args.device, bind=args.bind or "tcp://127.0.0.1:0",
             allow_remote=args.allow_remote, allow=DEFAULT_ALLOW + tuple(args.allow), head_timeout=args.head_timeout,
             keys=None if args.insecure else args.keys, identity=args.identity or "node",
             max_message_bytes=args.max_message_bytes))

@@ -185,7 +185,7 @@ def test_local_cluster_starts_one_node_per_gpu_each_on_its_device(monkeypatch: p
     local = LocalCluster(spares=1, insecure=True)
     assert local.devices == {"node0": "cuda:0", "node1": "cuda:1", "spare0": "cuda:0"}
     assert local.num_nodes == 2 and local.num_spares == 1
-    args = local._worker_args("node1", ["--insecure"])
+    args = local._worker_args("node1", ["--insecure"], "/tmp/head.address")
     assert args[args.index("--device") + 1] == "cuda:1" and args[args.index("--name") + 1] == "node1"
     assert not caplog.records
     LocalCluster(nodes=3)  # more nodes than GPUs: they share, and the driver hears it

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 
@@ -104,3 +105,18 @@ async def test_an_event_sink_takes_events_only() -> None:
         with pytest.raises(BadArguments, match="event must be Event, not dict"):
             await sink.endpoint(EventSink.on_event, timeout=5).call({"type": "node_left"})  # type: ignore[arg-type]
         assert taken == [NodeLeft(node="n")]
+
+
+async def test_a_worker_started_before_its_head_waits_for_the_address_file(tmp_path: Path) -> None:
+    from actors._serve import _read_join_file
+
+    path, stop = tmp_path / "head.address", asyncio.Event()
+    waiting = asyncio.ensure_future(_read_join_file(str(path), 60, stop))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()  # no head yet
+    path.write_text("tcp://127.0.0.1:5555\n")
+    assert await waiting == "tcp://127.0.0.1:5555"
+    with pytest.raises(TimeoutError, match="the head wrote no address to .* within 0.05s"):
+        await _read_join_file(str(tmp_path / "never"), 0.05, stop)
+    stop.set()
+    assert await _read_join_file(str(tmp_path / "never"), 60, stop) == ""  # stopped while waiting
