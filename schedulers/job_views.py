@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from actors import ActorError, ActorRef
-from stages import StageActor
+from stages import ProgressReport, StageActor
 from schedulers.hang import StageProgress, diagnose
 from schedulers.job_core import JobCore
 from schedulers.jobs import JobSpec
@@ -54,7 +54,7 @@ class JobViews:
         """Asks every stage where it is; returns the full report and its per-stage lines."""
         job = self.job
 
-        async def progress(ref: ActorRef) -> dict[str, Any] | str:
+        async def progress(ref: ActorRef) -> ProgressReport | str:
             try:
                 return await ref.endpoint(StageActor.progress, timeout=5).call()
             except ActorError as exc:
@@ -67,8 +67,8 @@ class JobViews:
         for member, answer in enumerate(answers):
             c = job.mesh.coords(member)
             replicas.setdefault((c.data, c.tensor), {})[c.pipeline] = answer if isinstance(answer, str) else \
-                StageProgress(rank=c.pipeline, current=answer.get("current"), done=int(answer.get("done", 0)),
-                              stale=step is not None and answer.get("step", step) != step)
+                StageProgress(rank=c.pipeline, current=answer.current, done=answer.done,
+                              stale=step is not None and answer.step != step)
         lines: list[str] = []
         grids: list[tuple[bool, str]] = []
         for (data, tensor), found in sorted(replicas.items()):

@@ -49,6 +49,7 @@ _EXPORTS = {
     "ReduceReport": "stages.records",
     "StageConfig": "stages.records",
     "StageReport": "stages.records",
+    "ProgressReport": "stages.records",
     "StepOrder": "stages.records",
     "check_directory": "stages.state.checkpoint",
     "CheckpointError": "stages.state.checkpoint",
@@ -101,6 +102,7 @@ if TYPE_CHECKING:  # explicit re-exports, for type checkers (the names resolve l
         ReduceReport as ReduceReport,
         StageConfig as StageConfig,
         StageReport as StageReport,
+        ProgressReport as ProgressReport,
         StepOrder as StepOrder,
     )
     from stages.state.checkpoint import (

@@ -48,7 +48,8 @@ from stages.compute.tail import StepTail
 from stages.devices import pin_device
 from stages.program import Action
 from stages.mesh import Mesh
-from stages.records import FinishReport, ReduceReport, StageConfig, StageReport, StepOrder, TailVote
+from stages.records import (FinishReport, ReduceReport, StageConfig, ProgressReport, StageReport, StepOrder,
+                            TailVote)
 from stages.state.stage_state import StageState
 from transport.codecs import get_codec
 
@@ -124,16 +125,14 @@ def _where(exc: BaseException, where: str) -> BaseException:
     return exc
 
 
-def progress_of(config: StageConfig, step: int, executor: StepExecutor | None) -> dict[str, Any]:
+def progress_of(config: StageConfig, step: int, executor: StepExecutor | None) -> ProgressReport:
     """What a stage is doing now, as ``progress`` answers."""
-    return {
-        "rank": config.pipeline_rank, "step": step,
-        "current": None if executor is None or executor.current is None else str(executor.current),
-        "done": 0 if executor is None else executor.done_actions,
-        # Compute actions run on the loop's thread so far (stages.compute.inline), and on the compute thread.
-        "inline_actions": 0 if executor is None else executor.inline_policy.inline_runs,
-        "thread_actions": 0 if executor is None else executor.inline_policy.thread_runs,
-    }
+    if executor is None:
+        return ProgressReport(rank=config.pipeline_rank, step=step)
+    return ProgressReport(rank=config.pipeline_rank, step=step,
+                         current=None if executor.current is None else str(executor.current),
+                         done=executor.done_actions, inline_actions=executor.inline_policy.inline_runs,
+                         thread_actions=executor.inline_policy.thread_runs)
 
 
 def inbox_limit(config: StageConfig, num_microbatches: int) -> int:
@@ -424,7 +423,7 @@ class StageActor(Actor):
         return time.time()
 
     @endpoint(concurrent=True, roles=("head",))
-    async def progress(self) -> dict[str, Any]:
+    async def progress(self) -> ProgressReport:
         """What the stage is doing now (answered even mid-step)."""
         return progress_of(self.config, self._step, self.parts.executor if self.parts is not None else None)
 

@@ -14,8 +14,8 @@ from stages.mesh import Mesh
 from stages.program import stage_to_rank
 from stages.sections import Communication, MixedPrecision, Optimization, Parallelism, Runtime, Training
 
-__all__ = ["FinishReport", "RecordError", "ReduceReport", "StageConfig", "StageReport", "StepOrder", "TailVote",
-           "WireRecord"]
+__all__ = ["FinishReport", "ProgressReport", "RecordError", "ReduceReport", "StageConfig", "StageReport", "StepOrder",
+           "TailVote", "WireRecord"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -239,6 +239,24 @@ class StageReport(WireRecord):
     device: str = ""
     reduced: ReduceReport | None = None
     finished: FinishReport | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProgressReport(WireRecord):
+    """What a stage actor is doing now (``StageActor.progress``, answered even mid-step)."""
+
+    rank: int
+    """Its pipeline rank."""
+    step: int
+    """The step it is on (-1: none yet)."""
+    current: str | None = None
+    """The action it is running (``0F3``), or None between actions."""
+    done: int = 0
+    """The step's actions it has finished."""
+    inline_actions: int = 0
+    """Compute actions run on the loop's thread so far (``stages.compute.inline``)."""
+    thread_actions: int = 0
+    """Compute actions run on the compute thread so far."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

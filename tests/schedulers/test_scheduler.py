@@ -303,7 +303,7 @@ async def test_stages_answer_control_calls_while_they_compute(cluster: Cluster) 
         started = time.monotonic()
         progress = await stage0.ask("progress", timeout=5)
         assert time.monotonic() - started < 0.25  # answered between two 0.3 s forwards
-        assert progress["current"] is not None and not step.done()
+        assert progress.current is not None and not step.done()
         assert all(n.alive for n in await cluster.nodes())
         await step
     finally:

@@ -72,7 +72,7 @@ async def test_a_step_runs_through_the_endpoints(stages: tuple[Runtime, list[Sta
     after = await refs[0].endpoint(StageActor.state_dict, timeout=10).call()
     assert any(not torch.equal(before[k], after[k]) for k in before)
     progress = await refs[1].endpoint(StageActor.progress, timeout=10).call()
-    assert progress["step"] == 0 and progress["done"] > 0
+    assert progress.step == 0 and progress.done > 0
 
 
 @pytest.mark.parametrize(("change", "match"), [

@@ -28,6 +28,7 @@ from stages.compute import inline as _inline
 from stages.compute.inline import BAN_RUNS, CLEAN_RUNS, DEMOTE_S, INLINE_MAX_S, WARMUP_RUNS, InlinePolicy
 from stages.comm.boundary import Payload
 from stages.program import Action
+from stages.records import ProgressReport
 from examples.models import residual_mlp
 from schedulers import LocalCluster
 from tests.stages.compute.test_executor import Case, Pipeline, build_model, global_batches, open_pipeline
@@ -317,7 +318,7 @@ async def test_the_loop_thread_computes_with_the_compute_threads_torch_threads()
 # -- node processes ----------------------------------------------------------------------------
 
 
-async def stage_progress(cluster: Any, job: Any) -> list[dict[str, Any]]:
+async def stage_progress(cluster: Any, job: Any) -> list[ProgressReport]:
     """Each stage actor's ``progress``, of ``job``."""
     [stages] = [j.stages for j in await cluster.jobs() if j.job == job.id]
     return [await cluster.runtime.ref(*ref).ask("progress", timeout=5) for ref in stages]
@@ -360,8 +361,8 @@ async def test_node_processes_take_the_fast_path_except_under_tensor_parallelism
             sharded = await stage_progress(cluster, job)
         finally:
             await job.close()
-    assert all(p["inline_actions"] > 0 for p in pipelined), pipelined
+    assert all(p.inline_actions > 0 for p in pipelined), pipelined
     assert losses == pytest.approx(expected_losses, rel=1e-5)
     for key, value in model.state_dict().items():
         torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
-    assert all(p["inline_actions"] == 0 and p["thread_actions"] > 0 for p in sharded), sharded
+    assert all(p.inline_actions == 0 and p.thread_actions > 0 for p in sharded), sharded
