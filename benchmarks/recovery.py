@@ -73,8 +73,8 @@ async def measure(steps: int, warmup: int, heartbeat_timeout: float) -> dict[str
                 "snapshot_overhead": round(medians["snapshots"] / medians["plain"] - 1, 4),
                 "recovery_s": round(recovery_s, 3),
                 "detect_s": heartbeat_timeout,
-                "restore_s": stats.recovery["seconds"],
-                "moved": stats.recovery["moved"],
+                "restore_s": stats.recovery.seconds,
+                "moved": stats.recovery.moved,
                 "parameters_equal_after_recovery": same,
             }
         finally:

@@ -32,6 +32,7 @@ _EXPORTS = {
     "Plan": "schedulers.records",
     "Candidate": "schedulers.records",
     "RunInfo": "schedulers.records",
+    "Recovery": "schedulers.records",
     "SettingChange": "schedulers.records",
     "StepStats": "schedulers.records",
     "WhereReport": "schedulers.records",
@@ -79,5 +80,6 @@ if TYPE_CHECKING:  # explicit re-exports, for type checkers (the names resolve l
         RunInfo as RunInfo,
         SettingChange as SettingChange,
         StepStats as StepStats,
+        Recovery as Recovery,
         WhereReport as WhereReport,
     )

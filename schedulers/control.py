@@ -37,7 +37,7 @@ from schedulers.job_core import JobCore, Placer
 from schedulers.job_views import JobViews
 from schedulers.jobs import JobSpec
 from schedulers.limits import Limits
-from schedulers.records import JobDescription, Plan, RunInfo, SettingChange, StepStats, WhereReport
+from schedulers.records import JobDescription, Plan, Recovery, RunInfo, SettingChange, StepStats, WhereReport
 from schedulers.runs import Runs
 from schedulers.settings import Settings
 from schedulers.step_path import StepPath
@@ -71,7 +71,7 @@ class JobController:
         self.steps = StepPath(self.core, self.views)
         self.runs = Runs(self.core, self.step)
         self.settings = Settings(self.core, limits or Limits())
-        self._recovery: dict[str, Any] | None = None  # what the last recovery did, for the next StepStats
+        self._recovery: Recovery | None = None  # what the last recovery did, for the next StepStats
 
     @property
     def id(self) -> str:

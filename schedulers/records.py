@@ -24,6 +24,26 @@ register_record(JobSpec, "JobSpec", fields=JobSpec.to_wire)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Recovery(WireRecord):
+    """What a recovery did before a step completed (``StepStats.recovery``; the ``job_recovered`` event says the same)."""
+
+    lost: list[str]
+    """The nodes lost."""
+    moved: dict[str, str]
+    """Each lost node -> its replacement."""
+    from_step: int
+    """The snapshot (or checkpoint) every stage rolled back to, in applied steps."""
+    replayed: int
+    """Steps run again before this one."""
+    from_checkpoint: str | None = None
+    """The checkpoint directory it went back to, when no snapshot could serve."""
+    seconds: float = 0.0
+    """Respawn and restore, without the replay."""
+    restarts_left: int = 0
+    """Recoveries the job may still make."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StepStats(WireRecord):
     """What one optimizer step did.
 
@@ -79,6 +99,9 @@ class StepStats(WireRecord):
         prediction_error: ``(step_time_s - predicted_step_s) / predicted_step_s``.
     """
 
+    nested: ClassVar[dict[str, Any]] = {"recovery": Recovery}
+
+
     step: int
     loss: float
     step_time_s: float
@@ -98,7 +121,7 @@ class StepStats(WireRecord):
     samples_per_s: float | None = None
     schedule: str = ""
     micro_batches: int = 0
-    recovery: dict[str, Any] | None = None
+    recovery: Recovery | None = None
     skipped: bool = False
     nonfinite: list[str] = field(default_factory=list)
     tied: list[list[str]] = field(default_factory=list)

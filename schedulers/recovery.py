@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
 
 from actors import NODE, ActorError, ActorRef, NodeActor, NodeLost
 from stages import Coords, StageActor
@@ -17,6 +16,7 @@ from stages import Coords, StageActor
 from schedulers import job_state
 from schedulers.job_core import JobCore, Placer
 from schedulers.events import JobRecovered
+from schedulers.records import Recovery
 
 
 __all__ = ["Placer", "may_recover", "recover", "stop_retired"]
@@ -28,7 +28,7 @@ def may_recover(job: JobCore) -> bool:
     return job.placer is not None and job.restarts < job.spec.fault_tolerance.max_restarts
 
 
-async def recover(job: JobCore, cause: NodeLost) -> dict[str, Any]:
+async def recover(job: JobCore, cause: NodeLost) -> Recovery:
     """Replaces the job's lost stages on free nodes and rolls every stage back to the newest
     snapshot they all have (or, when no copy of a lost rank survived, to the job's newest
     checkpoint); the caller then replays the steps since (see :meth:`~schedulers.control.JobController.step`).
@@ -131,10 +131,11 @@ async def recover(job: JobCore, cause: NodeLost) -> dict[str, Any]:
                          from_checkpoint=checkpoint[0].directory if checkpoint is not None else None,
                          seconds=round(time.perf_counter() - started, 3),
                          restarts_left=job.spec.fault_tolerance.max_restarts - job.restarts)
-    info = {k: v for k, v in event.to_wire().items() if k not in ("job", "time")}
-    log.warning("%s recovered: %s", job.id, info)
+    done = Recovery(lost=event.lost, moved=event.moved, from_step=event.from_step, replayed=event.replayed,
+                    from_checkpoint=event.from_checkpoint, seconds=event.seconds, restarts_left=event.restarts_left)
+    log.warning("%s recovered: %s", job.id, done)
     job.publish(event)
-    return info
+    return done
 
 
 def _replayable(job: JobCore, start: int) -> bool:

@@ -151,9 +151,9 @@ def _stats_lines(stats: StepStats, precision: str) -> list[str]:
         lines.append("tied across stages: " + " = ".join(names) + " (gradients summed before each step)")
     recovery = stats.recovery
     if recovery:
-        moved = ", ".join(f"{old} -> {new}" for old, new in sorted((recovery.get("moved") or {}).items()))
-        lines.append(f"recovered before this step: {moved}, from step {recovery.get('from_step')}, "
-                     f"{recovery.get('replayed')} replayed, {_number(recovery.get('seconds'), '.1f')} s")
+        moved = ", ".join(f"{old} -> {new}" for old, new in sorted(recovery.moved.items()))
+        lines.append(f"recovered before this step: {moved}, from step {recovery.from_step}, "
+                     f"{recovery.replayed} replayed, {_number(recovery.seconds, '.1f')} s")
     if stats.bytes_per_edge:
         lines.append("bytes per edge: " + ", ".join(f"{edge} {format_bytes(n)}"
                                                     for edge, n in sorted(stats.bytes_per_edge.items())))

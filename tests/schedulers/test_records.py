@@ -12,7 +12,7 @@ from actors import NodeInfo, NodeJoined, WireRecord
 from schedulers.events import JobRecovered, RunProgress, SettingPending, StepFinished
 from schedulers.jobs import JobSpec
 from schedulers.records import (
-    Candidate, JobDescription, JobInfo, MeasuredCosts, Plan, RunInfo, SettingChange, StepStats, WhereReport,
+    Candidate, JobDescription, JobInfo, MeasuredCosts, Plan, Recovery, RunInfo, SettingChange, StepStats, WhereReport,
 )
 from transport.wire import WireError, decode_message, encode_message
 
@@ -20,7 +20,7 @@ SPEC = JobSpec.of(model="examples.models:residual_mlp", pipeline_stages=2, micro
                   partition_method="profile", example_inputs=torch.arange(8.0).reshape(2, 4),
                   optimizer=("torch.optim:Adam", {"lr": 1e-3}))
 STATS = StepStats(step=3, loss=0.5, step_time_s=0.01, bubble_fraction=0.2, bytes_sent=10,
-                  bytes_per_edge={"F 0->1": 5}, recovery={"lost": ["n1"], "moved": {"n1": "spare0"}}, lr=[1e-3])
+                  bytes_per_edge={"F 0->1": 5}, recovery=Recovery(lost=["n1"], moved={"n1": "spare0"}, from_step=2, replayed=1), lr=[1e-3])
 COSTS = MeasuredCosts(forward=[0.1, 0.2], backward=[0.2, 0.4], input_grad=[0.1, 0.2], weight_grad=[0.1, 0.2],
                       stash_bytes=[1.0, 2.0])  # bandwidth: inf, which msgpack carries as a float
 RECORDS = [

@@ -84,9 +84,9 @@ async def test_a_killed_stage_moves_to_a_spare_and_training_is_bit_identical(sna
             stats = await asyncio.wait_for(step, 60)  # the replay runs at full speed
             recovered_in = time.monotonic() - killed
             assert stats.recovery is not None
-            assert stats.recovery["moved"] == {victim: "spare0"}
-            assert stats.recovery["from_step"] == 3 - (3 % snapshot_every)
-            assert stats.recovery["replayed"] == 3 % snapshot_every
+            assert stats.recovery.moved == {victim: "spare0"}
+            assert stats.recovery.from_step == 3 - (3 % snapshot_every)
+            assert stats.recovery.replayed == 3 % snapshot_every
             assert recovered_in < 20
             detail = job_detail(await job.describe())  # what the console's status shows
             assert f"recovered before this step: {victim} -> spare0" in "\n".join(detail)
@@ -118,7 +118,7 @@ async def test_a_replacement_stage_continues_the_learning_rate_schedule_exactly(
                 await asyncio.sleep(0.5)
                 os.kill(local.processes[job.nodes[1]].pid, signal.SIGKILL)
             stats = await asyncio.wait_for(step, 60)  # the replay runs at full speed
-            assert stats.recovery is not None and stats.recovery["from_step"] == 2  # the schedule rolled back too
+            assert stats.recovery is not None and stats.recovery.from_step == 2  # the schedule rolled back too
             rates += [stats.lr, (await job.step()).lr]
             assert rates == want_rates
             assert_same_state(await job.state_dict(), want_state)
@@ -236,7 +236,7 @@ async def test_a_lost_data_parallel_member_is_rebuilt_from_its_replica_and_the_g
                 await asyncio.sleep(0.5)
                 os.kill(local.processes[victim].pid, signal.SIGKILL)
             stats = await asyncio.wait_for(step, 90)  # the replay runs at full speed
-            assert stats.recovery is not None and stats.recovery["moved"] == {victim: "spare0"}
+            assert stats.recovery is not None and stats.recovery.moved == {victim: "spare0"}
             losses += [stats.loss] + await run(job, range(3, 5), False)
             assert losses == want_losses
             assert_same_state(await job.state_dict(), want_state)
@@ -259,8 +259,8 @@ async def test_when_no_copy_of_a_lost_stage_survives_the_job_goes_back_to_its_ne
             await kill_every_node(local, cluster, job)  # a rank and the neighbour keeping its snapshot
             stats = await asyncio.wait_for(job.step(), 90)
             assert stats.recovery is not None
-            assert stats.recovery["from_checkpoint"] == str(tmp_path / "ckpt")
-            assert stats.recovery["from_step"] == 2 and stats.recovery["replayed"] == 2
+            assert stats.recovery.from_checkpoint == str(tmp_path / "ckpt")
+            assert stats.recovery.from_step == 2 and stats.recovery.replayed == 2
             assert_same_state(await job.state_dict(), want_state)
         finally:
             await job.close()
@@ -302,8 +302,8 @@ async def test_a_lost_zero1_replica_goes_back_to_the_checkpoint_not_to_another_r
             await wait_for_state(cluster, job.nodes[1], "lost")
             stats = await asyncio.wait_for(job.step(), 90)
             assert stats.recovery is not None
-            assert stats.recovery["from_checkpoint"] == str(tmp_path / "ckpt")
-            assert stats.recovery["from_step"] == 2 and stats.recovery["replayed"] == 2
+            assert stats.recovery.from_checkpoint == str(tmp_path / "ckpt")
+            assert stats.recovery.from_step == 2 and stats.recovery.replayed == 2
             assert_same_state(await job.state_dict(), want_state)
         finally:
             await job.close()
