@@ -227,34 +227,14 @@ class Runtime:
         return failed
 
     def caller_address(self) -> str:
-        """The address of the runtime that made the call being served, checked to be the caller's own.
-
-        A call from this process: this runtime's address. Otherwise the address its
-        request named for the reply, which must be a numeric ``tcp://`` or an
-        ``ipc://`` address (no name to look up), and, with keys, must carry the
-        caller's own public key: whatever connects there must prove it holds that key,
-        so nothing sent there reaches anyone else. Without keys every peer is trusted,
-        and the reply address is taken as it is.
+        """The address of the runtime that made the call being served, checked to be the caller's own
+        (see :func:`own_address`); a call from this process: this runtime's address.
 
         Raises:
             NotAllowed: a ``tell`` (no reply address), or an address that is not the caller's own.
         """
-        caller, address = current_caller(), current_reply_address()
-        if caller == LOCAL:
-            return self.address
-        if address is None:
-            raise NotAllowed(f"{caller[:60]!r} sent no reply address (a tell): call it, from the runtime that "
-                             "is to be reached")
-        try:
-            key = split_address(address)[1]
-        except ValueError:
-            key = None
-        if not _is_numeric_address(address) or (self._gate is not None and (
-                key is None or self._gate.name_of(key) != caller)):
-            raise NotAllowed(f"{caller[:60]!r} called from {excerpt(address, 120)}, which is not its own address: "
-                             "a subscriber is reached only at the address of the runtime that called, and that "
-                             "address must carry the caller's own key")
-        return address
+        caller = current_caller()
+        return self.address if caller == LOCAL else own_address(caller, current_reply_address(), self._gate)
 
     def _deliver_local(self, name: str, call: Call) -> None:
         mailbox = self._mailboxes.get(name)
@@ -433,3 +413,26 @@ def _as_remote(exc: BaseException) -> ActorError:
     return error_from_wire(error_to_wire(exc))
 
 
+def own_address(caller: str, address: str | None, gate: Gate | None) -> str:
+    """``address``, the one ``caller``'s request named for its reply, once it is the caller's own.
+
+    It must be a numeric ``tcp://`` or an ``ipc://`` address (no name to look up), and,
+    with keys (``gate``), carry the caller's own public key: whatever connects there must
+    prove it holds that key, so nothing sent there reaches anyone else. Without keys
+    every peer is trusted, and the reply address is taken as it is.
+
+    Raises:
+        NotAllowed: no address (a ``tell``), or one that is not the caller's own.
+    """
+    if address is None:
+        raise NotAllowed(f"{caller[:60]!r} sent no reply address (a tell): call it, from the runtime that "
+                         "is to be reached")
+    try:
+        key = split_address(address)[1]
+    except ValueError:
+        key = None
+    if not _is_numeric_address(address) or (gate is not None and (key is None or gate.name_of(key) != caller)):
+        raise NotAllowed(f"{caller[:60]!r} called from {excerpt(address, 120)}, which is not its own address: "
+                         "a subscriber is reached only at the address of the runtime that called, and that "
+                         "address must carry the caller's own key")
+    return address

@@ -256,12 +256,8 @@ class SenderPool:
                 if self._unlease(entry, True):
                     await self._close(entry)
                 return None
-        # Waiting replies hold their frames (tensors too): bound them, per peer and in all.
-        if entry is not None and entry.num_reply_users > _MAX_WAITING_REPLIES_PER_PEER:
-            why = f"{_MAX_WAITING_REPLIES_PER_PEER} replies wait for this peer already"
-        elif self._num_waiting_replies >= self.config.max_waiting_replies:
-            why = f"{self._num_waiting_replies} replies wait already"
-        else:
+        why = _no_room_to_wait(entry, self._num_waiting_replies, self.config.max_waiting_replies)
+        if why is None:
             self._num_waiting_replies += 1  # here, not in the task: a burst counts before it runs
             return self._start(self._reply_later(address, frames, entry), name="reply")
         if entry is not None:
@@ -461,3 +457,13 @@ def _is_numeric_address(address: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def _no_room_to_wait(entry: _Entry | None, waiting: int, max_waiting: int) -> str | None:
+    """Why a reply may not wait for its peer (None: it may). Waiting replies hold their frames
+    (tensors too): they are bounded per peer and in all."""
+    if entry is not None and entry.num_reply_users > _MAX_WAITING_REPLIES_PER_PEER:
+        return f"{_MAX_WAITING_REPLIES_PER_PEER} replies wait for this peer already"
+    if waiting >= max_waiting:
+        return f"{waiting} replies wait already"
+    return None

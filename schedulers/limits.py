@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 from actors import LimitExceeded, WireRecord
 from schedulers.jobs import JobSpec
 
-__all__ = ["Limits", "check_spec", "off_loop", "parse_limits"]
+__all__ = ["Limits", "check_client", "check_spec", "off_loop", "parse_limits"]
 
 T = TypeVar("T")
 
@@ -126,6 +126,22 @@ def check_spec(spec: JobSpec, limits: Limits) -> None:
         raise limits.exceeded("step_timeout_s", ft.step_timeout_s, limits.step_timeout_s, "step_timeout_s")
     if limits.max_restarts is not None and ft.max_restarts > limits.max_restarts:
         raise limits.exceeded("max_restarts", ft.max_restarts, limits.max_restarts, "max_restarts")
+
+
+def check_client(limits: Limits, caller: str, held: list[list[str]], nodes: int) -> None:
+    """Refuses one more job of ``nodes`` nodes for client ``caller``, who holds ``held`` (each open
+    job's nodes) already.
+
+    Raises:
+        LimitExceeded: past ``jobs_per_client`` or ``nodes_per_client``.
+    """
+    if limits.jobs_per_client is not None and len(held) + 1 > limits.jobs_per_client:
+        raise limits.exceeded("jobs_per_client", len(held) + 1, limits.jobs_per_client,
+                              f"the open jobs of {caller}, with this one,")
+    total = sum(len(names) for names in held) + nodes
+    if limits.nodes_per_client is not None and total > limits.nodes_per_client:
+        raise limits.exceeded("nodes_per_client", total, limits.nodes_per_client,
+                              f"the nodes {caller}'s open jobs would hold, with this one,")
 
 
 async def off_loop(fn: Callable[..., T], *args: Any, timeout_s: float, what: str) -> T:

@@ -20,7 +20,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from actors import (
@@ -31,6 +31,7 @@ from actors import (
     ActorRef,
     Event,
     HeadActor,
+    Host,
     NodeActor,
     NodeInfo,
     NotAllowed,
@@ -46,7 +47,7 @@ from schedulers.control import JobController
 from schedulers.job_actor import JobActor, may_act_on
 from schedulers.job_core import JobCore, Placer, compile_programs
 from schedulers.jobs import JobSpec, stage_config
-from schedulers.limits import check_spec, off_loop, parse_limits
+from schedulers.limits import Limits, check_client, check_spec, off_loop, parse_limits
 from schedulers.partition import partition_by_parameters, partition_uniform
 from schedulers.placement import Placement, choose_nodes, gpu_of
 from schedulers.events import JobClosed, JobCreated
@@ -62,6 +63,60 @@ def _needs_communicator(spec: JobSpec) -> bool:
     """Whether the job's ranks form a torch.distributed group (tensor or data parallel, or the dist transport)."""
     p = spec.parallelism
     return p.tensor_parallel > 1 or p.data_parallel > 1 or spec.communication.transport != "zmq"
+
+
+async def partition(runtime: Host, spec: JobSpec, node: NodeInfo, limits: Limits,
+                    names: Iterator[int]) -> list[list[int]]:
+    """Stage bounds for ``spec``'s model, from layer sizes that ``node`` (a worker) measures.
+
+    The head never imports or calls a user's factory: the worker builds the model
+    on the meta device, under its own allow-list, and returns parameter counts
+    (checked against the operator's ``parameters`` limit). ``names`` numbers the
+    model inspectors it spawns.
+    """
+    if spec.parallelism.split_points is not None:  # one traced stage module per model stage, as the user cut it
+        return [[i, i + 1] for i in range(spec.num_model_stages)]
+    method = spec.parallelism.partition_method
+    pattern = method.removeprefix("type:") if method.startswith("type:") else None
+    counts = await inspect_model(runtime, spec, node, pattern, f"inspect-{next(names)}")
+    if limits.parameters is not None:
+        # The model's size as the worker counts it on the meta device, before any stage builds it.
+        sizes = counts if method in ("parameters", "uniform") else \
+            await inspect_model(runtime, spec, node, None, f"inspect-{next(names)}", profile=False)
+        if sum(sizes) > limits.parameters:
+            raise limits.exceeded("parameters", sum(sizes), limits.parameters, f"the parameters of {spec.training.model}")
+    if pattern is not None and sum(counts) < spec.num_model_stages:
+        raise ValueError(f"partition_method={method!r} matches {sum(counts)} of the model's "
+                         f"{len(counts)} layers, fewer than its {spec.num_model_stages} stages; match the "
+                         "class of its repeated block (e.g. 'type:block')")
+    if method == "uniform":
+        bounds = partition_uniform(len(counts), spec.num_model_stages)
+    else:
+        # Exact balancing is O(stages x layers log layers): off the loop for very deep models.
+        bounds = await asyncio.to_thread(partition_by_parameters, counts, spec.num_model_stages)
+    return [list(b) for b in bounds]
+
+
+async def inspect_model(runtime: Host, spec: JobSpec, node: NodeInfo, pattern: str | None, name: str, *,
+                        profile: bool | None = None) -> list[int]:
+    """Each layer's parameter count (or time, to partition by profile), measured by a
+    model inspector spawned as ``name`` on ``node`` for this question and stopped after it."""
+    agent = runtime.ref(node.address, NODE)
+    address, _ = await agent.endpoint(NodeActor.spawn, timeout=60).call("model_inspector", name, {})
+    inspector = runtime.ref(address, name)
+    t, p = spec.training, spec.parallelism
+    try:
+        if p.partition_method == "profile" if profile is None else profile:
+            return await inspector.endpoint(ModelInspector.profile_model, timeout=600).call(
+                t.model, dict(t.model_kwargs), t.data, dict(t.data_kwargs),
+                p.micro_batches * p.data_parallel, t.seed, p.example_inputs)
+        return await inspector.endpoint(ModelInspector.describe_model, timeout=300).call(
+            t.model, dict(t.model_kwargs), pattern)
+    finally:
+        try:
+            await agent.endpoint(NodeActor.stop_actor, timeout=10).call(name)
+        except ActorError as exc:
+            log.warning("could not stop model inspector %s on %s: %s", name, node.name, exc)
 
 
 @register_actor("scheduler")
@@ -116,12 +171,13 @@ class SchedulerActor(Actor):
             LimitExceeded: past the operator's limits (checked first, before any work).
         """
         mesh = job_spec.mesh
-        self._check_client_limits(job_spec)
+        check_spec(job_spec, self.limits)
+        self._check_client(job_spec)
         # Compiled once, off the loop: the job's controller finds it compiled (schedulers.job_core).
         await off_loop(compile_programs, job_spec, timeout_s=self.limits.compile_timeout_s,
                        what="compiling the job's schedule")
         async with self._placing:  # each placement sees the nodes of every job placed before it
-            self._check_client_limits(job_spec)  # again: others may have been placed meanwhile
+            self._check_client(job_spec)  # again: others may have been placed meanwhile
             nodes, notices = await self._place(job_spec)
             job_id = f"job{next(self._ids)}"
             self._building[job_id] = (current_caller(), [n.name for n in nodes])
@@ -133,7 +189,7 @@ class SchedulerActor(Actor):
     async def _build_job(self, job_id: str, job_spec: JobSpec, nodes: list[NodeInfo], notices: list[str]) -> JobInfo:
         """Partitions, spawns and connects the stages of a placed job, and starts its job actor."""
         mesh = job_spec.mesh
-        bounds = await self._partition(job_spec, nodes[0])
+        bounds = await partition(self.runtime, job_spec, nodes[0], self.limits, self._inspections)
         for notice in notices:
             log.warning("%s: %s", job_id, notice)
         rendezvous, dist_config = await self._rendezvous(job_id, job_spec, mesh, nodes)
@@ -165,26 +221,15 @@ class SchedulerActor(Actor):
         self._publisher(owner)(JobCreated(job=job_id, nodes=names))
         return self._info(job, notices)
 
-    def _check_client_limits(self, spec: JobSpec) -> None:
-        """The operator's limits on the spec, and on what its client holds already (jobs, nodes).
-
-        Raises:
-            LimitExceeded: names the limit.
-        """
-        limits = self.limits
-        check_spec(spec, limits)
+    def _check_client(self, spec: JobSpec) -> None:
+        """The operator's limits on what the calling client holds, with ``spec`` (its open jobs and
+        those being built, and their nodes)."""
         caller = current_caller()
         if may_call(caller, frozenset()):  # the admin and this process are not a client
             return
-        mine = [job.nodes for job in self._jobs.values() if job.owner == caller]
-        mine += [names for owner, names in self._building.values() if owner == caller]
-        if limits.jobs_per_client is not None and len(mine) + 1 > limits.jobs_per_client:
-            raise limits.exceeded("jobs_per_client", len(mine) + 1, limits.jobs_per_client,
-                                  f"the open jobs of {caller}, with this one,")
-        held = sum(len(names) for names in mine) + spec.mesh.size
-        if limits.nodes_per_client is not None and held > limits.nodes_per_client:
-            raise limits.exceeded("nodes_per_client", held, limits.nodes_per_client,
-                                  f"the nodes {caller}'s open jobs would hold, with this one,")
+        held = [job.nodes for job in self._jobs.values() if job.owner == caller]
+        held += [names for owner, names in self._building.values() if owner == caller]
+        check_client(self.limits, caller, held, spec.mesh.size)
 
     async def _rendezvous(
         self, job_id: str, spec: JobSpec, mesh: Mesh, nodes: list[NodeInfo]
@@ -211,57 +256,6 @@ class SchedulerActor(Actor):
         loopback = all(is_local_address(n.address) for n in nodes)
         return name, {"rendezvous": [self.runtime.address, name], "backend": backend,
                       "timeout_s": timeout_s, "loopback": loopback}
-
-    async def _partition(self, spec: JobSpec, node: NodeInfo) -> list[list[int]]:
-        """Stage bounds for ``spec``'s model, from layer sizes that ``node`` (a worker) measures.
-
-        The head never imports or calls a user's factory: the worker builds the model
-        on the meta device, under its own allow-list, and returns parameter counts.
-        """
-        if spec.parallelism.split_points is not None:  # one traced stage module per model stage, as the user cut it
-            return [[i, i + 1] for i in range(spec.num_model_stages)]
-        method = spec.parallelism.partition_method
-        pattern = method.removeprefix("type:") if method.startswith("type:") else None
-        counts = await self._inspect_model(spec, node, pattern)
-        if self.limits.parameters is not None:
-            # The model's size as the worker counts it on the meta device, before any stage builds it.
-            sizes = counts if method in ("parameters", "uniform") else \
-                await self._inspect_model(spec, node, None, profile=False)
-            if sum(sizes) > self.limits.parameters:
-                raise self.limits.exceeded("parameters", sum(sizes), self.limits.parameters,
-                                           f"the parameters of {spec.training.model}")
-        if pattern is not None and sum(counts) < spec.num_model_stages:
-            raise ValueError(f"partition_method={method!r} matches {sum(counts)} of the model's "
-                             f"{len(counts)} layers, fewer than its {spec.num_model_stages} stages; match the "
-                             "class of its repeated block (e.g. 'type:block')")
-        if method == "uniform":
-            bounds = partition_uniform(len(counts), spec.num_model_stages)
-        else:
-            # Exact balancing is O(stages x layers log layers): off the loop for very deep models.
-            bounds = await asyncio.to_thread(partition_by_parameters, counts, spec.num_model_stages)
-        return [list(b) for b in bounds]
-
-    async def _inspect_model(self, spec: JobSpec, node: NodeInfo, pattern: str | None, *,
-                             profile: bool | None = None) -> list[int]:
-        """Each layer's parameter count (or time, to partition by profile), measured by a
-        model inspector spawned on ``node`` for this question and stopped after it."""
-        agent = self.runtime.ref(node.address, NODE)
-        name = f"inspect-{next(self._inspections)}"
-        address, _ = await agent.endpoint(NodeActor.spawn, timeout=60).call("model_inspector", name, {})
-        inspector = self.runtime.ref(address, name)
-        t, p = spec.training, spec.parallelism
-        try:
-            if p.partition_method == "profile" if profile is None else profile:
-                return await inspector.endpoint(ModelInspector.profile_model, timeout=600).call(
-                    t.model, dict(t.model_kwargs), t.data, dict(t.data_kwargs),
-                    p.micro_batches * p.data_parallel, t.seed, p.example_inputs)
-            return await inspector.endpoint(ModelInspector.describe_model, timeout=300).call(
-                t.model, dict(t.model_kwargs), pattern)
-        finally:
-            try:
-                await agent.endpoint(NodeActor.stop_actor, timeout=10).call(name)
-            except ActorError as exc:
-                log.warning("could not stop model inspector %s on %s: %s", name, node.name, exc)
 
     async def _nodes(self) -> list[NodeInfo]:
         return await self.runtime.ref(self.runtime.address, HEAD).endpoint(HeadActor.nodes).call()

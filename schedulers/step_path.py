@@ -311,4 +311,5 @@ class StepPath:
 
 def _lost_calls(tasks: Mapping[int, asyncio.Future[Any]]) -> dict[int, asyncio.Future[Any]]:
     """The stage calls, by rank, that ended in ``NodeLost``."""
-    return {rank: task for rank, task in tasks.items() if task.done() and isinstance(task.exception(), NodeLost)}
+    return {rank: task for rank, task in tasks.items()
+            if task.done() and not task.cancelled() and isinstance(task.exception(), NodeLost)}

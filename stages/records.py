@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Literal
 from actors.records import RecordError, WireRecord
 from stages.mesh import Mesh
 from stages.program import stage_to_rank
-from stages.sections import Communication, MixedPrecision, Optimization, Parallelism, Runtime, Training
+from stages.sections import SECTIONS, Communication, MixedPrecision, Optimization, Parallelism, Runtime, Training
 
 __all__ = ["FinishReport", "ProgressReport", "RecordError", "ReduceReport", "StageConfig", "StageReport", "StepOrder",
            "TailVote", "WireRecord"]
@@ -27,9 +27,7 @@ class StageConfig(WireRecord):
     section (fault tolerance) stays behind.
     """
 
-    nested: ClassVar[dict[str, Any]] = {"training": Training, "parallelism": Parallelism,
-                                        "optimization": Optimization, "mixed_precision": MixedPrecision,
-                                        "communication": Communication, "runtime": Runtime}
+    nested: ClassVar[dict[str, Any]] = {name: cls for name, cls in SECTIONS.items() if name != "fault_tolerance"}
 
     job: str
     global_rank: int

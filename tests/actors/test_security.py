@@ -406,6 +406,29 @@ async def test_only_the_head_turns_w_batching_on_for_a_step_and_a_bad_value_chan
         await job.close()
 
 
+async def test_only_the_head_moves_a_stages_step_and_a_bad_step_changes_nothing(cluster: Cluster) -> None:
+    job = await cluster.train(**MODEL)
+    try:
+        await job.step(*batch())
+        (info,) = [d for d in await cluster.jobs() if d.job == job.id]
+        stage = cluster.runtime.ref(*info.stages[1])
+        # connect(..., step) moves a stage's step fence forward (a recovery's): a stranger could skip it ahead.
+        args = ([list(s) for s in info.stages], None, None, 10**9)
+        async with Cluster.connect(cluster.head.address, keys=keys().directory, identity="alice") as alice:
+            with pytest.raises(NotAllowed, match="may not call StageActor.connect"):
+                await alice.runtime.ref(stage.address, stage.name).endpoint(StageActor.connect, timeout=10).call(*args)
+        async with open_runtime("tcp://127.0.0.1:0", keys=keys().identity("node0"), ring=keys().ring) as member:
+            with pytest.raises(NotAllowed, match="may not call StageActor.connect"):
+                await member.ref(stage.address, stage.name).endpoint(StageActor.connect, timeout=10).call(*args)
+        async with open_runtime("tcp://127.0.0.1:0", keys=keys().identity("head"), ring=keys().ring) as head:
+            with pytest.raises(RemoteError, match="step must be an int, got str"):
+                await head.ref(stage.address, stage.name).endpoint(StageActor.connect, timeout=10).call(
+                    *args[:3], "12")
+        assert (await job.step(*batch())).loss > 0  # the refused calls left the stage where it was
+    finally:
+        await job.close()
+
+
 async def test_snapshots_and_tied_gradients_come_only_from_the_jobs_own_stages(cluster: Cluster) -> None:
     job = await cluster.train(**MODEL)
     try:

@@ -9,7 +9,7 @@ import pytest
 
 from actors import LimitExceeded
 from schedulers import JobSpec
-from schedulers.limits import Limits, check_spec, off_loop, parse_limits
+from schedulers.limits import Limits, check_client, check_spec, off_loop, parse_limits
 
 SPEC = {"model": "examples.models:residual_mlp", "pipeline_stages": 2, "micro_batches": 4}
 
@@ -66,3 +66,13 @@ async def test_work_off_the_loop_keeps_the_loop_turning_and_is_bounded() -> None
         assert ticks > 1  # the loop went on while the thread slept
     finally:
         ticker.cancel()
+
+
+def test_a_client_is_bounded_in_jobs_and_nodes_it_holds() -> None:
+    limits = Limits(jobs_per_client=3, nodes_per_client=4)
+    check_client(limits, "client:alice", [["n0", "n1"]], 2)  # 2 jobs, 4 nodes: at both limits
+    with pytest.raises(LimitExceeded, match="limit nodes_per_client=4") as caught:
+        check_client(limits, "client:alice", [["n0", "n1"]], 3)
+    assert caught.value.value == 5
+    with pytest.raises(LimitExceeded, match="the open jobs of client:alice, with this one, is 4"):
+        check_client(limits, "client:alice", [["n0"], ["n1"], ["n2"]], 1)
