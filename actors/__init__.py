@@ -23,6 +23,7 @@ _EXPORTS = {
     "may_see": "actors._actor",
     "sees_all": "actors._actor",
     "ActorError": "actors._errors",
+    "ActorLost": "actors._errors",
     "ActorStopped": "actors._errors",
     "ActorTimeout": "actors._errors",
     "BadArguments": "actors._errors",
@@ -35,6 +36,7 @@ _EXPORTS = {
     "NonFiniteError": "actors._errors",
     "NotAllowed": "actors._errors",
     "RemoteError": "actors._errors",
+    "StageLost": "actors._errors",
     "StepFailed": "actors._errors",
     "TooManySubscribers": "actors._errors",
     "UnknownActor": "actors._errors",
@@ -89,6 +91,7 @@ if TYPE_CHECKING:  # explicit re-exports, for type checkers (the names resolve l
     )
     from actors._errors import (
         ActorError as ActorError,
+        ActorLost as ActorLost,
         ActorStopped as ActorStopped,
         ActorTimeout as ActorTimeout,
         BadArguments as BadArguments,
@@ -101,6 +104,7 @@ if TYPE_CHECKING:  # explicit re-exports, for type checkers (the names resolve l
         NonFiniteError as NonFiniteError,
         NotAllowed as NotAllowed,
         RemoteError as RemoteError,
+        StageLost as StageLost,
         StepFailed as StepFailed,
         TooManySubscribers as TooManySubscribers,
         UnknownActor as UnknownActor,

@@ -148,6 +148,10 @@ class Host(Protocol):
 
     def fail_calls_to(self, address: str, error: ActorError) -> int: ...
 
+    def mark_lost(self, address: str, error: ActorError) -> None: ...
+
+    def lost(self, address: str) -> ActorError | None: ...
+
     def caller_address(self) -> str:
         """The address of the runtime that made the call being served, checked to be the caller's own.
 

@@ -192,6 +192,23 @@ class NodeLost(StepFailed):
         return str(self.details.get("node", ""))
 
 
+class ActorLost(ActorError):
+    """The process that hosted an actor ended without being told to (it exited, crashed or was
+    killed): every pending and later call to it fails with this at once. ``details`` name the
+    node and the actor where known; the message says how the process ended."""
+
+
+class StageLost(StepFailed):
+    """A stage actor's own process ended (``exited with code 3``, ``killed by SIGSEGV``): its
+    job's code exited or crashed there. Its node and every other job go on; this job cannot
+    (every later call says so): close it and create it again, from a checkpoint.
+    ``node`` names the node that hosted it."""
+
+    @property
+    def node(self) -> str:
+        return str(self.details.get("node", ""))
+
+
 class HeadLost(ActorStopped):
     """The driver lost the head: its process ended or it stopped answering pings."""
 class NonFiniteError(StepFailed):
@@ -225,6 +242,8 @@ ERROR_KINDS: dict[str, type[ActorError]] = {
         TooManySubscribers,
         StepFailed,
         NodeLost,
+        ActorLost,
+        StageLost,
         HeadLost,
         NonFiniteError,
     )

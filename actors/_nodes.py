@@ -16,15 +16,19 @@ import os
 import socket
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from actors._actor import Actor, current_caller, endpoint, sees_all
-from actors._errors import NodeLost, NotAllowed, RemoteError, contained
+from actors._errors import ActorError, ActorLost, NodeLost, NotAllowed, RemoteError, contained
 from actors._registry import actor_class, load_object, registered_actors
 from actors._subscribers import EventSink, Subscribers
 from actors.events import Event, NodeJoined, NodeLeft, NodeSilent
 from actors.records import WireRecord
 from transport.wire import excerpt
+
+if TYPE_CHECKING:
+    from actors._processes import ActorProcesses
+    from actors._ref import ActorRef
 
 __all__ = ["HEAD", "NODE", "EventSink", "HeadActor", "HeartbeatSettings", "NodeActor", "NodeContext",
            "NodeDescription", "NodeInfo", "node_info"]
@@ -32,6 +36,7 @@ __all__ = ["HEAD", "NODE", "EventSink", "HeadActor", "HeartbeatSettings", "NodeA
 log = logging.getLogger(__name__)
 
 HEAD = "head"  # the head actor's name in the head node's runtime
+MAX_HOSTED = 4096  # the actor processes a node may tell the head it hosts
 NODE = "node"  # the node actor's name in every worker's runtime
 
 
@@ -88,6 +93,7 @@ class NodeDescription(WireRecord):
         actors: their names.
         allow: the module prefixes its factories may come from.
         working_directory: where it runs (what a factory's module is imported relative to).
+        processes: the actors it hosts in processes of their own, by name, with their pids.
     """
 
     name: str
@@ -101,6 +107,7 @@ class NodeDescription(WireRecord):
     actors: list[str] | None = None
     allow: list[str] | None = None
     working_directory: str | None = None
+    processes: dict[str, int] | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -147,6 +154,7 @@ class HeadActor(Actor):
         self.heartbeat_timeout = heartbeat_timeout
         self._nodes: dict[str, NodeInfo] = {}
         self._last_seen: dict[str, float] = {}
+        self._hosted: dict[str, list[str]] = {}  # node -> the addresses of the actor processes it hosts
         self._subscribers = Subscribers("head")
 
     async def on_start(self) -> None:
@@ -195,6 +203,46 @@ class HeadActor(Actor):
             log.info("node %s left", name)
             self._publish(NodeLeft(node=name))
 
+    @endpoint(roles=("node",))
+    async def hosting(self, name: str, addresses: list[str]) -> None:
+        """Node ``name`` hosts actors in these processes of its own (see :mod:`actors._processes`):
+        when the node is lost, calls to them fail with ``NodeLost`` as calls to the node do.
+
+        Raises:
+            NotAllowed: ``name`` is not a live node registered with the caller's key.
+            ValueError: not a list of at most :data:`MAX_HOSTED` addresses.
+        """
+        self._member(name)
+        if (not isinstance(addresses, list) or len(addresses) > MAX_HOSTED
+                or any(not isinstance(a, str) or len(a) > 256 for a in addresses)):
+            raise ValueError(f"hosting takes a list of at most {MAX_HOSTED} addresses of at most 256 characters")
+        self._hosted[name] = list(addresses)
+
+    @endpoint(roles=("node",))
+    async def actor_lost(self, name: str, address: str, actor: str, how: str) -> None:
+        """Node ``name`` saw the process of its hosted ``actor`` end untold (``how``: ``killed by
+        SIGSEGV``): every call to ``address``, pending or later, fails with :class:`ActorLost`.
+
+        Raises:
+            NotAllowed: ``name`` is not a live node registered with the caller's key.
+            ValueError: the node did not say it hosts ``address``.
+        """
+        self._member(name)
+        hosted = self._hosted.get(name, [])
+        if address not in hosted:
+            raise ValueError(f"node {name} hosts no actor process at {excerpt(address)}")
+        hosted.remove(address)
+        log.warning("node %s: %s's process %s", name, excerpt(actor), excerpt(how))
+        self.runtime.mark_lost(address, ActorLost(
+            f"{excerpt(actor, 120)} on node {name}: its process {excerpt(how, 120)}",
+            details={"node": name, "actor": excerpt(actor, 120), "how": excerpt(how, 120)}))
+
+    def _member(self, name: str) -> NodeInfo:
+        node = self._nodes.get(name)
+        if node is None or node.state != "alive" or node.identity != current_caller():
+            raise NotAllowed(f"no live node {excerpt(name)} registered with this key")
+        return node
+
     @endpoint(concurrent=True)
     async def nodes(self) -> list[NodeInfo]:
         """Every node the head knows, with its state and the age of its last heartbeat (a client's: pid 0)."""
@@ -242,8 +290,9 @@ class HeadActor(Actor):
                 if node.state == "alive" and silent > self.heartbeat_timeout:
                     self._nodes[name] = replace(node, state="lost")
                     log.warning("node %s lost: no heartbeat for %.1fs", name, silent)
-                    self.runtime.fail_calls_to(node.address, NodeLost(
-                        f"node {name} was lost: no heartbeat for {silent:.1f}s", details={"node": name}))
+                    for address in [node.address, *self._hosted.pop(name, [])]:
+                        self.runtime.fail_calls_to(address, NodeLost(
+                            f"node {name} was lost: no heartbeat for {silent:.1f}s", details={"node": name}))
                     self._publish(NodeSilent(node=name, silent_s=round(silent, 3)))
 
     def _publish(self, event: Event) -> None:
@@ -254,11 +303,27 @@ class HeadActor(Actor):
 class NodeActor(Actor):
     """A worker's agent: spawns registered actor classes on the head's request."""
 
-    def __init__(self, info: NodeInfo, allow: tuple[str, ...], stop: asyncio.Event, admit_token: str = "") -> None:
+    def __init__(self, info: NodeInfo, allow: tuple[str, ...], stop: asyncio.Event, admit_token: str = "",
+                 processes: ActorProcesses | None = None, max_message_bytes: int = 0) -> None:
+        """
+        Args:
+            processes: host each spawned actor in a process of its own (a worker's default, see
+                :mod:`actors._processes`); None: in this process (the head's agent, ``--isolation
+                thread``).
+        """
         self.info = info
         self.allow = list(allow)
         self._stop = stop
         self._admit_token = admit_token
+        self._processes = processes
+        self._max_message_bytes = max_message_bytes
+        self.head: ActorRef | None = None  # told of the processes it hosts (set once registered)
+        if processes is not None:
+            processes.on_lost = self._lost
+
+    async def on_stop(self) -> None:
+        if self._processes is not None:
+            await self._processes.aclose()
 
     # Concurrent: a stage builds its model in on_start (seconds, or as long as a job's data
     # factory takes); the agent answers every other job's spawn and stop meanwhile.
@@ -266,6 +331,11 @@ class NodeActor(Actor):
     async def spawn(self, class_name: str, actor_name: str, kwargs: dict[str, Any]) -> list[str]:
         """Builds actor ``class_name`` (from the registry) as ``actor_name``; returns its ref."""
         cls = actor_class(class_name)
+        if self._processes is not None:
+            address = await self._processes.spawn(class_name, actor_name, kwargs, self.allow,
+                                                  max_message_bytes=self._max_message_bytes)
+            await self.tell_head_hosting()
+            return [address, actor_name]
         actor = cls(**kwargs)
         actor.node_context = NodeContext(name=self.info.name, device=self.info.device, allow_list=self.allow)
         ref = await self.runtime.spawn(actor, actor_name)
@@ -273,19 +343,47 @@ class NodeActor(Actor):
 
     @endpoint(concurrent=True, roles=("head",))
     async def stop_actor(self, actor_name: str) -> None:
+        """Stops actor ``actor_name``: a hosted one's process ends with it (killed after a grace,
+        when a job's code holds on)."""
+        if self._processes is not None and actor_name not in self.runtime.actor_names():
+            await self._processes.stop(actor_name)
+            await self.tell_head_hosting()
+            return
         await self.runtime.stop_actor(actor_name)
+
+    async def tell_head_hosting(self) -> None:
+        if self.head is not None and self._processes is not None:
+            await self.head.endpoint(HeadActor.hosting, timeout=10).call(self.info.name, self._processes.addresses())
+
+    def _lost(self, actor: str, address: str, how: str) -> None:
+        """A hosted actor's process ended untold: the head fails every call to it at once."""
+        if self.head is None:
+            return
+        head = self.head.endpoint(HeadActor.actor_lost, timeout=10)
+
+        async def tell() -> None:
+            try:
+                await head.call(self.info.name, address, actor, how)
+            except ActorError as exc:
+                log.warning("could not tell the head that %s's process %s: %s", actor, how, exc)
+
+        self.runtime.spawn_task(tell(), name=f"{actor} lost")
+
+    def hosted_names(self) -> list[str]:
+        return list(self._processes.pids()) if self._processes is not None else []
 
     @endpoint(concurrent=True)
     async def describe(self) -> NodeDescription:
         """This node: its name, device, memory and what it may spawn; the operator's view
         (pid, host, address, actors, allow-list, folder) only for the head's and admin key."""
-        actors = self.runtime.actor_names()
+        actors = self.runtime.actor_names() + self.hosted_names()
         public = NodeDescription(name=self.info.name, device=self.info.device, memory_bytes=self.info.memory_bytes,
                                  registry=registered_actors(), num_actors=len(actors))
         if not sees_all(current_caller()):
             return public
         return replace(public, pid=self.info.pid, host=self.info.host, address=self.info.address, actors=actors,
-                       allow=list(self.allow), working_directory=os.getcwd())
+                       allow=list(self.allow), working_directory=os.getcwd(),
+                       processes=self._processes.pids() if self._processes is not None else {})
 
     @endpoint
     async def check_import(self, path: str) -> str:

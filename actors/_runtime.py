@@ -42,6 +42,8 @@ __all__ = ["Runtime", "open_runtime"]
 
 log = logging.getLogger(__name__)
 
+MAX_LOST_ADDRESSES = 4096  # the ended processes a runtime remembers (the oldest is forgotten first)
+
 
 @asynccontextmanager
 async def open_runtime(
@@ -108,6 +110,7 @@ class Runtime:
         self._mailbox_tasks: dict[str, asyncio.Task[None]] = {}
         self._senders = SenderPool(self._open_sender, sender_pool, spawn_task=self.spawn_task)
         self._pending: dict[int, tuple[asyncio.Future[Any], str]] = {}
+        self._lost: dict[str, ActorError] = {}  # addresses whose process ended: calls fail at once
         self._ids = itertools.count(1)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
@@ -186,6 +189,7 @@ class Runtime:
         """Calls ``ref.method(*args, **kwargs)`` and returns its result (see ActorRef.ask)."""
         if self._closed:
             raise ActorStopped(f"runtime at {self.address} is closed")
+        self._refuse_lost(ref.address)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         call_id = next(self._ids)
         self._pending[call_id] = (future, ref.address)
@@ -215,6 +219,7 @@ class Runtime:
             except ActorError as exc:
                 log.warning("tell %s.%s: %s", ref.name, method, exc)
             return 0
+        self._refuse_lost(ref.address)
         return await self._send(ref.address, _request(None, ref.name, method, args, kwargs, None))
 
     def fail_calls_to(self, address: str, error: ActorError) -> int:
@@ -225,6 +230,24 @@ class Runtime:
                 future.set_exception(error)
                 failed += 1
         return failed
+
+    def mark_lost(self, address: str, error: ActorError) -> None:
+        """The process at ``address`` ended for good (its node saw it go): its pending calls fail with
+        ``error``, and so does every later call to it, at once instead of at its timeout."""
+        self._lost[address] = error
+        while len(self._lost) > MAX_LOST_ADDRESSES:
+            del self._lost[next(iter(self._lost))]
+        self.fail_calls_to(address, error)
+
+    def lost(self, address: str) -> ActorError | None:
+        """Why the process at ``address`` ended, when its node said so (:meth:`mark_lost`); else None."""
+        error = self._lost.get(address)
+        return None if error is None else type(error)(error.message, details=dict(error.details))
+
+    def _refuse_lost(self, address: str) -> None:
+        error = self.lost(address)
+        if error is not None:
+            raise error
 
     def caller_address(self) -> str:
         """The address of the runtime that made the call being served, checked to be the caller's own

@@ -17,6 +17,7 @@ from actors._ref import ActorRef
 from actors._nodes import HEAD, NODE, HeadActor, HeartbeatSettings, NodeActor, NodeInfo, node_info
 from actors._registry import registered_actors
 from actors.plugins import load_plugin
+from actors._processes import ActorProcesses, HostConfig, start_zygote
 from actors._runtime import open_runtime
 from transport.wire import DEFAULT_MAX_MESSAGE_BYTES
 from actors.keys import ClusterKeys
@@ -63,6 +64,10 @@ class WorkerConfig:
     keys: str | None = None  # the cluster's key directory; None: --insecure
     identity: str = "node"
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # the largest message sent or taken (--max-message-bytes)
+    # "process": each actor the head asks for runs in a process of its own, forked from a zygote
+    # (a job's code that exits, crashes or hangs stays in its job: actors._processes); "thread":
+    # in this process, as one job's node would (--isolation).
+    isolation: str = "process"
 
 
 def _stop_on_signals() -> asyncio.Event:
@@ -172,13 +177,23 @@ async def serve_worker(config: WorkerConfig) -> None:
     # Before the runtime: the installed worker plugin registers the actors this node
     # hosts and pins this thread to the node's device.
     worker = load_plugin("worker")
+    if config.isolation not in ("process", "thread"):
+        raise ValueError(f"isolation is 'process' or 'thread', not {config.isolation!r}")
+    # The zygote is forked now: everything is imported, and no thread, socket or GPU context exists yet.
+    zygote = start_zygote(HostConfig(bind=config.bind, allow_remote=config.allow_remote,
+                                     max_message_bytes=config.max_message_bytes, security=secure,
+                                     device=config.device, node=config.name, preload=getattr(worker, "preload", None)),
+                          ) if config.isolation == "process" else None
     if worker is not None:
         worker.start(config.device)
     stop = _stop_on_signals()
     async with open_runtime(config.bind, allow_remote=config.allow_remote, max_message_bytes=config.max_message_bytes,
                             **secure) as runtime:
         info = node_info(config.name, runtime.address, config.device)
-        await runtime.spawn(NodeActor(info, config.allow, stop, os.environ.pop(ADMIT_TOKEN_ENV, "")), NODE)
+        agent = NodeActor(info, config.allow, stop, os.environ.pop(ADMIT_TOKEN_ENV, ""),
+                          processes=ActorProcesses(zygote) if zygote is not None else None,
+                          max_message_bytes=config.max_message_bytes)
+        await runtime.spawn(agent, NODE)
         join = config.join or await _read_join_file(config.join_file, config.head_timeout, stop)
         if not join:
             return
@@ -186,7 +201,8 @@ async def serve_worker(config: WorkerConfig) -> None:
         settings = await _register(head, info, config.head_timeout, stop)
         if settings is None:
             return
-        runtime.spawn_task(_heartbeat(head, config, info, settings, stop), name="heartbeat")
+        agent.head = head
+        runtime.spawn_task(_heartbeat(head, config, agent, settings, stop), name="heartbeat")
         await stop.wait()
         log.info("node stopping")
         try:
@@ -212,7 +228,7 @@ async def _register(
 
 
 async def _heartbeat(
-    head: ActorRef, config: WorkerConfig, info: NodeInfo, settings: HeartbeatSettings, stop: asyncio.Event
+    head: ActorRef, config: WorkerConfig, agent: NodeActor, settings: HeartbeatSettings, stop: asyncio.Event
 ) -> None:
     interval = settings.interval
     last_ok = time.monotonic()
@@ -222,7 +238,8 @@ async def _heartbeat(
             last_ok = time.monotonic()
             if not known:
                 log.warning("the head forgot this node; registering again")
-                await head.endpoint(HeadActor.register, timeout=1.0).call(info)
+                await head.endpoint(HeadActor.register, timeout=1.0).call(agent.info)
+                await agent.tell_head_hosting()
         except ActorError as exc:
             if time.monotonic() - last_ok > config.head_timeout:
                 log.error("head unreachable for %.0fs (%s); stopping", config.head_timeout, exc)

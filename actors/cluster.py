@@ -330,6 +330,9 @@ class LocalCluster:
             default a directory in the cluster's private temporary directory, removed
             with it on exit: pass one to keep those checkpoints. The driver holds the
             admin key and saves wherever it names.
+        isolation: the workers' ``--isolation``: ``"process"`` (each stage actor in a process of
+            its own, so that a job's code that exits, crashes or hangs stays in its job) or
+            ``"thread"`` (every job's stages in their node's process).
 
     Attributes:
         devices: each node's device by name (``{"node0": "cuda:0", ...}``), as started.
@@ -360,7 +363,11 @@ class LocalCluster:
         insecure: bool = False,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         checkpoint_root: str | os.PathLike[str] | None = None,
+        isolation: str = "process",
     ) -> None:
+        if isolation not in ("process", "thread"):
+            raise ValueError(f"isolation is 'process' or 'thread', not {isolation!r:.40}")
+        self.isolation = isolation
         if isinstance(max_message_bytes, bool) or not isinstance(max_message_bytes, int) or max_message_bytes < 1:
             raise ValueError(f"max_message_bytes must be an int >= 1, got {max_message_bytes!r:.40}")
         # Resolved here, before any process starts: a GPU this machine lacks fails now.
@@ -445,7 +452,7 @@ class LocalCluster:
         allow = [arg for prefix in self.allow for arg in ("--allow", prefix)]
         identity = [] if self.insecure else ["--identity", name]
         return ["--join-file", address_file, "--name", name, "--device", self.devices[name], *allow, *secure,
-                *identity]
+                *identity, "--isolation", self.isolation]
 
     def _node_names(self) -> list[str]:
         return [f"node{i}" for i in range(self.num_nodes)] + [f"spare{i}" for i in range(self.num_spares)]

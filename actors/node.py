@@ -46,6 +46,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--insecure", action="store_true",
                         help="no keys: plaintext, and every peer that reaches the address is trusted "
                         "(still loopback-only without --allow-remote)")
+    parser.add_argument("--isolation", choices=("process", "thread"), default="process",
+                        help="worker: 'process' hosts each actor the head asks for (each job's stage) in a process "
+                        "of its own, forked from one made at start-up, so that a job's code that exits, crashes or "
+                        "hangs stays in its job; 'thread' hosts them in this process (default: %(default)s)")
     parser.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds between heartbeats (head)")
     parser.add_argument("--heartbeat-timeout", type=float, default=2.0,
                         help="seconds of silence before the head marks a node lost")
@@ -94,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             join=args.join or "", join_file=args.join_file, name=name, device=args.device, bind=args.bind or "tcp://127.0.0.1:0",
             allow_remote=args.allow_remote, allow=DEFAULT_ALLOW + tuple(args.allow), head_timeout=args.head_timeout,
             keys=None if args.insecure else args.keys, identity=args.identity or "node",
-            max_message_bytes=args.max_message_bytes))
+            max_message_bytes=args.max_message_bytes, isolation=args.isolation))
     try:
         run(serve)
     except KeyFileError as exc:  # keys it may not use (missing, or open to others): one line says what to fix

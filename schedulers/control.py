@@ -41,6 +41,7 @@ from schedulers.records import JobDescription, Plan, Recovery, RunInfo, SettingC
 from schedulers.runs import Runs
 from schedulers.settings import Settings
 from schedulers.step_path import StepPath
+from schedulers.stepping import stage_lost
 
 __all__ = ["JobController"]
 
@@ -124,6 +125,9 @@ class JobController:
         """Before each operation: fails fast on a lost node (or recovers from it); a node that came
         back is told to abort the step it missed."""
         job = self.core
+        for rank, ref in enumerate(job.stages):
+            if (gone := job.runtime.lost(ref.address)) is not None:
+                raise stage_lost(job.mesh, rank, gone, job.id)
         alive = await job.alive_nodes()
         recovery.stop_retired(job, alive)
         lost = [node for node in job.nodes if node not in alive]

@@ -61,7 +61,7 @@ def _compiled(name: str, stages: int, micro_batches: int, virtual: int | None, s
 
 @dataclass(frozen=True, slots=True)
 class Placer:
-    """What a recovery asks of the scheduler: free nodes, a stage spawned, a fresh rendezvous."""
+    """What a recovery asks of the scheduler: free nodes, a stage spawned, a fresh rendezvous, stages stopped."""
 
     # ``count`` alive nodes no job uses, none of ``taken``: (name, key identity) each.
     free_nodes: Callable[[int, set[str]], Awaitable[list[tuple[str, str]]]]
@@ -69,6 +69,8 @@ class Placer:
     spawn: Callable[[JobCore, int, str, dict[str, Any] | None], Awaitable[ActorRef]]
     # A new rendezvous for the job's (new) members: (its name, the stages' dist config); the old one stops.
     renew_rendezvous: Callable[[JobCore], Awaitable[tuple[str, dict[str, Any]]]]
+    # Stops stage actors through their nodes' agents (those of nodes still alive).
+    stop: Callable[[list[ActorRef]], Awaitable[None]]
 
 
 class JobCore:

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import time
 
-from actors import NODE, ActorError, ActorRef, NodeActor, NodeLost
+from actors import ActorRef, NodeLost
 from stages import Coords, StageActor
 
 from schedulers import job_state
@@ -170,8 +170,6 @@ def stop_retired(job: JobCore, alive: set[str]) -> None:
 
 
 async def _stop_retired_one(job: JobCore, ref: ActorRef) -> None:
-    try:
-        await job.runtime.ref(ref.address, NODE).endpoint(NodeActor.stop_actor, timeout=5).call(ref.name)
-    except ActorError as exc:
-        log.info("could not stop the replaced %s: %s", ref.name, exc)
+    if job.placer is not None:
+        await job.placer.stop([ref])
 

@@ -143,6 +143,9 @@ class SchedulerActor(Actor):
         self._jobs: dict[str, JobActor] = {}
         # Jobs being created (concurrently): their owner and nodes, counted as the open jobs are.
         self._building: dict[str, tuple[str, list[str]]] = {}
+        # Each stage actor's node agent (its address): a worker hosts a stage in a process of its own,
+        # at an address of its own, and only the agent stops it (or kills it, when a job's code holds on).
+        self._agents: dict[ActorRef, str] = {}
         self._placing = asyncio.Lock()
         self._ids = itertools.count()
         self._inspections = itertools.count()
@@ -212,7 +215,8 @@ class SchedulerActor(Actor):
             runtime=self.runtime, job_id=job_id, spec=job_spec, stages=stages, nodes=names, bounds=bounds,
             publish=self._publisher(owner), alive_nodes=self._alive_nodes, rendezvous=rendezvous,
             owner=owner, identities=identities, limits=self.limits,
-            placer=Placer(free_nodes=self._free_nodes, spawn=self._respawn, renew_rendezvous=self._renew_rendezvous))
+            placer=Placer(free_nodes=self._free_nodes, spawn=self._respawn, renew_rendezvous=self._renew_rendezvous,
+                          stop=self._stop_stages))
         job = JobActor(controller, stop_stages=self._stop_stages, closed=self._job_closed,
                        checkpoint_root=self.checkpoint_root)
         await self.runtime.spawn(job, f"{job_id}.control")
@@ -290,7 +294,7 @@ class SchedulerActor(Actor):
             # A stage is built from its config's fields as keyword arguments (StageActor(**config)).
             agent = self.runtime.ref(node.address, NODE).endpoint(NodeActor.spawn, timeout=300)
             address, name = await agent.call("stage", f"{job_id}.rank{rank}", config.to_wire())
-            return self.runtime.ref(address, name)
+            return self._hosted_by(node, self.runtime.ref(address, name))
 
         results = await asyncio.gather(*(spawn(r, n) for r, n in enumerate(nodes)), return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
@@ -322,7 +326,11 @@ class SchedulerActor(Actor):
         config = stage_config(job.spec, job=job.id, global_rank=rank, bounds=job.bounds, dist=dist)
         agent = self.runtime.ref(node.address, NODE).endpoint(NodeActor.spawn, timeout=300)
         address, name = await agent.call("stage", f"{job.id}.rank{rank}.restart{job.restarts}", config.to_wire())
-        return self.runtime.ref(address, name)
+        return self._hosted_by(node, self.runtime.ref(address, name))
+
+    def _hosted_by(self, node: NodeInfo, stage: ActorRef) -> ActorRef:
+        self._agents[stage] = node.address
+        return stage
 
     async def _renew_rendezvous(self, job: JobCore) -> tuple[str, dict[str, Any]]:
         """A fresh rendezvous for ``job``'s members as they are now; the old one stops."""
@@ -337,14 +345,15 @@ class SchedulerActor(Actor):
     async def _stop_stages(self, stages: list[ActorRef]) -> None:
         """Stops stage actors on the nodes still alive, each within a few seconds (a lost node's go with it)."""
         alive = {n.address for n in await self._nodes() if n.alive}
+        agents = {ref: self._agents.pop(ref, ref.address) for ref in stages}
 
         async def stop(ref: ActorRef) -> None:
-            try:
-                await self.runtime.ref(ref.address, NODE).endpoint(NodeActor.stop_actor, timeout=2.5).call(ref.name)
+            try:  # the agent's grace for a stage that holds on (actors._processes), and a margin
+                await self.runtime.ref(agents[ref], NODE).endpoint(NodeActor.stop_actor, timeout=5).call(ref.name)
             except ActorError as exc:
                 log.info("could not stop %s: %s", ref.name, exc)
 
-        await asyncio.gather(*(stop(ref) for ref in stages if ref.address in alive))
+        await asyncio.gather(*(stop(ref) for ref in stages if agents[ref] in alive))
 
     async def _job_closed(self, job_id: str) -> None:
         """A job actor closed its job: the scheduler forgets it and stops the actor."""

@@ -19,7 +19,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from actors import ActorError, ActorRef, NodeLost, StepFailed, error_from_wire
+from actors import ActorError, ActorLost, ActorRef, NodeLost, StageLost, StepFailed, error_from_wire
 from stages import batch_size, FinishReport, ReduceReport, StageActor, StageReport, StepOrder
 from stages.compute.agreement import decide_votes, vote_of
 from schedulers.events import JobFailed, SchedulePlanned
@@ -28,7 +28,7 @@ from schedulers.job_views import JobViews
 from schedulers.planning import NoScheduleFits
 from schedulers.records import Candidate, StepStats
 from schedulers.stepping import (
-    describe_findings, nonfinite_failed, nonfinite_findings, step_calls, step_failed, step_stats,
+    describe_findings, nonfinite_failed, nonfinite_findings, stage_lost, step_calls, step_failed, step_stats,
 )
 
 __all__ = ["LOSS_GRACE_S", "StepPath"]
@@ -206,6 +206,8 @@ class StepPath:
             if isinstance(exc, NodeLost):
                 where = step_failed(job.mesh, rank, None, exc.message)
                 return NodeLost(where.message, details={**where.details, "node": exc.node})
+            if isinstance(exc, ActorLost):
+                return stage_lost(job.mesh, rank, exc)
             if exc is not None:
                 cause = f"{type(exc).__name__}: {exc}" if not isinstance(exc, ActorError) else \
                     f"{exc.remote_type}: {exc.message}"
@@ -310,6 +312,6 @@ class StepPath:
 
 
 def _lost_calls(tasks: Mapping[int, asyncio.Future[Any]]) -> dict[int, asyncio.Future[Any]]:
-    """The stage calls, by rank, that ended in ``NodeLost``."""
+    """The stage calls, by rank, that ended in ``NodeLost`` or :class:`ActorLost` (its process ended)."""
     return {rank: task for rank, task in tasks.items()
-            if task.done() and not task.cancelled() and isinstance(task.exception(), NodeLost)}
+            if task.done() and not task.cancelled() and isinstance(task.exception(), NodeLost | ActorLost)}

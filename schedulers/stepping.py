@@ -9,12 +9,13 @@ import math
 
 import torch
 
-from actors import NonFiniteError, StepFailed
+from actors import ActorError, NonFiniteError, StageLost, StepFailed
 from stages import FinishReport, Mesh, ReduceReport, split_batch, stage_to_rank, StageReport
 from schedulers.jobs import JobSpec
 from schedulers.records import StepStats
 
-__all__ = ["describe_findings", "key_order", "nonfinite_failed", "nonfinite_findings", "step_calls", "step_failed", "step_stats"]
+__all__ = ["describe_findings", "key_order", "nonfinite_failed", "nonfinite_findings", "stage_lost", "step_calls", "step_failed",
+           "step_stats"]
 
 
 def step_calls(
@@ -57,6 +58,19 @@ def step_failed(mesh: Mesh, rank: int, action: str | None, cause: str, traceback
     return StepFailed(f"step failed: {where}: {cause}", remote_traceback=traceback,
                       details={"stage": coords.pipeline, "member": rank, "tensor": coords.tensor,
                                "data": coords.data, "action": action, "cause": cause})
+
+
+def stage_lost(mesh: Mesh, rank: int, lost: ActorError, job: str = "") -> StageLost:
+    """The error a job fails with, at the step and at every call after it, once stage actor ``rank``'s
+    own process has ended (its node told the head how: ``lost`` is its :class:`~actors.ActorLost`)."""
+    coords = mesh.coords(rank)
+    how = str(lost.details.get("how") or lost.message)
+    head = f"{job} cannot go on: " if job else "step failed: "
+    return StageLost(f"{head}{mesh.describe(rank)}'s process {how} (the job's own code, on node "
+                     f"{lost.details.get('node', '?')}); the node and other jobs go on: close this job and "
+                     "create it again, from a checkpoint",
+                     details={"stage": coords.pipeline, "member": rank, "tensor": coords.tensor, "data": coords.data,
+                              "action": None, "cause": f"process {how}", "node": lost.details.get("node", "")})
 
 
 def nonfinite_findings(

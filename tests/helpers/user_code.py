@@ -39,3 +39,34 @@ def gated_data(started: str, gate: str) -> Any:
         return torch.randn(4, 2, 8, generator=generator), torch.randn(4, 2, 8, generator=generator)
 
     return batch
+
+
+def crashing_model(code: int = 9, **kwargs: Any) -> nn.Sequential:
+    """A model factory that ends its process at once, as native code gone wrong would (no exception)."""
+    os._exit(code)
+
+
+def crashing_data(code: int = 8, **kwargs: Any) -> Any:
+    os._exit(code)
+
+
+def ending_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """A loss that ends its process mid-step (``os._exit``: nothing to catch)."""
+    os._exit(7)
+
+
+def segfaulting_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """A loss that reads address 0: SIGSEGV, as a crash in an extension would."""
+    import ctypes
+
+    ctypes.string_at(0)
+    raise AssertionError("unreachable")
+
+
+def spinning_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """A loss that never returns and never lets go of the interpreter: ``re``'s matcher holds the
+    GIL through an exponential backtrack (about 2**60 steps here)."""
+    import re
+
+    re.match(r"(a*)*b", "a" * 60)
+    raise AssertionError("unreachable")

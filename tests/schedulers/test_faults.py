@@ -79,7 +79,7 @@ async def test_a_stopped_worker_that_comes_back_is_aborted_and_the_job_goes_on(t
             with stalled(gate):
                 step = await start_step(job)
                 victim = local.processes[job.nodes[1]].pid
-                os.kill(victim, signal.SIGSTOP)
+                os.killpg(victim, signal.SIGSTOP)  # its group: the node and its stages' processes, a stalled host
                 try:
                     failure, seconds = await timed(step, 5)
                     assert isinstance(failure, NodeLost), failure
@@ -87,7 +87,7 @@ async def test_a_stopped_worker_that_comes_back_is_aborted_and_the_job_goes_on(t
                     outcome, seconds = await timed(job.step(*batch()), 3)  # still gone: at once
                     assert isinstance(outcome, NodeLost) and seconds < 3
                 finally:
-                    os.kill(victim, signal.SIGCONT)
+                    os.killpg(victim, signal.SIGCONT)
             await wait_alive(cluster, job.nodes[1])
             # The member missed the abort while stopped; it is told now, and the step runs.
             stats, _ = await timed(job.step(*batch()), 20)

@@ -195,9 +195,9 @@ async def test_chaos_kills_and_stops_during_a_run_end_equal_to_an_uninterrupted_
                 if fault == "kill":
                     os.kill(pid, signal.SIGKILL)
                 else:  # cut off long enough to be declared lost, then back: it must not disturb the job
-                    os.kill(pid, signal.SIGSTOP)
+                    os.killpg(pid, signal.SIGSTOP)  # the node and its stages' processes: a stalled host
                     await asyncio.sleep(4)
-                    os.kill(pid, signal.SIGCONT)
+                    os.killpg(pid, signal.SIGCONT)
             deadline = time.monotonic() + 120
             while True:
                 run_info = (await job.describe()).run

@@ -272,9 +272,11 @@ async def test_the_head_never_imports_the_model_factory(tmp_path: Path, monkeypa
             await job.step(torch.randn(4, 16), torch.randn(4, 16))
         finally:
             await job.close()
-        importers = {int(line) for line in log.read_text().split()}
-        assert lc.processes["head"].pid not in importers
-        assert {lc.processes["node0"].pid, lc.processes["node1"].pid} <= importers
+        importers = [tuple(map(int, line.split())) for line in log.read_text().splitlines()]
+        head = lc.processes["head"].pid
+        # Each node started a session of its own: the processes it hosts its stages in are in its group.
+        assert head not in {pid for pid, _ in importers} and head not in {group for _, group in importers}
+        assert {lc.processes["node0"].pid, lc.processes["node1"].pid} <= {group for _, group in importers}
 
 
 async def test_node_lost_mid_step_fails_the_step_promptly() -> None:
