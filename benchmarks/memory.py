@@ -1,5 +1,23 @@
-# Run: python -m benchmarks.memory            (add --steps 2 for a quicker look)
-"""Activation checkpointing on the reference workload: the memory it saves, and what the recompute costs.
+# Run: python -m benchmarks.memory            (add --steps 2 for a quicker look; --only slices|checkpointing)
+"""Memory: what a stage holds of a model too big for one process, and what activation checkpointing saves.
+
+**Slices.** The model of issue 26: 24 ``Linear(2048, 2048)`` (100.7M parameters, 384 MiB
+in fp32) trained two steps over 8 stages (one node each, 1F1B, 8 micro-batches of 2 rows),
+given two ways: whole (``examples.models:linear_stack``, which every stage builds before it
+keeps its slice) and as layer specs (``linear_stack(specs=True)``: each stage builds only
+its own 3 layers; ``docs/models.md``), each with SGD and with Adam. Each stage runs in a
+process of its own, forked from its node's zygote (torch imported): a stage's *added peak*
+is its process's peak RSS over an idle stage's (the same job with ``Linear(4, 4)`` layers,
+first, on the same nodes: the stage's own runtime, threads and imports), in slices of the
+model (1/8 of it, 48 MiB); ``..._over_zygote`` counts it over the zygote's peak instead.
+Parameters and gradients are 2 slices, Adam's two moments 2 more.
+``added_peak_slices_{sgd,adam}_8stages``: the largest over the stages, as layer specs;
+``..._whole`` the same for the model built whole (9.8 before, for both); ``..._release`` as
+layer specs with ``keep_freed_memory=False`` (glibc then gives freed temporaries, such as
+each micro-batch's weight gradient before it is added and Adam's ``sqrt`` of its second
+moment, back to the kernel instead of keeping up to 1 GiB of them for the next micro-batch).
+
+**Activation checkpointing.**
 
 The reference workload (docs/design.md) at 4 stages, 1F1B, 8 micro-batches, trained with
 ``activation_checkpointing`` off and ``True`` (every layer: each block keeps its
@@ -90,6 +108,92 @@ async def measure(group: dict[str, bool | int], fusion: bool, num_steps: int) ->
             for (name, setting), steps, state in zip(group.items(), stats, states)]
 
 
+SLICE_STAGES, SLICE_LAYERS, SLICE_DIM = 8, 24, 2048
+# Adam's default (foreach) step makes a temporary of every parameter's size at once (its second
+# moment's square root): one slice more at the peak; fused=True (torch's fused CPU kernel, as
+# DeepSpeed users take FusedAdam) makes none.
+SLICE_OPTIMIZERS = {"sgd": ("torch.optim:SGD", {"lr": 0.01}), "adam": ("torch.optim:Adam", {"lr": 1e-4}),
+                    "adam_fused": ("torch.optim:Adam", {"lr": 1e-4, "fused": True})}
+
+
+def _status_bytes(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise ValueError(f"/proc/{pid}/status has no {field}")
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rpartition(")")[2].split()[1])
+
+
+async def _two_steps(cluster: Any, model_kwargs: dict[str, Any], optimizer: str, keep_freed_memory: bool,
+                     inputs: torch.Tensor, targets: torch.Tensor) -> tuple[Any, list[int]]:
+    """A job of ``linear_stack(**model_kwargs)`` over the 8 stages, two steps: its last stats and
+    the peak RSS of each stage's zygote (rank order)."""
+    from actors import NODE, NodeActor
+
+    job = await cluster.train(
+        model="examples.models:linear_stack", model_kwargs=model_kwargs,
+        loss="torch.nn.functional:mse_loss", optimizer=SLICE_OPTIMIZERS[optimizer],
+        pipeline_stages=SLICE_STAGES, micro_batches=8, schedule="1f1b", seed=0,
+        partition_method="uniform", threads_per_stage=1, keep_freed_memory=keep_freed_memory)
+    try:
+        await job.step(inputs, targets)
+        # A stage reports its peak at the barrier, before its optimizer steps: the second step's
+        # report holds the first's optimizer step (Adam's moments are made there).
+        stats = await job.step(inputs, targets)
+        by_node = {n.name: n for n in await cluster.nodes()}
+        pids = []
+        for rank, node in enumerate(job.nodes):
+            described = await cluster.runtime.ref(by_node[node].address, NODE).endpoint(
+                NodeActor.describe, timeout=10).call()
+            assert described.processes is not None
+            pids.append(_status_bytes(_parent(described.processes[f"{job.id}.rank{rank}"]), "VmHWM"))
+        return stats, pids
+    finally:
+        await job.close()
+
+
+async def measure_slices(optimizer: str, specs: bool, keep_freed_memory: bool = True
+                         ) -> tuple[list[float], list[float]]:
+    """Each stage's added peak RSS in slices, for two steps of the 24-layer model over 8 stages:
+    over an idle stage's (the same job with ``Linear(4, 4)`` layers, on the same nodes), and
+    over its node's zygote's."""
+    from schedulers import LocalCluster
+
+    slice_bytes = SLICE_LAYERS * (SLICE_DIM * SLICE_DIM + SLICE_DIM) * 4 / SLICE_STAGES
+    generator = torch.Generator().manual_seed(0)
+    inputs, targets = (torch.randn(16, SLICE_DIM, generator=generator) for _ in range(2))
+    async with LocalCluster(nodes=SLICE_STAGES) as cluster:
+        idle, _ = await _two_steps(cluster, {"layers": SLICE_LAYERS, "dim": 4, "specs": True}, optimizer,
+                                   keep_freed_memory, inputs[:, :4], targets[:, :4])
+        stats, zygotes = await _two_steps(cluster, {"layers": SLICE_LAYERS, "dim": SLICE_DIM, "specs": specs}, optimizer,
+                                       keep_freed_memory, inputs, targets)
+        over_idle = [round((peak - base) / slice_bytes, 2) for peak, base in zip(stats.peak_rss_bytes, idle.peak_rss_bytes)]
+        over_zygote = [round((peak - zygote) / slice_bytes, 2) for peak, zygote in zip(stats.peak_rss_bytes, zygotes)]
+    return over_idle, over_zygote
+
+
+def slices_summary() -> dict[str, Any]:
+    summary: dict[str, Any] = {}
+    variants = {"": (True, True), "_release": (True, False), "_whole": (False, True)}
+    for optimizer in SLICE_OPTIMIZERS:
+        for suffix, (specs, keep) in variants.items():
+            if optimizer == "adam_fused" and suffix:  # as layer specs only: the other variants are Adam's
+                continue
+            added, over_zygote = run(measure_slices(optimizer, specs, keep))
+            label = ("layer specs" if specs else "whole model") + ("" if keep else ", keep_freed_memory=False")
+            print(f"{optimizer:>4} {label:<38} added peak per stage, in slices: " + " / ".join(f"{a:.1f}" for a in added)
+                  + " (over the zygote: " + " / ".join(f"{a:.1f}" for a in over_zygote) + ")")
+            summary[f"added_peak_slices_{optimizer}_{SLICE_STAGES}stages{suffix}_over_zygote"] = max(over_zygote)
+            summary[f"added_peak_slices_{optimizer}_{SLICE_STAGES}stages{suffix}"] = max(added)
+            summary[f"added_peak_slices_{optimizer}_{SLICE_STAGES}stages{suffix}_per_stage"] = added
+    return summary
+
+
 def ratio(ours: list[int] | float, theirs: list[int] | float) -> float:
     if isinstance(ours, list) and isinstance(theirs, list):
         ours, theirs = sum(ours), sum(theirs)
@@ -136,15 +240,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3, help="steps per setting (the first one's time is not counted)")
     parser.add_argument("--interval2", action="store_true", help="also activation_checkpointing=2, fused")
+    parser.add_argument("--only", choices=("slices", "checkpointing"), help="run one part only")
     args = parser.parse_args()
     if args.steps < 1:
         parser.error("--steps must be >= 1")
     started = time.perf_counter()
-    fused = {**FUSED, **({"interval2": 2} if args.interval2 else {})}
-    results = {result.name: result for group, fusion in ((fused, True), (UNSPLIT, False))
-               for result in run(measure(group, fusion, args.steps))}
-    print_table(results)
-    summary = summarize(results)
+    summary: dict[str, Any] = {}
+    if args.only != "checkpointing":
+        summary.update(slices_summary())
+    if args.only != "slices":
+        fused = {**FUSED, **({"interval2": 2} if args.interval2 else {})}
+        results = {result.name: result for group, fusion in ((fused, True), (UNSPLIT, False))
+                   for result in run(measure(group, fusion, args.steps))}
+        print_table(results)
+        summary.update(summarize(results))
     summary.update(steps=args.steps, wall_s=round(time.perf_counter() - started, 1))
     print(json.dumps(summary))
 

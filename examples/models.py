@@ -13,7 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["residual_mlp", "gpt", "lm_loss", "generate"]
+from stages.build.layer_specs import LayerSpec
+
+__all__ = ["residual_mlp", "residual_mlp_layers", "linear_stack", "gpt", "lm_loss", "generate"]
 
 
 # --- the reference workload ---------------------------------------------------------
@@ -45,6 +47,24 @@ def residual_mlp(blocks: int = 8, dim: int = 512, hidden: int | None = None) -> 
         raise ValueError(f"residual_mlp needs blocks >= 1 and dim >= 1, got blocks={blocks}, dim={dim}")
     hidden = 4 * dim if hidden is None else hidden
     return nn.Sequential(*(ResidualMLPBlock(dim, hidden) for _ in range(blocks)))
+
+
+def residual_mlp_layers(blocks: int = 8, dim: int = 512, hidden: int | None = None) -> list[LayerSpec]:
+    """The reference workload as layer specs: each stage builds only the blocks it holds, each
+    block under its own seed (``stages.layered_model(specs, seed)`` builds the same weights in
+    one process)."""
+    if blocks < 1 or dim < 1:
+        raise ValueError(f"residual_mlp_layers needs blocks >= 1 and dim >= 1, got blocks={blocks}, dim={dim}")
+    hidden = 4 * dim if hidden is None else hidden
+    return [LayerSpec(ResidualMLPBlock, dim, hidden) for _ in range(blocks)]
+
+
+def linear_stack(layers: int = 24, dim: int = 2048, specs: bool = False) -> nn.Sequential | list[LayerSpec]:
+    """``layers`` bias-carrying ``Linear(dim, dim)``: 24 of 2048 are 100.7M parameters (384 MiB in fp32),
+    the model ``benchmarks.memory`` trains over 8 stages; ``specs``: as layer specs."""
+    if specs:
+        return [LayerSpec(nn.Linear, dim, dim) for _ in range(layers)]
+    return nn.Sequential(*(nn.Linear(dim, dim) for _ in range(layers)))
 
 
 # --- a small character-level GPT ----------------------------------------------------

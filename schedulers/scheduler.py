@@ -75,6 +75,10 @@ async def partition(runtime: Host, spec: JobSpec, node: NodeInfo, limits: Limits
     model inspectors it spawns.
     """
     if spec.parallelism.split_points is not None:  # one traced stage module per model stage, as the user cut it
+        if limits.parameters is not None:
+            (size,) = await inspect_model(runtime, spec, node, None, f"inspect-{next(names)}", profile=False, whole=True)
+            if size > limits.parameters:
+                raise limits.exceeded("parameters", size, limits.parameters, f"the parameters of {spec.training.model}")
         return [[i, i + 1] for i in range(spec.num_model_stages)]
     method = spec.parallelism.partition_method
     pattern = method.removeprefix("type:") if method.startswith("type:") else None
@@ -98,7 +102,7 @@ async def partition(runtime: Host, spec: JobSpec, node: NodeInfo, limits: Limits
 
 
 async def inspect_model(runtime: Host, spec: JobSpec, node: NodeInfo, pattern: str | None, name: str, *,
-                        profile: bool | None = None) -> list[int]:
+                        profile: bool | None = None, whole: bool = False) -> list[int]:
     """Each layer's parameter count (or time, to partition by profile), measured by a
     model inspector spawned as ``name`` on ``node`` for this question and stopped after it."""
     agent = runtime.ref(node.address, NODE)
@@ -111,7 +115,7 @@ async def inspect_model(runtime: Host, spec: JobSpec, node: NodeInfo, pattern: s
                 t.model, dict(t.model_kwargs), t.data, dict(t.data_kwargs),
                 p.micro_batches * p.data_parallel, t.seed, p.example_inputs)
         return await inspector.endpoint(ModelInspector.describe_model, timeout=300).call(
-            t.model, dict(t.model_kwargs), pattern)
+            t.model, dict(t.model_kwargs), pattern, whole)
     finally:
         try:
             await agent.endpoint(NodeActor.stop_actor, timeout=10).call(name)

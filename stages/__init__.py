@@ -29,6 +29,8 @@ from actors._lazy import lazy_exports
 
 _EXPORTS = {
     "StageActor": "stages.actor",
+    "LayerSpec": "stages.build.layer_specs",
+    "layered_model": "stages.build.layer_specs",
     "gather_tensor_parallel_state": "stages.build.tensor_parallel",
     "shard_state": "stages.build.tensor_parallel",
     "ShardSpec": "stages.build.tensor_parallel",
@@ -68,6 +70,10 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
 if TYPE_CHECKING:  # explicit re-exports, for type checkers (the names resolve lazily above)
     from stages.actor import (
         StageActor as StageActor,
+    )
+    from stages.build.layer_specs import (
+        LayerSpec as LayerSpec,
+        layered_model as layered_model,
     )
     from stages.build.tensor_parallel import (
         gather_tensor_parallel_state as gather_tensor_parallel_state,

@@ -39,9 +39,11 @@ class ModelInspector(Actor):
         return context.allow if context is not None else DEFAULT_ALLOW + EXAMPLE_FACTORIES  # in the driver's process
 
     @endpoint(roles=("head",))
-    async def describe_model(self, path: str, kwargs: dict[str, Any], type_pattern: str | None = None) -> list[int]:
+    async def describe_model(self, path: str, kwargs: dict[str, Any], type_pattern: str | None = None,
+                             whole: bool = False) -> list[int]:
         """The parameter count of each layer of the model ``path`` builds from ``kwargs``
-        (with ``type_pattern``: 1 for each layer whose class name matches it, else 0).
+        (with ``type_pattern``: 1 for each layer whose class name matches it, else 0; ``whole``:
+        one count, the whole model's, of any module).
 
         The model is built on the meta device (no memory for its parameters) in a
         thread; ``kwargs`` is as large as a message allows.
@@ -54,7 +56,8 @@ class ModelInspector(Actor):
         if not isinstance(kwargs, dict):
             raise TypeError(f"model kwargs must be a map, got {type(kwargs).__name__}")
         try:
-            return await asyncio.to_thread(contained, layer_parameter_counts, path, kwargs, self._allow, type_pattern)
+            return await asyncio.to_thread(contained, functools.partial(
+                layer_parameter_counts, path, kwargs, self._allow, type_pattern, whole=bool(whole)))
         except NotAllowed as exc:
             raise NotAllowed(f"{self._where()} refused the model: {exc.message}") from None
         except ModuleNotFoundError as exc:

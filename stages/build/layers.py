@@ -19,6 +19,7 @@ from stages.compute.activations import run_layers, run_segments
 from actors._registry import load_object
 from stages.comm.boundary import split_batch
 from stages.records import StageConfig
+from stages.build.layer_specs import build_specs, is_layer_specs
 from stages.build.traced import TracedStage, trace_stages
 
 __all__ = ["Chain", "build_layers", "layer_parameter_counts", "layer_times", "model_layers"]
@@ -51,17 +52,25 @@ class Chain(nn.Sequential):
 def build_layers(
     config: StageConfig, allow: Sequence[str], shard: Callable[[nn.Sequential], nn.Sequential] | None = None
 ) -> list[nn.Module]:
-    """Builds the whole model from its factory with the job's seed and returns its layers.
+    """Builds the model from its factory with the job's seed and returns its layers.
 
-    Every stage builds the same model from the same seed, so the slices it keeps hold
-    exactly the weights one process would start from; ``shard`` then cuts a
-    tensor-parallel rank's share out of the whole model (it knows layers by position).
+    A factory that returns the model (an ``nn.Sequential``) is called whole on every
+    stage, from the same seed, so the slices each keeps hold exactly the weights one
+    process would start from. A factory that returns layer specs
+    (:mod:`stages.build.layer_specs`) has only the stage's own layers built for real,
+    each under its own seed, and the rest on the meta device. ``shard`` then cuts a
+    tensor-parallel rank's share out of the layers (it knows them by position).
     """
     factory = load_object(config.training.model, allow)
     torch.manual_seed(config.training.seed)
+    built = factory(**config.training.model_kwargs)
     if config.parallelism.split_points is not None:
-        return list(_traced_layers(factory(**config.training.model_kwargs), config, allow))
-    model = nn.Sequential(*model_layers(factory(**config.training.model_kwargs), config.training.model))
+        return list(_traced_layers(built, config, allow))
+    if is_layer_specs(built):  # only the held layers are built for real, each under its own seed
+        held = {i for s in config.stages for i in range(*config.bounds[s])}
+        model = nn.Sequential(*build_specs(built, config.training.seed, held))
+    else:
+        model = nn.Sequential(*model_layers(built, config.training.model))
     if shard is not None:
         before = tied.tied_groups(list(model.children()))
         model = shard(model)
@@ -96,13 +105,14 @@ def _traced_layers(built: Any, config: StageConfig, allow: Sequence[str]) -> lis
 
 
 def layer_parameter_counts(model: str, model_kwargs: dict[str, Any], allow: Sequence[str],
-                           type_pattern: str | None = None) -> list[int]:
+                           type_pattern: str | None = None, *, whole: bool = False) -> list[int]:
     """The parameter count of each layer the factory ``model`` builds, for partitioning; with
     ``type_pattern``, 1 for each layer whose class name matches it (case-insensitive), else 0.
 
     The model is built on the meta device, so its parameters take no memory; torch's
     device context is per thread, so stages computing in other threads are unaffected.
-    Layers are taken as :func:`build_layers` takes them.
+    Layers are taken as :func:`build_layers` takes them; ``whole``: one count, of the whole
+    model, of any ``nn.Module`` (a model cut at ``split_points`` is no list of layers).
 
     Raises:
         NotAllowed: the node's allow-list refuses ``model``.
@@ -110,7 +120,11 @@ def layer_parameter_counts(model: str, model_kwargs: dict[str, Any], allow: Sequ
     factory = load_object(model, allow)
     with torch.device("meta"):
         built = factory(**model_kwargs)
+    if whole and isinstance(built, nn.Module):
+        return [sum(p.numel() for p in built.parameters())]
     layers = model_layers(built, model)
+    if whole:
+        return [sum(p.numel() for layer in layers for p in layer.parameters())]
     if type_pattern is not None:
         return match_layer_types(type_pattern, [type(layer).__name__ for layer in layers])
     return [sum(p.numel() for p in layer.parameters()) for layer in layers]
@@ -146,18 +160,22 @@ def match_layer_types(pattern: str, names: Sequence[str], *, budget_s: float = M
 
 
 def model_layers(built: Any, path: str) -> list[nn.Module]:
-    """The layers a factory's model is split at: an ``nn.Sequential``'s children, or a list's items.
+    """The layers a factory's model is split at: an ``nn.Sequential``'s children, a list's items,
+    or layer specs built on the meta device.
 
     Raises:
         TypeError: any other object (e.g. a Hugging Face model), with what to return instead.
     """
     if isinstance(built, nn.Sequential):
         return list(built.children())
+    if is_layer_specs(built):  # every layer on the meta device: shapes and classes, no memory
+        return build_specs(built, 0, held=())
     if isinstance(built, (list, tuple, nn.ModuleList)) and built and all(isinstance(m, nn.Module) for m in built):
         return list(built)
     raise TypeError(
-        f"{path} built a {type(built).__name__}, not an nn.Sequential or a list of layers: actorpipe splits a "
-        "model between its top-level layers, in order. Return nn.Sequential(...) of them, with whatever the "
+        f"{path} built a {type(built).__name__}, not an nn.Sequential, a list of layers or of LayerSpec: actorpipe "
+        "splits a model between its top-level layers, in order. Return nn.Sequential(...) of them (or [LayerSpec(cls, "
+        "*args), ...], to build each layer only on the stage that holds it), with whatever the "
         "model's forward does between them (a flatten before a classifier, a slice) as layers of their own; "
         "or split it as it is: give split_points=[...], the names of the modules each stage after the first "
         "begins at (e.g. ['transformer.h.6'] for two stages of a Hugging Face GPT-2)")
@@ -175,7 +193,8 @@ def layer_times(model: str, model_kwargs: dict[str, Any], allow: Sequence[str], 
     (noise on a shared machine only ever adds time).
     """
     torch.manual_seed(seed)
-    layers = model_layers(load_object(model, allow)(**model_kwargs), model)
+    built = load_object(model, allow)(**model_kwargs)
+    layers = build_specs(built, seed) if is_layer_specs(built) else model_layers(built, model)
     if data is not None:
         inputs, _ = load_object(data, allow)(**data_kwargs)(0)
         x = split_batch(inputs, micro_batches, "inputs")[0]

@@ -24,6 +24,7 @@ import torch
 
 from actors import NODE, ActorLost, Cluster, LocalCluster, NodeActor, StageLost, StepFailed
 from actors.cluster import Cluster as BaseCluster
+from tests.helpers.clients import TwoClients
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(240),
               pytest.mark.asyncio(loop_scope="module")]
@@ -31,24 +32,14 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(24
 MODEL = {"model": "examples.models:residual_mlp", "model_kwargs": {"blocks": 2, "dim": 8}, "micro_batches": 2,
          "pipeline_stages": 2, "step_timeout_s": 120}
 USER = "tests.helpers.user_code"
-_LOCAL: list[LocalCluster] = []
+CLIENTS = TwoClients()
+connect = CLIENTS.connect
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def cluster() -> AsyncIterator[Cluster]:
-    local = LocalCluster(nodes=2, allow=[USER])
-    async with local as cluster:
-        assert local.keys is not None
-        local.keys.add("client", "alice")
-        local.keys.add("client", "bob")
-        _LOCAL[:] = [local]
+    async with CLIENTS.start(nodes=2, allow=[USER]) as cluster:
         yield cluster
-
-
-def connect(cluster: Cluster, who: str) -> Any:
-    keys = _LOCAL[0].keys
-    assert keys is not None
-    return Cluster.connect(cluster.head.address, keys=keys.directory, identity=who)
 
 
 def batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,7 +68,7 @@ def gone(pid: int) -> bool:
 async def assert_the_cluster_serves(cluster: Cluster, bob: Cluster) -> None:
     """Every node is alive and its process runs, and bob's new job steps."""
     assert {n.name for n in await cluster.nodes() if n.alive} == {"node0", "node1"}
-    assert all(proc.poll() is None for proc in _LOCAL[0].processes.values())
+    assert all(proc.poll() is None for proc in CLIENTS.local.processes.values())
     job = await bob.train(**MODEL)
     try:
         assert (await job.step(*batch())).loss > 0
@@ -92,7 +83,7 @@ async def test_each_jobs_stage_runs_in_a_process_of_its_own(cluster: Cluster) ->
             for job in jobs:
                 await job.step(*batch())
             processes = await hosted(cluster)
-            node_pids = {name: proc.pid for name, proc in _LOCAL[0].processes.items()}
+            node_pids = {name: proc.pid for name, proc in CLIENTS.local.processes.items()}
             for node, actors in processes.items():
                 # A stage of each job on each node, each in its own process: threads_per_stage=2 (or
                 # any process-wide setting a job's code makes) is that job's alone.

@@ -213,7 +213,7 @@ async def test_a_model_that_is_not_a_sequential_is_refused_with_what_to_do(clust
     with pytest.raises(RemoteError) as refused:
         await cluster.train(model="tests.helpers.models:two_layer_net", pipeline_stages=2)
     assert refused.value.remote_type == "TypeError"
-    assert "built a TwoLayerNet, not an nn.Sequential or a list of layers" in refused.value.message
+    assert "built a TwoLayerNet, not an nn.Sequential, a list of layers or of LayerSpec" in refused.value.message
     assert "Return nn.Sequential(...)" in refused.value.message
 
 

@@ -15,7 +15,8 @@ import torch
 
 from actors import Cluster
 from examples.data import char_batches
-from examples.models import gpt, lm_loss, residual_mlp
+from examples.models import gpt, lm_loss, residual_mlp, residual_mlp_layers
+from stages import layered_model
 from schedulers.schedules import build_schedule
 from schedulers.simulate import simulate
 
@@ -112,6 +113,11 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     "mlp": {"model": "examples.models:residual_mlp", "kwargs": MODEL_KWARGS, "build": residual_mlp,
             "loss": "torch.nn.functional:mse_loss", "loss_fn": torch.nn.functional.mse_loss, "batches": batches,
             "optimizer": ("torch.optim:Adam", {"lr": 0.01})},
+    # Layer specs: each stage builds only its blocks, each under its own seed; one process builds all.
+    "mlp_layers": {"model": "examples.models:residual_mlp_layers", "kwargs": MODEL_KWARGS,
+                   "build": lambda **kwargs: layered_model(residual_mlp_layers(**kwargs), seed=0),
+                   "loss": "torch.nn.functional:mse_loss", "loss_fn": torch.nn.functional.mse_loss,
+                   "batches": batches, "optimizer": ("torch.optim:Adam", {"lr": 0.01})},
     "gpt": {"model": "examples.models:gpt", "kwargs": GPT_KWARGS, "build": gpt,
             "loss": "examples.models:lm_loss", "loss_fn": lm_loss, "batches": gpt_batches,
             "optimizer": ("torch.optim:SGD", {"lr": 0.1, "momentum": 0.9})},
@@ -139,6 +145,8 @@ MESHES = [
     pytest.param("mlp", 2, 1, 2, "zero_bubble", "zmq", id="mlp-pp2-dp2-zero_bubble"),
     pytest.param("mlp", 2, 2, 1, "1f1b", "zmq", id="mlp-pp2-tp2"),
     pytest.param("mlp", 1, 2, 2, "1f1b", "zmq", id="mlp-tp2-dp2"),
+    pytest.param("mlp_layers", 2, 1, 2, "1f1b", "zmq", id="mlp_layers-pp2-dp2"),
+    pytest.param("mlp_layers", 2, 2, 1, "interleaved", "zmq", id="mlp_layers-pp2-tp2-interleaved"),
     pytest.param("gpt", 2, 1, 1, "1f1b", "zmq", id="gpt-pp2"),
     pytest.param("gpt", 2, 1, 2, "1f1b", "zmq", id="gpt-pp2-dp2"),
     pytest.param("gpt", 2, 2, 1, "1f1b", "zmq", id="gpt-pp2-tp2"),

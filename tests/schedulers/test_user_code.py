@@ -21,6 +21,7 @@ import torch
 from actors import Cluster, LimitExceeded, LocalCluster, RemoteError, StepFailed, UserCodeExit
 from schedulers import JobSpec
 from schedulers.scheduler import SchedulerActor
+from tests.helpers.clients import TwoClients
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(240),
               pytest.mark.asyncio(loop_scope="module")]
@@ -28,25 +29,15 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(24
 MODEL = {"model": "examples.models:residual_mlp", "model_kwargs": {"blocks": 2, "dim": 8}, "micro_batches": 2}
 USER = "tests.helpers.user_code"
 LIMITS = {"micro_batches": 64, "jobs_per_client": 2, "threads_per_stage": 8, "step_timeout_s": 3600,
-          "max_restarts": 10}
-_LOCAL: list[LocalCluster] = []
+          "max_restarts": 10, "parameters": 20_000}
+CLIENTS = TwoClients()
+connect = CLIENTS.connect
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def cluster() -> AsyncIterator[Cluster]:
-    local = LocalCluster(nodes=2, allow=[USER], limits=LIMITS)
-    async with local as cluster:
-        assert local.keys is not None
-        local.keys.add("client", "alice")
-        local.keys.add("client", "bob")
-        _LOCAL[:] = [local]
+    async with CLIENTS.start(nodes=2, allow=[USER], limits=LIMITS) as cluster:
         yield cluster
-
-
-def connect(cluster: Cluster, who: str) -> Any:
-    keys = _LOCAL[0].keys
-    assert keys is not None
-    return Cluster.connect(cluster.head.address, keys=keys.directory, identity=who)
 
 
 def batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,7 +47,7 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
 async def assert_the_cluster_serves(cluster: Cluster, bob: Cluster) -> None:
     """Every node is alive and one process each (none exited), and bob's new job steps."""
     assert {n.name for n in await cluster.nodes() if n.alive} == {"node0", "node1"}
-    assert all(proc.poll() is None for proc in _LOCAL[0].processes.values())
+    assert all(proc.poll() is None for proc in CLIENTS.local.processes.values())
     job = await bob.train(**MODEL, pipeline_stages=2)
     try:
         assert (await job.step(*batch())).loss > 0
@@ -129,6 +120,20 @@ async def test_a_spec_past_the_operators_limits_is_refused_before_any_work(clust
         with pytest.raises(LimitExceeded, match=f"past this cluster's limit {limit}=") as caught:
             await alice.call(SchedulerActor.create_job, timeout=60).call(spec)
         assert caught.value.limit == limit
+        await assert_the_cluster_serves(cluster, bob)
+
+
+@pytest.mark.parametrize("cut", [
+    {},  # a Sequential, counted layer by layer on the meta device
+    {"split_points": ["1"], "example_inputs": torch.zeros(2, 2, 64)},  # any module, counted whole before it is traced
+])
+async def test_a_model_past_the_parameters_limit_is_refused_before_any_stage_builds_it(cluster: Cluster,
+                                                                                     cut: dict[str, Any]) -> None:
+    async with connect(cluster, "alice") as alice, connect(cluster, "bob") as bob:
+        big = {**MODEL, "model_kwargs": {"blocks": 2, "dim": 64}, "pipeline_stages": 2, **cut}  # 66,432 parameters
+        with pytest.raises(LimitExceeded, match="past this cluster's limit parameters=") as caught:
+            await alice.train(**big)
+        assert caught.value.limit == "parameters" and caught.value.value == 66_432
         await assert_the_cluster_serves(cluster, bob)
 
 
