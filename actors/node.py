@@ -80,6 +80,9 @@ def _positive_int(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Count GPUs through NVML, without starting CUDA in this process: a worker forks its stages'
+    # processes (actors._processes) after --device is checked, and CUDA does not survive a fork.
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     args = parse_args(argv)
     name = "head" if args.head else (args.name or f"{os.uname().nodename}-{os.getpid()}")
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
