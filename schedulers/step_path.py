@@ -230,19 +230,23 @@ class StepPath:
 
     async def abort(self, step: int, tasks: Mapping[int, asyncio.Future[Any]]) -> None:
         job = self.job
-        async def abort(ref: ActorRef) -> None:
+        async def abort(ref: ActorRef) -> bool:
             try:
                 await ref.endpoint(StageActor.abort_step, timeout=5).call(step)
+                return True
             except ActorError as exc:
                 log.info("abort of %s: %s", ref.name, exc)
+                return False
 
         alive = await job.alive_nodes()
         reachable = [rank for rank, node in enumerate(job.nodes) if node in alive]
         for rank, node in enumerate(job.nodes):
             if node not in alive:  # told when (if) it comes back: see _check_members
                 job.fence(rank, step)
-        await asyncio.gather(*(abort(job.stages[rank]) for rank in reachable))
-        waiting = [tasks[rank] for rank in reachable if rank in tasks]
+        told = await asyncio.gather(*(abort(job.stages[rank]) for rank in reachable))
+        # A stage that did not take the abort (its process ended, or it holds its interpreter) will not
+        # end its step either: waiting for it only delays the error.
+        waiting = [tasks[rank] for rank, ok in zip(reachable, told) if ok and rank in tasks]
         if waiting:
             await asyncio.wait(waiting, timeout=5)
 
