@@ -228,14 +228,16 @@ class HeadActor(Actor):
             ValueError: the node did not say it hosts ``address``.
         """
         self._member(name)
+        if not all(isinstance(v, str) for v in (address, actor, how)):
+            raise ValueError("actor_lost takes the address, the actor's name and how it ended as strings")
         hosted = self._hosted.get(name, [])
         if address not in hosted:
             raise ValueError(f"node {name} hosts no actor process at {excerpt(address)}")
         hosted.remove(address)
-        log.warning("node %s: %s's process %s", name, excerpt(actor), excerpt(how))
-        self.runtime.mark_lost(address, ActorLost(
-            f"{excerpt(actor, 120)} on node {name}: its process {excerpt(how, 120)}",
-            details={"node": name, "actor": excerpt(actor, 120), "how": excerpt(how, 120)}))
+        actor, how = actor[:120], how[:120]
+        log.warning("node %s: %s's process %s", name, actor, how)
+        self.runtime.mark_lost(address, ActorLost(f"{actor} on node {name}: its process {how}",
+                                                  details={"node": name, "actor": actor, "how": how}))
 
     def _member(self, name: str) -> NodeInfo:
         node = self._nodes.get(name)

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from actors import ActorError, ActorRef, Event, Host, NodeLost, StepFailed
+from actors import ActorError, ActorRef, Event, Host, NodeLost, StageLost, StepFailed
 from stages import StageActor
 from schedulers import job_state, recovery
 from schedulers.checkpoint_paths import CheckpointPath
@@ -83,8 +83,9 @@ class JobController:
     async def step(self, inputs: Any = None, targets: Any = None) -> StepStats:
         """Runs one optimizer step on a global batch (or the job's data factory).
 
-        With ``max_restarts``, a node lost during the step (or before it) is replaced
-        (see :func:`schedulers.recovery.recover`) and the step runs again; the stats say so.
+        With ``max_restarts``, a node lost during the step (or before it) is replaced, and a
+        stage whose process ended is built again on its node (see
+        :func:`schedulers.recovery.recover`); the step runs again, and the stats say so.
 
         Raises:
             ValueError: a batch that does not split into the job's micro-batches.
@@ -99,7 +100,7 @@ class JobController:
                 try:
                     stats = await self._catch_up(goal)
                     break
-                except NodeLost as lost:
+                except (NodeLost, StageLost) as lost:
                     if not recovery.may_recover(job):
                         raise
                     self._recovery = await recovery.recover(job, lost)
@@ -127,7 +128,11 @@ class JobController:
         job = self.core
         for rank, ref in enumerate(job.stages):
             if (gone := job.runtime.lost(ref.address)) is not None:
-                raise stage_lost(job.mesh, rank, gone, job.id)
+                if not recovery.may_recover(job):
+                    raise stage_lost(job.mesh, rank, gone, job.id)
+                self._recovery = await recovery.recover(job, stage_lost(job.mesh, rank, gone))
+                await self._catch_up(job.steps_done)
+                return
         alive = await job.alive_nodes()
         recovery.stop_retired(job, alive)
         lost = [node for node in job.nodes if node not in alive]

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import time
 
-from actors import ActorRef, NodeLost
+from actors import ActorRef, NodeLost, StageLost
 from stages import Coords, StageActor
 
 from schedulers import job_state
@@ -28,8 +28,9 @@ def may_recover(job: JobCore) -> bool:
     return job.placer is not None and job.restarts < job.spec.fault_tolerance.max_restarts
 
 
-async def recover(job: JobCore, cause: NodeLost) -> Recovery:
-    """Replaces the job's lost stages on free nodes and rolls every stage back to the newest
+async def recover(job: JobCore, cause: NodeLost | StageLost) -> Recovery:
+    """Replaces the job's lost stages on free nodes (a stage whose own process ended, on its node,
+    which is still alive) and rolls every stage back to the newest
     snapshot they all have (or, when no copy of a lost rank survived, to the job's newest
     checkpoint); the caller then replays the steps since (see :meth:`~schedulers.control.JobController.step`).
 
@@ -45,12 +46,15 @@ async def recover(job: JobCore, cause: NodeLost) -> Recovery:
     job.restarting()
     alive = await job.alive_nodes()
     size = job.mesh.size
-    lost = [rank for rank, node in enumerate(job.nodes) if node not in alive]
+    # A stage whose process ended (its node said so) on a node still alive is built again there.
+    ended = [rank for rank, ref in enumerate(job.stages)
+             if job.nodes[rank] in alive and job.runtime.lost(ref.address) is not None]
+    lost = sorted({rank for rank, node in enumerate(job.nodes) if node not in alive} | set(ended))
     survivors = [rank for rank in range(size) if rank not in lost]
 
-    def unrecoverable(why: str) -> NodeLost:
-        return NodeLost(f"{job.id} cannot recover from {cause.message.splitlines()[0]}: {why}",
-                        details={**cause.details, "node": cause.node})
+    def unrecoverable(why: str) -> NodeLost | StageLost:
+        return type(cause)(f"{job.id} cannot recover from {cause.message.splitlines()[0]}: {why}",
+                           details={**cause.details, "node": cause.node})
 
     # Whatever a survivor still runs (one that was cut off and came back included) stops first.
     await asyncio.gather(*(job.stages[r].endpoint(StageActor.abort_step, timeout=5).call(job.next_step - 1)
@@ -84,10 +88,12 @@ async def recover(job: JobCore, cause: NodeLost) -> Recovery:
                             f"{checkpoint[0].directory} (step {checkpoint[1]}) are no longer kept{zero}")
     target = max(usable) if usable else checkpoint[1] if checkpoint is not None else 0
     assert job.placer is not None
+    homeless = [rank for rank in lost if rank not in ended]
     try:
-        chosen = await job.placer.free_nodes(len(lost), set(job.nodes))
+        free = iter(await job.placer.free_nodes(len(homeless), set(job.nodes)) if homeless else [])
     except ValueError as exc:
         raise unrecoverable(str(exc)) from None
+    chosen = [(job.nodes[rank], "") if rank in ended else next(free) for rank in lost]
     moved = {job.nodes[rank]: node for rank, (node, _) in zip(lost, chosen)}
     for rank, (node, identity) in zip(lost, chosen):
         job.moved(rank, node, identity)

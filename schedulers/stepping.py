@@ -68,7 +68,7 @@ def stage_lost(mesh: Mesh, rank: int, lost: ActorError, job: str = "") -> StageL
     head = f"{job} cannot go on: " if job else "step failed: "
     return StageLost(f"{head}{mesh.describe(rank)}'s process {how} (the job's own code, on node "
                      f"{lost.details.get('node', '?')}); the node and other jobs go on: close this job and "
-                     "create it again, from a checkpoint",
+                     "create it again, from a checkpoint (with max_restarts a job rebuilds such a stage itself)",
                      details={"stage": coords.pipeline, "member": rank, "tensor": coords.tensor, "data": coords.data,
                               "action": None, "cause": f"process {how}", "node": lost.details.get("node", "")})
 

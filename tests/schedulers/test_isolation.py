@@ -12,6 +12,7 @@ and its node reports how it ended.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -25,6 +26,7 @@ import torch
 from actors import NODE, ActorLost, Cluster, LocalCluster, NodeActor, StageLost, StepFailed
 from actors.cluster import Cluster as BaseCluster
 from tests.helpers.clients import TwoClients
+from tests.helpers.user_code import node_marker
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(240),
               pytest.mark.asyncio(loop_scope="module")]
@@ -116,6 +118,33 @@ async def test_a_stage_whose_process_ends_fails_its_job_only(cluster: Cluster, l
         finally:
             await job.close()
         assert await hosted(cluster) == {"node0": {}, "node1": {}}
+
+
+async def test_with_restarts_a_stage_whose_process_ended_is_built_again_on_its_node(cluster: Cluster) -> None:
+    nodes = [proc.pid for name, proc in CLIENTS.local.processes.items() if name != "head"]
+    markers = [node_marker(kind, pid) for kind in ("armed", "fired") for pid in nodes]
+    (x, y), (x2, y2) = batch(), batch()
+    async with connect(cluster, "alice") as alice:
+        job = await alice.train(**MODEL, loss=f"{USER}:ending_once_loss", max_restarts=1)
+        reference = await alice.train(**MODEL, loss="torch.nn.functional:mse_loss")
+        try:
+            assert (await job.step(x, y)).loss == (await reference.step(x, y)).loss
+            for marker in markers[:len(nodes)]:
+                open(marker, "w").close()
+            # The last stage's process ends in its loss; it is built again on its node from the snapshot
+            # its neighbour kept, and the step runs again.
+            stats = await job.step(x2, y2)
+            assert stats.recovery is not None and stats.recovery.moved == {job.nodes[1]: job.nodes[1]}
+            assert stats.recovery.from_step == 1 and stats.recovery.replayed == 0
+            assert stats.loss == (await reference.step(x2, y2)).loss
+            got, expected = await job.state_dict(), await reference.state_dict()
+            assert all(torch.equal(got[key], value) for key, value in expected.items())
+        finally:
+            await job.close()
+            await reference.close()
+            for marker in markers:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(marker)
 
 
 async def test_a_stage_that_holds_the_interpreter_does_not_stop_its_node(cluster: Cluster) -> None:
