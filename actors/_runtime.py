@@ -110,7 +110,7 @@ class Runtime:
         self._mailbox_tasks: dict[str, asyncio.Task[None]] = {}
         self._senders = SenderPool(self._open_sender, sender_pool, spawn_task=self.spawn_task)
         self._pending: dict[int, tuple[asyncio.Future[Any], str]] = {}
-        self._lost: dict[str, ActorError] = {}  # addresses whose process ended: calls fail at once
+        self._lost = _LostAddresses()  # addresses whose process ended: calls fail at once
         self._ids = itertools.count(1)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
@@ -234,15 +234,12 @@ class Runtime:
     def mark_lost(self, address: str, error: ActorError) -> None:
         """The process at ``address`` ended for good (its node saw it go): its pending calls fail with
         ``error``, and so does every later call to it, at once instead of at its timeout."""
-        self._lost[address] = error
-        while len(self._lost) > MAX_LOST_ADDRESSES:
-            del self._lost[next(iter(self._lost))]
+        self._lost.mark(address, error)
         self.fail_calls_to(address, error)
 
     def lost(self, address: str) -> ActorError | None:
         """Why the process at ``address`` ended, when its node said so (:meth:`mark_lost`); else None."""
-        error = self._lost.get(address)
-        return None if error is None else type(error)(error.message, details=dict(error.details))
+        return self._lost.get(address)
 
     def _refuse_lost(self, address: str) -> None:
         error = self.lost(address)
@@ -411,6 +408,23 @@ class Runtime:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+
+class _LostAddresses:
+    """The addresses whose process ended, with why: the newest :data:`MAX_LOST_ADDRESSES` of them."""
+
+    def __init__(self) -> None:
+        self._errors: dict[str, ActorError] = {}
+
+    def mark(self, address: str, error: ActorError) -> None:
+        self._errors[address] = error
+        while len(self._errors) > MAX_LOST_ADDRESSES:
+            del self._errors[next(iter(self._errors))]
+
+    def get(self, address: str) -> ActorError | None:
+        """A fresh copy of the error (each raise gets its own traceback), or None."""
+        error = self._errors.get(address)
+        return None if error is None else type(error)(error.message, details=dict(error.details))
 
 
 def _request(

@@ -11,6 +11,7 @@ import pytest
 
 from actors import (
     HEAD,
+    ActorLost,
     BadArguments,
     Event,
     EventSink,
@@ -19,6 +20,7 @@ from actors import (
     NodeJoined,
     NodeLeft,
     NodeSilent,
+    NotAllowed,
     RemoteError,
     Runtime,
     open_runtime,
@@ -120,3 +122,25 @@ async def test_a_worker_started_before_its_head_waits_for_the_address_file(tmp_p
         await _read_join_file(str(tmp_path / "never"), 0.05, stop)
     stop.set()
     assert await _read_join_file(str(tmp_path / "never"), 60, stop) == ""  # stopped while waiting
+
+
+async def test_a_node_reports_the_actor_processes_it_hosts_and_the_head_fails_calls_to_an_ended_one() -> None:
+    async with open_runtime("ipc://") as server, open_runtime("tcp://127.0.0.1:0") as client:
+        await server.spawn(HeadActor(heartbeat_interval=5, heartbeat_timeout=60), HEAD)
+        head = client.ref(server.address, HEAD)
+        await head.endpoint(HeadActor.register, timeout=5).call(WORKER)
+        stage = "tcp://127.0.0.1:2"
+        await head.endpoint(HeadActor.hosting, timeout=5).call("node0", [stage])
+        lost = head.endpoint(HeadActor.actor_lost, timeout=5)
+        with pytest.raises(RemoteError, match="node node0 hosts no actor process at"):
+            await lost.call("node0", "tcp://127.0.0.1:3", "job0.rank1", "exited with code 7")
+        with pytest.raises(NotAllowed, match="no live node 'node1' registered with this key"):
+            await lost.call("node1", stage, "job0.rank1", "exited with code 7")
+        with pytest.raises(RemoteError, match="a list of at most 4096 addresses"):
+            await head.endpoint(HeadActor.hosting, timeout=5).call("node0", ["x"] * 4097)
+        assert server.lost(stage) is None
+        await lost.call("node0", stage, "job0.rank1", "killed by SIGSEGV")
+        gone = server.lost(stage)
+        assert isinstance(gone, ActorLost) and gone.message == "job0.rank1 on node node0: its process killed by SIGSEGV"
+        with pytest.raises(ActorLost):  # the head's own calls to it fail at once from now on
+            await server.ref(stage, "job0.rank1").ask("anything", timeout=60)

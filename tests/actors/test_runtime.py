@@ -15,6 +15,7 @@ import zmq.asyncio
 
 from actors import (
     Actor,
+    ActorLost,
     ActorRef,
     ActorStopped,
     ActorTimeout,
@@ -365,3 +366,23 @@ async def test_a_jobs_sys_exit_fails_the_call_and_the_runtime_keeps_serving(runt
         await server.spawn(Exiting(exit_at_start=True), "exiting-at-start")
     _, counter = await spawn_counter(server, client)
     assert await counter.endpoint(Counter.add, timeout=10).call(3) == 3  # the runtime goes on
+
+
+async def test_calls_to_an_address_marked_lost_fail_at_once_pending_and_later(runtimes: tuple[Runtime, Runtime]) -> None:
+    # What the head does when a node says one of its actor processes ended (actors._processes).
+    server, client = runtimes
+    counter, ref = await spawn_counter(server, client)
+    pending = asyncio.ensure_future(ref.ask("wait_gate"))
+    await asyncio.wait_for(counter.entered.wait(), 30)
+    client.mark_lost(server.address, ActorLost("counter on node n0: its process killed by SIGSEGV",
+                                               details={"node": "n0"}))
+    with pytest.raises(ActorLost, match="killed by SIGSEGV"):
+        await asyncio.wait_for(pending, 30)
+    for call in (ref.ask("add", 1), ref.tell("add", 1)):
+        with pytest.raises(ActorLost, match="killed by SIGSEGV") as later:
+            await call
+        assert later.value.details == {"node": "n0"}
+    assert client.lost(server.address) is not None and client.lost(client.address) is None
+    local = server.ref(server.address, "counter")  # the server itself goes on
+    await local.ask("open_gate")
+    assert await local.ask("add", 1) == 1
