@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from actors._actor import Actor, current_caller, endpoint, sees_all
+from actors._context import NodeContext
 from actors._errors import ActorError, ActorLost, NodeLost, NotAllowed, RemoteError, contained
 from actors._registry import actor_class, load_object, registered_actors
 from actors._subscribers import EventSink, Subscribers
@@ -108,19 +109,6 @@ class NodeDescription(WireRecord):
     allow: list[str] | None = None
     working_directory: str | None = None
     processes: dict[str, int] | None = None
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class NodeContext:
-    """What an actor spawned on a node may know of it: its device and (live) allow-list."""
-
-    name: str
-    device: str
-    allow_list: list[str]  # the node agent's own list: admissions show up here
-
-    @property
-    def allow(self) -> tuple[str, ...]:
-        return tuple(self.allow_list)
 
 
 def _import_failure(node: str, exc: Exception, reveal: bool) -> Exception:

@@ -233,7 +233,7 @@ def _split_frames(data: bytes) -> list[bytes]:
 
 
 async def _host(sock: socket.socket, config: HostConfig) -> int:
-    from actors._nodes import NodeContext
+    from actors._context import NodeContext
     from actors._registry import actor_class
     from actors._runtime import open_runtime
     from actors.plugins import load_plugin
