@@ -342,8 +342,14 @@ class NodeActor(Actor):
         await self.runtime.stop_actor(actor_name)
 
     async def tell_head_hosting(self) -> None:
-        if self.head is not None and self._processes is not None:
+        """Tells the head the addresses of the processes this node hosts actors in (best effort: a head
+        that does not hear it only fails calls to them at their timeout, should this node be lost)."""
+        if self.head is None or self._processes is None:
+            return
+        try:
             await self.head.endpoint(HeadActor.hosting, timeout=10).call(self.info.name, self._processes.addresses())
+        except ActorError as exc:
+            log.warning("could not tell the head which actor processes this node hosts: %s", exc)
 
     def _lost(self, actor: str, address: str, how: str) -> None:
         """A hosted actor's process ended untold: the head fails every call to it at once."""

@@ -340,10 +340,16 @@ class ActorProcesses:
         self._pids[call_id] = waiting
         try:
             socket.send_fds(self._channel, [msgpack.packb({"op": "spawn", "id": call_id})], [theirs.fileno()])
-        finally:
             theirs.close()
-        try:
             pid = await waiting
+        except OSError as exc:  # the zygote is gone
+            theirs.close()
+            ours.close()
+            raise ActorLost(f"this node cannot start {name}: its process launcher is gone ({exc})") from None
+        except BaseException:
+            theirs.close()
+            ours.close()  # a child forked meanwhile reads no request, and ends
+            raise
         finally:
             self._pids.pop(call_id, None)
         hosted = _Hosted(name=name, pid=pid)
