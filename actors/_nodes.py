@@ -320,7 +320,7 @@ class NodeActor(Actor):
     @endpoint(concurrent=True, roles=("head",))
     async def spawn(self, class_name: str, actor_name: str, kwargs: dict[str, Any]) -> list[str]:
         """Builds actor ``class_name`` (from the registry) as ``actor_name``; returns its ref."""
-        cls = actor_class(class_name)
+        cls = actor_class(class_name)  # an unknown class is refused here, before any process starts
         if self._processes is not None:
             address = await self._processes.spawn(class_name, actor_name, kwargs, self.allow,
                                                   max_message_bytes=self._max_message_bytes)

@@ -39,7 +39,12 @@ from typing import Any
 
 import msgpack
 
+from actors._context import NodeContext
 from actors._errors import ActorLost, UnknownActor, error_from_wire, error_to_wire
+from actors._registry import actor_class
+from actors._runtime import open_runtime
+from actors.plugins import load_plugin
+from transport.loop import run
 from transport.wire import decode_message, encode_message
 
 __all__ = ["ActorProcesses", "HostConfig", "describe_exit", "start_zygote"]
@@ -194,8 +199,6 @@ def _hosted_process(fd: int, config: HostConfig) -> None:
         _die_with_parent()
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        from transport.loop import run
-
         code = run(_host(socket.socket(fileno=fd), config))
     except BaseException:  # noqa: BLE001  (a job's code gone wrong: this process ends, nothing else)
         log.exception("a hosted actor's process failed")
@@ -233,11 +236,6 @@ def _split_frames(data: bytes) -> list[bytes]:
 
 
 async def _host(sock: socket.socket, config: HostConfig) -> int:
-    from actors._context import NodeContext
-    from actors._registry import actor_class
-    from actors._runtime import open_runtime
-    from actors.plugins import load_plugin
-
     reader, writer = await asyncio.open_connection(sock=sock)
     request = await _read_frame(reader)
     if request is None:

@@ -189,7 +189,7 @@ class Runtime:
         """Calls ``ref.method(*args, **kwargs)`` and returns its result (see ActorRef.ask)."""
         if self._closed:
             raise ActorStopped(f"runtime at {self.address} is closed")
-        self._refuse_lost(ref.address)
+        self._lost.refuse(ref.address)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         call_id = next(self._ids)
         self._pending[call_id] = (future, ref.address)
@@ -219,17 +219,15 @@ class Runtime:
             except ActorError as exc:
                 log.warning("tell %s.%s: %s", ref.name, method, exc)
             return 0
-        self._refuse_lost(ref.address)
+        self._lost.refuse(ref.address)
         return await self._send(ref.address, _request(None, ref.name, method, args, kwargs, None))
 
     def fail_calls_to(self, address: str, error: ActorError) -> int:
         """Fails every pending call to the runtime at ``address`` (it was lost); returns how many."""
-        failed = 0
-        for future, target in list(self._pending.values()):
-            if target == address and not future.done():
-                future.set_exception(error)
-                failed += 1
-        return failed
+        waiting = [future for future, target in self._pending.values() if target == address and not future.done()]
+        for future in waiting:
+            future.set_exception(error)
+        return len(waiting)
 
     def mark_lost(self, address: str, error: ActorError) -> None:
         """The process at ``address`` ended for good (its node saw it go): its pending calls fail with
@@ -240,11 +238,6 @@ class Runtime:
     def lost(self, address: str) -> ActorError | None:
         """Why the process at ``address`` ended, when its node said so (:meth:`mark_lost`); else None."""
         return self._lost.get(address)
-
-    def _refuse_lost(self, address: str) -> None:
-        error = self.lost(address)
-        if error is not None:
-            raise error
 
     def caller_address(self) -> str:
         """The address of the runtime that made the call being served, checked to be the caller's own
@@ -425,6 +418,11 @@ class _LostAddresses:
         """A fresh copy of the error (each raise gets its own traceback), or None."""
         error = self._errors.get(address)
         return None if error is None else type(error)(error.message, details=dict(error.details))
+
+    def refuse(self, address: str) -> None:
+        """Raises why ``address``'s process ended, if it did."""
+        if (error := self.get(address)) is not None:
+            raise error
 
 
 def _request(

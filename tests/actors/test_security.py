@@ -345,6 +345,35 @@ async def test_clients_cannot_register_nodes_spawn_actors_or_shut_nodes_down(clu
     assert {n.name for n in await cluster.nodes() if n.alive} == {"node0", "node1"}
 
 
+async def test_only_a_node_itself_reports_the_actor_processes_it_hosts_and_their_end(cluster: Cluster) -> None:
+    # The head fails every call to an address a node says its actor process at ended: a client, or
+    # another node's key, could otherwise cut a job off from its stages.
+    job = await cluster.train(**MODEL)
+    try:
+        await job.step(*batch())
+        host = next(n for n in await cluster.nodes() if n.name == job.nodes[1])
+        assert f"{job.id}.rank1" in (await cluster.node_ref(host).ask("describe")).processes
+        async with Cluster.connect(cluster.head.address, keys=keys().directory, identity="alice") as alice:
+            head = alice.runtime.ref(cluster.head.address, HEAD)
+            with pytest.raises(NotAllowed, match="may not call HeadActor.actor_lost"):
+                await head.endpoint(HeadActor.actor_lost, timeout=10).call(job.nodes[1], "x", "y", "z")
+            with pytest.raises(NotAllowed, match="may not call HeadActor.hosting"):
+                await head.endpoint(HeadActor.hosting, timeout=10).call(job.nodes[1], [])
+            agent = alice.runtime.ref(host.address, NODE)
+            with pytest.raises(NotAllowed, match="may not call NodeActor.stop_actor"):
+                await agent.endpoint(NodeActor.stop_actor, timeout=10).call(f"{job.id}.rank1")
+        other = job.nodes[0]
+        async with Cluster.connect(cluster.head.address, keys=keys().directory, identity=other) as node:
+            head = node.runtime.ref(cluster.head.address, HEAD)
+            with pytest.raises(NotAllowed, match=f"no live node '{job.nodes[1]}' registered with this key"):
+                await head.endpoint(HeadActor.hosting, timeout=10).call(job.nodes[1], [])
+            with pytest.raises(NotAllowed, match=f"no live node '{job.nodes[1]}' registered with this key"):
+                await head.endpoint(HeadActor.actor_lost, timeout=10).call(job.nodes[1], "x", "y", "z")
+        assert (await job.step(*batch())).loss > 0  # nothing was cut off
+    finally:
+        await job.close()
+
+
 async def test_forged_deliveries_are_refused_and_counted(cluster: Cluster) -> None:
     job = await cluster.train(**MODEL)
     try:
