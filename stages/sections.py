@@ -30,6 +30,7 @@ from stages.spec_checks import (
     show,
 )
 from stages.mesh import Mesh
+from stages.state.state_precision import STATE_PRECISIONS, StatePrecision, adam_arguments
 
 __all__ = [
     "AUTO_PROBE",
@@ -225,6 +226,8 @@ class Optimization(_Section):
     """clip the global gradient norm (every stage, tensor shard and replica, as `clip_grad_norm_` on one process) to this; 0 is off. `StepStats.grad_norm` reports the norm either way"""
     zero_stage: int = 0
     """ZeRO: 1 shards optimizer state across data-parallel replicas (each steps its shard, then the parameters are broadcast; with `data_parallel=1` nothing changes); 0 is off; 2 and 3 are refused with pipeline stages"""
+    optimizer_states: StatePrecision = "fp32"
+    """how Adam's two moments are held: `fp32` (torch's own optimizer, exact); `bf16`, `int8` or `int4` keep them in 2, 1 or 1/2 byte per parameter, block-wise with stochastic rounding (`stages.state.quantized_adam`), for `torch.optim:Adam` or `AdamW`; checkpoints store them as float32, readable at any precision"""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "optimizer", path_and_kwargs(self.key("optimizer"), self.optimizer))
@@ -232,6 +235,12 @@ class Optimization(_Section):
             object.__setattr__(self, "lr_scheduler", path_and_kwargs(self.key("lr_scheduler"), self.lr_scheduler))
         check_number(self.key("gradient_clipping"), self.gradient_clipping)
         check_int(self.key("zero_stage"), self.zero_stage, minimum=0, maximum=3)
+        check_choice(self.key("optimizer_states"), self.optimizer_states, STATE_PRECISIONS)
+        if self.optimizer_states != "fp32":
+            try:
+                adam_arguments(self.optimizer[0], self.optimizer[1], self.optimizer_states)
+            except ValueError as e:
+                raise ValueError(f"{self.key('optimizer_states')}: {e}") from None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -322,7 +331,7 @@ class Communication(_Section):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Runtime(_Section):
-    """How each stage process computes and holds memory; none of these changes a result."""
+    """How each stage process computes and holds memory; none of these changes a result but a lossy `stash_codec`."""
 
     name: ClassVar[str] = "runtime"
 
@@ -332,6 +341,8 @@ class Runtime(_Section):
     """as in Megatron: exact `nn.Linear` weight gradients accumulate into `.grad` with one GEMM, and a backward whose input gradient leaves the rank runs as `I` (sent at once) then `W`; off: plain autograd"""
     activation_checkpointing: bool | int = False
     """recompute activations in backward instead of keeping them: `True` checkpoints every layer (each keeps only its input), `N` each run of N layers of a stage (DeepSpeed's `activation_checkpoint_interval`; a traced stage is one run); exact, for about one more forward per micro-batch"""
+    stash_codec: CodecName = "none"
+    """hold what autograd saves for backward encoded with this wire codec (`bf16`: 2 bytes a value; `int8`, `fp8`: about 1, block-scaled; `int4`: about 1/2), decoded when backward needs it, and let go of the stage's own boundary inputs and outputs, which backward needs only as places in the graph (`peak_stash_bytes` shows the saving). Lossy: each saved value is off by at most the codec's error (int8: its block's absmax / 254). Floating-point tensors of 1024 elements or more; never parameters, buffers or the batch. Composes with `activation_checkpointing`: each segment's input is held encoded. `none`: as they are, exact"""
     keep_freed_memory: bool = True
     """stage processes set glibc's malloc to keep freed buffers instead of page-faulting them in again every micro-batch"""
 
@@ -342,6 +353,7 @@ class Runtime(_Section):
             check_bool(self.key(name), getattr(self, name))
         if not isinstance(self.activation_checkpointing, bool):
             check_int(self.key("activation_checkpointing"), self.activation_checkpointing, minimum=1)
+        check_choice(self.key("stash_codec"), self.stash_codec, CODECS, "codec")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -63,6 +63,9 @@ _REFUSED_OPTIMIZERS = {
     "lbfgs": ("L-BFGS re-evaluates the loss in a closure at every step, which a pipeline step cannot do; "
               "use AdamW or SGD"),
 }
+# Adam with 8- or 4-bit moments as bitsandbytes and torchao name it: (DeepSpeed's type, optimizer_states).
+_LOW_BIT = {"adam8bit": ("adam", "int8"), "adamw8bit": ("adamw", "int8"),
+            "adam4bit": ("adam", "int4"), "adamw4bit": ("adamw", "int4")}
 # Keys of DeepSpeed's Adam (FusedAdam, DeepSpeedCPUAdam) that torch's Adam and AdamW do not take.
 _ADAM_KEYS = ("adam_w_mode", "torch_adam", "bias_correction", "set_grad_none", "fp32_optimizer_states")
 # What the Hugging Face Trainer fills "auto" optimizer params with when given no arguments.
@@ -138,6 +141,10 @@ def _optimizer_path(t: Translation, kind: str, params: dict[str, Any]) -> str | 
         return None
     if name in ("adam", "adamw"):
         return _adam(t, name, params)
+    if name in _LOW_BIT:  # bitsandbytes' and torchao's names: Adam with its moments in fewer bits
+        base, states = _LOW_BIT[name]
+        t.set("optimizer_states", states, "optimizer.type")
+        return _adam(t, base, params)
     if name in OPTIMIZERS:
         path = OPTIMIZERS[name]
         if path.startswith("mup:"):
@@ -165,8 +172,8 @@ def _adam(t: Translation, name: str, params: dict[str, Any]) -> str | None:
             "false is not available: torch's Adam and AdamW always correct the moments' bias; leave it out"))
     if given.get("set_grad_none") is False:
         t.notice("optimizer.params.set_grad_none", "no effect here: each stage sets its gradients to None after a step")
-    if given.get("fp32_optimizer_states") is False:
-        t.notice("optimizer.params.fp32_optimizer_states", "no effect here: optimizer state is kept in float32")
+    if given.get("fp32_optimizer_states") is False:  # DeepSpeed's CPU Adam then keeps the moments as the weights
+        t.set("optimizer_states", "bf16", "optimizer.params.fp32_optimizer_states")
     # torch_adam: DeepSpeed's switch from its fused kernel to torch's, which is what runs here either way.
     if name == "adam" and given.get("adam_w_mode") is False:
         return "torch.optim:Adam"  # L2 weight decay added to the gradient, as DeepSpeed's adam_w_mode=false

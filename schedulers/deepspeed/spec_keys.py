@@ -30,6 +30,7 @@ from schedulers.deepspeed.checks import (
     seconds,
     show,
 )
+from stages.state.state_precision import STATE_PRECISIONS
 from schedulers.jobs import CODECS, FIELDS, NONFINITE_ACTIONS, PRECISIONS, SCHEDULE_NAMES, SECTIONS, TRANSPORTS
 
 __all__ = ["FORMER", "SHARED", "sectioned", "translate_spec_keys"]
@@ -64,6 +65,7 @@ _FIELD_CHECKS: dict[str, Check] = {
     "schedule": choice(SCHEDULE_NAMES), "partition_method": partition_method, "split_points": _optional(names),
     "activation_codec": codec, "gradient_codec": codec, "reduce_codec": choice(CODECS),
     "transport": choice(TRANSPORTS), "precision": choice(PRECISIONS), "on_nonfinite": choice(NONFINITE_ACTIONS),
+    "optimizer_states": choice(STATE_PRECISIONS),
     **dict.fromkeys(("error_feedback", "measure_codec_error", "overlap_reduce", "w_batching",
                      "gradient_accumulation_fusion", "keep_freed_memory"), boolean),
     "step_timeout_s": seconds,

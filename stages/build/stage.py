@@ -36,6 +36,7 @@ from stages.compute.inline import INLINE_MAX_S
 from stages.mesh import Coords
 from stages.program import stage_to_rank
 from stages.records import StageConfig
+from stages.state import quantized_adam
 from stages.state.lr_scheduler import build_scheduler
 from stages.state.stage_checkpoint import layer_key
 
@@ -169,7 +170,11 @@ def build_stage(config: StageConfig, allow: Sequence[str], device: torch.device,
             _wgrad.install(module, weight_grads)
     # A parameter two held layers share is one tensor: the optimizer takes it once.
     params = list({id(p): p for module in modules.values() for p in module.parameters()}.values())
-    optimizer = _build_optimizer(cfg, allow, params, groups)
+    # A tied parameter's name is the least of its names: every rank holding it names it alike.
+    param_names: dict[int, str] = {}
+    for name, p in named:
+        param_names[id(p)] = min(param_names.get(id(p), name), name, *aliases.get(name, []))
+    optimizer = _build_optimizer(cfg, allow, params, groups, param_names)
     scheduler = build_scheduler(cfg.optimization.lr_scheduler, optimizer, allow) if cfg.optimization.lr_scheduler is not None else None
     data = None
     if cfg.training.data is not None and (0 in cfg.stages or cfg.num_stages - 1 in cfg.stages):
@@ -188,7 +193,7 @@ def build_stage(config: StageConfig, allow: Sequence[str], device: torch.device,
     model = StageModel(modules=modules, num_stages=cfg.num_stages, loss_fn=load_object(cfg.training.loss, allow),
                        optimizer=optimizer, device=device, weight_grads=weight_grads, w_batching=cfg.parallelism.w_batching,
                        compute_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.mixed_precision.precision),
-                       lr_scheduler=scheduler,
+                       lr_scheduler=scheduler, stash_codec=cfg.runtime.stash_codec,
                        # Tensor-parallel layers wait for their peers inside an action: on the thread.
                        inline_max_s=0.0 if mesh.tensor > 1 else INLINE_MAX_S)
     return BuiltStage(model=model, held=held, key=key, named_parameters=named, aliases=aliases, specs=specs,
@@ -218,9 +223,12 @@ def _build_modules(cfg: StageConfig, allow: Sequence[str], device: torch.device,
 
 
 def _build_optimizer(cfg: StageConfig, allow: Sequence[str], params: Sequence[torch.Tensor],
-                     groups: StageGroups | None) -> torch.optim.Optimizer:
+                     groups: StageGroups | None, names: Mapping[int, str]) -> torch.optim.Optimizer:
     optimizer_cls = load_object(cfg.optimization.optimizer[0], allow)
     optimizer_kwargs = dict(cfg.optimization.optimizer[1] if len(cfg.optimization.optimizer) > 1 else {})
+    if cfg.optimization.optimizer_states != "fp32":  # Adam's moments in fewer bits
+        optimizer_cls, optimizer_kwargs = quantized_adam.replacing(
+            cfg.optimization.optimizer[0], optimizer_kwargs, cfg.optimization.optimizer_states, names)
     mesh = cfg.mesh
     if cfg.optimization.zero_stage == 1 and mesh.data > 1:  # with one replica there is nothing to shard
         assert groups is not None, "ZeRO-1 across replicas needs the job's process groups"

@@ -22,6 +22,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from stages.state import lr_scheduler as _lr_scheduler
 from stages.comm.device_io import DeviceIO, copy_to_cpu
+from stages.state.quantized_adam import checkpoint_state, encode_loaded
 from stages.state.checkpoint import CheckpointError, Manifest, TensorEntry, check_staging, dtype_name, read_entry, write_tensors
 from stages.build.tensor_parallel import ShardSpec, shard_tensor
 
@@ -76,7 +77,7 @@ def write_stage(
         (key(i, name), None, value, specs.get(key(i, name)))
         for i, layer in held.items() for name, value in layer.state_dict().items() if model]
     for whole, param in _named_parameters(held, key).items():
-        for name, value in optimizer.state.get(param, {}).items():
+        for name, value in checkpoint_state(optimizer, param).items():
             if value is None:
                 continue
             if not isinstance(value, torch.Tensor):
@@ -219,5 +220,6 @@ def apply_load(
         param = params[name]
         optimizer.state[param] = {name: value.to(param.device) if value.dim() else value
                                   for name, value in saved.items()}
+    encode_loaded(optimizer)  # quantized moments: stored as float32, held in their own precision
     if scheduler is not None and prepared.lr_scheduler is not None:  # it sets the groups' current rates
         _lr_scheduler.load_state(scheduler, prepared.lr_scheduler)

@@ -197,3 +197,35 @@ async def test_zero1_with_mixed_precision_and_clipping_keeps_the_bits(cluster: C
     assert_same(sharded_state, plain_state)
     assert [(s.loss, s.grad_norm, s.loss_scale, s.skipped) for s in sharded] == \
         [(s.loss, s.grad_norm, s.loss_scale, s.skipped) for s in plain]
+
+
+async def test_int8_moments_shard_to_the_same_bits_and_resume_exactly_from_a_checkpoint(cluster: Cluster,
+                                                                                        tmp_path: Path) -> None:
+    """Adam's moments in 8 bits (stages/state/quantized_adam.py): each parameter's rounding noise is seeded
+    by its name, so the sharded job rounds as the unsharded one; a checkpoint holds the moments as
+    float32 and loads back to the same codes, so a resumed job continues to the same bits."""
+    workload = {**MLP, "optimizer": ("torch.optim:AdamW", {"lr": 0.01, "weight_decay": 0.01})}
+    first, then = MLP["batches"](), MLP["batches"]()[:2]
+    runs = {}
+    for stage in (0, 1):
+        async with await start(cluster, workload, zero_stage=stage, optimizer_states="int8") as job:
+            await train(job, first)
+            if stage == 1:
+                await job.save(tmp_path / "ckpt")
+            stats = await train(job, then)
+            runs[stage] = (stats, await job.state_dict())
+    assert_same(runs[1][1], runs[0][1])
+    assert [s.loss for s in runs[1][0]] == [s.loss for s in runs[0][0]]
+    assert_halved(runs[1][0][-1].optimizer_state_bytes)
+    async with await start(cluster, workload, zero_stage=0, optimizer_states="fp32") as job:
+        await train(job, first)
+        fp32 = await train(job, then)
+        fp32_bytes = fp32[-1].optimizer_state_bytes
+    # A quarter of float32's moments, and a little for the block maxima and step counts.
+    assert all(0.25 * f < q <= 0.3 * f for q, f in zip(runs[0][0][-1].optimizer_state_bytes, fp32_bytes))
+    assert [s.loss for s in runs[0][0]] == pytest.approx([s.loss for s in fp32], rel=0.05)
+
+    async with await start(cluster, workload, zero_stage=0, optimizer_states="int8", seed=9) as job:
+        assert await job.load(tmp_path / "ckpt") == len(first)
+        await train(job, then)
+        assert_same(await job.state_dict(), runs[0][1])

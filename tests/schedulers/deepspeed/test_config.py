@@ -409,6 +409,24 @@ def test_optimizer_types_mean_what_they_mean_to_deepspeed(optimizer: dict[str, A
     assert translate({**MINIMAL, "optimizer": optimizer}).optimization.optimizer == expected
 
 
+@pytest.mark.parametrize(("optimizer", "expected"), [
+    ({"type": "AdamW8bit", "params": {"lr": 1e-3}}, ("torch.optim:AdamW", "int8")),
+    ({"type": "Adam8bit", "params": {"adam_w_mode": False}}, ("torch.optim:Adam", "int8")),
+    ({"type": "AdamW4bit"}, ("torch.optim:AdamW", "int4")),
+    ({"type": "Adam", "params": {"fp32_optimizer_states": False}}, ("torch.optim:AdamW", "bf16")),
+    ({"type": "Adam", "params": {"fp32_optimizer_states": True}}, ("torch.optim:AdamW", "fp32")),
+])
+def test_low_bit_adam_types_and_deepspeeds_state_dtype_hold_the_moments_in_fewer_bits(
+        optimizer: dict[str, Any], expected: tuple[str, str]) -> None:
+    optimization = translate({**MINIMAL, "optimizer": optimizer}).optimization
+    assert (optimization.optimizer[0], optimization.optimizer_states) == expected
+
+
+def test_a_low_bit_type_and_a_contrary_optimizer_states_are_a_problem() -> None:
+    with pytest.raises(ConfigError, match="optimizer_states"):
+        translate({**MINIMAL, "optimizer": {"type": "AdamW8bit"}, "optimizer_states": "int4"})
+
+
 @pytest.mark.parametrize(("kind", "why"), [
     ("Lamb", "torch has no LAMB optimizer"),
     ("OneBitAdam", "1-bit Adam compresses DeepSpeed's own gradient all-reduce"),

@@ -1,0 +1,300 @@
+"""Adam and AdamW with their two moments held in fewer bits: bf16, 8-bit or 4-bit, block-wise.
+
+fp32 Adam keeps 8 bytes of state per parameter, twice the parameter itself; held in
+8 bits the moments take 2 bytes and a little (4 bits: 1), which is what a stage of a
+model too large for one process needs most. A job selects it with
+``optimization.optimizer_states`` (``bf16``, ``int8``, ``int4``; ``fp32`` is torch's
+own Adam, exact), with ``torch.optim:Adam`` or ``AdamW`` as the optimizer.
+
+**Why not torchao.** torchao's ``AdamW8bit`` / ``AdamW4bit`` run on CPU with torch
+2.13, but only through ``torch.compile`` of every parameter shape: 28 s of compile in
+each stage process the first time on this 2-core machine (3 s with the cache warm),
+a C++ toolchain on every node, and state tensors of its own subclasses that the
+checkpoint and snapshot formats would each have to learn. The arithmetic is small,
+so it is written here in eager torch, and the state stays plain tensors.
+
+**The numbers.** Each moment is split into blocks of ``block`` consecutive elements; each
+block keeps its absolute maximum ``M`` (float32) and a code per element:
+
+- the first moment ``m`` (signed): ``code = q * sign(m) * sqrt(|m| / M)``, decoded
+  ``sign(code) * (code / q)**2 * M``, with ``q`` = 127 (int8) or 7 (int4);
+- the second moment ``v`` (never negative): ``code = q * (v / M) ** (1/4)``, decoded
+  ``(code / q)**4 * M``, with ``q`` = 255 (8-bit) or 15 (4-bit).
+
+The power maps (the square root for ``m``, its square root again for ``v``) give small
+values finer steps, as the dynamic maps of bitsandbytes and torchao do: the smallest
+``v`` an 8-bit code holds apart from 0 is ``M / 255**4``. Every code is rounded
+stochastically between its two neighbouring levels, with the probability that makes
+the decoded value unbiased: a moment that changes by less than a step each iteration
+(``v`` moves 0.1% a step with ``beta2 = 0.999``) still moves on average, instead of
+sticking where rounding to the nearest level would hold it. A ``v`` that is not 0 never
+rounds to 0 (its code is at least 1), so no element divides by ``eps`` alone. ``bf16``
+keeps both moments as bfloat16, rounded stochastically the same way.
+
+The noise comes from a generator seeded by the step and the parameter (by its name in
+the model: the same in every layout), so a step replayed from a snapshot (recovery) or a checkpoint computes the
+same codes again. Each step decodes one parameter's moments to float32, applies torch's
+Adam (or AdamW) update to them and the parameter, and encodes them again: the extra
+memory is two float32 copies of the largest parameter, for the moment.
+
+**Checkpoints** hold the moments decoded, as float32 ``exp_avg`` / ``exp_avg_sq`` of
+the parameter's shape (:func:`checkpoint_state`), so a checkpoint is one format for
+every state precision and every tensor-parallel layout; loading encodes them again
+(:func:`encode_loaded`), which gives back the same codes and block maxima exactly.
+Snapshots for recovery keep the codes as they are.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from stages.state.state_precision import adam_arguments
+
+__all__ = ["QuantizedAdam", "checkpoint_state", "decode", "encode", "encode_loaded", "noise_shape", "replacing"]
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+# (largest code, power of the map, signed) for each moment, by bits.
+_LEVELS = {8: {"exp_avg": (127, 2, True), "exp_avg_sq": (255, 4, False)},
+           4: {"exp_avg": (7, 2, True), "exp_avg_sq": (15, 4, False)}}
+_BITS = {"int8": 8, "int4": 4}
+DEFAULT_BLOCK = {"int8": 256, "int4": 128}
+# A value this close to a level (in steps) is on it: decoding then encoding gives the same code.
+_SNAP = 1e-4
+
+
+def _width(numel: int, block: int) -> int:
+    """Elements per block for a tensor of ``numel``: ``block``, or the tensor (rounded up to even) if smaller."""
+    return min(block, max(numel + numel % 2, 2))
+
+
+def noise_shape(x: torch.Tensor, block: int) -> tuple[int, int]:
+    """The shape of the noise :func:`encode` takes for a tensor like ``x``: blocks by block width."""
+    width = _width(x.numel(), block)
+    return (-(-x.numel() // width), width)
+
+
+def encode(x: torch.Tensor, bits: int, moment: str, block: int, noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The codes and block maxima of ``x`` (a moment: ``exp_avg`` or ``exp_avg_sq``), flat.
+
+    ``noise``: uniform in [0, 1), one per element of the zero-padded blocks (:func:`noise_shape`).
+    Codes: int8 (8 bits, ``exp_avg``), uint8 (8 bits, ``exp_avg_sq``), or uint8 two codes a
+    byte (4 bits; ``exp_avg``'s each + 8), over the padded blocks. Maxima: float32, one a block.
+    """
+    q, power, signed = _LEVELS[bits][moment]
+    count, width = noise_shape(x, block)
+    flat = x.reshape(-1).float()
+    if count * width != flat.numel():
+        flat = torch.nn.functional.pad(flat, (0, count * width - flat.numel()))
+    blocks = flat.view(count, width)
+    magnitude = blocks.abs()
+    top = magnitude.amax(dim=1, keepdim=True)
+    y = magnitude / top.clamp_min(torch.finfo(torch.float32).tiny)
+    level = y.pow(1.0 / power).mul_(q)
+    near = level.round()
+    level = torch.where((level - near).abs_() < _SNAP, near, level)
+    low = level.floor_().clamp_(max=q - 1)
+    # The chance of the upper level that makes the decoded value unbiased.
+    low_value, high_value = (low / q).pow_(power), ((low + 1) / q).pow_(power)
+    chance = ((y - low_value) / (high_value - low_value)).clamp_(0, 1)
+    codes = low + (noise.view_as(chance) < chance)
+    if signed:
+        codes = codes.copysign_(blocks)
+    else:
+        codes = torch.where((codes == 0) & (y > 0), torch.ones_like(codes), codes)  # v > 0 never decodes as 0
+    codes = codes.view(-1)
+    if bits == 8:
+        packed = codes.to(torch.int8 if signed else torch.uint8)
+    else:
+        nibbles = (codes + 8 if signed else codes).to(torch.uint8)
+        packed = nibbles[0::2] | (nibbles[1::2] << 4)
+    return packed, top.view(-1)
+
+
+def decode(codes: torch.Tensor, maxima: torch.Tensor, bits: int, moment: str, shape: torch.Size) -> torch.Tensor:
+    """The float32 moment of ``shape`` that :func:`encode` gave ``codes`` and ``maxima`` for."""
+    q, power, signed = _LEVELS[bits][moment]
+    if bits == 8:
+        values = codes.float()
+    else:
+        both = torch.stack((codes & 0x0F, codes >> 4), dim=1).view(-1).float()
+        values = both - 8 if signed else both
+    blocks = values.view(maxima.numel(), -1)
+    decoded = (blocks.abs() / q).pow_(power).mul_(maxima.unsqueeze(1))
+    if signed:
+        decoded = decoded.copysign_(blocks)
+    return decoded.view(-1)[:math.prod(shape)].reshape(shape)
+
+
+def _round_bf16(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """``x`` (float32) as bfloat16, rounded up or down with the chance that keeps it unbiased."""
+    bits = x.contiguous().view(torch.int32)
+    dither = torch.randint(0, 1 << 16, x.shape, generator=generator, device=x.device, dtype=torch.int32)
+    finite = torch.isfinite(x)
+    rounded = torch.where(finite, (bits + dither) & ~0xFFFF, bits)  # inf and NaN keep their bits
+    return rounded.view(torch.float32).to(torch.bfloat16)
+
+
+class QuantizedAdam(torch.optim.Optimizer):
+    """torch's Adam (``decoupled=False``) or AdamW, with ``exp_avg`` and ``exp_avg_sq`` in ``states``.
+
+    Args:
+        params, lr, betas, eps, weight_decay: as torch's ``Adam`` / ``AdamW`` take them.
+        decoupled: AdamW's decoupled weight decay (``p *= 1 - lr * weight_decay``); else
+            Adam's L2 term added to the gradient.
+        states: ``bf16``, ``int8`` or ``int4``.
+        block: elements per block of the 8- and 4-bit codes (default 256 for int8, 128 for int4).
+        seeds: a number per parameter (by ``id``) that seeds its rounding noise with the step:
+            a stage gives one from the parameter's name in the whole model, so that every
+            layout (pipeline stages, ZeRO shards) rounds a parameter alike and trains to the
+            same bits; a parameter without one uses its place in this optimizer.
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, *, decoupled: bool = False,
+                 states: str = "int8", block: int | None = None, seeds: Mapping[int, int] | None = None) -> None:
+        if states not in ("bf16", "int8", "int4"):
+            raise ValueError(f"states must be bf16, int8 or int4, got {states!r}")
+        if not 0.0 <= lr or not 0.0 <= eps or not 0.0 <= weight_decay:
+            raise ValueError(f"lr, eps and weight_decay must not be negative, got {lr}, {eps}, {weight_decay}")
+        if not all(0.0 <= b < 1.0 for b in betas) or len(betas) != 2:
+            raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
+        block = DEFAULT_BLOCK.get(states, 256) if block is None else block
+        if type(block) is not int or block < 2 or block % 2:
+            raise ValueError(f"block must be an even int >= 2, got {block!r}")
+        self.states = states
+        self.block = block
+        self._seeds = dict(seeds or {})
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
+                                  "decoupled": decoupled})
+
+    @property
+    def bits(self) -> int | None:
+        return _BITS.get(self.states)
+
+    def _index(self) -> dict[int, int]:
+        """Each parameter's seed: the one it was given, else its place in this optimizer."""
+        places = (p for group in self.param_groups for p in group["params"])
+        return {id(p): self._seeds.get(id(p), i) for i, p in enumerate(places)}
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        index = self._index()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("QuantizedAdam does not take sparse gradients")
+                self._step_one(p, group, beta1, beta2, index[id(p)])
+        return loss
+
+    def _step_one(self, p: torch.Tensor, group: Mapping[str, Any], beta1: float, beta2: float, seed: int) -> None:
+        state = self.state[p]
+        grad = p.grad.float()  # type: ignore[union-attr]
+        work = p.float() if p.dtype != torch.float32 else p
+        m, v = self._moments(p, state)
+        step = state["step"] = state.get("step", torch.tensor(0.0)) + 1
+        lr, weight_decay = group["lr"], group["weight_decay"]
+        if weight_decay:
+            if group["decoupled"]:
+                work.mul_(1 - lr * weight_decay)
+            else:
+                grad = grad.add(work, alpha=weight_decay)
+        m.lerp_(grad, 1 - beta1)
+        v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        count = float(step)
+        correction2 = math.sqrt(1 - beta2 ** count)
+        denominator = (v.sqrt() / correction2).add_(group["eps"])
+        work.addcdiv_(m, denominator, value=-lr / (1 - beta1 ** count))
+        if work is not p:
+            p.copy_(work)
+        self._store(p, state, m, v, int(count), seed)
+
+    def _moments(self, p: torch.Tensor, state: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both moments as float32 of ``p``'s shape (zeros at the first step)."""
+        if "exp_avg_codes" in state:
+            assert self.bits is not None
+            return tuple(decode(state[f"{name}_codes"], state[f"{name}_max"], self.bits, name, p.shape)  # type: ignore[return-value]
+                         for name in _MOMENTS)
+        if "exp_avg" in state:  # bf16 moments, or float32 ones a checkpoint gave back
+            return state["exp_avg"].float().clone(), state["exp_avg_sq"].float().clone()
+        zeros = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        return zeros, zeros.clone()
+
+    def _store(self, p: torch.Tensor, state: dict[str, Any], m: torch.Tensor, v: torch.Tensor, step: int,
+               seed: int) -> None:
+        for which, (name, value) in enumerate(zip(_MOMENTS, (m, v))):
+            generator = torch.Generator(device=p.device)
+            generator.manual_seed(((step * 1_000_003 + seed) * 2 + which) % (1 << 63))
+            state.pop(name, None)
+            if self.bits is None:
+                state[name] = _round_bf16(value, generator)
+                continue
+            noise = torch.rand(noise_shape(value, self.block), generator=generator, device=p.device)
+            state[f"{name}_codes"], state[f"{name}_max"] = encode(value, self.bits, name, self.block, noise)
+
+    def decoded(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``p``'s state with the moments as float32 of ``p``'s shape (empty before its first step)."""
+        state = self.state.get(p, {})
+        if not state:
+            return {}
+        m, v = self._moments(p, state)
+        return {"step": state["step"], "exp_avg": m, "exp_avg_sq": v}
+
+    def encode_loaded(self) -> None:
+        """Encodes moments a checkpoint loaded as float32 (:func:`checkpoint_state`) in this optimizer's
+        precision: the codes and maxima they were decoded from, exactly (bf16: the same bfloat16)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state.get(p)
+                if not state or "exp_avg" not in state or state["exp_avg"].dtype == torch.bfloat16 and self.bits is None:
+                    continue
+                m, v = state.pop("exp_avg").float(), state.pop("exp_avg_sq").float()
+                if self.bits is None:
+                    state["exp_avg"], state["exp_avg_sq"] = m.to(torch.bfloat16), v.to(torch.bfloat16)
+                    continue
+                for name, value in zip(_MOMENTS, (m, v)):
+                    # On a level already: an even chance keeps each value on its own level.
+                    even = torch.full(noise_shape(value, self.block), 0.5, device=p.device)
+                    state[f"{name}_codes"], state[f"{name}_max"] = encode(value, self.bits, name, self.block, even)
+
+
+def _base(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer that keeps the state (a ZeRO-sharded optimizer's inner one)."""
+    return getattr(optimizer, "inner", optimizer)
+
+
+def checkpoint_state(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict[str, Any]:
+    """``param``'s optimizer state as a checkpoint stores it: a :class:`QuantizedAdam`'s moments
+    decoded to float32 of the parameter's shape (so a checkpoint reads back into any state
+    precision and tensor-parallel layout), anything else as it is."""
+    base = _base(optimizer)
+    if isinstance(base, QuantizedAdam):
+        return base.decoded(param)
+    return dict(optimizer.state.get(param, {}))
+
+
+def encode_loaded(optimizer: torch.optim.Optimizer) -> None:
+    """After a checkpoint's state went into ``optimizer.state``: a :class:`QuantizedAdam` encodes it."""
+    base = _base(optimizer)
+    if isinstance(base, QuantizedAdam):
+        base.encode_loaded()
+
+
+def replacing(path: str, kwargs: Mapping[str, Any], states: str,
+              names: Mapping[int, str] | None = None) -> tuple[type[QuantizedAdam], dict[str, Any]]:
+    """:class:`QuantizedAdam` and its arguments in place of torch's ``Adam`` / ``AdamW`` (``path``,
+    ``kwargs``), holding the moments in ``states`` (see :func:`~stages.state.state_precision.adam_arguments`);
+    ``names``: each parameter's name in the whole model (by ``id``), its rounding noise's seed."""
+    seeds = {i: zlib.crc32(name.encode()) for i, name in (names or {}).items()}
+    return QuantizedAdam, {**adam_arguments(path, kwargs, states), "seeds": seeds}
