@@ -150,13 +150,13 @@ class JobSpec:
             raise ValueError("parallelism.w_batching runs the fused weight-gradient GEMMs together; it needs "
                              "gradient_accumulation_fusion=True")
         zero = self.optimization.zero_stage
-        if zero >= 2 and p.pipeline_stages > 1:
-            raise ValueError(f"optimization.zero_stage={zero} with pipeline_stages={p.pipeline_stages}: ZeRO-2 and "
-                             "ZeRO-3 partition gradients, and pipeline parallelism accumulates each micro-batch's "
-                             "gradients locally before the reduction (DeepSpeed refuses the same); use zero_stage=1")
-        if zero >= 2:
-            raise ValueError(f"optimization.zero_stage={zero} is not built yet; zero_stage=1 shards the optimizer "
-                             "state")
+        if zero >= 3:
+            raise ValueError(f"optimization.zero_stage={zero} is not built: a pipeline stage holds its parameters "
+                             "whole; zero_stage=2 shards gradients and optimizer state, 1 the optimizer state")
+        if zero == 2 and c.reduce_codec != "none":
+            raise ValueError(f"optimization.zero_stage=2 with reduce_codec={c.reduce_codec!r}: a lossy data-parallel "
+                             "reduction is not built for ZeRO-2's reduce-scatter yet; use reduce_codec='none', or "
+                             "zero_stage=1 (which reduces lossy gradients whole)")
 
     def check_schedule(self) -> None:
         """Compiles the spec's schedule once, for its own limits (e.g. interleaved needs ``micro_batches``

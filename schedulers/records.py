@@ -62,6 +62,9 @@ class StepStats(WireRecord):
         optimizer_state_bytes: per stage actor, the bytes of optimizer state it held when
             the step began (torch optimizers make theirs at their first step; with
             ``zero_stage=1``, each replica holds its shard: about 1/``data_parallel``).
+        gradient_bytes: per stage actor, the bytes of gradient memory it held when its
+            last optimizer step began (with ``zero_stage=2``, its shard's only).
+        parameter_bytes: per stage actor, the bytes of its parameters.
         busy_s: per stage actor, seconds spent computing.
         devices: per stage actor, the device it computes on (``cpu``, ``cuda:0``); empty
             in a record from before the field.
@@ -112,6 +115,8 @@ class StepStats(WireRecord):
     peak_stash_bytes: list[int] = field(default_factory=list)
     peak_rss_bytes: list[int] = field(default_factory=list)
     optimizer_state_bytes: list[int] = field(default_factory=list)
+    gradient_bytes: list[int] = field(default_factory=list)
+    parameter_bytes: list[int] = field(default_factory=list)
     busy_s: list[float] = field(default_factory=list)
     devices: list[str] = field(default_factory=list)
     codec_stats: dict[str, dict[str, Any]] = field(default_factory=dict)

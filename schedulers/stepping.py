@@ -136,6 +136,8 @@ def step_stats(
         peak_stash_bytes=[r.peak_stash_bytes for r in reports],
         peak_rss_bytes=[r.peak_rss_bytes for r in reports],
         optimizer_state_bytes=[r.optimizer_state_bytes for r in reports],
+        gradient_bytes=[r.gradient_bytes for r in reports],
+        parameter_bytes=[r.parameter_bytes for r in reports],
         busy_s=[r.busy_s for r in reports],
         devices=[r.device for r in reports],
         codec_stats=_codec_stats(reports),

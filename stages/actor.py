@@ -181,6 +181,7 @@ def stage_report(trace: StepTrace, parts: StageParts) -> StageReport:
         bytes_sent=trace.bytes_sent, spans=[list(span) for span in trace.spans], started_at=trace.started_at,
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         codec_stats=parts.sender.edge_stats, optimizer_state_bytes=zero.state_bytes(model.optimizer),
+        gradient_bytes=parts.tail.gradient_bytes, parameter_bytes=zero.parameter_bytes(model.optimizer),
         device=str(model.device))
 
 

@@ -211,6 +211,10 @@ class StageReport(WireRecord):
         codec_stats: per edge and direction: codec, bytes, raw_bytes, sq_err, sq_norm.
         optimizer_state_bytes: the bytes of the optimizer state this stage holds at the
             barrier (the previous step's; with ZeRO-1, its shard's).
+        gradient_bytes: the bytes of gradient memory this stage held when its last
+            optimizer step began (the data-parallel buckets and any gradient outside them;
+            with ZeRO-2, its runs' only).
+        parameter_bytes: the bytes of this stage's parameters (each once).
         device: the device the stage computes on (``cpu``, ``cuda:1``); "" from a
             stage that predates the field.
         reduced, finished: with :attr:`StepOrder.finish`, the step's tail as the stage ran it
@@ -234,6 +238,8 @@ class StageReport(WireRecord):
     peak_rss_bytes: int = 0
     codec_stats: dict[str, dict[str, Any]] = field(default_factory=dict)
     optimizer_state_bytes: int = 0
+    gradient_bytes: int = 0
+    parameter_bytes: int = 0
     device: str = ""
     reduced: ReduceReport | None = None
     finished: FinishReport | None = None

@@ -299,13 +299,11 @@ def _zero(t: Translation, config: Mapping[str, Any]) -> None:
         stage = integer(block, "stage", "zero_optimization.", minimum=0, maximum=3) if "stage" in block else 0
     else:
         raise ConfigError("zero_optimization", f"expected an object such as {{\"stage\": 1}}, got {show(value)}")
-    stages = t.fields.get("pipeline_stages", 1)
-    if stage >= 2 and stages > 1:
+    if stage == 3:
         raise ConfigError("zero_optimization.stage", (
-            f"ZeRO-{stage} with {stages} pipeline stages: ZeRO-2 and ZeRO-3 partition gradients, and a pipeline "
-            "accumulates each micro-batch's gradients on its stage before the reduction (DeepSpeed refuses it too: "
-            "'ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism'); use stage 1, which shards the "
-            "optimizer state, or 0"))
+            "ZeRO-3 is not built: a pipeline stage holds its parameters whole (layer specs build only its own); "
+            "use stage 2, which shards gradients and optimizer state across replicas, with pipeline stages too "
+            "(DeepSpeed refuses 2 with a pipeline)"))
     t.set("zero_stage", stage, "zero_optimization.stage")
     if stage == 0:
         return  # switched off: nothing in the block tunes anything

@@ -27,7 +27,7 @@ from stages.comm import overlap as _overlap
 from stages.comm import zero
 from stages.comm.boundary import split_batch
 from stages.comm.groups import StageGroups
-from stages.comm.parallel import start_average
+from stages.comm.parallel import start_average, start_reduce_scatter
 from stages.compute import wgrad as _wgrad
 from stages.compute.activations import checkpoint_interval
 from stages.compute.allocator import keep_freed_memory
@@ -77,6 +77,8 @@ class BuiltStage:
     rank 0 only, a tied one on the lowest pipeline rank holding it)."""
     overlap: _overlap.OverlappedReduction | None
     """The data-parallel reduction that starts during backward, where it serves."""
+    gradient_shards: zero.GradientShards | None
+    """ZeRO's reduce-scatter plan: whose run of each bucket this replica keeps and steps (None: all-reduce)."""
     data: Any
     """The data factory's instance, on a first or last stage of a job that has one; else None."""
     tensor_rank: int
@@ -174,17 +176,22 @@ def build_stage(config: StageConfig, allow: Sequence[str], device: torch.device,
     param_names: dict[int, str] = {}
     for name, p in named:
         param_names[id(p)] = min(param_names.get(id(p), name), name, *aliases.get(name, []))
-    optimizer = _build_optimizer(cfg, allow, params, groups, param_names)
+    reduce_params = _overlap.backward_order(modules)
+    shards = None
+    if cfg.optimization.zero_stage in (1, 2) and mesh.data > 1 and reduce_exact:
+        # ZeRO: each bucket reduce-scattered into per-replica runs, which are what each replica steps.
+        tied_ids = {id(g.param) for g in sync.groups}
+        shards = zero.plan_gradient_shards(reduce_params, cfg.communication.bucket_bytes, mesh.data, tied_ids)
+    optimizer = _build_optimizer(cfg, allow, params, groups, param_names, shards)
     scheduler = build_scheduler(cfg.optimization.lr_scheduler, optimizer, allow) if cfg.optimization.lr_scheduler is not None else None
     data = None
     if cfg.training.data is not None and (0 in cfg.stages or cfg.num_stages - 1 in cfg.stages):
         data = load_object(cfg.training.data, allow)(**cfg.training.data_kwargs)
     log.info("stage %s/%d of job %s: model stages %s, %d parameters", cfg.pipeline_rank, cfg.pipeline_stages,
              cfg.job, cfg.stages, sum(p.numel() for p in params))
-    reduce_params = _overlap.backward_order(modules)
     overlap = None
     if groups is not None and groups.data_size > 1 and cfg.communication.overlap_reduce and reduce_exact:
-        overlap = _build_overlap(cfg, modules, named, reduce_params, weight_grads, groups)
+        overlap = _build_overlap(cfg, modules, named, reduce_params, weight_grads, groups, shards, me.data)
     # Each parameter's share of the global norm: replicated tensor-parallel ones on tensor
     # rank 0, tied ones on the lowest pipeline rank holding them.
     tied_elsewhere = {id(g.param) for g in sync.groups if g.ranks[0] != cfg.pipeline_rank}
@@ -197,7 +204,8 @@ def build_stage(config: StageConfig, allow: Sequence[str], device: torch.device,
                        # Tensor-parallel layers wait for their peers inside an action: on the thread.
                        inline_max_s=0.0 if mesh.tensor > 1 else INLINE_MAX_S)
     return BuiltStage(model=model, held=held, key=key, named_parameters=named, aliases=aliases, specs=specs,
-                      tied=sync, reduce_params=reduce_params, norm_params=norm_params, overlap=overlap, data=data,
+                      tied=sync, reduce_params=reduce_params, norm_params=norm_params, overlap=overlap,
+                      gradient_shards=shards, data=data,
                       tensor_rank=me.tensor, data_rank=me.data)
 
 
@@ -223,27 +231,28 @@ def _build_modules(cfg: StageConfig, allow: Sequence[str], device: torch.device,
 
 
 def _build_optimizer(cfg: StageConfig, allow: Sequence[str], params: Sequence[torch.Tensor],
-                     groups: StageGroups | None, names: Mapping[int, str]) -> torch.optim.Optimizer:
+                     groups: StageGroups | None, names: Mapping[int, str],
+                     shards: zero.GradientShards | None) -> torch.optim.Optimizer:
     optimizer_cls = load_object(cfg.optimization.optimizer[0], allow)
     optimizer_kwargs = dict(cfg.optimization.optimizer[1] if len(cfg.optimization.optimizer) > 1 else {})
     if cfg.optimization.optimizer_states != "fp32":  # Adam's moments in fewer bits
         optimizer_cls, optimizer_kwargs = quantized_adam.replacing(
             cfg.optimization.optimizer[0], optimizer_kwargs, cfg.optimization.optimizer_states, names)
     mesh = cfg.mesh
-    if cfg.optimization.zero_stage == 1 and mesh.data > 1:  # with one replica there is nothing to shard
+    if cfg.optimization.zero_stage in (1, 2) and mesh.data > 1:  # with one replica there is nothing to shard
         assert groups is not None, "ZeRO-1 across replicas needs the job's process groups"
         me = mesh.coords(cfg.global_rank)
         return zero.ShardedOptimizer(
             params, optimizer_cls, optimizer_kwargs, shard=me.data, group=groups.data_group,
             ranks=[mesh.rank(Coords(d, me.pipeline, me.tensor)) for d in range(mesh.data)],
-            bucket_bytes=cfg.communication.bucket_bytes)
+            bucket_bytes=cfg.communication.bucket_bytes, owners=shards.owners if shards is not None else None)
     optimizer: torch.optim.Optimizer = optimizer_cls(params, **optimizer_kwargs)
     return optimizer
 
 
 def _build_overlap(cfg: StageConfig, modules: dict[int, nn.Module], named: Sequence[tuple[str, torch.Tensor]],
                    reduce_params: list[torch.Tensor], weight_grads: _wgrad.WeightGradients | None,
-                   groups: StageGroups) -> _overlap.OverlappedReduction:
+                   groups: StageGroups, shards: zero.GradientShards | None, replica: int) -> _overlap.OverlappedReduction:
     """The data-parallel reduction that starts during backward (with replicas, ``overlap_reduce`` on
     and an exact all-reduce: a lossy ``reduce_codec`` encodes each bucket with error feedback after
     the barrier instead, in :func:`~stages.comm.parallel.average_gradients`)."""
@@ -255,5 +264,10 @@ def _build_overlap(cfg: StageConfig, modules: dict[int, nn.Module], named: Seque
     def reduce(flat: torch.Tensor) -> Any:
         return start_average(flat, groups.data_group(), world)  # the group as it is now: a rejoin replaces it
 
+    def scatter(flat: torch.Tensor, ranges: Sequence[tuple[int, int]]) -> Any:
+        return start_reduce_scatter(flat, ranges, replica, groups.data_group(), world)
+
     return _overlap.OverlappedReduction(reduce_params, modules, names, bucket_bytes=cfg.communication.bucket_bytes,
-                                        reduce=reduce, weight_grads=weight_grads, w_batching=cfg.parallelism.w_batching)
+                                        reduce=reduce, weight_grads=weight_grads, w_batching=cfg.parallelism.w_batching,
+                                        shards=shards, scatter=scatter, replica=replica,
+                                        release=cfg.optimization.zero_stage == 2)

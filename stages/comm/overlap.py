@@ -43,6 +43,7 @@ from torch import nn
 
 from stages.compute import wgrad as _wgrad
 from stages.comm.parallel import bucket_layout
+from stages.comm.zero import GradientShards
 from stages.program import Action, ActionKind
 
 __all__ = ["OverlappedReduction", "ReductionPlan", "backward_order", "plan_reduction"]
@@ -59,6 +60,8 @@ class Work(Protocol):
 
 
 Reduce = Callable[[torch.Tensor], Work]  # starts averaging one flat bucket over the replicas, in place
+# ZeRO: starts averaging one flat bucket into this replica's range of it (the replicas' ranges given).
+Scatter = Callable[[torch.Tensor, Sequence[tuple[int, int]]], Work]
 
 
 def backward_order(modules: Mapping[int, nn.Module]) -> list[torch.Tensor]:
@@ -182,18 +185,31 @@ class OverlappedReduction:
         w_batching: the executor runs a run of consecutive Ws' GEMMs together, at its last.
         check_finite: look for NaN and infinity in each bucket before it leaves (a stage
             always does; off, a benchmark times the reduction alone).
+        shards: ZeRO's plan: its buckets replace :func:`bucket_layout`'s, each one with
+            ranges is reduce-scattered by ``scatter`` (its flat gradient and the replicas'
+            ranges), and at :meth:`finish` the gradients of other replicas' runs become None.
+        replica: this replica's index (with ``shards``).
+        release: with ``shards`` (ZeRO-2): at :meth:`finish` a replica's own runs move to
+            gradients of their own and the buckets' memory is given back until the next
+            :meth:`begin`, so that between steps a replica holds only its shard of gradients.
     """
 
     def __init__(self, params: Sequence[torch.Tensor], modules: Mapping[int, nn.Module],
                  names: Mapping[int, Sequence[str]], *, bucket_bytes: int, reduce: Reduce,
                  weight_grads: _wgrad.WeightGradients | None = None, w_batching: bool = False,
-                 check_finite: bool = True) -> None:
+                 check_finite: bool = True, shards: GradientShards | None = None,
+                 scatter: Scatter | None = None, replica: int = 0, release: bool = False) -> None:
         self.params = list(params)
         self._check_finite = check_finite
         self._names = [list(names.get(id(p), [])) for p in self.params]
         self._reduce = reduce
         self._weight_grads = weight_grads
-        self.layout = bucket_layout(self.params, bucket_bytes)
+        if shards is not None and scatter is None:
+            raise ValueError("a reduction with ZeRO's shards needs scatter")
+        self._shards, self._scatter, self._release = shards, scatter, release and shards is not None
+        self._kept = shards.owned(replica, self.params) if shards is not None else [True] * len(self.params)
+        self._replica = replica
+        self.layout = bucket_layout(self.params, bucket_bytes) if shards is None else shards.layout
         self.flats = [torch.zeros(sum(self.params[i].numel() for i in members), dtype=self.params[members[0]].dtype,
                                   device=self.params[members[0]].device) for members in self.layout]
         self._bucket = [0] * len(self.params)
@@ -259,6 +275,10 @@ class OverlappedReduction:
         self.active = any(a.kind is ActionKind.REDUCE for a in program)
         if not self.active:
             return
+        for flat in self.flats:
+            storage = flat.untyped_storage()
+            if storage.nbytes() == 0:  # given back by the last finish (ZeRO-2): the views see it again
+                storage.resize_(flat.numel() * flat.element_size())
         batched = self._w_batching if w_batching is None else w_batching
         key = (tuple(program), batched)
         plan = self._plans.get(key)
@@ -325,7 +345,32 @@ class OverlappedReduction:
         for work in self._works:
             work.wait()
         self.active, self._works = False, []  # a work keeps its process group's sockets alive
-        return self._nonfinite()
+        found = self._nonfinite()
+        if self._shards is not None:
+            self._keep_shard()
+        return found
+
+    def _keep_shard(self) -> None:
+        """ZeRO: drops the gradients other replicas reduced; with ``release``, moves this replica's runs
+        to gradients of their own and gives the buckets' memory back."""
+        assert self._shards is not None
+        for p, kept in zip(self.params, self._kept):
+            if not kept:
+                p.grad = None
+        if not self._release:
+            return
+        for b, (flat, members) in enumerate(zip(self.flats, self.layout)):
+            ranges = self._shards.ranges[b]
+            if ranges is None:
+                continue  # all-reduced (tied parameters): every replica keeps the whole bucket
+            start, end = ranges[self._replica]
+            own = flat[start:end].clone()
+            for i in members:
+                if self._kept[i]:
+                    view = self._views[i]
+                    offset = view.storage_offset() - flat.storage_offset() - start
+                    self.params[i].grad = own[offset:offset + view.numel()].view_as(view)
+            flat.untyped_storage().resize_(0)
 
     def abandon(self) -> None:
         """The step failed or was aborted: starts the buckets not started yet (every replica
@@ -424,7 +469,12 @@ class OverlappedReduction:
             # barrier, so that no device waits here (min and max propagate NaN and show infinities).
             self._extremes.append(torch.stack([torch.stack(torch.aminmax(g)) for g in grads]).float() if grads
                                   else torch.zeros(0, 2, device=self.flats[b].device))
-            self._works.append(self._reduce(self.flats[b]))
+            ranges = self._shards.ranges[b] if self._shards is not None else None
+            if ranges is None:
+                self._works.append(self._reduce(self.flats[b]))
+            else:
+                assert self._scatter is not None
+                self._works.append(self._scatter(self.flats[b], ranges))
 
     def _nonfinite(self) -> list[str]:
         if not self._extremes or not self._check_finite:

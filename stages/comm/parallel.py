@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from stages.comm.zero import GradientShards
 from stages.mesh import Mesh
 from stages.program import stage_to_rank
 from transport.codecs import ErrorFeedback
@@ -265,6 +266,7 @@ def average_gradients(
     groups: ProcessGroups,
     bucket_bytes: int,
     feedback: ErrorFeedback | None = None,
+    shards: GradientShards | None = None,
 ) -> int:
     """Averages gradients across the data-parallel group, a bucket per collective, after backward.
 
@@ -279,6 +281,9 @@ def average_gradients(
             averages the decoded buckets, as ZeRO++'s quantized gradients do; every
             replica decodes the same bytes, so all still step identically.
 
+        shards: ZeRO's plan (exact reductions only): each bucket is reduce-scattered, and
+            a replica keeps only the gradients of its own run; the others become None.
+
     Returns:
         The bytes this replica contributed to the wire (the flat buckets' bytes when raw).
     """
@@ -286,10 +291,47 @@ def average_gradients(
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)  # every replica must take part in every bucket
-    for index, members in enumerate(bucket_layout(params, bucket_bytes)):
-        grads = [params[i].grad for i in members]
-        sent += _reduce_bucket([g for g in grads if g is not None], groups, feedback, index)
+    layout = bucket_layout(params, bucket_bytes) if shards is None else shards.layout
+    for index, members in enumerate(layout):
+        grads = [g for g in (params[i].grad for i in members) if g is not None]
+        ranges = shards.ranges[index] if shards is not None else None
+        if ranges is None:
+            sent += _reduce_bucket(grads, groups, feedback, index)
+            continue
+        flat = _flat_buffer(groups, index, sum(g.numel() for g in grads), grads[0])
+        torch.cat([g.reshape(-1) for g in grads], out=flat)
+        start_reduce_scatter(flat, ranges, dist.get_rank(groups.data), groups.data, groups.data_size).wait()
+        _copy_out(flat, grads)
+        sent += flat.numel() * flat.element_size()
+    if shards is not None:
+        for p, kept in zip(params, shards.owned(dist.get_rank(groups.data), params)):
+            if not kept:
+                p.grad = None  # another replica's to step: its average is there, not here
     return sent
+
+
+def start_reduce_scatter(flat: torch.Tensor, ranges: Sequence[tuple[int, int]], rank: int, group: Any,
+                         world: int) -> Any:
+    """Starts averaging ``flat`` over ``group`` into this member's range only: a sum reduce-scatter of
+    the replicas' ``ranges`` (``ranges[rank]`` is this member's ``[start, end)``), then the division
+    :func:`start_average` does, in place in ``flat``'s range. The rest of ``flat`` keeps this
+    member's own values. Returns a future; ``wait()`` returns once both are done."""
+    start, end = ranges[rank]
+    mine = flat.new_empty(end - start)
+    parts = [flat[a:b] for a, b in ranges]
+    return _Placed(dist.reduce_scatter(mine, parts, group=group, async_op=True), flat[start:end], mine, world)
+
+
+class _Placed:
+    """A reduce-scatter in flight; :meth:`wait` then puts this member's average in place. (gloo's
+    reduce-scatter of uneven parts has no future to chain the division to.)"""
+
+    def __init__(self, work: Any, target: torch.Tensor, mine: torch.Tensor, world: int) -> None:
+        self._work, self._target, self._mine, self._world = work, target, mine, world
+
+    def wait(self) -> torch.Tensor:
+        self._work.wait()
+        return self._target.copy_(self._mine).div_(self._world)
 
 
 def start_average(flat: torch.Tensor, group: Any, world: int) -> Any:
@@ -331,9 +373,13 @@ def _reduce_bucket(grads: list[torch.Tensor], groups: ProcessGroups, feedback: E
             flat += feedback.codec.decode(replace(encoded, frames=frames)).reshape(-1).to(flat.device)
         sent = encoded.nbytes
     flat /= groups.data_size
+    _copy_out(flat, grads)
+    return sent
+
+
+def _copy_out(flat: torch.Tensor, grads: Sequence[torch.Tensor]) -> None:
     offset = 0
     for g in grads:
         n = g.numel()
         g.copy_(flat[offset:offset + n].view_as(g))
         offset += n
-    return sent

@@ -17,13 +17,15 @@ computes from the same gradient and state, and a broadcast copies bits.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["ShardedOptimizer", "check_snapshot", "partition", "state_bytes"]
+__all__ = ["GradientShards", "ShardedOptimizer", "check_snapshot", "gradient_bytes", "parameter_bytes", "partition",
+           "plan_gradient_shards", "state_bytes"]
 
 # A parameter this large is broadcast in place, alone: its collective costs far more than
 # the call, and flat copies of the large ones would take as much memory as ZeRO saves.
@@ -48,6 +50,83 @@ def partition(numels: Sequence[int], num_shards: int) -> list[int]:
     return owners
 
 
+@dataclass(frozen=True, slots=True)
+class GradientShards:
+    """ZeRO's reduce-scatter: which replica reduces, keeps and steps each parameter's gradient.
+
+    The data-parallel reduction's buckets (:attr:`layout`, parameter indices) are each cut
+    into one contiguous run of whole parameters per replica, balanced by elements; a
+    reduce-scatter then leaves each replica the average of its own run only, half the
+    bytes of an all-reduce, and a replica's runs are the parameters it steps (its ZeRO
+    shard). A bucket of parameters tied across pipeline ranks is all-reduced instead
+    (``None`` in :attr:`ranges`): the tied ranks sum whole gradients after the reduction.
+    """
+
+    layout: list[list[int]]
+    """The buckets: indices into the parameters in reduction (backward) order."""
+    ranges: list[list[tuple[int, int]] | None]
+    """Per bucket, each replica's ``[start, end)`` in the bucket's flat gradient (None: all-reduced)."""
+    owners: dict[int, int]
+    """``id(param)`` -> the replica that steps it (and keeps its reduced gradient)."""
+
+    def owned(self, replica: int, params: Sequence[torch.Tensor]) -> list[bool]:
+        """Whether ``replica`` keeps each of ``params``' reduced gradient (every one of an all-reduced bucket)."""
+        kept = {i for members, ranges in zip(self.layout, self.ranges) for i in members
+                if ranges is None or self.owners[id(params[i])] == replica}
+        return [i in kept for i in range(len(params))]
+
+
+def plan_gradient_shards(params: Sequence[torch.Tensor], bucket_bytes: int, replicas: int,
+                         replicated: Container[int] = ()) -> GradientShards:
+    """The buckets of ``params`` (reduction order) and each replica's runs of them.
+
+    ``replicated``: ``id``s of parameters every replica must keep whole (tied across
+    pipeline ranks): they go in buckets of their own, all-reduced. Every replica computes
+    the same plan from the same parameters. A parameter goes to the run its middle
+    element falls in (so runs are contiguous and as even as whole parameters allow), and
+    run ``k`` of bucket ``b`` to replica ``(k + b) % replicas``, so that the buckets of one
+    large parameter each take turns.
+    """
+    kinds = [(p.dtype, id(p) in replicated) for p in params]
+    layout = _layout(params, bucket_bytes, kinds)
+    ranges: list[list[tuple[int, int]] | None] = []
+    owners: dict[int, int] = {}
+    for b, members in enumerate(layout):
+        total = sum(params[i].numel() for i in members)
+        runs: list[list[int]] = [[] for _ in range(replicas)]
+        offset = 0
+        for i in members:
+            n = params[i].numel()
+            run = min(replicas - 1, int((offset + n / 2) * replicas // max(total, 1)))
+            runs[run].append(n)
+            owners[id(params[i])] = (run + b) % replicas
+            offset += n
+        if kinds[members[0]][1]:
+            ranges.append(None)
+            continue
+        bounds, start = [], 0
+        for run_sizes in runs:
+            bounds.append((start, start + sum(run_sizes)))
+            start += sum(run_sizes)
+        ranges.append([bounds[(r - b) % replicas] for r in range(replicas)])  # by replica
+    return GradientShards(layout=layout, ranges=ranges, owners=owners)
+
+
+def _layout(params: Sequence[torch.Tensor], bucket_bytes: int, kinds: Sequence[object]) -> list[list[int]]:
+    """Parameters packed in order into buckets of at most ``bucket_bytes``, one kind a bucket (as
+    :func:`stages.comm.parallel.bucket_layout`, whose kind is the dtype)."""
+    buckets: list[list[int]] = []
+    size = 0
+    for index, p in enumerate(params):
+        nbytes = p.numel() * p.element_size()
+        if not buckets or size + nbytes > bucket_bytes or kinds[index] != kinds[buckets[-1][0]]:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(index)
+        size += nbytes
+    return buckets
+
+
 class ShardedOptimizer(torch.optim.Optimizer):
     """An optimizer over every held parameter that keeps state for, and steps, one shard of them.
 
@@ -65,12 +144,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         group: returns the data-parallel process group now (a recovery forms it again).
         bucket_bytes: the most bytes one broadcast of small parameters carries, packed flat
             (a parameter of ``IN_PLACE_BYTES`` or more goes alone, in place).
+        owners: ``id(param)`` -> the shard that steps it, as the reduce-scatter left the
+            gradients (:class:`GradientShards`); None: :func:`partition` by element counts.
     """
 
     def __init__(
         self, params: Iterable[torch.Tensor], optimizer_cls: Callable[..., torch.optim.Optimizer],
         kwargs: Mapping[str, Any], *, shard: int, ranks: Sequence[int], group: Callable[[], Any],
-        bucket_bytes: int,
+        bucket_bytes: int, owners: Mapping[int, int] | None = None,
     ) -> None:
         params = list(params)
         if not 0 <= shard < len(ranks):
@@ -79,8 +160,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._ranks = list(ranks)
         self._group = group
         self._bucket_bytes = bucket_bytes
-        owners = partition([p.numel() for p in params], len(ranks))
-        self._shards = [[p for p, owner in zip(params, owners) if owner == s] for s in range(len(ranks))]
+        by_id = owners if owners is not None else dict(zip(map(id, params), partition([p.numel() for p in params], len(ranks))))
+        owner_of = [by_id.get(id(p), 0) for p in params]
+        self._shards = [[p for p, owner in zip(params, owner_of) if owner == s] for s in range(len(ranks))]
         self._owned = {id(p) for p in self._shards[shard]}
         # A list of one group, so that a replica whose shard is empty still gets an optimizer.
         self.inner = optimizer_cls([{"params": self._shards[shard]}], **dict(kwargs))
@@ -171,6 +253,23 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """The bytes of the tensors in ``optimizer``'s state (a sharded optimizer: its shard's)."""
     return sum(value.numel() * value.element_size() for state in optimizer.state.values()
                for value in state.values() if isinstance(value, torch.Tensor))
+
+
+def parameter_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """The bytes of the parameters ``optimizer`` steps (a sharded optimizer: all of them), each once."""
+    params = {id(p): p for group in optimizer.param_groups for p in group["params"]}
+    return sum(p.numel() * p.element_size() for p in params.values())
+
+
+def gradient_bytes(params: Iterable[torch.Tensor], buckets: Iterable[torch.Tensor] = ()) -> int:
+    """The bytes of gradient memory held: the storages of ``params``' gradients and the reduction's
+    ``buckets`` (each storage once; a bucket given back holds none)."""
+    storages: dict[int, int] = {}
+    for tensor in [p.grad for p in params if p.grad is not None] + list(buckets):
+        storage = tensor.untyped_storage()
+        if storage.nbytes():
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 def check_snapshot(optimizer: torch.optim.Optimizer, snapshot: Mapping[str, torch.Tensor]) -> None:

@@ -19,11 +19,14 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from stages.build import tied
 from stages.build.stage import BuiltStage
+from stages.comm import zero
 from stages.comm.groups import StageGroups
 from stages.comm.parallel import average_gradients
 from stages.compute.executor import StepExecutor, nonfinite_gradients
@@ -120,6 +123,13 @@ def rescale_gradients(params: Sequence[torch.Tensor], unscale: float, clip: floa
         torch._foreach_mul_(grads, clip)
 
 
+def _sum_over(value: float, group: Any) -> float:
+    """``value`` summed over ``group`` (in float64, so that the order of two terms cannot matter)."""
+    total = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(total, group=group)
+    return float(total.item())
+
+
 class StepTail:
     """One stage's tail of every step: :meth:`reduce` after the barrier, :meth:`finish` once decided.
 
@@ -144,6 +154,7 @@ class StepTail:
         self.reduce_feedback = ErrorFeedback(codec) if get_codec(codec).lossy else None
         self._reduced_bytes = 0
         self._nonfinite_overlapped: list[str] = []  # the overlapped reduction's findings (local gradients)
+        self.gradient_bytes = 0  # gradient memory held when the last optimizer step began
 
     async def reduce(self, step: int, program: Sequence[Action]) -> ReduceReport:
         """Checks this stage's gradients, then reduces them across replicas and tied ranks; applies nothing.
@@ -170,6 +181,9 @@ class StepTail:
             reduced = await executor.compute(nonfinite_gradients, named)
             found = [f"{name} (after the data-parallel reduction)" for name in reduced]
         grad_sq = await executor.compute(squared_norm, built.norm_params)
+        if built.gradient_shards is not None and self.groups is not None and self.groups.groups is not None:
+            # Each replica holds its runs' gradients only: the shares add up over the replicas.
+            grad_sq = await executor.compute(_sum_over, grad_sq, self.groups.data_group())
         return ReduceReport(reduced_bytes=self._reduced_bytes, nonfinite=found, grad_sq=grad_sq, wait_s=wait_s,
                             tied=[built.tied_names(group.names) for group in built.tied.groups])
 
@@ -183,7 +197,7 @@ class StepTail:
         elif groups is not None and groups.groups is not None and groups.data_size > 1:
             self._reduced_bytes = await self.executor.compute(
                 average_gradients, self.built.reduce_params, groups.groups, self.config.communication.bucket_bytes,
-                self.reduce_feedback)
+                self.reduce_feedback, self.built.gradient_shards)
 
     async def finish(self, program: Sequence[Action], *, apply: bool, unscale: float = 1.0,
                      clip: float = 1.0) -> FinishReport:
@@ -202,6 +216,10 @@ class StepTail:
         if apply and (unscale != 1.0 or clip != 1.0):
             params = list({id(p): p for m in model.modules.values() for p in m.parameters()}.values())
             await self.executor.compute(rescale_gradients, params, unscale, clip)
+        if apply:
+            buckets = self.built.overlap.flats if self.built.overlap is not None else []
+            params = [p for m in model.modules.values() for p in m.parameters()]
+            self.gradient_bytes = await self.executor.compute(zero.gradient_bytes, params, buckets)
         await self.executor.apply(program, step=bool(apply))
         if not apply:
             self.on_drop()

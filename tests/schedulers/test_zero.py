@@ -229,3 +229,48 @@ async def test_int8_moments_shard_to_the_same_bits_and_resume_exactly_from_a_che
         assert await job.load(tmp_path / "ckpt") == len(first)
         await train(job, then)
         assert_same(await job.state_dict(), runs[0][1])
+
+
+@pytest.mark.parametrize("overlap_reduce", [True, False])
+async def test_zero2_with_pipeline_stages_trains_to_the_bits_of_unsharded_training(cluster: Cluster,
+                                                                                  overlap_reduce: bool) -> None:
+    """ZeRO-2, which DeepSpeed refuses with a pipeline: each bucket is reduce-scattered, each replica
+    keeps and steps its runs only, and between steps holds only their gradients."""
+    runs = {}
+    for stage in (0, 1, 2):
+        async with await start(cluster, MLP, schedule="1f1b", zero_stage=stage, overlap_reduce=overlap_reduce) as job:
+            stats = await train(job, MLP["batches"]())
+            runs[stage] = (stats, await job.state_dict())
+    for stage in (1, 2):
+        assert_same(runs[stage][1], runs[0][1])
+        assert [s.loss for s in runs[stage][0]] == [s.loss for s in runs[0][0]]
+        assert_halved(runs[stage][0][-1].optimizer_state_bytes)
+    last = {stage: runs[stage][0][-1] for stage in runs}
+    assert last[0].parameter_bytes == last[2].parameter_bytes
+    assert all(g >= p for g, p in zip(last[0].gradient_bytes, last[0].parameter_bytes))  # whole gradients
+    if overlap_reduce:  # ZeRO-1 keeps its buckets whole between steps; ZeRO-2 gives them back
+        assert last[1].gradient_bytes == last[0].gradient_bytes
+    assert_halved(last[2].gradient_bytes)
+    assert all(0 < g < 0.6 * p for g, p in zip(last[2].gradient_bytes, last[2].parameter_bytes))
+
+
+async def test_zero2_keeps_tied_weights_whole_and_clips_as_one_process(cluster: Cluster) -> None:
+    workload = {**WORKLOADS["gpt"], "kwargs": {**WORKLOADS["gpt"]["kwargs"], "tie_embeddings": True}}
+    states, stats = {}, {}
+    for stage in (0, 2):
+        async with await start(cluster, workload, schedule="1f1b", zero_stage=stage) as job:
+            stats[stage] = await train(job, workload["batches"]())
+            states[stage] = await job.state_dict()
+    head = workload["kwargs"]["layers"] + 1
+    pair = ["0.token.weight", f"{head}.out.weight"]
+    assert torch.equal(states[2][pair[0]], states[2][pair[1]])  # tied buckets are all-reduced, the pair summed
+    assert_same(states[2], states[0])
+    async with await start(cluster, MLP, zero_stage=2, gradient_clipping=0.05) as job:
+        clipped = await train(job, MLP["batches"]())
+        clipped_state = await job.state_dict()
+    async with await start(cluster, MLP, zero_stage=0, gradient_clipping=0.05) as job:
+        plain = await train(job, MLP["batches"]())
+        assert_close(clipped_state, await job.state_dict(), rtol=1e-6)
+    # The global norm adds the replicas' shares of it (in float64): one process's norm, to rounding.
+    assert [s.grad_norm for s in clipped] == pytest.approx([s.grad_norm for s in plain], rel=1e-9)
+    assert all(s.grad_norm > 0.05 for s in plain)  # every step clipped

@@ -187,3 +187,18 @@ def test_a_snapshot_of_another_replicas_shard_is_refused() -> None:
     with pytest.raises(ValueError, match="another data-parallel replica's"):
         check_snapshot(first, other)
     check_snapshot(torch.optim.SGD(held[0].parameters(), lr=0.1), other)  # unsharded: anything goes
+
+
+def test_gradient_shards_cut_each_bucket_into_contiguous_runs_by_replica() -> None:
+    params = [torch.zeros(n) for n in (10, 30, 20, 40, 100)]  # float32: 40, 120, 80, 160, 400 bytes
+    tied = params[2]
+    shards = zero.plan_gradient_shards(params, bucket_bytes=400, replicas=2, replicated={id(tied)})
+    assert shards.layout == [[0, 1], [2], [3], [4]]  # the tied parameter in a bucket of its own
+    assert shards.ranges[1] is None  # all-reduced: every replica keeps the tied gradient whole
+    # Bucket 0: 10 + 30 elements; the second's middle (25) is past half (20): runs [0, 10) and [10, 40).
+    assert shards.ranges[0] == [(0, 10), (10, 40)]
+    # One parameter alone: it goes to run 1, and run k of bucket b to replica (k + b) % 2, in turns.
+    assert shards.ranges[2] == [(0, 0), (0, 40)] and shards.ranges[3] == [(0, 100), (0, 0)]
+    assert [shards.owners[id(p)] for p in params] == [0, 1, 0, 1, 0]
+    assert shards.owned(0, params) == [True, False, True, False, True]
+    assert shards.owned(1, params) == [False, True, True, True, False]
