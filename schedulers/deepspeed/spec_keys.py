@@ -65,7 +65,7 @@ _FIELD_CHECKS: dict[str, Check] = {
     "schedule": choice(SCHEDULE_NAMES), "partition_method": partition_method, "split_points": _optional(names),
     "activation_codec": codec, "gradient_codec": codec, "reduce_codec": choice(CODECS),
     "transport": choice(TRANSPORTS), "precision": choice(PRECISIONS), "on_nonfinite": choice(NONFINITE_ACTIONS),
-    "optimizer_states": choice(STATE_PRECISIONS),
+    "optimizer_states": choice(STATE_PRECISIONS), "stash_codec": choice(CODECS),
     **dict.fromkeys(("error_feedback", "measure_codec_error", "overlap_reduce", "w_batching",
                      "gradient_accumulation_fusion", "keep_freed_memory"), boolean),
     "step_timeout_s": seconds,

@@ -15,7 +15,7 @@ checked (:func:`check_spec`) before anything is built from it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,35 +54,39 @@ def pack(tree: Any) -> Payload:
             of those; the message gives its path in the tree.
     """
     leaves: list[torch.Tensor] = []
-
-    def walk(value: Any, path: str, depth: int) -> Any:
-        if depth > _MAX_DEPTH:
-            raise TypeError(f"a stage boundary value nests deeper than {_MAX_DEPTH} levels (at {path or 'the top'})")
-        if isinstance(value, torch.Tensor):
-            leaves.append(value.detach())
-            return 1 if value.requires_grad else 0
-        if value is None:
-            return None
-        if isinstance(value, _CONSTANTS):
-            return {"c": value}
-        if isinstance(value, Mapping):
-            items = []
-            for key, item in value.items():
-                if not isinstance(key, str) or len(key) > _MAX_KEY:
-                    raise TypeError(f"a dict crossing a stage boundary needs string keys of at most {_MAX_KEY} "
-                                    f"characters; {path or 'the value'} has the key {str(key)[:40]!r}")
-                items.append([key, walk(item, f"{path}[{key!r}]", depth + 1)])
-            return {"d": items}
-        if isinstance(value, (tuple, list)):
-            children = [walk(item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value)]
-            return {"t" if isinstance(value, tuple) else "l": children}
-        raise TypeError(f"a stage's output can cross a boundary as tensors, tuples, lists, dicts, None and "
-                        f"constants; {path or 'it'} is a {type(value).__name__}")
-
-    spec = walk(tree, "", 0)
+    spec = _walk(tree, leaves, "", 0)
     if len(leaves) > MAX_LEAVES:
         raise TypeError(f"a stage boundary value holds {len(leaves)} tensors; at most {MAX_LEAVES} can cross")
     return Payload(leaves, spec)
+
+
+# pack's and unpack's recursions are module functions, not closures: a closure that calls
+# itself is a reference cycle, which would keep the value's tensors alive until the
+# garbage collector found it (a boundary value held past its send, or its backward).
+def _walk(value: Any, leaves: list[torch.Tensor], path: str, depth: int) -> Any:
+    """The spec of ``value``, its tensors appended to ``leaves`` (detached)."""
+    if depth > _MAX_DEPTH:
+        raise TypeError(f"a stage boundary value nests deeper than {_MAX_DEPTH} levels (at {path or 'the top'})")
+    if isinstance(value, torch.Tensor):
+        leaves.append(value.detach())
+        return 1 if value.requires_grad else 0
+    if value is None:
+        return None
+    if isinstance(value, _CONSTANTS):
+        return {"c": value}
+    if isinstance(value, Mapping):
+        items = []
+        for key, item in value.items():
+            if not isinstance(key, str) or len(key) > _MAX_KEY:
+                raise TypeError(f"a dict crossing a stage boundary needs string keys of at most {_MAX_KEY} "
+                                f"characters; {path or 'the value'} has the key {str(key)[:40]!r}")
+            items.append([key, _walk(item, leaves, f"{path}[{key!r}]", depth + 1)])
+        return {"d": items}
+    if isinstance(value, (tuple, list)):
+        children = [_walk(item, leaves, f"{path}[{i}]", depth + 1) for i, item in enumerate(value)]
+        return {"t" if isinstance(value, tuple) else "l": children}
+    raise TypeError(f"a stage's output can cross a boundary as tensors, tuples, lists, dicts, None and "
+                    f"constants; {path or 'it'} is a {type(value).__name__}")
 
 
 def unpack(payload: Payload, device: torch.device | None = None, *, as_leaves: bool = False) -> Any:
@@ -91,27 +95,27 @@ def unpack(payload: Payload, device: torch.device | None = None, *, as_leaves: b
     With ``as_leaves``, each tensor marked as carrying a gradient becomes a fresh leaf
     that requires grad (a stage's input: its ``.grad`` is sent back upstream).
     """
-    leaves = iter(payload.leaves)
+    return _build(payload.spec, iter(payload.leaves), device, as_leaves)
 
-    def build(spec: Any) -> Any:
-        if spec is None:
-            return None
-        if isinstance(spec, int):
-            tensor = next(leaves)
-            if device is not None:
-                tensor = tensor.to(device, non_blocking=True)
-            if as_leaves and spec == 1 and (tensor.is_floating_point() or tensor.is_complex()):
-                tensor = tensor.detach().requires_grad_(True)
-            return tensor
-        (kind, body), = spec.items()
-        if kind == "c":
-            return body
-        if kind == "d":
-            return {key: build(child) for key, child in body}
-        children = [build(child) for child in body]
-        return tuple(children) if kind == "t" else children
 
-    return build(payload.spec)
+def _build(spec: Any, leaves: Iterator[torch.Tensor], device: torch.device | None, as_leaves: bool) -> Any:
+    """The tree ``spec`` describes, taking its tensors from ``leaves`` in order."""
+    if spec is None:
+        return None
+    if isinstance(spec, int):
+        tensor = next(leaves)
+        if device is not None:
+            tensor = tensor.to(device, non_blocking=True)
+        if as_leaves and spec == 1 and (tensor.is_floating_point() or tensor.is_complex()):
+            tensor = tensor.detach().requires_grad_(True)
+        return tensor
+    (kind, body), = spec.items()
+    if kind == "c":
+        return body
+    if kind == "d":
+        return {key: _build(child, leaves, device, as_leaves) for key, child in body}
+    children = [_build(child, leaves, device, as_leaves) for child in body]
+    return tuple(children) if kind == "t" else children
 
 
 def check_spec(spec: Any, leaves: int) -> None:

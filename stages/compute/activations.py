@@ -16,24 +16,58 @@ checkpointed function torch's own hooks take over and nothing is stored, so what
 noted there is only the function's arguments. Like every saved-tensors hook, these
 hand a saved tensor back as a new tensor object: an autograd Function that needs a
 parameter's identity in backward keeps it on ``ctx`` instead (see stages.compute.wgrad).
+
+**Holding it in fewer bits.** Given a codec (a job's ``stash_codec``: ``bf16``, ``int8``,
+``fp8``, ...; the wire's own, from transport.codecs), :class:`SavedActivations` encodes
+each floating-point tensor autograd saves, as it is saved, and decodes it when backward
+unpacks it: on the tensor's device, back to its dtype and shape (contiguous, as
+``torch.autograd.graph.save_on_cpu`` gives it back). The full-precision tensor is then
+freed as soon as the forward is done with it, and what is counted is the encoded frames.
+Left as they are: what lives anyway (parameters, buffers, the batch), what was computed
+from one parameter alone with its number of elements (autocast's cast of a weight, its
+transpose: a parameter in another dtype is still a parameter), integer and bool tensors,
+and tensors under :data:`MIN_ELEMENTS_TO_ENCODE` elements, where the scales and the
+bookkeeping would cost about what they save. A tensor saved twice (``h`` and ``h.view(...)``
+by two ops) is encoded once when both are contiguous views of the same elements; two
+other views of one storage are encoded one each. Inside a checkpointed function torch's
+hooks take over, so with checkpointing what is encoded is each segment's input, and the
+recompute starts from the decoded input.
+
+Lossy codecs change gradients by what the codec's error (int8: its block's absmax / 254
+per element, fp8: 2**-4 of the value, bf16: 2**-8 of it) does to the saved values; the
+forward is exact. A frozen parameter's autocast copy has no autograd history to tell it
+from an activation by, and is encoded. The stash's own tensors, a stage's boundary input
+leaves and its outputs, are needed in backward only as places in the graph:
+:meth:`SavedActivations.drop_values` frees their values too (an output's once its send
+lets go of it; a storage that a small saved view still holds stays, and is counted).
+Between a fused ``I`` and its ``W`` the linears' inputs wait encoded again
+(:meth:`SavedActivations.hold`); the output gradients beside them, and those the ``I``
+of plain autograd keeps for ``W``, are gradients and stay as they are.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Container, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["SavedActivations", "Storages", "checkpoint_interval", "checkpointed", "run_layers", "run_segments",
-           "storages", "union_bytes"]
+from transport.codecs import Encoded, decode, get_codec
+
+__all__ = ["MIN_ELEMENTS_TO_ENCODE", "Packed", "SavedActivations", "Storages", "checkpoint_interval", "checkpointed",
+           "restore", "run_layers", "run_segments", "storages", "union_bytes"]
 
 Storages = dict[tuple[str, int], int]  # (device, data pointer) -> bytes
+
+# A smaller saved tensor stays as it is: a block's scale and the bookkeeping would cost about what it saves.
+MIN_ELEMENTS_TO_ENCODE = 1024
 
 
 def checkpoint_interval(setting: bool | int) -> int:
@@ -101,32 +135,92 @@ def union_bytes(parts: Iterable[Mapping[tuple[str, int], int]]) -> int:
 
 
 class SavedActivations:
-    """Inside ``with``: notes the storage of every tensor autograd saves for backward.
+    """Inside ``with``: notes the storage of every tensor autograd saves for backward, and encodes it with ``codec``.
 
     Args:
-        resident: storages that live anyway (parameters, buffers, the step's batch): not counted.
+        resident: storages that live anyway (parameters, buffers, the step's batch): not counted, never encoded.
+        codec: the name of the codec (transport.codecs) that holds saved activations; ``none`` keeps them
+            as they are.
+
+    Raises:
+        CodecError: an unknown codec.
     """
 
-    def __init__(self, resident: Container[tuple[str, int]]) -> None:
+    def __init__(self, resident: Container[tuple[str, int]], codec: str = "none") -> None:
         self._resident = resident
+        self._codec = None if codec == "none" else get_codec(codec)
         self.storages: Storages = {}
-        self._hooks = saved_tensors_hooks(self._pack, _unpack)
+        # What this forward encoded, by what it was encoded from (see _source): a tensor saved twice is encoded once.
+        self._encoded: dict[Hashable, Encoded] = {}
+        self._hooks = saved_tensors_hooks(self.hold, restore)
 
     def add(self, tensors: Iterable[torch.Tensor]) -> None:
         """Notes tensors held for backward other than through autograd (a stash's own references)."""
         for tensor in tensors:
             self._note(tensor)
 
+    def drop_values(self, tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+        """Frees the values of stash tensors that backward needs only as places in the graph; returns the others.
+
+        A stage keeps its boundary input leaves (their ``.grad`` goes upstream) and its
+        outputs (the roots the gradient comes back to) until their backward, and autograd
+        keeps each too (an input's gradient accumulator holds the leaf itself). Backward
+        reads their shapes and places in the graph, never their values: where it needs
+        those it saved them, through these hooks, encoded or as an alias of the old storage.
+        So with a codec each large floating-point one gets in place of its values one NaN,
+        expanded to its shape, and its storage is freed once nothing else (an output's
+        send) holds it. Code that reads such a tensor after its forward anyway (a custom
+        autograd Function that keeps its input on ``ctx`` instead of saving it) computes
+        NaN, which the step's non-finite check refuses, not a quietly wrong gradient.
+        Without a codec nothing changes, and every tensor is returned.
+        """
+        kept = []
+        for tensor in tensors:
+            if self._codec is None or type(tensor) is not torch.Tensor or not self._worth_encoding(tensor) \
+                    or _storage(tensor)[0] in self._resident:
+                kept.append(tensor)
+                continue
+            tensor.data = torch.full((), float("nan"), dtype=tensor.dtype, device=tensor.device).expand(tensor.shape)
+        return kept
+
     def _note(self, tensor: torch.Tensor) -> None:
         key, nbytes = _storage(tensor)
         if key not in self._resident:
             self.storages[key] = nbytes
 
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        self._note(tensor)
-        # Detached: the packed tensor must not refer back to its own grad_fn (a cycle
-        # that only the garbage collector would free); autograd restores it on unpack.
-        return tensor.detach()
+    def hold(self, tensor: torch.Tensor) -> torch.Tensor | Packed:
+        """``tensor`` as it is held for backward (:func:`restore` gives it back), its storage or frames noted.
+
+        The saved-tensors hook's pack; also what holds a tensor that waits for backward
+        other than through autograd (a deferred weight gradient's input, between I and W).
+        """
+        key, nbytes = _storage(tensor)
+        if key in self._resident:
+            return tensor.detach()
+        if self._codec is None or not self._worth_encoding(tensor) or self._copies_a_parameter(tensor):
+            self.storages[key] = nbytes
+            # Detached: the packed tensor must not refer back to its own grad_fn (a cycle
+            # that only the garbage collector would free); autograd restores it on unpack.
+            return tensor.detach()
+        source = _source(tensor)
+        encoded = self._encoded.get(source)
+        if encoded is None:
+            encoded = self._encoded[source] = self._codec.encode(tensor)
+        self.add(encoded.frames)
+        return Packed(encoded, tensor.shape)
+
+    def _worth_encoding(self, tensor: torch.Tensor) -> bool:
+        assert self._codec is not None
+        return tensor.dtype in self._codec.dtypes and tensor.layout is torch.strided and not tensor.is_nested \
+            and tensor.numel() >= MIN_ELEMENTS_TO_ENCODE
+
+    def _copies_a_parameter(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` (or what it is a view of) was computed from one resident leaf alone, with as many
+        elements: autocast's cast of a weight, which a matmul saves for the input's gradient."""
+        base = tensor if tensor._base is None else tensor._base
+        inputs = [] if base.grad_fn is None else [fn for fn, _ in base.grad_fn.next_functions if fn is not None]
+        leaf = getattr(inputs[0], "variable", None) if len(inputs) == 1 else None
+        return isinstance(leaf, torch.Tensor) and leaf.numel() == base.numel() and _storage(leaf)[0] in self._resident
 
     def __enter__(self) -> SavedActivations:
         self._hooks.__enter__()
@@ -134,7 +228,27 @@ class SavedActivations:
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self._hooks.__exit__(kind, exc, tb)
+        self._encoded.clear()  # the packed tensors keep what they need
 
 
-def _unpack(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
+@dataclass(frozen=True, slots=True)
+class Packed:
+    """A tensor as :class:`SavedActivations` holds it with a codec: encoded, and the shape to give it back in."""
+
+    encoded: Encoded
+    shape: torch.Size
+
+
+def _source(tensor: torch.Tensor) -> Hashable:
+    """What a tensor's values are read from: its storage (a weak reference, which no later storage can
+    share), and where in it. A contiguous tensor is its elements in order, whatever its shape."""
+    where = (tensor.storage_offset(), tensor.numel()) if tensor.is_contiguous() \
+        else (tensor.storage_offset(), tuple(tensor.shape), tensor.stride())
+    return StorageWeakRef(tensor.untyped_storage()), tensor.dtype, where
+
+
+def restore(held: torch.Tensor | Packed) -> torch.Tensor:
+    """A tensor :meth:`SavedActivations.hold` held, as a tensor again (decoded, when it was encoded)."""
+    if isinstance(held, torch.Tensor):
+        return held
+    return decode(held.encoded).view(held.shape)

@@ -59,6 +59,9 @@ class StageModel:
     # 0 turns it off: for a stage whose compute waits on other processes (tensor-parallel
     # collectives inside forward and backward), which must never hold up the loop's heartbeats.
     inline_max_s: float = _inline.INLINE_MAX_S
+    # The codec (transport.codecs) that holds what a forward saves for backward (stages.compute.activations);
+    # "none": as it is, exactly.
+    stash_codec: str = "none"
 
     def autocast(self) -> Any:
         """The context a forward (and a recompute) runs in."""
@@ -165,10 +168,12 @@ class StagePasses:
     def forward_held(self, stage: int, mb: int, x: Any, target: Any) -> torch.Tensor | None:
         """:meth:`_forward`, noting what the micro-batch now holds for its backward (``peak_stash_bytes``)."""
         counting = self.overlap.forward(stage, mb) if self.overlap is not None else contextlib.nullcontext()
-        with _activations.SavedActivations(self._resident) as saved, counting:
+        with _activations.SavedActivations(self._resident, self.model.stash_codec) as saved, counting:
             loss = self._forward(stage, mb, x, target)
         inputs, outs = self.stash[(stage, mb)]
-        saved.add(inputs + outs)
+        # With a stash codec, autograd's copies of these are encoded, and backward needs
+        # the stash's own only as places in the graph: their values are freed too.
+        saved.add(saved.drop_values(inputs + outs))
         self.held[(stage, mb)] = saved.storages
         return loss
 
@@ -219,7 +224,13 @@ class StagePasses:
             with weight_grads.deferring() as pending:
                 _run_backward(outs, grads)
             self.pending_w[key] = pending
-            self.held[key] = _activations.storages((t for _, _, *pair in pending for t in pair), self._resident)
+            # The linears' inputs wait for W as saved activations do: with a stash codec, encoded (a
+            # decoded one again: a decoded block encodes back to its codes, its scale to within an ulp;
+            # one recomputed in a checkpoint for the first time).
+            holder = _activations.SavedActivations(self._resident, self.model.stash_codec)
+            pending[:] = [(w, b, grad_out, holder.hold(_activations.restore(x))) for w, b, grad_out, x in pending]
+            holder.add(grad_out for _, _, grad_out, _ in pending)
+            self.held[key] = holder.storages
             return None if stage == 0 else [x.grad for x in inputs]
         # I without fused linears: the input gradient alone, which the upstream stage is
         # waiting for; the graph stays alive and W walks it again for the parameters.

@@ -34,10 +34,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from stages.compute.activations import Packed, restore
+
 __all__ = ["PendingWeightGrad", "WeightGradients", "apply", "apply_batched", "install", "takes_over"]
 
-# One deferred weight GEMM: (weight or None, bias or None, output gradient, input).
-PendingWeightGrad = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]
+# One deferred weight GEMM: (weight or None, bias or None, output gradient, input). The input may
+# wait encoded, with a stash codec (stages.compute.activations): W decodes it.
+PendingWeightGrad = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor | Packed]
 OnWrite = Callable[[torch.Tensor], None]  # called with a parameter right after its .grad changed
 
 
@@ -74,7 +77,7 @@ def _weight_grad(weight: torch.Tensor | None, bias: torch.Tensor | None,
 def apply(pending: list[PendingWeightGrad], on_write: OnWrite | None = None) -> None:
     """Runs deferred weight GEMMs (a ``W``) into the parameters' ``.grad``, telling ``on_write`` of each."""
     for weight, bias, grad_out, inputs in pending:
-        _weight_grad(weight, bias, grad_out, inputs, on_write)
+        _weight_grad(weight, bias, grad_out, restore(inputs), on_write)
     pending.clear()
 
 
@@ -95,10 +98,10 @@ def apply_batched(batches: list[list[PendingWeightGrad]], on_write: OnWrite | No
     for entries in groups.values():
         weight, bias = entries[0][0], entries[0][1]
         if len(entries) == 1:
-            _weight_grad(weight, bias, entries[0][2], entries[0][3], on_write)
+            _weight_grad(weight, bias, entries[0][2], restore(entries[0][3]), on_write)
             continue
         grad_out = torch.cat([g.reshape(-1, g.shape[-1]) for _, _, g, _ in entries])
-        inputs = torch.cat([x.reshape(-1, x.shape[-1]) for _, _, _, x in entries])
+        inputs = torch.cat([restore(x).reshape(-1, x.shape[-1]) for _, _, _, x in entries])
         _weight_grad(weight, bias, grad_out, inputs, on_write)
 
 
@@ -165,22 +168,25 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 grads: WeightGradients, dtype: torch.dtype | None) -> torch.Tensor:
-        ctx.input_dtype = inputs.dtype
+        ctx.input_dtype, ctx.dtype = inputs.dtype, dtype
         if dtype is not None:
             with torch.autocast(inputs.device.type, enabled=False):
-                inputs, low = inputs.to(dtype), weight.to(dtype)
-                out = F.linear(inputs, low, bias.to(dtype) if bias is not None else None)
-            ctx.save_for_backward(inputs, low)
+                inputs = inputs.to(dtype)
+                out = F.linear(inputs, weight.to(dtype), bias.to(dtype) if bias is not None else None)
         else:
-            ctx.save_for_backward(inputs, weight)
             out = F.linear(inputs, weight, bias)
+        # The weight itself, not its cast: backward casts it again (the same bits), so no copy
+        # waits for backward, and a stash codec (stages.compute.activations) never encodes one.
+        ctx.save_for_backward(inputs, weight)
         ctx.bias, ctx.grads, ctx.weight = bias, grads, weight
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None]:
         inputs, weight = ctx.saved_tensors
-        grad_in = grad_out.matmul(weight).to(ctx.input_dtype) if ctx.needs_input_grad[0] else None
+        grad_in = None
+        if ctx.needs_input_grad[0]:
+            grad_in = grad_out.matmul(weight if ctx.dtype is None else weight.to(ctx.dtype)).to(ctx.input_dtype)
         bias = ctx.bias if ctx.needs_input_grad[2] else None
         ctx.grads.record(ctx.weight if ctx.needs_input_grad[1] else None, bias, grad_out, inputs)
         return grad_in, None, None, None, None

@@ -91,6 +91,9 @@ MODEL = "examples.models:residual_mlp"
     ({"zero_stage": 4}, ValueError, "^optimization.zero_stage must be an int in \\[0, 3\\]"),
     ({"bucket_bytes": 0}, ValueError, "^communication.bucket_bytes must be an int >= 1"),
     ({"activation_checkpointing": 0}, ValueError, "^runtime.activation_checkpointing must be an int >= 1"),
+    ({"stash_codec": "int9"}, ValueError,
+     "^runtime.stash_codec: unknown codec 'int9' \\(did you mean 'int8'\\?\\); choose one of none, fp16, bf16"),
+    ({"stash_codec": None}, TypeError, "^runtime.stash_codec must be one of none, fp16, bf16, int8, fp8, int4; got"),
     ({"pipeline_stages": 3, "activation_codec": ["int8"]}, ValueError, "^communication.activation_codec lists 1"),
     ({"w_batching": True, "gradient_accumulation_fusion": False}, ValueError,
      "^parallelism.w_batching .* needs gradient_accumulation_fusion=True"),
@@ -145,7 +148,7 @@ def test_flat_keywords_route_to_their_sections_and_sections_come_whole_or_as_dic
     assert JobSpec.of(model=MODEL, parallelism=Parallelism(pipeline_stages=2), micro_batches=2).parallelism == \
         Parallelism(pipeline_stages=2, micro_batches=2)
     assert set(FIELDS) == {f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls)}
-    assert len(FIELDS) == 44
+    assert len(FIELDS) == 45
     with pytest.raises(TypeError, match="training must be a Training, got dict"):
         JobSpec(training={"model": MODEL})  # type: ignore[arg-type]
     with pytest.raises(KeyError, match="'micro_batch' is not a JobSpec field; did you mean micro_batches"):

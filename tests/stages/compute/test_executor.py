@@ -219,12 +219,14 @@ def tripping_loss(wire: Tripwire) -> Callable[[torch.Tensor, torch.Tensor], torc
 class Pipeline:
     """One StepExecutor per rank, built as the stage actor builds them, sending in memory.
 
-    ``checkpoint_every``: activation checkpointing, layers per segment (0: off).
+    ``checkpoint_every``: activation checkpointing, layers per segment (0: off); ``stash_codec``:
+    the codec saved activations are held in (stages.compute.activations).
     """
 
     def __init__(self, case: Case, model: nn.Sequential, *,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.mse_loss,
-                 prepend: dict[int, nn.Module] | None = None, checkpoint_every: int = 0) -> None:
+                 prepend: dict[int, nn.Module] | None = None, checkpoint_every: int = 0,
+                 stash_codec: str = "none") -> None:
         self.case = case
         self.programs = case.programs()
         num_ranks, num_stages, m = case.num_ranks, case.num_stages, case.num_microbatches
@@ -250,7 +252,7 @@ class Pipeline:
             cls, kwargs = OPTIMIZERS[case.optimizer]
             optimizer = cls([p for module in modules.values() for p in module.parameters()], **kwargs)
             stage_model = StageModel(modules=modules, num_stages=num_stages, loss_fn=loss_fn, optimizer=optimizer,
-                                     device=torch.device("cpu"), weight_grads=weight_grads)
+                                     device=torch.device("cpu"), weight_grads=weight_grads, stash_codec=stash_codec)
             thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"rank{rank}-compute")
             self._threads.append(thread)
             inbox = Inbox(4 * m * len(stages) + 16)  # the stage actor's limit
