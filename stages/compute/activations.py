@@ -40,9 +40,10 @@ from an activation by, and is encoded. The stash's own tensors, a stage's bounda
 leaves and its outputs, are needed in backward only as places in the graph:
 :meth:`SavedActivations.drop_values` frees their values too (an output's once its send
 lets go of it; a storage that a small saved view still holds stays, and is counted).
-Between a fused ``I`` and its ``W`` the linears' inputs wait encoded again
-(:meth:`SavedActivations.hold`); the output gradients beside them, and those the ``I``
-of plain autograd keeps for ``W``, are gradients and stay as they are.
+Between a fused ``I`` and its ``W`` the linears' inputs and output gradients wait
+encoded (:meth:`SavedActivations.hold`), so a lossy codec moves the weight gradients by its
+error of both; the output gradients the ``I`` of plain autograd keeps for ``W`` live inside
+autograd's graph and stay as they are.
 """
 
 from __future__ import annotations

@@ -224,12 +224,12 @@ class StagePasses:
             with weight_grads.deferring() as pending:
                 _run_backward(outs, grads)
             self.pending_w[key] = pending
-            # The linears' inputs wait for W as saved activations do: with a stash codec, encoded (a
-            # decoded one again: a decoded block encodes back to its codes, its scale to within an ulp;
-            # one recomputed in a checkpoint for the first time).
+            # The linears' inputs and output gradients wait for W as saved activations do: with a stash
+            # codec, encoded (a decoded input again: a decoded block encodes back to its codes, its scale
+            # to within an ulp; one recomputed in a checkpoint for the first time).
             holder = _activations.SavedActivations(self._resident, self.model.stash_codec)
-            pending[:] = [(w, b, grad_out, holder.hold(_activations.restore(x))) for w, b, grad_out, x in pending]
-            holder.add(grad_out for _, _, grad_out, _ in pending)
+            pending[:] = [(w, b, holder.hold(_activations.restore(g)), holder.hold(_activations.restore(x)))
+                          for w, b, g, x in pending]
             self.held[key] = holder.storages
             return None if stage == 0 else [x.grad for x in inputs]
         # I without fused linears: the input gradient alone, which the upstream stage is

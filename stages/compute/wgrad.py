@@ -38,9 +38,9 @@ from stages.compute.activations import Packed, restore
 
 __all__ = ["PendingWeightGrad", "WeightGradients", "apply", "apply_batched", "install", "takes_over"]
 
-# One deferred weight GEMM: (weight or None, bias or None, output gradient, input). The input may
-# wait encoded, with a stash codec (stages.compute.activations): W decodes it.
-PendingWeightGrad = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor | Packed]
+# One deferred weight GEMM: (weight or None, bias or None, output gradient, input). The output
+# gradient and the input may wait encoded, with a stash codec (stages.compute.activations): W decodes them.
+PendingWeightGrad = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | Packed, torch.Tensor | Packed]
 OnWrite = Callable[[torch.Tensor], None]  # called with a parameter right after its .grad changed
 
 
@@ -77,7 +77,7 @@ def _weight_grad(weight: torch.Tensor | None, bias: torch.Tensor | None,
 def apply(pending: list[PendingWeightGrad], on_write: OnWrite | None = None) -> None:
     """Runs deferred weight GEMMs (a ``W``) into the parameters' ``.grad``, telling ``on_write`` of each."""
     for weight, bias, grad_out, inputs in pending:
-        _weight_grad(weight, bias, grad_out, restore(inputs), on_write)
+        _weight_grad(weight, bias, restore(grad_out), restore(inputs), on_write)
     pending.clear()
 
 
@@ -98,9 +98,9 @@ def apply_batched(batches: list[list[PendingWeightGrad]], on_write: OnWrite | No
     for entries in groups.values():
         weight, bias = entries[0][0], entries[0][1]
         if len(entries) == 1:
-            _weight_grad(weight, bias, entries[0][2], restore(entries[0][3]), on_write)
+            _weight_grad(weight, bias, restore(entries[0][2]), restore(entries[0][3]), on_write)
             continue
-        grad_out = torch.cat([g.reshape(-1, g.shape[-1]) for _, _, g, _ in entries])
+        grad_out = torch.cat([restore(g).reshape(-1, g.shape[-1]) for _, _, g, _ in entries])
         inputs = torch.cat([restore(x).reshape(-1, x.shape[-1]) for _, _, _, x in entries])
         _weight_grad(weight, bias, grad_out, inputs, on_write)
 

@@ -419,11 +419,15 @@ def test_a_stash_codec_lets_go_of_the_boundary_values_and_backward_is_unchanged(
             passes.weight_backward(1, 0)
         assert grad_in is not None and grad_in[0] is not None
         if codec == "int8":
-            # Fused, between I and W the linears' inputs are encoded again: the same codes, and (in
-            # every block tried) the same scales, so W computes what B would.
             grads = [p.grad for p in passes.model.modules[1].parameters()]
             assert torch.equal(grad_in[0], expected[0])
-            assert all(g is not None and torch.equal(g, e) for g, e in zip(grads, expected[1:]))
+            if split and fusion:
+                # Between a fused I and its W the linears' output gradients wait encoded too (the inputs
+                # encode back to their codes): the weight gradients move by int8's error of them, about
+                # 1 / 254 of a block's largest value per element, a few thousandths in norm.
+                assert all(g is not None and (g - e).norm() <= 1e-2 * e.norm() for g, e in zip(grads, expected[1:]))
+            else:
+                assert all(g is not None and torch.equal(g, e) for g, e in zip(grads, expected[1:]))
         assert passes.leftover() == [] and passes.held == {}
 
 
@@ -433,9 +437,9 @@ def squared_error(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(("case", "most_bytes"), [
-    # 1F1B's last rank peaks between a fused I and its W: there the linears' output gradients wait
-    # in float32 (gradients, not activations: no stash codec touches them) beside the encoded inputs.
-    (Case(schedule="1f1b", num_ranks=2, num_microbatches=4, optimizer="sgd_momentum"), (0.3, 0.51)),
+    # 1F1B's last rank peaks between a fused I and its W: there the linears' inputs and output
+    # gradients wait, both encoded.
+    (Case(schedule="1f1b", num_ranks=2, num_microbatches=4, optimizer="sgd_momentum"), (0.3, 0.3)),
     (Case(schedule="zero_bubble", num_ranks=2, num_microbatches=4, fusion=False, optimizer="sgd_momentum"),
      (0.3, 0.3)),
     (Case(schedule="interleaved", num_ranks=2, num_microbatches=4, optimizer="sgd_momentum"), (0.3, 0.3)),
