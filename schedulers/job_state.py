@@ -27,6 +27,7 @@ from stages import (
     ShardSpec,
     StageActor,
 )
+from stages.state.manifest import SAFETENSORS
 from schedulers.checkpoint_paths import CheckpointPath
 from schedulers.job_core import JobCore
 from schedulers.stepping import key_order
@@ -164,8 +165,8 @@ async def load(job: JobCore, path: CheckpointPath, weights_only: bool = False) -
     """
     check_directory(path.directory)
     async with job.operation(repairs=True):
-        step = await apply_checkpoint(job, path, weights_only)
-        if not weights_only:  # the data factory goes on from the checkpoint's step
+        step, whole = await _apply(job, path, weights_only)
+        if whole:  # the data factory goes on from the checkpoint's step
             job.loaded(step)
         job.restarted_history()
     return step
@@ -177,10 +178,18 @@ async def apply_checkpoint(job: JobCore, path: CheckpointPath, weights_only: boo
     Every stage drops its snapshots and takes one at the next step; the job's data
     position and kept batches are the caller's to set.
     """
+    step, _ = await _apply(job, path, weights_only)
+    return step
+
+
+async def _apply(job: JobCore, path: CheckpointPath, weights_only: bool) -> tuple[int, bool]:
+    """:func:`apply_checkpoint`; also whether more than the weights were loaded (a directory of
+    safetensors files holds the weights alone: the job's optimizer, schedule and step stay)."""
     directory = path.directory
     [found] = await _on_stages(job, [0], "load", lambda g: job.stages[g].endpoint(
         StageActor.checkpoint_manifest, timeout=CHECKPOINT_TIMEOUT_S).call(directory, path.within))
     version, manifest = str(found[0]), Manifest.from_wire(found[1])
+    weights_only = weights_only or manifest.source == SAFETENSORS
     held = await _held_keys(job, aliases=False)
     problems = _unplaced(job, manifest, weights_only, held)
     plans = {g: manifest.restrict(held[job.mesh.coords(g).pipeline], weights_only=weights_only).to_wire()
@@ -201,7 +210,7 @@ async def apply_checkpoint(job: JobCore, path: CheckpointPath, weights_only: boo
             job.scaler.load_state_dict(saved_scale)
         except (KeyError, TypeError, ValueError) as exc:
             log.warning("%s: the checkpoint's loss scale is unreadable (%s); keeping the current one", job.id, exc)
-    return manifest.step
+    return manifest.step, not weights_only
 
 
 def _described(spec: dict[str, Any]) -> dict[str, Any]:

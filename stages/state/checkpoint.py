@@ -57,10 +57,12 @@ from typing import Any
 import torch
 
 from stages.build.tensor_parallel import ShardSpec, gather_tensor
+from stages.state import safetensors_files
 from stages.state.manifest import (
     DTYPES,
     FILE,
     FORMAT,
+    SAFETENSORS,
     CheckpointError,
     Manifest,
     TensorEntry,
@@ -158,7 +160,7 @@ def _read_part(version: str, part: TensorPart, dtype: torch.dtype, files: Mappin
         raise CheckpointError("bad checkpoint", [f"{where}: {exc}"]) from exc
     if got != part.nbytes:
         raise CheckpointError("bad checkpoint", [f"{where}: only {got} of {part.nbytes} bytes there"])
-    crc = zlib.crc32(raw)
+    crc = zlib.crc32(raw) if part.crc32 is not None else None  # safetensors files have none
     if crc != part.crc32:
         raise CheckpointError("bad checkpoint", [
             f"{where}: checksum mismatch (crc32 {crc:08x}, the manifest says {part.crc32:08x}): "
@@ -322,13 +324,16 @@ def check_staging(staging: Any, name: str = "p0-t0.bin", *, job: str | None = No
     return os.path.join(staging, name)
 
 
-def check_version(version: Any) -> str:
-    """``version`` if it names a version directory (``/abs/DIR/v000007``); it comes over the wire.
+def check_version(version: Any, source: str = FORMAT) -> str:
+    """``version`` if it names a version directory (``/abs/DIR/v000007``), or with the ``safetensors``
+    source a directory of safetensors weights; it comes over the wire.
 
     Raises:
         CheckpointError: it does not.
     """
     check_directory(version)
+    if source == SAFETENSORS and safetensors_files.present(version):
+        return version
     if _VERSION.fullmatch(os.path.basename(version)) is None:
         raise CheckpointError(f"{version[:200]!r} is not a checkpoint version directory")
     return version
@@ -464,6 +469,8 @@ def read_manifest(directory: str, *, within: str | None = None) -> tuple[str, Ma
     if within is not None:
         check_within(directory, within)
     name = _pointer(directory)
+    if name is None and safetensors_files.present(directory):  # weights as Hugging Face keeps them
+        return directory, safetensors_files.manifest(directory)
     if name is None:
         raise CheckpointError(f"no actorpipe checkpoint at {directory}", [_NO_CHECKPOINT])
     version = os.path.join(directory, name)

@@ -16,11 +16,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["FORMAT", "CheckpointError", "Manifest", "TensorEntry", "TensorPart", "layer_of", "merge_written"]
+__all__ = ["FORMAT", "SAFETENSORS", "SAFETENSORS_FILE", "CheckpointError", "Manifest", "TensorEntry", "TensorPart", "layer_of", "merge_written"]
 
 FORMAT = "actorpipe-checkpoint"
 FORMAT_VERSION = 1
 FILE = re.compile(r"p\d{1,6}-t\d{1,6}(-d\d{1,6})?\.bin")  # a shard file; -dN: replica N's ZeRO-1 optimizer shard
+# Weights as Hugging Face and safetensors keep them (stages.state.safetensors_files): a manifest made
+# from the files' own headers, which carry no checksums, and no optimizer state.
+SAFETENSORS = "safetensors"
+SAFETENSORS_FILE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}\.safetensors")
 DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}  # the dtypes stored, by name
@@ -67,21 +71,24 @@ class TensorPart:
     offset: int
     nbytes: int
     shape: list[int]
-    crc32: int
+    crc32: int | None  # None: a safetensors file's tensor, which has none
 
     def to_wire(self) -> dict[str, Any]:
         return {"file": self.file, "offset": self.offset, "nbytes": self.nbytes, "shape": self.shape,
                 "crc32": self.crc32}
 
     @classmethod
-    def from_wire(cls, data: Any, what: str) -> TensorPart:
+    def from_wire(cls, data: Any, what: str, source: str = FORMAT) -> TensorPart:
         _expect(isinstance(data, dict) and set(data) == {"file", "offset", "nbytes", "shape", "crc32"},
                 f"{what}: a part needs exactly file, offset, nbytes, shape, crc32")
-        _expect(isinstance(data["file"], str) and FILE.fullmatch(data["file"]) is not None,
-                f"{what}: file {str(data['file'])[:60]!r} is not a shard file name (pP-tT.bin)")
-        numbers = _int_list([data["offset"], data["nbytes"], data["crc32"]], f"{what} offset/nbytes/crc32")
+        pattern = SAFETENSORS_FILE if source == SAFETENSORS else FILE
+        _expect(isinstance(data["file"], str) and pattern.fullmatch(data["file"]) is not None,
+                f"{what}: file {str(data['file'])[:60]!r} is not a shard file name (pP-tT.bin or NAME.safetensors)")
+        crc = data["crc32"]
+        _expect(crc is not None or source == SAFETENSORS, f"{what}: crc32 is missing")
+        numbers = _int_list([data["offset"], data["nbytes"], 0 if crc is None else crc], f"{what} offset/nbytes/crc32")
         return cls(file=data["file"], offset=numbers[0], nbytes=numbers[1], shape=_int_list(data["shape"], what),
-                   crc32=numbers[2])
+                   crc32=None if crc is None else numbers[2])
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -98,7 +105,7 @@ class TensorEntry:
                 "parts": [p.to_wire() for p in self.parts]}
 
     @classmethod
-    def from_wire(cls, data: Any, what: str) -> TensorEntry:
+    def from_wire(cls, data: Any, what: str, source: str = FORMAT) -> TensorEntry:
         _expect(isinstance(data, dict) and set(data) == {"shape", "dtype", "shard", "parts"},
                 f"{what}: an entry needs exactly shape, dtype, shard, parts")
         _expect(data["dtype"] in DTYPES, f"{what}: unknown dtype {str(data['dtype'])[:30]!r}")
@@ -107,7 +114,7 @@ class TensorEntry:
                 f"{what}: shard must be [dim, world, num_fused]")
         _expect(isinstance(data["parts"], list) and len(data["parts"]) == (shard[1] if shard else 1),
                 f"{what}: expected {shard[1] if shard else 1} part(s)")
-        parts = [TensorPart.from_wire(p, what) for p in data["parts"]]
+        parts = [TensorPart.from_wire(p, what, source) for p in data["parts"]]
         return cls(shape=_int_list(data["shape"], what), dtype=data["dtype"], shard=shard, parts=parts)
 
 
@@ -129,9 +136,10 @@ class Manifest:
     optimizer_state: dict[str, dict[str, TensorEntry]]
     job: dict[str, Any] = field(default_factory=dict)  # who wrote it, for people: job id, spec, layout
     lr_scheduler: dict[str, Any] | None = None
+    source: str = FORMAT  # or SAFETENSORS: weights alone, read from the files' own headers
 
     def to_wire(self) -> dict[str, Any]:
-        return {"format": FORMAT, "version": FORMAT_VERSION, "step": self.step, "optimizer": self.optimizer,
+        return {"format": self.source, "version": FORMAT_VERSION, "step": self.step, "optimizer": self.optimizer,
                 "files": self.files, "model": {k: e.to_wire() for k, e in self.model.items()},
                 "optimizer_state": {k: {n: e.to_wire() for n, e in s.items()}
                                     for k, s in self.optimizer_state.items()},
@@ -144,11 +152,13 @@ class Manifest:
         Raises:
             CheckpointError: another format or version, or any malformed field.
         """
-        _expect(isinstance(data, dict) and data.get("format") == FORMAT, f"not an {FORMAT} manifest")
+        _expect(isinstance(data, dict) and data.get("format") in (FORMAT, SAFETENSORS), f"not an {FORMAT} manifest")
+        source = data["format"]
         _expect(data.get("version") == FORMAT_VERSION,
                 f"format version {str(data.get('version'))[:20]}; this actorpipe reads {FORMAT_VERSION}")
+        pattern = SAFETENSORS_FILE if source == SAFETENSORS else FILE
         _expect(isinstance(data.get("files"), dict) and all(
-            isinstance(k, str) and FILE.fullmatch(k) and type(v) is int and v >= 0 for k, v in data["files"].items()),
+            isinstance(k, str) and pattern.fullmatch(k) and type(v) is int and v >= 0 for k, v in data["files"].items()),
             "files: expected a map of shard file name to size")
         model, state = data.get("model"), data.get("optimizer_state")
         _expect(isinstance(model, dict) and isinstance(state, dict) and all(isinstance(s, dict) for s in state.values()),
@@ -158,12 +168,13 @@ class Manifest:
         _expect(schedule is None or (isinstance(schedule, dict) and set(schedule) == {"path", "state"}
                                      and isinstance(schedule["path"], str) and isinstance(schedule["state"], dict)),
                 "lr_scheduler: expected null or a map of path and state")
+        _expect(source == FORMAT or not (state or schedule), "a safetensors manifest holds weights only")
         return cls(
             step=data["step"], optimizer=data["optimizer"], files=dict(data["files"]),
-            model={str(k): TensorEntry.from_wire(e, str(k)[:80]) for k, e in model.items()},
+            model={str(k): TensorEntry.from_wire(e, str(k)[:80], source) for k, e in model.items()},
             optimizer_state={str(k): {str(n): TensorEntry.from_wire(e, f"{str(k)[:80]} {str(n)[:20]}")
                                       for n, e in s.items()} for k, s in state.items()},
-            job=data.get("job") if isinstance(data.get("job"), dict) else {}, lr_scheduler=schedule)
+            job=data.get("job") if isinstance(data.get("job"), dict) else {}, lr_scheduler=schedule, source=source)
 
     def entries(self) -> Iterator[tuple[str, TensorEntry]]:
         """Every tensor with a label for messages: ``3.fc1.weight``, ``3.fc1.weight (optimizer exp_avg)``."""
@@ -180,7 +191,7 @@ class Manifest:
         state = {} if weights_only else {k: s for k, s in self.optimizer_state.items() if mine(k)}
         return Manifest(step=self.step, optimizer=self.optimizer, files=self.files,
                         model={k: e for k, e in self.model.items() if mine(k)}, optimizer_state=state,
-                        lr_scheduler=None if weights_only else self.lr_scheduler)
+                        lr_scheduler=None if weights_only else self.lr_scheduler, source=self.source)
 
 
 def layer_of(key: str) -> int | None:

@@ -175,9 +175,9 @@ class StageState:
         optimizer = model.optimizer
         owns = optimizer.owns if isinstance(optimizer, zero.ShardedOptimizer) else None  # ZeRO-1: the shard's
         prepare = functools.partial(prepare_load, key=built.key, owns=owns, scheduler=model.lr_scheduler)
-        prepared, problems = await self._compute(prepare, checkpoint.check_version(version),
-                                                 checkpoint.Manifest.from_wire(plan), built.held,
-                                                 built.shard_spec_map(), built.tensor_rank)
+        manifest = checkpoint.Manifest.from_wire(plan)
+        prepared, problems = await self._compute(prepare, checkpoint.check_version(version, manifest.source),
+                                                 manifest, built.held, built.shard_spec_map(), built.tensor_rank)
         self._prepared = None if problems else prepared
         return problems
 

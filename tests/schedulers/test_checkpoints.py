@@ -334,3 +334,48 @@ async def test_the_message_limit_reaches_every_process_and_save_does_not_need_it
             await job.state_dict()
         await job.save(tmp_path / "ckpt")
         assert await job.load(tmp_path / "ckpt") == 0
+
+
+def _write_safetensors(directory: Path, state: dict[str, torch.Tensor], shards: int) -> None:
+    """``state`` as Hugging Face keeps a model: one ``model.safetensors``, or shards and their index."""
+    from safetensors.torch import save_file
+
+    directory.mkdir()
+    if shards == 1:
+        save_file(state, str(directory / "model.safetensors"))
+        return
+    keys = list(state)
+    weight_map = {}
+    for n in range(shards):
+        name = f"model-{n + 1:05d}-of-{shards:05d}.safetensors"
+        part = {k: state[k] for k in keys[n::shards]}
+        save_file(part, str(directory / name))
+        weight_map.update(dict.fromkeys(part, name))
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+async def test_safetensors_weights_load_each_stage_its_own_tensors(cluster: Cluster, tmp_path: Path,
+                                                                   shards: int) -> None:
+    """A directory of safetensors files (one ``model.safetensors``, or shards and their index) loads as
+    weights: every stage reads its own tensors from the files; the optimizer and step count stay."""
+    torch.manual_seed(7)
+    from examples.models import residual_mlp
+    weights = {k: v.clone() for k, v in residual_mlp(**MLP["model_kwargs"]).state_dict().items()}
+    _write_safetensors(tmp_path / "hf", weights, shards)
+    async with await cluster.train(**MLP, optimizer=("torch.optim:Adam", {"lr": 0.01}), pipeline_stages=2,
+                                   tensor_parallel=2, micro_batches=2) as job:
+        await train(job, batches(1))
+        assert await job.load(tmp_path / "hf") == 0
+        assert_same(await job.state_dict(), weights)
+        assert (await job.describe()).steps == 1  # weights alone: the job's own count and optimizer stay
+        await train(job, batches(1))
+    bad = dict(weights)
+    bad["1.fc1.weight"] = torch.zeros(3, 3)
+    _write_safetensors(tmp_path / "wrong", bad, shards)
+    async with await cluster.train(**MLP, pipeline_stages=2, micro_batches=2) as job:
+        before = await job.state_dict()
+        with pytest.raises(CheckpointError, match="1 problem") as info:
+            await job.load(tmp_path / "wrong")
+        assert "1.fc1.weight" in str(info.value)
+        assert_same(await job.state_dict(), before)  # nothing changed anywhere
