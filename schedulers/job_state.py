@@ -190,7 +190,8 @@ async def _apply(job: JobCore, path: CheckpointPath, weights_only: bool) -> tupl
         StageActor.checkpoint_manifest, timeout=CHECKPOINT_TIMEOUT_S).call(directory, path.within))
     version, manifest = str(found[0]), Manifest.from_wire(found[1])
     weights_only = weights_only or manifest.source == SAFETENSORS
-    held = await _held_keys(job, aliases=False)
+    # Safetensors files may keep a tied tensor under one of its names: each holder gets it by any.
+    held = await _held_keys(job, aliases=manifest.source == SAFETENSORS)
     problems = _unplaced(job, manifest, weights_only, held)
     plans = {g: manifest.restrict(held[job.mesh.coords(g).pipeline], weights_only=weights_only).to_wire()
              for g in range(job.mesh.size)}

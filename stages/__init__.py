@@ -31,6 +31,8 @@ _EXPORTS = {
     "StageActor": "stages.actor",
     "LayerSpec": "stages.build.layer_specs",
     "layered_model": "stages.build.layer_specs",
+    "meta_initialized": "stages.build.meta_init",
+    "MetaInitError": "stages.build.meta_init",
     "gather_tensor_parallel_state": "stages.build.tensor_parallel",
     "shard_state": "stages.build.tensor_parallel",
     "ShardSpec": "stages.build.tensor_parallel",
@@ -74,6 +76,10 @@ if TYPE_CHECKING:  # explicit re-exports, for type checkers (the names resolve l
     from stages.build.layer_specs import (
         LayerSpec as LayerSpec,
         layered_model as layered_model,
+    )
+    from stages.build.meta_init import (
+        MetaInitError as MetaInitError,
+        meta_initialized as meta_initialized,
     )
     from stages.build.tensor_parallel import (
         gather_tensor_parallel_state as gather_tensor_parallel_state,

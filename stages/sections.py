@@ -116,9 +116,12 @@ class Training(_Section):
     """keyword arguments of the data factory"""
     seed: int = 0
     """seed every stage builds the model from, so each slice holds the weights one process would start from"""
+    meta_init: bool = False
+    """build the model with its parameters on the meta device (a model cut at `split_points` is traced there too), and make real only the stage's own: each module resets its parameters (`reset_parameters()`, or a Hugging Face model's `_init_weights`) under a seed of its name, the same weights in any layout, which `stages.meta_initialized` builds in one process; for a model larger than one process, whose weights usually come from `job.load` (safetensors, checkpoints)"""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model", factory_path(self.key("model"), self.model))
+        check_bool(self.key("meta_init"), self.meta_init)
         check_kwargs(self.key("model_kwargs"), self.model_kwargs)
         object.__setattr__(self, "loss", factory_path(self.key("loss"), self.loss))
         if self.data is not None:

@@ -6,6 +6,7 @@ never builds it, but asks a worker for per-layer sizes (:func:`layer_parameter_c
 
 from __future__ import annotations
 
+import contextlib
 import regex
 import time
 from collections.abc import Callable, Sequence
@@ -20,6 +21,7 @@ from actors._registry import load_object
 from stages.comm.boundary import split_batch
 from stages.records import StageConfig
 from stages.build.layer_specs import build_specs, is_layer_specs
+from stages.build.meta_init import materialize, meta_values, on_meta, parameters_on_meta, retarget
 from stages.build.traced import TracedStage, trace_stages
 
 __all__ = ["Chain", "build_layers", "layer_parameter_counts", "layer_times", "model_layers"]
@@ -63,14 +65,19 @@ def build_layers(
     """
     factory = load_object(config.training.model, allow)
     torch.manual_seed(config.training.seed)
-    built = factory(**config.training.model_kwargs)
+    meta = config.training.meta_init
+    with parameters_on_meta() if meta else contextlib.nullcontext():
+        built = factory(**config.training.model_kwargs)
+    held = {i for s in config.stages for i in range(*config.bounds[s])}
     if config.parallelism.split_points is not None:
         return list(_traced_layers(built, config, allow))
     if is_layer_specs(built):  # only the held layers are built for real, each under its own seed
-        held = {i for s in config.stages for i in range(*config.bounds[s])}
         model = nn.Sequential(*build_specs(built, config.training.seed, held))
     else:
         model = nn.Sequential(*model_layers(built, config.training.model))
+        if meta:  # only the held layers' parameters made real (see stages.build.meta_init)
+            wanted = [f"{i}.{name}" for i in held for name, _ in model[i].named_parameters(remove_duplicate=False)]
+            materialize(model, meta_values(model, config.training.seed, wanted))
     if shard is not None:
         before = tied.tied_groups(list(model.children()))
         model = shard(model)
@@ -98,9 +105,17 @@ def _traced_layers(built: Any, config: StageConfig, allow: Sequence[str]) -> lis
         inputs, _ = load_object(config.training.data, allow)(**config.training.data_kwargs)(0)
         replica = split_batch(inputs, config.mesh.data, "inputs", "data_parallel")[0]
         example = split_batch(replica, config.micro_batches, "inputs")[0]
-    stages = trace_stages(built, config.parallelism.split_points, example, config.training.model)
+    meta = config.training.meta_init
+    stages = trace_stages(built, config.parallelism.split_points, on_meta(example) if meta else example,
+                          config.training.model)
     if len(stages) != config.bounds[-1][1]:
         raise ValueError(f"the job has {config.bounds[-1][1]} model stages but {len(stages)} came of the split")
+    if meta:  # traced on the meta device: the held stages' parameters made real, their ops pointed back
+        for s in config.stages:
+            names = [name for name, _ in stages[s].module.named_parameters(remove_duplicate=False)]
+            materialize(stages[s].module, meta_values(built, config.training.seed, names),
+                        also=[stage.module for stage in stages])
+            retarget(stages[s], torch.device("cpu"))
     return stages
 
 

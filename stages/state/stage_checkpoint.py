@@ -12,7 +12,8 @@ compute thread.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,6 +130,7 @@ def _local(
 def prepare_load(
     version: str, plan: Manifest, held: Mapping[int, nn.Module], specs: Mapping[str, ShardSpec], tp_rank: int,
     key: Key = layer_key, *, owns: Callable[[torch.Tensor], bool] | None = None, scheduler: LRScheduler | None = None,
+    aliases: Mapping[str, Sequence[str]] | None = None,
 ) -> tuple[PreparedLoad, list[str]]:
     """Reads and checks this stage's part of a checkpoint; changes nothing.
 
@@ -140,6 +142,9 @@ def prepare_load(
     Args:
         owns: with ZeRO-1, whether this replica keeps a parameter's optimizer state;
             the state of the others is not read (their owners read and check it).
+        aliases: a tied tensor's name -> its other names: a key the plan lacks is read
+            under one of those (Hugging Face's files keep a tied head under its embedding's
+            name alone), and such an entry is no stranger to this model.
 
     Returns:
         The prepared tensors, and every problem found (empty: it may be applied).
@@ -147,6 +152,13 @@ def prepare_load(
     problems: list[str] = []
     own = {key(i, k): v for i, layer in held.items() for k, v in layer.state_dict().items()}
     where = {key(i, k): (i, k) for i, layer in held.items() for k in layer.state_dict()}
+    entries = dict(plan.model)
+    for name in sorted(own.keys() - entries.keys()):
+        found = next((other for other in (aliases or {}).get(name, ()) if other in plan.model), None)
+        if found is not None:
+            entries[name] = plan.model[found]
+    known = own.keys() | {other for name in own for other in (aliases or {}).get(name, ())}
+    plan = dataclasses.replace(plan, model={k: e for k, e in entries.items() if k in own or k not in known})
     problems += [f"{k}: missing from the checkpoint" for k in sorted(own.keys() - plan.model.keys())]
     problems += [f"{k}: in the checkpoint but not in this model" for k in sorted(plan.model.keys() - own.keys())]
     model: dict[int, dict[str, torch.Tensor]] = {}

@@ -174,7 +174,8 @@ class StageState:
         built, model = self.built, self.executor.model
         optimizer = model.optimizer
         owns = optimizer.owns if isinstance(optimizer, zero.ShardedOptimizer) else None  # ZeRO-1: the shard's
-        prepare = functools.partial(prepare_load, key=built.key, owns=owns, scheduler=model.lr_scheduler)
+        prepare = functools.partial(prepare_load, key=built.key, owns=owns, scheduler=model.lr_scheduler,
+                                    aliases=built.aliases)
         manifest = checkpoint.Manifest.from_wire(plan)
         prepared, problems = await self._compute(prepare, checkpoint.check_version(version, manifest.source),
                                                  manifest, built.held, built.shard_spec_map(), built.tensor_rank)

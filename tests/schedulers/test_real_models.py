@@ -116,6 +116,59 @@ async def test_hugging_face_models_train_split_at_named_points_as_one_process(
 
 
 @pytest.mark.asyncio(loop_scope="package")
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+async def test_meta_init_traces_on_the_meta_device_and_each_stage_makes_only_its_own_weights(
+    cluster: Cluster, family: str
+) -> None:
+    """meta_init: the model's parameters on the meta device, traced there; each stage initializes
+    its own with the model's _init_weights under seeds of the modules' names, as one process does."""
+    from stages import meta_initialized
+    kwargs = {**SMALL, "layers": 4, "tie": True, **({"kv_heads": 1} if family == "llama" else {})}
+    factory = getattr(hf, family)
+    batches = lm_batches()
+    reference, losses = one_process(lambda **kw: meta_initialized(factory, kw, seed=0), kwargs, batches, lm_loss,
+                                    logits)
+    job = await cluster.train(model=f"examples.hf:{family}", model_kwargs=kwargs, loss="examples.models:lm_loss",
+                              optimizer=("torch.optim:SGD", {"lr": LR}), pipeline_stages=2, schedule="1f1b",
+                              micro_batches=MICRO, split_points=split_points(family, 2, 4), meta_init=True,
+                              example_inputs=batches[0][0][:BATCH // MICRO])
+    stats, state = await train_steps(job, batches)
+    assert [s.loss for s in stats] == pytest.approx(losses, rel=1e-5)
+    assert_close_state(state, reference)
+    assert len(stats[-1].tied) == 1  # the tied head: its copies still one parameter, summed across stages
+
+
+@pytest.mark.asyncio(loop_scope="package")
+async def test_a_meta_init_job_loads_hugging_face_safetensors_with_the_tied_head_under_the_embeddings_name(
+    cluster: Cluster, tmp_path: Any
+) -> None:
+    """As people have a pretrained model: safetensors shards and their index, the tied head stored once
+    under the embedding's name. No process builds the whole model; each stage reads its own tensors."""
+    from safetensors.torch import save_file
+    import json
+    kwargs = {**SMALL, "layers": 4, "tie": True}
+    torch.manual_seed(123)
+    pretrained = hf.gpt2(**kwargs)
+    weights = {k: v.contiguous() for k, v in pretrained.state_dict().items() if k != "lm_head.weight"}
+    keys = sorted(weights)
+    index = {}
+    for n, part in enumerate((keys[::2], keys[1::2])):
+        name = f"model-0000{n + 1}-of-00002.safetensors"
+        save_file({k: weights[k] for k in part}, str(tmp_path / name))
+        index.update(dict.fromkeys(part, name))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
+    job = await cluster.train(model="examples.hf:gpt2", model_kwargs=kwargs, loss="examples.models:lm_loss",
+                              pipeline_stages=2, micro_batches=2, split_points=["transformer.h.2"], meta_init=True,
+                              example_inputs=lm_batches()[0][0][:4])
+    try:
+        assert await job.load(str(tmp_path)) == 0
+        assert_close_state(await job.state_dict(), pretrained)  # the head on stage 1 took the embedding's
+        await job.step(*lm_batches()[0])
+    finally:
+        await job.close()
+
+
+@pytest.mark.asyncio(loop_scope="package")
 async def test_a_traced_job_loads_saved_pretrained_weights_and_checkpoints_under_the_models_names(
     cluster: Cluster, tmp_path: Any
 ) -> None:

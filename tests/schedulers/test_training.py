@@ -16,7 +16,7 @@ import torch
 from actors import Cluster
 from examples.data import char_batches
 from examples.models import gpt, lm_loss, residual_mlp, residual_mlp_layers
-from stages import layered_model
+from stages import layered_model, meta_initialized
 from schedulers.schedules import build_schedule
 from schedulers.simulate import simulate
 
@@ -121,6 +121,12 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     "gpt": {"model": "examples.models:gpt", "kwargs": GPT_KWARGS, "build": gpt,
             "loss": "examples.models:lm_loss", "loss_fn": lm_loss, "batches": gpt_batches,
             "optimizer": ("torch.optim:SGD", {"lr": 0.1, "momentum": 0.9})},
+    # meta_init: parameters made on the meta device, each stage makes real only its own, each module
+    # reset under a seed of its name. One process builds all (tied weights: tests/schedulers/test_real_models.py).
+    "gpt_meta": {"model": "examples.models:gpt", "kwargs": GPT_KWARGS,
+                 "build": lambda **kwargs: meta_initialized(gpt, kwargs, seed=0), "options": {"meta_init": True},
+                 "loss": "examples.models:lm_loss", "loss_fn": lm_loss, "batches": gpt_batches,
+                 "optimizer": ("torch.optim:SGD", {"lr": 0.1, "momentum": 0.9})},
 }
 
 
@@ -151,6 +157,8 @@ MESHES = [
     pytest.param("gpt", 2, 1, 2, "1f1b", "zmq", id="gpt-pp2-dp2"),
     pytest.param("gpt", 2, 2, 1, "1f1b", "zmq", id="gpt-pp2-tp2"),
     pytest.param("gpt", 1, 2, 2, "gpipe", "zmq", id="gpt-tp2-dp2"),
+    pytest.param("gpt_meta", 2, 2, 1, "1f1b", "zmq", id="gpt_meta-pp2-tp2"),
+    pytest.param("gpt_meta", 4, 1, 1, "1f1b", "zmq", id="gpt_meta-pp4"),
     # Pipeline tensors by point-to-point: each replica (or shard) has its own pair groups.
     pytest.param("mlp", 2, 1, 2, "1f1b", "dist", id="mlp-pp2-dp2-dist"),
     pytest.param("mlp", 2, 2, 1, "1f1b", "dist", id="mlp-pp2-tp2-dist"),
@@ -167,6 +175,7 @@ async def test_mesh_training_equals_one_process(
         model=workload["model"], model_kwargs=workload["kwargs"], loss=workload["loss"],
         optimizer=workload["optimizer"], pipeline_stages=pipeline, tensor_parallel=tensor,
         data_parallel=data, schedule=schedule, micro_batches=4, seed=0, transport=transport,
+        **workload.get("options", {}),
     )
     try:
         losses = [(await job.step(x, y)).loss for x, y in workload["batches"]()]
@@ -186,7 +195,7 @@ async def test_full_mesh_of_eight_equals_one_process(eight: Cluster) -> None:
         async with await eight.train(
             model=workload["model"], model_kwargs=workload["kwargs"], loss=workload["loss"],
             optimizer=workload["optimizer"], pipeline_stages=2, tensor_parallel=2, data_parallel=2,
-            schedule="1f1b", micro_batches=4, seed=0,
+            schedule="1f1b", micro_batches=4, seed=0, **workload.get("options", {}),
         ) as job:
             losses = [(await job.step(x, y)).loss for x, y in workload["batches"]()]
             state = await job.state_dict()

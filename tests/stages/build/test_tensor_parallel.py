@@ -157,6 +157,7 @@ def _specs(name: str) -> dict[str, ShardSpec]:
 # --- two processes ------------------------------------------------------------------
 
 
+@pytest.mark.multiprocess  # the module's two_ranks fixture spawns the two ranks
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", list(MODELS))
 def test_tensor_parallel_step_equals_one_process(name: str, two_ranks: list[dict[str, Any]]) -> None:
@@ -188,6 +189,7 @@ def test_tensor_parallel_step_equals_one_process(name: str, two_ranks: list[dict
         _close(value, expected["state"][key])
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_vocab_parallel_cross_entropy_matches_cross_entropy(two_ranks: list[dict[str, Any]]) -> None:
     logits, targets = _cross_entropy_case()

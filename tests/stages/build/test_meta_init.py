@@ -1,0 +1,104 @@
+"""meta_init (stages/build/meta_init.py): parameters on the meta device, each made real by its
+module's own initializer under a seed of its name, the same in any layout.
+
+Run: .venv/bin/python -m pytest tests/stages/build/test_meta_init.py -q
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from examples.models import gpt
+from stages.build.meta_init import (
+    MetaInitError,
+    materialize,
+    meta_initialized,
+    meta_values,
+    module_seed,
+    on_meta,
+    parameters_on_meta,
+    retarget,
+)
+from stages.build.traced import trace_stages
+
+KWARGS = {"vocab_size": 64, "dim": 16, "layers": 3, "heads": 2, "context": 8, "tie_embeddings": True}
+
+
+class Scaled(nn.Module):
+    """A module whose parameter no initializer it has sets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+        self.register_buffer("steps", torch.arange(4))
+
+
+def test_parameters_go_to_the_meta_device_and_buffers_stay_real() -> None:
+    with parameters_on_meta():
+        model = Scaled()
+        linear = nn.Linear(3, 2)
+    assert model.scale.is_meta and linear.weight.is_meta and linear.bias.is_meta
+    assert torch.equal(model.steps, torch.arange(4))  # what a forward computes with besides the weights
+    assert not nn.Linear(3, 2).weight.is_meta  # only inside
+
+
+def test_each_stage_makes_the_weights_one_process_makes_and_tied_ones_stay_one() -> None:
+    reference = meta_initialized(gpt, KWARGS, seed=5)
+    with parameters_on_meta():
+        model = gpt(**KWARGS)
+    head = f"{KWARGS['layers'] + 1}.out.weight"
+    # Each "stage" makes only its own layers: 0-1, then 2-4 (the tied head's is the embedding's).
+    for held in ([0, 1], [2, 3, 4]):
+        wanted = [f"{i}.{name}" for i in held for name, _ in model[i].named_parameters(remove_duplicate=False)]
+        materialize(model, meta_values(model, 5, wanted))
+    state = model.state_dict()
+    for key, value in reference.state_dict().items():
+        assert torch.equal(state[key], value), key
+    assert model[0].token.weight is model[KWARGS["layers"] + 1].out.weight  # one tensor, both names
+    assert torch.equal(state[head], state["0.token.weight"])
+    # A module's seed is its name's: another seed, other weights; the same, the same.
+    assert module_seed(5, "1.attn.qkv") != module_seed(5, "2.attn.qkv") != module_seed(6, "2.attn.qkv")
+    assert not torch.equal(meta_initialized(gpt, KWARGS, seed=6).state_dict()["1.attn.qkv.weight"],
+                           state["1.attn.qkv.weight"])
+
+
+def test_a_stage_that_holds_the_head_alone_still_ties_it_to_the_embedding_it_does_not_hold() -> None:
+    with parameters_on_meta():
+        model = gpt(**KWARGS)
+    last = KWARGS["layers"] + 1
+    wanted = [f"{last}.{name}" for name, _ in model[last].named_parameters()]
+    materialize(model, meta_values(model, 0, wanted))
+    assert model[last].out.weight is model[0].token.weight and not model[0].token.weight.is_meta
+    assert model[0].position.weight.is_meta  # the rest of layer 0 is another stage's
+
+
+def test_a_model_traced_on_the_meta_device_computes_as_one_process_once_made_real() -> None:
+    with parameters_on_meta():
+        model = gpt(**KWARGS)
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    stages = trace_stages(model, ["2"], on_meta(tokens), "gpt")
+    for stage in stages:
+        names = [name for name, _ in stage.module.named_parameters(remove_duplicate=False)]
+        materialize(stage.module, meta_values(model, 0, names), also=[s.module for s in stages])
+        retarget(stage, torch.device("cpu"))  # the trace made its position ids on the meta device
+    assert torch.equal(stages[1](stages[0](tokens)), meta_initialized(gpt, KWARGS, seed=0)(tokens))
+
+
+def test_a_module_nothing_can_initialize_is_named() -> None:
+    with parameters_on_meta():
+        model = nn.Sequential(nn.Linear(4, 4), Scaled())
+    with pytest.raises(MetaInitError, match=r"module 1 \(Scaled\) owns parameters \['scale'\] and has no "
+                                            r"reset_parameters"):
+        meta_values(model, 0)
+    assert set(meta_values(model, 0, ["0.weight", "0.bias"])) == {"0.weight", "0.bias"}  # the rest is fine
+
+    class Partial(Scaled):
+        def reset_parameters(self) -> None:
+            pass  # sets nothing: the parameter would start as garbage
+
+    with parameters_on_meta():
+        partial = nn.Sequential(Partial())
+    with pytest.raises(MetaInitError, match=r"initializing module 0 \(Partial\) left \['scale'\] unset"):
+        meta_values(partial, 0)
