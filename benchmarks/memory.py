@@ -1,4 +1,4 @@
-# Run: python -m benchmarks.memory            (add --steps 2 for a quicker look; --only slices|checkpointing)
+# Run: python -m benchmarks.memory            (add --steps 2 for a quicker look; --only slices|states|checkpointing)
 """Memory: what a stage holds of a model too big for one process, and what activation checkpointing saves.
 
 **Slices.** The model of issue 26: 24 ``Linear(2048, 2048)`` (100.7M parameters, 384 MiB
@@ -57,6 +57,7 @@ from typing import Any
 
 import torch
 
+from benchmarks import _memory_states
 from benchmarks._torch_pipelining import BATCH_SHAPE, NUM_BLOCKS, NUM_MICROBATCHES, reference_batch
 from transport.loop import run
 
@@ -113,7 +114,9 @@ SLICE_STAGES, SLICE_LAYERS, SLICE_DIM = 8, 24, 2048
 # moment's square root): one slice more at the peak; fused=True (torch's fused CPU kernel, as
 # DeepSpeed users take FusedAdam) makes none.
 SLICE_OPTIMIZERS = {"sgd": ("torch.optim:SGD", {"lr": 0.01}), "adam": ("torch.optim:Adam", {"lr": 1e-4}),
-                    "adam_fused": ("torch.optim:Adam", {"lr": 1e-4, "fused": True})}
+                    "adam_fused": ("torch.optim:Adam", {"lr": 1e-4, "fused": True}),
+                    "adam_int8": ("torch.optim:Adam", {"lr": 1e-4})}
+SLICE_OPTIONS: dict[str, dict[str, Any]] = {"adam_int8": {"optimizer_states": "int8"}}  # Adam's moments in 8 bits
 
 
 def _status_bytes(pid: int, field: str) -> int:
@@ -139,7 +142,8 @@ async def _two_steps(cluster: Any, model_kwargs: dict[str, Any], optimizer: str,
         model="examples.models:linear_stack", model_kwargs=model_kwargs,
         loss="torch.nn.functional:mse_loss", optimizer=SLICE_OPTIMIZERS[optimizer],
         pipeline_stages=SLICE_STAGES, micro_batches=8, schedule="1f1b", seed=0,
-        partition_method="uniform", threads_per_stage=1, keep_freed_memory=keep_freed_memory)
+        partition_method="uniform", threads_per_stage=1, keep_freed_memory=keep_freed_memory,
+        **SLICE_OPTIONS.get(optimizer, {}))
     try:
         await job.step(inputs, targets)
         # A stage reports its peak at the barrier, before its optimizer steps: the second step's
@@ -182,7 +186,7 @@ def slices_summary() -> dict[str, Any]:
     variants = {"": (True, True), "_release": (True, False), "_whole": (False, True)}
     for optimizer in SLICE_OPTIMIZERS:
         for suffix, (specs, keep) in variants.items():
-            if optimizer == "adam_fused" and suffix:  # as layer specs only: the other variants are Adam's
+            if optimizer in ("adam_fused", "adam_int8") and suffix:  # as layer specs only: the others are Adam's
                 continue
             added, over_zygote = run(measure_slices(optimizer, specs, keep))
             label = ("layer specs" if specs else "whole model") + ("" if keep else ", keep_freed_memory=False")
@@ -240,15 +244,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3, help="steps per setting (the first one's time is not counted)")
     parser.add_argument("--interval2", action="store_true", help="also activation_checkpointing=2, fused")
-    parser.add_argument("--only", choices=("slices", "checkpointing"), help="run one part only")
+    parser.add_argument("--only", choices=("slices", "checkpointing", "states"), help="run one part only")
+    parser.add_argument("--loss-steps", type=int, default=300, help="GPT steps per setting in the states part")
     args = parser.parse_args()
     if args.steps < 1:
         parser.error("--steps must be >= 1")
     started = time.perf_counter()
     summary: dict[str, Any] = {}
-    if args.only != "checkpointing":
+    if args.only in (None, "slices"):
         summary.update(slices_summary())
-    if args.only != "slices":
+    if args.only in (None, "states"):
+        summary.update(run(_memory_states.state_bytes()))
+        summary.update(run(_memory_states.stash()))
+        summary.update(run(_memory_states.losses(args.loss_steps)))
+        summary.update(_memory_states.deepspeed_peer())
+    if args.only in (None, "checkpointing"):
         fused = {**FUSED, **({"interval2": 2} if args.interval2 else {})}
         results = {result.name: result for group, fusion in ((fused, True), (UNSPLIT, False))
                    for result in run(measure(group, fusion, args.steps))}
