@@ -153,10 +153,7 @@ class JobSpec:
         if zero >= 3:
             raise ValueError(f"optimization.zero_stage={zero} is not built: a pipeline stage holds its parameters "
                              "whole; zero_stage=2 shards gradients and optimizer state, 1 the optimizer state")
-        if zero == 2 and c.reduce_codec != "none":
-            raise ValueError(f"optimization.zero_stage=2 with reduce_codec={c.reduce_codec!r}: a lossy data-parallel "
-                             "reduction is not built for ZeRO-2's reduce-scatter yet; use reduce_codec='none', or "
-                             "zero_stage=1 (which reduces lossy gradients whole)")
+
 
     def check_schedule(self) -> None:
         """Compiles the spec's schedule once, for its own limits (e.g. interleaved needs ``micro_batches``

@@ -228,7 +228,7 @@ class Optimization(_Section):
     gradient_clipping: float = 0.0
     """clip the global gradient norm (every stage, tensor shard and replica, as `clip_grad_norm_` on one process) to this; 0 is off. `StepStats.grad_norm` reports the norm either way"""
     zero_stage: int = 0
-    """ZeRO across data-parallel replicas: each bucket of gradients is reduce-scattered into one run of whole parameters per replica (half the bytes of an all-reduce), each replica steps and keeps optimizer state for its runs only, then the owners broadcast the parameters. 1: gradient buffers stay whole; 2: between steps a replica keeps only its runs' gradients. A lossy `reduce_codec` reduces whole gradients with 1 and is refused with 2; 0 is off, 3 is not built; with `data_parallel=1` nothing changes"""
+    """ZeRO across data-parallel replicas: each bucket of gradients is reduce-scattered into one run of whole parameters per replica (half the bytes of an all-reduce), each replica steps and keeps optimizer state for its runs only, then the owners broadcast the parameters. 1: gradient buffers stay whole; 2: between steps a replica keeps only its runs' gradients. A lossy `reduce_codec` encodes each replica's range of the reduce-scatter (as ZeRO++); 0 is off, 3 is not built; with `data_parallel=1` nothing changes"""
     optimizer_states: StatePrecision = "fp32"
     """how Adam's two moments are held: `fp32` (torch's own optimizer, exact); `bf16`, `int8` or `int4` keep them in 2, 1 or 1/2 byte per parameter, block-wise with stochastic rounding (`stages.state.quantized_adam`), for `torch.optim:Adam` or `AdamW`; checkpoints store them as float32, readable at any precision"""
 

@@ -178,7 +178,7 @@ def build_stage(config: StageConfig, allow: Sequence[str], device: torch.device,
         param_names[id(p)] = min(param_names.get(id(p), name), name, *aliases.get(name, []))
     reduce_params = _overlap.backward_order(modules)
     shards = None
-    if cfg.optimization.zero_stage in (1, 2) and mesh.data > 1 and reduce_exact:
+    if cfg.optimization.zero_stage in (1, 2) and mesh.data > 1:
         # ZeRO: each bucket reduce-scattered into per-replica runs, which are what each replica steps.
         tied_ids = {id(g.param) for g in sync.groups}
         shards = zero.plan_gradient_shards(reduce_params, cfg.communication.bucket_bytes, mesh.data, tied_ids)

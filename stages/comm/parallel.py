@@ -29,7 +29,7 @@ import torch.distributed as dist
 from stages.comm.zero import GradientShards
 from stages.mesh import Mesh
 from stages.program import stage_to_rank
-from transport.codecs import ErrorFeedback
+from transport.codecs import Encoded, ErrorFeedback
 
 __all__ = [
     "GLOO", "NCCL", "ProcessGroups", "average_gradients", "backend_for", "bucket_layout", "join_process_groups",
@@ -300,9 +300,12 @@ def average_gradients(
             continue
         flat = _flat_buffer(groups, index, sum(g.numel() for g in grads), grads[0])
         torch.cat([g.reshape(-1) for g in grads], out=flat)
-        start_reduce_scatter(flat, ranges, dist.get_rank(groups.data), groups.data, groups.data_size).wait()
+        if feedback is not None and feedback.codec.lossy:
+            sent += _scatter_encoded(flat, ranges, groups, feedback, index)
+        else:
+            start_reduce_scatter(flat, ranges, dist.get_rank(groups.data), groups.data, groups.data_size).wait()
+            sent += flat.numel() * flat.element_size()
         _copy_out(flat, grads)
-        sent += flat.numel() * flat.element_size()
     if shards is not None:
         for p, kept in zip(params, shards.owned(dist.get_rank(groups.data), params)):
             if not kept:
@@ -320,6 +323,48 @@ def start_reduce_scatter(flat: torch.Tensor, ranges: Sequence[tuple[int, int]], 
     mine = flat.new_empty(end - start)
     parts = [flat[a:b] for a, b in ranges]
     return _Placed(dist.reduce_scatter(mine, parts, group=group, async_op=True), flat[start:end], mine, world)
+
+
+def _scatter_encoded(flat: torch.Tensor, ranges: Sequence[tuple[int, int]], groups: ProcessGroups,
+                     feedback: ErrorFeedback, index: int) -> int:
+    """A reduce-scatter of ``flat`` with a lossy codec, as ZeRO++'s quantized gradients: each replica
+    encodes each other replica's range (with error feedback, a residual per bucket and range)
+    and sends it there alone; each sums the decoded ranges it got with its own, unencoded,
+    and divides. Returns the bytes this replica sent: about (replicas - 1) / replicas of the
+    encoded bucket, where the lossy all-reduce gathers every replica's whole bucket."""
+    me, world = dist.get_rank(groups.data), groups.data_size
+    peers = dist.get_process_group_ranks(groups.data)
+    start, end = ranges[me]
+    codec = feedback.codec
+    ops, incoming, sent = [], [], 0
+    for r, (a, b) in enumerate(ranges):
+        if r == me:
+            continue
+        if b > a:  # my contribution to replica r's range
+            encoded = feedback.encode(flat[a:b], stream=(index, r))
+            sent += encoded.nbytes
+            ops += [dist.P2POp(dist.isend, frame.contiguous(), peers[r], groups.data) for frame in encoded.frames]
+        if end > start:  # replica r's contribution to mine
+            sizes = codec.frame_sizes(flat.dtype, (end - start,), _codec_params(codec))
+            frames = tuple(torch.empty(n, dtype=torch.uint8, device=flat.device) for n in sizes)
+            incoming.append(frames)
+            ops += [dist.P2POp(dist.irecv, frame, peers[r], groups.data) for frame in frames]
+    for work in dist.batch_isend_irecv(ops) if ops else []:
+        work.wait()
+    if end > start:
+        mine = flat[start:end]
+        total = mine.to(torch.float32)
+        for frames in incoming:
+            encoded = Encoded(codec=codec.name, dtype=flat.dtype, shape=(end - start,),
+                              params=_codec_params(codec), frames=frames)
+            total = total + codec.decode(encoded).reshape(-1).to(device=flat.device, dtype=torch.float32)
+        mine.copy_(total / world)
+    return sent
+
+
+def _codec_params(codec: Any) -> dict[str, int | float | str]:
+    """The params a codec encodes with (its block size, for the block codecs)."""
+    return {"block": codec.block} if hasattr(codec, "block") else {}
 
 
 class _Placed:

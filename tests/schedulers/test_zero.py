@@ -274,3 +274,19 @@ async def test_zero2_keeps_tied_weights_whole_and_clips_as_one_process(cluster: 
     # The global norm adds the replicas' shares of it (in float64): one process's norm, to rounding.
     assert [s.grad_norm for s in clipped] == pytest.approx([s.grad_norm for s in plain], rel=1e-9)
     assert all(s.grad_norm > 0.05 for s in plain)  # every step clipped
+
+
+async def test_zero2_with_a_lossy_reduce_codec_sends_each_replica_only_its_encoded_range(cluster: Cluster) -> None:
+    """As ZeRO++'s quantized gradients: each replica encodes the others' ranges and sends each its own,
+    about half the bytes of the lossy all-reduce's gather at two replicas; the error is the codec's."""
+    runs = {}
+    for stage, codec in ((0, "none"), (0, "int8"), (2, "int8")):
+        async with await start(cluster, MLP, zero_stage=stage, reduce_codec=codec) as job:
+            stats = await train(job, MLP["batches"]())
+            runs[(stage, codec)] = (stats, await job.state_dict())
+    exact_losses = [s.loss for s in runs[(0, "none")][0]]
+    for key in ((0, "int8"), (2, "int8")):
+        assert [s.loss for s in runs[key][0]] == pytest.approx(exact_losses, rel=0.02)
+    gathered, scattered = runs[(0, "int8")][0][-1].reduce_bytes, runs[(2, "int8")][0][-1].reduce_bytes
+    assert 0 < scattered <= 0.55 * gathered
+    assert_halved(runs[(2, "int8")][0][-1].optimizer_state_bytes)
