@@ -65,6 +65,9 @@ _BITS = {"int8": 8, "int4": 4}
 DEFAULT_BLOCK = {"int8": 256, "int4": 128}
 # A value this close to a level (in steps) is on it: decoding then encoding gives the same code.
 _SNAP = 1e-4
+# Elements one step decodes, updates and encodes at once (a whole number of blocks): the float32
+# temporaries of a step are a few of these, not a few of the largest parameter.
+CHUNK = 1 << 18
 
 
 def _width(numel: int, block: int) -> int:
@@ -199,49 +202,118 @@ class QuantizedAdam(torch.optim.Optimizer):
         return loss
 
     def _step_one(self, p: torch.Tensor, group: Mapping[str, Any], beta1: float, beta2: float, seed: int) -> None:
+        """One parameter's update, :data:`CHUNK` elements at a time: what it holds besides the codes
+        is a few float32 chunks, whatever the parameter's size."""
         state = self.state[p]
-        grad = p.grad.float()  # type: ignore[union-attr]
-        work = p.float() if p.dtype != torch.float32 else p
-        m, v = self._moments(p, state)
+        if "exp_avg" in state and (self.bits is not None or state["exp_avg"].dtype != torch.bfloat16):
+            self._encode_state(p, state)  # float32 moments a checkpoint gave back
+        if not state.get("step"):
+            self._allocate(p, state)
         step = state["step"] = state.get("step", torch.tensor(0.0)) + 1
-        lr, weight_decay = group["lr"], group["weight_decay"]
-        if weight_decay:
-            if group["decoupled"]:
-                work.mul_(1 - lr * weight_decay)
-            else:
-                grad = grad.add(work, alpha=weight_decay)
-        m.lerp_(grad, 1 - beta1)
-        v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         count = float(step)
-        correction2 = math.sqrt(1 - beta2 ** count)
-        denominator = (v.sqrt() / correction2).add_(group["eps"])
-        work.addcdiv_(m, denominator, value=-lr / (1 - beta1 ** count))
-        if work is not p:
-            p.copy_(work)
-        self._store(p, state, m, v, int(count), seed)
+        lr, weight_decay, eps = group["lr"], group["weight_decay"], group["eps"]
+        step_size, correction2 = lr / (1 - beta1 ** count), math.sqrt(1 - beta2 ** count)
+        flat = p.detach().reshape(-1)  # a view: parameters are contiguous
+        grads = p.grad.detach().reshape(-1)  # type: ignore[union-attr]
+        generators = [torch.Generator(device=p.device).manual_seed(((int(count) * 1_000_003 + seed) * 2 + which)
+                                                                    % (1 << 63)) for which in (0, 1)]
+        chunk = self._chunk(p.numel())
+        for start in range(0, p.numel(), chunk):
+            end = min(start + chunk, p.numel())
+            m, v = self._chunk_moments(p, state, start, end)
+            grad = grads[start:end].float()
+            work = flat[start:end].float() if p.dtype != torch.float32 else flat[start:end]
+            if weight_decay:
+                if group["decoupled"]:
+                    work.mul_(1 - lr * weight_decay)
+                else:
+                    grad = grad.add(work, alpha=weight_decay)
+            m.lerp_(grad, 1 - beta1)
+            v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            denominator = (v.sqrt() / correction2).add_(eps)
+            work.addcdiv_(m, denominator, value=-step_size)
+            if p.dtype != torch.float32:
+                flat[start:end].copy_(work)
+            self._chunk_store(p, state, m, v, start, end, generators)
+
+    def _chunk(self, numel: int) -> int:
+        """Elements a step works on at once: :data:`CHUNK`, a whole number of blocks."""
+        width = _width(numel, self.block)
+        return max(width, CHUNK // width * width)
+
+    def _allocate(self, p: torch.Tensor, state: dict[str, Any]) -> None:
+        """Zero moments for ``p``'s first step, in their precision."""
+        if self.bits is None:
+            for name in _MOMENTS:
+                state[name] = torch.zeros(p.shape, dtype=torch.bfloat16, device=p.device)
+            return
+        self._encode_into(p, state, lambda start, end: [torch.zeros(end - start, device=p.device)] * 2)
+
+    def _encode_state(self, p: torch.Tensor, state: dict[str, Any]) -> None:
+        """Float32 moments (a checkpoint's) encoded in this optimizer's precision; the codes and maxima
+        they were decoded from, exactly (bf16: the same bfloat16)."""
+        m, v = state.pop("exp_avg").reshape(-1), state.pop("exp_avg_sq").reshape(-1)
+        if self.bits is None:
+            state["exp_avg"], state["exp_avg_sq"] = (t.reshape(p.shape).to(torch.bfloat16) for t in (m, v))
+            return
+        self._encode_into(p, state, lambda start, end: [m[start:end].float(), v[start:end].float()])
+
+    def _encode_into(self, p: torch.Tensor, state: dict[str, Any],
+                     values: Callable[[int, int], list[torch.Tensor]]) -> None:
+        """Codes and maxima for both moments, encoded a chunk at a time from ``values(start, end)``."""
+        assert self.bits is not None
+        numel, width = p.numel(), _width(p.numel(), self.block)
+        count = -(-numel // width)
+        for name in _MOMENTS:
+            dtype = torch.int8 if self.bits == 8 and name == "exp_avg" else torch.uint8
+            state[f"{name}_codes"] = torch.empty(count * width * self.bits // 8, dtype=dtype, device=p.device)
+            state[f"{name}_max"] = torch.empty(count, dtype=torch.float32, device=p.device)
+        chunk = self._chunk(numel)
+        for start in range(0, numel, chunk):
+            end = min(start + chunk, numel)
+            codes, blocks = self._slices(numel, start, end)
+            for name, value in zip(_MOMENTS, values(start, end)):
+                # On a level already (zeros, or decoded values): an even chance keeps each on its own level.
+                even = torch.full(noise_shape(value, self.block), 0.5, device=p.device)
+                state[f"{name}_codes"][codes], state[f"{name}_max"][blocks] = encode(value, self.bits, name,
+                                                                                     self.block, even)
+
+    def _slices(self, numel: int, start: int, end: int) -> tuple[slice, slice]:
+        """The codes and the maxima of elements ``[start, end)`` (``start`` on a block boundary)."""
+        assert self.bits is not None
+        width = _width(numel, self.block)
+        blocks = slice(start // width, -(-end // width))
+        last = blocks.stop * width if end == numel else end
+        per_byte = 8 // self.bits
+        return slice(start // per_byte, -(-last // per_byte)), blocks
+
+    def _chunk_moments(self, p: torch.Tensor, state: dict[str, Any], start: int,
+                       end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both moments of elements ``[start, end)`` as float32."""
+        if self.bits is None:
+            return tuple(state[name].reshape(-1)[start:end].float() for name in _MOMENTS)  # type: ignore[return-value]
+        codes, blocks = self._slices(p.numel(), start, end)
+        return tuple(decode(state[f"{name}_codes"][codes], state[f"{name}_max"][blocks], self.bits, name,  # type: ignore[return-value]
+                            torch.Size([end - start])) for name in _MOMENTS)
+
+    def _chunk_store(self, p: torch.Tensor, state: dict[str, Any], m: torch.Tensor, v: torch.Tensor, start: int,
+                     end: int, generators: list[torch.Generator]) -> None:
+        for name, value, generator in zip(_MOMENTS, (m, v), generators):
+            if self.bits is None:
+                state[name].reshape(-1)[start:end] = _round_bf16(value, generator)
+                continue
+            noise = torch.rand(noise_shape(value, self.block), generator=generator, device=p.device)
+            codes, blocks = self._slices(p.numel(), start, end)
+            state[f"{name}_codes"][codes], state[f"{name}_max"][blocks] = encode(value, self.bits, name, self.block,
+                                                                                 noise)
 
     def _moments(self, p: torch.Tensor, state: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Both moments as float32 of ``p``'s shape (zeros at the first step)."""
+        """Both moments as float32 of ``p``'s shape (for a checkpoint)."""
         if "exp_avg_codes" in state:
             assert self.bits is not None
             return tuple(decode(state[f"{name}_codes"], state[f"{name}_max"], self.bits, name, p.shape)  # type: ignore[return-value]
                          for name in _MOMENTS)
-        if "exp_avg" in state:  # bf16 moments, or float32 ones a checkpoint gave back
-            return state["exp_avg"].float().clone(), state["exp_avg_sq"].float().clone()
-        zeros = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-        return zeros, zeros.clone()
-
-    def _store(self, p: torch.Tensor, state: dict[str, Any], m: torch.Tensor, v: torch.Tensor, step: int,
-               seed: int) -> None:
-        for which, (name, value) in enumerate(zip(_MOMENTS, (m, v))):
-            generator = torch.Generator(device=p.device)
-            generator.manual_seed(((step * 1_000_003 + seed) * 2 + which) % (1 << 63))
-            state.pop(name, None)
-            if self.bits is None:
-                state[name] = _round_bf16(value, generator)
-                continue
-            noise = torch.rand(noise_shape(value, self.block), generator=generator, device=p.device)
-            state[f"{name}_codes"], state[f"{name}_max"] = encode(value, self.bits, name, self.block, noise)
+        return state["exp_avg"].float().clone(), state["exp_avg_sq"].float().clone()
 
     def decoded(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
         """``p``'s state with the moments as float32 of ``p``'s shape (empty before its first step)."""
@@ -257,16 +329,8 @@ class QuantizedAdam(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 state = self.state.get(p)
-                if not state or "exp_avg" not in state or state["exp_avg"].dtype == torch.bfloat16 and self.bits is None:
-                    continue
-                m, v = state.pop("exp_avg").float(), state.pop("exp_avg_sq").float()
-                if self.bits is None:
-                    state["exp_avg"], state["exp_avg_sq"] = m.to(torch.bfloat16), v.to(torch.bfloat16)
-                    continue
-                for name, value in zip(_MOMENTS, (m, v)):
-                    # On a level already: an even chance keeps each value on its own level.
-                    even = torch.full(noise_shape(value, self.block), 0.5, device=p.device)
-                    state[f"{name}_codes"], state[f"{name}_max"] = encode(value, self.bits, name, self.block, even)
+                if state and "exp_avg" in state and (self.bits is not None or state["exp_avg"].dtype != torch.bfloat16):
+                    self._encode_state(p, state)
 
 
 def _base(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -183,3 +183,33 @@ def test_only_adam_and_adamw_take_quantized_moments() -> None:
     with pytest.raises(ValueError, match="optimizer_states"):
         Optimization(optimizer=("torch.optim:Adam", {}), optimizer_states="int2")
     assert Optimization(optimizer="torch.optim:SGD").optimizer_states == "fp32"  # the default changes nothing
+
+
+@pytest.mark.parametrize("states", ["bf16", "int8", "int4"])
+def test_a_parameter_larger_than_a_chunk_is_stepped_a_chunk_at_a_time(states: str,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step holds a few chunks in float32, never the parameter: cut small, the first update (which no
+    rounding of the moments reaches) is the same bits, and each chunk's moments decode to torch's."""
+    from stages.state import quantized_adam
+
+    gen = torch.Generator().manual_seed(4)
+    weight = torch.randn(37, 300, generator=gen)  # 11100 elements, not a whole number of blocks
+    grad = torch.randn(37, 300, generator=gen)
+    results = {}
+    for chunk in (1 << 18, 1024):
+        monkeypatch.setattr(quantized_adam, "CHUNK", chunk)
+        p = torch.nn.Parameter(weight.clone())
+        p.grad = grad.clone()
+        optimizer = QuantizedAdam([p], lr=0.01, weight_decay=0.1, decoupled=True, states=states)
+        optimizer.step()
+        results[chunk] = (p.detach().clone(), checkpoint_state(optimizer, p))
+    assert torch.equal(results[1024][0], results[1 << 18][0])
+    reference = torch.nn.Parameter(weight.clone())
+    reference.grad = grad.clone()
+    adam = torch.optim.AdamW([reference], lr=0.01, weight_decay=0.1)
+    adam.step()
+    torch.testing.assert_close(results[1024][0], reference.detach(), rtol=0, atol=1e-6)
+    for name in ("exp_avg", "exp_avg_sq"):
+        expected = adam.state[reference][name]
+        got = results[1024][1][name]
+        assert (got - expected).norm() <= 0.2 * expected.norm()  # int4's steps are coarse; int8's and bf16's fine
