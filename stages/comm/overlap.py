@@ -207,7 +207,6 @@ class OverlappedReduction:
         if shards is not None and scatter is None:
             raise ValueError("a reduction with ZeRO's shards needs scatter")
         self._shards, self._scatter, self._release = shards, scatter, release and shards is not None
-        self._kept = shards.owned(replica, self.params) if shards is not None else [True] * len(self.params)
         self._replica = replica
         self.layout = bucket_layout(self.params, bucket_bytes) if shards is None else shards.layout
         self.flats = [torch.zeros(sum(self.params[i].numel() for i in members), dtype=self.params[members[0]].dtype,
@@ -275,10 +274,9 @@ class OverlappedReduction:
         self.active = any(a.kind is ActionKind.REDUCE for a in program)
         if not self.active:
             return
-        for flat in self.flats:
-            storage = flat.untyped_storage()
-            if storage.nbytes() == 0:  # given back by the last finish (ZeRO-2): the views see it again
-                storage.resize_(flat.numel() * flat.element_size())
+        for flat in self.flats:  # given back by the last finish (ZeRO-2): the views see them again
+            if flat.untyped_storage().nbytes() == 0:
+                flat.untyped_storage().resize_(flat.numel() * flat.element_size())
         batched = self._w_batching if w_batching is None else w_batching
         key = (tuple(program), batched)
         plan = self._plans.get(key)
@@ -347,30 +345,8 @@ class OverlappedReduction:
         self.active, self._works = False, []  # a work keeps its process group's sockets alive
         found = self._nonfinite()
         if self._shards is not None:
-            self._keep_shard()
+            self._shards.keep_own(self._replica, self.params, self.flats, self._views, release=self._release)
         return found
-
-    def _keep_shard(self) -> None:
-        """ZeRO: drops the gradients other replicas reduced; with ``release``, moves this replica's runs
-        to gradients of their own and gives the buckets' memory back."""
-        assert self._shards is not None
-        for p, kept in zip(self.params, self._kept):
-            if not kept:
-                p.grad = None
-        if not self._release:
-            return
-        for b, (flat, members) in enumerate(zip(self.flats, self.layout)):
-            ranges = self._shards.ranges[b]
-            if ranges is None:
-                continue  # all-reduced (tied parameters): every replica keeps the whole bucket
-            start, end = ranges[self._replica]
-            own = flat[start:end].clone()
-            for i in members:
-                if self._kept[i]:
-                    view = self._views[i]
-                    offset = view.storage_offset() - flat.storage_offset() - start
-                    self.params[i].grad = own[offset:offset + view.numel()].view_as(view)
-            flat.untyped_storage().resize_(0)
 
     def abandon(self) -> None:
         """The step failed or was aborted: starts the buckets not started yet (every replica

@@ -75,6 +75,29 @@ class GradientShards:
                 if ranges is None or self.owners[id(params[i])] == replica}
         return [i in kept for i in range(len(params))]
 
+    def keep_own(self, replica: int, params: Sequence[torch.Tensor], flats: Sequence[torch.Tensor],
+                 views: Sequence[torch.Tensor], *, release: bool) -> None:
+        """After the reduce-scatter of gradients living in ``flats`` (``views``: each parameter's place in its
+        bucket): drops the gradients other replicas reduced; with ``release`` (ZeRO-2), moves this
+        replica's runs to gradients of their own and gives the buckets' memory back (until the
+        reduction's next step resizes them)."""
+        kept = self.owned(replica, params)
+        for p, mine in zip(params, kept):
+            if not mine:
+                p.grad = None
+        if not release:
+            return
+        for flat, members, ranges in zip(flats, self.layout, self.ranges):
+            if ranges is None:
+                continue  # all-reduced (tied parameters): every replica keeps the whole bucket
+            start, end = ranges[replica]
+            own = flat[start:end].clone()
+            for i in members:
+                if kept[i]:
+                    offset = views[i].storage_offset() - flat.storage_offset() - start
+                    params[i].grad = own[offset:offset + views[i].numel()].view_as(views[i])
+            flat.untyped_storage().resize_(0)
+
 
 def plan_gradient_shards(params: Sequence[torch.Tensor], bucket_bytes: int, replicas: int,
                          replicated: Container[int] = ()) -> GradientShards:
