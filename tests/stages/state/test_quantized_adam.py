@@ -213,3 +213,28 @@ def test_a_parameter_larger_than_a_chunk_is_stepped_a_chunk_at_a_time(states: st
         expected = adam.state[reference][name]
         got = results[1024][1][name]
         assert (got - expected).norm() <= 0.2 * expected.norm()  # int4's steps are coarse; int8's and bf16's fine
+
+
+def test_a_recovery_snapshot_keeps_the_codes_and_a_replayed_step_rounds_the_same() -> None:
+    """Recovery rolls a stage back to a snapshot (stages/state/snapshots.py) and replays the lost steps:
+    the snapshot holds the codes as they are, and the replay draws the same rounding noise."""
+    from stages.state import snapshots
+
+    model, optimizer = _stepped("int8", steps=2)
+    held = {0: model}
+    shelf = snapshots.capture(held, optimizer)
+    assert {key.rpartition("/")[2] for key in shelf if key.startswith("optim/")} == {
+        "step", "exp_avg_codes", "exp_avg_max", "exp_avg_sq_codes", "exp_avg_sq_max"}
+
+    def third_step() -> dict[str, torch.Tensor]:
+        gen = torch.Generator().manual_seed(99)
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=gen)
+        optimizer.step()
+        return {k: v.clone() for k, v in model.state_dict().items()}
+
+    first = third_step()
+    codes = [state["exp_avg_codes"].clone() for state in optimizer.state.values()]
+    snapshots.restore(held, optimizer, shelf)
+    assert torch.equal(third_step()["0.weight"], first["0.weight"])
+    assert all(torch.equal(a, state["exp_avg_codes"]) for a, state in zip(codes, optimizer.state.values()))
