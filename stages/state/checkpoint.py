@@ -69,6 +69,7 @@ from stages.state.manifest import (
     TensorPart,
     layer_of,
     merge_written,
+    open_inside,
 )
 
 __all__ = [
@@ -149,7 +150,7 @@ def _read_part(version: str, part: TensorPart, dtype: torch.dtype, files: Mappin
     if raw.nbytes != part.nbytes or part.file not in files:
         raise CheckpointError("bad checkpoint", [f"{where}: the manifest's size or file does not fit the entry"])
     try:
-        with open(path, "rb") as f:
+        with open_inside(path) as f:
             size = os.fstat(f.fileno()).st_size
             if size != files[part.file]:
                 raise CheckpointError("bad checkpoint",

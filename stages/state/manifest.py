@@ -9,6 +9,8 @@ so :meth:`Manifest.from_wire` checks every field. The directory and the bytes ar
 
 from __future__ import annotations
 
+import io
+import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -16,7 +18,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["FORMAT", "SAFETENSORS", "SAFETENSORS_FILE", "CheckpointError", "Manifest", "TensorEntry", "TensorPart", "layer_of", "merge_written"]
+__all__ = ["FORMAT", "SAFETENSORS", "SAFETENSORS_FILE", "CheckpointError", "Manifest", "TensorEntry", "TensorPart", "layer_of", "merge_written",
+           "open_inside"]
 
 FORMAT = "actorpipe-checkpoint"
 FORMAT_VERSION = 1
@@ -50,6 +53,17 @@ class CheckpointError(ValueError):
         summary, *rest = message.split("\n")
         return cls(summary, [line.removeprefix("  - ") for line in rest if line.startswith("  - ")])
 
+
+
+def open_inside(path: str) -> io.BufferedReader:
+    """A checkpoint's or a weights directory's file opened to read, refused when it is a symbolic
+    link: the directory was checked to lie where its reader may read
+    (:func:`stages.state.checkpoint.check_within`), and a link in it could lead anywhere.
+
+    Raises:
+        OSError: a link (ELOOP), or what opening it raised.
+    """
+    return os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb")
 
 
 def _expect(condition: bool, problem: str) -> None:

