@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["gpt2", "llama"]
+__all__ = ["gpt2", "llama", "qwen2"]
 
 
 def gpt2(layers: int = 4, dim: int = 64, heads: int = 4, vocab: int = 128, positions: int = 128,
@@ -35,6 +35,17 @@ def llama(layers: int = 4, dim: int = 64, heads: int = 4, kv_heads: int = 2, voc
     from transformers import LlamaConfig, LlamaForCausalLM
 
     return LlamaForCausalLM(LlamaConfig(
+        num_hidden_layers=layers, hidden_size=dim, intermediate_size=2 * dim, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, vocab_size=vocab, max_position_embeddings=positions,
+        tie_word_embeddings=tie, bos_token_id=0, eos_token_id=0, pad_token_id=0, use_cache=False, **config))
+
+
+def qwen2(layers: int = 4, dim: int = 64, heads: int = 4, kv_heads: int = 2, vocab: int = 128,
+          positions: int = 128, tie: bool = True, **config: Any) -> nn.Module:
+    """A ``Qwen2ForCausalLM`` (LLaMA's shape with biased q/k/v projections; tied unless ``tie=False``)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return Qwen2ForCausalLM(Qwen2Config(
         num_hidden_layers=layers, hidden_size=dim, intermediate_size=2 * dim, num_attention_heads=heads,
         num_key_value_heads=kv_heads, vocab_size=vocab, max_position_embeddings=positions,
         tie_word_embeddings=tie, bos_token_id=0, eos_token_id=0, pad_token_id=0, use_cache=False, **config))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import regex
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -20,7 +20,7 @@ from stages.compute.activations import run_layers, run_segments
 from actors._registry import load_object
 from stages.comm.boundary import split_batch
 from stages.records import StageConfig
-from stages.build.layer_specs import build_specs, is_layer_specs
+from stages.build.layer_specs import build_specs, is_layer_specs, layer_seed
 from stages.build.meta_init import materialize, meta_values, on_meta, parameters_on_meta, retarget
 from stages.build.traced import TracedStage, trace_stages
 
@@ -207,9 +207,7 @@ def layer_times(model: str, model_kwargs: dict[str, Any], allow: Sequence[str], 
     layer's output, once to warm up and then ``repeats`` times; the fastest run counts
     (noise on a shared machine only ever adds time).
     """
-    torch.manual_seed(seed)
-    built = load_object(model, allow)(**model_kwargs)
-    layers = build_specs(built, seed) if is_layer_specs(built) else model_layers(built, model)
+    layers = _one_real_at_a_time(load_object(model, allow), model_kwargs, model, seed)
     if data is not None:
         inputs, _ = load_object(data, allow)(**data_kwargs)(0)
         x = split_batch(inputs, micro_batches, "inputs")[0]
@@ -219,7 +217,7 @@ def layer_times(model: str, model_kwargs: dict[str, Any], allow: Sequence[str], 
         raise TypeError(f"partition_method='profile' times layers on a tensor micro-batch, got {type(x).__name__}; "
                         "partition by parameters, or give split_points")
     times = []
-    for index, layer in enumerate(layers):
+    for index, layer in layers:
         # As in training: no gradient flows into the data, only into every later layer's input.
         sample = x.detach().requires_grad_(index > 0 and x.is_floating_point())
         runs = []
@@ -234,3 +232,31 @@ def layer_times(model: str, model_kwargs: dict[str, Any], allow: Sequence[str], 
         with torch.no_grad():
             x = layer(x)
     return times
+
+
+def _one_real_at_a_time(factory: Callable[..., Any], kwargs: dict[str, Any], path: str,
+                        seed: int) -> Iterator[tuple[int, nn.Module]]:
+    """The model's layers, each real only while the caller has it: the model is built with its
+    parameters on the meta device (layer specs: not at all), and each layer in turn gets real ones
+    (layer specs: its own seed's; otherwise random normal, enough to time it) and gives them back
+    to the meta device once the next is asked for. So profiling a model needs one layer's memory,
+    not the model's."""
+    torch.manual_seed(seed)
+    with parameters_on_meta():
+        built = factory(**kwargs)
+    if is_layer_specs(built):
+        for index, spec in enumerate(built):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(layer_seed(seed, index))
+                layer = spec.build()
+            yield index, layer
+        return
+    layers = model_layers(built, path)
+    model = nn.Sequential(*layers)
+    for index, layer in enumerate(layers):
+        values = {f"{index}.{name}": torch.empty(p.shape, dtype=p.dtype).normal_(0.0, 0.02) if p.is_floating_point()
+                  else torch.zeros(p.shape, dtype=p.dtype)
+                  for name, p in layer.named_parameters(remove_duplicate=False) if p.is_meta}
+        materialize(model, values)
+        yield index, layer
+        layer.to("meta")

@@ -249,3 +249,21 @@ class OverflowWhenMarked(nn.Module):
 def overflowing(layers: int = 4, dim: int = 8) -> nn.Sequential:
     """A linear stack whose first layer can be made to overflow (see :class:`OverflowWhenMarked`)."""
     return nn.Sequential(OverflowWhenMarked(), *(nn.Linear(dim, dim) for _ in range(layers)))
+
+
+class Logits(nn.Module):
+    """A Hugging Face causal LM wrapped, as users do, to return its logits alone."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=input_ids, use_cache=False).logits
+
+
+def hf_logits(family: str, **kwargs: Any) -> Logits:
+    """``examples.hf``'s ``family`` model from ``kwargs``, returning logits (split at ``lm.model.layers.N``)."""
+    from examples import hf
+
+    return Logits(getattr(hf, family)(**kwargs))

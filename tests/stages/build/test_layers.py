@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+import torch
+from torch import nn
 
 from stages.build.layers import match_layer_types
 
@@ -28,3 +30,36 @@ def test_a_pattern_that_backtracks_without_end_runs_out_of_time_with_an_error() 
 def test_a_pattern_that_is_not_one_is_refused(pattern: str) -> None:
     with pytest.raises(ValueError):
         match_layer_types(pattern, NAMES)
+
+
+class _Counting(nn.Module):
+    """A layer that notes, when it runs, how many of the model's parameters are real (not meta)."""
+
+    model: list[nn.Module] = []
+    seen: list[int] = []
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, dim)
+        _Counting.model.append(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _Counting.seen.append(sum(p.numel() for m in _Counting.model for p in m.parameters() if not p.is_meta))
+        return self.linear(x)
+
+
+def counting_stack(layers: int = 4, dim: int = 8) -> nn.Sequential:
+    _Counting.model.clear()
+    return nn.Sequential(*(_Counting(dim) for _ in range(layers)))
+
+
+def test_profiling_makes_one_layer_real_at_a_time() -> None:
+    """partition_method="profile" times each layer with only that layer's parameters real: a model
+    too large for one process can be profiled in one."""
+    from stages.build.layers import layer_times
+
+    _Counting.seen.clear()
+    times = layer_times("tests.stages.build.test_layers:counting_stack", {"layers": 4, "dim": 8},
+                        ["tests.stages.build"], None, {}, 1, 0, repeats=1, example=torch.randn(2, 8))
+    assert len(times) == 4 and all(t >= 1 for t in times)
+    assert _Counting.seen and set(_Counting.seen) == {8 * 8 + 8}  # one layer's, whichever runs
