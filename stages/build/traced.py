@@ -22,11 +22,12 @@ What torch's front end leaves to us, done here:
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import inspect
 import operator
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -133,11 +134,15 @@ def trace_stages(model: nn.Module, split_points: Sequence[str], example: Any, pa
     if len(set(split_points)) != len(split_points):
         raise TracingError(f"split points repeat a module: {list(split_points)}")
     args, kwargs = _as_call(example)
+    split_spec = {point: SplitPoint.BEGINNING for point in split_points}
     try:
-        pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs,
-                        split_spec={point: SplitPoint.BEGINNING for point in split_points})
-    except Exception as exc:  # torch.export raises many kinds; all mean "not traceable as it is"
-        raise TracingError(_untraceable(model, path, exc)) from exc
+        with _dynamic_export():  # every dimension of the inputs may change from step to step
+            pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs, split_spec=split_spec)
+    except Exception:  # a model whose shapes cannot all vary: traced for the example's own
+        try:
+            pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs, split_spec=split_spec)
+        except Exception as exc:  # torch.export raises many kinds; all mean "not traceable as it is"
+            raise TracingError(_untraceable(model, path, exc)) from exc
     if pipe.num_stages != len(split_points) + 1:
         raise TracingError(
             f"{path} split at {len(split_points)} points gave {pipe.num_stages} stages, not "
@@ -147,6 +152,46 @@ def trace_stages(model: nn.Module, split_points: Sequence[str], example: Any, pa
     _retie(model, modules)
     _keep_out_of_state(model, modules)
     return _route(pipe.split_gm.graph, modules, inspect.signature(model.forward))
+
+
+@contextlib.contextmanager
+def _dynamic_export() -> Iterator[None]:
+    """Inside: torch's pipelining front end exports the model with every dimension of every input
+    tensor dynamic (``torch.export.Dim.AUTO``: export keeps a dimension symbolic unless the model
+    fixes it), so that the stages' graphs run any batch size and sequence length rather than the
+    example's alone (dynamic padding changes the length each step). The front end has no argument
+    for it, so its export call is replaced for the duration."""
+    from torch.distributed.pipelining import _IR
+
+    original = _IR.Pipe._trace_with_export
+
+    def export(module: nn.Module, example_args: tuple[Any, ...], example_kwargs: dict[str, Any] | None = None) -> Any:
+        return torch.export.export(module, example_args, example_kwargs,
+                                   dynamic_shapes=_auto_shapes(module, example_args, example_kwargs or {}))
+
+    _IR.Pipe._trace_with_export = staticmethod(export)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        _IR.Pipe._trace_with_export = original  # type: ignore[method-assign]
+
+
+def _auto_shapes(module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """``dynamic_shapes`` for ``torch.export``: each tensor argument, by name, every dimension automatic."""
+    def dims(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return {d: torch.export.Dim.AUTO for d in range(value.dim())}
+        if isinstance(value, (tuple, list)):
+            return type(value)(dims(v) for v in value)
+        if isinstance(value, Mapping):
+            return {k: dims(v) for k, v in value.items()}
+        return None
+
+    names = [name for name, p in inspect.signature(module.forward).parameters.items()
+             if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    shapes = {name: dims(value) for name, value in zip(names, args)}
+    shapes.update({name: dims(value) for name, value in kwargs.items()})
+    return shapes
 
 
 def _as_call(example: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:

@@ -116,6 +116,29 @@ async def test_hugging_face_models_train_split_at_named_points_as_one_process(
 
 
 @pytest.mark.asyncio(loop_scope="package")
+@pytest.mark.parametrize(("family", "transport"), [("qwen2", "zmq"), ("llama", "zmq"), ("qwen2", "dist")])
+async def test_a_traced_model_trains_a_new_sequence_length_every_step_as_one_process(
+    cluster: Cluster, family: str, transport: str
+) -> None:
+    """Traced with every input dimension dynamic, the stages run any batch size and length: the defect
+    of issue 27 was a stage graph fixed to the example's length (Qwen2's grouped keys then failed to
+    expand at 0F0 on the first longer batch)."""
+    kwargs = {**SMALL, "layers": 4, "kv_heads": 2, "heads": 4}
+    generator = torch.Generator().manual_seed(11)
+    batches = [(torch.randint(0, VOCAB, (BATCH, length), generator=generator),
+                torch.randint(0, VOCAB, (BATCH, length), generator=generator)) for length in (8, 12, 5)]
+    factory = getattr(hf, family)
+    reference, losses = one_process(factory, kwargs, batches, lm_loss, logits)
+    job = await cluster.train(model=f"examples.hf:{family}", model_kwargs=kwargs, loss="examples.models:lm_loss",
+                              optimizer=("torch.optim:SGD", {"lr": LR}), pipeline_stages=2, schedule="1f1b",
+                              micro_batches=MICRO, split_points=split_points(family, 2, 4), transport=transport,
+                              example_inputs=batches[0][0][:BATCH // MICRO])
+    stats, state = await train_steps(job, batches)
+    assert [s.loss for s in stats] == pytest.approx(losses, rel=1e-5)
+    assert_close_state(state, reference)
+
+
+@pytest.mark.asyncio(loop_scope="package")
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 async def test_meta_init_traces_on_the_meta_device_and_each_stage_makes_only_its_own_weights(
     cluster: Cluster, family: str
