@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["gpt2", "llama", "qwen2"]
+__all__ = ["gemma", "gpt2", "gpt_neox", "llama", "mistral", "phi", "qwen2"]
 
 
 def gpt2(layers: int = 4, dim: int = 64, heads: int = 4, vocab: int = 128, positions: int = 128,
@@ -49,3 +49,41 @@ def qwen2(layers: int = 4, dim: int = 64, heads: int = 4, kv_heads: int = 2, voc
         num_hidden_layers=layers, hidden_size=dim, intermediate_size=2 * dim, num_attention_heads=heads,
         num_key_value_heads=kv_heads, vocab_size=vocab, max_position_embeddings=positions,
         tie_word_embeddings=tie, bos_token_id=0, eos_token_id=0, pad_token_id=0, use_cache=False, **config))
+
+
+def _decoder(family: str, layers: int, dim: int, heads: int, vocab: int, positions: int, tie: bool,
+             **config: Any) -> nn.Module:
+    """A ``transformers`` causal LM of ``family`` (``Mistral``, ``Gemma``, ``Phi``, ``GPTNeoX``) from a small config."""
+    import transformers
+
+    config_cls = getattr(transformers, f"{family}Config")
+    model_cls = getattr(transformers, f"{family}ForCausalLM")
+    return model_cls(config_cls(
+        num_hidden_layers=layers, hidden_size=dim, intermediate_size=2 * dim, num_attention_heads=heads,
+        vocab_size=vocab, max_position_embeddings=positions, tie_word_embeddings=tie, bos_token_id=0,
+        eos_token_id=0, pad_token_id=0, use_cache=False, **config))
+
+
+def mistral(layers: int = 4, dim: int = 64, heads: int = 4, kv_heads: int = 2, vocab: int = 128,
+            positions: int = 128, tie: bool = True, **config: Any) -> nn.Module:
+    """A ``MistralForCausalLM`` (LLaMA's shape with sliding-window attention; tied unless ``tie=False``)."""
+    return _decoder("Mistral", layers, dim, heads, vocab, positions, tie, num_key_value_heads=kv_heads, **config)
+
+
+def gemma(layers: int = 4, dim: int = 64, heads: int = 4, kv_heads: int = 2, vocab: int = 128,
+          positions: int = 128, tie: bool = True, **config: Any) -> nn.Module:
+    """A ``GemmaForCausalLM`` (scaled embeddings, GeGLU, its own RMSNorm; tied unless ``tie=False``)."""
+    return _decoder("Gemma", layers, dim, heads, vocab, positions, tie, num_key_value_heads=kv_heads,
+                    head_dim=dim // heads, **config)
+
+
+def phi(layers: int = 4, dim: int = 64, heads: int = 4, vocab: int = 128, positions: int = 128, tie: bool = True,
+        **config: Any) -> nn.Module:
+    """A ``PhiForCausalLM`` (parallel attention and MLP, partial rotary; tied unless ``tie=False``)."""
+    return _decoder("Phi", layers, dim, heads, vocab, positions, tie, **config)
+
+
+def gpt_neox(layers: int = 4, dim: int = 64, heads: int = 4, vocab: int = 128, positions: int = 128,
+             tie: bool = False, **config: Any) -> nn.Module:
+    """A ``GPTNeoXForCausalLM`` (Pythia's: fused QKV, parallel residual; untied, as GPT-NeoX is)."""
+    return _decoder("GPTNeoX", layers, dim, heads, vocab, positions, tie, **config)

@@ -69,7 +69,7 @@ def logits(model: torch.nn.Module, inputs: Any) -> torch.Tensor:
 
 
 def split_points(family: str, model_stages: int, layers: int) -> list[str]:
-    block = "transformer.h" if family == "gpt2" else "model.layers"
+    block = {"gpt2": "transformer.h", "gpt_neox": "gpt_neox.layers"}.get(family, "model.layers")
     step = layers // model_stages
     return [f"{block}.{step * s}" for s in range(1, model_stages)]
 
@@ -113,6 +113,31 @@ async def test_hugging_face_models_train_split_at_named_points_as_one_process(
         assert stats[-1].tied == []
     # The gathered state is the original model's: it loads strictly into a fresh one.
     factory(**kwargs).load_state_dict(state, strict=True)
+
+
+# Each family under one of 1F1B at 2 stages and GPipe at 4, in turns: every schedule runs a traced
+# stage alike (the executor's tests cover the product in one process), the families differ in what is traced.
+FAMILY_CASES = [("qwen2", "1f1b", 2), ("mistral", "gpipe", 4), ("gemma", "1f1b", 2), ("phi", "gpipe", 4),
+                ("gpt_neox", "1f1b", 2), ("qwen2", "gpipe", 4)]
+
+
+@pytest.mark.asyncio(loop_scope="package")
+@pytest.mark.parametrize(("family", "schedule", "stages"), FAMILY_CASES,
+                         ids=[f"{f}-{s}-{n}stages" for f, s, n in FAMILY_CASES])
+async def test_the_families_people_fine_tune_train_split_at_named_points_as_one_process(
+    cluster: Cluster, family: str, schedule: str, stages: int
+) -> None:
+    kwargs = {**SMALL, "layers": 4, **({"kv_heads": 1} if family in ("qwen2", "mistral", "gemma") else {})}
+    factory = getattr(hf, family)
+    batches = lm_batches()
+    reference, losses = one_process(factory, kwargs, batches, lm_loss, logits)
+    job = await cluster.train(model=f"examples.hf:{family}", model_kwargs=kwargs, loss="examples.models:lm_loss",
+                              optimizer=("torch.optim:SGD", {"lr": LR}), pipeline_stages=stages, schedule=schedule,
+                              micro_batches=MICRO, split_points=split_points(family, stages, 4),
+                              example_inputs=batches[0][0][:BATCH // MICRO])
+    stats, state = await train_steps(job, batches)
+    assert [s.loss for s in stats] == pytest.approx(losses, rel=1e-5)
+    assert_close_state(state, reference)
 
 
 @pytest.mark.asyncio(loop_scope="package")
