@@ -32,28 +32,19 @@ def gpt2(layers: int = 4, dim: int = 64, heads: int = 4, vocab: int = 128, posit
 def llama(layers: int = 4, dim: int = 64, heads: int = 4, kv_heads: int = 2, vocab: int = 128,
           positions: int = 128, tie: bool = True, **config: Any) -> nn.Module:
     """A ``LlamaForCausalLM`` (rotary positions, grouped-query attention, SwiGLU; tied unless ``tie=False``)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    return LlamaForCausalLM(LlamaConfig(
-        num_hidden_layers=layers, hidden_size=dim, intermediate_size=2 * dim, num_attention_heads=heads,
-        num_key_value_heads=kv_heads, vocab_size=vocab, max_position_embeddings=positions,
-        tie_word_embeddings=tie, bos_token_id=0, eos_token_id=0, pad_token_id=0, use_cache=False, **config))
+    return _decoder("Llama", layers, dim, heads, vocab, positions, tie, num_key_value_heads=kv_heads, **config)
 
 
 def qwen2(layers: int = 4, dim: int = 64, heads: int = 4, kv_heads: int = 2, vocab: int = 128,
           positions: int = 128, tie: bool = True, **config: Any) -> nn.Module:
     """A ``Qwen2ForCausalLM`` (LLaMA's shape with biased q/k/v projections; tied unless ``tie=False``)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    return Qwen2ForCausalLM(Qwen2Config(
-        num_hidden_layers=layers, hidden_size=dim, intermediate_size=2 * dim, num_attention_heads=heads,
-        num_key_value_heads=kv_heads, vocab_size=vocab, max_position_embeddings=positions,
-        tie_word_embeddings=tie, bos_token_id=0, eos_token_id=0, pad_token_id=0, use_cache=False, **config))
+    return _decoder("Qwen2", layers, dim, heads, vocab, positions, tie, num_key_value_heads=kv_heads, **config)
 
 
 def _decoder(family: str, layers: int, dim: int, heads: int, vocab: int, positions: int, tie: bool,
              **config: Any) -> nn.Module:
-    """A ``transformers`` causal LM of ``family`` (``Mistral``, ``Gemma``, ``Phi``, ``GPTNeoX``) from a small config."""
+    """A ``transformers`` causal LM of ``family`` (``Llama``, ``Qwen2``, ``Mistral``, ``Gemma``, ``Phi``, ``GPTNeoX``)
+    from a small config: ``{family}Config`` and ``{family}ForCausalLM``."""
     import transformers
 
     config_cls = getattr(transformers, f"{family}Config")

@@ -115,6 +115,24 @@ async def test_hugging_face_models_train_split_at_named_points_as_one_process(
     factory(**kwargs).load_state_dict(state, strict=True)
 
 
+async def train_as_one_process(cluster: Cluster, family: str, kwargs: dict[str, Any],
+                               batches: list[tuple[Any, torch.Tensor]], *, stages: int = 2, schedule: str = "1f1b",
+                               build: Callable[..., torch.nn.Module] | None = None, **options: Any) -> list[Any]:
+    """``family`` (an ``examples.hf`` factory) split at named points and trained on ``batches`` with SGD,
+    checked equal to one process (``build``: the reference's factory, the family's own by default);
+    returns the job's step stats."""
+    factory = getattr(hf, family)
+    reference, losses = one_process(build or factory, kwargs, batches, lm_loss, logits)
+    job = await cluster.train(model=f"examples.hf:{family}", model_kwargs=kwargs, loss="examples.models:lm_loss",
+                              optimizer=("torch.optim:SGD", {"lr": LR}), pipeline_stages=stages, schedule=schedule,
+                              micro_batches=MICRO, split_points=split_points(family, stages, 4),
+                              example_inputs=batches[0][0][:BATCH // MICRO], **options)
+    stats, state = await train_steps(job, batches)
+    assert [s.loss for s in stats] == pytest.approx(losses, rel=1e-5)
+    assert_close_state(state, reference)
+    return stats
+
+
 # Each family under one of 1F1B at 2 stages and GPipe at 4, in turns: every schedule runs a traced
 # stage alike (the executor's tests cover the product in one process), the families differ in what is traced.
 FAMILY_CASES = [("qwen2", "1f1b", 2), ("mistral", "gpipe", 4), ("gemma", "1f1b", 2), ("phi", "gpipe", 4),
@@ -128,16 +146,7 @@ async def test_the_families_people_fine_tune_train_split_at_named_points_as_one_
     cluster: Cluster, family: str, schedule: str, stages: int
 ) -> None:
     kwargs = {**SMALL, "layers": 4, **({"kv_heads": 1} if family in ("qwen2", "mistral", "gemma") else {})}
-    factory = getattr(hf, family)
-    batches = lm_batches()
-    reference, losses = one_process(factory, kwargs, batches, lm_loss, logits)
-    job = await cluster.train(model=f"examples.hf:{family}", model_kwargs=kwargs, loss="examples.models:lm_loss",
-                              optimizer=("torch.optim:SGD", {"lr": LR}), pipeline_stages=stages, schedule=schedule,
-                              micro_batches=MICRO, split_points=split_points(family, stages, 4),
-                              example_inputs=batches[0][0][:BATCH // MICRO])
-    stats, state = await train_steps(job, batches)
-    assert [s.loss for s in stats] == pytest.approx(losses, rel=1e-5)
-    assert_close_state(state, reference)
+    await train_as_one_process(cluster, family, kwargs, lm_batches(), stages=stages, schedule=schedule)
 
 
 @pytest.mark.asyncio(loop_scope="package")
@@ -152,15 +161,7 @@ async def test_a_traced_model_trains_a_new_sequence_length_every_step_as_one_pro
     generator = torch.Generator().manual_seed(11)
     batches = [(torch.randint(0, VOCAB, (BATCH, length), generator=generator),
                 torch.randint(0, VOCAB, (BATCH, length), generator=generator)) for length in (8, 12, 5)]
-    factory = getattr(hf, family)
-    reference, losses = one_process(factory, kwargs, batches, lm_loss, logits)
-    job = await cluster.train(model=f"examples.hf:{family}", model_kwargs=kwargs, loss="examples.models:lm_loss",
-                              optimizer=("torch.optim:SGD", {"lr": LR}), pipeline_stages=2, schedule="1f1b",
-                              micro_batches=MICRO, split_points=split_points(family, 2, 4), transport=transport,
-                              example_inputs=batches[0][0][:BATCH // MICRO])
-    stats, state = await train_steps(job, batches)
-    assert [s.loss for s in stats] == pytest.approx(losses, rel=1e-5)
-    assert_close_state(state, reference)
+    await train_as_one_process(cluster, family, kwargs, batches, transport=transport)
 
 
 @pytest.mark.asyncio(loop_scope="package")
@@ -173,16 +174,8 @@ async def test_meta_init_traces_on_the_meta_device_and_each_stage_makes_only_its
     from stages import meta_initialized
     kwargs = {**SMALL, "layers": 4, "tie": True, **({"kv_heads": 1} if family == "llama" else {})}
     factory = getattr(hf, family)
-    batches = lm_batches()
-    reference, losses = one_process(lambda **kw: meta_initialized(factory, kw, seed=0), kwargs, batches, lm_loss,
-                                    logits)
-    job = await cluster.train(model=f"examples.hf:{family}", model_kwargs=kwargs, loss="examples.models:lm_loss",
-                              optimizer=("torch.optim:SGD", {"lr": LR}), pipeline_stages=2, schedule="1f1b",
-                              micro_batches=MICRO, split_points=split_points(family, 2, 4), meta_init=True,
-                              example_inputs=batches[0][0][:BATCH // MICRO])
-    stats, state = await train_steps(job, batches)
-    assert [s.loss for s in stats] == pytest.approx(losses, rel=1e-5)
-    assert_close_state(state, reference)
+    stats = await train_as_one_process(cluster, family, kwargs, lm_batches(), meta_init=True,
+                                       build=lambda **kw: meta_initialized(factory, kw, seed=0))
     assert len(stats[-1].tied) == 1  # the tied head: its copies still one parameter, summed across stages
 
 
