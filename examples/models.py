@@ -192,9 +192,12 @@ def gpt(
     return model
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of ``[B, T, V]`` logits against ``[B, T]`` target ids."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean",
+            ignore_index: int = -100) -> torch.Tensor:
+    """Cross-entropy of ``[B, T, V]`` logits against ``[B, T]`` target ids (``ignore_index`` left out):
+    their mean, or with ``reduction="sum"`` their sum (``loss_averaging="tokens"``)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction=reduction,
+                           ignore_index=ignore_index)
 
 
 @torch.no_grad()

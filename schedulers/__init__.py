@@ -27,6 +27,7 @@ _EXPORTS = {
     "Communication": "schedulers.jobs",
     "Runtime": "schedulers.jobs",
     "FaultTolerance": "schedulers.jobs",
+    "EvalResult": "schedulers.records",
     "JobDescription": "schedulers.records",
     "JobInfo": "schedulers.records",
     "Plan": "schedulers.records",
@@ -74,6 +75,7 @@ if TYPE_CHECKING:  # explicit re-exports, for type checkers (the names resolve l
     )
     from schedulers.records import (
         Candidate as Candidate,
+        EvalResult as EvalResult,
         JobDescription as JobDescription,
         JobInfo as JobInfo,
         Plan as Plan,

@@ -35,7 +35,7 @@ from actors import ActorError, ActorRef, Endpoint, UnknownActor
 from stages import CheckpointError
 from schedulers.jobs import SECTIONS, JobSpec
 from schedulers.placement import PlacementWarning
-from schedulers.records import JobDescription, JobInfo, Plan, RunInfo, SettingChange, StepStats, WhereReport
+from schedulers.records import EvalResult, JobDescription, JobInfo, Plan, RunInfo, SettingChange, StepStats, WhereReport
 from schedulers.job_actor import JobActor
 from schedulers.scheduler import SchedulerActor
 
@@ -248,6 +248,28 @@ class Job:
             # The driver gave up on the step: the scheduler and every stage stop it too.
             self.cluster.runtime.spawn_task(self._cancel_step(), name=f"cancel {self.id} step")
             raise
+
+    async def evaluate(self, inputs: Any = None, targets: Any = None, *, outputs: bool = False,
+                       data_step: int | None = None) -> EvalResult:
+        """The model's loss on a batch, forward only (DeepSpeed's ``eval_batch``, torch's ``schedule.eval``).
+
+        The batch splits as :meth:`step` splits it, over the job's micro-batches and replicas,
+        and runs through every stage under ``torch.no_grad`` with the modules in eval mode
+        (dropout off); nothing is stashed, no gradient or optimizer state changes, and the data
+        position stays, so it fits between any two steps. Without a batch, the data factory's
+        batch ``data_step`` (by default the next step's, which the next step still trains on).
+
+        Args:
+            outputs: also return the last stage's outputs for the whole batch (on the CPU).
+
+        Raises:
+            StepFailed: a stage failed, a node was lost or it timed out; nothing changed.
+            RemoteError: a batch that does not split into the job's micro-batches.
+        """
+        if (inputs is None) != (targets is None):
+            raise ValueError("evaluate() takes both inputs and targets, or neither (to read the data factory)")
+        timeout = self.spec.fault_tolerance.step_timeout_s + 60.0
+        return await self._call(JobActor.evaluate, timeout).call(inputs, targets, outputs, data_step)
 
     async def _cancel_step(self) -> None:
         try:

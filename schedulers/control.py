@@ -30,14 +30,14 @@ import torch
 
 from actors import ActorError, ActorRef, Event, Host, NodeLost, StageLost, StepFailed
 from stages import StageActor
-from schedulers import job_state, recovery
+from schedulers import evaluation, job_state, recovery
 from schedulers.checkpoint_paths import CheckpointPath
 from schedulers.events import StepFinished
 from schedulers.job_core import JobCore, Placer
 from schedulers.job_views import JobViews
 from schedulers.jobs import JobSpec
 from schedulers.limits import Limits
-from schedulers.records import JobDescription, Plan, Recovery, RunInfo, SettingChange, StepStats, WhereReport
+from schedulers.records import EvalResult, JobDescription, Plan, Recovery, RunInfo, SettingChange, StepStats, WhereReport
 from schedulers.runs import Runs
 from schedulers.settings import Settings
 from schedulers.step_path import StepPath
@@ -111,6 +111,21 @@ class JobController:
         job.last_stats = stats  # the views' (describe, trace, plan)
         self._step_finished(stats)
         return stats
+
+    async def evaluate(self, inputs: Any = None, targets: Any = None, outputs: bool = False,
+                       data_step: int | None = None) -> EvalResult:
+        """One forward-only pass over a batch (see :mod:`schedulers.evaluation`); between steps, never
+        during one, and it changes nothing of the job.
+
+        Raises:
+            ValueError: a batch the job cannot split.
+            NodeLost: a node of the job is lost (an evaluation recovers nothing: the next step does).
+            StepFailed: a stage failed or it timed out.
+        """
+        job = self.core
+        async with job.operation():
+            return await evaluation.evaluate(job, self.steps, inputs, targets, outputs=bool(outputs),
+                                             data_step=data_step)
 
     async def _catch_up(self, goal: int) -> StepStats:
         """Applies steps until ``goal`` are applied (more than one only when replaying after a recovery)."""

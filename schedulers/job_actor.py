@@ -20,7 +20,7 @@ import torch
 from actors import Actor, ActorRef, NotAllowed, current_caller, endpoint, may_see
 from schedulers.checkpoint_paths import CheckpointPath, resolve
 from schedulers.control import JobController
-from schedulers.records import JobDescription, Plan, RunInfo, SettingChange, StepStats, WhereReport
+from schedulers.records import EvalResult, JobDescription, Plan, RunInfo, SettingChange, StepStats, WhereReport
 
 __all__ = ["JobActor", "may_act_on"]
 
@@ -100,6 +100,12 @@ class JobActor(Actor):
     async def step(self, inputs: Any = None, targets: Any = None) -> StepStats:
         """One optimizer step. See :meth:`JobController.step <schedulers.control.JobController.step>`."""
         return await self._controller().step(inputs, targets)
+
+    @endpoint(concurrent=True, roles=("client",))
+    async def evaluate(self, inputs: Any = None, targets: Any = None, outputs: bool = False,
+                       data_step: int | None = None) -> EvalResult:
+        """A forward-only pass. See :meth:`JobController.evaluate <schedulers.control.JobController.evaluate>`."""
+        return await self._controller().evaluate(inputs, targets, outputs, data_step)
 
     @endpoint(concurrent=True, roles=("client",))
     async def cancel_step(self) -> bool:

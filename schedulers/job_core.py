@@ -23,9 +23,9 @@ from schedulers.jobs import AUTO_PROBE, JobSpec
 from schedulers.planning import AutoSchedule
 from schedulers.records import StepStats
 from schedulers.scaling import LossScaler
-from schedulers.schedules import build_schedule
+from schedulers.schedules import build_schedule, forward_only
 
-__all__ = ["JobCore", "Placer", "compile_programs"]
+__all__ = ["JobCore", "Placer", "compile_programs", "evaluation_programs"]
 
 Publish = Callable[[Event], None]
 
@@ -48,6 +48,14 @@ def compile_programs(spec: JobSpec, schedule_name: str | None = None,
                          spec.runtime.gradient_accumulation_fusion,
                          spec.parallelism.w_batching if w_batching is None else w_batching)
     return {rank: list(program) for rank, program in programs.items()}
+
+
+def evaluation_programs(spec: JobSpec) -> dict[int, list[str]]:
+    """The forward-only programs ``spec``'s evaluations run, one per pipeline rank, as action text
+    (see :func:`~schedulers.schedules.forward_only`)."""
+    virtual = spec.num_virtual_stages if spec.parallelism.schedule == "interleaved" else 1
+    programs = forward_only(spec.parallelism.pipeline_stages, spec.parallelism.micro_batches, virtual)
+    return {rank: [str(a) for a in program] for rank, program in programs.items()}
 
 
 @functools.lru_cache(maxsize=64)

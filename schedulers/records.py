@@ -16,7 +16,7 @@ from actors import WireRecord
 from schedulers.jobs import JobSpec
 from transport.records import register_record
 
-__all__ = ["Candidate", "JobDescription", "JobInfo", "MeasuredCosts", "Plan", "RunInfo", "SettingChange", "StepStats",
+__all__ = ["Candidate", "EvalResult", "JobDescription", "JobInfo", "MeasuredCosts", "Plan", "RunInfo", "SettingChange", "StepStats",
            "WhereReport"]
 
 # A spec is checked by its own from_wire (every field, as at the call), not WireRecord's.
@@ -136,6 +136,27 @@ class StepStats(WireRecord):
     lr: list[float] = field(default_factory=list)
     predicted_step_s: float | None = None
     prediction_error: float | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EvalResult(WireRecord):
+    """What ``Job.evaluate`` returns: one forward-only pass over a batch, nothing trained.
+
+    Attributes:
+        loss: the batch's loss, averaged as the job's ``loss_averaging`` says (the sample-weighted
+            mean of its micro-batches' means, or every token's loss over the counted tokens).
+        items: the samples (or counted tokens) that loss averages over.
+        outputs: with ``outputs=True``, the last stage's outputs for the whole batch, in its
+            order (every replica's micro-batches joined along the first dim), on the CPU.
+        eval_time_s: seconds from the scheduler's orders to the last stage's answer.
+        bytes_sent: bytes the stages put on the wire, every edge.
+    """
+
+    loss: float
+    items: float = 0.0
+    outputs: Any = None
+    eval_time_s: float = 0.0
+    bytes_sent: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -35,6 +35,7 @@ __all__ = [
     "split_backward",
     "build_schedule",
     "format_grid",
+    "forward_only",
     "gpipe",
     "interleaved_1f1b",
     "main",
@@ -325,6 +326,18 @@ def build_schedule(
     if batch_w:
         compute = defer_weight_grads(compute)
     return add_step_tail(add_send_recv(compute))
+
+
+def forward_only(num_stages: int, num_microbatches: int, num_virtual_stages: int = 1) -> Schedule:
+    """An evaluation's programs (``job.evaluate``): every micro-batch forward through every stage, with
+    the transfers and no tail. Each rank takes its micro-batches in order, and within one its stages
+    in order (interleaved: stage ``r`` then ``r + num_stages``), so each forward waits only for one
+    that comes before it in that order: no rank waits on another in a cycle."""
+    _check_sizes("forward_only", num_stages, num_microbatches)
+    total = num_stages * num_virtual_stages
+    compute: Schedule = {rank: [_act(stage, _F, m) for m in range(num_microbatches)
+                                for stage in range(rank, total, num_stages)] for rank in range(num_stages)}
+    return add_send_recv(compute)
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

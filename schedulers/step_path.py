@@ -80,7 +80,7 @@ class StepPath:
         ran, ranked, planning_s = job.auto.running(job.spec), None, 0.0
         try:
             try:
-                reports = await self._run_to_barrier(step, calls)
+                reports = await self.run_programs(step, calls, job.programs)
                 if job.auto.timed:  # schedule="auto": plan now, so that a max_stash_bytes nothing fits applies nothing
                     planning_s = time.perf_counter()
                     ranked = await self._rank_candidates(step, reports)
@@ -140,11 +140,19 @@ class StepPath:
             if timed_next:  # the clocks, for the link's speed; outside any step
                 job.auto.offsets = await self.views.clock_offsets()
 
-    async def _run_to_barrier(self, step: int, calls: dict[int, dict[str, Any]]) -> list[StageReport]:
+    async def run_programs(self, step: int, calls: dict[int, dict[str, Any]],
+                           programs: Mapping[int, list[str]]) -> list[StageReport]:
+        """Runs ``programs`` (by pipeline rank) as step ``step`` on every stage actor, each with its
+        ``calls`` (by global rank), up to their barrier (an evaluation's: to their end); their reports.
+
+        Raises:
+            StepFailed, NodeLost: a stage failed, a node was lost or the step timed out; every
+                stage aborted it.
+        """
         job = self.job
         tasks = {
             rank: asyncio.ensure_future(job.stages[rank].endpoint(StageActor.run_step).call(
-                StepOrder(step=step, program=job.programs[job.mesh.coords(rank).pipeline], **kwargs)))
+                StepOrder(step=step, program=programs[job.mesh.coords(rank).pipeline], **kwargs)))
             for rank, kwargs in calls.items()
         }
         loop = asyncio.get_running_loop()
@@ -255,6 +263,7 @@ class StepPath:
         job = self.job
         scaler = job.scaler
         return {"finish": True, "max_norm": float(job.spec.optimization.gradient_clipping),
+                "per_item": job.spec.training.loss_averaging == "tokens",
                 "fp16": scaler is not None, "scale_at_floor": scaler is not None and scaler.dynamic and scaler.at_minimum}
 
     async def _release(self, step: int, reports: list[StageReport]) -> tuple[int, list[str], list[FinishReport]]:
@@ -283,17 +292,18 @@ class StepPath:
         self.tied = sorted({tuple(names) for r in reduced for names in r.tied})
         scaler = job.scaler
         order = self.tail_order()
-        decision = decide_votes(job.mesh, [vote_of(s.losses, r) for s, r in zip(reports, reduced)],
+        decision = decide_votes(job.mesh, [vote_of(s, r) for s, r in zip(reports, reduced)],
                                 loss_scale=scaler.scale if scaler is not None else 1.0, fp16=order["fp16"],
-                                scale_at_floor=order["scale_at_floor"], max_norm=order["max_norm"])
+                                scale_at_floor=order["scale_at_floor"], max_norm=order["max_norm"],
+                                per_item=order["per_item"])
         self.grad_norm = decision.grad_norm
         finished: list[FinishReport] = [r.finished for r in reports if r.finished is not None] if ran_tail else \
             await self._on_every_stage(StageActor.finish_step, "STEP", step, decision.apply, decision.unscale,
                                        decision.clip)
+        if decision.overflow and scaler is not None:
+            log.info("%s step %d skipped: fp16 gradients overflowed at loss scale %g", job.id, step, scaler.scale)
         if scaler is not None and (decision.overflow or decision.apply):
             scaler.update(decision.overflow)
-        if decision.overflow:
-            log.info("%s step %d skipped: fp16 gradients overflowed at loss scale %g", job.id, step, decision.unscale)
         elif found and job.spec.fault_tolerance.on_nonfinite == "raise":
             raise nonfinite_failed(job.mesh, step, found)
         elif found:

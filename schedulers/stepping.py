@@ -10,7 +10,8 @@ import math
 import torch
 
 from actors import ActorError, NonFiniteError, StageLost, StepFailed
-from stages import FinishReport, Mesh, ReduceReport, split_batch, stage_to_rank, StageReport
+from stages import FinishReport, Mesh, ReduceReport, stage_to_rank, StageReport
+from stages.compute.averaging import shard_batch, step_loss
 from schedulers.jobs import JobSpec
 from schedulers.records import StepStats
 
@@ -25,7 +26,7 @@ def step_calls(
 
     Raises:
         ValueError: only one of inputs and targets, neither without a data factory, or a
-            batch that does not split into ``data_parallel * micro_batches`` equal parts.
+            batch of fewer samples than ``data_parallel * micro_batches``.
     """
     mesh = spec.mesh
     first, last = stage_to_rank(0, mesh.pipeline), stage_to_rank(spec.num_model_stages - 1, mesh.pipeline)
@@ -40,14 +41,15 @@ def step_calls(
     if inputs is None or targets is None:
         raise ValueError("step() takes both inputs and targets, or neither (to read the data factory)")
     # Each data-parallel replica trains on its own shard of the global batch.
-    input_shards = split_batch(inputs, mesh.data, "inputs", "data_parallel")
-    target_shards = split_batch(targets, mesh.data, "targets", "data_parallel")
+    input_shards, target_shards, weights = shard_batch(inputs, targets, mesh.data, spec.parallelism.micro_batches)
     for rank, call in calls.items():
         c = mesh.coords(rank)
         if c.pipeline == first:
-            call["inputs"] = split_batch(input_shards[c.data], spec.parallelism.micro_batches, "inputs")
+            call["inputs"] = input_shards[c.data]
         if c.pipeline == last:
-            call["targets"] = split_batch(target_shards[c.data], spec.parallelism.micro_batches, "targets")
+            call["targets"] = target_shards[c.data]
+            if weights is not None:
+                call["loss_weights"] = weights[c.data]
     return calls
 
 
@@ -119,6 +121,7 @@ def step_stats(
     mesh = spec.mesh
     # One loss per replica: the last stage's first tensor-parallel shard reports it.
     losses = [loss for g, r in enumerate(reports) if mesh.coords(g).tensor == 0 for loss in r.losses]
+    items = [n for g, r in enumerate(reports) if mesh.coords(g).tensor == 0 for n in r.items]
     span = max(r.elapsed_s for r in reports)
     busy = sum(r.busy_s for r in reports)
     bytes_per_edge: dict[str, int] = {}
@@ -127,7 +130,7 @@ def step_stats(
             bytes_per_edge[edge] = bytes_per_edge.get(edge, 0) + n
     return StepStats(
         step=step,
-        loss=sum(losses) / len(losses) if losses else float("nan"),
+        loss=step_loss(losses, items, spec.training.loss_averaging == "tokens"),
         step_time_s=elapsed,
         bubble_fraction=max(0.0, 1.0 - busy / (len(reports) * span)) if span > 0 else 0.0,
         bytes_sent=sum(bytes_per_edge.values()),

@@ -141,10 +141,19 @@ def inbox_limit(config: StageConfig, num_microbatches: int) -> int:
     return 4 * num_microbatches * max(1, len(config.stages)) + 16
 
 
-async def begin_step(config: StageConfig, parts: StageParts, order: StepOrder
-                     ) -> tuple[list[Action], list[Any] | None, list[Any] | None]:
+@dataclass(frozen=True, slots=True)
+class StepBatch:
+    """What a stage runs a step (or an evaluation) on: its actions, its batch and its loss weights."""
+
+    actions: list[Action]
+    inputs: list[Any] | None
+    targets: list[Any] | None
+    loss_weights: list[float] | None
+
+
+async def begin_step(config: StageConfig, parts: StageParts, order: StepOrder) -> StepBatch:
     """Prepares the stage for ``order``'s step: its micro-batch count and loss scale, the program's
-    start (before anything of the step can fail) and its batch; returns the actions and the batch."""
+    start (before anything of the step can fail; an evaluation starts no reduction) and its batch."""
     executor = parts.executor
     actions = [Action.parse(text) for text in order.program]
     if order.micro_batches is not None:
@@ -152,13 +161,14 @@ async def begin_step(config: StageConfig, parts: StageParts, order: StepOrder
         executor.inbox.resize(inbox_limit(config, order.micro_batches))
     if order.loss_scale is not None:
         executor.loss_scale = float(order.loss_scale)
-    await executor.begin(actions, w_batching=order.w_batching)
+    if not order.evaluate:
+        await executor.begin(actions, w_batching=order.w_batching)
     parts.sender.edge_stats = {}
     if order.data_step is None:
-        return actions, order.inputs, order.targets
-    inputs, targets = read_data(parts.built.data, config, order.data_step, order.data_shard or [0, 1],
-                                executor.num_microbatches)
-    return actions, inputs, targets
+        return StepBatch(actions, order.inputs, order.targets, order.loss_weights)
+    inputs, targets, weights = read_data(parts.built.data, config, order.data_step, order.data_shard or [0, 1],
+                                         executor.num_microbatches)
+    return StepBatch(actions, inputs, targets, weights)
 
 
 async def end_step(parts: StageParts, step: int, task: asyncio.Task[StepTrace]) -> StageReport:
@@ -176,7 +186,9 @@ def stage_report(trace: StepTrace, parts: StageParts) -> StageReport:
     """A step that reached its barrier, as ``run_step`` reports it."""
     model = parts.executor.model
     return StageReport(
-        status="done", losses=[trace.losses[m] for m in sorted(trace.losses)], busy_s=trace.busy_s,
+        status="done", losses=[trace.losses[m] for m in sorted(trace.losses)],
+        items=[trace.items[m] for m in sorted(trace.items)],
+        outputs=None if trace.outputs is None else [trace.outputs[m] for m in sorted(trace.outputs)], busy_s=trace.busy_s,
         elapsed_s=trace.elapsed_s, peak_stash=trace.peak_stash, peak_stash_bytes=trace.peak_stash_bytes,
         bytes_sent=trace.bytes_sent, spans=[list(span) for span in trace.spans], started_at=trace.started_at,
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -315,16 +327,17 @@ class StageActor(Actor):
         checked = order if isinstance(order, StepOrder) else StepOrder.from_wire(order)
         parts, step = self._parts(), checked.step
         self._step = step
-        actions, inputs, targets = await begin_step(self.config, parts, checked)
-        if checked.snapshot is not None:
+        batch = await begin_step(self.config, parts, checked)
+        if checked.snapshot is not None and not checked.evaluate:
             await self._snapshot(checked.snapshot)
         report = await end_step(parts, step, await self._abortable(
-            step, parts.executor.run(step, actions, inputs, targets), f"step {step}"))
-        if report.status == "done":
-            self._program = actions
+            step, parts.executor.run(step, batch.actions, batch.inputs, batch.targets, loss_weights=batch.loss_weights,
+                                     evaluating=checked.evaluate, keep_outputs=checked.keep_outputs), f"step {step}"))
+        if report.status == "done" and not checked.evaluate:
+            self._program = batch.actions
             if checked.finish:
                 report = await tail_report(parts.executor, self.ballot, step, await self._abortable(
-                    step, run_tail(parts.tail, self.ballot, step, actions, checked, report), f"step {step} tail"))
+                    step, run_tail(parts.tail, self.ballot, step, batch.actions, checked, report), f"step {step} tail"))
         return report
 
     async def _abortable(self, step: int, work: Coroutine[Any, Any, T], name: str) -> asyncio.Task[T]:

@@ -125,6 +125,16 @@ class StepOrder(WireRecord):
     """With ``finish``: the losses are scaled, so a non-finite gradient with finite losses is an overflow."""
     scale_at_floor: bool = False
     """With ``finish``: the dynamic loss scale is at its lowest, where an overflow is a real non-finite value."""
+    per_item: bool = False
+    """With ``finish``: ``loss_averaging="tokens"``: the gradients are divided by the step's counted tokens
+    (every last stage's :attr:`StageReport.items`, agreed in the vote), per replica."""
+    loss_weights: list[float] | None = None
+    """The last stage's weight per micro-batch under ``loss_averaging="samples"`` (None: an even split,
+    ``1 / micro_batches`` each; see :mod:`stages.compute.averaging`)."""
+    evaluate: bool = False
+    """Forward only (``job.evaluate``): no stash, no gradient, no tail; the program holds F and transfers."""
+    keep_outputs: bool = False
+    """With ``evaluate``: the last stage returns its outputs (:attr:`StageReport.outputs`)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
@@ -133,7 +143,7 @@ class StepOrder(WireRecord):
             raise ValueError(f"program must be a list of actions as text, got {self.program!r:.40}")
         if self.w_batching is not None and not isinstance(self.w_batching, bool):
             raise ValueError(f"w_batching must be a bool, got {self.w_batching!r:.40}")
-        for flag in ("finish", "fp16", "scale_at_floor"):
+        for flag in ("finish", "fp16", "scale_at_floor", "per_item", "evaluate", "keep_outputs"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r:.40}")
         norm = self.max_norm
@@ -146,6 +156,10 @@ class StepOrder(WireRecord):
         scale = self.loss_scale
         if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0):
             raise ValueError(f"loss_scale must be a number > 0, got {scale!r:.40}")
+        weights = self.loss_weights
+        if weights is not None and not (isinstance(weights, list) and all(
+                isinstance(w, (int, float)) and not isinstance(w, bool) and 0 <= w < float("inf") for w in weights)):
+            raise ValueError(f"loss_weights must be a list of finite numbers >= 0, got {weights!r:.40}")
         shard = self.data_shard
         if shard is not None and not (isinstance(shard, list) and len(shard) == 2
                                       and all(isinstance(v, int) and not isinstance(v, bool) for v in shard)
@@ -198,7 +212,11 @@ class StageReport(WireRecord):
     Attributes:
         status: ``done`` (the program reached its barrier), ``failed`` (an action raised:
             ``action`` and ``error`` say which and what) or ``aborted`` (``abort_step``).
-        losses: the last stage's loss per micro-batch, in micro-batch order.
+        losses: the last stage's loss per micro-batch, in micro-batch order (its sum with
+            ``loss_averaging="tokens"``).
+        items: the last stage's count per micro-batch: its samples, or with
+            ``loss_averaging="tokens"`` its counted target elements.
+        outputs: with :attr:`StepOrder.keep_outputs`, the last stage's output per micro-batch.
         busy_s, elapsed_s: seconds computing, and from the program's start to its barrier.
         peak_stash: the most micro-batch activations held at once.
         peak_stash_bytes: the most bytes of activations held at once for backward: the
@@ -228,6 +246,8 @@ class StageReport(WireRecord):
     action: str | None = None
     error: dict[str, Any] | None = None
     losses: list[float] = field(default_factory=list)
+    items: list[float] = field(default_factory=list)
+    outputs: list[Any] | None = None
     busy_s: float = 0.0
     elapsed_s: float = 0.0
     peak_stash: int = 0
@@ -278,10 +298,14 @@ class TailVote(WireRecord):
     """A gradient on this stage is NaN or infinite (before or after the reduction)."""
     grad_sq: float
     """This stage's share of the squared global norm (:attr:`ReduceReport.grad_sq`)."""
+    items: float = 0.0
+    """A last stage's count of its micro-batches' items (:attr:`StageReport.items`); 0 elsewhere."""
 
     def __post_init__(self) -> None:
         for name in ("nonfinite_loss", "nonfinite_gradient"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r:.40}")
-        if isinstance(self.grad_sq, bool) or not isinstance(self.grad_sq, (int, float)):
-            raise ValueError(f"grad_sq must be a number, got {self.grad_sq!r:.40}")
+        for name in ("grad_sq", "items"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name} must be a number, got {value!r:.40}")

@@ -36,6 +36,7 @@ __all__ = [
     "AUTO_PROBE",
     "CODECS",
     "FIELDS",
+    "LOSS_AVERAGING",
     "NONFINITE_ACTIONS",
     "PARTITION_METHODS",
     "PRECISIONS",
@@ -45,6 +46,7 @@ __all__ = [
     "CodecName",
     "Communication",
     "FaultTolerance",
+    "LossAveraging",
     "MixedPrecision",
     "NonFiniteAction",
     "Optimization",
@@ -62,6 +64,7 @@ TransportName = Literal["zmq", "dist"]
 PartitionMethod = Literal["parameters", "uniform", "profile"]
 CodecName = Literal["none", "fp16", "bf16", "int8", "fp8", "int4"]
 NonFiniteAction = Literal["raise", "skip"]
+LossAveraging = Literal["samples", "tokens"]
 Precision = Literal["fp32", "bf16", "fp16"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
 
@@ -70,6 +73,7 @@ TRANSPORTS: tuple[str, ...] = get_args(TransportName)
 PARTITION_METHODS: tuple[str, ...] = get_args(PartitionMethod)
 CODECS: tuple[str, ...] = get_args(CodecName)
 NONFINITE_ACTIONS: tuple[str, ...] = get_args(NonFiniteAction)
+LOSS_AVERAGING: tuple[str, ...] = get_args(LossAveraging)
 # What a job with schedule="auto" runs while it measures its stages (schedulers.planning):
 # ZB-H1 splits every backward into I and W, so one step times F, I and W on every stage,
 # and its peak stash (p micro-batches a stage) is no more than 1F1B's largest.
@@ -109,7 +113,11 @@ class Training(_Section):
     model_kwargs: dict[str, Any] = field(default_factory=dict)
     """keyword arguments of the model factory"""
     loss: str = "torch.nn.functional:mse_loss"
-    """`output, target -> scalar`, mean-reduced, by import path or itself"""
+    """`output, target -> scalar`, mean-reduced, by import path or itself (with `loss_averaging="tokens"` it is called with `reduction="sum"`)"""
+    loss_averaging: LossAveraging = "samples"
+    """how a step's loss averages over micro-batches and replicas. `samples` (the default): each micro-batch's mean loss weighted by its share of the global batch's samples, which is one process's mean over the whole batch however it is split (an uneven last batch too). `tokens`: the sum of every per-token loss over the count of target elements other than `ignore_index` in the whole global batch, across micro-batches and replicas (Hugging Face's `num_items_in_batch`): the loss is called with `reduction="sum"` and the stages agree on the count before they step"""
+    ignore_index: int = -100
+    """with `loss_averaging="tokens"`: the target value that is not counted (padding, the prompt)"""
     data: str | None = None
     """a data factory by import path or itself: `factory(**data_kwargs)` returns `batch(step) -> (inputs, targets)`; then `job.step()` takes no batch"""
     data_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -128,6 +136,8 @@ class Training(_Section):
             object.__setattr__(self, "data", factory_path(self.key("data"), self.data))
         check_kwargs(self.key("data_kwargs"), self.data_kwargs)
         check_int(self.key("seed"), self.seed, minimum=_SEED_RANGE[0], maximum=_SEED_RANGE[1])
+        check_choice(self.key("loss_averaging"), self.loss_averaging, LOSS_AVERAGING)
+        check_int(self.key("ignore_index"), self.ignore_index, minimum=-(2**63), maximum=2**63 - 1)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -260,6 +260,20 @@ async def _run(session: Session, args: list[str]) -> None:
     await _wait_for_run(session, job_id)
 
 
+@command("eval JOB [STEP]", "the model's loss on a batch of the job's data factory, forward only",
+         "Every stage runs forward under no_grad with its modules in eval mode; nothing trains and the run's "
+         "data position stays. STEP names the data factory's batch (default: the next step's).",
+         args=("job", "int"), min_args=1)
+async def _eval(session: Session, args: list[str]) -> None:
+    job = await session.job(args[0])
+    data_step = _int_arg(args[1], "STEP") if len(args) > 1 else None
+    with session.reporting():
+        result = await job.evaluate(data_step=data_step)
+    _print(session, f"{args[0]}: eval loss {result.loss:.6g} over {result.items:g} "
+                    f"{'tokens' if job.spec.training.loss_averaging == 'tokens' else 'samples'} "
+                    f"in {result.eval_time_s:.3f}s")
+
+
 @command("wait JOB", "block until the job's run ends; fails if it failed", args=("job",), min_args=1)
 async def _wait(session: Session, args: list[str]) -> None:
     await _wait_for_run(session, args[0])

@@ -25,7 +25,7 @@ from stages.build.tensor_parallel import ShardSpec, shard_for_tensor_parallel, t
 from stages.build.traced import TracedStage
 from stages.comm import overlap as _overlap
 from stages.comm import zero
-from stages.comm.boundary import split_batch
+from stages.compute.averaging import check_summable, shard_batch
 from stages.comm.groups import StageGroups
 from stages.comm.parallel import start_average, start_reduce_scatter
 from stages.compute import wgrad as _wgrad
@@ -96,22 +96,22 @@ class BuiltStage:
 
 
 def read_data(data: Any, config: StageConfig, data_step: int, shard: Sequence[int], num_microbatches: int
-              ) -> tuple[list[Any] | None, list[Any] | None]:
+              ) -> tuple[list[Any] | None, list[Any] | None, list[float] | None]:
     """Step ``data_step``'s micro-batches of inputs (on a first stage) and targets (on a last), read from the
-    data factory's instance ``data``: this replica's share (``shard``: ``[replica, replicas]``), split.
+    data factory's instance ``data``: this replica's share (``shard``: ``[replica, replicas]``), split, and
+    (on a last stage) their loss weights (None: an even split; see :mod:`stages.compute.averaging`).
 
     Raises:
-        ValueError: the job has no data factory, or a batch that does not split evenly.
+        ValueError: the job has no data factory, or a batch of fewer samples than its parts.
     """
     if data is None:
         raise ValueError(f"job {config.job} has no data factory")
     inputs, targets = data(data_step)
     index, count = shard
+    input_shards, target_shards, weights = shard_batch(inputs, targets, count, num_microbatches)
     first, last = 0 in config.stages, config.num_stages - 1 in config.stages
-    return (split_batch(split_batch(inputs, count, "inputs", "data_parallel")[index], num_microbatches, "inputs")
-            if first else None,
-            split_batch(split_batch(targets, count, "targets", "data_parallel")[index], num_microbatches, "targets")
-            if last else None)
+    return (input_shards[index] if first else None, target_shards[index] if last else None,
+            weights[index] if last and weights is not None else None)
 
 
 def tied_names(names: Sequence[str], key: Key) -> list[str]:
@@ -197,10 +197,15 @@ def build_stage(config: StageConfig, allow: Sequence[str], device: torch.device,
     tied_elsewhere = {id(g.param) for g in sync.groups if g.ranks[0] != cfg.pipeline_rank}
     norm_params = list({id(p): p for name, p in named
                         if id(p) not in tied_elsewhere and (name in specs or me.tensor == 0)}.values())
-    model = StageModel(modules=modules, num_stages=cfg.num_stages, loss_fn=load_object(cfg.training.loss, allow),
+    loss_fn = load_object(cfg.training.loss, allow)
+    tokens = cfg.training.loss_averaging == "tokens"
+    if tokens and cfg.num_stages - 1 in cfg.stages:
+        check_summable(loss_fn, cfg.training.loss)
+    model = StageModel(modules=modules, num_stages=cfg.num_stages, loss_fn=loss_fn,
                        optimizer=optimizer, device=device, weight_grads=weight_grads, w_batching=cfg.parallelism.w_batching,
                        compute_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.mixed_precision.precision),
                        lr_scheduler=scheduler, stash_codec=cfg.runtime.stash_codec,
+                       token_ignore_index=cfg.training.ignore_index if tokens else None,
                        # Tensor-parallel layers wait for their peers inside an action: on the thread.
                        inline_max_s=0.0 if mesh.tensor > 1 else INLINE_MAX_S)
     return BuiltStage(model=model, held=held, key=key, named_parameters=named, aliases=aliases, specs=specs,

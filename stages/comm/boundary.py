@@ -209,9 +209,13 @@ def batch_size(batch: Any) -> int | None:
 def split_batch(batch: Any, parts: int, what: str, name: str = "micro_batches") -> list[Any]:
     """``batch`` (a tensor, a tuple/list of tensors, or a dict of them) cut into ``parts`` along dim 0.
 
+    A batch that does not divide evenly is cut as :func:`torch.tensor_split` cuts it: the
+    first ``size % parts`` parts hold one sample more (a short last batch trains, each
+    micro-batch's loss weighted by its samples: see :func:`stages.compute.averaging.sample_weights`).
+
     Raises:
         TypeError: a batch with no tensor, or with values other than tensors, containers and constants.
-        ValueError: tensors that do not split into ``parts`` equal parts, or whose first dims differ.
+        ValueError: fewer samples than parts (a part would be empty), or tensors whose first dims differ.
     """
     tensors = tree_tensors(batch)
     if not tensors:
@@ -224,14 +228,15 @@ def split_batch(batch: Any, parts: int, what: str, name: str = "micro_batches") 
     for tensor in tensors:
         if tensor.dim() > 0 and tensor.shape[0] == 0:
             raise ValueError(f"{what} of shape {tuple(tensor.shape)} hold no samples; a step needs a non-empty batch")
-        if tensor.dim() == 0 or tensor.shape[0] % parts:
+        if tensor.dim() == 0 or tensor.shape[0] < parts:
             raise ValueError(
-                f"{what} of shape {tuple(tensor.shape)} do not split into {parts} equal parts; "
-                f"the batch size must be a multiple of {name}"
-                + (" times data_parallel" if name == "micro_batches" else " (times micro_batches)"))
+                f"{what} of shape {tuple(tensor.shape)} do not fill {parts} parts of at least one sample; "
+                f"the batch needs as many samples as {name}"
+                + (" times data_parallel" if name == "micro_batches" else " (times micro_batches)")
+                + ": give a larger batch or lower micro_batches")
     if len(sizes) > 1:
         raise ValueError(f"{what} hold tensors of different batch sizes {sorted(s[0] for s in sizes)}; every "
                          "tensor of a batch has the samples along its first dim")
-    chunks = [t.chunk(parts) for t in tensors]
+    chunks = [t.tensor_split(parts) for t in tensors]
     return [unpack(Payload([c[k] for c in chunks], payload.spec)) for k in range(parts)]
 

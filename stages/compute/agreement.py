@@ -44,23 +44,32 @@ class TailFailed(Exception):
         self.cause = cause
 
 
-def vote_of(losses: Sequence[float], reduced: ReduceReport) -> TailVote:
-    """What a stage says of its step, from its losses and its reduction's report."""
-    return TailVote(nonfinite_loss=not all(math.isfinite(loss) for loss in losses),
-                    nonfinite_gradient=bool(reduced.nonfinite), grad_sq=float(reduced.grad_sq))
+def vote_of(report: StageReport, reduced: ReduceReport) -> TailVote:
+    """What a stage says of its step, from its report (losses, items) and its reduction's report."""
+    return TailVote(nonfinite_loss=not all(math.isfinite(loss) for loss in report.losses),
+                    nonfinite_gradient=bool(reduced.nonfinite), grad_sq=float(reduced.grad_sq),
+                    items=float(sum(report.items)))
 
 
 def decide_votes(mesh: Mesh, votes: Sequence[TailVote], *, loss_scale: float, fp16: bool, scale_at_floor: bool,
-                 max_norm: float) -> StepDecision:
+                 max_norm: float, per_item: bool = False) -> StepDecision:
     """The step's decision from every member's vote, by global rank: the squared norm adds the shares of
     data-parallel replica 0 in rank order (the replicas hold the same averaged gradients), so every stage
-    and the scheduler compute the same float."""
+    and the scheduler compute the same float.
+
+    Args:
+        per_item: ``loss_averaging="tokens"``: the losses were sums, so the gradients are divided by
+            the step's counted items (tensor rank 0's, every replica's) over the replicas their
+            reduction averaged (at least one item, so a batch of nothing but padding steps nothing).
+    """
     if len(votes) != mesh.size:
         raise ValueError(f"{len(votes)} votes for a mesh of {mesh.size}")
     grad_sq = sum(vote.grad_sq for rank, vote in enumerate(votes) if mesh.coords(rank).data == 0)
+    items = sum(vote.items for rank, vote in enumerate(votes) if mesh.coords(rank).tensor == 0)
     return decide_step(nonfinite_loss=any(v.nonfinite_loss for v in votes),
                        nonfinite_gradient=any(v.nonfinite_gradient for v in votes), grad_sq=grad_sq,
-                       loss_scale=loss_scale, fp16=fp16, scale_at_floor=scale_at_floor, max_norm=max_norm)
+                       loss_scale=loss_scale, fp16=fp16, scale_at_floor=scale_at_floor, max_norm=max_norm,
+                       divisor=max(1.0, items) / mesh.data if per_item else 1.0)
 
 
 class Ballot:
@@ -140,9 +149,10 @@ async def run_tail(tail: StepTail, ballot: Ballot, step: int, actions: Sequence[
         reduced = await tail.reduce(step, actions)
     except Exception as exc:
         raise TailFailed("REDUCE", exc) from exc
-    votes = await ballot.gather(step, vote_of(report.losses, reduced))
+    votes = await ballot.gather(step, vote_of(report, reduced))
     decision = decide_votes(ballot.mesh, votes, loss_scale=order.loss_scale if order.loss_scale is not None else 1.0,
-                            fp16=order.fp16, scale_at_floor=order.scale_at_floor, max_norm=order.max_norm)
+                            fp16=order.fp16, scale_at_floor=order.scale_at_floor, max_norm=order.max_norm,
+                            per_item=order.per_item)
     try:
         finished = await tail.finish(actions, apply=decision.apply, unscale=decision.unscale, clip=decision.clip)
     except Exception as exc:

@@ -91,6 +91,8 @@ class StepTrace:
 
     spans: list[tuple[str, float, float]] = field(default_factory=list)  # action, start, end (s from step start)
     losses: dict[int, float] = field(default_factory=dict)
+    items: dict[int, float] = field(default_factory=dict)  # samples, or counted tokens, per micro-batch
+    outputs: dict[int, Any] | None = None  # an evaluation's last-stage outputs, when asked for
     bytes_sent: dict[str, int] = field(default_factory=dict)  # "F 0->1" / "B 1->0" -> bytes
     peak_stash: int = 0
     peak_stash_bytes: int = 0  # activations held for backward, between actions (see _activations)
@@ -208,17 +210,42 @@ class StepExecutor:
         program: Sequence[Action],
         inputs: Sequence[Any] | None,
         targets: Sequence[Any] | None,
+        *,
+        loss_weights: Sequence[float] | None = None,
+        evaluating: bool = False,
+        keep_outputs: bool = False,
     ) -> StepTrace:
         """Runs ``program`` up to and including its BARRIER; the rest runs in :meth:`finish`.
+
+        Args:
+            loss_weights: the last stage's weight per micro-batch (see :mod:`stages.compute.averaging`).
+            evaluating: forward only (a program of F and transfers), every module in eval mode
+                meanwhile; ``keep_outputs``: the last stage's outputs come back in the trace.
 
         Raises:
             ActionFailed: an action raised; it names the action.
         """
+        if not evaluating:
+            return await self._run(step, program, inputs, targets, loss_weights=loss_weights)
+        modules = list(self.model.modules.values())
+        modes = [module.training for module in modules]
+        for module in modules:
+            module.eval()  # dropout off, batch norm on its running statistics, as DeepSpeed's eval_batch
+        try:
+            return await self._run(step, program, inputs, targets, evaluating=True, keep_outputs=keep_outputs)
+        finally:
+            for module, mode in zip(modules, modes):
+                module.train(mode)
+            self._passes.evaluating = False
+
+    async def _run(self, step: int, program: Sequence[Action], inputs: Sequence[Any] | None,
+                   targets: Sequence[Any] | None, **options: Any) -> StepTrace:
         trace = StepTrace(started_at=time.time())
         start = time.perf_counter()
         self.inbox.drop_step(step - 1)  # late arrivals of an aborted earlier step
         passes = self._passes
-        passes.start_step(inputs, targets, loss_scale=self.loss_scale, num_microbatches=self.num_microbatches)
+        passes.start_step(inputs, targets, loss_scale=self.loss_scale, num_microbatches=self.num_microbatches,
+                          **options)
         self.done_actions = 0
         self._losses = {}
         for index, action in enumerate(program):
@@ -248,6 +275,8 @@ class StepExecutor:
         trace.elapsed_s = time.perf_counter() - start
         # On a GPU the one sync for the losses waits on the compute thread, not on the loop.
         trace.losses = await self.compute(_as_floats, self._losses) if self.io.staged else _as_floats(self._losses)
+        trace.items = {m: float(n) for m, n in sorted(passes.items.items())}
+        trace.outputs = passes.outputs
         leftover = passes.leftover()
         if leftover:
             raise ActionFailed(Action(stage=program[0].stage, kind=_K.BARRIER),

@@ -24,6 +24,7 @@ from stages.comm import overlap as _overlap
 from stages.comm.boundary import Payload
 from stages.comm.device_io import DeviceIO
 from stages.compute import activations as _activations
+from stages.compute import averaging as _averaging
 from stages.compute import inline as _inline
 from stages.compute import wgrad as _wgrad
 from stages.program import Action, ActionKind
@@ -62,6 +63,9 @@ class StageModel:
     # The codec (transport.codecs) that holds what a forward saves for backward (stages.compute.activations);
     # "none": as it is, exactly.
     stash_codec: str = "none"
+    # loss_averaging="tokens": each loss is a sum over its targets' elements other than ignore_index,
+    # which the stages count (stages.compute.averaging); None: "samples", each a mean.
+    token_ignore_index: int | None = None
 
     def autocast(self) -> Any:
         """The context a forward (and a recompute) runs in."""
@@ -100,6 +104,12 @@ class StagePasses:
         self._targets: Sequence[Any] | None = None
         self._loss_scale = 1.0
         self._num_microbatches = 1
+        self._loss_weights: Sequence[float] | None = None  # per micro-batch (None: 1 / micro-batches each)
+        # The step's count per micro-batch (samples, or counted tokens), as the device left it.
+        self.items: dict[int, torch.Tensor | int] = {}
+        # Forward only (job.evaluate): no stash, no graph; the outputs, per micro-batch, when asked for.
+        self.evaluating = False
+        self.outputs: dict[int, Any] | None = None
 
     @property
     def w_batching(self) -> bool:
@@ -107,10 +117,18 @@ class StagePasses:
         return self.model.w_batching if self.step_w_batching is None else self.step_w_batching
 
     def start_step(self, inputs: Sequence[Any] | None, targets: Sequence[Any] | None, *,
-                   loss_scale: float, num_microbatches: int) -> None:
-        """Takes the step's batch (stage 0's inputs, the last stage's targets) and its loss scaling."""
+                   loss_scale: float, num_microbatches: int, loss_weights: Sequence[float] | None = None,
+                   evaluating: bool = False, keep_outputs: bool = False) -> None:
+        """Takes the step's batch (stage 0's inputs, the last stage's targets) and its loss scaling
+        (``loss_weights``: per micro-batch, see :mod:`stages.compute.averaging`); ``evaluating``:
+        forward only, keeping the last stage's outputs if ``keep_outputs``."""
         self._inputs, self._targets = inputs, targets
         self._loss_scale, self._num_microbatches = loss_scale, num_microbatches
+        if loss_weights is not None and len(loss_weights) != num_microbatches:
+            raise ValueError(f"{len(loss_weights)} loss weights for {num_microbatches} micro-batches")
+        self._loss_weights = loss_weights
+        self.items = {}
+        self.evaluating, self.outputs = evaluating, {} if keep_outputs else None
         modules = self.model.modules.values()
         self._resident = _activations.storages([*boundary.tree_tensors(inputs), *boundary.tree_tensors(targets),
                                                 *(t for m in modules for t in (*m.parameters(), *m.buffers()))])
@@ -166,7 +184,10 @@ class StagePasses:
             return fn(*args)
 
     def forward_held(self, stage: int, mb: int, x: Any, target: Any) -> torch.Tensor | None:
-        """:meth:`_forward`, noting what the micro-batch now holds for its backward (``peak_stash_bytes``)."""
+        """:meth:`_forward`, noting what the micro-batch now holds for its backward (``peak_stash_bytes``);
+        when evaluating, :meth:`_evaluate` instead."""
+        if self.evaluating:
+            return self._evaluate(stage, mb, x, target)
         counting = self.overlap.forward(stage, mb) if self.overlap is not None else contextlib.nullcontext()
         with _activations.SavedActivations(self._resident, self.model.stash_codec) as saved, counting:
             loss = self._forward(stage, mb, x, target)
@@ -177,6 +198,31 @@ class StagePasses:
         self.held[(stage, mb)] = saved.storages
         return loss
 
+    def _loss(self, mb: int, out: Any, target: Any) -> torch.Tensor:
+        """Micro-batch ``mb``'s loss (a mean, or a sum under ``tokens``), its count noted in :attr:`items`."""
+        check_target_shape(out, target)
+        ignore = self.model.token_ignore_index
+        if ignore is not None:
+            self.items[mb] = _averaging.count_items(target, ignore)
+        else:
+            self.items[mb] = boundary.batch_size(target) or 1
+        return _averaging.loss_of(self.model.loss_fn, out, target, ignore is not None)
+
+    def _evaluate(self, stage: int, mb: int, x: Any, target: Any) -> torch.Tensor | None:
+        """Forward only: the output goes on (or, on the last stage, its loss back, the output kept if asked)."""
+        module = self.model.modules[stage]
+        with torch.no_grad(), self.model.autocast():
+            out = boundary.call_module(module, x) if stage == 0 else module(x)
+            if target is None:
+                if self.model.compute_dtype is not None:
+                    out = boundary.cast_floating(out, self.model.compute_dtype)
+                self.values[("F", stage, mb)] = boundary.pack(out)
+                return None
+            loss = self._loss(mb, out, target)
+        if self.outputs is not None:
+            self.outputs[mb] = boundary.unpack(boundary.pack(out), torch.device("cpu"))
+        return loss
+
     def _forward(self, stage: int, mb: int, x: Any, target: Any) -> torch.Tensor | None:
         module = self.model.modules[stage]
         with torch.enable_grad():
@@ -185,8 +231,7 @@ class StagePasses:
                 # keyword dict); a later stage takes what the one before it returned.
                 out = boundary.call_module(module, x) if stage == 0 else module(x)
                 if target is not None:
-                    check_target_shape(out, target)
-                    loss = self.model.loss_fn(out, target).float()
+                    loss = self._loss(mb, out, target)
             inputs = boundary.grad_leaves(x) if stage > 0 else []
             if target is None:
                 if self.model.compute_dtype is not None:
@@ -197,10 +242,15 @@ class StagePasses:
                 self.stash[(stage, mb)] = (inputs, [t for t in boundary.tree_tensors(out) if t.requires_grad])
                 self.values[("F", stage, mb)] = sent
                 return None
-            # The step's loss is the mean over micro-batches, as one process computes
-            # it on the whole batch; each micro-batch's gradient is scaled to match.
+            # The step's loss is the mean over the global batch, as one process computes it on the
+            # whole batch; each micro-batch's gradient is weighted to match (stages.compute.averaging):
+            # by 1 / micro-batches when they are even, by its samples' share when not, and not at all
+            # for a sum (tokens: the tail divides by the count).
             scaled = loss * self._loss_scale if self._loss_scale != 1.0 else loss
-            self.stash[(stage, mb)] = (inputs, [scaled / self._num_microbatches])
+            if self.model.token_ignore_index is None:
+                weights = self._loss_weights
+                scaled = scaled / self._num_microbatches if weights is None else scaled * weights[mb]
+            self.stash[(stage, mb)] = (inputs, [scaled])
             return loss.detach()
 
     def backward(self, stage: int, mb: int, grads: list[torch.Tensor | None] | None,
@@ -278,8 +328,9 @@ class StagePasses:
             (upcoming.stage, upcoming.microbatch) in self.pending_w
 
     def clear(self) -> None:
-        """Drops a failed or aborted step's stash, values and gradients."""
-        if self.overlap is not None:
+        """Drops a failed or aborted step's stash, values and gradients (an evaluation's values alone)."""
+        evaluating, self.evaluating = self.evaluating, False
+        if self.overlap is not None and not evaluating:
             self.overlap.abandon()
         self.stash.clear()
         self._pending_grads.clear()
@@ -287,7 +338,10 @@ class StagePasses:
         self.w_batch = []  # a run of batched Ws cut short by the abort
         self.held.clear()
         self.values.clear()
-        self.model.optimizer.zero_grad(set_to_none=True)
+        self.items = {}
+        self.outputs = None
+        if not evaluating:
+            self.model.optimizer.zero_grad(set_to_none=True)
 
 
 def _to_device(tree: Any, device: torch.device) -> Any:

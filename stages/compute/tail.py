@@ -56,7 +56,8 @@ class StepDecision:
     apply: bool
     """Step the optimizer and the schedule; False drops the step's gradients."""
     unscale: float
-    """Divide the gradients by this first (fp16's loss scale; 1.0 otherwise)."""
+    """Divide the gradients by this first (fp16's loss scale, times the token count per replica with
+    ``loss_averaging="tokens"``; 1.0 otherwise)."""
     clip: float
     """Then multiply them by this (the global-norm clipping coefficient; 1.0 when off or not needed)."""
     grad_norm: float
@@ -66,7 +67,8 @@ class StepDecision:
 
 
 def decide_step(*, nonfinite_loss: bool, nonfinite_gradient: bool, grad_sq: float, loss_scale: float = 1.0,
-                fp16: bool = False, scale_at_floor: bool = False, max_norm: float = 0.0) -> StepDecision:
+                fp16: bool = False, scale_at_floor: bool = False, max_norm: float = 0.0,
+                divisor: float = 1.0) -> StepDecision:
     """One step's decision, from what every stage reported.
 
     Args:
@@ -80,11 +82,14 @@ def decide_step(*, nonfinite_loss: bool, nonfinite_gradient: bool, grad_sq: floa
         scale_at_floor: a dynamic scale already at its lowest: there an overflow is a real
             non-finite value.
         max_norm: ``gradient_clipping``; 0 is off.
+        divisor: what the gradients are divided by beyond the loss scale (``loss_averaging="tokens"``:
+            the step's counted tokens per replica; see :mod:`stages.compute.averaging`).
     """
     found = nonfinite_loss or nonfinite_gradient
-    grad_norm = math.sqrt(grad_sq) / loss_scale if math.isfinite(grad_sq) else float("inf")
+    unscale = loss_scale * divisor
+    grad_norm = math.sqrt(grad_sq) / unscale if math.isfinite(grad_sq) else float("inf")
     overflow = fp16 and found and not nonfinite_loss and not scale_at_floor
-    return StepDecision(apply=not found, unscale=loss_scale, clip=clip_coefficient(grad_norm, max_norm),
+    return StepDecision(apply=not found, unscale=unscale, clip=clip_coefficient(grad_norm, max_norm),
                         grad_norm=grad_norm, overflow=overflow)
 
 

@@ -220,6 +220,8 @@ def test_a_session_at_the_prompt(head_address: str, tmp_path: Path) -> None:
         term.expect(rf"{job} step {paused_at} \[\d+/2000\] gpipe: loss")  # the very next step ran gpipe
         term.command(f"stop {job}")
         term.expect(rf"{job} run stopped after \d+/2000 steps")
+        # Forward only, on the data factory's next batch: the step's trace and the run's position stay.
+        term.command(f"eval {job}", rf"{job}: eval loss \d[\d.e+-]* over \d+ samples in [\d.]+s")
 
         gpipe_row = r"0: 0F0 +0SEND_F0 +0F1 +0SEND_F1 +0F2"  # every forward first: not 1F1B's order
         term.command(f"schedule {job}", rf"{job}: gpipe, 2 stages", gpipe_row)
@@ -512,7 +514,7 @@ def test_an_unclosed_quote_is_refused() -> None:
 
 
 @pytest.mark.parametrize(("typed", "expected"), [
-    ("", ["checkpoint", "close", "exit", "help", "jobs", "nodes", "pause", "plot", "quit", "resume", "run",
+    ("", ["checkpoint", "close", "eval", "exit", "help", "jobs", "nodes", "pause", "plot", "quit", "resume", "run",
           "schedule", "set", "status", "stop", "submit", "trace", "wait"]),
     ("sch", ["schedule"]),
     ("run job", ["job0", "job12"]),

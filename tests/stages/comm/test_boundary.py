@@ -67,8 +67,12 @@ def test_batches_split_along_their_first_dim_whatever_their_shape() -> None:
     assert isinstance(pairs[0], tuple) and pairs[1][0].shape == (3, 2)
     with pytest.raises(ValueError, match="different batch sizes"):
         split_batch((ids, mask[:3]), 3, "inputs")
-    with pytest.raises(ValueError, match="do not split into 4"):
-        split_batch((ids, mask), 4, "inputs")
+    # A batch that does not divide evenly is cut as tensor_split cuts it (a short last batch trains).
+    uneven = split_batch((ids, mask), 4, "inputs")
+    assert [batch_size(p) for p in uneven] == [2, 2, 1, 1]
+    assert torch.equal(torch.cat([p[0] for p in uneven]), ids)
+    with pytest.raises(ValueError, match="do not fill 7 parts of at least one sample"):
+        split_batch((ids, mask), 7, "inputs")
     with pytest.raises(TypeError, match="must be a tensor"):
         split_batch([1, 2], 1, "inputs")
     assert isinstance(Payload([], None), Payload)

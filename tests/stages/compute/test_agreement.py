@@ -17,7 +17,7 @@ from actors._errors import NotAllowed
 from stages.compute.agreement import Ballot, decide_votes, vote_of
 from stages.compute.tail import decide_step
 from stages.mesh import Mesh
-from stages.records import ReduceReport, TailVote
+from stages.records import ReduceReport, StageReport, TailVote
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -50,9 +50,24 @@ def test_one_bad_value_anywhere_drops_the_step_everywhere(votes: list[TailVote],
 
 
 def test_a_vote_says_what_its_stage_saw() -> None:
-    assert vote_of([1.0, float("nan")], ReduceReport(grad_sq=2.0)) == _vote(2.0, loss=True)
-    assert vote_of([], ReduceReport(nonfinite=["0.weight"], grad_sq=float("inf"))) == _vote(
+    assert vote_of(StageReport(status="done", losses=[1.0, float("nan")]), ReduceReport(grad_sq=2.0)) == \
+        _vote(2.0, loss=True)
+    assert vote_of(StageReport(status="done"), ReduceReport(nonfinite=["0.weight"], grad_sq=float("inf"))) == _vote(
         float("inf"), gradient=True)
+    assert vote_of(StageReport(status="done", losses=[3.0, 4.0], items=[5, 7]), ReduceReport()).items == 12.0
+
+
+def test_a_token_average_divides_by_the_items_of_every_replica_over_the_replicas() -> None:
+    # pipeline 2 x data 2: the last stages (ranks 1 and 3) counted 30 and 10 items; tensor rank 0 only.
+    mesh = Mesh(pipeline=2, data=2)
+    votes = [TailVote(nonfinite_loss=False, nonfinite_gradient=False, grad_sq=4.0 if rank % 2 == 0 else 0.0,
+                      items=[0.0, 30.0, 0.0, 10.0][rank]) for rank in range(4)]
+    decision = decide_votes(mesh, votes, loss_scale=2.0, fp16=True, scale_at_floor=False, max_norm=0.0,
+                            per_item=True)
+    assert decision.unscale == 2.0 * 40.0 / 2  # the replicas' average already divided by 2
+    assert decision.grad_norm == pytest.approx(2.0 / decision.unscale)
+    plain = decide_votes(mesh, votes, loss_scale=2.0, fp16=True, scale_at_floor=False, max_norm=0.0)
+    assert plain.unscale == 2.0
 
 
 async def test_every_member_gathers_every_vote_and_decides_alike() -> None:

@@ -462,3 +462,34 @@ async def test_an_aborted_step_forgets_a_run_of_batched_ws_it_cut_short() -> Non
         (x, y), = global_batches()[:1]
         loss, *_ = await pipeline.train_step(1, x, y)
         assert loss == loss  # the next step runs whole (a finite loss, no "still held" failure)
+
+
+@pytest.mark.parametrize("ranks,virtual,micro_batches", [(1, 1, 2), (2, 1, 4), (4, 1, 3), (2, 2, 4), (4, 2, 4)])
+async def test_forward_only_programs_evaluate_without_a_stash_or_a_gradient(ranks: int, virtual: int,
+                                                                           micro_batches: int) -> None:
+    """Every rank count, interleaved or not, any micro-batch count: the evaluation's programs run
+    to their end without a deadlock, keep nothing for a backward, touch no gradient, and give the
+    model's own loss per micro-batch and its outputs; the modules return to train mode."""
+    from schedulers.schedules import forward_only
+
+    model = build_model()
+    x, y = global_batches()[0]
+    case = Case(schedule="interleaved" if virtual > 1 else "1f1b", num_ranks=ranks, num_microbatches=micro_batches)
+    programs = forward_only(ranks, micro_batches, virtual)
+    async with open_pipeline(case, model) as pipeline:
+        last = case.num_stages - 1
+        inputs, targets = list(x.tensor_split(micro_batches)), list(y.tensor_split(micro_batches))
+        async with asyncio.timeout(20):
+            traces = await asyncio.gather(*(
+                executor.run(0, programs[rank], inputs if 0 in pipeline.stages[rank] else None,
+                             targets if last in pipeline.stages[rank] else None, evaluating=True, keep_outputs=True)
+                for rank, executor in enumerate(pipeline.executors)))
+        assert all(module.training for ex in pipeline.executors for module in ex.model.modules.values())
+    assert all(p.grad is None for p in model.parameters())
+    assert [t.peak_stash for t in traces] == [0] * ranks
+    final = traces[stage_to_rank(last, ranks)]
+    with torch.no_grad():
+        expected = [F.mse_loss(model(xs), ys).item() for xs, ys in zip(inputs, targets)]
+        torch.testing.assert_close(torch.cat([final.outputs[m] for m in range(micro_batches)]), model(x))
+    assert [final.losses[m] for m in range(micro_batches)] == pytest.approx(expected, rel=1e-6)
+    assert [final.items[m] for m in range(micro_batches)] == [len(t) for t in targets]

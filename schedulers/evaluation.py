@@ -1,0 +1,73 @@
+"""A job's evaluation: one forward-only pass over a batch (``Job.evaluate``), nothing trained.
+
+DeepSpeed's ``eval_batch`` and torch's ``schedule.eval``: every stage runs its share of
+the :func:`~schedulers.schedules.forward_only` programs under ``torch.no_grad``, its
+modules in eval mode meanwhile, with the job's transport and codecs; no stash, no
+gradient, no tail, and neither the training state nor the data position moves, so an
+evaluation fits between any two steps. The loss averages as the job's
+``loss_averaging`` says (:func:`~stages.compute.averaging.step_loss`); the last stage's
+outputs come back on request, joined in the batch's order.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from stages.comm.boundary import Payload, pack, unpack
+from stages.compute.averaging import step_loss
+from schedulers.job_core import JobCore, evaluation_programs
+from schedulers.records import EvalResult
+from schedulers.step_path import StepPath
+from schedulers.stepping import step_calls
+
+__all__ = ["evaluate", "join_outputs"]
+
+
+async def evaluate(job: JobCore, path: StepPath, inputs: Any, targets: Any, *, outputs: bool = False,
+                   data_step: int | None = None) -> EvalResult:
+    """Evaluates the job's model on a batch (or the data factory's batch ``data_step``, by default the
+    next step's), with the job's micro-batches and mesh. Call under the job's operation lock.
+
+    Raises:
+        ValueError: a batch the job cannot split (as for a step), or a ``data_step`` below 0.
+        StepFailed, NodeLost: a stage failed, a node was lost or it timed out; nothing changed.
+    """
+    spec = job.spec
+    if data_step is not None and (isinstance(data_step, bool) or not isinstance(data_step, int) or data_step < 0):
+        raise ValueError(f"data_step must be an int >= 0, got {data_step!r:.40}")
+    calls = step_calls(spec, job.applied if data_step is None else data_step, inputs, targets)
+    for call in calls.values():
+        call.pop("loss_weights", None)  # the loss is averaged here, from every micro-batch's
+        call.update(evaluate=True, keep_outputs=outputs)
+        if spec.parallelism.micro_batches != job.stage_micro_batches:
+            call["micro_batches"] = spec.parallelism.micro_batches
+    started = time.perf_counter()
+    reports = await path.run_programs(job.attempted(), calls, evaluation_programs(spec))
+    elapsed = time.perf_counter() - started
+    last = [r for rank, r in enumerate(reports) if job.mesh.coords(rank).tensor == 0 and r.losses]
+    losses = [loss for r in last for loss in r.losses]
+    items = [n for r in last for n in r.items]
+    return EvalResult(loss=step_loss(losses, items, spec.training.loss_averaging == "tokens"), items=float(sum(items)),
+                      outputs=join_outputs([out for r in last for out in r.outputs or ()]) if outputs else None,
+                      eval_time_s=elapsed, bytes_sent=sum(n for r in reports for n in r.bytes_sent.values()))
+
+
+def join_outputs(parts: Sequence[Any]) -> Any:
+    """Micro-batches' outputs (each a tensor, or a tuple or dict of them) joined along the first dim into
+    the batch's; the list itself when they do not join (another structure, or shapes that differ)."""
+    if not parts:
+        return None
+    packed = [pack(part) for part in parts]
+    spec = packed[0].spec
+    if any(p.spec != spec or len(p.leaves) != len(packed[0].leaves) for p in packed):
+        return list(parts)
+    try:
+        leaves = [torch.cat([p.leaves[i] for p in packed]) for i in range(len(packed[0].leaves))]
+    except RuntimeError:
+        return list(parts)
+    return unpack(Payload(leaves, spec))
+

@@ -1,0 +1,119 @@
+"""How a step's loss averages over its micro-batches and replicas (``training.loss_averaging``).
+
+One process computes its loss on the whole global batch; a pipeline computes it per
+micro-batch, on each data-parallel replica, and the gradients add up across them. For the
+two to agree, each micro-batch's loss is weighted before its backward:
+
+``samples`` (the default)
+    a micro-batch's mean loss counts by its share of the global batch's samples: with
+    ``n`` samples of ``B`` on one of ``R`` replicas (whose gradients are averaged), by
+    ``R * n / B``. An even split gives every micro-batch ``1 / micro_batches``, as before;
+    an uneven one (a short last batch) stays one process's mean over the batch.
+    :func:`shard_batch` cuts a global batch and says the weights; where only one replica's
+    micro-batches are known (a data loader), each replica averages its own, as
+    ``DistributedDataParallel`` does.
+``tokens``
+    the loss is summed (``reduction="sum"``) and each micro-batch counts its target
+    elements other than ``ignore_index`` (:func:`count_items`). The stages learn the
+    global batch's count in their tail's vote (:mod:`stages.compute.agreement`) and divide
+    the summed gradients by it (times ``R``, which the replicas' average divides by), so
+    that the step's gradient is the sum of every per-token loss's over the count of
+    counted tokens in the whole batch, whatever the micro-batches and replicas hold
+    (Hugging Face's ``num_items_in_batch``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from stages.comm.boundary import batch_size, split_batch, tree_tensors
+
+__all__ = ["check_summable", "count_items", "loss_of", "sample_weights", "shard_batch", "step_loss"]
+
+
+def sample_weights(sizes: Sequence[Sequence[int]]) -> list[list[float]] | None:
+    """Each micro-batch's loss weight under ``samples``, per replica: ``R * n / B``; None when the
+    split is even (every micro-batch then weighs ``1 / micro_batches``).
+
+    Args:
+        sizes: per replica, its micro-batches' sample counts.
+    """
+    counts = [n for replica in sizes for n in replica]
+    if len(set(counts)) <= 1:
+        return None
+    total, replicas = sum(counts), len(sizes)
+    return [[replicas * n / total for n in replica] for replica in sizes]
+
+
+def shard_batch(inputs: Any, targets: Any, replicas: int, micro_batches: int
+                ) -> tuple[list[list[Any]], list[list[Any]], list[list[float]] | None]:
+    """A global batch cut into each replica's micro-batches (inputs and targets), with their
+    :func:`sample_weights` (None for an even split).
+
+    Raises:
+        ValueError: fewer samples than ``replicas * micro_batches``.
+        TypeError, ValueError: see :func:`~stages.comm.boundary.split_batch`.
+    """
+    for what, batch in (("inputs", inputs), ("targets", targets)):
+        size = batch_size(batch)
+        if size is not None and 0 < size < replicas * micro_batches:
+            raise ValueError(f"{what}: a batch of {size} samples cannot give {replicas * micro_batches} micro-batches "
+                             f"(data_parallel {replicas} x micro_batches {micro_batches}) one sample each; give at "
+                             f"least {replicas * micro_batches} samples or lower micro_batches")
+    input_shards = [split_batch(shard, micro_batches, "inputs")
+                    for shard in split_batch(inputs, replicas, "inputs", "data_parallel")]
+    target_shards = [split_batch(shard, micro_batches, "targets")
+                     for shard in split_batch(targets, replicas, "targets", "data_parallel")]
+    sizes = [[batch_size(mb) or 1 for mb in shard] for shard in target_shards]
+    return input_shards, target_shards, sample_weights(sizes)
+
+
+def count_items(target: Any, ignore_index: int) -> torch.Tensor:
+    """The target elements a ``tokens`` average counts: those of the targets' first tensor other than
+    ``ignore_index`` (integer targets), or all of them (floating-point ones); an int64 scalar on its device."""
+    tensors = tree_tensors(target)
+    if not tensors:
+        raise TypeError(f"loss_averaging='tokens' counts the targets' elements; got {type(target).__name__}")
+    first = tensors[0]
+    if first.is_floating_point():
+        return torch.tensor(first.numel(), dtype=torch.int64, device=first.device)
+    return (first != ignore_index).sum().to(torch.int64)
+
+
+def check_summable(loss_fn: Callable[..., Any], name: str) -> None:
+    """Refuses a loss that cannot sum (``loss_averaging="tokens"`` calls it with ``reduction="sum"``).
+
+    Raises:
+        ValueError: the loss takes no ``reduction`` keyword (nor ``**kwargs``).
+    """
+    try:
+        params = inspect.signature(loss_fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: let the first call say
+        return
+    if not any(p.name == "reduction" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        raise ValueError(f"loss_averaging='tokens' calls the loss with reduction='sum', but {name} takes no "
+                         "'reduction' keyword: add one (reduction='mean' by default), or use "
+                         "loss_averaging='samples'")
+
+
+def loss_of(loss_fn: Callable[..., Any], output: Any, target: Any, tokens: bool) -> torch.Tensor:
+    """One micro-batch's loss as the averaging needs it: the mean (``samples``) or the sum (``tokens``)."""
+    loss = loss_fn(output, target, reduction="sum") if tokens else loss_fn(output, target)
+    return loss.float()
+
+
+def step_loss(losses: Sequence[float], items: Sequence[float], tokens: bool) -> float:
+    """The step's loss from its micro-batches' (every replica's): their losses weighted by their
+    samples (``samples``), or their sums over the counted tokens (``tokens``); the plain mean of
+    the losses when the micro-batches are of one size (or their sizes are not known)."""
+    if not losses:
+        return float("nan")
+    if tokens:
+        return sum(losses) / max(1.0, sum(items))
+    if len(items) != len(losses) or len(set(items)) <= 1:
+        return sum(losses) / len(losses)
+    return sum(loss * n for loss, n in zip(losses, items)) / sum(items)
