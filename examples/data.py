@@ -3,7 +3,9 @@
 A factory takes keyword arguments and returns ``batch(step) -> (inputs, targets)``,
 deterministic in ``step``: every process that calls ``batch(7)`` gets the same tensors,
 so the first pipeline stage can read the inputs and the last stage the targets without
-either sending them to the other.
+either sending them to the other. Or it returns what people already train from, a
+``DataLoader`` (:func:`token_sequences`: sequences of many lengths, padded per
+micro-batch), which each replica reads its shard of.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ import sysconfig
 from collections.abc import Callable
 
 import torch
+from torch.utils.data import DataLoader
 
-__all__ = ["Batch", "char_corpus", "char_batches", "regression_batches", "encode", "decode", "VOCAB_SIZE"]
+__all__ = ["Batch", "char_corpus", "char_batches", "regression_batches", "encode", "decode", "pad_collate",
+           "token_sequences", "VOCAB_SIZE"]
 
 Batch = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 
@@ -170,3 +174,30 @@ def regression_batches(
         return inputs, targets
 
     return batch
+
+
+def pad_collate(batch: list[tuple[torch.Tensor, torch.Tensor]], pad_id: int = 0,
+                ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic padding: ``(ids, targets)`` pairs of any lengths as ``[B, longest]`` inputs (``pad_id``
+    on the right) and targets (``ignore_index`` there, so no loss counts the padding)."""
+    longest = max(len(ids) for ids, _ in batch)
+    inputs = torch.full((len(batch), longest), pad_id, dtype=torch.int64)
+    targets = torch.full((len(batch), longest), ignore_index, dtype=torch.int64)
+    for row, (ids, target) in enumerate(batch):
+        inputs[row, :len(ids)] = ids
+        targets[row, :len(target)] = target
+    return inputs, targets
+
+
+def token_sequences(count: int = 64, min_len: int = 2, max_len: int = 16, vocab_size: int = VOCAB_SIZE,
+                    batch_size: int = 4, shuffle: bool = True, seed: int = 0) -> DataLoader:
+    """A DataLoader of ``count`` random token sequences of ``min_len`` to ``max_len`` tokens (the targets
+    are the next tokens), ``batch_size`` a micro-batch, each padded to its own longest by :func:`pad_collate`:
+    a fine-tuning set's shape, where every micro-batch has its own length."""
+    gen = torch.Generator().manual_seed(seed)
+    sequences = []
+    for _ in range(count):
+        length = int(torch.randint(min_len, max_len + 1, (), generator=gen))
+        tokens = torch.randint(0, vocab_size, (length + 1,), generator=gen)
+        sequences.append((tokens[:-1], tokens[1:]))
+    return DataLoader(sequences, batch_size=batch_size, shuffle=shuffle, collate_fn=pad_collate)

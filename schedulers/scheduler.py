@@ -113,7 +113,7 @@ async def inspect_model(runtime: Host, spec: JobSpec, node: NodeInfo, pattern: s
         if p.partition_method == "profile" if profile is None else profile:
             return await inspector.endpoint(ModelInspector.profile_model, timeout=600).call(
                 t.model, dict(t.model_kwargs), t.data, dict(t.data_kwargs),
-                p.micro_batches * p.data_parallel, t.seed, p.example_inputs)
+                p.micro_batches * p.data_parallel, t.seed, p.example_inputs, t.micro_batch_size)
         return await inspector.endpoint(ModelInspector.describe_model, timeout=300).call(
             t.model, dict(t.model_kwargs), pattern, whole)
     finally:

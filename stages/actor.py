@@ -108,6 +108,8 @@ async def close_parts(parts: StageParts) -> None:
         parts.groups.close()  # a gloo group's threads and sockets live as long as its Python object
     if parts.built.overlap is not None:
         parts.built.overlap.close()
+    if parts.built.data is not None:
+        parts.built.data.close()
 
 
 def open_store(runtime: Any, dist: dict[str, Any], loop: asyncio.AbstractEventLoop) -> ActorStore:
@@ -166,8 +168,9 @@ async def begin_step(config: StageConfig, parts: StageParts, order: StepOrder) -
     parts.sender.edge_stats = {}
     if order.data_step is None:
         return StepBatch(actions, order.inputs, order.targets, order.loss_weights)
-    inputs, targets, weights = read_data(parts.built.data, config, order.data_step, order.data_shard or [0, 1],
-                                         executor.num_microbatches)
+    # Off the loop (a dataset's first read, or one after a rollback, takes a while): heartbeats go on.
+    inputs, targets, weights = await asyncio.to_thread(read_data, parts.built.data, config, order.data_step,
+                                                       order.data_shard or [0, 1], executor.num_microbatches)
     return StepBatch(actions, inputs, targets, weights)
 
 

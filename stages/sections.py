@@ -119,9 +119,11 @@ class Training(_Section):
     ignore_index: int = -100
     """with `loss_averaging="tokens"`: the target value that is not counted (padding, the prompt)"""
     data: str | None = None
-    """a data factory by import path or itself: `factory(**data_kwargs)` returns `batch(step) -> (inputs, targets)`; then `job.step()` takes no batch"""
+    """a data factory by import path or itself: `factory(**data_kwargs)` returns `batch(step) -> (inputs, targets)` (the global batch), or a `torch.utils.data.DataLoader`, a map-style or iterable dataset (a Hugging Face `datasets` one too), which each replica's first and last stage read as `DistributedSampler` does, one micro-batch at a time; then `job.step()` takes no batch"""
     data_kwargs: dict[str, Any] = field(default_factory=dict)
     """keyword arguments of the data factory"""
+    micro_batch_size: int | None = None
+    """samples per micro-batch when `data` makes a dataset (a DataLoader's own `batch_size` wins): each replica reads `micro_batches` of them a step"""
     seed: int = 0
     """seed every stage builds the model from, so each slice holds the weights one process would start from"""
     meta_init: bool = False
@@ -135,6 +137,8 @@ class Training(_Section):
         if self.data is not None:
             object.__setattr__(self, "data", factory_path(self.key("data"), self.data))
         check_kwargs(self.key("data_kwargs"), self.data_kwargs)
+        if self.micro_batch_size is not None:
+            check_int(self.key("micro_batch_size"), self.micro_batch_size, minimum=1)
         check_int(self.key("seed"), self.seed, minimum=_SEED_RANGE[0], maximum=_SEED_RANGE[1])
         check_choice(self.key("loss_averaging"), self.loss_averaging, LOSS_AVERAGING)
         check_int(self.key("ignore_index"), self.ignore_index, minimum=-(2**63), maximum=2**63 - 1)

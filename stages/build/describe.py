@@ -65,7 +65,8 @@ class ModelInspector(Actor):
 
     @endpoint(roles=("head",))
     async def profile_model(self, path: str, kwargs: dict[str, Any], data: str | None, data_kwargs: dict[str, Any],
-                            micro_batches: int, seed: int, example: Any = None) -> list[int]:
+                            micro_batches: int, seed: int, example: Any = None,
+                            micro_batch_size: int | None = None) -> list[int]:
         """Microseconds each layer of the model takes, forward and backward, on a sample micro-batch
         from the job's data factory, or on ``example`` (one micro-batch) without one
         (``partition_method="profile"``); like :meth:`describe_model`, in a thread, under
@@ -76,6 +77,7 @@ class ModelInspector(Actor):
             raise ValueError(f"micro_batches must be an int >= 1, got {micro_batches!r:.40}")
         try:
             return await asyncio.to_thread(contained, functools.partial(
-                layer_times, path, kwargs, self._allow, data, data_kwargs, micro_batches, int(seed), example=example))
+                layer_times, path, kwargs, self._allow, data, data_kwargs, micro_batches, int(seed), example=example,
+                micro_batch_size=micro_batch_size if isinstance(micro_batch_size, int) else None))
         except NotAllowed as exc:
             raise NotAllowed(f"{self._where()} refused the model or data: {exc.message}") from None

@@ -18,7 +18,7 @@ from torch import nn
 from stages.build import tied
 from stages.compute.activations import run_layers, run_segments
 from actors._registry import load_object
-from stages.comm.boundary import split_batch
+from stages.build.data_source import first_inputs
 from stages.records import StageConfig
 from stages.build.layer_specs import build_specs, is_layer_specs, layer_seed
 from stages.build.meta_init import materialize, meta_values, on_meta, parameters_on_meta, retarget
@@ -102,9 +102,9 @@ def _traced_layers(built: Any, config: StageConfig, allow: Sequence[str]) -> lis
     if example is None:
         if config.training.data is None:
             raise ValueError("a model with split_points needs example_inputs or a data factory to trace on")
-        inputs, _ = load_object(config.training.data, allow)(**config.training.data_kwargs)(0)
-        replica = split_batch(inputs, config.mesh.data, "inputs", "data_parallel")[0]
-        example = split_batch(replica, config.micro_batches, "inputs")[0]
+        made = load_object(config.training.data, allow)(**config.training.data_kwargs)
+        example = first_inputs(made, config.training.micro_batch_size, config.training.seed, config.mesh.data,
+                               config.micro_batches)
     meta = config.training.meta_init
     stages = trace_stages(built, config.parallelism.split_points, on_meta(example) if meta else example,
                           config.training.model)
@@ -198,7 +198,7 @@ def model_layers(built: Any, path: str) -> list[nn.Module]:
 
 def layer_times(model: str, model_kwargs: dict[str, Any], allow: Sequence[str], data: str | None,
                 data_kwargs: dict[str, Any], micro_batches: int, seed: int, repeats: int = 5,
-                example: Any = None) -> list[int]:
+                example: Any = None, micro_batch_size: int | None = None) -> list[int]:
     """Microseconds each layer takes, forward and backward, on the first micro-batch of data step 0
     (or on ``example``, one micro-batch, for a job without a data factory).
 
@@ -209,8 +209,7 @@ def layer_times(model: str, model_kwargs: dict[str, Any], allow: Sequence[str], 
     """
     layers = _one_real_at_a_time(load_object(model, allow), model_kwargs, model, seed)
     if data is not None:
-        inputs, _ = load_object(data, allow)(**data_kwargs)(0)
-        x = split_batch(inputs, micro_batches, "inputs")[0]
+        x = first_inputs(load_object(data, allow)(**data_kwargs), micro_batch_size, seed, 1, micro_batches)
     else:
         x = example
     if not isinstance(x, torch.Tensor):

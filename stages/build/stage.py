@@ -25,7 +25,8 @@ from stages.build.tensor_parallel import ShardSpec, shard_for_tensor_parallel, t
 from stages.build.traced import TracedStage
 from stages.comm import overlap as _overlap
 from stages.comm import zero
-from stages.compute.averaging import check_summable, shard_batch
+from stages.build.data_source import BatchFunction, DatasetReader, data_source
+from stages.compute.averaging import check_summable
 from stages.comm.groups import StageGroups
 from stages.comm.parallel import start_average, start_reduce_scatter
 from stages.compute import wgrad as _wgrad
@@ -79,8 +80,8 @@ class BuiltStage:
     """The data-parallel reduction that starts during backward, where it serves."""
     gradient_shards: zero.GradientShards | None
     """ZeRO's reduce-scatter plan: whose run of each bucket this replica keeps and steps (None: all-reduce)."""
-    data: Any
-    """The data factory's instance, on a first or last stage of a job that has one; else None."""
+    data: BatchFunction | DatasetReader | None
+    """The data factory's source, on a first or last stage of a job that has one; else None."""
     tensor_rank: int
     """This stage's rank among its tensor-parallel shards."""
     data_rank: int
@@ -95,23 +96,22 @@ class BuiltStage:
         return tied_names(names, self.key)
 
 
-def read_data(data: Any, config: StageConfig, data_step: int, shard: Sequence[int], num_microbatches: int
-              ) -> tuple[list[Any] | None, list[Any] | None, list[float] | None]:
+def read_data(data: BatchFunction | DatasetReader | None, config: StageConfig, data_step: int, shard: Sequence[int],
+              num_microbatches: int) -> tuple[list[Any] | None, list[Any] | None, list[float] | None]:
     """Step ``data_step``'s micro-batches of inputs (on a first stage) and targets (on a last), read from the
-    data factory's instance ``data``: this replica's share (``shard``: ``[replica, replicas]``), split, and
-    (on a last stage) their loss weights (None: an even split; see :mod:`stages.compute.averaging`).
+    data source ``data`` (:mod:`stages.build.data_source`): this replica's share (``shard``: ``[replica,
+    replicas]``), and (on a last stage) their loss weights (None: an even split; see
+    :mod:`stages.compute.averaging`).
 
     Raises:
         ValueError: the job has no data factory, or a batch of fewer samples than its parts.
     """
     if data is None:
         raise ValueError(f"job {config.job} has no data factory")
-    inputs, targets = data(data_step)
     index, count = shard
-    input_shards, target_shards, weights = shard_batch(inputs, targets, count, num_microbatches)
+    inputs, targets, weights = data.read(data_step, index, count, num_microbatches)
     first, last = 0 in config.stages, config.num_stages - 1 in config.stages
-    return (input_shards[index] if first else None, target_shards[index] if last else None,
-            weights[index] if last and weights is not None else None)
+    return inputs if first else None, targets if last else None, weights if last else None
 
 
 def tied_names(names: Sequence[str], key: Key) -> list[str]:
@@ -186,7 +186,8 @@ def build_stage(config: StageConfig, allow: Sequence[str], device: torch.device,
     scheduler = build_scheduler(cfg.optimization.lr_scheduler, optimizer, allow) if cfg.optimization.lr_scheduler is not None else None
     data = None
     if cfg.training.data is not None and (0 in cfg.stages or cfg.num_stages - 1 in cfg.stages):
-        data = load_object(cfg.training.data, allow)(**cfg.training.data_kwargs)
+        data = data_source(load_object(cfg.training.data, allow)(**cfg.training.data_kwargs),
+                           cfg.training.micro_batch_size, cfg.training.seed)
     log.info("stage %s/%d of job %s: model stages %s, %d parameters", cfg.pipeline_rank, cfg.pipeline_stages,
              cfg.job, cfg.stages, sum(p.numel() for p in params))
     overlap = None

@@ -11,6 +11,7 @@ import torch
 
 from actors._errors import NotAllowed
 from actors._registry import DEFAULT_ALLOW, EXAMPLE_FACTORIES
+from stages.build.data_source import BatchFunction
 from stages.build.stage import BuiltStage, build_stage, read_data
 from tests.stages.stage_parts import MODEL_KWARGS, stage_config
 
@@ -60,7 +61,8 @@ def test_read_data_splits_this_replicas_share_into_micro_batches(rank: int, num_
     def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.arange(8.0) + step, -torch.arange(8.0)
 
-    inputs, targets = read_data(data, config, 10, [1, 2], 2)  # replica 1 of 2, 2 micro-batches
+    inputs, targets, weights = read_data(BatchFunction(data), config, 10, [1, 2], 2)  # replica 1 of 2, 2 micro-batches
+    assert weights is None  # an even split
     assert (inputs is not None, targets is not None) == reads
     if inputs is not None:
         assert [t.tolist() for t in inputs] == [[14.0, 15.0], [16.0, 17.0]]

@@ -1,0 +1,195 @@
+"""Where a stage's batches come from: a data factory's batch function, or the dataset a user already has.
+
+``training.data`` names a factory; what ``factory(**data_kwargs)`` returns decides how a
+first or last stage reads a step's micro-batches:
+
+- a function ``batch(step) -> (inputs, targets)``: the global batch of step ``step``, which
+  each replica shards (:class:`BatchFunction`, as before);
+- a ``torch.utils.data.DataLoader``, a map-style dataset (``__getitem__`` and ``__len__``,
+  a Hugging Face ``datasets.Dataset`` too) or an iterable one: :class:`DatasetReader`
+  reads it as ``DistributedSampler`` would, each replica its own shard, one micro-batch of
+  ``micro_batch_size`` samples (a DataLoader's own ``batch_size``) at a time, collated by
+  the loader's ``collate_fn`` (so dynamic padding gives each micro-batch its own length).
+
+A dataset is read as one endless stream per replica: epoch after epoch, each shuffled
+with ``seed + epoch`` when the DataLoader shuffles, and step ``k``'s micro-batches are
+that stream's ``k * micro_batches``-th onwards. The position is therefore the step count
+itself: a checkpoint (which keeps the step) resumes the data where it stood, and a
+recovery that rolls back to a snapshot reads the same batches again. The next step's
+micro-batches are read ahead on a thread of the reader's own.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, RandomSampler, default_collate
+
+from stages.compute.averaging import shard_batch
+
+__all__ = ["BatchFunction", "DatasetReader", "data_source", "first_inputs"]
+
+Read = tuple[list[Any], list[Any], list[float] | None]  # every micro-batch's inputs and targets, and weights
+
+
+class BatchFunction:
+    """A data factory's ``batch(step) -> (inputs, targets)``: the global batch, sharded per replica."""
+
+    def __init__(self, batch: Callable[[int], Any]) -> None:
+        self.batch = batch
+
+    def read(self, step: int, replica: int, replicas: int, micro_batches: int) -> Read:
+        """This replica's micro-batches of step ``step``, and their loss weights (None: an even split)."""
+        inputs, targets = self.batch(step)
+        input_shards, target_shards, weights = shard_batch(inputs, targets, replicas, micro_batches)
+        return input_shards[replica], target_shards[replica], weights[replica] if weights is not None else None
+
+    def close(self) -> None:
+        """Nothing to let go of."""
+
+
+class DatasetReader:
+    """A dataset (or a DataLoader's) read per replica as an endless stream of micro-batches.
+
+    Args:
+        source: a DataLoader, a map-style dataset or an iterable one.
+        micro_batch_size: samples per micro-batch (a DataLoader's own ``batch_size`` wins).
+        seed: the shuffle's seed (epoch ``e`` shuffles with ``seed + e``).
+
+    Raises:
+        ValueError: no micro-batch size, a DataLoader with a batch sampler of its own, or an
+            empty dataset.
+    """
+
+    def __init__(self, source: Any, micro_batch_size: int | None, seed: int) -> None:
+        self.collate: Callable[[list[Any]], Any] = default_collate
+        self.shuffle = False
+        dataset = source
+        if isinstance(source, DataLoader):
+            if source.batch_size is None:
+                raise ValueError("a DataLoader with a batch_sampler of its own cannot be sharded per replica; give it "
+                                 "batch_size (and shuffle) instead")
+            dataset, micro_batch_size = source.dataset, source.batch_size
+            self.collate = source.collate_fn
+            self.shuffle = isinstance(source.sampler, RandomSampler)
+        if micro_batch_size is None:
+            raise ValueError("a dataset as the data source needs micro_batch_size (samples per micro-batch), "
+                             "or a DataLoader with its batch_size")
+        self.dataset = dataset
+        self.size = micro_batch_size
+        self.seed = seed
+        self.indexed = hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")
+        if self.indexed and len(dataset) == 0:
+            raise ValueError("the dataset is empty")
+        self._stream: tuple[int, int, Iterator[Any]] | None = None  # iterable: (replicas, position, iterator)
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="data")
+        self._ahead: tuple[tuple[int, int, int, int], Future[Read]] | None = None
+
+    def read(self, step: int, replica: int, replicas: int, micro_batches: int) -> Read:
+        """This replica's micro-batches of step ``step`` (prefetched when it is the one after the last),
+        then the next step's read ahead."""
+        key = (step, replica, replicas, micro_batches)
+        ahead, self._ahead = self._ahead, None
+        future = ahead[1] if ahead is not None and ahead[0] == key else self._thread.submit(self._read, *key)
+        result = future.result()
+        following = (step + 1, replica, replicas, micro_batches)
+        self._ahead = (following, self._thread.submit(self._read, *following))
+        return result
+
+    def close(self) -> None:
+        """Stops reading ahead."""
+        self._thread.shutdown(wait=False, cancel_futures=True)
+
+    def _read(self, step: int, replica: int, replicas: int, micro_batches: int) -> Read:
+        first = step * micro_batches * self.size
+        samples = self._samples(first, micro_batches * self.size, replica, replicas)
+        pairs = [split_pair(self.collate(samples[m * self.size:(m + 1) * self.size])) for m in range(micro_batches)]
+        return [p[0] for p in pairs], [p[1] for p in pairs], None
+
+    def _samples(self, first: int, count: int, replica: int, replicas: int) -> list[Any]:
+        """Samples ``first`` to ``first + count`` of this replica's stream."""
+        if not self.indexed:
+            return self._iterated(first, count, replica, replicas)
+        n = len(self.dataset)
+        per_replica = -(-n // replicas)  # DistributedSampler's: the shard padded from the epoch's start
+        out = []
+        for position in range(first, first + count):
+            epoch, offset = divmod(position, per_replica)
+            order = self._order(epoch, n)
+            out.append(self.dataset[int(order[(offset * replicas + replica) % n])])
+        return out
+
+    def _order(self, epoch: int, n: int) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(n)
+        return torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + epoch))
+
+    def _iterated(self, first: int, count: int, replica: int, replicas: int) -> list[Any]:
+        """An iterable dataset's: this replica takes every ``replicas``-th item from its ``replica``-th,
+        epoch after epoch; one iterator kept, started again only to go back (a rollback or a load)."""
+        stream = self._stream
+        if stream is None or stream[0] != replicas or stream[1] > first:
+            stream = (replicas, 0, self._items(replica, replicas))
+        _, position, items = stream
+        for _ in range(first - position):
+            next(items)
+        taken = [next(items) for _ in range(count)]
+        self._stream = (replicas, first + count, items)
+        return taken
+
+    def _items(self, replica: int, replicas: int) -> Iterator[Any]:
+        for epoch in itertools.count():
+            if hasattr(self.dataset, "set_epoch"):  # a Hugging Face IterableDataset's shuffle follows the epoch
+                self.dataset.set_epoch(epoch)
+            seen = False
+            for index, item in enumerate(self.dataset):
+                seen = True
+                if index % replicas == replica:
+                    yield item
+            if not seen:
+                raise ValueError("the iterable dataset yielded nothing")
+
+
+def split_pair(batch: Any) -> tuple[Any, Any]:
+    """A collated micro-batch as ``(inputs, targets)``: a pair as it is, or a dict with ``labels``
+    (Hugging Face's) as the other keys and the labels.
+
+    Raises:
+        TypeError: anything else (say which is which with a collate_fn).
+    """
+    if isinstance(batch, Sequence) and not isinstance(batch, (str, bytes)) and len(batch) == 2:
+        return batch[0], batch[1]
+    if isinstance(batch, Mapping) and "labels" in batch:
+        return {k: v for k, v in batch.items() if k != "labels"}, batch["labels"]
+    raise TypeError(f"a dataset's batch must be (inputs, targets) or a dict with 'labels'; got "
+                    f"{type(batch).__name__}{' with keys ' + str(sorted(batch)) if isinstance(batch, Mapping) else ''}")
+
+
+def data_source(made: Any, micro_batch_size: int | None, seed: int) -> BatchFunction | DatasetReader:
+    """What the data factory made, as a source a stage reads micro-batches from (see the module docstring).
+
+    Raises:
+        TypeError: neither a batch function nor a dataset or DataLoader.
+    """
+    if isinstance(made, (DataLoader, torch.utils.data.IterableDataset)) \
+            or (hasattr(made, "__getitem__") and hasattr(made, "__len__")):
+        return DatasetReader(made, micro_batch_size, seed)
+    if callable(made):
+        return BatchFunction(made)
+    if hasattr(made, "__iter__"):
+        return DatasetReader(made, micro_batch_size, seed)
+    raise TypeError(f"the data factory made a {type(made).__name__}: expected batch(step) -> (inputs, targets), "
+                    "a DataLoader, or a dataset")
+
+
+def first_inputs(made: Any, micro_batch_size: int | None, seed: int, replicas: int, micro_batches: int) -> Any:
+    """The first micro-batch's inputs of step 0, replica 0 (what a traced or profiled model is shown)."""
+    source = data_source(made, micro_batch_size, seed)
+    try:
+        return source.read(0, 0, replicas, micro_batches)[0][0]
+    finally:
+        source.close()

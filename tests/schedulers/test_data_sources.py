@@ -1,0 +1,85 @@
+"""A DataLoader as a job's data source, end to end against one process.
+
+Sequences of many lengths, padded per micro-batch by the loader's collate_fn, read by each
+replica's first and last stage as DistributedSampler shards them: every micro-batch of a
+step has its own length, and with ``loss_averaging="tokens"`` the step equals one process's
+token mean over all of them. A checkpoint keeps the data's position (the step), so a job
+loaded from it reads on exactly where the saved one did.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from actors import Cluster
+from examples.data import token_sequences
+from examples.models import gpt, lm_loss
+from stages.build.data_source import DatasetReader
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(600),
+              pytest.mark.asyncio(loop_scope="package")]
+
+GPT = {"vocab_size": 32, "dim": 16, "layers": 2, "heads": 2, "context": 8}
+DATA = {"count": 24, "min_len": 2, "max_len": 8, "vocab_size": 32, "batch_size": 2, "shuffle": True, "seed": 3}
+SGD = ("torch.optim:SGD", {"lr": 0.1, "momentum": 0.9})
+REPLICAS, MICRO = 2, 2
+
+
+def _train(**overrides: object) -> dict[str, object]:
+    return dict(model="examples.models:gpt", model_kwargs=GPT, loss="examples.models:lm_loss", optimizer=SGD,
+                pipeline_stages=2, data_parallel=REPLICAS, schedule="1f1b", micro_batches=MICRO, seed=0,
+                data="examples.data:token_sequences", data_kwargs=DATA, loss_averaging="tokens") | overrides
+
+
+async def test_a_data_loader_of_many_lengths_trains_as_one_process(cluster: Cluster) -> None:
+    steps = 4  # 4 steps x 2 replicas x 2 micro-batches x 2 samples = 32 > 24: into the second epoch
+    reader = DatasetReader(token_sequences(**DATA), None, seed=0)
+    try:
+        reads = [[reader.read(step, r, REPLICAS, MICRO) for r in range(REPLICAS)] for step in range(steps)]
+    finally:
+        reader.close()
+    lengths = {x.shape[1] for step in reads for inputs, _, _ in step for x in inputs}
+    assert len(lengths) > 2  # the micro-batches do have lengths of their own
+    torch.manual_seed(0)
+    model = gpt(**GPT)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for step in reads:
+        pairs = [(x, y) for inputs, targets, _ in step for x, y in zip(inputs, targets)]
+        total = sum(lm_loss(model(x), y, reduction="sum") for x, y in pairs)
+        count = sum(int((y != -100).sum()) for _, y in pairs)
+        loss = total / count
+        losses.append(loss.item())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    job = await cluster.train(**_train())
+    try:
+        stats = [await job.step() for _ in range(steps)]
+        state = await job.state_dict()
+    finally:
+        await job.close()
+    assert [s.loss for s in stats] == pytest.approx(losses, rel=1e-5)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+
+
+async def test_a_checkpoint_resumes_the_data_where_it_stood(cluster: Cluster, tmp_path: Path) -> None:
+    job = await cluster.train(**_train())
+    try:
+        for _ in range(2):
+            await job.step()
+        await job.save(str(tmp_path / "ckpt"))
+        expected = [(await job.step()).loss for _ in range(2)]
+    finally:
+        await job.close()
+    resumed = await cluster.train(**_train())
+    try:
+        assert await resumed.load(str(tmp_path / "ckpt")) == 2
+        losses = [(await resumed.step()).loss for _ in range(2)]
+    finally:
+        await resumed.close()
+    assert losses == expected

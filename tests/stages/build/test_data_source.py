@@ -1,0 +1,132 @@
+"""Data sources (stages.build.data_source) in one process: datasets and DataLoaders read per replica."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
+
+from stages.build.data_source import BatchFunction, DatasetReader, data_source, first_inputs, split_pair
+
+
+def _dataset(n: int = 10) -> TensorDataset:
+    return TensorDataset(torch.arange(n).float().unsqueeze(1), torch.arange(n) * 10)
+
+
+def _ids(read: tuple[list[Any], list[Any], Any]) -> list[list[int]]:
+    return [mb.flatten().long().tolist() for mb in read[0]]
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_each_replica_reads_what_distributed_sampler_gives_it_epoch_after_epoch(shuffle: bool) -> None:
+    """10 samples, 3 replicas, 2 micro-batches of 2: each replica's stream is DistributedSampler's
+    indices for epoch 0, then epoch 1's (set_epoch), without a gap between them."""
+    dataset = _dataset(10)
+    loader = DataLoader(dataset, batch_size=2, shuffle=shuffle)
+    for replica in range(3):
+        reader = data_source(loader, None, seed=7)
+        assert isinstance(reader, DatasetReader)
+        try:
+            streamed = [i for step in range(4) for mb in _ids(reader.read(step, replica, 3, 2)) for i in mb]
+        finally:
+            reader.close()
+        expected = []
+        for epoch in range(4):
+            sampler = DistributedSampler(dataset, num_replicas=3, rank=replica, shuffle=shuffle, seed=7)
+            sampler.set_epoch(epoch)
+            expected += list(sampler)
+        assert streamed == expected[:16]
+
+
+def test_a_step_reads_the_same_micro_batches_again_in_any_order() -> None:
+    """The position is the step: reading step 3, then 1, then 3 again gives the same batches (a rollback,
+    a resume from a checkpoint), and a dict with labels splits as Hugging Face's batches do."""
+    items = [{"input_ids": torch.tensor([i, i + 1]), "labels": torch.tensor([i + 1, i + 2])} for i in range(9)]
+    reader = DatasetReader(items, micro_batch_size=2, seed=0)
+    try:
+        third = reader.read(3, 0, 1, 2)
+        first = reader.read(1, 0, 1, 2)
+        again = reader.read(3, 0, 1, 2)
+    finally:
+        reader.close()
+    # Step 3 reads samples 12..15 of the stream: the second epoch's 3..6.
+    assert [mb["input_ids"][:, 0].tolist() for mb in third[0]] == [[3, 4], [5, 6]]
+    assert [mb["input_ids"][:, 0].tolist() for mb in first[0]] == [[4, 5], [6, 7]]
+    assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(third[0], again[0]))
+    assert all(torch.equal(t, mb["input_ids"] + 1) for t, mb in zip(first[1], first[0]))
+
+
+class _Counting(IterableDataset):  # type: ignore[type-arg]
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for i in range(self.n):
+            yield torch.tensor([float(i)]), torch.tensor(i)
+
+
+def test_an_iterable_dataset_is_dealt_round_robin_and_goes_back_when_asked() -> None:
+    reader = data_source(_Counting(7), 2, seed=0)
+    assert isinstance(reader, DatasetReader)
+    try:
+        one = _ids(reader.read(0, 1, 2, 2))  # replica 1 of 2: items 1, 3, 5, then the next epoch's 1
+        two = _ids(reader.read(1, 1, 2, 2))
+        back = _ids(reader.read(0, 1, 2, 2))
+    finally:
+        reader.close()
+    assert one == [[1, 3], [5, 1]] and two == [[3, 5], [1, 3]] and back == one
+
+
+def test_a_collate_fn_pads_each_micro_batch_to_its_own_length() -> None:
+    lengths = [3, 5, 2, 6]
+    sequences = [(torch.arange(n), torch.arange(n) + 1) for n in lengths]
+
+    def pad(batch: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        longest = max(len(x) for x, _ in batch)
+        return (torch.stack([torch.nn.functional.pad(x, (0, longest - len(x))) for x, _ in batch]),
+                torch.stack([torch.nn.functional.pad(y, (0, longest - len(y)), value=-100) for _, y in batch]))
+
+    reader = data_source(DataLoader(sequences, batch_size=2, collate_fn=pad), None, seed=0)
+    try:
+        inputs, targets, weights = reader.read(0, 0, 1, 2)
+    finally:
+        reader.close()
+    assert [tuple(x.shape) for x in inputs] == [(2, 5), (2, 6)] and weights is None
+    assert int((targets[0] == -100).sum()) == 2
+
+
+def test_a_batch_function_shards_the_global_batch_as_before() -> None:
+    source = data_source(lambda step: (torch.arange(8).float() + step, torch.zeros(8)), None, seed=0)
+    assert isinstance(source, BatchFunction)
+    inputs, _, weights = source.read(1, 1, 2, 2)
+    assert [x.tolist() for x in inputs] == [[5.0, 6.0], [7.0, 8.0]] and weights is None
+    assert torch.equal(first_inputs(lambda step: (torch.arange(8), torch.arange(8)), None, 0, 2, 2), torch.arange(2))
+
+
+def test_what_a_source_cannot_be_is_refused_with_what_to_do() -> None:
+    with pytest.raises(ValueError, match="needs micro_batch_size"):
+        DatasetReader(_dataset(), None, seed=0)
+    with pytest.raises(ValueError, match="batch_sampler of its own"):
+        DatasetReader(DataLoader(_dataset(), batch_sampler=[[0, 1]]), None, seed=0)
+    with pytest.raises(ValueError, match="empty"):
+        DatasetReader([], 2, seed=0)
+    with pytest.raises(TypeError, match="expected batch"):
+        data_source(42, None, seed=0)
+    with pytest.raises(TypeError, match=r"\(inputs, targets\) or a dict with 'labels'"):
+        split_pair({"input_ids": torch.zeros(2)})
+
+
+def test_a_hugging_face_dataset_is_a_source() -> None:
+    import datasets  # a dev dependency (pyproject.toml)
+
+    table = datasets.Dataset.from_dict({"input_ids": [[i, i + 1] for i in range(6)],
+                                        "labels": [[i + 1, i + 2] for i in range(6)]}).with_format("torch")
+    reader = data_source(table, 3, seed=0)
+    try:
+        inputs, targets, _ = reader.read(0, 1, 2, 1)  # replica 1 of 2: rows 1, 3, 5
+    finally:
+        reader.close()
+    assert inputs[0]["input_ids"][:, 0].tolist() == [1, 3, 5] and torch.equal(targets[0], inputs[0]["input_ids"] + 1)
