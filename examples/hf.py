@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["gemma", "gpt2", "gpt_neox", "llama", "mistral", "phi", "qwen2"]
+__all__ = ["bert", "gemma", "gpt2", "gpt_neox", "llama", "mistral", "phi", "qwen2"]
 
 
 def gpt2(layers: int = 4, dim: int = 64, heads: int = 4, vocab: int = 128, positions: int = 128,
@@ -78,3 +78,15 @@ def gpt_neox(layers: int = 4, dim: int = 64, heads: int = 4, vocab: int = 128, p
              tie: bool = False, **config: Any) -> nn.Module:
     """A ``GPTNeoXForCausalLM`` (Pythia's: fused QKV, parallel residual; untied, as GPT-NeoX is)."""
     return _decoder("GPTNeoX", layers, dim, heads, vocab, positions, tie, **config)
+
+
+def bert(layers: int = 4, dim: int = 64, heads: int = 4, vocab: int = 128, positions: int = 128, tie: bool = True,
+         dropout: float = 0.0, **config: Any) -> nn.Module:
+    """A ``BertForMaskedLM``: a bidirectional encoder (absolute positions, post-norm, GELU) with its masked-LM
+    head, which takes ``input_ids`` and an ``attention_mask`` over padding (tied unless ``tie=False``)."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    return BertForMaskedLM(BertConfig(
+        num_hidden_layers=layers, hidden_size=dim, intermediate_size=2 * dim, num_attention_heads=heads,
+        vocab_size=vocab, max_position_embeddings=positions, tie_word_embeddings=tie, pad_token_id=0,
+        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout, **config))

@@ -34,7 +34,7 @@ from actors._actor import Actor, Host, caller_among, current_caller, endpoint
 from actors._errors import ActorError, NotAllowed, contained
 from actors._ref import ActorRef
 from actors._registry import DEFAULT_ALLOW, EXAMPLE_FACTORIES, register_actor
-from stages.build import tied
+from stages.build import tied, traced
 from stages.build.stage import BuiltStage, build_stage, read_data
 from stages.comm import zero
 from stages.comm.delivery import PeerEndpoints, Receiver, Sender, check_codecs
@@ -167,11 +167,15 @@ async def begin_step(config: StageConfig, parts: StageParts, order: StepOrder) -
         await executor.begin(actions, w_batching=order.w_batching)
     parts.sender.edge_stats = {}
     if order.data_step is None:
-        return StepBatch(actions, order.inputs, order.targets, order.loss_weights)
-    # Off the loop (a dataset's first read, or one after a rollback, takes a while): heartbeats go on.
-    inputs, targets, weights = await asyncio.to_thread(read_data, parts.built.data, config, order.data_step,
-                                                       order.data_shard or [0, 1], executor.num_microbatches)
-    return StepBatch(actions, inputs, targets, weights)
+        batch = StepBatch(actions, order.inputs, order.targets, order.loss_weights)
+    else:
+        # Off the loop (a dataset's first read, or one after a rollback, takes a while): heartbeats go on.
+        inputs, targets, weights = await asyncio.to_thread(read_data, parts.built.data, config, order.data_step,
+                                                           order.data_shard or [0, 1], executor.num_microbatches)
+        batch = StepBatch(actions, inputs, targets, weights)
+    if batch.inputs is not None and 0 in executor.model.modules:  # a shape the traced graph cannot run: refused now
+        traced.check_batch(executor.model.modules[0], batch.inputs)
+    return batch
 
 
 async def end_step(parts: StageParts, step: int, task: asyncio.Task[StepTrace]) -> StageReport:

@@ -32,10 +32,11 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from stages.compute.activations import checkpointed
 
-__all__ = ["TracedStage", "TracingError", "trace_stages"]
+__all__ = ["TracedStage", "TracingError", "check_batch", "trace_stages"]
 
 _PLACEHOLDER = -1  # "produced" by the model's inputs
 
@@ -67,6 +68,42 @@ class TracedStage(nn.Module):
         self._placeholders = placeholders
         # Set by the stage for activation checkpointing: the graph module is one checkpoint.
         self.checkpoint_activations = False
+        # The first stage's: per placeholder (by value name), the dimensions its trace fixed, as (dim, size).
+        self.fixed: dict[str, list[tuple[int, int]]] = {}
+        if signature is not None:
+            nodes = [n for n in module.graph.nodes if n.op == "placeholder"]
+            for node, arg in zip(nodes, args):
+                value = node.meta.get("val")
+                if isinstance(arg, str) and isinstance(value, torch.Tensor):
+                    dims = [(d, int(size)) for d, size in enumerate(value.shape) if is_concrete_int(size)]
+                    if dims:
+                        self.fixed[arg] = dims
+
+    def check_inputs(self, inputs: Any) -> None:
+        """Refuses a micro-batch (as the first stage takes it) whose shape the trace cannot run: a
+        dimension ``torch.export`` fixed (the model computes with its size) that differs.
+
+        Raises:
+            ValueError: names the input, the dimension, both sizes and what to do.
+        """
+        if not self.fixed:
+            return
+        call_args, call_kwargs = _as_call(inputs)
+        env = self._bind(call_args, call_kwargs)
+        for node, dims in self.fixed.items():
+            value = env.get(node)
+            if not isinstance(value, torch.Tensor):
+                continue
+            for dim, size in dims:
+                if dim < value.dim() and value.shape[dim] != size:
+                    raise ValueError(
+                        f"input {self._placeholders.get(node, node)!r} has {value.shape[dim]} at dim {dim} (shape "
+                        f"{tuple(value.shape)}), but tracing the model fixed that dimension at {size}: torch.export "
+                        "could not keep it dynamic (the model computes with its size, e.g. a reshape to it). Give "
+                        f"micro-batches whose dim {dim} is {size} (pad to it), or make the model take its sizes "
+                        "from its inputs"
+                        + (f"; export fixes every size of 1, so trace on example_inputs with more than one there"
+                           if size == 1 else ""))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._signature is not None:
@@ -101,6 +138,19 @@ class TracedStage(nn.Module):
             else:
                 raise TypeError(f"the model was traced with an input {name!r} that this batch does not give")
         return env
+
+
+def check_batch(module: nn.Module, micro_batches: Sequence[Any]) -> None:
+    """Refuses a step whose micro-batches the first stage's traced graph cannot run (see
+    :meth:`TracedStage.check_inputs`), before any of its actions; a stage of no traced model passes.
+
+    Raises:
+        ValueError: what does not fit, and what to do.
+    """
+    first = next((m for m in module.modules() if isinstance(m, TracedStage) and m.index == 0), None)
+    if first is not None:
+        for micro_batch in micro_batches:
+            first.check_inputs(micro_batch)
 
 
 def _fill(structure: Any, env: Mapping[str, Any]) -> Any:
@@ -277,7 +327,9 @@ def _leaf_names(structure: Any) -> list[str]:
 
 
 def _retie(model: nn.Module, modules: list[nn.Module]) -> None:
-    """Makes the stage modules' copies of each parameter the model shares one tensor again."""
+    """Makes the stage modules' copies of each parameter the model shares one tensor again, and gives a
+    stage that holds it under one of its names the others too (export keeps one: BERT's ``cls.predictions
+    .bias`` is its decoder's), so that the stage's state has every key the model's has."""
     aliases: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(param), []).append(name)
@@ -286,6 +338,8 @@ def _retie(model: nn.Module, modules: list[nn.Module]) -> None:
             continue
         shared: nn.Parameter | None = None
         for module in modules:
+            missing: list[tuple[nn.Module, str]] = []
+            holds = False
             for name in names:
                 owner_name, _, attribute = name.rpartition(".")
                 try:
@@ -294,10 +348,16 @@ def _retie(model: nn.Module, modules: list[nn.Module]) -> None:
                     continue
                 found = owner._parameters.get(attribute)
                 if found is None:
+                    if attribute not in owner._modules and attribute not in owner._buffers:
+                        missing.append((owner, attribute))
                     continue
+                holds = True
                 if shared is None:
                     shared = found
                 elif found is not shared:
+                    owner._parameters[attribute] = shared
+            if holds and shared is not None:
+                for owner, attribute in missing:
                     owner._parameters[attribute] = shared
 
 

@@ -267,3 +267,22 @@ def hf_logits(family: str, **kwargs: Any) -> Logits:
     from examples import hf
 
     return Logits(getattr(hf, family)(**kwargs))
+
+
+class FixedLength(nn.Module):
+    """A model whose forward fixes its sequence length (a reshape to a constant shape), so that
+    ``torch.export`` cannot keep that dimension dynamic: a traced stage runs only that length."""
+
+    def __init__(self, dim: int = 8, length: int = 6) -> None:
+        super().__init__()
+        self.length = length
+        self.first = nn.Linear(dim, dim)
+        self.second = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.first(x).reshape(-1, self.length, x.shape[-1])
+        return self.second(x)
+
+
+def fixed_length(dim: int = 8, length: int = 6) -> FixedLength:
+    return FixedLength(dim, length)

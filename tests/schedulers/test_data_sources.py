@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from actors import Cluster
+from examples import hf
 from examples.data import token_sequences
 from examples.models import gpt, lm_loss
 from stages.build.data_source import DatasetReader
@@ -34,7 +35,18 @@ def _train(**overrides: object) -> dict[str, object]:
                 data="examples.data:token_sequences", data_kwargs=DATA, loss_averaging="tokens") | overrides
 
 
-async def test_a_data_loader_of_many_lengths_trains_as_one_process(cluster: Cluster) -> None:
+LLAMA = {"layers": 2, "dim": 32, "heads": 2, "kv_heads": 1, "vocab": 32, "positions": 16}
+MODELS = {
+    "gpt": (lambda: gpt(**GPT), {"model": "examples.models:gpt", "model_kwargs": GPT}, lambda out: out),
+    # Traced at split_points on the loader's first micro-batch, every dimension dynamic.
+    "llama": (lambda: hf.llama(**LLAMA), {"model": "examples.hf:llama", "model_kwargs": LLAMA,
+                                          "split_points": ["model.layers.1"]}, lambda out: out.logits),
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+async def test_a_data_loader_of_many_lengths_trains_as_one_process(cluster: Cluster, name: str) -> None:
+    build, options, logits = MODELS[name]
     steps = 4  # 4 steps x 2 replicas x 2 micro-batches x 2 samples = 32 > 24: into the second epoch
     reader = DatasetReader(token_sequences(**DATA), None, seed=0)
     try:
@@ -44,19 +56,19 @@ async def test_a_data_loader_of_many_lengths_trains_as_one_process(cluster: Clus
     lengths = {x.shape[1] for step in reads for inputs, _, _ in step for x in inputs}
     assert len(lengths) > 2  # the micro-batches do have lengths of their own
     torch.manual_seed(0)
-    model = gpt(**GPT)
+    model = build()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     losses = []
     for step in reads:
         pairs = [(x, y) for inputs, targets, _ in step for x, y in zip(inputs, targets)]
-        total = sum(lm_loss(model(x), y, reduction="sum") for x, y in pairs)
+        total = sum(lm_loss(logits(model(x)), y, reduction="sum") for x, y in pairs)
         count = sum(int((y != -100).sum()) for _, y in pairs)
         loss = total / count
         losses.append(loss.item())
         opt.zero_grad()
         loss.backward()
         opt.step()
-    job = await cluster.train(**_train())
+    job = await cluster.train(**_train(**options))
     try:
         stats = [await job.step() for _ in range(steps)]
         state = await job.state_dict()

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from actors import Cluster
+from actors import Cluster, StepFailed
 from examples.models import gpt, lm_loss, residual_mlp
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(600),
@@ -200,3 +200,22 @@ async def test_a_short_last_batch_trains_as_one_process(cluster: Cluster, size: 
     assert stats[1].samples == size
     for key, value in model.state_dict().items():
         torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+
+
+async def test_a_shape_a_traced_model_cannot_run_is_refused_at_step_and_the_job_goes_on(cluster: Cluster) -> None:
+    """tests.helpers.models:fixed_length reshapes to a constant length, so its trace fixes it: a batch
+    of another length is refused before any action runs, naming the input, the dimension and what to
+    do; nothing of it is applied and the next step (and evaluation) of the right length trains on."""
+    job = await cluster.train(model="tests.helpers.models:fixed_length", model_kwargs={"dim": 8, "length": 6},
+                              split_points=["second"], example_inputs=torch.randn(2, 6, 8), pipeline_stages=2,
+                              micro_batches=2, optimizer=("torch.optim:SGD", {"lr": 0.1}), seed=0)
+    try:
+        before = await job.state_dict()
+        with pytest.raises(StepFailed, match=r"stage 0.*input 'x' has 7 at dim 1 .*fixed that dimension at 6"):
+            await job.step(torch.randn(4, 7, 8), torch.randn(4, 7, 8))
+        assert all(torch.equal(value, before[key]) for key, value in (await job.state_dict()).items())
+        stats = await job.step(torch.randn(6, 6, 8), torch.randn(6, 6, 8))  # another batch size runs
+        evaluated = await job.evaluate(torch.randn(4, 6, 8), torch.randn(4, 6, 8))
+    finally:
+        await job.close()
+    assert stats.samples == 6 and evaluated.items == 4

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from actors import Cluster, RemoteError
+from stages import split_batch
 from stages.build.layers import Chain
 from examples import hf
 from examples.models import lm_loss
@@ -65,11 +66,12 @@ async def train_steps(job: Any, batches: list[tuple[Any, Any]]) -> tuple[list[An
 
 
 def logits(model: torch.nn.Module, inputs: Any) -> torch.Tensor:
-    return model(inputs).logits
+    return (model(**inputs) if isinstance(inputs, dict) else model(inputs)).logits
 
 
 def split_points(family: str, model_stages: int, layers: int) -> list[str]:
-    block = {"gpt2": "transformer.h", "gpt_neox": "gpt_neox.layers"}.get(family, "model.layers")
+    block = {"gpt2": "transformer.h", "gpt_neox": "gpt_neox.layers", "bert": "bert.encoder.layer"}.get(
+        family, "model.layers")
     step = layers // model_stages
     return [f"{block}.{step * s}" for s in range(1, model_stages)]
 
@@ -126,17 +128,18 @@ async def train_as_one_process(cluster: Cluster, family: str, kwargs: dict[str, 
     job = await cluster.train(model=f"examples.hf:{family}", model_kwargs=kwargs, loss="examples.models:lm_loss",
                               optimizer=("torch.optim:SGD", {"lr": LR}), pipeline_stages=stages, schedule=schedule,
                               micro_batches=MICRO, split_points=split_points(family, stages, 4),
-                              example_inputs=batches[0][0][:BATCH // MICRO], **options)
+                              example_inputs=split_batch(batches[0][0], MICRO, "inputs")[0], **options)
     stats, state = await train_steps(job, batches)
     assert [s.loss for s in stats] == pytest.approx(losses, rel=1e-5)
     assert_close_state(state, reference)
     return stats
 
 
-# Each family under one of 1F1B at 2 stages and GPipe at 4, in turns: every schedule runs a traced
-# stage alike (the executor's tests cover the product in one process), the families differ in what is traced.
-FAMILY_CASES = [("qwen2", "1f1b", 2), ("mistral", "gpipe", 4), ("gemma", "1f1b", 2), ("phi", "gpipe", 4),
-                ("gpt_neox", "1f1b", 2), ("qwen2", "gpipe", 4)]
+# Each family under 1F1B and GPipe, at 2 stages and at 4 (LLaMA's other two are HF_CASES'); BERT, an
+# encoder with a padding mask, in its own test below.
+LAYOUTS = [("1f1b", 2), ("gpipe", 2), ("1f1b", 4), ("gpipe", 4)]
+FAMILY_CASES = [(family, schedule, stages) for family in ("qwen2", "mistral", "gemma", "phi", "gpt_neox")
+                for schedule, stages in LAYOUTS] + [("llama", "gpipe", 2), ("llama", "1f1b", 4)]
 
 
 @pytest.mark.asyncio(loop_scope="package")
@@ -147,6 +150,31 @@ async def test_the_families_people_fine_tune_train_split_at_named_points_as_one_
 ) -> None:
     kwargs = {**SMALL, "layers": 4, **({"kv_heads": 1} if family in ("qwen2", "mistral", "gemma") else {})}
     await train_as_one_process(cluster, family, kwargs, lm_batches(), stages=stages, schedule=schedule)
+
+
+def masked_lm_batches(steps: int = 2) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+    """BERT's: right-padded ids with their attention mask, a third of the real tokens to predict and
+    every other target -100 (padding included)."""
+    generator = torch.Generator().manual_seed(13)
+    batches = []
+    for _ in range(steps):
+        ids = torch.randint(1, VOCAB, (BATCH, SEQ), generator=generator)
+        mask = (torch.arange(SEQ) < torch.randint(2, SEQ + 1, (BATCH, 1), generator=generator)).long()
+        chosen = (torch.rand(BATCH, SEQ, generator=generator) < 0.35) & mask.bool()
+        targets = torch.where(chosen, torch.randint(1, VOCAB, (BATCH, SEQ), generator=generator), -100)
+        batches.append(({"input_ids": ids * mask, "attention_mask": mask}, targets))
+    return batches
+
+
+@pytest.mark.asyncio(loop_scope="package")
+@pytest.mark.parametrize(("schedule", "stages"), LAYOUTS, ids=[f"{s}-{n}stages" for s, n in LAYOUTS])
+async def test_a_bert_encoder_with_a_padding_mask_trains_split_at_named_points_as_one_process(
+    cluster: Cluster, schedule: str, stages: int
+) -> None:
+    """BertForMaskedLM: bidirectional attention over a padding mask that crosses every boundary, the
+    masked-LM targets -100 wherever nothing is predicted; token-averaged, as one process's loss is."""
+    await train_as_one_process(cluster, "bert", {**SMALL, "layers": 4}, masked_lm_batches(), stages=stages,
+                               schedule=schedule, loss_averaging="tokens")
 
 
 @pytest.mark.asyncio(loop_scope="package")
@@ -162,6 +190,31 @@ async def test_a_traced_model_trains_a_new_sequence_length_every_step_as_one_pro
     batches = [(torch.randint(0, VOCAB, (BATCH, length), generator=generator),
                 torch.randint(0, VOCAB, (BATCH, length), generator=generator)) for length in (8, 12, 5)]
     await train_as_one_process(cluster, family, kwargs, batches, transport=transport)
+
+
+@pytest.mark.asyncio(loop_scope="package")
+async def test_left_padded_batches_of_new_lengths_train_a_traced_model_with_codecs_on(cluster: Cluster) -> None:
+    """Qwen2 traced once, then fed a new length every step, left-padded under an attention mask (the
+    targets -100 on the padding), with int8 activations and gradients on the wire: every step runs,
+    each boundary carries int8, and the losses stay within the codec's error of one process's."""
+    kwargs = {**SMALL, "layers": 4, "kv_heads": 1}
+    generator = torch.Generator().manual_seed(17)
+    batches = []
+    for length in (8, 11, 6):
+        ids = torch.randint(1, VOCAB, (BATCH, length), generator=generator)
+        mask = (torch.arange(length) >= torch.randint(0, length - 1, (BATCH, 1), generator=generator)).long()
+        targets = torch.where(mask.bool(), torch.randint(1, VOCAB, (BATCH, length), generator=generator), -100)
+        batches.append(({"input_ids": ids * mask, "attention_mask": mask}, targets))
+    _, losses = one_process(hf.qwen2, kwargs, batches, lm_loss, logits)
+    job = await cluster.train(model="examples.hf:qwen2", model_kwargs=kwargs, loss="examples.models:lm_loss",
+                              optimizer=("torch.optim:SGD", {"lr": LR}), pipeline_stages=2, micro_batches=MICRO,
+                              split_points=split_points("qwen2", 2, 4), loss_averaging="tokens",
+                              example_inputs=split_batch(batches[0][0], MICRO, "inputs")[0],
+                              activation_codec="int8", gradient_codec="int8")
+    stats, _ = await train_steps(job, batches)
+    assert [s.loss for s in stats] == pytest.approx(losses, rel=0.02)
+    assert all(s.codec_stats["F 0->1"]["codec"] == "int8" and s.codec_stats["B 1->0"]["codec"] == "int8"
+               for s in stats)
 
 
 @pytest.mark.asyncio(loop_scope="package")

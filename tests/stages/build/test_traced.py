@@ -84,3 +84,21 @@ def test_an_untraceable_model_names_the_module_and_what_to_do() -> None:
     message = str(caught.value)
     assert "could not trace tests.helpers.models:untraceable in module branchy (Branchy.forward)" in message
     assert "What to do" in message and "nn.Sequential" in message
+
+
+def test_a_dimension_the_trace_fixed_is_refused_before_the_step_with_what_to_do() -> None:
+    """Batch size and length stay dynamic where the model lets them; a length it reshapes to is not,
+    and a micro-batch of another length is refused by name, not failed inside the graph."""
+    from stages.build.traced import check_batch
+    from tests.helpers.models import fixed_length
+
+    model = fixed_length(dim=8, length=6)
+    stages = trace_stages(model, ["second"], torch.randn(4, 6, 8), "tests.helpers.models:fixed_length")
+    check_batch(stages[0], [torch.randn(3, 6, 8), torch.randn(5, 6, 8)])  # other batch sizes run
+    x = torch.randn(3, 6, 8)
+    assert torch.allclose(_run(stages, x), model(x))
+    with pytest.raises(ValueError, match=r"input 'x' has 7 at dim 1 .* fixed that dimension at 6.*pad to it"):
+        check_batch(stages[0], [torch.randn(3, 6, 8), torch.randn(3, 7, 8)])
+    free = trace_stages(gpt2(layers=2, dim=32, heads=2, vocab=64), ["transformer.h.1"],
+                        torch.randint(0, 64, (2, 8)), "m")
+    check_batch(free[0], [torch.randint(0, 64, (3, 5)), torch.randint(0, 64, (1, 11))])  # any length
