@@ -21,10 +21,12 @@ from typing import TYPE_CHECKING, Any, Literal
 from actors._actor import Actor, current_caller, endpoint, sees_all
 from actors._context import NodeContext
 from actors._errors import ActorError, ActorLost, NodeLost, NotAllowed, RemoteError, contained
+from actors._liveness import LivenessServer
 from actors._registry import actor_class, load_object, registered_actors
 from actors._subscribers import EventSink, Subscribers
 from actors.events import Event, NodeJoined, NodeLeft, NodeSilent
 from actors.records import WireRecord
+from transport.security import join_address, split_address
 from transport.wire import excerpt
 
 if TYPE_CHECKING:
@@ -77,6 +79,9 @@ class HeartbeatSettings(WireRecord):
 
     interval: float
     timeout: float
+    liveness: str = ""
+    """The endpoint of the socket the head watches this node's connection on (:mod:`actors._liveness`),
+    with the head's key; "" from a head without one."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -130,10 +135,23 @@ def node_info(name: str, address: str, device: str) -> NodeInfo:
     )
 
 
-class HeadActor(Actor):
-    """Keeps the membership list, notices silent nodes, and tells subscribers."""
+# How long a node that is alive but does not answer (stopped, frozen, cut off) stays a member.
+# Its connection's heartbeats are answered by libzmq's own threads, which neither a saturated
+# machine, a busy event loop nor a long garbage collection holds up: only a stopped process, a
+# frozen machine or a cut network goes this long without an answer. A process that ends is
+# known at once, whatever this says (its connection closes).
+SILENT_TIMEOUT_S = 10.0
 
-    def __init__(self, *, heartbeat_interval: float = 0.5, heartbeat_timeout: float = 2.0) -> None:
+
+class HeadActor(Actor):
+    """Keeps the membership list, notices lost nodes, and tells subscribers.
+
+    A node is lost the moment its liveness connection closes (:mod:`actors._liveness`): its
+    process ended, or it answered no heartbeat for ``heartbeat_timeout`` seconds. A node whose
+    liveness connection never proved itself is lost after that long without an actor heartbeat.
+    """
+
+    def __init__(self, *, heartbeat_interval: float = 0.5, heartbeat_timeout: float = SILENT_TIMEOUT_S) -> None:
         if heartbeat_timeout <= heartbeat_interval:
             raise ValueError(
                 f"heartbeat timeout ({heartbeat_timeout}s) must exceed the interval ({heartbeat_interval}s)"
@@ -144,9 +162,20 @@ class HeadActor(Actor):
         self._last_seen: dict[str, float] = {}
         self._hosted: dict[str, list[str]] = {}  # node -> the addresses of the actor processes it hosts
         self._subscribers = Subscribers("head")
+        self._liveness: LivenessServer | None = None
 
     async def on_start(self) -> None:
         self.runtime.spawn_task(self._watch(), name="heartbeat watch")
+        loop = asyncio.get_running_loop()
+        endpoint = split_address(self.runtime.address)[0]
+        host = endpoint.rpartition(":")[0] if endpoint.startswith("tcp://") else "ipc://"
+        self._liveness = LivenessServer(self.runtime.context, host, self.runtime.keys,
+                                        lambda name: loop.call_soon_threadsafe(self._connection_closed, name),
+                                        interval=self.heartbeat_interval, timeout=self.heartbeat_timeout)
+
+    async def on_stop(self) -> None:
+        if self._liveness is not None:
+            self._liveness.close()
 
     @endpoint(roles=("node",))
     async def register(self, info: NodeInfo) -> HeartbeatSettings:
@@ -172,7 +201,12 @@ class HeadActor(Actor):
         log.info("node %s joined from %s (%s, pid %d)", excerpt(node.name), excerpt(node.host),
                  excerpt(node.device), node.pid)
         self._publish(NodeJoined(node=node.name))
-        return HeartbeatSettings(interval=self.heartbeat_interval, timeout=self.heartbeat_timeout)
+        keys = self.runtime.keys
+        liveness = ""
+        if self._liveness is not None:
+            endpoint = self._liveness.watch(node.name, node.identity if keys is not None else "")
+            liveness = join_address(endpoint, keys.public) if keys is not None else endpoint
+        return HeartbeatSettings(interval=self.heartbeat_interval, timeout=self.heartbeat_timeout, liveness=liveness)
 
     @endpoint(roles=("node",))
     async def heartbeat(self, name: str) -> bool:
@@ -188,6 +222,8 @@ class HeadActor(Actor):
         node = self._nodes.get(name)
         if node is not None and node.state == "alive":
             self._nodes[name] = replace(node, state="left")
+            if self._liveness is not None:
+                self._liveness.forget(name)
             log.info("node %s left", name)
             self._publish(NodeLeft(node=name))
 
@@ -275,15 +311,28 @@ class HeadActor(Actor):
                 stall = now - before - tick
                 self._last_seen = {name: seen + stall for name, seen in self._last_seen.items()}
                 continue
+            proven = self._liveness.verified if self._liveness is not None else set()
             for name, node in list(self._nodes.items()):
                 silent = now - self._last_seen[name]
-                if node.state == "alive" and silent > self.heartbeat_timeout:
-                    self._nodes[name] = replace(node, state="lost")
-                    log.warning("node %s lost: no heartbeat for %.1fs", name, silent)
-                    for address in [node.address, *self._hosted.pop(name, [])]:
-                        self.runtime.fail_calls_to(address, NodeLost(
-                            f"node {name} was lost: no heartbeat for {silent:.1f}s", details={"node": name}))
-                    self._publish(NodeSilent(node=name, silent_s=round(silent, 3)))
+                # A node whose liveness connection stands is alive, however late its actor heartbeats are.
+                if node.state == "alive" and silent > self.heartbeat_timeout and name not in proven:
+                    self._lose(name, f"no heartbeat for {silent:.1f}s", silent)
+
+    def _connection_closed(self, name: str) -> None:
+        """Node ``name``'s liveness connection ended: its process is gone, or it answered nothing for
+        ``heartbeat_timeout`` seconds (libzmq dropped it)."""
+        node = self._nodes.get(name)
+        if node is not None and node.state == "alive":
+            self._lose(name, "its connection to the head closed (its process ended, or it answered no "
+                             f"heartbeat for {self.heartbeat_timeout:g}s)", time.monotonic() - self._last_seen[name])
+
+    def _lose(self, name: str, why: str, silent: float) -> None:
+        node = self._nodes[name]
+        self._nodes[name] = replace(node, state="lost")
+        log.warning("node %s lost: %s", name, why)
+        for address in [node.address, *self._hosted.pop(name, [])]:
+            self.runtime.fail_calls_to(address, NodeLost(f"node {name} was lost: {why}", details={"node": name}))
+        self._publish(NodeSilent(node=name, silent_s=round(silent, 3)))
 
     def _publish(self, event: Event) -> None:
         """Tells every subscriber: a node event is about the cluster's members, which every key may know."""

@@ -200,7 +200,8 @@ class Runtime:
                     self._deliver_local(ref.name, Call(method=method, args=args, kwargs=kwargs,
                                                        reply=_resolve_into(future)))
                 else:
-                    await self._send(ref.address, _request(call_id, ref.name, method, args, kwargs, self.address))
+                    await self._send_or_fail(future, ref.address,
+                                             _request(call_id, ref.name, method, args, kwargs, self.address))
                 return await future
         except TimeoutError:
             if not timer.expired():
@@ -221,6 +222,29 @@ class Runtime:
             return 0
         self._lost.refuse(ref.address)
         return await self._send(ref.address, _request(None, ref.name, method, args, kwargs, None))
+
+    async def _send_or_fail(self, future: asyncio.Future[Any], address: str, message: dict[str, Any]) -> None:
+        """Sends a request, unless its call fails first: a send to a peer whose connection is gone waits
+        for room, and a node declared lost (:meth:`fail_calls_to`) must end such a call at once, not at
+        its timeout (a step begun between a node's death and its detection waited out its timeout)."""
+        send = asyncio.ensure_future(self._send(address, message))
+        try:
+            await asyncio.wait({send, future}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not send.done():
+                send.cancel()
+        if send.done() and not send.cancelled() and send.exception() is not None:
+            raise send.exception()  # type: ignore[misc]
+
+    @property
+    def context(self) -> zmq.Context[Any]:
+        """The zmq context of this runtime's sockets (its CURVE gate admits the cluster's keys)."""
+        return self._context
+
+    @property
+    def keys(self) -> Keypair | None:
+        """This runtime's CURVE keypair (None: an insecure runtime)."""
+        return self._keys
 
     def fail_calls_to(self, address: str, error: ActorError) -> int:
         """Fails every pending call to the runtime at ``address`` (it was lost); returns how many."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from actors._errors import ActorError
+from actors._liveness import LivenessClient
 from actors._ref import ActorRef
 from actors._nodes import HEAD, NODE, HeadActor, HeartbeatSettings, NodeActor, NodeInfo, node_info
 from actors._registry import registered_actors
@@ -202,8 +203,13 @@ async def serve_worker(config: WorkerConfig) -> None:
         if settings is None:
             return
         agent.head = head
-        runtime.spawn_task(_heartbeat(head, config, agent, settings, stop), name="heartbeat")
-        await stop.wait()
+        liveness = _Liveness(runtime, config.name)
+        liveness.renew(settings)
+        runtime.spawn_task(_heartbeat(head, config, agent, liveness, settings.interval, stop), name="heartbeat")
+        try:
+            await stop.wait()
+        finally:
+            liveness.close()
         log.info("node stopping")
         try:
             await head.endpoint(HeadActor.deregister, timeout=1.0).call(config.name)
@@ -227,18 +233,40 @@ async def _register(
     return None
 
 
+class _Liveness:
+    """The worker's liveness connection to the head (:mod:`actors._liveness`), made anew at each registration."""
+
+    def __init__(self, runtime: Any, name: str) -> None:
+        self._runtime = runtime
+        self._name = name
+        self._client: LivenessClient | None = None
+
+    def renew(self, settings: HeartbeatSettings) -> None:
+        self.close()
+        if settings.liveness:
+            endpoint, server_public = split_address(settings.liveness)
+            self._client = LivenessClient(self._runtime.context, endpoint, self._name, self._runtime.keys,
+                                          server_public)
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+
 async def _heartbeat(
-    head: ActorRef, config: WorkerConfig, agent: NodeActor, settings: HeartbeatSettings, stop: asyncio.Event
+    head: ActorRef, config: WorkerConfig, agent: NodeActor, liveness: _Liveness, interval: float, stop: asyncio.Event
 ) -> None:
-    interval = settings.interval
     last_ok = time.monotonic()
     while True:
         try:
             known = await head.endpoint(HeadActor.heartbeat, timeout=max(interval, 1.0)).call(config.name)
             last_ok = time.monotonic()
             if not known:
-                log.warning("the head forgot this node; registering again")
-                await head.endpoint(HeadActor.register, timeout=1.0).call(agent.info)
+                log.warning("the head forgot this node (or declared it lost); registering again")
+                settings = await head.endpoint(HeadActor.register, timeout=1.0).call(agent.info)
+                interval = settings.interval
+                liveness.renew(settings)
                 await agent.tell_head_hosting()
         except ActorError as exc:
             if time.monotonic() - last_ok > config.head_timeout:

@@ -30,6 +30,7 @@ import time
 from collections.abc import AsyncIterator, Generator, Iterable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
+from actors import launchers
 from actors._errors import ActorError, ActorTimeout, HeadLost, NotAllowed
 from actors._nodes import HEAD, NODE, HeadActor, NodeActor, NodeInfo
 from actors._subscribers import EventSink
@@ -128,11 +129,14 @@ class Cluster:
 
     @classmethod
     def connect(
-        cls: type[C], address: str, *, bind: str = "tcp://127.0.0.1:0", allow_remote: bool = False,
+        cls: type[C], address: str | None = None, *, bind: str = "tcp://127.0.0.1:0", allow_remote: bool = False,
         timeout: float = 10.0, keys: str | os.PathLike[str] | None = None, identity: str = "client",
         insecure: bool = False, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> _Connecting[C]:
         """Attaches to the head at ``address``; use as ``await`` or ``async with``.
+
+        Without ``address``, under torchrun, srun or a Kubernetes Indexed Job: the head the
+        launcher's variables name (see :mod:`actors.launchers`).
 
         ``actors.Cluster.connect`` builds the installed plugin's subclass (with the job
         API); a subclass's ``connect`` builds that subclass.
@@ -156,6 +160,12 @@ class Cluster:
             KeyFileError: the key directory is missing, unsafe, or lacks ``identity``.
         """
         target: type[C] = cluster_class() if cls is Cluster else cls  # type: ignore[assignment]
+        if address is None:
+            role = launchers.from_environment()
+            if role is None:
+                raise ValueError("connect() needs the head's address, or a launcher's variables that name it "
+                                 "(torchrun, srun, a Kubernetes Indexed Job)")
+            address = role.head_address
         directory = None if insecure else os.fspath(keys or os.environ.get("ACTORPIPE_KEYS", DEFAULT_KEYS))
         return _Connecting(target, address, bind, timeout, allow_remote, directory, identity, max_message_bytes)
 
@@ -317,7 +327,8 @@ class LocalCluster:
             one): ``{"micro_batches": 1024, "jobs_per_client": 2}``; see ``schedulers.limits``.
         examples: admit the examples' factory modules too (``EXAMPLE_FACTORIES``: models, data and
             Hugging Face models, never the example scripts), for the demo.
-        heartbeat_timeout: seconds of silence before the head marks a node lost.
+        heartbeat_timeout: seconds a node that is alive but answers nothing (stopped, frozen, cut off)
+            stays a member (see ``actors._liveness``); one whose process ends is lost at once.
         startup_timeout: seconds to wait for every node to register.
         log_level: the nodes' logging level (default WARNING: quiet).
         insecure: start every process without keys (``--insecure``); by default the
@@ -357,7 +368,7 @@ class LocalCluster:
         allow: Iterable[str] = (),
         examples: bool = True,
         limits: Mapping[str, float | int | None] | None = None,
-        heartbeat_timeout: float = 2.0,
+        heartbeat_timeout: float = 10.0,
         startup_timeout: float = 60.0,
         log_level: str = "WARNING",
         insecure: bool = False,

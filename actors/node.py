@@ -1,6 +1,10 @@
 # Run: python -m actors.node --head --bind tcp://127.0.0.1:5555
 #      python -m actors.node --join tcp://127.0.0.1:5555 --name worker0 [--device cpu]
-"""A node process: the head (membership, later the scheduler) or a worker that hosts actors."""
+#      torchrun --nproc-per-node 4 -m actors.node --keys DIR    (or under srun, or an Indexed Job)
+"""A node process: the head (membership, later the scheduler) or a worker that hosts actors.
+
+With neither ``--head`` nor ``--join``, the launcher it runs under says which (rank 0 is the
+head, see :mod:`actors.launchers`)."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import logging
 import os
 import sys
 
+from actors import launchers
 from actors._registry import DEFAULT_ALLOW
 from actors.devices import device_argument
 from actors.keys import DEFAULT_KEYS, KeyFileError
@@ -22,7 +27,7 @@ import actors.probe  # noqa: F401  (registers the built-in actor classes)
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m actors.node", description=__doc__)
-    role = parser.add_mutually_exclusive_group(required=True)
+    role = parser.add_mutually_exclusive_group()
     role.add_argument("--head", action="store_true", help="start the head node")
     role.add_argument("--join", metavar="ADDRESS", help="start a worker that joins the head at ADDRESS")
     role.add_argument("--join-file", metavar="PATH",
@@ -51,8 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "of its own, forked from one made at start-up, so that a job's code that exits, crashes or "
                         "hangs stays in its job; 'thread' hosts them in this process (default: %(default)s)")
     parser.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds between heartbeats (head)")
-    parser.add_argument("--heartbeat-timeout", type=float, default=2.0,
-                        help="seconds of silence before the head marks a node lost")
+    parser.add_argument("--heartbeat-timeout", type=float, default=10.0,
+                        help="seconds a node that is alive but answers nothing (stopped, frozen, cut off) stays a "
+                             "member; a node whose process ends is lost at once, its connection closed (head)")
     parser.add_argument("--head-timeout", type=float, default=30.0,
                         help="seconds a worker keeps trying an unreachable head before it stops")
     parser.add_argument("--address-file", help="head: write the bound address to this file once listening")
@@ -72,6 +78,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _from_launcher(args: argparse.Namespace) -> None:
+    """Fills the role, the head's address and where to listen from the launcher's variables, when no
+    flag gave the role; the flags given win over what the launcher says.
+
+    Raises:
+        ValueError: no role flag and no launcher, or a launched cluster across machines without keys.
+    """
+    if args.head or args.join or args.join_file:
+        return
+    role = launchers.from_environment()
+    if role is None:
+        raise ValueError("give --head, --join ADDRESS or --join-file PATH, or start this under torchrun, srun or a "
+                         "Kubernetes Indexed Job, whose variables name the head (see docs/machines.md)")
+    host = launchers.own_host(role.head_host)
+    args.allow_remote = args.allow_remote or not role.loopback
+    if not role.loopback and not args.insecure and not os.path.isdir(args.keys):
+        raise ValueError(f"{role.launcher} rank {role.rank}: no key directory at {args.keys}; make one with "
+                         "'python -m actors.keys init DIR' and hand it to every rank (a shared folder, a "
+                         "Kubernetes Secret), then pass --keys DIR or set ACTORPIPE_KEYS")
+    if role.is_head:
+        args.head = True
+        args.bind = args.bind or f"tcp://{host}:{role.port}"
+    else:
+        args.join = role.head_address
+        args.bind = args.bind or f"tcp://{host}:0"
+        args.name = args.name or f"rank{role.rank}"
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -84,6 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     # processes (actors._processes) after --device is checked, and CUDA does not survive a fork.
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     args = parse_args(argv)
+    try:
+        _from_launcher(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     name = "head" if args.head else (args.name or f"{os.uname().nodename}-{os.getpid()}")
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s [{name}] %(levelname)s %(name)s: %(message)s")

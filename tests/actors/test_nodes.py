@@ -25,7 +25,6 @@ from actors import (
     Runtime,
     open_runtime,
 )
-from actors._nodes import HeartbeatSettings
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -54,7 +53,8 @@ async def test_a_node_registers_as_a_record_and_its_events_arrive_as_records(
     head = client.ref(server.address, HEAD)
     events = await subscribe(client, server.address)
     settings = await head.endpoint(HeadActor.register, timeout=5).call(WORKER)
-    assert settings == HeartbeatSettings(interval=0.05, timeout=0.2)
+    assert (settings.interval, settings.timeout) == (0.05, 0.2)
+    assert settings.liveness.startswith("ipc://")  # the socket the head watches this node's connection on
     [node] = await head.endpoint(HeadActor.nodes, timeout=5).call()
     assert isinstance(node, NodeInfo) and node.alive and (node.name, node.pid, node.host) == ("node0", 11, "box")
     joined = await asyncio.wait_for(events.get(), 5)

@@ -21,6 +21,7 @@ from actors import (
     ActorTimeout,
     BadArguments,
     MailboxFull,
+    NodeLost,
     RemoteError,
     Runtime,
     UnknownActor,
@@ -386,3 +387,18 @@ async def test_calls_to_an_address_marked_lost_fail_at_once_pending_and_later(ru
     local = server.ref(server.address, "counter")  # the server itself goes on
     await local.ask("open_gate")
     assert await local.ask("add", 1) == 1
+
+
+async def test_calls_waiting_to_be_sent_to_a_peer_that_is_gone_fail_with_its_loss() -> None:
+    """Issue 28's hang: a peer's process ended, and asks to it wait for room to send (more than the
+    socket queues); the node's loss failed their futures but each ask went on waiting in its send,
+    until its own timeout (none here, a step's ten minutes in a job). They end with the loss now."""
+    async with open_runtime("tcp://127.0.0.1:0") as client:
+        async with open_runtime("tcp://127.0.0.1:0") as server:
+            _, ref = await spawn_counter(server, client)
+            assert await ref.ask("add", 1, timeout=10) == 1
+        calls = [asyncio.ensure_future(ref.ask("add", 1, timeout=None)) for _ in range(600)]  # past the HWM
+        await asyncio.sleep(0.5)
+        client.fail_calls_to(server.address, NodeLost("node n0 was lost", details={"node": "n0"}))
+        outcomes = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 30)
+    assert all(isinstance(outcome, NodeLost) for outcome in outcomes)

@@ -70,7 +70,7 @@ async def test_a_killed_worker_fails_every_later_call_at_once_and_close_is_quick
 
 
 async def test_a_stopped_worker_that_comes_back_is_aborted_and_the_job_goes_on(tmp_path: Path) -> None:
-    local = LocalCluster(nodes=2)
+    local = LocalCluster(nodes=2, heartbeat_timeout=2.0)  # a stopped node is lost after this much silence
     gate = tmp_path / "stall"
     async with local as cluster:
         job = await cluster.train(**gated(gate))

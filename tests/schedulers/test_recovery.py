@@ -178,7 +178,7 @@ async def wait_for_state(cluster: Cluster, node: str, state: str) -> None:
 @pytest.mark.multiprocess
 async def test_chaos_kills_and_stops_during_a_run_end_equal_to_an_uninterrupted_run() -> None:
     steps = 30
-    local = LocalCluster(nodes=2, spares=2)
+    local = LocalCluster(nodes=2, spares=2, heartbeat_timeout=2.0)  # a 4 s stop is then a loss
     async with local as cluster:
         _, want_state = await reference(cluster, steps, False)
         job = await cluster.train(**spec(seconds=0.02, max_restarts=4))

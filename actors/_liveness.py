@@ -1,0 +1,224 @@
+"""Liveness a busy machine cannot fake: a node is lost when its connection to the head closes.
+
+Heartbeats sent by actor messages ride the event loops at both ends: a loop busy building
+a model, a saturated machine or a long collection pause delays them, and a head that counts
+their silence calls a healthy node dead. So each worker also holds one connection of its
+own to the head's *liveness* socket, and the judgement is left to libzmq's I/O threads,
+which hold no Python lock:
+
+- the head's ROUTER asks every connection for a ZMTP heartbeat each ``interval`` and, with
+  ``ROUTER_NOTIFY``, hears the moment a connection ends; the worker's libzmq answers the
+  heartbeats itself, whatever its Python threads are doing;
+- a worker whose process ended closes its connection at once (the kernel closes the
+  socket): the head knows within milliseconds, by a signal that no timing decides;
+- a worker that is alive but silent (stopped, frozen, cut off) stops answering; after
+  ``timeout`` seconds without an answer libzmq drops its connection, and the head knows
+  then. Only a stopped process or a cut network reaches that timeout: a busy one answers.
+
+A connection counts only once the worker has said, over CURVE, which node it is (its first
+message carries its name; the head checks the key it came with against the node's). Each
+end runs in a daemon thread of its own, polling its one socket.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from transport.security import Keypair, configure_client, configure_server
+
+__all__ = ["LivenessClient", "LivenessServer"]
+
+log = logging.getLogger(__name__)
+
+_POLL_MS = 100
+_HELLO = b"node"
+
+
+class LivenessServer:
+    """The head's end: one socket per node, watched by a thread, that tells of its connection closing.
+
+    Each node gets a PAIR of its own (libzmq without its draft API cannot name the peer whose
+    connection a shared socket lost): bound at an ephemeral port (or ``ipc`` path) that only
+    its registration's answer gives out, taking one connection, whose first message must
+    name the node and come with the node's key.
+
+    Args:
+        context: the head runtime's context (its ZAP gate admits the cluster's keys).
+        host: where to bind each node's socket (``tcp://HOST`` or ``ipc://``).
+        keys: the head's keypair (CURVE server), or None on an insecure cluster.
+        on_closed: called, from the thread, with a node's name once its proven connection ended.
+        interval, timeout: seconds between ZMTP heartbeats, and without an answer before a
+            connection is dropped (then ``on_closed``).
+    """
+
+    def __init__(self, context: zmq.Context[Any], host: str, keys: Keypair | None,
+                 on_closed: Callable[[str], object], *, interval: float, timeout: float) -> None:
+        self._context = context
+        # Each node's socket at an ephemeral port of this host, or at a path of its own in a temporary folder.
+        self._folder = tempfile.mkdtemp(prefix="actorpipe-liveness-") if host.startswith("ipc://") else None
+        self._host = host
+        self._count = itertools.count()
+        self._keys = keys
+        self._on_closed = on_closed
+        self._interval_ms = max(1, int(interval * 1000))
+        self._timeout_ms = max(1, int(timeout * 1000))
+        self._lock = threading.Lock()
+        self._added: list[tuple[str, str, zmq.Socket[Any], zmq.Socket[Any]]] = []  # for the thread to take
+        self._removed: list[str] = []
+        self.verified: set[str] = set()  # names whose connection proved its node's key (tests read it)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="liveness", daemon=True)
+        self._thread.start()
+
+    def watch(self, name: str, identity: str) -> str:
+        """A socket for node ``name`` (holding key ``identity``; "" on an insecure cluster), replacing
+        any it had; returns the endpoint the node connects to."""
+        socket: zmq.Socket[Any] = self._context.socket(zmq.PAIR)
+        if self._keys is not None:
+            configure_server(socket, self._keys)
+        socket.setsockopt(zmq.HEARTBEAT_IVL, self._interval_ms)
+        socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, self._timeout_ms)
+        socket.setsockopt(zmq.HEARTBEAT_TTL, self._timeout_ms)
+        socket.setsockopt(zmq.MAXMSGSIZE, 1024)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.bind(f"{self._host}:0" if self._folder is None else f"ipc://{self._folder}/{next(self._count)}")
+        endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        with self._lock:
+            self._removed.append(name)
+            self._added.append((name, identity, socket, monitor))
+        return endpoint
+
+    def forget(self, name: str) -> None:
+        """Stops watching node ``name`` (it left)."""
+        with self._lock:
+            self._removed.append(name)
+
+    def close(self) -> None:
+        """Stops the thread, which closes every socket."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+        with self._lock:  # sockets made after the thread's last look: closed here, or the context never ends
+            added, self._added = self._added, []
+        for _, _, socket, monitor in added:
+            _close(socket, monitor)
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
+
+    def _serve(self) -> None:
+        watched: dict[str, tuple[str, zmq.Socket[Any], zmq.Socket[Any]]] = {}
+        try:
+            while not self._stop.is_set():
+                self._take_changes(watched)
+                poller = zmq.Poller()
+                for _, socket, monitor in watched.values():
+                    poller.register(socket, zmq.POLLIN)
+                    poller.register(monitor, zmq.POLLIN)
+                if not watched:
+                    time.sleep(_POLL_MS / 1000)
+                    continue
+                try:
+                    ready = dict(poller.poll(_POLL_MS))
+                except zmq.ZMQError as exc:
+                    log.warning("liveness: %s", exc)
+                    continue
+                for name, (identity, socket, monitor) in list(watched.items()):
+                    try:
+                        if socket in ready:
+                            self._hello(name, identity, socket.recv(copy=False))
+                        if monitor in ready:
+                            monitor.recv_multipart()
+                            if name in self.verified:
+                                self.verified.discard(name)
+                                self._on_closed(name)
+                    except Exception:  # one node's trouble must not end liveness for the others
+                        log.exception("liveness: node %s", name)
+        finally:
+            for _, socket, monitor in watched.values():
+                _close(socket, monitor)
+
+    def _take_changes(self, watched: dict[str, tuple[str, zmq.Socket[Any], zmq.Socket[Any]]]) -> None:
+        with self._lock:
+            removed, added, self._removed, self._added = self._removed, self._added, [], []
+        for name in removed:
+            old = watched.pop(name, None)
+            if old is not None:
+                self.verified.discard(name)
+                _close(old[1], old[2])
+        for name, identity, socket, monitor in added:
+            watched[name] = (identity, socket, monitor)
+
+    def _hello(self, name: str, identity: str, frame: zmq.Frame) -> None:
+        caller = str(frame.get("User-Id")) if self._keys is not None else ""
+        if frame.bytes == _HELLO + b" " + name.encode() and caller == identity:
+            self.verified.add(name)
+        else:
+            log.warning("liveness: node %s's socket got a hello from another key or name", name[:60])
+
+
+def _close(socket: zmq.Socket[Any], monitor: zmq.Socket[Any]) -> None:
+    socket.disable_monitor()
+    monitor.close(linger=0)
+    socket.close(linger=0)
+
+
+class LivenessClient:
+    """A worker's end: one PAIR connected to the socket the head made for this node.
+
+    It says its name once; libzmq answers the head's heartbeats from then on. A thread
+    keeps it (and says the name again after a reconnect, which libzmq makes by itself).
+
+    Args:
+        context: the worker runtime's context.
+        endpoint: the head's liveness endpoint.
+        name: the node's name, which its first message says.
+        keys, server_public: the worker's keypair and the head's public key (CURVE), or None.
+    """
+
+    def __init__(self, context: zmq.Context[Any], endpoint: str, name: str, keys: Keypair | None,
+                 server_public: bytes | None) -> None:
+        self._socket: zmq.Socket[Any] = context.socket(zmq.PAIR)
+        socket = self._socket
+        if keys is not None and server_public is not None:
+            configure_client(socket, keys, server_public)
+        socket.setsockopt(zmq.LINGER, 0)
+        self._monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        socket.connect(endpoint)
+        self._name = name.encode()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="liveness", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._socket.disable_monitor()
+        self._monitor.close(linger=0)
+        self._socket.close(linger=0)
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._monitor, zmq.POLLIN)
+        poller.register(self._socket, zmq.POLLIN)
+        while not self._stop.is_set():
+            try:
+                ready = dict(poller.poll(_POLL_MS))
+                if self._monitor in ready:
+                    self._monitor.recv_multipart()
+                    self._socket.send(_HELLO + b" " + self._name, zmq.NOBLOCK)  # each (re)connection says who
+                if self._socket in ready:
+                    self._socket.recv_multipart()  # the head sends nothing; drop what comes
+            except zmq.ZMQError as exc:
+                if self._stop.is_set():
+                    return
+                log.debug("liveness: %s", exc)
+                time.sleep(_POLL_MS / 1000)

@@ -1,0 +1,109 @@
+"""Liveness (actors._liveness): a process that ends is known by its connection closing, a stopped one
+only after the silence timeout, and a busy one never.
+
+Each case runs the worker's end in a child process and watches the head's end here. No
+assertion is on a duration: a death is told apart from silence by making the silence
+timeout far longer than the test waits, so only the closing connection can explain it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import pytest
+import zmq
+
+from actors._liveness import LivenessServer
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
+
+_WORKER = """
+import sys, time, zmq
+from actors._liveness import LivenessClient
+client = LivenessClient(zmq.Context(), sys.argv[1], sys.argv[2], None, None)
+if sys.argv[3] == "busy":  # a loop that holds the interpreter, as a model build or a collection pause does
+    while True:
+        sum(i * i for i in range(10_000))
+time.sleep(600)
+"""
+
+
+@contextmanager
+def head(timeout: float) -> Iterator[tuple[LivenessServer, list[str]]]:
+    closed: list[str] = []
+    context: zmq.Context[object] = zmq.Context()
+    server = LivenessServer(context, "tcp://127.0.0.1", None, closed.append, interval=0.1, timeout=timeout)
+    try:
+        yield server, closed
+    finally:
+        server.close()
+        context.term()
+
+
+@contextmanager
+def worker(endpoint: str, name: str, mode: str = "idle") -> Iterator[subprocess.Popen[bytes]]:
+    child = subprocess.Popen([sys.executable, "-c", _WORKER, endpoint, name, mode], cwd=os.getcwd(),
+                             env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        yield child
+    finally:
+        if child.poll() is None:
+            os.kill(child.pid, signal.SIGCONT)
+            child.kill()
+        child.wait()
+
+
+def until(condition: Callable[[], bool], seconds: float = 30) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_a_process_that_ends_is_known_by_its_connection_closing() -> None:
+    with head(timeout=600) as (server, closed):  # silence alone would take ten minutes
+        endpoint = server.watch("node1", "")
+        with worker(endpoint, "node1") as child:
+            assert until(lambda: "node1" in server.verified)
+            os.kill(child.pid, signal.SIGKILL)
+            assert until(lambda: closed == ["node1"])
+
+
+def test_a_stopped_process_is_lost_after_the_timeout_and_proves_itself_again_when_it_goes_on() -> None:
+    with head(timeout=1.0) as (server, closed):
+        endpoint = server.watch("node1", "")
+        with worker(endpoint, "node1") as child:
+            assert until(lambda: "node1" in server.verified)
+            os.kill(child.pid, signal.SIGSTOP)
+            assert until(lambda: closed == ["node1"])  # it answered nothing for the timeout
+            os.kill(child.pid, signal.SIGCONT)
+            assert until(lambda: "node1" in server.verified)  # reconnected, said its name again
+
+
+def test_a_process_whose_interpreter_is_busy_stays_alive() -> None:
+    """The worker's Python never lets go (a tight loop); libzmq's own threads answer the heartbeats."""
+    with head(timeout=2.0) as (server, closed):
+        endpoint = server.watch("node1", "")
+        with worker(endpoint, "node1", "busy"):
+            assert until(lambda: "node1" in server.verified)
+            time.sleep(6)  # three timeouts' worth of a busy interpreter
+            assert closed == [] and "node1" in server.verified
+
+
+def test_a_connection_that_names_another_node_proves_nothing() -> None:
+    with head(timeout=600) as (server, closed):
+        endpoint = server.watch("node1", "")
+        with worker(endpoint, "node2") as child:  # at node1's socket, saying it is node2
+            time.sleep(1)
+            assert "node1" not in server.verified
+            os.kill(child.pid, signal.SIGKILL)
+            time.sleep(1)
+            assert closed == []  # an unproven connection's end loses no node
