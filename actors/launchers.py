@@ -1,0 +1,146 @@
+"""A node's role and its head, from the variables of the launcher it runs under.
+
+People start training on many machines with the launcher their cluster has, and none of
+these needs ssh: ``torchrun`` (and Kubeflow's PyTorchJob / Trainer, which set its
+variables), Slurm's ``srun``, and a Kubernetes Indexed Job or JobSet. Under any of them
+``python -m actors.node`` with no ``--head`` or ``--join`` finds its rank: rank 0 is the
+head, every other rank a worker that joins it (retrying until it answers, within
+``--head-timeout``). Explicit flags always win.
+
+=============  ===========================================  =====================================
+launcher       rank, world                                  the head
+=============  ===========================================  =====================================
+torchrun       ``RANK``, ``WORLD_SIZE`` (Kubeflow: as is,   ``MASTER_ADDR``, port ``MASTER_PORT``
+               or ``PET_NODE_RANK``, ``PET_NNODES``)        + 1 (torchrun's own store holds
+                                                            ``MASTER_PORT``)
+Slurm          ``SLURM_PROCID``, ``SLURM_NTASKS``           the first host of
+                                                            ``SLURM_JOB_NODELIST``, port 20000 +
+                                                            ``SLURM_JOB_ID`` mod 20000
+Kubernetes     ``JOB_COMPLETION_INDEX``,                    ``ACTORPIPE_HEAD_HOST`` (index 0's
+               ``ACTORPIPE_WORLD_SIZE``                     stable name behind a headless
+                                                            Service), port 29400
+=============  ===========================================  =====================================
+
+``ACTORPIPE_PORT`` names the head's port under any of them. A driver given the same
+variables (and keys) connects with ``Cluster.connect()`` and no address.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+__all__ = ["LaunchRole", "first_host", "from_environment", "own_host"]
+
+_KUBERNETES_PORT = 29400
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchRole:
+    """This process's place in a launched cluster."""
+
+    launcher: str  # "torchrun", "slurm" or "kubernetes"
+    rank: int
+    world_size: int
+    head_host: str
+    port: int
+
+    @property
+    def is_head(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def head_address(self) -> str:
+        """Where the head listens (without its key: the key directory completes it)."""
+        return f"tcp://{self.head_host}:{self.port}"
+
+    @property
+    def loopback(self) -> bool:
+        """Every process on this machine (a single-host launch): nothing need listen beyond loopback."""
+        return _is_loopback(self.head_host)
+
+
+def from_environment(env: Mapping[str, str] | None = None) -> LaunchRole | None:
+    """The role the launcher's variables give this process, or None outside a launcher.
+
+    Raises:
+        ValueError: a launcher's variables that do not make sense (named in the message).
+    """
+    env = os.environ if env is None else env
+    port = env.get("ACTORPIPE_PORT")
+    if "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env:
+        return _role("torchrun", env["RANK"], env["WORLD_SIZE"], env["MASTER_ADDR"],
+                     port or _next_port(env.get("MASTER_PORT", "29500"), "MASTER_PORT"))
+    if "PET_NODE_RANK" in env and "PET_NNODES" in env and "PET_MASTER_ADDR" in env:
+        return _role("torchrun", env["PET_NODE_RANK"], env["PET_NNODES"], env["PET_MASTER_ADDR"],
+                     port or _next_port(env.get("PET_MASTER_PORT", "29500"), "PET_MASTER_PORT"))
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        if not nodelist:
+            raise ValueError("Slurm set SLURM_PROCID but no SLURM_JOB_NODELIST: run under srun or sbatch")
+        job = env.get("SLURM_JOB_ID", "0")
+        return _role("slurm", env["SLURM_PROCID"], env["SLURM_NTASKS"], first_host(nodelist),
+                     port or str(20000 + _integer(job, "SLURM_JOB_ID") % 20000))
+    if "JOB_COMPLETION_INDEX" in env:
+        host = env.get("ACTORPIPE_HEAD_HOST")
+        world = env.get("ACTORPIPE_WORLD_SIZE")
+        if not host or not world:
+            raise ValueError("a Kubernetes Indexed Job needs ACTORPIPE_HEAD_HOST (index 0's stable host name, e.g. "
+                             "train-0.train) and ACTORPIPE_WORLD_SIZE (its completions) in the pod's environment")
+        return _role("kubernetes", env["JOB_COMPLETION_INDEX"], world, host, port or str(_KUBERNETES_PORT))
+    return None
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm node list: ``gpu[03-05,9],cpu1`` -> ``gpu03``."""
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if match is None or not match.group(1):
+        raise ValueError(f"not a Slurm node list: {nodelist[:80]!r}")
+    prefix, ranges = match.groups()
+    if ranges is None:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return f"{prefix}{first}"
+
+
+def own_host(head_host: str) -> str:
+    """The address other hosts reach this process at: loopback when the head is on this machine's
+    loopback, else this host's own address (its name resolved; ``ACTORPIPE_HOST`` overrides)."""
+    if "ACTORPIPE_HOST" in os.environ:
+        return os.environ["ACTORPIPE_HOST"]
+    if _is_loopback(head_host):
+        return "127.0.0.1"
+    return socket.gethostbyname(socket.gethostname())
+
+
+def _role(launcher: str, rank: str, world: str, host: str, port: str) -> LaunchRole:
+    role = LaunchRole(launcher, _integer(rank, "rank"), _integer(world, "world size"), host, _integer(port, "port"))
+    if not 0 <= role.rank < role.world_size:
+        raise ValueError(f"{launcher}: rank {role.rank} is outside a world of {role.world_size}")
+    if not 0 < role.port < 65536:
+        raise ValueError(f"{launcher}: port {role.port} is not a TCP port (set ACTORPIPE_PORT)")
+    return role
+
+
+def _next_port(text: str, name: str) -> str:
+    return str(_integer(text, name) + 1)
+
+
+def _integer(text: str, name: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"the launcher's {name} is not a number: {text[:40]!r}") from None
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

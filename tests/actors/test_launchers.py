@@ -1,0 +1,119 @@
+"""Starting from a launcher's variables (actors.launchers): torchrun for real, Slurm's and Kubernetes'
+variables exactly as ``srun`` and an Indexed Job set them."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from actors.keys import ClusterKeys
+from actors.launchers import LaunchRole, first_host, from_environment
+
+
+def test_torchrun_and_kubeflow_name_the_rank_and_the_head_one_port_above_their_store() -> None:
+    env = {"RANK": "2", "WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "29500"}
+    assert from_environment(env) == LaunchRole("torchrun", 2, 4, "10.0.0.5", 29501)
+    assert from_environment({**env, "ACTORPIPE_PORT": "7000"}) == LaunchRole("torchrun", 2, 4, "10.0.0.5", 7000)
+    pet = {"PET_NODE_RANK": "0", "PET_NNODES": "2", "PET_MASTER_ADDR": "job-master-0", "PET_MASTER_PORT": "23456"}
+    role = from_environment(pet)
+    assert role == LaunchRole("torchrun", 0, 2, "job-master-0", 23457) and role.is_head and not role.loopback
+
+
+def test_slurm_names_the_first_host_of_the_job_and_a_port_of_the_job() -> None:
+    # As srun sets them for task 3 of 8 on two nodes.
+    env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "123456"}
+    assert from_environment(env) == LaunchRole("slurm", 3, 8, "gpu07", 20000 + 123456 % 20000)
+    assert first_host("gpu[03-05,9],cpu1") == "gpu03" and first_host("login1,login2") == "login1"
+    with pytest.raises(ValueError, match="no SLURM_JOB_NODELIST"):
+        from_environment({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"})
+
+
+def test_a_kubernetes_indexed_job_needs_the_heads_stable_name() -> None:
+    env = {"JOB_COMPLETION_INDEX": "1", "ACTORPIPE_WORLD_SIZE": "3", "ACTORPIPE_HEAD_HOST": "train-0.train"}
+    assert from_environment(env) == LaunchRole("kubernetes", 1, 3, "train-0.train", 29400)
+    with pytest.raises(ValueError, match="ACTORPIPE_HEAD_HOST"):
+        from_environment({"JOB_COMPLETION_INDEX": "0"})
+    with pytest.raises(ValueError, match="rank 5 is outside a world of 3"):
+        from_environment({**env, "JOB_COMPLETION_INDEX": "5"})
+    assert from_environment({}) is None
+
+
+@pytest.mark.multiprocess
+def test_a_node_with_no_role_and_no_launcher_says_what_to_do() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "SLURM_PROCID", "JOB_COMPLETION_INDEX")}
+    result = subprocess.run([sys.executable, "-m", "actors.node"], env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2 and "give --head, --join ADDRESS" in result.stderr and "torchrun" in result.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_a_torchrun_cluster_of_three_trains_a_job_for_a_driver_that_names_no_address(tmp_path: Path) -> None:
+    """``torchrun --nnodes 1 --nproc-per-node 3 -m actors.node``: rank 0 is the head, ranks 1 and 2
+    join it; a driver with the same variables and keys connects without an address and trains."""
+    from schedulers import Cluster
+
+    keys = ClusterKeys.create(tmp_path / "keys")
+    store = _free_port()
+    env = {**os.environ, "ACTORPIPE_KEYS": str(keys.directory), "PYTHONPATH": os.getcwd()}
+    launcher = subprocess.Popen(
+        [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nnodes", "1", "--nproc-per-node", "3",
+         "--master-addr", "127.0.0.1", "--master-port", str(store), "-m", "actors.node", "--allow", "examples.models",
+         "--checkpoint-root", str(tmp_path / "checkpoints"), "--log-level", "WARNING"],
+        env=env, start_new_session=True, cwd=os.getcwd())
+    driver_env = {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store)}
+    saved = {k: os.environ.get(k) for k in driver_env}
+    os.environ.update(driver_env)
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # the head listens once rank 0 has imported everything
+            try:
+                cluster = await Cluster.connect(keys=keys.directory, identity="admin", timeout=5)
+                break
+            except Exception:
+                assert launcher.poll() is None, "torchrun ended"
+                assert time.monotonic() < deadline, "the head never answered"
+                await asyncio.sleep(0.5)
+        try:
+            while len([n for n in await cluster.nodes() if n.alive and n.name != "head"]) < 2:
+                assert time.monotonic() < deadline, "the workers never joined"
+                await asyncio.sleep(0.2)
+            assert sorted(n.name for n in await cluster.nodes() if n.name != "head") == ["rank1", "rank2"]
+            job = await cluster.train(model="examples.models:residual_mlp",
+                                      model_kwargs={"blocks": 4, "dim": 8, "hidden": 16}, pipeline_stages=2,
+                                      micro_batches=2)
+            try:
+                stats = await job.step(torch.randn(4, 8), torch.randn(4, 8))
+                assert stats.loss == stats.loss
+            finally:
+                await job.close()
+        finally:
+            await cluster.close()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        os.killpg(launcher.pid, signal.SIGTERM)
+        try:
+            launcher.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
