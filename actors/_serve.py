@@ -208,13 +208,13 @@ async def serve_worker(config: WorkerConfig) -> None:
         runtime.spawn_task(_heartbeat(head, config, agent, liveness, settings.interval, stop), name="heartbeat")
         try:
             await stop.wait()
+            log.info("node stopping")
+            try:  # first: a node that says it leaves is not lost when its liveness connection then closes
+                await head.endpoint(HeadActor.deregister, timeout=1.0).call(config.name)
+            except (ActorError, OSError):
+                pass
         finally:
             liveness.close()
-        log.info("node stopping")
-        try:
-            await head.endpoint(HeadActor.deregister, timeout=1.0).call(config.name)
-        except (ActorError, OSError):
-            pass
 
 
 async def _register(

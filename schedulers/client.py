@@ -200,6 +200,7 @@ class Job:
         nodes: each stage actor's node, by global rank.
         spec: the job's specification as it was started.
         notices: what the scheduler warned about its placement (see :class:`~schedulers.records.JobInfo`).
+        creation_s: seconds per phase of the job's creation on the head (``JobInfo.creation_s``).
         ref: the job's actor on the head.
     """
 
@@ -210,6 +211,7 @@ class Job:
         self.nodes = info.nodes
         self.spec = spec
         self.notices = list(info.notices)
+        self.creation_s = dict(info.creation_s)  # where the job's creation went on the head, per phase
         address, name = info.actor
         self.ref = cluster.runtime.ref(address, name)
 

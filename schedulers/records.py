@@ -169,6 +169,10 @@ class JobInfo(WireRecord):
         notices: what the scheduler warns about the placement (stage actors that share a
             GPU because every GPU is taken; CPU and GPU nodes in one job); the driver
             warns each as a :class:`~schedulers.placement.PlacementWarning`.
+        creation_s: where the job's creation went on the head, in seconds per phase, in order:
+            ``compile`` (the schedule), ``place``, ``partition`` (a model inspector's
+            parameter counts or profile), ``rendezvous``, ``spawn`` (every stage built),
+            ``connect`` (stages told their peers) and ``actor`` (the job's own actor).
     """
 
     job: str
@@ -176,6 +180,7 @@ class JobInfo(WireRecord):
     nodes: list[str]
     actor: list[str]
     notices: list[str] = field(default_factory=list)
+    creation_s: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

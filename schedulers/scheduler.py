@@ -16,6 +16,7 @@ events of jobs its key may see: a client its own, the admin key all; see
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import os
@@ -123,6 +124,19 @@ async def inspect_model(runtime: Host, spec: JobSpec, node: NodeInfo, pattern: s
             log.warning("could not stop model inspector %s on %s: %s", name, node.name, exc)
 
 
+class _Phases:
+    """Seconds each phase of a job's creation took, in order (``JobInfo.creation_s``)."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def done(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases[phase] = round(now - self._last, 4)
+        self._last = now
+
+
 @register_actor("scheduler")
 class SchedulerActor(Actor):
     """Places jobs on nodes and runs them, one :class:`~schedulers.job_actor.JobActor` per job.
@@ -177,31 +191,38 @@ class SchedulerActor(Actor):
             NotAllowed: a factory outside the allow-list (the message names the node that refused it).
             LimitExceeded: past the operator's limits (checked first, before any work).
         """
-        mesh = job_spec.mesh
         check_spec(job_spec, self.limits)
         self._check_client(job_spec)
+        clock = _Phases()
         # Compiled once, off the loop: the job's controller finds it compiled (schedulers.job_core).
         await off_loop(compile_programs, job_spec, timeout_s=self.limits.compile_timeout_s,
                        what="compiling the job's schedule")
+        clock.done("compile")
         async with self._placing:  # each placement sees the nodes of every job placed before it
             self._check_client(job_spec)  # again: others may have been placed meanwhile
             nodes, notices = await self._place(job_spec)
             job_id = f"job{next(self._ids)}"
             self._building[job_id] = (current_caller(), [n.name for n in nodes])
+        clock.done("place")
         try:
-            return await self._build_job(job_id, job_spec, nodes, notices)
+            info = await self._build_job(job_id, job_spec, nodes, notices, clock)
         finally:
             del self._building[job_id]
+        return dataclasses.replace(info, creation_s=clock.phases)
 
-    async def _build_job(self, job_id: str, job_spec: JobSpec, nodes: list[NodeInfo], notices: list[str]) -> JobInfo:
+    async def _build_job(self, job_id: str, job_spec: JobSpec, nodes: list[NodeInfo], notices: list[str],
+                         clock: _Phases) -> JobInfo:
         """Partitions, spawns and connects the stages of a placed job, and starts its job actor."""
         mesh = job_spec.mesh
         bounds = await partition(self.runtime, job_spec, nodes[0], self.limits, self._inspections)
+        clock.done("partition")
         for notice in notices:
             log.warning("%s: %s", job_id, notice)
         rendezvous, dist_config = await self._rendezvous(job_id, job_spec, mesh, nodes)
+        clock.done("rendezvous")
         try:
             stages = await self._spawn_stages(job_id, job_spec, bounds, nodes, dist_config)
+            clock.done("spawn")
             identities = sorted({n.identity for n in nodes} - {""})
             await asyncio.gather(*(
                 ref.endpoint(StageActor.connect, timeout=30).call(
@@ -213,6 +234,7 @@ class SchedulerActor(Actor):
             if rendezvous is not None:
                 await self.runtime.stop_actor(rendezvous)
             raise
+        clock.done("connect")
         names = [n.name for n in nodes]
         owner = current_caller()
         controller = JobController(
@@ -227,6 +249,7 @@ class SchedulerActor(Actor):
         self._jobs[job_id] = job
         log.info("%s: %s on %s", job_id, job_spec.parallelism.schedule, ", ".join(names))
         self._publisher(owner)(JobCreated(job=job_id, nodes=names))
+        clock.done("actor")
         return self._info(job, notices)
 
     def _check_client(self, spec: JobSpec) -> None:

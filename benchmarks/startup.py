@@ -1,0 +1,107 @@
+# Run: python -m benchmarks.startup            (add --rounds 1 for a quicker look)
+"""Start-up: how long a cluster takes to be ready, and a job to be created, against their floors.
+
+Peers, measured in the same run on this machine:
+
+- ``torch_import_s``: one ``python -c "import torch"``, the least of ``--rounds``;
+- ``parallel_imports_s``: five of them at once (a head and four nodes import torch together),
+  the least of ``--rounds``: the floor of a 4-node cluster's start on this machine;
+- ``cluster_ready_s``: ``LocalCluster(nodes=4)`` from its start to every node registered,
+  the least of ``--rounds`` fresh clusters;
+- ``job_created_s``: ``cluster.train`` of 4 stages of an 8-block MLP (slices that build in
+  milliseconds), the median of ``--jobs`` jobs on one cluster, each closed before the next,
+  with the head's breakdown of it (``JobInfo.creation_s``: compile, place, partition,
+  rendezvous, spawn, connect, actor) and ``first_step_s``.
+
+``cluster_ready_vs_parallel_imports`` is the cluster's time over its floor (target <= 1.2)
+and ``job_created_vs_torch_import`` the job's creation over one ``import torch`` (target
+<= 0.4). The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import torch
+
+from schedulers import LocalCluster
+from transport.loop import run
+
+JOB = {"model": "examples.models:residual_mlp", "model_kwargs": {"blocks": 8, "dim": 64, "hidden": 128},
+       "pipeline_stages": 4, "micro_batches": 4}
+
+
+def imports(count: int) -> float:
+    """Seconds for ``count`` processes importing torch at once, from the first start to the last exit."""
+    started = time.perf_counter()
+    processes = [subprocess.Popen([sys.executable, "-c", "import torch"]) for _ in range(count)]
+    for process in processes:
+        process.wait()
+    return time.perf_counter() - started
+
+
+async def cluster_ready() -> float:
+    started = time.perf_counter()
+    async with LocalCluster(nodes=4):
+        return time.perf_counter() - started
+
+
+async def jobs(count: int) -> list[dict[str, Any]]:
+    out = []
+    async with LocalCluster(nodes=4) as cluster:
+        for _ in range(count):
+            started = time.perf_counter()
+            job = await cluster.train(**JOB)
+            created = time.perf_counter() - started
+            try:
+                started = time.perf_counter()
+                await job.step(torch.randn(16, 64), torch.randn(16, 64))
+                first = time.perf_counter() - started
+            finally:
+                await job.close()
+            out.append({"job_created_s": created, "first_step_s": first, "creation_s": job.creation_s})
+    return out
+
+
+def measure(rounds: int, num_jobs: int) -> dict[str, Any]:
+    torch_import = min(imports(1) for _ in range(rounds))
+    parallel = min(imports(5) for _ in range(rounds))
+    ready = min(run(cluster_ready()) for _ in range(rounds))
+    made = run(jobs(num_jobs))
+    made.sort(key=lambda j: j["job_created_s"])
+    median = made[len(made) // 2]
+    created = statistics.median(j["job_created_s"] for j in made)
+    return {
+        "torch_import_s": round(torch_import, 3),
+        "parallel_imports_s": round(parallel, 3),
+        "cluster_ready_s": round(ready, 3),
+        "job_created_s": round(created, 3),
+        "first_step_s": round(statistics.median(j["first_step_s"] for j in made), 3),
+        "creation_breakdown_s": median["creation_s"],
+        "cluster_ready_vs_parallel_imports": round(ready / parallel, 3),
+        "job_created_vs_torch_import": round(created / torch_import, 3),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3, help="imports and fresh clusters timed (the least counts)")
+    parser.add_argument("--jobs", type=int, default=5, help="jobs created on one cluster (the median counts)")
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    result = measure(args.rounds, args.jobs)
+    for key, value in result.items():
+        print(f"{key:>36}: {value}")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
