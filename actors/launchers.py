@@ -22,19 +22,25 @@ Kubernetes     ``JOB_COMPLETION_INDEX``,                    ``ACTORPIPE_HEAD_HOS
 =============  ===========================================  =====================================
 
 ``ACTORPIPE_PORT`` names the head's port under any of them. A driver given the same
-variables (and keys) connects with ``Cluster.connect()`` and no address.
+variables (and keys) connects with ``Cluster.connect()`` and no address. A training script
+that the launcher starts on every rank calls :func:`serve_unless_rank_zero` first: rank 0
+goes on to drive, with the head beside it; every other rank serves as a node.
 """
 
 from __future__ import annotations
 
+import atexit
 import ipaddress
 import os
 import re
+import signal
 import socket
-from collections.abc import Mapping
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["LaunchRole", "first_host", "from_environment", "own_host"]
+__all__ = ["LaunchRole", "first_host", "from_environment", "own_host", "serve_unless_rank_zero"]
 
 _KUBERNETES_PORT = 29400
 
@@ -93,6 +99,42 @@ def from_environment(env: Mapping[str, str] | None = None) -> LaunchRole | None:
                              "train-0.train) and ACTORPIPE_WORLD_SIZE (its completions) in the pod's environment")
         return _role("kubernetes", env["JOB_COMPLETION_INDEX"], world, host, port or str(_KUBERNETES_PORT))
     return None
+
+
+def serve_unless_rank_zero(node_args: Sequence[str] = ()) -> LaunchRole | None:
+    """The one call at the top of a training script that a launcher starts on every rank.
+
+    Rank 0 starts the head beside itself (``python -m actors.node`` with ``node_args``, a child
+    process it stops at exit) and returns its role: the script goes on, connects with
+    ``Cluster.connect()`` and drives. Every other rank becomes a worker node (this process is
+    replaced by ``python -m actors.node`` with ``node_args``), serving until the head is gone
+    for ``--head-timeout`` seconds, then exiting cleanly. Outside a launcher it returns None
+    and the script goes on as it is (a ``LocalCluster``, say).
+
+    Raises:
+        ValueError: the launcher's variables do not make sense.
+    """
+    role = from_environment()
+    if role is None:
+        return None
+    command = [sys.executable, "-m", "actors.node", *node_args]
+    if not role.is_head:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execv(sys.executable, command)  # never returns: this rank is a node now
+    head = subprocess.Popen(command)
+    atexit.register(_stop_head, head)
+    return role
+
+
+def _stop_head(head: subprocess.Popen[bytes]) -> None:
+    if head.poll() is None:
+        head.send_signal(signal.SIGTERM)
+        try:
+            head.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            head.kill()
+            head.wait()
 
 
 def first_host(nodelist: str) -> str:

@@ -117,3 +117,20 @@ async def test_a_torchrun_cluster_of_three_trains_a_job_for_a_driver_that_names_
         except subprocess.TimeoutExpired:
             os.killpg(launcher.pid, signal.SIGKILL)
             launcher.wait()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_one_script_on_every_torchrun_rank_drives_on_rank_zero_and_serves_elsewhere(tmp_path: Path) -> None:
+    """examples/launched.py under ``torchrun --nproc-per-node 3``: rank 0 trains on the head it started,
+    ranks 1 and 2 serve as nodes and exit once the head is gone; torchrun ends with every rank's 0."""
+    keys = ClusterKeys.create(tmp_path / "keys")
+    env = {**os.environ, "ACTORPIPE_KEYS": str(keys.directory), "PYTHONPATH": os.getcwd()}
+    result = subprocess.run(
+        [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nnodes", "1", "--nproc-per-node", "3",
+         "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "examples/launched.py"],
+        env=env, cwd=os.getcwd(), capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = [line for line in result.stdout.splitlines() if line.startswith("step ")]
+    assert [line.split(" loss ")[0] for line in steps] == [f"step {k}" for k in range(5)], result.stdout[-2000:]

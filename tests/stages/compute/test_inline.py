@@ -327,7 +327,11 @@ async def stage_progress(cluster: Any, job: Any) -> list[ProgressReport]:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.multiprocess
-async def test_node_processes_take_the_fast_path_except_under_tensor_parallelism() -> None:
+async def test_node_processes_never_take_the_fast_path_under_tensor_parallelism() -> None:
+    """Whether an action of a plain pipeline runs inline depends on how long it measured (a busy
+    machine makes every action slow: issue 28 saw this fail under load), so that is not asserted
+    here; the inline policy's choices are (above, in one process). What does not depend on timing:
+    a tensor-parallel stage, whose actions wait on collectives, never runs one on the loop."""
     dims = {"blocks": 4, "dim": 4, "hidden": 4}  # tiny: every action well under the inline bound
     optimizer = ("torch.optim:SGD", {"lr": 0.05, "momentum": 0.9})
     gen = torch.Generator().manual_seed(1234)
@@ -361,7 +365,7 @@ async def test_node_processes_take_the_fast_path_except_under_tensor_parallelism
             sharded = await stage_progress(cluster, job)
         finally:
             await job.close()
-    assert all(p.inline_actions > 0 for p in pipelined), pipelined
+    assert all(p.inline_actions + p.thread_actions > 0 for p in pipelined), pipelined
     assert losses == pytest.approx(expected_losses, rel=1e-5)
     for key, value in model.state_dict().items():
         torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
