@@ -28,6 +28,20 @@ def test_the_indexed_job_names_its_head_by_the_headless_services_stable_name() -
     assert {v["secret"]["secretName"] for v in pod["volumes"]} == {"actorpipe-keys", "actorpipe-authorized"}
 
 
+def test_the_manifest_passes_the_kubernetes_api_schema_strictly() -> None:
+    """kubernetes-validate (from the package registry): every field known to the API, of its type."""
+    import kubernetes_validate
+
+    for resource in yaml.safe_load_all((EXAMPLES / "k8s" / "actorpipe.yaml").read_text()):
+        kubernetes_validate.validate(resource, kubernetes_validate.latest_version(), strict=True)
+    broken = {**resource, "spec": {**resource["spec"], "completionMode": 3}}
+    try:
+        kubernetes_validate.validate(broken, kubernetes_validate.latest_version(), strict=True)
+    except kubernetes_validate.ValidationError:
+        return
+    raise AssertionError("a Job whose completionMode is a number passed the schema")
+
+
 def test_the_slurm_script_starts_every_task_as_a_node_and_stops_them() -> None:
     script = (EXAMPLES / "slurm" / "train.sbatch").read_text()
     assert "srun" in script and "python -m actors.node" in script and "--join" not in script
