@@ -40,6 +40,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from actors._processes import _die_with_parent
+
 __all__ = ["LaunchRole", "first_host", "from_environment", "own_host", "serve_unless_rank_zero"]
 
 _KUBERNETES_PORT = 29400
@@ -122,7 +124,8 @@ def serve_unless_rank_zero(node_args: Sequence[str] = ()) -> LaunchRole | None:
         sys.stdout.flush()
         sys.stderr.flush()
         os.execv(sys.executable, command)  # never returns: this rank is a node now
-    head = subprocess.Popen(command)
+    # The head goes with rank 0 however it ends (at exit it is stopped cleanly; killed, the kernel kills it).
+    head = subprocess.Popen(command, preexec_fn=_die_with_parent)
     atexit.register(_stop_head, head)
     return role
 

@@ -127,10 +127,16 @@ def test_one_script_on_every_torchrun_rank_drives_on_rank_zero_and_serves_elsewh
     ranks 1 and 2 serve as nodes and exit once the head is gone; torchrun ends with every rank's 0."""
     keys = ClusterKeys.create(tmp_path / "keys")
     env = {**os.environ, "ACTORPIPE_KEYS": str(keys.directory), "PYTHONPATH": os.getcwd()}
-    result = subprocess.run(
+    launcher = subprocess.Popen(
         [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nnodes", "1", "--nproc-per-node", "3",
          "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "examples/launched.py"],
-        env=env, cwd=os.getcwd(), capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stderr[-3000:]
-    steps = [line for line in result.stdout.splitlines() if line.startswith("step ")]
-    assert [line.split(" loss ")[0] for line in steps] == [f"step {k}" for k in range(5)], result.stdout[-2000:]
+        env=env, cwd=os.getcwd(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = launcher.communicate(timeout=240)
+    finally:  # every rank and the head, whatever happened: nothing outlives the test
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.communicate()
+    assert launcher.returncode == 0, stderr[-3000:]
+    steps = [line for line in stdout.splitlines() if line.startswith("step ")]
+    assert [line.split(" loss ")[0] for line in steps] == [f"step {k}" for k in range(5)], stdout[-2000:]
