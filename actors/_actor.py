@@ -135,6 +135,8 @@ class Host(Protocol):
     """What an actor may ask of the runtime that hosts it (``self.runtime``)."""
 
     address: str
+    context: Any  # the zmq context of its sockets
+    keys: Any  # its CURVE keypair, or None
 
     def ref(self, address: str, name: str) -> ActorRef: ...
 
@@ -147,12 +149,6 @@ class Host(Protocol):
     def actor_names(self) -> list[str]: ...
 
     def fail_calls_to(self, address: str, error: ActorError) -> int: ...
-
-    @property
-    def context(self) -> Any: ...
-
-    @property
-    def keys(self) -> Any: ...
 
     def mark_lost(self, address: str, error: ActorError) -> None: ...
 

@@ -99,9 +99,9 @@ class Runtime:
         sender_pool: SenderPoolConfig = SenderPoolConfig(),
     ) -> None:
         self._receiver = receiver
-        self._keys = keys
+        self.keys = keys  # this runtime's CURVE keypair (None: insecure)
         self._gate = gate
-        self._context = context
+        self.context = context  # its sockets' zmq context (its CURVE gate admits the cluster's keys)
         self._hwm = hwm
         self._max_message_bytes = max_message_bytes
         self.address: str = receiver.address
@@ -110,6 +110,7 @@ class Runtime:
         self._mailbox_tasks: dict[str, asyncio.Task[None]] = {}
         self._senders = SenderPool(self._open_sender, sender_pool, spawn_task=self.spawn_task)
         self._pending: dict[int, tuple[asyncio.Future[Any], str]] = {}
+        self._sending: dict[int, asyncio.Task[Any]] = {}  # asks still in their send, by call id
         self._lost = _LostAddresses()  # addresses whose process ended: calls fail at once
         self._ids = itertools.count(1)
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -200,8 +201,8 @@ class Runtime:
                     self._deliver_local(ref.name, Call(method=method, args=args, kwargs=kwargs,
                                                        reply=_resolve_into(future)))
                 else:
-                    await self._send_or_fail(future, ref.address,
-                                             _request(call_id, ref.name, method, args, kwargs, self.address))
+                    await self._send_unless_failed(call_id, future, ref.address,
+                                                   _request(call_id, ref.name, method, args, kwargs, self.address))
                 return await future
         except TimeoutError:
             if not timer.expired():
@@ -223,34 +224,34 @@ class Runtime:
         self._lost.refuse(ref.address)
         return await self._send(ref.address, _request(None, ref.name, method, args, kwargs, None))
 
-    async def _send_or_fail(self, future: asyncio.Future[Any], address: str, message: dict[str, Any]) -> None:
+    async def _send_unless_failed(self, call_id: int, future: asyncio.Future[Any], address: str,
+                                  message: dict[str, Any]) -> None:
         """Sends a request, unless its call fails first: a send to a peer whose connection is gone waits
-        for room, and a node declared lost (:meth:`fail_calls_to`) must end such a call at once, not at
-        its timeout (a step begun between a node's death and its detection waited out its timeout)."""
-        send = asyncio.ensure_future(self._send(address, message))
+        for room, and a node declared lost (:meth:`fail_calls_to`, which cancels the send) must end such
+        a call at once, not at its timeout (a step begun between a node's death and its detection waited
+        it out). The send runs in the asking task itself: no task of its own on this path."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._sending[call_id] = task
         try:
-            await asyncio.wait({send, future}, return_when=asyncio.FIRST_COMPLETED)
+            await self._send(address, message)
+        except asyncio.CancelledError:
+            if call_id in self._sending or not future.done() or future.exception() is None:
+                raise  # not the loss's cancel: a timeout's, or the caller's
+            task.uncancel()
+            raise future.exception() from None  # type: ignore[misc]
         finally:
-            if not send.done():
-                send.cancel()
-        if send.done() and not send.cancelled() and send.exception() is not None:
-            raise send.exception()  # type: ignore[misc]
-
-    @property
-    def context(self) -> zmq.Context[Any]:
-        """The zmq context of this runtime's sockets (its CURVE gate admits the cluster's keys)."""
-        return self._context
-
-    @property
-    def keys(self) -> Keypair | None:
-        """This runtime's CURVE keypair (None: an insecure runtime)."""
-        return self._keys
+            self._sending.pop(call_id, None)
 
     def fail_calls_to(self, address: str, error: ActorError) -> int:
         """Fails every pending call to the runtime at ``address`` (it was lost); returns how many."""
-        waiting = [future for future, target in self._pending.values() if target == address and not future.done()]
-        for future in waiting:
+        waiting = [(call_id, future) for call_id, (future, target) in self._pending.items()
+                   if target == address and not future.done()]
+        for call_id, future in waiting:
             future.set_exception(error)
+            sending = self._sending.pop(call_id, None)
+            if sending is not None:  # still waiting to send: it ends now (see _send_unless_failed)
+                sending.cancel()
         return len(waiting)
 
     def mark_lost(self, address: str, error: ActorError) -> None:
@@ -291,8 +292,8 @@ class Runtime:
             hwm=self._hwm,
             max_message_bytes=self._max_message_bytes,
             linger_ms=500,
-            context=self._context,
-            curve=self._keys,
+            context=self.context,
+            curve=self.keys,
         )
 
     # -- the receive side ------------------------------------------------------------
@@ -306,7 +307,7 @@ class Runtime:
             log.warning("dropped a malformed message: %s", exc)
             return
         # Who sent it: the name the key ring gives its CURVE key (the gate set it at the handshake).
-        caller = str(frames[0].get("User-Id")) if self._keys is not None else INSECURE
+        caller = str(frames[0].get("User-Id")) if self.keys is not None else INSECURE
         try:
             if bad_records:
                 self._refuse_bad_records(message, bad_records)
@@ -418,7 +419,7 @@ class Runtime:
         await self._senders.aclose()
         if self._gate is not None:
             self._gate.stop()
-        self._context.term()
+        self.context.term()
 
     async def __aenter__(self) -> Runtime:
         return self
