@@ -27,6 +27,10 @@ _EXPORTS = {
     "Communication": "schedulers.jobs",
     "Runtime": "schedulers.jobs",
     "FaultTolerance": "schedulers.jobs",
+    "Monitoring": "schedulers.jobs",
+    "TensorBoardConfig": "schedulers.jobs",
+    "WandbConfig": "schedulers.jobs",
+    "CSVConfig": "schedulers.jobs",
     "EvalResult": "schedulers.records",
     "JobDescription": "schedulers.records",
     "JobInfo": "schedulers.records",
@@ -61,14 +65,18 @@ if TYPE_CHECKING:  # explicit re-exports, for type checkers (the names resolve l
         load_config as load_config,
     )
     from schedulers.jobs import (
+        CSVConfig as CSVConfig,
         Communication as Communication,
         FaultTolerance as FaultTolerance,
         JobSpec as JobSpec,
         MixedPrecision as MixedPrecision,
+        Monitoring as Monitoring,
         Optimization as Optimization,
         Parallelism as Parallelism,
         Runtime as Runtime,
+        TensorBoardConfig as TensorBoardConfig,
         Training as Training,
+        WandbConfig as WandbConfig,
     )
     from schedulers.placement import (
         PlacementWarning as PlacementWarning,

@@ -97,7 +97,9 @@ class Cluster(actors.Cluster):
         else:
             spec.check_schedule()  # here, at the call, as from_kwargs does
         await self.admit(spec.factory_modules)
-        info = await self.call(SchedulerActor.create_job, timeout=600).call(spec)
+        # the working directory: where the head takes an admin's relative monitor output_path from
+        relative_to = os.getcwd() if spec.monitoring.enabled else None
+        info = await self.call(SchedulerActor.create_job, timeout=600).call(spec, relative_to)
         for notice in info.notices:
             warnings.warn(f"{info.job}: {notice}", PlacementWarning, stacklevel=2)
         return Job(self, info, spec)

@@ -11,6 +11,8 @@ members, position in training, lock) and its parts, one per concern:
 - settings (:class:`~schedulers.settings.Settings`): checked at once, applied before
   the next step, so the stages never see a half-changed job;
 - views (:class:`~schedulers.job_views.JobViews`): where, trace, plan;
+- monitors (:class:`~schedulers.monitors.Monitors`): each step's scalars and each
+  evaluation's loss to TensorBoard, W&B and CSV, written on a thread of their own;
 - recovery (:mod:`schedulers.recovery`) and state and checkpoints (:mod:`schedulers.job_state`),
   functions of the job.
 
@@ -37,6 +39,7 @@ from schedulers.job_core import JobCore, Placer
 from schedulers.job_views import JobViews
 from schedulers.jobs import JobSpec
 from schedulers.limits import Limits
+from schedulers.monitors import Monitors
 from schedulers.records import EvalResult, JobDescription, Plan, Recovery, RunInfo, SettingChange, StepStats, WhereReport
 from schedulers.runs import Runs
 from schedulers.settings import Settings
@@ -56,14 +59,14 @@ class JobController:
     Events go to ``publish`` (records of :mod:`schedulers.events`): ``StepFinished`` (loss,
     time, bubble, run progress), ``JobFailed`` (the step's error), ``RunStarted``,
     ``RunFinished``, ``JobPaused``, ``JobResumed``, ``SettingPending``,
-    ``SettingsApplied``, ``SettingRejected``, ``SchedulePlanned``, ``JobRecovered``.
+    ``SettingsApplied``, ``SettingRejected``, ``SchedulePlanned``, ``JobRecovered``, ``MonitorFailed``.
     """
 
     def __init__(
         self, *, runtime: Host, job_id: str, spec: JobSpec, stages: list[ActorRef], nodes: list[str],
         bounds: list[list[int]], publish: Callable[[Event], None], alive_nodes: Callable[[], Awaitable[set[str]]],
         rendezvous: str | None = None, owner: str = "", placer: Placer | None = None,
-        identities: list[str] | None = None, limits: Limits | None = None,
+        identities: list[str] | None = None, limits: Limits | None = None, monitors: Monitors | None = None,
     ) -> None:
         self.core = JobCore(runtime=runtime, job_id=job_id, spec=spec, stages=stages, nodes=nodes, bounds=bounds,
                             publish=publish, alive_nodes=alive_nodes, check_members=self._check_members,
@@ -73,6 +76,7 @@ class JobController:
         self.runs = Runs(self.core, self.step)
         self.settings = Settings(self.core, limits or Limits())
         self._recovery: Recovery | None = None  # what the last recovery did, for the next StepStats
+        self.monitors = monitors  # the job's TensorBoard, W&B and CSV writers (None: none configured)
 
     @property
     def id(self) -> str:
@@ -105,11 +109,12 @@ class JobController:
                         raise
                     self._recovery = await recovery.recover(job, lost)
             job.completed(goal, driver_batch=inputs is not None)
+            applied = job.applied  # the monitors' x: the optimizer steps applied, this one included
         if self._recovery is not None:
             stats = dataclasses.replace(stats, recovery=self._recovery)
             self._recovery = None
         job.last_stats = stats  # the views' (describe, trace, plan)
-        self._step_finished(stats)
+        self._step_finished(stats, applied)
         return stats
 
     async def evaluate(self, inputs: Any = None, targets: Any = None, outputs: bool = False,
@@ -124,8 +129,11 @@ class JobController:
         """
         job = self.core
         async with job.operation():
-            return await evaluation.evaluate(job, self.steps, inputs, targets, outputs=bool(outputs),
-                                             data_step=data_step)
+            result = await evaluation.evaluate(job, self.steps, inputs, targets, outputs=bool(outputs),
+                                               data_step=data_step)
+            if self.monitors is not None:  # at the steps applied before it (see schedulers.monitors)
+                self.monitors.record_evaluation(result, job.applied)
+        return result
 
     async def _catch_up(self, goal: int) -> StepStats:
         """Applies steps until ``goal`` are applied (more than one only when replaying after a recovery)."""
@@ -181,13 +189,15 @@ class JobController:
         job.operation_task.cancel()
         return True
 
-    def _step_finished(self, stats: StepStats) -> None:
+    def _step_finished(self, stats: StepStats, applied: int) -> None:
         job = self.core
         job.publish(StepFinished(job=job.id, step=stats.step, loss=stats.loss, step_time_s=stats.step_time_s,
                                  bubble_fraction=stats.bubble_fraction, samples_per_s=stats.samples_per_s,
                                  schedule=stats.schedule, run=self.runs.progress(), skipped=stats.skipped,
                                  lr=stats.lr, predicted_step_s=stats.predicted_step_s,
                                  prediction_error=stats.prediction_error))
+        if self.monitors is not None:
+            self.monitors.record_step(stats, applied)
 
     # -- runs, pause and resume (schedulers.runs) ---------------------------------------------
 
@@ -278,7 +288,8 @@ class JobController:
 
     async def close(self, stop_stages: Callable[[list[ActorRef]], Awaitable[None]]) -> None:
         """Ends the job within a few seconds, whatever it was doing: the run and the operation in
-        progress are cancelled (a step is aborted on its stages), then the stage actors stop."""
+        progress are cancelled (a step is aborted on its stages), then the stage actors stop and
+        the monitors flush and close."""
         job = self.core
         self.runs.cancel()
         if job.operation_task is not None:
@@ -297,3 +308,5 @@ class JobController:
         finally:
             if held:
                 job.lock.release()
+            if self.monitors is not None:
+                await self.monitors.aclose()

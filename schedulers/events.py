@@ -14,8 +14,8 @@ from typing import Any, ClassVar
 from actors import Event, WireRecord
 
 __all__ = [
-    "JobClosed", "JobCreated", "JobEvent", "JobFailed", "JobPaused", "JobRecovered", "JobResumed", "RunFinished",
-    "RunProgress", "RunStarted", "SchedulePlanned", "SettingPending", "SettingRejected", "SettingsApplied",
+    "JobClosed", "JobCreated", "JobEvent", "JobFailed", "JobPaused", "JobRecovered", "JobResumed", "MonitorFailed",
+    "RunFinished", "RunProgress", "RunStarted", "SchedulePlanned", "SettingPending", "SettingRejected", "SettingsApplied",
     "StepFinished",
 ]
 
@@ -172,3 +172,13 @@ class JobRecovered(JobEvent):
     from_checkpoint: str | None
     seconds: float
     restarts_left: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MonitorFailed(JobEvent):
+    """The job's ``monitor`` (``tensorboard``, ``wandb`` or ``csv_monitor``) failed with ``error`` and is off
+    from now on; training goes on (see :mod:`schedulers.monitors`). Published once per monitor."""
+
+    kind: ClassVar[str] = "monitor_failed"
+    monitor: str
+    error: str

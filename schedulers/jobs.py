@@ -4,8 +4,9 @@
 section per concern, as torchtitan's config does: :class:`Training` (model, loss, data),
 :class:`Parallelism` (the mesh and the pipeline schedule), :class:`Optimization`,
 :class:`MixedPrecision`, :class:`Communication` (codecs, transport, the data-parallel
-reduction), :class:`Runtime` (exact compute and memory knobs) and
-:class:`FaultTolerance`. Every field name is unique across sections, so a flat keyword
+reduction), :class:`Runtime` (exact compute and memory knobs), :class:`FaultTolerance`
+and :class:`Monitoring` (what the head writes for TensorBoard, W&B
+and CSV). Every field name is unique across sections, so a flat keyword
 (``cluster.train(model=..., micro_batches=8)``) routes to its section; a section may be
 given whole (``parallelism=Parallelism(pipeline_stages=2)``, or a dict).
 
@@ -29,6 +30,7 @@ from typing import Any, Literal
 
 from schedulers.schedules import build_schedule
 from stages import BUILTIN_SCHEDULES, Mesh, StageConfig, split_batch
+from stages.monitor_configs import CSVConfig, TensorBoardConfig, WandbConfig
 from stages.spec_checks import nearest, show
 from stages.sections import (
     AUTO_PROBE,
@@ -44,6 +46,7 @@ from stages.sections import (
     Communication,
     FaultTolerance,
     MixedPrecision,
+    Monitoring,
     NonFiniteAction,
     Optimization,
     Parallelism,
@@ -65,11 +68,13 @@ __all__ = [
     "SCHEDULE_NAMES",
     "SECTIONS",
     "TRANSPORTS",
+    "CSVConfig",
     "CodecName",
     "Communication",
     "FaultTolerance",
     "JobSpec",
     "MixedPrecision",
+    "Monitoring",
     "NonFiniteAction",
     "Optimization",
     "Parallelism",
@@ -77,8 +82,10 @@ __all__ = [
     "Precision",
     "Runtime",
     "ScheduleName",
+    "TensorBoardConfig",
     "Training",
     "TransportName",
+    "WandbConfig",
     "argument_table",
     "field_docs",
     "stage_config",
@@ -115,6 +122,8 @@ class JobSpec:
     """threads, memory and exact compute knobs of each stage process"""
     fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
     """timeouts, recovery and non-finite values"""
+    monitoring: Monitoring = field(default_factory=Monitoring)
+    """TensorBoard, W&B and CSV monitors, written by the head"""
 
     def __post_init__(self) -> None:
         for name, cls in SECTIONS.items():
@@ -146,6 +155,11 @@ class JobSpec:
             raise ValueError("fault_tolerance.max_restarts recovers pipeline- and data-parallel jobs over "
                              "transport='zmq'; tensor-parallel layers and transport='dist' hold process groups that "
                              "recovery does not form again yet: leave max_restarts at 0")
+        compiled = self.runtime.torch_compile
+        if isinstance(compiled, dict) and compiled.get("fullgraph") and p.tensor_parallel > 1:
+            raise ValueError("runtime.torch_compile fullgraph=True needs tensor_parallel=1: tensor-parallel layers "
+                             "all-reduce inside their forward and backward and stay eager, which is a graph break; "
+                             "leave fullgraph out (everything between them is compiled) or use tensor_parallel=1")
         if p.w_batching and not self.runtime.gradient_accumulation_fusion:
             raise ValueError("parallelism.w_batching runs the fused weight-gradient GEMMs together; it needs "
                              "gradient_accumulation_fusion=True")

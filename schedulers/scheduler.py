@@ -49,6 +49,7 @@ from schedulers.job_actor import JobActor, may_act_on
 from schedulers.job_core import JobCore, Placer, compile_programs
 from schedulers.jobs import JobSpec, stage_config
 from schedulers.limits import Limits, check_client, check_spec, off_loop, parse_limits
+from schedulers.monitors import MonitorTarget, Monitors, check_libraries, resolve_monitors
 from schedulers.partition import partition_by_parameters, partition_uniform
 from schedulers.placement import Placement, choose_nodes, gpu_of
 from schedulers.events import JobClosed, JobCreated
@@ -180,19 +181,32 @@ class SchedulerActor(Actor):
     # Concurrent: one client's job may take long to build (its data factory, a large model);
     # another's is placed and built meanwhile. Placement itself is one at a time.
     @endpoint(concurrent=True, roles=("client",))
-    async def create_job(self, job_spec: JobSpec) -> JobInfo:
+    async def create_job(self, job_spec: JobSpec, relative_to: str | None = None) -> JobInfo:
         """Places ``job_spec``'s stage actors and builds them (the spec was checked as it arrived).
+
+        Args:
+            relative_to: the driver's working directory: where an admin's relative monitor
+                ``output_path`` is taken from (a client's is taken under its checkpoint subtree).
 
         Returns:
             The job's id, layout, nodes and placement notices.
 
         Raises:
-            TypeError, ValueError: a bad spec, or too few nodes for the job.
-            NotAllowed: a factory outside the allow-list (the message names the node that refused it).
+            TypeError, ValueError: a bad spec, too few nodes for the job, or a monitor whose
+                library the head lacks.
+            NotAllowed: a factory outside the allow-list (the message names the node that refused it),
+                or a client's monitor ``output_path`` outside its subtree of the checkpoint root.
             LimitExceeded: past the operator's limits (checked first, before any work).
         """
         check_spec(job_spec, self.limits)
         self._check_client(job_spec)
+        check_libraries(job_spec.monitoring)
+        try:  # where the head will write for this caller: refused before any work, as a checkpoint path is
+            monitors = resolve_monitors(job_spec.monitoring, caller=current_caller(), root=self.checkpoint_root,
+                                        relative_to=relative_to)
+        except NotAllowed:
+            self.refused_calls += 1
+            raise
         clock = _Phases()
         # Compiled once, off the loop: the job's controller finds it compiled (schedulers.job_core).
         await off_loop(compile_programs, job_spec, timeout_s=self.limits.compile_timeout_s,
@@ -205,13 +219,13 @@ class SchedulerActor(Actor):
             self._building[job_id] = (current_caller(), [n.name for n in nodes])
         clock.done("place")
         try:
-            info = await self._build_job(job_id, job_spec, nodes, notices, clock)
+            info = await self._build_job(job_id, job_spec, nodes, notices, clock, monitors)
         finally:
             del self._building[job_id]
         return dataclasses.replace(info, creation_s=clock.phases)
 
     async def _build_job(self, job_id: str, job_spec: JobSpec, nodes: list[NodeInfo], notices: list[str],
-                         clock: _Phases) -> JobInfo:
+                         clock: _Phases, monitors: list[MonitorTarget]) -> JobInfo:
         """Partitions, spawns and connects the stages of a placed job, and starts its job actor."""
         mesh = job_spec.mesh
         bounds = await partition(self.runtime, job_spec, nodes[0], self.limits, self._inspections)
@@ -237,15 +251,21 @@ class SchedulerActor(Actor):
         clock.done("connect")
         names = [n.name for n in nodes]
         owner = current_caller()
+        writers = Monitors(monitors, job=job_id, publish=self._publisher(owner)) if monitors else None
         controller = JobController(
             runtime=self.runtime, job_id=job_id, spec=job_spec, stages=stages, nodes=names, bounds=bounds,
             publish=self._publisher(owner), alive_nodes=self._alive_nodes, rendezvous=rendezvous,
-            owner=owner, identities=identities, limits=self.limits,
+            owner=owner, identities=identities, limits=self.limits, monitors=writers,
             placer=Placer(free_nodes=self._free_nodes, spawn=self._respawn, renew_rendezvous=self._renew_rendezvous,
                           stop=self._stop_stages))
         job = JobActor(controller, stop_stages=self._stop_stages, closed=self._job_closed,
                        checkpoint_root=self.checkpoint_root)
-        await self.runtime.spawn(job, f"{job_id}.control")
+        try:
+            await self.runtime.spawn(job, f"{job_id}.control")
+        except BaseException:
+            if writers is not None:
+                await writers.aclose()
+            raise
         self._jobs[job_id] = job
         log.info("%s: %s on %s", job_id, job_spec.parallelism.schedule, ", ".join(names))
         self._publisher(owner)(JobCreated(job=job_id, nodes=names))

@@ -23,11 +23,12 @@ class StageConfig(WireRecord):
     """What a stage actor is built from: where it sits in the job, and the spec's sections it reads.
 
     The sections are the job's own (:mod:`stages.sections`), as the scheduler's
-    ``schedulers.jobs.stage_config`` takes them from the spec; the scheduler's own
-    section (fault tolerance) stays behind.
+    ``schedulers.jobs.stage_config`` takes them from the spec; the head's own
+    sections (fault tolerance, monitoring) stay behind.
     """
 
-    nested: ClassVar[dict[str, Any]] = {name: cls for name, cls in SECTIONS.items() if name != "fault_tolerance"}
+    nested: ClassVar[dict[str, Any]] = {name: cls for name, cls in SECTIONS.items()
+                                         if name not in ("fault_tolerance", "monitoring")}
 
     job: str
     global_rank: int

@@ -25,16 +25,20 @@ from stages.spec_checks import (
     check_number,
     check_partition_method,
     check_seconds,
+    check_torch_compile,
     factory_path,
     path_and_kwargs,
     show,
 )
 from stages.mesh import Mesh
+from stages.monitor_configs import CSVConfig, TensorBoardConfig, WandbConfig, monitor_config
 from stages.state.state_precision import STATE_PRECISIONS, StatePrecision, adam_arguments
 
 __all__ = [
     "AUTO_PROBE",
     "CODECS",
+    "COMPILE_BACKENDS",
+    "COMPILE_MODES",
     "FIELDS",
     "LOSS_AVERAGING",
     "NONFINITE_ACTIONS",
@@ -45,9 +49,12 @@ __all__ = [
     "TRANSPORTS",
     "CodecName",
     "Communication",
+    "CompileBackend",
+    "CompileMode",
     "FaultTolerance",
     "LossAveraging",
     "MixedPrecision",
+    "Monitoring",
     "NonFiniteAction",
     "Optimization",
     "Parallelism",
@@ -66,6 +73,11 @@ CodecName = Literal["none", "fp16", "bf16", "int8", "fp8", "int4"]
 NonFiniteAction = Literal["raise", "skip"]
 LossAveraging = Literal["samples", "tokens"]
 Precision = Literal["fp32", "bf16", "fp16"]
+# torch.compile's backends for training that come with torch (torch._dynamo.list_backends()), and its modes.
+CompileBackend = Literal["inductor", "aot_eager", "eager", "cudagraphs"]
+CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+COMPILE_BACKENDS: tuple[str, ...] = get_args(CompileBackend)
+COMPILE_MODES: tuple[str, ...] = get_args(CompileMode)
 PRECISIONS: tuple[str, ...] = get_args(Precision)
 
 SCHEDULE_NAMES: tuple[str, ...] = get_args(ScheduleName)
@@ -348,7 +360,7 @@ class Communication(_Section):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Runtime(_Section):
-    """How each stage process computes and holds memory; none of these changes a result but a lossy `stash_codec`."""
+    """How each stage process computes and holds memory; none of these changes a result but a lossy `stash_codec` (and `torch_compile`, by compile's rounding)."""
 
     name: ClassVar[str] = "runtime"
 
@@ -362,6 +374,8 @@ class Runtime(_Section):
     """hold what autograd saves for backward encoded with this wire codec (`bf16`: 2 bytes a value; `int8`, `fp8`: about 1, block-scaled; `int4`: about 1/2), decoded when backward needs it, and let go of the stage's own boundary inputs and outputs, which backward needs only as places in the graph (`peak_stash_bytes` shows the saving). Lossy: each saved value is off by at most the codec's error (int8: its block's absmax / 254). Floating-point tensors of 1024 elements or more; never parameters, buffers or the batch. Composes with `activation_checkpointing`: each segment's input is held encoded. `none`: as they are, exact"""
     keep_freed_memory: bool = True
     """stage processes set glibc's malloc to keep freed buffers instead of page-faulting them in again every micro-batch"""
+    torch_compile: bool | dict[str, Any] = False
+    """compile each layer a stage holds with `torch.compile`, in place, after it is built and placed (a traced stage: its graph as one): `True`, or a dict of torch.compile's own arguments, `{"backend": "inductor", "mode": ..., "dynamic": ..., "fullgraph": ..., "options": {...}}` (backend `inductor`, `aot_eager`, `eager`, `cudagraphs`). Layers that record their own weight gradients (the fused `nn.Linear` of `gradient_accumulation_fusion`) or talk to other ranks (tensor-parallel ones) stay eager, graph breaks between compiled regions, so split backwards (`I`/`W`), W batching and activation checkpointing work as before; `fullgraph=True` therefore needs `gradient_accumulation_fusion=False` and `tensor_parallel=1`. The first step pays the compile; results equal eager's within compile's own rounding. `False`: eager"""
 
     def __post_init__(self) -> None:
         if self.threads_per_stage is not None:
@@ -371,6 +385,13 @@ class Runtime(_Section):
         if not isinstance(self.activation_checkpointing, bool):
             check_int(self.key("activation_checkpointing"), self.activation_checkpointing, minimum=1)
         check_choice(self.key("stash_codec"), self.stash_codec, CODECS, "codec")
+        check_torch_compile(self.key("torch_compile"), self.torch_compile, COMPILE_BACKENDS, COMPILE_MODES)
+        if isinstance(self.torch_compile, dict) and self.torch_compile.get("fullgraph") and \
+                self.gradient_accumulation_fusion:
+            raise ValueError(f"{self.key('torch_compile')} fullgraph=True needs gradient_accumulation_fusion=False: "
+                             "the fused nn.Linear weight gradients are an autograd Function that hands its GEMMs to "
+                             "the stage (for the split backward's W), which torch.compile cannot trace, so each "
+                             "linear is a graph break; set gradient_accumulation_fusion=False or leave fullgraph out")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -395,8 +416,31 @@ class FaultTolerance(_Section):
         check_choice(self.key("on_nonfinite"), self.on_nonfinite, NONFINITE_ACTIONS)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Monitoring(_Section):
+    """Where the head writes each step's scalars and each evaluation's loss: TensorBoard, W&B (offline), CSV."""
+
+    name: ClassVar[str] = "monitoring"
+
+    tensorboard: TensorBoardConfig | None = None
+    """TensorBoard event files in `output_path/job_name/` (DeepSpeed's `tensorboard` block): `{}` for the defaults, or `{"output_path": "runs", "job_name": "gpt"}`; `output_path` is resolved as a checkpoint directory is (a client's stays in its subtree of the checkpoint root), `job_name` defaults to the job's id. Needs `tensorboard` on the head (`pip install actorpipe[monitor]`)"""
+    wandb: WandbConfig | None = None
+    """a Weights & Biases run, offline, in `output_path/wandb/` (DeepSpeed's `wandb` block): `{"project": ..., "group": ..., "team": ...}` (team: W&B's entity); `wandb sync` uploads it. Needs `wandb` on the head"""
+    csv_monitor: CSVConfig | None = None
+    """one CSV file of `step,value` rows per scalar in `output_path/job_name/` (DeepSpeed's `csv_monitor` block), e.g. `Train_loss.csv`; paths as for `tensorboard`"""
+
+    def __post_init__(self) -> None:
+        for name, cls in (("tensorboard", TensorBoardConfig), ("wandb", WandbConfig), ("csv_monitor", CSVConfig)):
+            object.__setattr__(self, name, monitor_config(self.key(name), getattr(self, name), cls))
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any monitor is on."""
+        return any(getattr(self, f.name) is not None for f in fields(self))
+
+
 _SECTION_CLASSES: tuple[type[Any], ...] = (Training, Parallelism, Optimization, MixedPrecision, Communication,
-                                           Runtime, FaultTolerance)
+                                           Runtime, FaultTolerance, Monitoring)
 SECTIONS: dict[str, type[Any]] = {cls.name: cls for cls in _SECTION_CLASSES}
 """Each section of a :class:`JobSpec` by its name, in the spec's order."""
 FIELDS: dict[str, str] = {f.name: cls.name for cls in _SECTION_CLASSES for f in fields(cls)}

@@ -22,6 +22,7 @@ __all__ = [
     "check_number",
     "check_partition_method",
     "check_seconds",
+    "check_torch_compile",
     "factory_path",
     "nearest",
     "path_and_kwargs",
@@ -94,6 +95,45 @@ def check_partition_method(name: str, value: Any, methods: tuple[str, ...]) -> N
             raise ValueError(f"{name} {show(value)}: not a regular expression ({exc})") from None
         return
     check_choice(name, value, methods + ("type:REGEX",))
+
+
+def check_torch_compile(name: str, value: Any, backends: tuple[str, ...], modes: tuple[str, ...]) -> None:
+    """``False``, ``True`` or a dict of torch.compile's own arguments (``backend``, ``mode``, ``dynamic``,
+    ``fullgraph``, ``options``), each of its kind.
+
+    Raises:
+        TypeError: not a bool or a dict, an unknown argument (naming the nearest), or one of the wrong type.
+        ValueError: an unknown backend or mode, or both ``mode`` and ``options`` (torch.compile takes one).
+    """
+    if isinstance(value, bool):
+        return
+    if not isinstance(value, dict):
+        raise TypeError(f"{name} must be True, False or a dict of torch.compile's arguments "
+                        f"({{\"backend\": \"inductor\", \"mode\": ..., \"dynamic\": ..., \"fullgraph\": ..., "
+                        f"\"options\": {{...}}}}), got {type(value).__name__} {show(value)}")
+    known = ("backend", "mode", "dynamic", "fullgraph", "options")
+    for key in value:
+        if key not in known:
+            near = nearest(str(key), known)
+            hint = f"; did you mean {near!r}?" if near else ""
+            raise TypeError(f"{name}: unknown torch.compile argument {show(key)}{hint} (known: {', '.join(known)})")
+    if "backend" in value:
+        check_choice(f"{name}.backend", value["backend"], backends, "backend")
+    if value.get("mode") is not None:
+        check_choice(f"{name}.mode", value["mode"], modes, "mode")
+    if value.get("dynamic") is not None:
+        check_bool(f"{name}.dynamic", value["dynamic"])
+    if "fullgraph" in value:
+        check_bool(f"{name}.fullgraph", value["fullgraph"])
+    options = value.get("options")
+    if options is not None:
+        if not isinstance(options, dict) or not all(isinstance(k, str) for k in options) or not all(
+                isinstance(v, (str, int, float, bool)) for v in options.values()):
+            raise TypeError(f"{name}.options must be a dict of the backend's options with str keys and str, int, "
+                            f"float or bool values (e.g. {{\"max_autotune\": true}}), got {show(options)}")
+        if value.get("mode") is not None:
+            raise ValueError(f"{name}: give mode or options, not both (torch.compile takes one of them; a mode is a "
+                             "set of options)")
 
 
 def check_kwargs(name: str, value: Any) -> None:

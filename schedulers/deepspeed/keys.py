@@ -1,8 +1,9 @@
 """DeepSpeed's keys besides the optimizer and schedule, as JobSpec fields, notices or refusals.
 
 Precision (``fp16``, ``bf16``, ``torch_autocast``, ``amp``), ``gradient_clipping``,
-``zero_optimization``, ``activation_checkpointing``, DeepSpeed's pipeline keys and its
-communication keys map onto the job's options. Keys that only tune DeepSpeed's own
+``zero_optimization``, ``activation_checkpointing``, DeepSpeed's pipeline keys, its
+communication keys and its monitors (``tensorboard``, ``wandb``, ``csv_monitor``) map
+onto the job's options. Keys that only tune DeepSpeed's own
 machinery are accepted with one notice each; features that would change what is
 trained and are not built here are refused with why. A block that is present but
 switched off (``"enabled": false``, ZeRO stage 0, clipping 0) is accepted as it is.
@@ -13,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from stages.monitor_configs import CSVConfig, TensorBoardConfig, WandbConfig, monitor_config
 from schedulers.deepspeed.checks import (
     AUTO,
     ConfigError,
@@ -25,7 +27,7 @@ from schedulers.deepspeed.checks import (
     show,
 )
 
-__all__ = ["DEEPSPEED_KEYS", "NO_EFFECT", "PIPELINE_KEYS", "REFUSED", "translate_deepspeed_keys"]
+__all__ = ["DEEPSPEED_KEYS", "MONITORS", "NO_EFFECT", "PIPELINE_KEYS", "REFUSED", "translate_deepspeed_keys"]
 
 _FP16_KEYS = ("enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
               "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads")
@@ -76,7 +78,16 @@ _CHECKPOINTING_NOTES = {
 PIPELINE_KEYS = ("partition", "seed_layers", "activation_checkpoint_interval", "pipe_partitioned",
                  "grad_partitioned", "use_reentrant")
 
-_MONITOR = "no effect here: DeepSpeed's monitor; StepStats, the console's feed and `trace` report each step"
+# DeepSpeed's monitor blocks (deepspeed/monitor/config.py) -> the spec's record, its keys and DeepSpeed's defaults.
+# Each becomes the field of the same name in the spec's monitoring section.
+MONITORS: dict[str, tuple[type[Any], tuple[str, ...], dict[str, str]]] = {
+    "tensorboard": (TensorBoardConfig, ("enabled", "output_path", "job_name"), {"job_name": "DeepSpeedJobName"}),
+    "wandb": (WandbConfig, ("enabled", "group", "team", "project"), {"project": "deepspeed"}),
+    "csv_monitor": (CSVConfig, ("enabled", "output_path", "job_name"), {"job_name": "DeepSpeedJobName"}),
+}
+_MONITOR_NOTICE = ("written by the head, by step: Train/loss, Train/lr, ... (DeepSpeed's Train/Samples/train_loss, "
+                   "... by samples); {where} is resolved as a checkpoint directory is (a client's stays in its "
+                   "subtree of the checkpoint root)")
 _CHECKPOINT_ENGINE = "no effect here: DeepSpeed's checkpoint writer; job.save writes checksummed checkpoints atomically"
 # Top-level keys that only tune DeepSpeed's own machinery: accepted, one notice each.
 NO_EFFECT = {
@@ -93,7 +104,7 @@ NO_EFFECT = {
     "sparse_gradients": "no effect here: embedding gradients are reduced dense",
     "zero_allow_untested_optimizer": "no effect here: ZeRO-1 shards any torch optimizer's state",
     "zero_force_ds_cpu_optimizer": "no effect here: there is no CPU-offloaded optimizer",
-    "tensorboard": _MONITOR, "wandb": _MONITOR, "csv_monitor": _MONITOR, "comet": _MONITOR,
+    "comet": "no effect here: Comet is not written; the tensorboard, wandb (offline) and csv_monitor blocks are",
     "flops_profiler": "no effect here: DeepSpeed's FLOPs profiler; the console's `trace` times every action",
     "comms_logger": "no effect here: DeepSpeed's communication log; StepStats.bytes_per_edge counts the traffic",
     "aio": "no effect here: DeepSpeed's NVMe offload I/O",
@@ -104,7 +115,6 @@ NO_EFFECT = {
     "graph_harvesting": "no effect here: DeepSpeed's CUDA graph capture",
     "vocabulary_size": "no effect here: DeepSpeed only checks its alignment",
     "autotuning": "no effect here: DeepSpeed's autotuner",
-    "compile": "no effect here: DeepSpeed's compiler; the stages run eagerly",
     "use_data_before_expert_parallelism": "no effect here: a mixture-of-experts placement",
     "seq_parallel_communication_data_type": "no effect here: there is no sequence parallelism",
 }
@@ -134,7 +144,7 @@ REFUSED = {
 DEEPSPEED_KEYS = (
     "fp16", "bf16", "bfloat16", "torch_autocast", "data_types", "gradient_clipping", "zero_optimization",
     "activation_checkpointing", "communication_data_type", "gradient_allreduce_op", "tensor_parallel",
-    "sequence_parallel_size", "managed_gradient_accumulation", *NO_EFFECT, *REFUSED,
+    "sequence_parallel_size", "managed_gradient_accumulation", "compile", *MONITORS, *NO_EFFECT, *REFUSED,
 )
 
 
@@ -150,7 +160,7 @@ def translate_deepspeed_keys(t: Translation, config: Mapping[str, Any], pipeline
         _checkpointing(t, config, pipeline)
     with t.collecting():
         _pipeline(t, pipeline)
-    for step in (_communication, _machinery):
+    for step in (_communication, _compile, _monitors, _machinery):
         with t.collecting():
             step(t, config)
 
@@ -392,6 +402,73 @@ def _communication(t: Translation, config: Mapping[str, Any]) -> None:
         t.problem("managed_gradient_accumulation", (
             "false is not available: every optimizer step here accumulates gradient_accumulation_steps "
             "micro-batches (what true means); leave it out"))
+
+
+def _monitors(t: Translation, config: Mapping[str, Any]) -> None:
+    """DeepSpeed's ``tensorboard``, ``wandb`` and ``csv_monitor`` blocks, when enabled, as the spec's monitors
+    (DeepSpeed's defaults where a key is left out: ``job_name`` DeepSpeedJobName, ``project`` deepspeed)."""
+    for key, (cls, known, defaults) in MONITORS.items():
+        block = _switched_block(t, config, key, known) if isinstance(config.get(key), Mapping) else None
+        if block is None:
+            continue
+        given = {k: v for k, v in block.items() if k in known and k != "enabled"}  # an unknown one is a problem
+        try:
+            value = monitor_config(key, {**defaults, **given}, cls)
+        except (TypeError, ValueError) as exc:
+            t.problem(key, str(exc))
+            continue
+        t.set(key, value, f"{key}.enabled")
+        t.notice(key, _MONITOR_NOTICE.format(where="its run directory, offline (wandb sync uploads it)," if
+                                             key == "wandb" else "output_path/job_name"))
+
+
+# torch.compile's arguments in DeepSpeed's compile block: flat (its second form) or in "kwargs" (its first).
+_COMPILE_ARGUMENTS = ("mode", "dynamic", "fullgraph", "options")
+
+
+def _compile(t: Translation, config: Mapping[str, Any]) -> None:
+    """DeepSpeed's ``compile`` block: ``runtime.torch_compile``, each stage compiling its layers.
+
+    On with ``"enabled": true`` (DeepSpeed's first form) or ``"deepcompile": true``; ``backend``
+    and torch.compile's arguments (in ``kwargs``, or flat) carry over. DeepCompile's own passes and
+    switches get a notice each.
+    """
+    if "compile" not in config:
+        return
+    block = config["compile"]
+    if not isinstance(block, Mapping):
+        t.problem("compile", f"expected an object such as {{\"enabled\": true, \"backend\": \"inductor\"}}, got "
+                             f"{show(block)}")
+        return
+    for switch in ("enabled", "deepcompile", "disable"):
+        if switch in block:
+            boolean(block, switch, "compile.")
+    arguments: dict[str, Any] = {}
+    if "backend" in block:
+        arguments["backend"] = block["backend"]
+    kwargs = block.get("kwargs", {})
+    if not isinstance(kwargs, Mapping):
+        t.problem("compile.kwargs", f"expected an object of torch.compile's arguments, got {show(kwargs)}")
+        return
+    for key, value in [*kwargs.items(), *((k, block[k]) for k in _COMPILE_ARGUMENTS if k in block)]:
+        if key not in _COMPILE_ARGUMENTS:
+            t.problem(f"compile.kwargs.{key}", "not one of torch.compile's arguments a stage takes "
+                                               f"({', '.join(_COMPILE_ARGUMENTS)})")
+        else:
+            arguments[key] = value
+    on = (block.get("enabled") is True or block.get("deepcompile") is True) and block.get("disable") is not True
+    if not on:
+        if arguments:
+            t.notice("compile", "the block alone compiles nothing, as in DeepSpeed (where the script's engine.compile() "
+                                "does): add \"enabled\": true, or set runtime.torch_compile in the job file")
+        return
+    t.set("torch_compile", arguments or True, "compile")
+    if block.get("deepcompile") is True:
+        t.notice("compile.deepcompile", "DeepCompile's passes (ZeRO-3 prefetch, offloading) are not built here; each "
+                                        "stage compiles its layers with torch.compile (runtime.torch_compile)")
+    for key in block:
+        if key not in ("enabled", "deepcompile", "disable", "backend", "kwargs", *_COMPILE_ARGUMENTS):
+            t.notice(f"compile.{key}", "no effect here: it tunes DeepCompile")
 
 
 def _machinery(t: Translation, config: Mapping[str, Any]) -> None:

@@ -35,8 +35,9 @@ from schedulers.jobs import CODECS, FIELDS, NONFINITE_ACTIONS, PRECISIONS, SCHED
 
 __all__ = ["FORMER", "SHARED", "sectioned", "translate_spec_keys"]
 
-# Names that are both a DeepSpeed block and a spec field: an object is DeepSpeed's.
-SHARED = ("optimizer", "tensor_parallel", "activation_checkpointing")
+# Names that are both a DeepSpeed block and a spec field: an object is DeepSpeed's (a monitor's spec form
+# goes in its section: "monitoring": {"tensorboard": {...}}).
+SHARED = ("optimizer", "tensor_parallel", "activation_checkpointing", "tensorboard", "wandb", "csv_monitor")
 
 
 # The job file's blocks before it used the spec's names: refused wherever they appear, naming what replaced them.

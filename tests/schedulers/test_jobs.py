@@ -95,6 +95,20 @@ MODEL = "examples.models:residual_mlp"
      "^runtime.stash_codec: unknown codec 'int9' \\(did you mean 'int8'\\?\\); choose one of none, fp16, bf16"),
     ({"stash_codec": None}, TypeError, "^runtime.stash_codec must be one of none, fp16, bf16, int8, fp8, int4; got"),
     ({"pipeline_stages": 3, "activation_codec": ["int8"]}, ValueError, "^communication.activation_codec lists 1"),
+    ({"torch_compile": "inductor"}, TypeError, "^runtime.torch_compile must be True, False or a dict of torch.compile"),
+    ({"torch_compile": {"backend": "indcutor"}}, ValueError,
+     "^runtime.torch_compile.backend: unknown backend 'indcutor' \\(did you mean 'inductor'\\?\\)"),
+    ({"torch_compile": {"fulgraph": True}}, TypeError,
+     "^runtime.torch_compile: unknown torch.compile argument 'fulgraph'; did you mean 'fullgraph'\\?"),
+    ({"torch_compile": {"mode": "fast"}}, ValueError, "^runtime.torch_compile.mode: unknown mode 'fast'"),
+    ({"torch_compile": {"dynamic": 1}}, TypeError, "^runtime.torch_compile.dynamic must be True or False"),
+    ({"torch_compile": {"mode": "max-autotune", "options": {"max_autotune": True}}}, ValueError,
+     "^runtime.torch_compile: give mode or options, not both"),
+    ({"torch_compile": {"options": {"max_autotune": [1]}}}, TypeError, "^runtime.torch_compile.options must be"),
+    ({"torch_compile": {"fullgraph": True}}, ValueError,
+     "^runtime.torch_compile fullgraph=True needs gradient_accumulation_fusion=False: the fused nn.Linear"),
+    ({"torch_compile": {"fullgraph": True}, "gradient_accumulation_fusion": False, "tensor_parallel": 2}, ValueError,
+     "^runtime.torch_compile fullgraph=True needs tensor_parallel=1: tensor-parallel layers all-reduce"),
     ({"w_batching": True, "gradient_accumulation_fusion": False}, ValueError,
      "^parallelism.w_batching .* needs gradient_accumulation_fusion=True"),
     ({"parallelism": {"pipeline_stages": 0}}, ValueError, "^parallelism.pipeline_stages must be an int >= 1"),
@@ -148,7 +162,7 @@ def test_flat_keywords_route_to_their_sections_and_sections_come_whole_or_as_dic
     assert JobSpec.of(model=MODEL, parallelism=Parallelism(pipeline_stages=2), micro_batches=2).parallelism == \
         Parallelism(pipeline_stages=2, micro_batches=2)
     assert set(FIELDS) == {f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls)}
-    assert len(FIELDS) == 49
+    assert len(FIELDS) == 53
     with pytest.raises(TypeError, match="training must be a Training, got dict"):
         JobSpec(training={"model": MODEL})  # type: ignore[arg-type]
     with pytest.raises(KeyError, match="'micro_batch' is not a JobSpec field; did you mean micro_batches"):
@@ -268,10 +282,10 @@ def test_each_stage_config_is_derived_from_the_spec(spec: JobSpec, rank: int, ex
     config = stage_config(spec, job="job0", global_rank=rank, bounds=bounds, dist=None)
     assert {k: getattr(config, k) for k in expected} == expected
     assert StageConfig.from_wire(config.to_wire()) == config
-    # A stage reads the spec's own sections; the scheduler's (fault tolerance) stays behind.
-    sections = {name: getattr(spec, name) for name in SECTIONS if name != "fault_tolerance"}
+    # A stage reads the spec's own sections; the head's (fault tolerance, monitoring) stay behind.
+    sections = {name: getattr(spec, name) for name in SECTIONS if name not in ("fault_tolerance", "monitoring")}
     assert {name: getattr(config, name) for name in sections} == sections
-    assert "fault_tolerance" not in config.to_wire()
+    assert "fault_tolerance" not in config.to_wire() and "monitoring" not in config.to_wire()
 
 
 def test_the_reference_table_is_the_specs_fields() -> None:

@@ -162,7 +162,9 @@ async def test_an_fp16_overflow_does_not_advance_the_schedule(cluster: Cluster) 
 async def test_a_deepspeed_config_with_warmup_runs_its_schedule_as_deepspeed_would(cluster: Cluster) -> None:
     """DeepSpeedExamples-style: fp16, WarmupLR (linear, 100 steps to 1.5e-4), clipping and ZeRO-1, unedited."""
     configs = Path(__file__).parent / "deepspeed" / "ds_configs"
-    spec = load_config(configs / "gpt2_fp16_zero1.json", job=configs / "gpt2_job.json").spec
+    # its tensorboard block off: it would write runs/gpt2 under this directory (test_monitors runs it)
+    spec = load_config(configs / "gpt2_fp16_zero1.json", job=configs / "gpt2_job.json",
+                       tensorboard={"enabled": False}).spec
     job = await cluster.train(spec)
     try:
         stats = [await job.step() for _ in range(3)]

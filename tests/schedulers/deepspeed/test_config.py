@@ -19,7 +19,7 @@ from schedulers.deepspeed.config import (
     resolve_batch_sizes,
     translate_config,
 )
-from schedulers.jobs import JobSpec, MixedPrecision
+from schedulers.jobs import CSVConfig, JobSpec, MixedPrecision, Monitoring, TensorBoardConfig, WandbConfig
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -380,6 +380,7 @@ def test_deepspeed_examples_style_configs_run_without_edits(ds: str) -> None:
             ("fp16", 0.0, 12, 500)
         assert fields_of(spec, "gradient_clipping", "zero_stage", "activation_checkpointing") == (1.0, 1, True)
         assert (spec.parallelism.micro_batches, spec.training.data_kwargs["batch_size"]) == (8, 32)
+        assert spec.monitoring == Monitoring(tensorboard=TensorBoardConfig(output_path="runs/", job_name="gpt2"))
     else:
         assert fields_of(spec, "partition_method", "activation_checkpointing", "micro_batches") == ("type:Linear", 1, 32)
         assert "cuda_visible_devices: not a DeepSpeed or actorpipe key: ignored" in "\n".join(result.notices)
@@ -547,9 +548,7 @@ def test_blocks_present_but_switched_off_are_accepted_as_they_are() -> None:
     ("wall_clock_breakdown", True, "no effect here: DeepSpeed's timers"),
     ("dump_state", False, "no effect here"),
     ("prescale_gradients", False, "no effect here"),
-    ("tensorboard", {"enabled": True, "output_path": "runs"}, "no effect here: DeepSpeed's monitor"),
-    ("wandb", {"enabled": True}, "no effect here: DeepSpeed's monitor"),
-    ("csv_monitor", {"enabled": True}, "no effect here: DeepSpeed's monitor"),
+    ("comet", {"enabled": True, "project": "p"}, "no effect here: Comet is not written"),
     ("flops_profiler", {"enabled": True, "profile_step": 1}, "no effect here: DeepSpeed's FLOPs profiler"),
     ("comms_logger", {"enabled": True}, "no effect here: DeepSpeed's communication log"),
     ("zero_allow_untested_optimizer", True, "no effect here: ZeRO-1 shards any torch optimizer's state"),
@@ -558,6 +557,47 @@ def test_blocks_present_but_switched_off_are_accepted_as_they_are() -> None:
 ])
 def test_keys_that_tune_deepspeeds_machinery_are_accepted_with_a_notice(key: str, value: Any, text: str) -> None:
     assert notices_of({**MINIMAL, key: value})[key].startswith(text)
+
+
+# -- monitors -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("blocks", "expected"), [
+    ({"tensorboard": {"enabled": True, "output_path": "output/ds_logs/", "job_name": "train_bert"}},
+     Monitoring(tensorboard=TensorBoardConfig(output_path="output/ds_logs/", job_name="train_bert"))),
+    ({"tensorboard": {"enabled": True}},  # DeepSpeed's defaults: output_path "", job_name DeepSpeedJobName
+     Monitoring(tensorboard=TensorBoardConfig(output_path="", job_name="DeepSpeedJobName"))),
+    ({"wandb": {"enabled": True, "team": "my_team", "group": "my_group", "project": "my_project"}},
+     Monitoring(wandb=WandbConfig(project="my_project", group="my_group", team="my_team"))),
+    ({"wandb": {"enabled": True}}, Monitoring(wandb=WandbConfig(project="deepspeed"))),
+    ({"csv_monitor": {"enabled": True, "output_path": "logs", "job_name": "csv"}},
+     Monitoring(csv_monitor=CSVConfig(output_path="logs", job_name="csv"))),
+    ({"tensorboard": {"enabled": False, "output_path": "runs"}, "wandb": {"project": "p"}}, Monitoring()),
+    ({"monitoring": {"tensorboard": {"output_path": "runs"}}},  # the spec's own form, in a job file
+     Monitoring(tensorboard=TensorBoardConfig(output_path="runs"))),
+])
+def test_deepspeeds_monitor_blocks_become_the_jobs_monitors(blocks: dict[str, Any], expected: Monitoring) -> None:
+    result = translate_config({**MINIMAL, **blocks})
+    assert result.spec.monitoring == expected
+    on = [key for key, block in blocks.items() if key != "monitoring" and block.get("enabled")]
+    assert [line.split(":")[0] for line in result.notices] == on  # each says how it differs: names, axis, paths
+    assert all("Train/Samples/train_loss" in line for line in result.notices)
+    assert JobSpec.from_wire(result.spec.to_wire()) == result.spec
+
+
+@pytest.mark.parametrize(("blocks", "key", "message"), [
+    ({"tensorboard": {"enabled": True, "output": "runs"}}, "tensorboard.output",
+     "unknown key; did you mean tensorboard.output_path?"),
+    ({"wandb": {"enabled": True, "entity": "t"}}, "wandb.entity", "unknown key"),
+    ({"csv_monitor": {"enabled": "yes"}}, "csv_monitor.enabled", "expected true or false"),
+    ({"tensorboard": {"enabled": True, "job_name": "a/b"}}, "tensorboard", "tensorboard.job_name must be 1 to 128"),
+    ({"wandb": {"enabled": True, "project": 7}}, "wandb", "wandb.project must be a string"),
+    ({"monitoring": {"csv_monitor": {"path": "x"}}}, "monitoring.csv_monitor",
+     "monitoring.csv_monitor has no key 'path'"),
+])
+def test_a_wrong_monitor_block_is_refused_naming_the_key(blocks: dict[str, Any], key: str, message: str) -> None:
+    found = problems_of({**MINIMAL, **blocks})
+    assert key in found and message in found[key], found
 
 
 @pytest.mark.parametrize(("block", "key", "text"), [
@@ -728,3 +768,39 @@ def test_a_job_that_is_neither_a_path_nor_keys_is_a_type_error(tmp_path: Path) -
     path.write_text(json.dumps(MINIMAL))
     with pytest.raises(TypeError, match="job must be a file path or a mapping of config keys, got int"):
         load_config(path, job=3)  # type: ignore[arg-type]
+
+
+# -- compile ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("block", "expected"), [
+    ({"enabled": True}, True),  # DeepSpeed's first form: enabled, backend, kwargs
+    ({"enabled": True, "backend": "aot_eager", "kwargs": {"mode": "max-autotune", "dynamic": False}},
+     {"backend": "aot_eager", "mode": "max-autotune", "dynamic": False}),
+    ({"deepcompile": True, "fullgraph": False}, {"fullgraph": False}),  # DeepCompile's block: torch.compile here
+    ({"enabled": False, "backend": "inductor"}, False),
+    ({"deepcompile": False}, False),
+    ({"enabled": True, "disable": True}, False),
+])
+def test_deepspeeds_compile_block_is_the_stages_torch_compile(block: dict[str, Any], expected: Any) -> None:
+    assert translate({**MINIMAL, "compile": block}).runtime.torch_compile == expected
+
+
+def test_the_compile_blocks_other_keys_say_what_happens_instead() -> None:
+    notices = notices_of({**MINIMAL, "compile": {"deepcompile": True, "offload_activation": True}})
+    assert notices["compile.deepcompile"].startswith("DeepCompile's passes (ZeRO-3 prefetch, offloading) are not built")
+    assert notices["compile.offload_activation"] == "no effect here: it tunes DeepCompile"
+    assert notices_of({**MINIMAL, "compile": {"backend": "inductor"}})["compile"].startswith(
+        "the block alone compiles nothing")
+
+
+@pytest.mark.parametrize(("block", "key", "message"), [
+    ({"enabled": True, "kwargs": {"fullgraf": True}}, "compile.kwargs.fullgraf", "not one of torch.compile's"),
+    ({"enabled": True, "kwargs": 3}, "compile.kwargs", "expected an object of torch.compile's arguments"),
+    ({"enabled": "yes"}, "compile.enabled", "expected true or false"),
+    ("inductor", "compile", "expected an object such as"),
+    ({"enabled": True, "backend": "tvmm"}, "compile", "runtime.torch_compile.backend: unknown backend 'tvmm'"),
+])
+def test_a_wrong_compile_block_is_refused_naming_the_key(block: Any, key: str, message: str) -> None:
+    problems = problems_of({**MINIMAL, "compile": block})
+    assert message in problems[key], problems
