@@ -110,6 +110,7 @@ class WorkerSpec:
     state_dir: str
     name: str
     workload: Workload = REFERENCE
+    compiled: bool = False  # each block compiled in place (torch.compile, inductor), as actorpipe's torch_compile
 
 
 class _Trainer:
@@ -127,6 +128,10 @@ class _Trainer:
         per_stage = len(model) // num_model_stages
         self.modules = {i: model[i * per_stage:(i + 1) * per_stage] for i in self.stage_indices}
         self.module = nn.ModuleDict({str(i): m for i, m in self.modules.items()})
+        if spec.compiled:  # each block in place (names kept), as actorpipe's torch_compile=True compiles a stage
+            for stage in self.modules.values():
+                for block in stage:
+                    block.compile()
         self.holds_first, self.holds_last = 0 in self.modules, num_model_stages - 1 in self.modules
         self.optimizer = torch.optim.SGD(self.module.parameters(), lr=LR)
         self.inputs, self.targets = reference_batch(spec.workload)
@@ -254,13 +259,14 @@ class TorchPeer:
         timeout: seconds any one command may take before the peer is killed.
         workload: the model and batch; the reference workload by default.
         name: the peer's name; derived from the stages and schedule by default.
+        compiled: compile each block with torch.compile (inductor) before the first step.
 
     Raises:
         ValueError: an unknown schedule.
     """
 
     def __init__(self, *, num_stages: int, schedule: str, state_dir: str, timeout: float = 600.0,
-                 workload: Workload = REFERENCE, name: str | None = None) -> None:
+                 workload: Workload = REFERENCE, name: str | None = None, compiled: bool = False) -> None:
         if num_stages > 1 and schedule != COMPUTE_ONLY and schedule not in TORCH_SCHEDULES:
             raise ValueError(f"unknown torch schedule {schedule!r}; choose one of {', '.join(TORCH_SCHEDULES)}")
         self.num_stages, self.schedule, self.timeout = num_stages, schedule, timeout
@@ -270,7 +276,7 @@ class TorchPeer:
         self.name = name or self.name
         self._spec = WorkerSpec(num_stages=num_stages, schedule=schedule, state_dir=state_dir, name=self.name,
                                 init_method=f"file://{os.path.join(state_dir, self.name + '.store')}",
-                                workload=workload)
+                                workload=workload, compiled=compiled)
         ctx = mp.get_context("spawn")
         self._results = ctx.Queue()
         self._commands = [ctx.Queue() for _ in range(num_stages)]

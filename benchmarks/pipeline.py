@@ -18,7 +18,11 @@ Peers, all measured in one run on the reference workload (docs/design.md):
 - the ceiling at 2 stages (``compute_only``): two processes that each compute their
   stage's 8 micro-batches back to back at the same time, with nothing sent and no
   bubble. A 1F1B pipeline cannot beat it; ``*_vs_compute_only`` says how close each
-  pipeline comes.
+  pipeline comes;
+- compiled peers at 2 stages (unless ``--skip-compiled``): 1F1B of actorpipe with
+  ``torch_compile=True`` and of torch with every block compiled in place (inductor);
+  ``compiled_vs_eager_2stages`` is each one's median step time over its eager 1F1B peer's
+  (below 1: compile helps). The warm-up steps pay the compile and are not timed.
 
 ``vs_torch_best_Nstages`` is actorpipe's fastest schedule over torch's fastest at N
 stages (``actorpipe_best_Nstages`` and ``torch_best_Nstages`` name them). A torch
@@ -223,6 +227,14 @@ def make_groups(args: argparse.Namespace, state_dir: str) -> list[list[Peer]]:
         if not args.skip_actorpipe:
             peers += [ActorpipePeer(num_stages=num_stages, schedule=schedule, workload=workload)
                       for schedule in args.actorpipe_schedules]
+        if num_stages == 2 and not args.skip_compiled:
+            # Each block compiled (torch.compile, inductor), against the same schedule eager.
+            if not args.skip_torch and "1f1b" in args.torch_schedules:
+                peers.append(TorchPeer(num_stages=2, schedule="1f1b", state_dir=state_dir, workload=workload,
+                                       name="torch_1f1b_2stages_compiled", compiled=True))
+            if not args.skip_actorpipe and "1f1b" in args.actorpipe_schedules:
+                peers.append(ActorpipePeer(num_stages=2, schedule="1f1b", name="actorpipe_1f1b_2stages_compiled",
+                                           options={"torch_compile": True}, workload=workload))
         if not args.skip_actorpipe and not args.skip_variants and num_stages == 2:
             # Stage-to-stage tensors over torch.distributed (gloo) instead of ZeroMQ.
             peers.append(ActorpipePeer(num_stages=2, schedule="1f1b", transport="dist", workload=workload))
@@ -432,6 +444,10 @@ def summarize(results: list[PeerResult], stage_counts: list[int]) -> dict[str, A
                                                          by_name.get("torch_1f1b_2stages"))
     summary["defaults_vs_plain_1f1b_2stages"] = ratio(by_name.get("actorpipe_1f1b_2stages"),
                                                       by_name.get("actorpipe_1f1b_2stages_plain"))
+    # Time per step compiled over eager (a ratio of samples/s, eager's over compiled's): below 1, compile helps.
+    summary["compiled_vs_eager_2stages"] = {
+        name: ratio(by_name.get(f"{name}_1f1b_2stages"), by_name.get(f"{name}_1f1b_2stages_compiled"))
+        for name in ("actorpipe", "torch")}
     for r in results:
         summary[f"{r.name}_samples_per_s"] = round(r.samples_per_s, 2)
         summary[f"{r.name}_median_step_ms"] = round(statistics.median(r.step_times_s) * 1e3, 1)
@@ -458,7 +474,9 @@ def print_ratios(summary: dict[str, Any]) -> None:
     print()
     for key, value in summary.items():
         if key.startswith("vs_") or "_vs_" in key:
-            print(f"{key:<28} {'-' if value is None else f'{value:.3f}x'}")
+            values = value.items() if isinstance(value, dict) else [("", value)]
+            shown = ", ".join(f"{name} {'-' if v is None else f'{v:.3f}x'}".strip() for name, v in values)
+            print(f"{key:<28} {shown}")
 
 
 def print_not_run(not_run: dict[str, str], args: argparse.Namespace) -> None:
@@ -488,6 +506,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--skip-actorpipe", action="store_true", help="no actorpipe peers")
     parser.add_argument("--skip-variants", action="store_true",
                         help="no compute-only ceiling and no actorpipe variants (dist, W batching, plain) at 2 stages")
+    parser.add_argument("--skip-compiled", action="store_true",
+                        help="no compiled 1F1B peers (torch.compile per block) at 2 stages")
     parser.add_argument("--blocks", type=int, default=NUM_BLOCKS,
                         help=f"residual MLP blocks of the model (default {NUM_BLOCKS}, the reference workload's)")
     parser.add_argument("--dim", type=int, default=DIM,

@@ -20,6 +20,7 @@ from torch import nn
 
 from actors._registry import load_object
 from stages.build import tied
+from stages.build.compiled import compile_stage
 from stages.build.layers import Chain, build_layers
 from stages.build.tensor_parallel import ShardSpec, shard_for_tensor_parallel, tp_shard_specs
 from stages.build.traced import TracedStage
@@ -170,6 +171,8 @@ def build_stage(config: StageConfig, allow: Sequence[str], device: torch.device,
         weight_grads = _wgrad.WeightGradients()
         for module in modules.values():
             _wgrad.install(module, weight_grads)
+    # After the fused linears are installed: compile leaves them (and tensor-parallel layers) eager.
+    compiled = compile_stage(modules, cfg.runtime.torch_compile, fused_linears=weight_grads is not None)
     # A parameter two held layers share is one tensor: the optimizer takes it once.
     params = list({id(p): p for module in modules.values() for p in module.parameters()}.values())
     # A tied parameter's name is the least of its names: every rank holding it names it alike.
@@ -207,8 +210,9 @@ def build_stage(config: StageConfig, allow: Sequence[str], device: torch.device,
                        compute_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.mixed_precision.precision),
                        lr_scheduler=scheduler, stash_codec=cfg.runtime.stash_codec,
                        token_ignore_index=cfg.training.ignore_index if tokens else None,
-                       # Tensor-parallel layers wait for their peers inside an action: on the thread.
-                       inline_max_s=0.0 if mesh.tensor > 1 else INLINE_MAX_S)
+                       # Tensor-parallel layers wait for their peers inside an action, and a compiled layer
+                       # may compile again (a new shape, evaluation's no_grad): on the thread, never the loop's.
+                       inline_max_s=0.0 if mesh.tensor > 1 or compiled else INLINE_MAX_S)
     return BuiltStage(model=model, held=held, key=key, named_parameters=named, aliases=aliases, specs=specs,
                       tied=sync, reduce_params=reduce_params, norm_params=norm_params, overlap=overlap,
                       gradient_shards=shards, data=data,

@@ -78,3 +78,6 @@ def test_a_tiny_run_prints_the_best_schedules_ratio_last() -> None:
     assert summary["torch_not_run"] == {}
     assert summary["torch_interleaved_2stages_max_rel_diff"] < 1e-4
     assert "every torch schedule asked for ran on CPU/gloo" in done.stdout
+    # The compiled 1F1B peers (each block through torch.compile), each against its eager peer.
+    compiled = summary["compiled_vs_eager_2stages"]
+    assert set(compiled) == {"actorpipe", "torch"} and all(ratio > 0 for ratio in compiled.values()), compiled
