@@ -41,10 +41,10 @@ CHECKPOINT_TIMEOUT_S = 900.0  # one stage's share of a save or load: gigabytes, 
 
 
 def _shard_file(mesh: Mesh, rank: int) -> str:
-    """The file a writer's tensors go to: named by its pipeline and tensor rank (``p1-t0.bin``), and
-    its data-parallel replica unless 0 (``p1-t0-d1.bin``: a ZeRO-1 optimizer shard)."""
+    """The file a writer's tensors go to: named by its pipeline and tensor rank (``p1-t0.safetensors``),
+    and its data-parallel replica unless 0 (``p1-t0-d1.safetensors``: a ZeRO-1 optimizer shard)."""
     c = mesh.coords(rank)
-    return f"p{c.pipeline}-t{c.tensor}{f'-d{c.data}' if c.data else ''}.bin"
+    return f"p{c.pipeline}-t{c.tensor}{f'-d{c.data}' if c.data else ''}.safetensors"
 
 
 def _reason(exc: BaseException) -> str:

@@ -5,9 +5,19 @@ A checkpoint directory ``DIR`` holds versions and a pointer to the complete one:
     DIR/LATEST                  "v000007": the newest complete version (replaced with os.replace, fsynced)
     DIR/v000007/manifest.json   every tensor: whole shape, dtype, tensor-parallel split, and each part's
                                 file, offset, size and crc32
-    DIR/v000007/p0-t0.bin       the raw bytes of one stage actor's tensors (pipeline rank 0, tensor rank 0),
-                                back to back: no pickle, every byte covered by a checksum
+    DIR/v000007/p0-t0.safetensors
+                                one stage actor's tensors (pipeline rank 0, tensor rank 0) as a safetensors
+                                file: a JSON header, then the raw bytes back to back; no pickle, every byte
+                                covered by a checksum in the manifest; weights under their keys, optimizer
+                                state under ``KEY/NAME`` (``3.fc1.weight/exp_avg``)
+    DIR/v000007/model.safetensors.index.json
+                                Hugging Face's index of the weights: each whole tensor's file (a
+                                tensor-parallel split one is under ``metadata.tensor_parallel``)
     DIR/.staging-job3-1f2e9a0c/ job3's save in progress, or one that was killed (job3's next save removes it)
+
+Shards written before they were safetensors files (``p0-t0.bin``, raw bytes alone) still
+load: the manifest says where each tensor lies either way. A load memory-maps each file
+(copy on write), so a tensor's bytes are read from the page cache once, into the model.
 
 A save makes a staging directory named by its job, lets every writer put its file
 there (fsynced), writes the manifest, renames the staging directory to the next free
@@ -46,8 +56,10 @@ import errno
 import fcntl
 import json
 import logging
+import mmap
 import os
 import re
+import math
 import secrets
 import shutil
 import zlib
@@ -112,24 +124,34 @@ def _fsync_directory(path: str) -> None:
         os.close(fd)
 
 
-def write_tensors(path: str, tensors: Mapping[str, torch.Tensor]) -> tuple[int, dict[str, TensorPart]]:
-    """Writes ``tensors`` back to back into a new file at ``path`` and fsyncs it.
+def write_tensors(
+    path: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> tuple[int, dict[str, TensorPart]]:
+    """Writes ``tensors`` into a new safetensors file at ``path`` and fsyncs it.
+
+    The tensors go by falling element size (each then begins at a multiple of its own),
+    under their names in ``tensors``; ``metadata`` goes into the header's ``__metadata__``.
 
     Returns:
-        The file's size and each tensor's part (offset, size, shape, crc32).
+        The file's size and each tensor's part (offset in the file, size, shape, crc32).
 
     Raises:
-        CheckpointError: the file cannot be made (e.g. the directory is not on this node).
+        CheckpointError: the file cannot be made (e.g. the directory is not on this node), or
+            a dtype safetensors cannot name.
     """
     directory = os.path.dirname(path)
     if not os.path.isdir(directory):
         raise CheckpointError(f"cannot write {path}", [f"{directory} does not exist on this node; {_SHARED_FS}"])
+    host = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+    host = dict(sorted(host.items(), key=lambda kv: -kv[1].element_size()))  # stable: same sizes keep their order
+    start = safetensors_files.header(host, metadata)
     parts: dict[str, TensorPart] = {}
-    offset = 0
+    offset = len(start)
     try:
         with open(path, "xb") as f:
-            for key, tensor in tensors.items():
-                data = _raw(tensor.detach().to("cpu").contiguous())
+            f.write(start)
+            for key, tensor in host.items():
+                data = _raw(tensor)
                 f.write(data)
                 parts[key] = TensorPart(file=os.path.basename(path), offset=offset, nbytes=data.nbytes,
                                         shape=list(tensor.shape), crc32=zlib.crc32(data))
@@ -142,26 +164,45 @@ def write_tensors(path: str, tensors: Mapping[str, torch.Tensor]) -> tuple[int, 
     return offset, parts
 
 
+def _mapped(path: str, expected: int) -> mmap.mmap | None:
+    """``path`` memory-mapped copy-on-write (None when empty), once its size is the manifest's.
+
+    Raises:
+        CheckpointError: another size (a truncated or replaced file).
+        OSError: it cannot be opened or mapped.
+    """
+    with open_inside(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size != expected:
+            raise CheckpointError("bad checkpoint", [f"{path}: {size} bytes, the manifest says {expected} (truncated?)"])
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+
+
 def _read_part(version: str, part: TensorPart, dtype: torch.dtype, files: Mapping[str, int], label: str) -> torch.Tensor:
+    """One part's tensor, backed by the file's copy-on-write mapping when its offset is aligned for
+    ``dtype`` (a copy otherwise: an old shard's back-to-back bytes need not be)."""
     path = os.path.join(version, part.file)
     where = f"{path}, {label}"
-    tensor = torch.empty(part.shape, dtype=dtype)
-    raw = _raw(tensor)
-    if raw.nbytes != part.nbytes or part.file not in files:
+    numel = math.prod(part.shape)
+    if numel * dtype.itemsize != part.nbytes or part.file not in files:
         raise CheckpointError("bad checkpoint", [f"{where}: the manifest's size or file does not fit the entry"])
+    if part.offset + part.nbytes > files[part.file]:
+        raise CheckpointError("bad checkpoint", [f"{where}: only {max(files[part.file] - part.offset, 0)} of "
+                                                 f"{part.nbytes} bytes there"])
     try:
-        with open_inside(path) as f:
-            size = os.fstat(f.fileno()).st_size
-            if size != files[part.file]:
-                raise CheckpointError("bad checkpoint",
-                                      [f"{path}: {size} bytes, the manifest says {files[part.file]} (truncated?)"])
-            f.seek(part.offset)
-            got = f.readinto(raw)
+        mapped = _mapped(path, files[part.file])
     except OSError as exc:
         raise CheckpointError("bad checkpoint", [f"{where}: {exc}"]) from exc
-    if got != part.nbytes:
-        raise CheckpointError("bad checkpoint", [f"{where}: only {got} of {part.nbytes} bytes there"])
-    crc = zlib.crc32(raw) if part.crc32 is not None else None  # safetensors files have none
+    if mapped is None or numel == 0:
+        return torch.empty(part.shape, dtype=dtype)
+    raw = memoryview(mapped)[part.offset:part.offset + part.nbytes]
+    if part.offset % dtype.itemsize == 0:
+        tensor = torch.frombuffer(mapped, dtype=dtype, count=numel, offset=part.offset).view(part.shape)
+    else:
+        tensor = torch.empty(part.shape, dtype=dtype)
+        _raw(tensor)[:] = raw
+    crc = zlib.crc32(raw) if part.crc32 is not None else None  # a model directory's safetensors have none
+    raw.release()
     if crc != part.crc32:
         raise CheckpointError("bad checkpoint", [
             f"{where}: checksum mismatch (crc32 {crc:08x}, the manifest says {part.crc32:08x}): "
@@ -307,7 +348,7 @@ def begin_version(directory: str, job: str, *, within: str | None = None) -> str
     return staging
 
 
-def check_staging(staging: Any, name: str = "p0-t0.bin", *, job: str | None = None) -> str:
+def check_staging(staging: Any, name: str = "p0-t0.safetensors", *, job: str | None = None) -> str:
     """The path of shard file ``name`` in ``staging``, both checked (they come over the wire).
 
     Args:
@@ -418,10 +459,11 @@ def commit_version(directory: str, staging: str, manifest: Manifest, job: str) -
         if not os.path.isfile(path) or os.path.getsize(path) != size:
             raise CheckpointError(f"the save to {directory} is incomplete", [f"{path} is missing or not {size} bytes"])
     try:
-        with open(os.path.join(staging, MANIFEST), "x") as f:
-            json.dump(manifest.to_wire(), f)
-            f.flush()
-            os.fsync(f.fileno())
+        for name, content in ((safetensors_files.INDEX, _weights_index(manifest)), (MANIFEST, manifest.to_wire())):
+            with open(os.path.join(staging, name), "x") as f:
+                json.dump(content, f)
+                f.flush()
+                os.fsync(f.fileno())
         _fsync_directory(staging)
         _reached("manifest_written")
         with _exclusive(directory):
@@ -437,6 +479,17 @@ def commit_version(directory: str, staging: str, manifest: Manifest, job: str) -
     except OSError as exc:
         raise CheckpointError(f"cannot complete the save to {directory}", [str(exc)]) from exc
     return version
+
+
+def _weights_index(manifest: Manifest) -> dict[str, Any]:
+    """Hugging Face's index of a version's weights: each whole tensor's shard file; the parts of a
+    tensor-parallel split one are listed by file under ``metadata.tensor_parallel`` (no loader of
+    that index puts such a tensor together: load the checkpoint here, or export it)."""
+    whole = {key: entry.parts[0].file for key, entry in manifest.model.items() if entry.shard is None}
+    split = {key: [part.file for part in entry.parts] for key, entry in manifest.model.items() if entry.shard is not None}
+    size = sum(part.nbytes for entry in manifest.model.values() for part in entry.parts)
+    return safetensors_files.index(whole, size, {"format": FORMAT, "step": manifest.step,
+                                                 **({"tensor_parallel": split} if split else {})})
 
 
 def _point(directory: str, name: str) -> None:

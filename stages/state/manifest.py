@@ -23,7 +23,9 @@ __all__ = ["FORMAT", "SAFETENSORS", "SAFETENSORS_FILE", "CheckpointError", "Mani
 
 FORMAT = "actorpipe-checkpoint"
 FORMAT_VERSION = 1
-FILE = re.compile(r"p\d{1,6}-t\d{1,6}(-d\d{1,6})?\.bin")  # a shard file; -dN: replica N's ZeRO-1 optimizer shard
+# A shard file: pP-tT.safetensors (.bin: raw bytes, written before shards were safetensors files);
+# -dN: replica N's ZeRO-1 optimizer shard.
+FILE = re.compile(r"p\d{1,6}-t\d{1,6}(-d\d{1,6})?\.(safetensors|bin)")
 # Weights as Hugging Face and safetensors keep them (stages.state.safetensors_files): a manifest made
 # from the files' own headers, which carry no checksums, and no optimizer state.
 SAFETENSORS = "safetensors"
@@ -97,7 +99,7 @@ class TensorPart:
                 f"{what}: a part needs exactly file, offset, nbytes, shape, crc32")
         pattern = SAFETENSORS_FILE if source == SAFETENSORS else FILE
         _expect(isinstance(data["file"], str) and pattern.fullmatch(data["file"]) is not None,
-                f"{what}: file {str(data['file'])[:60]!r} is not a shard file name (pP-tT.bin or NAME.safetensors)")
+                f"{what}: file {str(data['file'])[:60]!r} is not a shard file name (pP-tT.safetensors or NAME.safetensors)")
         crc = data["crc32"]
         _expect(crc is not None or source == SAFETENSORS, f"{what}: crc32 is missing")
         numbers = _int_list([data["offset"], data["nbytes"], 0 if crc is None else crc], f"{what} offset/nbytes/crc32")

@@ -87,11 +87,12 @@ def write_stage(
             items.append((whole, name, value, _state_spec(value, param, specs.get(whole))))
     mine = [item for item in items if item[3] is not None or tp_rank == 0]  # replicated: rank 0 writes
     host = copy_to_cpu([value for _, _, value, _ in mine], io)
-    size, parts = write_tensors(path, {str(n): value for n, value in enumerate(host)})
+    names = [key if name is None else f"{key}/{name}" for key, name, _, _ in mine]  # exp_avg: 3.fc1.weight/exp_avg
+    size, parts = write_tensors(path, dict(zip(names, host)))
     tensors = [{"key": key, "state": name, "shape": _whole_shape(value.shape, spec), "dtype": dtype_name(value.dtype),
                 "shard": list(spec) if spec is not None else None, "rank": tp_rank,
-                "part": parts[str(n)].to_wire()}
-               for n, (key, name, value, spec) in enumerate(mine)]
+                "part": parts[stored].to_wire()}
+               for stored, (key, name, value, spec) in zip(names, mine)]
     schedule = _lr_scheduler.scheduler_state(scheduler) if scheduler is not None else None
     return {"file": file, "bytes": size, "tensors": tensors, "lr_scheduler": schedule}
 
