@@ -27,13 +27,14 @@ from stages import (
     ShardSpec,
     StageActor,
 )
+from stages.state.export import file_name
 from stages.state.manifest import SAFETENSORS
 from schedulers.checkpoint_paths import CheckpointPath
 from schedulers.job_core import JobCore
 from schedulers.stepping import key_order
 
 
-__all__ = ["apply_checkpoint", "load", "load_state_dict", "save", "state_dict"]
+__all__ = ["apply_checkpoint", "export", "load", "load_state_dict", "save", "state_dict"]
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +145,41 @@ async def save(job: JobCore, path: CheckpointPath) -> str:
                                                                               manifest.to_wire()))
         job.saved(path, manifest.step)  # what a recovery falls back to
     return str(version)
+
+
+async def export(job: JobCore, path: CheckpointPath) -> str:
+    """Writes the model's weights as a model directory ``from_pretrained`` loads (see
+    :mod:`stages.state.export`); returns its path.
+
+    Each pipeline stage's first actor writes its own file, at once; with tensor
+    parallelism every rank first writes its slices into the export's staging directory
+    (weights only), which that actor then reads back whole: nothing passes through the
+    head, and no process holds more than one stage's weights.
+
+    Raises:
+        CheckpointError: a directory that is not new or empty, or a node that cannot write there.
+    """
+    directory = check_directory(path.directory)
+    mesh = job.mesh
+    first = [mesh.rank(Coords(0, p, 0)) for p in range(mesh.pipeline)]
+    async with job.operation():
+        [staging] = await _on_stages(job, [0], "export", lambda g: job.stages[g].endpoint(
+            StageActor.export_begin, timeout=CHECKPOINT_TIMEOUT_S).call(directory, path.within))
+        plans: dict[int, Any] = {}
+        if mesh.tensor > 1:
+            slices = [g for g in range(mesh.size) if mesh.coords(g).data == 0]
+            written = await _on_stages(job, slices, "export", lambda g: job.stages[g].endpoint(
+                StageActor.checkpoint_write, timeout=CHECKPOINT_TIMEOUT_S).call(staging, _shard_file(mesh, g), True))
+            files, model, _ = merge_written(written)
+            whole = Manifest(step=job.applied, optimizer="", files=files, model=model, optimizer_state={})
+            held = await _held_keys(job, aliases=False)
+            plans = {g: whole.restrict(held[mesh.coords(g).pipeline], weights_only=True).to_wire() for g in first}
+        stages = await _on_stages(job, first, "export", lambda g: job.stages[g].endpoint(
+            StageActor.export_write, timeout=CHECKPOINT_TIMEOUT_S).call(
+                staging, file_name(mesh.coords(g).pipeline, mesh.pipeline), plans.get(g)))
+        [done] = await _on_stages(job, [0], "export", lambda g: job.stages[g].endpoint(
+            StageActor.export_commit, timeout=CHECKPOINT_TIMEOUT_S).call(directory, staging, stages))
+    return str(done)
 
 
 async def load(job: JobCore, path: CheckpointPath, weights_only: bool = False) -> int:

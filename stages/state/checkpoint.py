@@ -86,7 +86,7 @@ from stages.state.manifest import (
 
 __all__ = [
     "FORMAT", "CheckpointError", "Manifest", "TensorEntry", "TensorPart", "begin_version", "check_directory",
-    "check_staging", "check_version", "check_within", "commit_version", "dtype_name", "layer_of", "merge_written",
+    "check_staging", "check_version", "check_within", "commit_version", "dtype_name", "fsync_directory", "layer_of", "merge_written",
     "read_entry", "read_manifest", "write_tensors",
 ]
 
@@ -116,7 +116,7 @@ def _raw(tensor: torch.Tensor) -> Any:
     return tensor.reshape(-1).view(torch.uint8).numpy()
 
 
-def _fsync_directory(path: str) -> None:
+def fsync_directory(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -340,8 +340,8 @@ def begin_version(directory: str, job: str, *, within: str | None = None) -> str
                 shutil.rmtree(os.path.join(directory, name))
         staging = os.path.join(directory, f"{mine}{secrets.token_hex(4)}")
         os.mkdir(staging)
-        _fsync_directory(directory)
-        _fsync_directory(os.path.dirname(directory))
+        fsync_directory(directory)
+        fsync_directory(os.path.dirname(directory))
     except OSError as exc:
         raise CheckpointError(f"cannot write a checkpoint to {directory}", [str(exc)]) from exc
     _reached("staged")
@@ -464,11 +464,11 @@ def commit_version(directory: str, staging: str, manifest: Manifest, job: str) -
                 json.dump(content, f)
                 f.flush()
                 os.fsync(f.fileno())
-        _fsync_directory(staging)
+        fsync_directory(staging)
         _reached("manifest_written")
         with _exclusive(directory):
             version = _claim_version(directory, staging)
-            _fsync_directory(directory)
+            fsync_directory(directory)
             _reached("renamed")
             name = os.path.basename(version)
             _point(directory, name)
@@ -505,7 +505,7 @@ def _point(directory: str, name: str) -> None:
         os.fsync(f.fileno())
     _reached("pointer_written")
     os.replace(pointer, os.path.join(directory, LATEST))
-    _fsync_directory(directory)
+    fsync_directory(directory)
     _reached("pointed")
 
 
