@@ -385,7 +385,7 @@ class Job:
         with _checkpoint_errors():
             return await self._call(JobActor.save, None).call(*_as_sent(directory))
 
-    async def export(self, directory: str | os.PathLike[str]) -> str:
+    async def export(self, directory: str | os.PathLike[str], *, format: str = "safetensors") -> str:
         """Writes the model's weights as a model directory that ``from_pretrained`` and
         ``load_state_dict(strict=True)`` load: safetensors files under the model's own names
         (one per pipeline stage, with Hugging Face's index), each tied tensor once, and the
@@ -395,6 +395,11 @@ class Job:
         driver, and no process holds the whole model); ``directory`` must be new or empty,
         and is taken where :meth:`save` takes a checkpoint directory.
 
+        Args:
+            format: ``"safetensors"``, or ``"dcp"``: a ``torch.distributed.checkpoint``
+                directory of the weights (``dcp.load`` reads it at any world size, and
+                :meth:`load` loads one into any layout).
+
         Returns:
             The directory, as the nodes see it.
 
@@ -403,7 +408,7 @@ class Job:
             CheckpointError: ``directory`` is not empty, or a node cannot write there.
         """
         with _checkpoint_errors():
-            return await self._call(JobActor.export, None).call(*_as_sent(directory))
+            return await self._call(JobActor.export, None).call(*_as_sent(directory), format)
 
     async def load(self, directory: str | os.PathLike[str], *, weights_only: bool = False) -> int:
         """Loads the checkpoint :meth:`save` wrote to ``directory``, all or nothing.

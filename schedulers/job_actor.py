@@ -191,7 +191,7 @@ class JobActor(Actor):
         return await job.save(self._checkpoint_path(directory, relative_to))
 
     @endpoint(concurrent=True, roles=("client",))
-    async def export(self, directory: str, relative_to: str | None = None) -> str:
+    async def export(self, directory: str, relative_to: str | None = None, format: str = "safetensors") -> str:
         """Writes the weights as a model directory ``from_pretrained`` loads, to ``directory`` (as
         for :meth:`save`); its path.
 
@@ -199,7 +199,7 @@ class JobActor(Actor):
             NotAllowed: another client's job, or a client's path outside its subtree.
         """
         job = self._controller()
-        return await job.export(self._checkpoint_path(directory, relative_to))
+        return await job.export(self._checkpoint_path(directory, relative_to), str(format))
 
     @endpoint(concurrent=True, roles=("client",))
     async def load(self, directory: str, weights_only: bool = False, relative_to: str | None = None) -> int:

@@ -27,8 +27,8 @@ from stages import (
     ShardSpec,
     StageActor,
 )
-from stages.state.export import file_name
-from stages.state.manifest import SAFETENSORS
+from stages.state.export import FORMATS, file_name
+from stages.state.manifest import DCP, SAFETENSORS
 from schedulers.checkpoint_paths import CheckpointPath
 from schedulers.job_core import JobCore
 from schedulers.stepping import key_order
@@ -147,9 +147,9 @@ async def save(job: JobCore, path: CheckpointPath) -> str:
     return str(version)
 
 
-async def export(job: JobCore, path: CheckpointPath) -> str:
-    """Writes the model's weights as a model directory ``from_pretrained`` loads (see
-    :mod:`stages.state.export`); returns its path.
+async def export(job: JobCore, path: CheckpointPath, format: str = "safetensors") -> str:
+    """Writes the model's weights as a model directory ``from_pretrained`` loads, or (``format="dcp"``)
+    a ``torch.distributed.checkpoint`` directory (see :mod:`stages.state.export`); returns its path.
 
     Each pipeline stage's first actor writes its own file, at once; with tensor
     parallelism every rank first writes its slices into the export's staging directory
@@ -158,7 +158,10 @@ async def export(job: JobCore, path: CheckpointPath) -> str:
 
     Raises:
         CheckpointError: a directory that is not new or empty, or a node that cannot write there.
+        ValueError: another format.
     """
+    if format not in FORMATS:
+        raise ValueError(f"export writes {' or '.join(FORMATS)}, not {str(format)[:40]!r}")
     directory = check_directory(path.directory)
     mesh = job.mesh
     first = [mesh.rank(Coords(0, p, 0)) for p in range(mesh.pipeline)]
@@ -176,9 +179,9 @@ async def export(job: JobCore, path: CheckpointPath) -> str:
             plans = {g: whole.restrict(held[mesh.coords(g).pipeline], weights_only=True).to_wire() for g in first}
         stages = await _on_stages(job, first, "export", lambda g: job.stages[g].endpoint(
             StageActor.export_write, timeout=CHECKPOINT_TIMEOUT_S).call(
-                staging, file_name(mesh.coords(g).pipeline, mesh.pipeline), plans.get(g)))
+                staging, file_name(mesh.coords(g).pipeline, mesh.pipeline, format), plans.get(g), format))
         [done] = await _on_stages(job, [0], "export", lambda g: job.stages[g].endpoint(
-            StageActor.export_commit, timeout=CHECKPOINT_TIMEOUT_S).call(directory, staging, stages))
+            StageActor.export_commit, timeout=CHECKPOINT_TIMEOUT_S).call(directory, staging, stages, format))
     return str(done)
 
 
@@ -225,9 +228,9 @@ async def _apply(job: JobCore, path: CheckpointPath, weights_only: bool) -> tupl
     [found] = await _on_stages(job, [0], "load", lambda g: job.stages[g].endpoint(
         StageActor.checkpoint_manifest, timeout=CHECKPOINT_TIMEOUT_S).call(directory, path.within))
     version, manifest = str(found[0]), Manifest.from_wire(found[1])
-    weights_only = weights_only or manifest.source == SAFETENSORS
-    # Safetensors files may keep a tied tensor under one of its names: each holder gets it by any.
-    held = await _held_keys(job, aliases=manifest.source == SAFETENSORS)
+    weights_only = weights_only or manifest.source in (SAFETENSORS, DCP)
+    # Another tool's files may keep a tied tensor under one of its names: each holder gets it by any.
+    held = await _held_keys(job, aliases=manifest.source in (SAFETENSORS, DCP))
     problems = _unplaced(job, manifest, weights_only, held)
     plans = {g: manifest.restrict(held[job.mesh.coords(g).pipeline], weights_only=weights_only).to_wire()
              for g in range(job.mesh.size)}

@@ -568,14 +568,16 @@ class StageActor(Actor):
         return await self._parts().state.export_begin(directory, within)
 
     @endpoint(roles=("head",))
-    async def export_write(self, staging: str, file: str, plan: dict[str, Any] | None = None) -> dict[str, Any]:
+    async def export_write(self, staging: str, file: str, plan: dict[str, Any] | None = None,
+                           format: str = "safetensors") -> dict[str, Any]:
         """Writes this pipeline stage's weights under the model's own names to ``staging/file``."""
-        return await self._parts().state.export_write(staging, file, plan)
+        return await self._parts().state.export_write(staging, file, plan, str(format))
 
     @endpoint(roles=("head",))
-    async def export_commit(self, directory: str, staging: str, written: list[dict[str, Any]]) -> str:
-        """As the coordinator: completes the export (the files, the index, the config)."""
-        return await self._parts().state.export_commit(directory, staging, written)
+    async def export_commit(self, directory: str, staging: str, written: list[dict[str, Any]],
+                            format: str = "safetensors") -> str:
+        """As the coordinator: completes the export (the files, the index, the config; or DCP's metadata)."""
+        return await self._parts().state.export_commit(directory, staging, written, str(format))
 
     @endpoint(roles=("head",))
     async def checkpoint_discard(self) -> None:

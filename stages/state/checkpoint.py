@@ -69,8 +69,9 @@ from typing import Any
 import torch
 
 from stages.build.tensor_parallel import ShardSpec, gather_tensor
-from stages.state import safetensors_files
+from stages.state import dcp_files, safetensors_files
 from stages.state.manifest import (
+    DCP,
     DTYPES,
     FILE,
     FORMAT,
@@ -210,13 +211,17 @@ def _read_part(version: str, part: TensorPart, dtype: torch.dtype, files: Mappin
     return tensor
 
 
-def read_entry(version: str, entry: TensorEntry, files: Mapping[str, int], label: str) -> torch.Tensor:
-    """The whole tensor ``entry`` describes, every part's checksum verified.
+def read_entry(version: str, entry: TensorEntry, files: Mapping[str, int], label: str,
+               source: str = FORMAT) -> torch.Tensor:
+    """The whole tensor ``entry`` describes, every part's checksum verified (a DCP checkpoint's: its chunks
+    put together, :func:`stages.state.dcp_files.read_chunks`).
 
     Raises:
         CheckpointError: a missing or short file, a checksum mismatch, parts that do not
             make the recorded shape; the message names the file and the key.
     """
+    if source == DCP:
+        return dcp_files.read_chunks(version, entry, files, label)
     dtype = DTYPES[entry.dtype]
     parts = [_read_part(version, part, dtype, files, label) for part in entry.parts]
     whole = gather_tensor(parts, ShardSpec(*entry.shard)) if entry.shard is not None else parts[0]
@@ -240,7 +245,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 # --- the directory: versions and the pointer ------------------------------------------------------
 
 
-_NO_CHECKPOINT = (f"a checkpoint directory is one job.save wrote: {LATEST} and its versions; {_SHARED_FS}; "
+_NO_CHECKPOINT = (f"a checkpoint directory is one job.save wrote: {LATEST} and its versions (or a model directory's "
+                  f"safetensors weights, or a torch.distributed.checkpoint's .metadata and files); {_SHARED_FS}; "
                   "model.pt, the unversioned format of earlier actorpipe, loads with "
                   "torch.load(path, weights_only=True) and job.load_state_dict")
 
@@ -374,7 +380,7 @@ def check_version(version: Any, source: str = FORMAT) -> str:
         CheckpointError: it does not.
     """
     check_directory(version)
-    if source == SAFETENSORS and safetensors_files.present(version):
+    if (source == SAFETENSORS and safetensors_files.present(version)) or (source == DCP and dcp_files.present(version)):
         return version
     if _VERSION.fullmatch(os.path.basename(version)) is None:
         raise CheckpointError(f"{version[:200]!r} is not a checkpoint version directory")
@@ -525,6 +531,8 @@ def read_manifest(directory: str, *, within: str | None = None) -> tuple[str, Ma
     name = _pointer(directory)
     if name is None and safetensors_files.present(directory):  # weights as Hugging Face keeps them
         return directory, safetensors_files.manifest(directory)
+    if name is None and dcp_files.present(directory):  # weights as torch.distributed.checkpoint keeps them
+        return directory, dcp_files.manifest(directory)
     if name is None:
         raise CheckpointError(f"no actorpipe checkpoint at {directory}", [_NO_CHECKPOINT])
     version = os.path.join(directory, name)

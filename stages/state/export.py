@@ -15,6 +15,10 @@ whole. A tensor tied across stages (an embedding and a language-model head) is w
 once, under the name the model gives it first (the embedding's: what ``save_pretrained``
 keeps); a tensor one stage holds under two names likewise.
 
+With ``format="dcp"`` the directory is a ``torch.distributed.checkpoint`` one instead
+(:mod:`stages.state.dcp_files`): every stage saves its tensors with DCP's own writer,
+and the coordinator merges their metadata into one ``.metadata``, written last.
+
 The staging directory lies inside ``DIR``; the files move out of it by ``os.rename``
 when every stage is done, the weights first and the index and config last, so an
 export that was stopped halfway holds no index (nor, on one stage, no
@@ -32,17 +36,21 @@ from typing import Any
 
 import torch
 
-from stages.state import checkpoint, safetensors_files
+from stages.state import checkpoint, dcp_files, safetensors_files
 from stages.state.manifest import CheckpointError
 
-__all__ = ["CONFIG", "begin_export", "commit_export", "file_name", "unique_tensors", "write_export"]
+__all__ = ["CONFIG", "FORMATS", "begin_export", "commit_export", "file_name", "unique_tensors", "write_export"]
 
 CONFIG = "config.json"
-_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
+FORMATS = ("safetensors", "dcp")
+_FILE = {"safetensors": re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors"), "dcp": re.compile(r"dcp-\d{5}")}
 
 
-def file_name(stage: int, stages: int) -> str:
-    """Stage ``stage``'s file: ``model.safetensors`` alone, or Hugging Face's ``model-00001-of-00004.safetensors``."""
+def file_name(stage: int, stages: int, format: str = "safetensors") -> str:
+    """Stage ``stage``'s file: ``model.safetensors`` alone, or Hugging Face's ``model-00001-of-00004.safetensors``;
+    in DCP's format, the directory its writer fills (``dcp-00000``)."""
+    if format == "dcp":
+        return f"dcp-{stage:05d}"
     return safetensors_files.SINGLE if stages == 1 else f"model-{stage + 1:05d}-of-{stages:05d}.safetensors"
 
 
@@ -76,23 +84,43 @@ def begin_export(directory: str, job: str, *, within: str | None = None) -> str:
     return checkpoint.begin_version(directory, job, within=within)
 
 
-def write_export(staging: str, file: str, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+def write_export(staging: str, file: str, tensors: Mapping[str, torch.Tensor],
+                 format: str = "safetensors") -> dict[str, Any]:
     """Writes one stage's file of the export into ``staging`` (fsynced); returns ``{"file", "bytes",
-    "tensors": {name: bytes}}`` for the index.
+    "tensors": {name: bytes}}`` for the index (in DCP's format, also ``"saved"``: what
+    :func:`stages.state.dcp_files.save_stage` returns).
 
     Raises:
         CheckpointError: not an export file name, or the file cannot be written.
     """
-    if _FILE.fullmatch(file) is None:
-        raise CheckpointError(f"{file[:60]!r} is not an export's file name (model-NNNNN-of-NNNNN.safetensors)")
+    if format not in _FILE or _FILE[format].fullmatch(file) is None:
+        raise CheckpointError(f"{file[:60]!r} is not an export's file name in the {str(format)[:20]!r} format")
     checkpoint.check_staging(staging)
+    if format == "dcp":
+        saved = dcp_files.save_stage(os.path.join(staging, file), tensors)
+        return {"file": file, "tensors": {name: t.numel() * t.element_size() for name, t in tensors.items()},
+                "saved": saved}
     size, parts = checkpoint.write_tensors(os.path.join(staging, file), tensors)
     return {"file": file, "bytes": size, "tensors": {name: part.nbytes for name, part in parts.items()}}
 
 
-def commit_export(directory: str, staging: str, written: Sequence[Mapping[str, Any]], config: str | None) -> str:
+def _commit_dcp(directory: str, staging: str, written: Sequence[Mapping[str, Any]]) -> None:
+    """Moves every stage's ``.distcp`` files into ``directory`` (``__S_K.distcp``: stage S's K-th), then
+    writes the merged ``.metadata``."""
+    files: dict[tuple[int, str], str] = {}
+    for s, answer in enumerate(written):
+        names = sorted({chunk["file"] for meta in answer["saved"]["tensors"].values() for chunk in meta["chunks"]})
+        for k, name in enumerate(names):
+            files[(s, name)] = f"__{s}_{k}.distcp"
+            os.rename(os.path.join(staging, answer["file"], name), os.path.join(directory, files[(s, name)]))
+    dcp_files.merge(directory, [answer["saved"] for answer in written], files)
+
+
+def commit_export(directory: str, staging: str, written: Sequence[Mapping[str, Any]], config: str | None,
+                  format: str = "safetensors") -> str:
     """Moves every stage's file out of ``staging`` into ``directory``, then writes the index (several
     files) and ``config.json`` (the model's, when ``config`` is its JSON); removes ``staging``.
+    In DCP's format: the stages' ``.distcp`` files, then the merged ``.metadata``.
 
     Raises:
         CheckpointError: a name given twice, a file missing, or the filesystem refused.
@@ -107,6 +135,9 @@ def commit_export(directory: str, staging: str, written: Sequence[Mapping[str, A
                                       [f"{name} is in {weight_map[name]} and {answer['file']}"])
             weight_map[name] = answer["file"]
     try:
+        if format == "dcp":
+            _commit_dcp(directory, staging, written)
+            written, config = [], None
         for answer in written:
             os.rename(os.path.join(staging, answer["file"]), os.path.join(directory, answer["file"]))
         last: list[tuple[str, str]] = []

@@ -122,7 +122,7 @@ def _local(
         problems.extend(wrong)
         return None
     try:
-        whole = read_entry(version, entry, plan.files, label)
+        whole = read_entry(version, entry, plan.files, label, plan.source)
     except CheckpointError as exc:
         problems.extend(exc.problems or [str(exc)])
         return None

@@ -169,32 +169,36 @@ class StageState:
         in it; returns the staging's path (``within``: as for :meth:`begin`)."""
         return await self._compute(functools.partial(export.begin_export, within=within), directory, self.job)
 
-    async def export_write(self, staging: str, file: str, plan: dict[str, Any] | None) -> dict[str, Any]:
-        """Writes this pipeline stage's weights, each tied tensor once, to ``staging/file``: from memory,
-        or (``plan``: the weights-only manifest of the tensor-parallel slices its ranks wrote into
-        ``staging``) read back whole. Returns the file's names and sizes for the index."""
+    async def export_write(self, staging: str, file: str, plan: dict[str, Any] | None,
+                           format: str = "safetensors") -> dict[str, Any]:
+        """Writes this pipeline stage's weights (as safetensors, each tied tensor once) to ``staging/file``:
+        from memory, or (``plan``: the weights-only manifest of the tensor-parallel slices its ranks
+        wrote into ``staging``) read back whole. Returns the file's names and sizes for the index."""
         checkpoint.check_staging(staging, job=self.job)
         built, io = self.built, self.executor.io
         manifest = checkpoint.Manifest.from_wire(plan) if plan is not None else None
 
         def write() -> dict[str, Any]:
-            names = list(export.unique_tensors(state_of(built.held, built.key), built.tied_primary))
+            names = list(state_of(built.held, built.key))
+            if format != "dcp":  # safetensors keep a tied tensor once; DCP keeps every name, as model.state_dict()
+                names = list(export.unique_tensors(state_of(built.held, built.key), built.tied_primary))
             if manifest is None:
                 state = state_of(built.held, built.key, io)
                 tensors = {name: state[name] for name in names}
             else:
                 tensors = {name: checkpoint.read_entry(staging, manifest.model[name], manifest.files, name)
                            for name in names}
-            return export.write_export(staging, file, tensors)
+            return export.write_export(staging, file, tensors, format)
 
         return await self._compute(write)
 
-    async def export_commit(self, directory: str, staging: str, written: list[dict[str, Any]]) -> str:
+    async def export_commit(self, directory: str, staging: str, written: list[dict[str, Any]],
+                            format: str = "safetensors") -> str:
         """As the coordinator: moves the stages' files into ``directory`` with the index and the model's
-        config (a traced transformers model's); returns ``directory``."""
+        config (a traced transformers model's), or DCP's merged metadata; returns ``directory``."""
         config = next((m.model_config for m in self.executor.model.modules.values()
                        if getattr(m, "model_config", None) is not None), None)
-        return await self._compute(export.commit_export, directory, staging, written, config)
+        return await self._compute(export.commit_export, directory, staging, written, config, format)
 
     async def manifest(self, directory: str, within: str | None = None) -> list[Any]:
         """As the coordinator: ``[version directory, manifest]`` of the checkpoint ``LATEST`` names

@@ -3,6 +3,7 @@ written stage by stage under the model's own names, each tied tensor once, with 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -109,3 +110,77 @@ async def test_one_stage_exports_one_file_and_a_directory_that_holds_something_i
         trained = await job.state_dict()
     assert os.listdir(directory) == ["model.safetensors"]
     assert read_directory(directory).keys() == trained.keys()
+
+
+# -- torch.distributed.checkpoint -----------------------------------------------------------------
+
+
+def dcp_save_sharded(state: dict[str, torch.Tensor], directory: Path) -> None:
+    """A DCP checkpoint as a sharded save leaves one: each tensor of two dims or more in two chunks
+    along dim 0 (as FSDP's), written by DCP's own writer with the chunks' offsets in its metadata."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
+    from torch.distributed.checkpoint.planner import WriteItem, WriteItemType, TensorWriteData
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.metadata import TensorProperties
+
+    class Chunked(DefaultSavePlanner):
+        """Saves every 2-d tensor as two chunks of rows (a rank's shards, as FSDP's)."""
+
+        def create_local_plan(self):  # type: ignore[no-untyped-def]
+            plan = super().create_local_plan()
+            items = []
+            for item in plan.items:
+                tensor = self.state_dict[item.index.fqn]
+                if item.type != WriteItemType.TENSOR or tensor.dim() < 2 or tensor.shape[0] < 2:
+                    items.append(item)
+                    continue
+                half = tensor.shape[0] // 2
+                for start, rows in ((0, half), (half, tensor.shape[0] - half)):
+                    offsets = torch.Size([start] + [0] * (tensor.dim() - 1))
+                    sizes = torch.Size([rows, *tensor.shape[1:]])
+                    items.append(WriteItem(index=MetadataIndex(item.index.fqn, offsets), type=WriteItemType.SHARD,
+                                           tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets, sizes),
+                                                                       properties=TensorProperties.create_from_tensor(tensor),
+                                                                       size=tensor.size())))
+            return dataclasses.replace(plan, items=items)
+
+        def resolve_data(self, write_item):  # type: ignore[no-untyped-def]
+            tensor = self.state_dict[write_item.index.fqn]
+            if write_item.type == WriteItemType.SHARD:
+                chunk = write_item.tensor_data.chunk
+                return tensor.narrow(0, chunk.offsets[0], chunk.sizes[0]).contiguous()
+            return super().resolve_data(write_item)
+
+    metadata = dcp.save(state, checkpoint_id=str(directory), planner=Chunked(), no_dist=True)
+    chunked = [m for m in metadata.state_dict_metadata.values()
+               if isinstance(m, TensorStorageMetadata) and len(m.chunks) == 2]
+    assert chunked, "the save was not sharded"
+
+
+@pytest.mark.asyncio(loop_scope="package")
+async def test_a_dcp_export_loads_with_dcp_and_a_sharded_dcp_checkpoint_loads_into_any_layout(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(11)
+    pretrained = residual_mlp(**MLP)
+    dcp_save_sharded(dict(pretrained.state_dict()), tmp_path / "sharded")
+    async with await cluster.train(model="examples.models:residual_mlp", model_kwargs=MLP, pipeline_stages=2,
+                                   tensor_parallel=2, micro_batches=2) as job:
+        assert await job.load(tmp_path / "sharded") == 0  # weights alone: the job's step stays
+        loaded = await job.state_dict()
+        generator = torch.Generator().manual_seed(3)
+        await job.step(torch.randn(4, 3, 16, generator=generator), torch.randn(4, 3, 16, generator=generator))
+        directory = Path(await job.export(tmp_path / "dcp", format="dcp"))
+        trained = await job.state_dict()
+    for key, value in pretrained.state_dict().items():
+        assert torch.equal(loaded[key], value), key
+    assert sorted(os.listdir(directory)) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    model = residual_mlp(**MLP)
+    state = model.state_dict()
+    dcp.load(state, checkpoint_id=str(directory), no_dist=True)  # torch's own reader, in one process
+    for key, value in state.items():
+        assert torch.equal(value, trained[key]), key
+
