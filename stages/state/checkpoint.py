@@ -516,7 +516,7 @@ def _point(directory: str, name: str) -> None:
 
 
 def read_manifest(directory: str, *, within: str | None = None) -> tuple[str, Manifest]:
-    """The version ``LATEST`` points at, and its manifest.
+    """The version ``LATEST`` points at (or ``directory`` itself, a version), and its manifest.
 
     Args:
         within: the subtree ``directory`` must stay in on this node (a client's), or None.
@@ -529,6 +529,9 @@ def read_manifest(directory: str, *, within: str | None = None) -> tuple[str, Ma
     if within is not None:
         check_within(directory, within)
     name = _pointer(directory)
+    if name is None and _VERSION.fullmatch(os.path.basename(directory)) and os.path.isfile(
+            os.path.join(directory, MANIFEST)):  # a version itself, as job.save returns it
+        directory, name = os.path.dirname(directory), os.path.basename(directory)
     if name is None and safetensors_files.present(directory):  # weights as Hugging Face keeps them
         return directory, safetensors_files.manifest(directory)
     if name is None and dcp_files.present(directory):  # weights as torch.distributed.checkpoint keeps them

@@ -479,3 +479,11 @@ def test_tensors_of_mixed_sizes_each_begin_at_a_multiple_of_their_own(tmp_path: 
         entry = ck.TensorEntry(shape=list(tensor.shape), dtype=ck.dtype_name(tensor.dtype), shard=None, parts=[parts[name]])
         size = (staging / "p0-t0.safetensors").stat().st_size
         assert torch.equal(ck.read_entry(str(staging), entry, {"p0-t0.safetensors": size}, name), tensor)
+
+
+def test_a_version_directory_loads_as_itself_not_as_a_directory_of_safetensors_weights(tmp_path: Path) -> None:
+    """What job.save returns is the version's path: loading it takes that version, optimizer state and all."""
+    version = save(str(tmp_path / "ckpt"), 7)  # beside its manifest: safetensors files and their index
+    found, manifest = ck.read_manifest(version)
+    assert found == version and manifest.source == ck.FORMAT and manifest.optimizer_state
+    assert load(version) == 7
