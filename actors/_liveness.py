@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from transport.security import Keypair, configure_client, configure_server
 
@@ -41,6 +42,9 @@ log = logging.getLogger(__name__)
 
 _POLL_MS = 100
 _HELLO = b"node"
+# A launched worker's head is gone when its liveness connection stays closed this long (libzmq
+# reconnects by itself across a blip; a head that exited or was killed never comes back).
+HEAD_GONE_S = 3.0
 
 
 class LivenessServer:
@@ -182,18 +186,21 @@ class LivenessClient:
         endpoint: the head's liveness endpoint.
         name: the node's name, which its first message says.
         keys, server_public: the worker's keypair and the head's public key (CURVE), or None.
+        on_head_gone: called once, from the thread, when the connection has stayed closed for
+            :data:`HEAD_GONE_S` (the head's process is gone); None: nothing is called.
     """
 
     def __init__(self, context: zmq.Context[Any], endpoint: str, name: str, keys: Keypair | None,
-                 server_public: bytes | None) -> None:
+                 server_public: bytes | None, on_head_gone: Callable[[], None] | None = None) -> None:
         self._socket: zmq.Socket[Any] = context.socket(zmq.PAIR)
         socket = self._socket
         if keys is not None and server_public is not None:
             configure_client(socket, keys, server_public)
         socket.setsockopt(zmq.LINGER, 0)
-        self._monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        self._monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         socket.connect(endpoint)
         self._name = name.encode()
+        self._on_head_gone = on_head_gone
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="liveness", daemon=True)
         self._thread.start()
@@ -209,12 +216,23 @@ class LivenessClient:
         poller = zmq.Poller()
         poller.register(self._monitor, zmq.POLLIN)
         poller.register(self._socket, zmq.POLLIN)
+        closed_at: float | None = None  # when the connection last closed, until it is made again
         while not self._stop.is_set():
             try:
                 ready = dict(poller.poll(_POLL_MS))
                 if self._monitor in ready:
-                    self._monitor.recv_multipart()
-                    self._socket.send(_HELLO + b" " + self._name, zmq.NOBLOCK)  # each (re)connection says who
+                    event = recv_monitor_message(self._monitor)["event"]
+                    if event == zmq.EVENT_DISCONNECTED:
+                        closed_at = closed_at if closed_at is not None else time.monotonic()
+                    else:
+                        closed_at = None
+                        self._socket.send(_HELLO + b" " + self._name, zmq.NOBLOCK)  # each (re)connection says who
+                if closed_at is not None and self._on_head_gone is not None and \
+                        time.monotonic() - closed_at > HEAD_GONE_S:
+                    log.warning("the head's connection closed %.0fs ago and was not made again: the head is gone",
+                                time.monotonic() - closed_at)
+                    self._on_head_gone()
+                    self._on_head_gone = None
                 if self._socket in ready:
                     self._socket.recv_multipart()  # the head sends nothing; drop what comes
             except zmq.ZMQError as exc:

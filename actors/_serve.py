@@ -9,6 +9,7 @@ import os
 import signal
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +70,9 @@ class WorkerConfig:
     # (a job's code that exits, crashes or hangs stays in its job: actors._processes); "thread":
     # in this process, as one job's node would (--isolation).
     isolation: str = "process"
+    # A launcher's rank (actors.launchers): the head goes with the script's rank 0, so the node stops
+    # once its liveness connection to the head has been closed for a few seconds, not after head_timeout.
+    exit_with_head: bool = False
 
 
 def _stop_on_signals() -> asyncio.Event:
@@ -203,7 +207,7 @@ async def serve_worker(config: WorkerConfig) -> None:
         if settings is None:
             return
         agent.head = head
-        liveness = _Liveness(runtime, config.name)
+        liveness = _Liveness(runtime, config.name, _stopper(stop) if config.exit_with_head else None)
         liveness.renew(settings)
         runtime.spawn_task(_heartbeat(head, config, agent, liveness, settings.interval, stop), name="heartbeat")
         try:
@@ -236,9 +240,10 @@ async def _register(
 class _Liveness:
     """The worker's liveness connection to the head (:mod:`actors._liveness`), made anew at each registration."""
 
-    def __init__(self, runtime: Any, name: str) -> None:
+    def __init__(self, runtime: Any, name: str, on_head_gone: Callable[[], None] | None = None) -> None:
         self._runtime = runtime
         self._name = name
+        self._on_head_gone = on_head_gone
         self._client: LivenessClient | None = None
 
     def renew(self, settings: HeartbeatSettings) -> None:
@@ -246,12 +251,23 @@ class _Liveness:
         if settings.liveness:
             endpoint, server_public = split_address(settings.liveness)
             self._client = LivenessClient(self._runtime.context, endpoint, self._name, self._runtime.keys,
-                                          server_public)
+                                          server_public, self._on_head_gone)
 
     def close(self) -> None:
         if self._client is not None:
             self._client.close()
             self._client = None
+
+
+def _stopper(stop: asyncio.Event) -> Callable[[], None]:
+    """Sets ``stop`` from another thread (the liveness client's), on the running loop."""
+    loop = asyncio.get_running_loop()
+
+    def gone() -> None:
+        log.warning("a launched node stops with its head")
+        loop.call_soon_threadsafe(stop.set)
+
+    return gone
 
 
 async def _heartbeat(

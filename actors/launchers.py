@@ -110,7 +110,7 @@ def serve_unless_rank_zero(node_args: Sequence[str] = ()) -> LaunchRole | None:
     process it stops at exit) and returns its role: the script goes on, connects with
     ``Cluster.connect()`` and drives. Every other rank becomes a worker node (this process is
     replaced by ``python -m actors.node`` with ``node_args``), serving until the head is gone
-    for ``--head-timeout`` seconds, then exiting cleanly. Outside a launcher it returns None
+    (its liveness connection to the head closed for a few seconds), then exiting cleanly. Outside a launcher it returns None
     and the script goes on as it is (a ``LocalCluster``, say).
 
     Raises:

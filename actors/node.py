@@ -104,6 +104,7 @@ def _from_launcher(args: argparse.Namespace) -> None:
         args.join = role.head_address
         args.bind = args.bind or f"tcp://{host}:0"
         args.name = args.name or f"rank{role.rank}"
+        args.exit_with_head = True  # the launcher's job ends when rank 0's script (and the head) does
 
 
 def _positive_int(text: str) -> int:
@@ -140,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
             join=args.join or "", join_file=args.join_file, name=name, device=args.device, bind=args.bind or "tcp://127.0.0.1:0",
             allow_remote=args.allow_remote, allow=DEFAULT_ALLOW + tuple(args.allow), head_timeout=args.head_timeout,
             keys=None if args.insecure else args.keys, identity=args.identity or "node",
-            max_message_bytes=args.max_message_bytes, isolation=args.isolation))
+            max_message_bytes=args.max_message_bytes, isolation=args.isolation,
+            exit_with_head=getattr(args, "exit_with_head", False)))
     try:
         run(serve)
     except KeyFileError as exc:  # keys it may not use (missing, or open to others): one line says what to fix

@@ -18,7 +18,7 @@ import torch
 from actors.launchers import serve_unless_rank_zero
 
 # Every rank: the node options (the factories this job names, how long a worker waits for the head).
-role = serve_unless_rank_zero(["--allow", "examples.models", "--head-timeout", "15", "--log-level", "WARNING"])
+role = serve_unless_rank_zero(["--allow", "examples.models", "--head-timeout", "60", "--log-level", "WARNING"])
 
 
 async def train(cluster: object) -> None:

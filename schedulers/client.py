@@ -387,6 +387,31 @@ class Job:
         with _checkpoint_errors():
             return await self._call(JobActor.save, None).call(*_as_sent(directory))
 
+    async def export(self, directory: str | os.PathLike[str], *, format: str = "safetensors") -> str:
+        """Writes the model's weights as a model directory that ``from_pretrained`` and
+        ``load_state_dict(strict=True)`` load: safetensors files under the model's own names
+        (one per pipeline stage, with Hugging Face's index), each tied tensor once, and the
+        model's ``config.json`` when it has one (a traced transformers model).
+
+        Every pipeline stage writes its own file (nothing passes through the head or this
+        driver, and no process holds the whole model); ``directory`` must be new or empty,
+        and is taken where :meth:`save` takes a checkpoint directory.
+
+        Args:
+            format: ``"safetensors"``, or ``"dcp"``: a ``torch.distributed.checkpoint``
+                directory of the weights (``dcp.load`` reads it at any world size, and
+                :meth:`load` loads one into any layout).
+
+        Returns:
+            The directory, as the nodes see it.
+
+        Raises:
+            NotAllowed: a client's ``directory`` outside its own subtree.
+            CheckpointError: ``directory`` is not empty, or a node cannot write there.
+        """
+        with _checkpoint_errors():
+            return await self._call(JobActor.export, None).call(*_as_sent(directory), format)
+
     async def load(self, directory: str | os.PathLike[str], *, weights_only: bool = False) -> int:
         """Loads the checkpoint :meth:`save` wrote to ``directory``, all or nothing.
 

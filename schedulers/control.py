@@ -280,6 +280,10 @@ class JobController:
         """Checkpoints the job into ``path`` (see :func:`schedulers.job_state.save`)."""
         return await job_state.save(self.core, path)
 
+    async def export(self, path: CheckpointPath, format: str = "safetensors") -> str:
+        """Writes the weights as a model directory (see :func:`schedulers.job_state.export`)."""
+        return await job_state.export(self.core, path, format)
+
     async def load(self, path: CheckpointPath, weights_only: bool = False) -> int:
         """Loads a checkpoint, all or nothing (see :func:`schedulers.job_state.load`)."""
         return await job_state.load(self.core, path, weights_only)

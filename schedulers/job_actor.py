@@ -191,6 +191,17 @@ class JobActor(Actor):
         return await job.save(self._checkpoint_path(directory, relative_to))
 
     @endpoint(concurrent=True, roles=("client",))
+    async def export(self, directory: str, relative_to: str | None = None, format: str = "safetensors") -> str:
+        """Writes the weights as a model directory ``from_pretrained`` loads, to ``directory`` (as
+        for :meth:`save`); its path.
+
+        Raises:
+            NotAllowed: another client's job, or a client's path outside its subtree.
+        """
+        job = self._controller()
+        return await job.export(self._checkpoint_path(directory, relative_to), str(format))
+
+    @endpoint(concurrent=True, roles=("client",))
     async def load(self, directory: str, weights_only: bool = False, relative_to: str | None = None) -> int:
         """Loads the checkpoint in ``directory`` (as for :meth:`save`), all or nothing; returns its step.
 

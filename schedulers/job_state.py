@@ -27,13 +27,14 @@ from stages import (
     ShardSpec,
     StageActor,
 )
-from stages.state.manifest import SAFETENSORS
+from stages.state.export import FORMATS, file_name
+from stages.state.manifest import DCP, SAFETENSORS
 from schedulers.checkpoint_paths import CheckpointPath
 from schedulers.job_core import JobCore
 from schedulers.stepping import key_order
 
 
-__all__ = ["apply_checkpoint", "load", "load_state_dict", "save", "state_dict"]
+__all__ = ["apply_checkpoint", "export", "load", "load_state_dict", "save", "state_dict"]
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +42,10 @@ CHECKPOINT_TIMEOUT_S = 900.0  # one stage's share of a save or load: gigabytes, 
 
 
 def _shard_file(mesh: Mesh, rank: int) -> str:
-    """The file a writer's tensors go to: named by its pipeline and tensor rank (``p1-t0.bin``), and
-    its data-parallel replica unless 0 (``p1-t0-d1.bin``: a ZeRO-1 optimizer shard)."""
+    """The file a writer's tensors go to: named by its pipeline and tensor rank (``p1-t0.safetensors``),
+    and its data-parallel replica unless 0 (``p1-t0-d1.safetensors``: a ZeRO-1 optimizer shard)."""
     c = mesh.coords(rank)
-    return f"p{c.pipeline}-t{c.tensor}{f'-d{c.data}' if c.data else ''}.bin"
+    return f"p{c.pipeline}-t{c.tensor}{f'-d{c.data}' if c.data else ''}.safetensors"
 
 
 def _reason(exc: BaseException) -> str:
@@ -146,6 +147,44 @@ async def save(job: JobCore, path: CheckpointPath) -> str:
     return str(version)
 
 
+async def export(job: JobCore, path: CheckpointPath, format: str = "safetensors") -> str:
+    """Writes the model's weights as a model directory ``from_pretrained`` loads, or (``format="dcp"``)
+    a ``torch.distributed.checkpoint`` directory (see :mod:`stages.state.export`); returns its path.
+
+    Each pipeline stage's first actor writes its own file, at once; with tensor
+    parallelism every rank first writes its slices into the export's staging directory
+    (weights only), which that actor then reads back whole: nothing passes through the
+    head, and no process holds more than one stage's weights.
+
+    Raises:
+        CheckpointError: a directory that is not new or empty, or a node that cannot write there.
+        ValueError: another format.
+    """
+    if format not in FORMATS:
+        raise ValueError(f"export writes {' or '.join(FORMATS)}, not {str(format)[:40]!r}")
+    directory = check_directory(path.directory)
+    mesh = job.mesh
+    first = [mesh.rank(Coords(0, p, 0)) for p in range(mesh.pipeline)]
+    async with job.operation():
+        [staging] = await _on_stages(job, [0], "export", lambda g: job.stages[g].endpoint(
+            StageActor.export_begin, timeout=CHECKPOINT_TIMEOUT_S).call(directory, path.within))
+        plans: dict[int, Any] = {}
+        if mesh.tensor > 1:
+            slices = [g for g in range(mesh.size) if mesh.coords(g).data == 0]
+            written = await _on_stages(job, slices, "export", lambda g: job.stages[g].endpoint(
+                StageActor.checkpoint_write, timeout=CHECKPOINT_TIMEOUT_S).call(staging, _shard_file(mesh, g), True))
+            files, model, _ = merge_written(written)
+            whole = Manifest(step=job.applied, optimizer="", files=files, model=model, optimizer_state={})
+            held = await _held_keys(job, aliases=False)
+            plans = {g: whole.restrict(held[mesh.coords(g).pipeline], weights_only=True).to_wire() for g in first}
+        stages = await _on_stages(job, first, "export", lambda g: job.stages[g].endpoint(
+            StageActor.export_write, timeout=CHECKPOINT_TIMEOUT_S).call(
+                staging, file_name(mesh.coords(g).pipeline, mesh.pipeline, format), plans.get(g), format))
+        [done] = await _on_stages(job, [0], "export", lambda g: job.stages[g].endpoint(
+            StageActor.export_commit, timeout=CHECKPOINT_TIMEOUT_S).call(directory, staging, stages, format))
+    return str(done)
+
+
 async def load(job: JobCore, path: CheckpointPath, weights_only: bool = False) -> int:
     """Loads the checkpoint in ``path.directory`` into every member, all or nothing; returns its step.
 
@@ -189,9 +228,9 @@ async def _apply(job: JobCore, path: CheckpointPath, weights_only: bool) -> tupl
     [found] = await _on_stages(job, [0], "load", lambda g: job.stages[g].endpoint(
         StageActor.checkpoint_manifest, timeout=CHECKPOINT_TIMEOUT_S).call(directory, path.within))
     version, manifest = str(found[0]), Manifest.from_wire(found[1])
-    weights_only = weights_only or manifest.source == SAFETENSORS
-    # Safetensors files may keep a tied tensor under one of its names: each holder gets it by any.
-    held = await _held_keys(job, aliases=manifest.source == SAFETENSORS)
+    weights_only = weights_only or manifest.source in (SAFETENSORS, DCP)
+    # Another tool's files may keep a tied tensor under one of its names: each holder gets it by any.
+    held = await _held_keys(job, aliases=manifest.source in (SAFETENSORS, DCP))
     problems = _unplaced(job, manifest, weights_only, held)
     plans = {g: manifest.restrict(held[job.mesh.coords(g).pipeline], weights_only=weights_only).to_wire()
              for g in range(job.mesh.size)}

@@ -536,9 +536,10 @@ class StageActor(Actor):
         return await self._parts().state.begin(directory, within)
 
     @endpoint(roles=("head",))
-    async def checkpoint_write(self, staging: str, file: str) -> dict[str, Any]:
-        """Writes this stage's tensors and optimizer state to ``staging/file``; returns their manifest items."""
-        return await self._parts().state.write(staging, file)
+    async def checkpoint_write(self, staging: str, file: str, weights_only: bool = False) -> dict[str, Any]:
+        """Writes this stage's tensors and optimizer state (or its weights alone) to ``staging/file``;
+        returns their manifest items."""
+        return await self._parts().state.write(staging, file, bool(weights_only))
 
     @endpoint(roles=("head",))
     async def checkpoint_commit(self, directory: str, staging: str, manifest: dict[str, Any]) -> str:
@@ -560,6 +561,23 @@ class StageActor(Actor):
     async def checkpoint_apply(self, weights_only: bool) -> None:
         """Load, phase two: copies what :meth:`checkpoint_check` prepared (step numbers go on rising)."""
         await self._parts().state.apply(weights_only)
+
+    @endpoint(roles=("head",))
+    async def export_begin(self, directory: str, within: str | None = None) -> str:
+        """As the coordinator: makes the export's directory (new or empty) and its staging directory."""
+        return await self._parts().state.export_begin(directory, within)
+
+    @endpoint(roles=("head",))
+    async def export_write(self, staging: str, file: str, plan: dict[str, Any] | None = None,
+                           format: str = "safetensors") -> dict[str, Any]:
+        """Writes this pipeline stage's weights under the model's own names to ``staging/file``."""
+        return await self._parts().state.export_write(staging, file, plan, str(format))
+
+    @endpoint(roles=("head",))
+    async def export_commit(self, directory: str, staging: str, written: list[dict[str, Any]],
+                            format: str = "safetensors") -> str:
+        """As the coordinator: completes the export (the files, the index, the config; or DCP's metadata)."""
+        return await self._parts().state.export_commit(directory, staging, written, str(format))
 
     @endpoint(roles=("head",))
     async def checkpoint_discard(self) -> None:

@@ -331,6 +331,18 @@ async def _checkpoint(session: Session, args: list[str]) -> None:
     _print(session, f"{args[0]}: checkpoint of step {info.steps} written to {version}")
 
 
+@command("export JOB DIR", "write the weights to DIR as a model directory from_pretrained loads",
+         args=("job", "path"), min_args=2)
+async def _export(session: Session, args: list[str]) -> None:
+    job = await session.job(args[0])
+    try:
+        with session.reporting():
+            directory = await job.export(args[1])
+    except OSError as exc:
+        raise CommandError(f"cannot write {args[1]}: {exc}") from None
+    _print(session, f"{args[0]}: model written to {directory}")
+
+
 @command("close JOB", "stop the job's stage actors", args=("job",), min_args=1)
 async def _close(session: Session, args: list[str]) -> None:
     job = await session.job(args[0])

@@ -7,6 +7,7 @@ never builds it, but asks a worker for per-layer sizes (:func:`layer_parameter_c
 from __future__ import annotations
 
 import contextlib
+import logging
 import regex
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -25,6 +26,8 @@ from stages.build.meta_init import materialize, meta_values, on_meta, parameters
 from stages.build.traced import TracedStage, trace_stages
 
 __all__ = ["Chain", "build_layers", "layer_parameter_counts", "layer_times", "model_layers"]
+
+log = logging.getLogger(__name__)
 
 
 class Chain(nn.Sequential):
@@ -110,6 +113,14 @@ def _traced_layers(built: Any, config: StageConfig, allow: Sequence[str]) -> lis
                           config.training.model)
     if len(stages) != config.bounds[-1][1]:
         raise ValueError(f"the job has {config.bounds[-1][1]} model stages but {len(stages)} came of the split")
+    described = getattr(getattr(built, "config", None), "to_json_string", None)  # a transformers model's config
+    try:
+        text = described() if callable(described) else None
+    except (TypeError, ValueError) as exc:  # a config that does not say itself in JSON: exports go without one
+        log.info("%s's config is not JSON (%s); an export writes no config.json", config.training.model, exc)
+        text = None
+    for stage in stages:
+        stage.model_config = text if isinstance(text, str) else None
     if meta:  # traced on the meta device: the held stages' parameters made real, their ops pointed back
         for s in config.stages:
             names = [name for name, _ in stages[s].module.named_parameters(remove_duplicate=False)]

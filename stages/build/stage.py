@@ -68,6 +68,8 @@ class BuiltStage:
     """Every held parameter under its whole-model name (a shared one under each of its names)."""
     aliases: Mapping[str, list[str]]
     """A tied tensor's name -> its other names in the model (a state dict may give it under any)."""
+    tied_primary: Mapping[str, str]
+    """A tied tensor's name -> the name the model gives it first (an export keeps that one)."""
     specs: Mapping[str, list[int]]
     """How tensor-parallel parameters are split: key -> ``[dim, world, num_fused]``."""
     tied: tied.TiedSync
@@ -161,10 +163,12 @@ def build_stage(config: StageConfig, allow: Sequence[str], device: torch.device,
     sync = tied.TiedSync(cfg.pipeline_rank, tied.tied_for_rank(layers, layer_rank.__getitem__, cfg.pipeline_rank,
                                                                held))
     aliases: dict[str, list[str]] = {}
+    primary: dict[str, str] = {}
     for names in tied.tied_groups(layers):
         shown = tied_names(names, key)
         for name in shown:
             aliases[name] = [other for other in shown if other != name]
+            primary[name] = shown[0]
     specs = {key(i, k): list(spec) for i, layer in held.items() for k, spec in tp_shard_specs(layer).items()}
     weight_grads = None
     if cfg.runtime.gradient_accumulation_fusion:
@@ -213,7 +217,8 @@ def build_stage(config: StageConfig, allow: Sequence[str], device: torch.device,
                        # Tensor-parallel layers wait for their peers inside an action, and a compiled layer
                        # may compile again (a new shape, evaluation's no_grad): on the thread, never the loop's.
                        inline_max_s=0.0 if mesh.tensor > 1 or compiled else INLINE_MAX_S)
-    return BuiltStage(model=model, held=held, key=key, named_parameters=named, aliases=aliases, specs=specs,
+    return BuiltStage(model=model, held=held, key=key, named_parameters=named, aliases=aliases, tied_primary=primary,
+                      specs=specs,
                       tied=sync, reduce_params=reduce_params, norm_params=norm_params, overlap=overlap,
                       gradient_shards=shards, data=data,
                       tensor_rank=me.tensor, data_rank=me.data)

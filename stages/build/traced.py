@@ -68,6 +68,8 @@ class TracedStage(nn.Module):
         self._placeholders = placeholders
         # Set by the stage for activation checkpointing: the graph module is one checkpoint.
         self.checkpoint_activations = False
+        # The traced model's config as JSON (a transformers model's ``config``), for an export; or None.
+        self.model_config: str | None = None
         # The first stage's: per placeholder (by value name), the dimensions its trace fixed, as (dim, size).
         self.fixed: dict[str, list[tuple[int, int]]] = {}
         if signature is not None:

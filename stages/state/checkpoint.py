@@ -5,9 +5,19 @@ A checkpoint directory ``DIR`` holds versions and a pointer to the complete one:
     DIR/LATEST                  "v000007": the newest complete version (replaced with os.replace, fsynced)
     DIR/v000007/manifest.json   every tensor: whole shape, dtype, tensor-parallel split, and each part's
                                 file, offset, size and crc32
-    DIR/v000007/p0-t0.bin       the raw bytes of one stage actor's tensors (pipeline rank 0, tensor rank 0),
-                                back to back: no pickle, every byte covered by a checksum
+    DIR/v000007/p0-t0.safetensors
+                                one stage actor's tensors (pipeline rank 0, tensor rank 0) as a safetensors
+                                file: a JSON header, then the raw bytes back to back; no pickle, every byte
+                                covered by a checksum in the manifest; weights under their keys, optimizer
+                                state under ``KEY/NAME`` (``3.fc1.weight/exp_avg``)
+    DIR/v000007/model.safetensors.index.json
+                                Hugging Face's index of the weights: each whole tensor's file (a
+                                tensor-parallel split one is under ``metadata.tensor_parallel``)
     DIR/.staging-job3-1f2e9a0c/ job3's save in progress, or one that was killed (job3's next save removes it)
+
+Shards written before they were safetensors files (``p0-t0.bin``, raw bytes alone) still
+load: the manifest says where each tensor lies either way. A load memory-maps each file
+(copy on write), so a tensor's bytes are read from the page cache once, into the model.
 
 A save makes a staging directory named by its job, lets every writer put its file
 there (fsynced), writes the manifest, renames the staging directory to the next free
@@ -46,8 +56,10 @@ import errno
 import fcntl
 import json
 import logging
+import mmap
 import os
 import re
+import math
 import secrets
 import shutil
 import zlib
@@ -57,8 +69,9 @@ from typing import Any
 import torch
 
 from stages.build.tensor_parallel import ShardSpec, gather_tensor
-from stages.state import safetensors_files
+from stages.state import dcp_files, safetensors_files
 from stages.state.manifest import (
+    DCP,
     DTYPES,
     FILE,
     FORMAT,
@@ -74,7 +87,7 @@ from stages.state.manifest import (
 
 __all__ = [
     "FORMAT", "CheckpointError", "Manifest", "TensorEntry", "TensorPart", "begin_version", "check_directory",
-    "check_staging", "check_version", "check_within", "commit_version", "dtype_name", "layer_of", "merge_written",
+    "check_staging", "check_version", "check_within", "commit_version", "dtype_name", "fsync_directory", "layer_of", "merge_written",
     "read_entry", "read_manifest", "write_tensors",
 ]
 
@@ -104,7 +117,7 @@ def _raw(tensor: torch.Tensor) -> Any:
     return tensor.reshape(-1).view(torch.uint8).numpy()
 
 
-def _fsync_directory(path: str) -> None:
+def fsync_directory(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -112,24 +125,34 @@ def _fsync_directory(path: str) -> None:
         os.close(fd)
 
 
-def write_tensors(path: str, tensors: Mapping[str, torch.Tensor]) -> tuple[int, dict[str, TensorPart]]:
-    """Writes ``tensors`` back to back into a new file at ``path`` and fsyncs it.
+def write_tensors(
+    path: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> tuple[int, dict[str, TensorPart]]:
+    """Writes ``tensors`` into a new safetensors file at ``path`` and fsyncs it.
+
+    The tensors go by falling element size (each then begins at a multiple of its own),
+    under their names in ``tensors``; ``metadata`` goes into the header's ``__metadata__``.
 
     Returns:
-        The file's size and each tensor's part (offset, size, shape, crc32).
+        The file's size and each tensor's part (offset in the file, size, shape, crc32).
 
     Raises:
-        CheckpointError: the file cannot be made (e.g. the directory is not on this node).
+        CheckpointError: the file cannot be made (e.g. the directory is not on this node), or
+            a dtype safetensors cannot name.
     """
     directory = os.path.dirname(path)
     if not os.path.isdir(directory):
         raise CheckpointError(f"cannot write {path}", [f"{directory} does not exist on this node; {_SHARED_FS}"])
+    host = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+    host = dict(sorted(host.items(), key=lambda kv: -kv[1].element_size()))  # stable: same sizes keep their order
+    start = safetensors_files.header(host, metadata)
     parts: dict[str, TensorPart] = {}
-    offset = 0
+    offset = len(start)
     try:
         with open(path, "xb") as f:
-            for key, tensor in tensors.items():
-                data = _raw(tensor.detach().to("cpu").contiguous())
+            f.write(start)
+            for key, tensor in host.items():
+                data = _raw(tensor)
                 f.write(data)
                 parts[key] = TensorPart(file=os.path.basename(path), offset=offset, nbytes=data.nbytes,
                                         shape=list(tensor.shape), crc32=zlib.crc32(data))
@@ -142,26 +165,45 @@ def write_tensors(path: str, tensors: Mapping[str, torch.Tensor]) -> tuple[int, 
     return offset, parts
 
 
+def _mapped(path: str, expected: int) -> mmap.mmap | None:
+    """``path`` memory-mapped copy-on-write (None when empty), once its size is the manifest's.
+
+    Raises:
+        CheckpointError: another size (a truncated or replaced file).
+        OSError: it cannot be opened or mapped.
+    """
+    with open_inside(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        if size != expected:
+            raise CheckpointError("bad checkpoint", [f"{path}: {size} bytes, the manifest says {expected} (truncated?)"])
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+
+
 def _read_part(version: str, part: TensorPart, dtype: torch.dtype, files: Mapping[str, int], label: str) -> torch.Tensor:
+    """One part's tensor, backed by the file's copy-on-write mapping when its offset is aligned for
+    ``dtype`` (a copy otherwise: an old shard's back-to-back bytes need not be)."""
     path = os.path.join(version, part.file)
     where = f"{path}, {label}"
-    tensor = torch.empty(part.shape, dtype=dtype)
-    raw = _raw(tensor)
-    if raw.nbytes != part.nbytes or part.file not in files:
+    numel = math.prod(part.shape)
+    if numel * dtype.itemsize != part.nbytes or part.file not in files:
         raise CheckpointError("bad checkpoint", [f"{where}: the manifest's size or file does not fit the entry"])
+    if part.offset + part.nbytes > files[part.file]:
+        raise CheckpointError("bad checkpoint", [f"{where}: only {max(files[part.file] - part.offset, 0)} of "
+                                                 f"{part.nbytes} bytes there"])
     try:
-        with open_inside(path) as f:
-            size = os.fstat(f.fileno()).st_size
-            if size != files[part.file]:
-                raise CheckpointError("bad checkpoint",
-                                      [f"{path}: {size} bytes, the manifest says {files[part.file]} (truncated?)"])
-            f.seek(part.offset)
-            got = f.readinto(raw)
+        mapped = _mapped(path, files[part.file])
     except OSError as exc:
         raise CheckpointError("bad checkpoint", [f"{where}: {exc}"]) from exc
-    if got != part.nbytes:
-        raise CheckpointError("bad checkpoint", [f"{where}: only {got} of {part.nbytes} bytes there"])
-    crc = zlib.crc32(raw) if part.crc32 is not None else None  # safetensors files have none
+    if mapped is None or numel == 0:
+        return torch.empty(part.shape, dtype=dtype)
+    raw = memoryview(mapped)[part.offset:part.offset + part.nbytes]
+    if part.offset % dtype.itemsize == 0:
+        tensor = torch.frombuffer(mapped, dtype=dtype, count=numel, offset=part.offset).view(part.shape)
+    else:
+        tensor = torch.empty(part.shape, dtype=dtype)
+        _raw(tensor)[:] = raw
+    crc = zlib.crc32(raw) if part.crc32 is not None else None  # a model directory's safetensors have none
+    raw.release()
     if crc != part.crc32:
         raise CheckpointError("bad checkpoint", [
             f"{where}: checksum mismatch (crc32 {crc:08x}, the manifest says {part.crc32:08x}): "
@@ -169,13 +211,17 @@ def _read_part(version: str, part: TensorPart, dtype: torch.dtype, files: Mappin
     return tensor
 
 
-def read_entry(version: str, entry: TensorEntry, files: Mapping[str, int], label: str) -> torch.Tensor:
-    """The whole tensor ``entry`` describes, every part's checksum verified.
+def read_entry(version: str, entry: TensorEntry, files: Mapping[str, int], label: str,
+               source: str = FORMAT) -> torch.Tensor:
+    """The whole tensor ``entry`` describes, every part's checksum verified (a DCP checkpoint's: its chunks
+    put together, :func:`stages.state.dcp_files.read_chunks`).
 
     Raises:
         CheckpointError: a missing or short file, a checksum mismatch, parts that do not
             make the recorded shape; the message names the file and the key.
     """
+    if source == DCP:
+        return dcp_files.read_chunks(version, entry, files, label)
     dtype = DTYPES[entry.dtype]
     parts = [_read_part(version, part, dtype, files, label) for part in entry.parts]
     whole = gather_tensor(parts, ShardSpec(*entry.shard)) if entry.shard is not None else parts[0]
@@ -199,7 +245,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 # --- the directory: versions and the pointer ------------------------------------------------------
 
 
-_NO_CHECKPOINT = (f"a checkpoint directory is one job.save wrote: {LATEST} and its versions; {_SHARED_FS}; "
+_NO_CHECKPOINT = (f"a checkpoint directory is one job.save wrote: {LATEST} and its versions (or a model directory's "
+                  f"safetensors weights, or a torch.distributed.checkpoint's .metadata and files); {_SHARED_FS}; "
                   "model.pt, the unversioned format of earlier actorpipe, loads with "
                   "torch.load(path, weights_only=True) and job.load_state_dict")
 
@@ -299,15 +346,15 @@ def begin_version(directory: str, job: str, *, within: str | None = None) -> str
                 shutil.rmtree(os.path.join(directory, name))
         staging = os.path.join(directory, f"{mine}{secrets.token_hex(4)}")
         os.mkdir(staging)
-        _fsync_directory(directory)
-        _fsync_directory(os.path.dirname(directory))
+        fsync_directory(directory)
+        fsync_directory(os.path.dirname(directory))
     except OSError as exc:
         raise CheckpointError(f"cannot write a checkpoint to {directory}", [str(exc)]) from exc
     _reached("staged")
     return staging
 
 
-def check_staging(staging: Any, name: str = "p0-t0.bin", *, job: str | None = None) -> str:
+def check_staging(staging: Any, name: str = "p0-t0.safetensors", *, job: str | None = None) -> str:
     """The path of shard file ``name`` in ``staging``, both checked (they come over the wire).
 
     Args:
@@ -333,7 +380,7 @@ def check_version(version: Any, source: str = FORMAT) -> str:
         CheckpointError: it does not.
     """
     check_directory(version)
-    if source == SAFETENSORS and safetensors_files.present(version):
+    if (source == SAFETENSORS and safetensors_files.present(version)) or (source == DCP and dcp_files.present(version)):
         return version
     if _VERSION.fullmatch(os.path.basename(version)) is None:
         raise CheckpointError(f"{version[:200]!r} is not a checkpoint version directory")
@@ -418,15 +465,16 @@ def commit_version(directory: str, staging: str, manifest: Manifest, job: str) -
         if not os.path.isfile(path) or os.path.getsize(path) != size:
             raise CheckpointError(f"the save to {directory} is incomplete", [f"{path} is missing or not {size} bytes"])
     try:
-        with open(os.path.join(staging, MANIFEST), "x") as f:
-            json.dump(manifest.to_wire(), f)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_directory(staging)
+        for name, content in ((safetensors_files.INDEX, _weights_index(manifest)), (MANIFEST, manifest.to_wire())):
+            with open(os.path.join(staging, name), "x") as f:
+                json.dump(content, f)
+                f.flush()
+                os.fsync(f.fileno())
+        fsync_directory(staging)
         _reached("manifest_written")
         with _exclusive(directory):
             version = _claim_version(directory, staging)
-            _fsync_directory(directory)
+            fsync_directory(directory)
             _reached("renamed")
             name = os.path.basename(version)
             _point(directory, name)
@@ -437,6 +485,17 @@ def commit_version(directory: str, staging: str, manifest: Manifest, job: str) -
     except OSError as exc:
         raise CheckpointError(f"cannot complete the save to {directory}", [str(exc)]) from exc
     return version
+
+
+def _weights_index(manifest: Manifest) -> dict[str, Any]:
+    """Hugging Face's index of a version's weights: each whole tensor's shard file; the parts of a
+    tensor-parallel split one are listed by file under ``metadata.tensor_parallel`` (no loader of
+    that index puts such a tensor together: load the checkpoint here, or export it)."""
+    whole = {key: entry.parts[0].file for key, entry in manifest.model.items() if entry.shard is None}
+    split = {key: [part.file for part in entry.parts] for key, entry in manifest.model.items() if entry.shard is not None}
+    size = sum(part.nbytes for entry in manifest.model.values() for part in entry.parts)
+    return safetensors_files.index(whole, size, {"format": FORMAT, "step": manifest.step,
+                                                 **({"tensor_parallel": split} if split else {})})
 
 
 def _point(directory: str, name: str) -> None:
@@ -452,12 +511,12 @@ def _point(directory: str, name: str) -> None:
         os.fsync(f.fileno())
     _reached("pointer_written")
     os.replace(pointer, os.path.join(directory, LATEST))
-    _fsync_directory(directory)
+    fsync_directory(directory)
     _reached("pointed")
 
 
 def read_manifest(directory: str, *, within: str | None = None) -> tuple[str, Manifest]:
-    """The version ``LATEST`` points at, and its manifest.
+    """The version ``LATEST`` points at (or ``directory`` itself, a version), and its manifest.
 
     Args:
         within: the subtree ``directory`` must stay in on this node (a client's), or None.
@@ -470,8 +529,13 @@ def read_manifest(directory: str, *, within: str | None = None) -> tuple[str, Ma
     if within is not None:
         check_within(directory, within)
     name = _pointer(directory)
+    if name is None and _VERSION.fullmatch(os.path.basename(directory)) and os.path.isfile(
+            os.path.join(directory, MANIFEST)):  # a version itself, as job.save returns it
+        directory, name = os.path.dirname(directory), os.path.basename(directory)
     if name is None and safetensors_files.present(directory):  # weights as Hugging Face keeps them
         return directory, safetensors_files.manifest(directory)
+    if name is None and dcp_files.present(directory):  # weights as torch.distributed.checkpoint keeps them
+        return directory, dcp_files.manifest(directory)
     if name is None:
         raise CheckpointError(f"no actorpipe checkpoint at {directory}", [_NO_CHECKPOINT])
     version = os.path.join(directory, name)

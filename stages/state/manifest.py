@@ -18,16 +18,24 @@ from typing import Any
 
 import torch
 
-__all__ = ["FORMAT", "SAFETENSORS", "SAFETENSORS_FILE", "CheckpointError", "Manifest", "TensorEntry", "TensorPart", "layer_of", "merge_written",
+__all__ = ["DCP", "DCP_FILE", "FORMAT", "SAFETENSORS", "SAFETENSORS_FILE", "CheckpointError", "Manifest", "TensorEntry", "TensorPart", "layer_of", "merge_written",
            "open_inside"]
 
 FORMAT = "actorpipe-checkpoint"
 FORMAT_VERSION = 1
-FILE = re.compile(r"p\d{1,6}-t\d{1,6}(-d\d{1,6})?\.bin")  # a shard file; -dN: replica N's ZeRO-1 optimizer shard
+# A shard file: pP-tT.safetensors (.bin: raw bytes, written before shards were safetensors files);
+# -dN: replica N's ZeRO-1 optimizer shard.
+FILE = re.compile(r"p\d{1,6}-t\d{1,6}(-d\d{1,6})?\.(safetensors|bin)")
 # Weights as Hugging Face and safetensors keep them (stages.state.safetensors_files): a manifest made
 # from the files' own headers, which carry no checksums, and no optimizer state.
 SAFETENSORS = "safetensors"
 SAFETENSORS_FILE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}\.safetensors")
+# A torch.distributed.checkpoint directory (stages.state.dcp_files): weights alone, each tensor in one
+# or more chunks, each chunk a torch.save blob in a .distcp file, read with weights_only=True.
+DCP = "dcp"
+DCP_FILE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}\.distcp")
+_FILES = {SAFETENSORS: SAFETENSORS_FILE, DCP: DCP_FILE}
+_MAX_CHUNKS = 1 << 16  # a DCP tensor's chunks (a sharded save: one per rank that held a piece)
 DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}  # the dtypes stored, by name
@@ -79,30 +87,36 @@ def _int_list(value: Any, what: str) -> list[int]:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TensorPart:
-    """Where one tensor-parallel rank's part of a tensor lies, and its checksum."""
+    """Where one tensor-parallel rank's part of a tensor lies, and its checksum; of a DCP checkpoint, one
+    chunk of a tensor and where in the whole tensor it begins (``at``)."""
 
     file: str
     offset: int
     nbytes: int
     shape: list[int]
-    crc32: int | None  # None: a safetensors file's tensor, which has none
+    crc32: int | None  # None: a safetensors or DCP file's tensor, which has none
+    at: list[int] | None = None  # a DCP chunk's offsets in the whole tensor
 
     def to_wire(self) -> dict[str, Any]:
         return {"file": self.file, "offset": self.offset, "nbytes": self.nbytes, "shape": self.shape,
-                "crc32": self.crc32}
+                "crc32": self.crc32, **({"at": self.at} if self.at is not None else {})}
 
     @classmethod
     def from_wire(cls, data: Any, what: str, source: str = FORMAT) -> TensorPart:
-        _expect(isinstance(data, dict) and set(data) == {"file", "offset", "nbytes", "shape", "crc32"},
-                f"{what}: a part needs exactly file, offset, nbytes, shape, crc32")
-        pattern = SAFETENSORS_FILE if source == SAFETENSORS else FILE
+        keys = {"file", "offset", "nbytes", "shape", "crc32"} | ({"at"} if source == DCP else set())
+        _expect(isinstance(data, dict) and set(data) == keys, f"{what}: a part needs exactly {', '.join(sorted(keys))}")
+        pattern = _FILES.get(source, FILE)
         _expect(isinstance(data["file"], str) and pattern.fullmatch(data["file"]) is not None,
-                f"{what}: file {str(data['file'])[:60]!r} is not a shard file name (pP-tT.bin or NAME.safetensors)")
+                f"{what}: file {str(data['file'])[:60]!r} is not a shard file name "
+                "(pP-tT.safetensors, NAME.safetensors or NAME.distcp)")
         crc = data["crc32"]
-        _expect(crc is not None or source == SAFETENSORS, f"{what}: crc32 is missing")
+        _expect(crc is not None or source != FORMAT, f"{what}: crc32 is missing")
         numbers = _int_list([data["offset"], data["nbytes"], 0 if crc is None else crc], f"{what} offset/nbytes/crc32")
-        return cls(file=data["file"], offset=numbers[0], nbytes=numbers[1], shape=_int_list(data["shape"], what),
-                   crc32=None if crc is None else numbers[2])
+        at = _int_list(data["at"], f"{what} at") if source == DCP else None
+        shape = _int_list(data["shape"], what)
+        _expect(at is None or len(at) == len(shape), f"{what}: a chunk's offsets and shape differ in rank")
+        return cls(file=data["file"], offset=numbers[0], nbytes=numbers[1], shape=shape,
+                   crc32=None if crc is None else numbers[2], at=at)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -126,7 +140,8 @@ class TensorEntry:
         shard = None if data["shard"] is None else _int_list(data["shard"], f"{what} shard")
         _expect(shard is None or (len(shard) == 3 and shard[1] >= 1 and shard[2] >= 1),
                 f"{what}: shard must be [dim, world, num_fused]")
-        _expect(isinstance(data["parts"], list) and len(data["parts"]) == (shard[1] if shard else 1),
+        _expect(isinstance(data["parts"], list) and (len(data["parts"]) == (shard[1] if shard else 1) or (
+            source == DCP and shard is None and 0 < len(data["parts"]) <= _MAX_CHUNKS)),
                 f"{what}: expected {shard[1] if shard else 1} part(s)")
         parts = [TensorPart.from_wire(p, what, source) for p in data["parts"]]
         return cls(shape=_int_list(data["shape"], what), dtype=data["dtype"], shard=shard, parts=parts)
@@ -166,11 +181,11 @@ class Manifest:
         Raises:
             CheckpointError: another format or version, or any malformed field.
         """
-        _expect(isinstance(data, dict) and data.get("format") in (FORMAT, SAFETENSORS), f"not an {FORMAT} manifest")
+        _expect(isinstance(data, dict) and data.get("format") in (FORMAT, SAFETENSORS, DCP), f"not an {FORMAT} manifest")
         source = data["format"]
         _expect(data.get("version") == FORMAT_VERSION,
                 f"format version {str(data.get('version'))[:20]}; this actorpipe reads {FORMAT_VERSION}")
-        pattern = SAFETENSORS_FILE if source == SAFETENSORS else FILE
+        pattern = _FILES.get(source, FILE)
         _expect(isinstance(data.get("files"), dict) and all(
             isinstance(k, str) and pattern.fullmatch(k) and type(v) is int and v >= 0 for k, v in data["files"].items()),
             "files: expected a map of shard file name to size")
@@ -182,7 +197,7 @@ class Manifest:
         _expect(schedule is None or (isinstance(schedule, dict) and set(schedule) == {"path", "state"}
                                      and isinstance(schedule["path"], str) and isinstance(schedule["state"], dict)),
                 "lr_scheduler: expected null or a map of path and state")
-        _expect(source == FORMAT or not (state or schedule), "a safetensors manifest holds weights only")
+        _expect(source == FORMAT or not (state or schedule), f"a {source} manifest holds weights only")
         return cls(
             step=data["step"], optimizer=data["optimizer"], files=dict(data["files"]),
             model={str(k): TensorEntry.from_wire(e, str(k)[:80], source) for k, e in model.items()},

@@ -23,7 +23,10 @@ import json
 import math
 import os
 import struct
+from collections.abc import Mapping
 from typing import Any
+
+import torch
 
 from stages.state.manifest import (
     DTYPES,
@@ -36,7 +39,7 @@ from stages.state.manifest import (
     open_inside,
 )
 
-__all__ = ["INDEX", "MAX_HEADER_BYTES", "SINGLE", "manifest", "present"]
+__all__ = ["INDEX", "MAX_HEADER_BYTES", "SINGLE", "TAGS", "header", "index", "manifest", "present"]
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -45,6 +48,37 @@ _MAX_INDEX_BYTES = 64 << 20
 # safetensors' dtype names -> the manifest's (torch's, without "torch.").
 _DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "C64": "complex64",
            "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+TAGS = {name: tag for tag, name in _DTYPES.items()}  # the manifest's dtype names -> safetensors' own
+
+
+def header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> bytes:
+    """The start of a safetensors file that holds ``tensors`` back to back in their order: the
+    header's length and the header, padded with spaces so the data begins 8-byte aligned.
+
+    ``__metadata__`` says ``"format": "pt"`` (what Hugging Face's loaders ask of a file), and
+    ``metadata`` besides. Callers order tensors by falling element size, so that every tensor
+    begins at a multiple of its own (a memory-mapped load then needs no copy to align it).
+
+    Raises:
+        CheckpointError: a dtype safetensors has no name for (complex128).
+    """
+    described: dict[str, Any] = {"__metadata__": {"format": "pt", **(metadata or {})}}
+    offset = 0
+    for name, tensor in tensors.items():
+        tag = TAGS.get(str(tensor.dtype).removeprefix("torch."))
+        if tag is None:
+            raise CheckpointError(f"cannot write {name} as safetensors", [f"safetensors has no {tensor.dtype}"])
+        nbytes = tensor.numel() * tensor.element_size()
+        described[name] = {"dtype": tag, "shape": list(tensor.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(described, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def index(weight_map: Mapping[str, str], total_size: int, metadata: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """A ``model.safetensors.index.json`` as Hugging Face writes it: each tensor's file, and the weights' bytes."""
+    return {"metadata": {"total_size": total_size, **(metadata or {})}, "weight_map": dict(weight_map)}
 
 
 def present(directory: str) -> bool:

@@ -58,7 +58,7 @@ def _state_spec(value: torch.Tensor, param: nn.Parameter, spec: ShardSpec | None
 def write_stage(
     staging: str, file: str, held: Mapping[int, nn.Module], optimizer: torch.optim.Optimizer,
     specs: Mapping[str, ShardSpec], tp_rank: int, key: Key = layer_key, *, model: bool = True,
-    scheduler: LRScheduler | None = None, io: DeviceIO | None = None,
+    optimizer_state: bool = True, scheduler: LRScheduler | None = None, io: DeviceIO | None = None,
 ) -> dict[str, Any]:
     """Writes this stage's tensors to ``staging/file``; returns what the manifest needs of them
     (and, under ``lr_scheduler``, the schedule's state or None).
@@ -66,6 +66,7 @@ def write_stage(
     Args:
         model: write the held layers' state too; without it, the optimizer state alone
             (a data-parallel replica other than 0 with ZeRO-1: its shard's).
+        optimizer_state: write the optimizer's state (and the schedule's); without it, the weights alone.
         io: the stage's device copies: from a GPU, every tensor moves to the CPU once, in
             pinned chunks, before anything is written.
 
@@ -77,7 +78,7 @@ def write_stage(
     items: list[tuple[str, str | None, torch.Tensor, ShardSpec | None]] = [
         (key(i, name), None, value, specs.get(key(i, name)))
         for i, layer in held.items() for name, value in layer.state_dict().items() if model]
-    for whole, param in _named_parameters(held, key).items():
+    for whole, param in _named_parameters(held, key).items() if optimizer_state else ():
         for name, value in checkpoint_state(optimizer, param).items():
             if value is None:
                 continue
@@ -87,12 +88,13 @@ def write_stage(
             items.append((whole, name, value, _state_spec(value, param, specs.get(whole))))
     mine = [item for item in items if item[3] is not None or tp_rank == 0]  # replicated: rank 0 writes
     host = copy_to_cpu([value for _, _, value, _ in mine], io)
-    size, parts = write_tensors(path, {str(n): value for n, value in enumerate(host)})
+    names = [key if name is None else f"{key}/{name}" for key, name, _, _ in mine]  # exp_avg: 3.fc1.weight/exp_avg
+    size, parts = write_tensors(path, dict(zip(names, host)))
     tensors = [{"key": key, "state": name, "shape": _whole_shape(value.shape, spec), "dtype": dtype_name(value.dtype),
                 "shard": list(spec) if spec is not None else None, "rank": tp_rank,
-                "part": parts[str(n)].to_wire()}
-               for n, (key, name, value, spec) in enumerate(mine)]
-    schedule = _lr_scheduler.scheduler_state(scheduler) if scheduler is not None else None
+                "part": parts[stored].to_wire()}
+               for stored, (key, name, value, spec) in zip(names, mine)]
+    schedule = _lr_scheduler.scheduler_state(scheduler) if scheduler is not None and optimizer_state else None
     return {"file": file, "bytes": size, "tensors": tensors, "lr_scheduler": schedule}
 
 
@@ -120,7 +122,7 @@ def _local(
         problems.extend(wrong)
         return None
     try:
-        whole = read_entry(version, entry, plan.files, label)
+        whole = read_entry(version, entry, plan.files, label, plan.source)
     except CheckpointError as exc:
         problems.extend(exc.problems or [str(exc)])
         return None

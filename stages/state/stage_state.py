@@ -21,7 +21,7 @@ from stages.build.stage import BuiltStage, Key
 from stages.comm import zero
 from stages.comm.device_io import DeviceIO
 from stages.compute.executor import StepExecutor
-from stages.state import checkpoint, snapshots
+from stages.state import checkpoint, export, snapshots
 from stages.state.snapshots import SnapshotShelf
 from stages.state.stage_checkpoint import PreparedLoad, apply_load, prepare_load, write_stage
 
@@ -145,14 +145,15 @@ class StageState:
         """
         return await self._compute(functools.partial(checkpoint.begin_version, within=within), directory, self.job)
 
-    async def write(self, staging: str, file: str) -> dict[str, Any]:
-        """Writes this stage's tensors and optimizer state to ``staging/file`` (a staging directory of
-        this stage's job); returns their manifest items."""
+    async def write(self, staging: str, file: str, weights_only: bool = False) -> dict[str, Any]:
+        """Writes this stage's tensors and optimizer state (``weights_only``: its weights alone) to
+        ``staging/file`` (a staging directory of this stage's job); returns their manifest items."""
         checkpoint.check_staging(staging, file, job=self.job)
         built, model = self.built, self.executor.model
         # Replica 0 writes the weights; with ZeRO-1 every replica writes its shard's optimizer state.
         write = functools.partial(write_stage, key=built.key, model=built.data_rank == 0,
-                                  scheduler=model.lr_scheduler, io=self.executor.io)
+                                  optimizer_state=not weights_only, scheduler=model.lr_scheduler,
+                                  io=self.executor.io)
         return await self._compute(write, staging, file, built.held, model.optimizer, built.shard_spec_map(),
                                    built.tensor_rank)
 
@@ -160,6 +161,44 @@ class StageState:
         """As the coordinator: completes the save; returns the version."""
         return await self._compute(checkpoint.commit_version, directory, staging,
                                    checkpoint.Manifest.from_wire(manifest), self.job)
+
+    # -- exports (the format: stages.state.export) -------------------------------------
+
+    async def export_begin(self, directory: str, within: str | None = None) -> str:
+        """As the coordinator: makes ``directory`` (new or empty) and the export's staging directory
+        in it; returns the staging's path (``within``: as for :meth:`begin`)."""
+        return await self._compute(functools.partial(export.begin_export, within=within), directory, self.job)
+
+    async def export_write(self, staging: str, file: str, plan: dict[str, Any] | None,
+                           format: str = "safetensors") -> dict[str, Any]:
+        """Writes this pipeline stage's weights (as safetensors, each tied tensor once) to ``staging/file``:
+        from memory, or (``plan``: the weights-only manifest of the tensor-parallel slices its ranks
+        wrote into ``staging``) read back whole. Returns the file's names and sizes for the index."""
+        checkpoint.check_staging(staging, job=self.job)
+        built, io = self.built, self.executor.io
+        manifest = checkpoint.Manifest.from_wire(plan) if plan is not None else None
+
+        def write() -> dict[str, Any]:
+            names = list(state_of(built.held, built.key))
+            if format != "dcp":  # safetensors keep a tied tensor once; DCP keeps every name, as model.state_dict()
+                names = list(export.unique_tensors(state_of(built.held, built.key), built.tied_primary))
+            if manifest is None:
+                state = state_of(built.held, built.key, io)
+                tensors = {name: state[name] for name in names}
+            else:
+                tensors = {name: checkpoint.read_entry(staging, manifest.model[name], manifest.files, name)
+                           for name in names}
+            return export.write_export(staging, file, tensors, format)
+
+        return await self._compute(write)
+
+    async def export_commit(self, directory: str, staging: str, written: list[dict[str, Any]],
+                            format: str = "safetensors") -> str:
+        """As the coordinator: moves the stages' files into ``directory`` with the index and the model's
+        config (a traced transformers model's), or DCP's merged metadata; returns ``directory``."""
+        config = next((m.model_config for m in self.executor.model.modules.values()
+                       if getattr(m, "model_config", None) is not None), None)
+        return await self._compute(export.commit_export, directory, staging, written, config, format)
 
     async def manifest(self, directory: str, within: str | None = None) -> list[Any]:
         """As the coordinator: ``[version directory, manifest]`` of the checkpoint ``LATEST`` names

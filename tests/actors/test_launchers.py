@@ -140,3 +140,6 @@ def test_one_script_on_every_torchrun_rank_drives_on_rank_zero_and_serves_elsewh
     assert launcher.returncode == 0, stderr[-3000:]
     steps = [line for line in stdout.splitlines() if line.startswith("step ")]
     assert [line.split(" loss ")[0] for line in steps] == [f"step {k}" for k in range(5)], stdout[-2000:]
+    # Ranks 1 and 2 stopped because the head's connection closed, not after --head-timeout of silence.
+    assert stderr.count("a launched node stops with its head") == 2, stderr[-3000:]
+    assert "head unreachable" not in stderr

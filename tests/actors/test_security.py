@@ -223,9 +223,9 @@ async def test_a_jobs_save_leaves_another_jobs_staging_directory_alone(cluster: 
             # The first job's next save, in progress: its staging directory, half written.
             staging = Path(root, "alice", "shared", f".staging-{first.id}-0000beef")
             staging.mkdir()
-            (staging / "p0-t0.bin").write_bytes(b"half")
+            (staging / "p0-t0.safetensors").write_bytes(b"half")
             assert await second.save("shared") == f"{root}/alice/shared/v000002"
-            assert (staging / "p0-t0.bin").read_bytes() == b"half"  # the other job's save goes on
+            assert (staging / "p0-t0.safetensors").read_bytes() == b"half"  # the other job's save goes on
             assert await first.save("shared") == f"{root}/alice/shared/v000003"  # and clears its own leftover
             assert sorted(os.listdir(Path(root, "alice", "shared"))) == ["LATEST", "v000003"]
         finally:

@@ -59,7 +59,8 @@ async def test_training_after_save_and_load_equals_training_without_the_interrup
         state_a = await job.state_dict()
     assert version == str(directory / "v000001")
     assert sorted(os.listdir(directory)) == ["LATEST", "v000001"]
-    assert sorted(os.listdir(version)) == ["manifest.json", "p0-t0.bin", "p1-t0.bin"]
+    assert sorted(os.listdir(version)) == ["manifest.json", "model.safetensors.index.json", "p0-t0.safetensors",
+                                           "p1-t0.safetensors"]
     manifest = json.loads((Path(version) / "manifest.json").read_text())
     assert manifest["step"] == 2 and manifest["optimizer"] == optimizer[0]
     assert sorted(manifest["optimizer_state"]["3.fc1.weight"]) == ["exp_avg", "exp_avg_sq", "step"]
@@ -82,7 +83,7 @@ async def test_a_new_save_replaces_the_old_one_and_clears_its_jobs_killed_saves_
     async with await cluster.train(**MLP, pipeline_stages=2, micro_batches=2) as job:
         await job.save(directory)
         (directory / f".staging-{job.id}-deadbeef").mkdir()  # as a killed save of this job leaves it
-        (directory / f".staging-{job.id}-deadbeef" / "p0-t0.bin").write_bytes(b"half")
+        (directory / f".staging-{job.id}-deadbeef" / "p0-t0.safetensors").write_bytes(b"half")
         (directory / ".staging-job999-0000cafe").mkdir()  # another job's save in progress: not this one's to remove
         await train(job, batches(1))
         assert await job.save(directory) == str(directory / "v000002")
@@ -106,17 +107,18 @@ async def test_a_flipped_byte_anywhere_is_named_by_file_and_key_and_nothing_load
         version = Path(await job.save(directory))
         manifest = json.loads((version / "manifest.json").read_text())
         parts = [(label, part) for label, part in _parts(manifest)]
-        size = (version / "p1-t0.bin").stat().st_size
+        size = (version / "p1-t0.safetensors").stat().st_size
         await train(job, batches(1, seed=4))
         before = await job.state_dict()
-        for offset in (0, size // 3, size - 1):  # the first, a middle and the last byte
-            label = next(label for label, part in parts
-                         if part["file"] == "p1-t0.bin" and part["offset"] <= offset < part["offset"] + part["nbytes"])
-            _flip(version / "p1-t0.bin", offset)
+        start = min(part["offset"] for _, part in parts if part["file"] == "p1-t0.safetensors")  # after the header
+        for offset in (start, (start + size) // 2, size - 1):  # the first, a middle and the last byte of data
+            label = next(label for label, part in parts if part["file"] == "p1-t0.safetensors"
+                         and part["offset"] <= offset < part["offset"] + part["nbytes"])
+            _flip(version / "p1-t0.safetensors", offset)
             with pytest.raises(CheckpointError, match="checksum mismatch") as info:
                 await job.load(directory)
-            _flip(version / "p1-t0.bin", offset)  # back as it was
-            assert f"p1-t0.bin, {label}: checksum mismatch" in str(info.value)
+            _flip(version / "p1-t0.safetensors", offset)  # back as it was
+            assert f"p1-t0.safetensors, {label}: checksum mismatch" in str(info.value)
             assert len(info.value.problems) == 1
             assert_same(await job.state_dict(), before)
         await job.load(directory)  # undamaged again: it loads
@@ -226,13 +228,17 @@ async def test_a_checkpoint_loads_into_another_layout(cluster: Cluster, tmp_path
 async def test_a_tensor_parallel_checkpoint_loads_into_a_pipeline(cluster: Cluster, tmp_path: Path) -> None:
     version = await resume_in_another_layout(cluster, tmp_path / "ckpt", ("torch.optim:AdamW", {"lr": 0.01}),
                                              {"tensor_parallel": 2}, {"pipeline_stages": 2})
-    assert sorted(os.listdir(version)) == ["manifest.json", "p0-t0.bin", "p0-t1.bin"]
+    assert sorted(os.listdir(version)) == ["manifest.json", "model.safetensors.index.json", "p0-t0.safetensors",
+                                           "p0-t1.safetensors"]
     manifest = json.loads((version / "manifest.json").read_text())
     fc1 = manifest["model"]["0.fc1.weight"]
     assert fc1["shape"] == [32, 16] and fc1["shard"] == [0, 2, 1] and [p["file"] for p in fc1["parts"]] == \
-        ["p0-t0.bin", "p0-t1.bin"]
+        ["p0-t0.safetensors", "p0-t1.safetensors"]
     assert manifest["optimizer_state"]["0.fc1.weight"]["exp_avg"]["shard"] == [0, 2, 1]
     assert manifest["model"]["0.norm.weight"]["shard"] is None  # replicated: written once, by tensor rank 0
+    index = json.loads((version / "model.safetensors.index.json").read_text())
+    assert index["weight_map"]["0.norm.weight"] == "p0-t0.safetensors" and "0.fc1.weight" not in index["weight_map"]
+    assert index["metadata"]["tensor_parallel"]["0.fc1.weight"] == ["p0-t0.safetensors", "p0-t1.safetensors"]
 
 
 async def test_weights_only_keeps_the_optimizer_and_allows_another_one(cluster: Cluster, tmp_path: Path) -> None:
@@ -310,7 +316,9 @@ async def test_a_model_over_the_message_limit_checkpoints_and_loads_without_one_
         with pytest.raises(RemoteError, match=r"--max-message-bytes N on the head and every worker.*job\.save"):
             await job.state_dict()  # one stage's share does not fit in one message
         first = Path(await job.save(tmp_path / "a"))
-        assert sorted((first / f).stat().st_size for f in ("p0-t0.bin", "p1-t0.bin")) == [LIMIT, LIMIT]
+        index = json.loads((first / "model.safetensors.index.json").read_text())
+        assert index["metadata"]["total_size"] == 2 * LIMIT and set(index["weight_map"].values()) == {
+            "p0-t0.safetensors", "p1-t0.safetensors"}
         gen = torch.Generator().manual_seed(0)
         await job.step(torch.randn(2, 64, generator=gen), torch.randn(2, 64, generator=gen))
         second = Path(await job.save(tmp_path / "b"))

@@ -245,6 +245,7 @@ def test_a_session_at_the_prompt(head_address: str, tmp_path: Path) -> None:
         [written] = term.command(f"checkpoint {job} ckpt",
                                  r"checkpoint of step \d+ written to (/\S+/client/ckpt)/v000001")
         checkpoint = Path(written.group(1))
+        [exported] = term.command(f"export {job} model", rf"{job}: model written to (/\S+/client/model)")
         term.command(f"close {job}", rf"{job}: closed")
         term.child.sendline("quit")
         term.child.expect(pexpect.EOF, timeout=30)
@@ -256,6 +257,8 @@ def test_a_session_at_the_prompt(head_address: str, tmp_path: Path) -> None:
     _check_trace(json.loads(trace_path.read_text()), schedule="gpipe")
     _check_png(png_path)
     assert (checkpoint / "LATEST").read_text() == "v000001\n" and (checkpoint / "v000001" / "manifest.json").is_file()
+    assert sorted(os.listdir(exported.group(1))) == ["model-00001-of-00002.safetensors",
+                                                     "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
 
 
 def _check_trace(trace: dict[str, Any], *, schedule: str) -> None:
@@ -514,7 +517,7 @@ def test_an_unclosed_quote_is_refused() -> None:
 
 
 @pytest.mark.parametrize(("typed", "expected"), [
-    ("", ["checkpoint", "close", "eval", "exit", "help", "jobs", "nodes", "pause", "plot", "quit", "resume", "run",
+    ("", ["checkpoint", "close", "eval", "exit", "export", "help", "jobs", "nodes", "pause", "plot", "quit", "resume", "run",
           "schedule", "set", "status", "stop", "submit", "trace", "wait"]),
     ("sch", ["schedule"]),
     ("run job", ["job0", "job12"]),

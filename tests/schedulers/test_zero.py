@@ -133,12 +133,13 @@ async def test_a_zero1_checkpoint_resumes_exactly_in_any_layout(cluster: Cluster
         await train(job, then)
         state_a = await job.state_dict()
     # Replica 0 writes the weights; each replica its shard's moments: every parameter's once.
-    assert sorted(os.listdir(version)) == ["manifest.json", "p0-t0-d1.bin", "p0-t0.bin", "p1-t0-d1.bin", "p1-t0.bin"]
+    assert sorted(os.listdir(version)) == ["manifest.json", "model.safetensors.index.json", "p0-t0-d1.safetensors",
+                                           "p0-t0.safetensors", "p1-t0-d1.safetensors", "p1-t0.safetensors"]
     manifest = json.loads((version / "manifest.json").read_text())
     assert set(manifest["optimizer_state"]) == set(manifest["model"])
     files = {part["file"] for states in manifest["optimizer_state"].values() for entry in states.values()
              for part in entry["parts"]}
-    assert files == {"p0-t0.bin", "p0-t0-d1.bin", "p1-t0.bin", "p1-t0-d1.bin"}
+    assert files == {"p0-t0.safetensors", "p0-t0-d1.safetensors", "p1-t0.safetensors", "p1-t0-d1.safetensors"}
 
     async with await start(cluster, MLP, **{**loading, "seed": 9}) as job:
         assert await job.load(directory) == len(first)
@@ -174,7 +175,8 @@ async def test_a_tensor_parallel_zero1_checkpoint_loads_into_a_pipeline(cluster:
         version = Path(await job.save(directory))
         await train(job, then)
         state_a = await job.state_dict()
-    assert sorted(os.listdir(version)) == ["manifest.json", "p0-t0-d1.bin", "p0-t0.bin", "p0-t1-d1.bin", "p0-t1.bin"]
+    assert sorted(os.listdir(version)) == ["manifest.json", "model.safetensors.index.json", "p0-t0-d1.safetensors",
+                                           "p0-t0.safetensors", "p0-t1-d1.safetensors", "p0-t1.safetensors"]
     manifest = json.loads((version / "manifest.json").read_text())
     assert set(manifest["optimizer_state"]) == set(manifest["model"])
     async with await start(cluster, MLP, zero_stage=1, seed=9) as job:

@@ -54,7 +54,7 @@ def write(staging: str, value: int) -> ck.Manifest:
     written = []
     for i, layer in stages(float(value)).items():
         opt = optimizer_of({i: layer}, float(value))
-        written.append(write_stage(staging, f"p{i}-t0.bin", {i: layer}, opt, {}, 0))
+        written.append(write_stage(staging, f"p{i}-t0.safetensors", {i: layer}, opt, {}, 0))
     files, model, state = ck.merge_written(written)
     return ck.Manifest(step=value, optimizer="torch.optim:SGD", files=files, model=model, optimizer_state=state)
 
@@ -343,7 +343,7 @@ def test_directories_must_be_absolute_and_normalized(path: object) -> None:
 
 def test_a_staging_directory_this_node_cannot_see_names_the_shared_filesystem(tmp_path: Path) -> None:
     with pytest.raises(ck.CheckpointError, match="must be on a filesystem every node mounts"):
-        ck.write_tensors(str(tmp_path / ".staging-v000001-abcd" / "p0-t0.bin"), {"0.weight": torch.zeros(2)})
+        ck.write_tensors(str(tmp_path / ".staging-v000001-abcd" / "p0-t0.safetensors"), {"0.weight": torch.zeros(2)})
 
 
 def test_an_error_rebuilt_from_its_message_keeps_its_problems() -> None:
@@ -368,7 +368,7 @@ def save_scheduled(directory: str) -> tuple[torch.optim.Optimizer, LRScheduler]:
         opt.step()
         scheduler.step()
     staging = ck.begin_version(directory, "job0")
-    answer = write_stage(staging, "p0-t0.bin", layers, opt, {}, 0, scheduler=scheduler)
+    answer = write_stage(staging, "p0-t0.safetensors", layers, opt, {}, 0, scheduler=scheduler)
     files, model, state = ck.merge_written([answer])
     schedule = {"path": STEP_LR, "state": answer["lr_scheduler"]}
     ck.commit_version(directory, staging, ck.Manifest(step=3, optimizer="torch.optim:SGD", files=files, model=model,
@@ -427,3 +427,63 @@ def test_a_schedule_state_of_another_kind_is_a_problem_before_anything_is_applie
     _, problems = prepare_load(version, manifest.restrict(held_keys(layers), weights_only=False), layers, {}, 0,
                                scheduler=other)
     assert any("'step_size' is not part of ExponentialLR's state" in p for p in problems), problems
+
+
+# -- the files are safetensors; older raw shards still load ------------------------------------------
+
+BEFORE = Path(__file__).parent / "data" / "before_safetensors"  # written by the raw-.bin writer, value 5
+
+
+def test_a_checkpoint_written_before_shards_were_safetensors_still_loads() -> None:
+    assert sorted(os.listdir(BEFORE / "v000001")) == ["manifest.json", "p0-t0.bin", "p1-t0.bin"]
+    assert load(str(BEFORE)) == 5
+
+
+def test_every_shard_is_a_safetensors_file_that_safetensors_reads_with_an_index_beside_it(tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    version = Path(save(str(tmp_path / "ckpt"), 3))
+    assert sorted(os.listdir(version)) == ["manifest.json", "model.safetensors.index.json",
+                                           "p0-t0.safetensors", "p1-t0.safetensors"]
+    for i in range(2):
+        with safe_open(str(version / f"p{i}-t0.safetensors"), framework="pt") as f:
+            assert f.metadata() == {"format": "pt"}
+            assert set(f.keys()) == {f"{i}.weight", f"{i}.bias", f"{i}.weight/momentum_buffer", f"{i}.bias/momentum_buffer"}
+            assert all(torch.equal(f.get_tensor(k), torch.full_like(f.get_tensor(k), 3.0)) for k in f.keys())
+    index = json.loads((version / "model.safetensors.index.json").read_text())
+    assert index["weight_map"] == {f"{i}.{n}": f"p{i}-t0.safetensors" for i in range(2) for n in ("weight", "bias")}
+    assert index["metadata"]["total_size"] == 2 * (32 * 32 + 32) * 4 and index["metadata"]["step"] == 3
+
+
+def test_a_load_maps_the_files_copy_on_write_so_training_on_never_changes_the_checkpoint(tmp_path: Path) -> None:
+    directory = str(tmp_path / "ckpt")
+    save(directory, 4)
+    version, manifest = ck.read_manifest(directory)
+    layers = stages(-1.0)
+    opt = optimizer_of(layers, -1.0)
+    prepared, problems = prepare_load(version, manifest.restrict(held_keys(layers), weights_only=False), layers, {}, 0)
+    assert problems == []
+    apply_load(prepared, layers, opt, weights_only=False)
+    for state in opt.state.values():  # the optimizer's state is the loaded tensors themselves: change them in place
+        state["momentum_buffer"].mul_(10)
+    assert load(directory) == 4
+
+
+def test_tensors_of_mixed_sizes_each_begin_at_a_multiple_of_their_own(tmp_path: Path) -> None:
+    staging = Path(ck.begin_version(str(tmp_path / "ckpt"), "job0"))
+    tensors = {"a": torch.ones(3, dtype=torch.float16), "b": torch.arange(5, dtype=torch.int64),
+               "c": torch.ones(3, dtype=torch.bool), "d": torch.full((7,), 2.0)}
+    _, parts = ck.write_tensors(str(staging / "p0-t0.safetensors"), tensors)
+    for name, tensor in tensors.items():
+        assert parts[name].offset % tensor.element_size() == 0
+        entry = ck.TensorEntry(shape=list(tensor.shape), dtype=ck.dtype_name(tensor.dtype), shard=None, parts=[parts[name]])
+        size = (staging / "p0-t0.safetensors").stat().st_size
+        assert torch.equal(ck.read_entry(str(staging), entry, {"p0-t0.safetensors": size}, name), tensor)
+
+
+def test_a_version_directory_loads_as_itself_not_as_a_directory_of_safetensors_weights(tmp_path: Path) -> None:
+    """What job.save returns is the version's path: loading it takes that version, optimizer state and all."""
+    version = save(str(tmp_path / "ckpt"), 7)  # beside its manifest: safetensors files and their index
+    found, manifest = ck.read_manifest(version)
+    assert found == version and manifest.source == ck.FORMAT and manifest.optimizer_state
+    assert load(version) == 7
