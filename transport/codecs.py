@@ -308,15 +308,15 @@ class _BlockCodec(Codec):
     exists only during the computation (the torch path copies the input when numel %
     block != 0). Inputs are quantized in float32. NaN or inf in a block makes that
     block's decoded values garbage (NaN or inf mostly), never an exception. Codecs with
-    `native_bits` run the C kernels of transport/_native on CPU when they load.
+    `native_kernel` run the C kernels of transport/_native on CPU when they load.
     """
 
     lossy = True
     dtypes = _FLOAT_DTYPES
     qmax: ClassVar[float]
     even_block: ClassVar[bool] = False
-    # The width of the C kernel in transport/_native that matches the torch path.
-    native_bits: ClassVar[int | None] = None
+    # The C kernels in transport/_native that match the torch path ("int8", "int4", "fp8").
+    native_kernel: ClassVar[str | None] = None
 
     def __init__(self, *, block: int = 256) -> None:
         """Use blocks of `block` elements (1..2**20; int4: even).
@@ -354,8 +354,8 @@ class _BlockCodec(Codec):
         flat = tensor.detach().to(torch.float32, memory_format=torch.contiguous_format).reshape(-1)
         kernels = self._kernels(flat.device.type)
         if kernels is not None:
-            assert self.native_bits is not None
-            values, scale = kernels.encode(flat, bits=self.native_bits, block=self.block,
+            assert self.native_kernel is not None
+            values, scale = kernels.encode(flat, kind=self.native_kernel, block=self.block,
                                            floor=_TINY, ceil=self._scale_ceiling())
         else:
             values, scale = self._encode_torch(flat)
@@ -364,7 +364,7 @@ class _BlockCodec(Codec):
 
     def _kernels(self, device_type: str) -> _native.BlockQuantKernels | None:
         """The C kernels when this codec has them and the device is the CPU, else None."""
-        if self.native_bits is None or device_type != "cpu":
+        if self.native_kernel is None or device_type != "cpu":
             return None
         return _native.blockquant()
 
@@ -394,8 +394,8 @@ class _BlockCodec(Codec):
         numel = math.prod(encoded.shape)
         kernels = self._kernels(scale.device.type)
         if kernels is not None:
-            assert self.native_bits is not None
-            flat = kernels.decode(encoded.frames[0], scale, bits=self.native_bits, numel=numel,
+            assert self.native_kernel is not None
+            flat = kernels.decode(encoded.frames[0], scale, kind=self.native_kernel, numel=numel,
                                   block=block)
         else:
             flat = self._decode_torch(encoded.frames[0], scale, block)[:numel]
@@ -471,7 +471,7 @@ class Int8Codec(_BlockCodec):
 
     name = "int8"
     qmax = 127.0
-    native_bits = 8
+    native_kernel = "int8"
 
     def _encode_values(self, scaled: torch.Tensor) -> torch.Tensor:
         return _round_to_int8(scaled, 127)
@@ -489,6 +489,7 @@ class Fp8Codec(_BlockCodec):
 
     name = "fp8"
     qmax = 448.0
+    native_kernel = "fp8"
 
     def _encode_values(self, scaled: torch.Tensor) -> torch.Tensor:
         return scaled.to(torch.float8_e4m3fn).reshape(-1).view(torch.uint8)
@@ -515,7 +516,7 @@ class Int4Codec(_BlockCodec):
     name = "int4"
     qmax = 7.0
     even_block = True
-    native_bits = 4
+    native_kernel = "int4"
 
     def _values_nbytes(self, numel: int) -> int:
         return (numel + 1) // 2

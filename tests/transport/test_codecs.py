@@ -494,11 +494,11 @@ def test_error_feedback_with_lossless_codec_just_encodes() -> None:
 # --- C kernels (transport/_native) ----------------------------------------------------
 
 
-NATIVE_CODECS = ("int8", "int4")
-NATIVE_BLOCKS = {"int8": (1, 7, 256), "int4": (2, 6, 256)}
+NATIVE_CODECS = ("int8", "int4", "fp8")
+NATIVE_BLOCKS = {"int8": (1, 7, 256), "int4": (2, 6, 256), "fp8": (1, 7, 256)}
 HAS_COMPILER = bool(os.environ.get("CC")) or any(shutil.which(c) for c in ("cc", "gcc", "clang"))
 requires_native = pytest.mark.skipif(
-    _native.blockquant() is None, reason="no C kernels: int8 and int4 run their torch path"
+    _native.blockquant() is None, reason="no C kernels: int8, int4 and fp8 run their torch path"
 )
 
 
@@ -518,7 +518,7 @@ def assert_same_encoding(native: Encoded, reference: Encoded) -> None:
     assert torch.equal(nan, ref_scales.view(torch.float32).isnan())
     assert torch.equal(scales.view(torch.int32)[~nan], ref_scales.view(torch.int32)[~nan])
     block = int(native.params["block"])
-    bytes_per_block = block if native.codec == "int8" else block // 2
+    bytes_per_block = block // 2 if native.codec == "int4" else block
     keep = (~nan).repeat_interleave(bytes_per_block)[: values.numel()]
     assert torch.equal(values[keep], ref_values[keep])
 
@@ -550,6 +550,20 @@ def near_ties(qmax: int) -> torch.Tensor:
     return torch.tensor([3.0 * qmax] + [3 * (k + 0.5) for k in range(-qmax, qmax)])
 
 
+def e4m3_values() -> torch.Tensor:
+    """Every finite float8 e4m3 value, in byte order (448 among them: a block's scale is then 1)."""
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    return every[every.isfinite()]
+
+
+def e4m3_ties() -> torch.Tensor:
+    """448, then the midpoint of every two neighbouring e4m3 values (each a tie to round to even),
+    subnormals included, and points just past them."""
+    ordered = e4m3_values().unique()
+    mid = (ordered[1:] + ordered[:-1]) / 2
+    return torch.cat([torch.tensor([448.0]), mid, torch.nextafter(mid, torch.tensor(1e9)), torch.tensor([460.0])])
+
+
 NATIVE_INPUTS = {
     "empty": lambda: torch.empty(0),
     "one": lambda: torch.tensor([0.3]),
@@ -562,6 +576,8 @@ NATIVE_INPUTS = {
     "int4_ties": lambda: (torch.arange(-14, 15).float() / 2).repeat(20),
     "int8_near_ties": lambda: near_ties(127),
     "int4_near_ties": lambda: near_ties(7).repeat(17),
+    "fp8_every_value": e4m3_values,
+    "fp8_ties": e4m3_ties,
     "tiny_and_huge": lambda: torch.tensor([1e-40, -3e-39, 0.0, -0.0] * 64 + [3.4e38, -1.0] * 128),
     "zeros": lambda: torch.zeros(600),
     "nan_and_inf": lambda: with_specials(4 * 256 + 3),
@@ -596,13 +612,25 @@ def test_native_frames_match_the_torch_path(codec: str, block: int, case: str) -
 
 
 @requires_native
-def test_native_frames_match_the_torch_path_at_benchmark_size() -> None:
+@pytest.mark.parametrize("codec", NATIVE_CODECS)
+def test_native_frames_match_the_torch_path_at_benchmark_size(codec: str) -> None:
     x = torch.randn(1 << 22)
-    native = encode(x, "int8")
+    native = encode(x, codec)
     with torch_path():
-        reference = encode(x, "int8")
+        reference = encode(x, codec)
     assert all(torch.equal(a, b) for a, b in zip(native.frames, reference.frames))
     assert_same_decoding(native)
+
+
+@requires_native
+def test_native_fp8_encodes_every_e4m3_value_as_itself_and_decodes_every_byte_as_the_torch_path() -> None:
+    values = e4m3_values()  # absmax 448: the scale is exactly 1
+    encoded = encode(values, "fp8")
+    assert torch.equal(encoded.frames[0].view(torch.float8_e4m3fn).float(), values)
+    every_byte = Encoded(codec="fp8", dtype=torch.float32, shape=(256,), params={"block": 256},
+                         frames=(torch.arange(256, dtype=torch.int32).to(torch.uint8),
+                                 torch.tensor([0.5]).view(torch.uint8)))
+    assert_same_decoding(every_byte)  # the NaN bytes too, which a corrupt frame alone holds
 
 
 @pytest.mark.parametrize("cc", ["/nonexistent/cc", "false"])

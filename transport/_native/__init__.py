@@ -2,7 +2,7 @@
 
 Run their tests with: `.venv/bin/python -m pytest -q tests/transport/test_codecs.py`
 
-`blockquant()` returns the kernels of `blockquant.c` (int8 and int4, float32 on CPU),
+`blockquant()` returns the kernels of `blockquant.c` (int8, int4 and fp8, float32 on CPU),
 or None, after which the codecs keep their torch path. The first call in a process
 compiles the source with the C compiler (`$CC`, else `cc`, `gcc` or `clang`; about a
 second) into `$ACTORPIPE_CACHE_DIR`, default `~/.cache/actorpipe`, under a
@@ -29,7 +29,9 @@ from typing import IO
 
 import torch
 
-__all__ = ["BlockQuantKernels", "blockquant"]
+__all__ = ["KINDS", "BlockQuantKernels", "blockquant"]
+
+KINDS = ("int8", "int4", "fp8")  # the codecs with kernels here
 
 _log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("blockquant.c")
@@ -57,40 +59,44 @@ class BlockQuantKernels:
     _functions: dict[str, Callable[..., None]]
 
     def encode(
-        self, flat: torch.Tensor, *, bits: int, block: int, floor: float, ceil: float
+        self, flat: torch.Tensor, *, kind: str, block: int, floor: float, ceil: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Quantize a 1-D contiguous float32 CPU tensor to int8 (bits=8) or int4 (bits=4).
+        """Quantize a 1-D contiguous float32 CPU tensor to ``kind``: ``int8``, ``int4`` or ``fp8`` (e4m3).
 
         Returns:
             The values frame (uint8: numel bytes, or int4's (numel + 1) // 2) and the
             float32 scales, one per block, both freshly allocated.
         """
         assert flat.dtype == torch.float32 and flat.device.type == "cpu"
-        assert flat.dim() == 1 and flat.is_contiguous() and block % (8 // bits) == 0
+        assert flat.dim() == 1 and flat.is_contiguous() and (kind != "int4" or block % 2 == 0)
         numel = flat.numel()
-        values = torch.empty(numel if bits == 8 else (numel + 1) // 2, dtype=torch.uint8)
+        values = torch.empty(_values_bytes(kind, numel), dtype=torch.uint8)
         scales = torch.empty(-(-numel // block), dtype=torch.float32)
         if numel:
-            self._functions[f"encode_int{bits}"](
+            self._functions[f"encode_{kind}"](
                 flat.data_ptr(), numel, block, floor, ceil, values.data_ptr(), scales.data_ptr()
             )
         return values, scales
 
     def decode(
-        self, values: torch.Tensor, scales: torch.Tensor, *, bits: int, numel: int, block: int
+        self, values: torch.Tensor, scales: torch.Tensor, *, kind: str, numel: int, block: int
     ) -> torch.Tensor:
         """Dequantize frames `encode` made (sizes already checked) to float32 [numel]."""
         assert values.dtype == torch.uint8 and scales.dtype == torch.float32
         assert values.is_contiguous() and scales.is_contiguous()
-        assert values.numel() == (numel if bits == 8 else (numel + 1) // 2)
+        assert values.numel() == _values_bytes(kind, numel)
         assert scales.numel() == -(-numel // block)
         out = torch.empty(numel, dtype=torch.float32)
         if numel:
-            self._functions[f"decode_int{bits}"](
+            self._functions[f"decode_{kind}"](
                 values.data_ptr(), scales.data_ptr(), numel, block, out.data_ptr(),
                 numel * 4 >= STREAM_MIN_BYTES,
             )
         return out
+
+
+def _values_bytes(kind: str, numel: int) -> int:
+    return (numel + 1) // 2 if kind == "int4" else numel
 
 
 _lock = threading.Lock()
@@ -112,14 +118,14 @@ def _load() -> BlockQuantKernels | None:
         return None
     compiler = _find_compiler()
     if compiler is None:
-        _log.warning("no C compiler found ($CC, cc, gcc, clang): the int8 and int4 codecs "
+        _log.warning("no C compiler found ($CC, cc, gcc, clang): the int8, int4 and fp8 codecs "
                      "use their slower torch path; install gcc to speed them up")
         return None
     try:
         path = _build(compiler)
         return _bind(ctypes.CDLL(str(path)), path)
     except (OSError, subprocess.SubprocessError, AttributeError) as error:
-        _log.warning("building %s failed, so the int8 and int4 codecs use their slower "
+        _log.warning("building %s failed, so the int8, int4 and fp8 codecs use their slower "
                      "torch path: %s", _SOURCE.name, error)
         return None
 
@@ -189,8 +195,8 @@ def _bind(library: ctypes.CDLL, path: Path) -> BlockQuantKernels:
     encode_args = [pointer, i64, i64, f32, f32, pointer, pointer]
     decode_args = [pointer, pointer, i64, i64, pointer, ctypes.c_int32]
     functions = {}
-    for name, args in (("encode_int8", encode_args), ("decode_int8", decode_args),
-                       ("encode_int4", encode_args), ("decode_int4", decode_args)):
+    for name, args in ((f"{way}_{kind}", encode_args if way == "encode" else decode_args)
+                       for kind in KINDS for way in ("encode", "decode")):
         function = getattr(library, f"actorpipe_{name}")
         function.argtypes, function.restype = args, None
         functions[name] = function

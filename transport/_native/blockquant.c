@@ -1,4 +1,4 @@
-/* Block-wise symmetric int8 and int4 kernels for transport/codecs.py.
+/* Block-wise symmetric int8, int4 and float8 (e4m3) kernels for transport/codecs.py.
  *
  * transport/_native/__init__.py compiles this file on first use and calls it through
  * ctypes. The functions write the bytes of the codec's torch path (blocks holding NaN
@@ -165,6 +165,48 @@ void actorpipe_encode_int4(const float *restrict x, int64_t numel, int64_t block
     }
 }
 
+/* The e4m3fn byte of a scaled value (float8_e4m3fn: bias 7, 3 mantissa bits, no inf,
+ * S.1111.111 NaN), rounded half to even as torch's CPU cast rounds, which saturates:
+ * magnitudes from 448 (the largest finite value) up, inf included, give 448, and NaN gives
+ * NaN; below 2**-6 the subnormals, multiples of 2**-9. */
+static inline uint8_t to_e4m3(float v) {
+    uint32_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    uint32_t sign = (bits >> 24) & 0x80u;
+    uint32_t magnitude = bits & 0x7fffffffu;
+    float absolute;
+    memcpy(&absolute, &magnitude, sizeof absolute);
+    /* Subnormal: rint(|v| * 2**9), 0..8 (8 is 2**-6, the smallest normal's byte). */
+    uint32_t small = (uint32_t)round_small(absolute * 512.0f);
+    /* Normal: the mantissa rounded to 3 bits, half to even, then the exponent rebiased. */
+    uint32_t rounded = magnitude + 0x7ffffu + ((magnitude >> 20) & 1u);
+    uint32_t normal = ((rounded >> 20) - ((127u - 7u) << 3)) & 0x7fu;
+    uint32_t byte = magnitude < 0x3c800000u ? small : normal;  /* 2**-6 */
+    byte = magnitude >= 0x43e00000u ? 0x7eu : byte;  /* 448.0f and up, inf too */
+    byte = magnitude > 0x7f800000u ? 0x7fu : byte;  /* NaN */
+    return (uint8_t)(sign | byte);
+}
+
+/* values: numel e4m3fn bytes of x / scale, scale = absmax / 448; scales: one per block. */
+VECTOR_CLONES
+void actorpipe_encode_fp8(const float *restrict x, int64_t numel, int64_t block, float floor_,
+                          float ceil_, uint8_t *restrict values, float *restrict scales) {
+    int64_t num_blocks = (numel + block - 1) / block;
+    uint32_t max_bits[GROUP];
+    float inv[GROUP];
+    for (int64_t first = 0; first < num_blocks; first += GROUP) {
+        int64_t count = num_blocks - first < GROUP ? num_blocks - first : GROUP;
+        group_scales(x, numel, block, first, count, 448.0f, floor_, ceil_, max_bits, scales, inv);
+        for (int64_t k = 0; k < count; k++) {
+            const float *restrict xb = x + (first + k) * block;
+            uint8_t *restrict vb = values + (first + k) * block;
+            int64_t n = block_length(numel, block, first + k);
+            float scale_inv = inv[k];
+            for (int64_t i = 0; i < n; i++) vb[i] = to_e4m3(xb[i] * scale_inv);
+        }
+    }
+}
+
 #ifdef HAVE_STREAMING_STORES
 /* Copies of n floats with non-temporal stores, one per vector width: writing an output
  * larger than the caches then skips reading each line first. 16-byte stores measured
@@ -235,6 +277,48 @@ static inline void dequantize_int4(const uint8_t *restrict p, float scale, int64
         out[2 * j + 1] = (float)((p[j] >> 4) - 8) * scale;
     }
     if (n % 2) out[n - 1] = (float)((p[num_pairs] & 0x0f) - 8) * scale;
+}
+
+/* 2**-8 times the value of an e4m3fn byte, exactly (the codec's torch path reads the byte
+ * as that float16 and multiplies by scale * 256, so this does the same, and any frame, a
+ * corrupt one's huge scale too, decodes to the same floats); a NaN byte, which only a
+ * corrupt frame holds, reads as 480 * 2**-8, as there. */
+static inline float from_e4m3_over_256(uint8_t byte) {
+    uint32_t sign = (uint32_t)(byte & 0x80u) << 24;
+    uint32_t exponent = (byte >> 3) & 0x0fu;
+    uint32_t mantissa = byte & 0x07u;
+    uint32_t normal_bits = sign | ((exponent + 112u) << 23) | (mantissa << 20);
+    float normal, subnormal = (float)mantissa * 7.62939453125e-06f;  /* 2**-17 */
+    memcpy(&normal, &normal_bits, sizeof normal);
+    return exponent ? normal : (byte & 0x80u ? -subnormal : subnormal);
+}
+
+static inline void dequantize_fp8(const uint8_t *restrict v, float scale, int64_t n,
+                                  float *restrict out) {
+    float scale_256 = scale * 256.0f;
+    for (int64_t i = 0; i < n; i++) out[i] = from_e4m3_over_256(v[i]) * scale_256;
+}
+
+VECTOR_CLONES
+void actorpipe_decode_fp8(const uint8_t *restrict values, const float *restrict scales,
+                          int64_t numel, int64_t block, float *restrict out, int32_t stream) {
+    int64_t num_blocks = (numel + block - 1) / block;
+    float staged[STAGE] __attribute__((aligned(64)));
+    for (int64_t b = 0; b < num_blocks; b++) {
+        const uint8_t *restrict vb = values + b * block;
+        float *restrict ob = out + b * block;
+        int64_t n = block_length(numel, block, b);
+        if (!stream) {
+            dequantize_fp8(vb, scales[b], n, ob);
+            continue;
+        }
+        for (int64_t start = 0; start < n; start += STAGE) {
+            int64_t m = n - start < STAGE ? n - start : STAGE;
+            dequantize_fp8(vb + start, scales[b], m, staged);
+            store_streaming(ob + start, staged, m);
+        }
+    }
+    if (stream) finish_streaming();
 }
 
 VECTOR_CLONES

@@ -1,0 +1,14 @@
+"""benchmarks.transport's codec measurement, small: every codec is timed beside a memory copy of the same bytes."""
+
+from __future__ import annotations
+
+from benchmarks.transport import measure_codecs, measure_memcpy
+from transport.codecs import CODEC_NAMES
+
+
+def test_every_codec_is_measured_with_its_size_ratio_and_a_memory_copy_beside_it() -> None:
+    copy = measure_memcpy(numel=1 << 14, repeats=2)
+    codecs = measure_codecs(numel=1 << 14, repeats=2)
+    assert copy > 0 and set(codecs) == set(CODEC_NAMES)
+    assert all(gbps > 0 for gbps, _ in codecs.values())
+    assert codecs["none"][1] == 1.0 and abs(codecs["int8"][1] - (1 + 4 / 256) / 4) < 1e-6
