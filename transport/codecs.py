@@ -215,6 +215,12 @@ class Codec(ABC):
                 raise CodecError(f"{self.name}: frame {index}: {frame.numel()} bytes, not {size}")
         return self._decode(encoded)
 
+    def decode_checked(self, encoded: Encoded) -> torch.Tensor:
+        """`decode` for frames its caller made and checked against `frame_sizes` itself: 1-D
+        contiguous uint8 tensors on one device, this codec's, each of its size (the wire
+        does, for every tensor of a message, before it builds the first). No check again."""
+        return self._decode(encoded)
+
     @abstractmethod
     def _decode(self, encoded: Encoded) -> torch.Tensor:
         """Decode frames that `decode` has already checked against `frame_sizes`."""

@@ -578,7 +578,7 @@ def _rebuild_tensors(table: list[Any], frames: list[memoryview], *, max_bytes: i
         encoded = Encoded(codec=codec_name, dtype=dtype, shape=shape, params=params,
                           frames=tuple(_uint8_tensor(buf) for buf in mine))
         try:
-            tensors.append(codec.decode(encoded))
+            tensors.append(codec.decode_checked(encoded))  # every size was checked above
         except Exception as exc:  # frame_sizes vetted the row; stay typed regardless
             raise WireError(f"tensor {index}: cannot decode: {type(exc).__name__}: {_clip(exc)}") from None
     return tensors
