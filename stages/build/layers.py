@@ -216,7 +216,10 @@ def layer_times(model: str, model_kwargs: dict[str, Any], allow: Sequence[str], 
     For ``partition_method="profile"``: the model is built as a stage builds it, the
     sample comes from the job's own data factory, and each layer runs on the previous
     layer's output, once to warm up and then ``repeats`` times; the fastest run counts
-    (noise on a shared machine only ever adds time).
+    (noise on a shared machine only ever adds time). The time is the CPU time this process
+    spends (all its threads), not the wall clock's: on a busy machine the wall clock also
+    counts the time other processes had the cores, which fell on some layers and not
+    others and moved the split (a layer that waits without computing costs nothing here).
     """
     layers = _one_real_at_a_time(load_object(model, allow), model_kwargs, model, seed)
     if data is not None:
@@ -232,11 +235,11 @@ def layer_times(model: str, model_kwargs: dict[str, Any], allow: Sequence[str], 
         sample = x.detach().requires_grad_(index > 0 and x.is_floating_point())
         runs = []
         for _ in range(repeats + 1):
-            started = time.perf_counter()
+            started = time.process_time()
             out = layer(sample)
             if out.requires_grad:
                 out.backward(torch.ones_like(out))
-            runs.append(time.perf_counter() - started)
+            runs.append(time.process_time() - started)
         layer.zero_grad(set_to_none=True)
         times.append(max(1, round(min(runs[1:]) * 1e6)))
         with torch.no_grad():

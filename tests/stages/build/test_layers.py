@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -63,3 +65,34 @@ def test_profiling_makes_one_layer_real_at_a_time() -> None:
                         ["tests.stages.build"], None, {}, 1, 0, repeats=1, example=torch.randn(2, 8))
     assert len(times) == 4 and all(t >= 1 for t in times)
     assert _Counting.seen and set(_Counting.seen) == {8 * 8 + 8}  # one layer's, whichever runs
+
+
+class _Waits(nn.Module):
+    """Takes 30 ms of the wall clock and almost none of the CPU: as a layer seems when another
+    process has the core while it computes."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.03)
+        return x * 1.0
+
+
+class _Computes(nn.Module):
+    """Matrix products: CPU time, a few milliseconds of it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = torch.ones(96, 96)
+        for _ in range(40):
+            m = m @ m * 1e-2
+        return x + m.sum() * 0
+
+
+def waits_then_computes() -> nn.Sequential:
+    return nn.Sequential(_Waits(), _Computes())
+
+
+def test_profiling_counts_the_cpu_a_layer_spends_not_the_wall_clock_a_busy_machine_stretches() -> None:
+    from stages.build.layers import layer_times
+
+    waits, computes = layer_times("tests.stages.build.test_layers:waits_then_computes", {},
+                                  ["tests.stages.build"], None, {}, 1, 0, repeats=2, example=torch.randn(2, 8))
+    assert waits < computes  # by the wall clock the sleeping layer would be the slow one (30 ms)
