@@ -119,6 +119,7 @@ async def test_a_client_cannot_act_on_another_clients_job(cluster: Cluster) -> N
                             forged.endpoint(JobActor.step).call(*batch()), forged.endpoint(JobActor.run).call(1),
                             forged.endpoint(JobActor.evaluate).call(*batch(), True),
                             forged.endpoint(JobActor.save).call("run"), forged.endpoint(JobActor.load).call("run"),
+                            forged.endpoint(JobActor.export).call("model"),
                             forged.ask("describe", timeout=10), forged.ask("stop", timeout=10)):  # by name too
                 with pytest.raises(NotAllowed, match=f"{job.id} belongs to client:alice; only its owner or the admin"):
                     await attempt
@@ -145,7 +146,7 @@ async def test_a_client_saves_under_its_own_subtree_and_another_client_cannot_lo
             assert await hers.save("run") == f"{root}/alice/run/v000002"
             saved, own = await hers.state_dict(), await his.state_dict()
             for path in (f"{root}/alice/run", "../alice/run", f"{root}/bob/../alice/run", f"{root}/alice"):
-                for attempt in (his.load(path), his.load(path, weights_only=True), his.save(path)):
+                for attempt in (his.load(path), his.load(path, weights_only=True), his.save(path), his.export(path)):
                     with pytest.raises(NotAllowed, match=f"is outside {root}/bob, where the checkpoints of "
                                                          "client:bob are kept") as info:
                         await attempt
@@ -422,6 +423,10 @@ async def test_only_the_head_turns_w_batching_on_for_a_step_and_a_bad_value_chan
         async with Cluster.connect(cluster.head.address, keys=keys().directory, identity="alice") as alice:
             with pytest.raises(NotAllowed, match="may not call StageActor.run_step"):
                 await alice.runtime.ref(stage.address, stage.name).endpoint(StageActor.run_step, timeout=10).call(*call)
+            # Nor may a client write files through a stage: an export is the head's to order.
+            with pytest.raises(NotAllowed, match="may not call StageActor.export_begin"):
+                await alice.runtime.ref(stage.address, stage.name).endpoint(StageActor.export_begin, timeout=10).call(
+                    "/tmp/anywhere")
         async with open_runtime("tcp://127.0.0.1:0", keys=keys().identity("node0"), ring=keys().ring) as member:
             with pytest.raises(NotAllowed, match="may not call StageActor.run_step"):
                 await member.ref(stage.address, stage.name).endpoint(StageActor.run_step, timeout=10).call(*call)
