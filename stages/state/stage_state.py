@@ -179,9 +179,9 @@ class StageState:
         manifest = checkpoint.Manifest.from_wire(plan) if plan is not None else None
 
         def write() -> dict[str, Any]:
-            names = list(state_of(built.held, built.key))
-            if format != "dcp":  # safetensors keep a tied tensor once; DCP keeps every name, as model.state_dict()
-                names = list(export.unique_tensors(state_of(built.held, built.key), built.tied_primary))
+            live = state_of(built.held, built.key)  # the tensors themselves, for their names and identities
+            # Safetensors keep a tied tensor once; DCP keeps every name, as model.state_dict() gives them.
+            names = list(live if format == "dcp" else export.unique_tensors(live, built.tied_primary))
             if manifest is None:
                 state = state_of(built.held, built.key, io)
                 tensors = {name: state[name] for name in names}
