@@ -34,7 +34,7 @@ from actors._errors import (
 )
 from actors._ref import ActorRef
 from actors._senders import SenderPool, SenderPoolConfig, _is_numeric_address
-from transport.channel import Receiver, Sender, open_receiver, open_sender
+from transport.channel import BulkMode, Receiver, Sender, open_receiver, open_sender
 from transport.security import Gate, Keypair, split_address
 from transport.wire import DEFAULT_MAX_MESSAGE_BYTES, WireError, decode_message, encode_message, excerpt
 
@@ -55,6 +55,7 @@ async def open_runtime(
     keys: Keypair | None = None,
     ring: Callable[[], Mapping[bytes, str]] | None = None,
     sender_pool: SenderPoolConfig = SenderPoolConfig(),
+    bulk: BulkMode = "encrypt",
 ) -> AsyncIterator[Runtime]:
     """Starts a runtime listening at ``bind`` and closes it, with all its actors, on exit.
 
@@ -67,6 +68,10 @@ async def open_runtime(
         ring: the admitted keys, public key -> ``role:name``; required with ``keys``.
         sender_pool: bounds on the sockets to other runtimes (see ``actors._senders``):
             how many stay open, how long an idle one lives, how long a reply may wait.
+        bulk: with keys, how messages to other secure runtimes travel (see
+            ``transport.channel.open_sender``): sealed with AES-GCM in a session opened
+            over CURVE (``"encrypt"``), authenticated but in the clear (``"authenticate"``,
+            for a trusted network), or all through CURVE (``"curve"``).
     """
     if (keys is None) != (ring is None):
         raise ValueError("open_runtime takes keys and ring together")
@@ -83,7 +88,7 @@ async def open_runtime(
         context.term()
         raise
     runtime = Runtime(receiver, context=context, hwm=hwm, max_message_bytes=max_message_bytes, keys=keys,
-                      gate=gate, sender_pool=sender_pool)
+                      gate=gate, sender_pool=sender_pool, bulk=bulk)
     try:
         yield runtime
     finally:
@@ -96,7 +101,7 @@ class Runtime:
     def __init__(
         self, receiver: Receiver, *, context: zmq.Context[Any], hwm: int, max_message_bytes: int,
         keys: Keypair | None = None, gate: Gate | None = None,
-        sender_pool: SenderPoolConfig = SenderPoolConfig(),
+        sender_pool: SenderPoolConfig = SenderPoolConfig(), bulk: BulkMode = "encrypt",
     ) -> None:
         self._receiver = receiver
         self.keys = keys  # this runtime's CURVE keypair (None: insecure)
@@ -104,6 +109,7 @@ class Runtime:
         self.context = context  # its sockets' zmq context (its CURVE gate admits the cluster's keys)
         self._hwm = hwm
         self._max_message_bytes = max_message_bytes
+        self._bulk: BulkMode = bulk
         self.address: str = receiver.address
         self._mailboxes: dict[str, Mailbox] = {}
         self._starting: set[str] = set()  # names whose actor is in on_start
@@ -294,6 +300,7 @@ class Runtime:
             linger_ms=500,
             context=self.context,
             curve=self.keys,
+            bulk=self._bulk,
         )
 
     # -- the receive side ------------------------------------------------------------

@@ -25,7 +25,6 @@ pass one still lingering: only when more than ``max_senders`` peers are busy at 
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import time
 from collections import OrderedDict
@@ -36,6 +35,7 @@ from typing import Any
 import zmq
 
 from transport.channel import ChannelClosed, Sender, WouldBlock
+from transport.security import is_numeric_endpoint
 from transport.wire import excerpt
 
 __all__ = ["SenderPool", "SenderPoolConfig", "SenderPoolStatistics"]
@@ -443,20 +443,7 @@ def _reason(exc: Exception) -> str:
 
 def _is_numeric_address(address: str) -> bool:
     """True for ``ipc://PATH`` and ``tcp://IP:PORT``, with or without a ``|KEY`` suffix."""
-    endpoint = address.partition("|")[0]
-    scheme, sep, rest = endpoint.partition("://")
-    if scheme == "ipc" and sep:
-        return bool(rest)
-    if scheme != "tcp" or not sep:
-        return False
-    host, colon, port = rest.rpartition(":")
-    if not colon or not port.isdigit():
-        return False
-    try:
-        ipaddress.ip_address(host[1:-1] if host.startswith("[") and host.endswith("]") else host)
-    except ValueError:
-        return False
-    return True
+    return is_numeric_endpoint(address.partition("|")[0])
 
 
 def _no_room_to_wait(entry: _Entry | None, waiting: int, max_waiting: int) -> str | None:

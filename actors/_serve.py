@@ -23,6 +23,7 @@ from actors._processes import ActorProcesses, HostConfig, start_zygote
 from actors._runtime import open_runtime
 from transport.wire import DEFAULT_MAX_MESSAGE_BYTES
 from actors.keys import ClusterKeys
+from transport.channel import BulkMode
 from transport.security import join_address, split_address
 
 __all__ = ["ADMIT_TOKEN_ENV", "HeadConfig", "WorkerConfig", "serve_head", "serve_worker"]
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 
 
 ADMIT_TOKEN_ENV = "ACTORPIPE_ADMIT_TOKEN"
+ENCRYPTION_ENV = "ACTORPIPE_ENCRYPTION"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -101,7 +103,26 @@ def security(directory: str | None, identity: str, *, create: bool = False) -> d
                     "use it; keep it on loopback or a trusted network")
         return {}
     keys = ClusterKeys.create(directory) if create else ClusterKeys(directory)
-    return {"keys": keys.identity(identity), "ring": keys.ring}
+    return {"keys": keys.identity(identity), "ring": keys.ring, "bulk": bulk_mode()}
+
+
+def bulk_mode() -> BulkMode:
+    """How this process sends to other members: ``$ACTORPIPE_ENCRYPTION`` ``on`` (the default) or ``off``.
+
+    Off, messages (activations, gradients, every call) travel authenticated but in the
+    clear: for a trusted network only, and said in the log.
+
+    Raises:
+        ValueError: another value.
+    """
+    setting = os.environ.get(ENCRYPTION_ENV, "on").strip().lower()
+    if setting not in ("on", "off"):
+        raise ValueError(f"${ENCRYPTION_ENV} is {setting!r}: on (the default) or off")
+    if setting == "on":
+        return "encrypt"
+    log.warning("%s=off: messages to other members travel in the CLEAR (authenticated, not encrypted); "
+                "use this on a trusted network only", ENCRYPTION_ENV)
+    return "authenticate"
 
 
 def head_address(address: str, directory: str | None) -> str:

@@ -30,7 +30,6 @@ goes on to drive, with the head beside it; every other rank serves as a node.
 from __future__ import annotations
 
 import atexit
-import ipaddress
 import os
 import re
 import signal
@@ -41,6 +40,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from actors._processes import _die_with_parent
+from transport.channel import is_loopback
 
 __all__ = ["LaunchRole", "first_host", "from_environment", "own_host", "serve_unless_rank_zero"]
 
@@ -69,7 +69,7 @@ class LaunchRole:
     @property
     def loopback(self) -> bool:
         """Every process on this machine (a single-host launch): nothing need listen beyond loopback."""
-        return _is_loopback(self.head_host)
+        return is_loopback(self.head_host)
 
 
 def from_environment(env: Mapping[str, str] | None = None) -> LaunchRole | None:
@@ -157,7 +157,7 @@ def own_host(head_host: str) -> str:
     loopback, else this host's own address (its name resolved; ``ACTORPIPE_HOST`` overrides)."""
     if "ACTORPIPE_HOST" in os.environ:
         return os.environ["ACTORPIPE_HOST"]
-    if _is_loopback(head_host):
+    if is_loopback(head_host):
         return "127.0.0.1"
     return socket.gethostbyname(socket.gethostname())
 
@@ -181,11 +181,3 @@ def _integer(text: str, name: str) -> int:
     except ValueError:
         raise ValueError(f"the launcher's {name} is not a number: {text[:40]!r}") from None
 
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

@@ -18,7 +18,7 @@ from actors._registry import DEFAULT_ALLOW
 from actors.devices import device_argument
 from actors.keys import DEFAULT_KEYS, KeyFileError
 from actors.plugins import head_modules
-from actors._serve import HeadConfig, WorkerConfig, serve_head, serve_worker
+from actors._serve import ENCRYPTION_ENV, HeadConfig, WorkerConfig, serve_head, serve_worker
 from transport.loop import run
 from transport.wire import DEFAULT_MAX_MESSAGE_BYTES
 
@@ -51,6 +51,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--insecure", action="store_true",
                         help="no keys: plaintext, and every peer that reaches the address is trusted "
                         "(still loopback-only without --allow-remote)")
+    parser.add_argument("--no-encryption", action="store_true",
+                        help="with keys: messages between members travel authenticated (AES-GCM tags) but in the "
+                        "clear, for a trusted network where encryption's cost matters; sets $ACTORPIPE_ENCRYPTION=off "
+                        "for this process and those it starts (CURVE still admits only the cluster's keys)")
     parser.add_argument("--isolation", choices=("process", "thread"), default="process",
                         help="worker: 'process' hosts each actor the head asks for (each job's stage) in a process "
                         "of its own, forked from one made at start-up, so that a job's code that exits, crashes or "
@@ -124,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.no_encryption:
+        os.environ[ENCRYPTION_ENV] = "off"
     name = "head" if args.head else (args.name or f"{os.uname().nodename}-{os.getpid()}")
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s [{name}] %(levelname)s %(name)s: %(message)s")

@@ -3,8 +3,10 @@
 
 Three measurements in one run, on this machine's loopback:
 - actorpipe: a probe actor in node0 asks a probe actor in node1 (``ping``), one call
-  at a time, then with 64 calls in flight, over CURVE (the default) and again with
-  ``--insecure`` (plaintext), so the cost of encryption shows as its own ratio;
+  at a time, then with 64 calls in flight, secure (the default: CURVE admits the keys
+  and opens a session per pair of runtimes, and every message is sealed with AES-GCM,
+  ``transport.sealed``) and again with ``--insecure`` (plaintext), so the cost of
+  security shows as its own ratio (``curve_vs_insecure_rtt``);
 - raw: two processes ping-pong a 64-byte message over a pair of PUSH/PULL sockets
   with ``zmq.asyncio`` on the same event loop (uvloop) and the same transport (tcp
   on 127.0.0.1) as a LocalCluster: the socket type actorpipe uses.

@@ -2,11 +2,13 @@
 """One-way channel throughput against raw pyzmq, and codec speed, measured in one run.
 
 Two processes: this one sends, a spawned one receives. For each tensor size the same
-PUSH/PULL socket pair is driven three times — through actorpipe's channel (msgpack
+PUSH/PULL socket pair is driven four times — through actorpipe's channel (msgpack
 header + zero-copy tensor frame, asyncio on uvloop, decoded back into a tensor),
-through the same channel with CURVE (authenticated and encrypted, as every cluster
-socket is by default), and through raw blocking pyzmq sending the tensor's buffer
-with ``copy=False`` — alternating trials so machine noise hits all alike. The receiver times each block
+through the same channel secured as a cluster's channels are by default (a session
+opened over CURVE, every message sealed with AES-GCM: ``transport.sealed``), through
+it with every message in CURVE itself (libsodium, the way before sealing), and through
+raw blocking pyzmq sending the tensor's buffer with ``copy=False`` — alternating
+trials so machine noise hits all alike. The receiver times each block
 from its first message to its last. The last line printed is one JSON object.
 """
 
@@ -24,7 +26,7 @@ from typing import Any
 import torch
 import zmq
 
-from transport.channel import open_receiver, open_sender
+from transport.channel import BulkMode, open_receiver, open_sender
 from transport.codecs import CODEC_NAMES, get_codec
 from transport.loop import run
 from transport.security import Gate, Keypair
@@ -88,8 +90,9 @@ def _raw_send(address: str, plan: list[tuple[int, int]]) -> None:
     sock.close(linger=-1)
 
 
-async def _channel_send(address: str, plan: list[tuple[int, int]], curve: Keypair | None = None) -> None:
-    async with open_sender(address, hwm=64, linger_ms=-1, curve=curve) as tx:
+async def _channel_send(address: str, plan: list[tuple[int, int]], curve: Keypair | None = None,
+                        bulk: BulkMode = "encrypt") -> None:
+    async with open_sender(address, hwm=64, linger_ms=-1, curve=curve, bulk=bulk) as tx:
         for size, count in plan:
             tensor = torch.ones(size // 4)
             for _ in range(count):
@@ -97,19 +100,20 @@ async def _channel_send(address: str, plan: list[tuple[int, int]], curve: Keypai
 
 
 def measure_throughput(kind: str, plan: list[tuple[int, int]]) -> list[float]:
-    """One trial: bytes/s per block of ``plan`` for ``kind`` ('channel', 'curve' or 'raw')."""
+    """One trial: bytes/s per block of ``plan`` for ``kind`` ('channel', 'secure', 'curve' or 'raw')."""
     ctx = mp.get_context("spawn")
     results, ready = ctx.Queue(), ctx.Queue()
     target = _raw_receive if kind == "raw" else _channel_receive
     tempdir = tempfile.mkdtemp(prefix="actorpipe-bench-")
     server, client = Keypair.generate(), Keypair.generate()
-    extra = ((server, client.public),) if kind == "curve" else ()
+    secure = kind in ("secure", "curve")
+    extra = ((server, client.public),) if secure else ()
     proc = ctx.Process(target=target, args=(f"ipc://{tempdir}/sock", plan, results, ready, *extra))
     proc.start()
     try:
         address = ready.get(timeout=60)
         if kind != "raw":
-            run(_channel_send(address, plan, client if kind == "curve" else None))
+            run(_channel_send(address, plan, client if secure else None, "curve" if kind == "curve" else "encrypt"))
         else:
             _raw_send(address, plan)
         rates = []
@@ -164,18 +168,21 @@ def main() -> None:
     torch.set_num_threads(1)
 
     plan = [(size, _count(size)) for size in SIZES.values()]
-    samples: dict[str, list[list[float]]] = {"channel": [], "raw": [], "curve": []}
+    samples: dict[str, list[list[float]]] = {"channel": [], "raw": [], "secure": [], "curve": []}
     for _ in range(args.trials):
-        for kind in ("raw", "channel", "curve"):
+        for kind in ("raw", "channel", "secure", "curve"):
             samples[kind].append(measure_throughput(kind, plan))
     medians = {kind: [statistics.median(t[i] for t in trials) / 1e9 for i in range(len(plan))]
                for kind, trials in samples.items()}
 
     print(f"one-way throughput, ipc, PUSH/PULL, median of {args.trials} trials (GB/s)")
-    print(f"{'size':>8} {'raw pyzmq':>10} {'channel':>10} {'ratio':>7} {'CURVE':>8} {'vs plain':>9}")
+    print(f"{'size':>8} {'raw pyzmq':>10} {'channel':>10} {'ratio':>7} {'secure':>8} {'vs plain':>9} "
+          f"{'all CURVE':>10} {'vs plain':>9}")
     for i, label in enumerate(SIZES):
-        raw, chan, curve = medians["raw"][i], medians["channel"][i], medians["curve"][i]
-        print(f"{label:>8} {raw:>10.2f} {chan:>10.2f} {chan / raw:>7.2f} {curve:>8.2f} {curve / chan:>9.2f}")
+        raw, chan = medians["raw"][i], medians["channel"][i]
+        secure, curve = medians["secure"][i], medians["curve"][i]
+        print(f"{label:>8} {raw:>10.2f} {chan:>10.2f} {chan / raw:>7.2f} {secure:>8.2f} {secure / chan:>9.2f} "
+              f"{curve:>10.2f} {curve / chan:>9.2f}")
 
     # The copy before and after the codecs: a ratio to it holds across machines where GB/s do not.
     memcpy = [measure_memcpy()]
@@ -192,6 +199,8 @@ def main() -> None:
         summary[f"channel_GBps_{label}"] = round(medians["channel"][i], 3)
         summary[f"raw_GBps_{label}"] = round(medians["raw"][i], 3)
         summary[f"channel_vs_raw_{label}"] = round(medians["channel"][i] / medians["raw"][i], 3)
+        summary[f"secure_GBps_{label}"] = round(medians["secure"][i], 3)
+        summary[f"secure_vs_plain_{label}"] = round(medians["secure"][i] / medians["channel"][i], 3)
         summary[f"curve_GBps_{label}"] = round(medians["curve"][i], 3)
         summary[f"curve_vs_plain_{label}"] = round(medians["curve"][i] / medians["channel"][i], 3)
     summary["memcpy_GBps"] = round(copy_gbps, 3)

@@ -19,18 +19,34 @@ Example::
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
-import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 import zmq
 
-from transport.security import Keypair, configure_client, configure_server, join_address, split_address
+from transport._sockets import (
+    ChannelClosed,
+    Readiness,
+    bind_address,
+    bulk_bind_address,
+    events,
+    gather,
+    is_local_address,
+    is_loopback,
+    zero_copy_pays,
+)
+from transport.sealed import CLAIM_RETRY_S, TAG_BYTES, BulkInbox, BulkLink, SealRefused, is_open_message
+from transport.security import (
+    Keypair,
+    bulk_endpoint,
+    configure_client,
+    configure_server,
+    join_address,
+    split_address,
+)
 from transport.wire import (
     DEFAULT_MAX_MESSAGE_BYTES,
     MAX_FRAMES_PER_MESSAGE,
@@ -40,12 +56,14 @@ from transport.wire import (
 )
 
 __all__ = [
+    "BulkMode",
     "ChannelClosed",
     "ChannelStatistics",
     "Receiver",
     "Sender",
     "WouldBlock",
     "is_local_address",
+    "is_loopback",
     "open_receiver",
     "open_sender",
 ]
@@ -53,11 +71,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 DEFAULT_HWM = 64
+BulkMode = Literal["encrypt", "authenticate", "curve"]
 DEFAULT_LINGER_MS = 2000
-
-
-class ChannelClosed(RuntimeError):
-    """The channel was closed (by ``aclose``) before or during the call."""
 
 
 class WouldBlock(RuntimeError):
@@ -71,6 +86,7 @@ class ChannelStatistics:
     address: str
     messages: int = 0
     bytes: int = 0
+    refused: int = 0  # sealed messages refused (unknown session, bad tag, replayed or reordered)
 
 
 def open_receiver(
@@ -81,6 +97,7 @@ def open_receiver(
     allow_remote: bool = False,
     context: zmq.Context[Any] | None = None,
     curve: Keypair | None = None,
+    bulk: bool = True,
 ) -> Receiver:
     """Binds a receiving channel.
 
@@ -95,6 +112,10 @@ def open_receiver(
         curve: listen as a CURVE server with this keypair (see :mod:`transport.security`;
             the context needs a :class:`~transport.security.Gate`); the address then
             ends in ``|<public key>``.
+        bulk: with ``curve``, also bind a socket for sealed messages
+            (:mod:`transport.sealed`: CURVE opens a session, AES-GCM carries the
+            messages at several times CURVE's speed); the address then ends in
+            ``|<public key>|<bulk endpoint>``. Senders that do not seal still use CURVE.
 
     Raises:
         ValueError: a non-loopback address without ``allow_remote``, or a malformed one.
@@ -107,6 +128,7 @@ def open_receiver(
         allow_remote=allow_remote,
         context=context,
         curve=curve,
+        bulk=bulk,
     )
 
 
@@ -118,80 +140,25 @@ def open_sender(
     linger_ms: int = DEFAULT_LINGER_MS,
     context: zmq.Context[Any] | None = None,
     curve: Keypair | None = None,
+    bulk: BulkMode = "encrypt",
 ) -> Sender:
     """Connects a sending channel to a receiver's address (the receiver may come later).
 
     Args:
         curve: connect as a CURVE client with this keypair; ``address`` must then carry
             the receiver's public key (``...|<hex>``), which the receiver must prove.
+        bulk: with ``curve`` and an address that names a bulk endpoint, how messages
+            travel: ``"encrypt"`` sealed with AES-GCM (a session opened over CURVE, see
+            :mod:`transport.sealed`), ``"authenticate"`` in the clear with a GCM tag (for
+            a trusted network only), ``"curve"`` every message through CURVE.
 
     Raises:
         ValueError: ``curve`` given for an address without a key.
     """
     return Sender(
         address, hwm=hwm, max_message_bytes=max_message_bytes, linger_ms=linger_ms, context=context,
-        curve=curve,
+        curve=curve, bulk=bulk,
     )
-
-
-class _Readiness:
-    """Waits for a ZeroMQ socket's events through the loop's reader on ZMQ_FD.
-
-    ZMQ_FD is edge-triggered: it fires when the socket's events may have changed,
-    and only ``ZMQ_EVENTS`` says what they are. So every wait re-checks the events
-    after arming the reader. A ``sticky`` reader stays armed between waits (a
-    receiver waits all the time, and re-arming costs two epoll_ctl calls a
-    message); when it fires with nobody waiting it reads the events, which
-    consumes the notification instead of letting it fire again.
-    """
-
-    def __init__(self, socket: zmq.Socket[Any], *, sticky: bool = False) -> None:
-        self._socket = socket
-        self._fd: int = socket.getsockopt(zmq.FD)  # type: ignore[assignment]
-        self._loop = asyncio.get_running_loop()
-        self._waiter: asyncio.Future[None] | None = None
-        self._armed = False
-        self._sticky = sticky
-
-    async def wait(self, event: int) -> None:
-        """Returns once ``event`` (POLLIN or POLLOUT) is set on the socket.
-
-        Raises:
-            ChannelClosed: :meth:`close` was called while waiting.
-        """
-        while not _events(self._socket) & event:
-            waiter = self._waiter = self._loop.create_future()
-            if not self._armed:
-                self._loop.add_reader(self._fd, self._wake)
-                self._armed = True
-            try:
-                if _events(self._socket) & event:
-                    return
-                await waiter
-            finally:
-                self._waiter = None
-                if not self._sticky:
-                    self._disarm()
-
-    def _wake(self) -> None:
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
-        elif self._sticky and not self._socket.closed:
-            _events(self._socket)
-
-    def _disarm(self) -> None:
-        # Only while armed: once the socket is closed its fd number may belong to
-        # another socket, whose reader must not be removed.
-        if self._armed:
-            self._loop.remove_reader(self._fd)
-            self._armed = False
-
-    def close(self) -> None:
-        """Disarms, and fails a pending wait with ChannelClosed; call before closing the socket."""
-        waiter, self._waiter = self._waiter, None
-        self._disarm()
-        if waiter is not None and not waiter.done():
-            waiter.set_exception(ChannelClosed("channel closed while waiting"))
 
 
 class Receiver:
@@ -206,10 +173,12 @@ class Receiver:
         allow_remote: bool,
         context: zmq.Context[Any] | None,
         curve: Keypair | None = None,
+        bulk: bool = True,
     ) -> None:
-        bind_address, self._tempdir = _bind_address(split_address(address)[0], allow_remote=allow_remote)
+        bind_at, self._tempdir = bind_address(split_address(address)[0], allow_remote=allow_remote)
         self._max_message_bytes = max_message_bytes
-        self._socket: zmq.Socket[Any] = (context or zmq.Context.instance()).socket(zmq.PULL)
+        context = context or zmq.Context.instance()
+        self._socket: zmq.Socket[Any] = context.socket(zmq.PULL)
         if curve is not None:
             configure_server(self._socket, curve)
         self.secure = curve is not None
@@ -217,14 +186,26 @@ class Receiver:
         self._socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         self._socket.setsockopt(zmq.LINGER, 0)
         try:
-            self._socket.bind(bind_address)
+            self._socket.bind(bind_at)
         except BaseException:
             self._socket.close()
             self._remove_tempdir()
             raise
         endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.address: str = join_address(endpoint, curve.public) if curve is not None else endpoint
-        self._readiness: _Readiness | None = None
+        self._bulk: BulkInbox | None = None
+        if curve is not None and bulk:
+            try:
+                self._bulk = BulkInbox(context, bulk_bind_address(bind_at), hwm=hwm,
+                                       max_frame_bytes=max_message_bytes + TAG_BYTES)
+            except BaseException:
+                self._socket.close()
+                self._remove_tempdir()
+                raise
+        self.address: str = (
+            join_address(endpoint, curve.public, self._bulk.endpoint if self._bulk is not None else None)
+            if curve is not None else endpoint
+        )
+        self._readiness: Readiness | None = None
         self._pumping: Callable[[], None] | None = None
         self._reading = False
         self._stats = ChannelStatistics(address=self.address)
@@ -257,47 +238,64 @@ class Receiver:
                 if self._socket.closed:
                     raise ChannelClosed(f"receiver {self.address} is closed")
                 try:
-                    frame = self._socket.recv(zmq.NOBLOCK, copy=False)
-                    break
+                    frames = self._next()
                 except zmq.Again:
-                    pass
-                if self._readiness is None:
-                    self._readiness = _Readiness(self._socket, sticky=True)
-                await self._readiness.wait(zmq.POLLIN)
-            frames, nbytes = self._gather(frame)
+                    if self._readiness is None:
+                        sockets = (self._socket,) if self._bulk is None else (self._socket, self._bulk.socket)
+                        self._readiness = Readiness(*sockets, sticky=True)
+                    await self._readiness.wait(zmq.POLLIN)
+                    continue
+                if frames is not None:
+                    return frames
         finally:
             self._reading = False
+
+    def _next(self) -> list[Any] | None:
+        """One message read without waiting: its frames, or None for one used up here.
+
+        Used up here: a sealed session's opening or claim, and a sealed message that
+        was refused (counted in ``statistics().refused``). Frames of a sealed message
+        are :class:`~transport.sealed.OpenedFrame` objects, which give the CURVE name
+        of the session's sender as ``get("User-Id")`` as a CURVE frame does.
+
+        Raises:
+            zmq.Again: nothing is waiting.
+            MessageTooLarge: a message over the limits; it was dropped.
+        """
+        limit = self._max_message_bytes
+        try:
+            frame = self._socket.recv(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            if self._bulk is None:
+                raise
+            frame = self._bulk.socket.recv(zmq.NOBLOCK, copy=False)  # zmq.Again: both are empty
+            # routing id, head, a tag frame when not encrypted, and a tag per frame
+            frames, nbytes = gather(self._bulk.socket, frame, limit + TAG_BYTES * MAX_FRAMES_PER_MESSAGE,
+                                     MAX_FRAMES_PER_MESSAGE + 3, self.address)
+            try:
+                opened = self._bulk.take(frames)
+            except SealRefused as exc:
+                self._refuse(exc)
+                return None
+            if opened is not None:
+                self._stats.messages += 1
+                self._stats.bytes += nbytes
+            return opened  # type: ignore[return-value]  # OpenedFrame stands in for zmq.Frame
+        frames, nbytes = gather(self._socket, frame, limit, MAX_FRAMES_PER_MESSAGE, self.address)
+        if self._bulk is not None and is_open_message(frames):
+            try:
+                self._bulk.on_open(frames[0])
+            except SealRefused as exc:
+                self._refuse(exc)
+            return None
         self._stats.messages += 1
         self._stats.bytes += nbytes
         return frames
 
-    def _gather(self, frame: zmq.Frame) -> tuple[list[zmq.Frame], int]:
-        """The rest of the message that ``frame`` starts, read frame by frame; returns it and its bytes.
-
-        The rest is queued already (multipart delivery is atomic).
-
-        Raises:
-            MessageTooLarge: over ``max_message_bytes`` or ``MAX_FRAMES_PER_MESSAGE``; its
-                remaining frames were read and released one by one.
-        """
-        limit = self._max_message_bytes
-        frames, nbytes = [frame], len(frame)
-        while frame.more and nbytes <= limit and len(frames) < MAX_FRAMES_PER_MESSAGE:
-            frame = self._socket.recv(zmq.NOBLOCK, copy=False)
-            nbytes += len(frame)
-            frames.append(frame)
-        if nbytes <= limit and not frame.more:
-            return frames, nbytes
-        num_frames = len(frames)
-        frames.clear()
-        while frame.more:  # drop the rest, one frame at a time
-            frame = self._socket.recv(zmq.NOBLOCK, copy=False)
-            nbytes += len(frame)
-            num_frames += 1
-        raise MessageTooLarge(
-            f"refused a message of {nbytes} bytes in {num_frames} frames on {self.address}: over "
-            f"the limit of {limit} bytes or {MAX_FRAMES_PER_MESSAGE} frames"
-        )
+    def _refuse(self, exc: SealRefused) -> None:
+        self._stats.refused += 1
+        if self._stats.refused & (self._stats.refused - 1) == 0:  # the 1st, 2nd, 4th, 8th...: a flood stays quiet
+            log.warning("refused a sealed message on %s (%d so far): %s", self.address, self._stats.refused, exc)
 
     def pump(self, on_frames: Callable[[list[zmq.Frame]], None], *, batch: int = 64) -> None:
         """Delivers every message to ``on_frames`` from the loop's reader callback.
@@ -321,16 +319,14 @@ class Receiver:
                 if self._socket.closed:
                     return
                 try:
-                    frame = self._socket.recv(zmq.NOBLOCK, copy=False)
+                    frames = self._next()
                 except zmq.Again:
-                    return  # drained: the fd fires again on the next message
-                try:
-                    frames, nbytes = self._gather(frame)
+                    return  # drained: the fds fire again on the next message
                 except MessageTooLarge as exc:
                     log.warning("%s", exc)
                     continue
-                self._stats.messages += 1
-                self._stats.bytes += nbytes
+                if frames is None:
+                    continue
                 try:
                     on_frames(frames)
                 except Exception:
@@ -340,8 +336,13 @@ class Receiver:
             loop.call_soon(ready)  # more may be waiting: come back after others had a turn
 
         self._pumping = ready
-        loop.add_reader(self._socket.getsockopt(zmq.FD), ready)  # type: ignore[arg-type]
+        for fd in self._fds():
+            loop.add_reader(fd, ready)
         loop.call_soon(ready)  # messages that came before the reader
+
+    def _fds(self) -> list[int]:
+        sockets = [self._socket] if self._bulk is None else [self._socket, self._bulk.socket]
+        return [socket.getsockopt(zmq.FD) for socket in sockets]  # type: ignore[misc]
 
     async def receive(self) -> Any:
         """Waits for the next message and decodes it.
@@ -362,9 +363,12 @@ class Receiver:
             if self._readiness is not None:
                 self._readiness.close()
             if self._pumping is not None:
-                asyncio.get_running_loop().remove_reader(self._socket.getsockopt(zmq.FD))  # type: ignore[arg-type]
+                for fd in self._fds():
+                    asyncio.get_running_loop().remove_reader(fd)
                 self._pumping = None
             self._socket.close(linger=0)
+            if self._bulk is not None:
+                self._bulk.close()
         self._remove_tempdir()
 
     def _remove_tempdir(self) -> None:
@@ -395,15 +399,18 @@ class Sender:
         linger_ms: int,
         context: zmq.Context[Any] | None,
         curve: Keypair | None = None,
+        bulk: BulkMode = "encrypt",
     ) -> None:
         endpoint, server_public = split_address(address)
+        bulk_at = bulk_endpoint(address)
         if curve is not None and server_public is None:
             raise ValueError(f"{address[:120]!r} carries no CURVE key (a secure peer's address ends in |<key>); "
                              "is the peer started without keys (--insecure)?")
         self.address = address
         self._max_message_bytes = max_message_bytes
         self._linger_ms = linger_ms
-        self._socket: zmq.Socket[Any] = (context or zmq.Context.instance()).socket(zmq.PUSH)
+        context = context or zmq.Context.instance()
+        self._socket: zmq.Socket[Any] = context.socket(zmq.PUSH)
         if curve is not None and server_public is not None:
             configure_client(self._socket, curve, server_public)
         self._socket.setsockopt(zmq.SNDHWM, hwm)
@@ -411,7 +418,20 @@ class Sender:
         # send wait (and time out) instead of piling messages up in memory.
         self._socket.setsockopt(zmq.IMMEDIATE, 1)
         self._socket.connect(endpoint)
-        self._readiness: _Readiness | None = None
+        # Sealed: CURVE carries the session's opening, the bulk socket every message.
+        self._link: BulkLink | None = None
+        if curve is not None and bulk_at is not None and bulk != "curve":
+            if bulk == "authenticate":
+                log.warning("messages to %s leave in the clear, authenticated but not encrypted "
+                            "(bulk=%r): for a trusted network only", address[:120], bulk)
+            try:
+                self._link = BulkLink(context, self._socket, bulk_at, hwm=hwm, encrypt=bulk == "encrypt")
+            except BaseException:
+                self._socket.close(linger=0)
+                raise
+        self._data = self._socket if self._link is None else self._link.socket  # where messages leave
+        self._readiness: Readiness | None = None
+        self._opening: Readiness | None = None  # the CURVE socket's, while the opening waits for a handshake
         self._queue: asyncio.Lock | None = None
         self._num_queued = 0
         self._stats = ChannelStatistics(address=address)
@@ -438,17 +458,17 @@ class Sender:
 
     async def send_frames(self, frames: list[Any], *, timeout: float | None = None) -> int:
         """Sends already encoded frames (see :meth:`send`)."""
+        if self._link is not None:
+            frames = self._link.seal(frames)  # numbered in the order of the calls, which is the order they leave in
         if self._num_queued == 0 and self._try_send(frames):
             return self._count(frames)
         if self._queue is None:
             self._queue = asyncio.Lock()
-            self._readiness = _Readiness(self._socket)
         self._num_queued += 1
         try:
             async with asyncio.timeout(timeout), self._queue:
-                assert self._readiness is not None
                 while not self._try_send(frames):
-                    await self._readiness.wait(zmq.POLLOUT)
+                    await self._wait_room()
         except TimeoutError:
             raise TimeoutError(
                 f"no room to send to {self.address} within {timeout}s: the receiver is "
@@ -465,6 +485,10 @@ class Sender:
 
     def send_frames_nowait(self, frames: list[Any]) -> int:
         """Sends already encoded frames now or raises :class:`WouldBlock` (see :meth:`send_nowait`)."""
+        if self._link is not None and not self._num_queued and not self._socket.closed:
+            if not (self._link.advance() and events(self._data) & zmq.POLLOUT):
+                raise WouldBlock(f"the sealed session to {self.address} is not open yet, or its queue is full")
+            frames = self._link.seal(frames)
         if self._num_queued or not self._try_send(frames):
             raise WouldBlock(f"send queue to {self.address} is full")
         return self._count(frames)
@@ -472,11 +496,33 @@ class Sender:
     def _try_send(self, frames: list[Any]) -> bool:
         if self._socket.closed:
             raise ChannelClosed(f"sender to {self.address} is closed")
+        if self._link is not None and not self._link.advance():
+            return False
         try:
-            self._socket.send_multipart(frames, zmq.NOBLOCK, copy=_zero_copy_pays(frames))
+            self._data.send_multipart(frames, zmq.NOBLOCK, copy=zero_copy_pays(frames))
         except zmq.Again:
             return False
         return True
+
+    async def _wait_room(self) -> None:
+        """Waits until a send may succeed: room on the socket, or the sealed session's next step."""
+        link = self._link
+        if self._readiness is None:
+            self._readiness = Readiness(self._data)
+        if link is None or link.ready:
+            await self._readiness.wait(zmq.POLLOUT)
+            return
+        if not link.opened:  # the CURVE handshake: the opening leaves once it is done
+            if self._opening is None:
+                self._opening = Readiness(self._socket)
+            waiting, event, seconds = self._opening, zmq.POLLOUT, CLAIM_RETRY_S[1]
+        else:  # the ack, or the time to claim again
+            waiting, event, seconds = self._readiness, zmq.POLLIN, link.seconds_to_next_claim()
+        try:
+            async with asyncio.timeout(seconds):
+                await waiting.wait(event)
+        except TimeoutError:
+            pass
 
     def _count(self, frames: list[Any]) -> int:
         nbytes = sum(memoryview(f).nbytes for f in frames)
@@ -490,8 +536,11 @@ class Sender:
     async def aclose(self) -> None:
         """Closes the socket; messages already queued get up to ``linger_ms`` to leave."""
         if not self._socket.closed:
-            if self._readiness is not None:
-                self._readiness.close()
+            for readiness in (self._readiness, self._opening):
+                if readiness is not None:
+                    readiness.close()
+            if self._link is not None:
+                self._link.close(self._linger_ms)
             self._socket.close(linger=self._linger_ms)
 
     async def __aenter__(self) -> Sender:
@@ -499,55 +548,3 @@ class Sender:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
-
-
-def _events(socket: zmq.Socket[Any]) -> int:
-    return int(socket.getsockopt(zmq.EVENTS))  # type: ignore[call-overload]
-
-
-def _zero_copy_pays(frames: list[Any]) -> bool:
-    """Zero-copy frames cost a Frame object and a release callback each; below
-    ZeroMQ's own copy threshold copying is cheaper (and libzmq copies them anyway)."""
-    return any(memoryview(f).nbytes >= zmq.COPY_THRESHOLD for f in frames)
-
-
-def _bind_address(address: str, *, allow_remote: bool) -> tuple[str, str | None]:
-    """Returns the address to bind (ephemeral forms resolved) and any temp folder made."""
-    scheme, sep, rest = address.partition("://")
-    if not sep:
-        raise ValueError(f"address {address!r} must look like tcp://HOST:PORT or ipc://PATH")
-    if scheme == "ipc":
-        if rest:
-            return address, None
-        tempdir = tempfile.mkdtemp(prefix="actorpipe-")
-        return f"ipc://{os.path.join(tempdir, 'sock')}", tempdir
-    if scheme != "tcp":
-        raise ValueError(f"unsupported transport {scheme!r} in {address!r}: use tcp:// or ipc://")
-    host, colon, port = rest.rpartition(":")
-    if not colon or not host:
-        raise ValueError(f"address {address!r} needs a host and a port (port 0 for any free one)")
-    if not allow_remote and not _is_loopback(host):
-        raise ValueError(
-            f"refusing to bind {address!r}: it is not a loopback address; pass "
-            "allow_remote=True (with CURVE keys, the default for a cluster) to listen beyond this machine"
-        )
-    if port == "0":
-        port = "*"
-    return f"tcp://{host}:{port}", None
-
-
-def is_local_address(address: str) -> bool:
-    """Whether a runtime's ``address`` (with or without its key part) is reachable only
-    from this machine: ``ipc://`` or TCP on a loopback address."""
-    endpoint = address.partition("|")[0]
-    scheme, _, rest = endpoint.partition("://")
-    return scheme == "ipc" or (scheme == "tcp" and _is_loopback(rest.rpartition(":")[0]))
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False

@@ -14,6 +14,7 @@ handshake: none of its bytes reach the decoder.
 from __future__ import annotations
 
 import binascii
+import ipaddress
 import logging
 import os
 import threading
@@ -25,7 +26,7 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
-__all__ = ["KEY_SEPARATOR", "ZAP_DOMAIN", "Gate", "Keypair", "join_address", "read_public_key", "split_address",
+__all__ = ["KEY_SEPARATOR", "ZAP_DOMAIN", "Gate", "Keypair", "bulk_endpoint", "is_numeric_endpoint", "join_address", "read_public_key", "split_address",
            "write_public_key"]
 
 log = logging.getLogger(__name__)
@@ -90,27 +91,62 @@ def write_public_key(path: str | os.PathLike[str], public: bytes) -> None:
     _write_private(os.fspath(path), _key_file(public, None))
 
 
-def join_address(endpoint: str, public: bytes) -> str:
-    """``tcp://host:port`` and a Z85 public key -> ``tcp://host:port|<hex>``."""
-    return f"{endpoint}{KEY_SEPARATOR}{binascii.hexlify(z85.decode(public)).decode()}"
+def join_address(endpoint: str, public: bytes, bulk: str | None = None) -> str:
+    """``tcp://host:port``, a Z85 public key and any bulk endpoint -> ``tcp://host:port|<hex>[|<bulk>]``.
+
+    The bulk endpoint is where a secure receiver takes sealed messages (``transport.sealed``).
+    """
+    address = f"{endpoint}{KEY_SEPARATOR}{binascii.hexlify(z85.decode(public)).decode()}"
+    return address if bulk is None else f"{address}{KEY_SEPARATOR}{bulk}"
 
 
 def split_address(address: str) -> tuple[str, bytes | None]:
-    """``tcp://host:port|<hex>`` -> (``tcp://host:port``, Z85 key); no key part -> (address, None).
+    """``tcp://host:port|<hex>[|<bulk>]`` -> (``tcp://host:port``, Z85 key); no key part -> (address, None).
 
     Raises:
-        ValueError: a key part that is not 64 hex digits.
+        ValueError: a key part that is not 64 hex digits, or a bulk part that is not a
+            numeric ``tcp://IP:PORT`` or an ``ipc://PATH``.
     """
-    endpoint, separator, key = address.partition(KEY_SEPARATOR)
+    endpoint, separator, rest = address.partition(KEY_SEPARATOR)
     if not separator:
         return address, None
+    key, _, bulk = rest.partition(KEY_SEPARATOR)
     try:
         raw = binascii.unhexlify(key)
     except (binascii.Error, ValueError):
         raw = b""
     if len(raw) != 32:
         raise ValueError(f"the key part of address {address[:120]!r} must be 64 hex digits")
+    if bulk and not is_numeric_endpoint(bulk):
+        # libzmq would resolve a host name with a blocking lookup on its I/O thread.
+        raise ValueError(f"the bulk part of address {address[:160]!r} must be tcp://IP:PORT or ipc://PATH")
     return endpoint, z85.encode(raw)
+
+
+def bulk_endpoint(address: str) -> str | None:
+    """The bulk endpoint an address carries after its key, or None (see :func:`split_address`).
+
+    Raises:
+        ValueError: a malformed address.
+    """
+    split_address(address)
+    parts = address.split(KEY_SEPARATOR, 2)
+    return parts[2] if len(parts) == 3 and parts[2] else None
+
+
+def is_numeric_endpoint(endpoint: str) -> bool:
+    """True for ``ipc://PATH`` and ``tcp://IP:PORT`` (no host name: resolving one would block)."""
+    scheme, sep, rest = endpoint.partition("://")
+    if scheme == "ipc" and sep:
+        return bool(rest)
+    host, colon, port = rest.rpartition(":")
+    if scheme != "tcp" or not sep or not colon or not port.isdigit():
+        return False
+    try:
+        ipaddress.ip_address(host[1:-1] if host.startswith("[") and host.endswith("]") else host)
+    except ValueError:
+        return False
+    return True
 
 
 class Gate:

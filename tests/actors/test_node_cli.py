@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -58,3 +59,21 @@ def test_the_heads_checkpoint_root_defaults_to_checkpoints_in_its_working_direct
 
     assert parse_args(["--head"]).checkpoint_root == "checkpoints"  # made absolute from the head's directory
     assert parse_args(["--head", "--checkpoint-root", "/srv/ckpt"]).checkpoint_root == "/srv/ckpt"
+
+
+def test_encryption_is_on_unless_turned_off_explicitly_and_off_is_logged(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from actors._serve import ENCRYPTION_ENV, bulk_mode
+    from actors.node import parse_args
+
+    monkeypatch.delenv(ENCRYPTION_ENV, raising=False)
+    assert bulk_mode() == "encrypt" and not caplog.records
+    assert parse_args(["--head", "--no-encryption"]).no_encryption and not parse_args(["--head"]).no_encryption
+    monkeypatch.setenv(ENCRYPTION_ENV, "off")
+    with caplog.at_level(logging.WARNING):
+        assert bulk_mode() == "authenticate"
+    assert "CLEAR" in caplog.text
+    monkeypatch.setenv(ENCRYPTION_ENV, "maybe")
+    with pytest.raises(ValueError, match="on \\(the default\\) or off"):
+        bulk_mode()

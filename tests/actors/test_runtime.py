@@ -28,10 +28,12 @@ from actors import (
     UnknownEndpoint,
     UserCodeExit,
     contained,
+    current_caller,
     endpoint,
     open_runtime,
 )
 from actors.probe import ProbeActor
+from transport.security import Keypair
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -402,3 +404,21 @@ async def test_calls_waiting_to_be_sent_to_a_peer_that_is_gone_fail_with_its_los
         client.fail_calls_to(server.address, NodeLost("node n0 was lost", details={"node": "n0"}))
         outcomes = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 30)
     assert all(isinstance(outcome, NodeLost) for outcome in outcomes)
+
+
+class _CallerActor(Actor):
+    @endpoint
+    async def echo_with_caller(self, value: Any) -> tuple[str, Any]:
+        return current_caller(), value
+
+
+@pytest.mark.parametrize("bulk", ["encrypt", "authenticate", "curve"])
+async def test_secure_runtimes_call_through_every_bulk_mode_and_name_the_caller(bulk: str) -> None:
+    server_keys, client_keys = Keypair.generate(), Keypair.generate()
+    ring = {server_keys.public: "node:n0", client_keys.public: "client:alice"}
+    async with open_runtime("ipc://", keys=server_keys, ring=lambda: ring) as server, \
+            open_runtime("ipc://", keys=client_keys, ring=lambda: ring, bulk=bulk) as client:  # type: ignore[arg-type]
+        await server.spawn(_CallerActor(), "callee")
+        tensor = torch.randn(300_000)  # past the size a frame is sealed straight into an aligned buffer
+        caller, value = await client.ref(server.address, "callee").ask("echo_with_caller", tensor, timeout=30)
+    assert caller == "client:alice" and torch.equal(value, tensor)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from benchmarks.transport import measure_codecs, measure_memcpy
+import pytest
+
+from benchmarks.transport import measure_codecs, measure_memcpy, measure_throughput
 from transport.codecs import CODEC_NAMES
 
 
@@ -12,3 +14,11 @@ def test_every_codec_is_measured_with_its_size_ratio_and_a_memory_copy_beside_it
     assert copy > 0 and set(codecs) == set(CODEC_NAMES)
     assert all(gbps > 0 for gbps, _ in codecs.values())
     assert codecs["none"][1] == 1.0 and abs(codecs["int8"][1] - (1 + 4 / 256) / 4) < 1e-6
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["secure", "curve"])
+def test_a_secure_channel_is_measured_end_to_end(kind: str) -> None:
+    rates = measure_throughput(kind, [(64 << 10, 4), (1 << 20, 4)])  # a spawned receiver, a session, two sizes
+    assert len(rates) == 2 and all(rate > 0 for rate in rates)

@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from transport.channel import Receiver, open_receiver, open_sender
-from transport.security import Gate, Keypair, join_address, read_public_key, split_address
+from transport.security import Gate, Keypair, bulk_endpoint, join_address, read_public_key, split_address
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -31,11 +31,14 @@ async def secure() -> AsyncIterator[tuple[Receiver, Gate, Keypair, Keypair, zmq.
         context.term()
 
 
-async def test_an_admitted_key_gets_through_and_is_named(secure: tuple) -> None:
+@pytest.mark.parametrize("bulk", ["encrypt", "curve"])
+async def test_an_admitted_key_gets_through_and_is_named(secure: tuple, bulk: str) -> None:
     receiver, _, _, member, _ = secure
-    async with open_sender(receiver.address, curve=member) as sender:
+    async with open_sender(receiver.address, curve=member, bulk=bulk) as sender:  # type: ignore[arg-type]
+        # A sealed session opens while the receiver reads: read while sending.
+        received = asyncio.ensure_future(receiver.receive_frames())
         await sender.send({"x": 1}, timeout=5)
-        frames = await asyncio.wait_for(receiver.receive_frames(), 5)
+        frames = await asyncio.wait_for(received, 5)
     assert frames[0].get("User-Id") == "node:n0"
 
 
@@ -54,10 +57,13 @@ async def test_a_peer_without_an_admitted_key_never_reaches_the_decoder(secure: 
         assert gate.refused >= 1
 
 
-async def test_a_listener_that_cannot_prove_the_key_in_the_address_gets_nothing(secure: tuple) -> None:
+@pytest.mark.parametrize("with_bulk", [False, True])
+async def test_a_listener_that_cannot_prove_the_key_in_the_address_gets_nothing(secure: tuple,
+                                                                                with_bulk: bool) -> None:
     receiver, _, _, member, _ = secure
     endpoint, _ = split_address(receiver.address)
-    impostor = join_address(endpoint, Keypair.generate().public)
+    # With the receiver's real bulk socket: the session's key goes only to the key's holder.
+    impostor = join_address(endpoint, Keypair.generate().public, bulk_endpoint(receiver.address) if with_bulk else None)
     async with open_sender(impostor, curve=member) as sender:
         with pytest.raises(TimeoutError):
             await sender.send({"x": 1}, timeout=1.0)

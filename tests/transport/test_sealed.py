@@ -1,0 +1,303 @@
+"""Sealed bulk frames: a session opened over CURVE, messages sealed with AES-GCM on a plain socket.
+
+The tests that attack the bulk socket play the peer by hand: a raw CURVE socket opens a
+session, a raw DEALER claims it and sends what the test chooses (tampered, replayed,
+reordered), and the receiver must refuse each and keep serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import torch
+import zmq
+
+from transport.channel import Receiver, open_receiver, open_sender
+from transport.sealed import (
+    ACK_MAGIC,
+    CLAIM_MAGIC,
+    TAG_BYTES,
+    OpenedFrame,
+    SealRefused,
+    SessionKey,
+    parse_head,
+)
+from transport.security import Gate, Keypair, bulk_endpoint, configure_client, join_address, split_address
+from transport.wire import MessageTooLarge, decode_message, encode_message
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+async def secure() -> AsyncIterator[tuple[Receiver, Keypair, Keypair, zmq.Context[Any]]]:
+    server, member = Keypair.generate(), Keypair.generate()
+    context: zmq.Context[Any] = zmq.Context()
+    gate = Gate(context, lambda: {member.public: "node:n0"})
+    receiver = open_receiver("tcp://127.0.0.1:0", context=context, curve=server, max_message_bytes=4 << 20)
+    try:
+        yield receiver, server, member, context
+    finally:
+        await receiver.aclose()
+        gate.stop()
+        context.term()
+
+
+class _Collector:
+    """Reads a receiver in the background (a session opens only while the receiver reads)."""
+
+    def __init__(self, receiver: Receiver) -> None:
+        self.receiver = receiver
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                frames = await self.receiver.receive_frames()
+            except MessageTooLarge as exc:
+                await self.queue.put(exc)
+                continue
+            await self.queue.put(frames)
+
+    async def next(self) -> Any:
+        return await asyncio.wait_for(self.queue.get(), 20)
+
+    async def aclose(self) -> None:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+
+
+class _HandPlayedPeer:
+    """A member that opens a session with raw sockets and sends whatever the test seals."""
+
+    def __init__(self, receiver: Receiver, member: Keypair, context: zmq.Context[Any], *, encrypt: bool = True):
+        endpoint, server_public = split_address(receiver.address)
+        bulk = bulk_endpoint(receiver.address)
+        assert server_public is not None and bulk is not None
+        self.key = SessionKey.new(encrypt=encrypt)
+        self.control = context.socket(zmq.PUSH)
+        configure_client(self.control, member, server_public)
+        self.control.connect(endpoint)
+        self.bulk = context.socket(zmq.DEALER)
+        self.bulk.connect(bulk)
+        self.seq = 0
+
+    async def open(self) -> None:
+        self.control.send(self.key.open_message())
+        self.bulk.send(self.key.token(CLAIM_MAGIC, 0, b"claim"))
+        assert await _poll(self.bulk) == self.key.token(ACK_MAGIC, 1, b"ready")
+
+    def sealed(self, payload: Any, seq: int | None = None) -> list[bytes]:
+        if seq is None:
+            self.seq += 1
+            seq = self.seq
+        return [bytes(memoryview(f)) for f in self.key.seal(seq, encode_message(payload))]
+
+    def close(self) -> None:
+        self.control.close(linger=0)
+        self.bulk.close(linger=0)
+
+
+async def _poll(socket: zmq.Socket[Any], seconds: float = 20) -> bytes | None:
+    """The next frame on ``socket`` within ``seconds``, or None."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while loop.time() < deadline:
+        try:
+            return socket.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            await asyncio.sleep(0.01)
+    return None
+
+
+async def _refusals(receiver: Receiver, at_least: int) -> int:
+    """The receiver's refusals once there are ``at_least``: another connection's messages
+    are fair-queued with the ones the test waited for, so they may come after them."""
+    async with asyncio.timeout(20):
+        while receiver.statistics().refused < at_least:
+            await asyncio.sleep(0.01)
+    return receiver.statistics().refused
+
+
+def _payload(frames: list[Any]) -> Any:
+    return decode_message(frames, max_bytes=1 << 30)
+
+
+@pytest.mark.parametrize("bulk", ["encrypt", "authenticate", "curve"])
+async def test_messages_cross_in_order_and_carry_their_senders_name(secure: tuple, bulk: str) -> None:
+    receiver, _, member, context = secure
+    collector = _Collector(receiver)
+    tensors = [torch.randn(n) for n in (3, 5000, 70000, 300000)]
+    try:
+        async with open_sender(receiver.address, curve=member, context=context, bulk=bulk) as sender:  # type: ignore[arg-type]
+            for i, tensor in enumerate(tensors):
+                await sender.send({"i": i, "t": tensor}, timeout=20)
+            received = [await collector.next() for _ in tensors]
+    finally:
+        await collector.aclose()
+    for i, frames in enumerate(received):
+        assert frames[0].get("User-Id") == "node:n0"
+        assert isinstance(frames[0], OpenedFrame) == (bulk != "curve")
+        message = _payload(frames)
+        assert message["i"] == i and torch.equal(message["t"], tensors[i])
+    assert receiver.statistics().messages == len(tensors) and receiver.statistics().refused == 0
+
+
+def _tamper(frames: list[bytes], how: str) -> list[bytes]:
+    frames = list(frames)
+    if how == "payload byte":
+        last = bytearray(frames[-1])
+        last[len(last) // 2] ^= 1
+        frames[-1] = bytes(last)
+    elif how == "tag":
+        last = bytearray(frames[-1])
+        last[-1] ^= 0x80
+        frames[-1] = bytes(last)
+    elif how == "sequence in the head":
+        head = bytearray(frames[0])
+        head[-5] ^= 1  # the sequence number's low byte: the nonces no longer match
+        frames[0] = bytes(head)
+    elif how == "frame dropped":
+        frames = frames[:-1]
+    elif how == "frames swapped":
+        frames[1], frames[2] = frames[2], frames[1]
+    return frames
+
+
+@pytest.mark.parametrize("encrypt", [True, False], ids=["encrypted", "authenticated"])
+@pytest.mark.parametrize("how", ["payload byte", "tag", "sequence in the head", "frame dropped", "frames swapped"])
+async def test_a_tampered_message_is_refused_and_the_channel_keeps_serving(secure: tuple, encrypt: bool,
+                                                                           how: str) -> None:
+    receiver, _, member, context = secure
+    collector = _Collector(receiver)
+    peer = _HandPlayedPeer(receiver, member, context, encrypt=encrypt)
+    try:
+        await peer.open()
+        payload = {"a": torch.arange(2000.0), "b": torch.ones(3000)}
+        peer.bulk.send_multipart(_tamper(peer.sealed(payload), how))
+        peer.bulk.send_multipart(peer.sealed({"after": 1}))
+        assert _payload(await collector.next()) == {"after": 1}
+    finally:
+        peer.close()
+        await collector.aclose()
+    assert receiver.statistics().refused == 1 and receiver.statistics().messages == 1
+
+
+async def test_a_replayed_or_reordered_message_is_refused(secure: tuple) -> None:
+    receiver, _, member, context = secure
+    collector = _Collector(receiver)
+    peer = _HandPlayedPeer(receiver, member, context)
+    try:
+        await peer.open()
+        one, two = peer.sealed({"n": 1}), peer.sealed({"n": 2})
+        four, three = peer.sealed({"n": 4}, seq=4), peer.sealed({"n": 3}, seq=3)
+        for message in (one, two, two, one, four, three):  # a replay of 2 and of 1; 3 after 4
+            peer.bulk.send_multipart(message)
+        peer.bulk.send_multipart(peer.sealed({"n": 5}, seq=5))
+        received = [_payload(await collector.next())["n"] for _ in range(4)]
+    finally:
+        peer.close()
+        await collector.aclose()
+    assert received == [1, 2, 4, 5]
+    assert receiver.statistics().refused == 3
+
+
+async def test_a_stranger_on_the_bulk_socket_gets_nothing_and_changes_nothing(secure: tuple) -> None:
+    receiver, _, member, context = secure
+    collector = _Collector(receiver)
+    peer = _HandPlayedPeer(receiver, member, context)
+    stranger = context.socket(zmq.DEALER)
+    stranger.connect(bulk_endpoint(receiver.address))
+    try:
+        await peer.open()
+        stranger.send(SessionKey.new().token(CLAIM_MAGIC, 0, b"claim"))  # a session nobody opened
+        stranger.send(peer.key.token(CLAIM_MAGIC, 0, b"claim"))  # the member's claim, replayed elsewhere
+        stranger.send(peer.key.open_message())  # an opening belongs on CURVE, never here
+        stranger.send_multipart([os.urandom(34), os.urandom(100)])  # noise shaped like a message
+        stranger.send_multipart(SessionKey.new().seal(1, [b"x" * 100]))  # sealed under a key of its own
+        stranger.send_multipart(peer.sealed({"n": 1}, seq=1))  # the member's message, sent first by the stranger
+        peer.bulk.send_multipart(peer.sealed({"n": 1}, seq=1))  # ...so the member's own copy is a replay
+        peer.bulk.send_multipart(peer.sealed({"n": 2}, seq=2))
+        first, second = _payload(await collector.next()), _payload(await collector.next())
+        assert await _refusals(receiver, 5) == 5
+        assert await _poll(stranger, 0.5) is None  # never answered
+    finally:
+        stranger.close(linger=0)
+        peer.close()
+        await collector.aclose()
+    # The stranger's copy of message 1 opened (it is the member's, sealed by the member): what
+    # the stranger cannot do is make anything of its own, or get any byte back.
+    assert (first, second) == ({"n": 1}, {"n": 2})
+    assert receiver.statistics().messages == 2
+
+
+async def test_an_opening_twice_and_an_opening_from_outside_the_ring_are_refused(secure: tuple) -> None:
+    receiver, server, member, context = secure
+    collector = _Collector(receiver)
+    peer = _HandPlayedPeer(receiver, member, context)
+    outsider = _HandPlayedPeer(receiver, Keypair.generate(), context)  # CURVE refuses its handshake
+    try:
+        await peer.open()
+        peer.control.send(peer.key.open_message())  # the same session again
+        outsider.control.send(outsider.key.open_message())  # queued for a handshake that fails
+        outsider.bulk.send(outsider.key.token(CLAIM_MAGIC, 0, b"claim"))
+        outsider.bulk.send_multipart(outsider.sealed({"n": 0}))
+        peer.bulk.send_multipart(peer.sealed({"n": 1}))
+        assert _payload(await collector.next()) == {"n": 1}
+        assert await _refusals(receiver, 2) == 2  # the second opening, the outsider's message
+        assert await _poll(outsider.bulk, 0.3) is None
+    finally:
+        outsider.close()
+        peer.close()
+        await collector.aclose()
+
+
+async def test_a_message_over_the_limit_on_the_bulk_socket_is_dropped(secure: tuple) -> None:
+    receiver, _, member, context = secure  # max_message_bytes = 4 MiB
+    collector = _Collector(receiver)
+    peer = _HandPlayedPeer(receiver, member, context)
+    try:
+        await peer.open()
+        peer.bulk.send_multipart(peer.sealed([torch.ones(600_000) for _ in range(3)]))  # 7.2 MB in 3 frames
+        assert isinstance(await collector.next(), MessageTooLarge)
+        peer.bulk.send_multipart(peer.sealed({"n": 2}))
+        assert _payload(await collector.next()) == {"n": 2}
+    finally:
+        peer.close()
+        await collector.aclose()
+
+
+@pytest.mark.parametrize("encrypt", [True, False])
+def test_a_session_key_seals_and_opens_frames_of_every_size(encrypt: bool) -> None:
+    key = SessionKey.new(encrypt=encrypt)
+    frames = [b"", b"h" * 7, os.urandom(4095), os.urandom(4096), os.urandom(1 << 20)]
+    sealed = [bytes(memoryview(f)) for f in key.seal(7, frames)]
+    head, session_id, seq = parse_head(sealed[0])
+    assert (session_id, seq) == (key.session_id, 7)
+    opened = key.unseal(head, seq, sealed[1:], "node:n0")
+    assert [bytes(memoryview(f.buffer)) for f in opened] == frames
+    assert all(f.get("User-Id") == "node:n0" for f in opened)
+    big = sealed[-1]
+    if encrypt:
+        assert len(big) == (1 << 20) + TAG_BYTES and big[: 1 << 10] != frames[-1][: 1 << 10]
+    else:  # authenticated only: the bytes go as they are, the tags in one frame
+        assert big == frames[-1] and len(sealed[1]) == TAG_BYTES * len(frames)
+    with pytest.raises(SealRefused):
+        SessionKey(key.session_id, os.urandom(32), encrypt=encrypt).unseal(head, seq, sealed[1:], "x")
+
+
+def test_a_secure_address_carries_its_bulk_endpoint_and_refuses_a_host_name() -> None:
+    keys = Keypair.generate()
+    address = join_address("tcp://127.0.0.1:5555", keys.public, "tcp://127.0.0.1:5556")
+    assert split_address(address) == ("tcp://127.0.0.1:5555", keys.public)
+    assert bulk_endpoint(address) == "tcp://127.0.0.1:5556"
+    assert bulk_endpoint(join_address("tcp://127.0.0.1:5555", keys.public)) is None
+    assert bulk_endpoint(join_address("ipc:///tmp/a/sock", keys.public, "ipc:///tmp/a/sock.bulk")) == (
+        "ipc:///tmp/a/sock.bulk"
+    )
+    with pytest.raises(ValueError, match="bulk part"):
+        split_address(join_address("tcp://127.0.0.1:5555", keys.public, "tcp://example.com:5556"))

@@ -1,0 +1,178 @@
+"""The socket plumbing under :mod:`transport.channel`: readiness on ZMQ_FD, reading a message
+frame by frame within limits, and the addresses a channel binds."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import os
+import tempfile
+from typing import Any
+
+import zmq
+
+from transport.wire import MessageTooLarge
+
+__all__ = ["ChannelClosed", "Readiness", "bind_address", "bulk_bind_address", "events", "gather", "is_local_address",
+           "is_loopback", "zero_copy_pays"]
+
+
+class ChannelClosed(RuntimeError):
+    """The channel was closed (by ``aclose``) before or during the call."""
+
+
+class Readiness:
+    """Waits for ZeroMQ sockets' events through the loop's readers on their ZMQ_FDs.
+
+    ZMQ_FD is edge-triggered: it fires when the socket's events may have changed,
+    and only ``ZMQ_EVENTS`` says what they are. So every wait re-checks the events
+    after arming the reader. A ``sticky`` reader stays armed between waits (a
+    receiver waits all the time, and re-arming costs two epoll_ctl calls a
+    message); when it fires with nobody waiting it reads the events, which
+    consumes the notification instead of letting it fire again. Given several
+    sockets, a wait returns once any of them has the event.
+    """
+
+    def __init__(self, *sockets: zmq.Socket[Any], sticky: bool = False) -> None:
+        self._sockets = sockets
+        self._fds: list[int] = [socket.getsockopt(zmq.FD) for socket in sockets]  # type: ignore[misc]
+        self._loop = asyncio.get_running_loop()
+        self._waiter: asyncio.Future[None] | None = None
+        self._armed = False
+        self._sticky = sticky
+
+    async def wait(self, event: int) -> None:
+        """Returns once ``event`` (POLLIN or POLLOUT) is set on the socket.
+
+        Raises:
+            ChannelClosed: :meth:`close` was called while waiting.
+        """
+        while not self._any(event):
+            waiter = self._waiter = self._loop.create_future()
+            if not self._armed:
+                for fd in self._fds:
+                    self._loop.add_reader(fd, self._wake)
+                self._armed = True
+            try:
+                if self._any(event):
+                    return
+                await waiter
+            finally:
+                self._waiter = None
+                if not self._sticky:
+                    self._disarm()
+
+    def _any(self, event: int) -> bool:
+        return any(events(socket) & event for socket in self._sockets)
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+        elif self._sticky:
+            for socket in self._sockets:
+                if not socket.closed:
+                    events(socket)
+
+    def _disarm(self) -> None:
+        # Only while armed: once the socket is closed its fd number may belong to
+        # another socket, whose reader must not be removed.
+        if self._armed:
+            for fd in self._fds:
+                self._loop.remove_reader(fd)
+            self._armed = False
+
+    def close(self) -> None:
+        """Disarms, and fails a pending wait with ChannelClosed; call before closing the socket."""
+        waiter, self._waiter = self._waiter, None
+        self._disarm()
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(ChannelClosed("channel closed while waiting"))
+
+
+def gather(socket: zmq.Socket[Any], frame: zmq.Frame, limit: int, max_frames: int,
+            address: str) -> tuple[list[zmq.Frame], int]:
+    """The rest of the message that ``frame`` starts, read frame by frame; returns it and its bytes.
+
+    The rest is queued already (multipart delivery is atomic).
+
+    Raises:
+        MessageTooLarge: over ``limit`` bytes or ``max_frames`` frames; its remaining
+            frames were read and released one by one.
+    """
+    frames, nbytes = [frame], len(frame)
+    while frame.more and nbytes <= limit and len(frames) < max_frames:
+        frame = socket.recv(zmq.NOBLOCK, copy=False)
+        nbytes += len(frame)
+        frames.append(frame)
+    if nbytes <= limit and not frame.more:
+        return frames, nbytes
+    num_frames = len(frames)
+    frames.clear()
+    while frame.more:  # drop the rest, one frame at a time
+        frame = socket.recv(zmq.NOBLOCK, copy=False)
+        nbytes += len(frame)
+        num_frames += 1
+    raise MessageTooLarge(
+        f"refused a message of {nbytes} bytes in {num_frames} frames on {address}: over "
+        f"the limit of {limit} bytes or {max_frames} frames"
+    )
+
+
+def bulk_bind_address(bind_address: str) -> str:
+    """Where a receiver bound at ``bind_address`` binds its bulk socket: the same host, any port."""
+    scheme, _, rest = bind_address.partition("://")
+    if scheme == "ipc":
+        return f"ipc://{rest}.bulk"
+    return f"tcp://{rest.rpartition(':')[0]}:*"
+
+
+def events(socket: zmq.Socket[Any]) -> int:
+    return int(socket.getsockopt(zmq.EVENTS))  # type: ignore[call-overload]
+
+
+def zero_copy_pays(frames: list[Any]) -> bool:
+    """Zero-copy frames cost a Frame object and a release callback each; below
+    ZeroMQ's own copy threshold copying is cheaper (and libzmq copies them anyway)."""
+    return any(memoryview(f).nbytes >= zmq.COPY_THRESHOLD for f in frames)
+
+
+def bind_address(address: str, *, allow_remote: bool) -> tuple[str, str | None]:
+    """Returns the address to bind (ephemeral forms resolved) and any temp folder made."""
+    scheme, sep, rest = address.partition("://")
+    if not sep:
+        raise ValueError(f"address {address!r} must look like tcp://HOST:PORT or ipc://PATH")
+    if scheme == "ipc":
+        if rest:
+            return address, None
+        tempdir = tempfile.mkdtemp(prefix="actorpipe-")
+        return f"ipc://{os.path.join(tempdir, 'sock')}", tempdir
+    if scheme != "tcp":
+        raise ValueError(f"unsupported transport {scheme!r} in {address!r}: use tcp:// or ipc://")
+    host, colon, port = rest.rpartition(":")
+    if not colon or not host:
+        raise ValueError(f"address {address!r} needs a host and a port (port 0 for any free one)")
+    if not allow_remote and not is_loopback(host):
+        raise ValueError(
+            f"refusing to bind {address!r}: it is not a loopback address; pass "
+            "allow_remote=True (with CURVE keys, the default for a cluster) to listen beyond this machine"
+        )
+    if port == "0":
+        port = "*"
+    return f"tcp://{host}:{port}", None
+
+
+def is_local_address(address: str) -> bool:
+    """Whether a runtime's ``address`` (with or without its key part) is reachable only
+    from this machine: ``ipc://`` or TCP on a loopback address."""
+    endpoint = address.partition("|")[0]
+    scheme, _, rest = endpoint.partition("://")
+    return scheme == "ipc" or (scheme == "tcp" and is_loopback(rest.rpartition(":")[0]))
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
