@@ -12,7 +12,6 @@ every task it starts and cancels them all in :meth:`Runtime.aclose`.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from contextlib import asynccontextmanager
@@ -32,6 +31,7 @@ from actors._errors import (
     error_to_wire,
     exit_error,
 )
+from actors._calls import PendingCalls
 from actors._ref import ActorRef
 from actors._senders import SenderPool, SenderPoolConfig, _is_numeric_address
 from transport.channel import BulkMode, Receiver, Sender, open_receiver, open_sender
@@ -42,7 +42,6 @@ __all__ = ["Runtime", "open_runtime"]
 
 log = logging.getLogger(__name__)
 
-MAX_LOST_ADDRESSES = 4096  # the ended processes a runtime remembers (the oldest is forgotten first)
 
 
 @asynccontextmanager
@@ -115,10 +114,7 @@ class Runtime:
         self._starting: set[str] = set()  # names whose actor is in on_start
         self._mailbox_tasks: dict[str, asyncio.Task[None]] = {}
         self._senders = SenderPool(self._open_sender, sender_pool, spawn_task=self.spawn_task)
-        self._pending: dict[int, tuple[asyncio.Future[Any], str]] = {}
-        self._sending: dict[int, asyncio.Task[Any]] = {}  # asks still in their send, by call id
-        self._lost = _LostAddresses()  # addresses whose process ended: calls fail at once
-        self._ids = itertools.count(1)
+        self._calls = PendingCalls()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
         receiver.pump(self._on_frames)
@@ -196,10 +192,7 @@ class Runtime:
         """Calls ``ref.method(*args, **kwargs)`` and returns its result (see ActorRef.ask)."""
         if self._closed:
             raise ActorStopped(f"runtime at {self.address} is closed")
-        self._lost.refuse(ref.address)
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        call_id = next(self._ids)
-        self._pending[call_id] = (future, ref.address)
+        call_id, future = self._calls.open(ref.address)
         timer = asyncio.timeout(timeout)
         try:
             async with timer:
@@ -207,8 +200,8 @@ class Runtime:
                     self._deliver_local(ref.name, Call(method=method, args=args, kwargs=kwargs,
                                                        reply=_resolve_into(future)))
                 else:
-                    await self._send_unless_failed(call_id, future, ref.address,
-                                                   _request(call_id, ref.name, method, args, kwargs, self.address))
+                    request = _request(call_id, ref.name, method, args, kwargs, self.address)
+                    await self._calls.send_unless_failed(call_id, future, self._send(ref.address, request))
                 return await future
         except TimeoutError:
             if not timer.expired():
@@ -217,7 +210,7 @@ class Runtime:
                 f"no reply from {ref.name}.{method} at {ref.address} within {timeout}s"
             ) from None
         finally:
-            self._pending.pop(call_id, None)
+            self._calls.close(call_id)
 
     async def tell(self, ref: ActorRef, method: str, args: list[Any], kwargs: dict[str, Any]) -> int:
         """Sends a call whose outcome nobody waits for; returns the bytes sent."""
@@ -227,48 +220,21 @@ class Runtime:
             except ActorError as exc:
                 log.warning("tell %s.%s: %s", ref.name, method, exc)
             return 0
-        self._lost.refuse(ref.address)
+        self._calls.refuse(ref.address)
         return await self._send(ref.address, _request(None, ref.name, method, args, kwargs, None))
-
-    async def _send_unless_failed(self, call_id: int, future: asyncio.Future[Any], address: str,
-                                  message: dict[str, Any]) -> None:
-        """Sends a request, unless its call fails first: a send to a peer whose connection is gone waits
-        for room, and a node declared lost (:meth:`fail_calls_to`, which cancels the send) must end such
-        a call at once, not at its timeout (a step begun between a node's death and its detection waited
-        it out). The send runs in the asking task itself: no task of its own on this path."""
-        task = asyncio.current_task()
-        assert task is not None
-        self._sending[call_id] = task
-        try:
-            await self._send(address, message)
-        except asyncio.CancelledError:
-            if call_id in self._sending or not future.done() or future.exception() is None:
-                raise  # not the loss's cancel: a timeout's, or the caller's
-            task.uncancel()
-            raise future.exception() from None  # type: ignore[misc]
-        finally:
-            self._sending.pop(call_id, None)
 
     def fail_calls_to(self, address: str, error: ActorError) -> int:
         """Fails every pending call to the runtime at ``address`` (it was lost); returns how many."""
-        waiting = [(call_id, future) for call_id, (future, target) in self._pending.items()
-                   if target == address and not future.done()]
-        for call_id, future in waiting:
-            future.set_exception(error)
-            sending = self._sending.pop(call_id, None)
-            if sending is not None:  # still waiting to send: it ends now (see _send_unless_failed)
-                sending.cancel()
-        return len(waiting)
+        return self._calls.fail_calls_to(address, error)
 
     def mark_lost(self, address: str, error: ActorError) -> None:
         """The process at ``address`` ended for good (its node saw it go): its pending calls fail with
         ``error``, and so does every later call to it, at once instead of at its timeout."""
-        self._lost.mark(address, error)
-        self.fail_calls_to(address, error)
+        self._calls.mark_lost(address, error)
 
     def lost(self, address: str) -> ActorError | None:
         """Why the process at ``address`` ended, when its node said so (:meth:`mark_lost`); else None."""
-        return self._lost.get(address)
+        return self._calls.lost(address)
 
     def caller_address(self) -> str:
         """The address of the runtime that made the call being served, checked to be the caller's own
@@ -329,9 +295,9 @@ class Runtime:
         error = BadRecord(f"{len(bad_records)} record(s) could not be rebuilt at {self.address}: {reasons}")
         kind = message.get("t") if isinstance(message, dict) else None
         if kind == "rep":
-            entry = self._pending.get(message.get("id")) if type(message.get("id")) is int else None
-            if entry is not None and not entry[0].done():
-                entry[0].set_exception(BadRecord(f"the reply's {error.message}"))
+            future = self._calls.waiting(message.get("id"))
+            if future is not None:
+                future.set_exception(BadRecord(f"the reply's {error.message}"))
                 return
         elif kind == "req":
             call_id, reply_to = message.get("id"), message.get("r")
@@ -352,12 +318,10 @@ class Runtime:
             log.warning("dropped a message that is neither request nor reply: %s", excerpt(message, 200))
 
     def _on_reply(self, message: dict[str, Any]) -> None:
-        call_id = message.get("id")
-        entry = self._pending.get(call_id) if type(call_id) is int else None
-        if entry is None or entry[0].done():
-            log.debug("reply %s came after its caller stopped waiting", excerpt(call_id))
+        future = self._calls.waiting(message.get("id"))
+        if future is None:
+            log.debug("reply %s came after its caller stopped waiting", excerpt(message.get("id")))
             return
-        future = entry[0]
         if message.get("ok") is True:
             future.set_result(message.get("v"))
         else:
@@ -416,9 +380,7 @@ class Runtime:
         for name in list(self._mailboxes):
             await self.stop_actor(name)
         await self._receiver.aclose()
-        for future, _ in self._pending.values():
-            if not future.done():
-                future.set_exception(ActorStopped(f"runtime at {self.address} closed before the reply"))
+        self._calls.fail_all(lambda: ActorStopped(f"runtime at {self.address} closed before the reply"))
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
@@ -433,28 +395,6 @@ class Runtime:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
-
-
-class _LostAddresses:
-    """The addresses whose process ended, with why: the newest :data:`MAX_LOST_ADDRESSES` of them."""
-
-    def __init__(self) -> None:
-        self._errors: dict[str, ActorError] = {}
-
-    def mark(self, address: str, error: ActorError) -> None:
-        self._errors[address] = error
-        while len(self._errors) > MAX_LOST_ADDRESSES:
-            del self._errors[next(iter(self._errors))]
-
-    def get(self, address: str) -> ActorError | None:
-        """A fresh copy of the error (each raise gets its own traceback), or None."""
-        error = self._errors.get(address)
-        return None if error is None else type(error)(error.message, details=dict(error.details))
-
-    def refuse(self, address: str) -> None:
-        """Raises why ``address``'s process ended, if it did."""
-        if (error := self.get(address)) is not None:
-            raise error
 
 
 def _request(
