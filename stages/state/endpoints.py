@@ -1,0 +1,102 @@
+"""A stage actor's endpoints for its state: state dicts, checkpoints and exports.
+
+Mixed into :class:`~stages.actor.StageActor`, which gives them its parts (``_parts()``); the
+work is :class:`~stages.state.stage_state.StageState`'s. Only the head calls them: it
+resolves every path for the job's owner first (see docs/security.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from actors._actor import endpoint
+
+__all__ = ["StateEndpoints"]
+
+
+class StateEndpoints:
+    """State dicts, checkpoint saves and loads, and exports of one stage."""
+
+    def _parts(self) -> Any:
+        raise NotImplementedError  # StageActor's
+
+    @endpoint(roles=("head",))
+    async def state_dict(self) -> dict[str, torch.Tensor]:
+        """This stage's share of the model's state, under the unpartitioned model's keys."""
+        return await self._parts().state.state_dict()
+
+    @endpoint(roles=("head",))
+    async def shard_specs(self) -> dict[str, list[int]]:
+        """How this stage's tensor-parallel parameters are split: key -> [dim, world, num_fused]."""
+        return dict(self._parts().built.specs)
+
+    @endpoint(roles=("head",))
+    async def load_state_dict(self, state: dict[str, torch.Tensor]) -> list[str]:
+        """Loads the entries this stage holds; returns the keys it took (snapshots before it are dropped)."""
+        return await self._parts().state.load_state_dict(state)
+
+    @endpoint(roles=("head",))
+    async def state_keys(self, aliases: bool = True) -> list[str]:
+        """The whole model's keys this stage holds and (``aliases``) its tied tensors' other names."""
+        return self._parts().state.state_keys(aliases)
+
+    @endpoint(roles=("head",))
+    async def checkpoint_begin(self, directory: str, within: str | None = None) -> str:
+        """As the job's coordinator: makes the job's staging directory in ``directory``; returns it.
+
+        Only the head calls it, with a path it resolved for the job's owner; ``within`` is
+        that client's subtree of the checkpoint root, which ``directory`` must not leave
+        on this node either (links resolved), or None for the admin.
+        """
+        return await self._parts().state.begin(directory, within)
+
+    @endpoint(roles=("head",))
+    async def checkpoint_write(self, staging: str, file: str, weights_only: bool = False) -> dict[str, Any]:
+        """Writes this stage's tensors and optimizer state (or its weights alone) to ``staging/file``;
+        returns their manifest items."""
+        return await self._parts().state.write(staging, file, bool(weights_only))
+
+    @endpoint(roles=("head",))
+    async def checkpoint_commit(self, directory: str, staging: str, manifest: dict[str, Any]) -> str:
+        """As the coordinator: completes the save (manifest, fsyncs, rename, pointer); returns the version."""
+        return await self._parts().state.commit(directory, staging, manifest)
+
+    @endpoint(roles=("head",))
+    async def checkpoint_manifest(self, directory: str, within: str | None = None) -> list[Any]:
+        """As the coordinator: ``[version directory, manifest]`` of the checkpoint ``LATEST`` names
+        (``within``: as for :meth:`checkpoint_begin`)."""
+        return await self._parts().state.manifest(directory, within)
+
+    @endpoint(roles=("head",))
+    async def checkpoint_check(self, version: str, plan: dict[str, Any]) -> list[str]:
+        """Load, phase one: reads and checks this stage's part (``plan``); returns every problem found."""
+        return await self._parts().state.check(version, plan)
+
+    @endpoint(roles=("head",))
+    async def checkpoint_apply(self, weights_only: bool) -> None:
+        """Load, phase two: copies what :meth:`checkpoint_check` prepared (step numbers go on rising)."""
+        await self._parts().state.apply(weights_only)
+
+    @endpoint(roles=("head",))
+    async def export_begin(self, directory: str, within: str | None = None) -> str:
+        """As the coordinator: makes the export's directory (new or empty) and its staging directory."""
+        return await self._parts().state.export_begin(directory, within)
+
+    @endpoint(roles=("head",))
+    async def export_write(self, staging: str, file: str, plan: dict[str, Any] | None = None,
+                           format: str = "safetensors") -> dict[str, Any]:
+        """Writes this pipeline stage's weights under the model's own names to ``staging/file``."""
+        return await self._parts().state.export_write(staging, file, plan, str(format))
+
+    @endpoint(roles=("head",))
+    async def export_commit(self, directory: str, staging: str, written: list[dict[str, Any]],
+                            format: str = "safetensors") -> str:
+        """As the coordinator: completes the export (the files, the index, the config; or DCP's metadata)."""
+        return await self._parts().state.export_commit(directory, staging, written, str(format))
+
+    @endpoint(roles=("head",))
+    async def checkpoint_discard(self) -> None:
+        """Load, abandoned (another stage found problems): forgets what :meth:`checkpoint_check` read."""
+        self._parts().state.discard()
