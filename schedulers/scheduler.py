@@ -42,7 +42,7 @@ from actors import (
     may_call,
     register_actor,
 )
-from stages import backend_for, Mesh, RendezvousActor, StageActor
+from stages import backend_for, RendezvousActor, StageActor, StageConfig
 from stages.build.describe import ModelInspector
 from schedulers.control import JobController
 from schedulers.job_actor import JobActor, may_act_on
@@ -136,6 +136,33 @@ class _Phases:
         now = time.perf_counter()
         self.phases[phase] = round(now - self._last, 4)
         self._last = now
+
+
+async def open_rendezvous(
+    runtime: Host, job_id: str, spec: JobSpec, nodes: list[NodeInfo]
+) -> tuple[str | None, dict[str, Any] | None]:
+    """The job's torch.distributed rendezvous, for a mesh that needs collectives.
+
+    It is an actor on the head (:class:`~stages.comm.rendezvous.RendezvousActor`) that
+    serves only the keys of the job's nodes, over the cluster's own authenticated
+    channel: nothing new listens anywhere. Returns its name and the stages' ``dist``
+    config, whose backend follows the nodes' devices (:func:`~stages.comm.parallel.backend_for`).
+
+    Raises:
+        ValueError: the nodes mix CPUs and GPUs, or two would share a GPU (NCCL refuses it).
+    """
+    if not _needs_communicator(spec):
+        return None, None
+    # Before anything starts: a mixed or GPU-sharing job is refused here. (The stage
+    # package still reads nodes as maps.)
+    backend = backend_for([node.to_wire() for node in nodes])
+    name = f"{job_id}.rendezvous"
+    members = {n.identity for n in nodes} - {""}
+    timeout_s = spec.fault_tolerance.step_timeout_s
+    await runtime.spawn(RendezvousActor(members, timeout_s=timeout_s, job=job_id), name)
+    loopback = all(is_local_address(n.address) for n in nodes)
+    return name, {"rendezvous": [runtime.address, name], "backend": backend,
+                  "timeout_s": timeout_s, "loopback": loopback}
 
 
 @register_actor("scheduler")
@@ -232,7 +259,7 @@ class SchedulerActor(Actor):
         clock.done("partition")
         for notice in notices:
             log.warning("%s: %s", job_id, notice)
-        rendezvous, dist_config = await self._rendezvous(job_id, job_spec, mesh, nodes)
+        rendezvous, dist_config = await open_rendezvous(self.runtime, job_id, job_spec, nodes)
         clock.done("rendezvous")
         try:
             stages = await self._spawn_stages(job_id, job_spec, bounds, nodes, dist_config)
@@ -282,37 +309,14 @@ class SchedulerActor(Actor):
         held += [names for owner, names in self._building.values() if owner == caller]
         check_client(self.limits, caller, held, spec.mesh.size)
 
-    async def _rendezvous(
-        self, job_id: str, spec: JobSpec, mesh: Mesh, nodes: list[NodeInfo]
-    ) -> tuple[str | None, dict[str, Any] | None]:
-        """The job's torch.distributed rendezvous, for a mesh that needs collectives.
-
-        It is an actor on the head (:class:`~stages.comm.rendezvous.RendezvousActor`) that
-        serves only the keys of the job's nodes, over the cluster's own authenticated
-        channel: nothing new listens anywhere. Returns its name and the stages' ``dist``
-        config, whose backend follows the nodes' devices (:func:`~stages.comm.parallel.backend_for`).
-
-        Raises:
-            ValueError: the nodes mix CPUs and GPUs, or two would share a GPU (NCCL refuses it).
-        """
-        if not _needs_communicator(spec):
-            return None, None
-        # Before anything starts: a mixed or GPU-sharing job is refused here. (The stage
-        # package still reads nodes as maps.)
-        backend = backend_for([node.to_wire() for node in nodes])
-        name = f"{job_id}.rendezvous"
-        members = {n.identity for n in nodes} - {""}
-        timeout_s = spec.fault_tolerance.step_timeout_s
-        await self.runtime.spawn(RendezvousActor(members, timeout_s=timeout_s, job=job_id), name)
-        loopback = all(is_local_address(n.address) for n in nodes)
-        return name, {"rendezvous": [self.runtime.address, name], "backend": backend,
-                      "timeout_s": timeout_s, "loopback": loopback}
-
     async def _nodes(self) -> list[NodeInfo]:
         return await self.runtime.ref(self.runtime.address, HEAD).endpoint(HeadActor.nodes).call()
 
+    async def _alive(self) -> list[NodeInfo]:
+        return [n for n in await self._nodes() if n.alive]
+
     async def _alive_nodes(self) -> set[str]:
-        return {n.name for n in await self._nodes() if n.alive}
+        return {n.name for n in await self._alive()}
 
     async def _place(self, spec: JobSpec) -> Placement:
         """The job's nodes by global rank (see :func:`~schedulers.placement.choose_nodes`) and its notices.
@@ -321,7 +325,7 @@ class SchedulerActor(Actor):
             ValueError: too few alive nodes, or ranks that would share a GPU in an NCCL communicator.
         """
         mesh = spec.mesh
-        alive = [n for n in await self._nodes() if n.alive]
+        alive = await self._alive()
         if len(alive) < mesh.size:
             raise ValueError(
                 f"this job needs {mesh.size} nodes ({mesh.pipeline} pipeline x {mesh.tensor} tensor x "
@@ -336,14 +340,10 @@ class SchedulerActor(Actor):
         self, job_id: str, spec: JobSpec, bounds: list[list[int]], nodes: list[NodeInfo],
         dist_config: dict[str, Any] | None,
     ) -> list[ActorRef]:
-        async def spawn(rank: int, node: NodeInfo) -> ActorRef:
-            config = stage_config(spec, job=job_id, global_rank=rank, bounds=bounds, dist=dist_config)
-            # A stage is built from its config's fields as keyword arguments (StageActor(**config)).
-            agent = self.runtime.ref(node.address, NODE).endpoint(NodeActor.spawn, timeout=300)
-            address, name = await agent.call("stage", f"{job_id}.rank{rank}", config.to_wire())
-            return self._hosted_by(node, self.runtime.ref(address, name))
-
-        results = await asyncio.gather(*(spawn(r, n) for r, n in enumerate(nodes)), return_exceptions=True)
+        results = await asyncio.gather(*(
+            self._spawn_stage(node, f"{job_id}.rank{rank}",
+                              stage_config(spec, job=job_id, global_rank=rank, bounds=bounds, dist=dist_config))
+            for rank, node in enumerate(nodes)), return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             await self._stop_stages([r for r in results if isinstance(r, ActorRef)])
@@ -358,7 +358,7 @@ class SchedulerActor(Actor):
             ValueError: too few.
         """
         busy = taken | {name for job in self._jobs.values() for name in job.nodes}
-        alive = [n for n in await self._nodes() if n.alive]
+        alive = await self._alive()
         used = {gpu_of(n) for n in alive if n.name in busy} - {None}  # a lost node's GPU is free again
         free = sorted((n for n in alive if n.name not in busy), key=lambda n: (gpu_of(n) in used, n.name))
         if len(free) < count:
@@ -371,12 +371,14 @@ class SchedulerActor(Actor):
         """Job ``job``'s rank ``rank`` built afresh on node ``node_name`` (a recovery)."""
         node = next(n for n in await self._nodes() if n.name == node_name)
         config = stage_config(job.spec, job=job.id, global_rank=rank, bounds=job.bounds, dist=dist)
-        agent = self.runtime.ref(node.address, NODE).endpoint(NodeActor.spawn, timeout=300)
-        address, name = await agent.call("stage", f"{job.id}.rank{rank}.restart{job.restarts}", config.to_wire())
-        return self._hosted_by(node, self.runtime.ref(address, name))
+        return await self._spawn_stage(node, f"{job.id}.rank{rank}.restart{job.restarts}", config)
 
-    def _hosted_by(self, node: NodeInfo, stage: ActorRef) -> ActorRef:
-        self._agents[stage] = node.address
+    async def _spawn_stage(self, node: NodeInfo, name: str, config: StageConfig) -> ActorRef:
+        """A stage actor built on ``node`` from ``config``'s fields as keyword arguments (StageActor(**config))."""
+        agent = self.runtime.ref(node.address, NODE).endpoint(NodeActor.spawn, timeout=300)
+        address, spawned = await agent.call("stage", name, config.to_wire())
+        stage = self.runtime.ref(address, spawned)
+        self._agents[stage] = node.address  # who stops it
         return stage
 
     async def _renew_rendezvous(self, job: JobCore) -> tuple[str, dict[str, Any]]:
@@ -384,14 +386,14 @@ class SchedulerActor(Actor):
         if job.rendezvous is not None:
             await self.runtime.stop_actor(job.rendezvous)
         by_name = {n.name: n for n in await self._nodes()}
-        name, config = await self._rendezvous(f"{job.id}.r{job.restarts}", job.spec, job.mesh,
-                                              [by_name[node] for node in job.nodes])
+        name, config = await open_rendezvous(self.runtime, f"{job.id}.r{job.restarts}", job.spec,
+                                             [by_name[node] for node in job.nodes])
         assert name is not None and config is not None
         return name, config
 
     async def _stop_stages(self, stages: list[ActorRef]) -> None:
         """Stops stage actors on the nodes still alive, each within a few seconds (a lost node's go with it)."""
-        alive = {n.address for n in await self._nodes() if n.alive}
+        alive = {n.address for n in await self._alive()}
         agents = {ref: self._agents.pop(ref, ref.address) for ref in stages}
 
         async def stop(ref: ActorRef) -> None:
