@@ -516,6 +516,8 @@ class Sender:
             if self._opening is None:
                 self._opening = Readiness(self._socket)
             waiting, event, seconds = self._opening, zmq.POLLOUT, CLAIM_RETRY_S[1]
+        elif not link.claimed:  # the bulk socket's connection: the claim leaves once it is made
+            waiting, event, seconds = self._readiness, zmq.POLLOUT, CLAIM_RETRY_S[1]
         else:  # the ack, or the time to claim again
             waiting, event, seconds = self._readiness, zmq.POLLIN, link.seconds_to_next_claim()
         try:

@@ -369,8 +369,9 @@ class BulkLink:
         self.socket.setsockopt(zmq.IMMEDIATE, 1)
         self.socket.setsockopt(zmq.MAXMSGSIZE, 256)  # what comes back is an ack
         self.socket.connect(bulk_endpoint)
-        self.opened = False
-        self.ready = False
+        self.opened = False  # the opening went out over CURVE
+        self.claimed = False  # a claim went out on the bulk socket
+        self.ready = False  # acknowledged: messages may go
         self._seq = 0
         self._claim = self.key.token(CLAIM_MAGIC, _TO_RECEIVER, _CLAIM_WORD)
         self._ack = self.key.token(ACK_MAGIC, _TO_SENDER, _ACK_WORD)
@@ -404,7 +405,8 @@ class BulkLink:
             try:
                 self.socket.send(self._claim, zmq.NOBLOCK)
             except zmq.Again:
-                pass
+                return False  # not connected yet: claim once it is (the sender waits for room)
+            self.claimed = True
             self._next_claim = now + self._retry
             self._retry = min(self._retry * 2, CLAIM_RETRY_S[1])
         return False
