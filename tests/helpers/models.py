@@ -115,6 +115,28 @@ def skewed_cnn(channels: int = 32, size: int = 16, classes: int = 10) -> nn.Sequ
     )
 
 
+class Spin(nn.Module):
+    """A linear whose forward also spends a fixed amount of CPU in a Python loop: a cost that
+    a layer's CPU time measures alike on a quiet machine and a busy one."""
+
+    def __init__(self, dim: int, iterations: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, dim)
+        self.iterations = iterations
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.iterations):
+            pass
+        return self.linear(x)
+
+
+def spin_chain(dim: int = 8, heavy: int = 4, iterations: int = 300_000, wide: int = 4096) -> nn.Sequential:
+    """``heavy`` layers of equal, CPU-bound cost, then two wide linears that hold nearly every
+    parameter and cost next to nothing: by parameters the split falls after the first wide one,
+    by time in the middle of the heavy layers (by a margin of a whole layer's cost each side)."""
+    return nn.Sequential(*(Spin(dim, iterations) for _ in range(heavy)), nn.Linear(dim, wide), nn.Linear(wide, dim))
+
+
 def image_batches(batch_size: int = 16, size: int = 16, classes: int = 10) -> Any:
     """``batch(step)``: random images ``[B, 3, size, size]`` and regression targets ``[B, classes]``."""
     def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
