@@ -14,7 +14,7 @@ import zmq
 from transport.wire import MessageTooLarge
 
 __all__ = ["ChannelClosed", "Readiness", "bind_address", "bulk_bind_address", "events", "gather", "is_local_address",
-           "is_loopback", "zero_copy_pays"]
+           "is_loopback", "readable", "zero_copy_pays"]
 
 
 class ChannelClosed(RuntimeError):
@@ -128,6 +128,14 @@ def bulk_bind_address(bind_address: str) -> str:
 
 def events(socket: zmq.Socket[Any]) -> int:
     return int(socket.getsockopt(zmq.EVENTS))  # type: ignore[call-overload]
+
+
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: pyzmq's enums cost a call per operation
+
+
+def readable(socket: zmq.Socket[Any]) -> bool:
+    """Whether a message waits on ``socket`` (and the socket's ZMQ_FD notification is consumed)."""
+    return bool(socket.getsockopt(_EVENTS) & _POLLIN)  # type: ignore[call-overload,operator]
 
 
 def zero_copy_pays(frames: list[Any]) -> bool:

@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import shutil
 from collections.abc import Callable
@@ -36,6 +37,7 @@ from transport._sockets import (
     gather,
     is_local_address,
     is_loopback,
+    readable,
     zero_copy_pays,
 )
 from transport.sealed import CLAIM_RETRY_S, TAG_BYTES, BulkInbox, BulkLink, SealRefused, is_open_message
@@ -161,6 +163,13 @@ def open_sender(
     )
 
 
+class _Drained(enum.Enum):
+    DRAINED = 0  # what Receiver._next returns when no message waits (an enum: type checkers narrow it)
+
+
+DRAINED = _Drained.DRAINED
+
+
 class Receiver:
     """The bound end of a channel: ``await receive()`` yields messages in order."""
 
@@ -205,6 +214,7 @@ class Receiver:
             join_address(endpoint, curve.public, self._bulk.endpoint if self._bulk is not None else None)
             if curve is not None else endpoint
         )
+        self._bulk_first = False  # which socket _next asks first (they take turns)
         self._readiness: Readiness | None = None
         self._pumping: Callable[[], None] | None = None
         self._reading = False
@@ -237,43 +247,50 @@ class Receiver:
             while True:
                 if self._socket.closed:
                     raise ChannelClosed(f"receiver {self.address} is closed")
-                try:
-                    frames = self._next()
-                except zmq.Again:
+                frames = self._next()
+                if frames is DRAINED:
                     if self._readiness is None:
                         sockets = (self._socket,) if self._bulk is None else (self._socket, self._bulk.socket)
                         self._readiness = Readiness(*sockets, sticky=True)
                     await self._readiness.wait(zmq.POLLIN)
-                    continue
-                if frames is not None:
+                elif frames is not None:
                     return frames
         finally:
             self._reading = False
 
-    def _next(self) -> list[Any] | None:
-        """One message read without waiting: its frames, or None for one used up here.
+    def _next(self) -> list[Any] | None | _Drained:
+        """One message read without waiting: its frames, None for one used up here, or
+        :data:`DRAINED` when nothing waits.
 
         Used up here: a sealed session's opening or claim, and a sealed message that
         was refused (counted in ``statistics().refused``). Frames of a sealed message
         are :class:`~transport.sealed.OpenedFrame` objects, which give the CURVE name
         of the session's sender as ``get("User-Id")`` as a CURVE frame does.
 
+        Which socket is asked first alternates, so neither starves the other. Each is
+        asked by its events, not by a receive that fails: pyzmq's ``Again`` costs more
+        than a message's decoding.
+
         Raises:
-            zmq.Again: nothing is waiting.
             MessageTooLarge: a message over the limits; it was dropped.
         """
         limit = self._max_message_bytes
-        try:
-            frame = self._socket.recv(zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            if self._bulk is None:
-                raise
-            frame = self._bulk.socket.recv(zmq.NOBLOCK, copy=False)  # zmq.Again: both are empty
+        bulk = self._bulk
+        self._bulk_first = bulk is not None and not self._bulk_first
+        if bulk is not None and (self._bulk_first or not readable(self._socket)):
+            if not readable(bulk.socket):
+                if self._bulk_first and readable(self._socket):
+                    return self._next_curve(limit)
+                return DRAINED
+            try:
+                frame = bulk.socket.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:  # ZMQ_EVENTS says a message *may* wait
+                return DRAINED
             # routing id, head, a tag frame when not encrypted, and a tag per frame
-            frames, nbytes = gather(self._bulk.socket, frame, limit + TAG_BYTES * MAX_FRAMES_PER_MESSAGE,
+            frames, nbytes = gather(bulk.socket, frame, limit + TAG_BYTES * MAX_FRAMES_PER_MESSAGE,
                                      MAX_FRAMES_PER_MESSAGE + 3, self.address)
             try:
-                opened = self._bulk.take(frames)
+                opened = bulk.take(frames)
             except SealRefused as exc:
                 self._refuse(exc)
                 return None
@@ -281,6 +298,16 @@ class Receiver:
                 self._stats.messages += 1
                 self._stats.bytes += nbytes
             return opened  # type: ignore[return-value]  # OpenedFrame stands in for zmq.Frame
+        if not readable(self._socket):
+            return DRAINED
+        return self._next_curve(limit)
+
+    def _next_curve(self, limit: int) -> list[Any] | None | _Drained:
+        """The next message of the CURVE (or plain) socket, whose events said one waits (see :meth:`_next`)."""
+        try:
+            frame = self._socket.recv(zmq.NOBLOCK, copy=False)
+        except zmq.Again:  # ZMQ_EVENTS says a message *may* wait (a CURVE command may have been all)
+            return DRAINED
         frames, nbytes = gather(self._socket, frame, limit, MAX_FRAMES_PER_MESSAGE, self.address)
         if self._bulk is not None and is_open_message(frames):
             try:
@@ -320,11 +347,11 @@ class Receiver:
                     return
                 try:
                     frames = self._next()
-                except zmq.Again:
-                    return  # drained: the fds fire again on the next message
                 except MessageTooLarge as exc:
                     log.warning("%s", exc)
                     continue
+                if frames is DRAINED:
+                    return  # the fds fire again on the next message
                 if frames is None:
                     continue
                 try:

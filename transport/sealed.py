@@ -15,9 +15,9 @@ second, plain socket, each frame sealed with AES-256-GCM (OpenSSL through
    with a token sealed under the key; the receiver answers with a sealed *ack*. A
    claim that comes before the session does waits (a few are kept), and the sender
    repeats its claim until it is acknowledged.
-3. Every message then leaves as ``[head, sealed frame, ...]``. The head (clear)
-   carries the session id, a sequence number that grows by one per message, and the
-   frame count; it is the associated data of every frame, and each frame's nonce is
+3. Every message then leaves as its frames sealed, the head (clear) at the start of
+   the first. The head carries the session id, a sequence number that grows by one per
+   message, and the frame count; it is the associated data of every frame, and each frame's nonce is
    made of its direction, index and sequence number, so a frame moved, dropped,
    swapped or altered fails its tag. The receiver takes only sequence numbers above
    the last it took, so a replayed or reordered message is refused.
@@ -48,7 +48,8 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from transport.wire import WireError
 
-__all__ = ["BulkInbox", "BulkLink", "OpenedFrame", "SealRefused", "SessionKey", "is_open_message"]
+__all__ = ["HEAD_BYTES", "BulkInbox", "BulkLink", "OpenedFrame", "SealRefused", "SessionKey", "is_open_message",
+           "parse_head"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ FLAG_ENCRYPTED = 1
 _OPEN = struct.Struct("!4sBB16s32s")  # magic, version, flags, session id, key: over CURVE only
 _TOKEN_HEAD = struct.Struct("!4sBB16s")  # magic, version, flags, session id; a sealed word follows
 _HEAD = struct.Struct("!4sBB16sQI")  # magic, version, flags, session id, sequence, frame count
+HEAD_BYTES = _HEAD.size
 _NONCE = struct.Struct("!IQ")  # direction (top bit) | frame index, sequence number
 OPEN_MAGIC, CLAIM_MAGIC, ACK_MAGIC, DATA_MAGIC = b"APso", b"APsc", b"APsa", b"APsd"
 _TO_RECEIVER, _TO_SENDER = 0, 1
@@ -159,18 +161,22 @@ class SessionKey:
     # -- messages ---------------------------------------------------------------------
 
     def seal(self, seq: int, frames: list[Any]) -> list[Any]:
-        """``[head, sealed frames...]`` for message number ``seq`` (from 1, one up per message)."""
+        """The sealed frames of message number ``seq`` (from 1, one up per message).
+
+        The head rides at the start of the first frame, before its ciphertext (a wire
+        message's first frame is its small msgpack header): one frame fewer to send and
+        receive. Not encrypted, the first frame is the head and every frame's tag.
+        """
         views = [_buffer(frame) for frame in frames]
         head = _HEAD.pack(DATA_MAGIC, VERSION, self._flags, self.session_id, seq, len(views))
         if not self.encrypt:
-            tags = bytearray(TAG_BYTES * len(views))
-            for index, view in enumerate(views):
-                tags[index * TAG_BYTES : (index + 1) * TAG_BYTES] = self._mac(head, index, seq, view)
-            return [head, tags, *views]
-        sealed: list[Any] = [head]
+            return [head + b"".join(self._mac(head, index, seq, view) for index, view in enumerate(views)), *views]
+        sealed: list[Any] = []
         for index, view in enumerate(views):
             nonce = _nonce(_TO_RECEIVER, index, seq)
-            if view.nbytes < _INTO_BYTES:
+            if index == 0:
+                sealed.append(head + self._aead.encrypt(nonce, view, head))
+            elif view.nbytes < _INTO_BYTES:
                 sealed.append(self._aead.encrypt(nonce, view, head))
             else:
                 out = _aligned(view.nbytes + TAG_BYTES)
@@ -179,7 +185,8 @@ class SessionKey:
         return sealed
 
     def unseal(self, head: bytes, seq: int, frames: list[Any], user_id: str) -> list[OpenedFrame]:
-        """The frames of a message whose ``head`` was parsed by :func:`parse_head`.
+        """The frames of a message whose first frame :func:`parse_head` split: ``frames`` is the rest of
+        that frame after the head, then the others.
 
         Raises:
             SealRefused: a frame is missing, extra, or fails its tag.
@@ -188,8 +195,8 @@ class SessionKey:
         count = _HEAD.unpack(head)[5]
         if not self.encrypt:
             if len(views) != count + 1 or views[0].nbytes != TAG_BYTES * count:
-                raise SealRefused(f"message {seq}: {len(views) - 1} frames and a tag frame of "
-                                  f"{views[0].nbytes} bytes for {count} frames")
+                raise SealRefused(f"message {seq}: {len(views) - 1} frames and {views[0].nbytes} bytes of tags "
+                                  f"for {count} frames")
             tags = views[0]
             for index, view in enumerate(views[1:]):
                 if not self._check_mac(head, index, seq, view, tags[index * TAG_BYTES : (index + 1) * TAG_BYTES]):
@@ -230,19 +237,20 @@ class SessionKey:
         return True
 
 
-def parse_head(data: Any) -> tuple[bytes, bytes, int]:
-    """A data message's head -> (its bytes, session id, sequence number).
+def parse_head(data: Any) -> tuple[bytes, bytes, int, memoryview]:
+    """A data message's first frame -> (its head, session id, sequence number, the rest of the frame).
 
     Raises:
         SealRefused: not a data head of this version.
     """
-    head = bytes(_buffer(data))
-    if len(head) != _HEAD.size:
-        raise SealRefused(f"a sealed message's head has {_HEAD.size} bytes, not {len(head)}")
+    view = _buffer(data)
+    if view.nbytes < _HEAD.size:
+        raise SealRefused(f"a sealed message's first frame has {view.nbytes} bytes, less than a head")
+    head = bytes(view[: _HEAD.size])
     magic, version, flags, session_id, seq, _count = _HEAD.unpack(head)
     if magic != DATA_MAGIC or version != VERSION or flags & ~FLAG_ENCRYPTED:
         raise SealRefused(f"not a sealed message of version {VERSION} (magic {magic!r})")
-    return head, session_id, seq
+    return head, session_id, seq, view[_HEAD.size :]
 
 
 @dataclass(slots=True)
@@ -305,20 +313,19 @@ class BulkInbox:
         """
         if len(frames) < 2:
             raise SealRefused("an empty message on a bulk socket")
-        routing_id, first = bytes(_buffer(frames[0])), frames[1]
-        if len(frames) == 2 and len(first) != _HEAD.size:
-            claim = bytes(_buffer(first))
-            if claim[:4] != CLAIM_MAGIC or len(claim) < _TOKEN_HEAD.size:
-                raise SealRefused("neither a claim nor a sealed message on a bulk socket")
-            self._claim(routing_id, claim)
+        routing_id, first = bytes(_buffer(frames[0])), _buffer(frames[1])
+        if first[:4] == CLAIM_MAGIC:
+            if len(frames) != 2 or first.nbytes < _TOKEN_HEAD.size:
+                raise SealRefused("a claim of the wrong shape on a bulk socket")
+            self._claim(routing_id, bytes(first))
             return None
-        head, session_id, seq = parse_head(first)
+        head, session_id, seq, rest = parse_head(first)
         session = self._sessions.get(session_id)
         if session is None:
             raise SealRefused("a sealed message of an unknown session")
         if seq <= session.last_seq:
             raise SealRefused(f"message {seq} of a session already past {session.last_seq}: replayed or reordered")
-        opened = session.key.unseal(head, seq, frames[2:], session.user_id)
+        opened = session.key.unseal(head, seq, [rest, *frames[2:]], session.user_id)
         session.last_seq = seq  # only once every frame passed its tag
         self._sessions.move_to_end(session_id)
         return opened

@@ -20,6 +20,7 @@ from transport.channel import Receiver, open_receiver, open_sender
 from transport.sealed import (
     ACK_MAGIC,
     CLAIM_MAGIC,
+    HEAD_BYTES,
     TAG_BYTES,
     OpenedFrame,
     SealRefused,
@@ -158,9 +159,9 @@ def _tamper(frames: list[bytes], how: str) -> list[bytes]:
         last[-1] ^= 0x80
         frames[-1] = bytes(last)
     elif how == "sequence in the head":
-        head = bytearray(frames[0])
-        head[-5] ^= 1  # the sequence number's low byte: the nonces no longer match
-        frames[0] = bytes(head)
+        first = bytearray(frames[0])
+        first[HEAD_BYTES - 5] ^= 1  # the sequence number's low byte: the nonces no longer match
+        frames[0] = bytes(first)
     elif how == "frame dropped":
         frames = frames[:-1]
     elif how == "frames swapped":
@@ -217,7 +218,7 @@ async def test_a_stranger_on_the_bulk_socket_gets_nothing_and_changes_nothing(se
         stranger.send(SessionKey.new().token(CLAIM_MAGIC, 0, b"claim"))  # a session nobody opened
         stranger.send(peer.key.token(CLAIM_MAGIC, 0, b"claim"))  # the member's claim, replayed elsewhere
         stranger.send(peer.key.open_message())  # an opening belongs on CURVE, never here
-        stranger.send_multipart([os.urandom(34), os.urandom(100)])  # noise shaped like a message
+        stranger.send_multipart([os.urandom(HEAD_BYTES + 16), os.urandom(100)])  # noise shaped like a message
         stranger.send_multipart(SessionKey.new().seal(1, [b"x" * 100]))  # sealed under a key of its own
         stranger.send_multipart(peer.sealed({"n": 1}, seq=1))  # the member's message, sent first by the stranger
         peer.bulk.send_multipart(peer.sealed({"n": 1}, seq=1))  # ...so the member's own copy is a replay
@@ -276,18 +277,18 @@ def test_a_session_key_seals_and_opens_frames_of_every_size(encrypt: bool) -> No
     key = SessionKey.new(encrypt=encrypt)
     frames = [b"", b"h" * 7, os.urandom(4095), os.urandom(4096), os.urandom(1 << 20)]
     sealed = [bytes(memoryview(f)) for f in key.seal(7, frames)]
-    head, session_id, seq = parse_head(sealed[0])
-    assert (session_id, seq) == (key.session_id, 7)
-    opened = key.unseal(head, seq, sealed[1:], "node:n0")
+    head, session_id, seq, rest = parse_head(sealed[0])  # the head rides on the first frame
+    assert (session_id, seq) == (key.session_id, 7) and len(sealed) == len(frames) + (not encrypt)
+    opened = key.unseal(head, seq, [rest, *sealed[1:]], "node:n0")
     assert [bytes(memoryview(f.buffer)) for f in opened] == frames
     assert all(f.get("User-Id") == "node:n0" for f in opened)
     big = sealed[-1]
     if encrypt:
         assert len(big) == (1 << 20) + TAG_BYTES and big[: 1 << 10] != frames[-1][: 1 << 10]
-    else:  # authenticated only: the bytes go as they are, the tags in one frame
-        assert big == frames[-1] and len(sealed[1]) == TAG_BYTES * len(frames)
+    else:  # authenticated only: the bytes go as they are, the tags with the head
+        assert big == frames[-1] and len(sealed[0]) == HEAD_BYTES + TAG_BYTES * len(frames)
     with pytest.raises(SealRefused):
-        SessionKey(key.session_id, os.urandom(32), encrypt=encrypt).unseal(head, seq, sealed[1:], "x")
+        SessionKey(key.session_id, os.urandom(32), encrypt=encrypt).unseal(head, seq, [rest, *sealed[1:]], "x")
 
 
 def test_a_secure_address_carries_its_bulk_endpoint_and_refuses_a_host_name() -> None:
