@@ -2,13 +2,12 @@
 """The scheduler picks a job's torch.distributed backend from the devices of the nodes it placed
 the job on, and refuses a job NCCL and gloo cannot serve before anything starts.
 
-``SchedulerActor._rendezvous`` runs on a stand-in actor whose runtime records what it
-would spawn: the nodes are fake records, as on a machine with GPUs.
+``open_rendezvous`` runs on a stand-in runtime that records what it would spawn: the
+nodes are fake records, as on a machine with GPUs.
 """
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -16,7 +15,7 @@ import pytest
 from actors import NodeInfo
 from stages.comm.parallel import GLOO, NCCL
 from schedulers.jobs import JobSpec
-from schedulers.scheduler import SchedulerActor
+from schedulers.scheduler import open_rendezvous
 
 pytestmark = [pytest.mark.timeout(30), pytest.mark.asyncio]
 
@@ -38,8 +37,7 @@ def placed(*devices: str) -> list[NodeInfo]:
 
 async def rendezvous(spec: JobSpec, nodes: list[NodeInfo]) -> tuple[Runtime, dict[str, Any] | None]:
     runtime = Runtime()
-    scheduler: Any = SimpleNamespace(runtime=runtime)
-    _, config = await SchedulerActor._rendezvous(scheduler, "job0", spec, spec.mesh, nodes)
+    _, config = await open_rendezvous(runtime, "job0", spec, nodes)  # type: ignore[arg-type]
     return runtime, config
 
 
@@ -66,9 +64,8 @@ async def test_a_job_nccl_cannot_serve_is_refused_before_its_rendezvous_starts(
 ) -> None:
     spec = JobSpec.of(model="examples.models:residual_mlp", **layout)
     runtime = Runtime()
-    scheduler: Any = SimpleNamespace(runtime=runtime)
     with pytest.raises(ValueError, match=says):
-        await SchedulerActor._rendezvous(scheduler, "job0", spec, spec.mesh, placed(*devices))
+        await open_rendezvous(runtime, "job0", spec, placed(*devices))  # type: ignore[arg-type]
     assert runtime.spawned == []
 
 
