@@ -346,11 +346,9 @@ class SenderPool:
         entry.last_used = self._clock()
         if entry.num_users:
             return False
-        if entry.detached:
-            return True
-        if self._num_waiting_for_room:
+        if not entry.detached:
             self._wake_room_waiters()  # it may be evicted now
-        return False
+        return entry.detached
 
     def _open(self, address: str) -> _Entry:
         sender = self._open_sender(address)

@@ -214,6 +214,7 @@ class Receiver:
             join_address(endpoint, curve.public, self._bulk.endpoint if self._bulk is not None else None)
             if curve is not None else endpoint
         )
+        self._sockets = (self._socket,) if self._bulk is None else (self._socket, self._bulk.socket)
         self._bulk_first = False  # which socket _next asks first (they take turns)
         self._readiness: Readiness | None = None
         self._pumping: Callable[[], None] | None = None
@@ -250,8 +251,7 @@ class Receiver:
                 frames = self._next()
                 if frames is DRAINED:
                     if self._readiness is None:
-                        sockets = (self._socket,) if self._bulk is None else (self._socket, self._bulk.socket)
-                        self._readiness = Readiness(*sockets, sticky=True)
+                        self._readiness = Readiness(*self._sockets, sticky=True)
                     await self._readiness.wait(zmq.POLLIN)
                 elif frames is not None:
                     return frames
@@ -274,41 +274,44 @@ class Receiver:
         Raises:
             MessageTooLarge: a message over the limits; it was dropped.
         """
-        limit = self._max_message_bytes
         bulk = self._bulk
-        self._bulk_first = bulk is not None and not self._bulk_first
-        if bulk is not None and (self._bulk_first or not readable(self._socket)):
-            if not readable(bulk.socket):
-                if self._bulk_first and readable(self._socket):
-                    return self._next_curve(limit)
-                return DRAINED
-            try:
-                frame = bulk.socket.recv(zmq.NOBLOCK, copy=False)
-            except zmq.Again:  # ZMQ_EVENTS says a message *may* wait
-                return DRAINED
-            # routing id, head, a tag frame when not encrypted, and a tag per frame
-            frames, nbytes = gather(bulk.socket, frame, limit + TAG_BYTES * MAX_FRAMES_PER_MESSAGE,
-                                     MAX_FRAMES_PER_MESSAGE + 3, self.address)
-            try:
-                opened = bulk.take(frames)
-            except SealRefused as exc:
-                self._refuse(exc)
-                return None
-            if opened is not None:
-                self._stats.messages += 1
-                self._stats.bytes += nbytes
-            return opened  # type: ignore[return-value]  # OpenedFrame stands in for zmq.Frame
-        if not readable(self._socket):
-            return DRAINED
-        return self._next_curve(limit)
+        if bulk is None:
+            return self._next_curve() if readable(self._socket) else DRAINED
+        self._bulk_first = not self._bulk_first
+        if self._bulk_first and readable(bulk.socket):
+            return self._next_bulk(bulk)
+        if readable(self._socket):
+            return self._next_curve()
+        if not self._bulk_first and readable(bulk.socket):
+            return self._next_bulk(bulk)
+        return DRAINED
 
-    def _next_curve(self, limit: int) -> list[Any] | None | _Drained:
+    def _next_bulk(self, bulk: BulkInbox) -> list[Any] | None | _Drained:
+        """The next message of the bulk socket, whose events said one waits (see :meth:`_next`)."""
+        try:
+            frame = bulk.socket.recv(zmq.NOBLOCK, copy=False)
+        except zmq.Again:  # ZMQ_EVENTS says a message *may* wait
+            return DRAINED
+        # routing id, the first frame (head and tags or ciphertext), and a tag per frame
+        frames, nbytes = gather(bulk.socket, frame, self._max_message_bytes + TAG_BYTES * MAX_FRAMES_PER_MESSAGE,
+                                MAX_FRAMES_PER_MESSAGE + 2, self.address)
+        try:
+            opened = bulk.take(frames)
+        except SealRefused as exc:
+            self._refuse(exc)
+            return None
+        if opened is not None:
+            self._stats.messages += 1
+            self._stats.bytes += nbytes
+        return opened  # type: ignore[return-value]  # OpenedFrame stands in for zmq.Frame
+
+    def _next_curve(self) -> list[Any] | None | _Drained:
         """The next message of the CURVE (or plain) socket, whose events said one waits (see :meth:`_next`)."""
         try:
             frame = self._socket.recv(zmq.NOBLOCK, copy=False)
         except zmq.Again:  # ZMQ_EVENTS says a message *may* wait (a CURVE command may have been all)
             return DRAINED
-        frames, nbytes = gather(self._socket, frame, limit, MAX_FRAMES_PER_MESSAGE, self.address)
+        frames, nbytes = gather(self._socket, frame, self._max_message_bytes, MAX_FRAMES_PER_MESSAGE, self.address)
         if self._bulk is not None and is_open_message(frames):
             try:
                 self._bulk.on_open(frames[0])
@@ -368,8 +371,7 @@ class Receiver:
         loop.call_soon(ready)  # messages that came before the reader
 
     def _fds(self) -> list[int]:
-        sockets = [self._socket] if self._bulk is None else [self._socket, self._bulk.socket]
-        return [socket.getsockopt(zmq.FD) for socket in sockets]  # type: ignore[misc]
+        return [socket.getsockopt(zmq.FD) for socket in self._sockets]  # type: ignore[misc]
 
     async def receive(self) -> Any:
         """Waits for the next message and decodes it.

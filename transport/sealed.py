@@ -284,7 +284,6 @@ class BulkInbox:
         self.endpoint: str = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._sessions: OrderedDict[bytes, _Session] = OrderedDict()
         self._waiting_claims: OrderedDict[bytes, tuple[bytes, bytes]] = OrderedDict()  # session -> (routing id, claim)
-        self.refused = 0  # messages refused, for tests and statistics
 
     def on_open(self, frame: Any) -> None:
         """Registers a session opened by a message that came over CURVE (``frame.get("User-Id")`` names its sender).
@@ -313,11 +312,11 @@ class BulkInbox:
         """
         if len(frames) < 2:
             raise SealRefused("an empty message on a bulk socket")
-        routing_id, first = bytes(_buffer(frames[0])), _buffer(frames[1])
+        first = _buffer(frames[1])
         if first[:4] == CLAIM_MAGIC:
             if len(frames) != 2 or first.nbytes < _TOKEN_HEAD.size:
                 raise SealRefused("a claim of the wrong shape on a bulk socket")
-            self._claim(routing_id, bytes(first))
+            self._claim(bytes(_buffer(frames[0])), bytes(first))
             return None
         head, session_id, seq, rest = parse_head(first)
         session = self._sessions.get(session_id)
@@ -330,11 +329,8 @@ class BulkInbox:
         self._sessions.move_to_end(session_id)
         return opened
 
-    def close_session(self, session_id: bytes) -> None:
-        self._sessions.pop(session_id, None)
-
     def _claim(self, routing_id: bytes, claim: bytes) -> None:
-        session_id = claim[6:22]  # after magic, version and flags
+        session_id = _TOKEN_HEAD.unpack_from(claim)[3]
         session = self._sessions.get(session_id)
         if session is None:  # the opening may still be on its way over CURVE
             self._waiting_claims[session_id] = (routing_id, claim)
