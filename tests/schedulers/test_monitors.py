@@ -20,6 +20,7 @@ import glob
 import json
 import os
 import struct
+import time
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -78,8 +79,8 @@ def csv_rows(path: Path) -> list[list[str]]:
         return list(csv.reader(f))
 
 
-def wandb_history(run_file: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """A W&B offline run's ``.wandb`` file: its run record (project, group, entity, name) and its history rows.
+def wandb_records(run_file: str) -> list[Any]:
+    """The protobuf ``Record``s of a W&B offline run's ``.wandb`` file, as far as it is written.
 
     The file is W&B's transaction log (LevelDB's log format: 32 KiB blocks of records, each
     a 7-byte header ``crc32, length, type`` and a part of one protobuf ``Record``), read here
@@ -88,6 +89,8 @@ def wandb_history(run_file: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     from wandb.proto import wandb_internal_pb2
 
     data = Path(run_file).read_bytes()
+    if len(data) < 7:  # not even its header yet
+        return []
     assert data[:4] == b":W&B", "not a W&B transaction log"
     block, position, pending, records = 32768, 7, b"", []
     while position + 7 <= len(data):
@@ -99,15 +102,33 @@ def wandb_history(run_file: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         if kind == 0:
             position += left
             continue
+        if position + 7 + length > len(data):  # a record its writer is still writing
+            break
         part, position = data[position + 7:position + 7 + length], position + 7 + length
         pending = part if kind in (1, 2) else pending + part  # full, first | middle, last
         if kind in (1, 4):
-            records.append(pending)
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+    return records
+
+
+def wandb_history(run_file: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A finished W&B offline run's run record (project, group, entity, name) and its history rows.
+
+    ``run.finish()`` returns once W&B's service has the run's exit, but that service (its own
+    process) writes the file behind it: on a busy machine the file is still empty then. So
+    this reads until the exit record is there (a deadline no busy machine reaches).
+    """
+    deadline = time.monotonic() + 120.0
+    records = wandb_records(run_file)
+    while not any(record.WhichOneof("record_type") == "exit" for record in records):
+        assert time.monotonic() < deadline, f"W&B never wrote the run's exit record to {run_file}"
+        time.sleep(0.05)
+        records = wandb_records(run_file)
     run: dict[str, Any] = {}
     history: list[dict[str, Any]] = []
-    for raw in records:
-        record = wandb_internal_pb2.Record()
-        record.ParseFromString(raw)
+    for record in records:
         if record.WhichOneof("record_type") == "run":  # a later run record may update only some fields
             found = {"project": record.run.project, "group": record.run.run_group, "entity": record.run.entity,
                      "name": record.run.display_name}
