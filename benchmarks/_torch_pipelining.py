@@ -38,7 +38,8 @@ BATCH_SHAPE = (64, 32, DIM)
 NUM_MICROBATCHES = 8
 LR = 0.01
 SEED = 0
-SCHEDULES = ("1f1b", "gpipe", "interleaved")  # the schedules actorpipe and torch both run, by these names
+# The schedules actorpipe and torch both run, by these names.
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zbv", "dualpipev")
 COMPUTE_ONLY = "compute_only"  # each rank computes its stage's micro-batches, with no transfers
 
 

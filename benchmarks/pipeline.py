@@ -11,7 +11,8 @@ Peers, all measured in one run on the reference workload (docs/design.md):
   default: it was never torch's fastest, and it costs four more processes (about
   1.5 GB) in the 4-stage group, which already holds about 16 GB;
 - actorpipe: a ``LocalCluster`` with one node per stage, schedules ``1f1b``, ``gpipe``,
-  ``interleaved`` (2 virtual stages) and ``zero_bubble``; at 2 stages also 1F1B over
+  ``interleaved`` (2 virtual stages), ``zero_bubble``, and the V-shaped ``zbv`` and
+  ``dualpipev`` (two model stages per rank, as torch's); at 2 stages also 1F1B over
   torch.distributed (``dist_vs_zmq``) and 1F1B with plain autograd and glibc's default
   allocator (``defaults_vs_plain``: what ``gradient_accumulation_fusion`` and
   ``keep_freed_memory`` buy);
@@ -77,7 +78,7 @@ from benchmarks._torch_pipelining import (
 from transport.loop import run
 
 BATCH_SIZE = BATCH_SHAPE[0]
-ACTORPIPE_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zero_bubble")
+ACTORPIPE_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zero_bubble", "zbv", "dualpipev")
 DEFAULT_TORCH_SCHEDULES = ("1f1b", "gpipe", "interleaved", "interleaved_zb", "zbv", "dualpipev")
 MAX_REL_DIFF = 1e-4  # float32 reassociation across micro-batches stays far below this
 

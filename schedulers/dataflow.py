@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from stages import Action, ActionKind, COMM_KINDS, TAIL_KINDS, transfer_partner
+from stages import Action, ActionKind, COMM_KINDS, Placement, stage_to_rank, TAIL_KINDS, transfer_partner
 
 __all__ = [
     "Layout",
@@ -49,6 +49,8 @@ class Layout:
         num_microbatches: one more than the largest micro-batch index.
         lowered: whether the schedule carries explicit sends and receives.
         actions: every action present, for "is there an ``I`` for this?" questions.
+        placement: how stages sit on ranks (:data:`stages.program.Placement`): ``v`` where
+            the programs put them in a V (ZB-V, DualPipeV), else round-robin.
     """
 
     num_ranks: int
@@ -56,10 +58,11 @@ class Layout:
     num_microbatches: int
     lowered: bool
     actions: frozenset[Action] = field(repr=False)
+    placement: Placement = "loop"
 
     def rank_of(self, stage: int) -> int:
-        """The rank that owns ``stage`` (round-robin placement)."""
-        return stage % self.num_ranks
+        """The rank that owns ``stage``."""
+        return stage_to_rank(stage, self.num_ranks, self.placement)
 
     def input_grad(self, stage: int, microbatch: int) -> Action:
         """The action that produces ``stage``'s input gradient: ``I`` if split, else ``B``."""
@@ -77,12 +80,18 @@ def infer_layout(schedule: Schedule) -> Layout:
     """Read the number of ranks, stages and micro-batches off a schedule."""
     actions = frozenset(a for program in schedule.values() for a in program)
     work = [a for a in actions if a.kind not in TAIL_KINDS]
+    num_ranks, num_stages = len(schedule), 1 + max((a.stage for a in work), default=-1)
+    owners = {(a.stage, rank) for rank, program in schedule.items() for a in program if a.kind not in TAIL_KINDS}
+    # V where the programs hold their stages in a V and not round-robin (they agree while
+    # every rank holds one stage); a schedule that fits neither is validation's to refuse.
+    v_shaped = num_stages > num_ranks > 0 and all(stage_to_rank(s, num_ranks, "v") == r for s, r in owners)
     return Layout(
-        num_ranks=len(schedule),
-        num_stages=1 + max((a.stage for a in work), default=-1),
+        num_ranks=num_ranks,
+        num_stages=num_stages,
         num_microbatches=1 + max((a.microbatch or 0 for a in work), default=-1),
         lowered=any(a.kind in COMM_KINDS for a in work),
         actions=actions,
+        placement="v" if v_shaped else "loop",
     )
 
 

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from stages import Action, ActionKind, TAIL_KINDS, transfer_partner
+from schedulers.dataflow import Layout, infer_layout
 from schedulers.grid import format_grid
 
 __all__ = ["HangReport", "StageProgress", "diagnose"]
@@ -72,7 +73,7 @@ def diagnose(
         The explanation and the marked grid.
     """
     schedule = {rank: [Action.parse(a) for a in program] for rank, program in programs.items()}
-    num_ranks = len(schedule)
+    layout = infer_layout(schedule)
     waits: list[str] = []
     others: list[str] = []
     marks: list[tuple[int, int]] = []
@@ -87,7 +88,7 @@ def diagnose(
         settled = settled and state.current is None and position is not None
         if position is not None:
             marks.append((rank, position))
-        line = _explain(rank, program, state, position, schedule, progress, num_ranks, running)
+        line = _explain(rank, program, state, position, schedule, progress, layout, running)
         (waits if state.current is not None and _is_recv(state.current) else others).append(line)
     return HangReport(lines=waits + others, grid=format_grid(schedule, marks=marks), marks=marks, settled=settled)
 
@@ -127,7 +128,7 @@ def _explain(
     position: int | None,
     schedule: Mapping[int, Sequence[Action]],
     progress: Mapping[int, StageProgress | str],
-    num_ranks: int,
+    layout: Layout,
     running: bool,
 ) -> str:
     total = sum(1 for a in program if a.kind not in TAIL_KINDS)
@@ -146,7 +147,7 @@ def _explain(
     if action.kind not in _RECV_KINDS:
         verb = "is sending" if action.kind in (ActionKind.SEND_F, ActionKind.SEND_B) else "is computing"
         return f"stage {rank} {verb} {action} {done}"
-    source, send = transfer_partner(action, num_ranks)
+    source, send = transfer_partner(action, layout.num_ranks, layout.placement)
     source_program = schedule.get(source, [])
     index = next((i for i, a in enumerate(source_program) if a == send), None)
     head = f"stage {rank} waits at {action}"

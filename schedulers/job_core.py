@@ -44,7 +44,7 @@ def compile_programs(spec: JobSpec, schedule_name: str | None = None,
     """
     name = spec.parallelism.schedule if spec.parallelism.schedule != "auto" else schedule_name or AUTO_PROBE
     programs = _compiled(name, spec.parallelism.pipeline_stages, spec.parallelism.micro_batches,
-                         spec.num_virtual_stages if spec.parallelism.schedule == "interleaved" else None,
+                         spec.num_virtual_stages if spec.parallelism.schedule != "auto" else None,
                          spec.runtime.gradient_accumulation_fusion,
                          spec.parallelism.w_batching if w_batching is None else w_batching)
     return {rank: list(program) for rank, program in programs.items()}
@@ -53,8 +53,8 @@ def compile_programs(spec: JobSpec, schedule_name: str | None = None,
 def evaluation_programs(spec: JobSpec) -> dict[int, list[str]]:
     """The forward-only programs ``spec``'s evaluations run, one per pipeline rank, as action text
     (see :func:`~schedulers.schedules.forward_only`)."""
-    virtual = spec.num_virtual_stages if spec.parallelism.schedule == "interleaved" else 1
-    programs = forward_only(spec.parallelism.pipeline_stages, spec.parallelism.micro_batches, virtual)
+    programs = forward_only(spec.parallelism.pipeline_stages, spec.parallelism.micro_batches, spec.num_virtual_stages,
+                            spec.parallelism.placement)
     return {rank: [str(a) for a in program] for rank, program in programs.items()}
 
 

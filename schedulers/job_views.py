@@ -102,7 +102,8 @@ class JobViews:
                     "schedule": stats.schedule, "micro_batches": stats.micro_batches,
                     "bubble_fraction": stats.bubble_fraction,
                     "clock_round_trips_s": {rec.name: rtt for rec, (_, rtt) in zip(records, clocks)}}
-        return to_chrome_trace(records, num_ranks=mesh.pipeline, title=title, metadata=metadata)
+        return to_chrome_trace(records, num_ranks=mesh.pipeline, title=title, metadata=metadata,
+                               placement=job.spec.parallelism.placement)
 
     async def plan(self) -> Plan:
         """The candidate schedules with their predicted step time and stash, the chosen one marked.

@@ -180,7 +180,7 @@ class JobSpec:
         """
         p = self.parallelism
         build_schedule(AUTO_PROBE if p.schedule == "auto" else p.schedule, p.pipeline_stages, p.micro_batches,
-                       p.num_virtual_stages if p.schedule == "interleaved" else None)
+                       p.num_virtual_stages if p.schedule != "auto" else None)
 
     @classmethod
     def of(cls, **kwargs: Any) -> JobSpec:

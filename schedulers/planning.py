@@ -10,10 +10,11 @@ those costs and marks the fastest that the job's partition runs and its
 ``max_stash_bytes`` admits; :class:`NoScheduleFits` says when none does.
 
 The candidates are GPipe, 1F1B and ZB-H1 on the job's one-stage-per-rank partition,
-and interleaved 1F1B with 2, 3 and 4 virtual stages where the micro-batches allow.
-Interleaving cuts the model into more stages, which a running job cannot do, so an
-interleaved candidate is predicted (each chunk costing ``1/V`` of its rank, boundaries
-as large as the measured ones) but only ever advised, never run. With fused weight
+interleaved 1F1B with 2, 3 and 4 virtual stages where the micro-batches allow, and the
+V-shaped ZB-V and DualPipeV (two stages per rank, rank 0 holding the first and the last).
+These cut the model into more stages, which a running job cannot do, so such a candidate
+is predicted (each chunk costing ``1/V`` of its rank, boundaries as large as the
+measured ones) but only ever advised, never run, unless the job was partitioned for it. With fused weight
 gradients each schedule is a candidate twice, with and without W batching (every W
 deferred to the rank's tail, a run of them computed as one GEMM per weight: faster
 GEMMs, more activations held): a probe step runs with it to measure what a batched W
@@ -31,7 +32,8 @@ import statistics
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
-from stages import Action, ActionKind, Mesh, StageReport
+from stages import Action, ActionKind, Mesh, Placement, stage_to_rank, StageReport
+from stages.sections import V_SCHEDULES
 from schedulers.jobs import AUTO_PROBE, JobSpec
 from schedulers.records import Candidate, MeasuredCosts, Plan
 from schedulers.schedules import build_schedule
@@ -55,7 +57,7 @@ __all__ = [
 # (schedule, virtual stages) in the order a tie goes.
 CANDIDATES: tuple[tuple[str, int | None], ...] = (
     ("1f1b", None), ("zero_bubble", None), ("gpipe", None),
-    ("interleaved", 2), ("interleaved", 3), ("interleaved", 4),
+    ("interleaved", 2), ("interleaved", 3), ("interleaved", 4), ("zbv", 2), ("dualpipev", 2),
 )
 # Steps a job with schedule="auto" runs the probe schedule for before it plans: the first
 # warms the stages up (allocator, caches, the optimizer's state), the last is timed. With
@@ -77,7 +79,7 @@ class NoScheduleFits(ValueError):
 
 def measure_costs(
     reports: Sequence[StageReport], mesh: Mesh, *, offsets: Sequence[float] | None = None,
-    step_time_s: float | None = None, step: int = 0,
+    step_time_s: float | None = None, step: int = 0, placement: Placement = "loop",
 ) -> MeasuredCosts:
     """Each pipeline rank's costs, from one step's stage reports (by global rank).
 
@@ -87,6 +89,7 @@ def measure_costs(
             when not given (one machine).
         step_time_s: the step's wall time on the head, for ``overhead_s`` (0 without it).
         step: the step's number, kept in the result.
+        placement: how the step's model stages sat on the ranks (to pair its sends and receives).
 
     Raises:
         ValueError: a report of another size than the mesh, or one without spans.
@@ -108,7 +111,7 @@ def measure_costs(
     return MeasuredCosts(
         forward=kinds[_F], backward=kinds[_B], input_grad=kinds[_I], weight_grad=kinds[_W], stash_bytes=stash,
         transfer_bytes=transfer_bytes, forward_ratio=forward_ratio, backward_ratio=backward_ratio,
-        bandwidth=_bandwidth(reports, mesh, offsets, encoded),
+        bandwidth=_bandwidth(reports, mesh, offsets, encoded, placement),
         overhead_s=max(0.0, step_time_s - elapsed) if step_time_s is not None else 0.0, step=step,
     )
 
@@ -178,7 +181,7 @@ def _wire_sizes(reports: Sequence[StageReport]) -> tuple[float, float, float, di
 
 
 def _bandwidth(reports: Sequence[StageReport], mesh: Mesh, offsets: Sequence[float] | None,
-               encoded: Mapping[str, float]) -> float:
+               encoded: Mapping[str, float], placement: Placement) -> float:
     """Bytes per second of the fastest transfer each way: a send's start to its receive's end.
 
     A receive ends no earlier than its value arrived (it waits for it), so the fastest
@@ -188,7 +191,7 @@ def _bandwidth(reports: Sequence[StageReport], mesh: Mesh, offsets: Sequence[flo
                            replica=(mesh.coords(g).data, mesh.coords(g).tensor), started_at=r.started_at,
                            offset_s=offsets[g] if offsets else 0.0, spans=r.spans) for g, r in enumerate(reports)]
     fastest: dict[str, float] = {}
-    for i, j, k, m in match_transfers(records, mesh.pipeline):
+    for i, j, k, m in match_transfers(records, mesh.pipeline, placement):
         send, recv = records[i], records[k]
         direction = "F" if Action.parse(str(send.spans[j][0])).kind is ActionKind.SEND_F else "B"
         seconds = (recv.head_start + float(recv.spans[m][2])) - (send.head_start + float(send.spans[j][1]))
@@ -198,15 +201,17 @@ def _bandwidth(reports: Sequence[StageReport], mesh: Mesh, offsets: Sequence[flo
     return nbytes / seconds if seconds > 0 and nbytes > 0 else math.inf
 
 
-def simulation_costs(costs: MeasuredCosts, virtual_stages: int = 1, *, batched_w: bool = False) -> Costs:
-    """The simulator's costs for ``virtual_stages`` model stages per rank, each ``1/V`` of its rank's
-    (``batched_w``: a ``W`` costs what it does with W batching, where that was measured)."""
+def simulation_costs(costs: MeasuredCosts, virtual_stages: int = 1, *, batched_w: bool = False,
+                     placement: Placement = "loop") -> Costs:
+    """The simulator's costs for ``virtual_stages`` model stages per rank placed by ``placement``, each
+    ``1/V`` of its rank's (``batched_w``: a ``W`` costs what it does with W batching, where that was
+    measured)."""
     ranks = len(costs.forward)
     weight_grad = costs.weight_grad_batched if batched_w and costs.weight_grad_batched is not None \
         else costs.weight_grad
 
     def per_stage(values: Sequence[float]) -> tuple[float, ...]:
-        return tuple(values[s % ranks] / virtual_stages for s in range(ranks * virtual_stages))
+        return tuple(values[stage_to_rank(s, ranks, placement)] / virtual_stages for s in range(ranks * virtual_stages))
 
     return Costs(forward=per_stage(costs.forward), backward=per_stage(costs.backward),
                  input_grad=per_stage(costs.input_grad), weight_grad=per_stage(weight_grad),
@@ -216,15 +221,16 @@ def simulation_costs(costs: MeasuredCosts, virtual_stages: int = 1, *, batched_w
 
 def rank_candidates(
     costs: MeasuredCosts, *, num_microbatches: int, virtual_stages: int = 1, split: bool = True,
-    batch_w: bool = False, max_stash_bytes: int | None = None,
+    batch_w: bool = False, max_stash_bytes: int | None = None, placement: Placement = "loop",
 ) -> list[Candidate]:
     """Every candidate schedule simulated with ``costs``, fastest first, the chosen one marked.
 
     Args:
         costs: per pipeline rank, as :func:`measure_costs` gives them.
         num_microbatches: micro-batches per step.
-        virtual_stages: model stages per rank of the job's partition: the candidates
-            with as many are the ones it runs.
+        virtual_stages: model stages per rank of the job's partition, and ``placement``
+            how they sit on the ranks: the candidates that cut and place as it does are the
+            ones it runs.
         split: backward split into ``I`` and ``W`` where the input gradient leaves the
             rank (the job's ``gradient_accumulation_fusion``).
         batch_w: every ``W`` deferred to the rank's tail (the job's ``w_batching``), where
@@ -249,12 +255,13 @@ def rank_candidates(
             except ValueError:
                 break  # e.g. interleaving needs micro-batches in multiples of the stages
             chunks = virtual or 1
-            result = simulate(program, simulation_costs(costs, chunks, batched_w=batched))
+            placed: Placement = "v" if name in V_SCHEDULES else "loop"
+            result = simulate(program, simulation_costs(costs, chunks, batched_w=batched, placement=placed))
             stash_bytes = [int(n * costs.stash_bytes[r] / chunks) for r, n in enumerate(result.peak_stash)]
             ranked.append(Candidate(
                 schedule=name, virtual_stages=virtual, predicted_step_s=result.makespan + costs.overhead_s,
                 bubble_fraction=result.bubble_fraction, stash=list(result.peak_stash), stash_bytes=stash_bytes,
-                runnable=chunks == virtual_stages, w_batching=batched,
+                runnable=chunks == virtual_stages and (placed == placement or chunks == 1), w_batching=batched,
                 fits=max_stash_bytes is None or max(stash_bytes) <= max_stash_bytes))
     ranked.sort(key=lambda c: (c.predicted_step_s, max(c.stash_bytes)))  # stable: CANDIDATES' order breaks ties
     best = choose(ranked, max_stash_bytes)
@@ -404,10 +411,11 @@ class AutoSchedule:
 def advise(job: str, spec: JobSpec, reports: Sequence[StageReport], mesh: Mesh, *,
            offsets: Sequence[float] | None, step_time_s: float, step: int) -> Plan:
     """The plan for a job with a fixed schedule, from its last step: what auto would run, and why."""
-    costs = measure_costs(reports, mesh, offsets=offsets, step_time_s=step_time_s, step=step)
     p = spec.parallelism
+    costs = measure_costs(reports, mesh, offsets=offsets, step_time_s=step_time_s, step=step, placement=p.placement)
     ranked = rank_candidates(costs, num_microbatches=p.micro_batches, virtual_stages=spec.num_virtual_stages,
-                             split=spec.runtime.gradient_accumulation_fusion, batch_w=p.w_batching)
+                             split=spec.runtime.gradient_accumulation_fusion, batch_w=p.w_batching,
+                             placement=p.placement)
     chosen = next(c for c in ranked if c.chosen)
     return Plan(job=job, schedule=p.schedule, running=p.schedule, state="advice", candidates=ranked,
                 chosen=chosen.label, costs=costs, last_step_s=step_time_s)

@@ -23,7 +23,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from stages import Action, ActionKind, TAIL_KINDS
+from stages import Action, ActionKind, Placement, stage_to_rank, TAIL_KINDS
+from stages.sections import V_SCHEDULES
 from schedulers.dataflow import Schedule, infer_layout
 from schedulers.grid import format_grid, parse_grid
 from schedulers.simulate import Costs, simulate, to_ascii, to_chrome_trace
@@ -34,6 +35,7 @@ __all__ = [
     "add_step_tail",
     "split_backward",
     "build_schedule",
+    "dualpipe_v",
     "format_grid",
     "forward_only",
     "gpipe",
@@ -42,6 +44,7 @@ __all__ = [
     "one_f_one_b",
     "parse_grid",
     "zero_bubble_h1",
+    "zero_bubble_v",
 ]
 
 _F, _B, _I, _W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W
@@ -188,12 +191,162 @@ def zero_bubble_h1(num_stages: int, num_microbatches: int) -> Schedule:
     return schedule
 
 
+class _VProgram:
+    """One rank's program of a V-shaped schedule, written a phase at a time.
+
+    The rank holds two model stages: ``down`` (its stage on the way down the V, ``rank``)
+    and ``up`` (on the way back, ``2p - 1 - rank``). Each (stage, kind) takes its
+    micro-batches in order, so an action names only its stage and kind and the program
+    counts; a ``B`` counts as that micro-batch's ``I`` and ``W``. ``take_w`` runs the
+    oldest weight gradient whose ``I`` has run and whose ``W`` has not.
+    """
+
+    def __init__(self, rank: int, num_ranks: int) -> None:
+        self.down, self.up = rank, 2 * num_ranks - 1 - rank
+        self.program: list[Action] = []
+        self._next: dict[tuple[int, ActionKind], int] = {}
+        self._weights: list[Action] = []  # W owed, oldest first
+
+    def count(self, stage: int, kind: ActionKind) -> int:
+        return self._next.get((stage, kind), 0)
+
+    def run(self, stage: int, kind: ActionKind) -> None:
+        if kind is _W:
+            self.take_w(stage)
+            return
+        counted = _I if kind is _B else kind
+        micro = self.count(stage, counted)
+        self._next[stage, counted] = micro + 1
+        self.program.append(_act(stage, kind, micro))
+        if kind is _I:
+            self._weights.append(_act(stage, _W, micro))
+        elif kind is _B:
+            self._weights = [w for w in self._weights if w != _act(stage, _W, micro)]
+
+    def take_w(self, stage: int | None = None) -> bool:
+        """Runs the oldest owed ``W`` (of ``stage``, if given); False: none was owed."""
+        owed = [w for w in self._weights if stage is None or w.stage == stage]
+        if owed:
+            self._weights.remove(owed[0])
+            self.program.append(owed[0])
+        return bool(owed)
+
+    def finish(self, num_microbatches: int) -> list[Action]:
+        """The program with every action past the last real micro-batch dropped."""
+        return [a for a in self.program if a.microbatch is None or a.microbatch < num_microbatches]
+
+
+def zero_bubble_v(num_stages: int, num_microbatches: int) -> Schedule:
+    """ZB-V from "Zero Bubble Pipeline Parallelism" (arXiv 2401.10241, section 6).
+
+    Each of the ``num_stages`` ranks holds two model stages in a V (rank ``r``: stages ``r``
+    and ``2p-1-r``; see :func:`stages.program.stage_to_rank`), so rank 0 runs the first
+    and the last, and a micro-batch turns round on rank ``p-1`` without a transfer.
+    Backward is split into ``I`` and ``W``; the warm-up fills the V, the steady state runs
+    ``F I W`` on each of a rank's stages in turn, and the cool-down runs the input
+    gradients first and the weight gradients where the ranks would wait. With equal
+    ``F``, ``I`` and ``W`` costs the bubble is near zero once ``m >= 2p``, with 1F1B's
+    peak activation memory. Built as if ``max(m, 2p-1)`` micro-batches ran, then the
+    extra ones dropped, so any ``m`` works.
+
+    Raises:
+        ValueError: a count is below 1.
+    """
+    _check_sizes("ZB-V", num_stages, num_microbatches)
+    p, total = num_stages, max(num_microbatches, 2 * num_stages - 1)
+    schedule: Schedule = {}
+    for rank in range(p):
+        v = _VProgram(rank, p)
+        down, up = v.down, v.up
+        for _ in range(2 * (p - rank) - 1):  # fill the way down
+            v.run(down, _F)
+        for _ in range(rank):
+            v.run(up, _F)
+            v.run(down, _F)
+        for _ in range(p - rank):  # the first micro-batches turn round
+            for kind in (_F, _I, _W):
+                v.run(up, kind)
+        while v.count(up, _F) < v.count(down, _F) or v.count(down, _F) < total:
+            if v.count(down, _F) < total:
+                v.run(down, _F)
+            for stage, kinds in ((down, (_I, _W)), (up, (_F, _I, _W))):
+                for kind in kinds:
+                    v.run(stage, kind)
+        for _ in range(rank):  # drain: input gradients first, for the ranks above
+            v.run(down, _I)
+            v.run(up, _I)
+        for _ in range(p - rank):
+            v.run(down, _I)
+            v.take_w(down)
+        while v.take_w(up):
+            pass
+        while v.take_w(down):
+            pass
+        schedule[rank] = v.finish(num_microbatches)
+    return schedule
+
+
+def dualpipe_v(num_stages: int, num_microbatches: int) -> Schedule:
+    """DualPipeV, DeepSeek's V-shaped DualPipe (arXiv 2412.19437; the "cut in half" variant).
+
+    Placement as :func:`zero_bubble_v`. After a warm-up down and back up the V, each rank's
+    steady state pairs a forward of one of its stages with a full backward of the other
+    (``F down, B up, F up, B down``): the pairs DualPipe overlaps with their transfers on a
+    GPU. The tail splits the last backwards into ``I`` and ``W`` so that the weight
+    gradients fill the cool-down. Needs ``m >= 2p`` micro-batches.
+
+    Raises:
+        ValueError: a count is below 1, or fewer micro-batches than model stages.
+    """
+    _check_sizes("DualPipeV", num_stages, num_microbatches)
+    p, m = num_stages, num_microbatches
+    if m < 2 * p:
+        raise ValueError(f"DualPipeV needs at least as many micro-batches as model stages ({2 * p} for "
+                         f"{p} ranks), got {m}")
+    schedule: Schedule = {}
+    for rank in range(p):
+        v = _VProgram(rank, p)
+        down, up = v.down, v.up
+        for _ in range(2 * (p - rank - 1)):
+            v.run(down, _F)
+        for _ in range(rank + 1):
+            v.run(down, _F)
+            v.run(up, _F)
+        for _ in range(p - rank - 1):
+            v.run(up, _I)
+            v.take_w()
+            v.run(up, _F)
+        for _ in range(m - 2 * p + rank + 1):  # the steady state: F and B of the two stages, paired
+            for stage, other in ((down, up), (up, down)):
+                v.run(stage, _F)
+                v.run(other, _B)
+        for _ in range(p - rank - 1):
+            v.run(up, _B)
+            v.run(up, _F)
+            v.run(down, _B)
+        # The last backwards: whole, then split from half-way (the up stage first on odd ranks).
+        split = False
+        for i in range(rank + 1):
+            for stage, parity in ((up, 1), (down, 0)):
+                split = split or (i == (rank + 1) // 2 and rank % 2 == parity)
+                v.run(stage, _I if split else _B)
+        for _ in range(p - rank - 1):
+            v.take_w()
+            v.run(down, _I if split else _B)
+        for _ in range(rank + 1):
+            v.take_w()
+        schedule[rank] = v.finish(m)
+    return schedule
+
+
 Generator = Callable[..., Schedule]
 SCHEDULES: dict[str, Generator] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "interleaved": interleaved_1f1b,
     "zero_bubble": zero_bubble_h1,
+    "zbv": zero_bubble_v,
+    "dualpipev": dualpipe_v,
 }
 
 
@@ -302,8 +455,8 @@ def build_schedule(
         name: a key of :data:`SCHEDULES`.
         num_stages: pipeline ranks (stage actors).
         num_microbatches: micro-batches per optimizer step.
-        num_virtual_stages: model stages per rank; only ``"interleaved"`` takes more
-            than one (default 2).
+        num_virtual_stages: model stages per rank; ``"interleaved"`` takes more than
+            one (default 2), ``"zbv"`` and ``"dualpipev"`` hold two in a V.
         split: split a backward whose input gradient leaves the rank into ``I`` and ``W``.
         batch_w: W batching (:func:`defer_weight_grads`).
 
@@ -314,6 +467,11 @@ def build_schedule(
         raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
     if name == "interleaved":
         compute = interleaved_1f1b(num_stages, num_microbatches, num_virtual_stages or 2)
+    elif name in V_SCHEDULES:
+        if num_virtual_stages not in (None, 2):
+            raise ValueError(f"schedule {name!r} holds two model stages per rank, in a V; "
+                             f"num_virtual_stages={num_virtual_stages} does not apply")
+        compute = SCHEDULES[name](num_stages, num_microbatches)
     elif num_virtual_stages not in (None, 1):
         raise ValueError(
             f"schedule {name!r} runs one stage per rank; use 'interleaved' for "
@@ -328,15 +486,19 @@ def build_schedule(
     return add_step_tail(add_send_recv(compute))
 
 
-def forward_only(num_stages: int, num_microbatches: int, num_virtual_stages: int = 1) -> Schedule:
+def forward_only(num_stages: int, num_microbatches: int, num_virtual_stages: int = 1,
+                 placement: Placement = "loop") -> Schedule:
     """An evaluation's programs (``job.evaluate``): every micro-batch forward through every stage, with
     the transfers and no tail. Each rank takes its micro-batches in order, and within one its stages
-    in order (interleaved: stage ``r`` then ``r + num_stages``), so each forward waits only for one
-    that comes before it in that order: no rank waits on another in a cycle."""
+    in order (interleaved: stage ``r`` then ``r + num_stages``; in a V, ``r`` then ``2p - 1 - r``), so
+    each forward waits only for one that comes before it in that order: no rank waits on another in
+    a cycle."""
     _check_sizes("forward_only", num_stages, num_microbatches)
     total = num_stages * num_virtual_stages
-    compute: Schedule = {rank: [_act(stage, _F, m) for m in range(num_microbatches)
-                                for stage in range(rank, total, num_stages)] for rank in range(num_stages)}
+    held = {rank: [s for s in range(total) if stage_to_rank(s, num_stages, placement) == rank]
+            for rank in range(num_stages)}
+    compute: Schedule = {rank: [_act(stage, _F, m) for m in range(num_microbatches) for stage in held[rank]]
+                         for rank in range(num_stages)}
     return add_send_recv(compute)
 
 
@@ -349,7 +511,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--stages", type=int, default=4, help="pipeline ranks")
     parser.add_argument("--micro-batches", type=int, default=8, help="micro-batches per step")
     parser.add_argument(
-        "--virtual-stages", type=int, default=None, help="interleaved only (default 2)"
+        "--virtual-stages", type=int, default=None,
+        help="model stages per rank: interleaved (default 2); zbv and dualpipev hold 2"
     )
     parser.add_argument("--forward", type=float, default=1.0, help="F cost")
     parser.add_argument("--backward", type=float, default=2.0, help="B cost")

@@ -12,6 +12,7 @@ from typing import Any
 
 from actors import ActorError
 from stages import StageActor
+from stages.sections import V_SCHEDULES
 from schedulers.events import SettingPending, SettingRejected, SettingsApplied
 from schedulers.job_core import JobCore
 from schedulers.limits import Limits, check_spec, off_loop
@@ -50,11 +51,11 @@ def plan_setting(spec: JobSpec, key: str, value: Any) -> JobSpec:
                 f"{batch // spec.parallelism.data_parallel}")
     elif key == "schedule":
         value = str(value)
-        if (value == "interleaved") != (spec.parallelism.schedule == "interleaved"):
+        if _stage_layout(value) != _stage_layout(spec.parallelism.schedule):
             raise ValueError(
-                f"schedule={value}: switching between interleaved and one-stage-per-rank schedules "
-                "re-partitions the model (auto runs one stage per rank); start a new job with that schedule "
-                "instead")
+                f"schedule={value}: switching between interleaved, V-shaped (zbv, dualpipev) and "
+                "one-stage-per-rank schedules re-partitions the model (auto runs one stage per rank); start "
+                "a new job with that schedule instead")
         if value != "auto":
             changes["max_stash_bytes"] = None  # the limit is auto's; a fixed schedule drops it
     elif isinstance(value, str) and "," in value:
@@ -63,6 +64,11 @@ def plan_setting(spec: JobSpec, key: str, value: Any) -> JobSpec:
         return spec.replace(**{key: value}, **changes)
     except TypeError as exc:
         raise ValueError(str(exc)) from None
+
+
+def _stage_layout(schedule: str) -> str:
+    """What a schedule asks of the partition: several stages per rank round-robin, two in a V, or one."""
+    return "interleaved" if schedule == "interleaved" else "v" if schedule in V_SCHEDULES else "one per rank"
 
 
 def _parse_int(key: str, value: Any) -> int:

@@ -27,7 +27,7 @@ from typing import Any
 
 from stages import Action, ActionKind, COMPUTE_KINDS
 from schedulers import trace
-from schedulers.dataflow import Schedule, play
+from schedulers.dataflow import Schedule, infer_layout, play
 from schedulers.validate import deadlock_error, validate
 
 __all__ = ["Costs", "Event", "RankStats", "SimResult", "simulate", "to_ascii", "to_chrome_trace"]
@@ -234,8 +234,10 @@ def to_chrome_trace(result: SimResult, *, title: str = "pipeline schedule") -> d
         "makespan": result.makespan,
         "bubble_fraction": result.bubble_fraction,
     }
+    programs = {rank: [e.action for e in result.events if e.rank == rank] for rank in range(len(result.ranks))}
     return trace.to_chrome_trace(
-        records, num_ranks=len(result.ranks), title=title, metadata=metadata
+        records, num_ranks=len(result.ranks), title=title, metadata=metadata,
+        placement=infer_layout(programs).placement,
     )
 
 

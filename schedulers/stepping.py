@@ -29,7 +29,7 @@ def step_calls(
             batch of fewer samples than ``data_parallel * micro_batches``.
     """
     mesh = spec.mesh
-    first, last = stage_to_rank(0, mesh.pipeline), stage_to_rank(spec.num_model_stages - 1, mesh.pipeline)
+    first, last = (stage_to_rank(s, mesh.pipeline, spec.parallelism.placement) for s in (0, spec.num_model_stages - 1))
     calls: dict[int, dict[str, Any]] = {rank: {} for rank in range(mesh.size)}
     if inputs is None and targets is None:
         if spec.training.data is None:

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from stages import Action, ActionKind, transfer_partner
+from stages import Action, ActionKind, Placement, transfer_partner
 
 __all__ = ["StageRecord", "estimate_offset", "match_transfers", "plot_trace", "to_chrome_trace"]
 
@@ -82,12 +82,14 @@ def estimate_offset(samples: Iterable[tuple[float, float, float]]) -> tuple[floa
     return remote - (t_send + t_recv) / 2, t_recv - t_send
 
 
-def match_transfers(records: Sequence[StageRecord], num_ranks: int) -> list[tuple[int, int, int, int]]:
+def match_transfers(records: Sequence[StageRecord], num_ranks: int,
+                    placement: Placement = "loop") -> list[tuple[int, int, int, int]]:
     """Pairs every ``SEND`` span with the ``RECV`` span that took its value.
 
     Args:
         records: the stage actors' spans.
         num_ranks: pipeline ranks (to place model stages on ranks when interleaved).
+        placement: how the model stages sit on the ranks (``v`` for ZB-V and DualPipeV).
 
     Returns:
         ``(sender index, send span index, receiver index, recv span index)``, indices
@@ -102,7 +104,7 @@ def match_transfers(records: Sequence[StageRecord], num_ranks: int) -> list[tupl
             action = Action.parse(str(span[0]))
             if action.kind not in (ActionKind.SEND_F, ActionKind.SEND_B):
                 continue
-            rank, recv = transfer_partner(action, num_ranks)
+            rank, recv = transfer_partner(action, num_ranks, placement)
             receiver = by_place.get((record.replica, rank))
             if receiver is not None and (receiver, str(recv)) in recv_at:
                 pairs.append((i, j, receiver, recv_at[receiver, str(recv)]))
@@ -110,7 +112,8 @@ def match_transfers(records: Sequence[StageRecord], num_ranks: int) -> list[tupl
 
 
 def to_chrome_trace(
-    records: Sequence[StageRecord], *, num_ranks: int, title: str = "step", metadata: Mapping[str, Any] | None = None
+    records: Sequence[StageRecord], *, num_ranks: int, title: str = "step", metadata: Mapping[str, Any] | None = None,
+    placement: Placement = "loop",
 ) -> dict[str, Any]:
     """The step as Chrome/Perfetto trace JSON, on the head's clock.
 
@@ -123,6 +126,7 @@ def to_chrome_trace(
     Args:
         records: one per stage actor.
         num_ranks: pipeline ranks.
+        placement: how the model stages sit on them.
         title: the process name shown above the tracks.
         metadata: extra facts for ``otherData`` (job, step...).
     """
@@ -141,7 +145,7 @@ def to_chrome_trace(
                 "tid": record.member, "ts": (shift + float(start)) * _US, "dur": (float(end) - float(start)) * _US,
                 "args": {"stage": action.stage, "microbatch": action.microbatch, "kind": action.kind.value},
             })
-    for flow_id, (i, j, k, n) in enumerate(match_transfers(records, num_ranks)):
+    for flow_id, (i, j, k, n) in enumerate(match_transfers(records, num_ranks, placement)):
         send, recv = records[i].spans[j], records[k].spans[n]
         leaves = (records[i].head_start - origin + float(send[1])) * _US
         recv_start = (records[k].head_start - origin + float(recv[1])) * _US

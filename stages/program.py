@@ -19,7 +19,8 @@ Every action prints in a compact form and parses back::
     0STEP        optimizer step
 
 ``stage`` is always the *model* stage (the virtual stage when a rank holds several);
-:func:`stage_to_rank` says which rank owns it, and :func:`transfer_partner` which
+:func:`stage_to_rank` says which rank owns it under a :data:`Placement` (round-robin
+``"loop"``, or the V shape of ZB-V and DualPipeV), and :func:`transfer_partner` which
 action on which rank is the other end of a send or receive.
 """
 
@@ -28,13 +29,16 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 __all__ = [
     "COMM_KINDS",
     "COMPUTE_KINDS",
+    "PLACEMENTS",
     "TAIL_KINDS",
     "Action",
     "ActionKind",
+    "Placement",
     "Program",
     "stage_to_rank",
     "transfer_partner",
@@ -134,25 +138,40 @@ class Action:
 Program = list[Action]
 
 
-def stage_to_rank(stage: int, num_ranks: int) -> int:
-    """The rank that owns model ``stage`` when stages are placed round-robin.
+Placement = Literal["loop", "v"]
+"""How model stages sit on ranks when a rank holds several: ``loop`` (round-robin, Megatron's
+interleaving) or ``v`` (there and back: ZB-V's and DualPipeV's V shape). Names as torch's
+pipelining calls them."""
+PLACEMENTS: tuple[str, ...] = get_args(Placement)
+
+
+def stage_to_rank(stage: int, num_ranks: int, placement: Placement = "loop") -> int:
+    """The rank that owns model ``stage``.
 
     Without interleaving (as many stages as ranks) rank ``r`` runs stage ``r``. With
-    ``V`` virtual stages per rank there are ``num_ranks * V`` model stages and stage
-    ``s`` lives on rank ``s % num_ranks`` (Megatron's placement), so neighbouring
-    stages are always on neighbouring ranks.
+    ``V`` virtual stages per rank there are ``num_ranks * V`` model stages, in chunks of
+    ``num_ranks``. ``loop``: stage ``s`` lives on rank ``s % num_ranks`` (Megatron's
+    placement), so neighbouring stages are on neighbouring ranks and the last rank sends
+    on to the first. ``v``: every other chunk runs back up the ranks, so with 4 ranks
+    stages 0-3 are on ranks 0-3 and stages 4-7 on ranks 3-0: rank 3 hands stage 3's
+    output to stage 4 in memory, and rank 0 holds both the first and the last stage.
 
     Raises:
-        ValueError: ``num_ranks`` < 1 or ``stage`` < 0.
+        ValueError: ``num_ranks`` < 1, ``stage`` < 0, or an unknown placement.
     """
     if num_ranks < 1:
         raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
     if stage < 0:
         raise ValueError(f"stage must be >= 0, got {stage}")
-    return stage % num_ranks
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
+    chunk, position = divmod(stage, num_ranks)
+    if placement == "v" and chunk % 2:
+        return num_ranks - 1 - position
+    return position
 
 
-def transfer_partner(action: Action, num_ranks: int) -> tuple[int, Action]:
+def transfer_partner(action: Action, num_ranks: int, placement: Placement = "loop") -> tuple[int, Action]:
     """The other end of a send or receive, and the rank that runs it.
 
     ``sSEND_Fm`` pairs with ``(s+1)RECV_Fm`` (the activation goes to the next stage)
@@ -176,4 +195,4 @@ def transfer_partner(action: Action, num_ranks: int) -> tuple[int, Action]:
     if stage < 0:
         raise ValueError(f"{action} has no partner: no stage comes before stage 0")
     partner = Action(stage=stage, kind=kind, microbatch=action.microbatch)
-    return stage_to_rank(stage, num_ranks), partner
+    return stage_to_rank(stage, num_ranks, placement), partner

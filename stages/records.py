@@ -71,10 +71,14 @@ class StageConfig(WireRecord):
         """Model stages in the whole pipeline (more than ranks when interleaved)."""
         return len(self.bounds)
 
+    def rank_of(self, stage: int) -> int:
+        """The pipeline rank that holds model ``stage`` (placed as the schedule places them)."""
+        return stage_to_rank(stage, self.pipeline_stages, self.parallelism.placement)
+
     @property
     def stages(self) -> list[int]:
-        """The model stages this rank holds (several when interleaved)."""
-        return [s for s in range(self.num_stages) if stage_to_rank(s, self.pipeline_stages) == self.pipeline_rank]
+        """The model stages this rank holds (several when interleaved or V-shaped)."""
+        return [s for s in range(self.num_stages) if self.rank_of(s) == self.pipeline_rank]
 
     @property
     def activation_codec(self) -> list[str]:

@@ -31,6 +31,7 @@ from stages.spec_checks import (
     show,
 )
 from stages.mesh import Mesh
+from stages.program import Placement
 from stages.monitor_configs import CSVConfig, TensorBoardConfig, WandbConfig, monitor_config
 from stages.state.state_precision import STATE_PRECISIONS, StatePrecision, adam_arguments
 
@@ -47,6 +48,7 @@ __all__ = [
     "SCHEDULE_NAMES",
     "SECTIONS",
     "TRANSPORTS",
+    "V_SCHEDULES",
     "CodecName",
     "Communication",
     "CompileBackend",
@@ -66,7 +68,7 @@ __all__ = [
     "TransportName",
 ]
 
-ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zero_bubble", "auto"]
+ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zero_bubble", "zbv", "dualpipev", "auto"]
 TransportName = Literal["zmq", "dist"]
 PartitionMethod = Literal["parameters", "uniform", "profile"]
 CodecName = Literal["none", "fp16", "bf16", "int8", "fp8", "int4"]
@@ -81,6 +83,8 @@ COMPILE_MODES: tuple[str, ...] = get_args(CompileMode)
 PRECISIONS: tuple[str, ...] = get_args(Precision)
 
 SCHEDULE_NAMES: tuple[str, ...] = get_args(ScheduleName)
+# The schedules that hold two model stages on every rank in a V (stages.program.Placement "v").
+V_SCHEDULES: tuple[str, ...] = ("zbv", "dualpipev")
 TRANSPORTS: tuple[str, ...] = get_args(TransportName)
 PARTITION_METHODS: tuple[str, ...] = get_args(PartitionMethod)
 CODECS: tuple[str, ...] = get_args(CodecName)
@@ -171,7 +175,7 @@ class Parallelism(_Section):
     micro_batches: int = 1
     """the global batch (each replica's share) is split into this many; gradients accumulate across them"""
     schedule: ScheduleName = "1f1b"
-    """`gpipe`, `1f1b` (PipeDream-Flush), `interleaved` (Megatron's virtual stages), `zero_bubble` (ZB-H1), or `auto`: the first two steps run `zero_bubble` and time every stage's F, B, I, W and the link; the timed simulator then ranks the schedules this partition runs (GPipe, 1F1B, zero-bubble) and the job runs the fastest that fits `max_stash_bytes` (`job.plan()` shows them all, interleaved included as a re-partition to consider; `StepStats.schedule` names the one each step ran)"""
+    """`gpipe`, `1f1b` (PipeDream-Flush), `interleaved` (Megatron's virtual stages), `zero_bubble` (ZB-H1), `zbv` (ZB-V) and `dualpipev` (DeepSeek's DualPipeV; both hold two model stages per rank in a V: rank 0 the first and the last), or `auto`: the first two steps run `zero_bubble` and time every stage's F, B, I, W and the link; the timed simulator then ranks the schedules this partition runs (GPipe, 1F1B, zero-bubble) and the job runs the fastest that fits `max_stash_bytes` (`job.plan()` shows them all, interleaved, ZB-V and DualPipeV included as re-partitions to consider; `StepStats.schedule` names the one each step ran)"""
     virtual_stages: int | None = None
     """model stages per rank with `interleaved` (>= 2; default 2); only for that schedule"""
     max_stash_bytes: int | None = None
@@ -230,7 +234,12 @@ class Parallelism(_Section):
         """Model stages per pipeline rank: ``virtual_stages`` (default 2) with ``interleaved``, else 1."""
         if self.schedule == "interleaved":
             return self.virtual_stages or 2
-        return 1
+        return 2 if self.schedule in V_SCHEDULES else 1
+
+    @property
+    def placement(self) -> Placement:
+        """How the model stages sit on the ranks: ``v`` for ZB-V and DualPipeV, else round-robin."""
+        return "v" if self.schedule in V_SCHEDULES else "loop"
 
     @property
     def num_model_stages(self) -> int:

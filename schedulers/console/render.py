@@ -201,11 +201,11 @@ def plan_lines(plan: Plan) -> list[str]:
         sizes = ", ".join(format_bytes(n) for n in c.stash_bytes)
         notes = []
         if not c.runnable:
-            notes.append(f"re-partitions the model: a new job with schedule='{c.schedule}', "
-                         f"virtual_stages={c.virtual_stages}")
+            virtual = f", virtual_stages={c.virtual_stages}" if c.schedule == "interleaved" else ""
+            notes.append(f"re-partitions the model: a new job with schedule='{c.schedule}'{virtual}")
         if not c.fits:
             notes.append("over max_stash_bytes")
-        if c.schedule == plan.running and state == "advice" and not c.virtual_stages:
+        if c.schedule == plan.running and state == "advice" and c.runnable:
             notes.append("running")
         lines.append(f"{'*' if c.chosen else ' '} {c.label:<20} {_number(c.predicted_step_s, '.3f'):>8} s "
                      f"{_number(c.bubble_fraction, '.1%'):>7}  {stash} ({sizes})"

@@ -36,7 +36,6 @@ from stages.compute.allocator import keep_freed_memory
 from stages.compute.executor import StageModel
 from stages.compute.inline import INLINE_MAX_S
 from stages.mesh import Coords
-from stages.program import stage_to_rank
 from stages.records import StageConfig
 from stages.state import quantized_adam
 from stages.state.lr_scheduler import build_scheduler
@@ -158,7 +157,7 @@ def build_stage(config: StageConfig, allow: Sequence[str], device: torch.device,
     modules, layers, key = _build_modules(cfg, allow, device, shard)
     held = {i: layers[i] for s in cfg.stages for i in range(*cfg.bounds[s])}
     named = [(key(i, name), p) for i, layer in held.items() for name, p in layer.named_parameters()]
-    layer_rank = {i: stage_to_rank(s, cfg.pipeline_stages) for s, (first, end) in enumerate(cfg.bounds)
+    layer_rank = {i: cfg.rank_of(s) for s, (first, end) in enumerate(cfg.bounds)
                   for i in range(first, end)}
     sync = tied.TiedSync(cfg.pipeline_rank, tied.tied_for_rank(layers, layer_rank.__getitem__, cfg.pipeline_rank,
                                                                held))

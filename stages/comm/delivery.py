@@ -27,7 +27,7 @@ from stages.comm.device_io import DeviceIO
 from stages.comm.p2p import DistLink
 from stages.compute.executor import Inbox
 from stages.mesh import Coords
-from stages.program import Action, ActionKind, stage_to_rank
+from stages.program import Action, ActionKind
 from stages.records import StageConfig
 from transport.codecs import Encoded, ErrorFeedback, get_codec
 
@@ -111,7 +111,7 @@ class Sender:
         if codec != "none" and any(t.is_floating_point() for t in leaves):
             # Quantize on the compute thread: the loop stays free to receive.
             leaves, sq_err = await self.compute(self.encode, forward, edge, action.microbatch, value.leaves, codec)
-        target_rank = stage_to_rank(target_stage, cfg.pipeline_stages)
+        target_rank = cfg.rank_of(target_stage)
         peer = self.peers[target_rank]
         if self.link is None:
             # On a GPU: the (encoded) tensors are copied to pinned host buffers on the copy stream while
@@ -225,7 +225,7 @@ class Receiver:
         self.check_slot(current, num_microbatches, step, kind, stage, microbatch)
         me = self.mesh.coords(self.config.global_rank)
         source_stage = stage - 1 if kind == "F" else stage + 1
-        src = self.mesh.rank(Coords(me.data, stage_to_rank(source_stage, self.config.pipeline_stages), me.tensor))
+        src = self.mesh.rank(Coords(me.data, self.config.rank_of(source_stage), me.tensor))
         if not isinstance(header, dict) or not isinstance(header.get("leaves"), list):
             raise NotAllowed("a dist header is a map with the value's leaves")
         payload([torch.empty(0)] * len(header["leaves"]), header.get("spec"))

@@ -100,7 +100,7 @@ class StageGroups:
     def _pairs(self) -> list[tuple[int, int]]:
         """The pipeline neighbours' two-rank groups every member builds: with transport="dist" only."""
         cfg = self.config
-        return pipeline_pairs(self.mesh, cfg.num_stages) if cfg.communication.transport == "dist" else []
+        return pipeline_pairs(self.mesh, cfg.num_stages, cfg.parallelism.placement) if cfg.communication.transport == "dist" else []
 
     def close(self) -> None:
         """Closes the link and drops the groups (after :func:`leave_process_groups` on the compute thread)."""

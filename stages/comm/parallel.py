@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from stages.comm.zero import GradientShards
 from stages.mesh import Mesh
-from stages.program import stage_to_rank
+from stages.program import Placement, stage_to_rank
 from transport.codecs import Encoded, ErrorFeedback
 
 __all__ = [
@@ -99,7 +99,7 @@ def backend_for(nodes: Sequence[Mapping[str, Any]]) -> str:
     return NCCL
 
 
-def pipeline_pairs(mesh: Mesh, num_stages: int) -> list[tuple[int, int]]:
+def pipeline_pairs(mesh: Mesh, num_stages: int, placement: Placement = "loop") -> list[tuple[int, int]]:
     """Every (sender, receiver) pair of global ranks that pipeline tensors travel between, in a fixed order.
 
     Each pair gets a two-rank group of its own, one per direction: NCCL runs a
@@ -112,13 +112,14 @@ def pipeline_pairs(mesh: Mesh, num_stages: int) -> list[tuple[int, int]]:
     Args:
         num_stages: the model's stages (more than ``mesh.pipeline`` with interleaving, where
             the last rank also sends to the first).
+        placement: how those stages sit on the ranks (in a V, neighbours in the middle share a rank).
     """
     pairs: list[tuple[int, int]] = []
     for data in range(mesh.data):
         for tensor in range(mesh.tensor):
             ranks = mesh.pipeline_ranks(data, tensor)
             for stage in range(num_stages - 1):
-                a, b = ranks[stage_to_rank(stage, mesh.pipeline)], ranks[stage_to_rank(stage + 1, mesh.pipeline)]
+                a, b = (ranks[stage_to_rank(s, mesh.pipeline, placement)] for s in (stage, stage + 1))
                 for pair in ((a, b), (b, a)):
                     if a != b and pair not in pairs:
                         pairs.append(pair)

@@ -30,7 +30,7 @@ from stages.comm import overlap as _overlap
 from stages.comm import boundary
 from stages.comm.boundary import Payload
 from stages.comm.device_io import DeviceIO
-from stages.compute.passes import StageModel, StagePasses, check_target_shape
+from stages.compute.passes import StageModel, StagePasses, check_target_shape, handed_over
 from actors._errors import error_to_wire
 from stages.program import Action, ActionKind
 from stages.records import StageReport
@@ -327,7 +327,7 @@ class StepExecutor:
             if loss is not None:
                 self._losses[m] = loss
         elif kind in (_K.B, _K.I):
-            grads = None if s == self.model.num_stages - 1 else self._values.pop(("B", s + 1, m))
+            grads = None if s == self.model.num_stages - 1 else handed_over(self._values.pop(("B", s + 1, m)))
             grad_in = await self.compute(self._tracked, action, self._backward, s, m, grads, kind is _K.I)
             if grad_in is not None:
                 self._values[("B", s, m)] = boundary.pack(grad_in)

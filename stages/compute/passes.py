@@ -158,7 +158,7 @@ class StagePasses:
             if self._inputs is None:
                 raise RuntimeError("stage 0 has no inputs for this step")
             return self._to_device(self._inputs[mb])
-        return self.values.pop(("F", stage - 1, mb))
+        return handed_over(self.values.pop(("F", stage - 1, mb)), as_leaves=True)
 
     def target_of(self, stage: int, mb: int) -> Any:
         if stage != self.model.num_stages - 1:
@@ -342,6 +342,13 @@ class StagePasses:
         self.outputs = None
         if not evaluating:
             self.model.optimizer.zero_grad(set_to_none=True)
+
+
+def handed_over(value: Any, *, as_leaves: bool = False) -> Any:
+    """A value the stage before (or after) on this rank left packed, as the wire would deliver it: an
+    activation's tensors fresh leaves whose ``.grad`` goes back, a gradient plain (a V's turn, where
+    two neighbouring stages share a rank). A value that came off the wire is unpacked already."""
+    return boundary.unpack(value, as_leaves=as_leaves) if isinstance(value, Payload) else value
 
 
 def _to_device(tree: Any, device: torch.device) -> Any:

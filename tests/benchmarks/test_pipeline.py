@@ -64,16 +64,19 @@ def test_a_tiny_run_prints_the_best_schedules_ratio_last() -> None:
     # Two steps of each peer at 2 stages: torch's 1F1B and interleaved 1F1B against actorpipe's,
     # on a model of the reference's kind small enough that the peers' start-up is the cost.
     command = [sys.executable, "-m", "benchmarks.pipeline", "--stages", "2", "--steps", "1", "--warmup", "1",
-               "--rounds", "1", "--skip-variants", "--torch-schedules", "1f1b", "interleaved",
-               "--actorpipe-schedules", "1f1b", "interleaved", "--blocks", "4", "--dim", "32"]
+               "--rounds", "1", "--skip-variants", "--torch-schedules", "1f1b", "interleaved", "zbv",
+               "--actorpipe-schedules", "1f1b", "interleaved", "zbv", "--blocks", "4", "--dim", "32"]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=540)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["workload"] == {"blocks": 4, "dim": 32}
     assert summary["vs_torch_best_2stages"] > 0
-    assert summary["actorpipe_best_2stages"] in ("1f1b", "interleaved")
-    assert summary["torch_best_2stages"] in ("1f1b", "interleaved")
+    assert summary["actorpipe_best_2stages"] in ("1f1b", "interleaved", "zbv")
+    assert summary["torch_best_2stages"] in ("1f1b", "interleaved", "zbv")
     assert summary["vs_torch_interleaved_2stages"] > 0 and summary["vs_torch_1f1b_2stages"] > 0
+    # ZB-V on both sides (two stages per rank in a V), trained to the one process's parameters.
+    assert summary["vs_torch_zbv_2stages"] > 0
+    assert summary["actorpipe_zbv_2stages_max_rel_diff"] < 1e-4
     assert summary["vs_torch_best_4stages"] is None  # not asked for
     assert summary["torch_not_run"] == {}
     assert summary["torch_interleaved_2stages_max_rel_diff"] < 1e-4

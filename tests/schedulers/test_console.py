@@ -525,7 +525,7 @@ def test_an_unclosed_quote_is_refused() -> None:
     ("status ", ["job0", "job12", "--actions"]),
     ("status job0 ", ["--actions"]),
     ("set job0 ", ["micro_batches", "schedule", "activation_codec", "gradient_codec"]),
-    ("set job0 schedule ", ["gpipe", "1f1b", "interleaved", "zero_bubble", "auto"]),
+    ("set job0 schedule ", ["gpipe", "1f1b", "interleaved", "zero_bubble", "zbv", "dualpipev", "auto"]),
     ("set job0 gradient_codec in", ["int8", "int4"]),
     ("help pa", ["pause"]),
     ("jobs; res", ["resume"]),

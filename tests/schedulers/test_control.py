@@ -43,6 +43,8 @@ def test_settings_that_fit_give_the_new_spec(key: str, value: Any, field: str, e
     ({}, "schedule", "interleaved", "re-partitions the model"),
     ({"schedule": "interleaved"}, "schedule", "1f1b", "re-partitions the model"),
     ({"schedule": "interleaved"}, "schedule", "auto", "re-partitions the model \\(auto runs one stage per rank\\)"),
+    ({"schedule": "zbv"}, "schedule", "interleaved", "between interleaved, V-shaped \\(zbv, dualpipev\\) and"),
+    ({}, "schedule", "dualpipev", "re-partitions the model"),
     ({"schedule": "interleaved", "data_kwargs": {"batch_size": 12}}, "micro_batches", "3", "multiple"),
     ({}, "activation_codec", "int9", "unknown codec 'int9'"),
 ])
@@ -51,6 +53,13 @@ def test_settings_that_do_not_fit_are_refused_with_why(base: dict[str, Any], key
     with pytest.raises(ValueError, match=message):
         # As Settings.set does: planned at once, then compiled (off the head's loop there).
         compile_programs(plan_setting(spec(**base), key, value))
+
+
+def test_the_two_v_shaped_schedules_switch_on_a_running_job() -> None:
+    # ZB-V and DualPipeV cut and place the model alike (two stages per rank, in a V).
+    new = plan_setting(spec(schedule="zbv", micro_batches=4), "schedule", "dualpipev")
+    assert new.parallelism.schedule == "dualpipev" and new.parallelism.placement == "v"
+    assert compile_programs(new)
 
 
 def test_a_fixed_schedule_drops_autos_stash_limit_and_auto_compiles_its_probe() -> None:

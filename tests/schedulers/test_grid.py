@@ -18,6 +18,8 @@ CASES = [(1, 1), (1, 3), (2, 4), (3, 6), (4, 8)]
 def test_format_then_parse_is_the_identity(
     name: str, num_stages: int, num_microbatches: int
 ) -> None:
+    if name == "dualpipev":  # it needs as many micro-batches as model stages
+        num_microbatches = max(num_microbatches, 2 * num_stages)
     compute = SCHEDULES[name](num_stages, num_microbatches)
     lowered = build_schedule(name, num_stages, num_microbatches)
     for schedule in (compute, lowered):

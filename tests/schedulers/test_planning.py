@@ -75,6 +75,22 @@ def test_the_fastest_candidate_wins_and_interleaving_is_only_advised() -> None:
     assert interleaved[0].predicted_step_s < found["zero_bubble"].predicted_step_s
 
 
+def test_the_v_shaped_schedules_are_weighed_and_run_where_the_job_is_cut_for_them() -> None:
+    ranked = rank_candidates(costs(), num_microbatches=8)
+    found = by_label(ranked)
+    # ZB-V and DualPipeV (two stages per rank in a V, each half its rank's cost): predicted from the same
+    # costs, and at F = I = W the V's bubble is smaller than ZB-H1's; advised only on this partition.
+    zbv, dualpipev = found["zbv x2"], found["dualpipev x2"]
+    assert zbv.predicted_step_s < found["zero_bubble"].predicted_step_s
+    assert dualpipev.predicted_step_s < found["zero_bubble"].predicted_step_s
+    assert not (zbv.runnable or dualpipev.runnable or zbv.chosen)
+    # A job cut in a V runs them, not the interleaved candidate with as many stages per rank.
+    cut = by_label(rank_candidates(costs(), num_microbatches=8, virtual_stages=2, placement="v"))
+    assert cut["zbv x2"].runnable and cut["dualpipev x2"].runnable and not cut["interleaved x2"].runnable
+    assert [c.label for c in cut.values() if c.chosen] in (["zbv x2"], ["dualpipev x2"])
+    assert cut["zbv x2"].stash_bytes == [int(n * UNIT / 2) for n in cut["zbv x2"].stash]
+
+
 def test_a_stash_limit_that_excludes_the_fastest_picks_the_next() -> None:
     # The last rank's activations are three times larger: ZB-H1 holds 4 of them there, 1F1B one.
     heavy = costs(stash=[UNIT, UNIT, UNIT, 3 * UNIT])
@@ -116,8 +132,8 @@ def test_choose_takes_the_first_runnable_candidate_that_fits() -> None:
 
 
 def test_micro_batches_interleaving_cannot_take_leave_it_out() -> None:
-    ranked = rank_candidates(costs(), num_microbatches=6)  # not a multiple of the 4 stages
-    assert {c.schedule for c in ranked} == {"gpipe", "1f1b", "zero_bubble"}
+    ranked = rank_candidates(costs(), num_microbatches=6)  # not a multiple of the 4 stages, under 8 model stages
+    assert {c.schedule for c in ranked} == {"gpipe", "1f1b", "zero_bubble", "zbv"}  # ZB-V takes any count
 
 
 # -- costs, measured from a step ------------------------------------------------------------

@@ -20,12 +20,14 @@ from schedulers.schedules import (
     add_send_recv,
     add_step_tail,
     build_schedule,
+    dualpipe_v,
     gpipe,
     interleaved_1f1b,
     main,
     one_f_one_b,
     split_backward,
     zero_bubble_h1,
+    zero_bubble_v,
 )
 from schedulers.simulate import simulate
 from schedulers.validate import validate
@@ -56,6 +58,15 @@ EXPECTED: dict[tuple[Callable[[int, int], Schedule], int, int], str] = {
         1: -   1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3
     """,
     (interleaved_1f1b, 1, 2): "0: 0F0 1F0 1B0 0F1 0B0 1F1 1B1 0B1",
+    # In a V: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2.
+    (zero_bubble_v, 2, 4): """
+        0: 0F0 0F1 0F2 3F0 3I0 3W0 3F1 3I1 3W1 0F3 0I0 0W0 3F2 3I2 3W2 0I1 0W1 3F3 3I3 3W3 0I2 0W2 0I3 0W3
+        1: -   1F0 2F0 1F1 2F1 2I0 2W0 1F2 1I0 1W0 2F2 2I1 2W1 1F3 1I1 1W1 2F3 2I2 2W2 1I2 2I3 1I3 1W2 2W3 1W3
+    """,
+    (dualpipe_v, 2, 4): """
+        0: 0F0 0F1 0F2 3F0 3I0 3W0 3F1 0F3 3B1 3F2 0B0 3B2 3F3 0B1 3B3 0I2 0W2 0I3 0W3
+        1: -   1F0 2F0 1F1 2F1 1F2 2B0 2F2 1B0 1F3 2B1 2F3 1B1 2B2 1B2 2I3 1I3 2W3 1W3
+    """,
 }
 
 
@@ -75,7 +86,51 @@ def test_registry_names_every_generator() -> None:
         "1f1b": one_f_one_b,
         "interleaved": interleaved_1f1b,
         "zero_bubble": zero_bubble_h1,
+        "zbv": zero_bubble_v,
+        "dualpipev": dualpipe_v,
     }
+
+
+def _torch_order(cls_name: str, num_ranks: int, num_microbatches: int) -> Schedule:
+    """torch's own order for one of its V-shaped schedules, in our actions (overlapped pairs in turn)."""
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    kinds = {"F": ActionKind.F, "I": ActionKind.I, "W": ActionKind.W, "B": ActionKind.B}
+    cls = getattr(torch_schedules, cls_name)
+    # The rank-order method reads only these three (no stages, no process group needed).
+    shell = type("Shell", (), {"pp_group_size": num_ranks, "_n_microbatches": num_microbatches,
+                               "num_stages": 2 * num_ranks})()
+    order: Schedule = {}
+    for rank in range(num_ranks):
+        ops = [op for op in cls._calculate_single_rank_operations(shell, rank) if op is not None]
+        flat = [sub for op in ops for sub in (op.sub_actions or (op,))]
+        order[rank] = [Action(stage=a.stage_index, kind=kinds[a.computation_type.value],
+                              microbatch=a.microbatch_index) for a in flat]
+    return order
+
+
+@pytest.mark.parametrize("num_ranks", [1, 2, 3, 4, 5])
+def test_the_v_schedules_run_torch_s_order(num_ranks: int) -> None:
+    # The same programs as torch 2.13's ScheduleZBVZeroBubble and ScheduleDualPipeV, which a
+    # user moving from torch's pipelining gets, and every one of them validates.
+    for m in range(1, 4 * num_ranks + 2):
+        assert zero_bubble_v(num_ranks, m) == _torch_order("ScheduleZBVZeroBubble", num_ranks, m), m
+        validate(zero_bubble_v(num_ranks, m))
+        if m >= 2 * num_ranks:
+            assert dualpipe_v(num_ranks, m) == _torch_order("ScheduleDualPipeV", num_ranks, m), m
+            validate(dualpipe_v(num_ranks, m))
+
+
+def test_a_v_schedule_turns_round_on_the_last_rank_without_a_transfer() -> None:
+    lowered = build_schedule("zbv", 3, 6)
+    layout = validate(lowered)
+    assert layout.placement == "v" and layout.num_stages == 6
+    assert [layout.rank_of(s) for s in range(6)] == [0, 1, 2, 2, 1, 0]
+    sends = {str(a) for program in lowered.values() for a in program if a.kind in COMM_KINDS}
+    assert "2SEND_F0" not in sends and "3RECV_F0" not in sends  # stage 2 -> 3 stays on rank 2
+    assert "1SEND_F0" in sends and "4SEND_F0" in sends
+    # Rank 0 reads the inputs and computes the loss: nothing goes round from the last stage to the first.
+    assert not any(a.stage == 5 and a.kind is ActionKind.SEND_F for a in lowered[0])
 
 
 def test_interleaving_by_one_is_1f1b() -> None:
@@ -93,6 +148,8 @@ def test_interleaving_by_one_is_1f1b() -> None:
         (lambda: interleaved_1f1b(4, 8, num_virtual_stages=0), "num_virtual_stages >= 1"),
         (lambda: build_schedule("pipedream", 4, 8), "unknown schedule 'pipedream'; choose one of"),
         (lambda: build_schedule("1f1b", 4, 8, num_virtual_stages=2), "use 'interleaved'"),
+        (lambda: dualpipe_v(3, 5), r"at least as many micro-batches as model stages \(6 for 3 ranks\), got 5"),
+        (lambda: build_schedule("zbv", 4, 8, num_virtual_stages=3), "two model stages per rank, in a V"),
     ],
 )
 def test_impossible_arguments_say_what_would_work(call: Callable[[], object], message: str) -> None:
@@ -105,6 +162,8 @@ def _sizes(draw: st.DrawFn, name: str) -> tuple[int, int, int | None]:
     if name == "interleaved":
         virtual = draw(st.integers(1, 3))
         return num_stages, num_stages * draw(st.integers(1, 3)), virtual
+    if name == "dualpipev":
+        return num_stages, draw(st.integers(2 * num_stages, 2 * num_stages + 6)), None
     return num_stages, draw(st.integers(1, 12)), None
 
 
@@ -121,7 +180,7 @@ def test_every_generated_schedule_validates(case: tuple[str, int, int, int | Non
     lowered = build_schedule(name, num_stages, num_microbatches, virtual)
     layout = validate(lowered)
     assert layout.num_ranks == num_stages and layout.num_microbatches == num_microbatches
-    assert layout.num_stages == num_stages * (virtual or 1)
+    assert layout.num_stages == num_stages * (virtual or (2 if name in ("zbv", "dualpipev") else 1))
     extra = {"num_virtual_stages": virtual} if virtual else {}
     validate(SCHEDULES[name](num_stages, num_microbatches, **extra))
 

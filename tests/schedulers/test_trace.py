@@ -38,10 +38,16 @@ def _records_from_simulation(schedule_name: str, num_ranks: int, num_microbatche
     return records
 
 
+# Links between ranks, both ways: 2 with one stage per rank, 4 in a V (stages 2 and 3 share rank 2).
+LINKS = {"zbv": 4, "dualpipev": 4}
+
+
 @pytest.mark.parametrize("schedule_name", [s for s in SCHEDULES if s != "interleaved"])
 def test_trace_has_a_track_per_stage_every_span_and_a_flow_per_transfer(schedule_name: str) -> None:
-    records = _records_from_simulation(schedule_name, 3, 4, offsets=[0.0, 7.5, -2.0])
-    trace = to_chrome_trace(records, num_ranks=3, title="t", metadata={"job": "job0"})
+    micro_batches = 6 if schedule_name == "dualpipev" else 4
+    records = _records_from_simulation(schedule_name, 3, micro_batches, offsets=[0.0, 7.5, -2.0])
+    placement = "v" if schedule_name in LINKS else "loop"
+    trace = to_chrome_trace(records, num_ranks=3, title="t", metadata={"job": "job0"}, placement=placement)
     events = trace["traceEvents"]
     tracks = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
     assert tracks == {0: "stage 0", 1: "stage 1", 2: "stage 2"}
@@ -52,7 +58,7 @@ def test_trace_has_a_track_per_stage_every_span_and_a_flow_per_transfer(schedule
     sends = sum(1 for r in records for s in r.spans if "SEND" in str(s[0]))
     starts = [e for e in events if e["ph"] == "s"]
     finishes = {e["id"]: e for e in events if e["ph"] == "f"}
-    assert len(starts) == len(finishes) == sends == 2 * 2 * 4  # 2 boundaries, both ways, 4 micro-batches
+    assert len(starts) == len(finishes) == sends == 2 * LINKS.get(schedule_name, 2) * micro_batches
     by_name = {(e["tid"], e["name"]): e for e in spans}
     for start in starts:
         send_name, recv_name = start["name"].split(" -> ")

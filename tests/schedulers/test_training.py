@@ -53,13 +53,16 @@ ZMQ_SHAPES_CROSSED = [(2, 8, "adam"), (4, 4, "sgd_momentum")]
 CASES = [
     pytest.param(schedule, stages, micro, opt, "zmq", True, id=f"{schedule}-{stages}stages-{micro}mb-{opt}")
     for schedule, shapes in [("gpipe", ZMQ_SHAPES), ("1f1b", ZMQ_SHAPES_CROSSED), ("interleaved", ZMQ_SHAPES),
-                             ("zero_bubble", ZMQ_SHAPES_CROSSED)]
+                             ("zero_bubble", ZMQ_SHAPES_CROSSED), ("zbv", [(2, 4, "sgd_momentum")]),
+                             ("dualpipev", [(4, 8, "adam")])]
     for stages, micro, opt in shapes
 ] + [
     # The same executor over torch.distributed point-to-point instead of actor messages.
     pytest.param(schedule, stages, 8, "adam", "dist", True, id=f"{schedule}-{stages}stages-8mb-adam-dist")
     # Interleaved at 4 ranks: the last rank sends on to the first, over a pair group of its own.
-    for schedule, stages in [("1f1b", 2), ("gpipe", 4), ("interleaved", 2), ("interleaved", 4), ("zero_bubble", 4)]
+    # In a V (zbv) rank 3 turns each micro-batch round in memory, and rank 0 holds the first and the last stage.
+    for schedule, stages in [("1f1b", 2), ("gpipe", 4), ("interleaved", 2), ("interleaved", 4), ("zero_bubble", 4),
+                             ("zbv", 4)]
 ] + [
     # Plain autograd for every weight gradient: B unsplit, and zero-bubble's W walks the graph again.
     pytest.param(schedule, stages, 8, "adam", "zmq", False, id=f"{schedule}-{stages}stages-8mb-adam-nofusion")

@@ -108,6 +108,8 @@ def schedules(draw: st.DrawFn) -> Schedule:
     num_stages = draw(st.integers(1, 4))
     virtual = draw(st.integers(2, 3)) if name == "interleaved" else None
     num_microbatches = num_stages * draw(st.integers(1, 3)) if virtual else draw(st.integers(1, 8))
+    if name == "dualpipev":  # as many micro-batches as model stages, at least
+        num_microbatches = max(num_microbatches, 2 * num_stages)
     if draw(st.booleans()):
         return build_schedule(name, num_stages, num_microbatches, virtual)
     return SCHEDULES[name](num_stages, num_microbatches, *([virtual] if virtual else []))

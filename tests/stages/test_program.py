@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -87,10 +88,18 @@ def test_stage_to_rank_is_round_robin(stage: int, num_ranks: int, rank: int) -> 
     assert stage_to_rank(stage, num_ranks) == rank
 
 
-@pytest.mark.parametrize(("stage", "num_ranks"), [(0, 0), (-1, 2)])
-def test_stage_to_rank_rejects_bad_arguments(stage: int, num_ranks: int) -> None:
+@pytest.mark.parametrize(("num_ranks", "ranks"), [(1, [0, 0]), (2, [0, 1, 1, 0]), (4, [0, 1, 2, 3, 3, 2, 1, 0]),
+                                                   (2, [0, 1, 1, 0, 0, 1])])
+def test_stage_to_rank_in_a_v_runs_down_the_ranks_and_back(num_ranks: int, ranks: list[int]) -> None:
+    # As torch's pipelining places ZB-V's and DualPipeV's stages (style="v"); a third chunk goes down again.
+    assert [stage_to_rank(s, num_ranks, "v") for s in range(len(ranks))] == ranks
+
+
+@pytest.mark.parametrize(("stage", "num_ranks", "placement"), [(0, 0, "loop"), (-1, 2, "loop"), (3, 2, "zigzag"),
+                                                               (0, 2, "zigzag")])
+def test_stage_to_rank_rejects_bad_arguments(stage: int, num_ranks: int, placement: Any) -> None:
     with pytest.raises(ValueError):
-        stage_to_rank(stage, num_ranks)
+        stage_to_rank(stage, num_ranks, placement)
 
 
 @pytest.mark.parametrize(
@@ -119,6 +128,14 @@ def test_transfer_partner_pairs_sends_with_receives(
     # The pairing is symmetric: the partner's partner is the action, on its own rank.
     own_rank = stage_to_rank(Action.parse(action).stage, num_ranks)
     assert transfer_partner(Action.parse(partner), num_ranks) == (own_rank, Action.parse(action))
+
+
+@pytest.mark.parametrize(("action", "rank", "partner"), [
+    # In a V over 2 ranks: stages 0, 1, 2, 3 on ranks 0, 1, 1, 0.
+    ("0SEND_F1", 1, "1RECV_F1"), ("2SEND_F1", 0, "3RECV_F1"), ("3SEND_B1", 1, "2RECV_B1"), ("2RECV_F0", 1, "1SEND_F0"),
+])
+def test_transfer_partner_in_a_v(action: str, rank: int, partner: str) -> None:
+    assert transfer_partner(Action.parse(action), 2, "v") == (rank, Action.parse(partner))
 
 
 @pytest.mark.parametrize(

@@ -50,7 +50,7 @@ def test_each_field_is_set_from_its_key_and_checked_there() -> None:
     assert t.origins == {"model": "training.model", "pipeline_stages": "parallelism.pipeline_stages"}
     assert {p.key: p.message for p in t.problems} == {
         "training.seed": "expected an integer, got '0'",
-        "parallelism.schedule": "expected one of gpipe, 1f1b, interleaved, zero_bubble, auto, got '2f2b'",
+        "parallelism.schedule": "expected one of gpipe, 1f1b, interleaved, zero_bubble, zbv, dualpipev, auto, got '2f2b'",
         "parallelism.seed": "seed belongs in training (or at the top, flat)",
         "runtime.threads": "unknown key; did you mean runtime.threads_per_stage?",
     }

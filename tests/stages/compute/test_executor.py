@@ -31,7 +31,8 @@ from stages.compute import wgrad as _wgrad
 from stages.build.layers import Chain
 from stages.compute.executor import ActionFailed, Inbox, StageModel, StepExecutor, StepTrace
 from stages.comm.boundary import Payload
-from stages.program import Action, ActionKind, stage_to_rank
+from stages.program import Action, ActionKind, Placement, stage_to_rank
+from stages.sections import V_SCHEDULES
 from schedulers.schedules import SCHEDULES, build_schedule
 from schedulers.simulate import simulate
 
@@ -107,7 +108,14 @@ class Case:
 
     @property
     def num_virtual_stages(self) -> int:
-        return 2 if self.schedule == "interleaved" else 1
+        return 2 if self.schedule in ("interleaved", *V_SCHEDULES) else 1
+
+    @property
+    def placement(self) -> Placement:
+        return "v" if self.schedule in V_SCHEDULES else "loop"
+
+    def rank_of(self, stage: int) -> int:
+        return stage_to_rank(stage, self.num_ranks, self.placement)
 
     @property
     def num_stages(self) -> int:
@@ -138,7 +146,7 @@ _SHAPES = [
     # Plain autograd for the weight gradients: B unsplit, and zero-bubble's W walks the graph again.
     Case(schedule=name, num_ranks=ranks, num_microbatches=micro, fusion=False)
     for name, ranks, micro in [("gpipe", 2, 4), ("1f1b", 4, 8), ("interleaved", 2, 8),
-                               ("zero_bubble", 2, 8), ("zero_bubble", 4, 4)]
+                               ("zero_bubble", 2, 8), ("zero_bubble", 4, 4), ("zbv", 2, 8), ("dualpipev", 2, 4)]
 ]
 SHAPES = [case for case in _SHAPES if accepted(case)]
 TRAINING_CASES = [
@@ -232,7 +240,7 @@ class Pipeline:
         num_ranks, num_stages, m = case.num_ranks, case.num_stages, case.num_microbatches
         layers = list(model.children())
         bounds = [round(i * len(layers) / num_stages) for i in range(num_stages + 1)]
-        self.stages = {r: [s for s in range(num_stages) if stage_to_rank(s, num_ranks) == r] for r in range(num_ranks)}
+        self.stages = {r: [s for s in range(num_stages) if case.rank_of(s) == r] for r in range(num_ranks)}
         self.forwards: dict[int, list[int]] = {r: [] for r in range(num_ranks)}  # model stages, in compute order
         self.bytes_sent = [0] * num_ranks
         self.reduces = [0] * num_ranks
@@ -263,11 +271,11 @@ class Pipeline:
 
     def _send_from(self, rank: int) -> Callable[[int, Action, Payload], Any]:
         async def send(step: int, action: Action, value: Payload) -> int:
-            assert stage_to_rank(action.stage, self.case.num_ranks) == rank, f"rank {rank} sent for {action}"
+            assert self.case.rank_of(action.stage) == rank, f"rank {rank} sent for {action}"
             assert action.microbatch is not None
             forward = action.kind is _K.SEND_F
             target = action.stage + 1 if forward else action.stage - 1
-            peer = self.executors[stage_to_rank(target, self.case.num_ranks)]
+            peer = self.executors[self.case.rank_of(target)]
             # A copy with no autograd history, as the wire would deliver it.
             copy = Payload([t.clone() for t in value.leaves], value.spec)
             peer.inbox.put((step, "F" if forward else "B", target, action.microbatch), copy)
@@ -312,7 +320,7 @@ class Pipeline:
 
     def loss(self, traces: list[StepTrace]) -> float:
         """The step's loss: the mean over micro-batches, which only the last stage's rank reports."""
-        last_rank = stage_to_rank(self.case.num_stages - 1, self.case.num_ranks)
+        last_rank = self.case.rank_of(self.case.num_stages - 1)
         for rank, trace in enumerate(traces):
             if rank != last_rank:
                 assert trace.losses == {}, rank
@@ -464,18 +472,20 @@ async def test_an_aborted_step_forgets_a_run_of_batched_ws_it_cut_short() -> Non
         assert loss == loss  # the next step runs whole (a finite loss, no "still held" failure)
 
 
-@pytest.mark.parametrize("ranks,virtual,micro_batches", [(1, 1, 2), (2, 1, 4), (4, 1, 3), (2, 2, 4), (4, 2, 4)])
-async def test_forward_only_programs_evaluate_without_a_stash_or_a_gradient(ranks: int, virtual: int,
+@pytest.mark.parametrize("ranks,schedule,micro_batches", [(1, "1f1b", 2), (2, "1f1b", 4), (4, "1f1b", 3),
+                                                          (2, "interleaved", 4), (4, "interleaved", 4),
+                                                          (2, "zbv", 3), (4, "dualpipev", 8)])
+async def test_forward_only_programs_evaluate_without_a_stash_or_a_gradient(ranks: int, schedule: str,
                                                                            micro_batches: int) -> None:
-    """Every rank count, interleaved or not, any micro-batch count: the evaluation's programs run
+    """Every rank count, interleaved, in a V or not, any micro-batch count: the evaluation's programs run
     to their end without a deadlock, keep nothing for a backward, touch no gradient, and give the
     model's own loss per micro-batch and its outputs; the modules return to train mode."""
     from schedulers.schedules import forward_only
 
     model = build_model()
     x, y = global_batches()[0]
-    case = Case(schedule="interleaved" if virtual > 1 else "1f1b", num_ranks=ranks, num_microbatches=micro_batches)
-    programs = forward_only(ranks, micro_batches, virtual)
+    case = Case(schedule=schedule, num_ranks=ranks, num_microbatches=micro_batches)
+    programs = forward_only(ranks, micro_batches, case.num_virtual_stages, case.placement)
     async with open_pipeline(case, model) as pipeline:
         last = case.num_stages - 1
         inputs, targets = list(x.tensor_split(micro_batches)), list(y.tensor_split(micro_batches))
@@ -487,7 +497,7 @@ async def test_forward_only_programs_evaluate_without_a_stash_or_a_gradient(rank
         assert all(module.training for ex in pipeline.executors for module in ex.model.modules.values())
     assert all(p.grad is None for p in model.parameters())
     assert [t.peak_stash for t in traces] == [0] * ranks
-    final = traces[stage_to_rank(last, ranks)]
+    final = traces[case.rank_of(last)]
     with torch.no_grad():
         expected = [F.mse_loss(model(xs), ys).item() for xs, ys in zip(inputs, targets)]
         torch.testing.assert_close(torch.cat([final.outputs[m] for m in range(micro_batches)]), model(x))
