@@ -36,7 +36,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from transport.security import Keypair, configure_client, configure_server
 
-__all__ = ["LivenessClient", "LivenessServer"]
+__all__ = ["HEAD_GONE_S", "LivenessClient", "LivenessServer"]
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +181,12 @@ class LivenessClient:
     It says its name once; libzmq answers the head's heartbeats from then on. A thread
     keeps it (and says the name again after a reconnect, which libzmq makes by itself).
 
+    A driver watches its head the same way, with ``silent_timeout`` set: a PUSH connected
+    to the head runtime's own (PULL) socket says nothing, and its libzmq asks for a ZMTP heartbeat
+    every half second, which the head's libzmq answers whatever its Python threads are
+    doing; ``silent_timeout`` seconds without an answer (a stopped head, a cut network)
+    drop the connection, as a head process that ends closes it at once.
+
     Args:
         context: the worker runtime's context.
         endpoint: the head's liveness endpoint.
@@ -188,18 +194,24 @@ class LivenessClient:
         keys, server_public: the worker's keypair and the head's public key (CURVE), or None.
         on_head_gone: called once, from the thread, when the connection has stayed closed for
             :data:`HEAD_GONE_S` (the head's process is gone); None: nothing is called.
+        silent_timeout: a driver's watch (see above), dropped after this many seconds without
+            a heartbeat answered; None: a worker's liveness connection (the head asks).
     """
 
     def __init__(self, context: zmq.Context[Any], endpoint: str, name: str, keys: Keypair | None,
-                 server_public: bytes | None, on_head_gone: Callable[[], None] | None = None) -> None:
-        self._socket: zmq.Socket[Any] = context.socket(zmq.PAIR)
+                 server_public: bytes | None, on_head_gone: Callable[[], None] | None = None, *,
+                 silent_timeout: float | None = None) -> None:
+        self._socket: zmq.Socket[Any] = context.socket(zmq.PAIR if silent_timeout is None else zmq.PUSH)
         socket = self._socket
         if keys is not None and server_public is not None:
             configure_client(socket, keys, server_public)
         socket.setsockopt(zmq.LINGER, 0)
+        if silent_timeout is not None:
+            socket.setsockopt(zmq.HEARTBEAT_IVL, 500)
+            socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(silent_timeout * 1000)))
         self._monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         socket.connect(endpoint)
-        self._name = name.encode()
+        self._name = name.encode() if silent_timeout is None else None  # a driver's watch says nothing
         self._on_head_gone = on_head_gone
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="liveness", daemon=True)
@@ -226,7 +238,8 @@ class LivenessClient:
                         closed_at = closed_at if closed_at is not None else time.monotonic()
                     else:
                         closed_at = None
-                        self._socket.send(_HELLO + b" " + self._name, zmq.NOBLOCK)  # each (re)connection says who
+                        if self._name is not None:  # each (re)connection says who
+                            self._socket.send(_HELLO + b" " + self._name, zmq.NOBLOCK)
                 if closed_at is not None and self._on_head_gone is not None and \
                         time.monotonic() - closed_at > HEAD_GONE_S:
                     log.warning("the head's connection closed %.0fs ago and was not made again: the head is gone",

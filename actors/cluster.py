@@ -32,7 +32,8 @@ from typing import Any, Generic, TypeVar
 
 from actors import launchers
 from actors._errors import ActorError, ActorTimeout, HeadLost, NotAllowed
-from actors._nodes import HEAD, NODE, HeadActor, NodeActor, NodeInfo
+from actors._liveness import HEAD_GONE_S, LivenessClient
+from actors._nodes import HEAD, NODE, SILENT_TIMEOUT_S, HeadActor, NodeActor, NodeInfo
 from actors._subscribers import EventSink
 from actors.events import Event
 from actors._serve import ADMIT_TOKEN_ENV, head_address, security
@@ -42,6 +43,7 @@ from actors._registry import EXAMPLE_FACTORIES
 from actors._ref import ActorRef
 from actors._runtime import Runtime, open_runtime
 from actors.plugins import GROUP, load_plugin
+from transport.security import split_address
 from transport.wire import DEFAULT_MAX_MESSAGE_BYTES
 
 __all__ = ["Cluster", "LocalCluster"]
@@ -64,37 +66,43 @@ class Cluster:
         self.head_lost: HeadLost | None = None  # set once the head is gone (see watch_head)
         self.head_process: subprocess.Popen[bytes] | None = None  # LocalCluster's head: watched directly
 
-    # How the driver notices a lost head: a ping every PING_INTERVAL_S, each given
-    # PING_TIMEOUT_S; PINGS_MISSED in a row (about 3 s) mean the head is gone. A driver
-    # whose own loop stalled loses one ping at most, not three.
-    PING_INTERVAL_S = 0.25
-    PING_TIMEOUT_S = 0.75
-    PINGS_MISSED = 3
+    # A LocalCluster's head process is looked at this often (its exit is known at the next look).
+    PROCESS_POLL_S = 0.25
 
-    def watch_head(self) -> None:
+    def watch_head(self, silent_timeout: float = SILENT_TIMEOUT_S) -> None:
         """Starts watching the head: once it is lost every pending and later call to it
-        fails with :class:`~actors.HeadLost` instead of waiting out its timeout."""
-        self.runtime.spawn_task(self._watch_head(), name="head watch")
+        fails with :class:`~actors.HeadLost` instead of waiting out its timeout.
 
-    async def _watch_head(self) -> None:
-        ping = self.head.endpoint(HeadActor.ping, timeout=self.PING_TIMEOUT_S)
-        missed = 0
+        Busy is not dead: the watch is a connection of its own to the head's socket whose
+        heartbeats both ends' libzmq threads answer (:class:`actors._liveness.LivenessClient`),
+        so a head whose loop is busy (gathering a large ``state_dict``, a saturated machine)
+        is never lost. A head process that ends closes the connection, known within
+        :data:`~actors._liveness.HEAD_GONE_S` (a ``LocalCluster``'s at once, from the process);
+        one that is alive but answers no heartbeat (stopped, cut off) is lost after
+        ``silent_timeout`` seconds and that.
+        """
+        loop = asyncio.get_running_loop()
+
+        def gone() -> None:
+            loop.call_soon_threadsafe(self._lose_head, f"its connection closed (its process ended, or it answered "
+                                      f"no heartbeat for {silent_timeout:g}s) and was not made again within "
+                                      f"{HEAD_GONE_S:g}s")
+
+        endpoint, server_public = split_address(self.head.address)
+        watch = LivenessClient(self.runtime.context, endpoint, "", self.runtime.keys, server_public, gone,
+                               silent_timeout=silent_timeout)
+        self._stack.callback(watch.close)
+        self.runtime.spawn_task(self._watch_process(), name="head process watch")
+
+    async def _watch_process(self) -> None:
         while self.head_lost is None:
-            await asyncio.sleep(self.PING_INTERVAL_S)
+            await asyncio.sleep(self.PROCESS_POLL_S)
             if self.head_process is not None and self.head_process.poll() is not None:
                 self._lose_head(f"its process exited with {self.head_process.returncode}")
-                return
-            try:
-                await ping.call()
-                missed = 0
-            except ActorTimeout:
-                missed += 1
-            except ActorError as exc:  # e.g. stopping: the runtime is closing
-                log.debug("head ping: %s", exc)
-            if missed >= self.PINGS_MISSED:
-                self._lose_head(f"it answered none of {missed} pings in {missed * self.PING_TIMEOUT_S:.1f}s")
 
     def _lose_head(self, why: str) -> None:
+        if self.head_lost is not None:
+            return
         self.head_lost = HeadLost(f"lost the head at {self.head.address.partition('|')[0]}: {why}")
         log.warning("%s", self.head_lost)
         self.runtime.fail_calls_to(self.head.address, self.head_lost)
@@ -132,6 +140,7 @@ class Cluster:
         cls: type[C], address: str | None = None, *, bind: str = "tcp://127.0.0.1:0", allow_remote: bool = False,
         timeout: float = 10.0, keys: str | os.PathLike[str] | None = None, identity: str = "client",
         insecure: bool = False, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        head_timeout: float = SILENT_TIMEOUT_S,
     ) -> _Connecting[C]:
         """Attaches to the head at ``address``; use as ``await`` or ``async with``.
 
@@ -153,6 +162,9 @@ class Cluster:
             insecure: connect without keys, to a head started with ``--insecure``.
             max_message_bytes: the largest message this driver sends or takes (the
                 nodes' ``--max-message-bytes``; e.g. to gather a big ``state_dict``).
+            head_timeout: seconds a head that is alive but answers no heartbeat (stopped, cut
+                off) stays this driver's head; a busy head answers (its libzmq does), and one
+                whose process ended is known within 3 s whatever this says (:meth:`watch_head`).
 
         Raises:
             ActorTimeout: the head did not answer within ``timeout`` (a head that does
@@ -167,7 +179,10 @@ class Cluster:
                                  "(torchrun, srun, a Kubernetes Indexed Job)")
             address = role.head_address
         directory = None if insecure else os.fspath(keys or os.environ.get("ACTORPIPE_KEYS", DEFAULT_KEYS))
-        return _Connecting(target, address, bind, timeout, allow_remote, directory, identity, max_message_bytes)
+        if not head_timeout > 0:
+            raise ValueError(f"head_timeout must be > 0 seconds, got {head_timeout!r}")
+        return _Connecting(target, address, bind, timeout, allow_remote, directory, identity, max_message_bytes,
+                           head_timeout)
 
     async def nodes(self) -> list[NodeInfo]:
         """Every node the head knows: name, address, device, pid, host, memory, state."""
@@ -263,8 +278,9 @@ class _Connecting(Generic[C]):
     """``Cluster.connect(...)``: awaitable, and an async context manager."""
 
     def __init__(self, cls: type[C], address: str, bind: str, timeout: float, allow_remote: bool,
-                 keys: str | None, identity: str, max_message_bytes: int) -> None:
+                 keys: str | None, identity: str, max_message_bytes: int, head_timeout: float = SILENT_TIMEOUT_S) -> None:
         self._cls = cls
+        self._head_timeout = head_timeout
         self._args = (address, bind, timeout)
         self._allow_remote = allow_remote
         self._keys = keys
@@ -285,7 +301,7 @@ class _Connecting(Generic[C]):
             await stack.aclose()
             raise
         cluster = self._cls(runtime, head, stack)
-        cluster.watch_head()
+        cluster.watch_head(self._head_timeout)
         return cluster
 
     def __await__(self) -> Generator[Any, None, C]:

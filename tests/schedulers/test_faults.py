@@ -137,20 +137,44 @@ async def test_the_driver_learns_of_a_killed_head_within_three_seconds() -> None
         assert isinstance(later, HeadLost) and seconds < 1
 
 
-async def test_a_connected_driver_learns_of_a_stopped_head_by_its_pings() -> None:
+async def test_a_connected_driver_keeps_a_paused_head_and_loses_a_stopped_one_after_its_timeout() -> None:
     local = LocalCluster(nodes=1)
     async with local as cluster:
         assert local.keys is not None
-        async with Cluster.connect(cluster.head.address, keys=local.keys.directory, identity="admin") as other:
+        async with Cluster.connect(cluster.head.address, keys=local.keys.directory, identity="admin",
+                                   head_timeout=6.0) as other:
             head = local.processes["head"].pid
+            # Paused for less than the timeout (a long garbage collection, a saturated machine): still the
+            # head. (Pings through the actor runtime lost it after 2.25 s: a benchmark gathering a large
+            # state_dict on a loaded machine failed with HeadLost.)
+            os.kill(head, signal.SIGSTOP)
+            await asyncio.sleep(3.0)
+            os.kill(head, signal.SIGCONT)
+            assert await other.jobs() == [] and other.head_lost is None
             os.kill(head, signal.SIGSTOP)
             try:
                 started = time.monotonic()
-                while other.head_lost is None and time.monotonic() - started < 10:
+                while other.head_lost is None and time.monotonic() - started < 60:
                     await asyncio.sleep(0.05)
-                assert other.head_lost is not None
-                assert time.monotonic() - started < 4
+                assert other.head_lost is not None and "answered no heartbeat for 6s" in str(other.head_lost)
+                assert time.monotonic() - started >= 6.0  # silent that long, not sooner
                 with pytest.raises(HeadLost):
                     await other.jobs()
             finally:
                 os.kill(head, signal.SIGCONT)
+
+
+async def test_a_connected_driver_loses_a_killed_head_by_its_connection() -> None:
+    # Not the LocalCluster's own connection (which sees its head process exit): one from outside.
+    local = LocalCluster(nodes=1)
+    async with local as cluster:
+        assert local.keys is not None
+        async with Cluster.connect(cluster.head.address, keys=local.keys.directory, identity="admin",
+                                   head_timeout=600.0) as other:
+            os.kill(local.processes["head"].pid, signal.SIGKILL)
+            started = time.monotonic()
+            while other.head_lost is None and time.monotonic() - started < 60:
+                await asyncio.sleep(0.05)
+            assert other.head_lost is not None and "connection closed" in str(other.head_lost)
+            with pytest.raises(HeadLost):
+                await other.jobs()
