@@ -37,7 +37,7 @@ from stages.compute.executor import StageModel
 from stages.compute.inline import INLINE_MAX_S
 from stages.mesh import Coords
 from stages.records import StageConfig
-from stages.state import quantized_adam
+from stages.state import chunked_adam, quantized_adam
 from stages.state.lr_scheduler import build_scheduler
 from stages.state.stage_checkpoint import layer_key
 
@@ -252,6 +252,8 @@ def _build_optimizer(cfg: StageConfig, allow: Sequence[str], params: Sequence[to
     if cfg.optimization.optimizer_states != "fp32":  # Adam's moments in fewer bits
         optimizer_cls, optimizer_kwargs = quantized_adam.replacing(
             cfg.optimization.optimizer[0], optimizer_kwargs, cfg.optimization.optimizer_states, names)
+    elif params:  # torch's Adam on CPU, its temporaries a slice of a parameter at a time (the same bits)
+        optimizer_cls = chunked_adam.chunked(optimizer_cls, optimizer_kwargs, params[0].device)
     mesh = cfg.mesh
     if cfg.optimization.zero_stage in (1, 2) and mesh.data > 1:  # with one replica there is nothing to shard
         assert groups is not None, "ZeRO-1 across replicas needs the job's process groups"
