@@ -110,9 +110,9 @@ async def measure(group: dict[str, bool | int], fusion: bool, num_steps: int) ->
 
 
 SLICE_STAGES, SLICE_LAYERS, SLICE_DIM = 8, 24, 2048
-# Adam's default (foreach) step makes a temporary of every parameter's size at once (its second
-# moment's square root): one slice more at the peak; fused=True (torch's fused CPU kernel, as
-# DeepSpeed users take FusedAdam) makes none.
+# torch's CPU Adam makes temporaries of a parameter's size (its second moment's square root and
+# quotient); a stage runs it a 256K-element slice at a time (stages.state.chunked_adam, the same
+# bits); fused=True (torch's fused CPU kernel, as DeepSpeed users take FusedAdam) makes none.
 SLICE_OPTIMIZERS = {"sgd": ("torch.optim:SGD", {"lr": 0.01}), "adam": ("torch.optim:Adam", {"lr": 1e-4}),
                     "adam_fused": ("torch.optim:Adam", {"lr": 1e-4, "fused": True}),
                     "adam_int8": ("torch.optim:Adam", {"lr": 1e-4})}
