@@ -28,8 +28,14 @@ installed (it is not a dependency) the summary says so instead of measuring it.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
+import json
+import os
+import socket
 import statistics
+import subprocess
+import sys
 from typing import Any
 
 import torch
@@ -118,9 +124,69 @@ async def losses(steps: int) -> dict[str, Any]:
     return summary
 
 
-def deepspeed_peer() -> dict[str, Any]:
-    """DeepSpeed's pipeline engine on the same model, when it is installed (it is not here)."""
+def deepspeed_peer(stages: int, layers: int, dim: int) -> dict[str, Any]:
+    """DeepSpeed's pipeline engine on the slices part's model, when it is installed (it is no dependency).
+
+    ``stages`` processes of :mod:`benchmarks._deepspeed_peer` (gloo, one per stage, the layers
+    given as ``LayerSpec``s) train two steps with SGD and with Adam, once with ``dim``-wide
+    layers and once 4 wide (the idle run, as actorpipe's): each stage's added peak RSS in
+    slices of the model, ``deepspeed_added_peak_slices_{sgd,adam}_<stages>stages`` the largest.
+    """
     if importlib.util.find_spec("deepspeed") is None:
         print("deepspeed is not installed: its pipeline engine was not measured")
         return {"deepspeed": "not installed"}
-    return {"deepspeed": "installed, not measured by this benchmark yet"}
+    slice_bytes = layers * (dim * dim + dim) * 4 / stages
+    summary: dict[str, Any] = {}
+    for optimizer in ("sgd", "adam"):
+        try:
+            idle, full = (_deepspeed_peaks(stages, layers, width, optimizer) for width in (4, dim))
+        except RuntimeError as exc:
+            print(f"DeepSpeed's pipeline engine did not run: {exc}")
+            summary["deepspeed"] = f"failed: {str(exc)[-300:]}"
+            return summary
+        added = [round((peak - base) / slice_bytes, 2) for peak, base in zip(full, idle)]
+        print(f"deepspeed {optimizer:>4} layer specs  added peak per stage, in slices: "
+              + " / ".join(f"{a:.1f}" for a in added))
+        summary[f"deepspeed_added_peak_slices_{optimizer}_{stages}stages"] = max(added)
+        summary[f"deepspeed_added_peak_slices_{optimizer}_{stages}stages_per_stage"] = added
+    summary["deepspeed"] = importlib.metadata.version("deepspeed")
+    return summary
+
+
+def _deepspeed_peaks(stages: int, layers: int, dim: int, optimizer: str,
+                     module: str = "benchmarks._deepspeed_peer") -> list[int]:
+    """Each stage's peak RSS (stage order) after two steps of DeepSpeed's engine (``module``, one
+    process per rank, each printing its stage and peak as the last line of its output).
+
+    Raises:
+        RuntimeError: a rank failed or ran past 10 minutes (its output's tail says why).
+    """
+    with socket.socket() as probe:  # a free port for torch.distributed's rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", module, "--dim", str(dim), "--layers", str(layers),
+               "--optimizer", optimizer]
+    ranks = []
+    for rank in range(stages):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(stages),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "DS_ACCELERATOR": "cpu"}
+        ranks.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = []
+    try:
+        for process in ranks:
+            out, _ = process.communicate(timeout=600)
+            outputs.append(out)
+            if process.returncode != 0:
+                raise RuntimeError(f"rank {len(outputs) - 1} exited with {process.returncode}: {out[-2000:]}")
+    except subprocess.TimeoutExpired as exc:
+        raise RuntimeError("a rank ran past 10 minutes") from exc
+    finally:
+        for process in ranks:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    peaks = {}
+    for out in outputs:
+        found = json.loads(out.strip().splitlines()[-1])
+        peaks[found["stage"]] = found["peak_rss_bytes"]
+    return [peaks[stage] for stage in range(stages)]

@@ -17,6 +17,12 @@ layer specs with ``keep_freed_memory=False`` (glibc then gives freed temporaries
 each micro-batch's weight gradient before it is added and Adam's ``sqrt`` of its second
 moment, back to the kernel instead of keeping up to 1 GiB of them for the next micro-batch).
 
+**DeepSpeed's pipeline engine** on the same model, where ``deepspeed`` is installed (it is
+no dependency; ``--only deepspeed`` runs this alone): one process per stage over gloo
+(:mod:`benchmarks._deepspeed_peer`), the layers given as ``LayerSpec``s, torch's SGD and
+Adam as client optimizers, two steps of 8 micro-batches of 2 rows, each stage's peak RSS
+over the same run's with ``Linear(4, 4)`` layers: ``deepspeed_added_peak_slices_{sgd,adam}_8stages``.
+
 **Activation checkpointing.**
 
 The reference workload (docs/design.md) at 4 stages, 1F1B, 8 micro-batches, trained with
@@ -244,7 +250,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3, help="steps per setting (the first one's time is not counted)")
     parser.add_argument("--interval2", action="store_true", help="also activation_checkpointing=2, fused")
-    parser.add_argument("--only", choices=("slices", "checkpointing", "states"), help="run one part only")
+    parser.add_argument("--only", choices=("slices", "checkpointing", "states", "deepspeed"),
+                        help="run one part only (deepspeed: its pipeline engine's slices alone, where it is installed)")
     parser.add_argument("--loss-steps", type=int, default=300, help="GPT steps per setting in the states part")
     args = parser.parse_args()
     if args.steps < 1:
@@ -253,11 +260,17 @@ def main() -> None:
     summary: dict[str, Any] = {}
     if args.only in (None, "slices"):
         summary.update(slices_summary())
+    if args.only in (None, "slices", "deepspeed"):
+        summary.update(_memory_states.deepspeed_peer(SLICE_STAGES, SLICE_LAYERS, SLICE_DIM))
+        for optimizer in ("sgd", "adam"):  # ours over DeepSpeed's, where both ran (below 1: less memory)
+            ours, theirs = (summary.get(f"{who}added_peak_slices_{optimizer}_{SLICE_STAGES}stages")
+                            for who in ("", "deepspeed_"))
+            if ours is not None and theirs:
+                summary[f"added_peak_{optimizer}_vs_deepspeed_{SLICE_STAGES}stages"] = round(ours / theirs, 3)
     if args.only in (None, "states"):
         summary.update(run(_memory_states.state_bytes()))
         summary.update(run(_memory_states.stash()))
         summary.update(run(_memory_states.losses(args.loss_steps)))
-        summary.update(_memory_states.deepspeed_peer())
     if args.only in (None, "checkpointing"):
         fused = {**FUSED, **({"interval2": 2} if args.interval2 else {})}
         results = {result.name: result for group, fusion in ((fused, True), (UNSPLIT, False))

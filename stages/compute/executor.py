@@ -265,11 +265,12 @@ class StepExecutor:
                 self._action_key = self._action_task = None
             t1 = time.perf_counter()
             trace.spans.append((str(action), t0 - start, t1 - start))
-            if action.kind in (_K.F, _K.B, _K.I, _K.W):
+            if action.kind in (_K.F, _K.B, _K.I, _K.W):  # only these change what the stage holds
                 trace.busy_s += t1 - t0
-            # A micro-batch between I and W still holds its activations (as W's inputs).
-            trace.peak_stash = max(trace.peak_stash, len(passes.stash) + len(passes.pending_w) + len(passes.w_batch))
-            trace.peak_stash_bytes = max(trace.peak_stash_bytes, _activations.union_bytes(passes.held.values()))
+                # A micro-batch between I and W still holds its activations (as W's inputs).
+                trace.peak_stash = max(trace.peak_stash,
+                                       len(passes.stash) + len(passes.pending_w) + len(passes.w_batch))
+                trace.peak_stash_bytes = max(trace.peak_stash_bytes, _activations.union_bytes(passes.held.values()))
             self.done_actions += 1
         self.current = None
         trace.elapsed_s = time.perf_counter() - start
