@@ -135,7 +135,9 @@ async def test_with_restarts_a_stage_whose_process_ended_is_built_again_on_its_n
             # its neighbour kept, and the step runs again.
             stats = await job.step(x2, y2)
             assert stats.recovery is not None and stats.recovery.moved == {job.nodes[1]: job.nodes[1]}
-            assert stats.recovery.from_step == 1 and stats.recovery.replayed == 0
+            # From the snapshot of the step before (replaying none), or, where the neighbour had not yet
+            # received that one when the process ended (a loaded machine), the one before it and a replay.
+            assert (stats.recovery.from_step, stats.recovery.replayed) in ((1, 0), (0, 1)), stats.recovery
             assert stats.loss == (await reference.step(x2, y2)).loss
             got, expected = await job.state_dict(), await reference.state_dict()
             assert all(torch.equal(got[key], value) for key, value in expected.items())
