@@ -92,13 +92,17 @@ class Cluster:
         watch = LivenessClient(self.runtime.context, endpoint, "", self.runtime.keys, server_public, gone,
                                silent_timeout=silent_timeout)
         self._stack.callback(watch.close)
-        self.runtime.spawn_task(self._watch_process(), name="head process watch")
 
-    async def _watch_process(self) -> None:
+    def watch_process(self, process: subprocess.Popen[bytes]) -> None:
+        """A ``LocalCluster``'s head process: its exit loses the head at the next look."""
+        self.head_process = process
+        self.runtime.spawn_task(self._watch_process(process), name="head process watch")
+
+    async def _watch_process(self, process: subprocess.Popen[bytes]) -> None:
         while self.head_lost is None:
             await asyncio.sleep(self.PROCESS_POLL_S)
-            if self.head_process is not None and self.head_process.poll() is not None:
-                self._lose_head(f"its process exited with {self.head_process.returncode}")
+            if process.poll() is not None:
+                self._lose_head(f"its process exited with {process.returncode}")
 
     def _lose_head(self, why: str) -> None:
         if self.head_lost is not None:
@@ -464,7 +468,7 @@ class LocalCluster:
             self._cluster = await cls.connect(self.address, keys=self.keys.directory, identity="admin",
                                               max_message_bytes=self.max_message_bytes)
         self._cluster._admit_token = self._admit_token
-        self._cluster.head_process = self.processes["head"]
+        self._cluster.watch_process(self.processes["head"])
         deadline = time.monotonic() + self.startup_timeout
         while len([n for n in await self._cluster.nodes() if n.alive]) < len(self._node_names()):
             self._check_alive()

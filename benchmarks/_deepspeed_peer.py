@@ -17,14 +17,6 @@ import json
 import os
 
 
-def peak_rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/self/status has no VmHWM")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dim", type=int, required=True)
@@ -54,7 +46,9 @@ def main() -> None:
     for _ in range(args.steps):
         batches = iter([(inputs[i:i + 2], targets[i:i + 2]) for i in range(0, 16, 2)])
         engine.train_batch(data_iter=batches)
-    print(json.dumps({"stage": engine.stage_id, "peak_rss_bytes": peak_rss_bytes()}), flush=True)
+    from benchmarks.memory import _status_bytes
+
+    print(json.dumps({"stage": engine.stage_id, "peak_rss_bytes": _status_bytes(os.getpid(), "VmHWM")}), flush=True)
 
 
 if __name__ == "__main__":

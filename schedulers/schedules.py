@@ -218,10 +218,8 @@ class _VProgram:
         micro = self.count(stage, counted)
         self._next[stage, counted] = micro + 1
         self.program.append(_act(stage, kind, micro))
-        if kind is _I:
+        if kind is _I:  # a B computes its W itself
             self._weights.append(_act(stage, _W, micro))
-        elif kind is _B:
-            self._weights = [w for w in self._weights if w != _act(stage, _W, micro)]
 
     def take_w(self, stage: int | None = None) -> bool:
         """Runs the oldest owed ``W`` (of ``stage``, if given); False: none was owed."""
@@ -467,17 +465,13 @@ def build_schedule(
         raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
     if name == "interleaved":
         compute = interleaved_1f1b(num_stages, num_microbatches, num_virtual_stages or 2)
-    elif name in V_SCHEDULES:
-        if num_virtual_stages not in (None, 2):
-            raise ValueError(f"schedule {name!r} holds two model stages per rank, in a V; "
-                             f"num_virtual_stages={num_virtual_stages} does not apply")
-        compute = SCHEDULES[name](num_stages, num_microbatches)
-    elif num_virtual_stages not in (None, 1):
-        raise ValueError(
-            f"schedule {name!r} runs one stage per rank; use 'interleaved' for "
-            f"num_virtual_stages={num_virtual_stages}"
-        )
     else:
+        if num_virtual_stages not in (None, 2 if name in V_SCHEDULES else 1):
+            raise ValueError(
+                f"schedule {name!r} holds two model stages per rank, in a V; num_virtual_stages="
+                f"{num_virtual_stages} does not apply" if name in V_SCHEDULES else
+                f"schedule {name!r} runs one stage per rank; use 'interleaved' for "
+                f"num_virtual_stages={num_virtual_stages}")
         compute = SCHEDULES[name](num_stages, num_microbatches)
     if split:
         compute = split_backward(compute)

@@ -70,18 +70,16 @@ def _sliced(whole: _Lists, amsgrad: bool) -> tuple[_Lists, list[torch.Tensor]]:
     counted = []
     for i, param in enumerate(params):
         tensors = [param, grads[i], avgs[i], sqs[i], *([maxes[i]] if amsgrad else [])]
+        lists = [*parts[:4], *([parts[4]] if amsgrad else [])]  # where each of ``tensors`` goes
         if param.numel() <= CHUNK or param.is_complex() or not all(t.is_contiguous() for t in tensors):
-            for into, value in zip(parts, (*tensors[:4], maxes[i] if amsgrad else None, steps[i])):
-                if value is not None:
-                    into.append(value)
+            for into, tensor in zip(lists, tensors):
+                into.append(tensor)
+            parts[5].append(steps[i])
             continue
         flat = [t.view(-1) for t in tensors]
         for start in range(0, param.numel(), CHUNK):
-            pieces = [t[start:start + CHUNK] for t in flat]
-            for into, piece in zip(parts[:4], pieces):
-                into.append(piece)
-            if amsgrad:
-                parts[4].append(pieces[4])
+            for into, tensor in zip(lists, flat):
+                into.append(tensor[start:start + CHUNK])
             parts[5].append(steps[i].clone())
         counted.append(steps[i])
     return parts, counted

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -148,36 +149,38 @@ async def head_lost(cluster: Cluster) -> tuple[str, float]:
     return str(cluster.head_lost), time.monotonic() - started
 
 
-async def test_a_connected_driver_keeps_a_paused_head_and_loses_a_stopped_one_after_its_timeout() -> None:
+@contextlib.asynccontextmanager
+async def outside_driver(head_timeout: float) -> AsyncIterator[tuple[Cluster, int]]:
+    """A one-node LocalCluster and a second driver connected from outside it: that driver, and the head's pid."""
     local = LocalCluster(nodes=1)
     async with local as cluster:
         assert local.keys is not None
         async with Cluster.connect(cluster.head.address, keys=local.keys.directory, identity="admin",
-                                   head_timeout=6.0) as other:
-            head = local.processes["head"].pid
-            # Paused for less than the timeout (a long garbage collection, a saturated machine): still the
-            # head. (Pings through the actor runtime lost it after 2.25 s: a benchmark gathering a large
-            # state_dict on a loaded machine failed with HeadLost.)
-            os.kill(head, signal.SIGSTOP)
-            await asyncio.sleep(3.0)
+                                   head_timeout=head_timeout) as other:
+            yield other, local.processes["head"].pid
+
+
+async def test_a_connected_driver_keeps_a_paused_head_and_loses_a_stopped_one_after_its_timeout() -> None:
+    async with outside_driver(head_timeout=6.0) as (other, head):
+        # Paused for less than the timeout (a long garbage collection, a saturated machine): still the
+        # head. (Pings through the actor runtime lost it after 2.25 s: a benchmark gathering a large
+        # state_dict on a loaded machine failed with HeadLost.)
+        os.kill(head, signal.SIGSTOP)
+        await asyncio.sleep(3.0)
+        os.kill(head, signal.SIGCONT)
+        assert await other.jobs() == [] and other.head_lost is None
+        os.kill(head, signal.SIGSTOP)
+        try:
+            why, seconds = await head_lost(other)
+            assert "answered no heartbeat for 6s" in why
+            assert seconds >= 6.0  # silent that long, not sooner
+        finally:
             os.kill(head, signal.SIGCONT)
-            assert await other.jobs() == [] and other.head_lost is None
-            os.kill(head, signal.SIGSTOP)
-            try:
-                why, seconds = await head_lost(other)
-                assert "answered no heartbeat for 6s" in why
-                assert seconds >= 6.0  # silent that long, not sooner
-            finally:
-                os.kill(head, signal.SIGCONT)
 
 
 async def test_a_connected_driver_loses_a_killed_head_by_its_connection() -> None:
     # Not the LocalCluster's own connection (which sees its head process exit): one from outside.
-    local = LocalCluster(nodes=1)
-    async with local as cluster:
-        assert local.keys is not None
-        async with Cluster.connect(cluster.head.address, keys=local.keys.directory, identity="admin",
-                                   head_timeout=600.0) as other:
-            os.kill(local.processes["head"].pid, signal.SIGKILL)
-            why, _ = await head_lost(other)
-            assert "connection closed" in why
+    async with outside_driver(head_timeout=600.0) as (other, head):
+        os.kill(head, signal.SIGKILL)
+        why, _ = await head_lost(other)
+        assert "connection closed" in why
