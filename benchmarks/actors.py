@@ -10,13 +10,18 @@ Three measurements in one run, on this machine's loopback:
 - raw: two processes ping-pong a 64-byte message over a pair of PUSH/PULL sockets
   with ``zmq.asyncio`` on the same event loop (uvloop) and the same transport (tcp
   on 127.0.0.1) as a LocalCluster: the socket type actorpipe uses.
-The last line printed is one JSON object.
+The calls are made in rounds (``--rounds``), and each round also times as many raw round
+trips, the order alternating from round to round, so that a change in the machine's load
+during the run weighs on both sides of each ratio alike (measured one after the other, a
+quiet machine's ratio swung from 1.13 to 1.99 between runs). Each cluster's ratio is
+against the raw round trips of its own rounds. The last line printed is one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import multiprocessing as mp
 import statistics
@@ -38,15 +43,16 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _raw_echo(outbox: str, count: int, ready: Any) -> None:
+def _raw_echo(outbox: str, ready: Any) -> None:
+    """Echoes every message back until an empty one."""
     async def main() -> None:
         ctx = zmq.asyncio.Context()
         pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
         pull.bind("tcp://127.0.0.1:*")
         push.connect(outbox)
         ready.put(pull.getsockopt_string(zmq.LAST_ENDPOINT))
-        for _ in range(count):
-            await push.send(await pull.recv())
+        while message := await pull.recv():
+            await push.send(message)
         pull.close(linger=0)
         push.close(linger=1000)
         ctx.term()
@@ -54,81 +60,137 @@ def _raw_echo(outbox: str, count: int, ready: Any) -> None:
     run(main())
 
 
-def measure_raw(count: int) -> list[float]:
-    """Round trips (seconds) of a 64-byte async ping-pong between two processes over tcp loopback."""
+class RawPeer:
+    """Raw pyzmq's side of the comparison: a process that echoes, and this loop's sockets to it.
 
-    async def main() -> list[float]:
-        ctx = zmq.asyncio.Context()
-        push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-        pull.bind("tcp://127.0.0.1:*")
+    It lives for the whole run, so that its blocks of round trips can alternate with the
+    actors' in the same minute: the machine's load then weighs on both alike.
+    """
+
+    def __init__(self) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.push, self.pull = self.ctx.socket(zmq.PUSH), self.ctx.socket(zmq.PULL)
+        self.pull.bind("tcp://127.0.0.1:*")
+        self.proc: Any = None
+
+    async def start(self) -> None:
         mp_ctx = mp.get_context("spawn")
         ready = mp_ctx.Queue()
-        proc = mp_ctx.Process(target=_raw_echo, args=(pull.getsockopt_string(zmq.LAST_ENDPOINT), count, ready))
-        proc.start()
-        try:
-            push.connect(await asyncio.to_thread(ready.get, True, 60))
-            rtts = []
-            for _ in range(count):
-                start = time.perf_counter()
-                await push.send(PAYLOAD)
-                await pull.recv()
-                rtts.append(time.perf_counter() - start)
-            return rtts
-        finally:
-            push.close(linger=0)
-            pull.close(linger=0)
-            ctx.term()
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
+        self.proc = mp_ctx.Process(target=_raw_echo, args=(self.pull.getsockopt_string(zmq.LAST_ENDPOINT), ready))
+        self.proc.start()
+        self.push.connect(await asyncio.to_thread(ready.get, True, 60))
 
-    return run(main())
+    async def round_trips(self, count: int) -> list[float]:
+        """``count`` round trips of a 64-byte message (seconds each)."""
+        rtts = []
+        for _ in range(count):
+            start = time.perf_counter()
+            await self.push.send(PAYLOAD)
+            await self.pull.recv()
+            rtts.append(time.perf_counter() - start)
+        return rtts
+
+    async def aclose(self) -> None:
+        if self.proc is not None:
+            await self.push.send(b"")
+            await asyncio.to_thread(self.proc.join, 30)
+            if self.proc.is_alive():
+                self.proc.kill()
+        self.push.close(linger=0)
+        self.pull.close(linger=0)
+        self.ctx.term()
 
 
-async def measure_actors(count: int, in_flight_count: int, *, insecure: bool = False) -> tuple[list[float], float]:
-    """Round trips between actors in two nodes, and requests/s with 64 in flight (CURVE unless ``insecure``)."""
+@dataclasses.dataclass(slots=True)
+class Rounds:
+    """One cluster's figures, gathered in rounds that alternate with raw pyzmq's."""
+
+    rtts: list[float] = dataclasses.field(default_factory=list)
+    raw_rtts: list[float] = dataclasses.field(default_factory=list)
+    req_per_s: list[float] = dataclasses.field(default_factory=list)  # one per round, 64 in flight
+
+
+async def measure_actors(raw: RawPeer, count: int, rounds: int, *, insecure: bool = False) -> Rounds:
+    """Round trips between actors in two nodes, and requests/s with 64 in flight (CURVE unless
+    ``insecure``), in ``rounds`` rounds, each also timing as many raw round trips (the order
+    alternating from round to round)."""
+    out = Rounds()
+    per_round = max(1, count // rounds)
     async with LocalCluster(nodes=2, insecure=insecure) as cluster:
         pinger = await cluster.spawn("node0", "probe", "pinger")
         target = await cluster.spawn("node1", "probe", "target")
         ping_peer = pinger.endpoint(ProbeActor.ping_peer, timeout=600)
         await ping_peer.call(target.address, target.name, 200)  # warm up
-        single = await ping_peer.call(target.address, target.name, count)
-        many = await ping_peer.call(target.address, target.name, in_flight_count, 64)
-        return single["rtts_s"], in_flight_count / many["elapsed_s"]
+        await raw.round_trips(200)
+        for index in range(rounds):
+            for side in ("raw", "actors") if index % 2 == 0 else ("actors", "raw"):
+                if side == "raw":
+                    out.raw_rtts += await raw.round_trips(per_round)
+                    continue
+                single = await ping_peer.call(target.address, target.name, per_round)
+                out.rtts += single["rtts_s"]
+                many = await ping_peer.call(target.address, target.name, per_round * 4, 64)
+                out.req_per_s.append(per_round * 4 / many["elapsed_s"])
+    return out
+
+
+async def measure(count: int, rounds: int) -> tuple[Rounds, Rounds]:
+    """The secure cluster's rounds, then the insecure one's, against one raw peer."""
+    raw = RawPeer()
+    try:
+        await raw.start()
+        return (await measure_actors(raw, count, rounds),
+                await measure_actors(raw, count, rounds, insecure=True))
+    finally:
+        await raw.aclose()
+
+
+def summarize(secure: Rounds, plain: Rounds) -> dict[str, Any]:
+    """The last line's figures: medians of every round's samples (requests/s: of the rounds' rates)."""
+    raw_rtts = secure.raw_rtts + plain.raw_rtts
+    rtt, raw_rtt = statistics.median(secure.rtts) * 1e6, statistics.median(secure.raw_rtts) * 1e6
+    plain_rtt, plain_raw_rtt = statistics.median(plain.rtts) * 1e6, statistics.median(plain.raw_rtts) * 1e6
+    req_per_s, plain_req_per_s = statistics.median(secure.req_per_s), statistics.median(plain.req_per_s)
+    return {
+        "rtt_us": round(rtt, 1),
+        "rtt_p99_us": round(_percentile(secure.rtts, 0.99) * 1e6, 1),
+        "raw_rtt_us": round(statistics.median(raw_rtts) * 1e6, 1),
+        "raw_rtt_p99_us": round(_percentile(raw_rtts, 0.99) * 1e6, 1),
+        # Each against the raw round trips timed in its own rounds.
+        "rtt_ratio_vs_raw_zmq": round(rtt / raw_rtt, 3),
+        "inflight64_req_per_s": round(req_per_s, 1),
+        "insecure_rtt_us": round(plain_rtt, 1),
+        "insecure_rtt_ratio_vs_raw_zmq": round(plain_rtt / plain_raw_rtt, 3),
+        "insecure_inflight64_req_per_s": round(plain_req_per_s, 1),
+        "curve_vs_insecure_rtt": round(rtt / plain_rtt, 3),
+        "curve_vs_insecure_inflight64": round(req_per_s / plain_req_per_s, 3),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--count", type=int, default=5000, help="round trips per measurement")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="rounds the round trips are split into, alternating with raw pyzmq's")
     args = parser.parse_args()
+    if args.count < 1 or not 1 <= args.rounds <= args.count:
+        parser.error("--count must be >= 1 and --rounds between 1 and --count")
 
-    raw = measure_raw(args.count + 200)[200:]
-    actor_rtts, req_per_s = run(measure_actors(args.count, args.count * 4))
-    plain_rtts, plain_req_per_s = run(measure_actors(args.count, args.count * 4, insecure=True))
+    secure, plain = run(measure(args.count, args.rounds))
     rows: dict[str, Any] = {
-        "raw pyzmq async": raw,
-        "actorpipe actor": actor_rtts,
-        "... --insecure": plain_rtts,
+        "raw pyzmq async": secure.raw_rtts + plain.raw_rtts,
+        "actorpipe actor": secure.rtts,
+        "... --insecure": plain.rtts,
     }
-    print(f"request/reply round trip, 2 processes, loopback, {args.count} calls (microseconds)")
+    print(f"request/reply round trip, 2 processes, loopback, {args.count} calls in {args.rounds} rounds "
+          "(microseconds)")
     print(f"{'path':>18} {'median':>8} {'p99':>8}")
     for name, rtts in rows.items():
         print(f"{name:>18} {statistics.median(rtts) * 1e6:>8.1f} {_percentile(rtts, 0.99) * 1e6:>8.1f}")
-    print(f"actorpipe, 64 calls in flight: {req_per_s:,.0f} requests/s (CURVE), {plain_req_per_s:,.0f} (--insecure)")
-    rtt, raw_rtt = statistics.median(actor_rtts) * 1e6, statistics.median(raw) * 1e6
-    plain_rtt = statistics.median(plain_rtts) * 1e6
-    print(json.dumps({
-        "rtt_us": round(rtt, 1),
-        "rtt_p99_us": round(_percentile(actor_rtts, 0.99) * 1e6, 1),
-        "raw_rtt_us": round(raw_rtt, 1),
-        "raw_rtt_p99_us": round(_percentile(raw, 0.99) * 1e6, 1),
-        "rtt_ratio_vs_raw_zmq": round(rtt / raw_rtt, 3),
-        "inflight64_req_per_s": round(req_per_s, 1),
-        "insecure_rtt_us": round(plain_rtt, 1),
-        "insecure_inflight64_req_per_s": round(plain_req_per_s, 1),
-        "curve_vs_insecure_rtt": round(rtt / plain_rtt, 3),
-        "curve_vs_insecure_inflight64": round(req_per_s / plain_req_per_s, 3),
-    }))
+    summary = summarize(secure, plain)
+    print(f"actorpipe, 64 calls in flight: {summary['inflight64_req_per_s']:,.0f} requests/s (CURVE), "
+          f"{summary['insecure_inflight64_req_per_s']:,.0f} (--insecure)")
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":
