@@ -259,11 +259,14 @@ async def test_a_long_inline_action_sends_its_kind_back_to_the_thread() -> None:
     probe = ThreadNames()
     async with open_pipeline(ONE_RANK, build_model(), prepend={0: probe}) as pipeline:
         executor = pipeline.executors[0]
-        executor.inline_policy = InlinePolicy(max_s=1.0, demote_s=0.05)
+        # Warming up, only a pause of seconds demotes: a loaded machine can stretch a tiny forward
+        # past 50 ms (the full suite once did), which would send it to the thread before the test begins.
+        executor.inline_policy = InlinePolicy(max_s=1.0, demote_s=5.0)
         for step in range(2):
             await one_rank_step(pipeline, step)
         loop_thread = threading.current_thread().name
         assert probe.names[-4:] == [loop_thread] * 4
+        executor.inline_policy.demote_s = 0.05  # load only makes the 0.1 s forwards below longer
         probe.seconds = 0.1  # the model grew: forwards now take 0.1 s
         await one_rank_step(pipeline, 2)
         assert executor.inline_policy.demotions == 1
