@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import ctypes
 import gc
+import importlib
 import itertools
 import logging
 import os
@@ -33,7 +34,8 @@ import select
 import signal
 import socket
 import struct
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +49,7 @@ from actors.plugins import load_plugin
 from transport.loop import run
 from transport.wire import decode_message, encode_message
 
-__all__ = ["ActorProcesses", "HostConfig", "describe_exit", "start_zygote"]
+__all__ = ["ActorProcesses", "HostConfig", "describe_exit", "preloader", "start_zygote"]
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +72,48 @@ class HostConfig:
     device: str = "cpu"
     node: str = ""
     # Imports the zygote makes once, before it forks its first actor's process (the worker plugin's
-    # ``preload``: what each stage would otherwise import on its first step, seconds each).
+    # ``preload`` and the node's ``--preload`` modules, see preloader: what each stage would otherwise
+    # import itself, seconds each).
     preload: Callable[[], None] | None = None
+
+
+def preloader(plugin: Callable[[], None] | None, modules: Sequence[str]) -> Callable[[], None] | None:
+    """What the zygote runs once, before it forks its first actor's process: the worker plugin's
+    ``preload``, then each of ``modules`` imported (a node's ``--preload``; gunicorn's preload, for
+    the same reason). Every actor forked later starts with them imported: a Hugging Face model's
+    stage, for one, spends about a second of CPU importing ``transformers.modeling_utils`` otherwise.
+
+    A module that fails to import is logged and skipped (each actor imports what it needs itself,
+    and says so if it cannot). A module whose import starts a thread is named in a warning: a
+    thread does not survive a fork, and a lock it held stays held in every child.
+    """
+    if not modules:
+        return plugin
+    names = tuple(modules)
+
+    def preload() -> None:
+        if plugin is not None:
+            plugin()
+        for name in names:
+            before = threading.active_count(), _task_count()
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001  (a node serves on; the actor that needs it reports it)
+                log.exception("--preload %s failed; each actor that needs it imports it itself", name)
+                continue
+            if (threading.active_count(), _task_count()) > before:
+                log.warning("--preload %s started a thread in the zygote; the actors forked from it do not have "
+                            "that thread, and a lock it held stays held in them: preload modules that start none",
+                            name)
+    return preload
+
+
+def _task_count() -> int:
+    """This process's threads as Linux counts them (native ones too), or 0 where it cannot say."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 0
 
 
 def describe_exit(status: int) -> str:

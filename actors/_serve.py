@@ -19,7 +19,7 @@ from actors._ref import ActorRef
 from actors._nodes import HEAD, NODE, HeadActor, HeartbeatSettings, NodeActor, NodeInfo, node_info
 from actors._registry import registered_actors
 from actors.plugins import load_plugin
-from actors._processes import ActorProcesses, HostConfig, start_zygote
+from actors._processes import ActorProcesses, HostConfig, preloader, start_zygote
 from actors._runtime import open_runtime
 from transport.wire import DEFAULT_MAX_MESSAGE_BYTES
 from actors.keys import ClusterKeys
@@ -75,6 +75,9 @@ class WorkerConfig:
     # A launcher's rank (actors.launchers): the head goes with the script's rank 0, so the node stops
     # once its liveness connection to the head has been closed for a few seconds, not after head_timeout.
     exit_with_head: bool = False
+    # Modules imported once before the first hosted actor starts, so that every actor's process
+    # starts with them (--preload; see actors._processes.preloader).
+    preload: tuple[str, ...] = ()
 
 
 def _stop_on_signals() -> asyncio.Event:
@@ -208,8 +211,11 @@ async def serve_worker(config: WorkerConfig) -> None:
     # The zygote is forked now: everything is imported, and no thread, socket or GPU context exists yet.
     zygote = start_zygote(HostConfig(bind=config.bind, allow_remote=config.allow_remote,
                                      max_message_bytes=config.max_message_bytes, security=secure,
-                                     device=config.device, node=config.name, preload=getattr(worker, "preload", None)),
+                                     device=config.device, node=config.name,
+                                     preload=preloader(getattr(worker, "preload", None), config.preload)),
                           ) if config.isolation == "process" else None
+    if zygote is None and (imports := preloader(None, config.preload)) is not None:
+        imports()  # the actors run in this process: it imports them itself
     if worker is not None:
         worker.start(config.device)
     stop = _stop_on_signals()

@@ -59,6 +59,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="worker: 'process' hosts each actor the head asks for (each job's stage) in a process "
                         "of its own, forked from one made at start-up, so that a job's code that exits, crashes or "
                         "hangs stays in its job; 'thread' hosts them in this process (default: %(default)s)")
+    parser.add_argument("--preload", action="append", default=[], metavar="MODULE",
+                        help="worker: import MODULE once, before the first job's stage starts, so that every stage "
+                        "process starts with it imported (repeatable; e.g. transformers.modeling_utils saves each "
+                        "Hugging Face stage about a second); a module whose import starts a thread is warned of")
     parser.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds between heartbeats (head)")
     parser.add_argument("--heartbeat-timeout", type=float, default=10.0,
                         help="seconds a node that is alive but answers nothing (stopped, frozen, cut off) stays a "
@@ -128,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.head and args.preload:
+        print("error: --preload is for workers: the head never imports user code", file=sys.stderr)
+        return 2
     if args.no_encryption:
         os.environ[ENCRYPTION_ENV] = "off"
     name = "head" if args.head else (args.name or f"{os.uname().nodename}-{os.getpid()}")
@@ -148,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             allow_remote=args.allow_remote, allow=DEFAULT_ALLOW + tuple(args.allow), head_timeout=args.head_timeout,
             keys=None if args.insecure else args.keys, identity=args.identity or "node",
             max_message_bytes=args.max_message_bytes, isolation=args.isolation,
-            exit_with_head=getattr(args, "exit_with_head", False)))
+            exit_with_head=getattr(args, "exit_with_head", False), preload=tuple(args.preload)))
     try:
         run(serve)
     except KeyFileError as exc:  # keys it may not use (missing, or open to others): one line says what to fix

@@ -41,7 +41,7 @@ def test_help_documents_every_flag() -> None:
     out = subprocess.run([sys.executable, "-m", "actors.node", "--help"], capture_output=True, text=True, check=True)
     for flag in ("--head", "--join", "--bind", "--name", "--device", "--allow", "--allow-remote",
                  "--heartbeat-interval", "--heartbeat-timeout", "--head-timeout", "--address-file", "--log-level",
-                 "--keys", "--identity", "--insecure", "--max-message-bytes", "--checkpoint-root"):
+                 "--keys", "--identity", "--insecure", "--max-message-bytes", "--checkpoint-root", "--preload"):
         assert flag in out.stdout
 
 

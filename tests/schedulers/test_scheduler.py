@@ -281,6 +281,29 @@ async def test_the_head_never_imports_the_model_factory(tmp_path: Path, monkeypa
         assert {lc.processes["node0"].pid, lc.processes["node1"].pid} <= {group for _, group in importers}
 
 
+async def test_a_preloaded_module_is_imported_once_by_the_zygote_and_never_by_a_stage(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Without --preload each job's stage process imports its model's module itself (one line a job,
+    # as the test above shows); with it, the node's zygote imports it once and forks every stage with it.
+    log = tmp_path / "imports.log"
+    monkeypatch.setenv(IMPORT_LOG_ENV, str(log))
+    lc = LocalCluster(nodes=1, preload=["tests.helpers.import_marker"])
+    async with lc as cluster:
+        for _ in range(2):
+            job = await cluster.train(model="tests.helpers.import_marker:linear_stack", model_kwargs={"layers": 2},
+                                      micro_batches=2)
+            try:
+                await job.step(torch.randn(4, 16), torch.randn(4, 16))
+            finally:
+                await job.close()
+        importers = [int(line.split()[0]) for line in log.read_text().splitlines()]
+        assert len(importers) == 1, importers
+        # The one importer is the zygote: the node's child, alive after both jobs' stages are gone.
+        with open(f"/proc/{importers[0]}/stat") as stat:
+            parent = int(stat.read().rpartition(")")[2].split()[1])
+        assert parent == lc.processes["node0"].pid
+
+
 async def test_node_lost_mid_step_fails_the_step_promptly() -> None:
     lc = LocalCluster(nodes=2, heartbeat_timeout=1.0)
     async with lc as cluster:
