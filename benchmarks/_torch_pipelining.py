@@ -111,7 +111,8 @@ class WorkerSpec:
     state_dir: str
     name: str
     workload: Workload = REFERENCE
-    compiled: bool = False  # each block compiled in place (torch.compile, inductor), as actorpipe's torch_compile
+    # Each block compiled in place with torch.compile on this backend (None: eager), as actorpipe's torch_compile.
+    compiled: str | None = None
 
 
 class _Trainer:
@@ -129,10 +130,10 @@ class _Trainer:
         per_stage = len(model) // num_model_stages
         self.modules = {i: model[i * per_stage:(i + 1) * per_stage] for i in self.stage_indices}
         self.module = nn.ModuleDict({str(i): m for i, m in self.modules.items()})
-        if spec.compiled:  # each block in place (names kept), as actorpipe's torch_compile=True compiles a stage
+        if spec.compiled is not None:  # each block in place (names kept), as actorpipe's torch_compile compiles a stage
             for stage in self.modules.values():
                 for block in stage:
-                    block.compile()
+                    block.compile(backend=spec.compiled)
         self.holds_first, self.holds_last = 0 in self.modules, num_model_stages - 1 in self.modules
         self.optimizer = torch.optim.SGD(self.module.parameters(), lr=LR)
         self.inputs, self.targets = reference_batch(spec.workload)
@@ -260,14 +261,15 @@ class TorchPeer:
         timeout: seconds any one command may take before the peer is killed.
         workload: the model and batch; the reference workload by default.
         name: the peer's name; derived from the stages and schedule by default.
-        compiled: compile each block with torch.compile (inductor) before the first step.
+        compiled: compile each block with torch.compile on this backend (``"inductor"``,
+            ``"aot_eager"``...) before the first step; None: eager.
 
     Raises:
         ValueError: an unknown schedule.
     """
 
     def __init__(self, *, num_stages: int, schedule: str, state_dir: str, timeout: float = 600.0,
-                 workload: Workload = REFERENCE, name: str | None = None, compiled: bool = False) -> None:
+                 workload: Workload = REFERENCE, name: str | None = None, compiled: str | None = None) -> None:
         if num_stages > 1 and schedule != COMPUTE_ONLY and schedule not in TORCH_SCHEDULES:
             raise ValueError(f"unknown torch schedule {schedule!r}; choose one of {', '.join(TORCH_SCHEDULES)}")
         self.num_stages, self.schedule, self.timeout = num_stages, schedule, timeout

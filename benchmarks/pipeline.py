@@ -10,7 +10,8 @@ Peers, all measured in one run on the reference workload (docs/design.md):
   ``looped_bfs`` (``ScheduleLoopedBFS``), which also runs here but is left out by
   default: it was never torch's fastest, and it costs four more processes (about
   1.5 GB) in the 4-stage group, which already holds about 16 GB;
-- actorpipe: a ``LocalCluster`` with one node per stage, schedules ``1f1b``, ``gpipe``,
+- actorpipe: a job per schedule on a ``LocalCluster`` with one node per stage (one cluster
+  a group, which its peers' jobs share: each job's stages are processes of its own), schedules ``1f1b``, ``gpipe``,
   ``interleaved`` (2 virtual stages), ``zero_bubble``, and the V-shaped ``zbv`` and
   ``dualpipev`` (two model stages per rank, as torch's); at 2 stages also 1F1B over
   torch.distributed (``dist_vs_zmq``) and 1F1B with plain autograd and glibc's default
@@ -21,7 +22,8 @@ Peers, all measured in one run on the reference workload (docs/design.md):
   bubble. A 1F1B pipeline cannot beat it; ``*_vs_compute_only`` says how close each
   pipeline comes;
 - compiled peers at 2 stages (unless ``--skip-compiled``): 1F1B of actorpipe with
-  ``torch_compile=True`` and of torch with every block compiled in place (inductor);
+  ``torch_compile`` and of torch with every block compiled in place, both on
+  ``--compile-backend`` (inductor by default);
   ``compiled_vs_eager_2stages`` is each one's median step time over its eager 1F1B peer's
   (below 1: compile helps). The warm-up steps pay the compile and are not timed.
 
@@ -114,9 +116,31 @@ class Peer(Protocol):
     async def aclose(self) -> None: ...
 
 
+class SharedClusters:
+    """The ``LocalCluster``s a group's actorpipe peers share, one per node count: each peer's job
+    is its own (its stages' processes, forked for it), only the nodes are common, so a group starts
+    one cluster rather than one a peer (seconds each). Closed after every peer's job."""
+
+    def __init__(self) -> None:
+        self._clusters: dict[tuple[int, str], Any] = {}
+        self._stack = contextlib.AsyncExitStack()
+
+    async def get(self, nodes: int, allow: str) -> Any:
+        from schedulers import LocalCluster
+
+        key = (nodes, allow)
+        if key not in self._clusters:
+            self._clusters[key] = await self._stack.enter_async_context(LocalCluster(nodes=nodes, allow=[allow]))
+        return self._clusters[key]
+
+    async def aclose(self) -> None:
+        await self._stack.aclose()
+
+
 class ActorpipePeer:
     """A ``LocalCluster`` of ``num_stages`` nodes training ``workload`` (the reference one
-    by default) as one job; ``job`` is that job once started."""
+    by default) as one job; ``job`` is that job once started. With ``clusters`` set (as
+    :func:`measure_group` sets it) the cluster is the group's shared one."""
 
     def __init__(
         self,
@@ -143,14 +167,18 @@ class ActorpipePeer:
         self.job: Any = None
         self.last_stats: Any = None
         self._state: dict[str, torch.Tensor] | None = None
+        self.clusters: SharedClusters | None = None
 
     async def start(self) -> None:
-        """Starts the cluster and submits the job (closes the cluster again if that fails)."""
+        """Starts the cluster (unless shared) and submits the job (closes its own cluster again if that fails)."""
         from schedulers import LocalCluster
 
         try:
             nodes = self.num_stages * self.tensor_parallel * self.data_parallel
-            cluster = await self._stack.enter_async_context(LocalCluster(nodes=nodes, allow=[self.workload.module]))
+            if self.clusters is not None:
+                cluster = await self.clusters.get(nodes, self.workload.module)
+            else:
+                cluster = await self._stack.enter_async_context(LocalCluster(nodes=nodes, allow=[self.workload.module]))
             self.job = await cluster.train(
                 model=self.workload.model, model_kwargs=dict(self.workload.model_kwargs),
                 loss="torch.nn.functional:mse_loss", optimizer=("torch.optim:SGD", {"lr": 0.01}),
@@ -229,13 +257,14 @@ def make_groups(args: argparse.Namespace, state_dir: str) -> list[list[Peer]]:
             peers += [ActorpipePeer(num_stages=num_stages, schedule=schedule, workload=workload)
                       for schedule in args.actorpipe_schedules]
         if num_stages == 2 and not args.skip_compiled:
-            # Each block compiled (torch.compile, inductor), against the same schedule eager.
+            # Each block compiled (torch.compile), against the same schedule eager.
             if not args.skip_torch and "1f1b" in args.torch_schedules:
                 peers.append(TorchPeer(num_stages=2, schedule="1f1b", state_dir=state_dir, workload=workload,
-                                       name="torch_1f1b_2stages_compiled", compiled=True))
+                                       name="torch_1f1b_2stages_compiled", compiled=args.compile_backend))
             if not args.skip_actorpipe and "1f1b" in args.actorpipe_schedules:
                 peers.append(ActorpipePeer(num_stages=2, schedule="1f1b", name="actorpipe_1f1b_2stages_compiled",
-                                           options={"torch_compile": True}, workload=workload))
+                                           options={"torch_compile": {"backend": args.compile_backend}},
+                                           workload=workload))
         if not args.skip_actorpipe and not args.skip_variants and num_stages == 2:
             # Stage-to-stage tensors over torch.distributed (gloo) instead of ZeroMQ.
             peers.append(ActorpipePeer(num_stages=2, schedule="1f1b", transport="dist", workload=workload))
@@ -314,6 +343,11 @@ async def measure_group(peers: list[Peer], *, warmup: int, steps: int,
         and why each torch peer that could not run did not.
     """
     async with contextlib.AsyncExitStack() as stack:
+        shared = SharedClusters()
+        stack.push_async_callback(shared.aclose)  # first in, so last out: after every peer's job is closed
+        for peer in peers:
+            if isinstance(peer, ActorpipePeer) and peer.clusters is None:
+                peer.clusters = shared
         running, not_run = await start_and_warm_up(peers, stack, warmup=warmup)
         times = await run_rounds(running, warmup=0, steps=steps, rounds=rounds)
         results = []
@@ -509,6 +543,9 @@ def parse_args() -> argparse.Namespace:
                         help="no compute-only ceiling and no actorpipe variants (dist, W batching, plain) at 2 stages")
     parser.add_argument("--skip-compiled", action="store_true",
                         help="no compiled 1F1B peers (torch.compile per block) at 2 stages")
+    parser.add_argument("--compile-backend", default="inductor", choices=("inductor", "aot_eager", "eager"),
+                        help="the compiled peers' torch.compile backend (default %(default)s; aot_eager compiles in "
+                             "a fraction of the time, to check the plumbing)")
     parser.add_argument("--blocks", type=int, default=NUM_BLOCKS,
                         help=f"residual MLP blocks of the model (default {NUM_BLOCKS}, the reference workload's)")
     parser.add_argument("--dim", type=int, default=DIM,
