@@ -107,31 +107,43 @@ def plan_gradient_shards(params: Sequence[torch.Tensor], bucket_bytes: int, repl
     pipeline ranks): they go in buckets of their own, all-reduced. Every replica computes
     the same plan from the same parameters. A parameter goes to the run its middle
     element falls in (so runs are contiguous and as even as whole parameters allow), and
-    run ``k`` of bucket ``b`` to replica ``(k + b) % replicas``, so that the buckets of one
-    large parameter each take turns.
+    a bucket's runs go to the replicas largest first, each to the replica with the fewest
+    elements so far (the lowest index on a tie), so that the replicas' shards stay even
+    across buckets: a parameter larger than a bucket is a bucket, and a run, of its own.
     """
     kinds = [(p.dtype, id(p) in replicated) for p in params]
     layout = _layout(params, bucket_bytes, kinds)
     ranges: list[list[tuple[int, int]] | None] = []
     owners: dict[int, int] = {}
-    for b, members in enumerate(layout):
+    load = [0] * replicas  # elements each replica steps so far
+    for members in layout:
         total = sum(params[i].numel() for i in members)
         runs: list[list[int]] = [[] for _ in range(replicas)]
         offset = 0
         for i in members:
             n = params[i].numel()
-            run = min(replicas - 1, int((offset + n / 2) * replicas // max(total, 1)))
-            runs[run].append(n)
-            owners[id(params[i])] = (run + b) % replicas
+            runs[min(replicas - 1, int((offset + n / 2) * replicas // max(total, 1)))].append(i)
             offset += n
+        sizes = [sum(params[i].numel() for i in run) for run in runs]
+        replica_of = [0] * replicas
+        free = list(range(replicas))
+        for k in sorted(range(replicas), key=lambda k: (-sizes[k], k)):
+            replica_of[k] = min(free, key=lambda r: (load[r], r))
+            free.remove(replica_of[k])
+            load[replica_of[k]] += sizes[k]
+            for i in runs[k]:
+                owners[id(params[i])] = replica_of[k]
         if kinds[members[0]][1]:
             ranges.append(None)
             continue
         bounds, start = [], 0
-        for run_sizes in runs:
-            bounds.append((start, start + sum(run_sizes)))
-            start += sum(run_sizes)
-        ranges.append([bounds[(r - b) % replicas] for r in range(replicas)])  # by replica
+        for size in sizes:
+            bounds.append((start, start + size))
+            start += size
+        by_replica = [(0, 0)] * replicas
+        for k, r in enumerate(replica_of):
+            by_replica[r] = bounds[k]
+        ranges.append(by_replica)
     return GradientShards(layout=layout, ranges=ranges, owners=owners)
 
 

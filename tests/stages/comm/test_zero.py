@@ -195,10 +195,24 @@ def test_gradient_shards_cut_each_bucket_into_contiguous_runs_by_replica() -> No
     shards = zero.plan_gradient_shards(params, bucket_bytes=400, replicas=2, replicated={id(tied)})
     assert shards.layout == [[0, 1], [2], [3], [4]]  # the tied parameter in a bucket of its own
     assert shards.ranges[1] is None  # all-reduced: every replica keeps the tied gradient whole
-    # Bucket 0: 10 + 30 elements; the second's middle (25) is past half (20): runs [0, 10) and [10, 40).
-    assert shards.ranges[0] == [(0, 10), (10, 40)]
-    # One parameter alone: it goes to run 1, and run k of bucket b to replica (k + b) % 2, in turns.
-    assert shards.ranges[2] == [(0, 0), (0, 40)] and shards.ranges[3] == [(0, 100), (0, 0)]
-    assert [shards.owners[id(p)] for p in params] == [0, 1, 0, 1, 0]
-    assert shards.owned(0, params) == [True, False, True, False, True]
-    assert shards.owned(1, params) == [False, True, True, True, False]
+    # Bucket 0: 10 + 30 elements; the second's middle (25) is past half (20): runs [0, 10) and [10, 40),
+    # the larger to replica 0 (both hold nothing yet: the lowest index).
+    assert shards.ranges[0] == [(10, 40), (0, 10)]
+    # Each run to the replica with the fewest elements so far: the tied 20 to replica 1 (10 against 30),
+    # the 40 to replica 0 (30 against 30: the lowest), the 100 to replica 1 (70 against 30).
+    assert shards.ranges[2] == [(0, 40), (0, 0)] and shards.ranges[3] == [(0, 0), (0, 100)]
+    assert [shards.owners[id(p)] for p in params] == [1, 0, 1, 0, 1]
+    assert shards.owned(0, params) == [False, True, True, True, False]
+    assert shards.owned(1, params) == [True, False, True, False, True]
+
+
+def test_gradient_shards_keep_the_replicas_even_when_large_parameters_come_in_buckets_of_their_own() -> None:
+    # A large parameter alone in a bucket, then two small ones in the next, four times over (layers whose
+    # weights exceed the bucket, their biases between). Before, run k of bucket b went to replica
+    # (k + b) % 2: every large one landed on replica 1, which stepped 404 elements against 4.
+    params: list[torch.Tensor] = []
+    for _ in range(4):
+        params += [torch.zeros(100), torch.zeros(1), torch.zeros(1)]
+    shards = zero.plan_gradient_shards(params, bucket_bytes=8, replicas=2)
+    stepped = [sum(p.numel() for p in params if shards.owners[id(p)] == r) for r in range(2)]
+    assert stepped == [204, 204]
