@@ -95,25 +95,25 @@ def preloader(plugin: Callable[[], None] | None, modules: Sequence[str]) -> Call
         if plugin is not None:
             plugin()
         for name in names:
-            before = threading.active_count(), _task_count()
+            before = _thread_count()
             try:
                 importlib.import_module(name)
             except Exception:  # noqa: BLE001  (a node serves on; the actor that needs it reports it)
                 log.exception("--preload %s failed; each actor that needs it imports it itself", name)
                 continue
-            if (threading.active_count(), _task_count()) > before:
+            if _thread_count() > before:
                 log.warning("--preload %s started a thread in the zygote; the actors forked from it do not have "
                             "that thread, and a lock it held stays held in them: preload modules that start none",
                             name)
     return preload
 
 
-def _task_count() -> int:
-    """This process's threads as Linux counts them (native ones too), or 0 where it cannot say."""
+def _thread_count() -> int:
+    """This process's threads as Linux counts them (native ones too); Python's own elsewhere."""
     try:
         return len(os.listdir("/proc/self/task"))
     except OSError:
-        return 0
+        return threading.active_count()
 
 
 def describe_exit(status: int) -> str:

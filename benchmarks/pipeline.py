@@ -171,14 +171,13 @@ class ActorpipePeer:
 
     async def start(self) -> None:
         """Starts the cluster (unless shared) and submits the job (closes its own cluster again if that fails)."""
-        from schedulers import LocalCluster
-
         try:
+            clusters = self.clusters
+            if clusters is None:  # a cluster of its own: closed with this peer
+                clusters = SharedClusters()
+                self._stack.push_async_callback(clusters.aclose)
             nodes = self.num_stages * self.tensor_parallel * self.data_parallel
-            if self.clusters is not None:
-                cluster = await self.clusters.get(nodes, self.workload.module)
-            else:
-                cluster = await self._stack.enter_async_context(LocalCluster(nodes=nodes, allow=[self.workload.module]))
+            cluster = await clusters.get(nodes, self.workload.module)
             self.job = await cluster.train(
                 model=self.workload.model, model_kwargs=dict(self.workload.model_kwargs),
                 loss="torch.nn.functional:mse_loss", optimizer=("torch.optim:SGD", {"lr": 0.01}),
