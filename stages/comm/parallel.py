@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import fcntl
+import functools
 import ipaddress
 import logging
 import os
@@ -38,8 +39,14 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_USER_GLOO_IFNAME = os.environ.get("GLOO_SOCKET_IFNAME")  # as the node was started: never overridden
-_USER_NCCL_IFNAME = os.environ.get("NCCL_SOCKET_IFNAME")  # likewise, for NCCL's bootstrap
+
+
+@functools.cache
+def _user_interfaces() -> tuple[str | None, str | None]:
+    """``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME`` as this process was started, never as it
+    overrode them: read at the first group's set-up, before anything here writes them (not at
+    import, which may have been in the process a node was forked from: actors._forkserver)."""
+    return os.environ.get("GLOO_SOCKET_IFNAME"), os.environ.get("NCCL_SOCKET_IFNAME")
 
 GLOO = "gloo"
 # torch dispatches each collective by its tensors' device: NCCL for CUDA tensors, and gloo for
@@ -154,8 +161,9 @@ def join_process_groups(
         raise RuntimeError("this node already runs a stage of another distributed job; give each job its own nodes")
     backend = str(config.get("backend", GLOO))
     interface = _loopback_interface() if config.get("loopback") else _interface_holding(own_address)
-    for variable, user_set, used in (("GLOO_SOCKET_IFNAME", _USER_GLOO_IFNAME, True),
-                                     ("NCCL_SOCKET_IFNAME", _USER_NCCL_IFNAME, "nccl" in backend)):
+    user_gloo, user_nccl = _user_interfaces()
+    for variable, user_set, used in (("GLOO_SOCKET_IFNAME", user_gloo, True),
+                                     ("NCCL_SOCKET_IFNAME", user_nccl, "nccl" in backend)):
         if user_set is not None or not used:
             continue
         if interface is not None:

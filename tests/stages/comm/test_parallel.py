@@ -153,7 +153,8 @@ def test_a_gpu_stage_joins_nccl_on_its_own_device(monkeypatch: pytest.MonkeyPatc
     recorder.install(monkeypatch)
     current: list[torch.device] = []
     monkeypatch.setattr(torch.cuda, "set_device", current.append)
-    monkeypatch.setattr(parallel, "_USER_NCCL_IFNAME", None)
+    user_gloo, _ = parallel._user_interfaces()
+    monkeypatch.setattr(parallel, "_user_interfaces", lambda: (user_gloo, None))
     device = torch.device("meta")  # stands for the GPU: the warm-up byte must be allocated there
     config = {"rendezvous": ["tcp://127.0.0.1:1", "r"], "backend": NCCL, "loopback": True}
     groups = join_process_groups(config, Mesh(pipeline=2), 1, "job0", store=None,  # type: ignore[arg-type]
