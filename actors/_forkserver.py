@@ -210,20 +210,16 @@ def fork_server() -> ForkServer:
 # -- the fork server process (blocking: it forks and reaps, nothing else) --------------------------
 
 
-def _thread_count() -> int:
-    try:
-        return len(os.listdir("/proc/self/task"))
-    except OSError:
-        return threading.active_count()
-
-
 def _serve(channel: socket.socket) -> None:
-    # What a node imports before it does anything, so that each fork starts with it.
+    # What a node imports before it does anything, and what its zygote imports before its first
+    # stage (the worker plug-in's preload: torch._dynamo, 1.5 s of CPU), so that each fork starts with it.
     importlib.import_module("actors.node")
+    from actors._processes import _thread_count
     from actors.plugins import head_modules, load_plugin
     for module in head_modules():
         importlib.import_module(module)
-    load_plugin("worker")
+    if (preload := getattr(load_plugin("worker"), "preload", None)) is not None:
+        preload()
     gc.collect()
     threads = _thread_count()  # torch's import starts one native thread of its own, which no fork copies
     gc.freeze()  # never collected in a child: a collection there would copy every page it touches
