@@ -33,6 +33,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -300,6 +301,7 @@ def _node(message: dict[str, Any], stderr: int) -> None:
         os.close(devnull)
         os.environ.clear()
         os.environ.update(message["env"])
+        tempfile.tempdir = None  # cached by the server's imports (torch._dynamo's): derived from TMPDIR again
         os.chdir(message["cwd"])
         # As `python -m` starts: the working directory first, then PYTHONPATH, then the rest.
         extra = [message["cwd"], *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]

@@ -52,12 +52,14 @@ def test_a_forked_program_runs_where_and_as_the_driver_says(server: ForkServer, 
                                                             capfd: pytest.CaptureFixture[str]) -> None:
     # Changed after the server started: the child takes the driver's now, as a new process would.
     monkeypatch.chdir(tmp_path)
-    env = {**os.environ, "FORKED_TEST_VALUE": "set late", "PYTHONPATH": ROOT}
+    (tmp_path / "tmp").mkdir()
+    env = {**os.environ, "FORKED_TEST_VALUE": "set late", "PYTHONPATH": ROOT, "TMPDIR": str(tmp_path / "tmp")}
     out = tmp_path / "out.json"
     process = server.start([str(out), "exit", "7"], env, module=PROGRAM)
     assert process.wait(timeout=120) == 7 and process.returncode == 7
     said = json.loads(out.read_text())
     assert said["cwd"] == str(tmp_path) and said["value"] == "set late"
+    assert said["tmp"] == str(tmp_path / "tmp")  # not the server's, which its imports cached
     assert said["argv"] == [str(out), "exit", "7"]
     assert said["pid"] == process.pid and said["sid"] == process.pid  # a session of its own
     assert said["stdin"] == ""  # /dev/null, as LocalCluster's nodes had
