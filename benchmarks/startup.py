@@ -7,14 +7,19 @@ Peers, measured in the same run on this machine:
 - ``parallel_imports_s``: five of them at once (a head and four nodes import torch together),
   the least of ``--rounds``: the floor of a 4-node cluster's start on this machine;
 - ``cluster_ready_s``: ``LocalCluster(nodes=4)`` from its start to every node registered,
-  the least of ``--rounds`` fresh clusters;
+  the first cluster of a fresh driver process (whose fork server imports torch and the
+  runtime once, see ``actors/_forkserver.py``), the least of ``--rounds`` such drivers;
+- ``cluster_again_s``: a later ``LocalCluster(nodes=4)`` of the same driver (forked from its
+  warm fork server), and ``cluster_exec_s``: one started with ``fork_nodes=False`` (each
+  process ``python -m actors.node``, importing on its own), each the least of ``--rounds``;
 - ``job_created_s``: ``cluster.train`` of 4 stages of an 8-block MLP (slices that build in
   milliseconds), the median of ``--jobs`` jobs on one cluster, each closed before the next,
   with the head's breakdown of it (``JobInfo.creation_s``: compile, place, partition,
   rendezvous, spawn, connect, actor) and ``first_step_s``.
 
-``cluster_ready_vs_parallel_imports`` is the cluster's time over its floor (target <= 1.2)
-and ``job_created_vs_torch_import`` the job's creation over one ``import torch`` (target
+``cluster_ready_vs_parallel_imports`` is the first cluster's time over its floor (target <=
+1.2), ``cluster_again_vs_exec`` a later cluster's over one whose processes import on their
+own, and ``job_created_vs_torch_import`` the job's creation over one ``import torch`` (target
 <= 0.4). The last line printed is one JSON object.
 """
 
@@ -48,10 +53,24 @@ def imports(count: int) -> float:
     return time.perf_counter() - started
 
 
-async def cluster_ready() -> float:
+async def cluster_ready(fork_nodes: bool = True) -> float:
     started = time.perf_counter()
-    async with LocalCluster(nodes=4):
+    async with LocalCluster(nodes=4, fork_nodes=fork_nodes):
         return time.perf_counter() - started
+
+
+# A fresh driver's first cluster, timed from LocalCluster's start (the driver's own imports are done).
+FIRST_CLUSTER = """
+from benchmarks.startup import cluster_ready
+from transport.loop import run
+print(run(cluster_ready()))
+"""
+
+
+def first_cluster_ready() -> float:
+    """Seconds to a fresh driver's first ``LocalCluster(nodes=4)``: its fork server's imports included."""
+    done = subprocess.run([sys.executable, "-c", FIRST_CLUSTER], capture_output=True, text=True, check=True)
+    return float(done.stdout.split()[-1])
 
 
 async def jobs(count: int) -> list[dict[str, Any]]:
@@ -74,7 +93,10 @@ async def jobs(count: int) -> list[dict[str, Any]]:
 def measure(rounds: int, num_jobs: int) -> dict[str, Any]:
     torch_import = min(imports(1) for _ in range(rounds))
     parallel = min(imports(5) for _ in range(rounds))
-    ready = min(run(cluster_ready()) for _ in range(rounds))
+    ready = min(first_cluster_ready() for _ in range(rounds))
+    run(cluster_ready())  # this driver's fork server is warm from here on
+    again = min(run(cluster_ready()) for _ in range(rounds))
+    spawned = min(run(cluster_ready(fork_nodes=False)) for _ in range(rounds))
     made = run(jobs(num_jobs))
     made.sort(key=lambda j: j["job_created_s"])
     median = made[len(made) // 2]
@@ -83,10 +105,13 @@ def measure(rounds: int, num_jobs: int) -> dict[str, Any]:
         "torch_import_s": round(torch_import, 3),
         "parallel_imports_s": round(parallel, 3),
         "cluster_ready_s": round(ready, 3),
+        "cluster_again_s": round(again, 3),
+        "cluster_exec_s": round(spawned, 3),
         "job_created_s": round(created, 3),
         "first_step_s": round(statistics.median(j["first_step_s"] for j in made), 3),
         "creation_breakdown_s": median["creation_s"],
         "cluster_ready_vs_parallel_imports": round(ready / parallel, 3),
+        "cluster_again_vs_exec": round(again / spawned, 3),
         "job_created_vs_torch_import": round(created / torch_import, 3),
     }
 
