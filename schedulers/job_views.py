@@ -21,6 +21,7 @@ from schedulers.trace import StageRecord, estimate_offset, to_chrome_trace
 __all__ = ["CLOCK_PROBES", "JobViews"]
 
 CLOCK_PROBES = 5  # round trips per stage when estimating its clock offset
+PROGRESS_TIMEOUT_S = 2.0  # a stage that holds its interpreter never answers: the report names it, and is not late
 
 
 async def clock_offset(ref: ActorRef) -> tuple[float, float]:
@@ -47,16 +48,17 @@ class JobViews:
 
     async def where(self) -> WhereReport:
         """Hang forensics: each stage's current action, what it waits for, and the marked grid."""
-        text, lines = await self.hang_report()
+        text, lines, _ = await self.hang_report()
         return WhereReport(job=self.job.id, stepping=self.job.lock.locked(), report=text, lines=lines)
 
-    async def hang_report(self) -> tuple[str, list[str]]:
-        """Asks every stage where it is; returns the full report and its per-stage lines."""
+    async def hang_report(self) -> tuple[str, list[str], list[int]]:
+        """Asks every stage where it is; returns the full report, its per-stage lines, and the global
+        ranks of the stages that did not answer (within :data:`PROGRESS_TIMEOUT_S`)."""
         job = self.job
 
         async def progress(ref: ActorRef) -> ProgressReport | str:
             try:
-                return await ref.endpoint(StageActor.progress, timeout=5).call()
+                return await ref.endpoint(StageActor.progress, timeout=PROGRESS_TIMEOUT_S).call()
             except ActorError as exc:
                 return f"{ref.name} did not answer ({exc.message})"
 
@@ -77,7 +79,8 @@ class JobViews:
             lines += [prefix + line for line in report.lines]
             grids.append((report.settled, f"{prefix}programs, each stage's place marked >like this<:\n{report.grid}"))
         grid = next((g for settled, g in grids if not settled), grids[0][1] if grids else "")
-        return "\n".join([*lines, grid]), lines
+        silent = [member for member, answer in enumerate(answers) if isinstance(answer, str)]
+        return "\n".join([*lines, grid]), lines, silent
 
     async def trace(self) -> dict[str, Any]:
         """The last step's measured timeline as Chrome/Perfetto trace JSON, on the head's clock.

@@ -16,10 +16,10 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-from actors import ActorError, ActorLost, ActorRef, NodeLost, StageLost, StepFailed, error_from_wire
+from actors import ActorError, ActorLost, NodeLost, StageLost, StepFailed, error_from_wire
 from stages import batch_size, FinishReport, ReduceReport, StageActor, StageReport, StepOrder
 from stages.compute.agreement import decide_votes, vote_of
 from schedulers.events import JobFailed, SchedulePlanned
@@ -171,7 +171,7 @@ class StepPath:
                 failure = StepFailed("step aborted on request", details={"stage": None, "action": None,
                                                                           "cause": "aborted"})
             if failure is not None:
-                await self.abort(step, tasks)
+                await self.abort(step, tasks, failure.details.get("silent", ()))
                 raise failure
             return reports
         except asyncio.CancelledError:  # the driver cancelled the step, or the job is closing
@@ -230,16 +230,26 @@ class StepPath:
     async def _timeout_failure(self) -> StepFailed:
         job = self.job
         # Hang forensics: where each stage is, which send or receive never matched, the marked grid.
-        report, lines = await self.views.hang_report()
+        report, lines, silent = await self.views.hang_report()
         return StepFailed(
             f"step timed out after {job.spec.fault_tolerance.step_timeout_s}s:\n{report}",
-            details={"stage": None, "action": None, "cause": "timeout", "where": lines},
+            details={"stage": None, "action": None, "cause": "timeout", "where": lines, "silent": silent},
         )
 
-    async def abort(self, step: int, tasks: Mapping[int, asyncio.Future[Any]]) -> None:
+    async def abort(self, step: int, tasks: Mapping[int, asyncio.Future[Any]], silent: Sequence[int] = ()) -> None:
+        """Tells every stage to abort step ``step`` and waits (a while) for the calls in ``tasks`` to end.
+
+        A stage in ``silent`` (global ranks) did not answer the hang report's question: it holds its
+        interpreter, so it is told without waiting for a reply that would come only after the wait
+        (which held a timed-out step's error back by 5 s).
+        """
         job = self.job
-        async def abort(ref: ActorRef) -> bool:
+        async def abort(rank: int) -> bool:
+            ref = job.stages[rank]
             try:
+                if rank in silent:
+                    await ref.endpoint(StageActor.abort_step).tell(step)
+                    return False
                 await ref.endpoint(StageActor.abort_step, timeout=5).call(step)
                 return True
             except ActorError as exc:
@@ -251,7 +261,7 @@ class StepPath:
         for rank, node in enumerate(job.nodes):
             if node not in alive:  # told when (if) it comes back: see _check_members
                 job.fence(rank, step)
-        told = await asyncio.gather(*(abort(job.stages[rank]) for rank in reachable))
+        told = await asyncio.gather(*(abort(rank) for rank in reachable))
         # A stage that did not take the abort (its process ended, or it holds its interpreter) will not
         # end its step either: waiting for it only delays the error.
         waiting = [tasks[rank] for rank, ok in zip(reachable, told) if ok and rank in tasks]

@@ -155,8 +155,12 @@ async def test_a_stage_that_holds_the_interpreter_does_not_stop_its_node(cluster
         job = await alice.train(**{**MODEL, "step_timeout_s": 3}, loss=f"{USER}:spinning_loss")
         spinning = (await hosted(cluster))[job.nodes[1]][f"{job.id}.rank1"]
         try:
-            with pytest.raises(StepFailed, match="timed out"):
+            with pytest.raises(StepFailed, match="timed out") as failed:
                 await job.step(*batch())
+            # The report names the stage that did not answer, and the head told it to abort without
+            # waiting for the reply (which held the error back by 5 s).
+            assert failed.value.details["silent"] == [1], failed.value.details
+            assert "did not answer" in str(failed.value)
             await assert_the_cluster_serves(cluster, bob)  # alice's stage still spins meanwhile
             assert not gone(spinning)
         finally:
