@@ -377,6 +377,8 @@ class Runtime(_Section):
     """torch intra-op threads in each stage process (`None`: torch's default)"""
     gradient_accumulation_fusion: bool = True
     """as in Megatron: exact `nn.Linear` weight gradients accumulate into `.grad` with one GEMM, and a backward whose input gradient leaves the rank runs as `I` (sent at once) then `W`; off: plain autograd"""
+    fusion_min_weight_elements: int = 65536
+    """with `gradient_accumulation_fusion`, the fewest weight elements an `nn.Linear` needs to be fused (and its weight gradient deferred to `W`); a smaller one keeps plain autograd and has its weight gradient computed in `I`, because for it the fused layer's Python autograd Function costs more than the memory pass it saves (on CPU 1.5-2x a plain linear's forward and backward below 65536 elements; see docs/benchmarks.md). `0`: every `nn.Linear`"""
     activation_checkpointing: bool | int = False
     """recompute activations in backward instead of keeping them: `True` checkpoints every layer (each keeps only its input), `N` each run of N layers of a stage (DeepSpeed's `activation_checkpoint_interval`; a traced stage is one run); exact, for about one more forward per micro-batch"""
     stash_codec: CodecName = "none"
@@ -391,6 +393,7 @@ class Runtime(_Section):
             check_int(self.key("threads_per_stage"), self.threads_per_stage, minimum=1)
         for name in ("gradient_accumulation_fusion", "keep_freed_memory"):
             check_bool(self.key(name), getattr(self, name))
+        check_int(self.key("fusion_min_weight_elements"), self.fusion_min_weight_elements, minimum=0)
         if not isinstance(self.activation_checkpointing, bool):
             check_int(self.key("activation_checkpointing"), self.activation_checkpointing, minimum=1)
         check_choice(self.key("stash_codec"), self.stash_codec, CODECS, "codec")

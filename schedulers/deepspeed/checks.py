@@ -153,6 +153,10 @@ def positive_int(section: Mapping[str, Any], key: str, prefix: str) -> int:
     return integer(section, key, prefix, minimum=1)
 
 
+def non_negative_int(section: Mapping[str, Any], key: str, prefix: str) -> int:
+    return integer(section, key, prefix, minimum=0)
+
+
 def number(section: Mapping[str, Any], key: str, prefix: str, *, minimum: float = 0.0) -> float:
     """A finite number >= ``minimum`` (hjson reads ``1.0`` as the integer 1: both are numbers)."""
     value = section.get(key)

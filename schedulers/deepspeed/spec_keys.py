@@ -24,6 +24,7 @@ from schedulers.deepspeed.checks import (
     codec,
     mapping,
     names,
+    non_negative_int,
     partition_method,
     path,
     positive_int,
@@ -70,6 +71,7 @@ _FIELD_CHECKS: dict[str, Check] = {
     **dict.fromkeys(("error_feedback", "measure_codec_error", "overlap_reduce", "w_batching",
                      "gradient_accumulation_fusion", "keep_freed_memory"), boolean),
     "step_timeout_s": seconds,
+    "fusion_min_weight_elements": non_negative_int,
 }
 
 

@@ -60,14 +60,14 @@ def compile_kwargs(setting: bool | Mapping[str, Any]) -> dict[str, Any] | None:
     return {key: value for key, value in setting.items() if value is not None}
 
 
-def stays_eager(module: nn.Module, *, fused_linears: bool) -> bool:
-    """Whether compile leaves ``module`` out: a fused linear (when the stage installed them) or a
-    tensor-parallel layer (see the module doc)."""
-    return (fused_linears and wgrad.takes_over(module)) or isinstance(module, EAGER_MODULES)
+def stays_eager(module: nn.Module, *, fused_linears: wgrad.WeightGradients | None) -> bool:
+    """Whether compile leaves ``module`` out: a linear the stage's fused weight gradients took over,
+    or a tensor-parallel layer (see the module doc)."""
+    return (fused_linears is not None and fused_linears.owns(module)) or isinstance(module, EAGER_MODULES)
 
 
 def compile_stage(modules: Mapping[int, nn.Module], setting: bool | Mapping[str, Any], *,
-                  fused_linears: bool) -> int:
+                  fused_linears: wgrad.WeightGradients | None) -> int:
     """Compiles, in place, each layer of each model stage in ``modules``; returns how many were compiled.
 
     Call after the layers are built, placed on their device and their fused linears
@@ -81,8 +81,8 @@ def compile_stage(modules: Mapping[int, nn.Module], setting: bool | Mapping[str,
     disk), so every graph must allow it.
 
     Args:
-        fused_linears: the stage's ``nn.Linear`` layers are the fused ones
-            (``gradient_accumulation_fusion``), which stay eager.
+        fused_linears: the stage's fused weight gradients (``gradient_accumulation_fusion``),
+            if any: the linears they took over stay eager.
     """
     kwargs = compile_kwargs(setting)
     if kwargs is None:

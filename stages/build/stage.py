@@ -173,9 +173,9 @@ def build_stage(config: StageConfig, allow: Sequence[str], device: torch.device,
     if cfg.runtime.gradient_accumulation_fusion:
         weight_grads = _wgrad.WeightGradients()
         for module in modules.values():
-            _wgrad.install(module, weight_grads)
+            _wgrad.install(module, weight_grads, min_weight_elements=cfg.runtime.fusion_min_weight_elements)
     # After the fused linears are installed: compile leaves them (and tensor-parallel layers) eager.
-    compiled = compile_stage(modules, cfg.runtime.torch_compile, fused_linears=weight_grads is not None)
+    compiled = compile_stage(modules, cfg.runtime.torch_compile, fused_linears=weight_grads)
     # A parameter two held layers share is one tensor: the optimizer takes it once.
     params = list({id(p): p for module in modules.values() for p in module.parameters()}.values())
     # A tied parameter's name is the least of its names: every rank holding it names it alike.

@@ -222,10 +222,10 @@ class OverlappedReduction:
                 offset += n
         index = {id(p): i for i, p in enumerate(self.params)}
         self._index = index
-        self._sources = _sources(self.params, modules, index, fused=weight_grads is not None)
+        self._sources = _sources(self.params, modules, index, fused=weight_grads)
         self._w_batching = w_batching
         # Per parameter, the GEMMs a batched W runs into its gradient: one per (weight, bias) pair holding it.
-        self._gemm_groups = [0] * len(index) if weight_grads is None else _fused_groups(self.params, modules, index)
+        self._gemm_groups = [0] * len(index) if weight_grads is None else _fused_groups(self.params, modules, index, weight_grads)
         self._plans: dict[tuple[tuple[Action, ...], bool], ReductionPlan] = {}
         self._unreliable: set[int] = set()  # written after they were thought final: final at the barrier only
         # Per step.
@@ -483,12 +483,12 @@ def _closed(flat: torch.Tensor) -> Work:
 
 
 def _sources(params: Sequence[torch.Tensor], modules: Mapping[int, nn.Module], index: Mapping[int, int], *,
-             fused: bool) -> list[frozenset[Source]]:
+             fused: _wgrad.WeightGradients | None) -> list[frozenset[Source]]:
     """Per parameter: the (model stage, how) pairs that write its gradient."""
     found: list[set[Source]] = [set() for _ in params]
     for stage, module in modules.items():
         for sub in module.modules():
-            how: Literal["autograd", "fused"] = "fused" if fused and _wgrad.takes_over(sub) else "autograd"
+            how: Literal["autograd", "fused"] = "fused" if fused is not None and fused.owns(sub) else "autograd"
             for p in sub.parameters(recurse=False):
                 if id(p) in index and p.requires_grad:
                     found[index[id(p)]].add((stage, how))
@@ -496,13 +496,13 @@ def _sources(params: Sequence[torch.Tensor], modules: Mapping[int, nn.Module], i
 
 
 def _fused_groups(params: Sequence[torch.Tensor], modules: Mapping[int, nn.Module],
-                  index: Mapping[int, int]) -> list[int]:
+                  index: Mapping[int, int], weight_grads: _wgrad.WeightGradients) -> list[int]:
     """Per parameter, how many distinct (weight, bias) pairs of taken-over linears hold it: the
     GEMMs a batched W (:func:`stages.compute.wgrad.apply_batched`) runs into its gradient at most."""
     pairs: list[set[tuple[int, int]]] = [set() for _ in params]
     for module in modules.values():
         for sub in module.modules():
-            if _wgrad.takes_over(sub):
+            if weight_grads.owns(sub):
                 pair = (id(sub.weight), id(sub.bias))
                 for p in (sub.weight, sub.bias):
                     if p is not None and id(p) in index:

@@ -13,8 +13,11 @@ accumulation fusion" and in its zero-bubble schedules):
   then :func:`apply` on the recorded pairs: only the weight GEMMs, without walking
   the autograd graph again (which is released at ``I``).
 
-Only modules whose type is exactly ``nn.Linear`` are taken over (see :func:`install`);
-subclasses, tensor-parallel linears and other layers keep plain autograd. Hooks
+Only modules whose type is exactly ``nn.Linear`` are taken over (see :func:`install`), and a
+stage takes over only those whose weight has at least ``min_weight_elements`` elements (the job's
+``fusion_min_weight_elements``): below that the Python autograd Function costs more than the
+memory pass it saves. Subclasses, small and tensor-parallel linears and other layers keep plain
+autograd, and :meth:`WeightGradients.owns` tells them apart. Hooks
 registered on a taken-over weight (``register_hook``, post-accumulate-grad hooks) do
 not fire, since autograd never accumulates that weight's gradient; double backward
 through these layers is not supported. What must know when such a gradient changes
@@ -110,11 +113,16 @@ class WeightGradients:
     into ``.grad`` (fused), or, inside :meth:`deferring`, into a list for later."""
 
     def __init__(self) -> None:
+        self._owned: set[int] = set()  # id() of each module install took over (the stage holds them)
         self._deferred: list[PendingWeightGrad] | None = None
         self._uses: dict[int, int] | None = None
         # Called with each parameter whose .grad a GEMM (run now, or deferred and run by
         # :func:`apply` with it) has just changed.
         self.on_write: OnWrite | None = None
+
+    def owns(self, module: nn.Module) -> bool:
+        """Whether :func:`install` took ``module`` over: its parameter gradients come through here."""
+        return id(module) in self._owned
 
     @contextlib.contextmanager
     def counting_uses(self) -> Iterator[dict[int, int]]:
@@ -203,17 +211,20 @@ def _forward(module: nn.Linear, grads: WeightGradients, inputs: torch.Tensor) ->
     return out
 
 
-def takes_over(module: nn.Module) -> bool:
-    """Whether :func:`install` routes this module's parameter gradients (exact ``nn.Linear`` only)."""
-    return type(module) is nn.Linear
+def takes_over(module: nn.Module, min_weight_elements: int = 0) -> bool:
+    """Whether :func:`install` routes this module's parameter gradients (exact ``nn.Linear`` only,
+    with a weight of at least ``min_weight_elements`` elements)."""
+    return type(module) is nn.Linear and module.weight.numel() >= min_weight_elements
 
 
-def install(module: nn.Module, grads: WeightGradients) -> int:
-    """Routes the weight gradients of every ``nn.Linear`` in ``module`` (exact type
-    only) through ``grads``; returns how many linears were taken over."""
+def install(module: nn.Module, grads: WeightGradients, *, min_weight_elements: int = 0) -> int:
+    """Routes the weight gradients of every ``nn.Linear`` in ``module`` (exact type only, with
+    at least ``min_weight_elements`` weight elements) through ``grads``; returns how many
+    linears were taken over."""
     count = 0
     for sub in module.modules():
-        if takes_over(sub):
+        if takes_over(sub, min_weight_elements) and not grads.owns(sub):
             sub.forward = types.MethodType(lambda self, x: _forward(self, grads, x), sub)  # type: ignore[method-assign]
+            grads._owned.add(id(sub))
             count += 1
     return count

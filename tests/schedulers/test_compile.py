@@ -44,7 +44,7 @@ def eager_reference(steps: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[dic
 
 
 @pytest.mark.parametrize("options", [
-    pytest.param({"w_batching": True, "torch_compile": True}, id="fused-wbatching"),
+    pytest.param({"w_batching": True, "torch_compile": True, "fusion_min_weight_elements": 0}, id="fused-wbatching"),
     pytest.param({"gradient_accumulation_fusion": False, "torch_compile": {"backend": "inductor", "fullgraph": True}},
                  id="plain-autograd-fullgraph"),
 ])

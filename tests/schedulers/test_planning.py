@@ -310,7 +310,8 @@ async def train(cluster: Cluster, steps: list[tuple[torch.Tensor, torch.Tensor]]
 
 @pytest.mark.slow
 @pytest.mark.asyncio(loop_scope="package")
-@pytest.mark.parametrize("options", [{"gradient_accumulation_fusion": False}, {}], ids=["plain", "fused"])
+@pytest.mark.parametrize("options", [{"gradient_accumulation_fusion": False}, {"fusion_min_weight_elements": 0}],
+                         ids=["plain", "fused"])
 @pytest.mark.multiprocess
 async def test_an_auto_job_trains_exactly_as_the_schedule_it_chose(cluster: Cluster, options: dict[str, Any]) -> None:
     spec = JobSpec.of(model=MODEL, schedule="auto", **options)

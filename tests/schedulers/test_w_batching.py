@@ -46,15 +46,18 @@ def test_every_backward_becomes_i_and_every_w_waits_for_the_tail(schedule: str) 
 
 @pytest.mark.slow
 @pytest.mark.asyncio(loop_scope="package")
-@pytest.mark.parametrize(("schedule", "stages"), [("1f1b", 2), ("zero_bubble", 2), ("gpipe", 4), ("interleaved", 2)])
+# fusion_min_weight_elements: 0 fuses every linear of this small GPT; 1000 only its MLPs' (1024) and the
+# head (2048), so a stage runs fused and plain-autograd linears side by side, and its W has only the former.
+@pytest.mark.parametrize(("schedule", "stages", "fuse_from"),
+                         [("1f1b", 2, 0), ("zero_bubble", 2, 1000), ("gpipe", 4, 0), ("interleaved", 2, 1000)])
 @pytest.mark.multiprocess
 async def test_w_batching_trains_as_one_process_and_holds_every_micro_batch_until_the_tail(
-    cluster: Cluster, schedule: str, stages: int
+    cluster: Cluster, schedule: str, stages: int, fuse_from: int
 ) -> None:
     expected, losses = train_reference(GPT)
     job = await cluster.train(model=GPT["model"], model_kwargs=GPT["kwargs"], loss=GPT["loss"],
                               optimizer=GPT["optimizer"], pipeline_stages=stages, schedule=schedule, micro_batches=4,
-                              w_batching=True)
+                              w_batching=True, fusion_min_weight_elements=fuse_from)
     try:
         stats = [await job.step(x, y) for x, y in GPT["batches"]()]
         state = await job.state_dict()

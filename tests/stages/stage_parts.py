@@ -38,6 +38,8 @@ def stage_config(rank: int, num_ranks: int = 2, **overrides: Any) -> StageConfig
     """Rank ``rank``'s config for ``examples.models:residual_mlp`` cut in ``num_ranks`` even stages.
 
     ``overrides`` are spec fields by their flat names (routed to their sections), or ``bounds``.
+    Every ``nn.Linear`` is fused (``fusion_min_weight_elements=0``) unless an override says otherwise:
+    these small layers would otherwise keep plain autograd, and the fused path is what most tests here test.
     """
     model_kwargs = overrides.pop("model_kwargs", dict(MODEL_KWARGS))
     blocks = int(model_kwargs.get("blocks", 0))
@@ -46,7 +48,7 @@ def stage_config(rank: int, num_ranks: int = 2, **overrides: Any) -> StageConfig
     fields: dict[str, Any] = {
         "model": "examples.models:residual_mlp", "model_kwargs": model_kwargs, "pipeline_stages": num_ranks,
         "optimizer": ("torch.optim:SGD", {"lr": 0.05, "momentum": 0.9}), "micro_batches": 2,
-        "threads_per_stage": None, "keep_freed_memory": False, **overrides,
+        "threads_per_stage": None, "keep_freed_memory": False, "fusion_min_weight_elements": 0, **overrides,
     }
     sections: dict[str, dict[str, Any]] = {}
     for name, value in fields.items():

@@ -52,7 +52,7 @@ def test_each_layer_compiles_in_place_keeping_its_names_and_the_fused_linears_st
     assert list(built.model.modules[0].state_dict()) == list(eager.model.modules[0].state_dict())
     assert all(layer._compiled_call_impl is not None for layer in built.held.values())
     linears = [m for layer in built.held.values() for m in layer.modules() if wgrad.takes_over(m)]
-    assert linears and all(stays_eager(m, fused_linears=True) for m in linears)
+    assert linears and all(stays_eager(m, fused_linears=built.model.weight_grads) for m in linears)
     # A compiled layer may compile again (a new shape): never on the event loop's thread.
     assert built.model.inline_max_s == 0.0
 
@@ -60,10 +60,12 @@ def test_each_layer_compiles_in_place_keeping_its_names_and_the_fused_linears_st
 def test_a_layer_that_stays_eager_is_not_compiled_itself() -> None:
     row = RowParallelLinear(4, 4, None, rank=0, world=1)
     chain = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.GELU()), row)
-    assert compile_stage({0: nn.Sequential(chain)}, AOT, fused_linears=True) == 1
-    assert stays_eager(row, fused_linears=False) and row._compiled_call_impl is None
-    assert not stays_eager(chain[0][0], fused_linears=False)  # a plain linear compiles with its layer
-    assert compile_stage({0: chain}, False, fused_linears=True) == 0
+    fused = wgrad.WeightGradients()
+    assert compile_stage({0: nn.Sequential(chain)}, AOT, fused_linears=fused) == 1
+    assert stays_eager(row, fused_linears=None) and row._compiled_call_impl is None
+    assert not stays_eager(chain[0][0], fused_linears=None)  # a plain linear compiles with its layer
+    assert not stays_eager(chain[0][0], fused_linears=fused)  # ... and so does one the stage did not take over
+    assert compile_stage({0: chain}, False, fused_linears=fused) == 0
 
 
 @pytest.mark.parametrize(("schedule", "fields"), [

@@ -101,6 +101,27 @@ def test_only_exact_linears_are_taken_over() -> None:
     assert "forward" not in vars(model[0]) and "forward" in vars(model[1])
 
 
+def test_linears_under_the_size_bound_keep_plain_autograd_and_their_gradients_come_with_the_backward() -> None:
+    """A stage takes over only linears of ``fusion_min_weight_elements`` or more: a small one's gradient
+    is autograd's, computed in the (input) backward itself, so deferring leaves nothing of it for ``W``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 16))  # weights of 64 and 128 elements
+    plain = copy.deepcopy(model)
+    grads = _wgrad.WeightGradients()
+    assert _wgrad.install(model, grads, min_weight_elements=100) == 1
+    assert not grads.owns(model[0]) and grads.owns(model[2])
+    assert _wgrad.install(model, grads, min_weight_elements=100) == 0  # not wrapped twice
+    x = torch.randn(4, 8)
+    with grads.deferring() as pending:
+        model(x).square().mean().backward()
+    assert [(w is model[2].weight, b is model[2].bias) for w, b, _, _ in pending] == [(True, True)]
+    assert model[0].weight.grad is not None and model[2].weight.grad is None  # the small one's came with backward
+    _wgrad.apply(pending)
+    plain(x).square().mean().backward()
+    for fused_p, plain_p in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(fused_p.grad, plain_p.grad)
+
+
 def test_deferring_does_not_nest() -> None:
     grads = _wgrad.WeightGradients()
     with grads.deferring(), pytest.raises(RuntimeError, match="already deferring"):
