@@ -225,7 +225,8 @@ class OverlappedReduction:
         self._sources = _sources(self.params, modules, index, fused=weight_grads)
         self._w_batching = w_batching
         # Per parameter, the GEMMs a batched W runs into its gradient: one per (weight, bias) pair holding it.
-        self._gemm_groups = [0] * len(index) if weight_grads is None else _fused_groups(self.params, modules, index, weight_grads)
+        self._gemm_groups = [0] * len(index) if weight_grads is None else \
+            _fused_groups(self.params, modules, index, weight_grads)
         self._plans: dict[tuple[tuple[Action, ...], bool], ReductionPlan] = {}
         self._unreliable: set[int] = set()  # written after they were thought final: final at the barrier only
         # Per step.

@@ -124,6 +124,12 @@ class WeightGradients:
         """Whether :func:`install` took ``module`` over: its parameter gradients come through here."""
         return id(module) in self._owned
 
+    def take(self, module: nn.Module) -> None:
+        """Routes ``module``'s forward through the fused linear, its gradients through here."""
+        grads = self
+        module.forward = types.MethodType(lambda linear, x: _forward(linear, grads, x), module)  # type: ignore[method-assign]
+        self._owned.add(id(module))
+
     @contextlib.contextmanager
     def counting_uses(self) -> Iterator[dict[int, int]]:
         """Forwards inside count how often each taken-over linear's weight and bias are used
@@ -224,7 +230,6 @@ def install(module: nn.Module, grads: WeightGradients, *, min_weight_elements: i
     count = 0
     for sub in module.modules():
         if takes_over(sub, min_weight_elements) and not grads.owns(sub):
-            sub.forward = types.MethodType(lambda self, x: _forward(self, grads, x), sub)  # type: ignore[method-assign]
-            grads._owned.add(id(sub))
+            grads.take(sub)
             count += 1
     return count
