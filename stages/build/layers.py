@@ -216,10 +216,12 @@ def layer_times(model: str, model_kwargs: dict[str, Any], allow: Sequence[str], 
     For ``partition_method="profile"``: the model is built as a stage builds it, the
     sample comes from the job's own data factory, and each layer runs on the previous
     layer's output, once to warm up and then ``repeats`` times; the fastest run counts
-    (noise on a shared machine only ever adds time). The time is the CPU time this process
-    spends (all its threads), not the wall clock's: on a busy machine the wall clock also
-    counts the time other processes had the cores, which fell on some layers and not
-    others and moved the split (a layer that waits without computing costs nothing here).
+    (noise on a shared machine only ever adds time). The time is the CPU time of the thread
+    that runs the layer, with torch's intra-op work kept on that thread meanwhile (one
+    thread): on a busy machine the wall clock also counts the time other processes had the
+    cores, and the whole process's CPU time the node's other threads (its event loop,
+    libzmq's I/O threads, torch's idle workers spinning) - either fell on some layers and
+    not others and moved the split. A layer that waits without computing costs nothing here.
     """
     layers = _one_real_at_a_time(load_object(model, allow), model_kwargs, model, seed)
     if data is not None:
@@ -230,21 +232,34 @@ def layer_times(model: str, model_kwargs: dict[str, Any], allow: Sequence[str], 
         raise TypeError(f"partition_method='profile' times layers on a tensor micro-batch, got {type(x).__name__}; "
                         "partition by parameters, or give split_points")
     times = []
-    for index, layer in layers:
-        # As in training: no gradient flows into the data, only into every later layer's input.
-        sample = x.detach().requires_grad_(index > 0 and x.is_floating_point())
-        runs = []
-        for _ in range(repeats + 1):
-            started = time.process_time()
-            out = layer(sample)
-            if out.requires_grad:
-                out.backward(torch.ones_like(out))
-            runs.append(time.process_time() - started)
-        layer.zero_grad(set_to_none=True)
-        times.append(max(1, round(min(runs[1:]) * 1e6)))
-        with torch.no_grad():
-            x = layer(x)
+    with _torch_on_this_thread():
+        for index, layer in layers:
+            # As in training: no gradient flows into the data, only into every later layer's input.
+            sample = x.detach().requires_grad_(index > 0 and x.is_floating_point())
+            runs = []
+            for _ in range(repeats + 1):
+                started = time.thread_time()
+                out = layer(sample)
+                if out.requires_grad:
+                    out.backward(torch.ones_like(out))
+                runs.append(time.thread_time() - started)
+            layer.zero_grad(set_to_none=True)
+            times.append(max(1, round(min(runs[1:]) * 1e6)))
+            with torch.no_grad():
+                x = layer(x)
     return times
+
+
+@contextlib.contextmanager
+def _torch_on_this_thread() -> Iterator[None]:
+    """Torch's intra-op work on the calling thread (one thread) meanwhile, so that the thread's CPU
+    time is all of a layer's; CPU autograd runs its backward on the calling thread already."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _one_real_at_a_time(factory: Callable[..., Any], kwargs: dict[str, Any], path: str,

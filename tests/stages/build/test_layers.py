@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -96,3 +97,28 @@ def test_profiling_counts_the_cpu_a_layer_spends_not_the_wall_clock_a_busy_machi
     waits, computes = layer_times("tests.stages.build.test_layers:waits_then_computes", {},
                                   ["tests.stages.build"], None, {}, 1, 0, repeats=2, example=torch.randn(2, 8))
     assert waits < computes  # by the wall clock the sleeping layer would be the slow one (30 ms)
+
+
+def test_profiling_bills_a_layer_its_own_threads_cpu_not_what_the_processes_other_threads_spend() -> None:
+    """A node's other threads (its event loop, libzmq's I/O, torch's idle workers) spend CPU while a
+    layer is timed; counted, it lands on whichever layer runs then: here the one that sleeps."""
+    from stages.build.layers import layer_times
+
+    stop = threading.Event()
+
+    def burn() -> None:
+        m = torch.ones(128, 128)
+        while not stop.is_set():
+            m = m @ m * 1e-2  # releases the GIL: CPU time of this process, not of the profiling thread
+
+    threads = torch.get_num_threads()
+    burner = threading.Thread(target=burn, daemon=True)
+    burner.start()
+    try:
+        waits, computes = layer_times("tests.stages.build.test_layers:waits_then_computes", {},
+                                      ["tests.stages.build"], None, {}, 1, 0, repeats=2, example=torch.randn(2, 8))
+    finally:
+        stop.set()
+        burner.join()
+    assert waits < computes
+    assert torch.get_num_threads() == threads  # the profile's one thread was put back
