@@ -246,6 +246,46 @@ def _check_records(arguments: dict[str, Any], records: dict[str, tuple[type, ...
                             f"not {type(arguments[name]).__name__}")
 
 
+class _PositionalPlan:
+    """How to check a call made with positional arguments only, without ``Signature.bind``
+    (3.5 µs a call): their count, and the record parameters among them."""
+
+    __slots__ = ("least", "most", "records")
+
+    def __init__(self, least: int, most: int, records: list[tuple[int, str, tuple[type, ...]]]) -> None:
+        self.least, self.most, self.records = least, most, records
+
+    @classmethod
+    def of(cls, signature: inspect.Signature, records: dict[str, tuple[type, ...]]) -> _PositionalPlan | None:
+        """None for a signature with ``*args`` or a keyword-only parameter without a default
+        (``Signature.bind`` decides those calls)."""
+        least = most = 0
+        checked: list[tuple[int, str, tuple[type, ...]]] = []
+        for parameter in signature.parameters.values():
+            if parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD):
+                if parameter.name in records:
+                    checked.append((most, parameter.name, records[parameter.name]))
+                most += 1
+                least = most if parameter.default is parameter.empty else least
+            elif parameter.kind is parameter.VAR_POSITIONAL or parameter.default is parameter.empty \
+                    and parameter.kind is parameter.KEYWORD_ONLY:
+                return None
+        return cls(least, most, checked)
+
+    def takes(self, args: list[Any]) -> bool:
+        """Whether ``args`` bind (True), or bind needs to say why not (False).
+
+        Raises:
+            TypeError: a record parameter given a value of another type (as :func:`_check_records`).
+        """
+        if not self.least <= len(args) <= self.most:
+            return False
+        for index, name, classes in self.records:
+            if index < len(args) and not isinstance(args[index], classes):
+                _check_records({name: args[index]}, {name: classes})
+        return True
+
+
 class Mailbox:
     """Runs one actor's calls: sequential ones in order, concurrent ones at once."""
 
@@ -256,6 +296,8 @@ class Mailbox:
         self._signatures = {name: inspect.signature(getattr(actor, name)) for name in self._endpoints}
         self._roles = {name: getattr(getattr(type(actor), name), _ENDPOINT_ATTR).roles for name in self._endpoints}
         self._records = {name: _record_parameters(getattr(type(actor), name)) for name in self._endpoints}
+        self._positional = {name: _PositionalPlan.of(self._signatures[name], self._records[name])
+                            for name in self._endpoints}
         self._queue: asyncio.Queue[Call] = asyncio.Queue(actor.mailbox_size)
         self._spawn_task = spawn_task
 
@@ -303,9 +345,14 @@ class Mailbox:
         _reply_to.set(call.reply_to)
         method = getattr(self.actor, call.method)
         signature = self._signatures[call.method]
+        plan = self._positional[call.method]
         try:
-            bound = signature.bind(*call.args, **call.kwargs)
-            _check_records(bound.arguments, self._records[call.method])
+            if not call.kwargs and plan is not None and plan.takes(call.args):
+                args, kwargs = call.args, call.kwargs  # what bind would make of them, checked in a tenth of its time
+            else:
+                bound = signature.bind(*call.args, **call.kwargs)
+                _check_records(bound.arguments, self._records[call.method])
+                args, kwargs = list(bound.args), bound.kwargs
         except TypeError as exc:
             log.warning("%s.%s: bad arguments: %s", self.actor.name, call.method, exc)
             error = BadArguments(f"{type(self.actor).__name__}.{call.method}{signature}: {exc}")
@@ -313,7 +360,7 @@ class Mailbox:
                 await call.reply(False, error)
             return
         try:
-            result = await method(*bound.args, **bound.kwargs)
+            result = await method(*args, **kwargs)
         except asyncio.CancelledError:
             raise
         except Exception as exc:

@@ -192,23 +192,18 @@ class Runtime:
         """Calls ``ref.method(*args, **kwargs)`` and returns its result (see ActorRef.ask)."""
         if self._closed:
             raise ActorStopped(f"runtime at {self.address} is closed")
-        call_id, future = self._calls.open(ref.address)
-        timer = asyncio.timeout(timeout)
+        call_id, future = self._calls.open(ref.address, timeout, f"{ref.name}.{method}")
         try:
-            async with timer:
-                if ref.address == self.address:
-                    self._deliver_local(ref.name, Call(method=method, args=args, kwargs=kwargs,
-                                                       reply=_resolve_into(future)))
-                else:
-                    request = _request(call_id, ref.name, method, args, kwargs, self.address)
-                    await self._calls.send_unless_failed(call_id, future, self._send(ref.address, request))
-                return await future
-        except TimeoutError:
-            if not timer.expired():
-                raise  # the remote's own ActorTimeout (it waited for something): reported as the remote's
-            raise ActorTimeout(
-                f"no reply from {ref.name}.{method} at {ref.address} within {timeout}s"
-            ) from None
+            if ref.address == self.address:
+                self._deliver_local(ref.name, Call(method=method, args=args, kwargs=kwargs,
+                                                   reply=_resolve_into(future)))
+            else:
+                request = encode_message(_request(call_id, ref.name, method, args, kwargs, self.address),
+                                         max_bytes=self._max_message_bytes)
+                if self._senders.send_now(ref.address, request) is None:  # no room now: wait, unless the call fails
+                    await self._calls.send_unless_failed(call_id, future, self._senders.send_frames(ref.address,
+                                                                                                    request))
+            return await future
         finally:
             self._calls.close(call_id)
 
@@ -221,7 +216,9 @@ class Runtime:
                 log.warning("tell %s.%s: %s", ref.name, method, exc)
             return 0
         self._calls.refuse(ref.address)
-        return await self._send(ref.address, _request(None, ref.name, method, args, kwargs, None))
+        frames = encode_message(_request(None, ref.name, method, args, kwargs, None), max_bytes=self._max_message_bytes)
+        sent = self._senders.send_now(ref.address, frames)
+        return sent if sent is not None else await self._senders.send_frames(ref.address, frames)
 
     def fail_calls_to(self, address: str, error: ActorError) -> int:
         """Fails every pending call to the runtime at ``address`` (it was lost); returns how many."""
@@ -256,7 +253,7 @@ class Runtime:
         mailbox.deliver(call)
 
     async def _send(self, address: str, message: dict[str, Any]) -> int:
-        return await self._senders.send(address, message)
+        return await self._senders.send_frames(address, encode_message(message, max_bytes=self._max_message_bytes))
 
     def _open_sender(self, address: str) -> Sender:
         return open_sender(

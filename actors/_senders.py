@@ -28,7 +28,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -200,9 +200,38 @@ class SenderPool:
 
     # -- sending -----------------------------------------------------------------------
 
+    def send_now(self, address: str, frames: list[Any]) -> int | None:
+        """Sends encoded ``frames`` to ``address`` if they can leave now on its pooled sender.
+
+        No lease, no task and no wait: the path of every request and ``tell`` while
+        their peer keeps up.
+
+        Returns:
+            The bytes sent; None, having sent nothing, when no sender is pooled for
+            ``address`` or its queue is full: :meth:`send_frames` them, which waits.
+        """
+        entry = self._entries.get(address)
+        if entry is None or self._closed:
+            return None
+        try:
+            nbytes = entry.sender.send_frames_nowait(frames)
+        except WouldBlock:
+            return None
+        self._entries.move_to_end(address)
+        entry.last_used = self._clock()
+        entry.delivered = True
+        return nbytes
+
     async def send(self, address: str, message: Any) -> int:
-        """Sends ``message`` to ``address``, waiting for room as :meth:`Sender.send` does."""
-        # The lease and its return inline: this runs for every request a runtime sends.
+        """Encodes and sends ``message`` to ``address``, waiting for room as :meth:`Sender.send` does."""
+        return await self._send_with(address, lambda sender: sender.send(message))
+
+    async def send_frames(self, address: str, frames: list[Any]) -> int:
+        """Sends encoded ``frames`` to ``address``, waiting for room as :meth:`Sender.send_frames` does."""
+        return await self._send_with(address, lambda sender: sender.send_frames(frames))
+
+    async def _send_with(self, address: str, send: Callable[[Sender], Awaitable[int]]) -> int:
+        # The lease and its return inline: this runs for every request that has to wait for room.
         entry = self._entries.get(address)
         if entry is None or self._closed:
             entry = await self.acquire(address)
@@ -211,7 +240,7 @@ class SenderPool:
             self._entries.move_to_end(address)
             entry.num_users += 1
         try:
-            nbytes = await entry.sender.send(message)
+            nbytes = await send(entry.sender)
         finally:
             if self._unlease(entry, False):
                 await self._close(entry)

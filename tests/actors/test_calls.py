@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from actors._calls import MAX_LOST_ADDRESSES, PendingCalls
-from actors._errors import ActorStopped, NodeLost
+from actors._errors import ActorStopped, ActorTimeout, NodeLost
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -65,3 +65,70 @@ async def test_closing_fails_every_waiting_call_with_its_own_error_and_lost_addr
     for i in range(MAX_LOST_ADDRESSES + 1):
         calls.mark_lost(f"ipc://x{i}", NodeLost("gone"))
     assert calls.lost("ipc://x0") is None and calls.lost(f"ipc://x{MAX_LOST_ADDRESSES}") is not None
+
+
+async def test_a_deadline_fails_its_call_while_it_waits_for_room_and_while_it_waits_for_its_reply() -> None:
+    calls = PendingCalls()
+    long_id, long_future = calls.open("ipc://a", 60.0, "slow.ask")
+    call_id, future = calls.open("ipc://a", 0.01, "probe.ping")  # earlier than the armed deadline: re-armed
+    with pytest.raises(ActorTimeout, match=r"no reply from probe\.ping at ipc://a within 0\.01s"):
+        await future
+    assert not long_future.done()
+    sending_id, sending = calls.open("ipc://b", 0.01, "probe.ping")
+    with pytest.raises(ActorTimeout, match="ipc://b"):  # its send never gets room: the deadline ends it
+        await calls.send_unless_failed(sending_id, sending, asyncio.Event().wait())
+    answered_id, answered = calls.open("ipc://c", 0.01, "probe.ping")
+    answered.set_result("pong")
+    await asyncio.sleep(0.05)  # past its deadline: an answered call keeps its answer
+    assert answered.result() == "pong"
+    for done in (call_id, sending_id, answered_id, long_id):
+        calls.close(done)
+
+
+async def test_answered_calls_leave_no_pile_of_deadlines_behind() -> None:
+    calls = PendingCalls()
+    for _ in range(10_000):
+        call_id, future = calls.open("ipc://a", 60.0, "probe.ping")
+        future.set_result(None)
+        calls.close(call_id)
+    live = [calls.open("ipc://a", 60.0, "probe.ping") for _ in range(3)]
+    assert len(calls._deadlines) <= 2 * len(live) + 65
+    calls.fail_all(lambda: ActorStopped("closed"))
+    assert calls._timer is None and all(isinstance(f.exception(), ActorStopped) for _, f in live)
+
+
+async def test_the_mailboxs_positional_check_accepts_exactly_the_calls_bind_accepts() -> None:
+    """The mailbox checks positional-only calls without ``Signature.bind``; it must never take a call
+    bind refuses, nor refuse one bind takes (bind decides whatever the fast check hands back)."""
+    import inspect
+
+    from actors._actor import _PositionalPlan
+
+    class Record:
+        pass
+
+    async def plain(a: int, b: int = 2, c: str = "c") -> None: ...
+    async def keyword_only(a: int, *, b: int = 1) -> None: ...
+    async def needs_keyword(a: int, *, b: int) -> None: ...
+    async def star(a: int, *rest: int) -> None: ...
+    async def nothing() -> None: ...
+
+    for fn in (plain, keyword_only, needs_keyword, star, nothing):
+        signature = inspect.signature(fn)
+        plan = _PositionalPlan.of(signature, {})
+        for count in range(5):
+            args = list(range(count))
+            try:
+                signature.bind(*args)
+                binds = True
+            except TypeError:
+                binds = False
+            if plan is not None and plan.takes(args):
+                assert binds, (fn.__name__, count)
+            elif plan is not None:
+                assert not binds, (fn.__name__, count)  # a count it does not take is one bind refuses
+    async def with_record(order: Record, count: int = 1) -> None: ...
+    plan = _PositionalPlan.of(inspect.signature(with_record), {"order": (Record,)})
+    assert plan is not None and plan.takes([Record()]) and plan.takes([Record(), 3])
+    with pytest.raises(TypeError, match="order must be Record, not dict"):
+        plan.takes([{"forged": True}])
