@@ -162,6 +162,10 @@ def _tamper(frames: list[bytes], how: str) -> list[bytes]:
         first = bytearray(frames[0])
         first[HEAD_BYTES - 5] ^= 1  # the sequence number's low byte: the nonces no longer match
         frames[0] = bytes(first)
+    elif how == "flags in the head":
+        first = bytearray(frames[0])
+        first[5] ^= 1  # encrypted <-> authenticated only: a head the sender did not write
+        frames[0] = bytes(first)
     elif how == "frame dropped":
         frames = frames[:-1]
     elif how == "frames swapped":
@@ -170,7 +174,8 @@ def _tamper(frames: list[bytes], how: str) -> list[bytes]:
 
 
 @pytest.mark.parametrize("encrypt", [True, False], ids=["encrypted", "authenticated"])
-@pytest.mark.parametrize("how", ["payload byte", "tag", "sequence in the head", "frame dropped", "frames swapped"])
+@pytest.mark.parametrize("how", ["payload byte", "tag", "sequence in the head", "flags in the head", "frame dropped",
+                                 "frames swapped"])
 async def test_a_tampered_message_is_refused_and_the_channel_keeps_serving(secure: tuple, encrypt: bool,
                                                                            how: str) -> None:
     receiver, _, member, context = secure
@@ -289,7 +294,7 @@ def test_a_session_key_seals_and_opens_frames_of_every_size(encrypt: bool) -> No
     if encrypt:
         assert len(big) == (1 << 20) + TAG_BYTES and big[: 1 << 10] != frames[-1][: 1 << 10]
     else:  # authenticated only: the bytes go as they are, the tags with the head
-        assert big == frames[-1] and len(sealed[0]) == HEAD_BYTES + TAG_BYTES * len(frames)
+        assert big == frames[-1] and len(sealed[0]) == HEAD_BYTES + TAG_BYTES * (len(frames) + 1)  # the head's tag, each frame's
     with pytest.raises(SealRefused):
         SessionKey(key.session_id, os.urandom(32), encrypt=encrypt).unseal(head, seq, [rest, *sealed[1:]], "x")
 
