@@ -209,7 +209,11 @@ class LivenessClient:
         if silent_timeout is not None:
             socket.setsockopt(zmq.HEARTBEAT_IVL, 500)
             socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(silent_timeout * 1000)))
-        self._monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        # A refused connect (CONNECT_RETRIED: nothing listens at the head's port any more) closes
+        # as a dropped connection does: a head killed before the watch's first handshake left
+        # no connection to drop, and was never lost.
+        self._monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+                                                  | zmq.EVENT_CONNECT_RETRIED)
         socket.connect(endpoint)
         self._name = name.encode() if silent_timeout is None else None  # a driver's watch says nothing
         self._on_head_gone = on_head_gone
@@ -234,7 +238,7 @@ class LivenessClient:
                 ready = dict(poller.poll(_POLL_MS))
                 if self._monitor in ready:
                     event = recv_monitor_message(self._monitor)["event"]
-                    if event == zmq.EVENT_DISCONNECTED:
+                    if event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CONNECT_RETRIED):
                         closed_at = closed_at if closed_at is not None else time.monotonic()
                     else:
                         closed_at = None

@@ -107,3 +107,25 @@ def test_a_connection_that_names_another_node_proves_nothing() -> None:
             os.kill(child.pid, signal.SIGKILL)
             time.sleep(1)
             assert closed == []  # an unproven connection's end loses no node
+
+
+def test_a_head_that_ended_before_the_watchs_first_handshake_is_lost_too() -> None:
+    """A driver's watch made as the head is killed never completed a handshake, so no connection
+    closes: its connects are refused instead (nothing listens at the port), and that is the same news.
+    Found in the suite on two workers: a head killed right after a driver connected was never lost."""
+    import socket as sockets
+
+    from actors._liveness import LivenessClient
+
+    with sockets.socket() as probe:  # a port nothing listens at once this closes
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    gone: list[bool] = []
+    context: zmq.Context[object] = zmq.Context()
+    client = LivenessClient(context, f"tcp://127.0.0.1:{port}", "", None, None, lambda: gone.append(True),
+                            silent_timeout=600.0)
+    try:
+        assert until(lambda: bool(gone), seconds=60), "a head nobody listens for was never lost"
+    finally:
+        client.close()
+        context.term()
