@@ -73,6 +73,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 DEFAULT_HWM = 64
+_POLLOUT = int(zmq.POLLOUT)  # a plain int: pyzmq's enum costs a call per operation
 BulkMode = Literal["encrypt", "authenticate", "curve"]
 DEFAULT_LINGER_MS = 2000
 
@@ -515,7 +516,10 @@ class Sender:
     def send_frames_nowait(self, frames: list[Any]) -> int:
         """Sends already encoded frames now or raises :class:`WouldBlock` (see :meth:`send_nowait`)."""
         if self._link is not None and not self._num_queued and not self._socket.closed:
-            if not (self._link.advance() and events(self._data) & zmq.POLLOUT):
+            # A large message is sealed only once there is room for it; a small one at once (asking
+            # the socket costs more than sealing it twice, and a number sealed but not sent leaves
+            # a gap, which the receiver takes: it asks only that numbers grow).
+            if not self._link.advance() or (zero_copy_pays(frames) and not events(self._data) & _POLLOUT):
                 raise WouldBlock(f"the sealed session to {self.address} is not open yet, or its queue is full")
             frames = self._link.seal(frames)
         if self._num_queued or not self._try_send(frames):
