@@ -216,9 +216,7 @@ class Runtime:
                 log.warning("tell %s.%s: %s", ref.name, method, exc)
             return 0
         self._calls.refuse(ref.address)
-        frames = encode_message(_request(None, ref.name, method, args, kwargs, None), max_bytes=self._max_message_bytes)
-        sent = self._senders.send_now(ref.address, frames)
-        return sent if sent is not None else await self._senders.send_frames(ref.address, frames)
+        return await self._send(ref.address, _request(None, ref.name, method, args, kwargs, None))
 
     def fail_calls_to(self, address: str, error: ActorError) -> int:
         """Fails every pending call to the runtime at ``address`` (it was lost); returns how many."""
@@ -253,7 +251,10 @@ class Runtime:
         mailbox.deliver(call)
 
     async def _send(self, address: str, message: dict[str, Any]) -> int:
-        return await self._senders.send_frames(address, encode_message(message, max_bytes=self._max_message_bytes))
+        """Encodes and sends ``message``: at once when it can leave now, else waiting for room."""
+        frames = encode_message(message, max_bytes=self._max_message_bytes)
+        sent = self._senders.send_now(address, frames)
+        return sent if sent is not None else await self._senders.send_frames(address, frames)
 
     def _open_sender(self, address: str) -> Sender:
         return open_sender(

@@ -28,7 +28,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -201,15 +201,9 @@ class SenderPool:
     # -- sending -----------------------------------------------------------------------
 
     def send_now(self, address: str, frames: list[Any]) -> int | None:
-        """Sends encoded ``frames`` to ``address`` if they can leave now on its pooled sender.
-
-        No lease, no task and no wait: the path of every request and ``tell`` while
-        their peer keeps up.
-
-        Returns:
-            The bytes sent; None, having sent nothing, when no sender is pooled for
-            ``address`` or its queue is full: :meth:`send_frames` them, which waits.
-        """
+        """Sends encoded ``frames`` to ``address`` now, on its pooled sender: no lease, task or wait
+        (every request's and ``tell``'s path while their peer keeps up). Returns the bytes sent; None,
+        having sent nothing, when none is pooled or its queue is full (:meth:`send_frames` waits)."""
         entry = self._entries.get(address)
         if entry is None or self._closed:
             return None
@@ -222,25 +216,13 @@ class SenderPool:
         entry.delivered = True
         return nbytes
 
-    async def send(self, address: str, message: Any) -> int:
-        """Encodes and sends ``message`` to ``address``, waiting for room as :meth:`Sender.send` does."""
-        return await self._send_with(address, lambda sender: sender.send(message))
-
     async def send_frames(self, address: str, frames: list[Any]) -> int:
-        """Sends encoded ``frames`` to ``address``, waiting for room as :meth:`Sender.send_frames` does."""
-        return await self._send_with(address, lambda sender: sender.send_frames(frames))
-
-    async def _send_with(self, address: str, send: Callable[[Sender], Awaitable[int]]) -> int:
-        # The lease and its return inline: this runs for every request that has to wait for room.
-        entry = self._entries.get(address)
-        if entry is None or self._closed:
-            entry = await self.acquire(address)
-            assert entry is not None
-        else:
-            self._entries.move_to_end(address)
-            entry.num_users += 1
+        """Sends encoded ``frames`` to ``address``, waiting for room as :meth:`Sender.send_frames` does
+        (the path of a message :meth:`send_now` could not send)."""
+        entry = self._lease_pooled(address, False) or await self.acquire(address)
+        assert entry is not None
         try:
-            nbytes = await send(entry.sender)
+            nbytes = await entry.sender.send_frames(frames)
         finally:
             if self._unlease(entry, False):
                 await self._close(entry)
@@ -393,20 +375,7 @@ class SenderPool:
         """Closes a sender to make room (see the module's docstring); False if none may go."""
         # A peer that sent a request is listening: its connection takes a few round trips.
         grace_s = min(_CONNECT_GRACE_S, self.config.reply_timeout_s / 5)
-        waited_since = self._clock() - grace_s
-        firsts: list[_Entry | None] = [None] * 4  # the first candidate of each kind, in order of preference
-        for entry in self._entries.values():  # least recently used first
-            if entry.num_users == 0:
-                kind = 2 if entry.delivered else 0
-            elif not entry.delivered and entry.num_users == entry.num_reply_users:
-                kind = 1 if entry.opened_at <= waited_since else 3
-            else:
-                continue  # an ask or tell is sending on it
-            if firsts[kind] is None:
-                firsts[kind] = entry
-                if kind == 0:
-                    break
-        victim = next((entry for entry in firsts if entry is not None), None)
+        victim = _eviction_victim(self._entries.values(), waited_since=self._clock() - grace_s)
         if victim is None:
             return False
         del self._entries[victim.address]
@@ -439,6 +408,25 @@ class SenderPool:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+
+def _eviction_victim(entries: Iterable[_Entry], *, waited_since: float) -> _Entry | None:
+    """The sender to close for room, least recently used first: one idle that never delivered, then
+    one that replies alone have waited on since before ``waited_since``, then one idle, then one
+    replies wait on; never one an ask or tell is sending on. None if there is none."""
+    firsts: list[_Entry | None] = [None] * 4  # the first candidate of each kind, in order of preference
+    for entry in entries:
+        if entry.num_users == 0:
+            kind = 2 if entry.delivered else 0
+        elif not entry.delivered and entry.num_users == entry.num_reply_users:
+            kind = 1 if entry.opened_at <= waited_since else 3
+        else:
+            continue  # an ask or tell is sending on it
+        if firsts[kind] is None:
+            firsts[kind] = entry
+            if kind == 0:
+                break
+    return next((entry for entry in firsts if entry is not None), None)
 
 
 class _DropLog:

@@ -14,7 +14,7 @@ import zmq
 from transport.wire import MessageTooLarge
 
 __all__ = ["ChannelClosed", "Readiness", "bind_address", "bulk_bind_address", "events", "gather", "is_local_address",
-           "is_loopback", "readable", "zero_copy_pays"]
+           "is_loopback", "readable", "writable", "zero_copy_pays"]
 
 
 class ChannelClosed(RuntimeError):
@@ -130,12 +130,18 @@ def events(socket: zmq.Socket[Any]) -> int:
     return int(socket.getsockopt(zmq.EVENTS))  # type: ignore[call-overload]
 
 
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: pyzmq's enums cost a call per operation
+# Plain ints: pyzmq's enums cost a call per operation.
+_EVENTS, _POLLIN, _POLLOUT = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT)
 
 
 def readable(socket: zmq.Socket[Any]) -> bool:
     """Whether a message waits on ``socket`` (and the socket's ZMQ_FD notification is consumed)."""
     return bool(socket.getsockopt(_EVENTS) & _POLLIN)  # type: ignore[call-overload,operator]
+
+
+def writable(socket: zmq.Socket[Any]) -> bool:
+    """Whether ``socket`` has room for a message now."""
+    return bool(socket.getsockopt(_EVENTS) & _POLLOUT)  # type: ignore[call-overload,operator]
 
 
 def zero_copy_pays(frames: list[Any]) -> bool:

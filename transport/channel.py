@@ -33,11 +33,11 @@ from transport._sockets import (
     Readiness,
     bind_address,
     bulk_bind_address,
-    events,
     gather,
     is_local_address,
     is_loopback,
     readable,
+    writable,
     zero_copy_pays,
 )
 from transport.sealed import CLAIM_RETRY_S, TAG_BYTES, BulkInbox, BulkLink, SealRefused, is_open_message
@@ -73,7 +73,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 DEFAULT_HWM = 64
-_POLLOUT = int(zmq.POLLOUT)  # a plain int: pyzmq's enum costs a call per operation
 BulkMode = Literal["encrypt", "authenticate", "curve"]
 DEFAULT_LINGER_MS = 2000
 
@@ -519,7 +518,7 @@ class Sender:
             # A large message is sealed only once there is room for it; a small one at once (asking
             # the socket costs more than sealing it twice, and a number sealed but not sent leaves
             # a gap, which the receiver takes: it asks only that numbers grow).
-            if not self._link.advance() or (zero_copy_pays(frames) and not events(self._data) & _POLLOUT):
+            if not self._link.advance() or (zero_copy_pays(frames) and not writable(self._data)):
                 raise WouldBlock(f"the sealed session to {self.address} is not open yet, or its queue is full")
             frames = self._link.seal(frames)
         if self._num_queued or not self._try_send(frames):

@@ -106,7 +106,7 @@ async def test_the_least_recently_used_idle_sender_makes_room(
     a, b, c = receivers
     pool = make_pool(max_senders=2)
     for rx, value in [(a, 1), (b, 2), (a, 3), (c, 4), (b, 5)]:
-        await pool.send(rx.address, {"v": value})
+        await pool.send_frames(rx.address, encode_message({"v": value}))
     # a, b; a again; c evicts b (least recently used); b again evicts a.
     stats = pool.statistics()
     assert stats.addresses == (c.address, b.address)
@@ -120,7 +120,7 @@ async def test_a_sender_in_use_is_never_closed_to_make_room(
     make_pool: Callable[..., SenderPool], receivers: list[Receiver], dead: str
 ) -> None:
     pool = make_pool(max_senders=1)
-    stuck = asyncio.get_running_loop().create_task(pool.send(dead, {"v": 1}))  # waits for a peer
+    stuck = asyncio.get_running_loop().create_task(pool.send_frames(dead, encode_message({"v": 1})))  # waits for a peer
     await _yield_until(lambda: pool.statistics().num_in_use == 1)
     assert await pool.acquire(receivers[0].address, wait=False) is None
     waiter = asyncio.get_running_loop().create_task(pool.acquire(receivers[0].address))
@@ -142,7 +142,7 @@ async def test_a_reply_to_a_peer_that_never_came_gives_its_socket_up(
     waiting = await pool.reply(dead, _frames("lost"))
     assert waiting is not None
     await _yield_until(lambda: pool.statistics().num_in_use == 1)
-    await pool.send(receivers[0].address, {"v": "ask"})  # needs the one socket: the reply is dropped
+    await pool.send_frames(receivers[0].address, encode_message({"v": "ask"}))  # needs the one socket: the reply is dropped
     await waiting
     assert (await receivers[0].receive())["v"] == "ask"
     stats = pool.statistics()
@@ -196,7 +196,7 @@ async def test_idle_senders_expire_but_not_while_in_use(
     clock = _Clock()
     pool = make_pool(clock=clock, idle_timeout_s=30)
     a, b, _ = receivers
-    await pool.send(a.address, {"v": 1})
+    await pool.send_frames(a.address, encode_message({"v": 1}))
     held = await pool.acquire(b.address)
     assert held is not None
     clock.now += 29
@@ -250,7 +250,7 @@ def test_numeric_addresses(address: str, numeric: bool) -> None:
 
 async def test_a_closed_pool_refuses(make_pool: Callable[..., SenderPool], receivers: list[Receiver]) -> None:
     pool = make_pool()
-    await pool.send(receivers[0].address, {"v": 1})
+    await pool.send_frames(receivers[0].address, encode_message({"v": 1}))
     await pool.aclose()
     assert pool.statistics().num_open == 0
     with pytest.raises(ChannelClosed):
