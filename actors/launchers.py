@@ -30,21 +30,32 @@ goes on to drive, with the head beside it; every other rank serves as a node.
 from __future__ import annotations
 
 import atexit
+import errno
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from actors._processes import _die_with_parent
 from transport.channel import is_loopback
 
-__all__ = ["LaunchRole", "first_host", "from_environment", "own_host", "serve_unless_rank_zero"]
+__all__ = ["HeadStartError", "LaunchRole", "first_host", "from_environment", "own_host", "serve_unless_rank_zero"]
 
 _KUBERNETES_PORT = 29400
+# How long rank 0 waits for the head it started to listen: its start is imports and one bind,
+# seconds on a busy machine; a head that neither listens nor exits in this time is stuck.
+HEAD_START_TIMEOUT_S = 60.0
+
+
+class HeadStartError(RuntimeError):
+    """Rank 0's head did not start: it exited (a port in use, say) or never listened. The message says which."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +114,8 @@ def from_environment(env: Mapping[str, str] | None = None) -> LaunchRole | None:
     return None
 
 
-def serve_unless_rank_zero(node_args: Sequence[str] = ()) -> LaunchRole | None:
+def serve_unless_rank_zero(node_args: Sequence[str] = (), *,
+                           start_timeout: float = HEAD_START_TIMEOUT_S) -> LaunchRole | None:
     """The one call at the top of a training script that a launcher starts on every rank.
 
     Rank 0 starts the head beside itself (``python -m actors.node`` with ``node_args``, a child
@@ -113,8 +125,12 @@ def serve_unless_rank_zero(node_args: Sequence[str] = ()) -> LaunchRole | None:
     (its liveness connection to the head closed for a few seconds), then exiting cleanly. Outside a launcher it returns None
     and the script goes on as it is (a ``LocalCluster``, say).
 
+    Rank 0 returns once its head listens.
+
     Raises:
         ValueError: the launcher's variables do not make sense.
+        HeadStartError: rank 0's head exited before it listened (its port taken, say: the
+            message says so) or did not listen within ``start_timeout`` s.
     """
     role = from_environment()
     if role is None:
@@ -125,12 +141,55 @@ def serve_unless_rank_zero(node_args: Sequence[str] = ()) -> LaunchRole | None:
         sys.stderr.flush()
         os.execv(sys.executable, command)  # never returns: this rank is a node now
     # The head goes with rank 0 however it ends (at exit it is stopped cleanly; killed, the kernel kills it).
-    head = subprocess.Popen(command, preexec_fn=_die_with_parent)
-    atexit.register(_stop_head, head)
+    # It writes its address once it listens: rank 0 goes on only then, and a head that could not
+    # start (its port taken) fails rank 0 at once, by name, instead of every rank's connect timing out.
+    folder = tempfile.mkdtemp(prefix="actorpipe-head-")
+    ready = os.path.join(folder, "head.address")
+    head = subprocess.Popen([*command, "--address-file", ready], preexec_fn=_die_with_parent)
+    try:
+        _await_head(head, ready, role, start_timeout)
+    except BaseException:
+        _stop_head(head, folder)
+        raise
+    atexit.register(_stop_head, head, folder)
     return role
 
 
-def _stop_head(head: subprocess.Popen[bytes]) -> None:
+def _await_head(head: subprocess.Popen[bytes], ready: str, role: LaunchRole, timeout: float) -> None:
+    """Returns once the head listens (its address file exists).
+
+    Raises:
+        HeadStartError: the head exited first (saying so, and whether its port is taken), or
+            neither listened nor exited within ``timeout`` s (the caller stops it).
+    """
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(ready):
+        code = head.poll()
+        if code is not None:
+            cause = "its error is printed above"
+            if _port_taken(role):
+                default = " (torchrun's default is MASTER_PORT + 1)" if role.launcher == "torchrun" else ""
+                cause = (f"port {role.port} is in use on {role.head_host}: free it, or set ACTORPIPE_PORT to a free "
+                         f"port on every rank{default}")
+            raise HeadStartError(f"{role.launcher} rank 0: the head (python -m actors.node at "
+                                 f"{role.head_address}) exited with code {code} before it listened; {cause}")
+        if time.monotonic() > deadline:
+            raise HeadStartError(f"{role.launcher} rank 0: the head (python -m actors.node at {role.head_address}) "
+                                 f"did not listen within {timeout:g}s; it was stopped")
+        time.sleep(0.05)
+
+
+def _port_taken(role: LaunchRole) -> bool:
+    """Whether something else holds the head's port on this machine (a bind to it is refused)."""
+    try:
+        with socket.socket() as probe:
+            probe.bind((role.head_host if is_loopback(role.head_host) else "", role.port))
+    except OSError as exc:
+        return exc.errno == errno.EADDRINUSE
+    return False
+
+
+def _stop_head(head: subprocess.Popen[bytes], folder: str | None = None) -> None:
     if head.poll() is None:
         head.send_signal(signal.SIGTERM)
         try:
@@ -138,6 +197,8 @@ def _stop_head(head: subprocess.Popen[bytes]) -> None:
         except subprocess.TimeoutExpired:
             head.kill()
             head.wait()
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def first_host(nodelist: str) -> str:

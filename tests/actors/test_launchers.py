@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from actors.keys import ClusterKeys
-from actors.launchers import LaunchRole, first_host, from_environment
+from actors.launchers import HeadStartError, LaunchRole, _await_head, first_host, from_environment, serve_unless_rank_zero
 
 
 def test_torchrun_and_kubeflow_name_the_rank_and_the_head_one_port_above_their_store() -> None:
@@ -62,6 +62,33 @@ def _free_port() -> int:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_rank_zero_fails_at_once_by_name_when_its_heads_port_is_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A head that cannot bind exits; rank 0 says so and why, rather than every rank timing out on connect."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for name, value in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
+                            "ACTORPIPE_PORT": str(port)}.items():
+            monkeypatch.setenv(name, value)
+        with pytest.raises(HeadStartError, match=rf"exited with code 1 before it listened; port {port} is in use"):
+            serve_unless_rank_zero(["--insecure", "--log-level", "ERROR"])
+
+
+@pytest.mark.multiprocess
+def test_a_head_that_neither_listens_nor_exits_fails_rank_zero_within_the_start_timeout(tmp_path: Path) -> None:
+    stuck = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        with pytest.raises(HeadStartError, match=r"did not listen within 0.3s"):
+            _await_head(stuck, str(tmp_path / "never"), LaunchRole("torchrun", 0, 2, "127.0.0.1", 1), 0.3)
+        assert stuck.poll() is None  # the caller stops it (serve_unless_rank_zero does)
+    finally:
+        stuck.kill()
+        stuck.wait()
+
+
+@pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 async def test_a_torchrun_cluster_of_three_trains_a_job_for_a_driver_that_names_no_address(tmp_path: Path) -> None:
@@ -70,14 +97,15 @@ async def test_a_torchrun_cluster_of_three_trains_a_job_for_a_driver_that_names_
     from schedulers import Cluster
 
     keys = ClusterKeys.create(tmp_path / "keys")
-    store = _free_port()
-    env = {**os.environ, "ACTORPIPE_KEYS": str(keys.directory), "PYTHONPATH": os.getcwd()}
+    store, port = _free_port(), _free_port()  # the head's own: MASTER_PORT + 1 may be another test's
+    env = {**os.environ, "ACTORPIPE_KEYS": str(keys.directory), "PYTHONPATH": os.getcwd(), "ACTORPIPE_PORT": str(port)}
     launcher = subprocess.Popen(
         [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nnodes", "1", "--nproc-per-node", "3",
          "--master-addr", "127.0.0.1", "--master-port", str(store), "-m", "actors.node", "--allow", "examples.models",
          "--checkpoint-root", str(tmp_path / "checkpoints"), "--log-level", "WARNING"],
         env=env, start_new_session=True, cwd=os.getcwd())
-    driver_env = {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store)}
+    driver_env = {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store),
+                  "ACTORPIPE_PORT": str(port)}
     saved = {k: os.environ.get(k) for k in driver_env}
     os.environ.update(driver_env)
     try:
@@ -126,7 +154,8 @@ def test_one_script_on_every_torchrun_rank_drives_on_rank_zero_and_serves_elsewh
     """examples/launched.py under ``torchrun --nproc-per-node 3``: rank 0 trains on the head it started,
     ranks 1 and 2 serve as nodes and exit once the head is gone; torchrun ends with every rank's 0."""
     keys = ClusterKeys.create(tmp_path / "keys")
-    env = {**os.environ, "ACTORPIPE_KEYS": str(keys.directory), "PYTHONPATH": os.getcwd()}
+    env = {**os.environ, "ACTORPIPE_KEYS": str(keys.directory), "PYTHONPATH": os.getcwd(),
+           "ACTORPIPE_PORT": str(_free_port())}  # the head's own: MASTER_PORT + 1 may be another test's
     launcher = subprocess.Popen(
         [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nnodes", "1", "--nproc-per-node", "3",
          "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "examples/launched.py"],
