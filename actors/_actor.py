@@ -286,18 +286,63 @@ class _PositionalPlan:
         return True
 
 
+@dataclass(frozen=True, slots=True)
+class EndpointTable:
+    """What a mailbox checks calls against, per endpoint of one actor class.
+
+    Made once per class (:func:`endpoint_table`): ``typing.get_type_hints`` and
+    ``inspect.signature`` over the stage actor's endpoints cost 18 ms, once in every
+    actor's process when each mailbox made its own; a node's zygote makes the tables of
+    the classes it hosts before it forks, so that no hosted process pays it.
+    """
+
+    concurrent: dict[str, bool]  # endpoint -> whether it runs concurrently
+    signatures: dict[str, inspect.Signature]  # as a bound method's (without self)
+    roles: dict[str, frozenset[str] | None]
+    records: dict[str, dict[str, tuple[type, ...]]]  # see _record_parameters
+    positional: dict[str, _PositionalPlan | None]
+
+
+_TABLES: dict[type, EndpointTable] = {}
+
+
+def endpoint_table(cls: type[Actor]) -> EndpointTable:
+    """``cls``'s :class:`EndpointTable`, made at the first call for it."""
+    table = _TABLES.get(cls)
+    if table is None:
+        table = _TABLES[cls] = _make_table(cls)
+    return table
+
+
+def _make_table(cls: type[Actor]) -> EndpointTable:
+    concurrent = cls.endpoints()
+    functions = {name: getattr(cls, name) for name in concurrent}
+    signatures = {name: _bound_signature(function) for name, function in functions.items()}
+    records = {name: _record_parameters(function) for name, function in functions.items()}
+    return EndpointTable(
+        concurrent=concurrent, signatures=signatures,
+        roles={name: getattr(function, _ENDPOINT_ATTR).roles for name, function in functions.items()},
+        records=records, positional={name: _PositionalPlan.of(signatures[name], records[name]) for name in concurrent})
+
+
+def _bound_signature(function: Callable[..., Any]) -> inspect.Signature:
+    """The signature of ``function`` bound to an instance, as ``inspect.signature`` gives a bound
+    method's: the first parameter (``self``) dropped."""
+    signature = inspect.signature(function)
+    return signature.replace(parameters=list(signature.parameters.values())[1:])
+
+
 class Mailbox:
     """Runs one actor's calls: sequential ones in order, concurrent ones at once."""
 
     def __init__(self, actor: Actor, spawn_task: Callable[[Awaitable[None]], asyncio.Task[None]]) -> None:
         self.actor = actor
-        self._endpoints = type(actor).endpoints()
-        # inspect.signature costs tens of microseconds: once per endpoint, not per call.
-        self._signatures = {name: inspect.signature(getattr(actor, name)) for name in self._endpoints}
-        self._roles = {name: getattr(getattr(type(actor), name), _ENDPOINT_ATTR).roles for name in self._endpoints}
-        self._records = {name: _record_parameters(getattr(type(actor), name)) for name in self._endpoints}
-        self._positional = {name: _PositionalPlan.of(self._signatures[name], self._records[name])
-                            for name in self._endpoints}
+        table = endpoint_table(type(actor))
+        self._endpoints = table.concurrent
+        self._signatures = table.signatures
+        self._roles = table.roles
+        self._records = table.records
+        self._positional = table.positional
         self._queue: asyncio.Queue[Call] = asyncio.Queue(actor.mailbox_size)
         self._spawn_task = spawn_task
 

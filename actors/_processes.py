@@ -41,9 +41,10 @@ from typing import Any
 
 import msgpack
 
+from actors._actor import endpoint_table
 from actors._context import NodeContext
 from actors._errors import ActorLost, UnknownActor, error_from_wire, error_to_wire
-from actors._registry import actor_class
+from actors._registry import actor_class, registered_actors
 from actors._runtime import open_runtime
 from actors.plugins import load_plugin
 from transport.loop import run
@@ -173,6 +174,7 @@ def _zygote(channel: socket.socket, config: HostConfig) -> None:
     signal.signal(signal.SIGCHLD, lambda *_: None)
     signal.set_wakeup_fd(wake_w)
     preload: Callable[[], None] | None = config.preload  # at the first spawn: a node that hosts nothing never pays
+    tables_made = False
     children: set[int] = set()
     try:
         while True:
@@ -195,6 +197,10 @@ def _zygote(channel: socket.socket, config: HostConfig) -> None:
                         run_preload()
                     except Exception:  # noqa: BLE001  (each actor imports what it needs itself, later)
                         log.exception("the actor zygote's preload failed")
+                if not tables_made:  # each hosted class's endpoint table, made once here rather than in every child
+                    tables_made = True
+                    for class_name in registered_actors():
+                        endpoint_table(actor_class(class_name))
                 # What exists now is never collected in a child: a collection there would touch, and so
                 # copy, every page of it (gc.collect() as a stage stops took most of a second).
                 gc.freeze()

@@ -132,3 +132,25 @@ async def test_the_mailboxs_positional_check_accepts_exactly_the_calls_bind_acce
     assert plan is not None and plan.takes([Record()]) and plan.takes([Record(), 3])
     with pytest.raises(TypeError, match="order must be Record, not dict"):
         plan.takes([{"forged": True}])
+
+
+def test_an_endpoint_table_is_made_once_per_class_with_each_endpoints_bound_signature() -> None:
+    """Mailboxes share their class's table (made in a node's zygote before it forks); each signature is
+    the one ``inspect.signature`` gives the endpoint bound to an instance, for every class a worker or
+    the head hosts."""
+    import inspect
+    import types
+
+    import stages.worker  # noqa: F401  (registers the stage's actor classes)
+    from actors._actor import endpoint_table
+    from actors._registry import actor_class, registered_actors
+    from actors import HeadActor, NodeActor
+
+    classes = [actor_class(name) for name in registered_actors()] + [HeadActor, NodeActor]
+    assert len(classes) >= 4
+    for cls in classes:
+        table = endpoint_table(cls)
+        assert endpoint_table(cls) is table
+        assert table.concurrent == cls.endpoints() and table.concurrent
+        for name, signature in table.signatures.items():
+            assert signature == inspect.signature(types.MethodType(getattr(cls, name), object())), (cls, name)
