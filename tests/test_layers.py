@@ -118,3 +118,16 @@ def test_the_scan_finds_calls_by_name() -> None:
     source = ('async def f(ref, m):\n    await ref.ask("nodes", timeout=1)\n    await ref.tell(f"on_{m}", 1)\n'
               '    await ref.endpoint(C.nodes).call()\n    await ref.ask(m)\n')
     assert _calls_by_name(source) == ["2: .ask('nodes', ...)", "3: .tell(f'on_{m}', ...)"]
+
+
+@pytest.mark.multiprocess
+def test_a_driver_and_the_console_start_without_torchs_symbolic_shapes() -> None:
+    """sympy and torch's symbolic shapes took a second of every driver's and console's start (a
+    traced stage's module imported them at its top); only a stage that traces needs them."""
+    import subprocess
+
+    code = ("import sys, schedulers.client, schedulers.control, schedulers.console.repl\n"
+            "print(sorted(m for m in ('sympy', 'torch.fx.experimental.symbolic_shapes') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"

@@ -32,7 +32,6 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from stages.compute.activations import checkpointed
 
@@ -73,6 +72,9 @@ class TracedStage(nn.Module):
         # The first stage's: per placeholder (by value name), the dimensions its trace fixed, as (dim, size).
         self.fixed: dict[str, list[tuple[int, int]]] = {}
         if signature is not None:
+            # Here, not at the top: sympy and torch's symbolic shapes cost a driver 0.4 s to import.
+            from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
             nodes = [n for n in module.graph.nodes if n.op == "placeholder"]
             for node, arg in zip(nodes, args):
                 value = node.meta.get("val")
