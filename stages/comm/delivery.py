@@ -175,6 +175,7 @@ class Receiver:
                  spawn: Callable[[Coroutine[Any, Any, None], str], Any], link: DistLink | None = None) -> None:
         self.config = config
         self.mesh = config.mesh
+        self.held = frozenset(config.stages)  # a property that computes a list: once, not per value
         self.inbox = inbox
         self.spawn = spawn
         self.link = link
@@ -193,7 +194,7 @@ class Receiver:
         cfg = self.config
         ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (step, stage, microbatch))
         limit = num_microbatches * (1 if ints and step == current else 4)
-        fits = ints and kind in ("F", "B") and stage in cfg.stages and \
+        fits = ints and kind in ("F", "B") and stage in self.held and \
             (stage > 0 if kind == "F" else stage < cfg.num_stages - 1) and \
             step in (current, current + 1) and step >= 0 and 0 <= microbatch < limit
         if not fits:
