@@ -181,9 +181,15 @@ static inline uint8_t to_e4m3(float v) {
     /* Normal: the mantissa rounded to 3 bits, half to even, then the exponent rebiased. */
     uint32_t rounded = magnitude + 0x7ffffu + ((magnitude >> 20) & 1u);
     uint32_t normal = ((rounded >> 20) - ((127u - 7u) << 3)) & 0x7fu;
-    uint32_t byte = magnitude < 0x3c800000u ? small : normal;  /* 2**-6 */
-    byte = magnitude >= 0x43e00000u ? 0x7eu : byte;  /* 448.0f and up, inf too */
-    byte = magnitude > 0x7f800000u ? 0x7fu : byte;  /* NaN */
+    /* The choices as masks, not branches: GCC if-converts ternaries here only with AVX-512's
+     * masked stores, and an AVX2 build then ran this loop one value at a time (slower than
+     * torch's own cast). The magnitudes are below 2**31, so signed compares order them. */
+    uint32_t subnormal = -(uint32_t)((int32_t)magnitude < 0x3c800000);  /* below 2**-6 */
+    uint32_t saturated = -(uint32_t)((int32_t)magnitude >= 0x43e00000);  /* 448.0f and up, inf too */
+    uint32_t nan = -(uint32_t)((int32_t)magnitude > 0x7f800000);
+    uint32_t byte = (small & subnormal) | (normal & ~subnormal);
+    byte = (0x7eu & saturated) | (byte & ~saturated);
+    byte = (0x7fu & nan) | (byte & ~nan);
     return (uint8_t)(sign | byte);
 }
 
