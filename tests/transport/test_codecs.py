@@ -558,10 +558,20 @@ def e4m3_values() -> torch.Tensor:
 
 def e4m3_ties() -> torch.Tensor:
     """448, then the midpoint of every two neighbouring e4m3 values (each a tie to round to even),
-    subnormals included, and points just past them."""
+    subnormals included, and the floats just above and below them."""
     ordered = e4m3_values().unique()
     mid = (ordered[1:] + ordered[:-1]) / 2
-    return torch.cat([torch.tensor([448.0]), mid, torch.nextafter(mid, torch.tensor(1e9)), torch.tensor([460.0])])
+    return torch.cat([torch.tensor([448.0]), mid, torch.nextafter(mid, torch.tensor(1e9)),
+                      torch.nextafter(mid, torch.tensor(-1e9)), torch.tensor([460.0])])
+
+
+def e4m3_every_exponent() -> torch.Tensor:
+    """Floats of random bits below 448, so of every float32 exponent there (float32 subnormals
+    too), with random signs: where e4m3's rounding step changes with the exponent."""
+    generator = torch.Generator().manual_seed(8)
+    bits = torch.randint(0, 0x43E00000, (1 << 14,), generator=generator, dtype=torch.int32)
+    signs = torch.randint(0, 2, (1 << 14,), generator=generator).float() * 2 - 1
+    return torch.cat([torch.tensor([448.0]), bits.view(torch.float32) * signs])
 
 
 NATIVE_INPUTS = {
@@ -578,6 +588,7 @@ NATIVE_INPUTS = {
     "int4_near_ties": lambda: near_ties(7).repeat(17),
     "fp8_every_value": e4m3_values,
     "fp8_ties": e4m3_ties,
+    "fp8_every_exponent": e4m3_every_exponent,
     "tiny_and_huge": lambda: torch.tensor([1e-40, -3e-39, 0.0, -0.0] * 64 + [3.4e38, -1.0] * 128),
     "zeros": lambda: torch.zeros(600),
     "nan_and_inf": lambda: with_specials(4 * 256 + 3),
