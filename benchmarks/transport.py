@@ -8,8 +8,10 @@ through the same channel secured as a cluster's channels are by default (a sessi
 opened over CURVE, every message sealed with AES-GCM: ``transport.sealed``), through
 it with every message in CURVE itself (libsodium, the way before sealing), and through
 raw blocking pyzmq sending the tensor's buffer with ``copy=False`` — alternating
-trials so machine noise hits all alike. The receiver times each block
-from its first message to its last. The last line printed is one JSON object.
+trials so machine noise hits all alike. The channels get the tensor as raw pyzmq does,
+to read while they send (``handed_over=True``: the sender never modifies it). The
+receiver times each block from its first message to its last. The last line printed is
+one JSON object.
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ async def _channel_send(address: str, plan: list[tuple[int, int]], curve: Keypai
         for size, count in plan:
             tensor = torch.ones(size // 4)
             for _ in range(count):
-                await tx.send(tensor)
+                await tx.send(tensor, handed_over=True)  # never modified: raw pyzmq's copy=False
 
 
 def measure_throughput(kind: str, plan: list[tuple[int, int]]) -> list[float]:

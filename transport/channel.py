@@ -465,14 +465,20 @@ class Sender:
         self._num_queued = 0
         self._stats = ChannelStatistics(address=address)
 
-    async def send(self, payload: Any, *, codec: str = "none", timeout: float | None = None) -> int:
+    async def send(self, payload: Any, *, codec: str = "none", timeout: float | None = None,
+                   handed_over: bool = False) -> int:
         """Encodes and sends one message; waits while the high-water mark is reached.
 
         Args:
             payload: msgpack types and tensors (see :func:`transport.wire.encode_message`).
-                A sent tensor must not be modified in place until this returns.
+                A sent tensor may be modified in place once this returns, unless ``handed_over``.
             codec: codec for floating tensors not marked with ``Coded``.
             timeout: seconds to wait for room; None waits for ever.
+            handed_over: the caller gives the payload's tensors up: none of them is modified in
+                place again, so a large one leaves without a copy (ZeroMQ reads its memory while
+                it sends, after this has returned), as raw pyzmq's ``copy=False``. Without it, a
+                large tensor of a clear channel is copied as it is queued; a sealed, encrypted
+                channel never copies, as what it sends is its own ciphertext.
 
         Returns:
             The number of bytes sent.
@@ -483,20 +489,22 @@ class Sender:
             transport.wire.MessageTooLarge, TypeError, CodecError: from encoding.
         """
         frames = encode_message(payload, codec=codec, max_bytes=self._max_message_bytes)
-        return await self.send_frames(frames, timeout=timeout)
+        return await self.send_frames(frames, timeout=timeout, handed_over=handed_over)
 
-    async def send_frames(self, frames: list[Any], *, timeout: float | None = None) -> int:
+    async def send_frames(self, frames: list[Any], *, timeout: float | None = None,
+                          handed_over: bool = False) -> int:
         """Sends already encoded frames (see :meth:`send`)."""
         if self._link is not None:
             frames = self._link.seal(frames)  # numbered in the order of the calls, which is the order they leave in
-        if self._num_queued == 0 and self._try_send(frames):
+        copy = self._must_copy(frames, handed_over)
+        if self._num_queued == 0 and self._try_send(frames, copy):
             return self._count(frames)
         if self._queue is None:
             self._queue = asyncio.Lock()
         self._num_queued += 1
         try:
             async with asyncio.timeout(timeout), self._queue:
-                while not self._try_send(frames):
+                while not self._try_send(frames, copy):
                     await self._wait_room()
         except TimeoutError:
             raise TimeoutError(
@@ -507,12 +515,13 @@ class Sender:
             self._num_queued -= 1
         return self._count(frames)
 
-    def send_nowait(self, payload: Any, *, codec: str = "none") -> int:
-        """Sends one message now or raises :class:`WouldBlock`; never waits."""
+    def send_nowait(self, payload: Any, *, codec: str = "none", handed_over: bool = False) -> int:
+        """Sends one message now or raises :class:`WouldBlock`; never waits (``handed_over``: see
+        :meth:`send`)."""
         frames = encode_message(payload, codec=codec, max_bytes=self._max_message_bytes)
-        return self.send_frames_nowait(frames)
+        return self.send_frames_nowait(frames, handed_over=handed_over)
 
-    def send_frames_nowait(self, frames: list[Any]) -> int:
+    def send_frames_nowait(self, frames: list[Any], *, handed_over: bool = False) -> int:
         """Sends already encoded frames now or raises :class:`WouldBlock` (see :meth:`send_nowait`)."""
         if self._link is not None and not self._num_queued and not self._socket.closed:
             # A large message is sealed only once there is room for it; a small one at once (asking
@@ -521,17 +530,26 @@ class Sender:
             if not self._link.advance() or (zero_copy_pays(frames) and not writable(self._data)):
                 raise WouldBlock(f"the sealed session to {self.address} is not open yet, or its queue is full")
             frames = self._link.seal(frames)
-        if self._num_queued or not self._try_send(frames):
+        if self._num_queued or not self._try_send(frames, self._must_copy(frames, handed_over)):
             raise WouldBlock(f"send queue to {self.address} is full")
         return self._count(frames)
 
-    def _try_send(self, frames: list[Any]) -> bool:
+    def _must_copy(self, frames: list[Any], handed_over: bool) -> bool:
+        """Whether ``frames`` (sealed already, if the channel seals) are copied as they are queued:
+        small ones always (ZeroMQ copies them anyway, and a zero-copy frame costs a Frame object and
+        a release callback), large ones unless nobody else writes to them (the caller handed them
+        over, or they are this channel's own ciphertext)."""
+        if not zero_copy_pays(frames):
+            return True
+        return not (handed_over or (self._link is not None and self._link.key.encrypt))
+
+    def _try_send(self, frames: list[Any], copy: bool) -> bool:
         if self._socket.closed:
             raise ChannelClosed(f"sender to {self.address} is closed")
         if self._link is not None and not self._link.advance():
             return False
         try:
-            self._data.send_multipart(frames, zmq.NOBLOCK, copy=zero_copy_pays(frames))
+            self._data.send_multipart(frames, zmq.NOBLOCK, copy=copy)
         except zmq.Again:
             return False
         return True
