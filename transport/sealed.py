@@ -46,6 +46,7 @@ import zmq
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from transport.codecs import aligned_empty
 from transport.wire import WireError
 
 __all__ = ["HEAD_BYTES", "BulkInbox", "BulkLink", "OpenedFrame", "SealRefused", "SessionKey", "is_open_message",
@@ -86,8 +87,8 @@ def _buffer(frame: Any) -> memoryview:
 
 
 def _aligned(nbytes: int) -> memoryview:
-    """A fresh writable buffer at a 64-byte aligned address (torch's allocator), not zeroed."""
-    return memoryview(torch.empty(nbytes, dtype=torch.uint8).numpy())  # type: ignore[arg-type]
+    """A fresh writable buffer at a 64-byte aligned address, not zeroed (see :func:`aligned_empty`)."""
+    return memoryview(aligned_empty(nbytes).numpy())  # type: ignore[arg-type]
 
 
 def is_open_message(frames: list[Any]) -> bool:

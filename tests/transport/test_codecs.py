@@ -22,7 +22,7 @@ from hypothesis.extra.numpy import array_shapes, arrays
 
 from transport import _native, codecs
 from transport.codecs import (
-    CODEC_NAMES, CodecError, Encoded, ErrorFeedback, decode, encode, get_codec,
+    CODEC_NAMES, CodecError, Encoded, ErrorFeedback, aligned_empty, decode, encode, get_codec,
 )
 
 pytestmark = [
@@ -171,6 +171,20 @@ def test_frame_at_misaligned_offset_is_copied_then_decoded() -> None:
         assert all(f.storage_offset() == 1 for f in frames)
         y = decode(replace(encoded, frames=frames))
         assert torch.equal(y, decode(encoded))
+
+
+@pytest.mark.parametrize("numel", [1000, (1 << 20) + 8])  # below and past the size numpy allocates from
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.complex128])
+def test_a_misaligned_frame_of_any_size_is_copied_to_a_64_byte_boundary(numel: int, dtype: torch.dtype) -> None:
+    x = torch.randn(numel, dtype=dtype)
+    encoded = encode(x, "none")
+    shifted = torch.cat([torch.zeros(8, dtype=torch.uint8), encoded.frames[0]])[8:]  # 8 bytes off, as libzmq's
+    assert shifted.data_ptr() % 16 == 8
+    y = decode(replace(encoded, frames=(shifted,)))
+    assert y.data_ptr() % 64 == 0 and y.is_contiguous() and torch.equal(y, x)
+    for nbytes in (0, 1, 100, 1 << 20, (1 << 20) + 3):
+        buffer = aligned_empty(nbytes)
+        assert buffer.numel() == nbytes and buffer.dtype == torch.uint8 and buffer.data_ptr() % 64 == 0
 
 
 def test_codec_names() -> None:
