@@ -46,7 +46,7 @@ import zmq
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from transport.codecs import aligned_empty
+from transport._buffers import aligned_empty
 from transport.wire import WireError
 
 __all__ = ["HEAD_BYTES", "BulkInbox", "BulkLink", "OpenedFrame", "SealRefused", "SessionKey", "is_open_message",

@@ -29,6 +29,8 @@ from typing import IO
 
 import torch
 
+from transport._buffers import aligned_empty
+
 __all__ = ["KINDS", "BlockQuantKernels", "blockquant"]
 
 KINDS = ("int8", "int4", "fp8")  # the codecs with kernels here
@@ -70,7 +72,7 @@ class BlockQuantKernels:
         assert flat.dtype == torch.float32 and flat.device.type == "cpu"
         assert flat.dim() == 1 and flat.is_contiguous() and (kind != "int4" or block % 2 == 0)
         numel = flat.numel()
-        values = torch.empty(_values_bytes(kind, numel), dtype=torch.uint8)
+        values = aligned_empty(_values_bytes(kind, numel))
         scales = torch.empty(-(-numel // block), dtype=torch.float32)
         if numel:
             self._functions[f"encode_{kind}"](
@@ -86,7 +88,7 @@ class BlockQuantKernels:
         assert values.is_contiguous() and scales.is_contiguous()
         assert values.numel() == _values_bytes(kind, numel)
         assert scales.numel() == -(-numel // block)
-        out = torch.empty(numel, dtype=torch.float32)
+        out = aligned_empty(numel * 4).view(torch.float32)
         if numel:
             self._functions[f"decode_{kind}"](
                 values.data_ptr(), scales.data_ptr(), numel, block, out.data_ptr(),
