@@ -477,8 +477,8 @@ class Sender:
             handed_over: the caller gives the payload's tensors up: none of them is modified in
                 place again, so a large one leaves without a copy (ZeroMQ reads its memory while
                 it sends, after this has returned), as raw pyzmq's ``copy=False``. Without it, a
-                large tensor of a clear channel is copied as it is queued; a sealed, encrypted
-                channel never copies, as what it sends is its own ciphertext.
+                large tensor is copied as it is queued, except by a sealed, encrypted channel,
+                whose frames are its own ciphertext.
 
         Returns:
             The number of bytes sent.
