@@ -146,8 +146,6 @@ def _aligned_copy(frame: torch.Tensor) -> torch.Tensor:
     return copy
 
 
-
-
 class Codec(ABC):
     """Encodes tensors into frames and decodes them back to the original dtype and shape."""
 

@@ -41,7 +41,6 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import zmq
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM

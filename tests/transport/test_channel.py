@@ -5,14 +5,13 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import AsyncIterator
-from typing import Any
-from unittest import mock
 
 import pytest
 import torch
 import zmq
 import zmq.asyncio
 
+from tests.helpers.copy_spy import spy_on_copies
 from transport.channel import (
     ChannelClosed,
     Receiver,
@@ -48,15 +47,7 @@ async def test_a_large_tensor_is_copied_as_it_is_queued_unless_it_was_handed_ove
     it as it was. Handed over, ZeroMQ reads it while sending, no copy made (as raw copy=False)."""
     rx, tx = pair
     tensor = torch.zeros(1 << 18)  # 1 MiB: past ZeroMQ's copy threshold
-    copies: list[bool] = []
-    original = zmq.Socket.send_multipart
-
-    def spy(socket: Any, frames: Any, *args: Any, copy: bool = True, **kwargs: Any) -> Any:
-        sent = original(socket, frames, *args, copy=copy, **kwargs)  # zmq.Again: a try, not a send
-        copies.append(copy)
-        return sent
-
-    with mock.patch.object(zmq.Socket, "send_multipart", spy):
+    with spy_on_copies() as spy:
         for value in range(3):
             tensor.fill_(value)
             await tx.send(tensor)  # the receiver is not reading yet: the messages wait in queues
@@ -64,7 +55,7 @@ async def test_a_large_tensor_is_copied_as_it_is_queued_unless_it_was_handed_ove
         await tx.send(tensor, handed_over=True)
         tx.send_nowait(tensor, handed_over=True)
         await tx.send({"small": torch.ones(4)}, handed_over=True)  # below the threshold ZeroMQ copies anyway
-    assert copies == [True, True, True, False, False, True]
+    assert spy.copies == [True, True, True, False, False, True]
     received = [await rx.receive() for _ in range(5)]
     assert [float(message[0]) for message in received[:3]] == [0.0, 1.0, 2.0]
     assert all(torch.equal(message, tensor) for message in received[3:])

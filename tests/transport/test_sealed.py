@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-from unittest import mock
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -17,6 +16,7 @@ import pytest
 import torch
 import zmq
 
+from tests.helpers.copy_spy import spy_on_copies
 from transport.channel import Receiver, open_receiver, open_sender
 from transport.sealed import (
     ACK_MAGIC,
@@ -159,7 +159,7 @@ async def test_a_large_frame_leaves_without_a_copy_when_nobody_else_writes_it(
     receiver, _, member, context = secure
     collector = _Collector(receiver)
     tensor = torch.randn(1 << 18)  # 1 MiB: past ZeroMQ's copy threshold
-    flags = _spy_on_copies()
+    flags = spy_on_copies(min_bytes=1 << 16)  # messages, not the session's claims and acks
     try:
         async with open_sender(receiver.address, curve=member, context=context, bulk=bulk) as sender:  # type: ignore[arg-type]
             with flags:
@@ -170,32 +170,6 @@ async def test_a_large_frame_leaves_without_a_copy_when_nobody_else_writes_it(
         await collector.aclose()
     assert flags.copies == copied
     assert all(torch.equal(value, tensor) for value in received)
-
-
-class _spy_on_copies:  # noqa: N801  (a context manager read as a phrase)
-    """Inside: the ``copy`` flag of every message of 64 KiB or more that a socket sent (not the tries
-    that found no room)."""
-
-    def __init__(self) -> None:
-        self.copies: list[bool] = []
-        self._patch: Any = None
-
-    def __enter__(self) -> _spy_on_copies:
-        original = zmq.Socket.send_multipart
-        copies = self.copies
-
-        def spy(socket: Any, frames: Any, *args: Any, copy: bool = True, **kwargs: Any) -> Any:
-            sent = original(socket, frames, *args, copy=copy, **kwargs)  # zmq.Again: a try, not a send
-            if sum(memoryview(frame).nbytes for frame in frames) >= 1 << 16:
-                copies.append(copy)
-            return sent
-
-        self._patch = mock.patch.object(zmq.Socket, "send_multipart", spy)
-        self._patch.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._patch.stop()
 
 
 def _tamper(frames: list[bytes], how: str) -> list[bytes]:
