@@ -178,13 +178,21 @@ class StepExecutor:
         The first compute a step's F, B, I, W or SEND action makes (its forward, backward,
         encode) is learnt per kind (:meth:`StagePasses.inline_key`) and runs inline once its kind is
         known to be short and the compute thread is idle (:class:`~stages.compute.inline.ComputeDispatcher`).
-        Every other call (the optimizer step, checks, checkpoints, collectives) runs on the
-        compute thread.
+        Every other call (collectives, checkpoints, a sharded optimizer's step) runs on the
+        compute thread; the tail's local work goes through :meth:`compute_local`.
         """
         if self._action_key is not None and self._action_task is asyncio.current_task():
             key, self._action_key = self._action_key, None
             return await self._dispatch.run(key, fn, *args)
         return await self._dispatch.submit(fn, *args)
+
+    async def compute_local(self, key: str, fn: Callable[..., T], *args: Any) -> T:
+        """Runs ``fn``, a computation on this stage's own tensors alone (no collective, nothing that
+        waits on a peer), as :meth:`compute` runs an action's: learnt as kind ``key`` and inline once
+        known short. The tail's checks, norms and a local optimizer step are such: on a model whose
+        step takes a millisecond, each trip to the compute thread and back cost a fifth of it.
+        """
+        return await self._dispatch.run(("tail", key), fn, *args)
 
     async def begin(self, program: Sequence[Action], *, w_batching: bool | None = None) -> None:
         """Prepares a step that will run ``program``: before anything of the step can fail, so that a
@@ -294,14 +302,21 @@ class StepExecutor:
         if any(action.kind is _K.REDUCE for action in program):
             await reduce()
 
-    async def apply(self, program: Sequence[Action], *, step: bool) -> None:
+    async def apply(self, program: Sequence[Action], *, step: bool, local: bool = False) -> None:
         """Steps the optimizer if ``step`` and the program has a STEP; else drops the gradients.
 
         Dropping is how a step whose loss or gradients were not finite leaves every
         parameter (and the optimizer's state) as it was before the step.
+
+        Args:
+            local: the optimizer's step runs no collective (not a sharded optimizer's), so it
+                may run inline when short (:meth:`compute_local`).
         """
         if step and any(action.kind is _K.STEP for action in program):
-            await self.compute(self._optimizer_step)
+            if local:
+                await self.compute_local("step", self._optimizer_step)
+            else:
+                await self.compute(self._optimizer_step)
         else:
             await self.compute(self.model.optimizer.zero_grad, True)
 

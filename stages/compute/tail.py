@@ -173,7 +173,7 @@ class StepTail:
         named = built.named_parameters
         overlapped = built.overlap is not None and built.overlap.active
         # Overlapped, each bucket was checked before it went on the wire (see stages.comm.overlap).
-        found = [] if overlapped else await executor.compute(nonfinite_gradients, named)
+        found = [] if overlapped else await executor.compute_local("check", nonfinite_gradients, named)
         started = time.perf_counter()
         await executor.reduce(program, self._reduce)
         wait_s = time.perf_counter() - started
@@ -183,9 +183,9 @@ class StepTail:
         await built.tied.sum(step, self.send_tied)
         if not found and self.reduce_feedback is not None and self._reduced_bytes:
             # A lossy reduce codec can overflow (fp16 past 65504) where the raw gradients did not.
-            reduced = await executor.compute(nonfinite_gradients, named)
+            reduced = await executor.compute_local("check", nonfinite_gradients, named)
             found = [f"{name} (after the data-parallel reduction)" for name in reduced]
-        grad_sq = await executor.compute(squared_norm, built.norm_params)
+        grad_sq = await executor.compute_local("norm", squared_norm, built.norm_params)
         if built.gradient_shards is not None and self.groups is not None and self.groups.groups is not None:
             # Each replica holds its runs' gradients only: the shares add up over the replicas.
             grad_sq = await executor.compute(_sum_over, grad_sq, self.groups.data_group())
@@ -220,12 +220,15 @@ class StepTail:
         model = self.executor.model
         if apply and (unscale != 1.0 or clip != 1.0):
             params = list({id(p): p for m in model.modules.values() for p in m.parameters()}.values())
-            await self.executor.compute(rescale_gradients, params, unscale, clip)
+            await self.executor.compute_local("rescale", rescale_gradients, params, unscale, clip)
         if apply:
             buckets = self.built.overlap.flats if self.built.overlap is not None else []
             params = [p for m in model.modules.values() for p in m.parameters()]
-            self.gradient_bytes = await self.executor.compute(zero.gradient_bytes, params, buckets)
-        await self.executor.apply(program, step=bool(apply))
+            self.gradient_bytes = await self.executor.compute_local("gradient_bytes", zero.gradient_bytes, params,
+                                                                    buckets)
+        # A sharded optimizer broadcasts its updated shards: a collective, never inline.
+        await self.executor.apply(program, step=bool(apply),
+                                  local=not isinstance(model.optimizer, zero.ShardedOptimizer))
         if not apply:
             self.on_drop()
             if self.reduce_feedback is not None:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from examples.models import residual_mlp
 from schedulers.scaling import clip_coefficient as scheduler_clip_coefficient
+from stages.compute.inline import WARMUP_RUNS, InlinePolicy
 from stages.compute.tail import (
     StepDecision, check_factor, clip_coefficient, decide_step, rescale_gradients, squared_norm,
 )
@@ -140,6 +141,43 @@ async def test_a_pipeline_of_parts_trains_as_one_process(pipeline: InProcessPipe
         assert [len(r.lr) for r in result.finished] == [1, 1]
     state = pipeline.state()
     assert state.keys() == expected_state.keys()
+    for key, value in expected_state.items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+class RecordingPolicy(InlinePolicy):
+    """A policy whose bounds no run reaches, so every kind runs inline after its warm-up (no timing
+    decides what this asserts); notes each run's kind and where it ran."""
+
+    def __init__(self) -> None:
+        super().__init__(max_s=3600.0, demote_s=3600.0)
+        self.runs: list[tuple[Any, bool]] = []
+
+    def record(self, key: Any, seconds: float, *, inline: bool) -> None:
+        self.runs.append((key, inline))
+        super().record(key, seconds, inline=inline)
+
+
+async def test_the_tails_own_work_runs_inline_once_known_short_and_trains_the_same(
+        pipeline: InProcessPipeline) -> None:
+    # Each trip to the compute thread and back cost 0.1-0.3 ms of a step of a small model; the
+    # tail's check, norm, rescale, memory count and (unsharded) optimizer step are this stage's
+    # own tensors alone, so they take the fast path the actions take.
+    policies = [RecordingPolicy() for _ in pipeline.ranks]
+    for rank, policy in zip(pipeline.ranks, policies):
+        rank.executor.inline_policy = policy
+    steps = batches(5)
+    expected_state, expected_losses = reference(steps, max_norm=0.05)
+    for step, (x, y) in enumerate(steps):
+        result = await pipeline.step(step, x, y, max_norm=0.05)
+        assert result.decision.clip < 1.0  # so the rescale ran
+        assert result.loss == pytest.approx(expected_losses[step], rel=1e-6)
+    for policy in policies:
+        tail = [(key[1], inline) for key, inline in policy.runs if isinstance(key, tuple) and key[0] == "tail"]
+        for kind in ("check", "norm", "rescale", "gradient_bytes", "step"):
+            where = [inline for k, inline in tail if k == kind]
+            assert where == [False] * WARMUP_RUNS + [True] * (len(steps) - WARMUP_RUNS), (kind, where)
+    state = pipeline.state()
     for key, value in expected_state.items():
         torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
 
