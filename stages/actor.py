@@ -205,6 +205,16 @@ def stage_report(trace: StepTrace, parts: StageParts) -> StageReport:
         device=str(model.device))
 
 
+def _tally_sender(ref: ActorRef) -> Callable[[int, list[TailVote]], Awaitable[object]]:
+    """How the root of a mesh that votes through it sends the tally to the member ``ref`` (one message)."""
+    tell = ref.endpoint(StageActor.tally).tell
+
+    async def send(step: int, votes: list[TailVote]) -> object:
+        return await tell(step, votes)
+
+    return send
+
+
 def _vote_sender(ref: ActorRef) -> Callable[[int, int, TailVote], Awaitable[object]]:
     """How this stage sends a vote to the member ``ref`` (one message, no answer awaited)."""
     tell = ref.endpoint(StageActor.vote).tell
@@ -320,7 +330,8 @@ class StageActor(StateEndpoints, Actor):
         self._peer_identities = frozenset(i for i in identities or () if i)
         if members is not None:
             refs = [self.runtime.ref(address, name) for address, name in members]
-            self.ballot.connect([_vote_sender(ref) for ref in refs])
+            self.ballot.connect([_vote_sender(ref) for ref in refs],
+                                [_tally_sender(ref) for ref in refs] if self.ballot.through_root else ())
 
     @endpoint(roles=("head",))
     async def run_step(self, order: StepOrder | dict[str, Any]) -> StageReport:
@@ -371,6 +382,21 @@ class StageActor(StateEndpoints, Actor):
             except ValueError as exc:
                 raise NotAllowed(f"not a vote: {exc}") from None
             self.ballot.receive(self._step, step, rank, checked)
+
+    @endpoint(concurrent=True, roles=("node",))
+    async def tally(self, step: int, votes: list[Any]) -> None:
+        """Every member's vote on step ``step``, by global rank, from the root of a mesh past
+        :data:`~stages.compute.agreement.ALL_TO_ALL_MAX` members (see :mod:`stages.compute.agreement`).
+        NotAllowed: not a member's key, not a list of votes, a ballot that takes votes one by one,
+        not this step or the next, not one vote per member, a second tally."""
+        with self._refusing():
+            if not isinstance(votes, list) or len(votes) > self.ballot.mesh.size:
+                raise NotAllowed(f"a tally is a list of at most {self.ballot.mesh.size} votes")
+            try:
+                checked = [vote if isinstance(vote, TailVote) else TailVote.from_wire(vote) for vote in votes]
+            except (ValueError, TypeError) as exc:
+                raise NotAllowed(f"not a tally: {exc}") from None
+            self.ballot.receive_tally(self._step, step, checked)
 
     @endpoint(roles=("head",))
     async def reduce_step(self, step: int) -> ReduceReport:

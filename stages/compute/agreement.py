@@ -14,6 +14,13 @@ statistics follow without another message.
 The votes of a step are fenced like deliveries: only for the stage's current step or
 the next, at most one per member, so a stale or repeated vote is refused and what a
 peer can make a stage hold is bounded by the mesh's size.
+
+Up to :data:`ALL_TO_ALL_MAX` members each sends its vote to every other: one hop,
+``n (n - 1)`` messages. Past it the messages would grow with the square of the mesh
+(56 a step for 8 stage actors, 4,032 for 64), so every member sends its vote to the
+first member (global rank 0) alone, which sends the whole tally, one vote per member
+by rank, back to each: two hops, ``2 (n - 1)`` messages. Every member still decides
+itself, from the same votes in the same order.
 """
 
 from __future__ import annotations
@@ -30,9 +37,14 @@ from stages.records import ReduceReport, StageReport, StepOrder, TailVote
 from stages.compute.executor import StepExecutor, ended_early
 from stages.compute.tail import StepDecision, StepTail, decide_step
 
-__all__ = ["Ballot", "TailFailed", "decide_votes", "run_tail", "tail_report", "vote_of"]
+__all__ = ["ALL_TO_ALL_MAX", "ROOT", "Ballot", "TailFailed", "decide_votes", "run_tail", "tail_report", "vote_of"]
 
 SendVote = Callable[[int, int, TailVote], Awaitable[object]]
+SendTally = Callable[[int, list[TailVote]], Awaitable[object]]
+
+# The largest mesh whose members send their votes to one another; past it they go through ROOT.
+ALL_TO_ALL_MAX = 4
+ROOT = 0  # the global rank that gathers the votes of a larger mesh and sends back the tally
 
 
 class TailFailed(Exception):
@@ -73,39 +85,52 @@ def decide_votes(mesh: Mesh, votes: Sequence[TailVote], *, loss_scale: float, fp
 
 
 class Ballot:
-    """One stage's ballot box: its vote goes to every member, theirs come in by :meth:`receive`.
+    """One stage's ballot box: its vote goes to every member (or, past :data:`ALL_TO_ALL_MAX` members,
+    to :data:`ROOT`), theirs come in by :meth:`receive` (or all at once by :meth:`receive_tally`).
 
     Args:
         mesh: the job's mesh (its size is the number of votes a step needs).
         rank: this stage actor's global rank.
+        all_to_all_max: the largest mesh whose members send their votes to one another.
     """
 
-    def __init__(self, mesh: Mesh, rank: int) -> None:
+    def __init__(self, mesh: Mesh, rank: int, all_to_all_max: int = ALL_TO_ALL_MAX) -> None:
         self.mesh = mesh
         self.rank = rank
+        self.through_root = mesh.size > all_to_all_max
         self.senders: list[SendVote] = []  # by global rank (see :meth:`connect`); this rank's is unused
+        self.tally_senders: list[SendTally] = []  # likewise; the root's, through_root
         self._votes: dict[int, dict[int, TailVote]] = {}
         self._complete: dict[int, asyncio.Event] = {}
 
-    def connect(self, senders: Sequence[SendVote]) -> None:
-        """Learns how to reach every member, by global rank."""
+    def connect(self, senders: Sequence[SendVote], tally_senders: Sequence[SendTally] = ()) -> None:
+        """Learns how to reach every member, by global rank: with its vote and, through the root,
+        with the tally.
+
+        Raises:
+            ValueError: not one of each per member (tally senders: only through the root).
+        """
         if len(senders) != self.mesh.size:
             raise ValueError(f"expected {self.mesh.size} members, got {len(senders)}")
+        if self.through_root and len(tally_senders) != self.mesh.size:
+            raise ValueError(f"a mesh of {self.mesh.size} votes through rank {ROOT}: expected "
+                             f"{self.mesh.size} tally senders, got {len(tally_senders)}")
         self.senders = list(senders)
+        self.tally_senders = list(tally_senders)
 
     def receive(self, current: int, step: int, rank: int, vote: TailVote) -> None:
         """Takes member ``rank``'s vote on ``step``, while this stage is at step ``current``.
 
         Raises:
             NotAllowed: a step other than the current or the next, a rank outside the mesh,
-                or a second vote of one member on one step.
+                a second vote of one member on one step, or a vote to a member other than the
+                root of a mesh that votes through it.
         """
-        if isinstance(step, bool) or not isinstance(step, int) or not current <= step <= current + 1:
-            raise NotAllowed(f"a vote on step {step!r:.20} while at step {current}: only this step's or the next's")
+        if self.through_root and self.rank != ROOT:
+            raise NotAllowed(f"a mesh of {self.mesh.size} votes through rank {ROOT}; rank {self.rank} takes its tally")
+        self._fence(current, step, "a vote")
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.mesh.size:
             raise NotAllowed(f"a vote from rank {rank!r:.20}, outside a mesh of {self.mesh.size}")
-        for old in [s for s in self._votes if s < current]:
-            self.forget(old)
         box = self._votes.setdefault(step, {})
         if rank in box:
             raise NotAllowed(f"rank {rank} voted twice on step {step}")
@@ -113,13 +138,48 @@ class Ballot:
         if len(box) == self.mesh.size:
             self._event(step).set()
 
+    def receive_tally(self, current: int, step: int, votes: Sequence[TailVote]) -> None:
+        """Takes every member's vote on ``step`` at once, from the root of a mesh that votes through it.
+
+        Raises:
+            NotAllowed: a ballot that takes votes one by one (or is the root's), a step other
+                than the current or the next, not one vote per member, or a second tally.
+        """
+        if not self.through_root or self.rank == ROOT:
+            raise NotAllowed(f"rank {self.rank} of a mesh of {self.mesh.size} takes votes, not a tally")
+        self._fence(current, step, "a tally")
+        if len(votes) != self.mesh.size:
+            raise NotAllowed(f"a tally of {len(votes)} votes for a mesh of {self.mesh.size}")
+        if step in self._votes:
+            raise NotAllowed(f"a second tally of step {step}")
+        self._votes[step] = dict(enumerate(votes))
+        self._event(step).set()
+
+    def _fence(self, current: int, step: object, what: str) -> None:
+        """Refuses a step other than ``current`` or the next; drops what older steps left."""
+        if isinstance(step, bool) or not isinstance(step, int) or not current <= step <= current + 1:
+            raise NotAllowed(f"{what} on step {step!r:.20} while at step {current}: only this step's or the next's")
+        for old in [s for s in self._votes if s < current]:
+            self.forget(old)
+
     async def gather(self, step: int, vote: TailVote) -> list[TailVote]:
-        """Sends this stage's ``vote`` to every other member and returns every member's, by rank, once all
-        are in (cancelled by an abort; the scheduler aborts every stage when one fails)."""
+        """Sends this stage's ``vote`` to every other member (or to the root) and returns every member's,
+        by rank, once all are in (cancelled by an abort; the scheduler aborts every stage when one fails)."""
         assert self.senders, "the ballot has no members (see connect)"
+        if self.through_root and self.rank != ROOT:
+            await self.senders[ROOT](step, self.rank, vote)
+            return await self._counted(step)
         self.receive(step, step, self.rank, vote)
-        await asyncio.gather(*(send(step, self.rank, vote) for rank, send in enumerate(self.senders)
-                               if rank != self.rank))
+        if not self.through_root:
+            await asyncio.gather(*(send(step, self.rank, vote) for rank, send in enumerate(self.senders)
+                                   if rank != self.rank))
+            return await self._counted(step)
+        votes = await self._counted(step)
+        await asyncio.gather(*(send(step, votes) for rank, send in enumerate(self.tally_senders) if rank != ROOT))
+        return votes
+
+    async def _counted(self, step: int) -> list[TailVote]:
+        """Every member's vote on ``step``, by rank, once all are in; forgets them."""
         await self._event(step).wait()
         box = self._votes[step]
         self.forget(step)

@@ -206,6 +206,24 @@ async def test_a_vote_outside_the_step_or_the_mesh_is_refused_and_counted(
     assert actors[1].refused_calls == refused + 1
 
 
+VOTE = {"nonfinite_loss": False, "nonfinite_gradient": False, "grad_sq": 1.0}
+
+
+@pytest.mark.parametrize(("votes", "match"), [
+    ([VOTE, VOTE], "rank 1 of a mesh of 2 takes votes, not a tally"),  # two members send votes to each other
+    ("votes", "a list of at most 2 votes"),
+    ([VOTE, VOTE, VOTE], "a list of at most 2 votes"),
+    ([VOTE, {"grad_sq": 1.0}], "not a tally"),
+])
+async def test_a_tally_a_stage_does_not_take_is_refused_and_counted(
+        stages: tuple[Runtime, list[StageActor], list[ActorRef]], votes: Any, match: str) -> None:
+    _, actors, refs = stages
+    refused = actors[1].refused_calls
+    with pytest.raises(NotAllowed, match=match):
+        await refs[1].endpoint(StageActor.tally, timeout=10).call(0, votes)
+    assert actors[1].refused_calls == refused + 1
+
+
 async def test_a_second_vote_of_one_member_is_refused(stages: tuple[Runtime, list[StageActor], list[ActorRef]]) -> None:
     _, _, refs = stages
     vote = refs[1].endpoint(StageActor.vote, timeout=10)

@@ -3,7 +3,9 @@
 
 Every member's ballot gets every vote and makes the same decision; the squared norm adds
 data-parallel replica 0's shares in rank order, as the scheduler does; a vote is fenced
-to the current step or the next, to the mesh, and to one per member.
+to the current step or the next, to the mesh, and to one per member. Past
+ALL_TO_ALL_MAX members the votes go through the root, and the messages grow with the
+mesh, not with its square.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import math
 import pytest
 
 from actors._errors import NotAllowed
-from stages.compute.agreement import Ballot, decide_votes, vote_of
+from stages.compute.agreement import ALL_TO_ALL_MAX, ROOT, Ballot, decide_votes, vote_of
 from stages.compute.tail import decide_step
 from stages.mesh import Mesh
 from stages.records import ReduceReport, StageReport, TailVote
@@ -87,6 +89,66 @@ async def test_every_member_gathers_every_vote_and_decides_alike() -> None:
     gathered = await asyncio.gather(*(ballot.gather(4, vote) for ballot, vote in zip(ballots, mine)))
     assert all(votes == mine for votes in gathered)
     assert all(not ballot._votes for ballot in ballots)  # forgotten once used
+
+
+def _connected(mesh: Mesh, current: int, sent: list[str]) -> list[Ballot]:
+    """Every member's ballot, each reaching the others' in this process (after a turn of the loop);
+    ``sent`` collects one entry per message."""
+    ballots = [Ballot(mesh, rank) for rank in range(mesh.size)]
+
+    def vote_to(to: Ballot):  # type: ignore[no-untyped-def]
+        async def send(step: int, rank: int, vote: TailVote) -> None:
+            sent.append("vote")
+            await asyncio.sleep(0)
+            to.receive(current, step, rank, vote)
+        return send
+
+    def tally_to(to: Ballot):  # type: ignore[no-untyped-def]
+        async def send(step: int, votes: list[TailVote]) -> None:
+            sent.append("tally")
+            await asyncio.sleep(0)
+            to.receive_tally(current, step, votes)
+        return send
+
+    for ballot in ballots:
+        ballot.connect([vote_to(other) for other in ballots],
+                       [tally_to(other) for other in ballots] if ballot.through_root else ())
+    return ballots
+
+
+@pytest.mark.parametrize("mesh", [Mesh(pipeline=ALL_TO_ALL_MAX), Mesh(pipeline=2, tensor=2, data=2), Mesh(pipeline=16)],
+                         ids=lambda mesh: f"{mesh.size}members")
+async def test_a_mesh_past_the_bound_votes_through_the_root_in_messages_that_grow_with_it(mesh: Mesh) -> None:
+    sent: list[str] = []
+    ballots = _connected(mesh, 4, sent)
+    mine = [_vote(float(rank + 1), loss=rank == mesh.size - 1) for rank in range(mesh.size)]
+    gathered = await asyncio.gather(*(ballot.gather(4, vote) for ballot, vote in zip(ballots, mine)))
+    assert all(votes == mine for votes in gathered)  # every member decides from the same votes, in rank order
+    assert all(not ballot._votes for ballot in ballots)
+    n = mesh.size
+    if n <= ALL_TO_ALL_MAX:
+        assert sent == ["vote"] * (n * (n - 1))
+    else:  # 14 messages for 8 members, not 56; 30 for 16, not 240
+        assert sorted(sent) == ["tally"] * (n - 1) + ["vote"] * (n - 1)
+
+
+async def test_through_the_root_a_member_takes_only_the_roots_tally_and_the_root_only_votes() -> None:
+    mesh = Mesh(pipeline=ALL_TO_ALL_MAX + 1)
+    member, root = Ballot(mesh, 1), Ballot(mesh, ROOT)
+    assert member.through_root and root.through_root
+    with pytest.raises(NotAllowed, match="votes through rank 0; rank 1 takes its tally"):
+        member.receive(3, 3, 2, _vote(1.0))
+    with pytest.raises(NotAllowed, match="takes votes, not a tally"):
+        root.receive_tally(3, 3, [_vote(1.0)] * mesh.size)
+    for step, votes, match in [(5, [_vote(1.0)] * mesh.size, "only this step's or the next's"),
+                               (3, [_vote(1.0)] * (mesh.size - 1), "a tally of 4 votes for a mesh of 5")]:
+        with pytest.raises(NotAllowed, match=match):
+            member.receive_tally(3, step, votes)
+    member.receive_tally(3, 4, [_vote(1.0)] * mesh.size)  # the next step's: a fast root
+    with pytest.raises(NotAllowed, match="a second tally of step 4"):
+        member.receive_tally(3, 4, [_vote(2.0)] * mesh.size)
+    with pytest.raises(ValueError, match="expected 5 tally senders"):
+        root.connect([member.gather] * mesh.size)  # type: ignore[list-item]
 
 
 def test_votes_are_fenced_to_this_step_or_the_next_to_the_mesh_and_to_one_per_member() -> None:
