@@ -27,6 +27,7 @@ import shlex
 import stat
 import sys
 import threading
+import time
 from collections.abc import Mapping
 
 from transport.security import Keypair, read_public_key, write_public_key
@@ -36,6 +37,9 @@ __all__ = ["DEFAULT_KEYS", "ROLES", "ClusterKeys", "KeyFileError"]
 ROLES = ("head", "node", "client", "admin")
 DEFAULT_KEYS = os.path.join(os.path.expanduser("~"), ".config", "actorpipe", "keys")
 _DEFAULT_IDENTITIES = ("head", "node", "admin", "client")
+# A key ring read within this many seconds of its directory's last change is read again on the next
+# handshake (see ClusterKeys.ring): 2 s covers the coarsest common timestamps (FAT's).
+RACY_S = 2.0
 
 
 class KeyFileError(ValueError):
@@ -51,6 +55,7 @@ class ClusterKeys:
         self._lock = threading.Lock()
         self._ring: dict[bytes, str] = {}
         self._ring_stamp: tuple[float, int] | None = None
+        self._ring_read_at = 0.0  # wall time of the last read, on the filesystem's clock
 
     @classmethod
     def create(cls, directory: str | os.PathLike[str]) -> ClusterKeys:
@@ -139,14 +144,21 @@ class ClusterKeys:
         return read_public_key(os.path.join(self.directory, "head.key"))
 
     def ring(self) -> Mapping[bytes, str]:
-        """The admitted keys, public key -> ``role:name``; re-read when ``authorized/`` changes."""
+        """The admitted keys, public key -> ``role:name``; re-read when ``authorized/`` changes.
+
+        A directory's modification time moves in the kernel's coarse ticks (milliseconds,
+        or seconds on some filesystems): a key admitted within the tick of a read leaves the
+        time as that read saw it. So a ring read less than :data:`RACY_S` after the time it
+        saw is read again next time, as git treats a file changed within its index's second.
+        """
         try:
             info = os.stat(self._authorized)
             stamp = (info.st_mtime, info.st_ino)
         except OSError:
             return {}
         with self._lock:
-            if stamp != self._ring_stamp:
+            if stamp != self._ring_stamp or self._ring_read_at - stamp[0] < RACY_S:
+                read_at = time.time()
                 ring: dict[bytes, str] = {}
                 for entry in sorted(os.listdir(self._authorized)):
                     role, dash, name = entry.removesuffix(".key").partition("-")
@@ -156,7 +168,7 @@ class ClusterKeys:
                         ring[read_public_key(os.path.join(self._authorized, entry))] = f"{role}:{name}"
                     except (OSError, ValueError):
                         continue
-                self._ring, self._ring_stamp = ring, stamp
+                self._ring, self._ring_stamp, self._ring_read_at = ring, stamp, read_at
             return self._ring
 
     def _secret_path(self, name: str) -> str:

@@ -14,6 +14,7 @@ handshake: none of its bytes reach the decoder.
 from __future__ import annotations
 
 import binascii
+import contextlib
 import ipaddress
 import logging
 import os
@@ -233,7 +234,16 @@ def _read_key_file(path: str | os.PathLike[str]) -> tuple[bytes, bytes | None]:
 
 
 def _write_private(path: str, text: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(path, 0o600)
+    """Writes ``path`` (mode 0600) whole or not at all: a reader listing its directory meanwhile (a head
+    reloading its admitted keys on a handshake) sees the old file or the new one, never a part."""
+    partial = f"{path}.{os.getpid()}.partial"  # no ".key" ending: a key ring skips it
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(partial, 0o600)
+        os.replace(partial, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(partial)
+        raise

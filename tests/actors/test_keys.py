@@ -119,3 +119,56 @@ def test_an_existing_private_directory_is_used_as_it_is(keys: ClusterKeys) -> No
     os.chmod(secret, 0o400)  # tighter than 0600 is fine, and kept
     again = ClusterKeys.create(keys.directory)
     assert again.identity("head") == head and mode(secret) == 0o400  # nothing was remade or changed
+
+
+# -- the head's ring of admitted keys, read while keys are being admitted -------------------------
+
+
+def test_a_ring_read_while_a_key_is_being_written_still_admits_it_after(keys: ClusterKeys,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # The head reloads its ring on every handshake, whatever else is going on: one read between
+    # the key file's creation and its content (CI, 2026-12-04) cached a ring without the new
+    # client, and the directory's time did not move again, so that client was refused for good.
+    import transport.security as security
+
+    head = ClusterKeys(keys.directory)  # the head's own view of the directory
+    real_open = os.open
+    seen_during: list[int] = []
+
+    def open_then_read(path: str, flags: int, mode: int = 0o777) -> int:
+        fd = real_open(path, flags, mode)
+        seen_during.append(len(head.ring()))  # a handshake, right after the file was made
+        return fd
+
+    monkeypatch.setattr(security.os, "open", open_then_read)
+    bob = keys.add("client", "bob")
+    monkeypatch.undo()
+    assert seen_during
+    assert head.ring().get(bob.public) == "client:bob"
+
+
+def test_a_key_admitted_within_the_tick_of_a_read_is_read_next_time(keys: ClusterKeys) -> None:
+    authorized = os.path.join(keys.directory, "authorized")
+    head = ClusterKeys(keys.directory)
+    before = os.stat(authorized)
+    assert len(head.ring()) == 5  # the default identities and alice
+    bob = keys.add("client", "bob")
+    # As if both changes fell in one tick of the filesystem's clock: the time the read saw.
+    os.utime(authorized, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert head.ring().get(bob.public) == "client:bob"
+
+
+def test_a_ring_whose_directory_has_been_still_is_not_read_again(keys: ClusterKeys,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    import actors.keys as keys_module
+
+    authorized = os.path.join(keys.directory, "authorized")
+    still = os.stat(authorized).st_mtime_ns - 60 * 10**9  # last changed a minute ago
+    os.utime(authorized, ns=(still, still))
+    head = ClusterKeys(keys.directory)
+    listed: list[str] = []
+    real_listdir = os.listdir
+    monkeypatch.setattr(keys_module.os, "listdir", lambda path: listed.append(path) or real_listdir(path))
+    first = head.ring()
+    assert head.ring() == first and head.ring() is first
+    assert listed == [authorized]  # read once, then kept
