@@ -18,7 +18,9 @@ setup: $(STAMP)
 # Two pytest workers (pytest-xdist; the next test goes to whichever is free): one process
 # leaves a core idle while a test waits on the processes it started. Measured on one
 # (slow) day: the whole suite 1,087 s in one process, 800 s on two; the quick tier 152 s
-# and 84 s. PYTEST_WORKERS=0 runs it in one process.
+# and 84 s. Three workers do not help: on 2026-12-04 the suite took 779 s on three against 726 s
+# on two, the cores busy throughout (each test's processes compute too). PYTEST_WORKERS=0 runs it
+# in one process.
 PYTEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist worksteal)
 
