@@ -495,6 +495,32 @@ async def test_snapshots_and_tied_gradients_come_only_from_the_jobs_own_stages(c
         await job.close()
 
 
+async def test_votes_and_tallies_come_only_from_the_jobs_own_stages(cluster: Cluster) -> None:
+    job = await cluster.train(**MODEL)
+    try:
+        await job.step(*batch())
+        (info,) = [d for d in await cluster.jobs() if d.job == job.id]
+        stage = cluster.runtime.ref(*info.stages[1])
+        vote = {"nonfinite_loss": True, "nonfinite_gradient": False, "grad_sq": 1.0}
+        async with Cluster.connect(cluster.head.address, keys=keys().directory, identity="alice") as alice:
+            theirs = alice.runtime.ref(stage.address, stage.name)
+            with pytest.raises(NotAllowed, match="may not call StageActor.vote"):
+                await theirs.endpoint(StageActor.vote, timeout=10).call(1, 0, vote)
+            with pytest.raises(NotAllowed, match="may not call StageActor.tally"):
+                await theirs.endpoint(StageActor.tally, timeout=10).call(1, [vote, vote])
+        outsider = keys().add("node", "vote_outsider")
+        async with open_runtime("tcp://127.0.0.1:0", keys=outsider, ring=keys().ring) as member:
+            theirs = member.ref(stage.address, stage.name)
+            with pytest.raises(NotAllowed, match="holds no key of job"):
+                await theirs.endpoint(StageActor.vote, timeout=10).call(1, 0, vote)
+            with pytest.raises(NotAllowed, match="holds no key of job"):
+                await theirs.endpoint(StageActor.tally, timeout=10).call(1, [vote] * 1000)
+        stats = await job.step(*batch())  # no vote got in: the step's losses are finite, so it applies
+        assert stats.loss == stats.loss and not stats.skipped_steps
+    finally:
+        await job.close()
+
+
 async def test_a_jobs_rendezvous_serves_only_its_own_nodes_and_goes_with_the_job(cluster: Cluster) -> None:
     job = await cluster.train(**{**MODEL, "pipeline_stages": 1, "data_parallel": 2})
     store = f"{job.id}.rendezvous"
