@@ -23,7 +23,7 @@ import gc
 import logging
 import resource
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -205,26 +205,6 @@ def stage_report(trace: StepTrace, parts: StageParts) -> StageReport:
         device=str(model.device))
 
 
-def _tally_sender(ref: ActorRef) -> Callable[[int, list[TailVote]], Awaitable[object]]:
-    """How the root of a mesh that votes through it sends the tally to the member ``ref`` (one message)."""
-    tell = ref.endpoint(StageActor.tally).tell
-
-    async def send(step: int, votes: list[TailVote]) -> object:
-        return await tell(step, votes)
-
-    return send
-
-
-def _vote_sender(ref: ActorRef) -> Callable[[int, int, TailVote], Awaitable[object]]:
-    """How this stage sends a vote to the member ``ref`` (one message, no answer awaited)."""
-    tell = ref.endpoint(StageActor.vote).tell
-
-    async def send(step: int, rank: int, vote: TailVote) -> object:
-        return await tell(step, rank, vote)
-
-    return send
-
-
 def join_and_build(config: StageConfig, runtime: Host, allow: Sequence[str], device: torch.device,
                loop: asyncio.AbstractEventLoop) -> tuple[StageGroups | None, BuiltStage]:
     """On the compute thread: joins the job's process groups (``config.dist``), then builds the stage."""
@@ -330,8 +310,8 @@ class StageActor(StateEndpoints, Actor):
         self._peer_identities = frozenset(i for i in identities or () if i)
         if members is not None:
             refs = [self.runtime.ref(address, name) for address, name in members]
-            self.ballot.connect([_vote_sender(ref) for ref in refs],
-                                [_tally_sender(ref) for ref in refs] if self.ballot.through_root else ())
+            tallies = [ref.endpoint(StageActor.tally).tell for ref in refs] if self.ballot.through_root else []
+            self.ballot.connect([ref.endpoint(StageActor.vote).tell for ref in refs], tallies)  # no answers awaited
 
     @endpoint(roles=("head",))
     async def run_step(self, order: StepOrder | dict[str, Any]) -> StageReport:
