@@ -110,7 +110,7 @@ def _traced_layers(built: Any, config: StageConfig, allow: Sequence[str]) -> lis
                                config.micro_batches)
     meta = config.training.meta_init
     stages = trace_stages(built, config.parallelism.split_points, on_meta(example) if meta else example,
-                          config.training.model)
+                          config.training.model, dynamic=config.parallelism.dynamic_shapes)
     if len(stages) != config.bounds[-1][1]:
         raise ValueError(f"the job has {config.bounds[-1][1]} model stages but {len(stages)} came of the split")
     described = getattr(getattr(built, "config", None), "to_json_string", None)  # a transformers model's config

@@ -71,6 +71,8 @@ class TracedStage(nn.Module):
         self.model_config: str | None = None
         # The first stage's: per placeholder (by value name), the dimensions its trace fixed, as (dim, size).
         self.fixed: dict[str, list[tuple[int, int]]] = {}
+        # Traced for the example's shapes alone, as asked (the job's ``dynamic_shapes=False``).
+        self.static = False
         if signature is not None:
             # Here, not at the top: sympy and torch's symbolic shapes cost a driver 0.4 s to import.
             from torch.fx.experimental.symbolic_shapes import is_concrete_int
@@ -99,6 +101,12 @@ class TracedStage(nn.Module):
             if not isinstance(value, torch.Tensor):
                 continue
             for dim, size in dims:
+                if dim < value.dim() and value.shape[dim] != size and self.static:
+                    raise ValueError(
+                        f"input {self._placeholders.get(node, node)!r} has shape {tuple(value.shape)}, but the job "
+                        f"traced its model for the example's shapes alone (dynamic_shapes=False), which has {size} "
+                        f"at dim {dim}: give micro-batches of the example's shapes (pad to them), or trace with "
+                        "dynamic_shapes=True (the default) for any batch size and sequence length")
                 if dim < value.dim() and value.shape[dim] != size:
                     raise ValueError(
                         f"input {self._placeholders.get(node, node)!r} has {value.shape[dim]} at dim {dim} (shape "
@@ -167,9 +175,15 @@ def _fill(structure: Any, env: Mapping[str, Any]) -> Any:
     return structure
 
 
-def trace_stages(model: nn.Module, split_points: Sequence[str], example: Any, path: str) -> list[TracedStage]:
+def trace_stages(model: nn.Module, split_points: Sequence[str], example: Any, path: str, *,
+                 dynamic: bool = True) -> list[TracedStage]:
     """``model`` cut before each module named in ``split_points``, traced on ``example`` (one
     micro-batch: a tensor, a tuple of positional tensors or a dict of keyword tensors).
+
+    ``dynamic``: every dimension of the inputs stays symbolic where the model lets it (any batch
+    size and sequence length runs); False traces for the example's shapes alone, as torch's
+    pipelining front end does, in about half the time (the job's ``dynamic_shapes``), and
+    :func:`check_batch` then refuses a micro-batch of any other shape.
 
     Raises:
         TracingError: an unknown split point, one the forward never reaches (or reaches
@@ -189,14 +203,21 @@ def trace_stages(model: nn.Module, split_points: Sequence[str], example: Any, pa
         raise TracingError(f"split points repeat a module: {list(split_points)}")
     args, kwargs = _as_call(example)
     split_spec = {point: SplitPoint.BEGINNING for point in split_points}
-    try:
-        with _dynamic_export():  # every dimension of the inputs may change from step to step
-            pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs, split_spec=split_spec)
-    except Exception:  # a model whose shapes cannot all vary: traced for the example's own
+
+    def for_the_examples_shapes() -> Any:
         try:
-            pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs, split_spec=split_spec)
+            return pipeline(model, mb_args=args, mb_kwargs=kwargs, split_spec=split_spec)
         except Exception as exc:  # torch.export raises many kinds; all mean "not traceable as it is"
             raise TracingError(_untraceable(model, path, exc)) from exc
+
+    if not dynamic:
+        pipe = for_the_examples_shapes()
+    else:
+        try:
+            with _dynamic_export():  # every dimension of the inputs may change from step to step
+                pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs, split_spec=split_spec)
+        except Exception:  # a model whose shapes cannot all vary: traced for the example's own
+            pipe = for_the_examples_shapes()  # (its error chained to the dynamic trace's, which names more)
     if pipe.num_stages != len(split_points) + 1:
         raise TracingError(
             f"{path} split at {len(split_points)} points gave {pipe.num_stages} stages, not "
@@ -205,7 +226,10 @@ def trace_stages(model: nn.Module, split_points: Sequence[str], example: Any, pa
     modules = [pipe.get_stage_module(i) for i in range(pipe.num_stages)]
     _retie(model, modules)
     _keep_out_of_state(model, modules)
-    return _route(pipe.split_gm.graph, modules, inspect.signature(model.forward))
+    stages = _route(pipe.split_gm.graph, modules, inspect.signature(model.forward))
+    for stage in stages:
+        stage.static = not dynamic
+    return stages
 
 
 @contextlib.contextmanager

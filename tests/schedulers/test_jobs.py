@@ -111,6 +111,9 @@ MODEL = "examples.models:residual_mlp"
      "^runtime.torch_compile fullgraph=True needs tensor_parallel=1: tensor-parallel layers all-reduce"),
     ({"w_batching": True, "gradient_accumulation_fusion": False}, ValueError,
      "^parallelism.w_batching .* needs gradient_accumulation_fusion=True"),
+    ({"dynamic_shapes": False}, ValueError,
+     "^parallelism.dynamic_shapes=False fixes the shapes a model with split_points is traced for; this job has no"),
+    ({"dynamic_shapes": "no"}, TypeError, "^parallelism.dynamic_shapes must be True or False, got str 'no'"),
     ({"parallelism": {"pipeline_stages": 0}}, ValueError, "^parallelism.pipeline_stages must be an int >= 1"),
     ({"parallelism": {"pipline_stages": 2}}, TypeError,
      "unknown argument 'parallelism.pipline_stages'; did you mean parallelism.pipeline_stages\\?"),
@@ -162,7 +165,7 @@ def test_flat_keywords_route_to_their_sections_and_sections_come_whole_or_as_dic
     assert JobSpec.of(model=MODEL, parallelism=Parallelism(pipeline_stages=2), micro_batches=2).parallelism == \
         Parallelism(pipeline_stages=2, micro_batches=2)
     assert set(FIELDS) == {f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls)}
-    assert len(FIELDS) == 54
+    assert len(FIELDS) == 55
     with pytest.raises(TypeError, match="training must be a Training, got dict"):
         JobSpec(training={"model": MODEL})  # type: ignore[arg-type]
     with pytest.raises(KeyError, match="'micro_batch' is not a JobSpec field; did you mean micro_batches"):

@@ -102,3 +102,29 @@ def test_a_dimension_the_trace_fixed_is_refused_before_the_step_with_what_to_do(
     free = trace_stages(gpt2(layers=2, dim=32, heads=2, vocab=64), ["transformer.h.1"],
                         torch.randint(0, 64, (2, 8)), "m")
     check_batch(free[0], [torch.randint(0, 64, (3, 5)), torch.randint(0, 64, (1, 11))])  # any length
+
+
+def test_a_static_trace_computes_the_examples_shapes_and_refuses_others_naming_the_setting() -> None:
+    """``dynamic_shapes=False`` (the job's): traced for the example's shapes alone, as torch's pipeline()
+    does; the graphs compute what the model does on that shape, every dimension is fixed, and a
+    micro-batch of another batch size or length is refused before the step, naming the setting."""
+    from stages.build.traced import check_batch
+
+    torch.manual_seed(0)
+    model = gpt2(layers=2, dim=32, heads=2, vocab=64)
+    ids = torch.randint(0, 64, (2, 8))
+    stages = trace_stages(model, ["transformer.h.1"], ids, "examples.hf:gpt2", dynamic=False)
+    assert all(stage.static for stage in stages)
+    assert list(stages[0].fixed.values()) == [[(0, 2), (1, 8)]]  # the ids' both dimensions
+    check_batch(stages[0], [torch.randint(0, 64, (2, 8))])
+    other = torch.randint(0, 64, (2, 8))
+    assert torch.equal(_run(stages, other), model(other).logits)
+    for shape in ((2, 9), (3, 8)):
+        with pytest.raises(ValueError, match=r"has shape \(%d, %d\), but the job traced its model for the "
+                                             r"example's shapes alone \(dynamic_shapes=False\).*dynamic_shapes=True"
+                                             % shape):
+            check_batch(stages[0], [torch.randint(0, 64, shape)])
+    # The default, on the same model (built again: torch's front end leaves its split hooks in a traced one).
+    dynamic = trace_stages(gpt2(layers=2, dim=32, heads=2, vocab=64), ["transformer.h.1"], ids, "examples.hf:gpt2")
+    assert not dynamic[0].static and not dynamic[0].fixed
+    check_batch(dynamic[0], [torch.randint(0, 64, (3, 11))])
