@@ -5,7 +5,8 @@ The model is ``GPT2LMHeadModel`` from a ``GPT2Config`` (nothing is downloaded), 
 default tied embeddings. Nothing adapts it: the job names the factory and where the
 second stage begins (``split_points=["transformer.h.2"]``); each stage traces the model
 with torch's pipelining front end on the data factory's first micro-batch and keeps its
-half. The tied embedding lives on both stages and stays one tensor in effect: the
+half (for that micro-batch's shape alone, ``dynamic_shapes=False``: every batch here has
+the same length, and such a trace costs each stage about half the time). The tied embedding lives on both stages and stays one tensor in effect: the
 stages sum its gradients before every step. At the end the state is gathered under
 GPT-2's own names and loaded into a fresh ``GPT2LMHeadModel`` with ``strict=True``, which
 then measures the validation loss by itself. The last line is JSON.
@@ -53,7 +54,8 @@ async def train(args: argparse.Namespace) -> dict[str, Any]:
             model="examples.hf:gpt2", model_kwargs=model_kwargs, split_points=split_points,
             loss="examples.models:lm_loss", optimizer=("torch.optim:AdamW", {"lr": args.lr}),
             pipeline_stages=args.stages, schedule=args.schedule, micro_batches=args.micro_batches,
-            data="examples.data:char_batches", data_kwargs=data_kwargs)
+            data="examples.data:char_batches", data_kwargs=data_kwargs,
+            dynamic_shapes=False)  # every batch is --context characters long: traced for that one shape, faster
         try:
             losses = []
             for index in range(args.steps):
