@@ -6,8 +6,9 @@ default tied embeddings. Nothing adapts it: the job names the factory and where 
 second stage begins (``split_points=["transformer.h.2"]``); each stage traces the model
 with torch's pipelining front end on the data factory's first micro-batch and keeps its
 half (for that micro-batch's shape alone, ``dynamic_shapes=False``: every batch here has
-the same length, and such a trace costs each stage about half the time). The tied embedding lives on both stages and stays one tensor in effect: the
-stages sum its gradients before every step. At the end the state is gathered under
+the same length, and such a trace costs each stage about half the time). The tied
+embedding lives on both stages and stays one tensor in effect: the stages sum its
+gradients before every step. At the end the state is gathered under
 GPT-2's own names and loaded into a fresh ``GPT2LMHeadModel`` with ``strict=True``, which
 then measures the validation loss by itself. The last line is JSON.
 """
