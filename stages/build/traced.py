@@ -206,7 +206,8 @@ def trace_stages(model: nn.Module, split_points: Sequence[str], example: Any, pa
 
     def for_the_examples_shapes() -> Any:
         try:
-            return pipeline(model, mb_args=args, mb_kwargs=kwargs, split_spec=split_spec)
+            with _split_points_restored(model, split_points):
+                return pipeline(model, mb_args=args, mb_kwargs=kwargs, split_spec=split_spec)
         except Exception as exc:  # torch.export raises many kinds; all mean "not traceable as it is"
             raise TracingError(_untraceable(model, path, exc)) from exc
 
@@ -214,7 +215,7 @@ def trace_stages(model: nn.Module, split_points: Sequence[str], example: Any, pa
         pipe = for_the_examples_shapes()
     else:
         try:
-            with _dynamic_export():  # every dimension of the inputs may change from step to step
+            with _dynamic_export(), _split_points_restored(model, split_points):  # any batch size and length
                 pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs, split_spec=split_spec)
         except Exception:  # a model whose shapes cannot all vary: traced for the example's own
             pipe = for_the_examples_shapes()  # (its error chained to the dynamic trace's, which names more)
@@ -230,6 +231,28 @@ def trace_stages(model: nn.Module, split_points: Sequence[str], example: Any, pa
     for stage in stages:
         stage.static = not dynamic
     return stages
+
+
+@contextlib.contextmanager
+def _split_points_restored(model: nn.Module, split_points: Sequence[str]) -> Iterator[None]:
+    """Inside: torch's pipelining front end may wrap each split point's ``forward`` (it does, in place,
+    and leaves it wrapped); after, each is the module's own again. A model traced a second time (the
+    fallback to the example's shapes after a dynamic trace failed, a notebook that traces twice) would
+    otherwise wrap the wrapper, whose call then recursed until Python's limit."""
+    modules = [model.get_submodule(point) for point in split_points]
+    own = [vars(module).get("forward", _NO_FORWARD) for module in modules]
+    try:
+        yield
+    finally:
+        for module, forward in zip(modules, own):
+            if forward is _NO_FORWARD:
+                vars(module).pop("forward", None)
+            else:
+                vars(module)["forward"] = forward
+            vars(module).pop("_orig_forward", None)
+
+
+_NO_FORWARD = object()
 
 
 @contextlib.contextmanager

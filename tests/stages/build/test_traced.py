@@ -124,7 +124,42 @@ def test_a_static_trace_computes_the_examples_shapes_and_refuses_others_naming_t
                                              r"example's shapes alone \(dynamic_shapes=False\).*dynamic_shapes=True"
                                              % shape):
             check_batch(stages[0], [torch.randint(0, 64, shape)])
-    # The default, on the same model (built again: torch's front end leaves its split hooks in a traced one).
-    dynamic = trace_stages(gpt2(layers=2, dim=32, heads=2, vocab=64), ["transformer.h.1"], ids, "examples.hf:gpt2")
+    # The default, on the same model object, traced again.
+    dynamic = trace_stages(model, ["transformer.h.1"], ids, "examples.hf:gpt2")
     assert not dynamic[0].static and not dynamic[0].fixed
     check_batch(dynamic[0], [torch.randint(0, 64, (3, 11))])
+
+
+def test_a_model_whose_dynamic_trace_fails_is_traced_for_the_examples_shapes_and_stays_callable(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fallback when export cannot keep the shapes dynamic: torch's front end wraps each split
+    point's forward in place and leaves it so, and a second trace wrapped the wrapper, which then
+    recursed until Python's limit (RecursionError, reported as an untraceable model). Now each split
+    point's forward is the module's own again after every trace, so the fallback traces, and the
+    model itself still computes as before."""
+    from contextlib import contextmanager
+    from torch.distributed.pipelining import _IR
+
+    from stages.build import traced
+
+    @contextmanager
+    def dynamic_fails():  # type: ignore[no-untyped-def]
+        original = _IR.Pipe._trace_with_export
+
+        def export(*args: object, **kwargs: object) -> object:
+            raise RuntimeError("Constraints violated: this model's shapes cannot all vary")
+
+        _IR.Pipe._trace_with_export = staticmethod(export)  # type: ignore[assignment]
+        try:
+            yield
+        finally:
+            _IR.Pipe._trace_with_export = original  # type: ignore[method-assign]
+
+    monkeypatch.setattr(traced, "_dynamic_export", dynamic_fails)
+    torch.manual_seed(0)
+    model = gpt2(layers=2, dim=32, heads=2, vocab=64)
+    ids = torch.randint(0, 64, (2, 8))
+    stages = trace_stages(model, ["transformer.h.1"], ids, "examples.hf:gpt2")
+    assert torch.equal(_run(stages, ids), model(ids).logits)
+    assert "forward" not in vars(model.transformer.h[1]) and "_orig_forward" not in vars(model.transformer.h[1])
