@@ -74,6 +74,9 @@ def test_signals_deferred_holds_a_ctrl_c_until_the_block_ends() -> None:
     code = """
 import signal, threading
 from benchmarks import _netns
+# Ctrl-C as a terminal's Python meets it: a child inherits an ignored SIGINT (a job a non-interactive
+# shell started in the background has one), and an ignored signal is ignored again after the block.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 finished = False
 try:
     with _netns.signals_deferred():
