@@ -101,21 +101,22 @@ class TracedStage(nn.Module):
             if not isinstance(value, torch.Tensor):
                 continue
             for dim, size in dims:
-                if dim < value.dim() and value.shape[dim] != size and self.static:
+                if dim >= value.dim() or value.shape[dim] == size:
+                    continue
+                if self.static:
                     raise ValueError(
                         f"input {self._placeholders.get(node, node)!r} has shape {tuple(value.shape)}, but the job "
                         f"traced its model for the example's shapes alone (dynamic_shapes=False), which has {size} "
                         f"at dim {dim}: give micro-batches of the example's shapes (pad to them), or trace with "
                         "dynamic_shapes=True (the default) for any batch size and sequence length")
-                if dim < value.dim() and value.shape[dim] != size:
-                    raise ValueError(
-                        f"input {self._placeholders.get(node, node)!r} has {value.shape[dim]} at dim {dim} (shape "
-                        f"{tuple(value.shape)}), but tracing the model fixed that dimension at {size}: torch.export "
-                        "could not keep it dynamic (the model computes with its size, e.g. a reshape to it). Give "
-                        f"micro-batches whose dim {dim} is {size} (pad to it), or make the model take its sizes "
-                        "from its inputs"
-                        + (f"; export fixes every size of 1, so trace on example_inputs with more than one there"
-                           if size == 1 else ""))
+                raise ValueError(
+                    f"input {self._placeholders.get(node, node)!r} has {value.shape[dim]} at dim {dim} (shape "
+                    f"{tuple(value.shape)}), but tracing the model fixed that dimension at {size}: torch.export "
+                    "could not keep it dynamic (the model computes with its size, e.g. a reshape to it). Give "
+                    f"micro-batches whose dim {dim} is {size} (pad to it), or make the model take its sizes "
+                    "from its inputs"
+                    + (f"; export fixes every size of 1, so trace on example_inputs with more than one there"
+                       if size == 1 else ""))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._signature is not None:
@@ -233,6 +234,9 @@ def trace_stages(model: nn.Module, split_points: Sequence[str], example: Any, pa
     return stages
 
 
+_NO_FORWARD = object()  # a module without a forward of its own (the class's)
+
+
 @contextlib.contextmanager
 def _split_points_restored(model: nn.Module, split_points: Sequence[str]) -> Iterator[None]:
     """Inside: torch's pipelining front end may wrap each split point's ``forward`` (it does, in place,
@@ -250,9 +254,6 @@ def _split_points_restored(model: nn.Module, split_points: Sequence[str]) -> Ite
             else:
                 vars(module)["forward"] = forward
             vars(module).pop("_orig_forward", None)
-
-
-_NO_FORWARD = object()
 
 
 @contextlib.contextmanager
