@@ -55,7 +55,8 @@ from typing import Any, TypeVar
 import msgpack
 import torch
 
-from transport.codecs import CODEC_NAMES, Codec, CodecError, Encoded, get_codec
+from transport._buffers import aligned_empty
+from transport.codecs import CODEC_NAMES, FRAME_ALIGNMENT, Codec, CodecError, Encoded, get_codec
 from transport.records import MAX_RECORD_NAME, RECORD_CLASSES, RECORD_NAMES, RecordType, record_types, register_record
 
 __all__ = [
@@ -134,6 +135,11 @@ DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
 }
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+# What numpy views without a copy: a contiguous CPU tensor of these leaves as its own buffer.
+_NUMPY_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.int8, torch.uint8,
+                           torch.int16, torch.int32, torch.int64, torch.bool})
+_NONE = get_codec("none")
+_MAX_NUMEL = 1 << 48  # the codecs' bound on an untrusted shape (transport.codecs)
 
 
 class WireError(ValueError):
@@ -207,7 +213,16 @@ def encode_message(
             chosen = get_codec(codec)
             # e.g. integer tensors under a lossy default; float64 too (MAX_EXPANSION)
             if obj.dtype not in chosen.dtypes or (chosen.lossy and obj.dtype.itemsize > 4):
-                chosen = get_codec("none")
+                chosen = _NONE
+            if chosen is _NONE:
+                buffer = _own_buffer(obj)
+                if buffer is not None:  # the tensor's own bytes: no Encoded, no views (the common case)
+                    numel = obj.numel()
+                    decoded_nbytes += buffer.nbytes
+                    numel_total += numel
+                    table.append(["none", _DTYPE_NAMES[obj.dtype], list(obj.shape), {}, 1])
+                    frames.append(buffer)
+                    return msgpack.ExtType(_TENSOR_EXT, (len(table) - 1).to_bytes(4, "little"))
             encoded = chosen.encode(obj.detach())
         else:
             raise TypeError(
@@ -366,6 +381,16 @@ def _as_buffer(frame: torch.Tensor) -> memoryview:
         frame = frame.cpu()
     # numpy's view keeps the tensor alive for as long as ZeroMQ holds the buffer.
     return memoryview(frame.numpy())  # type: ignore[arg-type]  # ndarray exports the buffer protocol
+
+
+def _own_buffer(tensor: torch.Tensor) -> memoryview | None:
+    """The bytes of a tensor the ``none`` codec sends as they are, or None where that codec's
+    own path is needed (another device, a strided view, a dtype numpy cannot view, no elements)."""
+    if not (tensor.is_cpu and tensor.dtype in _NUMPY_DTYPES and tensor.is_contiguous() and tensor.numel()):
+        return None
+    # numpy's view keeps the tensor alive for as long as ZeroMQ holds the buffer.
+    array = (tensor.detach() if tensor.requires_grad else tensor).numpy()
+    return memoryview(array).cast("B")  # type: ignore[arg-type]  # ndarray exports the buffer protocol
 
 
 def _buffer_of(frame: Any) -> memoryview:
@@ -539,6 +564,23 @@ def _rebuild_tensors(table: list[Any], frames: list[memoryview], *, max_bytes: i
     position = decoded_total = numel_total = padding_total = 0
     for index, row in enumerate(table):
         codec_name, dtype, shape, params, num_frames = _check_row(index, row)
+        numel = math.prod(shape)
+        if (codec_name == "none" and num_frames == 1 and not params and 0 < numel <= _MAX_NUMEL
+                and dtype in _NONE.dtypes and position < len(frames)):
+            # What the none codec's frame_sizes checks, inline: the common row, a tensor's own bytes
+            buf = frames[position]
+            if buf.nbytes != numel * dtype.itemsize:
+                raise WireError(f"tensor {index} frame 0: {buf.nbytes} bytes, but none "
+                                f"{list(shape)} {_DTYPE_NAMES[dtype]} needs {numel * dtype.itemsize}")
+            position += 1
+            decoded_total += buf.nbytes
+            if decoded_total > max_bytes:
+                raise MessageTooLarge(
+                    f"tensor {index}: the message's tensors would decode to more than the limit of {max_bytes} bytes"
+                )
+            numel_total += numel
+            checked.append((_NONE, codec_name, dtype, shape, params, [buf]))
+            continue
         codec = get_codec(codec_name)
         try:
             sizes = codec.frame_sizes(dtype, shape, params)
@@ -557,7 +599,6 @@ def _rebuild_tensors(table: list[Any], frames: list[memoryview], *, max_bytes: i
                     f"{list(shape)} {_DTYPE_NAMES[dtype]} needs {size}"
                 )
         position += num_frames
-        numel = math.prod(shape)
         problem = _expansion_problem(codec_name, dtype, numel, sum(sizes))
         if problem is not None:
             raise WireError(f"tensor {index}: refused {problem}")
@@ -575,6 +616,9 @@ def _rebuild_tensors(table: list[Any], frames: list[memoryview], *, max_bytes: i
         raise WireError(_padding_problem(numel_total, padding_total))
     tensors: list[torch.Tensor] = []
     for index, (codec, codec_name, dtype, shape, params, mine) in enumerate(checked):
+        if codec is _NONE:
+            tensors.append(_raw_tensor(mine[0], dtype, shape))
+            continue
         encoded = Encoded(codec=codec_name, dtype=dtype, shape=shape, params=params,
                           frames=tuple(_uint8_tensor(buf) for buf in mine))
         try:
@@ -629,6 +673,26 @@ def _clip(exc: BaseException, limit: int = 200) -> str:
     """An exception's text cut to ``limit`` characters (its text may quote the input)."""
     text = str(exc)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _raw_tensor(buf: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor that travelled with the ``none`` codec, its frame checked to be its size: over the
+    frame itself where that is writable and aligned, else over one aligned copy (see
+    :data:`~transport.codecs.FRAME_ALIGNMENT`; libzmq hands large frames 8 bytes past a 16-byte
+    boundary)."""
+    if buf.nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    alignment = max(dtype.itemsize, FRAME_ALIGNMENT)
+    tensor = None if buf.readonly else torch.frombuffer(buf, dtype=dtype)
+    if tensor is None or tensor.data_ptr() % alignment:
+        # One plain copy on this thread (malloc's blocks are 16-byte aligned; where they
+        # are not, a buffer that is).
+        tensor = torch.frombuffer(bytearray(buf), dtype=dtype)
+        if tensor.data_ptr() % alignment:
+            aligned = aligned_empty(buf.nbytes)
+            aligned.copy_(tensor.view(torch.uint8))
+            tensor = aligned.view(dtype)
+    return tensor if len(shape) == 1 else tensor.view(shape)
 
 
 def _uint8_tensor(buf: memoryview) -> torch.Tensor:

@@ -81,6 +81,38 @@ def test_raw_decode_shares_memory_with_the_frame() -> None:
     assert out["t"][0].item() == 5.0  # the tensor is a view of the received buffer
 
 
+@pytest.mark.parametrize(("dtype", "requires_grad"),
+                         [(dtype, False) for dtype in DTYPES.values()]
+                         + [(dtype, True) for dtype in DTYPES.values() if dtype.is_floating_point],
+                         ids=[*DTYPES, *(f"{name}-requires_grad" for name, dtype in DTYPES.items()
+                                         if dtype.is_floating_point)])
+@pytest.mark.parametrize("shape", [(), (0,), (7,), (3, 5)])
+def test_a_tensor_leaves_as_the_none_codec_would_send_it(
+    dtype: torch.dtype, requires_grad: bool, shape: tuple[int, ...]
+) -> None:
+    """A contiguous CPU tensor's own bytes skip the codec's objects: the wire must not tell."""
+    tensor = (torch.randn(shape) * 10).to(dtype).requires_grad_(requires_grad)
+    direct = as_bytes(encode_message([tensor, 3]))
+    through_codec = as_bytes(encode_message([encode(tensor.detach(), "none"), 3]))
+    assert direct == through_codec
+
+
+def test_a_raw_frame_off_its_alignment_decodes_from_an_aligned_copy() -> None:
+    """libzmq hands a large frame 8 bytes past a 16-byte boundary: the tensor is built over a
+    copy at an aligned address (kernels pick their path by alignment), never over the frame."""
+    tensor = torch.randn(1000)
+    header, frame = as_bytes(encode_message(tensor))
+    backing = bytearray(len(frame) + 32)
+    start = 8 - torch.frombuffer(backing, dtype=torch.uint8).data_ptr() % 16 + 16
+    backing[start:start + len(frame)] = frame
+    view = memoryview(backing)[start:start + len(frame)]
+    assert torch.frombuffer(view, dtype=torch.uint8).data_ptr() % 16 == 8
+    out = decode_message([header, view])
+    assert out.data_ptr() % 16 == 0 and torch.equal(out, tensor)
+    backing[start:start + 4] = bytes(4)
+    assert torch.equal(out, tensor)  # a copy: the frame's memory is not the tensor's
+
+
 def test_raw_encode_does_not_copy_the_tensor() -> None:
     tensor = torch.randn(1024)
     frames = encode_message(tensor)
