@@ -14,7 +14,7 @@ import zmq
 from transport.wire import MessageTooLarge
 
 __all__ = ["ChannelClosed", "Readiness", "bind_address", "bulk_bind_address", "events", "gather", "is_local_address",
-           "is_loopback", "readable", "writable", "zero_copy_pays"]
+           "is_loopback", "measure", "readable", "send_nowait", "writable", "zero_copy_pays"]
 
 
 class ChannelClosed(RuntimeError):
@@ -132,6 +132,8 @@ def events(socket: zmq.Socket[Any]) -> int:
 
 # Plain ints: pyzmq's enums cost a call per operation.
 _EVENTS, _POLLIN, _POLLOUT = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT)
+_COPY_THRESHOLD = zmq.COPY_THRESHOLD
+_NOBLOCK, _NOBLOCK_MORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
 
 
 def readable(socket: zmq.Socket[Any]) -> bool:
@@ -144,10 +146,29 @@ def writable(socket: zmq.Socket[Any]) -> bool:
     return bool(socket.getsockopt(_EVENTS) & _POLLOUT)  # type: ignore[call-overload,operator]
 
 
+def send_nowait(socket: zmq.Socket[Any], frames: list[Any], *, copy: bool) -> None:
+    """``socket.send_multipart(frames, NOBLOCK, copy=copy)`` without its per-call enum arithmetic and
+    type checks (the frames are bytes and buffers the wire made). A message is queued whole or not
+    at all: libzmq checks the high-water mark at its first frame.
+
+    Raises:
+        zmq.Again: no room.
+    """
+    last = len(frames) - 1
+    for index, frame in enumerate(frames):
+        socket.send(frame, _NOBLOCK if index == last else _NOBLOCK_MORE, copy=copy)
+
+
+def measure(frames: list[Any]) -> tuple[int, bool]:
+    """The bytes of ``frames``, and whether sending them zero-copy pays (see :func:`zero_copy_pays`)."""
+    sizes = [memoryview(f).nbytes for f in frames]
+    return sum(sizes), max(sizes, default=0) >= _COPY_THRESHOLD
+
+
 def zero_copy_pays(frames: list[Any]) -> bool:
     """Zero-copy frames cost a Frame object and a release callback each; below
     ZeroMQ's own copy threshold copying is cheaper (and libzmq copies them anyway)."""
-    return any(memoryview(f).nbytes >= zmq.COPY_THRESHOLD for f in frames)
+    return any(memoryview(f).nbytes >= _COPY_THRESHOLD for f in frames)
 
 
 def bind_address(address: str, *, allow_remote: bool) -> tuple[str, str | None]:

@@ -38,6 +38,8 @@ from transport._sockets import (
     is_loopback,
     readable,
     writable,
+    measure,
+    send_nowait,
     zero_copy_pays,
 )
 from transport.sealed import CLAIM_RETRY_S, TAG_BYTES, BulkInbox, BulkLink, SealRefused, is_open_message
@@ -496,9 +498,10 @@ class Sender:
         """Sends already encoded frames (see :meth:`send`)."""
         if self._link is not None:
             frames = self._link.seal(frames)  # numbered in the order of the calls, which is the order they leave in
-        copy = self._must_copy(frames, handed_over)
+        nbytes, large = measure(frames)
+        copy = self._must_copy(large, handed_over)
         if self._num_queued == 0 and self._try_send(frames, copy):
-            return self._count(frames)
+            return self._count(nbytes)
         if self._queue is None:
             self._queue = asyncio.Lock()
         self._num_queued += 1
@@ -513,7 +516,7 @@ class Sender:
             ) from None
         finally:
             self._num_queued -= 1
-        return self._count(frames)
+        return self._count(nbytes)
 
     def send_nowait(self, payload: Any, *, codec: str = "none", handed_over: bool = False) -> int:
         """Sends one message now or raises :class:`WouldBlock`; never waits (``handed_over``: see
@@ -530,16 +533,17 @@ class Sender:
             if not self._link.advance() or (zero_copy_pays(frames) and not writable(self._data)):
                 raise WouldBlock(f"the sealed session to {self.address} is not open yet, or its queue is full")
             frames = self._link.seal(frames)
-        if self._num_queued or not self._try_send(frames, self._must_copy(frames, handed_over)):
+        nbytes, large = measure(frames)
+        if self._num_queued or not self._try_send(frames, self._must_copy(large, handed_over)):
             raise WouldBlock(f"send queue to {self.address} is full")
-        return self._count(frames)
+        return self._count(nbytes)
 
-    def _must_copy(self, frames: list[Any], handed_over: bool) -> bool:
-        """Whether ``frames`` (sealed already, if the channel seals) are copied as they are queued:
-        small ones always (ZeroMQ copies them anyway, and a zero-copy frame costs a Frame object and
-        a release callback), large ones unless nobody else writes to them (the caller handed them
-        over, or they are this channel's own ciphertext)."""
-        if not zero_copy_pays(frames):
+    def _must_copy(self, large: bool, handed_over: bool) -> bool:
+        """Whether frames (sealed already, if the channel seals) are copied as they are queued:
+        small ones always (``large`` false: ZeroMQ copies them anyway, and a zero-copy frame costs a
+        Frame object and a release callback), large ones unless nobody else writes to them (the
+        caller handed them over, or they are this channel's own ciphertext)."""
+        if not large:
             return True
         return not (handed_over or (self._link is not None and self._link.key.encrypt))
 
@@ -549,7 +553,7 @@ class Sender:
         if self._link is not None and not self._link.advance():
             return False
         try:
-            self._data.send_multipart(frames, zmq.NOBLOCK, copy=copy)
+            send_nowait(self._data, frames, copy=copy)
         except zmq.Again:
             return False
         return True
@@ -576,8 +580,7 @@ class Sender:
         except TimeoutError:
             pass
 
-    def _count(self, frames: list[Any]) -> int:
-        nbytes = sum(memoryview(f).nbytes for f in frames)
+    def _count(self, nbytes: int) -> int:
         self._stats.messages += 1
         self._stats.bytes += nbytes
         return nbytes

@@ -198,10 +198,10 @@ def encode_message(
     """
     table: list[list[Any]] = []
     frames: list[Any] = []
-    decoded_nbytes = numel_total = padding_total = 0
+    decoded_nbytes = numel_total = padding_total = frame_nbytes = 0
 
     def add_extension(obj: Any) -> Any:  # a record or a tensor: what msgpack cannot pack itself
-        nonlocal decoded_nbytes, numel_total, padding_total
+        nonlocal decoded_nbytes, numel_total, padding_total, frame_nbytes
         record = RECORD_NAMES.get(type(obj))
         if record is not None:
             return [msgpack.ExtType(_RECORD_EXT, record[0].encode()), record[1](obj)]
@@ -219,6 +219,7 @@ def encode_message(
                 if buffer is not None:  # the tensor's own bytes: no Encoded, no views (the common case)
                     numel = obj.numel()
                     decoded_nbytes += buffer.nbytes
+                    frame_nbytes += buffer.nbytes
                     numel_total += numel
                     table.append(["none", _DTYPE_NAMES[obj.dtype], list(obj.shape), {}, 1])
                     frames.append(buffer)
@@ -237,12 +238,14 @@ def encode_message(
         numel_total += numel
         padding_total += get_codec(encoded.codec).decoded_elements(encoded.shape, encoded.params) - numel
         table.append(_table_row(encoded))
-        frames.extend(_as_buffer(frame) for frame in encoded.frames)
+        buffers = [_as_buffer(frame) for frame in encoded.frames]
+        frames.extend(buffers)
+        frame_nbytes += sum(buffer.nbytes for buffer in buffers)
         return msgpack.ExtType(_TENSOR_EXT, (len(table) - 1).to_bytes(4, "little"))
 
     body = msgpack.packb(payload, default=add_extension, use_bin_type=True)
     header = msgpack.packb([WIRE_VERSION, table, body], use_bin_type=True)
-    total = len(header) + sum(memoryview(f).nbytes for f in frames)
+    total = len(header) + frame_nbytes
     if total > max_bytes or decoded_nbytes > max_bytes:
         raise MessageTooLarge(
             f"message is {total} bytes ({decoded_nbytes} bytes of tensors decoded), over the "
