@@ -47,20 +47,46 @@ class Readiness:
         Raises:
             ChannelClosed: :meth:`close` was called while waiting.
         """
-        while not self._any(event):
-            waiter = self._waiter = self._loop.create_future()
-            if not self._armed:
-                for fd in self._fds:
-                    self._loop.add_reader(fd, self._wake)
-                self._armed = True
-            try:
-                if self._any(event):
-                    return
-                await waiter
-            finally:
-                self._waiter = None
-                if not self._sticky:
-                    self._disarm()
+        event = int(event)  # pyzmq's enums make every & below a Python call (several a message)
+        try:
+            while not self._any(event):
+                if not self._armed:
+                    for fd in self._fds:
+                        self._loop.add_reader(fd, self._wake)
+                    self._armed = True
+                    if self._any(event):  # what came between the check above and the arming
+                        return
+                waiter = self._waiter = self._loop.create_future()
+                try:
+                    await waiter
+                finally:
+                    self._waiter = None
+        finally:
+            if not self._sticky:
+                self._disarm()
+
+    async def notified(self) -> None:
+        """Returns at the sockets' next notification, without reading their events first: for a
+        sticky reader whose caller has just read every socket's events and found nothing to do
+        (two ``ZMQ_EVENTS`` calls a wait fewer). A notification may be spurious: the caller reads
+        the events again.
+
+        Raises:
+            ChannelClosed: :meth:`close` was called while waiting.
+        """
+        assert self._sticky, "notified() is for sticky readers"
+        if not self._armed:
+            # A notification that comes before the reader is armed still leaves ZMQ_FD readable
+            # (libzmq reads it only when it processes the socket's commands, which nothing here
+            # does before the wait), so the loop reports it once armed.
+            for fd in self._fds:
+                self._loop.add_reader(fd, self._wake)
+            self._armed = True
+        waiter = self._waiter = self._loop.create_future()
+        try:
+            await waiter
+        finally:
+            self._waiter = None
 
     def _any(self, event: int) -> bool:
         return any(events(socket) & event for socket in self._sockets)
@@ -126,12 +152,12 @@ def bulk_bind_address(bind_address: str) -> str:
     return f"tcp://{rest.rpartition(':')[0]}:*"
 
 
-def events(socket: zmq.Socket[Any]) -> int:
-    return int(socket.getsockopt(zmq.EVENTS))  # type: ignore[call-overload]
-
-
 # Plain ints: pyzmq's enums cost a call per operation.
 _EVENTS, _POLLIN, _POLLOUT = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT)
+
+
+def events(socket: zmq.Socket[Any]) -> int:
+    return socket.getsockopt(_EVENTS)  # type: ignore[return-value]
 _COPY_THRESHOLD = zmq.COPY_THRESHOLD
 _NOBLOCK, _NOBLOCK_MORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
 

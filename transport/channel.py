@@ -251,10 +251,10 @@ class Receiver:
                 if self._socket.closed:
                     raise ChannelClosed(f"receiver {self.address} is closed")
                 frames = self._next()
-                if frames is DRAINED:
+                if frames is DRAINED:  # every socket's events were just read: wait for their next change
                     if self._readiness is None:
                         self._readiness = Readiness(*self._sockets, sticky=True)
-                    await self._readiness.wait(zmq.POLLIN)
+                    await self._readiness.notified()
                 elif frames is not None:
                     return frames
         finally:
