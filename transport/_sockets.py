@@ -154,12 +154,13 @@ def bulk_bind_address(bind_address: str) -> str:
 
 # Plain ints: pyzmq's enums cost a call per operation.
 _EVENTS, _POLLIN, _POLLOUT = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT)
+_NOBLOCK, _NOBLOCK_MORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
+_COPY_THRESHOLD = zmq.COPY_THRESHOLD
 
 
 def events(socket: zmq.Socket[Any]) -> int:
+    """The socket's ZMQ_EVENTS (and its ZMQ_FD notification consumed)."""
     return socket.getsockopt(_EVENTS)  # type: ignore[return-value]
-_COPY_THRESHOLD = zmq.COPY_THRESHOLD
-_NOBLOCK, _NOBLOCK_MORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
 
 
 def readable(socket: zmq.Socket[Any]) -> bool:

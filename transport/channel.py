@@ -36,10 +36,10 @@ from transport._sockets import (
     gather,
     is_local_address,
     is_loopback,
-    readable,
-    writable,
     measure,
+    readable,
     send_nowait,
+    writable,
     zero_copy_pays,
 )
 from transport.sealed import CLAIM_RETRY_S, TAG_BYTES, BulkInbox, BulkLink, SealRefused, is_open_message

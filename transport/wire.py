@@ -208,8 +208,10 @@ def encode_message(
         if isinstance(obj, Encoded):  # encoded already (e.g. on a compute thread)
             encoded = obj
         elif isinstance(obj, Coded):
+            _check_sendable(obj.tensor)
             encoded = get_codec(obj.codec).encode(obj.tensor.detach())
         elif isinstance(obj, torch.Tensor):
+            _check_sendable(obj)
             chosen = get_codec(codec)
             # e.g. integer tensors under a lossy default; float64 too (MAX_EXPANSION)
             if obj.dtype not in chosen.dtypes or (chosen.lossy and obj.dtype.itemsize > 4):
@@ -384,6 +386,16 @@ def _as_buffer(frame: torch.Tensor) -> memoryview:
         frame = frame.cpu()
     # numpy's view keeps the tensor alive for as long as ZeroMQ holds the buffer.
     return memoryview(frame.numpy())  # type: ignore[arg-type]  # ndarray exports the buffer protocol
+
+
+def _check_sendable(tensor: torch.Tensor) -> None:
+    """Raises TypeError for a tensor no codec can carry: one without data, or not dense."""
+    if tensor.layout != torch.strided:
+        raise TypeError(f"cannot send a {str(tensor.layout).removeprefix('torch.')} tensor: messages carry dense "
+                        "tensors; send tensor.to_dense(), or its indices and values as tensors of their own")
+    if tensor.is_meta:
+        raise TypeError(f"cannot send a tensor on the meta device (shape {list(tensor.shape)}): it has no data; "
+                        "materialize it first (torch.empty_like(tensor, device='cpu'), or load its weights)")
 
 
 def _own_buffer(tensor: torch.Tensor) -> memoryview | None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 import pytest
@@ -111,6 +113,22 @@ def test_a_raw_frame_off_its_alignment_decodes_from_an_aligned_copy() -> None:
     assert out.data_ptr() % 16 == 0 and torch.equal(out, tensor)
     backing[start:start + 4] = bytes(4)
     assert torch.equal(out, tensor)  # a copy: the frame's memory is not the tensor's
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.sparse_coo_tensor([[0]], [1.0], (3,)),
+    lambda: torch.ones(2, 2).to_sparse_csr(),
+    lambda: torch.ones(3, device="meta"),
+], ids=["sparse_coo", "sparse_csr", "meta"])
+@pytest.mark.parametrize("codec", ["none", "int8"])
+def test_a_tensor_without_dense_data_is_refused_with_what_to_send_instead(make: Any, codec: str) -> None:
+    """Before: torch's own RuntimeError or NotImplementedError from deep inside a codec."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's notes that sparse support is in beta
+        tensor = make()
+    for payload in ({"t": tensor}, {"t": Coded(tensor, codec)}):
+        with pytest.raises(TypeError, match="to_dense|materialize"):
+            encode_message(payload, codec=codec)
 
 
 def test_raw_encode_does_not_copy_the_tensor() -> None:
