@@ -269,9 +269,10 @@ class Receiver:
         are :class:`~transport.sealed.OpenedFrame` objects, which give the CURVE name
         of the session's sender as ``get("User-Id")`` as a CURVE frame does.
 
-        Which socket is asked first alternates, so neither starves the other. Each is
-        asked by its events, not by a receive that fails: pyzmq's ``Again`` costs more
-        than a message's decoding.
+        Which socket is asked first alternates, so neither starves the other, except that
+        after both were found empty the bulk socket, where messages come, is asked first
+        (one ``ZMQ_EVENTS`` read a message fewer). Each is asked by its events, not by a
+        receive that fails: pyzmq's ``Again`` costs more than a message's decoding.
 
         Raises:
             MessageTooLarge: a message over the limits; it was dropped.
@@ -286,6 +287,7 @@ class Receiver:
             return self._next_curve()
         if not self._bulk_first and readable(bulk.socket):
             return self._next_bulk(bulk)
+        self._bulk_first = False  # the next call asks the bulk socket first: messages come there, not openings
         return DRAINED
 
     def _next_bulk(self, bulk: BulkInbox) -> list[Any] | None | _Drained:
