@@ -62,10 +62,11 @@ from torch.utils.checkpoint import checkpoint
 
 from transport.codecs import Encoded, decode, get_codec
 
-__all__ = ["MIN_ELEMENTS_TO_ENCODE", "Packed", "SavedActivations", "Storages", "checkpoint_interval", "checkpointed",
-           "restore", "run_layers", "run_segments", "storages", "union_bytes"]
+__all__ = ["MIN_ELEMENTS_TO_ENCODE", "Packed", "SavedActivations", "StorageKey", "Storages", "checkpoint_interval",
+           "checkpointed", "restore", "run_layers", "run_segments", "storages", "union_bytes"]
 
-Storages = dict[tuple[torch.device, int], int]  # (device, data pointer) -> bytes
+StorageKey = tuple[torch.device, int]  # (device, data pointer)
+Storages = dict[StorageKey, int]  # -> bytes
 
 # A smaller saved tensor stays as it is: a block's scale and the bookkeeping would cost about what it saves.
 MIN_ELEMENTS_TO_ENCODE = 1024
@@ -113,7 +114,7 @@ def run_segments(layers: Sequence[Callable[..., Any]], every: int, /, *args: Any
     return value
 
 
-def _storage(tensor: torch.Tensor) -> tuple[tuple[torch.device, int], int]:
+def _storage(tensor: torch.Tensor) -> tuple[StorageKey, int]:
     # Keyed by the device object: its str() cost a micro-second, and this runs for every tensor autograd saves.
     try:
         storage = tensor.untyped_storage()
@@ -122,13 +123,13 @@ def _storage(tensor: torch.Tensor) -> tuple[tuple[torch.device, int], int]:
         return (tensor.device, id(tensor)), tensor.numel() * tensor.element_size()
 
 
-def storages(tensors: Iterable[torch.Tensor], resident: Container[tuple[torch.device, int]] = ()) -> Storages:
+def storages(tensors: Iterable[torch.Tensor], resident: Container[StorageKey] = ()) -> Storages:
     """The storages ``tensors`` keep alive, with their sizes, leaving out those in ``resident``."""
     found = dict(_storage(t) for t in tensors)
     return {key: nbytes for key, nbytes in found.items() if key not in resident}
 
 
-def union_bytes(parts: Iterable[Mapping[tuple[torch.device, int], int]]) -> int:
+def union_bytes(parts: Iterable[Mapping[StorageKey, int]]) -> int:
     """Bytes of the storages of all ``parts`` together (one shared by two counts once)."""
     merged: Storages = {}
     for part in parts:
@@ -148,7 +149,7 @@ class SavedActivations:
         CodecError: an unknown codec.
     """
 
-    def __init__(self, resident: Container[tuple[torch.device, int]], codec: str = "none") -> None:
+    def __init__(self, resident: Container[StorageKey], codec: str = "none") -> None:
         self._resident = resident
         self._codec = None if codec == "none" else get_codec(codec)
         self.storages: Storages = {}
@@ -199,10 +200,7 @@ class SavedActivations:
         key, nbytes = _storage(tensor)
         if key in self._resident:
             return tensor.detach()
-        if self._codec is None:  # the common case, first: this runs for every tensor autograd saves
-            self.storages[key] = nbytes
-            return tensor.detach()
-        if not self._worth_encoding(tensor) or self._copies_a_parameter(tensor):
+        if self._codec is None or not self._worth_encoding(tensor) or self._copies_a_parameter(tensor):
             self.storages[key] = nbytes
             # Detached: the packed tensor must not refer back to its own grad_fn (a cycle
             # that only the garbage collector would free); autograd restores it on unpack.
