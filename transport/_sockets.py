@@ -14,7 +14,7 @@ import zmq
 from transport.wire import MessageTooLarge
 
 __all__ = ["ChannelClosed", "Readiness", "bind_address", "bulk_bind_address", "events", "gather", "is_local_address",
-           "is_loopback", "measure", "readable", "send_nowait", "writable", "zero_copy_pays"]
+           "is_loopback", "measure", "readable", "send_nowait", "writable"]
 
 
 class ChannelClosed(RuntimeError):
@@ -51,9 +51,7 @@ class Readiness:
         try:
             while not self._any(event):
                 if not self._armed:
-                    for fd in self._fds:
-                        self._loop.add_reader(fd, self._wake)
-                    self._armed = True
+                    self._arm()
                     if self._any(event):  # what came between the check above and the arming
                         return
                 waiter = self._waiter = self._loop.create_future()
@@ -79,9 +77,7 @@ class Readiness:
             # A notification that comes before the reader is armed still leaves ZMQ_FD readable
             # (libzmq reads it only when it processes the socket's commands, which nothing here
             # does before the wait), so the loop reports it once armed.
-            for fd in self._fds:
-                self._loop.add_reader(fd, self._wake)
-            self._armed = True
+            self._arm()
         waiter = self._waiter = self._loop.create_future()
         try:
             await waiter
@@ -98,6 +94,11 @@ class Readiness:
             for socket in self._sockets:
                 if not socket.closed:
                     events(socket)
+
+    def _arm(self) -> None:
+        for fd in self._fds:
+            self._loop.add_reader(fd, self._wake)
+        self._armed = True
 
     def _disarm(self) -> None:
         # Only while armed: once the socket is closed its fd number may belong to
@@ -187,15 +188,11 @@ def send_nowait(socket: zmq.Socket[Any], frames: list[Any], *, copy: bool) -> No
 
 
 def measure(frames: list[Any]) -> tuple[int, bool]:
-    """The bytes of ``frames``, and whether sending them zero-copy pays (see :func:`zero_copy_pays`)."""
+    """The bytes of ``frames``, and whether sending them zero-copy pays: a zero-copy frame costs a
+    Frame object and a release callback, so below ZeroMQ's own copy threshold copying is cheaper
+    (and libzmq copies such frames anyway)."""
     sizes = [memoryview(f).nbytes for f in frames]
     return sum(sizes), max(sizes, default=0) >= _COPY_THRESHOLD
-
-
-def zero_copy_pays(frames: list[Any]) -> bool:
-    """Zero-copy frames cost a Frame object and a release callback each; below
-    ZeroMQ's own copy threshold copying is cheaper (and libzmq copies them anyway)."""
-    return any(memoryview(f).nbytes >= _COPY_THRESHOLD for f in frames)
 
 
 def bind_address(address: str, *, allow_remote: bool) -> tuple[str, str | None]:

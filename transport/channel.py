@@ -40,7 +40,6 @@ from transport._sockets import (
     readable,
     send_nowait,
     writable,
-    zero_copy_pays,
 )
 from transport.sealed import CLAIM_RETRY_S, TAG_BYTES, BulkInbox, BulkLink, SealRefused, is_open_message
 from transport.security import (
@@ -532,7 +531,7 @@ class Sender:
             # A large message is sealed only once there is room for it; a small one at once (asking
             # the socket costs more than sealing it twice, and a number sealed but not sent leaves
             # a gap, which the receiver takes: it asks only that numbers grow).
-            if not self._link.advance() or (zero_copy_pays(frames) and not writable(self._data)):
+            if not self._link.advance() or (measure(frames)[1] and not writable(self._data)):
                 raise WouldBlock(f"the sealed session to {self.address} is not open yet, or its queue is full")
             frames = self._link.seal(frames)
         nbytes, large = measure(frames)
