@@ -105,14 +105,19 @@ def read_data(data: BatchFunction | DatasetReader | None, config: StageConfig, d
     replicas]``), and (on a last stage) their loss weights (None: an even split; see
     :mod:`stages.compute.averaging`).
 
+    A stage actor that holds neither (the middle of three, or both inner stages of a V) reads
+    nothing: its values come from its neighbours.
+
     Raises:
         ValueError: the job has no data factory, or a batch of fewer samples than its parts.
     """
+    first, last = 0 in config.stages, config.num_stages - 1 in config.stages
+    if not (first or last):
+        return None, None, None
     if data is None:
         raise ValueError(f"job {config.job} has no data factory")
     index, count = shard
     inputs, targets, weights = data.read(data_step, index, count, num_microbatches)
-    first, last = 0 in config.stages, config.num_stages - 1 in config.stages
     return inputs if first else None, targets if last else None, weights if last else None
 
 

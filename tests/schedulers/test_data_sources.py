@@ -79,6 +79,39 @@ async def test_a_data_loader_of_many_lengths_trains_as_one_process(cluster: Clus
         torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
 
 
+@pytest.mark.parametrize(("schedule", "stages", "micro"), [("1f1b", 3, MICRO), ("dualpipev", 2, 4)])
+async def test_a_stage_between_the_first_and_the_last_reads_no_data(cluster: Cluster, schedule: str, stages: int,
+                                                                     micro: int) -> None:
+    # A rank that holds neither the model's first stage nor its last (the middle of three, or both
+    # ranks' inner stages in a V) has no data to read: its values come from its neighbours.
+    steps = 2
+    reader = DatasetReader(token_sequences(**DATA), None, seed=0)
+    try:
+        reads = [reader.read(step, 0, 1, micro) for step in range(steps)]
+    finally:
+        reader.close()
+    torch.manual_seed(0)
+    model = gpt(**GPT)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for inputs, targets, _ in reads:
+        total = sum(lm_loss(model(x), y, reduction="sum") for x, y in zip(inputs, targets))
+        loss = total / sum(int((y != -100).sum()) for y in targets)
+        losses.append(loss.item())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    job = await cluster.train(**_train(pipeline_stages=stages, data_parallel=1, schedule=schedule, micro_batches=micro))
+    try:
+        stats = [await job.step() for _ in range(steps)]
+        state = await job.state_dict()
+    finally:
+        await job.close()
+    assert [s.loss for s in stats] == pytest.approx(losses, rel=1e-5)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+
+
 async def test_a_checkpoint_resumes_the_data_where_it_stood(cluster: Cluster, tmp_path: Path) -> None:
     job = await cluster.train(**_train())
     try:
