@@ -16,7 +16,11 @@ Peers, all measured in one run on the reference workload (docs/design.md):
   ``dualpipev`` (two model stages per rank, as torch's); at 2 stages also 1F1B over
   torch.distributed (``dist_vs_zmq``) and 1F1B with plain autograd and glibc's default
   allocator (``defaults_vs_plain``: what ``gradient_accumulation_fusion`` and
-  ``keep_freed_memory`` buy);
+  ``keep_freed_memory`` buy). Each job's first and last stages read the batch where they
+  compute, from a data factory (:func:`reference_data`), as torch's ranks and the
+  ``compute_only`` processes hold theirs; at 2 stages 1F1B also runs with the batch sent
+  by the driver at every step, through the head (``driver_fed_vs_stage_data``: what
+  moving 8 MiB twice a step costs);
 - the ceiling at 2 stages (``compute_only``): two processes that each compute their
   stage's 8 micro-batches back to back at the same time, with nothing sent and no
   bubble. A 1F1B pipeline cannot beat it; ``*_vs_compute_only`` says how close each
@@ -59,7 +63,7 @@ import json
 import statistics
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -102,6 +106,17 @@ class PeerResult:
         return BATCH_SIZE / statistics.median(self.step_times_s)
 
 
+DATA_MODULE = "benchmarks.pipeline"  # where the nodes find reference_data (this module, by its import name)
+
+
+def reference_data(batch_shape: Sequence[int]) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
+    """A data factory (a job's ``data=``) whose every step's batch is :func:`reference_batch`'s for
+    ``batch_shape``, made once where the stage runs: the stages read the batch where they compute,
+    as torch's ranks hold theirs, instead of the driver sending it each step."""
+    inputs, targets = reference_batch(Workload(batch_shape=tuple(batch_shape)))
+    return lambda step: (inputs, targets)
+
+
 class Peer(Protocol):
     """One contender, kept up for the whole run so that its rounds can interleave."""
 
@@ -130,7 +145,7 @@ class SharedClusters:
 
         key = (nodes, allow)
         if key not in self._clusters:
-            self._clusters[key] = await self._stack.enter_async_context(LocalCluster(nodes=nodes, allow=[allow]))
+            self._clusters[key] = await self._stack.enter_async_context(LocalCluster(nodes=nodes, allow=[allow, DATA_MODULE]))
         return self._clusters[key]
 
     async def aclose(self) -> None:
@@ -154,8 +169,10 @@ class ActorpipePeer:
         name: str | None = None,
         options: dict[str, Any] | None = None,
         workload: Workload = REFERENCE,
+        data_on_stages: bool = False,
     ) -> None:
         self.num_stages, self.schedule, self.transport = num_stages, schedule, transport
+        self.data_on_stages = data_on_stages  # the stages read the batch (reference_data), else the driver sends it
         self.options = dict(options or {})  # more cluster.train arguments
         self.tensor_parallel, self.data_parallel, self.micro_batches = tensor_parallel, data_parallel, micro_batches
         suffix = "" if transport == "zmq" else f"_{transport}"
@@ -183,18 +200,24 @@ class ActorpipePeer:
                 loss="torch.nn.functional:mse_loss", optimizer=("torch.optim:SGD", {"lr": 0.01}),
                 pipeline_stages=self.num_stages, tensor_parallel=self.tensor_parallel,
                 data_parallel=self.data_parallel, schedule=self.schedule, micro_batches=self.micro_batches,
-                seed=0, transport=self.transport, **self.options)
+                seed=0, transport=self.transport, **self._data(), **self.options)
             self._stack.push_async_callback(self.job.close)
         except BaseException:
             await self._stack.aclose()
             raise
+
+    def _data(self) -> dict[str, Any]:
+        """The job's data factory, when the stages read the batch themselves."""
+        if not self.data_on_stages:
+            return {}
+        return {"data": f"{DATA_MODULE}:reference_data", "data_kwargs": {"batch_shape": list(self.workload.batch_shape)}}
 
     async def run(self, num_steps: int) -> list[float]:
         """Runs ``num_steps`` steps; returns the driver's wall time of each."""
         times = []
         for _ in range(num_steps):
             start = time.perf_counter()
-            self.last_stats = await self.job.step(self.inputs, self.targets)
+            self.last_stats = await (self.job.step() if self.data_on_stages else self.job.step(self.inputs, self.targets))
             times.append(time.perf_counter() - start)
             self.bubble_fractions.append(float(self.last_stats.bubble_fraction))
         return times
@@ -253,7 +276,7 @@ def make_groups(args: argparse.Namespace, state_dir: str) -> list[list[Peer]]:
             peers += [TorchPeer(num_stages=num_stages, schedule=schedule, state_dir=state_dir, workload=workload)
                       for schedule in args.torch_schedules]
         if not args.skip_actorpipe:
-            peers += [ActorpipePeer(num_stages=num_stages, schedule=schedule, workload=workload)
+            peers += [ActorpipePeer(num_stages=num_stages, schedule=schedule, workload=workload, data_on_stages=True)
                       for schedule in args.actorpipe_schedules]
         if num_stages == 2 and not args.skip_compiled:
             # Each block compiled (torch.compile), against the same schedule eager.
@@ -263,17 +286,21 @@ def make_groups(args: argparse.Namespace, state_dir: str) -> list[list[Peer]]:
             if not args.skip_actorpipe and "1f1b" in args.actorpipe_schedules:
                 peers.append(ActorpipePeer(num_stages=2, schedule="1f1b", name="actorpipe_1f1b_2stages_compiled",
                                            options={"torch_compile": {"backend": args.compile_backend}},
-                                           workload=workload))
+                                           workload=workload, data_on_stages=True))
         if not args.skip_actorpipe and not args.skip_variants and num_stages == 2:
             # Stage-to-stage tensors over torch.distributed (gloo) instead of ZeroMQ.
-            peers.append(ActorpipePeer(num_stages=2, schedule="1f1b", transport="dist", workload=workload))
+            peers.append(ActorpipePeer(num_stages=2, schedule="1f1b", transport="dist", workload=workload,
+                                       data_on_stages=True))
             # W batching: each weight's gradient one GEMM over all micro-batches, at the step's tail.
             for schedule in ("1f1b", "zero_bubble"):
                 peers.append(ActorpipePeer(num_stages=2, schedule=schedule, name=f"actorpipe_{schedule}_2stages_wbatch",
-                                           options={"w_batching": True}, workload=workload))
+                                           options={"w_batching": True}, workload=workload, data_on_stages=True))
             # 1F1B with plain autograd and glibc's default allocator: what those two defaults buy.
             peers.append(ActorpipePeer(num_stages=2, schedule="1f1b", name="actorpipe_1f1b_2stages_plain",
                                        options={"gradient_accumulation_fusion": False, "keep_freed_memory": False},
+                                       workload=workload, data_on_stages=True))
+            # The batch sent by the driver each step (through the head) instead of read on the stages.
+            peers.append(ActorpipePeer(num_stages=2, schedule="1f1b", name="actorpipe_1f1b_2stages_driver_fed",
                                        workload=workload))
         groups.append(peers)
     return groups
@@ -478,6 +505,8 @@ def summarize(results: list[PeerResult], stage_counts: list[int]) -> dict[str, A
                                                          by_name.get("torch_1f1b_2stages"))
     summary["defaults_vs_plain_1f1b_2stages"] = ratio(by_name.get("actorpipe_1f1b_2stages"),
                                                       by_name.get("actorpipe_1f1b_2stages_plain"))
+    summary["driver_fed_vs_stage_data_1f1b_2stages"] = ratio(by_name.get("actorpipe_1f1b_2stages_driver_fed"),
+                                                             by_name.get("actorpipe_1f1b_2stages"))
     # Time per step compiled over eager (a ratio of samples/s, eager's over compiled's): below 1, compile helps.
     summary["compiled_vs_eager_2stages"] = {
         name: ratio(by_name.get(f"{name}_1f1b_2stages"), by_name.get(f"{name}_1f1b_2stages_compiled"))

@@ -11,9 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from benchmarks._torch_pipelining import DIM, NUM_BLOCKS, REFERENCE
-from benchmarks.pipeline import ACTORPIPE_SCHEDULES, PeerResult, fastest, last_line, split_steps, workload_of
+from benchmarks._torch_pipelining import DIM, NUM_BLOCKS, REFERENCE, Workload, reference_batch
+from benchmarks.pipeline import (
+    ACTORPIPE_SCHEDULES, ActorpipePeer, PeerResult, fastest, last_line, reference_data, split_steps, workload_of,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -55,6 +58,16 @@ def test_blocks_and_dim_pick_a_smaller_model_of_the_reference_kind() -> None:
     small = workload_of(argparse.Namespace(blocks=4, dim=32))
     assert small.model == REFERENCE.model and small.model_kwargs == {"blocks": 4, "dim": 32}
     assert small.batch_shape == (*REFERENCE.batch_shape[:-1], 32)
+
+
+def test_the_stages_read_the_batch_the_driver_would_send() -> None:
+    workload = Workload(model_kwargs={"blocks": 2, "dim": 16}, batch_shape=(8, 4, 16))
+    inputs, targets = reference_data(list(workload.batch_shape))(3)
+    sent = reference_batch(workload)
+    assert torch.equal(inputs, sent[0]) and torch.equal(targets, sent[1])
+    on_stages = ActorpipePeer(num_stages=2, schedule="1f1b", workload=workload, data_on_stages=True)
+    assert on_stages._data() == {"data": "benchmarks.pipeline:reference_data", "data_kwargs": {"batch_shape": [8, 4, 16]}}
+    assert ActorpipePeer(num_stages=2, schedule="1f1b", workload=workload)._data() == {}
 
 
 @pytest.mark.slow
