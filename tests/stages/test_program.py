@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stages.program import COMM_KINDS, TAIL_KINDS, Action, ActionKind, stage_to_rank, transfer_partner
+from stages.program import COMM_KINDS, TAIL_KINDS, Action, ActionKind, _parse_known, stage_to_rank, transfer_partner
 
 
 
@@ -46,6 +46,17 @@ def test_bad_text_is_a_value_error_naming_it(text: str) -> None:
     with pytest.raises(ValueError, match="not an action") as info:
         Action.parse(text)
     assert repr(text) in str(info.value)
+
+
+def test_a_program_parsed_again_reuses_its_actions_and_a_bad_text_fails_every_time() -> None:
+    # A stage parses its program at every step: the second time costs lookups, not parses.
+    program = ["0RECV_F5", "0F5", "0I5", "0SEND_B5", "0W5", "0BARRIER"]
+    first, second = [Action.parse(t) for t in program], [Action.parse(t) for t in program]
+    assert first == second and all(a is b for a, b in zip(first, second))
+    for _ in range(2):  # an error is not remembered as an answer
+        with pytest.raises(ValueError, match="not an action"):
+            Action.parse("0X5")
+    assert _parse_known.cache_info().maxsize == 1 << 15  # bounded: a long run of new texts cannot grow it
 
 
 @pytest.mark.parametrize(
