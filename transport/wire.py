@@ -550,23 +550,26 @@ def _unpack_body(body: bytes, ext_hook: Callable[[int, bytes], Any], records: _R
 
 
 def _check_depth(payload: Any) -> None:
-    """Raises WireError if lists and maps nest deeper than MAX_DEPTH in ``payload``."""
-    def is_container(x: Any) -> bool:
-        return type(x) is list or type(x) is dict or type(x) in RECORD_NAMES
+    """Raises WireError if lists and maps nest deeper than MAX_DEPTH in ``payload``.
 
-    level = [payload] if is_container(payload) else []
+    Level by level, each level's containers picked out of the one above in C
+    (``compress`` over a membership test of each item's type): a body of many small
+    lists (a stage's report holds one per action) costs no Python call per item.
+    """
+    containers = {list, dict, *RECORD_NAMES}
+    is_container = containers.__contains__
+    level = [payload] if type(payload) in containers else []
     for _ in range(MAX_DEPTH):
         deeper: list[Any] = []
         for container in level:
-            if type(container) is dict:
-                items: Any = container.values()
-            elif type(container) is list:
-                items = container
+            kind = type(container)
+            if kind is list:
+                items: Any = container
+            elif kind is dict:
+                items = container.values()
             else:  # a record: its fields
-                items = list(RECORD_NAMES[type(container)][1](container).values())
-            kinds = set(map(type, items))  # C speed: most containers hold no containers
-            if list in kinds or dict in kinds or not kinds.isdisjoint(RECORD_NAMES):
-                deeper.extend(x for x in items if is_container(x))
+                items = list(RECORD_NAMES[kind][1](container).values())
+            deeper += itertools.compress(items, map(is_container, map(type, items)))
         if not deeper:
             return
         level = deeper
