@@ -10,6 +10,7 @@ loaded from it reads on exactly where the saved one did.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -44,6 +45,33 @@ MODELS = {
 }
 
 
+def train_one_process(model: torch.nn.Module, logits: Any, steps: list[list[tuple[Any, Any]]]) -> list[float]:
+    """Trains ``model`` as the job does (SGD, a token mean over each step's micro-batches); each step's loss."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for pairs in steps:
+        total = sum(lm_loss(logits(model(x)), y, reduction="sum") for x, y in pairs)
+        loss = total / sum(int((y != -100).sum()) for _, y in pairs)
+        losses.append(loss.item())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return losses
+
+
+async def assert_trains_as(cluster: Cluster, trained: torch.nn.Module, losses: list[float], **overrides: Any) -> None:
+    """A job of ``_train(**overrides)`` reads its data for ``len(losses)`` steps and ends equal to ``trained``."""
+    job = await cluster.train(**_train(**overrides))
+    try:
+        stats = [await job.step() for _ in losses]
+        state = await job.state_dict()
+    finally:
+        await job.close()
+    assert [s.loss for s in stats] == pytest.approx(losses, rel=1e-5)
+    for key, value in trained.state_dict().items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 async def test_a_data_loader_of_many_lengths_trains_as_one_process(cluster: Cluster, name: str) -> None:
     build, options, logits = MODELS[name]
@@ -57,26 +85,9 @@ async def test_a_data_loader_of_many_lengths_trains_as_one_process(cluster: Clus
     assert len(lengths) > 2  # the micro-batches do have lengths of their own
     torch.manual_seed(0)
     model = build()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    losses = []
-    for step in reads:
-        pairs = [(x, y) for inputs, targets, _ in step for x, y in zip(inputs, targets)]
-        total = sum(lm_loss(logits(model(x)), y, reduction="sum") for x, y in pairs)
-        count = sum(int((y != -100).sum()) for _, y in pairs)
-        loss = total / count
-        losses.append(loss.item())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    job = await cluster.train(**_train(**options))
-    try:
-        stats = [await job.step() for _ in range(steps)]
-        state = await job.state_dict()
-    finally:
-        await job.close()
-    assert [s.loss for s in stats] == pytest.approx(losses, rel=1e-5)
-    for key, value in model.state_dict().items():
-        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+    losses = train_one_process(model, logits, [[(x, y) for inputs, targets, _ in step for x, y in zip(inputs, targets)]
+                                               for step in reads])
+    await assert_trains_as(cluster, model, losses, **options)
 
 
 @pytest.mark.parametrize(("schedule", "stages", "micro"), [("1f1b", 3, MICRO), ("dualpipev", 2, 4)])
@@ -84,32 +95,16 @@ async def test_a_stage_between_the_first_and_the_last_reads_no_data(cluster: Clu
                                                                      micro: int) -> None:
     # A rank that holds neither the model's first stage nor its last (the middle of three, or both
     # ranks' inner stages in a V) has no data to read: its values come from its neighbours.
-    steps = 2
     reader = DatasetReader(token_sequences(**DATA), None, seed=0)
     try:
-        reads = [reader.read(step, 0, 1, micro) for step in range(steps)]
+        reads = [reader.read(step, 0, 1, micro) for step in range(2)]
     finally:
         reader.close()
     torch.manual_seed(0)
     model = gpt(**GPT)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    losses = []
-    for inputs, targets, _ in reads:
-        total = sum(lm_loss(model(x), y, reduction="sum") for x, y in zip(inputs, targets))
-        loss = total / sum(int((y != -100).sum()) for y in targets)
-        losses.append(loss.item())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    job = await cluster.train(**_train(pipeline_stages=stages, data_parallel=1, schedule=schedule, micro_batches=micro))
-    try:
-        stats = [await job.step() for _ in range(steps)]
-        state = await job.state_dict()
-    finally:
-        await job.close()
-    assert [s.loss for s in stats] == pytest.approx(losses, rel=1e-5)
-    for key, value in model.state_dict().items():
-        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+    losses = train_one_process(model, lambda out: out, [list(zip(inputs, targets)) for inputs, targets, _ in reads])
+    await assert_trains_as(cluster, model, losses, pipeline_stages=stages, data_parallel=1, schedule=schedule,
+                           micro_batches=micro)
 
 
 async def test_a_checkpoint_resumes_the_data_where_it_stood(cluster: Cluster, tmp_path: Path) -> None:
