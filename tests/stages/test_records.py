@@ -6,8 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import zmq
 
-from stages.records import RecordError, StepOrder
+from stages.records import RecordError, StageReport, StepOrder
+from transport.records import RECORD_NAMES
+from transport.wire import decode_message, encode_message
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -46,3 +49,20 @@ def test_a_step_order_with_an_unknown_or_missing_key_is_refused() -> None:
         StepOrder.from_wire({"step": 1, "program": [], "inputz": []})
     with pytest.raises(RecordError, match="missing key\\(s\\) program"):
         StepOrder.from_wire({"step": 1})
+
+
+def test_a_stage_report_travels_with_its_spans_flat_and_comes_back_as_it_left() -> None:
+    spans = [[f"1F{i}", 0.01 * i, 0.01 * i + 0.005] for i in range(300)]
+    report = StageReport(status="done", losses=[0.5, 0.25], items=[2.0, 2.0], spans=spans, started_at=12.5)
+    on_the_wire = RECORD_NAMES[StageReport][1](report)["spans"]  # what the encoder writes: one flat list
+    assert on_the_wire == [item for span in spans for item in span]
+    frames = encode_message({"v": report})
+    back = decode_message([zmq.Frame(bytes(f)) for f in frames])["v"]
+    assert back == report and back.spans == spans
+    assert StageReport.from_wire(report.to_wire()) == report  # a nested map (JSON, logs) is taken too
+    assert StageReport.from_wire({"status": "done", "spans": []}).spans == []
+
+
+def test_flat_spans_that_are_not_whole_triples_are_refused() -> None:
+    with pytest.raises(RecordError, match="whole \\[action, start, end\\] triples, not 4 items"):
+        StageReport.from_wire({"status": "done", "spans": ["1F0", 0.0, 0.1, "1B0"]})
