@@ -11,7 +11,7 @@ import torch
 
 from actors import ActorError, NonFiniteError, StageLost, StepFailed
 from stages import FinishReport, Mesh, ReduceReport, stage_to_rank, StageReport
-from stages.compute.averaging import shard_batch, step_loss
+from stages.compute.averaging import shard_replicas, step_loss
 from schedulers.jobs import JobSpec
 from schedulers.records import StepStats
 
@@ -40,8 +40,10 @@ def step_calls(
         return calls
     if inputs is None or targets is None:
         raise ValueError("step() takes both inputs and targets, or neither (to read the data factory)")
-    # Each data-parallel replica trains on its own shard of the global batch.
-    input_shards, target_shards, weights = shard_batch(inputs, targets, mesh.data, spec.parallelism.micro_batches)
+    # Each data-parallel replica trains on its own shard of the global batch, which its first and last
+    # stages receive whole and cut into micro-batches themselves (one tensor on the wire, not one a
+    # micro-batch); the weights of those micro-batches come from their sizes.
+    input_shards, target_shards, weights = shard_replicas(inputs, targets, mesh.data, spec.parallelism.micro_batches)
     for rank, call in calls.items():
         c = mesh.coords(rank)
         if c.pipeline == first:
@@ -50,6 +52,8 @@ def step_calls(
             call["targets"] = target_shards[c.data]
             if weights is not None:
                 call["loss_weights"] = weights[c.data]
+        if c.pipeline in (first, last):
+            call["whole"] = True
     return calls
 
 

@@ -37,6 +37,7 @@ from actors._registry import DEFAULT_ALLOW, EXAMPLE_FACTORIES, register_actor
 from stages.build import tied, traced
 from stages.build.stage import BuiltStage, build_stage, read_data
 from stages.comm import zero
+from stages.comm.boundary import split_batch
 from stages.comm.delivery import PeerEndpoints, Receiver, Sender, check_codecs
 from stages.comm.device_io import DeviceIO
 from stages.comm.groups import StageGroups
@@ -167,7 +168,12 @@ async def begin_step(config: StageConfig, parts: StageParts, order: StepOrder) -
     if not order.evaluate:
         await executor.begin(actions, w_batching=order.w_batching)
     parts.sender.edge_stats = {}
-    if order.data_step is None:
+    if order.data_step is None and order.whole:  # the replica's share, cut here as the head would have
+        count = executor.num_microbatches
+        inputs, targets = (None if share is None else split_batch(share, count, what, aligned=True)
+                           for share, what in ((order.inputs, "inputs"), (order.targets, "targets")))
+        batch = StepBatch(actions, inputs, targets, order.loss_weights)
+    elif order.data_step is None:
         batch = StepBatch(actions, order.inputs, order.targets, order.loss_weights)
     else:
         # Off the loop (a dataset's first read, or one after a rollback, takes a while): heartbeats go on.

@@ -106,10 +106,15 @@ class StepOrder(WireRecord):
     """The step's number: unique per try (a retried step gets a new one), so it fences stale messages."""
     program: list[str]
     """This stage's actions in their text form (``0F3``), up to the barrier and the tail after it."""
-    inputs: list[Any] | None = None
-    """The first stage's micro-batches of inputs (or None: ``data_step`` reads them)."""
-    targets: list[Any] | None = None
-    """The last stage's micro-batches of targets."""
+    inputs: Any = None
+    """The first stage's micro-batches of inputs, a list (or None: ``data_step`` reads them); with
+    :attr:`whole`, its replica's whole share instead."""
+    targets: Any = None
+    """The last stage's micro-batches of targets, a list; with :attr:`whole`, the whole share."""
+    whole: bool = False
+    """``inputs`` and ``targets`` are the replica's whole share of the batch, one batch each: the stage
+    cuts them into its micro-batches (:func:`~stages.comm.boundary.split_batch`, as
+    :func:`torch.tensor_split` cuts), so that one tensor crosses the wire instead of one a micro-batch."""
     data_step: int | None = None
     """Read this step's batch from the job's data factory instead."""
     data_shard: list[int] | None = None
@@ -149,7 +154,7 @@ class StepOrder(WireRecord):
             raise ValueError(f"program must be a list of actions as text, got {self.program!r:.40}")
         if self.w_batching is not None and not isinstance(self.w_batching, bool):
             raise ValueError(f"w_batching must be a bool, got {self.w_batching!r:.40}")
-        for flag in ("finish", "fp16", "scale_at_floor", "per_item", "evaluate", "keep_outputs"):
+        for flag in ("finish", "fp16", "scale_at_floor", "per_item", "evaluate", "keep_outputs", "whole"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r:.40}")
         norm = self.max_norm

@@ -21,6 +21,9 @@ from typing import Any
 
 import torch
 
+from transport._buffers import aligned_empty
+from transport.codecs import FRAME_ALIGNMENT
+
 __all__ = ["MAX_LEAVES", "Payload", "batch_size", "call_module", "cast_floating", "check_spec", "grad_leaves", "pack",
            "split_batch", "tree_tensors", "unpack"]
 
@@ -206,12 +209,15 @@ def batch_size(batch: Any) -> int | None:
     return int(tensors[0].shape[0]) if tensors and tensors[0].dim() > 0 else None
 
 
-def split_batch(batch: Any, parts: int, what: str, name: str = "micro_batches") -> list[Any]:
+def split_batch(batch: Any, parts: int, what: str, name: str = "micro_batches", *, aligned: bool = False) -> list[Any]:
     """``batch`` (a tensor, a tuple/list of tensors, or a dict of them) cut into ``parts`` along dim 0.
 
     A batch that does not divide evenly is cut as :func:`torch.tensor_split` cuts it: the
     first ``size % parts`` parts hold one sample more (a short last batch trains, each
     micro-batch's loss weighted by its samples: see :func:`stages.compute.averaging.sample_weights`).
+    The parts are views of the batch; with ``aligned``, a part that starts off the alignment
+    a received tensor has (:data:`~transport.codecs.FRAME_ALIGNMENT`) is copied to one that
+    does not, so that a stage that cuts its share computes as one that received each part.
 
     Raises:
         TypeError: a batch with no tensor, or with values other than tensors, containers and constants.
@@ -238,5 +244,17 @@ def split_batch(batch: Any, parts: int, what: str, name: str = "micro_batches") 
         raise ValueError(f"{what} hold tensors of different batch sizes {sorted(s[0] for s in sizes)}; every "
                          "tensor of a batch has the samples along its first dim")
     chunks = [t.tensor_split(parts) for t in tensors]
+    if aligned:
+        chunks = [tuple(_aligned(c) for c in cut) for cut in chunks]
     return [unpack(Payload([c[k] for c in chunks], payload.spec)) for k in range(parts)]
+
+
+def _aligned(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or a contiguous copy of it at an aligned address when it starts off one."""
+    if tensor.is_contiguous() and not tensor.data_ptr() % max(tensor.element_size(), FRAME_ALIGNMENT):
+        return tensor
+    if tensor.device.type != "cpu":
+        return tensor.contiguous()
+    copy = aligned_empty(tensor.numel() * tensor.element_size()).view(tensor.dtype).view(tensor.shape)
+    return copy.copy_(tensor)
 

@@ -32,7 +32,8 @@ import torch
 
 from stages.comm.boundary import batch_size, split_batch, tree_tensors
 
-__all__ = ["check_summable", "count_items", "loss_of", "sample_weights", "shard_batch", "step_loss"]
+__all__ = ["check_summable", "count_items", "loss_of", "sample_weights", "shard_batch", "shard_replicas", "split_sizes",
+           "step_loss"]
 
 
 def sample_weights(sizes: Sequence[Sequence[int]]) -> list[list[float]] | None:
@@ -58,18 +59,39 @@ def shard_batch(inputs: Any, targets: Any, replicas: int, micro_batches: int
         ValueError: fewer samples than ``replicas * micro_batches``.
         TypeError, ValueError: see :func:`~stages.comm.boundary.split_batch`.
     """
+    input_shards, target_shards, weights = shard_replicas(inputs, targets, replicas, micro_batches)
+    return ([split_batch(shard, micro_batches, "inputs") for shard in input_shards],
+            [split_batch(shard, micro_batches, "targets") for shard in target_shards], weights)
+
+
+def shard_replicas(inputs: Any, targets: Any, replicas: int, micro_batches: int
+                   ) -> tuple[list[Any], list[Any], list[list[float]] | None]:
+    """A global batch cut into each replica's whole share (inputs and targets), with the
+    :func:`sample_weights` of the ``micro_batches`` parts a stage will cut each share into
+    (:func:`~stages.comm.boundary.split_batch`, as :func:`torch.tensor_split` cuts; None for an
+    even split): :func:`shard_batch` but its last cut, which the share's stages make themselves.
+
+    Raises:
+        ValueError: fewer samples than ``replicas * micro_batches``.
+        TypeError, ValueError: see :func:`~stages.comm.boundary.split_batch`.
+    """
     for what, batch in (("inputs", inputs), ("targets", targets)):
         size = batch_size(batch)
         if size is not None and 0 < size < replicas * micro_batches:
             raise ValueError(f"{what}: a batch of {size} samples cannot give {replicas * micro_batches} micro-batches "
                              f"(data_parallel {replicas} x micro_batches {micro_batches}) one sample each; give at "
                              f"least {replicas * micro_batches} samples or lower micro_batches")
-    input_shards = [split_batch(shard, micro_batches, "inputs")
-                    for shard in split_batch(inputs, replicas, "inputs", "data_parallel")]
-    target_shards = [split_batch(shard, micro_batches, "targets")
-                     for shard in split_batch(targets, replicas, "targets", "data_parallel")]
-    sizes = [[batch_size(mb) or 1 for mb in shard] for shard in target_shards]
+    input_shards = split_batch(inputs, replicas, "inputs", "data_parallel")
+    target_shards = split_batch(targets, replicas, "targets", "data_parallel")
+    sizes = [split_sizes(batch_size(shard) or 1, micro_batches) for shard in target_shards]
     return input_shards, target_shards, sample_weights(sizes)
+
+
+def split_sizes(size: int, parts: int) -> list[int]:
+    """The sizes of ``parts`` pieces of ``size`` samples as :func:`torch.tensor_split` cuts them
+    (the first ``size % parts`` one larger); a piece is never empty (at least one sample each)."""
+    base, extra = divmod(size, parts)
+    return [max(1, base + (k < extra)) for k in range(parts)]
 
 
 def count_items(target: Any, ignore_index: int) -> torch.Tensor:

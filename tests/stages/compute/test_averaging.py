@@ -6,7 +6,10 @@ import pytest
 import torch
 
 from examples.models import lm_loss
-from stages.compute.averaging import check_summable, count_items, sample_weights, shard_batch, step_loss
+from stages.comm.boundary import split_batch
+from stages.compute.averaging import (
+    check_summable, count_items, sample_weights, shard_batch, shard_replicas, split_sizes, step_loss,
+)
 
 
 def test_an_even_split_has_no_weights_and_an_uneven_one_weighs_by_samples() -> None:
@@ -26,6 +29,39 @@ def test_a_global_batch_shards_in_order_and_refuses_too_few_samples() -> None:
     assert weights is not None and len(weights[1]) == 2
     with pytest.raises(ValueError, match="a batch of 3 samples cannot give 4 micro-batches"):
         shard_batch(x[:3], y[:3], 2, 2)
+
+
+@pytest.mark.parametrize(("samples", "replicas", "micro"), [(64, 1, 8), (37, 2, 4), (10, 3, 3), (9, 1, 9), (50, 2, 7)])
+def test_a_replicas_whole_share_cuts_on_its_stage_into_the_micro_batches_the_head_would_send(
+        samples: int, replicas: int, micro: int) -> None:
+    x = torch.randn(samples, 3)
+    y = {"t": torch.arange(samples * 2.0).view(samples, 2)}
+    inputs, targets, weights = shard_batch(x, y, replicas, micro)
+    shares_in, shares_out, share_weights = shard_replicas(x, y, replicas, micro)
+    assert share_weights == weights  # from the sizes alone, the same as from the cut micro-batches
+    for r in range(replicas):
+        for cut, sent in ((split_batch(shares_in[r], micro, "inputs", aligned=True), inputs[r]),
+                          (split_batch(shares_out[r], micro, "targets", aligned=True), targets[r])):
+            assert len(cut) == len(sent) == micro
+            for a, b in zip(cut, sent):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert split_sizes(10, 3) == [4, 3, 3] and split_sizes(9, 9) == [1] * 9
+    with pytest.raises(ValueError, match="a batch of 3 samples cannot give 4 micro-batches"):
+        shard_replicas(x[:3], {"t": y["t"][:3]}, 2, 2)
+
+
+def test_a_cut_share_is_aligned_as_a_received_tensor_is() -> None:
+    # 3 float32 features: a row is 12 bytes. Of 3 parts of 10 rows (4, 3, 3) the second starts 48 bytes
+    # in, aligned: a view; the third 84 bytes in, off a 16-byte boundary: copied.
+    share = torch.arange(30.0).view(10, 3)
+    parts = split_batch(share, 3, "inputs", aligned=True)
+    assert all(p.data_ptr() % 16 == 0 for p in parts)
+    assert parts[0].data_ptr() == share.data_ptr()  # the first starts where the share does: no copy
+    assert parts[1].untyped_storage().data_ptr() == share.untyped_storage().data_ptr()
+    assert parts[2].untyped_storage().data_ptr() != share.untyped_storage().data_ptr()
+    assert torch.equal(torch.cat(parts), share)
+    plain = split_batch(share, 3, "inputs")
+    assert plain[2].data_ptr() % 16 and plain[2].untyped_storage().data_ptr() == share.untyped_storage().data_ptr()
 
 
 def test_tokens_count_what_is_not_ignored_and_average_over_them() -> None:
