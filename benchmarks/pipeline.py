@@ -145,7 +145,8 @@ class SharedClusters:
 
         key = (nodes, allow)
         if key not in self._clusters:
-            self._clusters[key] = await self._stack.enter_async_context(LocalCluster(nodes=nodes, allow=[allow, DATA_MODULE]))
+            cluster = LocalCluster(nodes=nodes, allow=[allow, DATA_MODULE])
+            self._clusters[key] = await self._stack.enter_async_context(cluster)
         return self._clusters[key]
 
     async def aclose(self) -> None:
@@ -210,14 +211,16 @@ class ActorpipePeer:
         """The job's data factory, when the stages read the batch themselves."""
         if not self.data_on_stages:
             return {}
-        return {"data": f"{DATA_MODULE}:reference_data", "data_kwargs": {"batch_shape": list(self.workload.batch_shape)}}
+        return {"data": f"{DATA_MODULE}:reference_data",
+                "data_kwargs": {"batch_shape": list(self.workload.batch_shape)}}
 
     async def run(self, num_steps: int) -> list[float]:
         """Runs ``num_steps`` steps; returns the driver's wall time of each."""
         times = []
         for _ in range(num_steps):
             start = time.perf_counter()
-            self.last_stats = await (self.job.step() if self.data_on_stages else self.job.step(self.inputs, self.targets))
+            batch = () if self.data_on_stages else (self.inputs, self.targets)
+            self.last_stats = await self.job.step(*batch)
             times.append(time.perf_counter() - start)
             self.bubble_fractions.append(float(self.last_stats.bubble_fraction))
         return times

@@ -168,13 +168,13 @@ async def begin_step(config: StageConfig, parts: StageParts, order: StepOrder) -
     if not order.evaluate:
         await executor.begin(actions, w_batching=order.w_batching)
     parts.sender.edge_stats = {}
-    if order.data_step is None and order.whole:  # the replica's share, cut here as the head would have
-        count = executor.num_microbatches
-        inputs, targets = (None if share is None else split_batch(share, count, what, aligned=True)
-                           for share, what in ((order.inputs, "inputs"), (order.targets, "targets")))
+    if order.data_step is None:
+        inputs, targets = order.inputs, order.targets
+        if order.whole:  # the replica's share, cut here as the head would have
+            count = executor.num_microbatches
+            inputs, targets = (None if share is None else split_batch(share, count, what, aligned=True)
+                               for share, what in ((inputs, "inputs"), (targets, "targets")))
         batch = StepBatch(actions, inputs, targets, order.loss_weights)
-    elif order.data_step is None:
-        batch = StepBatch(actions, order.inputs, order.targets, order.loss_weights)
     else:
         # Off the loop (a dataset's first read, or one after a rollback, takes a while): heartbeats go on.
         inputs, targets, weights = await asyncio.to_thread(read_data, parts.built.data, config, order.data_step,

@@ -36,7 +36,7 @@ from transport import _native
 from transport._buffers import aligned_empty
 
 __all__ = [
-    "CODEC_NAMES", "Codec", "CodecError", "Encoded", "ErrorFeedback", "decode", "encode",
+    "CODEC_NAMES", "Codec", "CodecError", "Encoded", "ErrorFeedback", "aligned_copy", "decode", "encode",
     "get_codec",
 ]
 
@@ -128,11 +128,11 @@ def _frame_as(frame: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """View a uint8 frame as `dtype`, copying only when its address is not 16-byte aligned."""
     if frame.data_ptr() % max(dtype.itemsize, FRAME_ALIGNMENT):
         # torch refuses a view at a misaligned storage offset, and see FRAME_ALIGNMENT.
-        frame = _aligned_copy(frame)
+        frame = aligned_copy(frame)
     return frame.view(dtype)
 
 
-def _aligned_copy(frame: torch.Tensor) -> torch.Tensor:
+def aligned_copy(frame: torch.Tensor) -> torch.Tensor:
     """A copy of a uint8 frame at a 64-byte aligned address.
 
     On the CPU the bytes go through numpy, one plain copy on this thread: torch's

@@ -21,8 +21,7 @@ from typing import Any
 
 import torch
 
-from transport._buffers import aligned_empty
-from transport.codecs import FRAME_ALIGNMENT
+from transport.codecs import FRAME_ALIGNMENT, aligned_copy
 
 __all__ = ["MAX_LEAVES", "Payload", "batch_size", "call_module", "cast_floating", "check_spec", "grad_leaves", "pack",
            "split_batch", "tree_tensors", "unpack"]
@@ -250,11 +249,7 @@ def split_batch(batch: Any, parts: int, what: str, name: str = "micro_batches", 
 
 
 def _aligned(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``, or a contiguous copy of it at an aligned address when it starts off one."""
-    if tensor.is_contiguous() and not tensor.data_ptr() % max(tensor.element_size(), FRAME_ALIGNMENT):
+    """``tensor``, or a copy of it at an aligned address when it starts off one (as a received frame is copied)."""
+    if not tensor.data_ptr() % max(tensor.element_size(), FRAME_ALIGNMENT):
         return tensor
-    if tensor.device.type != "cpu":
-        return tensor.contiguous()
-    copy = aligned_empty(tensor.numel() * tensor.element_size()).view(tensor.dtype).view(tensor.shape)
-    return copy.copy_(tensor)
-
+    return aligned_copy(tensor.contiguous().view(torch.uint8).reshape(-1)).view(tensor.dtype).view(tensor.shape)
