@@ -12,6 +12,7 @@ import time
 
 from actors import ActorRef, NodeLost, StageLost
 from stages import Coords, StageActor
+from stages.comm.parallel import root_cause
 
 from schedulers import job_state
 from schedulers.job_core import JobCore, Placer
@@ -110,7 +111,7 @@ async def recover(job: JobCore, cause: NodeLost | StageLost) -> Recovery:
         return_exceptions=True)
     failures = [r for r in spawned if isinstance(r, BaseException)]
     if failures:
-        raise unrecoverable(f"could not rebuild the lost stage(s): {failures[0]}")
+        raise unrecoverable(f"could not rebuild the lost stage(s): {root_cause(failures)}")
     for rank, ref in zip(lost, spawned):
         assert isinstance(ref, ActorRef)
         job.replaced(rank, ref)

@@ -44,6 +44,7 @@ from actors import (
 )
 from stages import backend_for, RendezvousActor, StageActor, StageConfig
 from stages.build.describe import ModelInspector
+from stages.comm.parallel import root_cause
 from schedulers.control import JobController
 from schedulers.job_actor import JobActor, may_act_on
 from schedulers.job_core import JobCore, Placer, compile_programs
@@ -347,7 +348,7 @@ class SchedulerActor(Actor):
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             await self._stop_stages([r for r in results if isinstance(r, ActorRef)])
-            raise failed[0]
+            raise root_cause(failed)
         return [r for r in results if isinstance(r, ActorRef)]
 
     async def _free_nodes(self, count: int, taken: set[str]) -> list[tuple[str, str]]:

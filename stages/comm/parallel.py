@@ -33,8 +33,8 @@ from stages.program import Placement, stage_to_rank
 from transport.codecs import Encoded, ErrorFeedback
 
 __all__ = [
-    "GLOO", "NCCL", "ProcessGroups", "average_gradients", "backend_for", "bucket_layout", "join_process_groups",
-    "leave_process_groups", "pipeline_pairs", "start_average",
+    "GLOO", "NCCL", "GroupJoinFailed", "ProcessGroups", "average_gradients", "backend_for", "bucket_layout", "join_process_groups",
+    "leave_process_groups", "pipeline_pairs", "root_cause", "start_average",
 ]
 
 log = logging.getLogger(__name__)
@@ -132,6 +132,23 @@ def pipeline_pairs(mesh: Mesh, num_stages: int, placement: Placement = "loop") -
                         pairs.append(pair)
     return pairs
 
+class GroupJoinFailed(RuntimeError):
+    """A stage could not join its job's process groups.
+
+    Its usual cause is another rank of the same job: one that joined, failed to build (a
+    refused factory, a tensor-parallel split that would untie a parameter) and left the
+    groups while this rank was still connecting to it. :func:`root_cause` reports that
+    rank's failure rather than this one.
+    """
+
+
+def root_cause(failures: list[BaseException]) -> BaseException:
+    """The failure to report when several ranks of one job failed to start: the first that is not
+    a :class:`GroupJoinFailed` (a rank's own or one that came back over the wire), else the first."""
+    joined = f"{GroupJoinFailed.__module__}.{GroupJoinFailed.__qualname__}"
+    return next((f for f in failures if not isinstance(f, GroupJoinFailed)
+                 and getattr(f, "remote_type", None) != joined), failures[0])
+
 
 def join_process_groups(
     config: dict[str, Any], mesh: Mesh, rank: int, job: str, store: dist.Store, *, own_address: str = "",
@@ -156,6 +173,8 @@ def join_process_groups(
 
     Raises:
         RuntimeError: this process already belongs to another job's process group.
+        GroupJoinFailed: joining failed (a member that left, the store, a timeout); this process is
+            left in no group.
     """
     if dist.is_initialized():
         raise RuntimeError("this node already runs a stage of another distributed job; give each job its own nodes")
@@ -170,6 +189,16 @@ def join_process_groups(
             os.environ[variable] = interface
         else:  # gloo binds the address the hostname resolves to; NCCL picks an interface itself
             os.environ.pop(variable, None)
+    try:
+        return _join(config, mesh, rank, job, store, pairs, device, backend)
+    except Exception as exc:
+        leave_process_groups()  # joined the default group and failed in a subgroup: this node serves the next job
+        raise GroupJoinFailed(f"rank {rank} of job {job} could not join its process groups (a rank that failed "
+                              f"to build and left them is the usual cause): {exc}") from exc
+
+
+def _join(config: Mapping[str, Any], mesh: Mesh, rank: int, job: str, store: dist.Store,
+          pairs: Sequence[tuple[int, int]], device: torch.device | None, backend: str) -> ProcessGroups:
     if device is not None and device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=float(config.get("timeout_s", 600)))

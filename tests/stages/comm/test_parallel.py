@@ -18,7 +18,9 @@ import torch.distributed as dist
 
 from stages.comm import parallel
 from stages.mesh import Mesh
-from stages.comm.parallel import GLOO, NCCL, backend_for, join_process_groups, pipeline_pairs
+from actors._errors import error_from_wire, error_to_wire
+from stages.comm.parallel import (GLOO, NCCL, GroupJoinFailed, backend_for, join_process_groups, pipeline_pairs,
+                                  root_cause)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -171,3 +173,43 @@ def test_a_gpu_stage_joins_nccl_on_its_own_device(monkeypatch: pytest.MonkeyPatc
     recorder.install(monkeypatch)
     join_process_groups(config, Mesh(pipeline=2), 1, "job0", store=None, pairs=[], device=gpu)  # type: ignore[arg-type]
     assert current == [gpu]
+
+
+def test_a_rank_that_fails_to_join_is_named_leaves_the_default_group_and_the_node_joins_the_next_job(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A real one-rank gloo group: the default group forms, then a subgroup's connection fails, as
+    # when another rank joined, failed to build and left while this one was still connecting.
+    for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):  # joining sets them: put them back after
+        monkeypatch.setenv(variable, "unset by the test")
+        monkeypatch.delenv(variable)
+    config = {"rendezvous": ["tcp://127.0.0.1:1", "r"], "backend": GLOO, "loopback": True}
+    new_group = dist.new_group
+
+    def closed_by_peer(ranks: list[int]) -> Any:
+        raise RuntimeError("Gloo connectFullMesh failed: Connection closed by peer")
+
+    monkeypatch.setattr(dist, "new_group", closed_by_peer)
+    with pytest.raises(GroupJoinFailed, match="rank 0 of job job0 could not join its process groups .*closed by peer"):
+        join_process_groups(config, Mesh(pipeline=1), 0, "job0", store=dist.HashStore())
+    assert not dist.is_initialized()  # left: before, the node refused every later job as "already runs a stage"
+    monkeypatch.setattr(dist, "new_group", new_group)
+    try:
+        groups = join_process_groups(config, Mesh(pipeline=1), 0, "job1", store=dist.HashStore())
+        assert dist.get_world_size(groups.data) == 1
+    finally:
+        parallel.leave_process_groups()
+
+
+def test_the_failure_reported_for_a_job_is_a_rank_that_failed_to_build_not_one_its_leaving_broke() -> None:
+    # The head reported the first failing rank's error in rank order: a refused job sometimes named
+    # gloo ("Connection closed by peer") instead of its cause (CI, the tied-parameter refusal).
+    def over_the_wire(exc: BaseException) -> BaseException:
+        return error_from_wire(error_to_wire(exc))
+
+    joined = over_the_wire(GroupJoinFailed("rank 0 could not join"))
+    refused = over_the_wire(ValueError("tensor parallelism would untie a = b"))
+    assert root_cause([joined, refused]) is refused
+    assert root_cause([refused, joined]) is refused
+    assert root_cause([joined]) is joined  # no other cause known: the join failure itself
+    local = GroupJoinFailed("rank 2 could not join")
+    assert root_cause([local, joined, RuntimeError("lost")]).args == ("lost",)
