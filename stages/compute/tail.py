@@ -35,8 +35,8 @@ from stages.records import FinishReport, ReduceReport, StageConfig
 from stages.state.lr_scheduler import learning_rates
 from transport.codecs import ErrorFeedback, get_codec
 
-__all__ = ["StepDecision", "StepTail", "check_factor", "clip_coefficient", "decide_step", "rescale_gradients",
-           "squared_norm"]
+__all__ = ["StepDecision", "StepTail", "check_factor", "checked_norm", "clip_coefficient", "decide_step",
+           "rescale_gradients", "squared_norm"]
 
 
 # -- the decisions: pure functions of the reported numbers ---------------------------------
@@ -117,6 +117,32 @@ def squared_norm(params: Sequence[torch.Tensor]) -> float:
     return total
 
 
+def checked_norm(named: Sequence[tuple[str, torch.Tensor]], norm_params: Sequence[torch.Tensor]
+                 ) -> tuple[list[str], float]:
+    """:func:`~stages.compute.executor.nonfinite_gradients` and :func:`squared_norm` in one pass over
+    the gradients, for a stage whose gradients nothing changes between the two (no reduction, no tied sum).
+
+    Each gradient's float64 norm is finite exactly when every value in it is (NaN and infinity
+    carry through; a float32 or narrower value cannot overflow a float64 sum of squares), so a
+    finite set of norms is the check passed, read in the one sync the norm needs. Only when one
+    is not finite does the exact check run, to name the parameters (a float64 gradient can overflow
+    its norm and still be finite). The squared norm is :func:`squared_norm`'s, to the bit.
+    """
+    grads = {id(p): p.grad for _, p in named if p.grad is not None}
+    grads.update((id(p), p.grad) for p in norm_params if p.grad is not None and id(p) not in grads)
+    if not grads:
+        return [], 0.0
+    norms = dict(zip(grads, torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.float64)
+                                         for g in grads.values()]).tolist()))
+    found = [] if all(map(math.isfinite, norms.values())) else nonfinite_gradients(named)
+    total = 0.0
+    for p in norm_params:
+        if p.grad is not None:
+            norm = norms[id(p)]
+            total += norm * norm  # one rounding, as squared_norm's float64 square on the device
+    return found, total
+
+
 @torch.no_grad()
 def rescale_gradients(params: Sequence[torch.Tensor], unscale: float, clip: float) -> None:
     """Divides the gradients by ``unscale``, then multiplies them by ``clip`` (``GradScaler.unscale_``,
@@ -160,6 +186,8 @@ class StepTail:
         self._reduced_bytes = 0
         self._nonfinite_overlapped: list[str] = []  # the overlapped reduction's findings (local gradients)
         self.gradient_bytes = 0  # gradient memory held when the last optimizer step began
+        # The stage's parameters, each once: its layers hold the same ones from build to stop.
+        self._params = list({id(p): p for m in executor.model.modules.values() for p in m.parameters()}.values())
 
     async def reduce(self, step: int, program: Sequence[Action]) -> ReduceReport:
         """Checks this stage's gradients, then reduces them across replicas and tied ranks; applies nothing.
@@ -172,6 +200,9 @@ class StepTail:
         self._reduced_bytes = 0
         named = built.named_parameters
         overlapped = built.overlap is not None and built.overlap.active
+        if not overlapped and not self._changes_gradients():
+            found, grad_sq = await executor.compute_local("check_norm", checked_norm, named, built.norm_params)
+            return ReduceReport(reduced_bytes=0, nonfinite=found, grad_sq=grad_sq, wait_s=0.0, tied=[])
         # Overlapped, each bucket was checked before it went on the wire (see stages.comm.overlap).
         found = [] if overlapped else await executor.compute_local("check", nonfinite_gradients, named)
         started = time.perf_counter()
@@ -191,6 +222,13 @@ class StepTail:
             grad_sq = await executor.compute(_sum_over, grad_sq, self.groups.data_group())
         return ReduceReport(reduced_bytes=self._reduced_bytes, nonfinite=found, grad_sq=grad_sq, wait_s=wait_s,
                             tied=[built.tied_names(group.names) for group in built.tied.groups])
+
+    def _changes_gradients(self) -> bool:
+        """The tail changes this stage's gradients between its check and its norm: a data-parallel
+        reduction, a sharded one, or a tied parameter's sum across pipeline ranks."""
+        groups = self.groups
+        return bool(self.built.tied.groups) or self.built.gradient_shards is not None or (
+            groups is not None and groups.groups is not None and groups.data_size > 1)
 
     async def _reduce(self) -> None:
         """Data-parallel gradient reduction: bucketed all-reduce averages across replicas, started
@@ -219,13 +257,11 @@ class StepTail:
         unscale, clip = check_factor("unscale", unscale), check_factor("clip", clip)
         model = self.executor.model
         if apply and (unscale != 1.0 or clip != 1.0):
-            params = list({id(p): p for m in model.modules.values() for p in m.parameters()}.values())
-            await self.executor.compute_local("rescale", rescale_gradients, params, unscale, clip)
+            await self.executor.compute_local("rescale", rescale_gradients, self._params, unscale, clip)
         if apply:
             buckets = self.built.overlap.flats if self.built.overlap is not None else []
-            params = [p for m in model.modules.values() for p in m.parameters()]
-            self.gradient_bytes = await self.executor.compute_local("gradient_bytes", zero.gradient_bytes, params,
-                                                                    buckets)
+            self.gradient_bytes = await self.executor.compute_local("gradient_bytes", zero.gradient_bytes,
+                                                                    self._params, buckets)
         # A sharded optimizer broadcasts its updated shards: a collective, never inline.
         await self.executor.apply(program, step=bool(apply),
                                   local=not isinstance(model.optimizer, zero.ShardedOptimizer))

@@ -22,8 +22,9 @@ from examples.models import residual_mlp
 from schedulers.scaling import clip_coefficient as scheduler_clip_coefficient
 from stages.compute.inline import WARMUP_RUNS, InlinePolicy
 from stages.compute.tail import (
-    StepDecision, check_factor, clip_coefficient, decide_step, rescale_gradients, squared_norm,
+    StepDecision, check_factor, checked_norm, clip_coefficient, decide_step, rescale_gradients, squared_norm,
 )
+from stages.compute.executor import nonfinite_gradients
 from tests.stages.stage_parts import MODEL_KWARGS, InProcessPipeline, stage_config
 
 pytestmark = pytest.mark.timeout(60)
@@ -94,6 +95,32 @@ def test_squared_norm_and_rescale_follow_torch() -> None:
     assert squared_norm(params) == INF
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_the_check_and_the_norm_in_one_pass_are_the_two_passes_to_the_bit(dtype: torch.dtype) -> None:
+    # A stage without a reduction or a tied sum reads each gradient once for both (see checked_norm).
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(50):
+        params = [torch.nn.Parameter(torch.zeros(int(n), dtype=dtype))
+                  for n in torch.randint(0, 200, (6,), generator=generator)]
+        for i, p in enumerate(params[:-1]):  # the last has no gradient
+            scale = 10.0 ** int(torch.randint(-20, 20, (1,), generator=generator))
+            p.grad = (torch.randn(p.shape, generator=generator) * scale).to(dtype)
+        named = [(f"p{i}", p) for i, p in enumerate(params)] + [("alias", params[0])]
+        norm_params = params[1:]  # the first's share of the norm is another rank's (tied, say)
+        if trial % 3 == 1:
+            params[2].grad[0:1] = NAN  # type: ignore[index]
+        if trial % 3 == 2 and params[3].numel():
+            params[3].grad[-1:] = -INF  # type: ignore[index]
+        found, total = checked_norm(named, norm_params)
+        assert found == nonfinite_gradients(named)
+        expected = squared_norm(norm_params)
+        assert total == expected or (math.isnan(total) and math.isnan(expected)), (trial, total, expected)
+    assert checked_norm([], []) == ([], 0.0)
+    huge = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    huge.grad = torch.full((2,), 1e300, dtype=torch.float64)  # finite, but its norm overflows
+    assert checked_norm([("huge", huge)], [huge]) == ([], INF) and squared_norm([huge]) == INF
+
+
 # -- StepTail in a pipeline of parts ---------------------------------------------------------
 
 
@@ -161,8 +188,9 @@ class RecordingPolicy(InlinePolicy):
 async def test_the_tails_own_work_runs_inline_once_known_short_and_trains_the_same(
         pipeline: InProcessPipeline) -> None:
     # Each trip to the compute thread and back cost 0.1-0.3 ms of a step of a small model; the
-    # tail's check, norm, rescale, memory count and (unsharded) optimizer step are this stage's
-    # own tensors alone, so they take the fast path the actions take.
+    # tail's check and norm (one pass: nothing reduces these gradients between them), rescale,
+    # memory count and (unsharded) optimizer step are this stage's own tensors alone, so they take
+    # the fast path the actions take.
     policies = [RecordingPolicy() for _ in pipeline.ranks]
     for rank, policy in zip(pipeline.ranks, policies):
         rank.executor.inline_policy = policy
@@ -174,7 +202,8 @@ async def test_the_tails_own_work_runs_inline_once_known_short_and_trains_the_sa
         assert result.loss == pytest.approx(expected_losses[step], rel=1e-6)
     for policy in policies:
         tail = [(key[1], inline) for key, inline in policy.runs if isinstance(key, tuple) and key[0] == "tail"]
-        for kind in ("check", "norm", "rescale", "gradient_bytes", "step"):
+        assert not any(k in ("check", "norm") for k, _ in tail)
+        for kind in ("check_norm", "rescale", "gradient_bytes", "step"):
             where = [inline for k, inline in tail if k == kind]
             assert where == [False] * WARMUP_RUNS + [True] * (len(steps) - WARMUP_RUNS), (kind, where)
     state = pipeline.state()
