@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import os
 import sysconfig
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.utils.data import DataLoader
@@ -146,6 +146,7 @@ def regression_batches(
     dim: int = 512,
     seed: int = 0,
     learnable: bool = False,
+    nan_at: Sequence[int] = (),
 ) -> Batch:
     """Reference-workload data: random float32 inputs ``[batch_size, seq, dim]`` and targets.
 
@@ -154,10 +155,13 @@ def regression_batches(
         seed: with the step, seeds each batch.
         learnable: targets are a fixed random linear map of the inputs plus small noise
             (so a loss can go down) instead of independent random tensors.
+        nan_at: steps whose batch carries a NaN in its first input (a corrupt record: what a
+            job's ``on_nonfinite`` does with one).
 
     Returns:
         ``batch(step)`` giving ``(inputs, targets)``.
     """
+    poisoned = {int(step) for step in nan_at}
     weight = None
     if learnable:
         # Its own stream (a negative "step"), so the map never coincides with a batch.
@@ -171,6 +175,8 @@ def regression_batches(
             targets = torch.randn(batch_size, seq, dim, generator=generator)
         else:
             targets = inputs @ weight + 0.01 * torch.randn(batch_size, seq, dim, generator=generator)
+        if step in poisoned:
+            inputs.view(-1)[0] = float("nan")
         return inputs, targets
 
     return batch

@@ -296,7 +296,7 @@ class Job:
         return await self._call(JobActor.resume).call()
 
     async def stop(self) -> JobDescription:
-        """Ends the run after the step in progress (the job stays; :meth:`close` ends it)."""
+        """Ends the run after the steps in flight (the job stays; :meth:`close` ends it)."""
         return await self._call(JobActor.stop).call()
 
     async def set(self, key: str, value: Any) -> SettingChange:

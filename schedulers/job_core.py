@@ -111,6 +111,7 @@ class JobCore:
         self.placer = placer
         self.identities = sorted(set(identities or ()) - {""})  # the keys of the job's nodes
         self.lock = asyncio.Lock()
+        self.waiting = 0  # operations waiting for the lock (a run that steps ahead lets them in: see StepPath.dispatch)
         self.operation_task: asyncio.Task[Any] | None = None  # the call holding the lock (close cancels it)
         self.stepping = False  # the operation is a step (a driver may cancel it)
         # Ranks whose node was lost during a step they were not told to abort: aborted when it comes back.
@@ -161,13 +162,20 @@ class JobCore:
             NodeLost: a node of the job is lost (at once: nothing is sent to the others).
             StepFailed: the stages may disagree after a failed release (load a checkpoint).
         """
-        async with self.lock:
+        self.waiting += 1
+        try:
+            await self.lock.acquire()
+        finally:
+            self.waiting -= 1
+        try:
             await self._check_members(repairs)
             self.operation_task, self.stepping = asyncio.current_task(), stepping
             try:
                 yield
             finally:
                 self.operation_task, self.stepping = None, False
+        finally:
+            self.lock.release()
 
     def respecified(self, spec: JobSpec) -> None:
         """The job runs ``spec`` from its next step on (settings changed at the barrier)."""

@@ -185,7 +185,8 @@ class JobInfo(WireRecord):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RunInfo(WireRecord):
-    """A run of ``target`` steps from the job's data factory (``Job.run``)."""
+    """A run of ``target`` steps from the job's data factory (``Job.run``); ``ahead``: how many of the
+    ``done`` steps went out while the step before them was still in flight (see :mod:`schedulers.runs`)."""
 
     target: int
     first_step: int
@@ -193,6 +194,7 @@ class RunInfo(WireRecord):
     active: bool = True
     stopping: bool = False
     error: str | None = None
+    ahead: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -2,7 +2,10 @@
 
 A run is a task :class:`Runs` owns (the job's close cancels it); ``pause`` holds the
 run before its next step, ``resume`` lets it go on, ``stop`` ends it after the
-step in progress.
+steps in flight. Where the job allows it (:meth:`~schedulers.step_path.StepPath.may_step_ahead`),
+each step's orders go out while the step before it finishes, so a stage goes from one
+step's tail straight into the next (:meth:`~schedulers.control.JobController.steps_ahead`):
+then two steps can be in flight, and a stop or pause ends the run after both.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ class RunState:
     target: int
     first_step: int
     done: int = 0
+    ahead: int = 0  # of done, the steps sent while the one before was in flight
     stop: bool = False
     finished: bool = False
     error: str | None = None
@@ -35,7 +39,7 @@ class RunState:
 
     def info(self) -> RunInfo:
         return RunInfo(target=self.target, first_step=self.first_step, done=self.done, active=not self.finished,
-                       stopping=self.stop, error=self.error)
+                       stopping=self.stop, error=self.error, ahead=self.ahead)
 
 
 class Runs:
@@ -43,11 +47,17 @@ class Runs:
 
     Args:
         step: one step of the job from its data factory (the controller's).
+        steps_ahead: steps while ``more(in_flight)``, each sent while the one before finishes, calling
+            ``done(ahead)`` after each (``ahead``: it went out while the one before was in flight); False
+            where the job cannot (the controller's ``steps_ahead``).
     """
 
-    def __init__(self, job: JobCore, step: Callable[[], Awaitable[Any]]) -> None:
+    def __init__(self, job: JobCore, step: Callable[[], Awaitable[Any]],
+                 steps_ahead: Callable[[Callable[[int], bool], Callable[[bool], None]], Awaitable[bool]] | None = None
+                 ) -> None:
         self.job = job
         self._step = step
+        self._steps_ahead = steps_ahead
         self.paused = False
         self.state: RunState | None = None
 
@@ -96,8 +106,16 @@ class Runs:
                     if state.stop:
                         break
                     job.publish(JobResumed(job=job.id, step=job.next_step))
-                await self._step()
-                state.done += 1
+                def more(in_flight: int) -> bool:  # another step, with in_flight steps not yet done
+                    return not state.stop and not self.paused and state.done + in_flight < state.target
+
+                def done(ahead: bool = False) -> None:
+                    state.done += 1
+                    state.ahead += ahead
+
+                if self._steps_ahead is None or not await self._steps_ahead(more, done):
+                    await self._step()
+                    done()
             reason = "done" if state.done == state.target else "stopped"
         except Exception as exc:  # noqa: BLE001 - a run reports whatever ended it
             state.error = str(exc) if isinstance(exc, ActorError) else f"{type(exc).__name__}: {exc}"
@@ -122,7 +140,7 @@ class Runs:
             self.job.publish(JobResumed(job=self.job.id, step=self.job.next_step))
 
     def stop(self) -> None:
-        """Ends the run after its current step (and out of a pause)."""
+        """Ends the run after the steps in flight (and out of a pause)."""
         if self.state is not None:
             self.state.stop = True
             self.state.wake.set()

@@ -31,13 +31,25 @@ from schedulers.stepping import (
     describe_findings, nonfinite_failed, nonfinite_findings, stage_lost, step_calls, step_failed, step_stats,
 )
 
-__all__ = ["LOSS_GRACE_S", "StepPath"]
+__all__ = ["LOSS_GRACE_S", "Dispatched", "StepPath"]
 
 log = logging.getLogger(__name__)
 
 # How long a step whose reduction failed waits for the failure detector to name a lost node
 # (the head's heartbeat timeout, 2 s by default, and a margin): see StepPath._lost_instead.
 LOSS_GRACE_S = 5.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Dispatched:
+    """A step whose orders are out (:meth:`StepPath.dispatch`): its number, its calls and what its statistics need."""
+
+    step: int
+    inputs: Any
+    started: float  # perf_counter when its orders went out
+    used_scale: float
+    ran: str
+    tasks: dict[int, asyncio.Future[StageReport]]
 
 
 class StepPath:
@@ -59,15 +71,30 @@ class StepPath:
                 while the stages applied it, the job is marked diverged).
             NoScheduleFits: ``schedule="auto"`` found nothing that fits ``max_stash_bytes``.
         """
+        return await self.collect(self.dispatch(inputs, targets))
+
+    def dispatch(self, inputs: Any, targets: Any, *, after: Dispatched | None = None) -> Dispatched:
+        """Sends a step's orders to every stage actor (see :meth:`attempt`); :meth:`collect` waits for them.
+
+        Args:
+            after: the step in flight: this one, from the data factory, goes out before that one's
+                answers are in (where :meth:`may_step_ahead`), one data position past it. Each stage
+                actor takes the order as soon as it has finished the step before (its mailbox holds
+                it meanwhile), so the round trip to the head leaves the step's critical path; a stage
+                that did not finish ``after`` does not begin it (:attr:`~stages.StepOrder.after`).
+        """
         job = self.job
         step = job.attempted()
-        calls = step_calls(job.spec, job.applied, inputs, targets)
+        position = job.applied + 1 if after is not None else job.applied
+        calls = step_calls(job.spec, position, inputs, targets)
         for call in calls.values():
+            if after is not None:
+                call["after"] = after.step
             if job.spec.parallelism.micro_batches != job.stage_micro_batches:
                 call["micro_batches"] = job.spec.parallelism.micro_batches
             faults = job.spec.fault_tolerance
-            if faults.max_restarts and (job.snapshot_due or job.applied % faults.snapshot_every == 0):
-                call["snapshot"] = job.applied
+            if faults.max_restarts and (job.snapshot_due or position % faults.snapshot_every == 0):
+                call["snapshot"] = position
             if job.scaler is not None:
                 call["loss_scale"] = job.scaler.scale
             if job.spec.parallelism.schedule == "auto":  # the plan turns W batching on or off per step
@@ -75,12 +102,39 @@ class StepPath:
             # The stages run the tail themselves (one answer per step), except on the step that
             # schedule="auto" plans from: there nothing applies before the plan fits max_stash_bytes.
             call.update(self.tail_order() if not job.auto.timed else {})
-        started = time.perf_counter()
-        used_scale = job.scaler.scale if job.scaler is not None else 1.0
-        ran, ranked, planning_s = job.auto.running(job.spec), None, 0.0
+        return Dispatched(step=step, inputs=inputs, started=time.perf_counter(),
+                          used_scale=job.scaler.scale if job.scaler is not None else 1.0,
+                          ran=job.auto.running(job.spec), tasks=self.start_programs(step, calls, job.programs))
+
+    def may_step_ahead(self) -> bool:
+        """Whether the next step's orders may go out before this one's answers are in: nothing in them
+        depends on how this step ends (no loss scale to update, no plan being measured, no snapshot,
+        no recovery to replay from)."""
+        job = self.job
+        return (job.scaler is None and not job.auto.measuring and not job.auto.timed and job.broken is None
+                and not job.spec.fault_tolerance.max_restarts and job.spec.training.data is not None)
+
+    async def drop(self, dispatched: Dispatched) -> None:
+        """Stops a step that :meth:`dispatch` sent ahead and that will not be collected."""
+        try:
+            await self.abort(dispatched.step, dispatched.tasks)
+        finally:
+            for task in dispatched.tasks.values():
+                task.cancel()
+
+    async def collect(self, dispatched: Dispatched, since: float | None = None) -> StepStats:
+        """The step :meth:`dispatch` sent, once every stage has answered: its statistics (see :meth:`attempt`).
+
+        Args:
+            since: when the step before it ended, for a step sent ahead: its time counts from then.
+        """
+        job = self.job
+        step, inputs = dispatched.step, dispatched.inputs
+        started = dispatched.started if since is None else max(dispatched.started, since)
+        used_scale, ran, ranked, planning_s = dispatched.used_scale, dispatched.ran, None, 0.0
         try:
             try:
-                reports = await self.run_programs(step, calls, job.programs)
+                reports = await self.reports(step, dispatched.tasks)
                 if job.auto.timed:  # schedule="auto": plan now, so that a max_stash_bytes nothing fits applies nothing
                     planning_s = time.perf_counter()
                     ranked = await self._rank_candidates(step, reports)
@@ -149,12 +203,26 @@ class StepPath:
             StepFailed, NodeLost: a stage failed, a node was lost or the step timed out; every
                 stage aborted it.
         """
+        return await self.reports(step, self.start_programs(step, calls, programs))
+
+    def start_programs(self, step: int, calls: dict[int, dict[str, Any]],
+                       programs: Mapping[int, list[str]]) -> dict[int, asyncio.Future[StageReport]]:
+        """Sends :meth:`run_programs`' orders; the calls, by global rank, that :meth:`reports` waits for."""
         job = self.job
-        tasks = {
+        return {
             rank: asyncio.ensure_future(job.stages[rank].endpoint(StageActor.run_step).call(
                 StepOrder(step=step, program=programs[job.mesh.coords(rank).pipeline], **kwargs)))
             for rank, kwargs in calls.items()
         }
+
+    async def reports(self, step: int, tasks: dict[int, asyncio.Future[StageReport]]) -> list[StageReport]:
+        """The reports of step ``step``'s calls (see :meth:`run_programs`), by global rank.
+
+        Raises:
+            StepFailed, NodeLost: a stage failed, a node was lost or the step timed out; every
+                stage aborted it.
+        """
+        job = self.job
         loop = asyncio.get_running_loop()
         deadline = loop.time() + job.spec.fault_tolerance.step_timeout_s
         try:

@@ -244,6 +244,7 @@ class StageActor(StateEndpoints, Actor):
         self._program: list[Action] = []  # the last step's, whose tail reduce_step and finish_step run
         self._running: tuple[int, asyncio.Task[Any]] | None = None
         self._aborted = -1  # the newest step abort_step named: a part of it not yet begun never runs
+        self._applied = -1  # the newest step whose tail stepped the optimizer here (StepOrder.after)
         self.ballot = Ballot(self.config.mesh, self.config.global_rank)  # the tail's votes (stages.compute.agreement)
 
     async def on_start(self) -> None:
@@ -332,6 +333,12 @@ class StageActor(StateEndpoints, Actor):
         checked = order if isinstance(order, StepOrder) else StepOrder.from_wire(order)
         parts, step = self._parts(), checked.step
         self._step = step
+        if checked.after is not None and checked.after != self._applied:
+            # Sent ahead of a step not applied here (failed, aborted or dropped; a reset cleared what
+            # it left): what neighbours sent for this one is dropped, nothing runs, no collective starts.
+            parts.executor.inbox.drop_step(step)
+            self.ballot.forget(step)
+            return StageReport(status="aborted")
         batch = await begin_step(self.config, parts, checked)
         if checked.snapshot is not None and not checked.evaluate:
             await self._snapshot(checked.snapshot)
@@ -343,6 +350,8 @@ class StageActor(StateEndpoints, Actor):
             if checked.finish:
                 report = await tail_report(parts.executor, self.ballot, step, await self._abortable(
                     step, run_tail(parts.tail, self.ballot, step, batch.actions, checked, report), f"step {step} tail"))
+                if report.status == "done" and report.finished is not None and parts.tail.applied:
+                    self._applied = step
         return report
 
     async def _abortable(self, step: int, work: Coroutine[Any, Any, T], name: str) -> asyncio.Task[T]:

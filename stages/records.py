@@ -146,6 +146,10 @@ class StepOrder(WireRecord):
     """Forward only (``job.evaluate``): no stash, no gradient, no tail; the program holds F and transfers."""
     keep_outputs: bool = False
     """With ``evaluate``: the last stage returns its outputs (:attr:`StageReport.outputs`)."""
+    after: int | None = None
+    """Sent ahead, before step ``after``'s answers were in: begin only if step ``after`` was applied
+    here (its tail stepped the optimizer), else answer aborted without running anything. Then no stage
+    can finish this step unless every stage applied ``after``: a refusing stage's vote never comes."""
 
     def __post_init__(self) -> None:
         if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
@@ -160,7 +164,7 @@ class StepOrder(WireRecord):
         norm = self.max_norm
         if isinstance(norm, bool) or not isinstance(norm, (int, float)) or not 0 <= norm < float("inf"):
             raise ValueError(f"max_norm must be a finite number >= 0, got {norm!r:.40}")
-        for name in ("micro_batches", "data_step", "snapshot"):
+        for name in ("micro_batches", "data_step", "snapshot", "after"):
             value, least = getattr(self, name), 1 if name == "micro_batches" else 0
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
                 raise ValueError(f"{name} must be an int >= {least}, got {value!r:.40}")

@@ -186,6 +186,7 @@ class StepTail:
         self._reduced_bytes = 0
         self._nonfinite_overlapped: list[str] = []  # the overlapped reduction's findings (local gradients)
         self.gradient_bytes = 0  # gradient memory held when the last optimizer step began
+        self.applied = False  # the last finish stepped (False: it dropped the step)
         # The stage's parameters, each once: its layers hold the same ones from build to stop.
         self._params = list({id(p): p for m in executor.model.modules.values() for p in m.parameters()}.values())
 
@@ -263,8 +264,10 @@ class StepTail:
             self.gradient_bytes = await self.executor.compute_local("gradient_bytes", zero.gradient_bytes,
                                                                     self._params, buckets)
         # A sharded optimizer broadcasts its updated shards: a collective, never inline.
+        self.applied = False
         await self.executor.apply(program, step=bool(apply),
                                   local=not isinstance(model.optimizer, zero.ShardedOptimizer))
+        self.applied = bool(apply)
         if not apply:
             self.on_drop()
             if self.reduce_feedback is not None:

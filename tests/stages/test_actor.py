@@ -270,3 +270,54 @@ async def test_a_step_aborted_before_it_began_never_runs(stages: tuple[Runtime, 
     report = StageReport.from_wire(await refs[0].endpoint(StageActor.run_step, timeout=30).call(
         orders(0)[0].to_wire()))
     assert report.status == "aborted"
+
+
+async def _finish_steps(refs: list[ActorRef], steps: list[int], **change: Any) -> list[list[StageReport]]:
+    """Every order of ``steps`` sent at once, each after the first with ``after`` the one before it (as a
+    run sends its next step while this one finishes); each step's answers by rank."""
+    calls = [[asyncio.ensure_future(ref.endpoint(StageActor.run_step, timeout=30).call(dataclasses.replace(
+        order, finish=True, after=steps[i - 1] if i else None, **change).to_wire()))
+        for ref, order in zip(refs, orders(step))] for i, step in enumerate(steps)]
+    return [[StageReport.from_wire(await call) for call in step_calls] for step_calls in calls]
+
+
+async def test_a_step_sent_ahead_runs_once_the_one_before_is_applied_and_trains_as_one_by_one() -> None:
+    # The head sends step k+1's order while step k runs: each stage's mailbox holds it and starts it
+    # the moment step k's tail is done, so the round trip to the head leaves the critical path.
+    async with open_runtime() as runtime:
+        ahead, one_by_one = await _open_pair(runtime, "ahead"), await _open_pair(runtime, "single")
+        answers = await _finish_steps(ahead, [0, 1, 2])
+        assert [[a.status for a in step] for step in answers] == [["done", "done"]] * 3
+        for step in range(3):
+            single = await _finish_steps(one_by_one, [step])
+            assert [a.losses for a in single[0]] == [a.losses for a in answers[step]]
+        for a, b in zip(ahead, one_by_one):
+            mine = await a.endpoint(StageActor.state_dict, timeout=10).call()
+            theirs = await b.endpoint(StageActor.state_dict, timeout=10).call()
+            assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+async def test_a_step_sent_ahead_of_one_not_applied_runs_nothing_anywhere() -> None:
+    # A step that failed, was aborted or dropped its gradients (a NaN) leaves the one sent after it
+    # refused by every stage: no stage can then apply it while the head drops it (its vote never comes).
+    async with open_runtime() as runtime:
+        refs = await _open_pair(runtime, "stage")
+        before = [{k: v.clone() for k, v in (await ref.endpoint(StageActor.state_dict, timeout=10).call()).items()}
+                  for ref in refs]
+        first, second = orders(0)
+        poisoned = first.inputs[:1] + [torch.full_like(first.inputs[1], float("nan"))]
+        calls = [asyncio.ensure_future(ref.endpoint(StageActor.run_step, timeout=30).call(order.to_wire()))
+                 for ref, order in zip(refs, (dataclasses.replace(first, finish=True, inputs=poisoned),
+                                               dataclasses.replace(second, finish=True)))]
+        ahead = [asyncio.ensure_future(ref.endpoint(StageActor.run_step, timeout=30).call(
+            dataclasses.replace(order, finish=True, after=0).to_wire())) for ref, order in zip(refs, orders(1))]
+        dropped = [StageReport.from_wire(await call) for call in calls]
+        assert [r.status for r in dropped] == ["done", "done"]  # the tail ran and dropped the step
+        assert [StageReport.from_wire(await call).status for call in ahead] == ["aborted", "aborted"]
+        for ref, state in zip(refs, before):
+            now = await ref.endpoint(StageActor.state_dict, timeout=10).call()
+            assert all(torch.equal(now[k], state[k]) for k in state)  # neither step changed anything
+        answers = await _finish_steps(refs, [2, 3])  # the stages go on: the next steps run whole
+        assert [[a.status for a in step] for step in answers] == [["done", "done"]] * 2
+        with pytest.raises(RemoteError, match="after must be an int >= 0"):
+            await refs[0].endpoint(StageActor.run_step, timeout=10).call({**orders(4)[0].to_wire(), "after": "3"})

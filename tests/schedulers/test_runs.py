@@ -1,0 +1,109 @@
+"""A run's steps sent ahead: each step's orders go out while the step before it finishes.
+
+A run (``job.run``) takes its steps from the job's data factory on the head; where nothing
+in a step's orders depends on how the step before it ends (see
+``StepPath.may_step_ahead``), it sends them before that step's answers are in, so each
+stage goes from one step's tail straight into the next. These tests hold the run to one
+process trained step by step: with a state read coming in between, and with a step
+skipped for a NaN (the step sent after it is refused by every stage and sent again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from actors import Cluster
+from examples.data import regression_batches
+from examples.models import residual_mlp
+from schedulers.client import Job
+from schedulers.records import RunInfo
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(300),
+              pytest.mark.asyncio(loop_scope="package")]
+
+MODEL = {"blocks": 4, "dim": 8, "hidden": 16}
+DATA = {"batch_size": 8, "seq": 2, "dim": 8, "seed": 5}
+SGD = ("torch.optim:SGD", {"lr": 0.1, "momentum": 0.9})
+
+
+def _train(**overrides: Any) -> dict[str, Any]:
+    return dict(model="examples.models:residual_mlp", model_kwargs=MODEL, optimizer=SGD, pipeline_stages=2,
+                data_parallel=2, micro_batches=2, seed=0, data="examples.data:regression_batches",
+                data_kwargs=DATA) | overrides
+
+
+def one_process(positions: list[int | None], **data: Any) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
+    """The model's state before any step and after each, trained on ``positions``' batches (None: a
+    step skipped, its state unchanged); each step's loss."""
+    torch.manual_seed(0)
+    model = residual_mlp(**MODEL)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    read = regression_batches(**(DATA | data))
+    states, losses = [copy.deepcopy(model.state_dict())], []
+    for position in positions:
+        if position is not None:
+            x, y = read(position)
+            loss = F.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        states.append(copy.deepcopy(model.state_dict()))
+    return states, losses
+
+
+async def ended(job: Job) -> RunInfo:
+    """The job's run, once it has ended."""
+    while True:
+        run = (await job.describe()).run
+        assert run is not None
+        if not run.active:
+            return run
+        await asyncio.sleep(0.05)
+
+
+def equal(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> bool:
+    return all(torch.allclose(state[k], v, rtol=1e-5, atol=1e-6) for k, v in expected.items())
+
+
+async def test_a_run_sends_each_step_ahead_lets_a_state_read_in_between_and_trains_as_one_process(
+        cluster: Cluster) -> None:
+    steps = 5
+    states, losses = one_process(list(range(steps)))
+    job = await cluster.train(**_train())
+    try:
+        await job.run(steps)
+        between = await job.state_dict()  # waits for the job: the run lets it in between two steps
+        run = await ended(job)
+        state, last = await job.state_dict(), (await job.describe()).last_stats
+    finally:
+        await job.close()
+    assert run.error is None and run.done == steps
+    # Every step but the first went out ahead, save at most one after which the state read came in.
+    assert steps - 2 <= run.ahead <= steps - 1
+    assert any(equal(between, expected) for expected in states)
+    assert equal(state, states[-1])
+    assert last is not None and last.loss == pytest.approx(losses[-1], rel=1e-5)
+
+
+async def test_a_step_skipped_for_a_nan_drops_the_step_sent_after_it_and_sends_it_again(cluster: Cluster) -> None:
+    # Step 1's batch holds a NaN: every stage drops it, so every stage refuses step 2, sent ahead of
+    # it; the run drops that one and sends it again, reading the data position it would have read.
+    states, _ = one_process([0, None, 2, 3], nan_at=[1])
+    job = await cluster.train(**_train(data_kwargs=DATA | {"nan_at": [1]}, on_nonfinite="skip"))
+    try:
+        await job.run(4)
+        run = await ended(job)
+        state, description = await job.state_dict(), await job.describe()
+    finally:
+        await job.close()
+    assert run.error is None and run.done == 4
+    assert run.ahead == 2  # steps 1 and 3; step 2 went again once step 1 was in
+    assert description.steps == 4
+    assert equal(state, states[-1])
