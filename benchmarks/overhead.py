@@ -16,7 +16,13 @@ For each stage count (2, 4, 8; one node process per stage) and micro-batch count
 with ``job.set``) and torch's ``Schedule1F1B`` over gloo (one process per rank) on the
 same model and batch, their rounds interleaved. A step time is the driver's wall time
 for actorpipe and the slowest rank's (after a barrier) for torch, as in
-``benchmarks.pipeline``.
+``benchmarks.pipeline``. Actorpipe's stages read the batch from a data factory (as
+torch's ranks hold theirs), and each configuration times actorpipe twice: steps the
+driver calls one by one (``job.step``), and the same steps as one run (``job.run``:
+the head takes them from the factory and sends each step's orders while the step
+before finishes; the run's time on the head's clock over its steps). Torch's ranks
+loop over their steps with no one to answer between two, which is what a run is; the
+``run_`` keys compare that.
 
 Per configuration it reports the median step time, the actions each stage runs (from
 the compiled programs: F, I, W or B, each send and receive, and the barrier, reduction
@@ -31,9 +37,11 @@ each action costs the same; ``cpu_us_per_action`` (the step time times the cores
 stages can use, ``min(stages, cores)``, over every stage's actions together) is the
 figure that stays flat then, and ``cpu_per_action_growth_stages_*`` its ratio.
 
-Headlines: ``overhead_us_per_action`` (actorpipe, median over the configurations) and
-``vs_torch_overhead`` (actorpipe's step over torch's, median over the configurations;
-below 1 is less overhead than torch). The last line printed is one JSON object.
+Headlines: ``overhead_us_per_action`` (actorpipe, median over the configurations),
+``vs_torch_overhead`` (actorpipe's driven step over torch's, median over the
+configurations; below 1 is less overhead than torch) and ``run_vs_torch_overhead``
+(a run's step over torch's), with the fits ``fit_fixed_us_*``, ``run_fit_fixed_us_*`` and
+``torch_fit_fixed_us_*``. The last line printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -78,6 +86,7 @@ class ConfigResult:
     actions_per_rank: list[int]
     actorpipe_step_s: list[float]
     torch_step_s: list[float]
+    run_step_s: list[float]  # one per timed block: the run's time over its steps
     compute_actions_fraction: float
     compute_s: float  # the whole model's forward and backward over the batch, one thread, no pipeline
     num_cores: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 1)
@@ -100,6 +109,10 @@ class ConfigResult:
         return statistics.median(self.torch_step_s) * 1e3
 
     @property
+    def run_ms(self) -> float:
+        return statistics.median(self.run_step_s) * 1e3
+
+    @property
     def compute_fraction(self) -> float:
         """One stage's share of the compute (an even split) over actorpipe's step time."""
         return self.compute_s / self.num_stages / (self.actorpipe_ms / 1e3)
@@ -112,6 +125,10 @@ class ConfigResult:
     def torch_us_per_action(self) -> float:
         return self.torch_ms * 1e3 / self.actions_per_stage
 
+    @property
+    def run_us_per_action(self) -> float:
+        return self.run_ms * 1e3 / self.actions_per_stage
+
     def cpu_us_per_action(self, step_ms: float) -> float:
         """Core time per action: the step times the cores the stages can use, over all their actions."""
         return step_ms * 1e3 * min(self.num_stages, self.num_cores) / sum(self.actions_per_rank)
@@ -119,17 +136,22 @@ class ConfigResult:
 
 async def measure_config(actorpipe: ActorpipePeer, torch_peer: TorchPeer, micro_batches: int, *,
                          warmup: int, steps: int, rounds: int) -> ConfigResult:
-    """Both peers at ``micro_batches``: warm-up, then ``steps`` timed steps each in rounds
-    whose order alternates."""
+    """Both peers at ``micro_batches``: warm-up, then ``steps`` timed steps each (and as many in
+    runs for actorpipe) in rounds whose order turns."""
     await actorpipe.job.set("micro_batches", micro_batches)
     await actorpipe.run(warmup)  # the first step compiles the new programs
+    await actorpipe.run_ahead(warmup)
     await torch_peer.run(warmup, micro_batches=micro_batches)  # the first builds torch's schedule
-    times: dict[str, list[float]] = {"actorpipe": [], "torch": []}
+    times: dict[str, list[float]] = {"actorpipe": [], "torch": [], "run": []}
     busy: list[float] = []
+    order = ("actorpipe", "torch", "run")
     for index, block in enumerate(split_steps(steps, rounds)):
-        for name in ("actorpipe", "torch") if index % 2 == 0 else ("torch", "actorpipe"):
+        for name in order[index % 3:] + order[:index % 3]:
             if name == "torch":
                 times[name] += await torch_peer.run(block, micro_batches=micro_batches)
+                continue
+            if name == "run":
+                times[name].append(await actorpipe.run_ahead(block))
                 continue
             for step_time in await actorpipe.run(block):
                 times[name].append(step_time)
@@ -137,7 +159,7 @@ async def measure_config(actorpipe: ActorpipePeer, torch_peer: TorchPeer, micro_
     programs = (await actorpipe.job.describe()).programs
     return ConfigResult(num_stages=actorpipe.num_stages, micro_batches=micro_batches,
                         actions_per_rank=[len(program) for program in programs],
-                        actorpipe_step_s=times["actorpipe"], torch_step_s=times["torch"],
+                        actorpipe_step_s=times["actorpipe"], torch_step_s=times["torch"], run_step_s=times["run"],
                         compute_actions_fraction=statistics.median(busy), compute_s=model_compute_s(micro_batches))
 
 
@@ -166,7 +188,7 @@ async def measure_stages(num_stages: int, micro_batch_counts: list[int], state_d
         above one where a timed step of either peer took longer than ``max_step_s``.
     """
     actorpipe = ActorpipePeer(num_stages=num_stages, schedule=SCHEDULE, micro_batches=micro_batch_counts[0],
-                              workload=WORKLOAD)
+                              workload=WORKLOAD, data_on_stages=True)
     torch_peer = TorchPeer(num_stages=num_stages, schedule=SCHEDULE, state_dir=state_dir, workload=WORKLOAD,
                            timeout=120.0)
     results: list[ConfigResult] = []
@@ -179,9 +201,9 @@ async def measure_stages(num_stages: int, micro_batch_counts: list[int], state_d
         for index, micro_batches in enumerate(micro_batch_counts):
             result = await measure_config(actorpipe, torch_peer, micro_batches, warmup=warmup, steps=steps,
                                           rounds=rounds)
-            print(f"{num_stages} stages x {micro_batches:>2} micro-batches: actorpipe {result.actorpipe_ms:7.1f} ms, "
-                  f"torch {result.torch_ms:7.1f} ms, {result.actions_per_stage} actions on the busiest stage",
-                  flush=True)
+            print(f"{num_stages} stages x {micro_batches:>2} micro-batches: actorpipe {result.actorpipe_ms:7.1f} ms "
+                  f"(run {result.run_ms:7.1f} ms), torch {result.torch_ms:7.1f} ms, {result.actions_per_stage} actions "
+                  "on the busiest stage", flush=True)
             results.append(result)
             slowest = max(max(result.actorpipe_step_s), max(result.torch_step_s))
             left = micro_batch_counts[index + 1:]
@@ -203,10 +225,10 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float] | None:
 
 
 def growth(results: list[ConfigResult], name: str) -> dict[str, Any]:
-    """Fits and ratios of ``name``'s (``actorpipe`` or ``torch``) per-action time."""
-    prefix = "" if name == "actorpipe" else "torch_"
-    per_action = "us_per_action" if name == "actorpipe" else "torch_us_per_action"
-    step_ms = "actorpipe_ms" if name == "actorpipe" else "torch_ms"
+    """Fits and ratios of ``name``'s (``actorpipe``, ``run`` or ``torch``) per-action time."""
+    prefix = "" if name == "actorpipe" else f"{name}_"
+    per_action = "us_per_action" if name == "actorpipe" else f"{name}_us_per_action"
+    step_ms = f"{name}_ms"
     out: dict[str, Any] = {}
     for num_stages in sorted({r.num_stages for r in results}):
         group = sorted((r for r in results if r.num_stages == num_stages), key=lambda r: r.micro_batches)
@@ -232,19 +254,22 @@ def summarize(results: list[ConfigResult]) -> dict[str, Any]:
         "overhead_us_per_action": round(statistics.median(r.us_per_action for r in results), 1),
         "torch_overhead_us_per_action": round(statistics.median(r.torch_us_per_action for r in results), 1),
         "vs_torch_overhead": round(statistics.median(r.actorpipe_ms / r.torch_ms for r in results), 3),
+        "run_vs_torch_overhead": round(statistics.median(r.run_ms / r.torch_ms for r in results), 3),
         "cpu_us_per_action": round(statistics.median(r.cpu_us_per_action(r.actorpipe_ms) for r in results), 1),
         "torch_cpu_us_per_action": round(statistics.median(r.cpu_us_per_action(r.torch_ms) for r in results), 1),
         "compute_fraction": round(statistics.median(r.compute_fraction for r in results), 3),
         "compute_actions_fraction": round(statistics.median(r.compute_actions_fraction for r in results), 3),
     }
-    summary |= growth(results, "actorpipe") | growth(results, "torch")
+    summary |= growth(results, "actorpipe") | growth(results, "run") | growth(results, "torch")
     for r in results:
         summary[f"overhead_us_per_action_{r.key}"] = round(r.us_per_action, 1)
         summary[f"torch_overhead_us_per_action_{r.key}"] = round(r.torch_us_per_action, 1)
         summary[f"vs_torch_overhead_{r.key}"] = round(r.actorpipe_ms / r.torch_ms, 3)
+        summary[f"run_vs_torch_overhead_{r.key}"] = round(r.run_ms / r.torch_ms, 3)
         summary[f"cpu_us_per_action_{r.key}"] = round(r.cpu_us_per_action(r.actorpipe_ms), 1)
         summary[f"torch_cpu_us_per_action_{r.key}"] = round(r.cpu_us_per_action(r.torch_ms), 1)
         summary[f"step_ms_{r.key}"] = round(r.actorpipe_ms, 2)
+        summary[f"run_step_ms_{r.key}"] = round(r.run_ms, 2)
         summary[f"torch_step_ms_{r.key}"] = round(r.torch_ms, 2)
         summary[f"actions_per_rank_{r.key}"] = r.actions_per_rank
         summary[f"compute_fraction_{r.key}"] = round(r.compute_fraction, 3)
@@ -253,12 +278,12 @@ def summarize(results: list[ConfigResult]) -> dict[str, Any]:
 
 def print_table(results: list[ConfigResult]) -> None:
     """One row per configuration."""
-    print(f"\n{'stages':>6} {'micro':>5} {'actions':>7} {'actorpipe ms':>12} {'torch ms':>9} "
+    print(f"\n{'stages':>6} {'micro':>5} {'actions':>7} {'actorpipe ms':>12} {'run ms':>7} {'torch ms':>9} "
           f"{'us/action':>9} {'torch us/action':>15} {'cpu us/action':>13} {'torch':>6} {'vs torch':>8} "
           f"{'compute':>7} {'in F/I/W':>8}")
     for r in results:
         print(f"{r.num_stages:>6} {r.micro_batches:>5} {r.actions_per_stage:>7} {r.actorpipe_ms:>12.2f} "
-              f"{r.torch_ms:>9.2f} {r.us_per_action:>9.1f} {r.torch_us_per_action:>15.1f} "
+              f"{r.run_ms:>7.2f} {r.torch_ms:>9.2f} {r.us_per_action:>9.1f} {r.torch_us_per_action:>15.1f} "
               f"{r.cpu_us_per_action(r.actorpipe_ms):>13.1f} {r.cpu_us_per_action(r.torch_ms):>6.1f} "
               f"{r.actorpipe_ms / r.torch_ms:>7.3f}x {r.compute_fraction:>7.3f} {r.compute_actions_fraction:>8.2f}")
 

@@ -54,6 +54,7 @@ is one JSON object.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import ctypes
 import dataclasses
@@ -224,6 +225,24 @@ class ActorpipePeer:
             times.append(time.perf_counter() - start)
             self.bubble_fractions.append(float(self.last_stats.bubble_fraction))
         return times
+
+    async def run_ahead(self, num_steps: int) -> float:
+        """``num_steps`` steps as one run (``job.run``: the stages read the batch, and each step's orders
+        go out while the step before finishes); the run's seconds per step, on the head's clock.
+
+        Raises:
+            RuntimeError: the run did not do them all.
+        """
+        assert self.data_on_stages, "a run reads the job's data factory"
+        info = await self.job.run(num_steps)
+        while info.active:
+            await asyncio.sleep(0.02)
+            description = await self.job.describe()
+            info = description.run
+        if info.error is not None or info.done != num_steps:
+            raise RuntimeError(f"{self.name}: the run did {info.done} of {num_steps} steps: {info.error}")
+        self.last_stats = description.last_stats
+        return float(info.elapsed_s) / num_steps
 
     async def finish(self) -> list[int]:
         """Gathers the trained model (where the job offers it); returns peak RSS per stage."""

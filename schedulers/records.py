@@ -186,7 +186,8 @@ class JobInfo(WireRecord):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RunInfo(WireRecord):
     """A run of ``target`` steps from the job's data factory (``Job.run``); ``ahead``: how many of the
-    ``done`` steps went out while the step before them was still in flight (see :mod:`schedulers.runs`)."""
+    ``done`` steps went out while the step before them was still in flight (see :mod:`schedulers.runs`);
+    ``elapsed_s``: seconds from its start to its end (so far, while active), on the head's clock."""
 
     target: int
     first_step: int
@@ -195,6 +196,7 @@ class RunInfo(WireRecord):
     stopping: bool = False
     error: str | None = None
     ahead: int = 0
+    elapsed_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

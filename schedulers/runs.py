@@ -11,6 +11,7 @@ then two steps can be in flight, and a stop or pause ends the run after both.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,11 +36,14 @@ class RunState:
     finished: bool = False
     error: str | None = None
     task: asyncio.Task[Any] | None = None
+    started: float = field(default_factory=time.perf_counter)
+    ended: float | None = None
     wake: asyncio.Event = field(default_factory=asyncio.Event)  # set by resume and stop
 
     def info(self) -> RunInfo:
         return RunInfo(target=self.target, first_step=self.first_step, done=self.done, active=not self.finished,
-                       stopping=self.stop, error=self.error, ahead=self.ahead)
+                       stopping=self.stop, error=self.error, ahead=self.ahead,
+                       elapsed_s=(self.ended if self.ended is not None else time.perf_counter()) - self.started)
 
 
 class Runs:
@@ -121,7 +125,7 @@ class Runs:
             state.error = str(exc) if isinstance(exc, ActorError) else f"{type(exc).__name__}: {exc}"
             reason = "failed"
         finally:
-            state.finished = True
+            state.finished, state.ended = True, time.perf_counter()
             job.publish(RunFinished(job=job.id, done=state.done, target=state.target, reason=reason,
                                     error=state.error))
 

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def config(num_stages: int, micro_batches: int, actions: int, step_ms: float) -> ConfigResult:
     return ConfigResult(num_stages=num_stages, micro_batches=micro_batches, actions_per_rank=[actions - 1, actions],
                         actorpipe_step_s=[step_ms / 1e3], torch_step_s=[2 * step_ms / 1e3],
-                        compute_actions_fraction=0.1, compute_s=0.001)
+                        run_step_s=[(step_ms - 0.5) / 1e3], compute_actions_fraction=0.1, compute_s=0.001)
 
 
 @pytest.mark.parametrize(("xs", "ys", "line"), [
@@ -42,6 +42,9 @@ def test_growth_is_flat_when_every_action_costs_the_same() -> None:
     assert figures["fit_fixed_us_2stages"] == pytest.approx(1000.0)
     assert figures["per_action_growth_micro_batches_2stages"] < 1.0  # the fixed cost spreads over more actions
     assert growth(results, "torch")["torch_fit_us_per_action_2stages"] == pytest.approx(200.0)
+    run = growth(results, "run")  # the same actions, 0.5 ms less a step: the fixed part alone is smaller
+    assert run["run_fit_us_per_action_2stages"] == pytest.approx(100.0)
+    assert run["run_fit_fixed_us_2stages"] == pytest.approx(500.0)
 
 
 @pytest.mark.slow
@@ -54,6 +57,7 @@ def test_a_tiny_run_prints_the_overhead_per_action_last() -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["overhead_us_per_action"] > 0 and summary["vs_torch_overhead"] > 0
+    assert summary["run_vs_torch_overhead"] > 0 and summary["run_step_ms_2stages_8mb"] > 0  # job.run, timed too
     assert summary["actions_per_rank_2stages_8mb"] == [35, 43]  # 1F1B, 8 micro-batches, split backward
     assert summary["overhead_us_per_action_2stages_8mb"] == summary["overhead_us_per_action"]
     assert summary["skipped"] == []
@@ -64,6 +68,7 @@ def test_cpu_time_per_action_counts_the_cores_the_stages_share(num_stages: int, 
                                                                cpu_us: float) -> None:
     # 80 actions in all, 80 ms a step: on 2 cores that is 2 ms of core time per action.
     r = ConfigResult(num_stages=num_stages, micro_batches=8, actions_per_rank=[80 // num_stages] * num_stages,
-                     actorpipe_step_s=[0.08], torch_step_s=[0.08], compute_actions_fraction=0.0, compute_s=0.0,
+                     actorpipe_step_s=[0.08], torch_step_s=[0.08], run_step_s=[0.08], compute_actions_fraction=0.0,
+                     compute_s=0.0,
                      num_cores=num_cores)
     assert r.cpu_us_per_action(r.actorpipe_ms) == pytest.approx(cpu_us)

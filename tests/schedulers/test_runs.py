@@ -81,7 +81,7 @@ async def test_a_run_sends_each_step_ahead_lets_a_state_read_in_between_and_trai
         await job.run(steps)
         between = await job.state_dict()  # waits for the job: the run lets it in between two steps
         run = await ended(job)
-        state, last = await job.state_dict(), (await job.describe()).last_stats
+        state, later = await job.state_dict(), await job.describe()
     finally:
         await job.close()
     assert run.error is None and run.done == steps
@@ -89,7 +89,8 @@ async def test_a_run_sends_each_step_ahead_lets_a_state_read_in_between_and_trai
     assert steps - 2 <= run.ahead <= steps - 1
     assert any(equal(between, expected) for expected in states)
     assert equal(state, states[-1])
-    assert last is not None and last.loss == pytest.approx(losses[-1], rel=1e-5)
+    assert later.last_stats is not None and later.last_stats.loss == pytest.approx(losses[-1], rel=1e-5)
+    assert later.run is not None and 0 < later.run.elapsed_s == run.elapsed_s  # timed from start to end
 
 
 async def test_a_step_skipped_for_a_nan_drops_the_step_sent_after_it_and_sends_it_again(cluster: Cluster) -> None:
