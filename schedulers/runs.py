@@ -99,6 +99,14 @@ class Runs:
 
     async def _run_steps(self, state: RunState) -> None:
         job = self.job
+
+        def more(in_flight: int) -> bool:  # another step, with in_flight steps not yet done
+            return not state.stop and not self.paused and state.done + in_flight < state.target
+
+        def done(ahead: bool = False) -> None:
+            state.done += 1
+            state.ahead += ahead
+
         reason = "cancelled"
         try:
             while state.done < state.target and not state.stop:
@@ -110,13 +118,6 @@ class Runs:
                     if state.stop:
                         break
                     job.publish(JobResumed(job=job.id, step=job.next_step))
-                def more(in_flight: int) -> bool:  # another step, with in_flight steps not yet done
-                    return not state.stop and not self.paused and state.done + in_flight < state.target
-
-                def done(ahead: bool = False) -> None:
-                    state.done += 1
-                    state.ahead += ahead
-
                 if self._steps_ahead is None or not await self._steps_ahead(more, done):
                     await self._step()
                     done()
