@@ -140,6 +140,14 @@ async def _open_pair(runtime: Runtime, prefix: str) -> list[ActorRef]:
     return refs
 
 
+async def assert_same_state(pair: list[ActorRef], other: list[ActorRef]) -> None:
+    """Each stage of ``pair`` holds the same state as ``other``'s, bit for bit."""
+    for a, b in zip(pair, other):
+        mine = await a.endpoint(StageActor.state_dict, timeout=10).call()
+        theirs = await b.endpoint(StageActor.state_dict, timeout=10).call()
+        assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
 async def test_a_step_whose_stages_run_its_tail_equals_one_driven_by_calls() -> None:
     """One answer per step: reduce, the vote, clipping and the optimizer step all happen in run_step,
     and the result equals the scheduler's reduce_step/finish_step path to the last bit."""
@@ -164,10 +172,7 @@ async def test_a_step_whose_stages_run_its_tail_equals_one_driven_by_calls() -> 
                 step, True, decision.unscale, decision.clip) for ref in driven))
             assert [a.losses for a in answers] == [r.losses for r in reports]
             assert [a.reduced.grad_sq for a in answers if a.reduced] == [r.grad_sq for r in reduced]
-        for a, b in zip(inline, driven):
-            mine = await a.endpoint(StageActor.state_dict, timeout=10).call()
-            theirs = await b.endpoint(StageActor.state_dict, timeout=10).call()
-            assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+        await assert_same_state(inline, driven)
 
 
 async def test_a_stage_waiting_for_votes_is_aborted_and_forgets_the_step() -> None:
@@ -291,10 +296,7 @@ async def test_a_step_sent_ahead_runs_once_the_one_before_is_applied_and_trains_
         for step in range(3):
             single = await _finish_steps(one_by_one, [step])
             assert [a.losses for a in single[0]] == [a.losses for a in answers[step]]
-        for a, b in zip(ahead, one_by_one):
-            mine = await a.endpoint(StageActor.state_dict, timeout=10).call()
-            theirs = await b.endpoint(StageActor.state_dict, timeout=10).call()
-            assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+        await assert_same_state(ahead, one_by_one)
 
 
 async def test_a_step_sent_ahead_of_one_not_applied_runs_nothing_anywhere() -> None:
