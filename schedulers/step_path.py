@@ -81,7 +81,7 @@ class StepPath:
                 answers are in (where :meth:`may_step_ahead`), one data position past it. Each stage
                 actor takes the order as soon as it has finished the step before (its mailbox holds
                 it meanwhile), so the round trip to the head leaves the step's critical path; a stage
-                that did not finish ``after`` does not begin it (:attr:`~stages.StepOrder.after`).
+                that did not apply ``after`` does not begin it (:attr:`~stages.StepOrder.after`).
         """
         job = self.job
         step = job.attempted()
