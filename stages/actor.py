@@ -35,7 +35,8 @@ from actors._errors import ActorError, NotAllowed, contained
 from actors._ref import ActorRef
 from actors._registry import DEFAULT_ALLOW, EXAMPLE_FACTORIES, register_actor
 from stages.build import tied, traced
-from stages.build.stage import BuiltStage, build_stage, read_data
+from stages.build.reads import DataReads
+from stages.build.stage import BuiltStage, build_stage
 from stages.comm import zero
 from stages.comm.boundary import split_batch
 from stages.comm.delivery import PeerEndpoints, Receiver, Sender, check_codecs
@@ -72,6 +73,7 @@ class StageParts:
     receiver: Receiver
     tail: StepTail
     state: StageState
+    data: DataReads
 
 
 def assemble(config: StageConfig, built: BuiltStage, groups: StageGroups | None, thread: ThreadPoolExecutor,
@@ -95,7 +97,8 @@ def assemble(config: StageConfig, built: BuiltStage, groups: StageGroups | None,
         receiver=Receiver(config, executor.inbox, spawn, link),
         tail=StepTail(config, built, executor, groups, send_tied, on_drop=sender.forget_feedback),
         state=StageState(built, executor, pipeline_rank=config.pipeline_rank, pipeline_stages=config.pipeline_stages,
-                         job=config.job))
+                         job=config.job),
+        data=DataReads(built.data, config))
 
 
 async def close_parts(parts: StageParts) -> None:
@@ -176,9 +179,9 @@ async def begin_step(config: StageConfig, parts: StageParts, order: StepOrder) -
                                for share, what in ((inputs, "inputs"), (targets, "targets")))
         batch = StepBatch(actions, inputs, targets, order.loss_weights)
     else:
-        # Off the loop (a dataset's first read, or one after a rollback, takes a while): heartbeats go on.
-        inputs, targets, weights = await asyncio.to_thread(read_data, parts.built.data, config, order.data_step,
-                                                           order.data_shard or [0, 1], executor.num_microbatches)
+        # On a thread unless known short (stages.build.reads).
+        inputs, targets, weights = await parts.data.read(order.data_step, order.data_shard or [0, 1],
+                                                         executor.num_microbatches)
         batch = StepBatch(actions, inputs, targets, weights)
     if batch.inputs is not None and 0 in executor.model.modules:  # a shape the traced graph cannot run: refused now
         traced.check_batch(executor.model.modules[0], batch.inputs)
