@@ -4,8 +4,9 @@ The job's actor (:class:`~schedulers.job_actor.JobActor`) hands each call to its
 :class:`JobController`, which holds the job (:class:`~schedulers.job_core.JobCore`:
 members, position in training, lock) and its parts, one per concern:
 
-- the step path (:class:`~schedulers.step_path.StepPath`): orders to every stage, the
-  barrier, the tail's decision, failures that name the stage, action and cause;
+- the step path (:class:`~schedulers.step_path.StepPath`, its calls in
+  :mod:`schedulers.stage_calls`): orders to every stage, the barrier, the tail's
+  decision, failures that name the stage, action and cause;
 - runs (:class:`~schedulers.runs.Runs`): N steps from the data factory in a task it
   owns, paused, resumed and stopped;
 - settings (:class:`~schedulers.settings.Settings`): checked at once, applied before
@@ -24,8 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -42,9 +43,9 @@ from schedulers.jobs import JobSpec
 from schedulers.limits import Limits
 from schedulers.monitors import Monitors
 from schedulers.records import EvalResult, JobDescription, Plan, Recovery, RunInfo, SettingChange, StepStats, WhereReport
-from schedulers.runs import Runs
+from schedulers.runs import Runs, steps_ahead
 from schedulers.settings import Settings
-from schedulers.step_path import Dispatched, StepPath
+from schedulers.step_path import StepPath
 from schedulers.stepping import stage_lost
 
 __all__ = ["JobController"]
@@ -74,8 +75,9 @@ class JobController:
                             rendezvous=rendezvous, owner=owner, placer=placer, identities=identities)
         self.views = JobViews(self.core)
         self.steps = StepPath(self.core, self.views)
-        self.runs = Runs(self.core, self.step, self.steps_ahead)
         self.settings = Settings(self.core, limits or Limits())
+        self.runs = Runs(self.core, self.step, functools.partial(steps_ahead, self.core, self.steps, self.settings,
+                                                                 self._step_finished))
         self._recovery: Recovery | None = None  # what the last recovery did, for the next StepStats
         self.monitors = monitors  # the job's TensorBoard, W&B and CSV writers (None: none configured)
 
@@ -117,54 +119,6 @@ class JobController:
         job.last_stats = stats  # the views' (describe, trace, plan)
         self._step_finished(stats, applied)
         return stats
-
-    async def steps_ahead(self, more: Callable[[int], bool], done: Callable[[bool], None]) -> bool:
-        """A run's steps from the data factory, each step's orders sent while the step before it finishes
-        (:meth:`StepPath.dispatch` with ``after``), under one hold of the job, as long as ``more(n)``
-        (another step is wanted with ``n`` in flight) and nothing else waits for the job (a state read,
-        a save: they come in between two steps); ``done(ahead)`` after each (``ahead``: it went out while
-        the one before was in flight). False, having run nothing, where the job cannot step ahead
-        (:meth:`StepPath.may_step_ahead`): the run takes its steps one by one.
-
-        A step that was not applied (skipped for a non-finite value, or failed) leaves the step sent
-        after it refused by every stage (:attr:`~stages.StepOrder.after`): it is dropped, and the data
-        position it would have read is read by the next step instead.
-
-        Raises:
-            NodeLost, StepFailed: as :meth:`step`; the step sent ahead is stopped on every stage.
-        """
-        job, path = self.core, self.steps
-        if not path.may_step_ahead():
-            return False
-        async with job.operation(stepping=True):
-            await self.settings.apply_pending()
-            if not path.may_step_ahead():
-                return False
-            goal = job.keep_batch(None, None)
-            current: Dispatched | None = path.dispatch(None, None)
-            ended, sent_ahead = None, False
-            while current is not None:
-                ahead = None
-                if more(1) and not job.waiting and self.settings.pending_spec is None and path.may_step_ahead():
-                    ahead = path.dispatch(None, None, after=current)
-                try:
-                    stats = await path.collect(current, since=ended)
-                except BaseException:
-                    if ahead is not None:
-                        await asyncio.shield(path.drop(ahead))
-                    raise
-                ended = time.perf_counter()
-                job.completed(goal, driver_batch=False)
-                job.last_stats = stats
-                self._step_finished(stats, job.applied)
-                done(sent_ahead)
-                current, sent_ahead = ahead, ahead is not None
-                if ahead is not None and stats.skipped:  # every stage refuses it: drop it, send it afresh
-                    await path.drop(ahead)
-                    current, sent_ahead = (path.dispatch(None, None) if more(0) else None), False
-                if current is not None:
-                    goal = job.keep_batch(None, None)
-        return True
 
     async def evaluate(self, inputs: Any = None, targets: Any = None, outputs: bool = False,
                        data_step: int | None = None) -> EvalResult:

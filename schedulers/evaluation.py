@@ -46,7 +46,7 @@ async def evaluate(job: JobCore, path: StepPath, inputs: Any, targets: Any, *, o
         if spec.parallelism.micro_batches != job.stage_micro_batches:
             call["micro_batches"] = spec.parallelism.micro_batches
     started = time.perf_counter()
-    reports = await path.run_programs(job.attempted(), calls, evaluation_programs(spec))
+    reports = await path.calls.run_programs(job.attempted(), calls, evaluation_programs(spec))
     elapsed = time.perf_counter() - started
     last = [r for rank, r in enumerate(reports) if job.mesh.coords(rank).tensor == 0 and r.losses]
     losses = [loss for r in last for loss in r.losses]

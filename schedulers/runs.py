@@ -4,7 +4,7 @@ A run is a task :class:`Runs` owns (the job's close cancels it); ``pause`` holds
 run before its next step, ``resume`` lets it go on, ``stop`` ends it after the
 steps in flight. Where the job allows it (:meth:`~schedulers.step_path.StepPath.may_step_ahead`),
 each step's orders go out while the step before it finishes, so a stage goes from one
-step's tail straight into the next (:meth:`~schedulers.control.JobController.steps_ahead`):
+step's tail straight into the next (:func:`steps_ahead`):
 then two steps can be in flight, and a stop or pause ends the run after both.
 """
 
@@ -19,9 +19,11 @@ from typing import Any
 from actors import ActorError
 from schedulers.events import JobPaused, JobResumed, RunFinished, RunProgress, RunStarted
 from schedulers.job_core import JobCore
-from schedulers.records import RunInfo
+from schedulers.records import RunInfo, StepStats
+from schedulers.settings import Settings
+from schedulers.step_path import Dispatched, StepPath
 
-__all__ = ["RunState", "Runs"]
+__all__ = ["RunState", "Runs", "steps_ahead"]
 
 
 @dataclass(slots=True)
@@ -53,7 +55,7 @@ class Runs:
         step: one step of the job from its data factory (the controller's).
         steps_ahead: steps while ``more(in_flight)``, each sent while the one before finishes, calling
             ``done(ahead)`` after each (``ahead``: it went out while the one before was in flight); False
-            where the job cannot (the controller's ``steps_ahead``).
+            where the job cannot (:func:`steps_ahead`, bound to the job's parts by its controller).
     """
 
     def __init__(self, job: JobCore, step: Callable[[], Awaitable[Any]],
@@ -154,3 +156,53 @@ class Runs:
         """Cancels the run's task (the job is closing)."""
         if self.state is not None and self.state.task is not None:
             self.state.task.cancel()
+
+
+async def steps_ahead(job: JobCore, path: StepPath, settings: Settings, finished: Callable[[StepStats, int], None],
+                      more: Callable[[int], bool], done: Callable[[bool], None]) -> bool:
+    """A run's steps from the data factory, each step's orders sent while the step before it finishes
+    (:meth:`~schedulers.step_path.StepPath.dispatch` with ``after``), under one hold of the job, as
+    long as ``more(n)`` (another step is wanted with ``n`` in flight) and nothing else waits for the
+    job (a state read, a save: they come in between two steps); ``settings`` pending are applied
+    first, ``finished(stats, applied)`` and ``done(ahead)`` follow each step (``ahead``: it went out
+    while the one before was in flight). False, having run nothing, where the job cannot step ahead
+    (:meth:`~schedulers.step_path.StepPath.may_step_ahead`): the run takes its steps one by one.
+
+    A step that was not applied (skipped for a non-finite value, or failed) leaves the step sent
+    after it refused by every stage (:attr:`~stages.StepOrder.after`): it is dropped, and the data
+    position it would have read is read by the next step instead.
+
+    Raises:
+        NodeLost, StepFailed: as the controller's ``step``; the step sent ahead is stopped on every stage.
+    """
+    if not path.may_step_ahead():
+        return False
+    async with job.operation(stepping=True):
+        await settings.apply_pending()
+        if not path.may_step_ahead():
+            return False
+        goal = job.keep_batch(None, None)
+        current: Dispatched | None = path.dispatch(None, None)
+        ended, sent_ahead = None, False
+        while current is not None:
+            ahead = None
+            if more(1) and not job.waiting and settings.pending_spec is None and path.may_step_ahead():
+                ahead = path.dispatch(None, None, after=current)
+            try:
+                stats = await path.collect(current, since=ended)
+            except BaseException:
+                if ahead is not None:
+                    await asyncio.shield(path.drop(ahead))
+                raise
+            ended = time.perf_counter()
+            job.completed(goal, driver_batch=False)
+            job.last_stats = stats
+            finished(stats, job.applied)
+            done(sent_ahead)
+            current, sent_ahead = ahead, ahead is not None
+            if ahead is not None and stats.skipped:  # every stage refuses it: drop it, send it afresh
+                await path.drop(ahead)
+                current, sent_ahead = (path.dispatch(None, None) if more(0) else None), False
+            if current is not None:
+                goal = job.keep_batch(None, None)
+    return True

@@ -3,11 +3,11 @@
 For each step the controller sends every stage actor its program (and the
 micro-batches the first and last stage need) as a :class:`~stages.StepOrder`, and
 the stages run it up to the accumulation barrier and then the step's tail
-themselves. :class:`StepPath` waits for them, makes the same decision from the same
-numbers (for the statistics and the fp16 loss scale), and turns a stage that failed,
-a node that was lost or a step that outlived its timeout into a
-:class:`~actors.StepFailed` that names the stage, the action and the cause, after
-every stage aborted the step.
+themselves. :class:`StepPath` decides what the orders say, waits for them through
+:class:`~schedulers.stage_calls.StageCalls` (which names a stage that failed, a node
+that was lost or a step that outlived its timeout, after every stage aborted the
+step), and makes the same decision from the same numbers as the stages (for the
+statistics and the fp16 loss scale).
 """
 
 from __future__ import annotations
@@ -16,28 +16,22 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-from actors import ActorError, ActorLost, NodeLost, StageLost, StepFailed, error_from_wire
-from stages import batch_size, FinishReport, ReduceReport, StageActor, StageReport, StepOrder
+from actors import StepFailed
+from stages import batch_size, FinishReport, ReduceReport, StageActor, StageReport
 from stages.compute.agreement import decide_votes, vote_of
 from schedulers.events import JobFailed, SchedulePlanned
 from schedulers.job_core import JobCore
 from schedulers.job_views import JobViews
+from schedulers.stage_calls import StageCalls
 from schedulers.planning import NoScheduleFits
 from schedulers.records import Candidate, StepStats
-from schedulers.stepping import (
-    describe_findings, nonfinite_failed, nonfinite_findings, stage_lost, step_calls, step_failed, step_stats,
-)
+from schedulers.stepping import describe_findings, nonfinite_failed, nonfinite_findings, step_calls, step_stats
 
-__all__ = ["LOSS_GRACE_S", "Dispatched", "StepPath"]
+__all__ = ["Dispatched", "StepPath"]
 
 log = logging.getLogger(__name__)
-
-# How long a step whose reduction failed waits for the failure detector to name a lost node
-# (the head's heartbeat timeout, 2 s by default, and a margin): see StepPath._lost_instead.
-LOSS_GRACE_S = 5.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -58,6 +52,7 @@ class StepPath:
     def __init__(self, job: JobCore, views: JobViews) -> None:
         self.job = job
         self.views = views
+        self.calls = StageCalls(job, views)  # the orders out and the answers in
         self.tied: list[tuple[str, ...]] = []  # parameters shared across pipeline ranks, as the stages report
         self.grad_norm: float | None = None  # the last step's
         self.reduce_wait_s: list[float] = []  # the last release's, per stage actor
@@ -104,7 +99,7 @@ class StepPath:
             call.update(self.tail_order() if not job.auto.timed else {})
         return Dispatched(step=step, inputs=inputs, started=time.perf_counter(),
                           used_scale=job.scaler.scale if job.scaler is not None else 1.0,
-                          ran=job.auto.running(job.spec), tasks=self.start_programs(step, calls, job.programs))
+                          ran=job.auto.running(job.spec), tasks=self.calls.start_programs(step, calls, job.programs))
 
     def may_step_ahead(self) -> bool:
         """Whether the next step's orders may go out before this one's answers are in: nothing in them
@@ -117,7 +112,7 @@ class StepPath:
     async def drop(self, dispatched: Dispatched) -> None:
         """Stops a step that :meth:`dispatch` sent ahead and that will not be collected."""
         try:
-            await self.abort(dispatched.step, dispatched.tasks)
+            await self.calls.abort(dispatched.step, dispatched.tasks)
         finally:
             for task in dispatched.tasks.values():
                 task.cancel()
@@ -134,7 +129,7 @@ class StepPath:
         used_scale, ran, ranked, planning_s = dispatched.used_scale, dispatched.ran, None, 0.0
         try:
             try:
-                reports = await self.reports(step, dispatched.tasks)
+                reports = await self.calls.reports(step, dispatched.tasks)
                 if job.auto.timed:  # schedule="auto": plan now, so that a max_stash_bytes nothing fits applies nothing
                     planning_s = time.perf_counter()
                     ranked = await self._rank_candidates(step, reports)
@@ -173,7 +168,7 @@ class StepPath:
         try:  # off the loop: simulating every candidate of a deep pipeline takes seconds
             return await asyncio.to_thread(job.auto.rank, job.spec, reports, job.mesh, step)
         except NoScheduleFits as exc:
-            await self.abort(step, {})
+            await self.calls.abort(step, {})
             job.publish(JobFailed(job=job.id, step=step, error=str(exc)))
             raise
 
@@ -193,148 +188,6 @@ class StepPath:
             job.recompile()  # the next probe step's (with W batching or not)
             if timed_next:  # the clocks, for the link's speed; outside any step
                 job.auto.offsets = await self.views.clock_offsets()
-
-    async def run_programs(self, step: int, calls: dict[int, dict[str, Any]],
-                           programs: Mapping[int, list[str]]) -> list[StageReport]:
-        """Runs ``programs`` (by pipeline rank) as step ``step`` on every stage actor, each with its
-        ``calls`` (by global rank), up to their barrier (an evaluation's: to their end); their reports.
-
-        Raises:
-            StepFailed, NodeLost: a stage failed, a node was lost or the step timed out; every
-                stage aborted it.
-        """
-        return await self.reports(step, self.start_programs(step, calls, programs))
-
-    def start_programs(self, step: int, calls: dict[int, dict[str, Any]],
-                       programs: Mapping[int, list[str]]) -> dict[int, asyncio.Future[StageReport]]:
-        """Sends :meth:`run_programs`' orders; the calls, by global rank, that :meth:`reports` waits for."""
-        job = self.job
-        return {
-            rank: asyncio.ensure_future(job.stages[rank].endpoint(StageActor.run_step).call(
-                StepOrder(step=step, program=programs[job.mesh.coords(rank).pipeline], **kwargs)))
-            for rank, kwargs in calls.items()
-        }
-
-    async def reports(self, step: int, tasks: dict[int, asyncio.Future[StageReport]]) -> list[StageReport]:
-        """The reports of step ``step``'s calls (see :meth:`run_programs`), by global rank.
-
-        Raises:
-            StepFailed, NodeLost: a stage failed, a node was lost or the step timed out; every
-                stage aborted it.
-        """
-        job = self.job
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + job.spec.fault_tolerance.step_timeout_s
-        try:
-            pending: set[asyncio.Future[Any]] = set(tasks.values())
-            failure: StepFailed | None = None
-            while pending and failure is None:
-                done, pending = await asyncio.wait(pending, timeout=max(0.0, deadline - loop.time()),
-                                                   return_when=asyncio.FIRST_COMPLETED)
-                failure = self._first_failure(tasks) if done else await self._timeout_failure()
-            if failure is not None and failure.action == "REDUCE" and not isinstance(failure, NodeLost):
-                failure = await self._lost_instead(tasks, failure, deadline)
-            reports = [] if failure else [tasks[rank].result() for rank in sorted(tasks)]
-            if failure is None and not all(r.status == "done" for r in reports):
-                failure = StepFailed("step aborted on request", details={"stage": None, "action": None,
-                                                                          "cause": "aborted"})
-            if failure is not None:
-                await self.abort(step, tasks, failure.details.get("silent", ()))
-                raise failure
-            return reports
-        except asyncio.CancelledError:  # the driver cancelled the step, or the job is closing
-            await asyncio.shield(self.abort(step, tasks))
-            raise
-        finally:
-            for task in tasks.values():
-                task.cancel()
-
-    async def _lost_instead(self, tasks: Mapping[int, asyncio.Future[Any]], failure: StepFailed,
-                            deadline: float) -> StepFailed:
-        """A stage whose reduction failed, in the tail it runs itself, most often lost a replica: the
-        collective breaks the moment a peer process dies, before the head's failure detector has
-        marked its node lost. Waits for that (at most :data:`LOSS_GRACE_S`) so that the step fails
-        with ``NodeLost``, which a job with ``max_restarts`` recovers from, as it did when the
-        reduction came after every stage's barrier; else the reduction's own failure.
-
-        The wait ends at the first call that fails with ``NodeLost``: the lost stage's pipeline
-        neighbours wait for tensors that never come, so waiting for every call took the whole
-        grace (about 3 s past the detector) before each such recovery."""
-        job = self.job
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + max(0.0, min(LOSS_GRACE_S, deadline - loop.time()))
-        pending = {task for task in tasks.values() if not task.done()}
-        while pending and not _lost_calls(tasks) and (left := give_up - loop.time()) > 0:
-            _, pending = await asyncio.wait(pending, timeout=left, return_when=asyncio.FIRST_COMPLETED)
-        lost = self._first_failure(_lost_calls(tasks))
-        if lost is None and (alive := await job.alive_nodes()) and set(job.nodes) - alive:
-            gone = sorted(set(job.nodes) - alive)[0]
-            lost = NodeLost(f"node {gone} was lost during the step ({failure.message})",
-                            details={**failure.details, "node": gone})
-        return lost or failure
-
-    def _first_failure(self, tasks: Mapping[int, asyncio.Future[Any]]) -> StepFailed | None:
-        job = self.job
-        for rank, task in tasks.items():
-            if not task.done():
-                continue
-            exc = task.exception()
-            if isinstance(exc, NodeLost):
-                where = step_failed(job.mesh, rank, None, exc.message)
-                return NodeLost(where.message, details={**where.details, "node": exc.node})
-            if isinstance(exc, ActorLost):
-                return stage_lost(job.mesh, rank, exc)
-            if exc is not None:
-                cause = f"{type(exc).__name__}: {exc}" if not isinstance(exc, ActorError) else \
-                    f"{exc.remote_type}: {exc.message}"
-                return step_failed(job.mesh, rank, None, cause)
-            report = task.result()
-            if report.status == "failed":
-                error = error_from_wire(report.error)
-                return step_failed(job.mesh, rank, report.action, f"{error.remote_type}: {error.message}",
-                                   error.remote_traceback)
-        return None
-
-    async def _timeout_failure(self) -> StepFailed:
-        job = self.job
-        # Hang forensics: where each stage is, which send or receive never matched, the marked grid.
-        report, lines, silent = await self.views.hang_report()
-        return StepFailed(
-            f"step timed out after {job.spec.fault_tolerance.step_timeout_s}s:\n{report}",
-            details={"stage": None, "action": None, "cause": "timeout", "where": lines, "silent": silent},
-        )
-
-    async def abort(self, step: int, tasks: Mapping[int, asyncio.Future[Any]], silent: Sequence[int] = ()) -> None:
-        """Tells every stage to abort step ``step`` and waits (a while) for the calls in ``tasks`` to end.
-
-        A stage in ``silent`` (global ranks) did not answer the hang report's question: it holds its
-        interpreter, so it is told without waiting for a reply that would come only after the wait
-        (which held a timed-out step's error back by 5 s).
-        """
-        job = self.job
-        async def abort(rank: int) -> bool:
-            ref = job.stages[rank]
-            try:
-                if rank in silent:
-                    await ref.endpoint(StageActor.abort_step).tell(step)
-                    return False
-                await ref.endpoint(StageActor.abort_step, timeout=5).call(step)
-                return True
-            except ActorError as exc:
-                log.info("abort of %s: %s", ref.name, exc)
-                return False
-
-        alive = await job.alive_nodes()
-        reachable = [rank for rank, node in enumerate(job.nodes) if node in alive]
-        for rank, node in enumerate(job.nodes):
-            if node not in alive:  # told when (if) it comes back: see _check_members
-                job.fence(rank, step)
-        told = await asyncio.gather(*(abort(rank) for rank in reachable))
-        # A stage that did not take the abort (its process ended, or it holds its interpreter) will not
-        # end its step either: waiting for it only delays the error.
-        waiting = [tasks[rank] for rank, ok in zip(reachable, told) if ok and rank in tasks]
-        if waiting:
-            await asyncio.wait(waiting, timeout=5)
 
     def tail_order(self) -> dict[str, Any]:
         """What a stage needs to decide the step's tail itself (see :mod:`stages.compute.agreement`)."""
@@ -364,7 +217,7 @@ class StepPath:
         job = self.job
         ran_tail = all(r.reduced is not None and r.finished is not None for r in reports)
         reduced: list[ReduceReport] = [r.reduced for r in reports if r.reduced is not None] if ran_tail else \
-            await self._on_every_stage(StageActor.reduce_step, "REDUCE", step)
+            await self.calls.on_every_stage(StageActor.reduce_step, "REDUCE", step)
         found = nonfinite_findings(job.mesh, reports, reduced)
         self.reduce_wait_s = [r.wait_s for r in reduced]
         self.tied = sorted({tuple(names) for r in reduced for names in r.tied})
@@ -376,7 +229,7 @@ class StepPath:
                                 per_item=order["per_item"])
         self.grad_norm = decision.grad_norm
         finished: list[FinishReport] = [r.finished for r in reports if r.finished is not None] if ran_tail else \
-            await self._on_every_stage(StageActor.finish_step, "STEP", step, decision.apply, decision.unscale,
+            await self.calls.on_every_stage(StageActor.finish_step, "STEP", step, decision.apply, decision.unscale,
                                        decision.clip)
         if decision.overflow and scaler is not None:
             log.info("%s step %d skipped: fp16 gradients overflowed at loss scale %g", job.id, step, scaler.scale)
@@ -388,22 +241,4 @@ class StepPath:
             log.warning("%s step %d skipped: %s", job.id, step, "; ".join(describe_findings(job.mesh, found)[:5]))
         return sum(r.reduced_bytes for r in reduced), describe_findings(job.mesh, found), finished
 
-    async def _on_every_stage(self, method: Callable[..., Awaitable[Any]], action: str, *args: Any) -> list[Any]:
-        """Calls a stage endpoint on every stage at once; the first failure fails the step, naming the stage."""
-        job = self.job
-        timeout = job.spec.fault_tolerance.step_timeout_s
-        results = await asyncio.gather(*(ref.endpoint(method, timeout=timeout).call(*args) for ref in job.stages),
-                                       return_exceptions=True)
-        for rank, result in enumerate(results):
-            if isinstance(result, NodeLost):
-                where = step_failed(job.mesh, rank, action, result.message)
-                raise NodeLost(where.message, details={**where.details, "node": result.node})
-            if isinstance(result, BaseException):
-                raise step_failed(job.mesh, rank, action, f"{type(result).__name__}: {result}")
-        return results
 
-
-def _lost_calls(tasks: Mapping[int, asyncio.Future[Any]]) -> dict[int, asyncio.Future[Any]]:
-    """The stage calls, by rank, that ended in ``NodeLost`` or :class:`ActorLost` (its process ended)."""
-    return {rank: task for rank, task in tasks.items()
-            if task.done() and not task.cancelled() and isinstance(task.exception(), NodeLost | ActorLost)}
