@@ -36,7 +36,7 @@ from transport import _native
 from transport._buffers import aligned_empty
 
 __all__ = [
-    "CODEC_NAMES", "Codec", "CodecError", "Encoded", "ErrorFeedback", "aligned_copy", "decode", "encode",
+    "CODEC_NAMES", "Codec", "CodecError", "Encoded", "ErrorFeedback", "aligned", "aligned_copy", "decode", "encode",
     "get_codec",
 ]
 
@@ -126,10 +126,16 @@ FRAME_ALIGNMENT = 16
 
 def _frame_as(frame: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """View a uint8 frame as `dtype`, copying only when its address is not 16-byte aligned."""
-    if frame.data_ptr() % max(dtype.itemsize, FRAME_ALIGNMENT):
-        # torch refuses a view at a misaligned storage offset, and see FRAME_ALIGNMENT.
-        frame = aligned_copy(frame)
-    return frame.view(dtype)
+    # torch refuses a view at a misaligned storage offset, and see FRAME_ALIGNMENT.
+    return aligned(frame, dtype.itemsize).view(dtype)
+
+
+def aligned(tensor: torch.Tensor, itemsize: int | None = None) -> torch.Tensor:
+    """``tensor``, or a copy of it (:func:`aligned_copy`) where it starts off
+    :data:`FRAME_ALIGNMENT` or its elements' size (``itemsize``: the size of what it will be viewed as)."""
+    if not tensor.data_ptr() % max(itemsize or tensor.element_size(), FRAME_ALIGNMENT):
+        return tensor
+    return aligned_copy(tensor.contiguous().view(torch.uint8).reshape(-1)).view(tensor.dtype).view(tensor.shape)
 
 
 def aligned_copy(frame: torch.Tensor) -> torch.Tensor:

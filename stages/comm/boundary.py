@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from transport.codecs import FRAME_ALIGNMENT, aligned_copy
+from transport import codecs
 
 __all__ = ["MAX_LEAVES", "Payload", "batch_size", "call_module", "cast_floating", "check_spec", "grad_leaves", "pack",
            "split_batch", "tree_tensors", "unpack"]
@@ -244,12 +244,6 @@ def split_batch(batch: Any, parts: int, what: str, name: str = "micro_batches", 
                          "tensor of a batch has the samples along its first dim")
     chunks = [t.tensor_split(parts) for t in tensors]
     if aligned:
-        chunks = [tuple(_aligned(c) for c in cut) for cut in chunks]
+        chunks = [tuple(codecs.aligned(c) for c in cut) for cut in chunks]
     return [unpack(Payload([c[k] for c in chunks], payload.spec)) for k in range(parts)]
 
-
-def _aligned(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``, or a copy of it at an aligned address when it starts off one (as a received frame is copied)."""
-    if not tensor.data_ptr() % max(tensor.element_size(), FRAME_ALIGNMENT):
-        return tensor
-    return aligned_copy(tensor.contiguous().view(torch.uint8).reshape(-1)).view(tensor.dtype).view(tensor.shape)

@@ -128,8 +128,7 @@ def checked_norm(named: Sequence[tuple[str, torch.Tensor]], norm_params: Sequenc
     is not finite does the exact check run, to name the parameters (a float64 gradient can overflow
     its norm and still be finite). The squared norm is :func:`squared_norm`'s, to the bit.
     """
-    grads = {id(p): p.grad for _, p in named if p.grad is not None}
-    grads.update((id(p), p.grad) for p in norm_params if p.grad is not None and id(p) not in grads)
+    grads = {id(p): p.grad for _, p in named if p.grad is not None}  # norm_params are some of named's
     if not grads:
         return [], 0.0
     norms = dict(zip(grads, torch.stack([torch.linalg.vector_norm(g.detach(), dtype=torch.float64)
