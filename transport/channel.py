@@ -22,6 +22,7 @@ import asyncio
 import enum
 import logging
 import shutil
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal
@@ -41,7 +42,15 @@ from transport._sockets import (
     send_nowait,
     writable,
 )
-from transport.sealed import CLAIM_RETRY_S, TAG_BYTES, BulkInbox, BulkLink, SealRefused, is_open_message
+from transport.sealed import (
+    CLAIM_RETRY_S,
+    TAG_BYTES,
+    BulkInbox,
+    BulkLink,
+    SealRefused,
+    is_direct_message,
+    is_open_message,
+)
 from transport.security import (
     Keypair,
     bulk_endpoint,
@@ -217,6 +226,10 @@ class Receiver:
         )
         self._sockets = (self._socket,) if self._bulk is None else (self._socket, self._bulk.socket)
         self._bulk_first = False  # which socket _next asks first (they take turns)
+        # Whether each socket may hold a message: set by its fd's notification (and where this end
+        # used it, which may consume one), cleared once its events said it holds none.
+        self._maybe = [True, True]
+        self._through: deque[list[Any]] = deque()  # messages a session let through at once, after the first
         self._readiness: Readiness | None = None
         self._pumping: Callable[[], None] | None = None
         self._reading = False
@@ -245,6 +258,9 @@ class Receiver:
         if self._reading:
             raise RuntimeError(f"two tasks receive on {self.address} at once; give the channel one reader")
         self._reading = True
+        # Between two calls the sticky reader may have read a socket's events (and so taken its
+        # notification) with nobody waiting: ask both.
+        self._maybe[0] = self._maybe[1] = True
         try:
             while True:
                 if self._socket.closed:
@@ -254,6 +270,7 @@ class Receiver:
                     if self._readiness is None:
                         self._readiness = Readiness(*self._sockets, sticky=True)
                     await self._readiness.notified()
+                    self._maybe[0] = self._maybe[1] = True  # one of them, or both
                 elif frames is not None:
                     return frames
         finally:
@@ -268,10 +285,10 @@ class Receiver:
         are :class:`~transport.sealed.OpenedFrame` objects, which give the CURVE name
         of the session's sender as ``get("User-Id")`` as a CURVE frame does.
 
-        Which socket is asked first alternates, so neither starves the other, except that
-        after both were found empty the bulk socket, where messages come, is asked first
-        (one ``ZMQ_EVENTS`` read a message fewer). Each is asked by its events, not by a
-        receive that fails: pyzmq's ``Again`` costs more than a message's decoding.
+        Which socket is asked first alternates, so neither starves the other. Each is asked
+        by its events, not by a receive that fails (pyzmq's ``Again`` costs more than a
+        message's decoding), and only where it may hold a message (``_maybe``): a
+        ``ZMQ_EVENTS`` read costs a few microseconds, as much as opening a small message.
 
         Raises:
             MessageTooLarge: a message over the limits; it was dropped.
@@ -279,14 +296,19 @@ class Receiver:
         bulk = self._bulk
         if bulk is None:
             return self._next_curve() if readable(self._socket) else DRAINED
+        if self._through:
+            return self._through.popleft()
+        maybe = self._maybe
         self._bulk_first = not self._bulk_first
-        if self._bulk_first and readable(bulk.socket):
-            return self._next_bulk(bulk)
-        if readable(self._socket):
-            return self._next_curve()
-        if not self._bulk_first and readable(bulk.socket):
-            return self._next_bulk(bulk)
-        self._bulk_first = False  # the next call asks the bulk socket first: messages come there, not openings
+        for which in (1, 0) if self._bulk_first else (0, 1):
+            if maybe[which]:
+                if readable(self._sockets[which]):
+                    return self._next_bulk(bulk) if which else self._next_curve()
+                # Drained: tell the senders what was taken. A send may consume the notification of
+                # a message that came meanwhile, so the socket is asked once more.
+                if which == 1 and bulk.tell_taken() and readable(bulk.socket):
+                    return self._next_bulk(bulk)
+                maybe[which] = False
         return DRAINED
 
     def _next_bulk(self, bulk: BulkInbox) -> list[Any] | None | _Drained:
@@ -299,14 +321,22 @@ class Receiver:
         frames, nbytes = gather(bulk.socket, frame, self._max_message_bytes + TAG_BYTES * MAX_FRAMES_PER_MESSAGE,
                                 MAX_FRAMES_PER_MESSAGE + 2, self.address)
         try:
-            opened = bulk.take(frames)
+            through = bulk.take(frames)
         except SealRefused as exc:
             self._refuse(exc)
             return None
-        if opened is not None:
-            self._stats.messages += 1
+        if through is not None:
             self._stats.bytes += nbytes
-        return opened  # type: ignore[return-value]  # OpenedFrame stands in for zmq.Frame
+        return self._hand_on(through)
+
+    def _hand_on(self, through: list[list[Any]] | None) -> list[Any] | None:
+        """The first of the messages a session let through (the rest wait in ``_through``), or None."""
+        if not through:
+            return None
+        self._stats.messages += len(through)
+        if len(through) > 1:
+            self._through.extend(through[1:])
+        return through[0]  # OpenedFrame stands in for zmq.Frame
 
     def _next_curve(self) -> list[Any] | None | _Drained:
         """The next message of the CURVE (or plain) socket, whose events said one waits (see :meth:`_next`)."""
@@ -315,7 +345,16 @@ class Receiver:
         except zmq.Again:  # ZMQ_EVENTS says a message *may* wait (a CURVE command may have been all)
             return DRAINED
         frames, nbytes = gather(self._socket, frame, self._max_message_bytes, MAX_FRAMES_PER_MESSAGE, self.address)
+        if self._bulk is not None and is_direct_message(frames):
+            try:
+                through = self._bulk.take_direct(frames)
+            except SealRefused as exc:
+                self._refuse(exc)
+                return None
+            self._stats.bytes += nbytes
+            return self._hand_on(through)
         if self._bulk is not None and is_open_message(frames):
+            self._maybe[1] = True  # a claim that waited for the opening is answered on the bulk socket
             try:
                 self._bulk.on_open(frames[0])
             except SealRefused as exc:
@@ -368,9 +407,15 @@ class Receiver:
                     break
             loop.call_soon(ready)  # more may be waiting: come back after others had a turn
 
+        def notified(which: int) -> Callable[[], None]:
+            def callback() -> None:
+                self._maybe[which] = True
+                ready()
+            return callback
+
         self._pumping = ready
-        for fd in self._fds():
-            loop.add_reader(fd, ready)
+        for which, fd in enumerate(self._fds()):
+            loop.add_reader(fd, notified(which))
         loop.call_soon(ready)  # messages that came before the reader
 
     def _fds(self) -> list[int]:
@@ -461,9 +506,8 @@ class Sender:
             except BaseException:
                 self._socket.close(linger=0)
                 raise
-        self._data = self._socket if self._link is None else self._link.socket  # where messages leave
-        self._readiness: Readiness | None = None
-        self._opening: Readiness | None = None  # the CURVE socket's, while the opening waits for a handshake
+        self._waiting_on = self._socket  # where the last message that found no room would have left
+        self._rooms: dict[zmq.Socket[Any], Readiness] = {}  # a socket's, once a send had to wait for it
         self._queue: asyncio.Lock | None = None
         self._num_queued = 0
         self._stats = ChannelStatistics(address=address)
@@ -497,18 +541,15 @@ class Sender:
     async def send_frames(self, frames: list[Any], *, timeout: float | None = None,
                           handed_over: bool = False) -> int:
         """Sends already encoded frames (see :meth:`send`)."""
-        if self._link is not None:
-            frames = self._link.seal(frames)  # numbered in the order of the calls, which is the order they leave in
-        nbytes, large = measure(frames)
-        copy = self._must_copy(large, handed_over)
-        if self._num_queued == 0 and self._try_send(frames, copy):
+        size = measure(frames)
+        if self._num_queued == 0 and (nbytes := self._try_send(frames, size, handed_over)):
             return self._count(nbytes)
         if self._queue is None:
             self._queue = asyncio.Lock()
         self._num_queued += 1
         try:
             async with asyncio.timeout(timeout), self._queue:
-                while not self._try_send(frames, copy):
+                while not (nbytes := self._try_send(frames, size, handed_over)):
                     await self._wait_room()
         except TimeoutError:
             raise TimeoutError(
@@ -527,16 +568,8 @@ class Sender:
 
     def send_frames_nowait(self, frames: list[Any], *, handed_over: bool = False) -> int:
         """Sends already encoded frames now or raises :class:`WouldBlock` (see :meth:`send_nowait`)."""
-        if self._link is not None and not self._num_queued and not self._socket.closed:
-            # A large message is sealed only once there is room for it; a small one at once (asking
-            # the socket costs more than sealing it twice, and a number sealed but not sent leaves
-            # a gap, which the receiver takes: it asks only that numbers grow).
-            if not self._link.advance() or (measure(frames)[1] and not writable(self._data)):
-                raise WouldBlock(f"the sealed session to {self.address} is not open yet, or its queue is full")
-            frames = self._link.seal(frames)
-        nbytes, large = measure(frames)
-        if self._num_queued or not self._try_send(frames, self._must_copy(large, handed_over)):
-            raise WouldBlock(f"send queue to {self.address} is full")
+        if self._num_queued or not (nbytes := self._try_send(frames, measure(frames), handed_over)):
+            raise WouldBlock(f"send queue to {self.address} is full, or its sealed session is not open yet")
         return self._count(nbytes)
 
     def _must_copy(self, large: bool, handed_over: bool) -> bool:
@@ -548,38 +581,66 @@ class Sender:
             return True
         return not (handed_over or (self._link is not None and self._link.key.encrypt))
 
-    def _try_send(self, frames: list[Any], copy: bool) -> bool:
+    def _try_send(self, frames: list[Any], size: tuple[int, bool], handed_over: bool) -> int:
+        """Sends the message now if there is room: the bytes that left, or 0.
+
+        A sealed channel numbers a message only as it leaves, so the numbers the receiver
+        sees have no gaps (it hands messages on in their order): a small one goes over CURVE
+        (:meth:`~transport.sealed.BulkLink.direct`), any other sealed over the bulk socket,
+        where a large one is sealed only once there is room for it.
+        """
         if self._socket.closed:
             raise ChannelClosed(f"sender to {self.address} is closed")
-        if self._link is not None and not self._link.advance():
-            return False
+        nbytes, large = size
+        link = self._link
         try:
-            send_nowait(self._data, frames, copy=copy)
+            if link is None:
+                send_nowait(self._socket, frames, copy=self._must_copy(large, handed_over))
+                return nbytes
+            link.advance()
+            seq = link.seq + 1
+            if link.direct(nbytes):
+                self._waiting_on = self._socket
+                send_nowait(self._socket, link.key.direct(seq, frames), copy=True)
+                link.sent(seq, bulk=False)
+                return nbytes
+            self._waiting_on = link.socket
+            if not link.ready or (large and not writable(link.socket)):
+                return 0
+            sealed = link.seal(seq, frames)
+            send_nowait(link.socket, sealed, copy=self._must_copy(large, handed_over))
+            link.sent(seq, bulk=True)
+            return measure(sealed)[0]
         except zmq.Again:
-            return False
-        return True
+            return 0  # nothing left (libzmq takes a message whole or not at all), its number is the next one's
 
     async def _wait_room(self) -> None:
-        """Waits until a send may succeed: room on the socket, or the sealed session's next step."""
+        """Waits until a send may succeed: room on the socket the message would leave by, or the
+        sealed session's next step."""
         link = self._link
-        if self._readiness is None:
-            self._readiness = Readiness(self._data)
-        if link is None or link.ready:
-            await self._readiness.wait(zmq.POLLOUT)
+        if link is None or (link.opened and self._waiting_on is self._socket):
+            await self._room(self._socket).wait(zmq.POLLOUT)  # plain, or a small message over CURVE
+            return
+        if link.ready:
+            await self._room(link.socket).wait(zmq.POLLOUT)
             return
         if not link.opened:  # the CURVE handshake: the opening leaves once it is done
-            if self._opening is None:
-                self._opening = Readiness(self._socket)
-            waiting, event, seconds = self._opening, zmq.POLLOUT, CLAIM_RETRY_S[1]
+            waiting, event, seconds = self._room(self._socket), zmq.POLLOUT, CLAIM_RETRY_S[1]
         elif not link.claimed:  # the bulk socket's connection: the claim leaves once it is made
-            waiting, event, seconds = self._readiness, zmq.POLLOUT, CLAIM_RETRY_S[1]
+            waiting, event, seconds = self._room(link.socket), zmq.POLLOUT, CLAIM_RETRY_S[1]
         else:  # the ack, or the time to claim again
-            waiting, event, seconds = self._readiness, zmq.POLLIN, link.seconds_to_next_claim()
+            waiting, event, seconds = self._room(link.socket), zmq.POLLIN, link.seconds_to_next_claim()
         try:
             async with asyncio.timeout(seconds):
                 await waiting.wait(event)
         except TimeoutError:
             pass
+
+    def _room(self, socket: zmq.Socket[Any]) -> Readiness:
+        readiness = self._rooms.get(socket)
+        if readiness is None:
+            readiness = self._rooms[socket] = Readiness(socket)
+        return readiness
 
     def _count(self, nbytes: int) -> int:
         self._stats.messages += 1
@@ -592,9 +653,8 @@ class Sender:
     async def aclose(self) -> None:
         """Closes the socket; messages already queued get up to ``linger_ms`` to leave."""
         if not self._socket.closed:
-            for readiness in (self._readiness, self._opening):
-                if readiness is not None:
-                    readiness.close()
+            for readiness in self._rooms.values():
+                readiness.close()
             if self._link is not None:
                 self._link.close(self._linger_ms)
             self._socket.close(linger=self._linger_ms)

@@ -17,12 +17,16 @@ import torch
 import zmq
 
 from tests.helpers.copy_spy import spy_on_copies
-from transport.channel import Receiver, open_receiver, open_sender
+from transport.channel import Receiver, WouldBlock, open_receiver, open_sender
 from transport.sealed import (
     ACK_MAGIC,
     CLAIM_MAGIC,
+    DIRECT_MAX_BYTES,
+    GAP_WAIT_S,
     HEAD_BYTES,
+    MAX_HELD,
     TAG_BYTES,
+    BulkInbox,
     OpenedFrame,
     SealRefused,
     SessionKey,
@@ -334,3 +338,202 @@ def test_a_secure_address_carries_its_bulk_endpoint_and_refuses_a_host_name() ->
     )
     with pytest.raises(ValueError, match="bulk part"):
         split_address(join_address("tcp://127.0.0.1:5555", keys.public, "tcp://example.com:5556"))
+
+
+# -- small messages over CURVE, large ones sealed: one order -----------------------------
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def inbox() -> Any:
+    """A bulk inbox with a session of ``node:n0`` opened and claimed, and a clock the test moves."""
+    context: zmq.Context[Any] = zmq.Context()
+    clock = _Clock()
+    box = BulkInbox(context, "tcp://127.0.0.1:*", hwm=16, max_frame_bytes=1 << 20, clock=clock)
+    key = SessionKey.new()
+    box.on_open(OpenedFrame(key.open_message(), "node:n0"))
+    try:
+        yield box, key, clock
+    finally:
+        box.close()
+        context.term()
+
+
+def _bulk(key: SessionKey, seq: int, n: int, *, after_direct: bool = False) -> list[Any]:
+    return [b"routing-id", *key.seal(seq, encode_message({"n": n}), after_direct=after_direct)]
+
+
+def _direct(key: SessionKey, seq: int, n: int, user: str = "node:n0") -> list[Any]:
+    return [OpenedFrame(bytes(memoryview(f)), user) if i == 0 else f
+            for i, f in enumerate(key.direct(seq, encode_message({"n": n})))]
+
+
+def _numbers(through: list[list[Any]] | None) -> list[int]:
+    return [_payload(message)["n"] for message in through or []]
+
+
+def test_a_bulk_message_after_one_over_curve_waits_for_it_and_the_ones_behind_it_too(inbox: Any) -> None:
+    box, key, _ = inbox
+    assert _numbers(box.take(_bulk(key, 2, 2, after_direct=True))) == []  # 1 is still on its way over CURVE
+    assert _numbers(box.take(_bulk(key, 3, 3))) == []  # behind 2
+    assert _numbers(box.take_direct(_direct(key, 1, 1))) == [1, 2, 3]
+    assert _numbers(box.take_direct(_direct(key, 4, 4))) == [4]
+
+
+def test_a_gap_that_cannot_close_is_not_waited_for(inbox: Any) -> None:
+    """Each socket keeps its order: a bulk message after a bulk one that never came (refused,
+    say) goes on at once, and so does a message over CURVE, which leaves only once every bulk
+    message before it was taken."""
+    box, key, _ = inbox
+    assert _numbers(box.take(_bulk(key, 2, 2))) == [2]
+    assert _numbers(box.take_direct(_direct(key, 4, 4))) == [4]
+    with pytest.raises(SealRefused, match="replayed"):
+        box.take(_bulk(key, 3, 3))  # too late: handed on past it
+
+
+def test_a_message_over_curve_lets_the_held_ones_below_it_go_first(inbox: Any) -> None:
+    box, key, _ = inbox
+    assert _numbers(box.take(_bulk(key, 3, 3, after_direct=True))) == []  # waits for 2 (1 never comes)
+    assert _numbers(box.take_direct(_direct(key, 2, 2))) == [2, 3]
+
+
+def test_held_messages_go_on_once_the_one_they_wait_for_is_given_up(inbox: Any) -> None:
+    box, key, clock = inbox
+    assert _numbers(box.take(_bulk(key, 2, 2, after_direct=True))) == []
+    clock.now += GAP_WAIT_S / 2
+    assert _numbers(box.take(_bulk(key, 3, 3))) == []
+    clock.now += GAP_WAIT_S  # the connection that carried 1 broke
+    assert _numbers(box.take(_bulk(key, 4, 4))) == [2, 3, 4]
+    with pytest.raises(SealRefused):
+        box.take_direct(_direct(key, 1, 1))
+    assert _numbers(box.take(_bulk(key, 6, 6, after_direct=True))) == []
+    for n in range(7, 7 + MAX_HELD):  # too many held: nothing in a healthy session holds so many
+        through = box.take(_bulk(key, n, n))
+    assert _numbers(through) == list(range(6, 7 + MAX_HELD))
+
+
+def test_a_small_message_is_refused_for_a_session_not_its_senders_or_numbered_again(inbox: Any) -> None:
+    box, key, _ = inbox
+    with pytest.raises(SealRefused, match="another member"):
+        box.take_direct(_direct(key, 1, 1, user="node:n1"))
+    with pytest.raises(SealRefused, match="unknown session"):
+        box.take_direct(_direct(SessionKey.new(), 1, 1))
+    assert _numbers(box.take_direct(_direct(key, 1, 1))) == [1]
+    with pytest.raises(SealRefused, match="replayed"):
+        box.take_direct(_direct(key, 1, 1))
+    with pytest.raises(SealRefused, match="replayed"):
+        box.take(_bulk(key, 1, 1))
+    assert _numbers(box.take(_bulk(key, 3, 3, after_direct=True))) == []
+    with pytest.raises(SealRefused, match="replayed"):
+        box.take(_bulk(key, 3, 3, after_direct=True))  # held already
+
+
+def test_a_taken_word_names_its_number_only_under_its_sessions_key() -> None:
+    key = SessionKey.new()
+    word = key.taken(42)
+    assert key.check_taken(word) == 42
+    assert SessionKey(key.session_id, os.urandom(32), encrypt=True).check_taken(word) == 0
+    assert key.check_taken(word[:-1] + bytes([word[-1] ^ 1])) == 0
+    assert key.check_taken(word.replace((42).to_bytes(8, "big"), (43).to_bytes(8, "big"))) == 0
+    assert key.check_taken(key.token(ACK_MAGIC, 1, b"ready")) == 0
+
+
+class _Routes:
+    """Counts how a sender's messages leave: over CURVE, or sealed for the bulk socket."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.direct = self.sealed = 0
+        direct, seal = SessionKey.direct, SessionKey.seal
+
+        def counted_direct(key: SessionKey, *args: Any, **kwargs: Any) -> Any:
+            self.direct += 1
+            return direct(key, *args, **kwargs)
+
+        def counted_seal(key: SessionKey, *args: Any, **kwargs: Any) -> Any:
+            self.sealed += 1
+            return seal(key, *args, **kwargs)
+
+        monkeypatch.setattr(SessionKey, "direct", counted_direct)
+        monkeypatch.setattr(SessionKey, "seal", counted_seal)
+
+
+async def test_small_and_large_messages_mixed_arrive_in_the_order_sent(secure: tuple,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    receiver, _, member, context = secure
+    routes = _Routes(monkeypatch)
+    collector = _Collector(receiver)
+    sizes = [1, 20_000, 2, 3, 300_000, 5, 4000, 6, 7, 100_000, 8] * 4  # floats: 4 bytes each
+    try:
+        async with open_sender(receiver.address, curve=member, context=context) as sender:
+            for i, size in enumerate(sizes):  # as fast as they go: small ones overtake nothing
+                await sender.send({"i": i, "t": torch.full((size,), float(i))}, timeout=20)
+            received = [_payload(await collector.next()) for _ in sizes]
+    finally:
+        await collector.aclose()
+    assert [message["i"] for message in received] == list(range(len(sizes)))
+    assert all(torch.equal(m["t"], torch.full((size,), float(i))) for i, (m, size) in enumerate(zip(received, sizes)))
+    assert routes.direct > 0 and routes.sealed >= sum(size * 4 > DIRECT_MAX_BYTES for size in sizes)
+    assert receiver.statistics().refused == 0
+
+
+async def test_a_small_message_goes_over_curve_only_once_the_large_ones_before_it_were_taken(
+        secure: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    receiver, _, member, context = secure
+    routes = _Routes(monkeypatch)
+    async with open_sender(receiver.address, curve=member, context=context) as sender:
+        collector = _Collector(receiver)  # the session opens while the receiver reads
+        try:
+            await sender.send({"n": 0}, timeout=20)
+            assert _payload(await collector.next()) == {"n": 0} and routes.direct == 1
+        finally:
+            await collector.aclose()
+        # Nobody reads now: the large message cannot be taken, so the small one goes behind it.
+        await sender.send({"n": 1, "t": torch.ones(100_000)}, timeout=20)
+        await sender.send({"n": 2}, timeout=20)
+        assert (routes.direct, routes.sealed) == (1, 2)
+        collector = _Collector(receiver)
+        try:
+            assert [_payload(await collector.next())["n"] for _ in range(2)] == [1, 2]
+            link = sender._link
+            assert link is not None
+            async with asyncio.timeout(20):  # the receiver says it took them once it is drained
+                while not link.direct(100):
+                    await asyncio.sleep(0.01)
+            await sender.send({"n": 3}, timeout=20)
+            assert _payload(await collector.next()) == {"n": 3}
+        finally:
+            await collector.aclose()
+    assert (routes.direct, routes.sealed) == (2, 2)
+
+
+async def test_a_send_that_finds_no_room_leaves_no_gap_in_the_numbers(secure: tuple) -> None:
+    receiver, _, member, context = secure
+    async with open_sender(receiver.address, curve=member, context=context, hwm=1) as sender:
+        collector = _Collector(receiver)
+        try:
+            await sender.send({"n": 0}, timeout=20)
+            await collector.next()
+        finally:
+            await collector.aclose()
+        sent = 1
+        with pytest.raises(WouldBlock):  # nobody reads: the queues fill
+            for _ in range(100_000):
+                sender.send_nowait({"n": sent, "pad": b"x" * 3000})
+                sent += 1
+        link = sender._link
+        assert link is not None and link.seq == sent  # the refused one took no number
+        collector = _Collector(receiver)
+        try:
+            await sender.send({"n": sent}, timeout=20)
+            received = [_payload(await collector.next())["n"] for _ in range(sent)]
+        finally:
+            await collector.aclose()
+    assert received == list(range(1, sent + 1))
+    assert receiver.statistics().refused == 0
