@@ -49,7 +49,6 @@ from stages.compute.agreement import Ballot, run_tail, tail_report
 from stages.compute.tail import StepTail
 from stages.devices import pin_device
 from stages.program import Action
-from stages.mesh import Mesh
 from stages.records import (FinishReport, ReduceReport, StageConfig, ProgressReport, StageReport, StepOrder,
                             TailVote)
 from stages.state.endpoints import StateEndpoints
