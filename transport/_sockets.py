@@ -87,6 +87,11 @@ class Readiness:
     def _any(self, event: int) -> bool:
         return any(events(socket) & event for socket in self._sockets)
 
+    def wake(self) -> None:
+        """Ends a pending :meth:`notified` as a notification would (for news from elsewhere)."""
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)

@@ -339,6 +339,7 @@ class BulkInbox:
         self._sessions: OrderedDict[bytes, _Session] = OrderedDict()
         self._waiting_claims: OrderedDict[bytes, tuple[bytes, bytes]] = OrderedDict()  # session -> (routing id, claim)
         self._to_tell: dict[bytes, tuple[bytes, int]] = {}  # session -> (routing id, highest number taken)
+        self._holding: dict[bytes, _Session] = {}  # the sessions that hold messages
 
     def on_open(self, frame: Any) -> None:
         """Registers a session opened by a message that came over CURVE (``frame.get("User-Id")`` names its sender).
@@ -452,12 +453,10 @@ class BulkInbox:
                     held = session.held = {}
                     session.gap_since = self._clock()
                 held[seq] = message
+                self._holding[session.key.session_id] = session
                 if len(held) <= MAX_HELD and self._clock() - session.gap_since <= GAP_WAIT_S:
                     return through
-                log.warning("message %d of %s's session never came over CURVE; handing on the %d after it",
-                            session.last_seq + 1, session.user_id, len(held))
-                session.last_seq, session.held = max(held), None
-                return [held[number] for number in sorted(held)]
+                return through + self._give_up(session)
         session.last_seq = seq
         through.append(message)
         while held and session.last_seq + 1 in held:
@@ -465,6 +464,38 @@ class BulkInbox:
             through.append(held.pop(session.last_seq))
         if held is not None and not held:
             session.held = None
+            self._holding.pop(session.key.session_id, None)
+        return through
+
+    def _give_up(self, session: _Session) -> list[list[Any]]:
+        """The messages a session holds, in order: the one they wait for is taken as lost."""
+        held = session.held or {}
+        log.warning("message %d of %s's session never came over CURVE; handing on the %d after it",
+                    session.last_seq + 1, session.user_id, len(held))
+        session.held = None
+        self._holding.pop(session.key.session_id, None)
+        if held:
+            session.last_seq = max(held)
+        return [held[number] for number in sorted(held)]
+
+    @property
+    def holding(self) -> bool:
+        """Whether a session holds messages for one over CURVE."""
+        return bool(self._holding)
+
+    def seconds_to_give_up(self) -> float | None:
+        """Seconds until the first session that holds messages gives up waiting; None where none holds any."""
+        if not self._holding:
+            return None
+        return max(0.0, min(s.gap_since for s in self._holding.values()) + GAP_WAIT_S - self._clock())
+
+    def overdue(self) -> list[list[Any]]:
+        """The messages of every session that held them past :data:`GAP_WAIT_S`, in order."""
+        now = self._clock()
+        through: list[list[Any]] = []
+        for session in list(self._holding.values()):
+            if now - session.gap_since > GAP_WAIT_S:
+                through += self._give_up(session)
         return through
 
     def _claim(self, routing_id: bytes, claim: bytes) -> None:

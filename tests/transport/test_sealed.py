@@ -489,9 +489,14 @@ async def test_a_small_message_goes_over_curve_only_once_the_large_ones_before_i
     routes = _Routes(monkeypatch)
     async with open_sender(receiver.address, curve=member, context=context) as sender:
         collector = _Collector(receiver)  # the session opens while the receiver reads
+        link = sender._link
+        assert link is not None
         try:
-            await sender.send({"n": 0}, timeout=20)
+            await sender.send({"n": 0}, timeout=20)  # over CURVE at once: it waits for no claim
             assert _payload(await collector.next()) == {"n": 0} and routes.direct == 1
+            async with asyncio.timeout(20):  # the bulk socket's claim is answered while the receiver reads
+                while not link.advance():
+                    await asyncio.sleep(0.01)
         finally:
             await collector.aclose()
         # Nobody reads now: the large message cannot be taken, so the small one goes behind it.
@@ -501,8 +506,6 @@ async def test_a_small_message_goes_over_curve_only_once_the_large_ones_before_i
         collector = _Collector(receiver)
         try:
             assert [_payload(await collector.next())["n"] for _ in range(2)] == [1, 2]
-            link = sender._link
-            assert link is not None
             async with asyncio.timeout(20):  # the receiver says it took them once it is drained
                 while not link.direct(100):
                     await asyncio.sleep(0.01)
@@ -537,3 +540,31 @@ async def test_a_send_that_finds_no_room_leaves_no_gap_in_the_numbers(secure: tu
             await collector.aclose()
     assert received == list(range(1, sent + 1))
     assert receiver.statistics().refused == 0
+
+
+@pytest.mark.parametrize("reader", ["receive", "pump"])
+async def test_messages_held_for_one_that_never_comes_are_handed_on_even_if_nothing_else_comes(
+        secure: tuple, reader: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The connection that carried the message over CURVE broke: the receiver stops waiting for it."""
+    import transport.sealed as sealed
+
+    monkeypatch.setattr(sealed, "GAP_WAIT_S", 0.2)
+    receiver, _, member, context = secure
+    peer = _HandPlayedPeer(receiver, member, context)
+    got: asyncio.Queue[Any] = asyncio.Queue()
+    collector = None
+    if reader == "pump":
+        receiver.pump(got.put_nowait)
+    else:
+        collector = _Collector(receiver)
+        got = collector.queue
+    try:
+        await peer.open()
+        frames = [bytes(memoryview(f)) for f in peer.key.seal(2, encode_message({"n": 2}), after_direct=True)]
+        peer.bulk.send_multipart(frames)  # 1 went over CURVE, and was lost with its connection
+        assert _payload(await asyncio.wait_for(got.get(), 20)) == {"n": 2}
+    finally:
+        peer.close()
+        if collector is not None:
+            await collector.aclose()
+    assert receiver.statistics().messages == 1
