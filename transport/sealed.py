@@ -65,7 +65,7 @@ __all__ = ["DIRECT_MAX_BYTES", "HEAD_BYTES", "BulkInbox", "BulkLink", "OpenedFra
 
 log = logging.getLogger(__name__)
 
-VERSION = 2  # 2: authenticated-only frames carry a tag over the head, then one per frame
+VERSION = 3  # 3: small messages over CURVE, numbered with the sealed ones; 2: a tag over the head
 TAG_BYTES = 16
 FLAG_ENCRYPTED = 1
 FLAG_AFTER_DIRECT = 2  # in a data head: the message numbered one lower went over CURVE
