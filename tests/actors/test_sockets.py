@@ -23,6 +23,7 @@ import zmq
 from actors import open_runtime
 from actors._senders import SenderPool, SenderPoolConfig, _is_numeric_address
 from actors.probe import ProbeActor
+from tests.helpers.clock import ManualClock
 from transport.channel import ChannelClosed, Receiver, open_receiver, open_sender
 from transport.wire import encode_message
 
@@ -43,14 +44,6 @@ async def _yield_until(condition: Callable[[], bool], *, max_turns: int = 100) -
             return
         await asyncio.sleep(0)
     raise AssertionError(f"not reached within {max_turns} loop turns")
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture
@@ -193,7 +186,7 @@ async def test_a_reply_leaves_at_once_on_a_connected_sender(
 async def test_idle_senders_expire_but_not_while_in_use(
     make_pool: Callable[..., SenderPool], receivers: list[Receiver]
 ) -> None:
-    clock = _Clock()
+    clock = ManualClock(1000.0)
     pool = make_pool(clock=clock, idle_timeout_s=30)
     a, b, _ = receivers
     await pool.send_frames(a.address, encode_message({"v": 1}))

@@ -16,6 +16,7 @@ import pytest
 import torch
 import zmq
 
+from tests.helpers.clock import ManualClock
 from tests.helpers.copy_spy import spy_on_copies
 from transport.channel import Receiver, WouldBlock, open_receiver, open_sender
 from transport.sealed import (
@@ -343,19 +344,11 @@ def test_a_secure_address_carries_its_bulk_endpoint_and_refuses_a_host_name() ->
 # -- small messages over CURVE, large ones sealed: one order -----------------------------
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
 def inbox() -> Any:
     """A bulk inbox with a session of ``node:n0`` opened and claimed, and a clock the test moves."""
     context: zmq.Context[Any] = zmq.Context()
-    clock = _Clock()
+    clock = ManualClock()
     box = BulkInbox(context, "tcp://127.0.0.1:*", hwm=16, max_frame_bytes=1 << 20, clock=clock)
     key = SessionKey.new()
     box.on_open(OpenedFrame(key.open_message(), "node:n0"))
