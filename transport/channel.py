@@ -571,14 +571,14 @@ class Sender:
                           handed_over: bool = False) -> int:
         """Sends already encoded frames (see :meth:`send`)."""
         size = measure(frames)
-        if self._num_queued == 0 and (nbytes := self._try_send(frames, size, handed_over)):
+        if self._num_queued == 0 and (nbytes := self._try_send(frames, size, handed_over)) is not None:
             return self._count(nbytes)
         if self._queue is None:
             self._queue = asyncio.Lock()
         self._num_queued += 1
         try:
             async with asyncio.timeout(timeout), self._queue:
-                while not (nbytes := self._try_send(frames, size, handed_over)):
+                while (nbytes := self._try_send(frames, size, handed_over)) is None:
                     await self._wait_room()
         except TimeoutError:
             raise TimeoutError(
@@ -597,7 +597,7 @@ class Sender:
 
     def send_frames_nowait(self, frames: list[Any], *, handed_over: bool = False) -> int:
         """Sends already encoded frames now or raises :class:`WouldBlock` (see :meth:`send_nowait`)."""
-        if self._num_queued or not (nbytes := self._try_send(frames, measure(frames), handed_over)):
+        if self._num_queued or (nbytes := self._try_send(frames, measure(frames), handed_over)) is None:
             raise WouldBlock(f"send queue to {self.address} is full, or its sealed session is not open yet")
         return self._count(nbytes)
 
@@ -610,8 +610,8 @@ class Sender:
             return True
         return not (handed_over or (self._link is not None and self._link.key.encrypt))
 
-    def _try_send(self, frames: list[Any], size: tuple[int, bool], handed_over: bool) -> int:
-        """Sends the message now if there is room: the bytes that left, or 0.
+    def _try_send(self, frames: list[Any], size: tuple[int, bool], handed_over: bool) -> int | None:
+        """Sends the message now if there is room: the bytes that left, or None.
 
         A sealed channel numbers a message only as it leaves, so the numbers the receiver
         sees have no gaps (it hands messages on in their order): a small one goes over CURVE
@@ -635,13 +635,13 @@ class Sender:
                 return nbytes
             self._waiting_on = link.socket
             if not link.ready or (large and not writable(link.socket)):
-                return 0
+                return None
             sealed = link.seal(seq, frames)
             send_nowait(link.socket, sealed, copy=self._must_copy(large, handed_over))
             link.sent(seq, bulk=True)
             return measure(sealed)[0]
         except zmq.Again:
-            return 0  # nothing left (libzmq takes a message whole or not at all), its number is the next one's
+            return None  # nothing left (libzmq takes a message whole or not at all), its number is the next one's
 
     async def _wait_room(self) -> None:
         """Waits until a send may succeed: room on the socket the message would leave by, or the

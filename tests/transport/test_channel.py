@@ -61,6 +61,16 @@ async def test_a_large_tensor_is_copied_as_it_is_queued_unless_it_was_handed_ove
     assert all(torch.equal(message, tensor) for message in received[3:])
 
 
+async def test_a_message_of_no_bytes_is_sent_once_and_counted(pair: tuple[Receiver, Sender]) -> None:
+    """A send that found room returns the bytes it sent, none here: it must not take that for no room."""
+    rx, tx = pair
+    assert await asyncio.wait_for(tx.send_frames([b""]), 20) == 0
+    assert tx.send_frames_nowait([b""]) == 0
+    assert [bytes(frame.buffer) for frame in await rx.receive_frames()] == [b""]
+    assert [bytes(frame.buffer) for frame in await rx.receive_frames()] == [b""]
+    assert tx.statistics().messages == 2
+
+
 async def test_order_is_kept(pair: tuple[Receiver, Sender]) -> None:
     rx, tx = pair
 
