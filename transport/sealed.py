@@ -454,9 +454,9 @@ class BulkInbox:
                     session.gap_since = self._clock()
                 held[seq] = message
                 self._holding[session.key.session_id] = session
-                if len(held) <= MAX_HELD and self._clock() - session.gap_since <= GAP_WAIT_S:
-                    return through
-                return through + self._give_up(session)
+                # Given up on by time only from the owner's timer (overdue), which runs once the
+                # loop has read what came meanwhile: here the one waited for may be next in line.
+                return through if len(held) <= MAX_HELD else through + self._give_up(session)
         session.last_seq = seq
         through.append(message)
         while held and session.last_seq + 1 in held:
