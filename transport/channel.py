@@ -225,13 +225,13 @@ class Receiver:
             if curve is not None else endpoint
         )
         self._sockets = (self._socket,) if self._bulk is None else (self._socket, self._bulk.socket)
+        if self._bulk is not None:
+            self._bulk.on_overdue = self._overdue
         self._bulk_first = False  # which socket _next asks first (they take turns)
         # Whether each socket may hold a message: set by its fd's notification (and where this end
         # used it, which may consume one), cleared once its events said it holds none.
         self._maybe = [True, True]
         self._through: deque[list[Any]] = deque()  # messages a session let through at once, after the first
-        self._gap_timer: asyncio.TimerHandle | None = None  # while a session holds messages
-        self._gap_due = 0.0  # the loop time it is due at
         self._readiness: Readiness | None = None
         self._pumping: Callable[[], None] | None = None
         self._reading = False
@@ -333,8 +333,6 @@ class Receiver:
 
     def _hand_on(self, through: list[list[Any]] | None) -> list[Any] | None:
         """The first of the messages a session let through (the rest wait in ``_through``), or None."""
-        if self._gap_timer is None and self._bulk is not None and self._bulk.holding:
-            self._watch_gaps()
         if not through:
             return None
         self._stats.messages += len(through)
@@ -368,37 +366,14 @@ class Receiver:
         self._stats.bytes += nbytes
         return frames
 
-    def _watch_gaps(self) -> None:
-        """Where a session holds messages for one over CURVE, comes back when it would give up
-        waiting, and hands them on then even if nothing else comes (a connection that broke)."""
-        assert self._bulk is not None
-        seconds = self._bulk.seconds_to_give_up()
-        if seconds is None:
-            return
-        loop = asyncio.get_running_loop()
-        self._gap_due = loop.time() + seconds + 0.01
-        self._gap_timer = loop.call_later(seconds + 0.01, self._on_gap_timer)
-
-    def _on_gap_timer(self) -> None:
-        self._gap_timer = None
-        if self._socket.closed or self._bulk is None:
-            return
-        loop = asyncio.get_running_loop()
-        if loop.time() - self._gap_due > 0.5:
-            # The loop was held up past the deadline: the message waited for may have come
-            # meanwhile, unread. Come back once the loop has read its sockets again.
-            self._gap_due = loop.time() + 0.05
-            self._gap_timer = loop.call_later(0.05, self._on_gap_timer)
-            return
-        through = self._bulk.overdue()
-        if through:
-            self._stats.messages += len(through)
-            self._through.extend(through)
-            if self._pumping is not None:
-                self._pumping()
-            elif self._readiness is not None:
-                self._readiness.wake()
-        self._watch_gaps()
+    def _overdue(self, through: list[list[Any]]) -> None:
+        """Messages a session held for one that never came (``BulkInbox.on_overdue``): read next."""
+        self._stats.messages += len(through)
+        self._through.extend(through)
+        if self._pumping is not None:
+            self._pumping()
+        elif self._readiness is not None:
+            self._readiness.wake()
 
     def _refuse(self, exc: SealRefused) -> None:
         self._stats.refused += 1
@@ -473,8 +448,6 @@ class Receiver:
     async def aclose(self) -> None:
         """Closes the socket and removes any socket file and folder this end made."""
         if not self._socket.closed:
-            if self._gap_timer is not None:
-                self._gap_timer.cancel()
             if self._readiness is not None:
                 self._readiness.close()
             if self._pumping is not None:

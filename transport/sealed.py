@@ -43,6 +43,7 @@ never answered and never sent anything. Threat model and design: docs/security.m
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import os
@@ -340,6 +341,11 @@ class BulkInbox:
         self._waiting_claims: OrderedDict[bytes, tuple[bytes, bytes]] = OrderedDict()  # session -> (routing id, claim)
         self._to_tell: dict[bytes, tuple[bytes, int]] = {}  # session -> (routing id, highest number taken)
         self._holding: dict[bytes, _Session] = {}  # the sessions that hold messages
+        # Given the messages held past GAP_WAIT_S, from a timer while a session holds some;
+        # without it (no loop) the owner calls overdue() itself.
+        self.on_overdue: Callable[[list[list[Any]]], None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_due = 0.0  # the loop time it is due at
 
     def on_open(self, frame: Any) -> None:
         """Registers a session opened by a message that came over CURVE (``frame.get("User-Id")`` names its sender).
@@ -454,8 +460,9 @@ class BulkInbox:
                     session.gap_since = self._clock()
                 held[seq] = message
                 self._holding[session.key.session_id] = session
-                # Given up on by time only from the owner's timer (overdue), which runs once the
-                # loop has read what came meanwhile: here the one waited for may be next in line.
+                self._arm()
+                # Given up on by time only from the timer (_on_timer), which runs once the loop
+                # has read what came meanwhile: here the one waited for may be next in line.
                 return through if len(held) <= MAX_HELD else through + self._give_up(session)
         session.last_seq = seq
         through.append(message)
@@ -489,6 +496,34 @@ class BulkInbox:
             return None
         return max(0.0, min(s.gap_since for s in self._holding.values()) + GAP_WAIT_S - self._clock())
 
+    def _arm(self) -> None:
+        """Comes back when the first session that holds messages would give up waiting, and hands
+        them on then even if nothing else comes (a connection that broke)."""
+        if self._timer is not None or self.on_overdue is None:
+            return
+        seconds = self.seconds_to_give_up()
+        if seconds is None:
+            return
+        loop = asyncio.get_running_loop()
+        self._timer_due = loop.time() + seconds + 0.01
+        self._timer = loop.call_later(seconds + 0.01, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        if self.socket.closed or self.on_overdue is None:
+            return
+        loop = asyncio.get_running_loop()
+        if loop.time() - self._timer_due > 0.5:
+            # The loop was held up past the deadline: the message waited for may have come
+            # meanwhile, unread. Come back once the loop has read its sockets again.
+            self._timer_due = loop.time() + 0.05
+            self._timer = loop.call_later(0.05, self._on_timer)
+            return
+        through = self.overdue()
+        if through:
+            self.on_overdue(through)
+        self._arm()
+
     def overdue(self) -> list[list[Any]]:
         """The messages of every session that held them past :data:`GAP_WAIT_S`, in order."""
         now = self._clock()
@@ -517,6 +552,8 @@ class BulkInbox:
             pass  # the claimant asks again
 
     def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
         self.socket.close(linger=0)
 
 

@@ -583,14 +583,16 @@ async def test_a_loop_held_up_past_the_deadline_reads_what_came_before_it_gives_
         await peer.open()
         peer.bulk.send_multipart([bytes(memoryview(f)) for f in
                                   peer.key.seal(2, encode_message({"n": 2}), after_direct=True)])
+        inbox = receiver._bulk
+        assert inbox is not None
         async with asyncio.timeout(20):
-            while receiver._gap_timer is None:
+            while inbox._timer is None:
                 await asyncio.sleep(0.01)
-        receiver._gap_timer.cancel()  # the timer as a held-up loop would run it: due long ago
+        inbox._timer.cancel()  # the timer as a held-up loop would run it: due long ago
         await asyncio.sleep(0.3)  # past GAP_WAIT_S
-        receiver._gap_due = loop.time() - 1.0
-        receiver._on_gap_timer()
-        assert receiver._bulk is not None and receiver._bulk.holding and receiver._gap_timer is not None
+        inbox._timer_due = loop.time() - 1.0
+        inbox._on_timer()
+        assert inbox.holding and inbox._timer is not None
         peer.control.send_multipart(peer.key.direct(1, encode_message({"n": 1})))
         received = [_payload(await asyncio.wait_for(got.get(), 20))["n"] for _ in range(2)]
     finally:
