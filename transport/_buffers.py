@@ -72,10 +72,19 @@ class _BlockPool:
             return self._bytes
 
 
+def _references(blocks: list[np.ndarray], index: int) -> int:
+    return sys.getrefcount(blocks[index])
+
+
+# What _references counts for a block only its list refers to (the list's reference and
+# getrefcount's argument: 2 on CPython 3.11), measured the same way rather than assumed.
+_FREE_REFERENCES = _references([np.empty(1, dtype=np.uint8)], 0)
+
+
 def _first_free(blocks: list[np.ndarray]) -> int:
     """The index of the first block only ``blocks`` refers to, or -1."""
     for index in range(len(blocks)):
-        if sys.getrefcount(blocks[index]) == 2:  # the list's reference and getrefcount's argument
+        if _references(blocks, index) == _FREE_REFERENCES:
             return index
     return -1
 
