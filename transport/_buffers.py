@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["POOL_MAX_BYTES", "aligned_empty", "pooled_bytes"]
+__all__ = ["POOL_MAX_BYTES", "aligned_empty", "only_held_by", "pooled_bytes"]
 
 # From this size a buffer comes from numpy's allocator rather than torch's, and from the pool.
 _NUMPY_FROM_BYTES = 1 << 20
@@ -72,19 +74,24 @@ class _BlockPool:
             return self._bytes
 
 
-def _references(blocks: list[np.ndarray], index: int) -> int:
-    return sys.getrefcount(blocks[index])
+def _references(items: Sequence[Any], index: int) -> int:
+    return sys.getrefcount(items[index])
 
 
-# What _references counts for a block only its list refers to (the list's reference and
+# What _references counts for an object only its list refers to (the list's reference and
 # getrefcount's argument: 2 on CPython 3.11), measured the same way rather than assumed.
-_FREE_REFERENCES = _references([np.empty(1, dtype=np.uint8)], 0)
+_ONLY_THE_CONTAINERS = _references([object()], 0)
+
+
+def only_held_by(items: Sequence[Any], index: int) -> bool:
+    """Whether ``items[index]`` has no reference but the one of ``items`` (a list or a deque)."""
+    return _references(items, index) == _ONLY_THE_CONTAINERS
 
 
 def _first_free(blocks: list[np.ndarray]) -> int:
     """The index of the first block only ``blocks`` refers to, or -1."""
     for index in range(len(blocks)):
-        if _references(blocks, index) == _FREE_REFERENCES:
+        if only_held_by(blocks, index):
             return index
     return -1
 

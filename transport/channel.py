@@ -45,6 +45,7 @@ from transport._sockets import (
 from transport.sealed import (
     CLAIM_RETRY_S,
     TAG_BYTES,
+    UNSENT_POLL_S,
     BulkInbox,
     BulkLink,
     SealRefused,
@@ -616,11 +617,12 @@ class Sender:
                 link.sent(seq, bulk=False)
                 return nbytes
             self._waiting_on = link.socket
-            if not link.ready or (large and not writable(link.socket)):
+            if not link.ready or (large and not (writable(link.socket) and link.room_for(nbytes))):
                 return None
             sealed = link.seal(seq, frames)
-            send_nowait(link.socket, sealed, copy=self._must_copy(large, handed_over))
-            link.sent(seq, bulk=True)
+            copy = self._must_copy(large, handed_over)
+            send_nowait(link.socket, sealed, copy=copy)
+            link.sent(seq, bulk=True, unsent=() if copy else sealed)
             return measure(sealed)[0]
         except zmq.Again:
             return None  # nothing left (libzmq takes a message whole or not at all), its number is the next one's
@@ -633,7 +635,10 @@ class Sender:
             await self._room(self._socket).wait(zmq.POLLOUT)  # plain, or a small message over CURVE
             return
         if link.ready:
-            await self._room(link.socket).wait(zmq.POLLOUT)
+            if link.held_back:  # room on the socket, but too much ciphertext still queued
+                await asyncio.sleep(UNSENT_POLL_S)
+            else:
+                await self._room(link.socket).wait(zmq.POLLOUT)
             return
         if not link.opened:  # the CURVE handshake: the opening leaves once it is done
             waiting, event, seconds = self._room(self._socket), zmq.POLLOUT, CLAIM_RETRY_S[1]

@@ -49,8 +49,8 @@ import logging
 import os
 import struct
 import time
-from collections import OrderedDict
-from collections.abc import Callable
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,11 +58,11 @@ import zmq
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from transport._buffers import aligned_empty
+from transport._buffers import aligned_empty, only_held_by
 from transport.wire import WireError
 
 __all__ = ["DIRECT_MAX_BYTES", "HEAD_BYTES", "BulkInbox", "BulkLink", "OpenedFrame", "SealRefused", "SessionKey",
-           "is_direct_message", "is_open_message", "parse_head"]
+           "UNSENT_MAX_BYTES", "is_direct_message", "is_open_message", "parse_head"]
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +96,11 @@ _INTO_BYTES = 4096
 MAX_SESSIONS = 4096
 MAX_WAITING_CLAIMS = 64
 CLAIM_RETRY_S = (0.01, 0.5)  # first and longest wait between claims
+# Ciphertext a sender may keep queued in ZeroMQ before a large message waits: the high-water
+# mark counts messages, and 64 queued messages of 16 MiB would hold 1 GiB of it (in fresh
+# pages, each a fault). One message larger than this goes when nothing else is queued.
+UNSENT_MAX_BYTES = 64 << 20
+UNSENT_POLL_S = 0.001  # how often a sender waiting on it looks again (ZeroMQ says nothing when it lets go)
 
 
 class SealRefused(WireError):
@@ -589,6 +594,22 @@ class BulkLink:
         self._ack = self.key.token(ACK_MAGIC, _TO_SENDER, _ACK_WORD)
         self._next_claim = 0.0
         self._retry = CLAIM_RETRY_S[0]
+        self._unsent: deque[memoryview] = deque()  # ciphertext queued without a copy, oldest first
+        self._unsent_bytes = 0
+        self.held_back = False  # the last large message waits for ZeroMQ to write out what it holds
+
+    def room_for(self, nbytes: int) -> bool:
+        """Whether a sealed message of ``nbytes`` may be queued now: the ciphertext ZeroMQ still holds
+        and this message stay within :data:`UNSENT_MAX_BYTES`, or ZeroMQ holds none.
+
+        ZeroMQ lets go of a frame sent without a copy once it has written it out; then only
+        :attr:`_unsent` refers to its buffer.
+        """
+        unsent = self._unsent
+        while unsent and only_held_by(unsent, 0):
+            self._unsent_bytes -= unsent.popleft().nbytes
+        self.held_back = bool(unsent) and self._unsent_bytes + nbytes > UNSENT_MAX_BYTES
+        return not self.held_back
 
     def direct(self, nbytes: int) -> bool:
         """Whether a message of ``nbytes`` may go over CURVE now: small, and no message sent over the
@@ -603,9 +624,14 @@ class BulkLink:
         """Message ``seq`` sealed for the bulk socket, its head saying whether the one before went over CURVE."""
         return self.key.seal(seq, frames, after_direct=bool(self._direct_seq) and self._direct_seq == seq - 1)
 
-    def sent(self, seq: int, *, bulk: bool) -> None:
-        """Message ``seq`` (``self.seq + 1``, sealed or prefixed with it) left: the next gets the next number."""
+    def sent(self, seq: int, *, bulk: bool, unsent: Sequence[Any] = ()) -> None:
+        """Message ``seq`` (``self.seq + 1``, sealed or prefixed with it) left: the next gets the next number.
+        ``unsent``: its frames that ZeroMQ holds without a copy until they are written out."""
         self.seq = seq
+        for frame in unsent:
+            if isinstance(frame, memoryview):  # the head's frame is bytes, and small
+                self._unsent.append(frame)
+                self._unsent_bytes += frame.nbytes
         if bulk:
             self._bulk_seq = seq
         else:

@@ -18,6 +18,7 @@ import zmq
 
 from tests.helpers.clock import ManualClock
 from tests.helpers.copy_spy import spy_on_copies
+from transport import sealed
 from transport.channel import Receiver, WouldBlock, open_receiver, open_sender
 from transport.sealed import (
     ACK_MAGIC,
@@ -536,6 +537,46 @@ async def test_a_send_that_finds_no_room_leaves_no_gap_in_the_numbers(secure: tu
             await collector.aclose()
     assert received == list(range(1, sent + 1))
     assert receiver.statistics().refused == 0
+
+
+async def test_a_sender_keeps_a_bounded_number_of_bytes_of_ciphertext_queued(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """ZeroMQ's high-water mark counts messages: without a bound in bytes a sender whose receiver
+    does not read would queue 64 sealed copies here (128 MiB), each in fresh memory."""
+    monkeypatch.setattr(sealed, "UNSENT_MAX_BYTES", 8 << 20)  # four of these messages
+    server, member = Keypair.generate(), Keypair.generate()
+    context: zmq.Context[Any] = zmq.Context()
+    gate = Gate(context, lambda: {member.public: "node:n0"})
+    receiver = open_receiver(f"ipc://{tmp_path}/r", hwm=2, context=context, curve=server,
+                             max_message_bytes=4 << 20)
+    tensors = [torch.full((1 << 19,), float(n)) for n in range(80)]  # 2 MiB each
+    try:
+        async with open_sender(receiver.address, curve=member, context=context, hwm=64) as sender:
+            collector = _Collector(receiver)
+            try:
+                await sender.send(tensors[0], timeout=20)  # the session opens while the receiver reads
+                await collector.next()
+            finally:
+                await collector.aclose()
+            sent = 1
+            with pytest.raises(WouldBlock):
+                while sent < len(tensors) - 1:
+                    sender.send_nowait(tensors[sent])
+                    sent += 1
+            # The bound's four, and what the receiver's queue and the socket between took meanwhile.
+            assert sent - 1 <= 4 + 6, f"{sent - 1} messages of 2 MiB queued"
+            collector = _Collector(receiver)
+            try:
+                await sender.send(tensors[sent], timeout=20)  # waits for ZeroMQ to write some out
+                received = [_payload(await collector.next()) for _ in range(sent)]
+            finally:
+                await collector.aclose()
+        assert all(torch.equal(value, tensors[n]) for n, value in enumerate(received, 1))
+        assert receiver.statistics().refused == 0
+    finally:
+        await receiver.aclose()
+        gate.stop()
+        context.term()
 
 
 @pytest.mark.parametrize("reader", ["receive", "pump"])
