@@ -117,7 +117,8 @@ def open_receiver(
     Args:
         address: ``tcp://HOST:PORT`` (port 0 picks a free one) or ``ipc://PATH``
             (an empty path makes a socket file in a new temporary folder).
-        hwm: messages queued in this process before the sender must wait.
+        hwm: messages queued in this process before the sender must wait (at least
+            2 on a secure channel: libzmq's CURVE delivers nothing at 1).
         max_message_bytes: larger frames are refused by libzmq, larger messages by
             the decoder.
         allow_remote: permit binding an address that is not loopback.
@@ -202,6 +203,10 @@ class Receiver:
         if curve is not None:
             configure_server(self._socket, curve)
         self.secure = curve is not None
+        if curve is not None:
+            # libzmq 4.3.5 hands nothing on from a CURVE socket whose RCVHWM is 1 (a clear
+            # one it does): a secure channel of hwm=1 delivered no message at all.
+            hwm = max(hwm, 2)
         self._socket.setsockopt(zmq.RCVHWM, hwm)
         self._socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         self._socket.setsockopt(zmq.LINGER, 0)

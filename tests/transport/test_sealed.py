@@ -579,6 +579,28 @@ async def test_a_sender_keeps_a_bounded_number_of_bytes_of_ciphertext_queued(
         context.term()
 
 
+@pytest.mark.parametrize("bulk", ["encrypt", "curve"])
+async def test_a_secure_receiver_of_hwm_1_delivers(bulk: str) -> None:
+    """libzmq handed nothing on from a CURVE socket of RCVHWM 1: every send waited for ever."""
+    server, member = Keypair.generate(), Keypair.generate()
+    context: zmq.Context[Any] = zmq.Context()
+    gate = Gate(context, lambda: {member.public: "node:n0"})
+    receiver = open_receiver(hwm=1, context=context, curve=server, bulk=bulk == "encrypt")
+    collector = _Collector(receiver)
+    payloads = [{"n": 0}, torch.arange(1 << 18, dtype=torch.float32), {"n": 2}]  # small, 1 MiB, small
+    try:
+        async with open_sender(receiver.address, curve=member, context=context, bulk=bulk) as sender:  # type: ignore[arg-type]
+            for payload in payloads:
+                await sender.send(payload, timeout=20)
+            received = [_payload(await collector.next()) for _ in payloads]
+    finally:
+        await collector.aclose()
+        await receiver.aclose()
+        gate.stop()
+        context.term()
+    assert received[0] == {"n": 0} and torch.equal(received[1], payloads[1]) and received[2] == {"n": 2}
+
+
 @pytest.mark.parametrize("reader", ["receive", "pump"])
 async def test_messages_held_for_one_that_never_comes_are_handed_on_even_if_nothing_else_comes(
         secure: tuple, reader: str, monkeypatch: pytest.MonkeyPatch) -> None:
