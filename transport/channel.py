@@ -622,6 +622,7 @@ class Sender:
                 link.sent(seq, bulk=False)
                 return nbytes
             self._waiting_on = link.socket
+            link.held_back = False  # room_for says again for a large message; a small one is not held back
             if not link.ready or (large and not (writable(link.socket) and link.room_for(nbytes))):
                 return None
             sealed = link.seal(seq, frames)
