@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["POOL_MAX_BYTES", "aligned_empty", "only_held_by", "pooled_bytes"]
+__all__ = ["POOL_MAX_BYTES", "aligned_empty", "only_held_by"]
 
 # From this size a buffer comes from numpy's allocator rather than torch's, and from the pool.
 _NUMPY_FROM_BYTES = 1 << 20
@@ -97,11 +97,6 @@ def _first_free(blocks: list[np.ndarray]) -> int:
 
 
 _POOL = _BlockPool(POOL_MAX_BYTES)
-
-
-def pooled_bytes() -> int:
-    """The bytes of the large blocks the transport keeps for reuse (in use or free)."""
-    return _POOL.held_bytes()
 
 
 def aligned_empty(nbytes: int) -> torch.Tensor:

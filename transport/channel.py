@@ -524,6 +524,7 @@ class Sender:
                 self._socket.close(linger=0)
                 raise
         self._waiting_on = self._socket  # where the last message that found no room would have left
+        self._held_back = False  # the last send found too much ciphertext queued (BulkLink.room_for)
         self._rooms: dict[zmq.Socket[Any], Readiness] = {}  # a socket's, once a send had to wait for it
         self._queue: asyncio.Lock | None = None
         self._num_queued = 0
@@ -622,8 +623,10 @@ class Sender:
                 link.sent(seq, bulk=False)
                 return nbytes
             self._waiting_on = link.socket
-            link.held_back = False  # room_for says again for a large message; a small one is not held back
-            if not link.ready or (large and not (writable(link.socket) and link.room_for(nbytes))):
+            if not link.ready or (large and not writable(link.socket)):
+                return None
+            if large and not link.room_for(nbytes):
+                self._held_back = True  # room on the socket, but too much ciphertext still queued
                 return None
             sealed = link.seal(seq, frames)
             copy = self._must_copy(large, handed_over)
@@ -641,7 +644,8 @@ class Sender:
             await self._room(self._socket).wait(zmq.POLLOUT)  # plain, or a small message over CURVE
             return
         if link.ready:
-            if link.held_back:  # room on the socket, but too much ciphertext still queued
+            if self._held_back:  # ZeroMQ says nothing when it lets go of a frame: look again soon
+                self._held_back = False
                 await asyncio.sleep(UNSENT_POLL_S)
             else:
                 await self._room(link.socket).wait(zmq.POLLOUT)

@@ -596,7 +596,6 @@ class BulkLink:
         self._retry = CLAIM_RETRY_S[0]
         self._unsent: deque[memoryview] = deque()  # ciphertext queued without a copy, oldest first
         self._unsent_bytes = 0
-        self.held_back = False  # the last large message waits for ZeroMQ to write out what it holds
 
     def room_for(self, nbytes: int) -> bool:
         """Whether a sealed message of ``nbytes`` may be queued now: the ciphertext ZeroMQ still holds
@@ -608,8 +607,7 @@ class BulkLink:
         unsent = self._unsent
         while unsent and only_held_by(unsent, 0):
             self._unsent_bytes -= unsent.popleft().nbytes
-        self.held_back = bool(unsent) and self._unsent_bytes + nbytes > UNSENT_MAX_BYTES
-        return not self.held_back
+        return not unsent or self._unsent_bytes + nbytes <= UNSENT_MAX_BYTES
 
     def direct(self, nbytes: int) -> bool:
         """Whether a message of ``nbytes`` may go over CURVE now: small, and no message sent over the
