@@ -77,7 +77,7 @@ class JobController:
         self.steps = StepPath(self.core, self.views)
         self.settings = Settings(self.core, limits or Limits())
         self.runs = Runs(self.core, self.step, functools.partial(steps_ahead, self.core, self.steps, self.settings,
-                                                                 self._step_finished))
+                                                                 self._ahead_finished, self._recover_to))
         self._recovery: Recovery | None = None  # what the last recovery did, for the next StepStats
         self.monitors = monitors  # the job's TensorBoard, W&B and CSV writers (None: none configured)
 
@@ -103,20 +103,41 @@ class JobController:
         async with job.operation(stepping=True):
             await self.settings.apply_pending()  # settings changed with set take effect here, between steps
             goal = job.keep_batch(inputs, targets)
-            while True:
-                try:
-                    stats = await self._catch_up(goal)
-                    break
-                except (NodeLost, StageLost) as lost:
-                    if not recovery.may_recover(job):
-                        raise
-                    self._recovery = await recovery.recover(job, lost)
+            try:
+                stats = await self._catch_up(goal)
+            except (NodeLost, StageLost) as lost:
+                if not recovery.may_recover(job):
+                    raise
+                stats = await self._recover_to(lost, goal)
             job.completed(goal, driver_batch=inputs is not None)
             applied = job.applied  # the monitors' x: the optimizer steps applied, this one included
+        return self._ahead_finished(stats, applied)
+
+    async def _recover_to(self, lost: NodeLost | StageLost, goal: int) -> StepStats:
+        """Recovers from ``lost`` (see :func:`schedulers.recovery.recover`) and replays the steps up to
+        ``goal``, recovering again from a loss during the replay while ``max_restarts`` allows; the
+        last replayed step's statistics.
+
+        Raises:
+            NodeLost, StageLost: the job cannot (or may no more) recover.
+        """
+        job = self.core
+        while True:
+            self._recovery = await recovery.recover(job, lost)
+            try:
+                return await self._catch_up(goal)
+            except (NodeLost, StageLost) as again:
+                if not recovery.may_recover(job):
+                    raise
+                lost = again
+
+    def _ahead_finished(self, stats: StepStats, applied: int) -> StepStats:
+        """A step ended (one by one or in a run): what a recovery did joins its statistics, which
+        become the job's last (the views' describe, trace and plan), and its event goes out."""
         if self._recovery is not None:
             stats = dataclasses.replace(stats, recovery=self._recovery)
             self._recovery = None
-        job.last_stats = stats  # the views' (describe, trace, plan)
+        self.core.last_stats = stats
         self._step_finished(stats, applied)
         return stats
 

@@ -16,9 +16,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors import ActorError
+from actors import ActorError, NodeLost, StageLost
 from schedulers.events import JobPaused, JobResumed, RunFinished, RunProgress, RunStarted
 from schedulers.job_core import JobCore
+from schedulers.recovery import may_recover
 from schedulers.records import RunInfo, StepStats
 from schedulers.settings import Settings
 from schedulers.step_path import Dispatched, StepPath
@@ -158,7 +159,8 @@ class Runs:
             self.state.task.cancel()
 
 
-async def steps_ahead(job: JobCore, path: StepPath, settings: Settings, finished: Callable[[StepStats, int], None],
+async def steps_ahead(job: JobCore, path: StepPath, settings: Settings, finished: Callable[[StepStats, int], Any],
+                      recover: Callable[[NodeLost | StageLost, int], Awaitable[StepStats]],
                       more: Callable[[int], bool], done: Callable[[bool], None]) -> bool:
     """A run's steps from the data factory, each step's orders sent while the step before it finishes
     (:meth:`~schedulers.step_path.StepPath.dispatch` with ``after``), under one hold of the job, as
@@ -170,7 +172,10 @@ async def steps_ahead(job: JobCore, path: StepPath, settings: Settings, finished
 
     A step that was not applied (skipped for a non-finite value, or failed) leaves the step sent
     after it refused by every stage (:attr:`~stages.StepOrder.after`): it is dropped, and the data
-    position it would have read is read by the next step instead.
+    position it would have read is read by the next step instead. A step that lost a node or a
+    stage of a job that may recover (``max_restarts``) is followed by ``recover(lost, goal)``,
+    which recovers and replays up to that step (the controller's, as its ``step`` does); the run
+    then goes on sending each step ahead.
 
     Raises:
         NodeLost, StepFailed: as the controller's ``step``; the step sent ahead is stopped on every stage.
@@ -190,13 +195,15 @@ async def steps_ahead(job: JobCore, path: StepPath, settings: Settings, finished
                 ahead = path.dispatch(None, None, after=current)
             try:
                 stats = await path.collect(current, since=ended)
-            except BaseException:
+            except BaseException as exc:
                 if ahead is not None:
                     await asyncio.shield(path.drop(ahead))
-                raise
+                    ahead = None
+                if not isinstance(exc, (NodeLost, StageLost)) or not may_recover(job):
+                    raise
+                stats = await recover(exc, goal)
             ended = time.perf_counter()
             job.completed(goal, driver_batch=False)
-            job.last_stats = stats
             finished(stats, job.applied)
             done(sent_ahead)
             current, sent_ahead = ahead, ahead is not None

@@ -103,11 +103,11 @@ class StepPath:
 
     def may_step_ahead(self) -> bool:
         """Whether the next step's orders may go out before this one's answers are in: nothing in them
-        depends on how this step ends (no loss scale to update, no plan being measured, no snapshot,
-        no recovery to replay from)."""
+        depends on how this step ends (no loss scale to update, no plan being measured), and the data
+        factory gives the batch (a recovery replays it from there: see :func:`~schedulers.runs.steps_ahead`)."""
         job = self.job
         return (job.scaler is None and not job.auto.measuring and not job.auto.timed and job.broken is None
-                and not job.spec.fault_tolerance.max_restarts and job.spec.training.data is not None)
+                and job.spec.training.data is not None)
 
     async def drop(self, dispatched: Dispatched) -> None:
         """Stops a step that :meth:`dispatch` sent ahead and that will not be collected."""

@@ -99,6 +99,48 @@ async def test_a_killed_stage_moves_to_a_spare_and_training_is_bit_identical(sna
 
 
 @pytest.mark.multiprocess
+async def test_a_stage_killed_while_a_run_sends_steps_ahead_is_replaced_and_the_run_goes_on_ahead(
+        tmp_path: Path) -> None:
+    # A run with max_restarts sends each step's orders while the step before it finishes, as any
+    # run does: a stage killed in a step (the next one sent already) is replaced, the steps since
+    # the snapshot replay, and the run goes on sending steps ahead, ending as a run without the fault.
+    steps = 8
+    local = LocalCluster(nodes=2, spares=1)
+    gate = tmp_path / "stall"
+    async with local as cluster:
+        _, want_state = await reference(cluster, steps, False)
+        job = await cluster.train(**spec(gate=gate, max_restarts=1, snapshot_every=2))
+        try:
+            with stalled(gate):  # each step about 1.5 s, the kill lands inside one
+                await job.run(steps)
+                while (await job.describe()).steps < 3:
+                    await asyncio.sleep(0.05)
+                await asyncio.sleep(0.5)
+                os.kill(local.processes[job.nodes[1]].pid, signal.SIGKILL)
+            run_info = await ended(job)
+            assert run_info.error is None and run_info.done == steps, run_info
+            # Every step went out ahead but the first, and the first after the recovery (the one it
+            # replayed up to counts as sent ahead if it was).
+            assert run_info.ahead >= steps - 2, run_info
+            assert (await job.describe()).nodes == ["node0", "spare0"]
+            assert_same_state(await job.state_dict(), want_state)
+        finally:
+            await job.close()
+
+
+async def ended(job: Job) -> Any:
+    """The job's run, once it has ended."""
+    deadline = time.monotonic() + 120
+    while True:
+        run_info = (await job.describe()).run
+        assert run_info is not None
+        if not run_info.active:
+            return run_info
+        assert time.monotonic() < deadline, "the run did not finish"
+        await asyncio.sleep(0.1)
+
+
+@pytest.mark.multiprocess
 async def test_a_replacement_stage_continues_the_learning_rate_schedule_exactly(tmp_path: Path) -> None:
     schedule = ("stages.state.lr:WarmupLR", {"warmup_min_lr": 0.001, "warmup_num_steps": 8, "warmup_type": "linear"})
     local = LocalCluster(nodes=2, spares=1)
@@ -198,14 +240,7 @@ async def test_chaos_kills_and_stops_during_a_run_end_equal_to_an_uninterrupted_
                     os.killpg(pid, signal.SIGSTOP)  # the node and its stages' processes: a stalled host
                     await asyncio.sleep(4)
                     os.killpg(pid, signal.SIGCONT)
-            deadline = time.monotonic() + 120
-            while True:
-                run_info = (await job.describe()).run
-                assert run_info is not None
-                if not run_info.active:
-                    break
-                assert time.monotonic() < deadline, "the run did not finish"
-                await asyncio.sleep(0.1)
+            run_info = await ended(job)
             assert run_info.error is None and run_info.done == steps, run_info
             assert_same_state(await job.state_dict(), want_state)
         finally:
