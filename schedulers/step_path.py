@@ -27,6 +27,7 @@ from schedulers.job_views import JobViews
 from schedulers.stage_calls import StageCalls
 from schedulers.planning import NoScheduleFits
 from schedulers.records import Candidate, StepStats
+from schedulers.scaling import LossScaler
 from schedulers.stepping import describe_findings, nonfinite_failed, nonfinite_findings, step_calls, step_stats
 
 __all__ = ["Dispatched", "StepPath"]
@@ -82,6 +83,13 @@ class StepPath:
         step = job.attempted()
         position = job.applied + 1 if after is not None else job.applied
         calls = step_calls(job.spec, position, inputs, targets)
+        scaler = job.scaler
+        if scaler is not None and after is not None:
+            # A step sent ahead runs only once the step before is applied (StepOrder.after), which moves
+            # the fp16 scale as every applied step does; one that overflowed is skipped, and the run
+            # sends this step again with the scale it left.
+            scaler = dataclasses.replace(scaler)
+            scaler.update(overflow=False)
         for call in calls.values():
             if after is not None:
                 call["after"] = after.step
@@ -90,23 +98,24 @@ class StepPath:
             faults = job.spec.fault_tolerance
             if faults.max_restarts and (job.snapshot_due or position % faults.snapshot_every == 0):
                 call["snapshot"] = position
-            if job.scaler is not None:
-                call["loss_scale"] = job.scaler.scale
+            if scaler is not None:
+                call["loss_scale"] = scaler.scale
             if job.spec.parallelism.schedule == "auto":  # the plan turns W batching on or off per step
                 call["w_batching"] = job.auto.running_w_batching(job.spec)
             # The stages run the tail themselves (one answer per step), except on the step that
             # schedule="auto" plans from: there nothing applies before the plan fits max_stash_bytes.
-            call.update(self.tail_order() if not job.auto.timed else {})
+            call.update(self.tail_order(scaler) if not job.auto.timed else {})
         return Dispatched(step=step, inputs=inputs, started=time.perf_counter(),
-                          used_scale=job.scaler.scale if job.scaler is not None else 1.0,
+                          used_scale=scaler.scale if scaler is not None else 1.0,
                           ran=job.auto.running(job.spec), tasks=self.calls.start_programs(step, calls, job.programs))
 
     def may_step_ahead(self) -> bool:
         """Whether the next step's orders may go out before this one's answers are in: nothing in them
-        depends on how this step ends (no loss scale to update, no plan being measured), and the data
-        factory gives the batch (a recovery replays it from there: see :func:`~schedulers.runs.steps_ahead`)."""
+        depends on how this step ends (no plan being measured; an fp16 scale moves as the step before
+        applies: see :meth:`dispatch`), and the data factory gives the batch (a recovery replays it from
+        there: see :func:`~schedulers.runs.steps_ahead`)."""
         job = self.job
-        return (job.scaler is None and not job.auto.measuring and not job.auto.timed and job.broken is None
+        return (not job.auto.measuring and not job.auto.timed and job.broken is None
                 and job.spec.training.data is not None)
 
     async def drop(self, dispatched: Dispatched) -> None:
@@ -189,10 +198,10 @@ class StepPath:
             if timed_next:  # the clocks, for the link's speed; outside any step
                 job.auto.offsets = await self.views.clock_offsets()
 
-    def tail_order(self) -> dict[str, Any]:
-        """What a stage needs to decide the step's tail itself (see :mod:`stages.compute.agreement`)."""
+    def tail_order(self, scaler: LossScaler | None) -> dict[str, Any]:
+        """What a stage needs to decide the step's tail itself (see :mod:`stages.compute.agreement`), with
+        the fp16 loss scale ``scaler`` (the job's, or what it will be when a step sent ahead runs)."""
         job = self.job
-        scaler = job.scaler
         return {"finish": True, "max_norm": float(job.spec.optimization.gradient_clipping),
                 "per_item": job.spec.training.loss_averaging == "tokens",
                 "fp16": scaler is not None, "scale_at_floor": scaler is not None and scaler.dynamic and scaler.at_minimum}
@@ -222,7 +231,7 @@ class StepPath:
         self.reduce_wait_s = [r.wait_s for r in reduced]
         self.tied = sorted({tuple(names) for r in reduced for names in r.tied})
         scaler = job.scaler
-        order = self.tail_order()
+        order = self.tail_order(scaler)
         decision = decide_votes(job.mesh, [vote_of(s, r) for s, r in zip(reports, reduced)],
                                 loss_scale=scaler.scale if scaler is not None else 1.0, fp16=order["fp16"],
                                 scale_at_floor=order["scale_at_floor"], max_norm=order["max_norm"],

@@ -108,3 +108,33 @@ async def test_a_step_skipped_for_a_nan_drops_the_step_sent_after_it_and_sends_i
     assert run.ahead == 2  # steps 1 and 3; step 2 went again once step 1 was in
     assert description.steps == 4
     assert equal(state, states[-1])
+
+
+async def test_an_fp16_run_sends_steps_ahead_and_trains_as_its_steps_one_by_one(cluster: Cluster) -> None:
+    # A dynamic loss scale started far too high: the first steps overflow and are skipped while it
+    # comes down, then it doubles after two clean steps (and overflows again). A step sent ahead runs
+    # with the scale an applied step leaves; one sent after an overflow is sent again.
+    fp16 = dict(precision="fp16", initial_scale_power=24, hysteresis=1, loss_scale_window=2)
+    steps = 11
+    reference = await cluster.train(**_train(**fp16))
+    try:
+        stats = [await reference.step() for _ in range(steps)]
+        want = await reference.state_dict()
+    finally:
+        await reference.close()
+    skipped = [s.skipped for s in stats]
+    assert skipped[0] and not all(skipped)
+    assert stats[-1].loss_scale == 2 * stats[-2].loss_scale  # the last step runs at a scale just doubled
+    job = await cluster.train(**_train(**fp16))
+    try:
+        await job.run(steps)
+        run = await ended(job)
+        state, description = await job.state_dict(), await job.describe()
+    finally:
+        await job.close()
+    assert run.error is None and run.done == steps
+    assert run.ahead == steps - 1 - sum(skipped[:-1])  # all but the first and those sent after an overflow
+    assert all(torch.equal(state[k], want[k]) for k in want)
+    last = description.last_stats
+    assert last is not None and (last.loss_scale, last.skipped_steps, last.grad_norm) == (
+        stats[-1].loss_scale, stats[-1].skipped_steps, stats[-1].grad_norm)
