@@ -128,6 +128,10 @@ class JobCore:
         mp = spec.mixed_precision
         self.scaler: LossScaler | None = None if mp.precision != "fp16" else LossScaler.for_spec(
             mp.loss_scale, mp.initial_scale_power, mp.loss_scale_window, mp.hysteresis, mp.min_loss_scale)
+        # The scaler as it was with each number of steps applied since the snapshot a recovery would roll
+        # back to: the scale goes back with the stages, or each replayed step would move it again.
+        self.scales: dict[int, dict[str, float | int]] = {}
+        self._keep_scale()
         self.last_checkpoint: tuple[CheckpointPath, int] | None = None  # (where, step) of this job's newest save
         self.driver_batches = False  # a step took the driver's batch (so the data factory cannot replay it)
         self.snapshot_due = False  # take one at the next step whatever snapshot_every says (after a load)
@@ -194,8 +198,11 @@ class JobCore:
         """The job completed ``goal`` steps; batches older than a recovery could replay are dropped."""
         self.steps_done = goal
         self.driver_batches = self.driver_batches or driver_batch
-        for old in [k for k in self.history if k < self.applied - 2 * self.spec.fault_tolerance.snapshot_every]:
+        oldest = self.applied - 2 * self.spec.fault_tolerance.snapshot_every
+        for old in [k for k in self.history if k < oldest]:
             del self.history[old]
+        for old in [k for k in self.scales if k < oldest]:
+            del self.scales[old]
 
     def attempted(self) -> int:
         """A new attempt at a step: its number (one per attempt, never reused)."""
@@ -208,6 +215,12 @@ class JobCore:
         self.applied += 1
         self.snapshot_due = False
         self.last_reports = reports
+        self._keep_scale()
+
+    def _keep_scale(self) -> None:
+        """Keeps the fp16 scaler's state as it is with ``applied`` steps applied (see ``scales``)."""
+        if self.scaler is not None:
+            self.scales[self.applied] = self.scaler.state_dict()
 
     def diverged(self, why: str) -> None:
         """The stages may disagree (a release failed part-way): only a load or close helps."""
@@ -252,6 +265,8 @@ class JobCore:
         self.fenced.clear()
         self.broken = None
         self.applied = step
+        if self.scaler is not None and step in self.scales:  # else a checkpoint's, loaded with it
+            self.scaler.load_state_dict(self.scales[step])
 
     def returned(self, alive: set[str]) -> list[ActorRef]:
         """Retired stage actors whose node is alive again (no longer retired: the caller stops them)."""
@@ -267,6 +282,8 @@ class JobCore:
         before counts; the next step takes a snapshot whatever ``snapshot_every`` says."""
         self.broken = None
         self.history.clear()
+        self.scales.clear()
+        self._keep_scale()
         self.snapshot_due = True
 
     def checkpoint_applied(self) -> None:

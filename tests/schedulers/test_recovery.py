@@ -128,6 +128,40 @@ async def test_a_stage_killed_while_a_run_sends_steps_ahead_is_replaced_and_the_
             await job.close()
 
 
+@pytest.mark.multiprocess
+async def test_an_fp16_job_recovers_its_loss_scale_with_its_stages(tmp_path: Path) -> None:
+    # The head keeps the dynamic fp16 scale. A recovery rolls the stages back to a snapshot and
+    # replays the steps since: the scale goes back with them, or each replayed step would move
+    # it a second time (a replayed overflow halves it again, a clean step shifts its window).
+    fp16 = {"precision": "fp16", "initial_scale_power": 24, "hysteresis": 1, "loss_scale_window": 2}
+    steps = 8
+    local = LocalCluster(nodes=2, spares=1)
+    gate = tmp_path / "stall"
+    async with local as cluster:
+        reference_job = await cluster.train(**spec(seconds=0.0, **fp16))
+        try:
+            want = [await reference_job.step() for _ in range(steps)]
+            want_state = await reference_job.state_dict()
+        finally:
+            await reference_job.close()
+        assert len({s.loss_scale for s in want}) > 3  # the scale moves on every step the replay covers
+        job = await cluster.train(**spec(gate=gate, max_restarts=1, snapshot_every=2, **fp16))
+        try:
+            got = [await job.step() for _ in range(3)]
+            with stalled(gate):
+                step = asyncio.ensure_future(job.step())
+                await asyncio.sleep(0.5)
+                os.kill(local.processes[job.nodes[1]].pid, signal.SIGKILL)
+            got.append(await asyncio.wait_for(step, 60))
+            assert got[-1].recovery is not None and got[-1].recovery.replayed == 1
+            got += [await job.step() for _ in range(steps - 4)]
+            assert [(s.loss_scale, s.skipped, s.skipped_steps) for s in got] == [
+                (s.loss_scale, s.skipped, s.skipped_steps) for s in want]
+            assert_same_state(await job.state_dict(), want_state)
+        finally:
+            await job.close()
+
+
 async def ended(job: Job) -> Any:
     """The job's run, once it has ended."""
     deadline = time.monotonic() + 120
