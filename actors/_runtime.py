@@ -12,6 +12,7 @@ every task it starts and cancels them all in :meth:`Runtime.aclose`.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from contextlib import asynccontextmanager
@@ -121,9 +122,11 @@ class Runtime:
 
     # -- tasks ---------------------------------------------------------------------
 
-    def spawn_task(self, coro: Coroutine[Any, Any, Any], *, name: str | None = None) -> asyncio.Task[Any]:
-        """Starts a task this runtime owns: cancelled on close, its failure logged."""
-        task = asyncio.get_running_loop().create_task(coro, name=name)
+    def spawn_task(self, coro: Coroutine[Any, Any, Any], *, name: str | None = None,
+                   context: contextvars.Context | None = None) -> asyncio.Task[Any]:
+        """Starts a task this runtime owns (in ``context``, else a copy of the current one): cancelled on
+        close, its failure logged."""
+        task = asyncio.get_running_loop().create_task(coro, name=name, context=context)
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
         return task
@@ -159,7 +162,7 @@ class Runtime:
             raise error from None
         finally:
             self._starting.discard(name)
-        mailbox = Mailbox(actor, lambda coro: self.spawn_task(coro, name=f"{name} concurrent call"))  # type: ignore[arg-type]
+        mailbox = Mailbox(actor, lambda coro, **how: self.spawn_task(coro, name=f"{name} call", **how))
         self._mailboxes[name] = mailbox
         self._mailbox_tasks[name] = self.spawn_task(mailbox.run(), name=f"mailbox {name}")
         return actor.ref
@@ -172,6 +175,7 @@ class Runtime:
         task = self._mailbox_tasks.pop(name)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+        await mailbox.stopped()
         try:
             await mailbox.actor.on_stop()
         except Exception:

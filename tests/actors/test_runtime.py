@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import sys
 import threading
 from collections.abc import AsyncIterator
@@ -214,6 +215,76 @@ async def test_concurrent_endpoint_runs_while_a_call_is_in_progress(runtimes: tu
     waiting = asyncio.ensure_future(ref.ask("wait_gate"))
     await ref.ask("open_gate", timeout=5)  # would deadlock if it queued behind wait_gate
     assert await waiting == "opened"
+
+
+_MARK: contextvars.ContextVar[str] = contextvars.ContextVar("test_mark", default="unset")
+
+
+class Gated(Actor):
+    """A counter whose ``hold`` waits for a gate and notes how it ended."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+        self.value = 0
+        self.gate = asyncio.Event()
+
+    async def on_stop(self) -> None:
+        self.events.append("stop")
+
+    @endpoint
+    async def hold(self) -> None:
+        self.events.append("held")
+        try:
+            await self.gate.wait()
+        finally:
+            self.events.append("released" if self.gate.is_set() else "cancelled")
+
+    @endpoint
+    async def add(self, amount: int) -> int:
+        _MARK.set("set by the actor")
+        self.value += amount
+        return self.value
+
+    @endpoint(concurrent=True)
+    async def open_gate(self) -> None:
+        self.gate.set()
+
+
+async def test_a_call_that_needs_no_wait_runs_as_it_is_delivered() -> None:
+    async with open_runtime("ipc://") as runtime:
+        actor = Gated()
+        ref = await runtime.spawn(actor, "gated")
+        await asyncio.sleep(0)  # the mailbox's loop waits for calls
+        await ref.tell("add", 5)  # a local tell: delivered, and run, before it returns
+        assert actor.value == 5
+        assert await ref.ask("add", 1) == 6
+        assert _MARK.get() == "unset"  # the call ran in a context of its own
+
+
+async def test_a_call_started_at_delivery_keeps_the_calls_after_it_waiting_until_it_ends() -> None:
+    async with open_runtime("ipc://") as runtime:
+        actor = Gated()
+        ref = await runtime.spawn(actor, "gated")
+        await asyncio.sleep(0)
+        await ref.tell("hold")  # starts at once and waits for the gate
+        assert actor.events == ["held"]
+        added = [asyncio.ensure_future(ref.ask("add", 1)) for _ in range(3)]
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert actor.value == 0 and not any(a.done() for a in added)  # sequential: behind the one holding
+        await ref.ask("open_gate")
+        assert await asyncio.gather(*added) == [1, 2, 3]
+        assert actor.events == ["held", "released"]
+
+
+async def test_stopping_an_actor_ends_a_call_started_at_delivery_before_its_on_stop() -> None:
+    async with open_runtime("ipc://") as runtime:
+        actor = Gated()
+        ref = await runtime.spawn(actor, "gated")
+        await asyncio.sleep(0)
+        await ref.tell("hold")
+        await runtime.stop_actor("gated")
+        assert actor.events == ["held", "cancelled", "stop"]
 
 
 async def test_ask_times_out_with_a_typed_error(runtimes: tuple[Runtime, Runtime]) -> None:
