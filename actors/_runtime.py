@@ -24,7 +24,6 @@ from actors._actor import INSECURE, LOCAL, Actor, Call, Mailbox, current_caller,
 from actors._errors import (
     ActorError,
     ActorStopped,
-    ActorTimeout,
     BadRecord,
     NotAllowed,
     UnknownActor,
