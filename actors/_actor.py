@@ -373,6 +373,7 @@ class Mailbox:
         self._spawn_task = spawn_task
         self._parked = False  # the run loop waits for the queue (nothing sequential runs there)
         self._started: asyncio.Task[None] | None = None  # a sequential call started at delivery, still running
+        self._starting = False  # a sequential call runs on the deliverer's stack right now
 
     def deliver(self, call: Call) -> None:
         """Queues ``call`` or starts it (concurrent endpoints).
@@ -400,8 +401,12 @@ class Mailbox:
         if concurrent:
             self._start(call)
             return
-        if self._parked and self._started is None and self._queue.empty():
-            self._started = self._start(call)
+        if self._parked and self._started is None and not self._starting and self._queue.empty():
+            self._starting = True  # a call this one makes to its own actor as it starts queues behind it
+            try:
+                self._started = self._start(call)
+            finally:
+                self._starting = False
             if self._started is not None:
                 self._started.add_done_callback(self._started_done)
             return

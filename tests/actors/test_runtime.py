@@ -249,6 +249,16 @@ class Gated(Actor):
     async def open_gate(self) -> None:
         self.gate.set()
 
+    @endpoint
+    async def outer(self) -> None:
+        self.events.append("outer starts")
+        await self.ref.tell("inner")  # to itself, as it starts: must wait its turn
+        self.events.append("outer ends")
+
+    @endpoint
+    async def inner(self) -> None:
+        self.events.append("inner")
+
 
 async def test_a_call_that_needs_no_wait_runs_as_it_is_delivered() -> None:
     async with open_runtime("ipc://") as runtime:
@@ -275,6 +285,16 @@ async def test_a_call_started_at_delivery_keeps_the_calls_after_it_waiting_until
         await ref.ask("open_gate")
         assert await asyncio.gather(*added) == [1, 2, 3]
         assert actor.events == ["held", "released"]
+
+
+async def test_a_call_an_actor_makes_to_itself_as_a_call_starts_runs_after_it() -> None:
+    async with open_runtime("ipc://") as runtime:
+        actor = Gated()
+        ref = await runtime.spawn(actor, "gated")
+        await asyncio.sleep(0)
+        await ref.tell("outer")
+        await ref.ask("add", 0)  # after both
+        assert actor.events == ["outer starts", "outer ends", "inner"]
 
 
 async def test_stopping_an_actor_ends_a_call_started_at_delivery_before_its_on_stop() -> None:
