@@ -375,8 +375,9 @@ class Mailbox:
         self._started: asyncio.Task[None] | None = None  # a sequential call started at delivery, still running
         self._starting = False  # a sequential call runs on the deliverer's stack right now
 
-    def deliver(self, call: Call) -> None:
-        """Queues ``call`` or starts it (concurrent endpoints).
+    def deliver(self, call: Call, *, start: bool = True) -> None:
+        """Queues ``call`` or starts it (concurrent endpoints); ``start``: it may start at once, on this
+        stack (else a concurrent call starts as a task, and a sequential one queues).
 
         Raises:
             UnknownEndpoint: no such endpoint (checked here, so the caller hears at once).
@@ -399,9 +400,12 @@ class Mailbox:
                 f"{', '.join(sorted(roles or ()))} (and admin) keys"
             )
         if concurrent:
-            self._start(call)
+            if start:
+                self._start(call)
+            else:
+                self._spawn_task(self.run_call(call))
             return
-        if self._parked and self._started is None and not self._starting and self._queue.empty():
+        if start and self._parked and self._started is None and not self._starting and self._queue.empty():
             self._starting = True  # a call this one makes to its own actor as it starts queues behind it
             try:
                 self._started = self._start(call)

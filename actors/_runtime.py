@@ -103,6 +103,7 @@ class Runtime:
         sender_pool: SenderPoolConfig = SenderPoolConfig(), bulk: BulkMode = "encrypt",
     ) -> None:
         self._receiver = receiver
+        self._started_round = -1  # the receiver's round whose first request was offered a start at once
         self.keys = keys  # this runtime's CURVE keypair (None: insecure)
         self._gate = gate
         self.context = context  # its sockets' zmq context (its CURVE gate admits the cluster's keys)
@@ -244,14 +245,14 @@ class Runtime:
         caller = current_caller()
         return self.address if caller == LOCAL else own_address(caller, current_reply_address(), self._gate)
 
-    def _deliver_local(self, name: str, call: Call) -> None:
+    def _deliver_local(self, name: str, call: Call, *, start: bool = True) -> None:
         mailbox = self._mailboxes.get(name)
         if mailbox is None:
             # Which actors run here is this process's business (other clients' jobs among them):
             # the caller learns only that the name is unknown; the debug log here says what runs.
             log.debug("no actor named %s here; running: %s", excerpt(name), ", ".join(self._mailboxes) or "none")
             raise UnknownActor(f"no actor named {name!r} at {self.address}")
-        mailbox.deliver(call)
+        mailbox.deliver(call, start=start)
 
     async def _send(self, address: str, message: dict[str, Any]) -> int:
         """Encodes and sends ``message``: at once when it can leave now, else waiting for room."""
@@ -346,9 +347,13 @@ class Runtime:
                 self.spawn_task(reply(False, ActorError(
                     f"malformed request: needs to, m, a, k, with names of at most {longest} characters")))
             return
+        # Of the requests one reader callback hands on, the first may start at once (see Mailbox); the
+        # rest queue as they did, so that a burst is read whole before its replies go out one by one
+        # (answering each as it was read cost 64 calls in flight an eighth of their rate).
+        start, self._started_round = self._receiver.rounds != self._started_round, self._receiver.rounds
         try:
             self._deliver_local(name, Call(method=method, args=args, kwargs=kwargs, reply=reply, caller=caller,
-                                           reply_to=reply_to if reply is not None else None))
+                                           reply_to=reply_to if reply is not None else None), start=start)
         except ActorError as exc:
             log.warning("request %s.%s from %s: %s", excerpt(name), excerpt(method), excerpt(reply_to),
                         excerpt(exc.message, 200))

@@ -242,6 +242,7 @@ class Receiver:
         self._pumping: Callable[[], None] | None = None
         self._reading = False
         self._stats = ChannelStatistics(address=self.address)
+        self.rounds = 0  # the pump's reader callbacks so far: the messages one hands on came together
 
     async def receive_frames(self) -> list[zmq.Frame]:
         """Waits for the next message and returns its raw frames (no decoding).
@@ -398,6 +399,7 @@ class Receiver:
         loop = asyncio.get_running_loop()
 
         def ready() -> None:
+            self.rounds += 1
             # Frame by frame, as in receive_frames: a message over the limit is dropped
             # frame by frame and never reaches on_frames. A batch also ends once it has
             # run 5 ms (after one message at least): a flood of costly messages must not
