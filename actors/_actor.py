@@ -114,8 +114,8 @@ def endpoint(fn: F | None = None, /, *, concurrent: bool = False, roles: Iterabl
     The method keeps its type, so callers can name it: ``ref.endpoint(Cls.method)``.
 
     Args:
-        concurrent: run each call in its own task instead of queueing it behind the
-            actor's other messages.
+        concurrent: run each call at once (until it first waits; then in its own task)
+            instead of queueing it behind the actor's other messages.
         roles: the roles whose keys may call it (``head``, ``node``, ``client``);
             the admin key may call anything. None: any admitted member. A caller
             outside them gets :class:`~actors.NotAllowed` and the endpoint never runs.
@@ -430,7 +430,7 @@ class Mailbox:
             waiting_on = context.run(coro.send, None)
         except StopIteration:
             return None
-        except BaseException:  # noqa: BLE001 - as a task's failure would be: logged, and the actor goes on
+        except (Exception, asyncio.CancelledError):  # as a task's failure would be: logged; the actor goes on
             log.exception("%s.%s failed as it started", self.actor.name, call.method)
             return None
         return self._spawn_task(_resumed(coro, waiting_on), context=context)
@@ -461,7 +461,7 @@ class Mailbox:
             await asyncio.gather(self._started, return_exceptions=True)
 
     async def run_call(self, call: Call) -> None:
-        _caller.set(call.caller)  # this task's (a concurrent call has a task of its own)
+        _caller.set(call.caller)  # this call's context (a call started at once has a copy of its own)
         _reply_to.set(call.reply_to)
         method = getattr(self.actor, call.method)
         signature = self._signatures[call.method]
