@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import sys
 import threading
@@ -260,11 +261,18 @@ class Gated(Actor):
         self.events.append("inner")
 
 
-async def test_a_call_that_needs_no_wait_runs_as_it_is_delivered() -> None:
+@contextlib.asynccontextmanager
+async def gated() -> AsyncIterator[tuple[Runtime, Gated, ActorRef]]:
+    """A runtime with a :class:`Gated` actor whose mailbox waits for calls."""
     async with open_runtime("ipc://") as runtime:
         actor = Gated()
         ref = await runtime.spawn(actor, "gated")
-        await asyncio.sleep(0)  # the mailbox's loop waits for calls
+        await asyncio.sleep(0)  # the mailbox's loop now waits for calls
+        yield runtime, actor, ref
+
+
+async def test_a_call_that_needs_no_wait_runs_as_it_is_delivered() -> None:
+    async with gated() as (_, actor, ref):
         await ref.tell("add", 5)  # a local tell: delivered, and run, before it returns
         assert actor.value == 5
         assert await ref.ask("add", 1) == 6
@@ -272,10 +280,7 @@ async def test_a_call_that_needs_no_wait_runs_as_it_is_delivered() -> None:
 
 
 async def test_a_call_started_at_delivery_keeps_the_calls_after_it_waiting_until_it_ends() -> None:
-    async with open_runtime("ipc://") as runtime:
-        actor = Gated()
-        ref = await runtime.spawn(actor, "gated")
-        await asyncio.sleep(0)
+    async with gated() as (runtime, actor, ref):
         await ref.tell("hold")  # starts at once and waits for the gate
         assert actor.events == ["held"]
         added = [asyncio.ensure_future(ref.ask("add", 1)) for _ in range(3)]
@@ -288,10 +293,7 @@ async def test_a_call_started_at_delivery_keeps_the_calls_after_it_waiting_until
 
 
 async def test_a_call_an_actor_makes_to_itself_as_a_call_starts_runs_after_it() -> None:
-    async with open_runtime("ipc://") as runtime:
-        actor = Gated()
-        ref = await runtime.spawn(actor, "gated")
-        await asyncio.sleep(0)
+    async with gated() as (runtime, actor, ref):
         await ref.tell("outer")
         await ref.ask("add", 0)  # after both
         assert actor.events == ["outer starts", "outer ends", "inner"]
@@ -300,10 +302,7 @@ async def test_a_call_an_actor_makes_to_itself_as_a_call_starts_runs_after_it() 
 async def test_of_the_requests_one_read_hands_on_only_the_first_starts_at_once() -> None:
     # A burst is read whole before its replies go out (answered as each was read, 64 calls in
     # flight lost an eighth of their rate); a request alone in its read starts at once.
-    async with open_runtime("ipc://") as runtime:
-        actor = Gated()
-        await runtime.spawn(actor, "gated")
-        await asyncio.sleep(0)
+    async with gated() as (runtime, actor, _):
         request = {"t": "req", "id": None, "to": "gated", "m": "add", "a": [1], "k": {}, "r": None}
         runtime._on_request(dict(request))  # the first the receiver's current read hands on
         assert actor.value == 1
@@ -316,10 +315,7 @@ async def test_of_the_requests_one_read_hands_on_only_the_first_starts_at_once()
 
 
 async def test_stopping_an_actor_ends_a_call_started_at_delivery_before_its_on_stop() -> None:
-    async with open_runtime("ipc://") as runtime:
-        actor = Gated()
-        ref = await runtime.spawn(actor, "gated")
-        await asyncio.sleep(0)
+    async with gated() as (runtime, actor, ref):
         await ref.tell("hold")
         await runtime.stop_actor("gated")
         assert actor.events == ["held", "cancelled", "stop"]
