@@ -301,13 +301,11 @@ class Runtime:
             if future is not None:
                 future.set_exception(BadRecord(f"the reply's {error.message}"))
                 return
-        elif kind == "req":
-            call_id, reply_to = message.get("id"), message.get("r")
-            if isinstance(reply_to, str) and len(reply_to) <= 1024 and isinstance(call_id, int):
-                log.warning("refused a request to %s.%s: %s", excerpt(message.get("to")), excerpt(message.get("m")),
-                            excerpt(error.message, 300))
-                self.spawn_task(self._remote_replier(reply_to, call_id)(False, error))
-                return
+        elif kind == "req" and (route := _reply_route(message)) is not None:
+            log.warning("refused a request to %s.%s: %s", excerpt(message.get("to")), excerpt(message.get("m")),
+                        excerpt(error.message, 300))
+            self.spawn_task(self._remote_replier(*route)(False, error))
+            return
         log.warning("dropped a message: %s", excerpt(error.message, 300))
 
     def _dispatch(self, message: Any, caller: str = INSECURE) -> None:
@@ -330,32 +328,24 @@ class Runtime:
             future.set_exception(error_from_wire(message.get("e")))
 
     def _on_request(self, message: dict[str, Any], caller: str = INSECURE) -> None:
-        call_id, reply_to = message.get("id"), message.get("r")
-        name, method = message.get("to"), message.get("m")
+        route = _reply_route(message)
+        reply = self._remote_replier(*route) if route is not None else None
+        name: Any = message.get("to")
+        method: Any = message.get("m")
         args, kwargs = message.get("a", []), message.get("k", {})
-        # Names, methods, keyword names and addresses are short: a longer one is refused
-        # before it is quoted anywhere (error messages repr the name and method).
-        longest = 1024
-        reply = None
-        if isinstance(reply_to, str) and len(reply_to) <= longest and isinstance(call_id, int):
-            reply = self._remote_replier(reply_to, call_id)
-        if not (isinstance(name, str) and len(name) <= longest and isinstance(method, str)
-                and len(method) <= longest and isinstance(args, list) and isinstance(kwargs, dict)
-                and all(isinstance(k, str) and len(k) <= longest for k in kwargs)):
+        if not _well_formed(name, method, args, kwargs):
             log.warning("dropped a malformed request: %s", excerpt(message, 200))
             if reply is not None:
                 self.spawn_task(reply(False, ActorError(
-                    f"malformed request: needs to, m, a, k, with names of at most {longest} characters")))
+                    f"malformed request: needs to, m, a, k, with names of at most {_LONGEST} characters")))
             return
-        # Of the requests one reader callback hands on, the first may start at once (see Mailbox); the
-        # rest queue as they did, so that a burst is read whole before its replies go out one by one
-        # (answering each as it was read cost 64 calls in flight an eighth of their rate).
+        # Only the first request of a read starts at once: a burst is read whole (see docs/nodes.md).
         start, self._started_round = self._receiver.rounds != self._started_round, self._receiver.rounds
         try:
             self._deliver_local(name, Call(method=method, args=args, kwargs=kwargs, reply=reply, caller=caller,
-                                           reply_to=reply_to if reply is not None else None), start=start)
+                                           reply_to=route[0] if route is not None else None), start=start)
         except ActorError as exc:
-            log.warning("request %s.%s from %s: %s", excerpt(name), excerpt(method), excerpt(reply_to),
+            log.warning("request %s.%s from %s: %s", excerpt(name), excerpt(method), excerpt(message.get("r")),
                         excerpt(exc.message, 200))
             if reply is not None:
                 self.spawn_task(reply(False, exc))
@@ -401,6 +391,25 @@ class Runtime:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+
+# Names, methods, keyword names and addresses are short: a longer one is refused before it is
+# quoted anywhere (error messages repr the name and method).
+_LONGEST = 1024
+
+
+def _reply_route(message: dict[str, Any]) -> tuple[str, int] | None:
+    """Where a request's answer goes (its reply address and call id), where it says so in a form to trust."""
+    call_id, reply_to = message.get("id"), message.get("r")
+    return (reply_to, call_id) if isinstance(reply_to, str) and len(reply_to) <= _LONGEST and isinstance(
+        call_id, int) else None
+
+
+def _well_formed(name: Any, method: Any, args: Any, kwargs: Any) -> bool:
+    """Whether a request names an actor and a method, short enough, with a list and a map of arguments."""
+    return (isinstance(name, str) and len(name) <= _LONGEST and isinstance(method, str) and len(method) <= _LONGEST
+            and isinstance(args, list) and isinstance(kwargs, dict)
+            and all(isinstance(k, str) and len(k) <= _LONGEST for k in kwargs))
 
 
 def _request(

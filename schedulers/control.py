@@ -77,7 +77,7 @@ class JobController:
         self.steps = StepPath(self.core, self.views)
         self.settings = Settings(self.core, limits or Limits())
         self.runs = Runs(self.core, self.step, functools.partial(steps_ahead, self.core, self.steps, self.settings,
-                                                                 self._ahead_finished, self._recover_to))
+                                                                 self._step_ended, self._recover_to))
         self._recovery: Recovery | None = None  # what the last recovery did, for the next StepStats
         self.monitors = monitors  # the job's TensorBoard, W&B and CSV writers (None: none configured)
 
@@ -111,7 +111,7 @@ class JobController:
                 stats = await self._recover_to(lost, goal)
             job.completed(goal, driver_batch=inputs is not None)
             applied = job.applied  # the monitors' x: the optimizer steps applied, this one included
-        return self._ahead_finished(stats, applied)
+        return self._step_ended(stats, applied)
 
     async def _recover_to(self, lost: NodeLost | StageLost, goal: int) -> StepStats:
         """Recovers from ``lost`` (see :func:`schedulers.recovery.recover`) and replays the steps up to
@@ -131,7 +131,7 @@ class JobController:
                     raise
                 lost = again
 
-    def _ahead_finished(self, stats: StepStats, applied: int) -> StepStats:
+    def _step_ended(self, stats: StepStats, applied: int) -> StepStats:
         """A step ended (one by one or in a run): what a recovery did joins its statistics, which
         become the job's last (the views' describe, trace and plan), and its event goes out."""
         if self._recovery is not None:
