@@ -49,7 +49,6 @@ from transport.sealed import (
     BulkInbox,
     BulkLink,
     SealRefused,
-    is_direct_message,
     is_open_message,
 )
 from transport.security import (
@@ -354,14 +353,15 @@ class Receiver:
         except zmq.Again:  # ZMQ_EVENTS says a message *may* wait (a CURVE command may have been all)
             return DRAINED
         frames, nbytes = gather(self._socket, frame, self._max_message_bytes, MAX_FRAMES_PER_MESSAGE, self.address)
-        if self._bulk is not None and is_direct_message(frames):
+        if self._bulk is not None:
             try:
                 through = self._bulk.take_direct(frames)
             except SealRefused as exc:
                 self._refuse(exc)
                 return None
-            self._stats.bytes += nbytes
-            return self._hand_on(through)
+            if through is not None:
+                self._stats.bytes += nbytes
+                return self._hand_on(through)
         if self._bulk is not None and is_open_message(frames):
             self._maybe[1] = True  # a claim that waited for the opening is answered on the bulk socket
             try:
@@ -617,12 +617,10 @@ class Sender:
             if link is None:
                 send_nowait(self._socket, frames, copy=self._must_copy(large, handed_over))
                 return nbytes
-            link.advance()
-            seq = link.seq + 1
-            if link.direct(nbytes):
-                self._waiting_on = self._socket
-                send_nowait(self._socket, link.key.direct(seq, frames), copy=True)
-                link.sent(seq, bulk=False)
+            if not link.ready:
+                link.advance()
+            self._waiting_on = self._socket
+            if link.send_direct(frames, nbytes):
                 return nbytes
             self._waiting_on = link.socket
             if not link.ready or (large and not writable(link.socket)):
@@ -630,10 +628,10 @@ class Sender:
             if large and not link.room_for(nbytes):
                 self._held_back = True  # room on the socket, but too much ciphertext still queued
                 return None
-            sealed = link.seal(seq, frames)
+            sealed = link.seal(frames)
             copy = self._must_copy(large, handed_over)
             send_nowait(link.socket, sealed, copy=copy)
-            link.sent(seq, bulk=True, unsent=() if copy else sealed)
+            link.sent_sealed(() if copy else sealed)
             return measure(sealed)[0]
         except zmq.Again:
             return None  # nothing left (libzmq takes a message whole or not at all), its number is the next one's

@@ -416,6 +416,20 @@ def test_held_messages_go_on_once_the_one_they_wait_for_is_given_up(inbox: Any) 
     assert _numbers(through) == list(range(6, 7 + MAX_HELD))
 
 
+def test_a_message_over_curve_is_a_sessions_only_with_its_whole_prefix_and_version(inbox: Any) -> None:
+    """Anything else over CURVE (a wire message, an opening) is left to its own reader; a message
+    that says it is a session's but is cut short, or of another version, is refused."""
+    box, key, _ = inbox
+    assert box.take_direct(encode_message({"n": 1})) is None
+    assert box.take_direct([OpenedFrame(key.open_message(), "node:n0")]) is None
+    whole = bytes(memoryview(_direct(key, 1, 1)[0].buffer))
+    with pytest.raises(SealRefused, match="shorter than its prefix"):
+        box.take_direct([OpenedFrame(whole[:20], "node:n0")])
+    with pytest.raises(SealRefused, match="version 2"):
+        box.take_direct([OpenedFrame(whole[:4] + bytes([2]) + whole[5:], "node:n0")])
+    assert _numbers(box.take_direct(_direct(key, 1, 1))) == [1]  # neither used up a number
+
+
 def test_a_small_message_is_refused_for_a_session_not_its_senders_or_numbered_again(inbox: Any) -> None:
     box, key, _ = inbox
     with pytest.raises(SealRefused, match="another member"):
