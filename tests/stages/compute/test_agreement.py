@@ -91,6 +91,25 @@ async def test_every_member_gathers_every_vote_and_decides_alike() -> None:
     assert all(not ballot._votes for ballot in ballots)  # forgotten once used
 
 
+async def test_a_vote_that_cannot_reach_one_member_still_reaches_the_others_and_the_failure_is_raised() -> None:
+    mesh = Mesh(pipeline=3)
+    ballots = [Ballot(mesh, rank) for rank in range(3)]
+    reached: list[int] = []
+
+    def sender(to: int):  # type: ignore[no-untyped-def]
+        async def send(step: int, rank: int, vote: TailVote) -> None:
+            if to == 1:
+                raise ConnectionError("member 1 is gone")
+            ballots[to].receive(4, step, rank, vote)
+            reached.append(to)
+        return send
+
+    ballots[0].connect([sender(other) for other in range(3)])
+    with pytest.raises(ConnectionError, match="member 1 is gone"):
+        await ballots[0].gather(4, _vote(1.0))
+    assert reached == [2] and ballots[2]._votes[4][0] == _vote(1.0)
+
+
 def _connected(mesh: Mesh, current: int, sent: list[str]) -> list[Ballot]:
     """Every member's ballot, each reaching the others' in this process (after a turn of the loop);
     ``sent`` collects one entry per message."""
