@@ -121,10 +121,11 @@ def squared_norm(params: Sequence[torch.Tensor]) -> float:
 # A CPU gradient's float64 norm is taken over its values copied, a chunk at a time, into a
 # float64 buffer each computing thread keeps. vector_norm(dtype=float64) first copies the whole
 # gradient into fresh float64 memory: on a stage of 8.4M parameters the page faults of those
-# copies made the tail's norm 4 to 31 ms a step, the norm itself being 4. Up to this many
-# values a gradient's norm is the one vector_norm gives, to the bit; a longer one's combines
-# its chunks' norms.
-NORM_CHUNK = 1 << 20  # float64 values: at most 8 MiB a thread
+# copies made the tail's norm 4 to 31 ms a step, the norm itself being 4; and the copy of a
+# stage's largest gradient was part of its peak memory (Adam's, in benchmarks.memory). Up to
+# this many values a gradient's norm is the one vector_norm gives, to the bit; a longer one's
+# combines its chunks' norms. 2 MiB a thread; a million values a chunk ran 5% faster and held 8.
+NORM_CHUNK = 1 << 18
 _kept = threading.local()
 
 
