@@ -353,22 +353,20 @@ class Receiver:
         except zmq.Again:  # ZMQ_EVENTS says a message *may* wait (a CURVE command may have been all)
             return DRAINED
         frames, nbytes = gather(self._socket, frame, self._max_message_bytes, MAX_FRAMES_PER_MESSAGE, self.address)
-        if self._bulk is not None:
+        bulk = self._bulk
+        if bulk is not None:
             try:
-                through = self._bulk.take_direct(frames)
+                through = bulk.take_direct(frames)
+                if through is not None:
+                    self._stats.bytes += nbytes
+                    return self._hand_on(through)
+                if is_open_message(frames):
+                    self._maybe[1] = True  # a claim that waited for the opening is answered on the bulk socket
+                    bulk.on_open(frames[0])
+                    return None
             except SealRefused as exc:
                 self._refuse(exc)
                 return None
-            if through is not None:
-                self._stats.bytes += nbytes
-                return self._hand_on(through)
-        if self._bulk is not None and is_open_message(frames):
-            self._maybe[1] = True  # a claim that waited for the opening is answered on the bulk socket
-            try:
-                self._bulk.on_open(frames[0])
-            except SealRefused as exc:
-                self._refuse(exc)
-            return None
         self._stats.messages += 1
         self._stats.bytes += nbytes
         return frames

@@ -434,16 +434,17 @@ class BulkInbox:
         if version != VERSION:
             raise SealRefused(f"a small message of version {version}, not {VERSION}")
         user_id = str(first.get("User-Id") or "")
+        message = [OpenedFrame(view[_DIRECT.size :], user_id), *frames[1:]]
         session = self._sessions.get(session_id)
         if session is not None and user_id == session.user_id and seq == session.last_seq + 1 \
                 and session.held is None:
             session.last_seq = seq
             self._sessions.move_to_end(session_id)
-            return [[OpenedFrame(view[_DIRECT.size :], user_id), *frames[1:]]]
+            return [message]
         session = self._session(session_id, seq)
         if user_id != session.user_id:
             raise SealRefused("a small message for a session another member opened")
-        return self._in_order(session, seq, [OpenedFrame(view[_DIRECT.size :], user_id), *frames[1:]], direct=True)
+        return self._in_order(session, seq, message, direct=True)
 
     def _session(self, session_id: bytes, seq: int) -> _Session:
         session = self._sessions.get(session_id)

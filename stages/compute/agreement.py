@@ -27,9 +27,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import math
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 from actors._errors import NotAllowed
 from stages.mesh import Mesh
@@ -172,12 +171,10 @@ class Ballot:
             return await self._counted(step)
         self.receive(step, step, self.rank, vote)
         if not self.through_root:
-            await _send_all([functools.partial(send, step, self.rank, vote)
-                             for rank, send in enumerate(self.senders) if rank != self.rank])
+            await _send_all(send(step, self.rank, vote) for rank, send in enumerate(self.senders) if rank != self.rank)
             return await self._counted(step)
         votes = await self._counted(step)
-        await _send_all([functools.partial(send, step, votes)
-                         for rank, send in enumerate(self.tally_senders) if rank != ROOT])
+        await _send_all(send(step, votes) for rank, send in enumerate(self.tally_senders) if rank != ROOT)
         return votes
 
     async def _counted(self, step: int) -> list[TailVote]:
@@ -199,8 +196,9 @@ class Ballot:
         return event
 
 
-async def _send_all(sends: Sequence[Callable[[], Awaitable[object]]]) -> None:
-    """Runs every send, one after the other, and raises the first failure once all were tried.
+async def _send_all(sends: Iterable[Awaitable[object]]) -> None:
+    """Awaits every send, one after the other (each made as the one before ended), and raises the
+    first failure once all were tried.
 
     A vote is a tell of a few hundred bytes that leaves at once: sent in order from this task
     it costs no task and no turn of the loop (gathered, each took a task of its own, and the
@@ -209,7 +207,7 @@ async def _send_all(sends: Sequence[Callable[[], Awaitable[object]]]) -> None:
     failure: Exception | None = None
     for send in sends:
         try:
-            await send()
+            await send
         except Exception as exc:  # the other members still get this vote, as they did when gathered
             failure = failure or exc
     if failure is not None:
