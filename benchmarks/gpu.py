@@ -17,8 +17,17 @@ On a machine with CUDA (within about 5 minutes with one GPU):
    ``tolerance_used`` is the largest ``|diff| / (atol + rtol * |one process|)``: <= 1
    passes; ``max_rel_diff`` the largest ``|diff| / |one process|`` over elements with
    ``|one process| >= 1e-3``.
+   ``zmq_fp16``: the same in fp16 with its dynamic loss scale (bf16's bound: a power-of-two
+   scale changes no bit unless a value under- or overflows). ``zmq_int8_wire``: float32 with
+   activations and gradients int8 on the wire, a lossy codec, held to a loose bound
+   (``rtol=1e-2, atol=1e-3``: three steps of lr 0.01 move a weight by about 1e-3).
+   ``zmq_compiled``: float32 with ``torch_compile=True`` (inductor, Triton's kernels), held
+   to ``rtol=1e-4, atol=1e-5`` (fused kernels round in their own order).
 2. ``nccl_fp32``, with two GPUs or more: the same job with its stages on ``cuda:0`` and
-   ``cuda:1`` over ``transport="dist"`` (NCCL), same bound.
+   ``cuda:1`` over ``transport="dist"`` (NCCL), same bound. With one GPU,
+   ``shared_gpu_refused``: a data-parallel job of two ranks on ``cuda:0`` must be refused
+   before it starts, with the ValueError that says NCCL needs a GPU per rank (NCCL would
+   fail or hang later).
 3. ``int8_gbps``: the int8 codec's encode+decode on the GPU, float32 bytes in per second
    (64 MiB tensors).
 4. ``hidden_copy_share``: the share of device->host copy time hidden behind compute.
@@ -44,7 +53,7 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -56,7 +65,8 @@ from transport.loop import run
 
 REFERENCE = {"blocks": 8, "dim": 512, "batch": (64, 32, 512), "micro_batches": 8}
 SMALL = {"blocks": 4, "dim": 32, "batch": (16, 4, 32), "micro_batches": 4}  # the CPU dry run's
-TOLERANCE = {"fp32": (1e-5, 1e-6), "bf16": (1e-2, 5e-4)}  # rtol, atol
+TOLERANCE = {"fp32": (1e-5, 1e-6), "bf16": (1e-2, 5e-4), "fp16": (1e-2, 5e-4), "lossy": (1e-2, 1e-3),
+             "compiled": (1e-4, 1e-5)}  # rtol, atol
 LR = 0.01
 
 
@@ -73,7 +83,7 @@ def one_process(size: dict[str, Any], data: list[tuple[torch.Tensor, torch.Tenso
     torch.manual_seed(0)
     model = residual_mlp(blocks=size["blocks"], dim=size["dim"]).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    dtype = torch.bfloat16 if precision == "bf16" else None
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     autocast = (lambda: torch.autocast(torch.device(device).type, dtype=dtype)) if dtype is not None \
         else contextlib.nullcontext
     m = size["micro_batches"]
@@ -118,21 +128,32 @@ def open_cluster(devices: Sequence[str]) -> LocalCluster:
     return LocalCluster(devices=list(devices))
 
 
-async def compare(size: dict[str, Any], devices: Sequence[str], cases: Sequence[tuple[str, str, str]],
-                  steps: int) -> dict[str, Any]:
-    """Trains each ``(name, transport, precision)`` case as a 2-stage job on ``devices`` and compares it
-    with one process on ``devices[0]``."""
+class Case(NamedTuple):
+    """One comparison: a 2-stage job trained with ``options`` against one process in ``precision``,
+    held to ``TOLERANCE[bound]``."""
+    name: str
+    precision: str
+    bound: str
+    options: dict[str, Any]
+
+
+def case(name: str, precision: str = "fp32", bound: str | None = None, **options: Any) -> Case:
+    return Case(name, precision, bound or precision, {"transport": "zmq", **options})
+
+
+async def compare(size: dict[str, Any], devices: Sequence[str], cases: Sequence[Case], steps: int) -> dict[str, Any]:
+    """Trains each case as a 2-stage job on ``devices`` and compares it with one process on ``devices[0]``."""
     data = batches(size["batch"], steps)
     results: dict[str, Any] = {}
     async with open_cluster(devices) as cluster:
-        for name, transport, precision in cases:
+        for name, precision, bound, options in cases:
             started = time.perf_counter()
             try:
                 job = await cluster.train(
                     model="examples.models:residual_mlp", model_kwargs={"blocks": size["blocks"], "dim": size["dim"]},
                     loss="torch.nn.functional:mse_loss", optimizer=("torch.optim:SGD", {"lr": LR}),
                     pipeline_stages=2, schedule="1f1b", micro_batches=size["micro_batches"], seed=0,
-                    transport=transport, precision=precision)
+                    precision=precision, **options)
                 try:
                     step_s = []
                     for x, y in data:
@@ -142,7 +163,7 @@ async def compare(size: dict[str, Any], devices: Sequence[str], cases: Sequence[
                     cuts = [first for first, _ in job.bounds[1:]]
                 finally:
                     await job.close()
-                rtol, atol = TOLERANCE[precision]
+                rtol, atol = TOLERANCE[bound]
                 found = distance(state, one_process(size, data, devices[0], precision, cuts), rtol, atol)
                 results[name] = {"ok": found["tolerance_used"] <= 1.0, **found, "rtol": rtol, "atol": atol,
                                  "step_s": round(min(step_s), 4), "devices": list(devices)}
@@ -150,6 +171,22 @@ async def compare(size: dict[str, Any], devices: Sequence[str], cases: Sequence[
                 results[name] = {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:400]}"}
             results[name]["wall_s"] = round(time.perf_counter() - started, 1)
     return results
+
+
+async def shared_gpu_refused(device: str) -> dict[str, Any]:
+    """A data-parallel job of two ranks on one GPU must be refused at ``train`` with NCCL's reason."""
+    started = time.perf_counter()
+    async with open_cluster([device, device]) as cluster:
+        try:
+            job = await cluster.train(model="examples.models:residual_mlp", model_kwargs={"blocks": 2, "dim": 32},
+                                      loss="torch.nn.functional:mse_loss", optimizer=("torch.optim:SGD", {"lr": LR}),
+                                      pipeline_stages=1, data_parallel=2, micro_batches=2, seed=0)
+        except ValueError as exc:
+            said = str(exc)
+            return {"ok": "NCCL needs a GPU per rank" in said, "error": said[:300],
+                    "wall_s": round(time.perf_counter() - started, 1)}
+        await job.close()
+    return {"ok": False, "error": "the job started", "wall_s": round(time.perf_counter() - started, 1)}
 
 
 def codec_gbps(device: str, numel: int, repeats: int = 10) -> float:
@@ -205,19 +242,23 @@ def hidden_copy_share(device: str) -> dict[str, float]:
 
 
 def measure(device: str, steps: int) -> dict[str, Any]:
+    exact = [case("zmq_fp32"), case("zmq_bf16", "bf16")]
     if device == "cpu":
         result: dict[str, Any] = {"cuda": torch.cuda.is_available(), "device": "cpu", "dry_run": True}
-        result.update(run(compare(SMALL, ["cpu", "cpu"], [("zmq_fp32", "zmq", "fp32"), ("zmq_bf16", "zmq", "bf16")],
-                                  steps)))
+        result.update(run(compare(SMALL, ["cpu", "cpu"], exact, steps)))
         result["int8_gbps"] = codec_gbps("cpu", 1 << 20, repeats=3)
         result["hidden_copy_share"] = None  # nothing is copied on the CPU
     else:
         gpus = torch.cuda.device_count()
         result = {"cuda": True, "device": torch.cuda.get_device_name(0), "gpus": gpus, "torch": torch.__version__}
-        result.update(run(compare(REFERENCE, ["cuda:0", "cuda:0"],
-                                  [("zmq_fp32", "zmq", "fp32"), ("zmq_bf16", "zmq", "bf16")], steps)))
+        more = [case("zmq_fp16", "fp16"),
+                case("zmq_int8_wire", bound="lossy", activation_codec="int8", gradient_codec="int8"),
+                case("zmq_compiled", bound="compiled", torch_compile=True)]
+        result.update(run(compare(REFERENCE, ["cuda:0", "cuda:0"], exact + more, steps)))
         if gpus >= 2:
-            result.update(run(compare(REFERENCE, ["cuda:0", "cuda:1"], [("nccl_fp32", "dist", "fp32")], steps)))
+            result.update(run(compare(REFERENCE, ["cuda:0", "cuda:1"], [case("nccl_fp32", transport="dist")], steps)))
+        else:
+            result["shared_gpu_refused"] = run(shared_gpu_refused("cuda:0"))
         result["int8_gbps"] = codec_gbps("cuda:0", 16 << 20)
         result.update(hidden_copy_share("cuda:0"))
     checks = [value["ok"] for value in result.values() if isinstance(value, dict) and "ok" in value]
