@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections.abc
 import contextlib
 import contextvars
 import sys
@@ -289,6 +290,22 @@ async def test_a_call_started_at_delivery_keeps_the_calls_after_it_waiting_until
         assert actor.value == 0 and not any(a.done() for a in added)  # sequential: behind the one holding
         await ref.ask("open_gate")
         assert await asyncio.gather(*added) == [1, 2, 3]
+        assert actor.events == ["held", "released"]
+
+
+async def test_a_call_started_at_delivery_goes_on_in_a_task_given_a_coroutine(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Python 3.12's tasks take coroutines only (3.11's also took generators): a generator here
+    # broke every call that waited after its start on a 3.12 GPU machine (TypeError).
+    async with gated() as (runtime, actor, ref):
+        given: list[Any] = []
+        tasks: list[asyncio.Task[Any]] = []
+        spawn = runtime.spawn_task
+        monkeypatch.setattr(runtime, "spawn_task", lambda coro, **how: given.append(coro) or tasks.append(
+            task := spawn(coro, **how)) or task)
+        await ref.tell("hold")  # starts at once, waits for the gate: the rest runs in a task
+        assert len(given) == 1 and isinstance(given[0], collections.abc.Coroutine)
+        await ref.ask("open_gate")
+        await tasks[0]
         assert actor.events == ["held", "released"]
 
 
