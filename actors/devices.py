@@ -63,6 +63,9 @@ def check_device(device: str, num_gpus: int) -> str:
     index = cuda_index(device)
     if index is not None and index >= num_gpus:
         seen = f"{num_gpus} GPU{'s' if num_gpus != 1 else ''} (cuda:0..cuda:{num_gpus - 1})" if num_gpus else "no GPU"
+        if not num_gpus and not _counter_installed():
+            seen += (" (nothing here counts GPUs: the installed actorpipe distribution's 'devices' entry point is "
+                     "missing, as when the code runs from a checkout on PYTHONPATH; pip install the project)")
         raise ValueError(f"device {device!r} does not exist: this process sees {seen}; use devices='auto' "
                          "for one node per visible GPU, 'cpu', or check CUDA_VISIBLE_DEVICES and the driver")
     return device
@@ -118,6 +121,12 @@ def device_argument(text: str) -> str:
         return check_device(text, visible_gpu_count() if text != "cpu" else 0)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _counter_installed() -> bool:
+    from actors.plugins import load_plugin
+
+    return getattr(load_plugin("devices"), "visible_gpu_count", None) is not None
 
 
 def visible_gpu_count() -> int:

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import torch
 
-from actors import LocalCluster, devices
+from actors import LocalCluster, devices, plugins
 from actors._nodes import NodeContext
-from actors.devices import check_device, cuda_index, device_argument, node_devices
+from actors.devices import check_device, cuda_index, device_argument, node_devices, visible_gpu_count
 from stages import devices as stage_devices
 from stages.devices import pin_device
 
@@ -81,6 +81,15 @@ def test_node_devices_refuses_with_what_is_accepted(spec: Any, nodes: Any, spare
                                                     message: str) -> None:
     with pytest.raises(ValueError, match=message):
         node_devices(spec, nodes, spares, gpus)
+
+
+def test_no_gpu_seen_for_want_of_the_installed_counter_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Run from a checkout on PYTHONPATH (as on a GPU machine here), nothing counted the one GPU there was.
+    monkeypatch.setattr(plugins, "_entries", lambda: {})
+    with pytest.raises(ValueError, match=r"sees no GPU \(nothing here counts GPUs: .*'devices' entry point"):
+        node_devices(["cuda:0"], None, 0, visible_gpu_count())
+    with pytest.raises(ValueError, match=r"sees 1 GPU \(cuda:0\.\.cuda:0\); use"):  # a count: nothing to add
+        node_devices(["cuda:1"], None, 0, 1)
 
 
 def test_cuda_index_and_check_device() -> None:
