@@ -1,11 +1,18 @@
-"""Shared test settings: hypothesis profiles (CI runs the long one), and the guard that a
-test starting a process is marked ``multiprocess`` (tests/helpers/process_guard.py)."""
+"""Shared test settings: hypothesis profiles (CI runs the long one), the guard that a
+test starting a process is marked ``multiprocess`` (tests/helpers/process_guard.py), and
+GPUs hidden from the suite."""
 from __future__ import annotations
 
 import asyncio
 import os
 
-import torch
+# The suite is the CPU's: its clusters expect CPU nodes (on a GPU machine devices="auto" put
+# every node on cuda:0, and data-parallel jobs were refused for sharing it). A GPU's own
+# checks are `make gpu-check` (benchmarks/gpu.py); ACTORPIPE_TEST_GPUS=1 leaves them visible.
+if not os.environ.get("ACTORPIPE_TEST_GPUS"):
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+import torch  # noqa: E402 - after the GPUs are hidden
 from hypothesis import HealthCheck, settings
 
 pytest_plugins = ("tests.helpers.process_guard", "pytester")
