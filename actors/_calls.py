@@ -116,7 +116,9 @@ class PendingCalls:
         it out). The send runs in the asking task itself: no task of its own on this path.
         """
         task = asyncio.current_task()
-        assert task is not None
+        if task is None:  # a call's first step before Python 3.12 runs in no task (actors/_actor.py)
+            task = asyncio.ensure_future(send)
+            send = task
         self._sending[call_id] = task
         try:
             await send

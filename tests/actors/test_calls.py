@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
+from actors._actor import _resumed
 from actors._calls import MAX_LOST_ADDRESSES, PendingCalls
 from actors._errors import ActorStopped, ActorTimeout, NodeLost
 
@@ -45,6 +47,29 @@ async def test_a_lost_address_fails_its_waiting_calls_its_sends_and_every_later_
     first, second = calls.lost("ipc://a"), calls.lost("ipc://a")
     assert isinstance(first, NodeLost) and first is not second  # each raise gets its own
     assert calls.lost("ipc://b") is None
+
+
+async def test_a_send_begun_in_no_task_still_ends_when_its_address_is_lost() -> None:
+    # Before Python 3.12 a call's first step runs on the deliverer's stack, in no task; an ask
+    # made there that waited for room asserted it had one.
+    calls = PendingCalls()
+    call_id, future = calls.open("ipc://a")
+    asking = calls.send_unless_failed(call_id, future, asyncio.Event().wait())
+    loop = asyncio.get_running_loop()
+    first: asyncio.Future[Any] = loop.create_future()
+
+    def first_step() -> None:  # as the receiver's callback runs it
+        try:
+            first.set_result(asking.send(None))
+        except BaseException as exc:  # noqa: BLE001 - the test's failure, handed to it
+            first.set_exception(exc)
+
+    loop.call_soon(first_step)
+    rest = asyncio.ensure_future(_resumed(asking, await first))
+    await asyncio.sleep(0)
+    calls.mark_lost("ipc://a", NodeLost("node0 was lost"))
+    with pytest.raises(NodeLost, match="node0 was lost"):
+        await rest
 
 
 async def test_a_timeouts_cancel_of_a_send_stays_a_cancel() -> None:
