@@ -30,7 +30,13 @@ On a machine with CUDA (within about 5 minutes with one GPU):
    hang later).
 3. ``int8_gbps``: the int8 codec's encode+decode on the GPU, float32 bytes in per second
    (64 MiB tensors).
-4. ``hidden_copy_share``: the share of device->host copy time hidden behind compute.
+4. ``decode_on_device``: one micro-batch's int8-coded activation of the reference workload
+   ([8, 32, 512], 512 KiB in float32) as a GPU's process receives it (the wire keeps lossy
+   values encoded there, ``transport.wire.keep_lossy_encoded``): ``h2d_bytes_ratio``, the
+   bytes that cross to the GPU over float32's; ``decode_on_device_speedup``, the time to
+   decode on the host and copy float32 over the time to copy the frames and decode on the
+   GPU; ``ok`` when both give the host decode's bits.
+5. ``hidden_copy_share``: the share of device->host copy time hidden behind compute.
    Measured in this process with one :class:`~stages.comm.device_io.DeviceIO`: ``compute_s``
    is a run of matmuls alone, ``copy_s`` the device->host copies of 8 activations
    alone (launched and waited for as a stage sends them), ``both_s`` the two interleaved
@@ -61,7 +67,7 @@ from actors import RemoteError
 from stages.comm.device_io import DeviceIO
 from examples.models import residual_mlp
 from schedulers import LocalCluster
-from transport.codecs import get_codec
+from transport.codecs import decode, get_codec
 from transport.loop import run
 
 REFERENCE = {"blocks": 8, "dim": 512, "batch": (64, 32, 512), "micro_batches": 8}
@@ -243,6 +249,40 @@ def hidden_copy_share(device: str) -> dict[str, float]:
             "both_s": round(both_s, 4), "pool_allocations": io.pool.allocations, "pool_reuses": io.pool.reuses}
 
 
+def decode_on_device(device: str, repeats: int = 50) -> dict[str, Any]:
+    """One micro-batch's activation of the reference workload ([8, 32, 512] float32, 512 KiB) int8-coded,
+    as the wire keeps it in a GPU's process: its frames cross to ``device`` and are decoded there,
+    against decoded on the host and crossing as float32 (see the module docstring)."""
+    io = DeviceIO(device)
+    encoded = get_codec("int8").encode(torch.randn(8, 32, 512, generator=torch.Generator().manual_seed(2)))
+    on_host = decode(encoded)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+    def timed(values: list[Any]) -> tuple[float, torch.Tensor]:
+        out = io.to_device(values)[0]
+        sync()
+        started = time.perf_counter()
+        for _ in range(repeats):
+            out = io.to_device(values)[0]
+        sync()
+        return (time.perf_counter() - started) / repeats, out
+
+    kept_s, kept = timed([encoded])
+    host_s, moved = timed([decode(encoded)])  # the decode on the host counts too
+    host_s += min(_time(lambda: decode(encoded)) for _ in range(5))
+    io.close()
+    return {"ok": torch.equal(kept.cpu(), on_host) and torch.equal(moved.cpu(), on_host),
+            "h2d_bytes_ratio": round(encoded.nbytes / on_host.nbytes, 4),
+            "decode_on_device_speedup": round(host_s / kept_s, 3), "kept_us": round(kept_s * 1e6, 1),
+            "decoded_on_host_us": round(host_s * 1e6, 1)}
+
+
+def _time(fn: Any) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
 def measure(device: str, steps: int) -> dict[str, Any]:
     exact = [case("zmq_fp32"), case("zmq_bf16", "bf16")]
     if device == "cpu":
@@ -262,6 +302,7 @@ def measure(device: str, steps: int) -> dict[str, Any]:
         else:
             result["shared_gpu_refused"] = run(shared_gpu_refused("cuda:0"))
         result["int8_gbps"] = codec_gbps("cuda:0", 16 << 20)
+        result["decode_on_device"] = decode_on_device("cuda:0")
         result.update(hidden_copy_share("cuda:0"))
     checks = [value["ok"] for value in result.values() if isinstance(value, dict) and "ok" in value]
     result["ok"] = bool(checks) and all(checks)

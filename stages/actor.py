@@ -430,7 +430,8 @@ class StageActor(StateEndpoints, Actor):
     async def deliver(self, step: int, kind: str, stage: int, microbatch: int, leaves: list[torch.Tensor],
                       spec: Any) -> None:
         """A neighbour's activation ("F") or input gradients ("B") for ``stage``: one boundary value's
-        tensors and the spec that rebuilds it. NotAllowed: not a slot or value this stage expects."""
+        tensors (a lossy one still encoded in a GPU's process) and the spec that rebuilds it.
+        NotAllowed: not a slot or value this stage expects."""
         parts = self._parts()
         with self._refusing():
             parts.receiver.deliver(self._step, parts.executor.num_microbatches, step, kind, stage, microbatch,

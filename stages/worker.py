@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import stages.actor  # noqa: F401  (registers the stage actor)
 import stages.build.describe  # noqa: F401  (registers the model inspector)
+from actors.devices import cuda_index
 from stages.devices import pin_device
+from transport.wire import keep_lossy_encoded
 
 __all__ = ["preload", "start"]
 
@@ -28,7 +30,11 @@ def start(device: str) -> None:
     without an explicit index lands on the node's GPU (the stage's compute thread pins itself
     the same way).
 
+    On a GPU, lossy values off the wire stay encoded until they reach the device
+    (:func:`transport.wire.keep_lossy_encoded`).
+
     Raises:
         ValueError: ``device`` is not ``cpu`` or a GPU this process sees.
     """
     pin_device(device)
+    keep_lossy_encoded(cuda_index(device) is not None)

@@ -75,6 +75,7 @@ __all__ = [
     "decode_message",
     "encode_message",
     "excerpt",
+    "keep_lossy_encoded",
     "record_types",
     "register_record",
 ]
@@ -140,6 +141,17 @@ _NUMPY_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.in
                            torch.int16, torch.int32, torch.int64, torch.bool})
 _NONE = get_codec("none")
 _MAX_NUMEL = 1 << 48  # the codecs' bound on an untrusted shape (transport.codecs)
+_keep_encoded = False  # keep_lossy_encoded
+
+
+def keep_lossy_encoded(keep: bool) -> None:
+    """Whether :func:`decode_message` in this process hands a lossy codec's tensors on as
+    :class:`~transport.codecs.Encoded` (their frames on the host, every size checked as always)
+    instead of decoding them. A process that computes on a GPU sets it: the encoded bytes cross
+    to the device and are decoded there (``stages.comm.device_io``), a quarter of float32's for
+    int8, instead of the decoded values."""
+    global _keep_encoded
+    _keep_encoded = keep
 
 
 class WireError(ValueError):
@@ -282,7 +294,9 @@ def decode_message(
 
     Returns:
         The payload, tensors rebuilt on the CPU, records rebuilt as their classes.
-        A tensor sent with the ``none`` codec shares memory with its received frame.
+        A tensor sent with the ``none`` codec shares memory with its received frame; one
+        sent with a lossy codec is an :class:`~transport.codecs.Encoded` where
+        :func:`keep_lossy_encoded` asked for it.
 
     Raises:
         MessageTooLarge: over ``max_bytes`` on the wire or decoded, or over
@@ -304,7 +318,7 @@ def decode_message(
 
     records = _RecordBuilder(bad_records)
 
-    def ext_hook(code: int, data: bytes) -> torch.Tensor | _RecordTag:
+    def ext_hook(code: int, data: bytes) -> torch.Tensor | Encoded | _RecordTag:
         if code == _RECORD_EXT:
             return records.open(data)
         if code != _TENSOR_EXT or len(data) != 4:
@@ -576,7 +590,8 @@ def _check_depth(payload: Any) -> None:
     raise WireError(f"message body nests lists and maps more than {MAX_DEPTH} deep")
 
 
-def _rebuild_tensors(table: list[Any], frames: list[memoryview], *, max_bytes: int) -> list[torch.Tensor]:
+def _rebuild_tensors(table: list[Any], frames: list[memoryview], *, max_bytes: int
+                     ) -> list[torch.Tensor | Encoded]:
     # Every row is checked, and the totals, before the first tensor is built.
     checked: list[tuple[Codec, str, torch.dtype, tuple[int, ...], dict[str, Any], list[memoryview]]] = []
     position = decoded_total = numel_total = padding_total = 0
@@ -632,13 +647,16 @@ def _rebuild_tensors(table: list[Any], frames: list[memoryview], *, max_bytes: i
         raise WireError(f"{len(frames) - position} extra frame(s) after the last tensor")
     if padding_total > max(numel_total, _MAX_PADDING):
         raise WireError(_padding_problem(numel_total, padding_total))
-    tensors: list[torch.Tensor] = []
+    tensors: list[torch.Tensor | Encoded] = []
     for index, (codec, codec_name, dtype, shape, params, mine) in enumerate(checked):
         if codec is _NONE:
             tensors.append(_raw_tensor(mine[0], dtype, shape))
             continue
         encoded = Encoded(codec=codec_name, dtype=dtype, shape=shape, params=params,
                           frames=tuple(_uint8_tensor(buf) for buf in mine))
+        if _keep_encoded:
+            tensors.append(encoded)
+            continue
         try:
             tensors.append(codec.decode_checked(encoded))  # every size was checked above
         except Exception as exc:  # frame_sizes vetted the row; stay typed regardless

@@ -37,12 +37,12 @@ _CONSTANTS = (bool, int, float, str)
 class Payload:
     """A boundary value as it travels: its tensors in order, and the spec to rebuild it."""
 
-    leaves: list[torch.Tensor]
+    leaves: list[torch.Tensor]  # or, received on a GPU's process, codecs.Encoded until it reaches the device
     spec: Any
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.leaves)
+        return sum(t.nbytes if isinstance(t, codecs.Encoded) else t.numel() * t.element_size() for t in self.leaves)
 
 
 def pack(tree: Any) -> Payload:

@@ -211,7 +211,7 @@ class Receiver:
             NotAllowed: not a slot this stage expects (:meth:`check_slot`), or not a well-formed value.
         """
         self.check_slot(current, num_microbatches, step, kind, stage, microbatch)
-        if not isinstance(leaves, list) or not all(isinstance(v, torch.Tensor) for v in leaves):
+        if not isinstance(leaves, list) or not all(isinstance(v, (torch.Tensor, Encoded)) for v in leaves):
             raise NotAllowed(f"a delivery carries a list of tensors, got {type(leaves).__name__}")
         self.inbox.put((step, kind, stage, microbatch), payload(leaves, spec))
 

@@ -42,7 +42,7 @@ from typing import Any, ContextManager, Protocol
 import torch
 
 from stages.comm.pinned import PinnedPool
-from transport.codecs import Encoded
+from transport.codecs import Encoded, decode
 
 __all__ = ["DeviceIO", "DeviceStreams", "HostCopy", "PinnedPool", "StreamBackend", "backend_for", "io_for"]
 
@@ -282,12 +282,26 @@ class DeviceIO:
             waiter = self._waiter
         await asyncio.get_running_loop().run_in_executor(waiter, event.synchronize)
 
-    def to_device(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """``tensors`` on this device: host ones are staged in pooled pinned buffers and copied on the copy
+    def to_device(self, values: Sequence[torch.Tensor | Encoded]) -> list[torch.Tensor]:
+        """``values`` on this device: host tensors are staged in pooled pinned buffers and copied on the copy
         stream; the compute stream waits for the copies (the host does not).
 
-        Tensors already on the device are passed through; on the CPU every tensor is.
+        Tensors already on the device are passed through; on the CPU every tensor is. An
+        :class:`~transport.codecs.Encoded` (a lossy value as the wire kept it,
+        :func:`transport.wire.keep_lossy_encoded`) crosses as its frames and is decoded here,
+        on the compute stream after its copy: only the encoded bytes cross.
         """
+        if not any(isinstance(value, Encoded) for value in values):
+            return self._tensors_to_device(values)  # type: ignore[arg-type]
+        pieces = [list(value.frames) if isinstance(value, Encoded) else [value] for value in values]
+        moved = iter(self._tensors_to_device([tensor for piece in pieces for tensor in piece]))
+        out = []
+        for value, piece in zip(values, pieces):
+            here = [next(moved) for _ in piece]
+            out.append(decode(replace(value, frames=tuple(here))) if isinstance(value, Encoded) else here[0])
+        return out
+
+    def _tensors_to_device(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         tensors = list(tensors)
         if not self.staged:
             return tensors

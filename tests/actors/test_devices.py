@@ -137,6 +137,19 @@ def test_pin_device_sets_the_calling_threads_gpu(monkeypatch: pytest.MonkeyPatch
     assert len(calls) == 1
 
 
+def test_a_worker_on_a_gpu_keeps_lossy_values_encoded_until_they_reach_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from stages import worker
+    from transport import wire
+
+    monkeypatch.setattr(stage_devices, "visible_gpu_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+    monkeypatch.setattr(wire, "_keep_encoded", False)
+    worker.start("cuda:0")
+    assert wire._keep_encoded is True
+    worker.start("cpu")
+    assert wire._keep_encoded is False
+
+
 def test_pin_device_refuses_a_gpu_this_machine_lacks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(stage_devices, "visible_gpu_count", lambda: 0)
     with pytest.raises(ValueError, match="'cuda:0' does not exist: this process sees no GPU"):

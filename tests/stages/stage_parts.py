@@ -1,7 +1,8 @@
 """A pipeline of stages assembled from their parts in one process, as the stage actor assembles them.
 
 Each rank is :func:`~stages.build.stage.build_stage`'s result, a StepExecutor, a Sender
-whose neighbours' ``deliver`` puts a copy straight into the peer's Receiver, a StepTail
+whose neighbours' ``deliver`` puts what the wire delivers (``transport.wire``'s encoding,
+as bytes, and its decoding) into the peer's Receiver, a StepTail
 whose tied sums go to the peer's TiedSync, and a StageState. :meth:`InProcessPipeline.step`
 runs one step as the scheduler drives it: every rank to its barrier, then every rank's
 reduction, one decision from the reports (:func:`~stages.compute.tail.decide_step`),
@@ -30,6 +31,7 @@ from stages.program import Action
 from stages.records import FinishReport, ReduceReport, StageConfig
 from stages.sections import FIELDS, SECTIONS
 from stages.state.stage_state import StageState
+from transport.wire import decode_message, encode_message
 
 MODEL_KWARGS = {"blocks": 4, "dim": 8, "hidden": 16}
 
@@ -128,10 +130,11 @@ class InProcessPipeline:
                           spec: Any) -> int:
             rank = self.ranks[target]
             rank.received.append((step, kind, stage, microbatch))
-            # A copy with no autograd history, as the wire would deliver it.
+            # Through the wire's own encoding and decoding, as bytes a peer would receive.
+            frames = [bytes(memoryview(frame)) for frame in encode_message(leaves)]  # type: ignore[arg-type]
             rank.receiver.deliver(rank.step, rank.executor.num_microbatches, step, kind, stage, microbatch,
-                                  [t.clone() for t in leaves], spec)
-            return sum(t.numel() * t.element_size() for t in leaves)
+                                  decode_message(frames), spec)
+            return sum(len(frame) for frame in frames[1:])
         return deliver
 
     async def _no_header(self, *args: Any) -> int:

@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transport.codecs import CodecError, decode, encode
+from transport.codecs import CodecError, Encoded, decode, encode
 from transport.records import record_types, register_record
 from transport.wire import (
     DTYPES,
@@ -24,6 +24,7 @@ from transport.wire import (
     WireError,
     decode_message,
     encode_message,
+    keep_lossy_encoded,
 )
 
 FUZZ_EXAMPLES = 10_000 if os.environ.get("CI") else 1_000
@@ -162,6 +163,34 @@ def test_pre_encoded_tensor_travels_as_is() -> None:
     encoded = encode(x, "int8")
     out = roundtrip({"x": encoded})
     assert torch.equal(out["x"], decode(encoded))  # type: ignore[index]
+
+
+@pytest.fixture
+def lossy_kept_encoded() -> Any:
+    keep_lossy_encoded(True)
+    yield
+    keep_lossy_encoded(False)
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4", "fp8", "bf16", "fp16"])
+def test_a_process_that_keeps_lossy_values_encoded_gets_the_frames_and_the_same_values(
+        lossy_kept_encoded: None, codec: str) -> None:
+    # A GPU's process (stages.worker.start): the frames cross to the device, not float32.
+    x, ids = torch.randn(40, 33), torch.arange(7)
+    frames = as_bytes(encode_message({"x": Coded(x, codec), "ids": ids}))
+    out = decode_message(frames)
+    kept = out["x"]
+    assert isinstance(kept, Encoded) and kept.codec == codec and kept.shape == (40, 33)
+    assert kept.nbytes == sum(len(f) for f in frames[1:]) - ids.numel() * 8  # the wire's bytes, no more
+    assert torch.equal(out["ids"], ids)
+    keep_lossy_encoded(False)
+    assert torch.equal(decode(kept), decode_message(frames)["x"])  # decoded later: the same bits
+
+
+def test_a_kept_value_is_checked_as_a_decoded_one_is(lossy_kept_encoded: None) -> None:
+    frames = as_bytes(encode_message(Coded(torch.randn(300), "int8")))
+    with pytest.raises(WireError, match="frame 0: 299 bytes"):
+        decode_message([frames[0], frames[1][:-1], *frames[2:]])
 
 
 def test_requires_grad_tensor_is_sent_detached() -> None:

@@ -20,6 +20,7 @@ from stages.comm.delivery import Receiver, Sender, check_codecs
 from stages.comm.device_io import DeviceIO
 from stages.compute.executor import Inbox
 from stages.program import Action, ActionKind
+from transport.wire import keep_lossy_encoded
 from tests.stages.stage_parts import MODEL_KWARGS, InProcessPipeline, stage_config
 
 pytestmark = pytest.mark.timeout(60)
@@ -151,3 +152,30 @@ async def test_a_pipeline_of_parts_delivers_every_value_once() -> None:
         assert result.decision.apply
     finally:
         pipeline.close()
+
+
+async def quantized_steps(keep_encoded: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Three steps of a 2-stage pipeline of parts whose boundaries send int8 (activations) and
+    fp8 (gradients), the wire keeping lossy values encoded as a GPU's process does, or not."""
+    keep_lossy_encoded(keep_encoded)
+    pipeline = InProcessPipeline([stage_config(rank, 2, micro_batches=2, activation_codec=["int8"],
+                                               gradient_codec=["fp8"]) for rank in range(2)])
+    try:
+        gen = torch.Generator().manual_seed(0)
+        losses = []
+        for step in range(3):
+            x, y = (torch.randn(8, MODEL_KWARGS["dim"], generator=gen) for _ in range(2))
+            losses.append((await pipeline.step(step, x, y)).loss)
+        return losses, pipeline.state()
+    finally:
+        keep_lossy_encoded(False)
+        pipeline.close()
+
+
+async def test_lossy_values_kept_encoded_to_the_device_train_to_the_same_bits() -> None:
+    # On a GPU the encoded bytes cross to the device and are decoded there (stages.worker.start):
+    # the same frames through the same decode, so the same training, to the bit.
+    kept_losses, kept_state = await quantized_steps(True)
+    losses, state = await quantized_steps(False)
+    assert kept_losses == losses
+    assert kept_state.keys() == state.keys() and all(torch.equal(kept_state[k], state[k]) for k in state)

@@ -268,6 +268,25 @@ def test_to_device_stages_in_pinned_memory_and_orders_the_compute_stream_after_t
     assert io.pool.allocations == 2
 
 
+def test_an_encoded_value_crosses_as_its_frames_and_is_decoded_on_the_device_after_its_copy() -> None:
+    io, cuda = fake_io()
+    x, ids = torch.randn(64, 300), torch.arange(5)
+    kept = [get_codec("int8").encode(x), get_codec("bf16").encode(x)]  # as the wire keeps them on a GPU
+    staged: list[int] = []
+    acquire = io.pool.acquire
+    io.pool.acquire = lambda nbytes: staged.append(nbytes) or acquire(nbytes)  # type: ignore[method-assign]
+    with LogCopies(cuda):
+        out = io.to_device([kept[0], ids, kept[1]])
+    assert staged == [f.nbytes for f in kept[0].frames] + [ids.nbytes] + [f.nbytes for f in kept[1].frames]
+    assert sum(staged) < x.nbytes * 0.8  # a quarter and a half of float32's, not two float32 copies
+    assert steps(cuda.log)[-1] == ("wait", "compute", "e0")  # decoded on the compute stream, after the copy
+    for got, encoded in zip((out[0], out[2]), kept):
+        assert got.dtype == torch.float32 and torch.equal(got, decode(encoded))
+    assert torch.equal(out[1], ids)
+    plain = DeviceIO("cpu")  # on a CPU: the same values, decoded where they are
+    assert all(torch.equal(a, b) for a, b in zip(plain.to_device([kept[0], ids, kept[1]]), out))
+
+
 def test_a_round_trip_keeps_every_dtype_and_shape_bit_for_bit() -> None:
     io, cuda = fake_io()
     values = [torch.randn(2, 3, dtype=torch.float64), torch.randn(5).to(torch.bfloat16), torch.tensor(True),
