@@ -211,8 +211,11 @@ class Receiver:
             NotAllowed: not a slot this stage expects (:meth:`check_slot`), or not a well-formed value.
         """
         self.check_slot(current, num_microbatches, step, kind, stage, microbatch)
-        if not isinstance(leaves, list) or not all(isinstance(v, (torch.Tensor, Encoded)) for v in leaves):
+        if not isinstance(leaves, list):
             raise NotAllowed(f"a delivery carries a list of tensors, got {type(leaves).__name__}")
+        wrong = next((i for i, v in enumerate(leaves) if not isinstance(v, (torch.Tensor, Encoded))), None)
+        if wrong is not None:
+            raise NotAllowed(f"a delivery carries a list of tensors, got a {type(leaves[wrong]).__name__} at {wrong}")
         self.inbox.put((step, kind, stage, microbatch), payload(leaves, spec))
 
     def deliver_header(self, current: int, num_microbatches: int, step: int, kind: str, stage: int,

@@ -58,7 +58,7 @@ def test_receiver_takes_only_the_slots_its_programs_have(slot: tuple[Any, ...], 
     ([torch.ones(1), torch.ones(1)], 1, "describes 1"),
     ([torch.ones(1)], {"t": [[0]] * 40}, "not a one-entry map"),
     (torch.ones(1), 1, "a list of tensors"),
-    ([torch.ones(1), "x"], 1, "a list of tensors"),
+    ([torch.ones(1), "x"], 1, "a list of tensors, got a str at 1"),
 ])
 async def test_receiver_refuses_a_malformed_value_and_keeps_nothing(leaves: Any, spec: Any, reason: str) -> None:
     incoming = receiver()
