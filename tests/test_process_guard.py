@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -125,6 +126,29 @@ def test_a_refusal_fails_the_test_even_when_caught_and_names_the_mark(pytester: 
         "E   *Failed: test_inner.py::test_in_a_module_fixture starts a process*not marked multiprocess*",
         "ERROR test_inner.py::test_in_a_module_fixture*",
     ])
+
+
+PLOTS = """
+def test_plots():
+    import matplotlib.font_manager
+
+    assert matplotlib.font_manager.fontManager.ttflist is not None
+"""
+
+
+@pytest.mark.multiprocess
+def test_matplotlibs_first_font_list_is_built_before_any_test(pytester: pytest.Pytester, tmp_path: Path) -> None:
+    # On a machine with no font list cached, the first test to plot failed: matplotlib ran fc-list
+    # (where fontconfig is installed, as here).
+    pytester.makeconftest(CONFTEST)
+    pytester.makeini("[pytest]\nmarkers =\n    multiprocess: starts a process\n")
+    pytester.makepyfile(test_plots=PLOTS)
+    root = str(Path(__file__).resolve().parents[1])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MPLCONFIGDIR", str(tmp_path / "no-font-cache-yet"))
+        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+        result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist", "-rfE", timeout=240)
+    result.assert_outcomes(passed=1)
 
 
 def _children() -> set[int]:

@@ -18,7 +18,8 @@ fails the test's report. Collection is not a test: a module may start a process
 at import. The one process an unmarked test may start is the C compiler that
 ``transport._native`` runs once per machine (its exact command: the kernel source in
 and a shared library out); the plugin also builds those kernels at session start, so
-unmarked tests find them cached.
+unmarked tests find them cached, and loads matplotlib's font list there (on a fresh
+machine matplotlib builds it by running ``fc-list``).
 
 Run its tests with: `.venv/bin/python -m pytest -q tests/test_process_guard.py`
 """
@@ -183,6 +184,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     from transport import _native
 
     _native.blockquant()
+    # Likewise matplotlib's font list: where none is cached yet (a fresh machine), the first
+    # use builds it by running fc-list, which the guard refused to the trace's plot test.
+    import matplotlib.font_manager  # noqa: F401
 
 
 @pytest.hookimpl(wrapper=True)
