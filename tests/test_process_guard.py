@@ -110,11 +110,13 @@ def test_starts_nothing():
 """
 
 
-def test_a_refusal_fails_the_test_even_when_caught_and_names_the_mark(pytester: pytest.Pytester) -> None:
+def test_a_refusal_fails_the_test_even_when_caught_and_names_the_mark(pytester: pytest.Pytester,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     pytester.makeconftest(CONFTEST)
-    pytester.makeini("[pytest]\nasyncio_default_fixture_loop_scope = function\n"
-                     "markers =\n    multiprocess: starts a process\n")
+    pytester.makeini("[pytest]\nmarkers =\n    multiprocess: starts a process\n")
     pytester.makepyfile(test_inner=INNER)
+    # No plugin the machine has installed: one ran `git rev-parse` in the inner session on a GPU machine.
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
     result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-rfE")
     result.assert_outcomes(passed=1, failed=1, errors=1)
     result.stdout.fnmatch_lines([
