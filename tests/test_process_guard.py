@@ -20,6 +20,7 @@ import pytest
 from actors import LocalCluster
 from tests.helpers.process_guard import _is_native_compile, expect_refusal
 from transport import _native
+from tests.helpers import pythonpath
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -148,7 +149,7 @@ def test_matplotlibs_first_font_list_is_built_before_any_test(pytester: pytest.P
     root = str(Path(__file__).resolve().parents[1])
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MPLCONFIGDIR", str(tmp_path / "no-font-cache-yet"))
-        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+        patch.setenv("PYTHONPATH", pythonpath(root))
         result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist", "-rfE", timeout=240)
     result.assert_outcomes(passed=1)
 

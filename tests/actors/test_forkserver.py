@@ -16,6 +16,7 @@ import pytest
 
 from actors import LocalCluster
 from actors._forkserver import ForkedProcess, ForkServer, fork_server
+from tests.helpers import pythonpath
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
 
@@ -53,7 +54,7 @@ def test_a_forked_program_runs_where_and_as_the_driver_says(server: ForkServer, 
     # Changed after the server started: the child takes the driver's now, as a new process would.
     monkeypatch.chdir(tmp_path)
     (tmp_path / "tmp").mkdir()
-    env = {**os.environ, "FORKED_TEST_VALUE": "set late", "PYTHONPATH": ROOT, "TMPDIR": str(tmp_path / "tmp")}
+    env = {**os.environ, "FORKED_TEST_VALUE": "set late", "PYTHONPATH": pythonpath(ROOT), "TMPDIR": str(tmp_path / "tmp")}
     out = tmp_path / "out.json"
     process = server.start([str(out), "exit", "7"], env, module=PROGRAM)
     assert process.wait(timeout=120) == 7 and process.returncode == 7
@@ -68,7 +69,7 @@ def test_a_forked_program_runs_where_and_as_the_driver_says(server: ForkServer, 
 
 def test_kill_ends_a_forked_process_and_wait_says_how(server: ForkServer, tmp_path: Path) -> None:
     out = tmp_path / "out.json"
-    process = server.start([str(out), "sleep"], {**os.environ, "PYTHONPATH": ROOT}, module=PROGRAM)
+    process = server.start([str(out), "sleep"], {**os.environ, "PYTHONPATH": pythonpath(ROOT)}, module=PROGRAM)
     wait_for(out, process)
     with pytest.raises(subprocess.TimeoutExpired):
         process.wait(timeout=0.1)

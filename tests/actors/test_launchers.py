@@ -17,6 +17,7 @@ import torch
 
 from actors.keys import ClusterKeys
 from actors.launchers import HeadStartError, LaunchRole, _await_head, first_host, from_environment, serve_unless_rank_zero
+from tests.helpers import pythonpath
 
 
 def test_torchrun_and_kubeflow_name_the_rank_and_the_head_one_port_above_their_store() -> None:
@@ -98,7 +99,8 @@ async def test_a_torchrun_cluster_of_three_trains_a_job_for_a_driver_that_names_
 
     keys = ClusterKeys.create(tmp_path / "keys")
     store, port = _free_port(), _free_port()  # the head's own: MASTER_PORT + 1 may be another test's
-    env = {**os.environ, "ACTORPIPE_KEYS": str(keys.directory), "PYTHONPATH": os.getcwd(), "ACTORPIPE_PORT": str(port)}
+    env = {**os.environ, "ACTORPIPE_KEYS": str(keys.directory), "PYTHONPATH": pythonpath(os.getcwd()),
+           "ACTORPIPE_PORT": str(port)}
     launcher = subprocess.Popen(
         [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nnodes", "1", "--nproc-per-node", "3",
          "--master-addr", "127.0.0.1", "--master-port", str(store), "-m", "actors.node", "--allow", "examples.models",
@@ -154,7 +156,7 @@ def test_one_script_on_every_torchrun_rank_drives_on_rank_zero_and_serves_elsewh
     """examples/launched.py under ``torchrun --nproc-per-node 3``: rank 0 trains on the head it started,
     ranks 1 and 2 serve as nodes and exit once the head is gone; torchrun ends with every rank's 0."""
     keys = ClusterKeys.create(tmp_path / "keys")
-    env = {**os.environ, "ACTORPIPE_KEYS": str(keys.directory), "PYTHONPATH": os.getcwd(),
+    env = {**os.environ, "ACTORPIPE_KEYS": str(keys.directory), "PYTHONPATH": pythonpath(os.getcwd()),
            "ACTORPIPE_PORT": str(_free_port())}  # the head's own: MASTER_PORT + 1 may be another test's
     launcher = subprocess.Popen(
         [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nnodes", "1", "--nproc-per-node", "3",

@@ -20,6 +20,7 @@ import pytest
 import zmq
 
 from actors._liveness import LivenessServer
+from tests.helpers import pythonpath
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 
@@ -49,7 +50,7 @@ def head(timeout: float) -> Iterator[tuple[LivenessServer, list[str]]]:
 @contextmanager
 def worker(endpoint: str, name: str, mode: str = "idle") -> Iterator[subprocess.Popen[bytes]]:
     child = subprocess.Popen([sys.executable, "-c", _WORKER, endpoint, name, mode], cwd=os.getcwd(),
-                             env={**os.environ, "PYTHONPATH": os.getcwd()})
+                             env={**os.environ, "PYTHONPATH": pythonpath(os.getcwd())})
     try:
         yield child
     finally:
