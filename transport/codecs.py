@@ -519,7 +519,9 @@ class Fp8Codec(_BlockCodec):
     native_kernel = "fp8"
 
     def _encode_values(self, scaled: torch.Tensor) -> torch.Tensor:
-        return scaled.to(torch.float8_e4m3fn).reshape(-1).view(torch.uint8)
+        # Saturated here, not by the cast: torch's cast of a value past 448 (an infinity in a
+        # block) gave NaN (0x7f) in torch 2.11 and saturates in 2.13, as the C kernel does.
+        return scaled.clamp_(-self.qmax, self.qmax).to(torch.float8_e4m3fn).reshape(-1).view(torch.uint8)
 
     def _decode_values(self, frame: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
         # torch's e4m3 -> float cast is scalar on CPU (~0.6 GB/s). Shifting the e4m3

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 from contextlib import AbstractContextManager
+from typing import Any
 from pathlib import Path
 from unittest import mock
 
@@ -19,6 +20,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import array_shapes, arrays
+from torch.overrides import TorchFunctionMode
 
 from transport import _native, codecs
 from transport.codecs import (
@@ -519,6 +521,34 @@ requires_native = pytest.mark.skipif(
 def torch_path() -> AbstractContextManager[object]:
     """A context in which the codecs find no C kernels and take their torch path."""
     return mock.patch.object(_native, "blockquant", lambda: None)
+
+
+class CastSpy(TorchFunctionMode):
+    """Keeps every tensor cast to float8_e4m3fn."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cast: list[torch.Tensor] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.Tensor.to and torch.float8_e4m3fn in (*args[1:], *kwargs.values()):
+            self.cast.append(args[0].detach().clone())
+        return func(*args, **kwargs)
+
+
+def test_fp8s_torch_path_saturates_before_the_cast_whatever_torchs_cast_does() -> None:
+    # torch 2.11's cast turned an infinity (or anything past 448) into NaN where 2.13's and
+    # the C kernel saturate: on a GPU machine with torch 2.11 the two paths' frames differed.
+    x = with_specials(4 * 256 + 3)
+    with torch_path(), CastSpy() as spy:
+        encoded = get_codec("fp8").encode(x)
+    (given,) = spy.cast
+    assert bool(((given.abs() <= 448) | given.isnan()).all())
+    infinite_only = slice(256, 768)  # blocks 1 and 2 hold an infinity and no NaN (a NaN's block is NaN)
+    values = encoded.frames[0][infinite_only]
+    assert bool(((values & 0x7F) != 0x7F).all())  # an infinity saturates: no NaN byte in its block
+    assert sorted(values[x[infinite_only].isinf()].tolist()) == [0x7E, 0xFE]  # +448 and -448
 
 
 def assert_same_encoding(native: Encoded, reference: Encoded) -> None:
