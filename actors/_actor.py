@@ -26,6 +26,9 @@ from transport.records import RECORD_NAMES
 __all__ = ["Actor", "endpoint"]
 
 log = logging.getLogger(__name__)
+# From Python 3.12 a call starts at once as an eager task (asyncio.Task(..., eager_start=True));
+# before, only an endpoint marked taskless_start starts on the deliverer's stack (Mailbox._start).
+EAGER_TASKS = sys.version_info >= (3, 12)
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 DEFAULT_MAILBOX_SIZE = 4096
@@ -99,6 +102,7 @@ def sees_all(caller: str) -> bool:
 class _EndpointInfo:
     concurrent: bool
     roles: frozenset[str] | None
+    taskless_start: bool = False
 
 
 @overload
@@ -106,10 +110,12 @@ def endpoint(fn: F, /) -> F: ...
 
 
 @overload
-def endpoint(*, concurrent: bool = False, roles: Iterable[str] | None = None) -> Callable[[F], F]: ...
+def endpoint(*, concurrent: bool = False, roles: Iterable[str] | None = None,
+             taskless_start: bool = False) -> Callable[[F], F]: ...
 
 
-def endpoint(fn: F | None = None, /, *, concurrent: bool = False, roles: Iterable[str] | None = None) -> Any:
+def endpoint(fn: F | None = None, /, *, concurrent: bool = False, roles: Iterable[str] | None = None,
+             taskless_start: bool = False) -> Any:
     """Marks an async method as callable from anywhere in the cluster.
 
     The method keeps its type, so callers can name it: ``ref.endpoint(Cls.method)``.
@@ -120,13 +126,19 @@ def endpoint(fn: F | None = None, /, *, concurrent: bool = False, roles: Iterabl
         roles: the roles whose keys may call it (``head``, ``node``, ``client``);
             the admin key may call anything. None: any admitted member. A caller
             outside them gets :class:`~actors.NotAllowed` and the endpoint never runs.
+        taskless_start: its code up to its first wait needs no task of its own (it uses
+            no ``asyncio.timeout``, ``TaskGroup`` or ``current_task`` there). Before
+            Python 3.12 such a call may then start on the stack that delivers it and
+            become a task only if it waits (a ping saves a task and a turn of the loop,
+            10 µs of a round trip); any other call starts in a task. From Python 3.12
+            every call starts at once as an eager task, and this changes nothing.
     """
     allowed = frozenset(roles) if roles is not None else None
 
     def mark(f: F) -> F:
         if not inspect.iscoroutinefunction(f):
             raise TypeError(f"@endpoint {f.__qualname__} must be an async def")
-        setattr(f, _ENDPOINT_ATTR, _EndpointInfo(concurrent=concurrent, roles=allowed))
+        setattr(f, _ENDPOINT_ATTR, _EndpointInfo(concurrent=concurrent, roles=allowed, taskless_start=taskless_start))
         return f  # type: ignore[return-value]
 
     return mark(fn) if fn is not None else mark
@@ -298,6 +310,7 @@ class EndpointTable:
     """
 
     concurrent: dict[str, bool]  # endpoint -> whether it runs concurrently
+    starts_in_place: dict[str, bool]  # endpoint -> whether a call may start on the deliverer's stack
     signatures: dict[str, inspect.Signature]  # as a bound method's (without self)
     roles: dict[str, frozenset[str] | None]
     records: dict[str, dict[str, tuple[type, ...]]]  # see _record_parameters
@@ -321,7 +334,10 @@ def _make_table(cls: type[Actor]) -> EndpointTable:
     signatures = {name: _bound_signature(function) for name, function in functions.items()}
     records = {name: _record_parameters(function) for name, function in functions.items()}
     return EndpointTable(
-        concurrent=concurrent, signatures=signatures,
+        concurrent=concurrent,
+        starts_in_place={name: EAGER_TASKS or getattr(function, _ENDPOINT_ATTR).taskless_start
+                         for name, function in functions.items()},
+        signatures=signatures,
         roles={name: getattr(function, _ENDPOINT_ATTR).roles for name, function in functions.items()},
         records=records, positional={name: _PositionalPlan.of(signatures[name], records[name]) for name in concurrent})
 
@@ -331,9 +347,6 @@ def _bound_signature(function: Callable[..., Any]) -> inspect.Signature:
     method's: the first parameter (``self``) dropped."""
     signature = inspect.signature(function)
     return signature.replace(parameters=list(signature.parameters.values())[1:])
-
-
-EAGER_TASKS = sys.version_info >= (3, 12)  # asyncio.Task(..., eager_start=True)
 
 
 @types.coroutine
@@ -366,16 +379,19 @@ class Mailbox:
     """Runs one actor's calls: sequential ones in order, concurrent ones at once.
 
     A call starts the moment it is delivered where it may (a concurrent endpoint's, or a sequential
-    one's while the actor has nothing running or waiting): it runs on the deliverer's stack until it
-    first waits, and only what remains becomes a task: an eager task from Python 3.12 on.
-    A call that needs no wait (a ping, a status, an answer sent at once) then costs no task and no
-    turn of the loop: 10 µs of a 216 µs round trip between two processes, measured.
+    one's while the actor has nothing running or waiting): from Python 3.12 as an eager task, which
+    runs at once until it first waits. Before 3.12 only an endpoint marked ``taskless_start`` starts
+    so, on the deliverer's stack, and only what remains becomes a task: a call that needs no wait
+    (a ping, a status, an answer sent at once) then costs no task and no turn of the loop (10 µs of
+    a 216 µs round trip between two processes, measured). Any other call starts in a task, where
+    ``asyncio.timeout``, ``TaskGroup`` and ``current_task`` see the call's own.
     """
 
     def __init__(self, actor: Actor, spawn_task: Callable[..., asyncio.Task[None]]) -> None:
         self.actor = actor
         table = endpoint_table(type(actor))
         self._endpoints = table.concurrent
+        self._in_place = table.starts_in_place
         self._signatures = table.signatures
         self._roles = table.roles
         self._records = table.records
@@ -410,6 +426,7 @@ class Mailbox:
                 f"{call.caller[:60]!r} may not call {type(self.actor).__name__}.{call.method}: it is open to "
                 f"{', '.join(sorted(roles or ()))} (and admin) keys"
             )
+        start = start and self._in_place[call.method]
         if concurrent:
             if start:
                 self._start(call)
@@ -437,9 +454,9 @@ class Mailbox:
         rest, or None where it ended without waiting.
 
         From Python 3.12 on, an eager task does this, and the call's first step runs as that task
-        (``asyncio.timeout`` and ``wait_for`` there need it). Before 3.12 the step runs here, outside
-        any task of its own (a wait_for works; an asyncio.timeout or a TaskGroup in a call's first
-        step would not), and what remains goes on in a task."""
+        (``asyncio.timeout`` and ``wait_for`` there need it). Before 3.12 (a ``taskless_start``
+        endpoint's call only) the step runs here, outside any task of its own, and what remains
+        goes on in a task."""
         context = contextvars.copy_context()
         coro = self.run_call(call)
         if EAGER_TASKS:

@@ -208,7 +208,7 @@ class HeadActor(Actor):
             liveness = join_address(endpoint, keys.public) if keys is not None else endpoint
         return HeartbeatSettings(interval=self.heartbeat_interval, timeout=self.heartbeat_timeout, liveness=liveness)
 
-    @endpoint(roles=("node",))
+    @endpoint(roles=("node",), taskless_start=True)
     async def heartbeat(self, name: str) -> bool:
         """Returns False when the head does not know ``name`` (it must register again)."""
         node = self._nodes.get(name)
@@ -278,7 +278,7 @@ class HeadActor(Actor):
                         pid=node.pid if operator else 0)
                 for name, node in self._nodes.items()]
 
-    @endpoint(concurrent=True)
+    @endpoint(concurrent=True, taskless_start=True)
     async def ping(self) -> float:
         """The head's clock: a driver's liveness probe (any member may ask)."""
         return time.time()

@@ -21,11 +21,11 @@ class ProbeActor(Actor):
         self.label = label
         self.log: list[Any] = []
 
-    @endpoint
+    @endpoint(taskless_start=True)
     async def echo(self, value: Any) -> Any:
         return value
 
-    @endpoint
+    @endpoint(taskless_start=True)
     async def ping(self) -> None:
         return None
 

@@ -322,7 +322,7 @@ class StageActor(StateEndpoints, Actor):
             tallies = [ref.endpoint(StageActor.tally).tell for ref in refs] if self.ballot.through_root else []
             self.ballot.connect([ref.endpoint(StageActor.vote).tell for ref in refs], tallies)  # no answers awaited
 
-    @endpoint(roles=("head",))
+    @endpoint(roles=("head",), taskless_start=True)
     async def run_step(self, order: StepOrder | dict[str, Any]) -> StageReport:
         """Runs a :class:`~stages.records.StepOrder` up to its barrier (and its tail, with ``finish``).
 
@@ -369,7 +369,7 @@ class StageActor(StateEndpoints, Actor):
             self._running = None
         return task
 
-    @endpoint(concurrent=True, roles=("node",))
+    @endpoint(concurrent=True, roles=("node",), taskless_start=True)
     async def vote(self, step: int, rank: int, vote: TailVote | dict[str, Any]) -> None:
         """Stage actor ``rank``'s vote on step ``step``'s decision (see :mod:`stages.compute.agreement`).
         NotAllowed: not a member's key, not this step or the next, a rank outside the mesh, a second vote."""
@@ -380,7 +380,7 @@ class StageActor(StateEndpoints, Actor):
                 raise NotAllowed(f"not a vote: {exc}") from None
             self.ballot.receive(self._step, step, rank, checked)
 
-    @endpoint(concurrent=True, roles=("node",))
+    @endpoint(concurrent=True, roles=("node",), taskless_start=True)
     async def tally(self, step: int, votes: list[Any]) -> None:
         """Every member's vote on step ``step``, by global rank, from the root of a mesh past
         :data:`~stages.compute.agreement.ALL_TO_ALL_MAX` members (see :mod:`stages.compute.agreement`).
@@ -395,13 +395,13 @@ class StageActor(StateEndpoints, Actor):
                 raise NotAllowed(f"not a tally: {exc}") from None
             self.ballot.receive_tally(self._step, step, checked)
 
-    @endpoint(roles=("head",))
+    @endpoint(roles=("head",), taskless_start=True)
     async def reduce_step(self, step: int) -> ReduceReport:
         """The barrier is released: checks this stage's gradients, then reduces them across replicas and
         tied ranks; applies nothing (see :meth:`StepTail.reduce`)."""
         return await self._parts().tail.reduce(step, self._program)
 
-    @endpoint(roles=("head",))
+    @endpoint(roles=("head",), taskless_start=True)
     async def finish_step(self, step: int, apply: bool = True, unscale: float = 1.0, clip: float = 1.0
                           ) -> FinishReport:
         """Steps the optimizer and the learning-rate schedule (``apply``), gradients first divided by
@@ -409,7 +409,7 @@ class StageActor(StateEndpoints, Actor):
         Returns the learning rates now."""
         return await self._parts().tail.finish(self._program, apply=apply, unscale=unscale, clip=clip)
 
-    @endpoint(concurrent=True, roles=("head",))
+    @endpoint(concurrent=True, roles=("head",), taskless_start=True)
     async def abort_step(self, step: int) -> None:
         """Stops step ``step``, or any older one still running, and forgets its values and gradients.
 
@@ -426,7 +426,7 @@ class StageActor(StateEndpoints, Actor):
 
     # -- tensors from the neighbours (stages.comm.delivery) ------------------------------
 
-    @endpoint(concurrent=True, roles=("node",))
+    @endpoint(concurrent=True, roles=("node",), taskless_start=True)
     async def deliver(self, step: int, kind: str, stage: int, microbatch: int, leaves: list[torch.Tensor],
                       spec: Any) -> None:
         """A neighbour's activation ("F") or input gradients ("B") for ``stage``: one boundary value's
@@ -437,7 +437,7 @@ class StageActor(StateEndpoints, Actor):
             parts.receiver.deliver(self._step, parts.executor.num_microbatches, step, kind, stage, microbatch,
                                    leaves, spec)
 
-    @endpoint(concurrent=True, roles=("node",))
+    @endpoint(concurrent=True, roles=("node",), taskless_start=True)
     async def deliver_header(self, step: int, kind: str, stage: int, microbatch: int, header: dict[str, Any]) -> None:
         """A neighbour posted a value over torch.distributed: posts the matching receive."""
         parts = self._parts()
@@ -445,7 +445,7 @@ class StageActor(StateEndpoints, Actor):
             parts.receiver.deliver_header(self._step, parts.executor.num_microbatches, step, kind, stage,
                                           microbatch, header)
 
-    @endpoint(concurrent=True, roles=("node",))
+    @endpoint(concurrent=True, roles=("node",), taskless_start=True)
     async def deliver_tied(self, step: int, name: str, rank: int, grad: torch.Tensor) -> None:
         """Pipeline rank ``rank``'s gradient of the tied parameter ``name``, for this step's sum."""
         with self._refusing():

@@ -223,7 +223,8 @@ _MARK: contextvars.ContextVar[str] = contextvars.ContextVar("test_mark", default
 
 
 class Gated(Actor):
-    """A counter whose ``hold`` waits for a gate and notes how it ended."""
+    """A counter whose ``hold`` waits for a gate and notes how it ended; its calls start where they are
+    delivered (``taskless_start``), as every call does from Python 3.12 on."""
 
     def __init__(self) -> None:
         self.events: list[str] = []
@@ -233,7 +234,7 @@ class Gated(Actor):
     async def on_stop(self) -> None:
         self.events.append("stop")
 
-    @endpoint
+    @endpoint(taskless_start=True)
     async def hold(self) -> None:
         self.events.append("held")
         try:
@@ -241,25 +242,61 @@ class Gated(Actor):
         finally:
             self.events.append("released" if self.gate.is_set() else "cancelled")
 
-    @endpoint
+    @endpoint(taskless_start=True)
     async def add(self, amount: int) -> int:
         _MARK.set("set by the actor")
         self.value += amount
         return self.value
 
-    @endpoint(concurrent=True)
+    @endpoint(concurrent=True, taskless_start=True)
     async def open_gate(self) -> None:
         self.gate.set()
 
-    @endpoint
+    @endpoint(taskless_start=True)
     async def outer(self) -> None:
         self.events.append("outer starts")
         await self.ref.tell("inner")  # to itself, as it starts: must wait its turn
         self.events.append("outer ends")
 
-    @endpoint
+    @endpoint(taskless_start=True)
     async def inner(self) -> None:
         self.events.append("inner")
+
+
+class Guarded(Actor):
+    """Endpoints as a user writes them: a timeout or a task group before their first wait."""
+
+    def __init__(self) -> None:
+        self.tasks: list[asyncio.Task[Any] | None] = []
+
+    @endpoint
+    async def timed(self) -> str:
+        self.tasks.append(asyncio.current_task())
+        async with asyncio.timeout(30):
+            await asyncio.sleep(0)
+        return "timed"
+
+    @endpoint(concurrent=True)
+    async def grouped(self) -> str:
+        self.tasks.append(asyncio.current_task())
+        async with asyncio.TaskGroup() as group:
+            group.create_task(asyncio.sleep(0))
+        return "grouped"
+
+
+async def test_a_call_whose_first_step_needs_its_own_task_gets_one_from_near_and_far(
+        runtimes: tuple[Runtime, Runtime]) -> None:
+    # Before Python 3.12 every call started on the deliverer's stack: a remote call's first step ran
+    # in no task ("Timeout should be used inside a task", "TaskGroup cannot determine the parent
+    # task") and a local one's in its caller's, whose task a timeout would then have cancelled.
+    server, client = runtimes
+    actor = Guarded()
+    here = await server.spawn(actor, "guarded")
+    far = client.ref(here.address, here.name)
+    for ref in (far, here):
+        assert await ref.ask("timed") == "timed" and await ref.ask("grouped") == "grouped"
+    caller = asyncio.current_task()
+    assert all(task is not None and task is not caller for task in actor.tasks) and len(actor.tasks) == 4
 
 
 @contextlib.asynccontextmanager
