@@ -120,6 +120,41 @@ def test_the_scan_finds_calls_by_name() -> None:
     assert _calls_by_name(source) == ["2: .ask('nodes', ...)", "3: .tell(f'on_{m}', ...)"]
 
 
+# What a call's first step may not use before Python 3.12 when its endpoint says it needs no task.
+_NEEDS_A_TASK = {"timeout", "timeout_at", "TaskGroup", "current_task"}
+
+
+def _taskless_starts_needing_a_task(source: str) -> list[str]:
+    """Each ``@endpoint(..., taskless_start=True)`` method of ``source`` whose own body names what needs a task."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.AsyncFunctionDef):
+            continue
+        marked = any(isinstance(d, ast.Call) and any(k.arg == "taskless_start" and isinstance(k.value, ast.Constant)
+                                                       and k.value.value is True for k in d.keywords)
+                     for d in node.decorator_list)
+        names = {n.attr if isinstance(n, ast.Attribute) else n.id for n in ast.walk(node)
+                 if isinstance(n, (ast.Attribute, ast.Name))}
+        if marked and names & _NEEDS_A_TASK:
+            found.append(f"{node.lineno}: {node.name} uses {sorted(names & _NEEDS_A_TASK)}")
+    return found
+
+
+@pytest.mark.parametrize("package", ["actors", "stages", "schedulers"])
+def test_no_taskless_start_endpoint_uses_what_needs_a_task(package: str) -> None:
+    found = [f"{path.relative_to(ROOT)}:{hit}" for path in sorted((ROOT / package).rglob("*.py"))
+             for hit in _taskless_starts_needing_a_task(path.read_text(encoding="utf-8"))]
+    assert not found, "an endpoint marked taskless_start runs its first step in no task of its own before " \
+                      "Python 3.12 (actors/_actor.py):\n" + "\n".join(found)
+
+
+def test_the_scan_finds_a_taskless_start_that_needs_a_task() -> None:
+    source = ("class A:\n    @endpoint(concurrent=True, taskless_start=True)\n    async def f(self):\n"
+              "        async with asyncio.timeout(1):\n            pass\n"
+              "    @endpoint\n    async def g(self):\n        asyncio.current_task()\n")
+    assert _taskless_starts_needing_a_task(source) == ["3: f uses ['timeout']"]
+
+
 @pytest.mark.multiprocess
 def test_a_driver_and_the_console_start_without_torchs_symbolic_shapes() -> None:
     """sympy and torch's symbolic shapes took a second of every driver's and console's start (a
