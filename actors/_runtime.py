@@ -127,11 +127,9 @@ class Runtime:
         """Starts a task this runtime owns (in ``context``, else a copy of the current one): cancelled on
         close, its failure logged. ``eager_start`` (Python 3.12 on): it runs here until it first waits."""
         loop = asyncio.get_running_loop()
-        if eager_start:
-            task: asyncio.Task[Any] = asyncio.Task(coro, loop=loop, name=name, context=context,
-                                                   eager_start=True)  # type: ignore[call-arg]
-        else:
-            task = loop.create_task(coro, name=name, context=context)
+        task: asyncio.Task[Any] = (
+            asyncio.Task(coro, loop=loop, name=name, context=context, eager_start=True)  # type: ignore[call-arg]
+            if eager_start else loop.create_task(coro, name=name, context=context))
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
         return task

@@ -25,7 +25,7 @@ The rules, for ``LocalCluster(nodes=..., spares=..., devices=...)``:
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 __all__ = ["DEFAULT_CPU_NODES", "DeviceSpec", "check_device", "cuda_index", "device_argument", "node_devices",
@@ -63,7 +63,7 @@ def check_device(device: str, num_gpus: int) -> str:
     index = cuda_index(device)
     if index is not None and index >= num_gpus:
         seen = f"{num_gpus} GPU{'s' if num_gpus != 1 else ''} (cuda:0..cuda:{num_gpus - 1})" if num_gpus else "no GPU"
-        if not num_gpus and not _counter_installed():
+        if not num_gpus and _gpu_counter() is None:
             seen += (" (nothing here counts GPUs: the installed actorpipe distribution's 'devices' entry point is "
                      "missing, as when the code runs from a checkout on PYTHONPATH; pip install the project)")
         raise ValueError(f"device {device!r} does not exist: this process sees {seen}; use devices='auto' "
@@ -123,10 +123,11 @@ def device_argument(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _counter_installed() -> bool:
+def _gpu_counter() -> Callable[[], int] | None:
+    """The installed compute plugin's ``visible_gpu_count``, or None where no plugin is installed."""
     from actors.plugins import load_plugin
 
-    return getattr(load_plugin("devices"), "visible_gpu_count", None) is not None
+    return getattr(load_plugin("devices"), "visible_gpu_count", None)
 
 
 def visible_gpu_count() -> int:
@@ -135,8 +136,5 @@ def visible_gpu_count() -> int:
     The runtime imports no torch: the plugin (``devices`` in the ``actorpipe`` entry
     points; :mod:`stages.devices`) answers. Without one, no GPU is known.
     """
-    from actors.plugins import load_plugin
-
-    plugin = load_plugin("devices")
-    count = getattr(plugin, "visible_gpu_count", None)
+    count = _gpu_counter()
     return int(count()) if count is not None else 0
