@@ -37,6 +37,16 @@ each action costs the same; ``cpu_us_per_action`` (the step time times the cores
 stages can use, ``min(stages, cores)``, over every stage's actions together) is the
 figure that stays flat then, and ``cpu_per_action_growth_stages_*`` its ratio.
 
+With more stage processes than cores a step's wall time is bounded by the CPU all its
+processes spend, so the CPU is also measured (Linux ``/proc``: the time every thread of
+this process and of every process under it ran, over each peer's timed blocks; the
+other peer's processes wait on a pipe meanwhile): ``cpu_ms_per_step_*`` and
+``torch_cpu_ms_per_step_*`` per configuration, ``vs_torch_cpu`` (the median ratio), and
+per stage count a line ``cpu = fixed + per_action * actions`` (``cpu_fit_fixed_ms_*``,
+``torch_cpu_fit_fixed_ms_*``). Where a peer's cost grows faster than its actions (torch's
+on oversubscribed cores), its fitted fixed part comes out low or negative: compare the
+configurations' own figures there.
+
 Headlines: ``overhead_us_per_action`` (actorpipe, median over the configurations),
 ``vs_torch_overhead`` (actorpipe's driven step over torch's, median over the
 configurations; below 1 is less overhead than torch) and ``run_vs_torch_overhead``
@@ -50,10 +60,12 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -89,6 +101,7 @@ class ConfigResult:
     run_step_s: list[float]  # one per timed block: the run's time over its steps
     compute_actions_fraction: float
     compute_s: float  # the whole model's forward and backward over the batch, one thread, no pipeline
+    cpu_ms_per_step: dict[str, float] = dataclasses.field(default_factory=dict)  # peer -> measured CPU (Linux)
     num_cores: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 1)
 
     @property
@@ -143,24 +156,63 @@ async def measure_config(actorpipe: ActorpipePeer, torch_peer: TorchPeer, micro_
     await actorpipe.run_ahead(warmup)
     await torch_peer.run(warmup, micro_batches=micro_batches)  # the first builds torch's schedule
     times: dict[str, list[float]] = {"actorpipe": [], "torch": [], "run": []}
+    spent: dict[str, float] = {"actorpipe": 0.0, "torch": 0.0}
+    pids = process_tree()  # both peers' processes (each waits on a pipe while the other runs)
     busy: list[float] = []
     order = ("actorpipe", "torch", "run")
     for index, block in enumerate(split_steps(steps, rounds)):
         for name in order[index % 3:] + order[:index % 3]:
+            before = cpu_s(pids) if pids else 0.0
             if name == "torch":
                 times[name] += await torch_peer.run(block, micro_batches=micro_batches)
-                continue
-            if name == "run":
+            elif name == "run":
                 times[name].append(await actorpipe.run_ahead(block))
-                continue
-            for step_time in await actorpipe.run(block):
-                times[name].append(step_time)
-                busy.append(max(actorpipe.last_stats.busy_s) / step_time)
+            else:
+                for step_time in await actorpipe.run(block):
+                    times[name].append(step_time)
+                    busy.append(max(actorpipe.last_stats.busy_s) / step_time)
+            if name in spent and pids:
+                spent[name] += cpu_s(pids) - before
     programs = (await actorpipe.job.describe()).programs
     return ConfigResult(num_stages=actorpipe.num_stages, micro_batches=micro_batches,
                         actions_per_rank=[len(program) for program in programs],
                         actorpipe_step_s=times["actorpipe"], torch_step_s=times["torch"], run_step_s=times["run"],
-                        compute_actions_fraction=statistics.median(busy), compute_s=model_compute_s(micro_batches))
+                        compute_actions_fraction=statistics.median(busy), compute_s=model_compute_s(micro_batches),
+                        cpu_ms_per_step={name: seconds * 1e3 / steps for name, seconds in spent.items()}
+                        if pids else {})
+
+
+def process_tree() -> list[int] | None:
+    """This process and every process under it (Linux's ``/proc``), or None where there is no ``/proc``."""
+    try:
+        entries = [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+    except OSError:
+        return None
+    parent_of: dict[int, int] = {}
+    for pid in entries:
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as f:  # OSError: it ended meanwhile
+            stat = f.read()
+            parent_of[pid] = int(stat[stat.rindex(")") + 2:].split()[1])  # after the name, which may hold spaces
+    tree, grew = [os.getpid()], True
+    while grew:
+        grew = False
+        for pid, parent in parent_of.items():
+            if parent in tree and pid not in tree:
+                tree.append(pid)
+                grew = True
+    return tree
+
+
+def cpu_s(pids: list[int]) -> float:
+    """CPU seconds the threads of the processes ``pids`` have run, to the nanosecond (each thread's
+    ``schedstat``; ``/proc/PID/stat`` counts in 10 ms ticks). A thread or process that ended counts 0."""
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    total += int(f.read().split()[0])
+    return total / 1e9
 
 
 def model_compute_s(micro_batches: int, *, repeats: int = 7) -> float:
@@ -214,7 +266,7 @@ async def measure_stages(num_stages: int, micro_batch_counts: list[int], state_d
     return results, skipped
 
 
-def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float] | None:
+def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float] | None:
     """Least squares ``y = a + b * x``; returns ``(a, b)``, None with fewer than two distinct x."""
     if len(set(xs)) < 2:
         return None
@@ -232,12 +284,18 @@ def growth(results: list[ConfigResult], name: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for num_stages in sorted({r.num_stages for r in results}):
         group = sorted((r for r in results if r.num_stages == num_stages), key=lambda r: r.micro_batches)
-        line = fit_line([r.actions_per_stage for r in group], [getattr(r, step_ms) * 1e3 for r in group])
+        actions = [r.actions_per_stage for r in group]
+        line = fit_line(actions, [getattr(r, step_ms) * 1e3 for r in group])
         if line is not None:
             out[f"{prefix}fit_fixed_us_{num_stages}stages"] = round(line[0], 1)
             out[f"{prefix}fit_us_per_action_{num_stages}stages"] = round(line[1], 1)
             out[f"{prefix}per_action_growth_micro_batches_{num_stages}stages"] = round(
                 getattr(group[-1], per_action) / getattr(group[0], per_action), 3)
+        cpu = [r.cpu_ms_per_step[name] for r in group if name in r.cpu_ms_per_step]
+        cpu_line = fit_line(actions, cpu) if len(cpu) == len(group) else None
+        if cpu_line is not None:
+            out[f"{prefix}cpu_fit_fixed_ms_{num_stages}stages"] = round(cpu_line[0], 2)
+            out[f"{prefix}cpu_fit_ms_per_action_{num_stages}stages"] = round(cpu_line[1], 3)
     for micro_batches in sorted({r.micro_batches for r in results}):
         group = sorted((r for r in results if r.micro_batches == micro_batches), key=lambda r: r.num_stages)
         if len(group) > 1:
@@ -260,6 +318,10 @@ def summarize(results: list[ConfigResult]) -> dict[str, Any]:
         "compute_fraction": round(statistics.median(r.compute_fraction for r in results), 3),
         "compute_actions_fraction": round(statistics.median(r.compute_actions_fraction for r in results), 3),
     }
+    measured = [r for r in results if r.cpu_ms_per_step]
+    if measured:
+        summary["vs_torch_cpu"] = round(statistics.median(
+            r.cpu_ms_per_step["actorpipe"] / r.cpu_ms_per_step["torch"] for r in measured), 3)
     summary |= growth(results, "actorpipe") | growth(results, "run") | growth(results, "torch")
     for r in results:
         summary[f"overhead_us_per_action_{r.key}"] = round(r.us_per_action, 1)
@@ -271,6 +333,9 @@ def summarize(results: list[ConfigResult]) -> dict[str, Any]:
         summary[f"step_ms_{r.key}"] = round(r.actorpipe_ms, 2)
         summary[f"run_step_ms_{r.key}"] = round(r.run_ms, 2)
         summary[f"torch_step_ms_{r.key}"] = round(r.torch_ms, 2)
+        if r.cpu_ms_per_step:
+            summary[f"cpu_ms_per_step_{r.key}"] = round(r.cpu_ms_per_step["actorpipe"], 2)
+            summary[f"torch_cpu_ms_per_step_{r.key}"] = round(r.cpu_ms_per_step["torch"], 2)
         summary[f"actions_per_rank_{r.key}"] = r.actions_per_rank
         summary[f"compute_fraction_{r.key}"] = round(r.compute_fraction, 3)
     return summary
@@ -280,12 +345,13 @@ def print_table(results: list[ConfigResult]) -> None:
     """One row per configuration."""
     print(f"\n{'stages':>6} {'micro':>5} {'actions':>7} {'actorpipe ms':>12} {'run ms':>7} {'torch ms':>9} "
           f"{'us/action':>9} {'torch us/action':>15} {'cpu us/action':>13} {'torch':>6} {'vs torch':>8} "
-          f"{'compute':>7} {'in F/I/W':>8}")
+          f"{'compute':>7} {'in F/I/W':>8} {'cpu ms':>7} {'torch':>6}")
     for r in results:
         print(f"{r.num_stages:>6} {r.micro_batches:>5} {r.actions_per_stage:>7} {r.actorpipe_ms:>12.2f} "
               f"{r.run_ms:>7.2f} {r.torch_ms:>9.2f} {r.us_per_action:>9.1f} {r.torch_us_per_action:>15.1f} "
               f"{r.cpu_us_per_action(r.actorpipe_ms):>13.1f} {r.cpu_us_per_action(r.torch_ms):>6.1f} "
-              f"{r.actorpipe_ms / r.torch_ms:>7.3f}x {r.compute_fraction:>7.3f} {r.compute_actions_fraction:>8.2f}")
+              f"{r.actorpipe_ms / r.torch_ms:>7.3f}x {r.compute_fraction:>7.3f} {r.compute_actions_fraction:>8.2f} "
+              f"{r.cpu_ms_per_step.get('actorpipe', math.nan):>7.2f} {r.cpu_ms_per_step.get('torch', math.nan):>6.2f}")
 
 
 def parse_args() -> argparse.Namespace:

@@ -5,13 +5,16 @@ Run: .venv/bin/python -m pytest -q tests/benchmarks/test_overhead.py
 from __future__ import annotations
 
 import json
+import os
+import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from benchmarks.overhead import ConfigResult, fit_line, growth
+from benchmarks.overhead import ConfigResult, cpu_s, fit_line, growth, process_tree, summarize
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -61,6 +64,9 @@ def test_a_tiny_run_prints_the_overhead_per_action_last() -> None:
     assert summary["actions_per_rank_2stages_8mb"] == [35, 43]  # 1F1B, 8 micro-batches, split backward
     assert summary["overhead_us_per_action_2stages_8mb"] == summary["overhead_us_per_action"]
     assert summary["skipped"] == []
+    if sys.platform == "linux":  # the CPU both peers spent, read from /proc
+        assert summary["cpu_ms_per_step_2stages_8mb"] > 0 and summary["torch_cpu_ms_per_step_2stages_8mb"] > 0
+        assert summary["vs_torch_cpu"] > 0
 
 
 @pytest.mark.parametrize(("num_stages", "num_cores", "cpu_us"), [(8, 2, 2000.0), (2, 2, 2000.0), (8, 16, 8000.0)])
@@ -72,3 +78,45 @@ def test_cpu_time_per_action_counts_the_cores_the_stages_share(num_stages: int, 
                      compute_s=0.0,
                      num_cores=num_cores)
     assert r.cpu_us_per_action(r.actorpipe_ms) == pytest.approx(cpu_us)
+
+
+def test_the_cpu_fit_takes_each_peers_measured_cpu_and_is_left_out_where_it_was_not_measured() -> None:
+    # 30 us of CPU per action plus 2 ms a step (actorpipe), 50 us per action and nothing fixed (torch).
+    results = [config(2, m, 4 * m + 3, 10.0) for m in (8, 64)]
+    for r in results:
+        r.cpu_ms_per_step.update(actorpipe=2.0 + 0.03 * r.actions_per_stage, torch=0.05 * r.actions_per_stage)
+    ours, torch_figures = growth(results, "actorpipe"), growth(results, "torch")
+    assert ours["cpu_fit_fixed_ms_2stages"] == pytest.approx(2.0)
+    assert ours["cpu_fit_ms_per_action_2stages"] == pytest.approx(0.03)
+    assert torch_figures["torch_cpu_fit_fixed_ms_2stages"] == pytest.approx(0.0, abs=1e-9)
+    assert "run_cpu_fit_fixed_ms_2stages" not in growth(results, "run")  # a run's CPU is not measured
+    summary = summarize(results)
+    assert summary["cpu_ms_per_step_2stages_8mb"] == pytest.approx(2.0 + 0.03 * 35)
+    assert summary["vs_torch_cpu"] == pytest.approx(statistics.median(
+        (2.0 + 0.03 * r.actions_per_stage) / (0.05 * r.actions_per_stage) for r in results), abs=1e-3)
+    results[0].cpu_ms_per_step.clear()  # not measured (no /proc): no fit, and no keys for it
+    assert "cpu_fit_fixed_ms_2stages" not in growth(results, "actorpipe")
+    assert "cpu_ms_per_step_2stages_8mb" not in summarize(results)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads Linux's /proc")
+def test_the_cpu_of_a_child_process_is_counted_and_an_idle_one_adds_nothing() -> None:
+    # The child waits for a line, burns 0.3 s of CPU, says so and waits for the next line.
+    burn = ("import time\ninput()\nend = time.process_time() + 0.3\nwhile time.process_time() < end: pass\n"
+            "print('burnt', flush=True)\ninput()")
+    child = subprocess.Popen([sys.executable, "-c", burn], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        assert child.pid in (process_tree() or [])
+        before = cpu_s([child.pid])  # its start-up only
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.stdout.readline() == "burnt\n"
+        burnt = cpu_s([child.pid]) - before
+        assert 0.3 <= burnt < 0.3 + 1.0  # at least what it burnt; the rest is its own bookkeeping
+        time.sleep(0.1)
+        assert cpu_s([child.pid]) - before - burnt < 0.05  # waiting on a pipe costs (next to) nothing
+    finally:
+        child.communicate("", timeout=30)
+    assert cpu_s([child.pid]) == 0.0  # a process that ended counts 0
