@@ -56,7 +56,7 @@ class WireRecord:
 
     def wire_fields(self) -> dict[str, Any]:
         """The fields by name, nested records as records (the wire format encodes each)."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}  # type: ignore[arg-type]
+        return {name: getattr(self, name) for name in _field_table(type(self))[0]}
 
     def to_wire(self) -> dict[str, Any]:
         """The record as a plain map, nested records as maps: for JSON, logs and tables."""
@@ -86,12 +86,11 @@ class WireRecord:
             raise RecordError(f"{cls.__name__}: expected a {cls.__name__} or a map, got a {type(data).__name__}")
         if not isinstance(data, dict):
             raise RecordError(f"{cls.__name__}: expected a map, got {type(data).__name__}")
-        known = {f.name: f for f in fields(cls)}  # type: ignore[arg-type]
+        names, known, required = _field_table(cls)
         unknown = sorted(str(k)[:40] for k in data if k not in known)
         if unknown:
-            raise RecordError(f"{cls.__name__}: unknown key(s) {', '.join(unknown)}; known: {', '.join(known)}")
-        missing = [name for name, f in known.items()
-                   if name not in data and f.default is MISSING and f.default_factory is MISSING]
+            raise RecordError(f"{cls.__name__}: unknown key(s) {', '.join(unknown)}; known: {', '.join(names)}")
+        missing = [name for name in required if name not in data]
         if missing:
             raise RecordError(f"{cls.__name__}: missing key(s) {', '.join(missing)}")
         data = dict(data)
@@ -102,3 +101,20 @@ class WireRecord:
             elif value is not None and not isinstance(value, record):
                 data[name] = record.from_wire(value)
         return cls(**data)
+
+
+# Record class -> its field names in order, as a set, and those without a default.
+# ``dataclasses.fields`` builds its tuple on every call, and every record that crosses
+# the wire asks once each way.
+_FIELD_TABLES: dict[type, tuple[tuple[str, ...], frozenset[str], tuple[str, ...]]] = {}
+
+
+def _field_table(cls: type) -> tuple[tuple[str, ...], frozenset[str], tuple[str, ...]]:
+    table = _FIELD_TABLES.get(cls)
+    if table is None:
+        every = fields(cls)
+        names = tuple(f.name for f in every)
+        table = _FIELD_TABLES[cls] = (
+            names, frozenset(names),
+            tuple(f.name for f in every if f.default is MISSING and f.default_factory is MISSING))
+    return table
