@@ -22,7 +22,7 @@ step's loss is one batch's: the mean over 30 evens out which batch came last);
 ``loss_delta_pct_<setting>`` is its difference from fp32 Adam's in percent of it and
 ``max_loss_delta_pct`` the largest.
 
-DeepSpeed's pipeline engine is the peer the issue names; when ``deepspeed`` is not
+DeepSpeed's pipeline engine is the peer (docs/benchmarks.md); when ``deepspeed`` is not
 installed (it is not a dependency) the summary says so instead of measuring it.
 """
 

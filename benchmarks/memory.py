@@ -1,7 +1,7 @@
 # Run: python -m benchmarks.memory            (add --steps 2 for a quicker look; --only slices|states|checkpointing)
 """Memory: what a stage holds of a model too big for one process, and what activation checkpointing saves.
 
-**Slices.** The model of issue 26: 24 ``Linear(2048, 2048)`` (100.7M parameters, 384 MiB
+**Slices.** A model too big to build whole in every stage: 24 ``Linear(2048, 2048)`` (100.7M parameters, 384 MiB
 in fp32) trained two steps over 8 stages (one node each, 1F1B, 8 micro-batches of 2 rows),
 given two ways: whole (``examples.models:linear_stack``, which every stage builds before it
 keeps its slice) and as layer specs (``linear_stack(specs=True)``: each stage builds only

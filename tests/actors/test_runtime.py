@@ -551,7 +551,7 @@ async def test_calls_to_an_address_marked_lost_fail_at_once_pending_and_later(ru
 
 
 async def test_calls_waiting_to_be_sent_to_a_peer_that_is_gone_fail_with_its_loss() -> None:
-    """Issue 28's hang: a peer's process ended, and asks to it wait for room to send (more than the
+    """A hang seen on busy machines: a peer's process ended, and asks to it wait for room to send (more than the
     socket queues); the node's loss failed their futures but each ask went on waiting in its send,
     until its own timeout (none here, a step's ten minutes in a job). They end with the loss now."""
     async with open_runtime("tcp://127.0.0.1:0") as client:

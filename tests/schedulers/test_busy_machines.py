@@ -86,7 +86,7 @@ def batch_of(dim: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 async def test_a_step_begun_right_after_a_kill_fails_with_node_lost_not_at_its_timeout() -> None:
-    """Issue 28's hang: a node SIGKILLed between two steps, the next step begun half a second
+    """A hang seen on busy machines: a node SIGKILLed between two steps, the next step begun half a second
     later, used to wait out its whole step_timeout_s (65 s measured, 10 minutes by default)."""
     local = LocalCluster(nodes=2)
     async with local as cluster:

@@ -221,7 +221,7 @@ async def test_a_traced_model_trains_a_new_sequence_length_every_step_as_one_pro
     cluster: Cluster, family: str, transport: str
 ) -> None:
     """Traced with every input dimension dynamic, the stages run any batch size and length: the defect
-    of issue 27 was a stage graph fixed to the example's length (Qwen2's grouped keys then failed to
+    this guards against was a stage graph fixed to the example's length (Qwen2's grouped keys then failed to
     expand at 0F0 on the first longer batch)."""
     kwargs = {**SMALL, "layers": 4, "kv_heads": 2, "heads": 4}
     generator = torch.Generator().manual_seed(11)

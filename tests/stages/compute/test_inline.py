@@ -332,7 +332,7 @@ async def stage_progress(cluster: Any, job: Any) -> list[ProgressReport]:
 @pytest.mark.multiprocess
 async def test_node_processes_never_take_the_fast_path_under_tensor_parallelism() -> None:
     """Whether an action of a plain pipeline runs inline depends on how long it measured (a busy
-    machine makes every action slow: issue 28 saw this fail under load), so that is not asserted
+    machine makes every action slow: this failed under load once), so that is not asserted
     here; the inline policy's choices are (above, in one process). What does not depend on timing:
     a tensor-parallel stage, whose actions wait on collectives, never runs one on the loop."""
     dims = {"blocks": 4, "dim": 4, "hidden": 4}  # tiny: every action well under the inline bound
