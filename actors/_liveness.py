@@ -57,7 +57,9 @@ class LivenessServer:
 
     Args:
         context: the head runtime's context (its ZAP gate admits the cluster's keys).
-        host: where to bind each node's socket (``tcp://HOST`` or ``ipc://``).
+        host: where to bind each node's socket: ``tcp://HOST`` (an ephemeral port each),
+            ``ipc://PATH`` (``PATH.live0``, ``PATH.live1``...: beside the head's own socket) or
+            ``ipc://`` (in a temporary folder of its own).
         keys: the head's keypair (CURVE server), or None on an insecure cluster.
         on_closed: called, from the thread, with a node's name once its proven connection ended.
         interval, timeout: seconds between ZMTP heartbeats, and without an answer before a
@@ -67,8 +69,9 @@ class LivenessServer:
     def __init__(self, context: zmq.Context[Any], host: str, keys: Keypair | None,
                  on_closed: Callable[[str], object], *, interval: float, timeout: float) -> None:
         self._context = context
-        # Each node's socket at an ephemeral port of this host, or at a path of its own in a temporary folder.
-        self._folder = tempfile.mkdtemp(prefix="actorpipe-liveness-") if host.startswith("ipc://") else None
+        # Each node's socket at an ephemeral port of this host, or at a path of its own: beside the given
+        # one, or in a temporary folder.
+        self._folder = tempfile.mkdtemp(prefix="actorpipe-liveness-") if host == "ipc://" else None
         self._host = host
         self._count = itertools.count()
         self._keys = keys
@@ -94,7 +97,10 @@ class LivenessServer:
         socket.setsockopt(zmq.HEARTBEAT_TTL, self._timeout_ms)
         socket.setsockopt(zmq.MAXMSGSIZE, 1024)
         socket.setsockopt(zmq.LINGER, 0)
-        socket.bind(f"{self._host}:0" if self._folder is None else f"ipc://{self._folder}/{next(self._count)}")
+        if self._folder is not None:
+            socket.bind(f"ipc://{self._folder}/{next(self._count)}")
+        else:
+            socket.bind(f"{self._host}.live{next(self._count)}" if self._host.startswith("ipc://") else f"{self._host}:0")
         endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
         monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         with self._lock:

@@ -168,7 +168,7 @@ class HeadActor(Actor):
         self.runtime.spawn_task(self._watch(), name="heartbeat watch")
         loop = asyncio.get_running_loop()
         endpoint = split_address(self.runtime.address)[0]
-        host = endpoint.rpartition(":")[0] if endpoint.startswith("tcp://") else "ipc://"
+        host = endpoint.rpartition(":")[0] if endpoint.startswith("tcp://") else endpoint  # ipc: beside the head's
         self._liveness = LivenessServer(self.runtime.context, host, self.runtime.keys,
                                         lambda name: loop.call_soon_threadsafe(self._connection_closed, name),
                                         interval=self.heartbeat_interval, timeout=self.heartbeat_timeout)

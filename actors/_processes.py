@@ -315,10 +315,13 @@ async def _host(sock: socket.socket, config: HostConfig) -> int:
 
 
 def _child_bind(bind: str) -> str:
-    """The node's bind address with any fixed port made ephemeral (the node holds that one)."""
+    """The node's bind address with any fixed port made ephemeral (the node holds that one); a node
+    bound at ``ipc://PATH`` puts its children beside it (``PATH.PID``), where its cluster cleans up."""
     if bind.startswith("tcp://"):
         host = bind[len("tcp://"):].rsplit(":", 1)[0]
         return f"tcp://{host}:0"
+    if bind != "ipc://":
+        return f"{bind}.{os.getpid()}"
     return "ipc://"
 
 

@@ -8,8 +8,9 @@ Three measurements in one run, on this machine's loopback:
   ``transport.sealed``) and again with ``--insecure`` (plaintext), so the cost of
   security shows as its own ratio (``curve_vs_insecure_rtt``);
 - raw: two processes ping-pong a 64-byte message over a pair of PUSH/PULL sockets
-  with ``zmq.asyncio`` on the same event loop (uvloop) and the same transport (tcp
-  on 127.0.0.1) as a LocalCluster: the socket type actorpipe uses.
+  with ``zmq.asyncio`` on the same event loop (uvloop) and the same transport as a
+  LocalCluster (Unix sockets, ``ipc://``, in a temporary folder): the socket type actorpipe
+  uses.
 The calls are made in rounds (``--rounds``), and each round also times as many raw round
 trips, the order alternating from round to round, so that a change in the machine's load
 during the run weighs on both sides of each ratio alike (measured one after the other, a
@@ -24,7 +25,9 @@ import asyncio
 import dataclasses
 import json
 import multiprocessing as mp
+import shutil
 import statistics
+import tempfile
 import time
 from typing import Any
 
@@ -43,12 +46,12 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _raw_echo(outbox: str, ready: Any) -> None:
+def _raw_echo(outbox: str, folder: str, ready: Any) -> None:
     """Echoes every message back until an empty one."""
     async def main() -> None:
         ctx = zmq.asyncio.Context()
         pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-        pull.bind("tcp://127.0.0.1:*")
+        pull.bind(f"ipc://{folder}/echo")
         push.connect(outbox)
         ready.put(pull.getsockopt_string(zmq.LAST_ENDPOINT))
         while message := await pull.recv():
@@ -70,13 +73,15 @@ class RawPeer:
     def __init__(self) -> None:
         self.ctx = zmq.asyncio.Context()
         self.push, self.pull = self.ctx.socket(zmq.PUSH), self.ctx.socket(zmq.PULL)
-        self.pull.bind("tcp://127.0.0.1:*")
+        self.folder = tempfile.mkdtemp(prefix="actorpipe-raw-")
+        self.pull.bind(f"ipc://{self.folder}/driver")
         self.proc: Any = None
 
     async def start(self) -> None:
         mp_ctx = mp.get_context("spawn")
         ready = mp_ctx.Queue()
-        self.proc = mp_ctx.Process(target=_raw_echo, args=(self.pull.getsockopt_string(zmq.LAST_ENDPOINT), ready))
+        self.proc = mp_ctx.Process(target=_raw_echo,
+                                   args=(self.pull.getsockopt_string(zmq.LAST_ENDPOINT), self.folder, ready))
         self.proc.start()
         self.push.connect(await asyncio.to_thread(ready.get, True, 60))
 
@@ -99,6 +104,7 @@ class RawPeer:
         self.push.close(linger=0)
         self.pull.close(linger=0)
         self.ctx.term()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 @dataclasses.dataclass(slots=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from actors import LocalCluster
-from actors.cluster import _write_owner, remove_orphaned_tempdirs
+from actors.cluster import _write_owner, local_binds, remove_orphaned_tempdirs
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -82,3 +83,41 @@ def test_a_reused_pid_does_not_keep_a_folder(private_tmp: Path) -> None:
     (Path(stale) / "owner").write_text(f"{os.getpid()} 1")
     assert remove_orphaned_tempdirs() == [stale]
     assert not Path(stale).exists()
+
+
+def test_a_local_cluster_listens_on_unix_sockets_in_its_folder_or_on_loopback_where_the_path_is_too_long() -> None:
+    binds = local_binds("/tmp/actorpipe-cluster-abc", ["head", "driver", "node0"])
+    assert binds == {name: f"ipc:///tmp/actorpipe-cluster-abc/{name}" for name in ("head", "driver", "node0")}
+    # sun_path holds 107 bytes: a node's child binds at PATH.PID and a bulk socket at PATH.PID.bulk.
+    deep = "/tmp/" + "d" * 90
+    assert local_binds(deep, ["head", "node0"]) == {"head": "tcp://127.0.0.1:0", "node0": "tcp://127.0.0.1:0"}
+
+
+@pytest.mark.asyncio
+@pytest.mark.multiprocess
+async def test_every_socket_of_a_local_cluster_lives_in_its_folder_and_goes_with_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The head, the nodes, a hosted actor's process, the driver and the head's liveness sockets bind
+    Unix sockets in the cluster's folder (nothing beside it in the temporary folder), and the folder
+    goes when the cluster stops, a SIGKILLed node's socket files with it."""
+    short = tempfile.mkdtemp(prefix="ap", dir="/tmp")  # short enough for Unix socket paths
+    monkeypatch.setattr(tempfile, "tempdir", short)
+    monkeypatch.setenv("TMPDIR", short)
+    try:
+        local = LocalCluster(nodes=2)
+        async with local as cluster:
+            folder = local._tempdir
+            assert folder is not None and os.path.dirname(folder) == short
+            await cluster.spawn("node0", "probe", "echo")
+            node1 = next(n for n in await cluster.nodes() if n.name == "node1")
+            os.kill(node1.pid, signal.SIGKILL)  # leaves its socket files behind
+            assert wait_gone(node1.pid)
+            sockets = sorted(p.name for p in Path(folder).iterdir() if p.is_socket())
+            assert os.listdir(short) == [os.path.basename(folder)]  # nothing outside the cluster's folder
+            for expected in ("head", "head.bulk", "head.live0", "driver", "node0", "node0.bulk", "node1"):
+                assert expected in sockets, sockets
+            hosted = [name for name in sockets if name.startswith("node0.") and name[len("node0."):].isdigit()]
+            assert len(hosted) == 1 and f"{hosted[0]}.bulk" in sockets  # the echo actor's process
+        assert os.listdir(short) == []
+    finally:
+        shutil.rmtree(short, ignore_errors=True)

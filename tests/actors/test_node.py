@@ -63,7 +63,9 @@ async def test_nodes_register_with_their_details(cluster: Cluster) -> None:
         assert node.state == "alive" and node.device == "cpu"
         assert node.pid != os.getpid() and alive(node.pid)
         assert node.memory_bytes > 0 and node.host
-        assert node.address.startswith("tcp://127.0.0.1:")
+        # A Unix socket in the local cluster's folder (actors.cluster.local_binds), its bulk socket beside it.
+        assert node.address.startswith("ipc:///") and f"/{node.name}|" in node.address
+        assert node.address.endswith(f"/{node.name}.bulk")
         assert node.last_heartbeat_age_s < 2.0
 
 
