@@ -31,6 +31,7 @@ from schedulers.console.session import CommandError, Session, open_session
 from schedulers.settings import SETTABLE
 from schedulers.events import JobFailed, JobPaused, JobRecovered, JobResumed, SettingRejected, SettingsApplied
 from schedulers.schedules import SCHEDULES
+from transport.security import KEY_SEPARATOR
 from transport.codecs import CODEC_NAMES
 
 __all__ = ["ConsoleCompleter", "console_main", "interact", "run_script"]
@@ -86,7 +87,8 @@ def _toolbar(session: Session) -> str:
             + (f" loss {r.loss:.3f}" if isinstance(r.loss, float) else "")
             + (" paused" if r.paused else "")
             for job, r in sorted(session.runs.items()) if r.active]
-    return f" {session.address} | {session.num_nodes} nodes | {len(session.job_ids)} jobs" + \
+    where = session.address.partition(KEY_SEPARATOR)[0]  # the head's endpoint; its key and bulk socket are noise here
+    return f" {where} | {session.num_nodes} nodes | {len(session.job_ids)} jobs" + \
         (" | " + " | ".join(runs) if runs else "") + " | help, Tab, Ctrl-D "
 
 

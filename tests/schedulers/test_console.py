@@ -581,3 +581,16 @@ def test_a_jobs_detail_reads_its_settings_from_the_specs_sections() -> None:
     assert "codecs int8/none" in first
     assert any("precision bf16" in line for line in rest)
     assert schedule_grid(info).startswith("job0: gpipe, 2 stages, 4 micro-batches")
+
+
+def test_the_toolbar_names_the_heads_endpoint_without_its_key_and_shows_each_run() -> None:
+    from schedulers.console.repl import _toolbar
+    from schedulers.console.session import RunView
+
+    key = "ab" * 32
+    session = types.SimpleNamespace(
+        address=f"ipc:///tmp/actorpipe-cluster-x/head|{key}|ipc:///tmp/actorpipe-cluster-x/head.bulk",
+        num_nodes=2, job_ids=["job0"], runs={"job0": RunView(done=3, target=20, active=True, loss=0.25)})
+    bar = _toolbar(session)  # type: ignore[arg-type]
+    assert bar.startswith(" ipc:///tmp/actorpipe-cluster-x/head | 2 nodes | 1 jobs | job0 [")
+    assert key not in bar and ".bulk" not in bar and "3/20 loss 0.250" in bar

@@ -56,6 +56,27 @@ def listening_addresses(pid: int) -> list[tuple[str, int]]:
     return found
 
 
+def with_children(pid: int) -> list[int]:
+    """``pid`` and every process under it (a node's hosted actor processes, where its stages run)."""
+    parent_of = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            parent_of[int(entry)] = int(stat[stat.rindex(")") + 2:].split()[1])
+    tree, grew = [pid], True
+    while grew:
+        grew = False
+        for child, parent in parent_of.items():
+            if parent in tree and child not in tree:
+                tree.append(child)
+                grew = True
+    return tree
+
+
 def test_listening_addresses_sees_a_wildcard_listener() -> None:
     wildcard = socket.socket()
     try:
@@ -71,14 +92,15 @@ def test_listening_addresses_sees_a_wildcard_listener() -> None:
 async def test_a_job_with_a_rendezvous_and_collectives_listens_only_on_loopback(transport: str) -> None:
     local = LocalCluster(nodes=2)
     async with local as cluster:
-        head_before = listening_addresses(local.processes["head"].pid)
+        head_before = [a for p in with_children(local.processes["head"].pid) for a in listening_addresses(p)]
         job = await cluster.train(model="examples.models:residual_mlp", model_kwargs={"blocks": 2, "dim": 8},
                                   data_parallel=2, micro_batches=2, transport=transport)
         try:
             await job.step(torch.randn(8, 2, 8), torch.randn(8, 2, 8))
             pids = {name: proc.pid for name, proc in local.processes.items()}
-            seen = {name: listening_addresses(pid) for name, pid in pids.items()}
-            assert any(seen.values()), seen  # gloo's listeners on the workers at least
+            # Each process with its children: a stage runs in a process its node hosts.
+            seen = {name: [a for p in with_children(pid) for a in listening_addresses(p)] for name, pid in pids.items()}
+            assert seen["node0"] and seen["node1"], seen  # gloo's listeners in the workers' stages at least
             # The rendezvous is an actor on the head's own channel: the head opens no listener for it.
             assert seen["head"] == head_before
             for name, addresses in seen.items():
