@@ -182,8 +182,9 @@ async def measure_config(actorpipe: ActorpipePeer, torch_peer: TorchPeer, micro_
                         if pids else {})
 
 
-def process_tree() -> list[int] | None:
-    """This process and every process under it (Linux's ``/proc``), or None where there is no ``/proc``."""
+def process_tree(root: int | None = None) -> list[int] | None:
+    """Process ``root`` (this one by default) and every process under it (Linux's ``/proc``), or None
+    where there is no ``/proc``."""
     try:
         entries = [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
     except OSError:
@@ -193,7 +194,7 @@ def process_tree() -> list[int] | None:
         with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as f:  # OSError: it ended meanwhile
             stat = f.read()
             parent_of[pid] = int(stat[stat.rindex(")") + 2:].split()[1])  # after the name, which may hold spaces
-    tree, grew = [os.getpid()], True
+    tree, grew = [os.getpid() if root is None else root], True
     while grew:
         grew = False
         for pid, parent in parent_of.items():

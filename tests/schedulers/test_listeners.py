@@ -9,6 +9,7 @@ import socket
 import pytest
 import torch
 
+from benchmarks.overhead import process_tree
 from schedulers import LocalCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -58,23 +59,7 @@ def listening_addresses(pid: int) -> list[tuple[str, int]]:
 
 def with_children(pid: int) -> list[int]:
     """``pid`` and every process under it (a node's hosted actor processes, where its stages run)."""
-    parent_of = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            parent_of[int(entry)] = int(stat[stat.rindex(")") + 2:].split()[1])
-    tree, grew = [pid], True
-    while grew:
-        grew = False
-        for child, parent in parent_of.items():
-            if parent in tree and child not in tree:
-                tree.append(child)
-                grew = True
-    return tree
+    return process_tree(pid) or [pid]
 
 
 def test_listening_addresses_sees_a_wildcard_listener() -> None:
