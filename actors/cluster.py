@@ -566,16 +566,17 @@ class LocalCluster:
 
 
 _TEMPDIR_PREFIX = "actorpipe-cluster-"
-# A Unix socket's path holds at most 107 bytes (sun_path); a node's children bind at PATH.PID and
-# each runtime's bulk socket at its path + ".bulk" (a liveness socket at PATH.liveN).
-_IPC_PATH_MAX = 107 - len(".4194304.bulk")
+# A Unix socket's path holds at most 107 bytes on Linux and 103 on macOS (sun_path); a node's
+# children bind at PATH.PID and each runtime's bulk socket at its path + ".bulk" (a liveness
+# socket at PATH.liveN).
+_IPC_PATH_MAX = 103 - len(".4194304.bulk")
 
 
 def local_binds(tempdir: str, names: Sequence[str]) -> dict[str, str]:
     """Where each process of a local cluster listens: a Unix socket in the cluster's folder, which
     the cluster removes however its processes end (a Unix socket costs less per message than TCP
     on loopback: 222-225 against 244-287 us a secure round trip, measured); TCP on loopback
-    where the folder's path is too long for one."""
+    where the folder's path is too long for one (a Unix socket's path holds 103 bytes on macOS)."""
     paths = {name: os.path.join(tempdir, name) for name in names}
     if max(len(os.fsencode(path)) for path in paths.values()) > _IPC_PATH_MAX:
         return {name: "tcp://127.0.0.1:0" for name in names}

@@ -88,9 +88,12 @@ def test_a_reused_pid_does_not_keep_a_folder(private_tmp: Path) -> None:
 def test_a_local_cluster_listens_on_unix_sockets_in_its_folder_or_on_loopback_where_the_path_is_too_long() -> None:
     binds = local_binds("/tmp/actorpipe-cluster-abc", ["head", "driver", "node0"])
     assert binds == {name: f"ipc:///tmp/actorpipe-cluster-abc/{name}" for name in ("head", "driver", "node0")}
-    # sun_path holds 107 bytes: a node's child binds at PATH.PID and a bulk socket at PATH.PID.bulk.
-    deep = "/tmp/" + "d" * 90
-    assert local_binds(deep, ["head", "node0"]) == {"head": "tcp://127.0.0.1:0", "node0": "tcp://127.0.0.1:0"}
+    # sun_path holds 103 bytes on macOS (107 on Linux), and a node's child binds at PATH.PID with a
+    # bulk socket at PATH.PID.bulk: the longest path may take 103 - len(".4194304.bulk") = 90 bytes.
+    at_limit = "/" + "d" * (90 - len("/driver") - 1)
+    assert local_binds(at_limit, ["driver"]) == {"driver": f"ipc://{at_limit}/driver"}
+    over = at_limit + "d"
+    assert local_binds(over, ["head", "driver"]) == {"head": "tcp://127.0.0.1:0", "driver": "tcp://127.0.0.1:0"}
 
 
 @pytest.mark.asyncio
