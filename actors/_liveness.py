@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -57,9 +55,9 @@ class LivenessServer:
 
     Args:
         context: the head runtime's context (its ZAP gate admits the cluster's keys).
-        host: where to bind each node's socket: ``tcp://HOST`` (an ephemeral port each),
-            ``ipc://PATH`` (``PATH.live0``, ``PATH.live1``...: beside the head's own socket) or
-            ``ipc://`` (in a temporary folder of its own).
+        host: where to bind each node's socket: ``tcp://HOST`` (an ephemeral port each) or the
+            head's own ``ipc://PATH`` (``PATH.live0``, ``PATH.live1``...: beside it, where whoever
+            made its folder cleans up).
         keys: the head's keypair (CURVE server), or None on an insecure cluster.
         on_closed: called, from the thread, with a node's name once its proven connection ended.
         interval, timeout: seconds between ZMTP heartbeats, and without an answer before a
@@ -69,9 +67,7 @@ class LivenessServer:
     def __init__(self, context: zmq.Context[Any], host: str, keys: Keypair | None,
                  on_closed: Callable[[str], object], *, interval: float, timeout: float) -> None:
         self._context = context
-        # Each node's socket at an ephemeral port of this host, or at a path of its own: beside the given
-        # one, or in a temporary folder.
-        self._folder = tempfile.mkdtemp(prefix="actorpipe-liveness-") if host == "ipc://" else None
+        # Each node's socket at an ephemeral port of this host, or at a path of its own beside the head's.
         self._host = host
         self._count = itertools.count()
         self._keys = keys
@@ -97,10 +93,7 @@ class LivenessServer:
         socket.setsockopt(zmq.HEARTBEAT_TTL, self._timeout_ms)
         socket.setsockopt(zmq.MAXMSGSIZE, 1024)
         socket.setsockopt(zmq.LINGER, 0)
-        if self._folder is not None:
-            socket.bind(f"ipc://{self._folder}/{next(self._count)}")
-        else:
-            socket.bind(f"{self._host}.live{next(self._count)}" if self._host.startswith("ipc://") else f"{self._host}:0")
+        socket.bind(f"{self._host}.live{next(self._count)}" if self._host.startswith("ipc://") else f"{self._host}:0")
         endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
         monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         with self._lock:
@@ -121,8 +114,6 @@ class LivenessServer:
             added, self._added = self._added, []
         for _, _, socket, monitor in added:
             _close(socket, monitor)
-        if self._folder is not None:
-            shutil.rmtree(self._folder, ignore_errors=True)
 
     def _serve(self) -> None:
         watched: dict[str, tuple[str, zmq.Socket[Any], zmq.Socket[Any]]] = {}

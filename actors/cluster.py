@@ -478,13 +478,10 @@ class LocalCluster:
             self._launch(name, self._worker_args(name, secure, address_file))
         self.address = await self._wait_for_file(address_file)
         cls = self.cluster_class or cluster_class()
-        driver = self._binds["driver"]
-        if self.keys is None:
-            self._cluster = await cls.connect(self.address, bind=driver, insecure=True,
-                                              max_message_bytes=self.max_message_bytes)
-        else:
-            self._cluster = await cls.connect(self.address, bind=driver, keys=self.keys.directory, identity="admin",
-                                              max_message_bytes=self.max_message_bytes)
+        auth: dict[str, Any] = {"insecure": True} if self.keys is None else {"keys": self.keys.directory,
+                                                                              "identity": "admin"}
+        self._cluster = await cls.connect(self.address, bind=self._binds["driver"],
+                                          max_message_bytes=self.max_message_bytes, **auth)
         self._cluster._admit_token = self._admit_token
         self._cluster.watch_process(self.processes["head"])
         deadline = time.monotonic() + self.startup_timeout
@@ -566,6 +563,7 @@ class LocalCluster:
 
 
 _TEMPDIR_PREFIX = "actorpipe-cluster-"
+_OWNER_FILE = "owner"  # "PID START_TIME" of the driver that made the folder
 # A Unix socket's path holds at most 107 bytes on Linux and 103 on macOS (sun_path); a node's
 # children bind at PATH.PID and each runtime's bulk socket at its path + ".bulk" (a liveness
 # socket at PATH.liveN).
@@ -581,7 +579,6 @@ def local_binds(tempdir: str, names: Sequence[str]) -> dict[str, str]:
     if max(len(os.fsencode(path)) for path in paths.values()) > _IPC_PATH_MAX:
         return {name: "tcp://127.0.0.1:0" for name in names}
     return {name: f"ipc://{path}" for name, path in paths.items()}
-_OWNER_FILE = "owner"  # "PID START_TIME" of the driver that made the folder
 
 
 def _process_start_time(pid: int) -> str | None:

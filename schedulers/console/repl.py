@@ -31,7 +31,7 @@ from schedulers.console.session import CommandError, Session, open_session
 from schedulers.settings import SETTABLE
 from schedulers.events import JobFailed, JobPaused, JobRecovered, JobResumed, SettingRejected, SettingsApplied
 from schedulers.schedules import SCHEDULES
-from transport.security import KEY_SEPARATOR
+from transport.security import split_address
 from transport.codecs import CODEC_NAMES
 
 __all__ = ["ConsoleCompleter", "console_main", "interact", "run_script"]
@@ -87,7 +87,7 @@ def _toolbar(session: Session) -> str:
             + (f" loss {r.loss:.3f}" if isinstance(r.loss, float) else "")
             + (" paused" if r.paused else "")
             for job, r in sorted(session.runs.items()) if r.active]
-    where = session.address.partition(KEY_SEPARATOR)[0]  # the head's endpoint; its key and bulk socket are noise here
+    where = split_address(session.address)[0]  # the head's endpoint; its key and bulk socket are noise here
     return f" {where} | {session.num_nodes} nodes | {len(session.job_ids)} jobs" + \
         (" | " + " | ".join(runs) if runs else "") + " | help, Tab, Ctrl-D "
 
