@@ -279,3 +279,28 @@ async def test_finish_refuses_a_bad_factor_before_anything_changes(pipeline: InP
     assert all(torch.equal(v, before[k]) for k, v in pipeline.state().items())
     await pipeline.ranks[0].tail.finish(pipeline.program(0), apply=True)
     assert not all(torch.equal(v, before[k]) for k, v in pipeline.state().items())
+
+
+def test_many_gradients_norms_in_one_call_are_each_norm64s_to_the_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    generator = torch.Generator().manual_seed(1)
+    grads = [torch.randn(16, generator=generator), torch.randn(4, 4, generator=generator).t(),  # not contiguous
+             torch.randn(1000, generator=generator).to(torch.bfloat16), torch.randn(7, generator=generator) * 1e-30,
+             torch.randn(5, generator=generator) * 1e20, torch.randn(9, dtype=torch.float64, generator=generator),
+             torch.randn(0), torch.tensor([1.0, float("nan")]), torch.tensor([float("inf")]),
+             torch.randn(3001, generator=generator)]
+    monkeypatch.setattr(tail_module, "FOREACH_NORM_MAX", 1024)  # the last is longer: norm64's own path
+    calls: list[int] = []
+    foreach_norm = torch._foreach_norm
+
+    def counted(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(len(tensors))
+        return foreach_norm(tensors, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_foreach_norm", counted)
+    together = tail_module.norms64(grads)
+    assert calls == [7]  # the short contiguous float32/bfloat16 ones in one call; the rest apart
+    for grad, norm in zip(grads, together):
+        one = norm64(grad)
+        assert norm.dtype == torch.float64 and norm.shape == ()
+        assert torch.equal(norm, one) or (norm.isnan() and one.isnan()), (grad.shape, norm, one)
+    assert tail_module.norms64([]) == []
