@@ -234,11 +234,10 @@ class ActorpipePeer:
             RuntimeError: the run did not do them all.
         """
         assert self.data_on_stages, "a run reads the job's data factory"
-        info = await self.job.run(num_steps)
-        while info.active:
-            await asyncio.sleep(0.02)
-            description = await self.job.describe()
-            info = description.run
+        await self.job.run(num_steps)
+        info = await self.job.wait()  # no polling: the head answers once, when the run ends
+        assert info is not None, "a run was started"
+        description = await self.job.describe()
         if info.error is not None or info.done != num_steps:
             raise RuntimeError(f"{self.name}: the run did {info.done} of {num_steps} steps: {info.error}")
         self.last_stats = description.last_stats

@@ -287,6 +287,12 @@ class Job:
             raise ValueError(f"run() needs a number of steps >= 1, got {num_steps!r:.40}")
         return await self._call(JobActor.run).call(num_steps)
 
+    async def wait(self) -> RunInfo | None:
+        """Waits for the run going on (:meth:`run`) to end, however it ends (done, stopped, failed, or
+        the job closed), and returns its :class:`RunInfo`; the last run's at once if none is going on,
+        None if the job never ran. ``info.error`` says why a run failed; ``info.done`` how far it got."""
+        return await self._call(JobActor.wait, timeout=None).call()
+
     async def pause(self) -> JobDescription:
         """Holds the run at the next accumulation barrier (the step in progress finishes)."""
         return await self._call(JobActor.pause).call()

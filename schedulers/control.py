@@ -233,6 +233,10 @@ class JobController:
         """
         return self.runs.start(num_steps)
 
+    async def wait(self) -> RunInfo | None:
+        """The run going on, once it has ended; the last run if none is; None if the job never ran."""
+        return await self.runs.wait()
+
     def pause(self) -> JobDescription:
         """Holds the job's run before its next step (the current one finishes, optimizer step included)."""
         self.runs.pause()

@@ -122,6 +122,11 @@ class JobActor(Actor):
         return self._controller().run(num_steps)
 
     @endpoint(concurrent=True, roles=("client",))
+    async def wait(self) -> RunInfo | None:
+        """The run going on, once it has ended. See :meth:`JobController.wait <schedulers.control.JobController.wait>`."""
+        return await self._controller().wait()
+
+    @endpoint(concurrent=True, roles=("client",))
     async def pause(self) -> JobDescription:
         """Holds the job's run before its next step."""
         return self._controller().pause()

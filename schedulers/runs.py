@@ -42,6 +42,7 @@ class RunState:
     started: float = field(default_factory=time.perf_counter)
     ended: float | None = None
     wake: asyncio.Event = field(default_factory=asyncio.Event)  # set by resume and stop
+    over: asyncio.Event = field(default_factory=asyncio.Event)  # set once finished
 
     def info(self) -> RunInfo:
         return RunInfo(target=self.target, first_step=self.first_step, done=self.done, active=not self.finished,
@@ -130,8 +131,18 @@ class Runs:
             reason = "failed"
         finally:
             state.finished, state.ended = True, time.perf_counter()
+            state.over.set()
             job.publish(RunFinished(job=job.id, done=state.done, target=state.target, reason=reason,
                                     error=state.error))
+
+    async def wait(self) -> RunInfo | None:
+        """The run going on when called, once it has ended (done, stopped, failed or cancelled with
+        the job), or the last run if none is going on; None if the job never ran."""
+        state = self.state
+        if state is None:
+            return None
+        await state.over.wait()
+        return state.info()
 
     def pause(self) -> None:
         """Holds the run before its next step (the current one finishes, optimizer step included)."""

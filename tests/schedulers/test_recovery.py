@@ -164,14 +164,9 @@ async def test_an_fp16_job_recovers_its_loss_scale_with_its_stages(tmp_path: Pat
 
 async def ended(job: Job) -> Any:
     """The job's run, once it has ended."""
-    deadline = time.monotonic() + 120
-    while True:
-        run_info = (await job.describe()).run
-        assert run_info is not None
-        if not run_info.active:
-            return run_info
-        assert time.monotonic() < deadline, "the run did not finish"
-        await asyncio.sleep(0.1)
+    run_info = await asyncio.wait_for(job.wait(), 120)
+    assert run_info is not None and not run_info.active
+    return run_info
 
 
 @pytest.mark.multiprocess

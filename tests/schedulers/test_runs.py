@@ -59,13 +59,13 @@ def one_process(positions: list[int | None], **data: Any) -> tuple[list[dict[str
 
 
 async def ended(job: Job) -> RunInfo:
-    """The job's run, once it has ended."""
-    while True:
-        run = (await job.describe()).run
-        assert run is not None
-        if not run.active:
-            return run
-        await asyncio.sleep(0.05)
+    """The job's run, once it has ended (as ``describe`` says it then)."""
+    run = await job.wait()
+    assert run is not None and not run.active
+    described = (await job.describe()).run
+    assert described is not None and (described.done, described.target, described.active, described.error) == (
+        run.done, run.target, run.active, run.error)
+    return run
 
 
 def equal(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> bool:
@@ -91,6 +91,28 @@ async def test_a_run_sends_each_step_ahead_lets_a_state_read_in_between_and_trai
     assert equal(state, states[-1])
     assert later.last_stats is not None and later.last_stats.loss == pytest.approx(losses[-1], rel=1e-5)
     assert later.run is not None and 0 < later.run.elapsed_s == run.elapsed_s  # timed from start to end
+
+
+async def test_wait_returns_a_runs_end_however_it_ends_and_none_before_any_run(cluster: Cluster) -> None:
+    job = await cluster.train(**_train(data_parallel=1))
+    try:
+        assert await job.wait() is None  # never ran
+        target = 1_000_000
+        started = await job.run(target)
+        waiting = asyncio.ensure_future(job.wait())
+        await asyncio.sleep(0)
+        assert started.active and not waiting.done()
+        await job.stop()
+        stopped = await waiting
+        again = await job.wait()  # none going on: the last run's at once
+        finished = await job.run(2)
+        assert finished.active
+        done = await job.wait()
+    finally:
+        await job.close()
+    assert not stopped.active and stopped.error is None and stopped.target == target and stopped.done < target
+    assert again == stopped
+    assert not done.active and (done.done, done.target, done.error) == (2, 2, None)
 
 
 async def test_a_step_skipped_for_a_nan_drops_the_step_sent_after_it_and_sends_it_again(cluster: Cluster) -> None:
