@@ -37,7 +37,7 @@ from stages.state.lr_scheduler import learning_rates
 from transport.codecs import ErrorFeedback, get_codec
 
 __all__ = ["StepDecision", "StepTail", "check_factor", "checked_norm", "clip_coefficient", "decide_step",
-           "FOREACH_NORM_MAX", "norms64", "rescale_gradients", "squared_norm"]
+           "FOREACH_NORM_MAX", "norms64", "rescale_gradients", "sharded_squared_norm", "squared_norm"]
 
 
 # -- the decisions: pure functions of the reported numbers ---------------------------------
@@ -211,11 +211,28 @@ def rescale_gradients(params: Sequence[torch.Tensor], unscale: float, clip: floa
         torch._foreach_mul_(grads, clip)
 
 
-def _sum_over(value: float, group: Any) -> float:
-    """``value`` summed over ``group`` (in float64, so that the order of two terms cannot matter)."""
-    total = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(total, group=group)
-    return float(total.item())
+def sharded_squared_norm(params: Sequence[torch.Tensor], shards: zero.GradientShards, replica: int,
+                         group: Any) -> float:
+    """:func:`squared_norm` of ``params``' whole gradients, over data-parallel replicas that each keep
+    some of them (ZeRO's gradient shards), to the bit.
+
+    Each parameter's float64 square comes from the one replica that steps it (``shards.owners``;
+    a parameter every replica keeps whole, tied across pipeline ranks, from its owner alone, not
+    once per replica): a vector of one square per parameter, zero elsewhere, summed over the
+    replicas (a sum of one value and zeros, exact in any order). Every replica then adds the
+    squares in the parameters' order, as squared_norm does on one replica holding them all: adding
+    each replica's own sum instead regroups the additions, and the norm, its clip factor and so
+    every parameter after a clipped step came out an ulp away from the unsharded job's.
+    """
+    squares = torch.zeros(len(params), dtype=torch.float64)
+    mine = [i for i, p in enumerate(params) if p.grad is not None and shards.owners.get(id(p), 0) == replica]
+    if mine:
+        squares[mine] = torch.stack(norms64([params[i].grad.detach() for i in mine])).cpu() ** 2
+    dist.all_reduce(squares, group=group)
+    total = 0.0
+    for square in squares.tolist():
+        total += square
+    return total
 
 
 class StepTail:
@@ -274,10 +291,13 @@ class StepTail:
             # A lossy reduce codec can overflow (fp16 past 65504) where the raw gradients did not.
             reduced = await executor.compute_local("check", nonfinite_gradients, named)
             found = [f"{name} (after the data-parallel reduction)" for name in reduced]
-        grad_sq = await executor.compute_local("norm", squared_norm, built.norm_params)
         if built.gradient_shards is not None and self.groups is not None and self.groups.groups is not None:
-            # Each replica holds its runs' gradients only: the shares add up over the replicas.
-            grad_sq = await executor.compute(_sum_over, grad_sq, self.groups.data_group())
+            # Each replica holds its runs' gradients only: their squares meet on every replica.
+            replica = self.config.mesh.coords(self.config.global_rank).data
+            grad_sq = await executor.compute(sharded_squared_norm, built.norm_params, built.gradient_shards, replica,
+                                             self.groups.data_group())
+        else:
+            grad_sq = await executor.compute_local("norm", squared_norm, built.norm_params)
         return ReduceReport(reduced_bytes=self._reduced_bytes, nonfinite=found, grad_sq=grad_sq, wait_s=wait_s,
                             tied=[built.tied_names(group.names) for group in built.tied.groups])
 
