@@ -225,9 +225,10 @@ def sharded_squared_norm(params: Sequence[torch.Tensor], shards: zero.GradientSh
     every parameter after a clipped step came out an ulp away from the unsharded job's.
     """
     squares = torch.zeros(len(params), dtype=torch.float64)
-    mine = [i for i, p in enumerate(params) if p.grad is not None and shards.owners.get(id(p), 0) == replica]
+    mine = [(i, p.grad.detach()) for i, p in enumerate(params)
+            if p.grad is not None and shards.owners.get(id(p), 0) == replica]
     if mine:
-        squares[mine] = torch.stack(norms64([params[i].grad.detach() for i in mine])).cpu() ** 2
+        squares[[i for i, _ in mine]] = torch.stack(norms64([grad for _, grad in mine])).cpu() ** 2
     dist.all_reduce(squares, group=group)
     total = 0.0
     for square in squares.tolist():
