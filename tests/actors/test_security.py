@@ -19,6 +19,7 @@ from actors import (
     HEAD,
     NODE,
     ActorTimeout,
+    BadArguments,
     Cluster,
     ClusterKeys,
     Event,
@@ -582,3 +583,19 @@ async def test_a_members_flood_leaves_the_head_answering_and_no_node_lost(cluste
     finally:
         push.close(linger=0)
         context.term()
+
+
+async def test_a_jobs_wait_answers_no_stranger_and_refuses_an_argument(cluster: Cluster) -> None:
+    job = await cluster.train(**MODEL)
+    try:
+        stranger = Keypair.generate()
+        async with open_runtime("tcp://127.0.0.1:0", keys=stranger, ring=lambda: {stranger.public: "client:me"}) as rt:
+            with pytest.raises(ActorTimeout):  # refused at the handshake, as every endpoint
+                await rt.ref(*job.ref.to_wire()).endpoint(JobActor.wait, timeout=1.0).call()
+        with pytest.raises(BadArguments, match="too many positional"):  # wait takes nothing: refused before it runs
+            await job.ref.ask("wait", "x" * 1_000_000, timeout=30)
+        assert await job.wait() is None  # the job goes on serving its owner (it never ran)
+        await job.step(*batch())
+        assert (await job.describe()).steps == 1
+    finally:
+        await job.close()
