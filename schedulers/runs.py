@@ -36,13 +36,16 @@ class RunState:
     done: int = 0
     ahead: int = 0  # of done, the steps sent while the one before was in flight
     stop: bool = False
-    finished: bool = False
     error: str | None = None
     task: asyncio.Task[Any] | None = None
     started: float = field(default_factory=time.perf_counter)
     ended: float | None = None
     wake: asyncio.Event = field(default_factory=asyncio.Event)  # set by resume and stop
-    over: asyncio.Event = field(default_factory=asyncio.Event)  # set once finished
+    over: asyncio.Event = field(default_factory=asyncio.Event)  # set once the run has ended
+
+    @property
+    def finished(self) -> bool:
+        return self.over.is_set()
 
     def info(self) -> RunInfo:
         return RunInfo(target=self.target, first_step=self.first_step, done=self.done, active=not self.finished,
@@ -130,7 +133,7 @@ class Runs:
             state.error = str(exc) if isinstance(exc, ActorError) else f"{type(exc).__name__}: {exc}"
             reason = "failed"
         finally:
-            state.finished, state.ended = True, time.perf_counter()
+            state.ended = time.perf_counter()
             state.over.set()
             job.publish(RunFinished(job=job.id, done=state.done, target=state.target, reason=reason,
                                     error=state.error))

@@ -111,10 +111,16 @@ def squared_norm(params: Sequence[torch.Tensor]) -> float:
     the squares are summed on the host, in order, as a float64 scalar would.
     """
     norms = norms64([p.grad.detach() for p in params if p.grad is not None])
+    return _added_in_order((torch.stack(norms).cpu() ** 2).tolist()) if norms else 0.0
+
+
+def _added_in_order(values: list[float]) -> float:
+    """``values`` added one after the other from 0.0, as a float64 accumulator would: not ``sum``, which
+    from Python 3.12 compensates its rounding, nor ``math.fsum`` (a sharded and an unsharded job must
+    add alike wherever they run)."""
     total = 0.0
-    if norms:
-        for square in (torch.stack(norms).cpu() ** 2).tolist():
-            total += square
+    for value in values:
+        total += value
     return total
 
 
@@ -161,11 +167,8 @@ def norms64(grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     small = [i for i, g in enumerate(grads)
              if g.device.type == "cpu" and g.dtype != torch.float64 and g.numel() <= FOREACH_NORM_MAX
              and g.is_contiguous()]
-    norms: list[torch.Tensor | None] = [None] * len(grads)
-    if small:
-        for i, norm in zip(small, torch._foreach_norm([grads[i] for i in small], 2, dtype=torch.float64)):
-            norms[i] = norm
-    return [norm if norm is not None else norm64(grad) for norm, grad in zip(norms, grads)]
+    fused = dict(zip(small, torch._foreach_norm([grads[i] for i in small], 2, dtype=torch.float64))) if small else {}
+    return [fused[i] if i in fused else norm64(grad) for i, grad in enumerate(grads)]
 
 
 def _float64_buffer(numel: int) -> torch.Tensor:
@@ -230,10 +233,7 @@ def sharded_squared_norm(params: Sequence[torch.Tensor], shards: zero.GradientSh
     if mine:
         squares[[i for i, _ in mine]] = torch.stack(norms64([grad for _, grad in mine])).cpu() ** 2
     dist.all_reduce(squares, group=group)
-    total = 0.0
-    for square in squares.tolist():
-        total += square
-    return total
+    return _added_in_order(squares.tolist())
 
 
 class StepTail:
