@@ -8,7 +8,11 @@ through the same channel secured as a cluster's channels are by default (a sessi
 opened over CURVE, every message sealed with AES-GCM: ``transport.sealed``), through
 it with every message in CURVE itself (libsodium, the way before sealing), and through
 raw blocking pyzmq sending the tensor's buffer with ``copy=False`` — alternating
-trials so machine noise hits all alike. The channels get the tensor as raw pyzmq does,
+trials so machine noise hits all alike, seven of each by default: on a 2-core machine one
+trial of the same kind can run at 1.7 or 4.5 GB/s (raw pyzmq at 1 MiB, twelve trials in
+a row; at 64 KiB 0.55 or 3.5), by where the scheduler puts the four busy threads, so a
+median of three decided little. Each kind's spread (its slowest and fastest trial) is
+printed beside its median. The channels get the tensor as raw pyzmq does,
 to read while they send (``handed_over=True``: the sender never modifies it). The
 receiver times each block from its first message to its last. The last line printed is
 one JSON object.
@@ -165,7 +169,7 @@ def measure_codecs(numel: int = 4 << 20, repeats: int = 5) -> dict[str, tuple[fl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trials", type=int, default=3, help="alternating trials per transport")
+    parser.add_argument("--trials", type=int, default=7, help="alternating trials per transport")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -180,6 +184,10 @@ def main() -> None:
     print(f"one-way throughput, ipc, PUSH/PULL, median of {args.trials} trials (GB/s)")
     print(f"{'size':>8} {'raw pyzmq':>10} {'channel':>10} {'ratio':>7} {'secure':>8} {'vs plain':>9} "
           f"{'all CURVE':>10} {'vs plain':>9}")
+    for i, label in enumerate(SIZES):
+        spread = "  ".join(f"{kind} {min(t[i] for t in trials) / 1e9:.2f}-{max(t[i] for t in trials) / 1e9:.2f}"
+                           for kind, trials in samples.items())
+        print(f"{label:>8} trials' spread (GB/s): {spread}")
     for i, label in enumerate(SIZES):
         raw, chan = medians["raw"][i], medians["channel"][i]
         secure, curve = medians["secure"][i], medians["curve"][i]
