@@ -44,9 +44,10 @@ async def test_a_large_tensor_is_copied_as_it_is_queued_unless_it_was_handed_ove
     pair: tuple[Receiver, Sender]
 ) -> None:
     """Not handed over, a tensor may change once send returns (it was copied): the receiver gets
-    it as it was. Handed over, ZeroMQ reads it while sending, no copy made (as raw copy=False)."""
+    it as it was. Handed over, ZeroMQ reads it while sending, no copy made (as raw copy=False),
+    unless it is below COPY_THRESHOLD (128 KiB), where a copy costs less than a zero-copy frame."""
     rx, tx = pair
-    tensor = torch.zeros(1 << 18)  # 1 MiB: past ZeroMQ's copy threshold
+    tensor = torch.zeros(1 << 18)  # 1 MiB: past the copy threshold
     with spy_on_copies() as spy:
         for value in range(3):
             tensor.fill_(value)
@@ -54,11 +55,14 @@ async def test_a_large_tensor_is_copied_as_it_is_queued_unless_it_was_handed_ove
         tensor.fill_(-1.0)
         await tx.send(tensor, handed_over=True)
         tx.send_nowait(tensor, handed_over=True)
-        await tx.send({"small": torch.ones(4)}, handed_over=True)  # below the threshold ZeroMQ copies anyway
-    assert spy.copies == [True, True, True, False, False, True]
-    received = [await rx.receive() for _ in range(5)]
+        await tx.send({"small": torch.ones(4)}, handed_over=True)  # below the threshold: copied
+        await tx.send(torch.ones(1 << 14), handed_over=True)  # 64 KiB, pyzmq's own threshold: still copied
+        await tx.send(torch.ones(1 << 15), handed_over=True)  # 128 KiB: zero-copy
+    assert spy.copies == [True, True, True, False, False, True, True, False]
+    received = [await rx.receive() for _ in range(8)]
     assert [float(message[0]) for message in received[:3]] == [0.0, 1.0, 2.0]
-    assert all(torch.equal(message, tensor) for message in received[3:])
+    assert all(torch.equal(message, tensor) for message in received[3:5])
+    assert torch.equal(received[6], torch.ones(1 << 14)) and torch.equal(received[7], torch.ones(1 << 15))
 
 
 async def test_a_message_of_no_bytes_is_sent_once_and_counted(pair: tuple[Receiver, Sender]) -> None:
