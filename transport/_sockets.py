@@ -13,8 +13,8 @@ import zmq
 
 from transport.wire import MessageTooLarge
 
-__all__ = ["ChannelClosed", "Readiness", "bind_address", "bulk_bind_address", "events", "gather", "is_local_address",
-           "is_loopback", "measure", "readable", "send_nowait", "writable"]
+__all__ = ["COPY_THRESHOLD", "ChannelClosed", "Readiness", "bind_address", "bulk_bind_address", "events", "gather",
+           "is_local_address", "is_loopback", "measure", "readable", "send_nowait", "writable"]
 
 
 class ChannelClosed(RuntimeError):
