@@ -22,6 +22,7 @@ end runs in a daemon thread of its own, polling its one socket.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
@@ -130,6 +131,8 @@ class LivenessServer:
                 try:
                     ready = dict(poller.poll(_POLL_MS))
                 except zmq.ZMQError as exc:
+                    if exc.errno == zmq.ETERM:  # the context is ending: it waits for these sockets to close
+                        return
                     log.warning("liveness: %s", exc)
                     continue
                 for name, (identity, socket, monitor) in list(watched.items()):
@@ -144,6 +147,7 @@ class LivenessServer:
                     except Exception:  # one node's trouble must not end liveness for the others
                         log.exception("liveness: node %s", name)
         finally:
+            self._take_changes(watched)  # and those made since the last look
             for _, socket, monitor in watched.values():
                 _close(socket, monitor)
 
@@ -167,7 +171,8 @@ class LivenessServer:
 
 
 def _close(socket: zmq.Socket[Any], monitor: zmq.Socket[Any]) -> None:
-    socket.disable_monitor()
+    with contextlib.suppress(zmq.ZMQError):  # ETERM: the context is ending, and closing the socket ends its monitor
+        socket.disable_monitor()
     monitor.close(linger=0)
     socket.close(linger=0)
 
@@ -221,9 +226,11 @@ class LivenessClient:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
-        self._socket.disable_monitor()
-        self._monitor.close(linger=0)
-        self._socket.close(linger=0)
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        if not self._socket.closed:  # the thread closes them itself when the context ends first
+            _close(self._socket, self._monitor)
 
     def _serve(self) -> None:
         poller = zmq.Poller()
@@ -250,6 +257,9 @@ class LivenessClient:
                 if self._socket in ready:
                     self._socket.recv_multipart()  # the head sends nothing; drop what comes
             except zmq.ZMQError as exc:
+                if exc.errno == zmq.ETERM:  # the context is ending (its runtime closed before this watch):
+                    self._close_sockets()   # it waits for these sockets, and would wait for ever
+                    return
                 if self._stop.is_set():
                     return
                 log.debug("liveness: %s", exc)

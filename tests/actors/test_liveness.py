@@ -130,3 +130,26 @@ def test_a_head_that_ended_before_the_watchs_first_handshake_is_lost_too() -> No
     finally:
         client.close()
         context.term()
+
+
+def test_a_context_that_ends_before_its_watches_are_closed_ends_them() -> None:
+    """Ending the context (``zmq.Context.term``) waits for every socket made in it; a watch's thread
+    that kept polling on ETERM kept its sockets open, and the ending waited for ever. Found as a
+    driver script that raised while its cluster was open: ``asyncio.run`` closed the runtime (its
+    async generator) before the cluster's watch, and the script hung instead of exiting."""
+    import threading
+
+    from actors._liveness import LivenessClient
+
+    context: zmq.Context[object] = zmq.Context()
+    server = LivenessServer(context, "tcp://127.0.0.1", None, lambda name: None, interval=0.1, timeout=600)
+    endpoint = server.watch("node1", "")
+    client = LivenessClient(context, endpoint, "node1", None, None)
+    assert until(lambda: "node1" in server.verified)
+    server.watch("node2", "")  # made after the thread's last look, too
+    ending = threading.Thread(target=context.term, daemon=True)
+    ending.start()
+    ending.join(timeout=60)
+    assert not ending.is_alive(), "the context waited for the watches' sockets"
+    client.close()  # after the context ended: nothing left to close, and no error
+    server.close()
