@@ -69,7 +69,15 @@ class Inbox:
         slot.set_result(value)
 
     async def take(self, key: tuple[int, str, int, int]) -> Payload:
-        value = await self._slot(key)
+        slot = self._slot(key)
+        try:
+            value = await slot
+        except asyncio.CancelledError:
+            # The step was aborted while this waited, which cancelled the slot too: a value that
+            # arrives now is its step's leftover (the reset drops it), not a second delivery.
+            if self._slots.get(key) is slot:
+                del self._slots[key]
+            raise
         del self._slots[key]
         return value
 

@@ -8,6 +8,7 @@ boundary's codec, and start a changed gradient boundary's error feedback afresh.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from typing import Any
 
@@ -75,6 +76,22 @@ async def test_a_delivered_value_waits_in_the_inbox_and_comes_once() -> None:
     incoming.deliver(0, 2, 0, "F", 1, 0, [torch.ones(1)], 1)
     with pytest.raises(ValueError, match="delivered twice"):
         incoming.deliver(0, 2, 0, "F", 1, 0, [torch.ones(1)], 1)
+
+
+async def test_a_value_that_arrives_after_its_step_was_aborted_is_a_leftover_not_a_second_delivery() -> None:
+    """Aborting a step cancels the program waiting on the inbox, and with it the slot it waited on;
+    the neighbour's value still on the wire then arrived at a cancelled slot and was refused as
+    "delivered twice", an ERROR with a traceback in the node's log each time a driver cancelled a step."""
+    incoming = receiver()
+    waiting = asyncio.ensure_future(incoming.inbox.take((0, "F", 1, 0)))
+    await asyncio.sleep(0)  # the program waits on the slot
+    waiting.cancel()  # abort_step cancels the program
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    incoming.deliver(0, 2, 0, "F", 1, 0, [torch.ones(1)], 1)  # the leftover: kept until the reset drops it
+    incoming.inbox.drop_step(0)
+    incoming.deliver(0, 2, 0, "F", 1, 0, [torch.ones(1)], 1)  # and the slot is free again after it
+    assert torch.equal((await incoming.inbox.take((0, "F", 1, 0))).leaves[0], torch.ones(1))
 
 
 @pytest.mark.parametrize(("activation", "gradient", "match"), [
