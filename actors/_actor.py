@@ -18,7 +18,8 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, Union, overload
 
-from actors._errors import ActorError, BadArguments, MailboxFull, NotAllowed, UnknownEndpoint, exit_error
+from actors._errors import (ActorError, ActorStopped, BadArguments, MailboxFull, NotAllowed, UnknownEndpoint,
+                            exit_error)
 from actors._ref import ENDPOINT_ATTR, ActorRef
 from transport.records import RECORD_NAMES
 
@@ -490,6 +491,14 @@ class Mailbox:
         finally:
             if self._started is not None:  # stopped: the call in progress ends with the actor
                 self._started.cancel()
+            while not self._queue.empty():  # and the calls still waiting are answered, not left to time out
+                self._answer_stopped(self._queue.get_nowait(), "was not run: the actor stopped first")
+
+    def _answer_stopped(self, call: Call, what: str) -> None:
+        """Tells ``call``'s caller (if it waits for an answer) that the call ended unanswered: ``what``."""
+        if call.reply is not None:
+            self._spawn_task(call.reply(False, ActorStopped(
+                f"{type(self.actor).__name__}.{call.method} on {self.actor.name!r} {what}")))
 
     async def stopped(self) -> None:
         """Waits for a call started at delivery to end, once the run loop was cancelled."""
@@ -518,6 +527,10 @@ class Mailbox:
         try:
             result = await method(*args, **kwargs)
         except asyncio.CancelledError:
+            # Cancelled where it ran (the actor stopping, or an owner cancelling the work the call was
+            # doing): the caller hears so now rather than at its timeout. A caller that cancelled the
+            # call itself is gone, and its answer is dropped.
+            self._answer_stopped(call, "was cancelled before it answered")
             raise
         except Exception as exc:
             await self._fail(call, exc)

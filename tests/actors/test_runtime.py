@@ -452,6 +452,55 @@ async def test_stop_actor_runs_on_stop_and_fails_later_calls(runtimes: tuple[Run
         await ref.ask("add", 1)
 
 
+class Cancelling(Actor):
+    """Work that another endpoint cancels, as a job's close cancels the step in progress."""
+
+    def __init__(self) -> None:
+        self.work_task: asyncio.Task[Any] | None = None
+
+    @endpoint(concurrent=True)
+    async def work(self) -> None:
+        self.work_task = asyncio.current_task()
+        await asyncio.Event().wait()
+
+    @endpoint(concurrent=True)
+    async def cancel_work(self) -> None:
+        assert self.work_task is not None
+        self.work_task.cancel()
+
+
+async def test_a_call_cancelled_where_it_runs_is_answered_at_once(runtimes: tuple[Runtime, Runtime]) -> None:
+    """Found as a job closed while a driver's job.step was in flight: the step's task was cancelled
+    on the head, no answer went back, and the driver waited for the step's timeout (minutes)."""
+    server, client = runtimes
+    actor = Cancelling()
+    ref = client.ref((await server.spawn(actor, "w")).address, "w")
+    pending = asyncio.ensure_future(ref.ask("work", timeout=None))  # only an answer ends it
+    while actor.work_task is None:
+        await asyncio.sleep(0.01)
+    await ref.ask("cancel_work")
+    with pytest.raises(ActorStopped, match=r"Cancelling.work on 'w' was cancelled before it answered"):
+        await pending
+
+
+async def test_stopping_an_actor_answers_the_call_in_progress_and_those_waiting(
+        runtimes: tuple[Runtime, Runtime]) -> None:
+    server, client = runtimes
+    counter, ref = await spawn_counter(server, client)
+    running = asyncio.ensure_future(ref.ask("wait_gate", timeout=None))
+    await counter.entered.wait()
+    waiting = [asyncio.ensure_future(ref.ask("add", 1, timeout=None)) for _ in range(3)]
+    while server._mailboxes["counter"]._queue.qsize() < 3:  # every one is in the mailbox, behind the first
+        await asyncio.sleep(0.01)
+    await server.stop_actor("counter")
+    with pytest.raises(ActorStopped, match="cancelled before it answered"):
+        await running
+    for call in waiting:
+        with pytest.raises(ActorStopped, match=r"Counter.add on 'counter' was not run: the actor stopped first"):
+            await call
+    assert counter.value == 0
+
+
 async def test_failing_on_start_aborts_the_spawn() -> None:
     class Broken(Actor):
         async def on_start(self) -> None:

@@ -14,7 +14,7 @@ import pytest
 import pytest_asyncio
 import torch
 
-from actors import Cluster, LocalCluster, NotAllowed, RemoteError, StepFailed, UnknownActor
+from actors import ActorStopped, Cluster, LocalCluster, NotAllowed, RemoteError, StepFailed, UnknownActor
 from examples.data import regression_batches
 from examples.models import residual_mlp
 from schedulers.job_actor import JobActor
@@ -79,6 +79,20 @@ async def test_each_job_has_an_actor_that_closing_the_job_stops(cluster: Cluster
     assert job.id not in [d.job for d in await cluster.jobs()]
     with pytest.raises(RemoteError, match=f"no job '{job.id}'"):
         await cluster.job(job.id)
+
+
+async def test_a_step_in_flight_when_its_job_closes_fails_at_once(cluster: Cluster) -> None:
+    """Found by a driver that closed a job from one task while another awaited ``job.step``: the close
+    cancelled the step on the head, no answer came back, and the step waited out its timeout
+    (``step_timeout_s`` + 60 s: 11 minutes by default). It now fails as soon as the job closes."""
+    job = await cluster.train(model="tests.helpers.models:stalling", model_kwargs={"seconds": 1.0},
+                              pipeline_stages=2, micro_batches=2)
+    step = asyncio.ensure_future(job.step(torch.randn(4, 8), torch.randn(4, 8)))
+    while not (await job.describe()).stepping:  # the stages sleep a second in every forward
+        await asyncio.sleep(0.01)
+    await job.close()
+    with pytest.raises(ActorStopped, match="JobActor.step on '.*' was cancelled before it answered"):
+        await step
 
 
 async def test_stages_can_read_their_own_data(cluster: Cluster) -> None:
