@@ -192,6 +192,23 @@ class LocalCluster(actors.LocalCluster):
         return cluster
 
 
+class _JobEndpoint(Endpoint[P, R]):
+    """An endpoint of a job's actor: a call to a job that is gone says so by the job's name."""
+
+    __slots__ = ("job",)
+
+    def __init__(self, ref: ActorRef, method: str, timeout: float | None, job: str) -> None:
+        super().__init__(ref, method, timeout)
+        self.job = job
+
+    async def call(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return await super().call(*args, **kwargs)
+        except UnknownActor:
+            raise UnknownActor(f"job {self.job!r} is closed: its actor is no longer on the head (this client "
+                               f"or another closed it, or the head was restarted)") from None
+
+
 class Job:
     """A job running on a cluster: every method is a call to the job's actor on the head
     (:class:`~schedulers.job_actor.JobActor`).
@@ -226,7 +243,8 @@ class Job:
             HeadLost: the head is known to be gone.
         """
         self.cluster.check_head()
-        return self.ref.endpoint(method, timeout=timeout)
+        endpoint = self.ref.endpoint(method, timeout=timeout)
+        return _JobEndpoint(endpoint.ref, endpoint.method, endpoint.timeout, self.id)
 
     # -- training --------------------------------------------------------------------
 

@@ -76,6 +76,8 @@ async def test_each_job_has_an_actor_that_closing_the_job_stops(cluster: Cluster
     with pytest.raises(UnknownActor, match=f"no actor named '{job.id}.control'"):
         await job.ref.endpoint(JobActor.describe, timeout=10).call()
     await job.close()  # twice is fine
+    with pytest.raises(UnknownActor, match=f"job '{job.id}' is closed: its actor is no longer on the head"):
+        await again.step(*batch())  # not the actor's name at an address of keys and sockets
     assert job.id not in [d.job for d in await cluster.jobs()]
     with pytest.raises(RemoteError, match=f"no job '{job.id}'"):
         await cluster.job(job.id)
