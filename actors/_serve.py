@@ -15,6 +15,7 @@ from typing import Any
 
 from actors._errors import ActorError
 from actors._liveness import LivenessClient
+from actors._reach import HeadUnreachable, check_security_matches, why_no_answer
 from actors._ref import ActorRef
 from actors._nodes import HEAD, NODE, HeadActor, HeartbeatSettings, NodeActor, NodeInfo, node_info
 from actors._registry import registered_actors
@@ -229,8 +230,10 @@ async def serve_worker(config: WorkerConfig) -> None:
         join = config.join or await _read_join_file(config.join_file, config.head_timeout, stop)
         if not join:
             return
+        check_security_matches(join, config.keys is not None,
+                               "start this node with --keys DIR (the cluster's key directory), not --insecure")
         head = runtime.ref(head_address(join, config.keys), HEAD)
-        settings = await _register(head, info, config.head_timeout, stop)
+        settings = await _register(head, info, config.head_timeout, stop, secure=config.keys is not None)
         if settings is None:
             return
         agent.head = head
@@ -249,8 +252,13 @@ async def serve_worker(config: WorkerConfig) -> None:
 
 
 async def _register(
-    head: ActorRef, info: NodeInfo, head_timeout: float, stop: asyncio.Event
+    head: ActorRef, info: NodeInfo, head_timeout: float, stop: asyncio.Event, *, secure: bool
 ) -> HeartbeatSettings | None:
+    """Registers with the head, retrying while it does not answer (it may be starting).
+
+    Raises:
+        HeadUnreachable: no answer for ``head_timeout`` seconds; says what a look at the address found.
+    """
     deadline = time.monotonic() + head_timeout
     while not stop.is_set():
         try:
@@ -258,8 +266,12 @@ async def _register(
             log.info("registered with the head at %s", head.address)
             return settings
         except ActorError as exc:
-            if time.monotonic() > deadline or not isinstance(exc, TimeoutError):
+            if not isinstance(exc, TimeoutError):
                 raise
+            if time.monotonic() > deadline:
+                why = await asyncio.to_thread(why_no_answer, head.address, secure)
+                raise HeadUnreachable(f"the head at {head.address.partition('|')[0]} did not answer this node "
+                                   f"within {head_timeout:g}s: {why}") from None
             log.info("head at %s not answering yet; retrying", head.address)
     return None
 

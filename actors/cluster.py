@@ -34,6 +34,7 @@ from actors import launchers
 from actors._forkserver import ForkedProcess, fork_server
 from actors._errors import ActorError, ActorTimeout, HeadLost, NotAllowed
 from actors._liveness import HEAD_GONE_S, LivenessClient
+from actors._reach import HeadUnreachable, check_security_matches, why_no_answer
 from actors._nodes import HEAD, NODE, SILENT_TIMEOUT_S, HeadActor, NodeActor, NodeInfo
 from actors._subscribers import EventSink
 from actors.events import Event
@@ -174,8 +175,10 @@ class Cluster:
                 whose process ended is known within 3 s whatever this says (:meth:`watch_head`).
 
         Raises:
-            ActorTimeout: the head did not answer within ``timeout`` (a head that does
-                not admit this driver's key never answers: its handshake is refused).
+            HeadUnreachable: (an ``ActorTimeout``) the head did not answer within ``timeout``; the message says whether
+                anything listens at ``address`` and, if something does, what to check (a head
+                that does not admit this driver's key never answers: its handshake is refused).
+            SecurityMismatch: (a ``ValueError``) ``insecure`` with an address that carries the head's public key.
             KeyFileError: the key directory is missing, unsafe, or lacks ``identity``.
         """
         target: type[C] = cluster_class() if cls is Cluster else cls  # type: ignore[assignment]
@@ -297,13 +300,19 @@ class _Connecting(Generic[C]):
 
     async def _open(self) -> C:
         address, bind, timeout = self._args
+        check_security_matches(address, self._keys is not None,
+                               "connect with keys= (the cluster's key directory) and identity=, not insecure=True")
         secure = security(self._keys, self._identity)
         stack = contextlib.AsyncExitStack()
         try:
             runtime = await stack.enter_async_context(open_runtime(
                 bind, allow_remote=self._allow_remote, max_message_bytes=self._max_message_bytes, **secure))
             head = runtime.ref(head_address(address, self._keys), HEAD)
-            await head.endpoint(HeadActor.nodes, timeout=timeout).call()
+            try:
+                await head.endpoint(HeadActor.nodes, timeout=timeout).call()
+            except ActorTimeout as exc:
+                why = await asyncio.to_thread(why_no_answer, head.address, self._keys is not None)
+                raise HeadUnreachable(f"{exc.message}: {why}") from None
         except BaseException:
             await stack.aclose()
             raise

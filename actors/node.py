@@ -17,6 +17,7 @@ from actors import launchers
 from actors._registry import DEFAULT_ALLOW
 from actors.devices import device_argument
 from actors.keys import DEFAULT_KEYS, KeyFileError
+from actors._reach import HeadUnreachable, SecurityMismatch
 from actors.plugins import head_modules
 from actors._serve import ENCRYPTION_ENV, HeadConfig, WorkerConfig, serve_head, serve_worker
 from transport.loop import run
@@ -158,9 +159,12 @@ def main(argv: list[str] | None = None) -> int:
             exit_with_head=getattr(args, "exit_with_head", False), preload=tuple(args.preload)))
     try:
         run(serve)
-    except KeyFileError as exc:  # keys it may not use (missing, or open to others): one line says what to fix
-        print(f"error: {exc}", file=sys.stderr)
+    except (KeyFileError, SecurityMismatch) as exc:  # keys it may not use, or none for a secure head
+        print(f"error: {exc}", file=sys.stderr)  # one line says what to fix
         return 2
+    except HeadUnreachable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -77,3 +77,24 @@ def test_encryption_is_on_unless_turned_off_explicitly_and_off_is_logged(
     monkeypatch.setenv(ENCRYPTION_ENV, "maybe")
     with pytest.raises(ValueError, match="on \\(the default\\) or off"):
         bulk_mode()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("join", "code", "says"), [
+    (f"tcp://127.0.0.1:{{port}}|{'ab' * 32}", 2, "error: the head at tcp://127.0.0.1:{port} is secure (its address "
+                                                 "carries its public key), and this process has no keys: start this "
+                                                 "node with --keys"),
+    ("tcp://127.0.0.1:{port}", 1, "error: the head at tcp://127.0.0.1:{port} did not answer this node within 2s: "
+                                  "nothing listens there: tcp://127.0.0.1:{port} refused the connection"),
+])
+def test_a_worker_that_cannot_reach_its_head_says_why_in_one_line(join: str, code: int, says: str) -> None:
+    """Both ended in a traceback, the second after "no reply from head.register ... within 1.0s"."""
+    import socket
+
+    with socket.socket() as probe:  # a port nothing listens at once this closes
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    done = subprocess.run([sys.executable, "-m", "actors.node", "--join", join.format(port=port), "--insecure",
+                           "--name", "w", "--head-timeout", "2"], capture_output=True, text=True, timeout=100)
+    assert done.returncode == code, done.stderr
+    assert says.format(port=port) in done.stderr and "Traceback" not in done.stderr

@@ -102,6 +102,19 @@ async def test_a_peer_without_the_clusters_key_gets_no_answer(cluster: Cluster, 
     assert len(await cluster.nodes()) == 2  # the head goes on serving its members
 
 
+async def test_a_driver_without_the_clusters_key_is_told_what_to_check(cluster: Cluster, tmp_path: Path) -> None:
+    """Both waited ten seconds and said only "no reply from head.nodes"; the keyless one now fails at once."""
+    from actors._reach import HeadUnreachable, SecurityMismatch
+
+    other = ClusterKeys.create(str(tmp_path / "other"))
+    with pytest.raises(HeadUnreachable, match="something listens there but did not answer: a head whose ring does "
+                                              "not hold this process's key refuses its handshake"):
+        await Cluster.connect(cluster.head.address, keys=other.directory, identity="admin", timeout=1.0)
+    with pytest.raises(SecurityMismatch, match="is secure \\(its address carries its public key\\), and this process "
+                                               "has no keys: connect with keys="):
+        await Cluster.connect(cluster.head.address, insecure=True)
+
+
 async def test_a_client_cannot_act_on_another_clients_job(cluster: Cluster) -> None:
     async with Cluster.connect(cluster.head.address, keys=keys().directory, identity="alice") as alice, \
             Cluster.connect(cluster.head.address, keys=keys().directory, identity="bob") as bob:

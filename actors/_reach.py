@@ -1,0 +1,84 @@
+"""Why a head did not answer: what a driver or a worker can find out for itself, for its error.
+
+A call that gets no answer says only that it waited; ZeroMQ keeps retrying a refused
+connection and drops a refused CURVE handshake in silence. When the first call to a
+head times out, :func:`why_no_answer` looks once at the address: whether anything
+listens there at all (an ``ipc://`` socket file, a TCP port that accepts), and if
+something does, what makes a head stay silent to this process (its key not in the
+head's ring, or no key for a secure head). :func:`check_security_matches` refuses at
+once what cannot work: no keys for an address that carries the head's public key.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from actors._errors import ActorTimeout
+from transport.security import split_address
+
+__all__ = ["HeadUnreachable", "SecurityMismatch", "check_security_matches", "why_no_answer"]
+
+# How long a look at a TCP address may wait for the connection to be accepted.
+PROBE_TIMEOUT_S = 2.0
+
+
+class SecurityMismatch(ValueError):
+    """A process without keys asked to reach a head whose address carries its public key."""
+
+
+class HeadUnreachable(ActorTimeout):
+    """The head did not answer in time; the message says what a look at its address found."""
+
+
+def check_security_matches(address: str, secure: bool, fix: str) -> None:
+    """Refuses to reach a secure head without keys (its address carries its public key); ``fix``
+    says how to give this process its keys (the driver's arguments or the node's flags).
+
+    Raises:
+        SecurityMismatch: ``secure`` is False and ``address`` names a CURVE key.
+    """
+    endpoint, key = split_address(address)
+    if key is not None and not secure:
+        raise SecurityMismatch(f"the head at {endpoint} is secure (its address carries its public key), and this "
+                               f"process has no keys: {fix}, or start the head with --insecure")
+
+
+def why_no_answer(address: str, secure: bool) -> str:
+    """One sentence on why the head at ``address`` may not have answered (``secure``: this process speaks CURVE)."""
+    endpoint, _ = split_address(address)
+    listening = _listens(endpoint)
+    if listening is not None:
+        return listening
+    if secure:
+        return ("something listens there but did not answer: a head whose ring does not hold this process's key "
+                "refuses its handshake without a word (is keys= the cluster's key directory, and identity= one "
+                "of its keys?), or it is not an actorpipe head, or it is too busy to answer in time")
+    return ("something listens there but did not answer: a secure head (one started without --insecure) refuses "
+            "a process without keys, or it is not an actorpipe head, or it is too busy to answer in time")
+
+
+def _listens(endpoint: str) -> str | None:
+    """None where something accepts a connection at ``endpoint``, else why nothing does."""
+    scheme, _, rest = endpoint.partition("://")
+    if scheme == "ipc":
+        if not os.path.exists(rest):
+            return f"nothing listens there: there is no socket file at {rest} (is the head running, at this address?)"
+        family: int = socket.AF_UNIX
+        target: str | tuple[str, int] = rest
+    elif scheme == "tcp":
+        host, _, port = rest.rpartition(":")
+        if not port.isdigit():
+            return None  # a name ZeroMQ resolves its own way: no verdict
+        family, target = (socket.AF_INET6 if ":" in host else socket.AF_INET), (host.strip("[]"), int(port))
+    else:
+        return None
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.settimeout(PROBE_TIMEOUT_S)
+        try:
+            probe.connect(target)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return f"nothing listens there: {endpoint} refused the connection (is the head running, at this address?)"
+        except OSError as exc:
+            return f"{endpoint} could not be reached: {exc.strerror or exc} (a host that is down, or a firewall)"
+    return None

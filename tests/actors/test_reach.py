@@ -1,0 +1,57 @@
+"""What a driver or a node says when the head does not answer (actors._reach): nothing listens at
+the address, or something does and stays silent, and what to check then."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from actors import Cluster
+from actors._reach import HeadUnreachable, SecurityMismatch, check_security_matches, why_no_answer
+
+KEY = "ab" * 32  # a public key part of an address: 64 hex digits
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_an_ipc_address_without_its_socket_file_is_nothing_listening(tmp_path: Path) -> None:
+    assert why_no_answer(f"ipc://{tmp_path}/head", secure=True) == \
+        f"nothing listens there: there is no socket file at {tmp_path}/head (is the head running, at this address?)"
+
+
+def test_a_refused_tcp_port_is_nothing_listening() -> None:
+    with socket.socket() as probe:  # a port nothing listens at once this closes
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    assert "nothing listens there: tcp://127.0.0.1:%d refused the connection" % port in \
+        why_no_answer(f"tcp://127.0.0.1:{port}|{KEY}", secure=True)
+
+
+@pytest.mark.parametrize(("secure", "says"), [
+    (True, "a head whose ring does not hold this process's key refuses its handshake"),
+    (False, "a secure head (one started without --insecure) refuses a process without keys"),
+])
+def test_something_that_listens_and_stays_silent_is_told_apart(tmp_path: Path, secure: bool, says: str) -> None:
+    with socket.socket() as tcp, socket.socket(socket.AF_UNIX) as unix:
+        tcp.bind(("127.0.0.1", 0))
+        tcp.listen()
+        unix.bind(str(tmp_path / "head"))
+        unix.listen()
+        for address in (f"tcp://127.0.0.1:{tcp.getsockname()[1]}", f"ipc://{tmp_path}/head"):
+            assert why_no_answer(address, secure).startswith(f"something listens there but did not answer: {says}")
+
+
+def test_no_keys_for_an_address_that_carries_the_heads_key_is_refused_at_once() -> None:
+    check_security_matches(f"tcp://127.0.0.1:5555|{KEY}", True, "give keys")
+    check_security_matches("tcp://127.0.0.1:5555", False, "give keys")
+    with pytest.raises(SecurityMismatch, match="the head at tcp://127.0.0.1:5555 is secure .* no keys: give keys, or "
+                                               "start the head with --insecure"):
+        check_security_matches(f"tcp://127.0.0.1:5555|{KEY}", False, "give keys")
+
+
+async def test_a_driver_that_reaches_nothing_says_so(tmp_path: Path) -> None:
+    with pytest.raises(HeadUnreachable, match=r"no reply from head.nodes at ipc://.* within 0.5s: nothing listens "
+                                              r"there: there is no socket file"):
+        await Cluster.connect(f"ipc://{tmp_path}/head", insecure=True, timeout=0.5)
