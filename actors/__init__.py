@@ -30,6 +30,8 @@ _EXPORTS = {
     "BadRecord": "actors._errors",
     "error_from_wire": "actors._errors",
     "HeadLost": "actors._errors",
+    "HeadUnreachable": "actors._reach",
+    "SecurityMismatch": "actors._reach",
     "LimitExceeded": "actors._errors",
     "MailboxFull": "actors._errors",
     "NodeLost": "actors._errors",
@@ -112,6 +114,7 @@ if TYPE_CHECKING:  # explicit re-exports, for type checkers (the names resolve l
         UserCodeExit as UserCodeExit,
         contained as contained,
     )
+    from actors._reach import HeadUnreachable as HeadUnreachable, SecurityMismatch as SecurityMismatch
     from actors._nodes import (
         HEAD as HEAD,
         HeadActor as HeadActor,

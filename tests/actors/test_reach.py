@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from actors import Cluster
-from actors._reach import HeadUnreachable, SecurityMismatch, check_security_matches, why_no_answer
+from actors import Cluster, HeadUnreachable, SecurityMismatch
+from actors._reach import check_security_matches, why_no_answer
 
 KEY = "ab" * 32  # a public key part of an address: 64 hex digits
 
