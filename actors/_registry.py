@@ -8,6 +8,7 @@ looked up by a ``package.module:attribute`` path that must name a function or cl
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 import os
@@ -165,9 +166,17 @@ def _attribute(owner: Any, name: str) -> Any:
     metaclass hook runs; a ``staticmethod`` yields its function and a ``classmethod``
     is bound to the class, as ``getattr`` would.
     """
+    try:
+        value = getattr(owner, name) if not isinstance(owner, type) else inspect.getattr_static(owner, name)
+    except AttributeError:
+        public = [known for known in dir(owner) if not known.startswith("_")]
+        near = difflib.get_close_matches(name, public, n=1)
+        label = getattr(owner, "__name__", type(owner).__name__)
+        what = f"module {label!r}" if isinstance(owner, types.ModuleType) else repr(label)
+        raise AttributeError(f"{what} has no attribute {name!r}" + (f"; did you mean {near[0]!r}?" if near else ""),
+                             name=name, obj=owner) from None
     if not isinstance(owner, type):
-        return getattr(owner, name)
-    value = inspect.getattr_static(owner, name)
+        return value
     if isinstance(value, staticmethod):
         return value.__func__
     if isinstance(value, classmethod):

@@ -190,3 +190,16 @@ def test_a_clients_answer_names_the_rule_but_not_the_allow_list_nor_the_folder(
     shown = str(operator.value).replace(f" ({', '.join(ALLOW)})", "")
     assert said == (shown if error is NotAllowed else shown.replace(shown[shown.index("this process"):
                                                                           shown.index("start it where")], ""))
+
+
+@pytest.mark.parametrize(("path", "says"), [
+    ("torch.optim:Adamm", "module 'torch.optim' has no attribute 'Adamm'; did you mean 'Adam'?"),
+    ("torch.nn.functional:mse_los", "module 'torch.nn.functional' has no attribute 'mse_los'; did you mean 'mse_loss'?"),
+    ("torch.optim:Adam.stepp", "'Adam' has no attribute 'stepp'; did you mean 'step'?"),
+    ("torch.optim:zzzzqqq", "module 'torch.optim' has no attribute 'zzzzqqq'"),
+])
+def test_a_misspelt_factory_names_the_nearest_public_name(path: str, says: str) -> None:
+    """A job's optimizer, loss or model misspelt said only "module 'torch.optim' has no attribute 'Adamm'"."""
+    with pytest.raises(AttributeError) as info:
+        load_object(path, ["torch"])
+    assert str(info.value) == says
