@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from actors._errors import ActorError, ActorTimeout
+from transport.security import shown
 
 __all__ = ["MAX_LOST_ADDRESSES", "PendingCalls"]
 
@@ -87,7 +88,7 @@ class PendingCalls:
                 break
             heapq.heappop(deadlines)
             if entry is not None and waiting:
-                self._fail(call_id, entry[0], ActorTimeout(f"no reply from {what} at {entry[1]} within {timeout}s"))
+                self._fail(call_id, entry[0], ActorTimeout(f"no reply from {what} at {shown(entry[1])} within {timeout}s"))
         if deadlines:
             self._arm(loop, deadlines[0][0])
 

@@ -35,7 +35,7 @@ from actors._calls import PendingCalls
 from actors._ref import ActorRef
 from actors._senders import SenderPool, SenderPoolConfig, _is_numeric_address
 from transport.channel import BulkMode, Receiver, Sender, open_receiver, open_sender
-from transport.security import Gate, Keypair, split_address
+from transport.security import Gate, Keypair, shown, split_address
 from transport.wire import DEFAULT_MAX_MESSAGE_BYTES, WireError, decode_message, encode_message, excerpt
 
 __all__ = ["Runtime", "open_runtime"]
@@ -149,9 +149,9 @@ class Runtime:
             Exception: whatever ``on_start`` raised (the actor is not started).
         """
         if self._closed:
-            raise ActorStopped(f"runtime at {self.address} is closed")
+            raise ActorStopped(f"runtime at {shown(self.address)} is closed")
         if name in self._mailboxes or name in self._starting:
-            raise ValueError(f"an actor named {name!r} already runs at {self.address}")
+            raise ValueError(f"an actor named {name!r} already runs at {shown(self.address)}")
         actor.name, actor.runtime, actor.ref = name, self, ActorRef(self, self.address, name)
         self._starting.add(name)  # spawns may overlap (a node builds several jobs' stages at once)
         try:
@@ -174,7 +174,7 @@ class Runtime:
         """Stops actor ``name`` after its current message and runs its ``on_stop``."""
         mailbox = self._mailboxes.pop(name, None)
         if mailbox is None:
-            raise UnknownActor(f"no actor named {name!r} at {self.address}")
+            raise UnknownActor(f"no actor named {name!r} at {shown(self.address)}")
         task = self._mailbox_tasks.pop(name)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -198,7 +198,7 @@ class Runtime:
     ) -> Any:
         """Calls ``ref.method(*args, **kwargs)`` and returns its result (see ActorRef.ask)."""
         if self._closed:
-            raise ActorStopped(f"runtime at {self.address} is closed")
+            raise ActorStopped(f"runtime at {shown(self.address)} is closed")
         call_id, future = self._calls.open(ref.address, timeout, f"{ref.name}.{method}")
         try:
             if ref.address == self.address:
@@ -254,7 +254,7 @@ class Runtime:
             # Which actors run here is this process's business (other clients' jobs among them):
             # the caller learns only that the name is unknown; the debug log here says what runs.
             log.debug("no actor named %s here; running: %s", excerpt(name), ", ".join(self._mailboxes) or "none")
-            raise UnknownActor(f"no actor named {name!r} at {self.address}")
+            raise UnknownActor(f"no actor named {name!r} at {shown(self.address)}")
         mailbox.deliver(call, start=start)
 
     async def _send(self, address: str, message: dict[str, Any]) -> int:
@@ -297,7 +297,7 @@ class Runtime:
     def _refuse_bad_records(self, message: Any, bad_records: list[WireError]) -> None:
         """Answers a message whose records could not be rebuilt with a typed error, where someone waits."""
         reasons = "; ".join(excerpt(str(exc), 300) for exc in bad_records[:3])
-        error = BadRecord(f"{len(bad_records)} record(s) could not be rebuilt at {self.address}: {reasons}")
+        error = BadRecord(f"{len(bad_records)} record(s) could not be rebuilt at {shown(self.address)}: {reasons}")
         kind = message.get("t") if isinstance(message, dict) else None
         if kind == "rep":
             future = self._calls.waiting(message.get("id"))
@@ -379,7 +379,7 @@ class Runtime:
         for name in list(self._mailboxes):
             await self.stop_actor(name)
         await self._receiver.aclose()
-        self._calls.fail_all(lambda: ActorStopped(f"runtime at {self.address} closed before the reply"))
+        self._calls.fail_all(lambda: ActorStopped(f"runtime at {shown(self.address)} closed before the reply"))
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()

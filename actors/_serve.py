@@ -25,7 +25,7 @@ from actors._runtime import open_runtime
 from transport.wire import DEFAULT_MAX_MESSAGE_BYTES
 from actors.keys import ClusterKeys
 from transport.channel import BulkMode
-from transport.security import join_address, split_address
+from transport.security import join_address, shown, split_address
 
 __all__ = ["ADMIT_TOKEN_ENV", "HeadConfig", "WorkerConfig", "serve_head", "serve_worker"]
 
@@ -270,7 +270,7 @@ async def _register(
                 raise
             if time.monotonic() > deadline:
                 why = await asyncio.to_thread(why_no_answer, head.address, secure)
-                raise HeadUnreachable(f"the head at {head.address.partition('|')[0]} did not answer this node "
+                raise HeadUnreachable(f"the head at {shown(head.address)} did not answer this node "
                                    f"within {head_timeout:g}s: {why}") from None
             log.info("head at %s not answering yet; retrying", head.address)
     return None

@@ -45,7 +45,7 @@ from actors._registry import EXAMPLE_FACTORIES
 from actors._ref import ActorRef
 from actors._runtime import Runtime, open_runtime
 from actors.plugins import GROUP, load_plugin
-from transport.security import split_address
+from transport.security import shown, split_address
 from transport.wire import DEFAULT_MAX_MESSAGE_BYTES
 
 __all__ = ["Cluster", "LocalCluster"]
@@ -111,7 +111,7 @@ class Cluster:
     def _lose_head(self, why: str) -> None:
         if self.head_lost is not None:
             return
-        self.head_lost = HeadLost(f"lost the head at {self.head.address.partition('|')[0]}: {why}")
+        self.head_lost = HeadLost(f"lost the head at {shown(self.head.address)}: {why}")
         log.warning("%s", self.head_lost)
         self.runtime.fail_calls_to(self.head.address, self.head_lost)
 

@@ -27,8 +27,8 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
-__all__ = ["KEY_SEPARATOR", "ZAP_DOMAIN", "Gate", "Keypair", "bulk_endpoint", "is_numeric_endpoint", "join_address", "read_public_key", "split_address",
-           "write_public_key"]
+__all__ = ["KEY_SEPARATOR", "ZAP_DOMAIN", "Gate", "Keypair", "bulk_endpoint", "is_numeric_endpoint", "join_address", "read_public_key", "shown",
+           "split_address", "write_public_key"]
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +122,12 @@ def split_address(address: str) -> tuple[str, bytes | None]:
         # libzmq would resolve a host name with a blocking lookup on its I/O thread.
         raise ValueError(f"the bulk part of address {address[:160]!r} must be tcp://IP:PORT or ipc://PATH")
     return endpoint, z85.encode(raw)
+
+
+def shown(address: str) -> str:
+    """An address as a message shows it: its endpoint, without the key and bulk parts (64 hex digits
+    and a second endpoint that tell a reader nothing to act on)."""
+    return address.partition(KEY_SEPARATOR)[0]
 
 
 def bulk_endpoint(address: str) -> str | None:

@@ -182,3 +182,12 @@ def test_an_endpoint_table_is_made_once_per_class_with_each_endpoints_bound_sign
         assert table.concurrent == cls.endpoints() and table.concurrent
         for name, signature in table.signatures.items():
             assert signature == inspect.signature(types.MethodType(getattr(cls, name), object())), (cls, name)
+
+
+async def test_a_timeout_shows_the_endpoint_not_the_key_and_bulk_parts_of_a_secure_address() -> None:
+    """Found connecting with the wrong keys: the message carried 64 hex digits and a second endpoint."""
+    calls = PendingCalls()
+    _, future = calls.open(f"ipc:///tmp/c/head|{'ab' * 32}|ipc:///tmp/c/head.bulk", 0.01, "head.nodes")
+    with pytest.raises(ActorTimeout) as info:
+        await future
+    assert info.value.message == "no reply from head.nodes at ipc:///tmp/c/head within 0.01s"
