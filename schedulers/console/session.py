@@ -8,10 +8,12 @@ from dataclasses import dataclass
 
 from rich.console import Console
 
-from actors import ActorError, ActorRef, Event, EventSink, NodeJoined, NodeLeft, NodeSilent
+from actors import (ActorError, ActorRef, Event, EventSink, HeadUnreachable, NodeJoined, NodeLeft, NodeSilent,
+                    SecurityMismatch)
 from schedulers.client import Cluster, Job
 from schedulers.events import JobClosed, JobCreated, JobEvent, JobPaused, JobResumed, RunFinished, RunStarted, StepFinished
 from schedulers.records import JobDescription
+from transport.security import shown
 
 __all__ = ["CommandError", "Session", "open_session"]
 
@@ -179,8 +181,13 @@ async def open_session(address: str, out: Console, *, interactive: bool, bind: s
     try:
         cluster = await Cluster.connect(address, bind=bind, allow_remote=allow_remote, timeout=timeout, keys=keys,
                                         identity=identity, insecure=insecure)
+    except SecurityMismatch:
+        raise CommandError(f"the head at {shown(address)} is secure (its address carries its public key): run the "
+                           f"console with --keys DIR (the cluster's key directory), not --insecure") from None
+    except HeadUnreachable as exc:  # it says what a look at the address found
+        raise CommandError(f"cannot reach the head: {exc}") from None
     except (ActorError, OSError, ValueError) as exc:
-        raise CommandError(f"cannot reach the head at {address}: {exc}; is `python -m actors.node --head` "
+        raise CommandError(f"cannot reach the head at {shown(address)}: {exc}; is `python -m actors.node --head` "
                            "running there?") from None
     session = Session(cluster, out, interactive=interactive)
     try:

@@ -594,3 +594,18 @@ def test_the_toolbar_names_the_heads_endpoint_without_its_key_and_shows_each_run
     bar = _toolbar(session)  # type: ignore[arg-type]
     assert bar.startswith(" ipc:///tmp/actorpipe-cluster-x/head | 2 nodes | 1 jobs | job0 [")
     assert key not in bar and ".bulk" not in bar and "3/20 loss 0.250" in bar
+
+
+async def test_the_console_says_why_it_cannot_reach_a_head_in_its_own_flags(tmp_path: Path) -> None:
+    """It said "cannot reach the head at ADDRESS: no reply from head.nodes at ADDRESS|<key>|<bulk> within
+    10.0s; is `python -m actors.node --head` running there?" whatever the cause."""
+    from schedulers.console.session import open_session
+
+    with pytest.raises(CommandError, match=r"^the head at tcp://127.0.0.1:1 is secure \(its address carries its "
+                                           r"public key\): run the console with --keys DIR"):
+        async with open_session(f"tcp://127.0.0.1:1|{'ab' * 32}", Console(), interactive=False, insecure=True):
+            pass
+    with pytest.raises(CommandError, match=r"^cannot reach the head: no reply from head.nodes at ipc://.* within "
+                                           r"0.3s: nothing listens there: there is no socket file"):
+        async with open_session(f"ipc://{tmp_path}/head", Console(), interactive=False, insecure=True, timeout=0.3):
+            pass
