@@ -122,6 +122,11 @@ class Runtime:
 
     # -- tasks ---------------------------------------------------------------------
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`aclose` has begun: no call leaves any more."""
+        return self._closed
+
     def spawn_task(self, coro: Coroutine[Any, Any, Any], *, name: str | None = None,
                    context: contextvars.Context | None = None, eager_start: bool = False) -> asyncio.Task[Any]:
         """Starts a task this runtime owns (in ``context``, else a copy of the current one): cancelled on

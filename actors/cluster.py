@@ -32,7 +32,7 @@ from typing import Any, Generic, TypeVar
 
 from actors import launchers
 from actors._forkserver import ForkedProcess, fork_server
-from actors._errors import ActorError, ActorTimeout, HeadLost, NotAllowed
+from actors._errors import ActorError, ActorStopped, ActorTimeout, HeadLost, NotAllowed
 from actors._liveness import HEAD_GONE_S, LivenessClient
 from actors._reach import HeadUnreachable, check_security_matches, why_no_answer
 from actors._nodes import HEAD, NODE, SILENT_TIMEOUT_S, HeadActor, NodeActor, NodeInfo
@@ -116,9 +116,15 @@ class Cluster:
         self.runtime.fail_calls_to(self.head.address, self.head_lost)
 
     def check_head(self) -> None:
-        """Raises :class:`~actors.HeadLost` at once when the head is known to be gone."""
+        """Raises at once what a call to the head would meet: :class:`~actors.HeadLost` when the head is
+        known to be gone, :class:`~actors.ActorStopped` when this connection was closed."""
         if self.head_lost is not None:
             raise HeadLost(self.head_lost.message)
+        if self.runtime.closed:
+            raise ActorStopped("this connection to the cluster is closed (cluster.close(), or the end of its "
+                               "async with), and nothing reaches the head from it any more: a LocalCluster's "
+                               "jobs ended with it; on a cluster started by hand they go on, and "
+                               "Cluster.connect reaches them again")
 
     async def admit(self, modules: Iterable[str]) -> None:
         """Lets every live node (and the head) import factories from ``modules``.

@@ -64,6 +64,7 @@ class Cluster(actors.Cluster):
 
         Raises:
             HeadLost: the head is known to be gone.
+            ActorStopped: this connection was closed.
         """
         self.check_head()
         return self.scheduler.endpoint(method, timeout=timeout)
@@ -241,6 +242,7 @@ class Job:
 
         Raises:
             HeadLost: the head is known to be gone.
+            ActorStopped: this connection to the cluster was closed.
         """
         self.cluster.check_head()
         endpoint = self.ref.endpoint(method, timeout=timeout)

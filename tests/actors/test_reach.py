@@ -55,3 +55,19 @@ async def test_a_driver_that_reaches_nothing_says_so(tmp_path: Path) -> None:
     with pytest.raises(HeadUnreachable, match=r"no reply from head.nodes at ipc://.* within 0.5s: nothing listens "
                                               r"there: there is no socket file"):
         await Cluster.connect(f"ipc://{tmp_path}/head", insecure=True, timeout=0.5)
+
+
+async def test_a_closed_connection_says_so_before_any_call() -> None:
+    """A job's call after its cluster's block ended said "runtime at ipc://.../driver is closed"."""
+    import contextlib
+
+    from actors import HEAD, ActorStopped, open_runtime
+
+    stack = contextlib.AsyncExitStack()
+    runtime = await stack.enter_async_context(open_runtime("tcp://127.0.0.1:0"))
+    cluster = Cluster(runtime, runtime.ref("tcp://127.0.0.1:1", HEAD), stack)
+    cluster.check_head()  # open: nothing to say
+    await stack.aclose()
+    with pytest.raises(ActorStopped, match=r"^this connection to the cluster is closed \(cluster.close\(\), or the "
+                                           r"end of its async with\)"):
+        cluster.check_head()
