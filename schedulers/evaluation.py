@@ -39,7 +39,7 @@ async def evaluate(job: JobCore, path: StepPath, inputs: Any, targets: Any, *, o
     spec = job.spec
     if data_step is not None and (isinstance(data_step, bool) or not isinstance(data_step, int) or data_step < 0):
         raise ValueError(f"data_step must be an int >= 0, got {data_step!r:.40}")
-    calls = step_calls(spec, job.applied if data_step is None else data_step, inputs, targets)
+    calls = step_calls(spec, job.applied if data_step is None else data_step, inputs, targets, operation="evaluate")
     for call in calls.values():
         call.pop("loss_weights", None)  # the loss is averaged here, from every micro-batch's
         call.update(evaluate=True, keep_outputs=outputs)

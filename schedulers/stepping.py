@@ -20,9 +20,10 @@ __all__ = ["describe_findings", "key_order", "nonfinite_failed", "nonfinite_find
 
 
 def step_calls(
-    spec: JobSpec, step: int, inputs: Any, targets: Any
+    spec: JobSpec, step: int, inputs: Any, targets: Any, *, operation: str = "step"
 ) -> dict[int, dict[str, Any]]:
-    """Each stage actor's ``run_step`` keyword arguments beyond the program: its micro-batches, or the data step.
+    """Each stage actor's ``run_step`` keyword arguments beyond the program: its micro-batches, or the data step
+    (``operation``: what the messages call the caller, ``step`` or ``evaluate``).
 
     Raises:
         ValueError: only one of inputs and targets, neither without a data factory, or a
@@ -33,13 +34,13 @@ def step_calls(
     calls: dict[int, dict[str, Any]] = {rank: {} for rank in range(mesh.size)}
     if inputs is None and targets is None:
         if spec.training.data is None:
-            raise ValueError("step() needs inputs and targets, or a job started with data='pkg.mod:factory'")
+            raise ValueError(f"{operation}() needs inputs and targets, or a job started with data='pkg.mod:factory'")
         for rank, call in calls.items():
             call["data_step"] = step
             call["data_shard"] = [mesh.coords(rank).data, mesh.data]
         return calls
     if inputs is None or targets is None:
-        raise ValueError("step() takes both inputs and targets, or neither (to read the data factory)")
+        raise ValueError(f"{operation}() takes both inputs and targets, or neither (to read the data factory)")
     # Each data-parallel replica trains on its own shard of the global batch, which its first and last
     # stages receive whole and cut into micro-batches themselves (one tensor on the wire, not one a
     # micro-batch); the weights of those micro-batches come from their sizes.

@@ -168,8 +168,10 @@ async def test_batch_that_does_not_split_is_a_clear_error(cluster: Cluster) -> N
         x, y = batch()
         with pytest.raises(RemoteError, match="a batch of 2 samples cannot give 3 micro-batches"):
             await job.step(x[:2], y[:2])
-        with pytest.raises(RemoteError, match="needs inputs and targets"):
+        with pytest.raises(RemoteError, match=r"step\(\) needs inputs and targets"):
             await job.step()
+        with pytest.raises(RemoteError, match=r"evaluate\(\) needs inputs and targets"):  # it said step()
+            await job.evaluate()
     finally:
         await job.close()
 
