@@ -13,6 +13,7 @@ from typing import Any
 from actors import ActorError
 from stages import StageActor
 from stages.sections import V_SCHEDULES
+from stages.spec_checks import nearest
 from schedulers.events import SettingPending, SettingRejected, SettingsApplied
 from schedulers.job_core import JobCore
 from schedulers.limits import Limits, check_spec, off_loop
@@ -39,7 +40,9 @@ def plan_setting(spec: JobSpec, key: str, value: Any) -> JobSpec:
             (the message says which and what would).
     """
     if key not in SETTABLE:
-        raise ValueError(f"cannot set {key!r} on a running job; settable: {', '.join(SETTABLE)}")
+        near = nearest(str(key), SETTABLE)
+        raise ValueError(f"cannot set {key!r} on a running job{f' (did you mean {near!r}?)' if near else ''}; "
+                         f"settable: {', '.join(SETTABLE)}")
     changes: dict[str, Any] = {}
     if key == "micro_batches":
         value = _parse_int(key, value)

@@ -36,6 +36,7 @@ def test_settings_that_fit_give_the_new_spec(key: str, value: Any, field: str, e
 
 @pytest.mark.parametrize(("base", "key", "value", "message"), [
     ({}, "seed", "1", "cannot set 'seed' on a running job; settable: micro_batches, schedule"),
+    ({}, "micro_batchs", "4", "cannot set 'micro_batchs' on a running job \\(did you mean 'micro_batches'\\?\\); settable"),
     ({}, "micro_batches", "three", "micro_batches must be an integer >= 1, got 'three'"),
     ({}, "micro_batches", "0", "micro_batches must be an integer >= 1"),
     ({}, "micro_batches", "3", "batch_size 8 does not split into 3 micro-batches x data_parallel 1"),
