@@ -388,8 +388,10 @@ class Mailbox:
     ``asyncio.timeout``, ``TaskGroup`` and ``current_task`` see the call's own.
     """
 
-    def __init__(self, actor: Actor, spawn_task: Callable[..., asyncio.Task[None]]) -> None:
+    def __init__(self, actor: Actor, spawn_task: Callable[..., asyncio.Task[None]],
+                 closing: Callable[[], bool] = lambda: False) -> None:
         self.actor = actor
+        self._closing = closing  # whether the hosting runtime is closing (see _answer_stopped)
         table = endpoint_table(type(actor))
         self._endpoints = table.concurrent
         self._in_place = table.starts_in_place
@@ -495,8 +497,12 @@ class Mailbox:
                 self._answer_stopped(self._queue.get_nowait(), "was not run: the actor stopped first")
 
     def _answer_stopped(self, call: Call, what: str) -> None:
-        """Tells ``call``'s caller (if it waits for an answer) that the call ended unanswered: ``what``."""
-        if call.reply is not None:
+        """Tells ``call``'s caller (if it waits for an answer) that the call ended unanswered: ``what``.
+
+        Not while the hosting runtime closes (its process ending, its node lost): a remote caller
+        learns that from its liveness, which names the cause (a lost node, a lost stage), and an
+        answer would race it with a vaguer one (a head would fail a step it can recover)."""
+        if call.reply is not None and not self._closing():
             self._spawn_task(call.reply(False, ActorStopped(
                 f"{type(self.actor).__name__}.{call.method} on {self.actor.name!r} {what}")))
 

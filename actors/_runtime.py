@@ -170,7 +170,8 @@ class Runtime:
             raise error from None
         finally:
             self._starting.discard(name)
-        mailbox = Mailbox(actor, lambda coro, **how: self.spawn_task(coro, name=f"{name} call", **how))
+        mailbox = Mailbox(actor, lambda coro, **how: self.spawn_task(coro, name=f"{name} call", **how),
+                          closing=lambda: self._closed)
         self._mailboxes[name] = mailbox
         self._mailbox_tasks[name] = self.spawn_task(mailbox.run(), name=f"mailbox {name}")
         return actor.ref

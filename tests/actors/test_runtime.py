@@ -501,6 +501,28 @@ async def test_stopping_an_actor_answers_the_call_in_progress_and_those_waiting(
     assert counter.value == 0
 
 
+async def test_a_runtime_that_closes_leaves_the_calls_it_was_running_to_the_callers_liveness() -> None:
+    """Unlike one actor stopping: a process whose node died closes its runtime, and an answer sent
+    then ("cancelled before it answered") reached the head before the node's loss did, so the head
+    failed a step it would have recovered (test_recovery's lost data-parallel member, in CI)."""
+    async with open_runtime("ipc://") as client:
+        server_cm = open_runtime("ipc://")
+        server = await server_cm.__aenter__()
+        counter = Counter()
+        ref = client.ref((await server.spawn(counter, "c")).address, "c")
+        assert await ref.ask("add", 0) == 0  # the server's way back to the client is open, as a stage's to its head
+        running = asyncio.ensure_future(ref.ask("wait_gate", timeout=1.0))
+        await counter.entered.wait()
+        waiting = asyncio.ensure_future(ref.ask("add", 1, timeout=1.0))
+        while server._mailboxes["c"]._queue.qsize() < 1:
+            await asyncio.sleep(0.01)
+        await server_cm.__aexit__(None, None, None)
+        for call in (running, waiting):
+            with pytest.raises(ActorTimeout):  # no answer at all: not ActorStopped
+                await call
+        assert counter.value == 0
+
+
 async def test_failing_on_start_aborts_the_spawn() -> None:
     class Broken(Actor):
         async def on_start(self) -> None:
