@@ -151,6 +151,7 @@ class Host(Protocol):
     address: str
     context: Any  # the zmq context of its sockets
     keys: Any  # its CURVE keypair, or None
+    closed: bool  # it is closing: it answers none of the calls it was running (see Mailbox)
 
     def ref(self, address: str, name: str) -> ActorRef: ...
 
@@ -388,10 +389,8 @@ class Mailbox:
     ``asyncio.timeout``, ``TaskGroup`` and ``current_task`` see the call's own.
     """
 
-    def __init__(self, actor: Actor, spawn_task: Callable[..., asyncio.Task[None]],
-                 closing: Callable[[], bool] = lambda: False) -> None:
+    def __init__(self, actor: Actor, spawn_task: Callable[..., asyncio.Task[None]]) -> None:
         self.actor = actor
-        self._closing = closing  # whether the hosting runtime is closing (see _answer_stopped)
         table = endpoint_table(type(actor))
         self._endpoints = table.concurrent
         self._in_place = table.starts_in_place
@@ -502,7 +501,7 @@ class Mailbox:
         Not while the hosting runtime closes (its process ending, its node lost): a remote caller
         learns that from its liveness, which names the cause (a lost node, a lost stage), and an
         answer would race it with a vaguer one (a head would fail a step it can recover)."""
-        if call.reply is not None and not self._closing():
+        if call.reply is not None and not self.actor.runtime.closed:
             self._spawn_task(call.reply(False, ActorStopped(
                 f"{type(self.actor).__name__}.{call.method} on {self.actor.name!r} {what}")))
 

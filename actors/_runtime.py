@@ -117,15 +117,10 @@ class Runtime:
         self._senders = SenderPool(self._open_sender, sender_pool, spawn_task=self.spawn_task)
         self._calls = PendingCalls()
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._closed = False
+        self.closed = False  # aclose has begun: no call leaves any more
         receiver.pump(self._on_frames)
 
     # -- tasks ---------------------------------------------------------------------
-
-    @property
-    def closed(self) -> bool:
-        """Whether :meth:`aclose` has begun: no call leaves any more."""
-        return self._closed
 
     def spawn_task(self, coro: Coroutine[Any, Any, Any], *, name: str | None = None,
                    context: contextvars.Context | None = None, eager_start: bool = False) -> asyncio.Task[Any]:
@@ -153,7 +148,7 @@ class Runtime:
             ValueError: the name is taken.
             Exception: whatever ``on_start`` raised (the actor is not started).
         """
-        if self._closed:
+        if self.closed:
             raise ActorStopped(f"runtime at {shown(self.address)} is closed")
         if name in self._mailboxes or name in self._starting:
             raise ValueError(f"an actor named {name!r} already runs at {shown(self.address)}")
@@ -170,8 +165,7 @@ class Runtime:
             raise error from None
         finally:
             self._starting.discard(name)
-        mailbox = Mailbox(actor, lambda coro, **how: self.spawn_task(coro, name=f"{name} call", **how),
-                          closing=lambda: self._closed)
+        mailbox = Mailbox(actor, lambda coro, **how: self.spawn_task(coro, name=f"{name} call", **how))
         self._mailboxes[name] = mailbox
         self._mailbox_tasks[name] = self.spawn_task(mailbox.run(), name=f"mailbox {name}")
         return actor.ref
@@ -203,7 +197,7 @@ class Runtime:
         self, ref: ActorRef, method: str, args: list[Any], kwargs: dict[str, Any], *, timeout: float | None
     ) -> Any:
         """Calls ``ref.method(*args, **kwargs)`` and returns its result (see ActorRef.ask)."""
-        if self._closed:
+        if self.closed:
             raise ActorStopped(f"runtime at {shown(self.address)} is closed")
         call_id, future = self._calls.open(ref.address, timeout, f"{ref.name}.{method}")
         try:
@@ -379,9 +373,9 @@ class Runtime:
 
     async def aclose(self) -> None:
         """Stops every actor, cancels every task, closes every socket; idempotent."""
-        if self._closed:
+        if self.closed:
             return
-        self._closed = True
+        self.closed = True
         for name in list(self._mailboxes):
             await self.stop_actor(name)
         await self._receiver.aclose()
