@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from actors import StepFailed
 from stages.comm.boundary import Payload, pack, unpack
 from stages.compute.averaging import step_loss
 from schedulers.job_core import JobCore, evaluation_programs
@@ -24,7 +25,7 @@ from schedulers.records import EvalResult
 from schedulers.step_path import StepPath
 from schedulers.stepping import step_calls
 
-__all__ = ["evaluate", "join_outputs"]
+__all__ = ["evaluate", "evaluation_failed", "join_outputs"]
 
 
 async def evaluate(job: JobCore, path: StepPath, inputs: Any, targets: Any, *, outputs: bool = False,
@@ -46,7 +47,10 @@ async def evaluate(job: JobCore, path: StepPath, inputs: Any, targets: Any, *, o
         if spec.parallelism.micro_batches != job.stage_micro_batches:
             call["micro_batches"] = spec.parallelism.micro_batches
     started = time.perf_counter()
-    reports = await path.calls.run_programs(job.attempted(), calls, evaluation_programs(spec))
+    try:
+        reports = await path.calls.run_programs(job.attempted(), calls, evaluation_programs(spec))
+    except StepFailed as failure:
+        raise evaluation_failed(failure) from None
     elapsed = time.perf_counter() - started
     last = [r for rank, r in enumerate(reports) if job.mesh.coords(rank).tensor == 0 and r.losses]
     losses = [loss for r in last for loss in r.losses]
@@ -54,6 +58,18 @@ async def evaluate(job: JobCore, path: StepPath, inputs: Any, targets: Any, *, o
     return EvalResult(loss=step_loss(losses, items, spec.training.loss_averaging == "tokens"), items=float(sum(items)),
                       outputs=join_outputs([out for r in last for out in r.outputs or ()]) if outputs else None,
                       eval_time_s=elapsed, bytes_sent=sum(n for r in reports for n in r.bytes_sent.values()))
+
+
+def evaluation_failed(failure: StepFailed) -> StepFailed:
+    """``failure`` (of the stages' forward-only programs), said of the evaluation it failed rather
+    than of a step: the same type, details and remote traceback."""
+    message = failure.message
+    for said in ("step failed", "step timed out", "step aborted"):
+        if message.startswith(said):
+            message = "evaluation" + message[len("step"):]
+            break
+    return type(failure)(message, remote_type=failure.remote_type, remote_traceback=failure.remote_traceback,
+                         details=failure.details)
 
 
 def join_outputs(parts: Sequence[Any]) -> Any:

@@ -125,7 +125,23 @@ def check_summable(loss_fn: Callable[..., Any], name: str) -> None:
 def loss_of(loss_fn: Callable[..., Any], output: Any, target: Any, tokens: bool) -> torch.Tensor:
     """One micro-batch's loss as the averaging needs it: the mean (``samples``) or the sum (``tokens``)."""
     loss = loss_fn(output, target, reduction="sum") if tokens else loss_fn(output, target)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        # Caught here, the error names the loss; left to backward it would say only "grad
+        # can be implicitly created only for scalar outputs", to evaluate "a Tensor with
+        # 4 elements cannot be converted to Scalar".
+        got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else \
+            f"a {type(loss).__name__}"
+        called = ' with reduction="sum" (loss_averaging="tokens")' if tokens else ""
+        raise (ValueError if isinstance(loss, torch.Tensor) else TypeError)(
+            f"the loss function {_named(loss_fn)} returned {got}{called}: a loss is one number per "
+            f"micro-batch, a tensor with one element (reduce it, e.g. with .mean() or .sum())")
     return loss.float()
+
+
+def _named(fn: Callable[..., Any]) -> str:
+    """``module:qualname`` of a function or class, as a factory path names it; else its repr."""
+    module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    return f"{module}:{name}" if module and name else repr(fn)
 
 
 def step_loss(losses: Sequence[float], items: Sequence[float], tokens: bool) -> float:

@@ -14,8 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from actors import Cluster, StepFailed
+from actors import Cluster, NodeLost, StepFailed
 from examples.models import gpt, lm_loss, residual_mlp
+from schedulers.evaluation import evaluation_failed
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(600),
               pytest.mark.asyncio(loop_scope="package")]
@@ -219,3 +220,13 @@ async def test_a_shape_a_traced_model_cannot_run_is_refused_at_step_and_the_job_
     finally:
         await job.close()
     assert stats.samples == 6 and evaluated.items == 4
+
+
+async def test_a_failed_evaluation_says_so_and_keeps_the_failures_type() -> None:  # async: the module runs on its loop
+    lost = evaluation_failed(NodeLost("step failed: stage 1: node n2 was lost", remote_traceback="tb",
+                                      details={"stage": 1, "node": "n2"}))
+    assert type(lost) is NodeLost and lost.node == "n2" and lost.stage == 1 and lost.remote_traceback == "tb"
+    assert lost.message == "evaluation failed: stage 1: node n2 was lost"
+    timed_out = evaluation_failed(StepFailed("step timed out after 5s:\n...", details={"cause": "timeout"}))
+    assert timed_out.message.startswith("evaluation timed out after 5s") and timed_out.cause == "timeout"
+    assert evaluation_failed(StepFailed("job1 cannot go on: ...")).message == "job1 cannot go on: ..."

@@ -160,3 +160,19 @@ async def test_targets_the_loss_would_broadcast_are_refused(cluster: Cluster) ->
         assert_same(before, await job.state_dict())
     finally:
         await job.close()
+
+
+async def test_a_loss_that_is_not_one_number_fails_the_step_naming_it(cluster: Cluster) -> None:
+    job = await start(cluster, loss="tests.helpers.models:per_sample_loss")
+    try:
+        before = await job.state_dict()
+        with pytest.raises(StepFailed, match=r"the loss function tests\.helpers\.models:per_sample_loss returned a "
+                                             r"tensor of shape \(4,\)") as caught:
+            await job.step(*batch())
+        assert caught.value.stage == 1
+        assert_same(before, await job.state_dict())
+        with pytest.raises(StepFailed, match=r"^evaluation failed: stage 1 at 1F0: ValueError: the loss function "
+                                             r"tests\.helpers\.models:per_sample_loss returned a tensor of shape"):
+            await job.evaluate(*batch())
+    finally:
+        await job.close()

@@ -8,7 +8,7 @@ import torch
 from examples.models import lm_loss
 from stages.comm.boundary import split_batch
 from stages.compute.averaging import (
-    check_summable, count_items, sample_weights, shard_batch, shard_replicas, split_sizes, step_loss,
+    check_summable, count_items, loss_of, sample_weights, shard_batch, shard_replicas, split_sizes, step_loss,
 )
 
 
@@ -82,3 +82,18 @@ def test_a_token_average_needs_a_loss_that_can_sum() -> None:
 
     with pytest.raises(ValueError, match="takes no 'reduction' keyword"):
         check_summable(mean_only, "mine:mean_only")
+
+
+@pytest.mark.parametrize("tokens", [False, True])
+def test_a_loss_that_is_not_one_number_is_named_before_backward(tokens: bool) -> None:
+    from tests.helpers.models import per_sample_loss
+
+    out, target = torch.randn(4, 3, requires_grad=True), torch.randn(4, 3)
+    with pytest.raises(ValueError, match=r"the loss function tests\.helpers\.models:per_sample_loss returned a "
+                                         r"tensor of shape \(4,\)" + (r' with reduction="sum"' if tokens else ":")):
+        loss_of(per_sample_loss, out, target, tokens)
+    with pytest.raises(TypeError, match=r"returned a float: a loss is one number per micro-batch, a tensor"):
+        loss_of(lambda o, t: 1.5, out, target, False)
+    # One element passes, whatever its dims, as backward takes it.
+    loss = loss_of(lambda o, t: (o - t).pow(2).mean().reshape(1, 1), out, target, False)
+    assert loss.dtype == torch.float32 and loss.numel() == 1
