@@ -7,8 +7,9 @@ never as pickled objects. The caller rebuilds only the classes named in
 
 from __future__ import annotations
 
+import contextlib
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -31,6 +32,7 @@ __all__ = [
     "UnknownActor",
     "UnknownEndpoint",
     "UserCodeExit",
+    "calling",
     "contained",
     "error_from_wire",
     "exit_error",
@@ -149,6 +151,19 @@ def contained(fn: Callable[..., T], *args: Any) -> T:
         raise exit_error(exc, getattr(fn, "__qualname__", None) or type(fn).__name__) from None
 
 
+@contextlib.contextmanager
+def calling(what: str) -> Iterator[None]:
+    """Notes ``what`` (``"in the model factory pkg.mod:fn"``) on an exception the job's code raises
+    inside the block, so that its caller learns which of the job's callables raised, and where: the
+    note joins the message at the caller (:func:`error_to_wire`) as it joins a local traceback."""
+    try:
+        yield
+    except Exception as exc:
+        if not isinstance(exc, ActorError):
+            exc.add_note(what)
+        raise
+
+
 def exit_error(exc: SystemExit | KeyboardInterrupt, where: str) -> UserCodeExit:
     """The :class:`UserCodeExit` for ``exc``, raised by a job's code in ``where``."""
     if isinstance(exc, SystemExit):
@@ -260,7 +275,8 @@ def error_to_wire(exc: BaseException) -> dict[str, Any]:
     else:
         kind = "RemoteError"
         remote_type = f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins.")
-        message = str(exc)
+        notes = getattr(exc, "__notes__", None)  # where it came from (see calling)
+        message = str(exc) + (f" ({'; '.join(map(str, notes))})" if isinstance(notes, list) and notes else "")
         text = "".join(traceback.format_exception(exc))
     if kind not in ERROR_KINDS:
         kind = "RemoteError"

@@ -122,12 +122,15 @@ def open_store(runtime: Any, dist: dict[str, Any], loop: asyncio.AbstractEventLo
     return ActorStore(runtime.ref(address, name), loop, datetime.timedelta(seconds=float(dist.get("timeout_s", 600))))
 
 
-def _where(exc: BaseException, where: str) -> BaseException:
-    """A build failure, saying where it happened (a refused factory names the node that refused it)."""
+def _where(exc: BaseException, where: str, building: str) -> BaseException:
+    """A build failure, saying where it happened (a refused factory names the node that refused it;
+    the job's own code's errors, which stage it was building: see :func:`actors._errors.calling`)."""
     if isinstance(exc, NotAllowed):
         return NotAllowed(f"{where} refused it: {exc.message}")
     if isinstance(exc, ModuleNotFoundError):
         return ModuleNotFoundError(f"{where}: {exc}", name=exc.name)
+    if isinstance(exc, Exception) and not isinstance(exc, ActorError):
+        exc.add_note(building)
     return exc
 
 
@@ -263,7 +266,8 @@ class StageActor(StateEndpoints, Actor):
                 thread, contained, join_and_build, self.config, self.runtime, allow, device, asyncio.get_running_loop())
         except BaseException as exc:
             thread.shutdown(wait=False)
-            raise _where(exc, f"node {context.name} (a worker)" if context is not None else "this process") from None
+            where = f"node {context.name} (a worker)" if context is not None else "this process"
+            raise _where(exc, where, f"building stage {self.config.pipeline_rank} of job {self.config.job} on {where}") from None
         spawn = self.runtime.spawn_task
         self.parts = assemble(self.config, built, groups, thread, lambda coro, name: spawn(coro, name=name),
                               self._send_tied, self._peer_endpoints)

@@ -13,7 +13,7 @@ import functools
 from typing import Any
 
 from actors._actor import Actor, endpoint
-from actors._errors import NotAllowed, contained
+from actors._errors import ActorError, NotAllowed, contained
 from actors._nodes import HEAD
 from actors._registry import DEFAULT_ALLOW, EXAMPLE_FACTORIES, register_actor
 from stages.build.layers import layer_parameter_counts, layer_times
@@ -62,6 +62,10 @@ class ModelInspector(Actor):
             raise NotAllowed(f"{self._where()} refused the model: {exc.message}") from None
         except ModuleNotFoundError as exc:
             raise ModuleNotFoundError(f"{self._where()} cannot build the model: {exc}", name=exc.name) from None
+        except Exception as exc:
+            if not isinstance(exc, ActorError):
+                exc.add_note(f"on {self._where()}, which the head asked to count the model's layers")
+            raise
 
     @endpoint(roles=("head",))
     async def profile_model(self, path: str, kwargs: dict[str, Any], data: str | None, data_kwargs: dict[str, Any],

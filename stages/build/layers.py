@@ -18,6 +18,7 @@ from torch import nn
 
 from stages.build import tied
 from stages.compute.activations import run_layers, run_segments
+from actors._errors import calling
 from actors._registry import load_object
 from stages.build.data_source import first_inputs
 from stages.records import StageConfig
@@ -69,7 +70,7 @@ def build_layers(
     factory = load_object(config.training.model, allow)
     torch.manual_seed(config.training.seed)
     meta = config.training.meta_init
-    with parameters_on_meta() if meta else contextlib.nullcontext():
+    with parameters_on_meta() if meta else contextlib.nullcontext(), calling(model_factory(config.training.model)):
         built = factory(**config.training.model_kwargs)
     held = {i for s in config.stages for i in range(*config.bounds[s])}
     if config.parallelism.split_points is not None:
@@ -105,7 +106,8 @@ def _traced_layers(built: Any, config: StageConfig, allow: Sequence[str]) -> lis
     if example is None:
         if config.training.data is None:
             raise ValueError("a model with split_points needs example_inputs or a data factory to trace on")
-        made = load_object(config.training.data, allow)(**config.training.data_kwargs)
+        with calling(data_factory(config.training.data)):
+            made = load_object(config.training.data, allow)(**config.training.data_kwargs)
         example = first_inputs(made, config.training.micro_batch_size, config.training.seed, config.mesh.data,
                                config.micro_batches)
     meta = config.training.meta_init
@@ -144,7 +146,7 @@ def layer_parameter_counts(model: str, model_kwargs: dict[str, Any], allow: Sequ
         NotAllowed: the node's allow-list refuses ``model``.
     """
     factory = load_object(model, allow)
-    with torch.device("meta"):
+    with torch.device("meta"), calling(model_factory(model)):
         built = factory(**model_kwargs)
     if whole and isinstance(built, nn.Module):
         return [sum(p.numel() for p in built.parameters())]
@@ -154,6 +156,16 @@ def layer_parameter_counts(model: str, model_kwargs: dict[str, Any], allow: Sequ
     if type_pattern is not None:
         return match_layer_types(type_pattern, [type(layer).__name__ for layer in layers])
     return [sum(p.numel() for p in layer.parameters()) for layer in layers]
+
+
+def model_factory(path: Any) -> str:
+    """Where an error from calling the model factory ``path`` came from (see :func:`actors._errors.calling`)."""
+    return f"in the model factory {path}"
+
+
+def data_factory(path: Any) -> str:
+    """Where an error from calling the data factory ``path`` came from."""
+    return f"in the data factory {path}"
 
 
 # What matching partition_method="type:REGEX" against every layer may cost, in all.
@@ -225,7 +237,9 @@ def layer_times(model: str, model_kwargs: dict[str, Any], allow: Sequence[str], 
     """
     layers = _one_real_at_a_time(load_object(model, allow), model_kwargs, model, seed)
     if data is not None:
-        x = first_inputs(load_object(data, allow)(**data_kwargs), micro_batch_size, seed, 1, micro_batches)
+        with calling(data_factory(data)):
+            made = load_object(data, allow)(**data_kwargs)
+        x = first_inputs(made, micro_batch_size, seed, 1, micro_batches)
     else:
         x = example
     if not isinstance(x, torch.Tensor):
@@ -270,7 +284,7 @@ def _one_real_at_a_time(factory: Callable[..., Any], kwargs: dict[str, Any], pat
     to the meta device once the next is asked for. So profiling a model needs one layer's memory,
     not the model's."""
     torch.manual_seed(seed)
-    with parameters_on_meta():
+    with parameters_on_meta(), calling(model_factory(path)):
         built = factory(**kwargs)
     if is_layer_specs(built):
         for index, spec in enumerate(built):

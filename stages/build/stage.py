@@ -18,10 +18,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from actors._errors import calling
 from actors._registry import load_object
 from stages.build import tied
 from stages.build.compiled import compile_stage
-from stages.build.layers import Chain, build_layers
+from stages.build.layers import Chain, build_layers, data_factory
 from stages.build.tensor_parallel import ShardSpec, shard_for_tensor_parallel, tp_shard_specs
 from stages.build.traced import TracedStage
 from stages.comm import overlap as _overlap
@@ -193,12 +194,15 @@ def build_stage(config: StageConfig, allow: Sequence[str], device: torch.device,
         # ZeRO: each bucket reduce-scattered into per-replica runs, which are what each replica steps.
         tied_ids = {id(g.param) for g in sync.groups}
         shards = zero.plan_gradient_shards(reduce_params, cfg.communication.bucket_bytes, mesh.data, tied_ids)
-    optimizer = _build_optimizer(cfg, allow, params, groups, param_names, shards)
+    with calling(f"in the optimizer {cfg.optimization.optimizer[0]}"
+                 + (f" with {cfg.optimization.optimizer[1]!s:.200}" if len(cfg.optimization.optimizer) > 1 else "")):
+        optimizer = _build_optimizer(cfg, allow, params, groups, param_names, shards)
     scheduler = build_scheduler(cfg.optimization.lr_scheduler, optimizer, allow) if cfg.optimization.lr_scheduler is not None else None
     data = None
     if cfg.training.data is not None and (0 in cfg.stages or cfg.num_stages - 1 in cfg.stages):
-        data = data_source(load_object(cfg.training.data, allow)(**cfg.training.data_kwargs),
-                           cfg.training.micro_batch_size, cfg.training.seed)
+        with calling(data_factory(cfg.training.data)):
+            made = load_object(cfg.training.data, allow)(**cfg.training.data_kwargs)
+        data = data_source(made, cfg.training.micro_batch_size, cfg.training.seed)
     log.info("stage %s/%d of job %s: model stages %s, %d parameters", cfg.pipeline_rank, cfg.pipeline_stages,
              cfg.job, cfg.stages, sum(p.numel() for p in params))
     overlap = None

@@ -178,12 +178,14 @@ def test_the_stage_compute_thread_pins_the_nodes_device(monkeypatch: pytest.Monk
         raise Built
 
     actor = stage.StageActor.__new__(stage.StageActor)
-    actor.config = type("Config", (), {"pipeline_rank": 1})()  # only what on_start reads before it builds
+    # Only what on_start reads: the rank before it builds, the job to name in a failed build.
+    actor.config = type("Config", (), {"pipeline_rank": 1, "job": "job0"})()
     actor.runtime = None  # type: ignore[assignment]  # not spawned: the fake build never reaches it
     actor.node_context = NodeContext(name="node1", device="cuda:1", allow_list=[])
     monkeypatch.setattr(stage, "join_and_build", build)
-    with pytest.raises(Built):
+    with pytest.raises(Built) as failed:
         asyncio.run(actor.on_start())
+    assert failed.value.__notes__ == ["building stage 1 of job job0 on node node1 (a worker)"]
     assert [device for _, device in pinned] == ["cuda:1"]
     assert pinned[0][0].startswith("stage1-compute")  # on the compute thread, not the event loop's
     made[0].shutdown(wait=True)

@@ -652,3 +652,23 @@ async def test_secure_runtimes_call_through_every_bulk_mode_and_name_the_caller(
         tensor = torch.randn(300_000)  # past the size a frame is sealed straight into an aligned buffer
         caller, value = await client.ref(server.address, "callee").ask("echo_with_caller", tensor, timeout=30)
     assert caller == "client:alice" and torch.equal(value, tensor)
+
+
+def test_an_error_of_the_jobs_code_says_at_the_caller_which_callable_raised() -> None:
+    from actors._errors import calling, error_from_wire, error_to_wire
+
+    with pytest.raises(ZeroDivisionError) as raised:
+        with calling("in the outer thing"), calling("in the loss tests:mine"):
+            1 / 0
+    assert raised.value.__notes__ == ["in the loss tests:mine", "in the outer thing"]
+    error = error_from_wire(error_to_wire(raised.value))
+    assert isinstance(error, RemoteError) and error.remote_type == "ZeroDivisionError"
+    assert error.message == "division by zero (in the loss tests:mine; in the outer thing)"
+    assert error.remote_traceback.rstrip().endswith("in the outer thing")  # Python prints notes there too
+    # The runtime's own errors say all there is to say: never noted.
+    with pytest.raises(ActorStopped) as stopped:
+        with calling("in the model factory x:y"):
+            raise ActorStopped("gone")
+    assert not hasattr(stopped.value, "__notes__") and error_to_wire(stopped.value)["message"] == "gone"
+    # An error without notes crosses as it did.
+    assert error_to_wire(ValueError("plain"))["message"] == "plain"

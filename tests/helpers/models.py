@@ -313,3 +313,13 @@ def fixed_length(dim: int = 8, length: int = 6) -> FixedLength:
 def per_sample_loss(output: torch.Tensor, target: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """A loss a user forgot to reduce: one value a sample (whatever ``reduction`` says)."""
     return (output - target).pow(2).mean(dim=1)
+
+
+def raising_model(**kwargs: object) -> nn.Sequential:
+    """A model factory with a bug of the user's own."""
+    raise RuntimeError("the user's model factory broke")
+
+
+def raising_data(**kwargs: object) -> object:
+    """A data factory with a bug of the user's own."""
+    raise RuntimeError("the user's data factory broke")

@@ -3,7 +3,8 @@
 rounding, under zero-bubble's split backward (fused and W-batched, or plain autograd whole-graph), and a checkpoint
 saved from a compiled job loads back into it.
 
-Each stage process compiles its layers at the first step (seconds on two cores): the jobs are small and few.
+Each stage process compiles its layers at the first step (seconds on two cores): the jobs are small and few, one
+block a stage (a stage of several compiled layers is tests/stages/build/test_compiled.py's, in one process).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from examples.models import residual_mlp
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600), pytest.mark.asyncio(loop_scope="package")]
 
-MODEL_KWARGS = {"blocks": 4, "dim": 16, "hidden": 32}
+MODEL_KWARGS = {"blocks": 2, "dim": 16, "hidden": 32}
 OPTIMIZER = ("torch.optim:SGD", {"lr": 0.05})  # Adam would blow compile's rounding up
 
 

@@ -9,6 +9,7 @@ import signal
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -226,6 +227,28 @@ async def test_a_factory_the_nodes_cannot_import_names_the_node_its_folder_and_p
     assert re.search(r"node node\d cannot build the model: .*No module named 'driver_only_models'", message)
     assert f"this process runs in {os.getcwd()} with PYTHONPATH=" in message and "add that folder to PYTHONPATH" \
         in message
+
+
+@pytest.mark.parametrize(("settings", "raised", "where"), [
+    ({"model": "tests.helpers.models:raising_model"}, "RuntimeError: the user's model factory broke",
+     r"\(in the model factory tests\.helpers\.models:raising_model; on node node\d, which the head asked to count "
+     r"the model's layers\)$"),
+    ({"data": "tests.helpers.models:raising_data"}, "RuntimeError: the user's data factory broke",
+     r"\(in the data factory tests\.helpers\.models:raising_data; building stage \d of job job\d+ on node node\d "
+     r"\(a worker\)\)$"),
+    ({"optimizer": ("torch.optim:SGD", {"lrr": 0.1})}, "TypeError: SGD.__init__() got an unexpected keyword argument",
+     r"\(in the optimizer torch\.optim:SGD with \{'lrr': 0\.1\}; building stage \d of job job\d+ on node node\d "
+     r"\(a worker\)\)$"),
+], ids=["model", "data", "optimizer"])
+async def test_an_error_in_the_jobs_own_code_names_the_callable_and_where_it_ran(
+        cluster: Cluster, settings: dict[str, Any], raised: str, where: str) -> None:
+    jobs_before = await cluster.jobs()
+    with pytest.raises(RemoteError) as refused:
+        await cluster.train(**{"model": "examples.models:residual_mlp", "model_kwargs": {"blocks": 2, "dim": 8},
+                               "micro_batches": 2, "pipeline_stages": 2, **settings})
+    assert f"{refused.value.remote_type}: {refused.value.message}".startswith(raised), refused.value
+    assert re.search(where, refused.value.message), refused.value.message
+    assert await cluster.jobs() == jobs_before
 
 
 async def test_a_model_that_is_not_a_sequential_is_refused_with_what_to_do(cluster: Cluster) -> None:
