@@ -181,6 +181,9 @@ def _make_private_directory(path: str) -> None:
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
+        if not os.path.isdir(path):
+            raise KeyFileError(f"{path} is a file, not a key directory: give --keys a directory (one "
+                               "'python -m actors.keys init DIR' made, or a new path)") from None
         return
     os.chmod(path, 0o700)  # just made, so ours: exactly 0700 whatever the umask
 

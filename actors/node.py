@@ -9,9 +9,12 @@ head, see :mod:`actors.launchers`)."""
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import sys
+
+import zmq
 
 from actors import launchers
 from actors._registry import DEFAULT_ALLOW
@@ -165,7 +168,18 @@ def main(argv: list[str] | None = None) -> int:
     except HeadUnreachable as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except (ValueError, OSError, zmq.ZMQError) as exc:  # a setting it cannot start with: say it, as argparse does
+        logging.getLogger(__name__).debug("the node did not start", exc_info=True)
+        print(f"error: {_start_error(exc)}", file=sys.stderr)
+        return 2
     return 0
+
+
+def _start_error(exc: BaseException) -> str:
+    """One line for a node that could not start (the traceback is at ``--log-level DEBUG``)."""
+    if isinstance(exc, zmq.ZMQError) and exc.errno == errno.EADDRINUSE:
+        return f"cannot listen: {exc}; another process holds that address: give --bind another port (0: any free one)"
+    return str(exc)
 
 
 if __name__ == "__main__":

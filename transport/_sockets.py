@@ -222,8 +222,8 @@ def bind_address(address: str, *, allow_remote: bool) -> tuple[str, str | None]:
         raise ValueError(f"address {address!r} needs a host and a port (port 0 for any free one)")
     if not allow_remote and not is_loopback(host):
         raise ValueError(
-            f"refusing to bind {address!r}: it is not a loopback address; pass "
-            "allow_remote=True (with CURVE keys, the default for a cluster) to listen beyond this machine"
+            f"refusing to bind {address!r}: it is not a loopback address; pass allow_remote=True "
+            "(a node: --allow-remote; with CURVE keys, the default for a cluster) to listen beyond this machine"
         )
     if port == "0":
         port = "*"

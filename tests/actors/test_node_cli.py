@@ -98,3 +98,45 @@ def test_a_worker_that_cannot_reach_its_head_says_why_in_one_line(join: str, cod
                            "--name", "w", "--head-timeout", "2"], capture_output=True, text=True, timeout=100)
     assert done.returncode == code, done.stderr
     assert says.format(port=port) in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--head", "--bind", "tcp://127.0.0.1:{port}"], "error: cannot listen: Address already in use (addr='tcp://127.0.0.1:"
+                                                      "{port}'); another process holds that address: give --bind"),
+    (["--join", "tcp://127.0.0.1:1", "--bind", "tcp://127.0.0.1:{port}", "--isolation", "thread"],
+     "error: cannot listen: Address already in use"),
+    (["--head", "--bind", "tcp://0.0.0.0:0"], "error: refusing to bind 'tcp://0.0.0.0:0': it is not a loopback address; "
+                                             "pass allow_remote=True (a node: --allow-remote;"),
+    (["--head", "--bind", "udp://127.0.0.1:0"], "error: unsupported transport 'udp'"),
+    (["--head", "--bind", "ipc://", "--limit", "micro_batchez=3"], "error: unknown limit 'micro_batchez'; limits: "),
+    (["--head", "--bind", "ipc://", "--keys", "{file}"], "error: {file} is a file, not a key directory"),
+    (["--join-file", "{missing}", "--head-timeout", "0.2", "--isolation", "thread"],
+     "error: the head wrote no address to {missing} within 0.2s"),
+], ids=["port-taken", "worker-port-taken", "not-loopback", "scheme", "limit", "keys-a-file", "no-address-file"])
+def test_a_node_that_cannot_start_says_why_in_one_line(args: list[str], says: str, tmp_path: object,
+                                                       capsys: pytest.CaptureFixture[str],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each ended in a traceback: the port's a ZMQError from deep in the runtime, the others a ValueError,
+    a FileExistsError or a TimeoutError from where the setting was first used."""
+    import socket
+
+    from actors.node import main
+
+    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # main sets it: put back after
+
+    file, missing = f"{tmp_path}/a-file", f"{tmp_path}/no-such-file"
+    with open(file, "w") as f:
+        f.write("not keys")
+    with socket.socket() as taken:  # the address another process listens at
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        fill = {"port": taken.getsockname()[1], "file": file, "missing": missing}
+        argv = [arg.format(**fill) for arg in args]
+        if "--keys" not in argv:  # a head makes its keys; a worker needs some (or none at all)
+            argv += ["--keys", f"{tmp_path}/keys"] if "--head" in argv else ["--insecure"]
+        code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and lines[0].startswith(says.format(**fill)), err
+    assert "Traceback" not in err
