@@ -138,7 +138,7 @@ class Cluster:
         """
         if not self._admit_token:
             return
-        prefixes = sorted(set(modules))
+        prefixes = sorted(set(module_names(modules, "modules")))
         nodes = [n for n in await self.nodes() if n.alive]
         agents = [self.node_ref(n) for n in nodes] + [self.runtime.ref(self.head.address, NODE)]
         answers = await asyncio.gather(*(agent.endpoint(NodeActor.admit, timeout=30).call(self._admit_token, prefixes)
@@ -360,7 +360,8 @@ class LocalCluster:
             node per entry, each ``"cpu"`` or ``"cuda:K"``; a GPU named twice is shared
             on purpose. Spares continue the same turn. A GPU node is started with
             ``--device cuda:K`` and pins itself to that GPU. See :mod:`actors.devices`.
-        allow: module prefixes the workers admit (``--allow``) besides torch's (``DEFAULT_ALLOW``).
+        allow: module prefixes the workers admit (``--allow``) besides torch's (``DEFAULT_ALLOW``):
+            ``["mypkg", "other.models"]``, or one as a string.
         limits: the head's limits on jobs and clients by name (``--limit NAME=VALUE``; None lifts
             one): ``{"micro_batches": 1024, "jobs_per_client": 2}``; see ``schedulers.limits``.
         examples: admit the examples' factory modules too (``EXAMPLE_FACTORIES``: models, data and
@@ -427,7 +428,7 @@ class LocalCluster:
             raise ValueError(f"isolation is 'process' or 'thread', not {isolation!r:.40}")
         self.isolation = isolation
         self.fork_nodes = fork_nodes
-        self.preload = (preload,) if isinstance(preload, str) else tuple(preload)
+        self.preload = module_names(preload, "preload")
         if isinstance(max_message_bytes, bool) or not isinstance(max_message_bytes, int) or max_message_bytes < 1:
             raise ValueError(f"max_message_bytes must be an int >= 1, got {max_message_bytes!r:.40}")
         # Resolved here, before any process starts: a GPU this machine lacks fails now.
@@ -440,7 +441,7 @@ class LocalCluster:
         if devices == "auto" and num_gpus and self.num_nodes > num_gpus:
             log.warning("LocalCluster(nodes=%d) on %d GPU(s): nodes share GPUs in turn (%s); pass nodes=%d for one "
                         "node per GPU, or devices='cpu'", self.num_nodes, num_gpus, ", ".join(placed), num_gpus)
-        self.allow = (*EXAMPLE_FACTORIES, *allow) if examples else tuple(allow)
+        self.allow = (*EXAMPLE_FACTORIES, *module_names(allow, "allow")) if examples else module_names(allow, "allow")
         self.limits = {name: "none" if value is None else value for name, value in (limits or {}).items()}
         self.heartbeat_timeout = heartbeat_timeout
         self.startup_timeout = startup_timeout
@@ -583,6 +584,20 @@ _OWNER_FILE = "owner"  # "PID START_TIME" of the driver that made the folder
 # children bind at PATH.PID and each runtime's bulk socket at its path + ".bulk" (a liveness
 # socket at PATH.liveN).
 _IPC_PATH_MAX = 103 - len(".4194304.bulk")
+
+
+def module_names(value: str | Iterable[str], what: str) -> tuple[str, ...]:
+    """Module names (or prefixes) given as one string or several: ``allow="mypkg"`` is the one
+    prefix, where ``tuple("mypkg")`` would be five one-letter ones that admit nothing.
+
+    Raises:
+        TypeError: an element that is not a non-empty string.
+    """
+    names = (value,) if isinstance(value, str) else tuple(value)
+    for name in names:
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"{what} takes module names (a string, or a list of them), got {name!r:.60} in {value!r:.80}")
+    return names
 
 
 def local_binds(tempdir: str, names: Sequence[str]) -> dict[str, str]:

@@ -203,3 +203,17 @@ def test_a_misspelt_factory_names_the_nearest_public_name(path: str, says: str) 
     with pytest.raises(AttributeError) as info:
         load_object(path, ["torch"])
     assert str(info.value) == says
+
+
+def test_a_local_clusters_allow_takes_one_prefix_as_a_string_and_refuses_what_is_not_a_name() -> None:
+    from actors import LocalCluster
+
+    # A string was taken letter by letter: allow="mypkg" admitted modules m, y, p, k and g, not mypkg.
+    assert LocalCluster(nodes=1, allow="mypkg", examples=False).allow == ("mypkg",)
+    assert LocalCluster(nodes=1, allow=["a.b", "c"], examples=False).allow == ("a.b", "c")
+    assert LocalCluster(nodes=1, allow="mypkg").allow == (*EXAMPLE_FACTORIES, "mypkg")
+    assert LocalCluster(nodes=1, preload="transformers").preload == ("transformers",)
+    with pytest.raises(TypeError, match="allow takes module names .* got 3"):
+        LocalCluster(nodes=1, allow=["mypkg", 3])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="preload takes module names .* got ''"):
+        LocalCluster(nodes=1, preload=[""])
