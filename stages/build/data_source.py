@@ -27,7 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, RandomSampler, default_collate
+from torch.utils.data import DataLoader, RandomSampler, Sampler, SequentialSampler, default_collate
 
 from stages.compute.averaging import shard_batch
 
@@ -67,15 +67,13 @@ class DatasetReader:
 
     def __init__(self, source: Any, micro_batch_size: int | None, seed: int) -> None:
         self.collate: Callable[[list[Any]], Any] = default_collate
-        self.shuffle = False
-        dataset = source
+        dataset, sampler = source, None
         if isinstance(source, DataLoader):
             if source.batch_size is None:
                 raise ValueError("a DataLoader with a batch_sampler of its own cannot be sharded per replica; give it "
-                                 "batch_size (and shuffle) instead")
-            dataset, micro_batch_size = source.dataset, source.batch_size
+                                 "batch_size (and shuffle, or a sampler) instead")
+            dataset, micro_batch_size, sampler = source.dataset, source.batch_size, source.sampler
             self.collate = source.collate_fn
-            self.shuffle = isinstance(source.sampler, RandomSampler)
         if micro_batch_size is None:
             raise ValueError("a dataset as the data source needs micro_batch_size (samples per micro-batch), "
                              "or a DataLoader with its batch_size")
@@ -83,8 +81,19 @@ class DatasetReader:
         self.size = micro_batch_size
         self.seed = seed
         self.indexed = hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")
-        if self.indexed and len(dataset) == 0:
-            raise ValueError("the dataset is empty")
+        # How an epoch orders the indices: in order, shuffled (a plain shuffle=True), or as the loader's own
+        # sampler draws them (a WeightedRandomSampler, a SubsetRandomSampler, one of the user's).
+        self._sampler: Sampler[Any] | None = None
+        self.shuffle = False
+        if self.indexed and sampler is not None and not isinstance(sampler, SequentialSampler):
+            if type(sampler) is RandomSampler and not sampler.replacement and sampler.num_samples == len(dataset):
+                self.shuffle = True
+            else:
+                self._sampler = sampler
+        self._length = len(self._sampler) if self._sampler is not None else len(dataset) if self.indexed else 0
+        if self.indexed and self._length == 0:
+            raise ValueError("the dataset is empty" if not len(dataset) else "the DataLoader's sampler draws no index")
+        self._orders: dict[int, torch.Tensor] = {}  # the epochs' orders in use (a step may cross into the next)
         self._stream: tuple[int, int, Iterator[Any]] | None = None  # iterable: (replicas, position, iterator)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="data")
         self._ahead: tuple[tuple[int, int, int, int], Future[Read]] | None = None
@@ -114,19 +123,52 @@ class DatasetReader:
         """Samples ``first`` to ``first + count`` of this replica's stream."""
         if not self.indexed:
             return self._iterated(first, count, replica, replicas)
-        n = len(self.dataset)
+        n = self._length
         per_replica = -(-n // replicas)  # DistributedSampler's: the shard padded from the epoch's start
         out = []
         for position in range(first, first + count):
             epoch, offset = divmod(position, per_replica)
-            order = self._order(epoch, n)
-            out.append(self.dataset[int(order[(offset * replicas + replica) % n])])
+            order = self._order(epoch)
+            at = (offset * replicas + replica) % n
+            out.append(self.dataset[at if order is None else int(order[at])])
         return out
 
-    def _order(self, epoch: int, n: int) -> torch.Tensor:
-        if not self.shuffle:
-            return torch.arange(n)
-        return torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + epoch))
+    def _order(self, epoch: int) -> torch.Tensor | None:
+        """Epoch ``epoch``'s indices (None: in order), made once an epoch: made for every sample, a
+        shuffle of a million samples cost three seconds a step."""
+        if not self.shuffle and self._sampler is None:
+            return None
+        order = self._orders.get(epoch)
+        if order is None:
+            order = self._shuffled(epoch) if self.shuffle else self._drawn(epoch)
+            self._orders = {e: o for e, o in self._orders.items() if e == epoch - 1}  # a step reads on from it
+            self._orders[epoch] = order
+        return order
+
+    def _shuffled(self, epoch: int) -> torch.Tensor:
+        return torch.randperm(self._length, generator=torch.Generator().manual_seed(self.seed + epoch))
+
+    def _drawn(self, epoch: int) -> torch.Tensor:
+        """The loader's sampler's indices for ``epoch``: drawn with a generator seeded ``seed + epoch``
+        where the sampler takes one (torch's do), so every replica, every step read again (a rollback,
+        a load) and every stage draws the same; a sampler with ``set_epoch`` is told the epoch first."""
+        sampler = self._sampler
+        assert sampler is not None
+        if callable(getattr(sampler, "set_epoch", None)):
+            sampler.set_epoch(epoch)  # type: ignore[attr-defined]
+        seeded = hasattr(sampler, "generator")
+        kept = getattr(sampler, "generator", None)
+        if seeded:
+            sampler.generator = torch.Generator().manual_seed(self.seed + epoch)  # type: ignore[attr-defined]
+        try:
+            order = torch.tensor([int(i) for i in sampler], dtype=torch.int64)
+        finally:
+            if seeded:
+                sampler.generator = kept  # type: ignore[attr-defined]
+        if len(order) != self._length:
+            raise ValueError(f"the DataLoader's sampler drew {len(order)} indices for epoch {epoch}, and says "
+                             f"len() == {self._length}: a sampler's epoch must be as long as it says")
+        return order
 
     def _iterated(self, first: int, count: int, replica: int, replicas: int) -> list[Any]:
         """An iterable dataset's: this replica takes every ``replicas``-th item from its ``replica``-th,
