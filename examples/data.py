@@ -196,14 +196,15 @@ def pad_collate(batch: list[tuple[torch.Tensor, torch.Tensor]], pad_id: int = 0,
 
 
 def token_sequences(count: int = 64, min_len: int = 2, max_len: int = 16, vocab_size: int = VOCAB_SIZE,
-                    batch_size: int = 4, shuffle: bool = True, seed: int = 0) -> DataLoader:
+                    batch_size: int = 4, shuffle: bool = True, seed: int = 0, num_workers: int = 0) -> DataLoader:
     """A DataLoader of ``count`` random token sequences of ``min_len`` to ``max_len`` tokens (the targets
     are the next tokens), ``batch_size`` a micro-batch, each padded to its own longest by :func:`pad_collate`:
-    a fine-tuning set's shape, where every micro-batch has its own length."""
+    a fine-tuning set's shape, where every micro-batch has its own length; ``num_workers`` worker
+    processes load it."""
     gen = torch.Generator().manual_seed(seed)
     sequences = []
     for _ in range(count):
         length = int(torch.randint(min_len, max_len + 1, (), generator=gen))
         tokens = torch.randint(0, vocab_size, (length + 1,), generator=gen)
         sequences.append((tokens[:-1], tokens[1:]))
-    return DataLoader(sequences, batch_size=batch_size, shuffle=shuffle, collate_fn=pad_collate)
+    return DataLoader(sequences, batch_size=batch_size, shuffle=shuffle, collate_fn=pad_collate, num_workers=num_workers)

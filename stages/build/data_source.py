@@ -16,7 +16,10 @@ with ``seed + epoch`` when the DataLoader shuffles, and step ``k``'s micro-batch
 that stream's ``k * micro_batches``-th onwards. The position is therefore the step count
 itself: a checkpoint (which keeps the step) resumes the data where it stood, and a
 recovery that rolls back to a snapshot reads the same batches again. The next step's
-micro-batches are read ahead on a thread of the reader's own.
+micro-batches are read ahead on a thread of the reader's own; with a DataLoader's
+``num_workers``, a map-style dataset's samples are loaded and collated in its worker
+processes, in the same order (an iterable dataset is read on the thread: each worker would
+hold a copy of the whole stream).
 """
 
 from __future__ import annotations
@@ -59,13 +62,16 @@ class DatasetReader:
         source: a DataLoader, a map-style dataset or an iterable one.
         micro_batch_size: samples per micro-batch (a DataLoader's own ``batch_size`` wins).
         seed: the shuffle's seed (epoch ``e`` shuffles with ``seed + e``).
+        workers: a DataLoader with ``num_workers`` loads a map-style dataset's samples in that many
+            worker processes (its ``prefetch_factor``, ``worker_init_fn``, ``timeout`` and
+            ``multiprocessing_context`` too); False: on the reader's thread.
 
     Raises:
         ValueError: no micro-batch size, a DataLoader with a batch sampler of its own, or an
             empty dataset.
     """
 
-    def __init__(self, source: Any, micro_batch_size: int | None, seed: int) -> None:
+    def __init__(self, source: Any, micro_batch_size: int | None, seed: int, *, workers: bool = True) -> None:
         self.collate: Callable[[list[Any]], Any] = default_collate
         dataset, sampler = source, None
         if isinstance(source, DataLoader):
@@ -83,7 +89,7 @@ class DatasetReader:
         self.indexed = hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")
         # How an epoch orders the indices: in order, shuffled (a plain shuffle=True), or as the loader's own
         # sampler draws them (a WeightedRandomSampler, a SubsetRandomSampler, one of the user's).
-        self._sampler: Sampler[Any] | None = None
+        self._sampler: Any = None  # a Sampler, with its len()
         self.shuffle = False
         if self.indexed and sampler is not None and not isinstance(sampler, SequentialSampler):
             if type(sampler) is RandomSampler and not sampler.replacement and sampler.num_samples == len(dataset):
@@ -94,6 +100,14 @@ class DatasetReader:
         if self.indexed and self._length == 0:
             raise ValueError("the dataset is empty" if not len(dataset) else "the DataLoader's sampler draws no index")
         self._orders: dict[int, torch.Tensor] = {}  # the epochs' orders in use (a step may cross into the next)
+        # A map-style dataset's loader with worker processes: its samples are loaded and collated there,
+        # in the stream's order, by a DataLoader over this replica's positions (see _from_workers).
+        self._workers: dict[str, Any] | None = None
+        if workers and self.indexed and isinstance(source, DataLoader) and source.num_workers > 0:
+            self._workers = {"num_workers": source.num_workers, "prefetch_factor": source.prefetch_factor,
+                             "worker_init_fn": source.worker_init_fn, "timeout": source.timeout,
+                             "multiprocessing_context": source.multiprocessing_context}
+        self._feed: tuple[tuple[int, int, int], Iterator[Any]] | None = None  # (replica, replicas, next position)
         self._stream: tuple[int, int, Iterator[Any]] | None = None  # iterable: (replicas, position, iterator)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="data")
         self._ahead: tuple[tuple[int, int, int, int], Future[Read]] | None = None
@@ -110,28 +124,57 @@ class DatasetReader:
         return result
 
     def close(self) -> None:
-        """Stops reading ahead."""
-        self._thread.shutdown(wait=False, cancel_futures=True)
+        """Stops reading ahead; the loader's worker processes, if any, end once a read in progress has."""
+        if self._ahead is not None:
+            self._ahead[1].cancel()
+        self._thread.submit(self._end_feed)  # on the thread that reads from it
+        self._thread.shutdown(wait=False)
 
     def _read(self, step: int, replica: int, replicas: int, micro_batches: int) -> Read:
         first = step * micro_batches * self.size
-        samples = self._samples(first, micro_batches * self.size, replica, replicas)
-        pairs = [split_pair(self.collate(samples[m * self.size:(m + 1) * self.size])) for m in range(micro_batches)]
+        if self._workers is not None:
+            batches = self._from_workers(first, micro_batches, replica, replicas)
+        else:
+            samples = self._samples(first, micro_batches * self.size, replica, replicas)
+            batches = [self.collate(samples[m * self.size:(m + 1) * self.size]) for m in range(micro_batches)]
+        pairs = [split_pair(batch) for batch in batches]
         return [p[0] for p in pairs], [p[1] for p in pairs], None
 
     def _samples(self, first: int, count: int, replica: int, replicas: int) -> list[Any]:
         """Samples ``first`` to ``first + count`` of this replica's stream."""
         if not self.indexed:
             return self._iterated(first, count, replica, replicas)
+        return [self.dataset[self.index(position, replica, replicas)] for position in range(first, first + count)]
+
+    def index(self, position: int, replica: int, replicas: int) -> int:
+        """The dataset index at ``position`` of replica ``replica``'s stream (a map-style dataset's)."""
         n = self._length
-        per_replica = -(-n // replicas)  # DistributedSampler's: the shard padded from the epoch's start
-        out = []
-        for position in range(first, first + count):
-            epoch, offset = divmod(position, per_replica)
-            order = self._order(epoch)
-            at = (offset * replicas + replica) % n
-            out.append(self.dataset[at if order is None else int(order[at])])
-        return out
+        epoch, offset = divmod(position, -(-n // replicas))  # DistributedSampler's: the shard padded from the epoch's start
+        order = self._order(epoch)
+        at = (offset * replicas + replica) % n
+        return at if order is None else int(order[at])
+
+    def _from_workers(self, first: int, micro_batches: int, replica: int, replicas: int) -> list[Any]:
+        """Micro-batches from stream position ``first`` on, loaded and collated by the loader's worker
+        processes: one DataLoader over this replica's positions, kept while the steps read on, made again
+        only to go elsewhere (a rollback, a load). Its workers are seeded from the job's seed."""
+        if self._feed is None or self._feed[0] != (replica, replicas, first):
+            self._end_feed()
+            assert self._workers is not None
+            loader = DataLoader(self.dataset, batch_size=self.size, sampler=_Positions(self, first, replica, replicas),
+                                collate_fn=self.collate, generator=torch.Generator().manual_seed(self.seed),
+                                **self._workers)
+            self._feed = ((replica, replicas, first), iter(loader))
+        batches = [next(self._feed[1]) for _ in range(micro_batches)]
+        self._feed = ((replica, replicas, first + micro_batches * self.size), self._feed[1])
+        return batches
+
+    def _end_feed(self) -> None:
+        """Lets the loader's iterator go, and with it its worker processes."""
+        feed, self._feed = self._feed, None
+        shutdown = getattr(feed[1], "_shutdown_workers", None) if feed is not None else None
+        if callable(shutdown):
+            shutdown()
 
     def _order(self, epoch: int) -> torch.Tensor | None:
         """Epoch ``epoch``'s indices (None: in order), made once an epoch: made for every sample, a
@@ -196,6 +239,18 @@ class DatasetReader:
                 raise ValueError("the iterable dataset yielded nothing")
 
 
+class _Positions(Sampler[int]):
+    """A replica's stream as dataset indices, from one position on, endlessly: what a loader's
+    worker processes load (see :meth:`DatasetReader._from_workers`)."""
+
+    def __init__(self, reader: DatasetReader, first: int, replica: int, replicas: int) -> None:
+        self.reader, self.first, self.replica, self.replicas = reader, first, replica, replicas
+
+    def __iter__(self) -> Iterator[int]:
+        for position in itertools.count(self.first):
+            yield self.reader.index(position, self.replica, self.replicas)
+
+
 def split_pair(batch: Any) -> tuple[Any, Any]:
     """A collated micro-batch as ``(inputs, targets)``: a pair as it is, or a dict with ``labels``
     (Hugging Face's) as the other keys and the labels.
@@ -211,15 +266,17 @@ def split_pair(batch: Any) -> tuple[Any, Any]:
                     f"{type(batch).__name__}{' with keys ' + str(sorted(batch)) if isinstance(batch, Mapping) else ''}")
 
 
-def data_source(made: Any, micro_batch_size: int | None, seed: int) -> BatchFunction | DatasetReader:
-    """What the data factory made, as a source a stage reads micro-batches from (see the module docstring).
+def data_source(made: Any, micro_batch_size: int | None, seed: int, *,
+                workers: bool = True) -> BatchFunction | DatasetReader:
+    """What the data factory made, as a source a stage reads micro-batches from (see the module docstring);
+    ``workers``: a DataLoader's worker processes load a map-style dataset's samples (its ``num_workers``).
 
     Raises:
         TypeError: neither a batch function nor a dataset or DataLoader.
     """
     if isinstance(made, (DataLoader, torch.utils.data.IterableDataset)) \
             or (hasattr(made, "__getitem__") and hasattr(made, "__len__")):
-        return DatasetReader(made, micro_batch_size, seed)
+        return DatasetReader(made, micro_batch_size, seed, workers=workers)
     if callable(made):
         return BatchFunction(made)
     if hasattr(made, "__iter__"):
@@ -230,7 +287,7 @@ def data_source(made: Any, micro_batch_size: int | None, seed: int) -> BatchFunc
 
 def first_inputs(made: Any, micro_batch_size: int | None, seed: int, replicas: int, micro_batches: int) -> Any:
     """The first micro-batch's inputs of step 0, replica 0 (what a traced or profiled model is shown)."""
-    source = data_source(made, micro_batch_size, seed)
+    source = data_source(made, micro_batch_size, seed, workers=False)  # one micro-batch: no worker processes
     try:
         return source.read(0, 0, replicas, micro_batches)[0][0]
     finally:

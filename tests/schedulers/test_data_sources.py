@@ -90,6 +90,20 @@ async def test_a_data_loader_of_many_lengths_trains_as_one_process(cluster: Clus
     await assert_trains_as(cluster, model, losses, **options)
 
 
+async def test_a_loaders_worker_processes_feed_each_stage_what_its_thread_would(cluster: Cluster) -> None:
+    # num_workers=2: each of the four stages (two replicas' first and last) loads in two processes of its own.
+    reader = DatasetReader(token_sequences(**DATA), None, seed=0)  # no workers: on the reader's thread
+    try:
+        reads = [[reader.read(step, r, REPLICAS, MICRO) for r in range(REPLICAS)] for step in range(4)]
+    finally:
+        reader.close()
+    torch.manual_seed(0)
+    model = gpt(**GPT)
+    losses = train_one_process(model, lambda out: out, [[(x, y) for inputs, targets, _ in step
+                                                         for x, y in zip(inputs, targets)] for step in reads])
+    await assert_trains_as(cluster, model, losses, data_kwargs={**DATA, "num_workers": 2})
+
+
 @pytest.mark.parametrize(("schedule", "stages", "micro"), [("1f1b", 3, MICRO), ("dualpipev", 2, 4)])
 async def test_a_stage_between_the_first_and_the_last_reads_no_data(cluster: Cluster, schedule: str, stages: int,
                                                                      micro: int) -> None:

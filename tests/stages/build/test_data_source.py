@@ -194,3 +194,37 @@ def test_a_sampler_longer_or_shorter_than_it_says_is_refused() -> None:
             reader.read(0, 0, 1, 2)
     finally:
         reader.close()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("sampling", ["shuffle", "weighted"])
+def test_a_loaders_worker_processes_load_the_same_micro_batches_and_end_with_the_reader(sampling: str) -> None:
+    """num_workers was ignored (every sample loaded on the reader's one thread); the workers now load the
+    stream, micro-batch for micro-batch what the thread loads, across epochs and after going back."""
+    import multiprocessing
+
+    dataset = _dataset(10)
+
+    def loader(workers: int) -> DataLoader[Any]:
+        if sampling == "shuffle":
+            return DataLoader(dataset, batch_size=2, shuffle=True, num_workers=workers)
+        weights = torch.arange(10, dtype=torch.float) + 1
+        return DataLoader(dataset, batch_size=2, sampler=torch.utils.data.WeightedRandomSampler(weights, 7),
+                          num_workers=workers)
+
+    def read(reader: DatasetReader, replica: int, steps: list[int]) -> list[list[list[int]]]:
+        return [_ids(reader.read(step, replica, 2, 3)) for step in steps]
+
+    steps = [0, 1, 2, 3, 1, 2, 5]  # on, back (a rollback), on, and a jump
+    for replica in range(2):
+        threaded = DatasetReader(loader(0), None, seed=5)
+        pooled = DatasetReader(loader(2), None, seed=5)
+        try:
+            assert pooled._workers is not None and threaded._workers is None
+            assert read(pooled, replica, steps) == read(threaded, replica, steps)
+            assert multiprocessing.active_children()  # the loader's workers
+        finally:
+            threaded.close()
+            pooled.close()
+        pooled._thread.shutdown(wait=True)
+        assert not multiprocessing.active_children()
