@@ -115,6 +115,29 @@ async def test_wait_returns_a_runs_end_however_it_ends_and_none_before_any_run(c
     assert not done.active and (done.done, done.target, done.error) == (2, 2, None)
 
 
+async def test_steps_while_a_run_is_paused_step_the_job_one_at_a_time_and_the_run_still_takes_its_own(
+        cluster: Cluster) -> None:
+    steps, between = 30, 2  # the pause all but surely lands inside the run; the checks hold wherever it lands
+    states, losses = one_process(list(range(steps + between)))
+    job = await cluster.train(**_train())
+    try:
+        await job.run(steps)
+        await job.pause()  # after the steps in flight
+        stepped = [await job.step() for _ in range(between)]  # a debugger's single steps, from the data factory
+        paused = (await job.describe()).run
+        await job.resume()
+        run = await ended(job)
+        state = await job.state_dict()
+    finally:
+        await job.close()
+    assert paused is not None and paused.done <= steps
+    # The data position is the step count: each step read the batch after the one before, whoever sent it.
+    assert [s.step for s in stepped] == [paused.done + k for k in range(between)]
+    assert [s.loss for s in stepped] == pytest.approx(losses[paused.done:paused.done + between], rel=1e-5)
+    assert run.error is None and run.done == steps
+    assert equal(state, states[-1])
+
+
 async def test_a_step_skipped_for_a_nan_drops_the_step_sent_after_it_and_sends_it_again(cluster: Cluster) -> None:
     # Step 1's batch holds a NaN: every stage drops it, so every stage refuses step 2, sent ahead of
     # it; the run drops that one and sends it again, reading the data position it would have read.
