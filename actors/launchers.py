@@ -202,15 +202,19 @@ def _stop_head(head: subprocess.Popen[bytes], folder: str | None = None) -> None
 
 
 def first_host(nodelist: str) -> str:
-    """The first host of a Slurm node list: ``gpu[03-05,9],cpu1`` -> ``gpu03``."""
-    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
-    if match is None or not match.group(1):
+    """The first host of a Slurm node list: ``gpu[03-05,9],cpu1`` -> ``gpu03``; a name goes on after its
+    brackets (``node[01-02]-ib`` -> ``node01-ib``), and each bracket of a name gives its first value
+    (``rack[1-2]-blade[3-4]`` -> ``rack1-blade3``), as ``scontrol show hostnames`` lists them."""
+    text, depth = nodelist.strip(), 0
+    for end, char in enumerate(text):  # the first name: up to the first comma outside brackets
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            text = text[:end]
+            break
+    host = re.sub(r"\[([^\[\]]*)\]", lambda m: m.group(1).split(",")[0].split("-")[0], text)
+    if not host or text.startswith("[") or "[" in host or "]" in host or "," in host:
         raise ValueError(f"not a Slurm node list: {nodelist[:80]!r}")
-    prefix, ranges = match.groups()
-    if ranges is None:
-        return prefix
-    first = ranges.split(",")[0].split("-")[0]
-    return f"{prefix}{first}"
+    return host
 
 
 def own_host(head_host: str) -> str:

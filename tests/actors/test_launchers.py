@@ -34,6 +34,12 @@ def test_slurm_names_the_first_host_of_the_job_and_a_port_of_the_job() -> None:
     env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "123456"}
     assert from_environment(env) == LaunchRole("slurm", 3, 8, "gpu07", 20000 + 123456 % 20000)
     assert first_host("gpu[03-05,9],cpu1") == "gpu03" and first_host("login1,login2") == "login1"
+    # A name goes on after its brackets (it was cut there: node01, a host that does not exist).
+    assert first_host("node[01-02]-ib,login1") == "node01-ib" and first_host("rack[1-2]-blade[3-4]") == "rack1-blade3"
+    assert first_host(" gpu-a[001-003],gpu-b[1,5-6] ") == "gpu-a001" and first_host("node[7]") == "node7"
+    for bad in ("", "[1-2]", "node[01-02", "node01-02]"):
+        with pytest.raises(ValueError, match="not a Slurm node list"):
+            first_host(bad)
     with pytest.raises(ValueError, match="no SLURM_JOB_NODELIST"):
         from_environment({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"})
 
