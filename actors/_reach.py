@@ -17,7 +17,7 @@ import socket
 from actors._errors import ActorTimeout
 from transport.security import split_address
 
-__all__ = ["HeadUnreachable", "SecurityMismatch", "check_security_matches", "why_no_answer"]
+__all__ = ["HeadUnreachable", "SecurityMismatch", "check_head_address", "check_security_matches", "why_no_answer"]
 
 # How long a look at a TCP address may wait for the connection to be accepted.
 PROBE_TIMEOUT_S = 2.0
@@ -29,6 +29,30 @@ class SecurityMismatch(ValueError):
 
 class HeadUnreachable(ActorTimeout):
     """The head did not answer in time; the message says what a look at its address found."""
+
+
+def check_head_address(address: str) -> None:
+    """Refuses, at once, an address no head can listen at (libzmq refuses it at the first call, as
+    ``Invalid argument``, or, past the last port, a probe of it fails with ``OverflowError``).
+
+    Raises:
+        ValueError: not ``tcp://HOST:PORT`` (a port of 1-65535) or ``ipc://PATH``; says which part.
+    """
+    endpoint, _ = split_address(address)
+    scheme, separator, rest = endpoint.partition("://")
+    host, colon, port = rest.rpartition(":")
+    why = None
+    if not separator or scheme not in ("tcp", "ipc"):
+        why = "it is not tcp://HOST:PORT or ipc://PATH"
+    elif scheme == "ipc" and not rest:
+        why = "it names no socket file"
+    elif scheme == "tcp" and (not colon or not host):
+        why = "it needs a host and a port"
+    elif scheme == "tcp" and not (port.isdigit() and 0 < int(port) < 65536):
+        why = f"{port!r:.20} is not a TCP port (1-65535)"
+    if why is not None:
+        raise ValueError(f"the head's address {endpoint!r:.120} cannot be reached: {why}; give the address the "
+                         "head printed (actorpipe head listening at ...) or its --address-file")
 
 
 def check_security_matches(address: str, secure: bool, fix: str) -> None:

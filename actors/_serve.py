@@ -15,7 +15,7 @@ from typing import Any
 
 from actors._errors import ActorError
 from actors._liveness import LivenessClient
-from actors._reach import HeadUnreachable, check_security_matches, why_no_answer
+from actors._reach import HeadUnreachable, check_head_address, check_security_matches, why_no_answer
 from actors._ref import ActorRef
 from actors._nodes import HEAD, NODE, HeadActor, HeartbeatSettings, NodeActor, NodeInfo, node_info
 from actors._registry import registered_actors
@@ -230,6 +230,7 @@ async def serve_worker(config: WorkerConfig) -> None:
         join = config.join or await _read_join_file(config.join_file, config.head_timeout, stop)
         if not join:
             return
+        check_head_address(join)
         check_security_matches(join, config.keys is not None,
                                "start this node with --keys DIR (the cluster's key directory), not --insecure")
         head = runtime.ref(head_address(join, config.keys), HEAD)

@@ -505,13 +505,17 @@ class Sender:
         self._linger_ms = linger_ms
         context = context or zmq.Context.instance()
         self._socket: zmq.Socket[Any] = context.socket(zmq.PUSH)
-        if curve is not None and server_public is not None:
-            configure_client(self._socket, curve, server_public)
-        self._socket.setsockopt(zmq.SNDHWM, hwm)
-        # Queue nothing for a peer that is not connected: an unreachable peer makes
-        # send wait (and time out) instead of piling messages up in memory.
-        self._socket.setsockopt(zmq.IMMEDIATE, 1)
-        self._socket.connect(endpoint)
+        try:
+            if curve is not None and server_public is not None:
+                configure_client(self._socket, curve, server_public)
+            self._socket.setsockopt(zmq.SNDHWM, hwm)
+            # Queue nothing for a peer that is not connected: an unreachable peer makes
+            # send wait (and time out) instead of piling messages up in memory.
+            self._socket.setsockopt(zmq.IMMEDIATE, 1)
+            self._socket.connect(endpoint)
+        except BaseException:  # an address libzmq refuses ("foo"): left open, the socket kept Context.term waiting
+            self._socket.close(linger=0)
+            raise
         # Sealed: CURVE carries the session's opening, the bulk socket every message.
         self._link: BulkLink | None = None
         if curve is not None and bulk_at is not None and bulk != "curve":

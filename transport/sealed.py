@@ -591,11 +591,15 @@ class BulkLink:
         self.key = SessionKey.new(encrypt=encrypt)
         self._control = control
         self.socket: zmq.Socket[Any] = context.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.SNDHWM, hwm)
-        self.socket.setsockopt(zmq.RCVHWM, 4)
-        self.socket.setsockopt(zmq.IMMEDIATE, 1)
-        self.socket.setsockopt(zmq.MAXMSGSIZE, 256)  # what comes back: the claim's ack, the numbers taken
-        self.socket.connect(bulk_endpoint)
+        try:
+            self.socket.setsockopt(zmq.SNDHWM, hwm)
+            self.socket.setsockopt(zmq.RCVHWM, 4)
+            self.socket.setsockopt(zmq.IMMEDIATE, 1)
+            self.socket.setsockopt(zmq.MAXMSGSIZE, 256)  # what comes back: the claim's ack, the numbers taken
+            self.socket.connect(bulk_endpoint)
+        except BaseException:  # closed here, or the context's term waits for it for ever
+            self.socket.close(linger=0)
+            raise
         self.opened = False  # the opening went out over CURVE: small messages may go
         self.claimed = False  # a claim went out on the bulk socket
         self.ready = False  # acknowledged: messages may go over the bulk socket

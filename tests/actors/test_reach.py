@@ -3,13 +3,15 @@ the address, or something does and stays silent, and what to check then."""
 
 from __future__ import annotations
 
+import asyncio
+import re
 import socket
 from pathlib import Path
 
 import pytest
 
 from actors import Cluster, HeadUnreachable, SecurityMismatch
-from actors._reach import check_security_matches, why_no_answer
+from actors._reach import check_head_address, check_security_matches, why_no_answer
 
 KEY = "ab" * 32  # a public key part of an address: 64 hex digits
 
@@ -71,3 +73,41 @@ async def test_a_closed_connection_says_so_before_any_call() -> None:
     with pytest.raises(ActorStopped, match=r"^this connection to the cluster is closed \(cluster.close\(\), or the "
                                            r"end of its async with\)"):
         cluster.check_head()
+
+
+@pytest.mark.parametrize(("address", "why"), [
+    ("foo", "it is not tcp://HOST:PORT or ipc://PATH"),
+    ("127.0.0.1:5555", "it is not tcp://HOST:PORT or ipc://PATH"),
+    ("udp://127.0.0.1:5555", "it is not tcp://HOST:PORT or ipc://PATH"),
+    ("tcp://127.0.0.1", "it needs a host and a port"),
+    ("tcp://:5555", "it needs a host and a port"),
+    ("tcp://127.0.0.1:99999", "'99999' is not a TCP port"),
+    ("tcp://127.0.0.1:0", "'0' is not a TCP port"),
+    ("ipc://", "it names no socket file"),
+])
+async def test_an_address_no_head_can_listen_at_is_refused_at_once(address: str, why: str) -> None:
+    """Cluster.connect("foo") hung for ever (the socket libzmq refused stayed open, and the runtime's
+    close waited for it in Context.term); tcp://...:99999 failed after the timeout with OverflowError."""
+    for ok in ("tcp://127.0.0.1:5555", f"tcp://[::1]:5555|{KEY}", "ipc:///tmp/x/head", "tcp://head-0.train:29400"):
+        check_head_address(ok)
+    with pytest.raises(ValueError, match=f"the head's address .* cannot be reached: {re.escape(why)}"):
+        check_head_address(address)
+    with pytest.raises(ValueError, match=re.escape(why)):
+        await asyncio.wait_for(Cluster.connect(address, insecure=True, timeout=30), 20)
+
+
+def test_a_sender_to_an_address_libzmq_refuses_leaves_no_socket_open() -> None:
+    import threading
+
+    import zmq
+
+    from transport.channel import open_sender
+
+    context: zmq.Context[object] = zmq.Context()
+    with pytest.raises(zmq.ZMQError) as refused:  # kept, as a caller keeps it: its traceback holds the sender
+        open_sender("foo", context=context)
+    ended = threading.Thread(target=context.term, daemon=True)  # waits for every socket of the context
+    ended.start()
+    ended.join(timeout=10)
+    assert not ended.is_alive(), "Context.term waits for a socket the failed sender left open"
+    assert "Invalid argument" in str(refused.value)
