@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Generator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Coroutine, Generator, Iterable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 from actors import launchers
@@ -52,6 +52,9 @@ __all__ = ["Cluster", "LocalCluster"]
 
 log = logging.getLogger(__name__)
 
+# The longest close() waits for the driver's last words to the head (Cluster.last_word).
+LAST_WORDS_S = 5.0
+
 NodeProcess = subprocess.Popen[bytes] | ForkedProcess  # a LocalCluster's head or node, started either way
 
 C = TypeVar("C", bound="Cluster")
@@ -69,6 +72,7 @@ class Cluster:
         self._admit_token = ""  # set by LocalCluster, which may admit a job's factories
         self.head_lost: HeadLost | None = None  # set once the head is gone (see watch_head)
         self.head_process: NodeProcess | None = None  # LocalCluster's head: watched directly
+        self._last_words: set[asyncio.Task[Any]] = set()  # calls close() lets finish (see last_word)
 
     # A LocalCluster's head process is looked at this often (its exit is known at the next look).
     PROCESS_POLL_S = 0.25
@@ -265,9 +269,20 @@ class Cluster:
         self._sinks.pop(sink.name, None)
         await self.head.endpoint(HeadActor.unsubscribe, timeout=2.0).call(sink.name)
 
+    def last_word(self, call: Coroutine[Any, Any, Any], *, name: str) -> None:
+        """Sends ``call`` (to the head) from a task of its own, which :meth:`close` lets finish (for at most
+        :data:`LAST_WORDS_S`): what a driver that gives up on a call tells the head (stop that step, end
+        that job's creation) still reaches it when the driver is leaving (Ctrl-C ends the script)."""
+        task = self.runtime.spawn_task(call, name=name)
+        self._last_words.add(task)
+        task.add_done_callback(self._last_words.discard)
+
     async def close(self) -> None:
-        """Ends this connection's subscriptions (so its key's count drops at once) and closes its runtime."""
+        """Ends this connection's subscriptions (so its key's count drops at once) and closes its runtime,
+        once the last words to the head are said (see :meth:`last_word`)."""
         if self.head_lost is None:
+            if self._last_words:
+                await asyncio.wait(set(self._last_words), timeout=LAST_WORDS_S)
             for sink in list(self._sinks.values()):
                 with contextlib.suppress(ActorError):
                     await self.unsubscribe(sink)

@@ -24,6 +24,7 @@ import inspect
 import json
 import logging
 import os
+import secrets
 import warnings
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, Concatenate, ParamSpec, TypeVar
@@ -31,7 +32,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import torch
 
 import actors
-from actors import ActorError, ActorRef, Endpoint, UnknownActor
+from actors import ActorError, ActorRef, ActorTimeout, Endpoint, UnknownActor
 from stages import CheckpointError
 from schedulers.jobs import SECTIONS, JobSpec
 from schedulers.placement import PlacementWarning
@@ -100,10 +101,22 @@ class Cluster(actors.Cluster):
         await self.admit(spec.factory_modules)
         # the working directory: where the head takes an admin's relative monitor output_path from
         relative_to = os.getcwd() if spec.monitoring.enabled else None
-        info = await self.call(SchedulerActor.create_job, timeout=600).call(spec, relative_to)
+        ticket = secrets.token_hex(16)  # what abandon_job names this creation by (schedulers.creations)
+        try:
+            info = await self.call(SchedulerActor.create_job, timeout=600).call(spec, relative_to, ticket)
+        except (asyncio.CancelledError, ActorTimeout):
+            # The caller gave up on the job (Ctrl-C, wait_for, the timeout): no one would hold it, so it ends.
+            self.last_word(self._abandon(ticket), name="abandon a job's creation")
+            raise
         for notice in info.notices:
             warnings.warn(f"{info.job}: {notice}", PlacementWarning, stacklevel=2)
         return Job(self, info, spec)
+
+    async def _abandon(self, ticket: str) -> None:
+        try:
+            await self.call(SchedulerActor.abandon_job, timeout=60).call(ticket)
+        except ActorError as exc:
+            log.info("could not abandon a job's creation: %s", exc)
 
     async def jobs(self) -> list[JobDescription]:
         """Every job on the cluster."""
@@ -270,7 +283,7 @@ class Job:
             return await self._call(JobActor.step, timeout).call(inputs, targets)
         except asyncio.CancelledError:
             # The driver gave up on the step: the scheduler and every stage stop it too.
-            self.cluster.runtime.spawn_task(self._cancel_step(), name=f"cancel {self.id} step")
+            self.cluster.last_word(self._cancel_step(), name=f"cancel {self.id} step")
             raise
 
     async def evaluate(self, inputs: Any = None, targets: Any = None, *, outputs: bool = False,

@@ -42,10 +42,11 @@ from actors import (
     may_call,
     register_actor,
 )
-from stages import backend_for, RendezvousActor, StageActor, StageConfig
+from stages import backend_for, RendezvousActor, StageActor
 from stages.build.describe import ModelInspector
-from stages.comm.parallel import root_cause
 from schedulers.control import JobController
+from schedulers.creations import Creations
+from schedulers.stage_hosts import StageHosts
 from schedulers.job_actor import JobActor, may_act_on
 from schedulers.job_core import JobCore, Placer, compile_programs
 from schedulers.jobs import JobSpec, stage_config
@@ -190,13 +191,12 @@ class SchedulerActor(Actor):
         self._jobs: dict[str, JobActor] = {}
         # Jobs being created (concurrently): their owner and nodes, counted as the open jobs are.
         self._building: dict[str, tuple[str, list[str]]] = {}
-        # Each stage actor's node agent (its address): a worker hosts a stage in a process of its own,
-        # at an address of its own, and only the agent stops it (or kills it, when a job's code holds on).
-        self._agents: dict[ActorRef, str] = {}
+        self._hosts = StageHosts(lambda: self.runtime, self._alive)  # the stage actors, through their nodes' agents
         self._placing = asyncio.Lock()
         self._ids = itertools.count()
         self._inspections = itertools.count()
         self._subscribers = Subscribers("scheduler")
+        self._creations = Creations()  # by the callers' tickets: a caller that gives up ends its job
 
     def _publisher(self, owner: str) -> Callable[[Event], None]:
         """Publishes the events of a job that ``owner``'s key created, to those who may see that job."""
@@ -209,12 +209,14 @@ class SchedulerActor(Actor):
     # Concurrent: one client's job may take long to build (its data factory, a large model);
     # another's is placed and built meanwhile. Placement itself is one at a time.
     @endpoint(concurrent=True, roles=("client",))
-    async def create_job(self, job_spec: JobSpec, relative_to: str | None = None) -> JobInfo:
+    async def create_job(self, job_spec: JobSpec, relative_to: str | None = None, ticket: str = "") -> JobInfo:
         """Places ``job_spec``'s stage actors and builds them (the spec was checked as it arrived).
 
         Args:
             relative_to: the driver's working directory: where an admin's relative monitor
                 ``output_path`` is taken from (a client's is taken under its checkpoint subtree).
+            ticket: the caller's name for this creation, which :meth:`abandon_job` takes (see
+                :mod:`schedulers.creations`).
 
         Returns:
             The job's id, layout, nodes and placement notices.
@@ -226,6 +228,23 @@ class SchedulerActor(Actor):
                 or a client's monitor ``output_path`` outside its subtree of the checkpoint root.
             LimitExceeded: past the operator's limits (checked first, before any work).
         """
+        caller = current_caller()
+        with self._creations.running(str(ticket)[:64], caller):
+            info = await self._create(job_spec, relative_to)
+        self._creations.made(str(ticket)[:64], caller, info.job)
+        return info
+
+    @endpoint(concurrent=True, roles=("client",))
+    async def abandon_job(self, ticket: str) -> None:
+        """The caller gave up on its creation ``ticket`` (a ``train()`` cancelled or timed out): the
+        creation stops, stopping the stage actors it spawned, or the job it made is closed."""
+        made = self._creations.abandon(str(ticket)[:64], current_caller())
+        job = self._jobs.get(made) if made is not None else None
+        if job is not None:
+            log.info("%s: its creator gave up waiting for it; closing it", job.id)
+            await job.ref.endpoint(JobActor.close, timeout=60).call()
+
+    async def _create(self, job_spec: JobSpec, relative_to: str | None) -> JobInfo:
         check_spec(job_spec, self.limits)
         self._check_client(job_spec)
         check_libraries(job_spec.monitoring)
@@ -262,8 +281,10 @@ class SchedulerActor(Actor):
             log.warning("%s: %s", job_id, notice)
         rendezvous, dist_config = await open_rendezvous(self.runtime, job_id, job_spec, nodes)
         clock.done("rendezvous")
+        stages: list[ActorRef] = []
+        writers = None
         try:
-            stages = await self._spawn_stages(job_id, job_spec, bounds, nodes, dist_config)
+            stages = await self._hosts.spawn_job(job_id, job_spec, bounds, nodes, dist_config)
             clock.done("spawn")
             identities = sorted({n.identity for n in nodes} - {""})
             await asyncio.gather(*(
@@ -272,27 +293,21 @@ class SchedulerActor(Actor):
                     [member.to_wire() for member in stages])
                 for ref, c in ((ref, mesh.coords(g)) for g, ref in enumerate(stages))
             ))
-        except BaseException:
-            if rendezvous is not None:
-                await self.runtime.stop_actor(rendezvous)
-            raise
-        clock.done("connect")
-        names = [n.name for n in nodes]
-        owner = current_caller()
-        writers = Monitors(monitors, job=job_id, publish=self._publisher(owner)) if monitors else None
-        controller = JobController(
-            runtime=self.runtime, job_id=job_id, spec=job_spec, stages=stages, nodes=names, bounds=bounds,
-            publish=self._publisher(owner), alive_nodes=self._alive_nodes, rendezvous=rendezvous,
-            owner=owner, identities=identities, limits=self.limits, monitors=writers,
-            placer=Placer(free_nodes=self._free_nodes, spawn=self._respawn, renew_rendezvous=self._renew_rendezvous,
-                          stop=self._stop_stages))
-        job = JobActor(controller, stop_stages=self._stop_stages, closed=self._job_closed,
-                       checkpoint_root=self.checkpoint_root)
-        try:
+            clock.done("connect")
+            names = [n.name for n in nodes]
+            owner = current_caller()
+            writers = Monitors(monitors, job=job_id, publish=self._publisher(owner)) if monitors else None
+            controller = JobController(
+                runtime=self.runtime, job_id=job_id, spec=job_spec, stages=stages, nodes=names, bounds=bounds,
+                publish=self._publisher(owner), alive_nodes=self._alive_nodes, rendezvous=rendezvous,
+                owner=owner, identities=identities, limits=self.limits, monitors=writers,
+                placer=Placer(free_nodes=self._free_nodes, spawn=self._respawn,
+                              renew_rendezvous=self._renew_rendezvous, stop=self._hosts.stop))
+            job = JobActor(controller, stop_stages=self._hosts.stop, closed=self._job_closed,
+                           checkpoint_root=self.checkpoint_root)
             await self.runtime.spawn(job, f"{job_id}.control")
-        except BaseException:
-            if writers is not None:
-                await writers.aclose()
+        except BaseException:  # failed, or its caller gave up (abandon_job): what it made goes, whole
+            await asyncio.shield(self._unbuild(stages, rendezvous, writers))
             raise
         self._jobs[job_id] = job
         log.info("%s: %s on %s", job_id, job_spec.parallelism.schedule, ", ".join(names))
@@ -337,19 +352,13 @@ class SchedulerActor(Actor):
         busy.update({name: job_id for job_id, (_, names) in self._building.items() for name in names})
         return choose_nodes(alive, busy, mesh.size, exclusive_gpus=_needs_communicator(spec))
 
-    async def _spawn_stages(
-        self, job_id: str, spec: JobSpec, bounds: list[list[int]], nodes: list[NodeInfo],
-        dist_config: dict[str, Any] | None,
-    ) -> list[ActorRef]:
-        results = await asyncio.gather(*(
-            self._spawn_stage(node, f"{job_id}.rank{rank}",
-                              stage_config(spec, job=job_id, global_rank=rank, bounds=bounds, dist=dist_config))
-            for rank, node in enumerate(nodes)), return_exceptions=True)
-        failed = [r for r in results if isinstance(r, BaseException)]
-        if failed:
-            await self._stop_stages([r for r in results if isinstance(r, ActorRef)])
-            raise root_cause(failed)
-        return [r for r in results if isinstance(r, ActorRef)]
+    async def _unbuild(self, stages: list[ActorRef], rendezvous: str | None, writers: Monitors | None) -> None:
+        """Undoes a creation that failed or was abandoned: its stage actors, rendezvous and monitors."""
+        await self._hosts.stop(stages)
+        if rendezvous is not None:
+            await self.runtime.stop_actor(rendezvous)
+        if writers is not None:
+            await writers.aclose()
 
     async def _free_nodes(self, count: int, taken: set[str]) -> list[tuple[str, str]]:
         """``count`` alive nodes that no job uses and that are not in ``taken`` (spares): those on a GPU
@@ -372,15 +381,7 @@ class SchedulerActor(Actor):
         """Job ``job``'s rank ``rank`` built afresh on node ``node_name`` (a recovery)."""
         node = next(n for n in await self._nodes() if n.name == node_name)
         config = stage_config(job.spec, job=job.id, global_rank=rank, bounds=job.bounds, dist=dist)
-        return await self._spawn_stage(node, f"{job.id}.rank{rank}.restart{job.restarts}", config)
-
-    async def _spawn_stage(self, node: NodeInfo, name: str, config: StageConfig) -> ActorRef:
-        """A stage actor built on ``node`` from ``config``'s fields as keyword arguments (StageActor(**config))."""
-        agent = self.runtime.ref(node.address, NODE).endpoint(NodeActor.spawn, timeout=300)
-        address, spawned = await agent.call("stage", name, config.to_wire())
-        stage = self.runtime.ref(address, spawned)
-        self._agents[stage] = node.address  # who stops it
-        return stage
+        return await self._hosts.spawn(node, f"{job.id}.rank{rank}.restart{job.restarts}", config)
 
     async def _renew_rendezvous(self, job: JobCore) -> tuple[str, dict[str, Any]]:
         """A fresh rendezvous for ``job``'s members as they are now; the old one stops."""
@@ -391,19 +392,6 @@ class SchedulerActor(Actor):
                                              [by_name[node] for node in job.nodes])
         assert name is not None and config is not None
         return name, config
-
-    async def _stop_stages(self, stages: list[ActorRef]) -> None:
-        """Stops stage actors on the nodes still alive, each within a few seconds (a lost node's go with it)."""
-        alive = {n.address for n in await self._alive()}
-        agents = {ref: self._agents.pop(ref, ref.address) for ref in stages}
-
-        async def stop(ref: ActorRef) -> None:
-            try:  # the agent's grace for a stage that holds on (actors._processes), and a margin
-                await self.runtime.ref(agents[ref], NODE).endpoint(NodeActor.stop_actor, timeout=5).call(ref.name)
-            except ActorError as exc:
-                log.info("could not stop %s: %s", ref.name, exc)
-
-        await asyncio.gather(*(stop(ref) for ref in stages if agents[ref] in alive))
 
     async def _job_closed(self, job_id: str) -> None:
         """A job actor closed its job: the scheduler forgets it and stops the actor."""

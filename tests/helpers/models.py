@@ -323,3 +323,10 @@ def raising_model(**kwargs: object) -> nn.Sequential:
 def raising_data(**kwargs: object) -> object:
     """A data factory with a bug of the user's own."""
     raise RuntimeError("the user's data factory broke")
+
+
+def slow_data(seconds: float = 2.0, dim: int = 8) -> object:
+    """A data factory that takes ``seconds`` to make (a dataset that loads as the stage builds)."""
+    time.sleep(seconds)
+    x, y = torch.zeros(8, 2, dim), torch.zeros(8, 2, dim)
+    return lambda step: (x, y)

@@ -394,3 +394,77 @@ async def test_failure_in_one_replica_fails_the_step_everywhere_and_names_it(clu
         await job.step(x, y)  # both replicas carry on in step
     finally:
         await job.close()
+
+
+def _descendants() -> set[int]:
+    """This process's descendants (the cluster's head, nodes and their stage processes), from /proc."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):  # ended meanwhile
+                continue
+            parents.setdefault(parent, []).append(int(entry))
+    found, todo = set(), [os.getpid()]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+async def _until_gone(cluster: Cluster, jobs: set[str], processes: set[int]) -> tuple[set[str], set[int]]:
+    """The cluster's jobs and processes once they are back to ``jobs`` and ``processes`` (or after a minute)."""
+    for _ in range(600):
+        now = {j.job for j in await cluster.jobs()}, _descendants()
+        if now == (jobs, processes):
+            break
+        await asyncio.sleep(0.1)
+    return now
+
+
+def _gated(tmp_path: Path) -> dict[str, Any]:
+    """A job whose stages build until the test opens ``tmp_path/gate`` (their data factory waits for it)."""
+    return {"model": "examples.models:residual_mlp", "model_kwargs": {"blocks": 2, "dim": 8}, "pipeline_stages": 2,
+            "micro_batches": 2, "data": "tests.helpers.user_code:gated_data",
+            "data_kwargs": {"started": str(tmp_path / "started"), "gate": str(tmp_path / "gate")}}
+
+
+async def _building(creating: asyncio.Future[Any], tmp_path: Path, processes: set[int]) -> None:
+    """Waits until the job ``creating`` creates has its stage actors building on the nodes."""
+    while not (tmp_path / "started").exists() and not creating.done():
+        await asyncio.sleep(0.02)
+    assert not creating.done() and _descendants() - processes  # the stages' processes, forked, building
+
+
+async def test_a_creation_its_caller_gave_up_on_leaves_no_job_and_no_stage(cluster: Cluster, tmp_path: Path) -> None:
+    """A train() cancelled (Ctrl-C, wait_for, its timeout) left its job built and running on the head,
+    holding its nodes, with no handle to close it by."""
+    jobs, processes = {j.job for j in await cluster.jobs()}, _descendants()
+    creating = asyncio.ensure_future(cluster.train(**_gated(tmp_path)))
+    await _building(creating, tmp_path, processes)
+    creating.cancel()  # as asyncio.wait_for does
+    with pytest.raises(asyncio.CancelledError):
+        await creating
+    (tmp_path / "gate").touch()  # the nodes finish building those stages: then they are stopped
+    assert await _until_gone(cluster, jobs, processes) == (jobs, processes)
+    async with await cluster.train(**_gated(tmp_path)) as job:  # the nodes serve on (the gate is open)
+        assert (await job.step()).loss >= 0
+
+
+async def test_a_driver_that_leaves_while_its_job_is_created_leaves_no_job(cluster: Cluster, tmp_path: Path) -> None:
+    """As a script's Ctrl-C: its creation cancelled and its connection closed at once; the word to the
+    head that ends the creation goes out as the connection closes (Cluster.last_word)."""
+    await cluster.admit(["tests.helpers"])  # another connection's job is built from them
+    jobs, processes = {j.job for j in await cluster.jobs()}, _descendants()
+    leaving = await Cluster.connect(cluster.head.address, keys=_KEYS[0], identity="admin")
+    creating = asyncio.ensure_future(leaving.train(**_gated(tmp_path)))
+    await _building(creating, tmp_path, processes)
+    creating.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await creating
+    await leaving.close()
+    (tmp_path / "gate").touch()
+    assert await _until_gone(cluster, jobs, processes) == (jobs, processes)
