@@ -44,6 +44,8 @@ _HELLO = b"node"
 # A launched worker's head is gone when its liveness connection stays closed this long (libzmq
 # reconnects by itself across a blip; a head that exited or was killed never comes back).
 HEAD_GONE_S = 3.0
+# How long closing a liveness end waits for its thread (which closes its sockets as it ends).
+JOIN_S = 5.0
 
 
 class LivenessServer:
@@ -110,7 +112,7 @@ class LivenessServer:
     def close(self) -> None:
         """Stops the thread, which closes every socket."""
         self._stop.set()
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=JOIN_S)
         with self._lock:  # sockets made after the thread's last look: closed here, or the context never ends
             added, self._added = self._added, []
         for _, _, socket, monitor in added:
@@ -224,15 +226,24 @@ class LivenessClient:
         self._thread.start()
 
     def close(self) -> None:
+        """Stops the thread, which closes the sockets as it ends: a socket is used by one thread only, and
+        one stuck (in ``on_head_gone``, or starved on a busy machine) past the wait closes them later."""
         self._stop.set()
-        self._thread.join(timeout=5)
-        self._close_sockets()
+        self._thread.join(timeout=JOIN_S)
+        if self._thread.is_alive():
+            log.warning("the liveness thread did not end within %.0fs; it closes its sockets when it does", JOIN_S)
 
     def _close_sockets(self) -> None:
-        if not self._socket.closed:  # the thread closes them itself when the context ends first
+        if not self._socket.closed:
             _close(self._socket, self._monitor)
 
     def _serve(self) -> None:
+        try:
+            self._watch()
+        finally:
+            self._close_sockets()  # here, on the thread that polls them (the context waits for them)
+
+    def _watch(self) -> None:
         poller = zmq.Poller()
         poller.register(self._monitor, zmq.POLLIN)
         poller.register(self._socket, zmq.POLLIN)
@@ -258,8 +269,7 @@ class LivenessClient:
                     self._socket.recv_multipart()  # the head sends nothing; drop what comes
             except zmq.ZMQError as exc:
                 if exc.errno == zmq.ETERM:  # the context is ending (its runtime closed before this watch):
-                    self._close_sockets()   # it waits for these sockets, and would wait for ever
-                    return
+                    return                  # it waits for these sockets, which _serve closes
                 if self._stop.is_set():
                     return
                 log.debug("liveness: %s", exc)

@@ -153,3 +153,36 @@ def test_a_context_that_ends_before_its_watches_are_closed_ends_them() -> None:
     assert not ending.is_alive(), "the context waited for the watches' sockets"
     client.close()  # after the context ended: nothing left to close, and no error
     server.close()
+
+
+def test_a_watch_whose_thread_is_held_up_leaves_its_sockets_to_that_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """close() closed the sockets from the caller's thread once its wait for the watch's thread ran
+    out, while that thread (held in on_head_gone, or starved on a busy machine) would poll them
+    again: a socket used by two threads at once is how libzmq asserts. The thread closes its own."""
+    import socket as sockets
+    import threading
+
+    import actors._liveness as liveness
+    from actors._liveness import LivenessClient
+
+    monkeypatch.setattr(liveness, "HEAD_GONE_S", 0.0)
+    monkeypatch.setattr(liveness, "JOIN_S", 0.2)
+    with sockets.socket() as probe:  # a port nothing listens at: the head is gone at once
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    held, release = threading.Event(), threading.Event()
+
+    def gone() -> None:
+        held.set()
+        release.wait(60)  # the watch's thread, held up
+
+    context: zmq.Context[object] = zmq.Context()
+    client = LivenessClient(context, f"tcp://127.0.0.1:{port}", "", None, None, gone, silent_timeout=600.0)
+    assert held.wait(60), "the head nobody listens for was never lost"
+    client.close()  # waits 0.2 s for the thread, in vain
+    assert not client._socket.closed, "close() closed a socket its watch's thread still holds"
+    release.set()
+    ending = threading.Thread(target=context.term, daemon=True)  # waits for every socket: the thread's close
+    ending.start()
+    ending.join(timeout=60)
+    assert not ending.is_alive() and client._socket.closed
