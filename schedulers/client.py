@@ -306,13 +306,17 @@ class Job:
         if (inputs is None) != (targets is None):
             raise ValueError("evaluate() takes both inputs and targets, or neither (to read the data factory)")
         timeout = self.spec.fault_tolerance.step_timeout_s + 60.0
-        return await self._call(JobActor.evaluate, timeout).call(inputs, targets, outputs, data_step)
+        try:
+            return await self._call(JobActor.evaluate, timeout).call(inputs, targets, outputs, data_step)
+        except asyncio.CancelledError:  # as for a step: the scheduler and every stage stop it too
+            self.cluster.last_word(self._cancel_step(), name=f"cancel {self.id} evaluation")
+            raise
 
     async def _cancel_step(self) -> None:
         try:
             await self._call(JobActor.cancel_step, 5.0).call()
         except ActorError as exc:
-            log.info("could not cancel %s's step: %s", self.id, exc)
+            log.info("could not cancel %s's step or evaluation: %s", self.id, exc)
 
     async def run(self, num_steps: int) -> RunInfo:
         """Starts ``num_steps`` steps from the job's data factory in the background (see :meth:`describe`)."""

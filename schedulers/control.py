@@ -152,7 +152,7 @@ class JobController:
             StepFailed: a stage failed or it timed out.
         """
         job = self.core
-        async with job.operation():
+        async with job.operation(stepping=True):  # a driver that gives up on it cancels it, as a step
             result = await evaluation.evaluate(job, self.steps, inputs, targets, outputs=bool(outputs),
                                                data_step=data_step)
             if self.monitors is not None:  # at the steps applied before it (see schedulers.monitors)
@@ -206,7 +206,7 @@ class JobController:
                              details={"stage": None, "action": None, "cause": "diverged"})
 
     def cancel_step(self) -> bool:
-        """Cancels the step in progress (its stages abort it); False when no step runs."""
+        """Cancels the step (or evaluation) in progress (its stages abort it); False when none runs."""
         job = self.core
         if job.operation_task is None or not job.stepping:
             return False

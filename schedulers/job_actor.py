@@ -109,10 +109,11 @@ class JobActor(Actor):
 
     @endpoint(concurrent=True, roles=("client",))
     async def cancel_step(self) -> bool:
-        """Cancels the step in progress (a driver that cancelled ``job.step``); every stage aborts it.
+        """Cancels the step or evaluation in progress (a driver that cancelled ``job.step`` or
+        ``job.evaluate``); every stage aborts it.
 
         Returns:
-            Whether a step was running.
+            Whether one was running.
         """
         return self._controller().cancel_step()
 

@@ -113,7 +113,7 @@ class JobCore:
         self.lock = asyncio.Lock()
         self.waiting = 0  # operations waiting for the lock (a run that steps ahead lets them in: see StepPath.dispatch)
         self.operation_task: asyncio.Task[Any] | None = None  # the call holding the lock (close cancels it)
-        self.stepping = False  # the operation is a step (a driver may cancel it)
+        self.stepping = False  # the operation is a step or an evaluation (a driver may cancel it)
         # Ranks whose node was lost during a step they were not told to abort: aborted when it comes back.
         self.fenced: dict[int, int] = {}
         self.broken: str | None = None  # set when stages may disagree (a release failed): only load or close help
@@ -159,7 +159,7 @@ class JobCore:
         """Holds the job for one operation (a step, a state read or load) that ``close`` may cancel.
 
         Args:
-            stepping: the operation is a step (``cancel_step`` may cancel it).
+            stepping: the operation is a step or an evaluation (``cancel_step`` may cancel it).
             repairs: the operation may run on stages that disagree (a load).
 
         Raises:

@@ -125,6 +125,32 @@ async def test_cancelling_a_step_on_the_driver_stops_it_on_the_scheduler_and_the
             await job.close()
 
 
+async def test_cancelling_an_evaluation_on_the_driver_frees_the_job_while_its_stages_still_compute(
+        tmp_path: Path) -> None:
+    """A cancelled job.evaluate went on on the head, holding the job until the evaluation ended
+    (a stage stuck in a forward: the step's timeout, 10 minutes)."""
+    gate = tmp_path / "stall"
+    async with LocalCluster(nodes=2) as cluster:
+        job = await cluster.train(**{**STALLING, "model_kwargs": {"seconds": 600.0, "gate": str(gate)}})
+        try:
+            with stalled(gate):  # stage 0's first forward sleeps 600 s
+                evaluating = asyncio.ensure_future(job.evaluate(*batch()))
+                while not (await job.describe()).stepping:  # the evaluation holds the job
+                    assert not evaluating.done()
+                    await asyncio.sleep(0.05)
+                evaluating.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await evaluating
+                for _ in range(600):  # let go well within a minute, while stage 0 still sleeps
+                    if not (await job.describe()).stepping:
+                        break
+                    await asyncio.sleep(0.1)
+                assert not (await job.describe()).stepping, "the cancelled evaluation still holds the job"
+        finally:
+            outcome, _ = await timed(job.close(), 30)  # its stuck stage is stopped (killed after its grace)
+            assert not isinstance(outcome, BaseException), outcome
+
+
 async def test_the_driver_learns_of_a_killed_head_within_three_seconds() -> None:
     local = LocalCluster(nodes=2)
     async with local as cluster:
