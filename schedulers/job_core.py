@@ -132,6 +132,10 @@ class JobCore:
         # back to: the scale goes back with the stages, or each replayed step would move it again.
         self.scales: dict[int, dict[str, float | int]] = {}
         self._keep_scale()
+        # Learning rates ``set lr`` gave the running job, by the applied step each holds from: every
+        # step's order carries its own (StepOrder.lr), so that a replay after a recovery steps as the
+        # first time did, on either side of a change.
+        self.learning_rates: dict[int, float] = {}
         self.last_checkpoint: tuple[CheckpointPath, int] | None = None  # (where, step) of this job's newest save
         self.driver_batches = False  # a step took the driver's batch (so the data factory cannot replay it)
         self.snapshot_due = False  # take one at the next step whatever snapshot_every says (after a load)
@@ -203,6 +207,11 @@ class JobCore:
             del self.history[old]
         for old in [k for k in self.scales if k < oldest]:
             del self.scales[old]
+
+    def learning_rate(self, position: int) -> float | None:
+        """The learning rate of the step that applies step ``position`` (None: never set before it)."""
+        since = [start for start in self.learning_rates if start <= position]
+        return self.learning_rates[max(since)] if since else None
 
     def attempted(self) -> int:
         """A new attempt at a step: its number (one per attempt, never reused)."""
@@ -285,6 +294,8 @@ class JobCore:
         self.scales.clear()
         self._keep_scale()
         self.snapshot_due = True
+        if self.learning_rates:  # the rate set last holds on, from wherever the loaded steps stand
+            self.learning_rates = {0: self.learning_rates[max(self.learning_rates)]}
 
     def checkpoint_applied(self) -> None:
         """Every stage took a checkpoint's state: they agree again, and drop their snapshots."""

@@ -23,7 +23,7 @@ from schedulers.records import SettingChange
 __all__ = ["SETTABLE", "Settings", "plan_setting"]
 
 # What `set JOB KEY VALUE` may change on a running job.
-SETTABLE = ("micro_batches", "schedule", "activation_codec", "gradient_codec")
+SETTABLE = ("micro_batches", "schedule", "activation_codec", "gradient_codec", "lr")
 
 
 def plan_setting(spec: JobSpec, key: str, value: Any) -> JobSpec:
@@ -61,12 +61,34 @@ def plan_setting(spec: JobSpec, key: str, value: Any) -> JobSpec:
                 "a new job with that schedule instead")
         if value != "auto":
             changes["max_stash_bytes"] = None  # the limit is auto's; a fixed schedule drops it
+    elif key == "lr":
+        return spec.replace(optimizer=_with_lr(spec, value))
     elif isinstance(value, str) and "," in value:
         value = value.split(",")
     try:
         return spec.replace(**{key: value}, **changes)
     except TypeError as exc:
         raise ValueError(str(exc)) from None
+
+
+def _with_lr(spec: JobSpec, value: Any) -> tuple[str, dict[str, Any]]:
+    """The job's optimizer with learning rate ``value`` (text is parsed).
+
+    Raises:
+        ValueError: not a finite number > 0, or a job whose rate follows its ``lr_scheduler``.
+    """
+    optimization = spec.optimization
+    if optimization.lr_scheduler is not None:
+        raise ValueError(f"lr: this job's learning rate follows its lr_scheduler "
+                         f"({str(optimization.lr_scheduler[0])[:60]}); set lr on a job without one")
+    try:
+        lr = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"lr must be a number > 0, got {value!r:.40}") from None
+    if isinstance(value, bool) or not 0 < lr < float("inf"):
+        raise ValueError(f"lr must be a finite number > 0, got {value!r:.40}")
+    name, *kwargs = optimization.optimizer
+    return str(name), {**(kwargs[0] if kwargs else {}), "lr": lr}
 
 
 def _stage_layout(schedule: str) -> str:
@@ -113,7 +135,7 @@ class Settings:
             await off_loop(job.compile, new, timeout_s=self.limits.compile_timeout_s,
                            what=f"compiling the schedule for {key}={value}")
             self.pending_spec = new
-            self.pending[key] = value = new.get(key)
+            self.pending[key] = value = new.optimization.optimizer[1]["lr"] if key == "lr" else new.get(key)
         job.publish(SettingPending(job=job.id, key=key, value=value))
         return SettingChange(job=job.id, key=key, value=value, stepping=job.lock.locked(),
                              next_step=job.next_step)
@@ -134,5 +156,9 @@ class Settings:
                 job.publish(SettingRejected(job=job.id, key="codecs",
                                             error=f"the stages refused the new codecs: {exc}"))
                 return
+        if "lr" in changes:
+            if not job.learning_rates and job.last_stats is not None and job.last_stats.lr:
+                job.learning_rates[0] = job.last_stats.lr[0]  # the rate before it, for a replay of the steps before
+            job.learning_rates[job.applied] = float(changes["lr"])
         job.respecified(new)
         job.publish(SettingsApplied(job=job.id, step=job.next_step, changes=changes))

@@ -100,6 +100,8 @@ class StepPath:
                 call["snapshot"] = position
             if scaler is not None:
                 call["loss_scale"] = scaler.scale
+            if (lr := job.learning_rate(position)) is not None:
+                call["lr"] = lr
             if job.spec.parallelism.schedule == "auto":  # the plan turns W batching on or off per step
                 call["w_batching"] = job.auto.running_w_batching(job.spec)
             # The stages run the tail themselves (one answer per step), except on the step that

@@ -170,6 +170,9 @@ async def begin_step(config: StageConfig, parts: StageParts, order: StepOrder) -
         executor.inbox.resize(inbox_limit(config, order.micro_batches))
     if order.loss_scale is not None:
         executor.loss_scale = float(order.loss_scale)
+    if order.lr is not None and not order.evaluate:  # set on the running job: this step's, whatever it was
+        for group in executor.model.optimizer.param_groups:
+            group["lr"] = float(order.lr)
     if not order.evaluate:
         await executor.begin(actions, w_batching=order.w_batching)
     parts.sender.edge_stats = {}

@@ -125,6 +125,9 @@ class StepOrder(WireRecord):
     """First keep a copy of the stage's state after this many applied steps (and send one to its buddy)."""
     loss_scale: float | None = None
     """fp16: the scale the last stage multiplies each loss by."""
+    lr: float | None = None
+    """The learning rate this step's optimizer step takes, every parameter group's (``set lr`` on a running
+    job; None: as the optimizer has it). Each step's own, so that a replay after a recovery steps alike."""
     w_batching: bool | None = None
     """Run this step's runs of consecutive Ws as one GEMM per weight, or not (None: as built)."""
     finish: bool = False
@@ -168,9 +171,11 @@ class StepOrder(WireRecord):
             value, least = getattr(self, name), 1 if name == "micro_batches" else 0
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
                 raise ValueError(f"{name} must be an int >= {least}, got {value!r:.40}")
-        scale = self.loss_scale
-        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0):
-            raise ValueError(f"loss_scale must be a number > 0, got {scale!r:.40}")
+        for name in ("loss_scale", "lr"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not 0 < value < float("inf")):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r:.40}")
         weights = self.loss_weights
         if weights is not None and not (isinstance(weights, list) and all(
                 isinstance(w, (int, float)) and not isinstance(w, bool) and 0 <= w < float("inf") for w in weights)):

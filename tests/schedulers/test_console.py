@@ -524,7 +524,7 @@ def test_an_unclosed_quote_is_refused() -> None:
     ("pause job1", ["job12"]),
     ("status ", ["job0", "job12", "--actions"]),
     ("status job0 ", ["--actions"]),
-    ("set job0 ", ["micro_batches", "schedule", "activation_codec", "gradient_codec"]),
+    ("set job0 ", ["micro_batches", "schedule", "activation_codec", "gradient_codec", "lr"]),
     ("set job0 schedule ", ["gpipe", "1f1b", "interleaved", "zero_bubble", "zbv", "dualpipev", "auto"]),
     ("set job0 gradient_codec in", ["int8", "int4"]),
     ("help pa", ["pause"]),

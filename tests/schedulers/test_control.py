@@ -48,6 +48,13 @@ def test_settings_that_fit_give_the_new_spec(key: str, value: Any, field: str, e
     ({}, "schedule", "dualpipev", "re-partitions the model"),
     ({"schedule": "interleaved", "data_kwargs": {"batch_size": 12}}, "micro_batches", "3", "multiple"),
     ({}, "activation_codec", "int9", "unknown codec 'int9'"),
+    ({}, "lr", "fast", "lr must be a number > 0, got 'fast'"),
+    ({}, "lr", "-0.1", "lr must be a finite number > 0, got '-0.1'"),
+    ({}, "lr", "inf", "lr must be a finite number > 0"),
+    ({}, "lr", True, "lr must be a finite number > 0"),
+    ({"lr_scheduler": ("torch.optim.lr_scheduler:StepLR", {"step_size": 2})}, "lr", "0.1",
+     r"this job's learning rate follows its lr_scheduler \(torch.optim.lr_scheduler:StepLR\); set lr on a job "
+     "without one"),
 ])
 def test_settings_that_do_not_fit_are_refused_with_why(base: dict[str, Any], key: str, value: str,
                                                         message: str) -> None:
@@ -75,3 +82,21 @@ def test_a_fixed_schedule_drops_autos_stash_limit_and_auto_compiles_its_probe() 
 def test_codec_lists_are_one_codec_per_boundary() -> None:
     new = plan_setting(spec(pipeline_stages=3), "gradient_codec", "int8,none")
     assert new.edge_codecs("gradient_codec") == ["int8", "none"]
+
+
+def test_a_learning_rate_keeps_the_optimizers_other_arguments() -> None:
+    base = spec(optimizer=("torch.optim:SGD", {"lr": 0.1, "momentum": 0.9}))
+    assert plan_setting(base, "lr", "0.02").optimization.optimizer == ("torch.optim:SGD", {"lr": 0.02, "momentum": 0.9})
+    assert plan_setting(spec(optimizer=("torch.optim:AdamW", {})), "lr", 1e-4).optimization.optimizer == (
+        "torch.optim:AdamW", {"lr": 1e-4})
+    assert base.optimization.optimizer[1]["lr"] == 0.1  # the job's own spec is left alone until the barrier
+
+
+def test_each_step_takes_the_learning_rate_set_last_at_or_before_it() -> None:
+    from schedulers.job_core import JobCore
+
+    job = JobCore.__new__(JobCore)  # only what learning_rate reads
+    job.learning_rates = {}
+    assert job.learning_rate(5) is None  # never set: the optimizer's own
+    job.learning_rates = {0: 0.1, 3: 0.02, 7: 0.5}
+    assert [job.learning_rate(p) for p in (0, 2, 3, 6, 7, 100)] == [0.1, 0.1, 0.02, 0.02, 0.5, 0.5]

@@ -198,6 +198,41 @@ async def test_a_replacement_stage_continues_the_learning_rate_schedule_exactly(
 
 
 @pytest.mark.multiprocess
+async def test_a_learning_rate_set_on_the_running_job_replays_on_both_sides_of_the_change(tmp_path: Path) -> None:
+    """The replay from the snapshot before the change steps at the rate before it, then at the one set:
+    the stage built afresh takes the new rate from the spec, the survivor holds it, and each step's
+    order says its own."""
+    local = LocalCluster(nodes=2, spares=1)
+    gate = tmp_path / "stall"
+    async with local as cluster:
+        reference_job = await cluster.train(**spec(seconds=0.0))
+        try:
+            want = [(await reference_job.step()).loss for _ in range(2)]
+            await reference_job.set("lr", 0.002)
+            want += [(await reference_job.step()).loss for _ in range(3)]
+            want_state = await reference_job.state_dict()
+        finally:
+            await reference_job.close()
+        job = await cluster.train(**spec(gate=gate, max_restarts=1, snapshot_every=4))
+        try:
+            losses = [(await job.step()).loss for _ in range(2)]
+            await job.set("lr", "0.002")  # as the console's `set job0 lr 0.002` says it
+            losses.append((await job.step()).loss)
+            with stalled(gate):
+                step = asyncio.ensure_future(job.step())
+                await asyncio.sleep(0.5)
+                os.kill(local.processes[job.nodes[1]].pid, signal.SIGKILL)
+            stats = await asyncio.wait_for(step, 60)  # the replay runs at full speed
+            assert stats.recovery is not None and (stats.recovery.from_step, stats.recovery.replayed) == (0, 3)
+            assert stats.lr == [0.002]
+            losses += [stats.loss, (await job.step()).loss]
+            assert losses == want
+            assert_same_state(await job.state_dict(), want_state)
+        finally:
+            await job.close()
+
+
+@pytest.mark.multiprocess
 async def test_a_node_lost_between_steps_is_replaced_when_the_job_is_next_used() -> None:
     local = LocalCluster(nodes=2, spares=1)
     async with local as cluster:

@@ -138,6 +138,36 @@ async def test_steps_while_a_run_is_paused_step_the_job_one_at_a_time_and_the_ru
     assert equal(state, states[-1])
 
 
+async def test_a_learning_rate_set_on_the_running_job_takes_effect_at_its_next_step_as_one_process(
+        cluster: Cluster) -> None:
+    torch.manual_seed(0)
+    model = residual_mlp(**MODEL)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    read = regression_batches(**DATA)
+    for position in range(8):  # two steps at 0.1, then 0.02: two by job.step, four by a run sent ahead
+        if position == 2:
+            opt.param_groups[0]["lr"] = 0.02
+        x, y = read(position)
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    job = await cluster.train(**_train())
+    try:
+        await job.step()
+        await job.step()
+        change = await job.set("lr", "0.02")
+        assert (change.key, change.value) == ("lr", 0.02)
+        stepped = [await job.step() for _ in range(2)]
+        await job.run(4)
+        run = await ended(job)
+        state, described = await job.state_dict(), await job.describe()
+    finally:
+        await job.close()
+    assert [s.lr for s in stepped] == [[0.02], [0.02]] and run.error is None and run.done == 4
+    assert equal(state, model.state_dict())
+    assert described.spec.optimization.optimizer == ("torch.optim:SGD", {"lr": 0.02, "momentum": 0.9})
+
+
 async def test_a_step_skipped_for_a_nan_drops_the_step_sent_after_it_and_sends_it_again(cluster: Cluster) -> None:
     # Step 1's batch holds a NaN: every stage drops it, so every stage refuses step 2, sent ahead of
     # it; the run drops that one and sends it again, reading the data position it would have read.
