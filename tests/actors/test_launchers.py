@@ -71,7 +71,8 @@ def _free_port() -> int:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_rank_zero_fails_at_once_by_name_when_its_heads_port_is_taken(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A head that cannot bind exits; rank 0 says so and why, rather than every rank timing out on connect."""
+    """A head that cannot bind exits (code 2: a node that cannot start, one line saying why); rank 0 says
+    so and why, rather than every rank timing out on connect."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -79,7 +80,7 @@ def test_rank_zero_fails_at_once_by_name_when_its_heads_port_is_taken(monkeypatc
         for name, value in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
                             "ACTORPIPE_PORT": str(port)}.items():
             monkeypatch.setenv(name, value)
-        with pytest.raises(HeadStartError, match=rf"exited with code 1 before it listened; port {port} is in use"):
+        with pytest.raises(HeadStartError, match=rf"exited with code 2 before it listened; port {port} is in use"):
             serve_unless_rank_zero(["--insecure", "--log-level", "ERROR"])
 
 
