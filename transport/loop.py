@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import signal
+import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -26,6 +28,24 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:
-    """Runs ``main`` to completion on a fresh loop (uvloop's when available)."""
-    with asyncio.Runner(loop_factory=new_event_loop) as runner:
-        return runner.run(main)
+    """Runs ``main`` to completion on a fresh loop (uvloop's when available).
+
+    The process's SIGINT and SIGTERM handlers are as they were afterwards: uvloop's loop, once
+    closed, left the ones ``main`` added (``loop.add_signal_handler``, as a node's serve does)
+    pointing at itself, so a later Ctrl-C in a process that goes on (a test, a notebook) met a
+    closed loop."""
+    kept = {sig: signal.getsignal(sig) for sig in _SIGNALS} if _main_thread() else {}
+    try:
+        with asyncio.Runner(loop_factory=new_event_loop) as runner:
+            return runner.run(main)
+    finally:
+        for sig, handler in kept.items():
+            if handler is not None and signal.getsignal(sig) is not handler:
+                signal.signal(sig, handler)
+
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
