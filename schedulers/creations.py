@@ -22,7 +22,23 @@ from actors import ActorStopped
 
 V = TypeVar("V")
 
-__all__ = ["Creations"]
+__all__ = ["Creations", "checked_ticket"]
+
+TICKET_CHARS = 64  # a client's is 32 hex digits
+
+
+def checked_ticket(value: object) -> str:
+    """A caller's ticket as it came off the wire, refused before anything is done with it.
+
+    Raises:
+        TypeError: not a string.
+        ValueError: longer than :data:`TICKET_CHARS`.
+    """
+    if not isinstance(value, str):
+        raise TypeError(f"a creation's ticket is a string, got {type(value).__name__}")
+    if len(value) > TICKET_CHARS:
+        raise ValueError(f"a creation's ticket is at most {TICKET_CHARS} characters, got {len(value)}")
+    return value
 
 
 class Creations:

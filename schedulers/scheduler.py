@@ -45,7 +45,7 @@ from actors import (
 from stages import backend_for, RendezvousActor, StageActor
 from stages.build.describe import ModelInspector
 from schedulers.control import JobController
-from schedulers.creations import Creations
+from schedulers.creations import Creations, checked_ticket
 from schedulers.stage_hosts import StageHosts
 from schedulers.job_actor import JobActor, may_act_on
 from schedulers.job_core import JobCore, Placer, compile_programs
@@ -222,23 +222,23 @@ class SchedulerActor(Actor):
             The job's id, layout, nodes and placement notices.
 
         Raises:
-            TypeError, ValueError: a bad spec, too few nodes for the job, or a monitor whose
+            TypeError, ValueError: a bad spec or ticket, too few nodes for the job, or a monitor whose
                 library the head lacks.
             NotAllowed: a factory outside the allow-list (the message names the node that refused it),
                 or a client's monitor ``output_path`` outside its subtree of the checkpoint root.
             LimitExceeded: past the operator's limits (checked first, before any work).
         """
-        caller = current_caller()
-        with self._creations.running(str(ticket)[:64], caller):
+        caller, ticket = current_caller(), checked_ticket(ticket)
+        with self._creations.running(ticket, caller):
             info = await self._create(job_spec, relative_to)
-        self._creations.made(str(ticket)[:64], caller, info.job)
+        self._creations.made(ticket, caller, info.job)
         return info
 
     @endpoint(concurrent=True, roles=("client",))
     async def abandon_job(self, ticket: str) -> None:
         """The caller gave up on its creation ``ticket`` (a ``train()`` cancelled or timed out): the
         creation stops, stopping the stage actors it spawned, or the job it made is closed."""
-        made = self._creations.abandon(str(ticket)[:64], current_caller())
+        made = self._creations.abandon(checked_ticket(ticket), current_caller())
         job = self._jobs.get(made) if made is not None else None
         if job is not None:
             log.info("%s: its creator gave up waiting for it; closing it", job.id)

@@ -18,7 +18,7 @@ import pytest
 import pytest_asyncio
 import torch
 
-from actors import Cluster, LimitExceeded, LocalCluster, RemoteError, StepFailed, UserCodeExit
+from actors import ActorTimeout, Cluster, LimitExceeded, LocalCluster, RemoteError, StepFailed, UserCodeExit
 from schedulers import JobSpec
 from schedulers.scheduler import SchedulerActor
 from tests.helpers.clients import TwoClients
@@ -152,3 +152,40 @@ async def test_jobs_per_client_and_settings_are_bounded(cluster: Cluster) -> Non
         finally:
             for job in jobs:
                 await job.close()
+
+
+async def test_only_the_client_that_started_a_creation_can_abandon_it(cluster: Cluster, tmp_path: Path) -> None:
+    """abandon_job ends a creation or the job it made: bob's word on alice's ticket, a stranger's, and a
+    ticket that is no string or too long change nothing."""
+    from actors import open_runtime
+    from transport.security import Keypair
+
+    started, gate = tmp_path / "started", tmp_path / "gate"
+    spec = JobSpec.from_kwargs({**MODEL, "pipeline_stages": 2, "data": f"{USER}:gated_data",
+                                "data_kwargs": {"started": str(started), "gate": str(gate)}})
+    async with connect(cluster, "alice") as alice, connect(cluster, "bob") as bob:
+        creating = asyncio.ensure_future(alice.call(SchedulerActor.create_job, timeout=600).call(spec, None, "t-alice"))
+        try:
+            while not started.exists():
+                assert not creating.done(), creating.exception()
+                await asyncio.sleep(0.02)
+            abandon = bob.call(SchedulerActor.abandon_job, timeout=30)
+            await abandon.call("t-alice")  # not bob's: nothing happens
+            for bad, kind in ((["t-alice"] * 100_000, "TypeError"), ("t" * 1_000_000, "ValueError")):
+                with pytest.raises(RemoteError) as refused:
+                    await abandon.call(bad)
+                assert refused.value.remote_type == kind
+            stranger = Keypair.generate()
+            async with open_runtime("tcp://127.0.0.1:0", keys=stranger,
+                                    ring=lambda: {stranger.public: "client:me"}) as runtime:
+                with pytest.raises(ActorTimeout):  # refused at the handshake, as every endpoint
+                    await runtime.ref(*cluster.scheduler.to_wire()).endpoint(
+                        SchedulerActor.abandon_job, timeout=1.0).call("t-alice")
+            assert not creating.done()
+        finally:
+            gate.touch()
+        info = await creating  # alice's creation went on to its end
+        await bob.call(SchedulerActor.abandon_job, timeout=30).call("t-alice")  # made now; still not bob's
+        assert info.job in {j.job for j in await alice.jobs()}
+        job = await alice.job(info.job)
+        await job.close()
