@@ -33,6 +33,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from transport.channel import reach
 from transport.security import Keypair, configure_client, configure_server
 
 __all__ = ["HEAD_GONE_S", "LivenessClient", "LivenessServer"]
@@ -96,7 +97,9 @@ class LivenessServer:
         socket.setsockopt(zmq.HEARTBEAT_TTL, self._timeout_ms)
         socket.setsockopt(zmq.MAXMSGSIZE, 1024)
         socket.setsockopt(zmq.LINGER, 0)
-        socket.bind(f"{self._host}.live{next(self._count)}" if self._host.startswith("ipc://") else f"{self._host}:0")
+        address = f"{self._host}.live{next(self._count)}" if self._host.startswith("ipc://") else f"{self._host}:0"
+        reach(socket, address)
+        socket.bind(address)
         endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
         monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         with self._lock:
@@ -218,6 +221,7 @@ class LivenessClient:
         # no connection to drop, and was never lost.
         self._monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
                                                   | zmq.EVENT_CONNECT_RETRIED)
+        reach(socket, endpoint)
         socket.connect(endpoint)
         self._name = name.encode() if silent_timeout is None else None  # a driver's watch says nothing
         self._on_head_gone = on_head_gone

@@ -44,7 +44,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from actors._processes import _die_with_parent
-from transport.channel import is_loopback
+from transport.channel import is_loopback, url_host
 
 __all__ = ["HeadStartError", "LaunchRole", "first_host", "from_environment", "own_host", "serve_unless_rank_zero"]
 
@@ -75,7 +75,7 @@ class LaunchRole:
     @property
     def head_address(self) -> str:
         """Where the head listens (without its key: the key directory completes it)."""
-        return f"tcp://{self.head_host}:{self.port}"
+        return f"tcp://{url_host(self.head_host)}:{self.port}"
 
     @property
     def loopback(self) -> bool:
@@ -181,9 +181,10 @@ def _await_head(head: subprocess.Popen[bytes], ready: str, role: LaunchRole, tim
 
 def _port_taken(role: LaunchRole) -> bool:
     """Whether something else holds the head's port on this machine (a bind to it is refused)."""
+    host = role.head_host.strip("[]")
     try:
-        with socket.socket() as probe:
-            probe.bind((role.head_host if is_loopback(role.head_host) else "", role.port))
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.bind((host if is_loopback(host) else "", role.port))
     except OSError as exc:
         return exc.errno == errno.EADDRINUSE
     return False
@@ -217,14 +218,29 @@ def first_host(nodelist: str) -> str:
     return host
 
 
-def own_host(head_host: str) -> str:
-    """The address other hosts reach this process at: loopback when the head is on this machine's
-    loopback, else this host's own address (its name resolved; ``ACTORPIPE_HOST`` overrides)."""
+def own_host(head_host: str, head_port: int = 1) -> str:
+    """The address other hosts reach this process at, as it goes in a ``tcp://`` address (an IPv6
+    one in brackets): ``ACTORPIPE_HOST`` when set; loopback when the head is on this machine's
+    loopback (IPv6's when the head's is); else the address this host sends from toward the head.
+
+    That address is the kernel's choice of route (a UDP socket "connected" to the head, which sends
+    nothing), so it is one the head can answer: this host's name resolved by itself is often a
+    loopback address (``127.0.1.1`` on Debian and Ubuntu, whose ``/etc/hosts`` maps the host's name
+    there), which no other host reaches, and never IPv6. Where no route to the head is found (a head
+    name that does not resolve yet) this host's name resolved is the fallback.
+    """
     if "ACTORPIPE_HOST" in os.environ:
-        return os.environ["ACTORPIPE_HOST"]
-    if is_loopback(head_host):
-        return "127.0.0.1"
-    return socket.gethostbyname(socket.gethostname())
+        return url_host(os.environ["ACTORPIPE_HOST"])
+    bare = head_host.strip("[]")
+    if is_loopback(bare):
+        return "[::1]" if ":" in bare else "127.0.0.1"
+    try:
+        family, _, _, _, target = socket.getaddrinfo(bare, head_port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(target)
+            return url_host(str(probe.getsockname()[0]))
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
 
 
 def _role(launcher: str, rank: str, world: str, host: str, port: str) -> LaunchRole:

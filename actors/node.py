@@ -103,7 +103,7 @@ def _from_launcher(args: argparse.Namespace) -> None:
     if role is None:
         raise ValueError("give --head, --join ADDRESS or --join-file PATH, or start this under torchrun, srun or a "
                          "Kubernetes Indexed Job, whose variables name the head (see docs/machines.md)")
-    host = launchers.own_host(role.head_host)
+    host = launchers.own_host(role.head_host, role.port)
     args.allow_remote = args.allow_remote or not role.loopback
     if not role.loopback and not args.insecure and not os.path.isdir(args.keys):
         raise ValueError(f"{role.launcher} rank {role.rank}: no key directory at {args.keys}; make one with "

@@ -14,7 +14,7 @@ import zmq
 from transport.wire import MessageTooLarge
 
 __all__ = ["COPY_THRESHOLD", "ChannelClosed", "Readiness", "bind_address", "bulk_bind_address", "events", "gather",
-           "is_local_address", "is_loopback", "measure", "readable", "send_nowait", "writable"]
+           "is_local_address", "is_loopback", "measure", "readable", "reach", "send_nowait", "url_host", "writable"]
 
 
 class ChannelClosed(RuntimeError):
@@ -236,6 +236,22 @@ def is_local_address(address: str) -> bool:
     endpoint = address.partition("|")[0]
     scheme, _, rest = endpoint.partition("://")
     return scheme == "ipc" or (scheme == "tcp" and is_loopback(rest.rpartition(":")[0]))
+
+
+def url_host(host: str) -> str:
+    """``host`` as it goes in a ``tcp://`` address: an IPv6 literal in brackets (``fd00::2`` ->
+    ``[fd00::2]``), a name or an IPv4 address as it is."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def reach(socket: zmq.Socket[Any], address: str) -> None:
+    """Lets ``socket`` bind or connect ``address`` over IPv6 when its host is an IPv6 literal
+    (``tcp://[::1]:5555``): libzmq refuses one otherwise ("No such device"). Call it before the
+    bind or connect; every other address leaves the socket IPv4-only, as libzmq's default is (a
+    host whose kernel has no IPv6 could not open the socket at all)."""
+    scheme, _, rest = address.partition("://")
+    if scheme == "tcp" and rest.startswith("["):
+        socket.setsockopt(zmq.IPV6, 1)
 
 
 def is_loopback(host: str) -> bool:

@@ -38,8 +38,10 @@ from transport._sockets import (
     is_local_address,
     is_loopback,
     measure,
+    reach,
     readable,
     send_nowait,
+    url_host,
     writable,
 )
 from transport.sealed import (
@@ -78,6 +80,8 @@ __all__ = [
     "is_loopback",
     "open_receiver",
     "open_sender",
+    "reach",
+    "url_host",
 ]
 
 log = logging.getLogger(__name__)
@@ -210,6 +214,7 @@ class Receiver:
         self._socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         self._socket.setsockopt(zmq.LINGER, 0)
         try:
+            reach(self._socket, bind_at)
             self._socket.bind(bind_at)
         except BaseException:
             self._socket.close()
@@ -512,6 +517,7 @@ class Sender:
             # Queue nothing for a peer that is not connected: an unreachable peer makes
             # send wait (and time out) instead of piling messages up in memory.
             self._socket.setsockopt(zmq.IMMEDIATE, 1)
+            reach(self._socket, endpoint)
             self._socket.connect(endpoint)
         except BaseException:  # an address libzmq refuses ("foo"): left open, the socket kept Context.term waiting
             self._socket.close(linger=0)

@@ -59,7 +59,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from transport._buffers import aligned_empty, only_held_by
-from transport._sockets import send_nowait
+from transport._sockets import reach, send_nowait
 from transport.wire import WireError
 
 __all__ = ["DIRECT_MAX_BYTES", "HEAD_BYTES", "BulkInbox", "BulkLink", "OpenedFrame", "SealRefused", "SessionKey",
@@ -332,6 +332,7 @@ class BulkInbox:
         self.socket.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
         self.socket.setsockopt(zmq.LINGER, 0)
         try:
+            reach(self.socket, bind_address)
             self.socket.bind(bind_address)
         except BaseException:
             self.socket.close()
@@ -596,6 +597,7 @@ class BulkLink:
             self.socket.setsockopt(zmq.RCVHWM, 4)
             self.socket.setsockopt(zmq.IMMEDIATE, 1)
             self.socket.setsockopt(zmq.MAXMSGSIZE, 256)  # what comes back: the claim's ack, the numbers taken
+            reach(self.socket, bulk_endpoint)
             self.socket.connect(bulk_endpoint)
         except BaseException:  # closed here, or the context's term waits for it for ever
             self.socket.close(linger=0)

@@ -4,6 +4,7 @@ variables exactly as ``srun`` and an Indexed Job set them."""
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import os
 import signal
 import socket
@@ -16,8 +17,36 @@ import pytest
 import torch
 
 from actors.keys import ClusterKeys
-from actors.launchers import HeadStartError, LaunchRole, _await_head, first_host, from_environment, serve_unless_rank_zero
+from actors.launchers import (
+    HeadStartError,
+    LaunchRole,
+    _await_head,
+    first_host,
+    from_environment,
+    own_host,
+    serve_unless_rank_zero,
+)
 from tests.helpers import pythonpath
+
+
+def test_an_ipv6_head_is_named_in_brackets_and_a_node_is_reached_where_its_route_to_the_head_starts(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``MASTER_ADDR=fd00::5`` made ``tcp://fd00::5:29501``, which libzmq cannot read; and a node told the
+    head was on another host advertised its host name resolved, which Debian and Ubuntu map to
+    ``127.0.1.1`` (and this machine to ``127.0.0.1``): no other host could reach it."""
+    role = from_environment({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "fd00::5", "MASTER_PORT": "29500"})
+    assert role is not None and role.head_address == "tcp://[fd00::5]:29501" and not role.loopback
+    ipv6_loopback = from_environment({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "::1"})
+    assert ipv6_loopback is not None and ipv6_loopback.loopback and own_host("::1") == "[::1]"
+    assert own_host("127.0.0.1") == "127.0.0.1" and own_host("localhost") == "127.0.0.1"
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.1.1")
+    # 192.0.2.1 (TEST-NET-1) goes by the default route: its source address is this host's own.
+    host = own_host("192.0.2.1", 29501)
+    assert not ipaddress.ip_address(host).is_loopback
+    with socket.socket() as probe:
+        probe.bind((host, 0))  # an address of this machine
+    monkeypatch.setenv("ACTORPIPE_HOST", "fd00::9")
+    assert own_host("192.0.2.1") == "[fd00::9]"
 
 
 def test_torchrun_and_kubeflow_name_the_rank_and_the_head_one_port_above_their_store() -> None:
@@ -159,15 +188,18 @@ async def test_a_torchrun_cluster_of_three_trains_a_job_for_a_driver_that_names_
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_one_script_on_every_torchrun_rank_drives_on_rank_zero_and_serves_elsewhere(tmp_path: Path) -> None:
+@pytest.mark.parametrize("master", ["127.0.0.1", "::1"])
+def test_one_script_on_every_torchrun_rank_drives_on_rank_zero_and_serves_elsewhere(tmp_path: Path,
+                                                                                     master: str) -> None:
     """examples/launched.py under ``torchrun --nproc-per-node 3``: rank 0 trains on the head it started,
-    ranks 1 and 2 serve as nodes and exit once the head is gone; torchrun ends with every rank's 0."""
+    ranks 1 and 2 serve as nodes and exit once the head is gone; torchrun ends with every rank's 0.
+    Over IPv6 as well (``MASTER_ADDR=::1``): every address in brackets, every socket let onto IPv6."""
     keys = ClusterKeys.create(tmp_path / "keys")
     env = {**os.environ, "ACTORPIPE_KEYS": str(keys.directory), "PYTHONPATH": pythonpath(os.getcwd()),
            "ACTORPIPE_PORT": str(_free_port())}  # the head's own: MASTER_PORT + 1 may be another test's
     launcher = subprocess.Popen(
         [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nnodes", "1", "--nproc-per-node", "3",
-         "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "examples/launched.py"],
+         "--master-addr", master, "--master-port", str(_free_port()), "examples/launched.py"],
         env=env, cwd=os.getcwd(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         stdout, stderr = launcher.communicate(timeout=240)

@@ -25,7 +25,7 @@ from transport.wire import WireError
 pytestmark = pytest.mark.timeout(30)
 
 
-@pytest.fixture(params=["ipc://", "tcp://127.0.0.1:0"])
+@pytest.fixture(params=["ipc://", "tcp://127.0.0.1:0", "tcp://[::1]:0"])  # IPv6 as well: the socket let onto it
 async def pair(request: pytest.FixtureRequest) -> AsyncIterator[tuple[Receiver, Sender]]:
     async with open_receiver(request.param) as rx, open_sender(rx.address) as tx:
         yield rx, tx
