@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from examples import positive_int
 from examples.data import char_batches, decode, encode
 from examples.models import generate, gpt, lm_loss
 
@@ -30,15 +31,15 @@ PROMPT = "def "
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line; defaults finish in a few minutes on 2 CPU cores."""
     parser = argparse.ArgumentParser(prog="python -m examples.train_gpt", description=__doc__.splitlines()[0])
-    parser.add_argument("--stages", type=int, default=2, help="pipeline stages (one worker node each)")
-    parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step")
+    parser.add_argument("--stages", type=positive_int, default=2, help="pipeline stages (one worker node each)")
+    parser.add_argument("--micro-batches", type=positive_int, default=4, help="micro-batches per step")
     parser.add_argument("--schedule", default="1f1b", help="pipeline schedule (gpipe, 1f1b, ...)")
-    parser.add_argument("--steps", type=int, default=600, help="optimizer steps")
-    parser.add_argument("--batch-size", type=int, default=32, help="sequences per global batch")
-    parser.add_argument("--context", type=int, default=64, help="characters per sequence")
-    parser.add_argument("--dim", type=int, default=128, help="model width")
-    parser.add_argument("--layers", type=int, default=4, help="transformer blocks")
-    parser.add_argument("--heads", type=int, default=4, help="attention heads")
+    parser.add_argument("--steps", type=positive_int, default=600, help="optimizer steps")
+    parser.add_argument("--batch-size", type=positive_int, default=32, help="sequences per global batch")
+    parser.add_argument("--context", type=positive_int, default=64, help="characters per sequence")
+    parser.add_argument("--dim", type=positive_int, default=128, help="model width")
+    parser.add_argument("--layers", type=positive_int, default=4, help="transformer blocks")
+    parser.add_argument("--heads", type=positive_int, default=4, help="attention heads")
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     parser.add_argument("--seed", type=int, default=0, help="model initialisation and data seed")
     parser.add_argument("--eval-batches", type=int, default=8, help="validation batches at the end")

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from examples import positive_int
 from examples.data import char_batches
 from examples.hf import gpt2
 from examples.models import lm_loss
@@ -30,14 +31,14 @@ from examples.models import lm_loss
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m examples.train_hf", description=__doc__.splitlines()[0])
-    parser.add_argument("--stages", type=int, default=2, help="pipeline stages (one worker node each)")
+    parser.add_argument("--stages", type=positive_int, default=2, help="pipeline stages (one worker node each)")
     parser.add_argument("--schedule", default="1f1b", help="pipeline schedule (gpipe, 1f1b, zero_bubble)")
-    parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step")
-    parser.add_argument("--steps", type=int, default=150, help="optimizer steps")
-    parser.add_argument("--batch-size", type=int, default=16, help="sequences per global batch")
-    parser.add_argument("--context", type=int, default=64, help="characters per sequence")
-    parser.add_argument("--layers", type=int, default=4, help="GPT-2 blocks")
-    parser.add_argument("--dim", type=int, default=128, help="model width")
+    parser.add_argument("--micro-batches", type=positive_int, default=4, help="micro-batches per step")
+    parser.add_argument("--steps", type=positive_int, default=150, help="optimizer steps")
+    parser.add_argument("--batch-size", type=positive_int, default=16, help="sequences per global batch")
+    parser.add_argument("--context", type=positive_int, default=64, help="characters per sequence")
+    parser.add_argument("--layers", type=positive_int, default=4, help="GPT-2 blocks")
+    parser.add_argument("--dim", type=positive_int, default=128, help="model width")
     parser.add_argument("--lr", type=float, default=2e-3, help="AdamW learning rate")
     return parser.parse_args(argv)
 

@@ -93,6 +93,15 @@ async def partition(runtime: Host, spec: JobSpec, node: NodeInfo, limits: Limits
             await inspect_model(runtime, spec, node, None, f"inspect-{next(names)}", profile=False)
         if sum(sizes) > limits.parameters:
             raise limits.exceeded("parameters", sum(sizes), limits.parameters, f"the parameters of {spec.training.model}")
+    p = spec.parallelism
+    if len(counts) < spec.num_model_stages:
+        virtual = p.num_virtual_stages
+        per_rank = f" x {virtual} virtual stages each ({p.schedule})" if virtual > 1 else ""
+        fixes = ([f"at most {len(counts) // virtual} pipeline stages"] if len(counts) >= virtual else []) + \
+            (["a schedule without virtual stages (1f1b)"] if virtual > 1 else [])
+        raise ValueError(f"{spec.training.model} has {len(counts)} layers, too few for {spec.num_model_stages} model "
+                         f"stages ({p.key('pipeline_stages')}={p.pipeline_stages}{per_rank}): every stage needs a "
+                         f"layer; use {' or '.join(fixes)}")
     if pattern is not None and sum(counts) < spec.num_model_stages:
         raise ValueError(f"partition_method={method!r} matches {sum(counts)} of the model's "
                          f"{len(counts)} layers, fewer than its {spec.num_model_stages} stages; match the "

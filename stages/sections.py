@@ -195,6 +195,7 @@ class Parallelism(_Section):
         for name in ("pipeline_stages", "tensor_parallel", "data_parallel", "micro_batches"):
             check_int(self.key(name), getattr(self, name), minimum=1)
         check_choice(self.key("schedule"), self.schedule, SCHEDULE_NAMES, "schedule")
+        self._check_micro_batches()
         if self.virtual_stages is not None:
             check_int(self.key("virtual_stages"), self.virtual_stages, minimum=2)
             if self.schedule != "interleaved":
@@ -213,6 +214,20 @@ class Parallelism(_Section):
                              "traced for; this job has no split_points: leave it out")
         check_partition_method(self.key("partition_method"), self.partition_method, PARTITION_METHODS)
         self._check_split_points()
+
+    def _check_micro_batches(self) -> None:
+        """What a schedule asks of the micro-batch count, in the spec's own names (the schedule
+        generators, which say num_microbatches and num_stages, would refuse it later)."""
+        stages, micro = self.pipeline_stages, self.micro_batches
+        if self.schedule == "interleaved" and micro % stages:
+            below = micro - micro % stages
+            options = " or ".join(str(n) for n in (below, below + stages) if n > 0)
+            raise ValueError(f"{self.key('micro_batches')}={micro}: the interleaved schedule sends micro-batches "
+                             f"round its {stages} pipeline stages in groups of {stages}; use a multiple of "
+                             f"{stages} ({options})")
+        if self.schedule == "dualpipev" and micro < 2 * stages:
+            raise ValueError(f"{self.key('micro_batches')}={micro}: DualPipeV needs at least as many micro-batches "
+                             f"as model stages, {2 * stages} for {stages} pipeline stages (two each)")
 
     def _check_split_points(self) -> None:
         points = self.split_points

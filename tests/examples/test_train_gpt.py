@@ -41,6 +41,16 @@ def test_parse_args_rejects_a_batch_that_does_not_split_into_micro_batches(capsy
     assert "divisible" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag,value,says", [("--micro-batches", "0", "0 is below 1"), ("--stages", "two", "not a whole"),
+                                             ("--heads", "-1", "-1 is below 1")])
+def test_parse_args_refuses_a_count_below_one_as_a_usage_error(capsys: pytest.CaptureFixture[str], flag: str,
+                                                              value: str, says: str) -> None:
+    """``--micro-batches 0`` ended in a ZeroDivisionError traceback."""
+    with pytest.raises(SystemExit) as exited:
+        parse_args([flag, value])
+    assert exited.value.code == 2 and f"argument {flag}: " in (err := capsys.readouterr().err) and says in err
+
+
 async def test_single_process_training_lowers_the_loss() -> None:
     history = await train(parse_args(["--single-process", *TINY, "--steps", "8", "--lr", "3e-3"]))
     losses = history["losses"]

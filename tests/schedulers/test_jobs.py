@@ -74,7 +74,11 @@ MODEL = "examples.models:residual_mlp"
     ({"transport": "tcp"}, ValueError, "transport: unknown value 'tcp'; choose one of zmq, dist"),
     ({"partition_method": "layers"}, ValueError, "partition_method: unknown value 'layers'"),
     ({"bucket_bytes": 0}, ValueError, "bucket_bytes must be an int >= 1"),
-    ({"pipeline_stages": 2, "schedule": "interleaved", "micro_batches": 3}, ValueError, "multiple of"),
+    # In the spec's own names (the schedule generators said num_microbatches and num_stages).
+    ({"pipeline_stages": 2, "schedule": "interleaved", "micro_batches": 3}, ValueError,
+     r"parallelism.micro_batches=3: .* 2 pipeline stages .* use a multiple of 2 \(2 or 4\)"),
+    ({"pipeline_stages": 3, "schedule": "dualpipev", "micro_batches": 5}, ValueError,
+     r"parallelism.micro_batches=5: DualPipeV needs .* 6 for 3 pipeline stages"),
     ({"schedule": "auto", "max_stash_bytes": 0}, ValueError, "max_stash_bytes must be an int >= 1, got 0"),
     ({"schedule": "auto", "max_stash_bytes": 1.5e9}, TypeError, "max_stash_bytes must be an int, got float"),
     ({"schedule": "auto", "max_stash_bytes": True}, TypeError, "max_stash_bytes must be an int, got bool"),

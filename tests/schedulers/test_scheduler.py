@@ -181,7 +181,12 @@ async def test_batch_that_does_not_split_is_a_clear_error(cluster: Cluster) -> N
     "kwargs,match",
     [
         ({"pipeline_stages": 3}, "needs 3 nodes .* has 2 alive"),
-        ({"pipeline_stages": 2, "model_kwargs": {"blocks": 1}}, "cannot split 1 layers into 2 stages"),
+        # The spec's own name, not the partitioner's num_stages; with each rank's virtual stages counted.
+        ({"pipeline_stages": 2, "model_kwargs": {"blocks": 1}},
+         r"has 1 layers, too few for 2 model stages \(parallelism.pipeline_stages=2\).*use at most 1 pipeline stages$"),
+        ({"pipeline_stages": 2, "schedule": "interleaved", "micro_batches": 2, "model_kwargs": {"blocks": 3}},
+         r"3 layers, too few for 4 model stages \(parallelism.pipeline_stages=2 x 2 virtual stages each "
+         r"\(interleaved\)\).*use at most 1 pipeline stages or a schedule without virtual"),
     ],
 )
 async def test_jobs_the_cluster_cannot_hold_are_refused_with_a_clear_error(cluster: Cluster, kwargs: dict, match: str) -> None:
