@@ -23,6 +23,7 @@ from actors.keys import DEFAULT_KEYS, KeyFileError
 from actors._reach import HeadUnreachable, SecurityMismatch
 from actors.plugins import head_modules
 from actors._serve import ENCRYPTION_ENV, HeadConfig, WorkerConfig, serve_head, serve_worker
+from transport.channel import is_loopback
 from transport.loop import run
 from transport.wire import DEFAULT_MAX_MESSAGE_BYTES
 
@@ -111,6 +112,11 @@ def _from_launcher(args: argparse.Namespace) -> None:
                          "Kubernetes Secret), then pass --keys DIR or set ACTORPIPE_KEYS")
     if role.is_head:
         args.head = True
+        if not args.bind and not role.loopback and role.world_size > 1 and is_loopback(host.strip("[]")):
+            print(f"warning: {role.launcher} names the head {role.head_host!r}, which this machine resolves to "
+                  f"loopback: the head listens at {host}, where ranks on other machines cannot reach it; name it by "
+                  "this machine's network address (or set ACTORPIPE_HOST to it) when ranks run elsewhere",
+                  file=sys.stderr)
         args.bind = args.bind or f"tcp://{host}:{role.port}"
     else:
         args.join = role.head_address

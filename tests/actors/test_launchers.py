@@ -49,6 +49,27 @@ def test_an_ipv6_head_is_named_in_brackets_and_a_node_is_reached_where_its_route
     assert own_host("192.0.2.1") == "[fd00::9]"
 
 
+def test_a_head_whose_name_is_loopback_on_its_own_machine_says_remote_ranks_cannot_reach_it(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--master-addr $(hostname)`` where /etc/hosts maps the name to 127.0.1.1: the head listens on loopback,
+    and ranks on other machines would wait for it in silence; it says so as it starts."""
+    from actors.node import _from_launcher, parse_args
+
+    real = socket.getaddrinfo
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, *a, **k: real("127.0.1.1" if host == "trainhost" else host,
+                                                                          *a, **k))
+    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "trainhost", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+    args = parse_args(["--insecure"])
+    _from_launcher(args)
+    assert args.head and args.bind == "tcp://127.0.0.1:29501"
+    assert "names the head 'trainhost', which this machine resolves to loopback" in capsys.readouterr().err
+    monkeypatch.setenv("MASTER_ADDR", "192.0.2.1")  # a network address: no warning
+    _from_launcher(args := parse_args(["--insecure"]))
+    assert not ipaddress.ip_address(args.bind.split("//")[1].rsplit(":", 1)[0]).is_loopback
+    assert "warning" not in capsys.readouterr().err
+
+
 def test_torchrun_and_kubeflow_name_the_rank_and_the_head_one_port_above_their_store() -> None:
     env = {"RANK": "2", "WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "29500"}
     assert from_environment(env) == LaunchRole("torchrun", 2, 4, "10.0.0.5", 29501)
