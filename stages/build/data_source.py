@@ -18,14 +18,19 @@ itself: a checkpoint (which keeps the step) resumes the data where it stood, and
 recovery that rolls back to a snapshot reads the same batches again. The next step's
 micro-batches are read ahead on a thread of the reader's own; with a DataLoader's
 ``num_workers``, a map-style dataset's samples are loaded and collated in its worker
-processes, in the same order (an iterable dataset is read on the thread: each worker would
-hold a copy of the whole stream).
+processes, in the same order. An iterable dataset's items then come from the worker
+processes as torch's DataLoader yields them: each worker iterates its own copy, and the
+loader takes one item from each in turn. A dataset that shards itself per worker
+(``torch.utils.data.get_worker_info``; Hugging Face's and WebDataset's iterable datasets
+do) is so read once, and one that takes every ``num_workers``-th item from the worker's id
+on is read in its own order, as on the thread; one that does not shard is read once per
+worker, as torch's DataLoader reads it.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -62,9 +67,10 @@ class DatasetReader:
         source: a DataLoader, a map-style dataset or an iterable one.
         micro_batch_size: samples per micro-batch (a DataLoader's own ``batch_size`` wins).
         seed: the shuffle's seed (epoch ``e`` shuffles with ``seed + e``).
-        workers: a DataLoader with ``num_workers`` loads a map-style dataset's samples in that many
-            worker processes (its ``prefetch_factor``, ``worker_init_fn``, ``timeout`` and
-            ``multiprocessing_context`` too); False: on the reader's thread.
+        workers: a DataLoader with ``num_workers`` loads a map-style dataset's samples, or an
+            iterable dataset's items, in that many worker processes (its ``prefetch_factor``,
+            ``worker_init_fn``, ``timeout`` and ``multiprocessing_context`` too); False: on the
+            reader's thread.
 
     Raises:
         ValueError: no micro-batch size, a DataLoader with a batch sampler of its own, or an
@@ -100,15 +106,16 @@ class DatasetReader:
         if self.indexed and self._length == 0:
             raise ValueError("the dataset is empty" if not len(dataset) else "the DataLoader's sampler draws no index")
         self._orders: dict[int, torch.Tensor] = {}  # the epochs' orders in use (a step may cross into the next)
-        # A map-style dataset's loader with worker processes: its samples are loaded and collated there,
-        # in the stream's order, by a DataLoader over this replica's positions (see _from_workers).
+        # A loader with worker processes: a map-style dataset's samples are loaded and collated there, in
+        # the stream's order, by a DataLoader over this replica's positions (see _from_workers); an
+        # iterable dataset's items are iterated there (see _epoch).
         self._workers: dict[str, Any] | None = None
-        if workers and self.indexed and isinstance(source, DataLoader) and source.num_workers > 0:
+        if workers and isinstance(source, DataLoader) and source.num_workers > 0:
             self._workers = {"num_workers": source.num_workers, "prefetch_factor": source.prefetch_factor,
                              "worker_init_fn": source.worker_init_fn, "timeout": source.timeout,
                              "multiprocessing_context": source.multiprocessing_context}
         self._feed: tuple[tuple[int, int, int], Iterator[Any]] | None = None  # (replica, replicas, next position)
-        self._stream: tuple[int, int, Iterator[Any]] | None = None  # iterable: (replicas, position, iterator)
+        self._stream: tuple[int, int, Generator[Any, None, None]] | None = None  # iterable: (replicas, position, iterator)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="data")
         self._ahead: tuple[tuple[int, int, int, int], Future[Read]] | None = None
 
@@ -132,7 +139,7 @@ class DatasetReader:
 
     def _read(self, step: int, replica: int, replicas: int, micro_batches: int) -> Read:
         first = step * micro_batches * self.size
-        if self._workers is not None:
+        if self._workers is not None and self.indexed:
             batches = self._from_workers(first, micro_batches, replica, replicas)
         else:
             samples = self._samples(first, micro_batches * self.size, replica, replicas)
@@ -170,11 +177,13 @@ class DatasetReader:
         return batches
 
     def _end_feed(self) -> None:
-        """Lets the loader's iterator go, and with it its worker processes."""
+        """Lets the loaders' iterators go, and with them their worker processes."""
         feed, self._feed = self._feed, None
-        shutdown = getattr(feed[1], "_shutdown_workers", None) if feed is not None else None
-        if callable(shutdown):
-            shutdown()
+        if feed is not None:
+            _shut_down(feed[1])
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream[2].close()  # its epoch's loader shuts down (the generator's finally)
 
     def _order(self, epoch: int) -> torch.Tensor | None:
         """Epoch ``epoch``'s indices (None: in order), made once an epoch: made for every sample, a
@@ -226,17 +235,44 @@ class DatasetReader:
         self._stream = (replicas, first + count, items)
         return taken
 
-    def _items(self, replica: int, replicas: int) -> Iterator[Any]:
+    def _items(self, replica: int, replicas: int) -> Generator[Any, None, None]:
+        # The workers' seeds: drawn from one generator per stream, so a stream started again (a
+        # rollback, a load) seeds each epoch's workers as it did the first time.
+        generator = torch.Generator().manual_seed(self.seed)
         for epoch in itertools.count():
             if hasattr(self.dataset, "set_epoch"):  # a Hugging Face IterableDataset's shuffle follows the epoch
                 self.dataset.set_epoch(epoch)
             seen = False
-            for index, item in enumerate(self.dataset):
-                seen = True
-                if index % replicas == replica:
-                    yield item
+            items = self._epoch(generator)
+            try:
+                for index, item in enumerate(items):
+                    seen = True
+                    if index % replicas == replica:
+                        yield item
+            finally:  # the stream ended or was let go: the epoch's worker processes end with it
+                _shut_down(items)
             if not seen:
                 raise ValueError("the iterable dataset yielded nothing")
+
+    def _epoch(self, generator: torch.Generator) -> Iterator[Any]:
+        """One pass over an iterable dataset: here, or in the loader's worker processes, one item from
+        each in turn (the items as the dataset yields them: the micro-batches are collated here)."""
+        if self._workers is None:
+            return iter(self.dataset)
+        return iter(DataLoader(self.dataset, batch_size=None, collate_fn=_as_yielded, generator=generator,
+                               **self._workers))
+
+
+def _as_yielded(item: Any) -> Any:
+    """A worker's item as the dataset yielded it (a module's function: a spawned worker unpickles it)."""
+    return item
+
+
+def _shut_down(iterator: Iterator[Any]) -> None:
+    """Ends a DataLoader iterator's worker processes now (any other iterator: nothing to end)."""
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if callable(shutdown):
+        shutdown()
 
 
 class _Positions(Sampler[int]):

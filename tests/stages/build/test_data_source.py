@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -194,6 +195,44 @@ def test_a_sampler_longer_or_shorter_than_it_says_is_refused() -> None:
             reader.read(0, 0, 1, 2)
     finally:
         reader.close()
+
+
+class _Sharded(IterableDataset):  # type: ignore[type-arg]
+    """Items 0..n-1, each with the pid that read it; a worker takes every num_workers-th item from its id on."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        info = torch.utils.data.get_worker_info()
+        ids = range(self.n) if info is None else range(info.id, self.n, info.num_workers)
+        for i in ids:
+            yield torch.tensor([float(i)]), torch.tensor(os.getpid())
+
+
+@pytest.mark.multiprocess
+def test_an_iterable_datasets_items_come_from_the_loaders_worker_processes() -> None:
+    """num_workers was ignored for an iterable dataset (every item read on the reader's thread). Its items
+    now come from the workers, one from each in turn as torch's DataLoader takes them: a dataset that
+    shards itself per worker is read in its own order, across epochs and after going back."""
+    import multiprocessing
+
+    def read(reader: DatasetReader, replica: int) -> tuple[list[list[list[int]]], set[int]]:
+        reads = [reader.read(step, replica, 2, 2) for step in (0, 1, 2, 0, 1)]  # on (into epoch 2), back, on
+        return [_ids(r) for r in reads], {int(p) for r in reads for t in r[1] for p in t}
+
+    for replica in range(2):
+        threaded = DatasetReader(DataLoader(_Sharded(7), batch_size=2), None, seed=0)
+        pooled = DatasetReader(DataLoader(_Sharded(7), batch_size=2, num_workers=2), None, seed=0)
+        try:
+            (ids, here), (pooled_ids, there) = read(threaded, replica), read(pooled, replica)
+            assert pooled_ids == ids and ids[0][0] == [replica, replica + 2]
+            assert here == {os.getpid()} and there and os.getpid() not in there  # each epoch's two workers read
+        finally:
+            threaded.close()
+            pooled.close()
+        pooled._thread.shutdown(wait=True)
+        assert not multiprocessing.active_children()  # each epoch's workers ended, the last with the reader
 
 
 @pytest.mark.multiprocess
