@@ -199,10 +199,11 @@ async def _submit(session: Session, args: list[str]) -> None:
     where = config_path + (f" with {job_path}" if job_path else "")
     try:
         config = load_config(config_path, job=job_path)
-    except ConfigError as exc:
-        raise CommandError(str(exc) if len(exc.problems) > 1 else f"{where}: {exc}") from None
+    except ConfigError as exc:  # a file that does not parse names itself already
+        named = len(exc.problems) > 1 or exc.key in (config_path, job_path)
+        raise CommandError(str(exc) if named else f"{where}: {exc}") from None
     except OSError as exc:
-        raise CommandError(f"{where}: {exc}") from None
+        raise CommandError(f"{exc.filename or where}: {exc.strerror or exc}") from None
     for line in config.notices:
         _print(session, f"note: {line}")
     spec = config.spec

@@ -482,11 +482,21 @@ def test_submit_lists_every_problem_in_the_files_at_once(tmp_path: Path) -> None
     (["submit", "ds.json", "--jobs", "job.json"], "unknown option '--jobs'"),
     (["submit", "ds.json", "job.json"], r"usage: submit CONFIG.json \[--job JOB.json\]"),
     (["submit", "--job", "a.json", "--job=b.json"], "--job is given twice"),
-    (["submit", "no/such/ds.json"], "no/such/ds.json: .*No such file"),
+    (["submit", "no/such/ds.json"], "^no/such/ds.json: No such file or directory$"),
 ])
 def test_submit_with_wrong_arguments_says_how(words: list[str], message: str) -> None:
     with pytest.raises(CommandError, match=message):
         asyncio.run(execute(_Submitting(), words))  # type: ignore[arg-type]
+
+
+def test_a_file_that_does_not_parse_is_named_once(tmp_path: Path) -> None:
+    """``submit README.md`` said "README.md: README.md: not valid JSON or hjson: ...";
+    a missing file "x.json: [Errno 2] No such file or directory: 'x.json'"."""
+    text = tmp_path / "notes.md"
+    text.write_text('{"a": 1}\n{"b": 2}\n')
+    with pytest.raises(CommandError) as info:
+        asyncio.run(execute(_Submitting(), ["submit", str(text)]))  # type: ignore[arg-type]
+    assert str(info.value).startswith(f"{text}: not valid JSON or hjson: ") and str(info.value).count(str(text)) == 1
 
 
 @pytest.mark.parametrize(("line", "expected"), [
