@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import os
+import socket as net
 import tempfile
 from typing import Any
 
@@ -14,7 +15,8 @@ import zmq
 from transport.wire import MessageTooLarge
 
 __all__ = ["COPY_THRESHOLD", "ChannelClosed", "Readiness", "bind_address", "bulk_bind_address", "events", "gather",
-           "is_local_address", "is_loopback", "measure", "readable", "reach", "send_nowait", "url_host", "writable"]
+           "advertised", "is_local_address", "is_loopback", "measure", "readable", "reach", "send_nowait", "url_host",
+           "writable"]
 
 
 class ChannelClosed(RuntimeError):
@@ -242,6 +244,33 @@ def url_host(host: str) -> str:
     """``host`` as it goes in a ``tcp://`` address: an IPv6 literal in brackets (``fd00::2`` ->
     ``[fd00::2]``), a name or an IPv4 address as it is."""
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+# Documentation addresses (RFC 5737, RFC 3849): only a default route leads to them, and nothing is sent.
+_OUTSIDE = {net.AF_INET: ("192.0.2.1", 9), net.AF_INET6: ("2001:db8::1", 9)}
+
+
+def advertised(endpoint: str) -> str:
+    """``endpoint`` (a bound socket's ``LAST_ENDPOINT``) as peers are told to reach it.
+
+    A socket bound to every address (``tcp://0.0.0.0:P``, ``tcp://*:P``, ``tcp://[::]:P``) names
+    itself by the wildcard, which no other machine can connect to: a head bound so told its
+    workers to answer it at ``0.0.0.0``. This host's address on its default route stands in (the
+    one other machines most likely reach it by; the socket still listens on every address);
+    with no default route the endpoint stays as it is.
+    """
+    scheme, _, rest = endpoint.partition("://")
+    host, _, port = rest.rpartition(":")
+    if scheme != "tcp" or host not in ("0.0.0.0", "*", "[::]"):
+        return endpoint
+    for family in (net.AF_INET6, net.AF_INET) if host == "[::]" else (net.AF_INET,):
+        try:
+            with net.socket(family, net.SOCK_DGRAM) as probe:
+                probe.connect(_OUTSIDE[family])
+                return f"tcp://{url_host(str(probe.getsockname()[0]))}:{port}"
+        except OSError:
+            continue
+    return endpoint
 
 
 def reach(socket: zmq.Socket[Any], address: str) -> None:

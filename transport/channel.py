@@ -31,6 +31,7 @@ import zmq
 
 from transport._sockets import (
     ChannelClosed,
+    advertised,
     Readiness,
     bind_address,
     bulk_bind_address,
@@ -220,7 +221,7 @@ class Receiver:
             self._socket.close()
             self._remove_tempdir()
             raise
-        endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        endpoint = advertised(self._socket.getsockopt_string(zmq.LAST_ENDPOINT))
         self._bulk: BulkInbox | None = None
         if curve is not None and bulk:
             try:

@@ -59,7 +59,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from transport._buffers import aligned_empty, only_held_by
-from transport._sockets import reach, send_nowait
+from transport._sockets import advertised, reach, send_nowait
 from transport.wire import WireError
 
 __all__ = ["DIRECT_MAX_BYTES", "HEAD_BYTES", "BulkInbox", "BulkLink", "OpenedFrame", "SealRefused", "SessionKey",
@@ -337,7 +337,7 @@ class BulkInbox:
         except BaseException:
             self.socket.close()
             raise
-        self.endpoint: str = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.endpoint: str = advertised(self.socket.getsockopt_string(zmq.LAST_ENDPOINT))
         self._sessions: OrderedDict[bytes, _Session] = OrderedDict()
         self._waiting_claims: OrderedDict[bytes, tuple[bytes, bytes]] = OrderedDict()  # session -> (routing id, claim)
         self._to_tell: dict[bytes, tuple[bytes, int]] = {}  # session -> (routing id, highest number taken)

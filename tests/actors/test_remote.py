@@ -136,3 +136,59 @@ def test_data_parallel_replicas_on_two_hosts_meet_through_the_heads_channel(tmp_
             assert runtime_ports <= {port for _, port in after} and len(after) == 2 + 2, after
         finally:
             _netns.stop_processes(processes)
+
+
+# Runs inside namespace B: a driver that trains one step on the worker there.
+ONE_STEP = textwrap.dedent("""
+    import asyncio, math, sys
+    import torch
+    from schedulers import Cluster
+
+    async def main(address, keys, bind):
+        async with Cluster.connect(address, keys=keys, bind=bind, allow_remote=True, timeout=30) as driver:
+            await driver.wait_for_nodes(1, timeout=60)
+            job = await driver.train(model="examples.models:residual_mlp", model_kwargs={"blocks": 2, "dim": 8},
+                                     step_timeout_s=60)
+            try:
+                stats = await job.step(torch.randn(4, 8), torch.randn(4, 8))
+                print("loss finite", math.isfinite(stats.loss), flush=True)
+            finally:
+                await job.close()
+
+    asyncio.run(main(*sys.argv[1:]))
+""")
+
+
+def test_a_head_and_a_worker_bound_to_every_address_are_reached_at_their_own(tmp_path: Path) -> None:
+    """``--bind tcp://0.0.0.0:0`` (as in a container) made a node name itself ``tcp://0.0.0.0:PORT``: a head
+    so bound told workers on other hosts to answer it at 0.0.0.0, their own machine. It now names
+    itself by its address on its default route, and listens on every address still."""
+    link = _netns.make_link(f"w{os.getpid() % 100000}", subnet="10.213.11")
+    keys = ClusterKeys.create(tmp_path / "keys")
+    keys.add("node", "far")
+    address_file = tmp_path / "head.address"
+    processes: list[subprocess.Popen[bytes]] = []
+    with _netns.open_link(link):
+        try:
+            for ns, gateway in ((link.ns_a, link.addr_b), (link.ns_b, link.addr_a)):  # each host's default route
+                subprocess.run(["ip", "-n", ns, "route", "add", "default", "via", gateway], check=True, timeout=30)
+            processes.append(_netns.start_process(link.ns_a, [
+                sys.executable, "-m", "actors.node", "--head", "--bind", "tcp://0.0.0.0:0", "--allow-remote",
+                "--address-file", str(address_file), "--keys", keys.directory, "--log-level", "WARNING"]))
+            deadline = time.monotonic() + 60
+            while not address_file.exists():
+                assert processes[0].poll() is None and time.monotonic() < deadline, "the head did not start"
+                time.sleep(0.05)
+            address = address_file.read_text().strip()
+            assert address.startswith(f"tcp://{link.addr_a}:") and f"|tcp://{link.addr_a}:" in address, address
+            processes.append(_netns.start_process(link.ns_b, [
+                sys.executable, "-m", "actors.node", "--join", address, "--name", "far", "--bind", "tcp://*:0",
+                "--allow-remote", "--keys", keys.directory, "--identity", "far", "--allow", "examples.models",
+                "--log-level", "WARNING"]))
+            run = subprocess.run(_netns.netns_exec(link.ns_b, [
+                sys.executable, "-c", ONE_STEP, address, keys.directory, "tcp://0.0.0.0:0"]),
+                cwd=_netns.REPO_ROOT, capture_output=True, text=True, timeout=150)
+            assert run.returncode == 0, run.stderr[-3000:]
+            assert run.stdout.splitlines() == ["loss finite True"]
+        finally:
+            _netns.stop_processes(processes)

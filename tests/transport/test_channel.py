@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import os
 from collections.abc import AsyncIterator
 
@@ -93,6 +94,19 @@ async def test_tcp_port_zero_resolves_to_a_real_port() -> None:
     async with open_receiver("tcp://127.0.0.1:0") as rx:
         assert rx.address.startswith("tcp://127.0.0.1:") and not rx.address.endswith(":0")
         assert int(rx.address.rsplit(":", 1)[1]) > 0
+
+
+@pytest.mark.parametrize("wildcard", ["tcp://0.0.0.0:0", "tcp://*:0", "tcp://[::]:0"])
+async def test_a_receiver_bound_to_every_address_names_one_a_peer_can_reach(wildcard: str) -> None:
+    """Its address named the wildcard (``tcp://0.0.0.0:P``), which a peer on another machine cannot
+    connect to; it is now this host's address on its default route (tests/actors/test_remote.py
+    trains across two network namespaces so)."""
+    async with open_receiver(wildcard, allow_remote=True) as rx:
+        host = rx.address.removeprefix("tcp://").rpartition(":")[0]
+        assert not ipaddress.ip_address(host.strip("[]")).is_unspecified, rx.address
+        async with open_sender(rx.address) as tx:
+            await tx.send({"here": True})
+            assert await asyncio.wait_for(rx.receive(), 10) == {"here": True}
 
 
 async def test_ipc_socket_file_and_folder_are_removed_on_close() -> None:
