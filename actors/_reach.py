@@ -15,9 +15,11 @@ import os
 import socket
 
 from actors._errors import ActorTimeout
+from transport.channel import is_local_address, is_own_address, route_source, url_host
 from transport.security import split_address
 
-__all__ = ["HeadUnreachable", "SecurityMismatch", "check_head_address", "check_security_matches", "why_no_answer"]
+__all__ = ["HeadUnreachable", "SecurityMismatch", "check_can_answer", "check_head_address", "check_security_matches",
+           "why_no_answer"]
 
 # How long a look at a TCP address may wait for the connection to be accepted.
 PROBE_TIMEOUT_S = 2.0
@@ -53,6 +55,31 @@ def check_head_address(address: str) -> None:
     if why is not None:
         raise ValueError(f"the head's address {endpoint!r:.120} cannot be reached: {why}; give the address the "
                          "head printed (actorpipe head listening at ...) or its --address-file")
+
+
+def check_can_answer(address: str, own: str, fix: str) -> None:
+    """Refuses, at once, to call a head on another machine from a process it cannot answer: one that
+    listens at ``own`` on loopback (or ``ipc://``), where the head's answer would go to its own
+    machine, and the call would wait in silence until it timed out. ``fix`` says how to listen
+    elsewhere (the driver's arguments or the node's flags).
+
+    A head whose address is loopback, or an address of this machine, is answered at loopback.
+
+    Raises:
+        ValueError: the head is elsewhere and ``own`` is loopback; the message names this
+            machine's address toward the head.
+    """
+    endpoint, _ = split_address(address)
+    scheme, _, rest = endpoint.partition("://")
+    if scheme != "tcp" or is_local_address(endpoint) or not is_local_address(split_address(own)[0]):
+        return
+    host = rest.rpartition(":")[0]
+    if is_own_address(host) is not False:  # this machine's, or not resolved yet: nothing to say now
+        return
+    toward = route_source(host)
+    here = f" (this machine's address toward it is {url_host(toward)})" if toward else ""
+    raise ValueError(f"the head at {endpoint} is on another machine, and this process listens at "
+                     f"{split_address(own)[0]}, on loopback, where the head's answers cannot reach it: {fix}{here}")
 
 
 def check_security_matches(address: str, secure: bool, fix: str) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 from actors._errors import ActorError
 from actors._liveness import LivenessClient
-from actors._reach import HeadUnreachable, check_head_address, check_security_matches, why_no_answer
+from actors._reach import HeadUnreachable, check_can_answer, check_head_address, check_security_matches, why_no_answer
 from actors._ref import ActorRef
 from actors._nodes import HEAD, NODE, HeadActor, HeartbeatSettings, NodeActor, NodeInfo, node_info
 from actors._registry import registered_actors
@@ -233,6 +233,8 @@ async def serve_worker(config: WorkerConfig) -> None:
         check_head_address(join)
         check_security_matches(join, config.keys is not None,
                                "start this node with --keys DIR (the cluster's key directory), not --insecure")
+        check_can_answer(join, runtime.address, "start this node with --bind tcp://ADDRESS:0 (an address of this "
+                                                "machine the head reaches, or tcp://0.0.0.0:0) and --allow-remote")
         head = runtime.ref(head_address(join, config.keys), HEAD)
         settings = await _register(head, info, config.head_timeout, stop, secure=config.keys is not None)
         if settings is None:

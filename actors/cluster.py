@@ -34,7 +34,7 @@ from actors import launchers
 from actors._forkserver import ForkedProcess, fork_server
 from actors._errors import ActorError, ActorStopped, ActorTimeout, HeadLost, NotAllowed
 from actors._liveness import HEAD_GONE_S, LivenessClient
-from actors._reach import HeadUnreachable, check_head_address, check_security_matches, why_no_answer
+from actors._reach import HeadUnreachable, check_can_answer, check_head_address, check_security_matches, why_no_answer
 from actors._nodes import HEAD, NODE, SILENT_TIMEOUT_S, HeadActor, NodeActor, NodeInfo
 from actors._subscribers import EventSink
 from actors.events import Event
@@ -324,6 +324,8 @@ class _Connecting(Generic[C]):
         check_head_address(address)
         check_security_matches(address, self._keys is not None,
                                "connect with keys= (the cluster's key directory) and identity=, not insecure=True")
+        check_can_answer(address, bind, "connect with bind='tcp://ADDRESS:0' (an address of this machine the head "
+                                        "reaches) and allow_remote=True")
         secure = security(self._keys, self._identity)
         stack = contextlib.AsyncExitStack()
         try:

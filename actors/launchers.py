@@ -44,7 +44,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from actors._processes import _die_with_parent
-from transport.channel import is_loopback, url_host
+from transport.channel import is_loopback, route_source, url_host
 
 __all__ = ["HeadStartError", "LaunchRole", "first_host", "from_environment", "own_host", "serve_unless_rank_zero"]
 
@@ -236,13 +236,8 @@ def own_host(head_host: str, head_port: int = 1) -> str:
     bare = head_host.strip("[]")
     if is_loopback(bare):
         return "[::1]" if ":" in bare else "127.0.0.1"
-    try:
-        family, _, _, _, target = socket.getaddrinfo(bare, head_port, type=socket.SOCK_DGRAM)[0]
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.connect(target)
-            return url_host(str(probe.getsockname()[0]))
-    except OSError:
-        return socket.gethostbyname(socket.gethostname())
+    source = route_source(bare, head_port)
+    return url_host(source) if source is not None else socket.gethostbyname(socket.gethostname())
 
 
 def _role(launcher: str, rank: str, world: str, host: str, port: str) -> LaunchRole:

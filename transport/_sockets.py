@@ -15,8 +15,8 @@ import zmq
 from transport.wire import MessageTooLarge
 
 __all__ = ["COPY_THRESHOLD", "ChannelClosed", "Readiness", "bind_address", "bulk_bind_address", "events", "gather",
-           "advertised", "is_local_address", "is_loopback", "measure", "readable", "reach", "send_nowait", "url_host",
-           "writable"]
+           "advertised", "is_local_address", "is_loopback", "is_own_address", "measure", "readable", "reach",
+           "route_source", "send_nowait", "url_host", "writable"]
 
 
 class ChannelClosed(RuntimeError):
@@ -246,10 +246,6 @@ def url_host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-# Documentation addresses (RFC 5737, RFC 3849): only a default route leads to them, and nothing is sent.
-_OUTSIDE = {net.AF_INET: ("192.0.2.1", 9), net.AF_INET6: ("2001:db8::1", 9)}
-
-
 def advertised(endpoint: str) -> str:
     """``endpoint`` (a bound socket's ``LAST_ENDPOINT``) as peers are told to reach it.
 
@@ -263,14 +259,42 @@ def advertised(endpoint: str) -> str:
     host, _, port = rest.rpartition(":")
     if scheme != "tcp" or host not in ("0.0.0.0", "*", "[::]"):
         return endpoint
-    for family in (net.AF_INET6, net.AF_INET) if host == "[::]" else (net.AF_INET,):
+    # Documentation addresses (RFC 3849, RFC 5737): only a default route leads there.
+    for outside in ("2001:db8::1", "192.0.2.1") if host == "[::]" else ("192.0.2.1",):
+        source = route_source(outside)
+        if source is not None:
+            return f"tcp://{url_host(source)}:{port}"
+    return endpoint
+
+
+def route_source(host: str, port: int = 9) -> str | None:
+    """The address this host sends from toward ``host`` (a name, or an address, bracketed or not): the
+    kernel's choice of route, read from a UDP socket "connected" there, which sends nothing. None
+    where ``host`` does not resolve or no route leads to it."""
+    try:
+        family, _, _, _, target = net.getaddrinfo(host.strip("[]"), port, type=net.SOCK_DGRAM)[0]
+        with net.socket(family, net.SOCK_DGRAM) as probe:
+            probe.connect(target)
+            return str(probe.getsockname()[0])
+    except OSError:
+        return None
+
+
+def is_own_address(host: str) -> bool | None:
+    """Whether ``host`` (a name or an address) is an address of this machine: one a socket here can
+    bind. None where it does not resolve."""
+    try:
+        found = net.getaddrinfo(host.strip("[]"), None, type=net.SOCK_DGRAM)
+    except OSError:
+        return None
+    for family, _, _, _, address in found:
         try:
             with net.socket(family, net.SOCK_DGRAM) as probe:
-                probe.connect(_OUTSIDE[family])
-                return f"tcp://{url_host(str(probe.getsockname()[0]))}:{port}"
+                probe.bind((address[0], 0, *address[2:]))
+            return True
         except OSError:
             continue
-    return endpoint
+    return False
 
 
 def reach(socket: zmq.Socket[Any], address: str) -> None:

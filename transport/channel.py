@@ -38,9 +38,11 @@ from transport._sockets import (
     gather,
     is_local_address,
     is_loopback,
+    is_own_address,
     measure,
     reach,
     readable,
+    route_source,
     send_nowait,
     url_host,
     writable,
@@ -79,9 +81,11 @@ __all__ = [
     "WouldBlock",
     "is_local_address",
     "is_loopback",
+    "is_own_address",
     "open_receiver",
     "open_sender",
     "reach",
+    "route_source",
     "url_host",
 ]
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from actors import Cluster, HeadUnreachable, SecurityMismatch
-from actors._reach import check_head_address, check_security_matches, why_no_answer
+from actors._reach import check_can_answer, check_head_address, check_security_matches, why_no_answer
+from transport.channel import is_own_address, route_source
 
 KEY = "ab" * 32  # a public key part of an address: 64 hex digits
 
@@ -94,6 +95,20 @@ async def test_an_address_no_head_can_listen_at_is_refused_at_once(address: str,
         check_head_address(address)
     with pytest.raises(ValueError, match=re.escape(why)):
         await asyncio.wait_for(Cluster.connect(address, insecure=True, timeout=30), 20)
+
+
+def test_a_loopback_process_calling_a_head_on_another_machine_is_refused_with_the_address_to_use() -> None:
+    """The two-host case runs across network namespaces (tests/actors/test_remote.py); here the decision."""
+    own = route_source("192.0.2.1")  # this machine's address on its default route (TEST-NET-1 is not ours)
+    assert own is not None and is_own_address(own) and is_own_address("localhost")
+    assert is_own_address("192.0.2.1") is False and is_own_address("no-such-host.invalid") is None
+    for head in ("tcp://127.0.0.1:5555", "tcp://[::1]:5555", f"tcp://{own}:5555", "ipc:///tmp/x/head",
+                 "tcp://no-such-host.invalid:5555"):  # loopback, this machine's own, or not known yet
+        check_can_answer(head, "tcp://127.0.0.1:0", "fix")
+    check_can_answer("tcp://192.0.2.1:5555", f"tcp://{own}:0", "fix")  # listening where the head reaches
+    with pytest.raises(ValueError, match=rf"the head at tcp://192.0.2.1:5555 is on another machine, and this process "
+                                         rf"listens at ipc:///x, .*: fix \(this machine's address toward it is {own}\)"):
+        check_can_answer(f"tcp://192.0.2.1:5555|{KEY}", "ipc:///x", "fix")
 
 
 def test_a_sender_to_an_address_libzmq_refuses_leaves_no_socket_open() -> None:

@@ -192,3 +192,50 @@ def test_a_head_and_a_worker_bound_to_every_address_are_reached_at_their_own(tmp
             assert run.stdout.splitlines() == ["loss finite True"]
         finally:
             _netns.stop_processes(processes)
+
+
+# Runs inside namespace B: a driver that names no bind (loopback, the default).
+LOOPBACK_DRIVER = textwrap.dedent("""
+    import asyncio, sys, time
+    from schedulers import Cluster
+
+    async def main(address, keys):
+        started = time.monotonic()
+        try:
+            await Cluster.connect(address, keys=keys, timeout=20)
+        except ValueError as exc:
+            print(type(exc).__name__, round(time.monotonic() - started) < 10, exc, flush=True)
+
+    asyncio.run(main(*sys.argv[1:]))
+""")
+
+
+def test_a_process_on_loopback_that_calls_a_head_elsewhere_is_told_at_once_to_listen_where_it_answers(
+        tmp_path: Path) -> None:
+    """A driver or a worker on another host that left --bind at its default (loopback) sent its calls, and the
+    head's answers went to loopback on the head's own host: the driver waited out its timeout for a
+    HeadUnreachable that blamed the keys, the worker its --head-timeout. Both now fail at once, naming the fix."""
+    link = _netns.make_link(f"l{os.getpid() % 100000}", subnet="10.213.12")
+    keys = ClusterKeys.create(tmp_path / "keys")
+    keys.add("node", "far")
+    address_file = tmp_path / "head.address"
+    processes: list[subprocess.Popen[bytes]] = []
+    with _netns.open_link(link):
+        try:
+            address = start_head(link, keys, address_file, processes)
+            driver = subprocess.run(_netns.netns_exec(link.ns_b, [sys.executable, "-c", LOOPBACK_DRIVER, address,
+                                                                  keys.directory]),
+                                    cwd=_netns.REPO_ROOT, capture_output=True, text=True, timeout=120)
+            assert driver.returncode == 0, driver.stderr[-3000:]
+            assert driver.stdout.startswith(f"ValueError True the head at tcp://{link.addr_a}:"), driver.stdout
+            assert (f"listens at tcp://127.0.0.1:" in driver.stdout and "bind='tcp://ADDRESS:0'" in driver.stdout
+                    and f"toward it is {link.addr_b})" in driver.stdout), driver.stdout
+            worker = subprocess.run(_netns.netns_exec(link.ns_b, [
+                sys.executable, "-m", "actors.node", "--join", address, "--name", "far", "--keys", keys.directory,
+                "--identity", "far", "--head-timeout", "60", "--log-level", "WARNING"]),
+                cwd=_netns.REPO_ROOT, capture_output=True, text=True, timeout=120)
+            assert worker.returncode == 2, worker.stderr[-3000:]
+            assert worker.stderr.strip().splitlines()[-1].startswith(f"error: the head at tcp://{link.addr_a}:")
+            assert "--bind tcp://ADDRESS:0" in worker.stderr and "--allow-remote" in worker.stderr
+        finally:
+            _netns.stop_processes(processes)
