@@ -325,7 +325,8 @@ class _Connecting(Generic[C]):
         check_security_matches(address, self._keys is not None,
                                "connect with keys= (the cluster's key directory) and identity=, not insecure=True")
         check_can_answer(address, bind, "connect with bind='tcp://ADDRESS:0' (an address of this machine the head "
-                                        "reaches) and allow_remote=True")
+                                        "reaches) and allow_remote=True (the console: --bind tcp://ADDRESS:0 "
+                                        "--allow-remote)")
         secure = security(self._keys, self._identity)
         stack = contextlib.AsyncExitStack()
         try:
