@@ -95,18 +95,24 @@ def check_security_matches(address: str, secure: bool, fix: str) -> None:
                                f"process has no keys: {fix}, or start the head with --insecure")
 
 
-def why_no_answer(address: str, secure: bool) -> str:
-    """One sentence on why the head at ``address`` may not have answered (``secure``: this process speaks CURVE)."""
+def why_no_answer(address: str, secure: bool, own: str = "") -> str:
+    """One sentence on why the head at ``address`` may not have answered (``secure``: this process speaks
+    CURVE; ``own``: where this process listens, which the head's answers must reach)."""
     endpoint, _ = split_address(address)
     listening = _listens(endpoint)
     if listening is not None:
         return listening
     if secure:
-        return ("something listens there but did not answer: a head whose ring does not hold this process's key "
-                "refuses its handshake without a word (is keys= the cluster's key directory, and identity= one "
-                "of its keys?), or it is not an actorpipe head, or it is too busy to answer in time")
-    return ("something listens there but did not answer: a secure head (one started without --insecure) refuses "
-            "a process without keys, or it is not an actorpipe head, or it is too busy to answer in time")
+        causes = ("a head whose ring does not hold this process's key refuses its handshake without a word (is "
+                  "keys= the cluster's key directory, and identity= one of its keys?)")
+    else:
+        causes = "a secure head (one started without --insecure) refuses a process without keys"
+    own_endpoint = split_address(own)[0]
+    if own_endpoint.startswith("tcp://") and not is_local_address(own_endpoint):
+        causes += (f", or its answers cannot reach this process at {own_endpoint} (a firewall, NAT, or an address "
+                   "on a network the head has no route to: bind one the head reaches)")
+    return f"something listens there but did not answer: {causes}, or it is not an actorpipe head, or it is too busy " \
+           "to answer in time"
 
 
 def _listens(endpoint: str) -> str | None:

@@ -272,7 +272,7 @@ async def _register(
             if not isinstance(exc, TimeoutError):
                 raise
             if time.monotonic() > deadline:
-                why = await asyncio.to_thread(why_no_answer, head.address, secure)
+                why = await asyncio.to_thread(why_no_answer, head.address, secure, info.address)
                 raise HeadUnreachable(f"the head at {shown(head.address)} did not answer this node "
                                    f"within {head_timeout:g}s: {why}") from None
             log.info("head at %s not answering yet; retrying", head.address)

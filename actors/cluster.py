@@ -336,7 +336,7 @@ class _Connecting(Generic[C]):
             try:
                 await head.endpoint(HeadActor.nodes, timeout=timeout).call()
             except ActorTimeout as exc:
-                why = await asyncio.to_thread(why_no_answer, head.address, self._keys is not None)
+                why = await asyncio.to_thread(why_no_answer, head.address, self._keys is not None, runtime.address)
                 raise HeadUnreachable(f"{exc.message}: {why}") from None
         except BaseException:
             await stack.aclose()

@@ -44,6 +44,10 @@ def test_something_that_listens_and_stays_silent_is_told_apart(tmp_path: Path, s
         unix.listen()
         for address in (f"tcp://127.0.0.1:{tcp.getsockname()[1]}", f"ipc://{tmp_path}/head"):
             assert why_no_answer(address, secure).startswith(f"something listens there but did not answer: {says}")
+            # Listening beyond loopback, the answers' way back is a cause too; on loopback it is not.
+            assert "its answers cannot reach this process at tcp://10.1.2.3:7 (a firewall" in \
+                why_no_answer(address, secure, f"tcp://10.1.2.3:7|{KEY}")
+            assert "its answers" not in why_no_answer(address, secure, "tcp://127.0.0.1:7")
 
 
 def test_no_keys_for_an_address_that_carries_the_heads_key_is_refused_at_once() -> None:

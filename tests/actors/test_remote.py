@@ -210,11 +210,12 @@ LOOPBACK_DRIVER = textwrap.dedent("""
 """)
 
 
-def test_a_process_on_loopback_that_calls_a_head_elsewhere_is_told_at_once_to_listen_where_it_answers(
+def test_a_process_the_head_cannot_answer_says_so(
         tmp_path: Path) -> None:
     """A driver or a worker on another host that left --bind at its default (loopback) sent its calls, and the
     head's answers went to loopback on the head's own host: the driver waited out its timeout for a
-    HeadUnreachable that blamed the keys, the worker its --head-timeout. Both now fail at once, naming the fix."""
+    HeadUnreachable that blamed the keys, the worker its --head-timeout. Both now fail at once, naming the fix;
+    a worker bound where the head has no route says that the answers may not reach it."""
     link = _netns.make_link(f"l{os.getpid() % 100000}", subnet="10.213.12")
     keys = ClusterKeys.create(tmp_path / "keys")
     keys.add("node", "far")
@@ -237,5 +238,15 @@ def test_a_process_on_loopback_that_calls_a_head_elsewhere_is_told_at_once_to_li
             assert worker.returncode == 2, worker.stderr[-3000:]
             assert worker.stderr.strip().splitlines()[-1].startswith(f"error: the head at tcp://{link.addr_a}:")
             assert "--bind tcp://ADDRESS:0" in worker.stderr and "--allow-remote" in worker.stderr
+            # Bound beyond loopback, but on a network the head has no route to: it waits out --head-timeout,
+            # and says that the head's answers may not reach it (it blamed the keys alone).
+            subprocess.run(["ip", "-n", link.ns_b, "addr", "add", "10.99.0.2/24", "dev", link.dev_b], check=True,
+                           timeout=30)  # a second network on the same link, which the head's host has no route to
+            worker = subprocess.run(_netns.netns_exec(link.ns_b, [
+                sys.executable, "-m", "actors.node", "--join", address, "--name", "far", "--keys", keys.directory,
+                "--identity", "far", "--bind", "tcp://10.99.0.2:0", "--allow-remote", "--head-timeout", "3",
+                "--log-level", "WARNING"]), cwd=_netns.REPO_ROOT, capture_output=True, text=True, timeout=120)
+            assert worker.returncode == 1, worker.stderr[-3000:]  # HeadUnreachable, as for a head that is silent
+            assert "its answers cannot reach this process at tcp://10.99.0.2:" in worker.stderr, worker.stderr[-3000:]
         finally:
             _netns.stop_processes(processes)
