@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -45,16 +47,33 @@ PROBE = textwrap.dedent("""
 
 
 def start_head(link: _netns.Link, keys: ClusterKeys, address_file: Path,
-               processes: list[subprocess.Popen[bytes]]) -> str:
-    """Starts a head in namespace A, listening on its veth address; returns its address."""
+               processes: list[subprocess.Popen[bytes]], bind: str = "") -> str:
+    """Starts a head in namespace A, listening on its veth address (or ``bind``); returns its address."""
     processes.append(_netns.start_process(link.ns_a, [
-        sys.executable, "-m", "actors.node", "--head", "--bind", f"tcp://{link.addr_a}:0", "--allow-remote",
+        sys.executable, "-m", "actors.node", "--head", "--bind", bind or f"tcp://{link.addr_a}:0", "--allow-remote",
         "--address-file", str(address_file), "--keys", keys.directory, "--log-level", "WARNING"]))
     deadline = time.monotonic() + 60
     while not address_file.exists():
         assert processes[0].poll() is None and time.monotonic() < deadline, "the head did not start"
         time.sleep(0.05)
     return address_file.read_text().strip()
+
+
+@contextlib.contextmanager
+def two_hosts(tmp_path: Path, tag: str, subnet: str, *nodes: str
+              ) -> Iterator[tuple[_netns.Link, ClusterKeys, Path, list[subprocess.Popen[bytes]]]]:
+    """A link between two namespaces, the cluster's keys (with a node key for each of ``nodes``), where
+    the head writes its address, and the processes started meanwhile, each stopped at the end."""
+    link = _netns.make_link(f"{tag}{os.getpid() % 100000}", subnet=subnet)
+    keys = ClusterKeys.create(tmp_path / "keys")
+    for name in nodes:
+        keys.add("node", name)
+    processes: list[subprocess.Popen[bytes]] = []
+    with _netns.open_link(link):
+        try:
+            yield link, keys, tmp_path / "head.address", processes
+        finally:
+            _netns.stop_processes(processes)
 
 
 def test_a_remote_worker_joins_with_its_key_and_a_remote_stranger_is_refused(tmp_path: Path) -> None:
@@ -163,36 +182,20 @@ def test_a_head_and_a_worker_bound_to_every_address_are_reached_at_their_own(tmp
     """``--bind tcp://0.0.0.0:0`` (as in a container) made a node name itself ``tcp://0.0.0.0:PORT``: a head
     so bound told workers on other hosts to answer it at 0.0.0.0, their own machine. It now names
     itself by its address on its default route, and listens on every address still."""
-    link = _netns.make_link(f"w{os.getpid() % 100000}", subnet="10.213.11")
-    keys = ClusterKeys.create(tmp_path / "keys")
-    keys.add("node", "far")
-    address_file = tmp_path / "head.address"
-    processes: list[subprocess.Popen[bytes]] = []
-    with _netns.open_link(link):
-        try:
-            for ns, gateway in ((link.ns_a, link.addr_b), (link.ns_b, link.addr_a)):  # each host's default route
-                subprocess.run(["ip", "-n", ns, "route", "add", "default", "via", gateway], check=True, timeout=30)
-            processes.append(_netns.start_process(link.ns_a, [
-                sys.executable, "-m", "actors.node", "--head", "--bind", "tcp://0.0.0.0:0", "--allow-remote",
-                "--address-file", str(address_file), "--keys", keys.directory, "--log-level", "WARNING"]))
-            deadline = time.monotonic() + 60
-            while not address_file.exists():
-                assert processes[0].poll() is None and time.monotonic() < deadline, "the head did not start"
-                time.sleep(0.05)
-            address = address_file.read_text().strip()
-            assert address.startswith(f"tcp://{link.addr_a}:") and f"|tcp://{link.addr_a}:" in address, address
-            processes.append(_netns.start_process(link.ns_b, [
-                sys.executable, "-m", "actors.node", "--join", address, "--name", "far", "--bind", "tcp://*:0",
-                "--allow-remote", "--keys", keys.directory, "--identity", "far", "--allow", "examples.models",
-                "--log-level", "WARNING"]))
-            run = subprocess.run(_netns.netns_exec(link.ns_b, [
-                sys.executable, "-c", ONE_STEP, address, keys.directory, "tcp://0.0.0.0:0"]),
-                cwd=_netns.REPO_ROOT, capture_output=True, text=True, timeout=150)
-            assert run.returncode == 0, run.stderr[-3000:]
-            assert run.stdout.splitlines() == ["loss finite True"]
-        finally:
-            _netns.stop_processes(processes)
-
+    with two_hosts(tmp_path, "w", "10.213.11", "far") as (link, keys, address_file, processes):
+        for ns, gateway in ((link.ns_a, link.addr_b), (link.ns_b, link.addr_a)):  # each host's default route
+            subprocess.run(["ip", "-n", ns, "route", "add", "default", "via", gateway], check=True, timeout=30)
+        address = start_head(link, keys, address_file, processes, bind="tcp://0.0.0.0:0")
+        assert address.startswith(f"tcp://{link.addr_a}:") and f"|tcp://{link.addr_a}:" in address, address
+        processes.append(_netns.start_process(link.ns_b, [
+            sys.executable, "-m", "actors.node", "--join", address, "--name", "far", "--bind", "tcp://*:0",
+            "--allow-remote", "--keys", keys.directory, "--identity", "far", "--allow", "examples.models",
+            "--log-level", "WARNING"]))
+        run = subprocess.run(_netns.netns_exec(link.ns_b, [
+            sys.executable, "-c", ONE_STEP, address, keys.directory, "tcp://0.0.0.0:0"]),
+            cwd=_netns.REPO_ROOT, capture_output=True, text=True, timeout=150)
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert run.stdout.splitlines() == ["loss finite True"]
 
 # Runs inside namespace B: a driver that names no bind (loopback, the default).
 LOOPBACK_DRIVER = textwrap.dedent("""
@@ -210,43 +213,34 @@ LOOPBACK_DRIVER = textwrap.dedent("""
 """)
 
 
-def test_a_process_the_head_cannot_answer_says_so(
-        tmp_path: Path) -> None:
+def test_a_process_the_head_cannot_answer_says_so(tmp_path: Path) -> None:
     """A driver or a worker on another host that left --bind at its default (loopback) sent its calls, and the
     head's answers went to loopback on the head's own host: the driver waited out its timeout for a
     HeadUnreachable that blamed the keys, the worker its --head-timeout. Both now fail at once, naming the fix;
     a worker bound where the head has no route says that the answers may not reach it."""
-    link = _netns.make_link(f"l{os.getpid() % 100000}", subnet="10.213.12")
-    keys = ClusterKeys.create(tmp_path / "keys")
-    keys.add("node", "far")
-    address_file = tmp_path / "head.address"
-    processes: list[subprocess.Popen[bytes]] = []
-    with _netns.open_link(link):
-        try:
-            address = start_head(link, keys, address_file, processes)
-            driver = subprocess.run(_netns.netns_exec(link.ns_b, [sys.executable, "-c", LOOPBACK_DRIVER, address,
-                                                                  keys.directory]),
-                                    cwd=_netns.REPO_ROOT, capture_output=True, text=True, timeout=120)
-            assert driver.returncode == 0, driver.stderr[-3000:]
-            assert driver.stdout.startswith(f"ValueError True the head at tcp://{link.addr_a}:"), driver.stdout
-            assert (f"listens at tcp://127.0.0.1:" in driver.stdout and "bind='tcp://ADDRESS:0'" in driver.stdout
-                    and f"toward it is {link.addr_b})" in driver.stdout), driver.stdout
-            worker = subprocess.run(_netns.netns_exec(link.ns_b, [
-                sys.executable, "-m", "actors.node", "--join", address, "--name", "far", "--keys", keys.directory,
-                "--identity", "far", "--head-timeout", "60", "--log-level", "WARNING"]),
-                cwd=_netns.REPO_ROOT, capture_output=True, text=True, timeout=120)
-            assert worker.returncode == 2, worker.stderr[-3000:]
-            assert worker.stderr.strip().splitlines()[-1].startswith(f"error: the head at tcp://{link.addr_a}:")
-            assert "--bind tcp://ADDRESS:0" in worker.stderr and "--allow-remote" in worker.stderr
-            # Bound beyond loopback, but on a network the head has no route to: it waits out --head-timeout,
-            # and says that the head's answers may not reach it (it blamed the keys alone).
-            subprocess.run(["ip", "-n", link.ns_b, "addr", "add", "10.99.0.2/24", "dev", link.dev_b], check=True,
-                           timeout=30)  # a second network on the same link, which the head's host has no route to
-            worker = subprocess.run(_netns.netns_exec(link.ns_b, [
-                sys.executable, "-m", "actors.node", "--join", address, "--name", "far", "--keys", keys.directory,
-                "--identity", "far", "--bind", "tcp://10.99.0.2:0", "--allow-remote", "--head-timeout", "3",
-                "--log-level", "WARNING"]), cwd=_netns.REPO_ROOT, capture_output=True, text=True, timeout=120)
-            assert worker.returncode == 1, worker.stderr[-3000:]  # HeadUnreachable, as for a head that is silent
-            assert "its answers cannot reach this process at tcp://10.99.0.2:" in worker.stderr, worker.stderr[-3000:]
-        finally:
-            _netns.stop_processes(processes)
+    with two_hosts(tmp_path, "l", "10.213.12", "far") as (link, keys, address_file, processes):
+        address = start_head(link, keys, address_file, processes)
+        driver = subprocess.run(_netns.netns_exec(link.ns_b, [sys.executable, "-c", LOOPBACK_DRIVER, address,
+                                                              keys.directory]),
+                                cwd=_netns.REPO_ROOT, capture_output=True, text=True, timeout=120)
+        assert driver.returncode == 0, driver.stderr[-3000:]
+        assert driver.stdout.startswith(f"ValueError True the head at tcp://{link.addr_a}:"), driver.stdout
+        assert (f"listens at tcp://127.0.0.1:" in driver.stdout and "bind='tcp://ADDRESS:0'" in driver.stdout
+                and f"toward it is {link.addr_b})" in driver.stdout), driver.stdout
+        worker = subprocess.run(_netns.netns_exec(link.ns_b, [
+            sys.executable, "-m", "actors.node", "--join", address, "--name", "far", "--keys", keys.directory,
+            "--identity", "far", "--head-timeout", "60", "--log-level", "WARNING"]),
+            cwd=_netns.REPO_ROOT, capture_output=True, text=True, timeout=120)
+        assert worker.returncode == 2, worker.stderr[-3000:]
+        assert worker.stderr.strip().splitlines()[-1].startswith(f"error: the head at tcp://{link.addr_a}:")
+        assert "--bind tcp://ADDRESS:0" in worker.stderr and "--allow-remote" in worker.stderr
+        # Bound beyond loopback, but on a network the head has no route to: it waits out --head-timeout,
+        # and says that the head's answers may not reach it (it blamed the keys alone).
+        subprocess.run(["ip", "-n", link.ns_b, "addr", "add", "10.99.0.2/24", "dev", link.dev_b], check=True,
+                       timeout=30)  # a second network on the same link, which the head's host has no route to
+        worker = subprocess.run(_netns.netns_exec(link.ns_b, [
+            sys.executable, "-m", "actors.node", "--join", address, "--name", "far", "--keys", keys.directory,
+            "--identity", "far", "--bind", "tcp://10.99.0.2:0", "--allow-remote", "--head-timeout", "3",
+            "--log-level", "WARNING"]), cwd=_netns.REPO_ROOT, capture_output=True, text=True, timeout=120)
+        assert worker.returncode == 1, worker.stderr[-3000:]  # HeadUnreachable, as for a head that is silent
+        assert "its answers cannot reach this process at tcp://10.99.0.2:" in worker.stderr, worker.stderr[-3000:]
