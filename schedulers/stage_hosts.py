@@ -21,6 +21,11 @@ __all__ = ["StageHosts"]
 
 log = logging.getLogger(__name__)
 
+# A stage whose spawn is stopped before its node has forked its process is not known there yet:
+# the stop is tried again, this often, this many times.
+ABORT_RETRY_S = 0.5
+ABORT_TRIES = 6
+
 
 class StageHosts:
     """Spawns and stops stage actors through their nodes' agents.
@@ -49,25 +54,48 @@ class StageHosts:
         """Every stage actor of job ``job_id``, one on each of ``nodes`` (by global rank), all or none.
 
         A creation cancelled meanwhile (its caller gave up) waits for the spawns in flight, which
-        the nodes finish regardless, and stops what they made before it ends.
+        the nodes finish regardless, and stops what they made before it ends. Once one stage fails
+        to build, the spawns still in flight are stopped too: they may be waiting for it (the
+        members of a process group wait for each other, up to the job's step timeout).
 
         Raises:
             the first stage's failure to build (the others are stopped).
         """
-        spawning = asyncio.gather(*(
-            self.spawn(node, f"{job_id}.rank{rank}",
-                       stage_config(spec, job=job_id, global_rank=rank, bounds=bounds, dist=dist_config))
-            for rank, node in enumerate(nodes)), return_exceptions=True)
+        names = [f"{job_id}.rank{rank}" for rank in range(len(nodes))]
+        tasks = [asyncio.ensure_future(self.spawn(node, name, stage_config(spec, job=job_id, global_rank=rank,
+                                                                           bounds=bounds, dist=dist_config)))
+                 for rank, (node, name) in enumerate(zip(nodes, names))]
+        spawning = asyncio.gather(*tasks, return_exceptions=True)
         try:
-            results = await asyncio.shield(spawning)
+            await asyncio.shield(asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION))
         except asyncio.CancelledError:
             await asyncio.shield(self.stop([r for r in await spawning if isinstance(r, ActorRef)]))
             raise
-        failed = [r for r in results if isinstance(r, BaseException)]
-        if failed:
-            await self.stop([r for r in results if isinstance(r, ActorRef)])
-            raise root_cause(failed)
-        return [r for r in results if isinstance(r, ActorRef)]
+        failed = [t.exception() for t in tasks if t.done() and t.exception() is not None]
+        if not failed:
+            return [t.result() for t in tasks]
+        aborted = [(node, name) for task, node, name in zip(tasks, nodes, names) if not task.done()]
+        await asyncio.shield(self._abort(aborted, spawning))
+        late = [r for r, name in zip(await spawning, names)
+                if isinstance(r, BaseException) and name not in {n for _, n in aborted}]
+        raise root_cause([f for f in failed if f is not None] + [f for f in late if f not in failed])
+
+    async def _abort(self, spawns: list[tuple[NodeInfo, str]], spawning: asyncio.Future[list[Any]]) -> None:
+        """Stops the stage actors still being built (``spawns``: node and name), then waits for every
+        spawn to end and stops what was built."""
+        runtime = self._runtime()
+
+        async def abort(node: NodeInfo, name: str) -> None:
+            for _ in range(ABORT_TRIES):  # the node learns the name once its process is forked
+                try:
+                    await runtime.ref(node.address, NODE).endpoint(NodeActor.stop_actor, timeout=10).call(name)
+                    return
+                except ActorError as exc:
+                    log.info("could not stop %s while it was built (%s); trying again", name, exc)
+                    await asyncio.sleep(ABORT_RETRY_S)
+
+        await asyncio.gather(*(abort(node, name) for node, name in spawns))
+        await self.stop([r for r in await spawning if isinstance(r, ActorRef)])
 
     async def stop(self, stages: list[ActorRef]) -> None:
         """Stops stage actors on the nodes still alive, each within a few seconds (a lost node's go with it)."""

@@ -193,8 +193,13 @@ def join_process_groups(
         return _join(config, mesh, rank, job, store, pairs, device, backend)
     except Exception as exc:
         leave_process_groups()  # joined the default group and failed in a subgroup: this node serves the next job
-        raise GroupJoinFailed(f"rank {rank} of job {job} could not join its process groups (a rank that failed "
-                              f"to build and left them is the usual cause): {exc}") from exc
+        cause = "a rank that failed to build and left them is the usual cause"
+        if not config.get("loopback") and any(host in str(exc) for host in ("[127.0.0.1]", "[::1]")):
+            variable = "NCCL_SOCKET_IFNAME" if "nccl" in backend else "GLOO_SOCKET_IFNAME"
+            cause = (f"{backend} reached for a loopback address, and the job's members are on several machines: "
+                     f"{variable} (here {os.environ.get(variable, 'unset')}; a node's own setting wins) names the "
+                     "network interface they reach each other on")
+        raise GroupJoinFailed(f"rank {rank} of job {job} could not join its process groups ({cause}): {exc}") from exc
 
 
 def _join(config: Mapping[str, Any], mesh: Mesh, rank: int, job: str, store: dist.Store,
@@ -251,17 +256,20 @@ def _loopback_interface() -> str | None:
 
 
 def _interface_holding(address: str) -> str | None:
-    """The network interface whose IPv4 address is the host of ``tcp://HOST:PORT[|KEY]``, if any."""
+    """The network interface whose address is the host of ``tcp://HOST:PORT[|KEY]`` (IPv4, or IPv6 in
+    brackets), if any."""
     scheme, _, rest = address.partition("|")[0].partition("://")
     host = rest.rpartition(":")[0]
     if scheme != "tcp" or not host:
         return None
     try:
-        wanted = ipaddress.ip_address(host)
+        wanted = ipaddress.ip_address(host.strip("[]"))
     except ValueError:
         return None
-    if wanted.version != 4 or wanted.is_unspecified:
+    if wanted.is_unspecified:
         return None
+    if wanted.version == 6:
+        return _interface_holding_v6(wanted)
     for _, name in socket.if_nameindex():
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
             try:
@@ -270,6 +278,21 @@ def _interface_holding(address: str) -> str | None:
                 continue
         if socket.inet_ntoa(answer[20:24]) == str(wanted):
             return name
+    return None
+
+
+def _interface_holding_v6(wanted: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
+    """The interface that holds IPv6 address ``wanted``, from Linux's ``/proc/net/if_inet6`` (one line
+    an address: its 32 hex digits, index, prefix, scope, flags, interface)."""
+    try:
+        with open("/proc/net/if_inet6") as table:
+            lines = table.read().splitlines()
+    except OSError:  # not Linux, or no IPv6
+        return None
+    for line in lines:
+        fields = line.split()
+        if len(fields) == 6 and fields[0] == wanted.packed.hex():
+            return fields[5]
     return None
 
 

@@ -244,3 +244,69 @@ def test_a_process_the_head_cannot_answer_says_so(tmp_path: Path) -> None:
             "--log-level", "WARNING"]), cwd=_netns.REPO_ROOT, capture_output=True, text=True, timeout=120)
         assert worker.returncode == 1, worker.stderr[-3000:]  # HeadUnreachable, as for a head that is silent
         assert "its answers cannot reach this process at tcp://10.99.0.2:" in worker.stderr, worker.stderr[-3000:]
+
+
+def test_data_parallel_replicas_on_two_hosts_train_over_ipv6(tmp_path: Path) -> None:
+    """The two-host data-parallel job of the test above on a link with IPv6 addresses alone: the head, the
+    nodes and the driver in brackets, the replicas' gloo group on the interface that holds the node's
+    address (it found none for an IPv6 address, and gloo listened where the host name resolves:
+    loopback, and timed out connecting)."""
+    with two_hosts(tmp_path, "6", "10.213.13", "near", "far") as (link, keys, address_file, processes):
+        hosts = {link.ns_a: "fd13::1", link.ns_b: "fd13::2"}
+        for (ns, address), dev in zip(hosts.items(), (link.dev_a, link.dev_b)):  # IPv6 alone on the link
+            subprocess.run(["ip", "-n", ns, "-4", "addr", "flush", "dev", dev], check=True, timeout=30)
+            subprocess.run(["ip", "-n", ns, "addr", "add", f"{address}/64", "dev", dev, "nodad"], check=True,
+                           timeout=30)
+        address = start_head(link, keys, address_file, processes, bind="tcp://[fd13::1]:0")
+        assert address.startswith("tcp://[fd13::1]:"), address
+        for name, ns in (("near", link.ns_a), ("far", link.ns_b)):
+            processes.append(_netns.start_process(ns, [
+                sys.executable, "-m", "actors.node", "--join", address, "--name", name, "--bind",
+                f"tcp://[{hosts[ns]}]:0", "--allow-remote", "--keys", keys.directory, "--identity", name,
+                "--allow", "examples.models", "--log-level", "WARNING"]))
+        run = subprocess.run(_netns.netns_exec(link.ns_b, [
+            sys.executable, "-c", TRAIN, address, keys.directory, "tcp://[fd13::2]:0"]),
+            cwd=_netns.REPO_ROOT, capture_output=True, text=True, timeout=150)
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert run.stdout.splitlines() == ["loss finite True"] * 2
+
+
+# Runs inside namespace B: a driver that creates a two-host data-parallel job and says how that ended.
+CREATE = textwrap.dedent("""
+    import asyncio, sys
+    from schedulers import Cluster
+
+    async def main(address, keys, bind):
+        async with Cluster.connect(address, keys=keys, bind=bind, allow_remote=True, timeout=30) as driver:
+            await driver.wait_for_nodes(2, timeout=60)
+            try:
+                await asyncio.wait_for(driver.train(model="examples.models:residual_mlp",
+                                                    model_kwargs={"blocks": 2, "dim": 8}, data_parallel=2,
+                                                    micro_batches=2), 120)
+                print("created", flush=True)
+            except Exception as exc:
+                print(type(exc).__name__, exc, flush=True)
+
+    asyncio.run(main(*sys.argv[1:]))
+""")
+
+
+def test_a_process_group_that_cannot_connect_fails_the_job_at_once_and_says_why(tmp_path: Path) -> None:
+    """Both nodes' gloo on loopback (GLOO_SOCKET_IFNAME=lo, as a node's own setting): one rank failed to
+    connect in seconds, and the creation waited 300 s for the other, which waited for it, then said
+    only that a spawn timed out. The rank still building is now stopped once one fails, and the
+    error names the interface setting."""
+    with two_hosts(tmp_path, "j", "10.213.15", "near", "far") as (link, keys, address_file, processes):
+        address = start_head(link, keys, address_file, processes)
+        for name, ns, host in (("near", link.ns_a, link.addr_a), ("far", link.ns_b, link.addr_b)):
+            processes.append(_netns.start_process(ns, [
+                "env", "GLOO_SOCKET_IFNAME=lo", sys.executable, "-m", "actors.node", "--join", address, "--name",
+                name, "--bind", f"tcp://{host}:0", "--allow-remote", "--keys", keys.directory, "--identity", name,
+                "--allow", "examples.models", "--log-level", "ERROR"]))
+        run = subprocess.run(_netns.netns_exec(link.ns_b, [
+            sys.executable, "-c", CREATE, address, keys.directory, f"tcp://{link.addr_b}:0"]),
+            cwd=_netns.REPO_ROOT, capture_output=True, text=True, timeout=200)
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert run.stdout.startswith("RemoteError stages.comm.parallel.GroupJoinFailed: rank "), run.stdout[-3000:]
+        assert "gloo reached for a loopback address, and the job's members are on several machines: " \
+               "GLOO_SOCKET_IFNAME (here lo; a node's own setting wins)" in run.stdout, run.stdout[-3000:]

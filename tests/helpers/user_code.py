@@ -87,3 +87,27 @@ def ending_once_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor
         open(fired, "w").close()
         os._exit(7)
     return torch.nn.functional.mse_loss(output, target)
+
+
+
+
+def nth_build_fails(marker: str, fail_at: int, block_at: int = 0, **kwargs: Any) -> nn.Sequential:
+    """A model factory that raises in the ``fail_at``-th process to call it and holds the ``block_at``-th
+    until ``marker + ".gate"`` exists (two minutes at most), as a rank that waits for a peer does
+    (the calls are counted with files beside ``marker``: the head's inspection of the model is the
+    first); every call builds ``examples.models.residual_mlp(**kwargs)`` otherwise."""
+    from examples.models import residual_mlp
+
+    call = 1
+    while True:
+        try:
+            os.close(os.open(f"{marker}.{call}", os.O_CREAT | os.O_EXCL))
+            break
+        except FileExistsError:
+            call += 1
+    if call == fail_at:
+        raise RuntimeError("this stage's model could not be built")
+    deadline = time.monotonic() + 120
+    while call == block_at and not os.path.exists(f"{marker}.gate") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return residual_mlp(**kwargs)

@@ -459,6 +459,21 @@ async def test_a_creation_its_caller_gave_up_on_leaves_no_job_and_no_stage(clust
         assert (await job.step()).loss >= 0
 
 
+async def test_a_stage_that_fails_to_build_stops_the_ones_still_building(cluster: Cluster, tmp_path: Path) -> None:
+    """One stage failed at once while another still built (as a rank of a process group waits for a peer
+    that failed: tests/actors/test_remote.py has gloo so, across two hosts): the creation waited for
+    it, up to its spawn timeout of 300 s, before it said what failed. The stages still building are
+    now stopped as soon as one fails, and the failure is reported then."""
+    jobs, processes = {j.job for j in await cluster.jobs()}, _descendants()
+    marker = tmp_path / "calls"  # call 1: the head's inspection; 2 fails at once; 3 builds until calls.gate exists
+    creating = cluster.train(model="tests.helpers.user_code:nth_build_fails", pipeline_stages=2, micro_batches=2,
+                             model_kwargs={"marker": str(marker), "fail_at": 2, "block_at": 3, "blocks": 2, "dim": 8})
+    with pytest.raises(RemoteError, match="this stage's model could not be built"):
+        await asyncio.wait_for(creating, 60)
+    assert (tmp_path / "calls.3").exists() and not (tmp_path / "calls.gate").exists()  # stopped while it built
+    assert await _until_gone(cluster, jobs, processes) == (jobs, processes)
+
+
 async def test_a_driver_that_leaves_while_its_job_is_created_leaves_no_job(cluster: Cluster, tmp_path: Path) -> None:
     """As a script's Ctrl-C: its creation cancelled and its connection closed at once; the word to the
     head that ends the creation goes out as the connection closes (Cluster.last_word)."""
