@@ -228,8 +228,8 @@ def own_host(head_host: str, head_port: int = 1) -> str:
     loopback address (``127.0.1.1`` on Debian and Ubuntu, whose ``/etc/hosts`` maps the host's name
     there), which no other host reaches, and never IPv6. Where no route to the head is found (a head
     name that does not resolve yet) this host's name resolved is the fallback. A head whose own name
-    resolves to loopback on its machine (``--master-addr $(hostname)`` on Debian) binds loopback, as
-    its local ranks resolve the name: give ``MASTER_ADDR`` as its network address across machines.
+    resolves to loopback on its machine (``--master-addr $(hostname)`` on Debian) gets loopback here;
+    ``python -m actors.node`` then listens on every address (see ``actors.node``).
     """
     if "ACTORPIPE_HOST" in os.environ:
         return url_host(os.environ["ACTORPIPE_HOST"])

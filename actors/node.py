@@ -112,11 +112,11 @@ def _from_launcher(args: argparse.Namespace) -> None:
                          "Kubernetes Secret), then pass --keys DIR or set ACTORPIPE_KEYS")
     if role.is_head:
         args.head = True
-        if not args.bind and not role.loopback and role.world_size > 1 and is_loopback(host.strip("[]")):
-            print(f"warning: {role.launcher} names the head {role.head_host!r}, which this machine resolves to "
-                  f"loopback: the head listens at {host}, where ranks on other machines cannot reach it; name it by "
-                  "this machine's network address (or set ACTORPIPE_HOST to it) when ranks run elsewhere",
-                  file=sys.stderr)
+        if not args.bind and not role.loopback and is_loopback(host.strip("[]")):
+            # The head's name is loopback here (/etc/hosts maps this host's name to 127.0.1.1) and the
+            # other machines resolve it to this one's network address: listen on both, on every address
+            # (the head names itself by its default route's, transport.channel.advertised).
+            host = "[::]" if ":" in host else "0.0.0.0"
         args.bind = args.bind or f"tcp://{host}:{role.port}"
     else:
         args.join = role.head_address

@@ -49,10 +49,11 @@ def test_an_ipv6_head_is_named_in_brackets_and_a_node_is_reached_where_its_route
     assert own_host("192.0.2.1") == "[fd00::9]"
 
 
-def test_a_head_whose_name_is_loopback_on_its_own_machine_says_remote_ranks_cannot_reach_it(
-        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    """``--master-addr $(hostname)`` where /etc/hosts maps the name to 127.0.1.1: the head listens on loopback,
-    and ranks on other machines would wait for it in silence; it says so as it starts."""
+def test_a_head_whose_name_is_loopback_on_its_own_machine_listens_on_every_address(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--master-addr $(hostname)`` where /etc/hosts maps the name to 127.0.1.1: the head listened on loopback,
+    and ranks on other machines (which resolve the name to its network address) waited for it in silence.
+    It now listens on every address (tests/actors/test_remote.py trains so across two hosts)."""
     from actors.node import _from_launcher, parse_args
 
     real = socket.getaddrinfo
@@ -60,14 +61,14 @@ def test_a_head_whose_name_is_loopback_on_its_own_machine_says_remote_ranks_cann
                                                                           *a, **k))
     for name, value in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "trainhost", "MASTER_PORT": "29500"}.items():
         monkeypatch.setenv(name, value)
-    args = parse_args(["--insecure"])
-    _from_launcher(args)
-    assert args.head and args.bind == "tcp://127.0.0.1:29501"
-    assert "names the head 'trainhost', which this machine resolves to loopback" in capsys.readouterr().err
-    monkeypatch.setenv("MASTER_ADDR", "192.0.2.1")  # a network address: no warning
+    _from_launcher(args := parse_args(["--insecure"]))
+    assert args.head and args.bind == "tcp://0.0.0.0:29501" and args.allow_remote
+    monkeypatch.setenv("MASTER_ADDR", "192.0.2.1")  # a network address: the head listens there
     _from_launcher(args := parse_args(["--insecure"]))
     assert not ipaddress.ip_address(args.bind.split("//")[1].rsplit(":", 1)[0]).is_loopback
-    assert "warning" not in capsys.readouterr().err
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # a launch on this machine alone stays on loopback
+    _from_launcher(args := parse_args(["--insecure"]))
+    assert args.bind == "tcp://127.0.0.1:29501" and not args.allow_remote
 
 
 def test_torchrun_and_kubeflow_name_the_rank_and_the_head_one_port_above_their_store() -> None:

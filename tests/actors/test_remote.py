@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -310,3 +311,50 @@ def test_a_process_group_that_cannot_connect_fails_the_job_at_once_and_says_why(
         assert run.stdout.startswith("RemoteError stages.comm.parallel.GroupJoinFailed: rank "), run.stdout[-3000:]
         assert "gloo reached for a loopback address, and the job's members are on several machines: " \
                "GLOO_SOCKET_IFNAME (here lo; a node's own setting wins)" in run.stdout, run.stdout[-3000:]
+
+
+# Runs inside namespace A beside the head: a driver with the launcher's variables (no address), one step.
+LAUNCHED_DRIVER = textwrap.dedent("""
+    import asyncio, math
+    import torch
+    from schedulers import Cluster
+
+    async def main():
+        async with Cluster.connect(identity="admin", timeout=30) as driver:
+            await driver.wait_for_nodes(1, timeout=60)
+            async with await driver.train(model="examples.models:residual_mlp", model_kwargs={"blocks": 2, "dim": 8},
+                                          step_timeout_s=60) as job:
+                stats = await job.step(torch.randn(4, 8), torch.randn(4, 8))
+                print("loss finite", math.isfinite(stats.loss), flush=True)
+
+    asyncio.run(main())
+""")
+
+
+def test_a_launched_head_whose_name_is_loopback_at_home_is_reached_from_another_host(tmp_path: Path) -> None:
+    """torchrun's MASTER_ADDR as a host name that the head's own /etc/hosts maps to 127.0.1.1 (Debian's
+    way) and the other host resolves to the head's network address: the head listened on loopback and
+    the remote rank waited for it in silence. It now listens on every address."""
+    with two_hosts(tmp_path, "n", "10.213.16") as (link, keys, address_file, processes):
+        hosts = {link.ns_a: "127.0.1.1", link.ns_b: link.addr_a}  # each host's view of the name "trainhost"
+        try:
+            for ns, address in hosts.items():  # ip netns exec mounts /etc/netns/NS/hosts over /etc/hosts
+                os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
+                Path(f"/etc/netns/{ns}/hosts").write_text(f"127.0.0.1 localhost\n{address} trainhost\n")
+            subprocess.run(["ip", "-n", link.ns_a, "route", "add", "default", "via", link.addr_b], check=True,
+                           timeout=30)
+            launcher = ["env", "WORLD_SIZE=2", "MASTER_ADDR=trainhost", "MASTER_PORT=29500",
+                        f"ACTORPIPE_KEYS={keys.directory}"]
+            processes.append(_netns.start_process(link.ns_a, [
+                *launcher, "RANK=0", sys.executable, "-m", "actors.node", "--log-level", "WARNING"]))
+            processes.append(_netns.start_process(link.ns_b, [
+                *launcher, "RANK=1", sys.executable, "-m", "actors.node", "--allow", "examples.models",
+                "--head-timeout", "60", "--log-level", "WARNING"]))
+            run = subprocess.run(_netns.netns_exec(link.ns_a, [*launcher, "RANK=0", sys.executable, "-c",
+                                                               LAUNCHED_DRIVER]),
+                                 cwd=_netns.REPO_ROOT, capture_output=True, text=True, timeout=150)
+            assert run.returncode == 0, run.stderr[-3000:]
+            assert run.stdout.splitlines() == ["loss finite True"]
+        finally:
+            for ns in hosts:
+                shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
