@@ -233,8 +233,9 @@ async def serve_worker(config: WorkerConfig) -> None:
         check_head_address(join)
         check_security_matches(join, config.keys is not None,
                                "start this node with --keys DIR (the cluster's key directory), not --insecure")
-        check_can_answer(join, runtime.address, "start this node with --bind tcp://ADDRESS:0 (an address of this "
-                                                "machine the head reaches, or tcp://0.0.0.0:0) and --allow-remote")
+        await asyncio.to_thread(  # it may resolve the head's name: off the loop
+            check_can_answer, join, runtime.address, "start this node with --bind tcp://ADDRESS:0 (an address of "
+            "this machine the head reaches, or tcp://0.0.0.0:0) and --allow-remote")
         head = runtime.ref(head_address(join, config.keys), HEAD)
         settings = await _register(head, info, config.head_timeout, stop, secure=config.keys is not None)
         if settings is None:

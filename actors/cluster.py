@@ -324,9 +324,9 @@ class _Connecting(Generic[C]):
         check_head_address(address)
         check_security_matches(address, self._keys is not None,
                                "connect with keys= (the cluster's key directory) and identity=, not insecure=True")
-        check_can_answer(address, bind, "connect with bind='tcp://ADDRESS:0' (an address of this machine the head "
-                                        "reaches) and allow_remote=True (the console: --bind tcp://ADDRESS:0 "
-                                        "--allow-remote)")
+        await asyncio.to_thread(  # it may resolve the head's name: off the loop
+            check_can_answer, address, bind, "connect with bind='tcp://ADDRESS:0' (an address of this machine the "
+            "head reaches) and allow_remote=True (the console: --bind tcp://ADDRESS:0 --allow-remote)")
         secure = security(self._keys, self._identity)
         stack = contextlib.AsyncExitStack()
         try:
