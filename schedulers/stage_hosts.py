@@ -53,10 +53,10 @@ class StageHosts:
                         dist_config: dict[str, Any] | None) -> list[ActorRef]:
         """Every stage actor of job ``job_id``, one on each of ``nodes`` (by global rank), all or none.
 
-        A creation cancelled meanwhile (its caller gave up) waits for the spawns in flight, which
-        the nodes finish regardless, and stops what they made before it ends. Once one stage fails
-        to build, the spawns still in flight are stopped too: they may be waiting for it (the
-        members of a process group wait for each other, up to the job's step timeout).
+        A creation cancelled meanwhile (its caller gave up) stops the stages still building and
+        what was built before it ends, and so does one whose stage failed to build: the others
+        may be waiting for it (the members of a process group wait for each other, up to the
+        job's step timeout).
 
         Raises:
             the first stage's failure to build (the others are stopped).
@@ -69,7 +69,8 @@ class StageHosts:
         try:
             await asyncio.shield(asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION))
         except asyncio.CancelledError:
-            await asyncio.shield(self.stop([r for r in await spawning if isinstance(r, ActorRef)]))
+            await asyncio.shield(self._abort(
+                [(node, name) for task, node, name in zip(tasks, nodes, names) if not task.done()], spawning))
             raise
         failed = [t.exception() for t in tasks if t.done() and t.exception() is not None]
         if not failed:

@@ -459,6 +459,22 @@ async def test_a_creation_its_caller_gave_up_on_leaves_no_job_and_no_stage(clust
         assert (await job.step()).loss >= 0
 
 
+async def test_a_creation_given_up_on_stops_the_stages_still_building(cluster: Cluster, tmp_path: Path) -> None:
+    """A train() cancelled while its stages built waited for them to finish building (as long as their
+    data factory took: here until the gate opens, two minutes at most) before it stopped them, holding
+    the nodes meanwhile. They are now stopped as they build."""
+    jobs, processes = {j.job for j in await cluster.jobs()}, _descendants()
+    creating = asyncio.ensure_future(cluster.train(**_gated(tmp_path)))
+    await _building(creating, tmp_path, processes)
+    creating.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await creating
+    try:
+        assert await _until_gone(cluster, jobs, processes) == (jobs, processes)  # the gate still shut
+    finally:
+        (tmp_path / "gate").touch()
+
+
 async def test_a_stage_that_fails_to_build_stops_the_ones_still_building(cluster: Cluster, tmp_path: Path) -> None:
     """One stage failed at once while another still built (as a rank of a process group waits for a peer
     that failed: tests/actors/test_remote.py has gloo so, across two hosts): the creation waited for
