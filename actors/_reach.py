@@ -69,9 +69,9 @@ def check_can_answer(address: str, own: str, fix: str) -> None:
         ValueError: the head is elsewhere and ``own`` is loopback; the message names this
             machine's address toward the head.
     """
-    endpoint, _ = split_address(address)
+    endpoint, own_endpoint = split_address(address)[0], split_address(own)[0]
     scheme, _, rest = endpoint.partition("://")
-    if scheme != "tcp" or is_local_address(endpoint) or not is_local_address(split_address(own)[0]):
+    if scheme != "tcp" or is_local_address(endpoint) or not is_local_address(own_endpoint):
         return
     host = rest.rpartition(":")[0]
     if is_own_address(host) is not False:  # this machine's, or not resolved yet: nothing to say now
@@ -79,7 +79,7 @@ def check_can_answer(address: str, own: str, fix: str) -> None:
     toward = route_source(host)
     here = f" (this machine's address toward it is {url_host(toward)})" if toward else ""
     raise ValueError(f"the head at {endpoint} is on another machine, and this process listens at "
-                     f"{split_address(own)[0]}, on loopback, where the head's answers cannot reach it: {fix}{here}")
+                     f"{own_endpoint}, on loopback, where the head's answers cannot reach it: {fix}{here}")
 
 
 def check_security_matches(address: str, secure: bool, fix: str) -> None:

@@ -112,7 +112,7 @@ def _from_launcher(args: argparse.Namespace) -> None:
                          "Kubernetes Secret), then pass --keys DIR or set ACTORPIPE_KEYS")
     if role.is_head:
         args.head = True
-        if not args.bind and not role.loopback and is_loopback(host.strip("[]")):
+        if not args.bind and not role.loopback and is_loopback(host):
             # The head's name is loopback here (/etc/hosts maps this host's name to 127.0.1.1) and the
             # other machines resolve it to this one's network address: listen on both, on every address
             # (the head names itself by its default route's, transport.channel.advertised).

@@ -66,20 +66,24 @@ class StageHosts:
                                                                            bounds=bounds, dist=dist_config)))
                  for rank, (node, name) in enumerate(zip(nodes, names))]
         spawning = asyncio.gather(*tasks, return_exceptions=True)
+
+        def in_flight() -> list[tuple[NodeInfo, str]]:
+            return [(node, name) for task, node, name in zip(tasks, nodes, names) if not task.done()]
+
         try:
             await asyncio.shield(asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION))
         except asyncio.CancelledError:
-            await asyncio.shield(self._abort(
-                [(node, name) for task, node, name in zip(tasks, nodes, names) if not task.done()], spawning))
+            await asyncio.shield(self._abort(in_flight(), spawning))
             raise
-        failed = [t.exception() for t in tasks if t.done() and t.exception() is not None]
+        failed = [e for t in tasks if t.done() and (e := t.exception()) is not None]
         if not failed:
             return [t.result() for t in tasks]
-        aborted = [(node, name) for task, node, name in zip(tasks, nodes, names) if not task.done()]
-        await asyncio.shield(self._abort(aborted, spawning))
+        spawns = in_flight()
+        aborted = {name for _, name in spawns}
+        await asyncio.shield(self._abort(spawns, spawning))
         late = [r for r, name in zip(await spawning, names)
-                if isinstance(r, BaseException) and name not in {n for _, n in aborted}]
-        raise root_cause([f for f in failed if f is not None] + [f for f in late if f not in failed])
+                if isinstance(r, BaseException) and name not in aborted and r not in failed]
+        raise root_cause(failed + late)
 
     async def _abort(self, spawns: list[tuple[NodeInfo, str]], spawning: asyncio.Future[list[Any]]) -> None:
         """Stops the stage actors still being built (``spawns``: node and name), then waits for every
