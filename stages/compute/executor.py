@@ -41,6 +41,9 @@ __all__ = ["Inbox", "StageModel", "StepExecutor", "StepTrace", "check_target_sha
 
 T = TypeVar("T")
 _K = ActionKind
+_COMPUTE = frozenset({_K.F, _K.B, _K.I, _K.W})  # only these change what the stage holds
+# ...and of those only F (a micro-batch's activations) and I (its output gradients, kept for W) add to it.
+_GROWS = frozenset({_K.F, _K.I})
 
 
 class Inbox:
@@ -156,6 +159,8 @@ class StepExecutor:
                                                    model.device)
         self._action_key: Hashable | None = None  # the running action's, until its first compute
         self._action_task: asyncio.Task[Any] | None = None  # the task running it (others' compute is not its)
+        self._labelled: Sequence[Action] | None = None  # the program _label_list names
+        self._label_list: list[str] = []
 
     @property
     def inline_policy(self) -> _inline.InlinePolicy:
@@ -264,12 +269,16 @@ class StepExecutor:
                           **options)
         self.done_actions = 0
         self._losses = {}
+        task = asyncio.current_task()
+        labels = self._labels(program)
         for index, action in enumerate(program):
-            if action.kind is _K.BARRIER:
+            kind = action.kind
+            if kind is _K.BARRIER:
                 break
             self.current = action
             passes.upcoming = program[index + 1] if index + 1 < len(program) else None
-            self._action_key, self._action_task = self._inline_key(action), asyncio.current_task()
+            key = self._inline_key(action)
+            self._action_key, self._action_task = key, task if key is not None else None
             t0 = time.perf_counter()
             try:
                 await self._execute(step, action, trace)
@@ -280,13 +289,15 @@ class StepExecutor:
             finally:
                 self._action_key = self._action_task = None
             t1 = time.perf_counter()
-            trace.spans.append((str(action), t0 - start, t1 - start))
-            if action.kind in (_K.F, _K.B, _K.I, _K.W):  # only these change what the stage holds
+            trace.spans.append((labels[index], t0 - start, t1 - start))
+            if kind in _COMPUTE:
                 trace.busy_s += t1 - t0
-                # A micro-batch between I and W still holds its activations (as W's inputs).
-                trace.peak_stash = max(trace.peak_stash,
-                                       len(passes.stash) + len(passes.pending_w) + len(passes.w_batch))
-                trace.peak_stash_bytes = max(trace.peak_stash_bytes, _activations.union_bytes(passes.held.values()))
+                if kind in _GROWS:
+                    # A micro-batch between I and W still holds its activations (as W's inputs).
+                    trace.peak_stash = max(trace.peak_stash,
+                                           len(passes.stash) + len(passes.pending_w) + len(passes.w_batch))
+                    trace.peak_stash_bytes = max(trace.peak_stash_bytes,
+                                                 _activations.union_bytes(passes.held.values()))
             self.done_actions += 1
         self.current = None
         trace.elapsed_s = time.perf_counter() - start
@@ -299,6 +310,13 @@ class StepExecutor:
             raise ActionFailed(Action(stage=program[0].stage, kind=_K.BARRIER),
                                RuntimeError(f"program ended with values still held: {leftover}"))
         return trace
+
+    def _labels(self, program: Sequence[Action]) -> list[str]:
+        """Each action's name for the trace's spans, made once per program (a stage runs the same
+        program step after step)."""
+        if program is not self._labelled:
+            self._labelled, self._label_list = program, [str(action) for action in program]
+        return self._label_list
 
     async def finish(self, program: Sequence[Action], reduce: Callable[[], Awaitable[None]]) -> None:
         """Runs the tail after the barrier: gradient reduction, then the optimizer step."""

@@ -33,8 +33,6 @@ runs still give the loop a turn every :data:`YIELD_AFTER_S`.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import contextlib
 import time
 from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
@@ -158,16 +156,24 @@ class ComputeDispatcher:
         self.policy = policy
         self._thread = thread
         self._device = device
-        self._last_submitted: concurrent.futures.Future[Any] | None = None  # done: the thread is idle
+        self._cuda = device.type == "cuda"
+        # The thread is idle once it has finished all it was given: each count has one writer (the
+        # loop's thread submits, the compute thread finishes), so comparing them needs no lock.
+        self._submitted = 0
+        self._finished = 0
         self._thread_num_threads: int | None = None  # torch's intra-op threads on the compute thread
         self._unyielded_s = 0.0  # inline compute since the loop last had a turn
 
     async def submit(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on the compute thread."""
-        future = self._thread.submit(contained, fn, *args)  # a job's sys.exit must not end the node
-        self._last_submitted = future
+        future = self._thread.submit(self._counted, fn, args)
+        self._submitted += 1
         self._unyielded_s = 0.0  # awaiting it gives the loop its turn
-        return await asyncio.wrap_future(future)
+        try:
+            return await asyncio.wrap_future(future)
+        finally:
+            if future.cancelled():  # taken back before it ran (the caller was cancelled): it never will
+                self._finished += 1
 
     async def run(self, key: Hashable, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)``, a run of kind ``key``: inline if it is known short and the thread is idle,
@@ -185,9 +191,15 @@ class ComputeDispatcher:
         self.policy.record(key, timed.seconds, inline=False)
         return value
 
+    def _counted(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+        try:
+            return contained(fn, *args)  # a job's sys.exit must not end the node
+        finally:
+            self._finished += 1
+
     def _thread_idle(self) -> bool:
-        # One worker runs submissions in order: once the last is done (or cancelled), all are.
-        return self._last_submitted is None or self._last_submitted.done()
+        # One worker runs submissions in order: once the last has finished (or was taken back), all have.
+        return self._finished == self._submitted
 
     def _run_inline(self, key: Hashable, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
         # torch.set_num_threads is per thread (OpenMP): a stage's threads_per_stage was set on
@@ -197,9 +209,10 @@ class ComputeDispatcher:
             torch.set_num_threads(self._thread_num_threads)
         start = time.perf_counter()
         try:
-            # The current CUDA device is per thread too.
-            with torch.cuda.device(self._device) if self._device.type == "cuda" else contextlib.nullcontext():
-                return contained(fn, *args)
+            if self._cuda:  # the current CUDA device is per thread too
+                with torch.cuda.device(self._device):
+                    return contained(fn, *args)
+            return contained(fn, *args)
         finally:
             seconds = time.perf_counter() - start
             self._unyielded_s += seconds

@@ -235,6 +235,26 @@ async def test_nothing_runs_inline_while_the_compute_thread_is_busy() -> None:
         assert probe.names[-1] == threading.current_thread().name  # the rest, the thread idle again: inline
 
 
+async def test_compute_cancelled_before_the_thread_reached_it_leaves_the_fast_path_open() -> None:
+    probe = ThreadNames()
+    async with open_pipeline(ONE_RANK, build_model(), prepend={0: probe}) as pipeline:
+        executor = eager(pipeline).executors[0]
+        for step in range(2):
+            await one_rank_step(pipeline, step)
+        release, ran = threading.Event(), []
+        blocker = asyncio.create_task(executor.compute(release.wait))
+        queued = asyncio.create_task(executor.compute(lambda: ran.append(True)))  # waits behind the blocker
+        await asyncio.sleep(0)  # both submitted
+        queued.cancel()  # taken back before the thread reached it: it never runs
+        with pytest.raises(asyncio.CancelledError):
+            await queued
+        release.set()
+        await blocker
+        await one_rank_step(pipeline, 2)
+        assert not ran
+        assert probe.names[-1] == threading.current_thread().name  # the thread idle again: inline
+
+
 async def test_compute_another_task_asks_for_during_an_action_is_not_the_actions() -> None:
     case = Case(schedule="1f1b", num_ranks=2, num_microbatches=4)
     async with open_pipeline(case, build_model()) as pipeline:
