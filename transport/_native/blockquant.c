@@ -306,22 +306,33 @@ static inline void dequantize_int4(const uint8_t *restrict p, float scale, int64
 /* 2**-8 times the value of an e4m3fn byte, exactly (the codec's torch path reads the byte
  * as that float16 and multiplies by scale * 256, so this does the same, and any frame, a
  * corrupt one's huge scale too, decodes to the same floats); a NaN byte, which only a
- * corrupt frame holds, reads as 480 * 2**-8, as there. */
+ * corrupt frame holds, reads as 480 * 2**-8, as there.
+ *
+ * Without a branch or a table, so that the loop vectorises: a normal byte's exponent e
+ * and mantissa m become a float32's, rebiased by 127 - 7 - 8 = 112. A subnormal (e = 0)
+ * is m * 2**-17: built as if its exponent were 1, 2**-14 * (1 + m / 8), then less
+ * 2**-14, both exact; every float involved is normal, so a thread that flushes
+ * subnormals decodes it the same. */
 static inline float from_e4m3_over_256(uint8_t byte) {
-    uint32_t sign = (uint32_t)(byte & 0x80u) << 24;
-    uint32_t exponent = (byte >> 3) & 0x0fu;
-    uint32_t mantissa = byte & 0x07u;
-    uint32_t normal_bits = sign | ((exponent + 112u) << 23) | (mantissa << 20);
-    float normal, subnormal = (float)mantissa * 7.62939453125e-06f;  /* 2**-17 */
-    memcpy(&normal, &normal_bits, sizeof normal);
-    return exponent ? normal : (byte & 0x80u ? -subnormal : subnormal);
+    uint32_t b = byte;
+    uint32_t sign = (b & 0x80u) << 24;
+    uint32_t subnormal = -(uint32_t)((b & 0x78u) == 0);  /* all ones where e = 0 */
+    uint32_t bits = ((b & 0x7fu) << 20) + (112u << 23) + (subnormal & (1u << 23));
+    float value, less = 0.0f;
+    memcpy(&value, &bits, sizeof value);
+    uint32_t less_bits = subnormal & 0x38800000u;  /* 2**-14 */
+    memcpy(&less, &less_bits, sizeof less);
+    value -= less;
+    uint32_t out_bits;
+    memcpy(&out_bits, &value, sizeof out_bits);
+    out_bits |= sign;
+    memcpy(&value, &out_bits, sizeof value);
+    return value;
 }
 
-/* Through a table of the 256 bytes' values: the arithmetic above does not vectorise. */
-static inline void dequantize_fp8(const uint8_t *restrict v, const float *restrict table, float scale,
-                                  int64_t n, float *restrict out) {
+static inline void dequantize_fp8(const uint8_t *restrict v, float scale, int64_t n, float *restrict out) {
     float scale_256 = scale * 256.0f;
-    for (int64_t i = 0; i < n; i++) out[i] = table[v[i]] * scale_256;
+    for (int64_t i = 0; i < n; i++) out[i] = from_e4m3_over_256(v[i]) * scale_256;
 }
 
 VECTOR_CLONES
@@ -329,19 +340,17 @@ void actorpipe_decode_fp8(const uint8_t *restrict values, const float *restrict 
                           int64_t numel, int64_t block, float *restrict out, int32_t stream) {
     int64_t num_blocks = (numel + block - 1) / block;
     float staged[STAGE] __attribute__((aligned(64)));
-    float table[256];
-    for (int byte = 0; byte < 256; byte++) table[byte] = from_e4m3_over_256((uint8_t)byte);
     for (int64_t b = 0; b < num_blocks; b++) {
         const uint8_t *restrict vb = values + b * block;
         float *restrict ob = out + b * block;
         int64_t n = block_length(numel, block, b);
         if (!stream) {
-            dequantize_fp8(vb, table, scales[b], n, ob);
+            dequantize_fp8(vb, scales[b], n, ob);
             continue;
         }
         for (int64_t start = 0; start < n; start += STAGE) {
             int64_t m = n - start < STAGE ? n - start : STAGE;
-            dequantize_fp8(vb + start, table, scales[b], m, staged);
+            dequantize_fp8(vb + start, scales[b], m, staged);
             store_streaming(ob + start, staged, m);
         }
     }
