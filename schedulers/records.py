@@ -48,7 +48,9 @@ class StepStats(WireRecord):
     """What one optimizer step did.
 
     Attributes:
-        step: the step's index within the job (from 0).
+        step: the step's number within the job (from 0). Every attempt takes the next number, a
+            failed or aborted one too, and no number is used twice (it fences a late message of an
+            aborted step): after a failed step the next completed one skips a number.
         loss: the global batch's mean loss, as one process would compute it.
         step_time_s: wall time from sending the programs to the optimizer step done.
         bubble_fraction: the share of stage time spent idle, from the stages' own timings.
