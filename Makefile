@@ -43,6 +43,7 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m benchmarks.transport
 	$(PY) -m benchmarks.actors
+	$(PY) -m benchmarks.hop
 	$(PY) -m benchmarks.pipeline
 	$(PY) -m benchmarks.overhead
 

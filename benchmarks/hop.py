@@ -1,0 +1,160 @@
+# Run: python -m benchmarks.hop
+"""One hop's latency: a ZeroMQ socket against a Unix socket the event loop drives itself.
+
+Two processes bounce a 64-byte message back and forth (``--round-trips`` times per
+trial), both on uvloop, as a LocalCluster's nodes run:
+
+- ``zmq``: a pair of ``zmq.asyncio`` PAIR sockets over ``ipc://``, the transport every
+  actor message and every stage-to-stage tensor takes today. A send hands the message
+  to libzmq's I/O thread, which writes it; on the other side that process's I/O thread
+  reads it and wakes the loop.
+- ``unix``: a Unix stream socket that each loop writes and reads itself
+  (``loop.sock_sendall`` / ``loop.sock_recv``): one wake-up a hop, the receiver's, as
+  gloo's pair (written from the calling thread) has.
+
+The trials alternate (``--trials`` of each), so the machine's load weighs on both
+alike; the medians of each trial's median round trip are compared. ``zmq_vs_unix_rtt``
+is how many times longer ZeroMQ's round trip takes: the floor under every hop actorpipe's
+stages make, which no Python above libzmq can lower. The last line printed is one JSON
+object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import shutil
+import socket
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from transport.loop import run
+
+MESSAGE = b"x" * 64
+
+
+def _zmq_echo(address: str, count: int) -> None:
+    async def main() -> None:
+        context = zmq.asyncio.Context()
+        sock = context.socket(zmq.PAIR)
+        sock.connect(address)
+        for _ in range(count):
+            await sock.send(await sock.recv())
+        sock.close(linger=1000)
+        context.term()
+
+    run(main())
+
+
+def _unix_echo(path: str, count: int) -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.connect(path)
+            sock.setblocking(False)
+            for _ in range(count):
+                await loop.sock_sendall(sock, await _read_exactly(loop, sock, len(MESSAGE)))
+
+    run(main())
+
+
+async def _read_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = await loop.sock_recv(sock, size - len(data))
+        if not chunk:
+            raise ConnectionError("the echo process closed its socket")
+        data += chunk
+    return data
+
+
+async def _zmq_trial(folder: str, count: int) -> list[float]:
+    address = f"ipc://{folder}/zmq"
+    context = zmq.asyncio.Context()
+    sock = context.socket(zmq.PAIR)
+    sock.bind(address)
+    echo = mp.get_context("spawn").Process(target=_zmq_echo, args=(address, count))
+    echo.start()
+    try:
+        times = []
+        for _ in range(count):
+            start = time.perf_counter()
+            await sock.send(MESSAGE)
+            await sock.recv()
+            times.append(time.perf_counter() - start)
+        return times
+    finally:
+        echo.join(timeout=30)
+        if echo.is_alive():
+            echo.kill()
+        sock.close(linger=0)
+        context.term()
+
+
+async def _unix_trial(folder: str, count: int) -> list[float]:
+    loop = asyncio.get_running_loop()
+    path = f"{folder}/unix"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(path)
+        listener.listen(1)
+        listener.setblocking(False)
+        echo = mp.get_context("spawn").Process(target=_unix_echo, args=(path, count))
+        echo.start()
+        try:
+            conn, _ = await asyncio.wait_for(loop.sock_accept(listener), timeout=60)
+            with conn:
+                conn.setblocking(False)
+                times = []
+                for _ in range(count):
+                    start = time.perf_counter()
+                    await loop.sock_sendall(conn, MESSAGE)
+                    await _read_exactly(loop, conn, len(MESSAGE))
+                    times.append(time.perf_counter() - start)
+                return times
+        finally:
+            echo.join(timeout=30)
+            if echo.is_alive():
+                echo.kill()
+
+
+async def measure(trials: int, count: int) -> dict[str, list[float]]:
+    """Each kind's median round trip (seconds) per trial, the kinds alternating."""
+    medians: dict[str, list[float]] = {"zmq": [], "unix": []}
+    for index in range(trials):
+        order = ("zmq", "unix") if index % 2 == 0 else ("unix", "zmq")
+        for kind in order:
+            folder = tempfile.mkdtemp(prefix="actorpipe-hop-")
+            try:
+                trial = _zmq_trial if kind == "zmq" else _unix_trial
+                medians[kind].append(statistics.median(await trial(folder, count)))
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
+    return medians
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=5, help="alternating trials of each kind")
+    parser.add_argument("--round-trips", type=int, default=4000, help="round trips per trial")
+    args = parser.parse_args()
+    medians = run(measure(args.trials, args.round_trips))
+    zmq_us = statistics.median(medians["zmq"]) * 1e6
+    unix_us = statistics.median(medians["unix"]) * 1e6
+    print("round trip of 64 bytes between two processes, uvloop on both ends (us; median of trial medians)")
+    for kind, values in medians.items():
+        print(f"{kind:>5}: {statistics.median(values) * 1e6:7.1f}  (trials {min(values) * 1e6:.1f}-{max(values) * 1e6:.1f})")
+    summary: dict[str, Any] = {"zmq_rtt_us": round(zmq_us, 1), "unix_rtt_us": round(unix_us, 1),
+                               "zmq_vs_unix_rtt": round(zmq_us / unix_us, 3), "trials": args.trials,
+                               "round_trips": args.round_trips}
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
