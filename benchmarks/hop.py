@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing as mp
 import shutil
@@ -30,6 +31,7 @@ import socket
 import statistics
 import tempfile
 import time
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import zmq
@@ -75,25 +77,41 @@ async def _read_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket, si
     return data
 
 
+@contextlib.contextmanager
+def _echo(target: Callable[..., None], *args: Any) -> Iterator[None]:
+    """The echo process, spawned, and gone after the block (killed if it has not ended by then)."""
+    process = mp.get_context("spawn").Process(target=target, args=args)
+    process.start()
+    try:
+        yield
+    finally:
+        process.join(timeout=30)
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+async def _bounce(send: Callable[[], Awaitable[Any]], receive: Callable[[], Awaitable[Any]],
+                  count: int) -> list[float]:
+    """Each of ``count`` round trips' seconds."""
+    times = []
+    for _ in range(count):
+        start = time.perf_counter()
+        await send()
+        await receive()
+        times.append(time.perf_counter() - start)
+    return times
+
+
 async def _zmq_trial(folder: str, count: int) -> list[float]:
     address = f"ipc://{folder}/zmq"
     context = zmq.asyncio.Context()
     sock = context.socket(zmq.PAIR)
     sock.bind(address)
-    echo = mp.get_context("spawn").Process(target=_zmq_echo, args=(address, count))
-    echo.start()
     try:
-        times = []
-        for _ in range(count):
-            start = time.perf_counter()
-            await sock.send(MESSAGE)
-            await sock.recv()
-            times.append(time.perf_counter() - start)
-        return times
+        with _echo(_zmq_echo, address, count):
+            return await _bounce(lambda: sock.send(MESSAGE), sock.recv, count)
     finally:
-        echo.join(timeout=30)
-        if echo.is_alive():
-            echo.kill()
         sock.close(linger=0)
         context.term()
 
@@ -105,23 +123,12 @@ async def _unix_trial(folder: str, count: int) -> list[float]:
         listener.bind(path)
         listener.listen(1)
         listener.setblocking(False)
-        echo = mp.get_context("spawn").Process(target=_unix_echo, args=(path, count))
-        echo.start()
-        try:
+        with _echo(_unix_echo, path, count):
             conn, _ = await asyncio.wait_for(loop.sock_accept(listener), timeout=60)
             with conn:
                 conn.setblocking(False)
-                times = []
-                for _ in range(count):
-                    start = time.perf_counter()
-                    await loop.sock_sendall(conn, MESSAGE)
-                    await _read_exactly(loop, conn, len(MESSAGE))
-                    times.append(time.perf_counter() - start)
-                return times
-        finally:
-            echo.join(timeout=30)
-            if echo.is_alive():
-                echo.kill()
+                return await _bounce(lambda: loop.sock_sendall(conn, MESSAGE),
+                                     lambda: _read_exactly(loop, conn, len(MESSAGE)), count)
 
 
 async def measure(trials: int, count: int) -> dict[str, list[float]]:

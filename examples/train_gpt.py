@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from examples import positive_int
+from examples import check_training_args, positive_int, training_parser
 from examples.data import char_batches, decode, encode
 from examples.models import generate, gpt, lm_loss
 
@@ -30,25 +30,16 @@ PROMPT = "def "
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line; defaults finish in a few minutes on 2 CPU cores."""
-    parser = argparse.ArgumentParser(prog="python -m examples.train_gpt", description=__doc__.splitlines()[0])
-    parser.add_argument("--stages", type=positive_int, default=2, help="pipeline stages (one worker node each)")
-    parser.add_argument("--micro-batches", type=positive_int, default=4, help="micro-batches per step")
-    parser.add_argument("--schedule", default="1f1b", help="pipeline schedule (gpipe, 1f1b, ...)")
-    parser.add_argument("--steps", type=positive_int, default=600, help="optimizer steps")
-    parser.add_argument("--batch-size", type=positive_int, default=32, help="sequences per global batch")
-    parser.add_argument("--context", type=positive_int, default=64, help="characters per sequence")
-    parser.add_argument("--dim", type=positive_int, default=128, help="model width")
-    parser.add_argument("--layers", type=positive_int, default=4, help="transformer blocks")
+    parser = training_parser("python -m examples.train_gpt", __doc__.splitlines()[0], steps=600, batch_size=32,
+                             lr=1e-3, layers_help="transformer blocks")
     parser.add_argument("--heads", type=positive_int, default=4, help="attention heads")
-    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     parser.add_argument("--seed", type=int, default=0, help="model initialisation and data seed")
     parser.add_argument("--eval-batches", type=int, default=8, help="validation batches at the end")
     parser.add_argument("--sample-tokens", type=int, default=300, help="characters to generate at the end")
     parser.add_argument("--out", default="out/gpt", help="folder for loss.png")
     parser.add_argument("--single-process", action="store_true", help="train in this process with plain PyTorch")
     args = parser.parse_args(argv)
-    if args.batch_size % args.micro_batches != 0:
-        parser.error(f"--batch-size ({args.batch_size}) must be divisible by --micro-batches ({args.micro_batches})")
+    check_training_args(parser, args, heads=args.heads)
     return args
 
 

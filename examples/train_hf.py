@@ -23,30 +23,29 @@ from typing import Any
 
 import torch
 
-from examples import positive_int
+from examples import check_training_args, training_parser
 from examples.data import char_batches
 from examples.hf import gpt2
 from examples.models import lm_loss
 
 
+HEADS = 4  # GPT-2's attention heads here: --dim must be a multiple
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m examples.train_hf", description=__doc__.splitlines()[0])
-    parser.add_argument("--stages", type=positive_int, default=2, help="pipeline stages (one worker node each)")
-    parser.add_argument("--schedule", default="1f1b", help="pipeline schedule (gpipe, 1f1b, zero_bubble)")
-    parser.add_argument("--micro-batches", type=positive_int, default=4, help="micro-batches per step")
-    parser.add_argument("--steps", type=positive_int, default=150, help="optimizer steps")
-    parser.add_argument("--batch-size", type=positive_int, default=16, help="sequences per global batch")
-    parser.add_argument("--context", type=positive_int, default=64, help="characters per sequence")
-    parser.add_argument("--layers", type=positive_int, default=4, help="GPT-2 blocks")
-    parser.add_argument("--dim", type=positive_int, default=128, help="model width")
-    parser.add_argument("--lr", type=float, default=2e-3, help="AdamW learning rate")
-    return parser.parse_args(argv)
+    parser = training_parser("python -m examples.train_hf", __doc__.splitlines()[0], steps=150, batch_size=16,
+                             lr=2e-3, layers_help="GPT-2 blocks (at least one a stage)")
+    args = parser.parse_args(argv)
+    check_training_args(parser, args, heads=HEADS)
+    if args.layers < args.stages:
+        parser.error(f"--layers ({args.layers}) must be at least --stages ({args.stages}): each stage begins at a block")
+    return args
 
 
 async def train(args: argparse.Namespace) -> dict[str, Any]:
     from actors import LocalCluster
 
-    model_kwargs = {"layers": args.layers, "dim": args.dim, "heads": 4, "vocab": 128, "positions": args.context}
+    model_kwargs = {"layers": args.layers, "dim": args.dim, "heads": HEADS, "vocab": 128, "positions": args.context}
     data_kwargs = {"batch_size": args.batch_size, "context": args.context}
     step = args.layers // args.stages
     split_points = [f"transformer.h.{step * s}" for s in range(1, args.stages)]
