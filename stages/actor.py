@@ -353,7 +353,8 @@ class StageActor(StateEndpoints, Actor):
             await self._snapshot(checked.snapshot)
         report = await end_step(parts, step, await self._abortable(
             step, parts.executor.run(step, batch.actions, batch.inputs, batch.targets, loss_weights=batch.loss_weights,
-                                     evaluating=checked.evaluate, keep_outputs=checked.keep_outputs), f"step {step}"))
+                                     evaluating=checked.evaluate, keep_outputs=checked.keep_outputs,
+                                     labels=checked.program), f"step {step}"))
         if report.status == "done" and not checked.evaluate:
             self._program = batch.actions
             if checked.finish:

@@ -159,8 +159,6 @@ class StepExecutor:
                                                    model.device)
         self._action_key: Hashable | None = None  # the running action's, until its first compute
         self._action_task: asyncio.Task[Any] | None = None  # the task running it (others' compute is not its)
-        self._labelled: Sequence[Action] | None = None  # the program _label_list names
-        self._label_list: list[str] = []
 
     @property
     def inline_policy(self) -> _inline.InlinePolicy:
@@ -235,10 +233,13 @@ class StepExecutor:
         loss_weights: Sequence[float] | None = None,
         evaluating: bool = False,
         keep_outputs: bool = False,
+        labels: Sequence[str] | None = None,
     ) -> StepTrace:
         """Runs ``program`` up to and including its BARRIER; the rest runs in :meth:`finish`.
 
         Args:
+            labels: each action's name for the trace's spans (a stage has the texts its program was
+                parsed from); made here when None.
             loss_weights: the last stage's weight per micro-batch (see :mod:`stages.compute.averaging`).
             evaluating: forward only (a program of F and transfers), every module in eval mode
                 meanwhile; ``keep_outputs``: the last stage's outputs come back in the trace.
@@ -247,20 +248,21 @@ class StepExecutor:
             ActionFailed: an action raised; it names the action.
         """
         if not evaluating:
-            return await self._run(step, program, inputs, targets, loss_weights=loss_weights)
+            return await self._run(step, program, inputs, targets, labels, loss_weights=loss_weights)
         modules = list(self.model.modules.values())
         modes = [module.training for module in modules]
         for module in modules:
             module.eval()  # dropout off, batch norm on its running statistics, as DeepSpeed's eval_batch
         try:
-            return await self._run(step, program, inputs, targets, evaluating=True, keep_outputs=keep_outputs)
+            return await self._run(step, program, inputs, targets, labels, evaluating=True,
+                                   keep_outputs=keep_outputs)
         finally:
             for module, mode in zip(modules, modes):
                 module.train(mode)
             self._passes.evaluating = False
 
     async def _run(self, step: int, program: Sequence[Action], inputs: Sequence[Any] | None,
-                   targets: Sequence[Any] | None, **options: Any) -> StepTrace:
+                   targets: Sequence[Any] | None, labels: Sequence[str] | None, **options: Any) -> StepTrace:
         trace = StepTrace(started_at=time.time())
         start = time.perf_counter()
         self.inbox.drop_step(step - 1)  # late arrivals of an aborted earlier step
@@ -270,7 +272,8 @@ class StepExecutor:
         self.done_actions = 0
         self._losses = {}
         task = asyncio.current_task()
-        labels = self._labels(program)
+        if labels is None or len(labels) != len(program):
+            labels = [str(action) for action in program]
         for index, action in enumerate(program):
             kind = action.kind
             if kind is _K.BARRIER:
@@ -310,13 +313,6 @@ class StepExecutor:
             raise ActionFailed(Action(stage=program[0].stage, kind=_K.BARRIER),
                                RuntimeError(f"program ended with values still held: {leftover}"))
         return trace
-
-    def _labels(self, program: Sequence[Action]) -> list[str]:
-        """Each action's name for the trace's spans, made once per program (a stage runs the same
-        program step after step)."""
-        if program is not self._labelled:
-            self._labelled, self._label_list = program, [str(action) for action in program]
-        return self._label_list
 
     async def finish(self, program: Sequence[Action], reduce: Callable[[], Awaitable[None]]) -> None:
         """Runs the tail after the barrier: gradient reduction, then the optimizer step."""

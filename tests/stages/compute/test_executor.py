@@ -503,3 +503,26 @@ async def test_forward_only_programs_evaluate_without_a_stash_or_a_gradient(rank
         torch.testing.assert_close(torch.cat([final.outputs[m] for m in range(micro_batches)]), model(x))
     assert [final.losses[m] for m in range(micro_batches)] == pytest.approx(expected, rel=1e-6)
     assert [final.items[m] for m in range(micro_batches)] == [len(t) for t in targets]
+
+
+async def test_spans_carry_the_labels_the_stage_gives_and_its_own_names_otherwise() -> None:
+    """A stage passes the texts its program was parsed from as the spans' names (no name formatted per
+    action); labels that do not match the program in length are not trusted."""
+    from schedulers.schedules import forward_only
+
+    case = Case(schedule="gpipe", num_ranks=2, num_microbatches=2)
+    programs = forward_only(2, 2, case.num_virtual_stages, case.placement)
+    x, y = global_batches()[0]
+    inputs, targets = list(x.tensor_split(2)), list(y.tensor_split(2))
+    async with open_pipeline(case, build_model()) as pipeline:
+        for step, given in enumerate(([[f"~{a}" for a in programs[rank]] for rank in range(2)],
+                                      [[] for _ in range(2)])):
+            async with asyncio.timeout(20):
+                traces = await asyncio.gather(*(
+                    executor.run(step, programs[rank], inputs if rank == 0 else None, targets if rank == 1 else None,
+                                 evaluating=True, labels=given[rank])
+                    for rank, executor in enumerate(pipeline.executors)))
+            for rank, trace in enumerate(traces):
+                body = before_barrier(programs[rank])
+                names = [f"~{a}" for a in body] if step == 0 else [str(a) for a in body]
+                assert [name for name, _, _ in trace.spans] == names, f"step {step} rank {rank}"
