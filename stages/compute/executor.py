@@ -238,11 +238,11 @@ class StepExecutor:
         """Runs ``program`` up to and including its BARRIER; the rest runs in :meth:`finish`.
 
         Args:
-            labels: each action's name for the trace's spans (a stage has the texts its program was
-                parsed from); made here when None.
             loss_weights: the last stage's weight per micro-batch (see :mod:`stages.compute.averaging`).
             evaluating: forward only (a program of F and transfers), every module in eval mode
                 meanwhile; ``keep_outputs``: the last stage's outputs come back in the trace.
+            labels: each action's name for the trace's spans (a stage has the texts its program was
+                parsed from); made here when None.
 
         Raises:
             ActionFailed: an action raised; it names the action.
@@ -280,8 +280,7 @@ class StepExecutor:
                 break
             self.current = action
             passes.upcoming = program[index + 1] if index + 1 < len(program) else None
-            key = self._inline_key(action)
-            self._action_key, self._action_task = key, task if key is not None else None
+            self._action_key, self._action_task = self._inline_key(action), task
             t0 = time.perf_counter()
             try:
                 await self._execute(step, action, trace)
