@@ -153,6 +153,11 @@ class Host(Protocol):
     keys: Any  # its CURVE keypair, or None
     closed: bool  # it is closing: it answers none of the calls it was running (see Mailbox)
 
+    @property
+    def max_message_bytes(self) -> int:
+        """The largest message it takes."""
+        ...
+
     def ref(self, address: str, name: str) -> ActorRef: ...
 
     def spawn_task(self, coro: Coroutine[Any, Any, Any], *, name: str | None = None) -> asyncio.Task[Any]: ...

@@ -120,6 +120,11 @@ class Runtime:
         self.closed = False  # aclose has begun: no call leaves any more
         receiver.pump(self._on_frames)
 
+    @property
+    def max_message_bytes(self) -> int:
+        """The largest message this runtime takes."""
+        return self._max_message_bytes
+
     # -- tasks ---------------------------------------------------------------------
 
     def spawn_task(self, coro: Coroutine[Any, Any, Any], *, name: str | None = None,

@@ -74,6 +74,7 @@ from torch import nn
 
 from benchmarks._torch_pipelining import TorchPeer, Workload, build_model, reference_batch
 from benchmarks.pipeline import ActorpipePeer, split_steps
+from stages.sections import TRANSPORTS
 from transport.loop import run
 
 SCHEDULE = "1f1b"
@@ -233,7 +234,8 @@ def model_compute_s(micro_batches: int, *, repeats: int = 7) -> float:
 
 
 async def measure_stages(num_stages: int, micro_batch_counts: list[int], state_dir: str, *, warmup: int,
-                         steps: int, rounds: int, max_step_s: float) -> tuple[list[ConfigResult], list[str]]:
+                         steps: int, rounds: int, max_step_s: float, transport: str = "zmq"
+                         ) -> tuple[list[ConfigResult], list[str]]:
     """Every micro-batch count at ``num_stages``, on one actorpipe cluster and one torch peer.
 
     Returns:
@@ -241,7 +243,7 @@ async def measure_stages(num_stages: int, micro_batch_counts: list[int], state_d
         above one where a timed step of either peer took longer than ``max_step_s``.
     """
     actorpipe = ActorpipePeer(num_stages=num_stages, schedule=SCHEDULE, micro_batches=micro_batch_counts[0],
-                              workload=WORKLOAD, data_on_stages=True)
+                              workload=WORKLOAD, data_on_stages=True, transport=transport)
     torch_peer = TorchPeer(num_stages=num_stages, schedule=SCHEDULE, state_dir=state_dir, workload=WORKLOAD,
                            timeout=120.0)
     results: list[ConfigResult] = []
@@ -363,6 +365,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per peer and configuration")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per peer and configuration first")
     parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds the timed steps are split into")
+    parser.add_argument("--transport", choices=TRANSPORTS, default="zmq",
+                        help="how actorpipe's stages send their boundary values (communication.transport)")
     parser.add_argument("--max-step-s", type=float, default=2.0,
                         help="skip larger micro-batch counts at a stage count once a step took longer")
     args = parser.parse_args()
@@ -386,14 +390,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="actorpipe-overhead-") as state_dir:
         for num_stages in args.stages:
             done, left_out = run(measure_stages(num_stages, args.micro_batches, state_dir, warmup=args.warmup,
-                                                steps=args.steps, rounds=args.rounds, max_step_s=args.max_step_s))
+                                                steps=args.steps, rounds=args.rounds, max_step_s=args.max_step_s,
+                                                transport=args.transport))
             results += done
             skipped += left_out
     print_table(results)
     for line in skipped:
         print(f"skipped: {line}")
     summary = summarize(results)
-    summary.update(skipped=skipped, steps=args.steps, warmup=args.warmup, rounds=args.rounds,
+    summary.update(skipped=skipped, transport=args.transport, steps=args.steps, warmup=args.warmup, rounds=args.rounds,
                    wall_s=round(time.perf_counter() - started, 1))
     print(json.dumps(summary))
 

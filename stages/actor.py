@@ -39,11 +39,12 @@ from stages.build.reads import DataReads
 from stages.build.stage import BuiltStage, build_stage
 from stages.comm import zero
 from stages.comm.boundary import split_batch
-from stages.comm.delivery import PeerEndpoints, Receiver, Sender, check_codecs
+from stages.comm.delivery import DeliverTell, PeerEndpoints, Receiver, Sender, check_codecs
 from stages.comm.device_io import DeviceIO
 from stages.comm.groups import StageGroups
 from stages.comm.parallel import leave_process_groups
 from stages.comm.rendezvous import ActorStore
+from stages.comm.streams import StageStreams
 from stages.compute.executor import ActionFailed, ended_early, Inbox, StepExecutor, StepTrace
 from stages.compute.agreement import Ballot, run_tail, tail_report
 from stages.compute.tail import StepTail
@@ -254,6 +255,7 @@ class StageActor(StateEndpoints, Actor):
         self._aborted = -1  # the newest step abort_step named: a part of it not yet begun never runs
         self._applied = -1  # the newest step whose tail stepped the optimizer here (StepOrder.after)
         self.ballot = Ballot(self.config.mesh, self.config.global_rank)  # the tail's votes (stages.compute.agreement)
+        self._streams: StageStreams | None = None  # transport="stream": its server and links (see open_stream)
 
     async def on_start(self) -> None:
         context = self.node_context
@@ -280,6 +282,8 @@ class StageActor(StateEndpoints, Actor):
         return self.parts
 
     async def on_stop(self) -> None:
+        if self._streams is not None:
+            self._streams.close()
         parts, self.parts = self.parts, None
         if parts is not None:
             await close_parts(parts)
@@ -320,9 +324,12 @@ class StageActor(StateEndpoints, Actor):
         self._step = max(self._step, step)
         self.peers = [self.runtime.ref(address, name) for address, name in peers]
         # The hot path's endpoints, made once here, not per micro-batch.
-        self._peer_endpoints[:] = [PeerEndpoints(deliver=ref.endpoint(StageActor.deliver).tell,
-                                                 deliver_header=ref.endpoint(StageActor.deliver_header).tell)
-                                   for ref in self.peers]
+        delivers: Sequence[DeliverTell] = [ref.endpoint(StageActor.deliver).tell for ref in self.peers]
+        if self.config.communication.transport == "stream":
+            delivers = self._stream_ends().connect([ref.endpoint(StageActor.open_stream).call for ref in self.peers],
+                                                   self.config.pipeline_rank, encrypt=self.runtime.keys is not None)
+        self._peer_endpoints[:] = [PeerEndpoints(deliver=deliver, deliver_header=ref.endpoint(StageActor.deliver_header).tell)
+                                   for deliver, ref in zip(delivers, self.peers)]
         self._peer_identities = frozenset(i for i in identities or () if i)
         if members is not None:
             refs = [self.runtime.ref(address, name) for address, name in members]
@@ -444,6 +451,34 @@ class StageActor(StateEndpoints, Actor):
         with self._refusing():
             parts.receiver.deliver(self._step, parts.executor.num_microbatches, step, kind, stage, microbatch,
                                    leaves, spec)
+
+    @endpoint(concurrent=True, roles=("node",))
+    async def open_stream(self, opening: bytes, rank: int) -> str:
+        """Pipeline rank ``rank``'s session for its values over a stream (``transport="stream"``,
+        stages.comm.streams): answers where the stream server listens.
+        NotAllowed: not a stage of this job, or the job sends its values otherwise."""
+        with self._refusing():
+            if self.config.communication.transport != "stream" or isinstance(rank, bool) or not isinstance(rank, int):
+                raise NotAllowed(f"stage {self.config.pipeline_rank} of job {self.config.job} takes no stream "
+                                 f"(transport {self.config.communication.transport!r}) from rank {str(rank)[:12]}")
+            endpoint_address = self.runtime.address.partition("|")[0]
+            return await self._stream_ends().open(endpoint_address, opening, f"{current_caller()}/{rank}")
+
+    def _stream_ends(self) -> StageStreams:
+        if self._streams is None:
+            self._streams = StageStreams(self._take_streamed, max_bytes=self.runtime.max_message_bytes)
+        return self._streams
+
+    def _take_streamed(self, message: Any) -> None:
+        """A value a neighbour's stream link brought: taken as :meth:`deliver` takes one."""
+        parts = self._parts()
+        try:
+            if not isinstance(message, list) or len(message) != 6:
+                raise NotAllowed("a streamed value is [step, kind, stage, micro-batch, leaves, spec]")
+            parts.receiver.deliver(self._step, parts.executor.num_microbatches, *message)
+        except NotAllowed:
+            self.refused_calls += 1
+            raise
 
     @endpoint(concurrent=True, roles=("node",), taskless_start=True)
     async def deliver_header(self, step: int, kind: str, stage: int, microbatch: int, header: dict[str, Any]) -> None:

@@ -69,7 +69,7 @@ __all__ = [
 ]
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zero_bubble", "zbv", "dualpipev", "auto"]
-TransportName = Literal["zmq", "dist"]
+TransportName = Literal["zmq", "dist", "stream"]
 PartitionMethod = Literal["parameters", "uniform", "profile"]
 CodecName = Literal["none", "fp16", "bf16", "int8", "fp8", "int4"]
 NonFiniteAction = Literal["raise", "skip"]
@@ -345,7 +345,7 @@ class Communication(_Section):
     measure_codec_error: bool = True
     """decode what was sent and report its error (costs one decode per lossy send)"""
     transport: TransportName = "zmq"
-    """stage-to-stage tensors as actor messages over ZeroMQ (`zmq`) or by `torch.distributed` point-to-point (`dist`)"""
+    """stage-to-stage tensors as actor messages over ZeroMQ (`zmq`), as sealed messages on a Unix or TCP stream each stage's event loop reads and writes itself (`stream`: no ZeroMQ I/O thread on the path), or by `torch.distributed` point-to-point (`dist`)"""
     reduce_codec: CodecName = "none"
     """codec for the data-parallel gradient reduction; `none` is an exact all-reduce"""
     bucket_bytes: int = 25 << 20

@@ -63,7 +63,7 @@ from transport._sockets import advertised, reach, send_nowait
 from transport.wire import WireError
 
 __all__ = ["DIRECT_MAX_BYTES", "HEAD_BYTES", "BulkInbox", "BulkLink", "OpenedFrame", "SealRefused", "SessionKey",
-           "UNSENT_MAX_BYTES", "is_open_message", "parse_head"]
+           "UNSENT_MAX_BYTES", "aligned_buffer", "byte_view", "is_open_message", "parse_head"]
 
 log = logging.getLogger(__name__)
 
@@ -112,19 +112,20 @@ def _nonce(direction: int, index: int, seq: int) -> bytes:
     return _NONCE.pack(direction << 31 | index, seq)
 
 
-def _buffer(frame: Any) -> memoryview:
+def byte_view(frame: Any) -> memoryview:
+    """A frame (a zmq.Frame, bytes, any buffer) as a flat memoryview of bytes."""
     view = memoryview(getattr(frame, "buffer", frame))
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
-def _aligned(nbytes: int) -> memoryview:
+def aligned_buffer(nbytes: int) -> memoryview:
     """A fresh writable buffer at a 64-byte aligned address, not zeroed (see :func:`aligned_empty`)."""
     return memoryview(aligned_empty(nbytes).numpy())  # type: ignore[arg-type]
 
 
 def is_open_message(frames: list[Any]) -> bool:
     """Whether a message that came over CURVE is a session's opening rather than a payload."""
-    return len(frames) == 1 and len(frames[0]) == _OPEN.size and bytes(_buffer(frames[0])[:4]) == OPEN_MAGIC
+    return len(frames) == 1 and len(frames[0]) == _OPEN.size and bytes(byte_view(frames[0])[:4]) == OPEN_MAGIC
 
 
 class OpenedFrame:
@@ -169,7 +170,7 @@ class SessionKey:
     @classmethod
     def from_open_message(cls, data: Any) -> SessionKey:
         """Raises SealRefused: not an opening of a version this side speaks."""
-        view = _buffer(data)
+        view = byte_view(data)
         if view.nbytes != _OPEN.size:
             raise SealRefused(f"a session opening has {_OPEN.size} bytes, not {view.nbytes}")
         magic, version, flags, session_id, key = _OPEN.unpack(view)
@@ -224,7 +225,7 @@ class SessionKey:
         message's first frame is its small msgpack header): one frame fewer to send and
         receive. Not encrypted, the first frame is the head, its tag and every frame's tag.
         """
-        views = [_buffer(frame) for frame in frames]
+        views = [byte_view(frame) for frame in frames]
         flags = self._flags | (FLAG_AFTER_DIRECT if after_direct else 0)
         head = _HEAD.pack(DATA_MAGIC, VERSION, flags, self.session_id, seq, len(views))
         if not self.encrypt:
@@ -237,7 +238,7 @@ class SessionKey:
             elif view.nbytes < _INTO_BYTES:
                 sealed.append(self._aead.encrypt(nonce, view, head))
             else:
-                out = _aligned(view.nbytes + TAG_BYTES)
+                out = aligned_buffer(view.nbytes + TAG_BYTES)
                 self._aead.encrypt_into(nonce, view, head, out)
                 sealed.append(out)
         return sealed
@@ -249,7 +250,7 @@ class SessionKey:
         Raises:
             SealRefused: a frame is missing, extra, or fails its tag.
         """
-        views = [_buffer(frame) for frame in frames]
+        views = [byte_view(frame) for frame in frames]
         count = _HEAD.unpack(head)[5]
         if not self.encrypt:
             if len(views) != count + 1 or views[0].nbytes != TAG_BYTES * (count + 1):
@@ -267,7 +268,7 @@ class SessionKey:
                 if view.nbytes < _INTO_BYTES:
                     plain: memoryview | bytes = self._aead.decrypt(nonce, view, head)
                 else:
-                    plain = _aligned(view.nbytes - TAG_BYTES)
+                    plain = aligned_buffer(view.nbytes - TAG_BYTES)
                     self._aead.decrypt_into(nonce, view, head, plain)
             except (InvalidTag, ValueError):
                 raise SealRefused(f"message {seq}: frame {index} fails its tag") from None
@@ -294,7 +295,7 @@ def parse_head(data: Any) -> tuple[bytes, bytes, int, memoryview]:
     Raises:
         SealRefused: not a data head of this version.
     """
-    view = _buffer(data)
+    view = byte_view(data)
     if view.nbytes < _HEAD.size:
         raise SealRefused(f"a sealed message's first frame has {view.nbytes} bytes, less than a head")
     head = bytes(view[: _HEAD.size])
@@ -377,18 +378,18 @@ class BulkInbox:
         """
         if len(frames) < 2:
             raise SealRefused("an empty message on a bulk socket")
-        first = _buffer(frames[1])
+        first = byte_view(frames[1])
         if first[:4] == CLAIM_MAGIC:
             if len(frames) != 2 or first.nbytes < _TOKEN_HEAD.size:
                 raise SealRefused("a claim of the wrong shape on a bulk socket")
-            self._claim(bytes(_buffer(frames[0])), bytes(first))
+            self._claim(bytes(byte_view(frames[0])), bytes(first))
             return None
         head, session_id, seq, rest = parse_head(first)
         session = self._session(session_id, seq)
         opened = session.key.unseal(head, seq, [rest, *frames[2:]], session.user_id)
         # only once every frame passed its tag (the head's flags with them)
         through = self._in_order(session, seq, opened, after_direct=bool(head[5] & FLAG_AFTER_DIRECT))
-        routing_id = bytes(_buffer(frames[0]))
+        routing_id = bytes(byte_view(frames[0]))
         if routing_id == session.claimant:  # whoever else sent the sender's bytes gets nothing back
             self._to_tell[session_id] = (routing_id, seq)
         return through
@@ -423,7 +424,7 @@ class BulkInbox:
             SealRefused: not a session of the member CURVE names, or a number taken before.
         """
         first = frames[0]
-        view = first.buffer if type(first) is zmq.Frame else _buffer(first)
+        view = first.buffer if type(first) is zmq.Frame else byte_view(first)
         try:
             magic, version, session_id, seq = _DIRECT.unpack_from(view)
         except struct.error:

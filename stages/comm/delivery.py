@@ -9,11 +9,15 @@ it in the executor's inbox (with the link: posts the matching receive first).
 
 Neither knows the actor: the neighbours' endpoints come in as typed callables
 (:class:`PeerEndpoints`, made once at connect), and a refusal is a
-:class:`~actors._errors.NotAllowed` the actor counts.
+:class:`~actors._errors.NotAllowed` the actor counts. With ``transport="stream"`` a
+neighbour's ``deliver`` is a :class:`StreamDeliver`: the same message, written by this
+loop to a sealed stream the neighbour's loop reads (``transport.stream``), not an actor
+message through ZeroMQ's I/O threads.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
@@ -30,14 +34,21 @@ from stages.mesh import Coords
 from stages.program import Action, ActionKind
 from stages.records import StageConfig
 from transport.codecs import Encoded, ErrorFeedback, get_codec
+from transport.sealed import SessionKey
+from transport.stream import StreamBroken, StreamLink
+from transport.wire import encode_message
 
-__all__ = ["Compute", "DeliverHeaderTell", "DeliverTell", "PeerEndpoints", "Receiver", "Sender", "check_codecs"]
+__all__ = ["Compute", "DeliverHeaderTell", "DeliverTell", "PeerEndpoints", "Receiver", "Sender", "StreamDeliver",
+           "check_codecs"]
 
 Key = tuple[int, str, int, int]  # step, kind ("F" or "B"), stage, micro-batch
 Compute = Callable[..., Awaitable[Any]]  # runs fn(*args) on the stage's compute thread
 # A neighbour's deliver / deliver_header endpoint, sent without waiting; returns the bytes sent.
 DeliverTell = Callable[[int, str, int, int, list[torch.Tensor], Any], Awaitable[int]]
 DeliverHeaderTell = Callable[[int, str, int, int, dict[str, Any]], Awaitable[int]]
+# A neighbour's open_stream endpoint: takes a session's opening and this stage's pipeline rank, answers
+# where its stream server listens.
+OpenStream = Callable[[bytes, int], Awaitable[str]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +57,51 @@ class PeerEndpoints:
 
     deliver: DeliverTell
     deliver_header: DeliverHeaderTell
+
+
+class StreamDeliver:
+    """A neighbour's ``deliver`` over a :class:`~transport.stream.StreamLink` (``transport="stream"``).
+
+    The link opens at the first send: a fresh session key goes to the neighbour in an actor
+    call (its ``open_stream``, over CURVE on a secure cluster), which answers where to
+    connect. A closed link fails the send with :class:`~transport.stream.StreamBroken`; the
+    stage makes new ones when it is connected again.
+
+    Args:
+        open_stream: the neighbour's ``open_stream`` endpoint.
+        rank: this (sending) stage's pipeline rank: the neighbour keeps one session per sender.
+        encrypt: seal with AES-GCM (a secure cluster), else only authenticate (GMAC).
+    """
+
+    def __init__(self, open_stream: OpenStream, rank: int, *, encrypt: bool) -> None:
+        self._open_stream = open_stream
+        self._rank = rank
+        self._encrypt = encrypt
+        self._link: StreamLink | None = None
+        self._opening = asyncio.Lock()
+        self._closed = False
+
+    async def __call__(self, step: int, kind: str, stage: int, microbatch: int, leaves: list[torch.Tensor],
+                       spec: Any) -> int:
+        link = self._link if self._link is not None else await self._open()
+        return await link.send(encode_message([step, kind, stage, microbatch, leaves, spec]))
+
+    async def _open(self) -> StreamLink:
+        async with self._opening:
+            if self._link is None:
+                key = SessionKey.new(encrypt=self._encrypt)
+                link = await StreamLink.connect(await self._open_stream(key.open_message(), self._rank), key)
+                if self._closed:  # connected again meanwhile: this link belongs to no one
+                    link.close()
+                    raise StreamBroken("the stage was connected to its peers again while this link opened")
+                self._link = link
+            return self._link
+
+    def close(self) -> None:
+        self._closed = True
+        if self._link is not None:
+            self._link.close()
+            self._link = None
 
 
 def check_codecs(config: StageConfig, activation_codec: list[str], gradient_codec: list[str]) -> None:

@@ -237,7 +237,7 @@ def test_an_object_whose_path_imports_something_else_is_refused() -> None:
 def test_the_literal_choices_are_the_ones_the_lower_layers_implement() -> None:
     assert set(SCHEDULE_NAMES) == set(SCHEDULES) | {"auto"}  # auto picks one of them (schedulers.planning)
     assert set(CODECS) == set(CODEC_NAMES)
-    assert TRANSPORTS == ("zmq", "dist")
+    assert TRANSPORTS == ("zmq", "dist", "stream")
 
 
 def test_a_spec_travels_and_comes_back_equal_and_refuses_what_it_does_not_know() -> None:

@@ -64,6 +64,10 @@ CASES = [
     for schedule, stages in [("1f1b", 2), ("gpipe", 4), ("interleaved", 2), ("interleaved", 4), ("zero_bubble", 4),
                              ("zbv", 4)]
 ] + [
+    # The same executor over the sealed streams each stage's loop reads and writes itself.
+    pytest.param(schedule, stages, 8, "adam", "stream", True, id=f"{schedule}-{stages}stages-8mb-adam-stream")
+    for schedule, stages in [("1f1b", 2), ("interleaved", 4), ("zbv", 4)]
+] + [
     # Plain autograd for every weight gradient: B unsplit, and zero-bubble's W walks the graph again.
     pytest.param(schedule, stages, 8, "adam", "zmq", False, id=f"{schedule}-{stages}stages-8mb-adam-nofusion")
     for schedule, stages in [("1f1b", 4), ("zero_bubble", 2), ("zero_bubble", 4)]
@@ -165,6 +169,9 @@ MESHES = [
     # Pipeline tensors by point-to-point: each replica (or shard) has its own pair groups.
     pytest.param("mlp", 2, 1, 2, "1f1b", "dist", id="mlp-pp2-dp2-dist"),
     pytest.param("mlp", 2, 2, 1, "1f1b", "dist", id="mlp-pp2-tp2-dist"),
+    # Pipeline tensors on streams: each replica's (or shard's) stages open their own sessions.
+    pytest.param("mlp", 2, 1, 2, "1f1b", "stream", id="mlp-pp2-dp2-stream"),
+    pytest.param("gpt", 2, 2, 1, "1f1b", "stream", id="gpt-pp2-tp2-stream"),
 ]
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -23,9 +24,11 @@ from actors._ref import ActorRef
 from actors._runtime import Runtime, open_runtime
 from schedulers.schedules import build_schedule
 from stages.actor import StageActor
+from stages.comm.delivery import StreamDeliver
 from stages.compute.tail import decide_step
 from stages.records import FinishReport, ReduceReport, StageReport, StepOrder
 from tests.stages.stage_parts import MODEL_KWARGS, stage_config
+from transport.sealed import SessionKey
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -323,3 +326,70 @@ async def test_a_step_sent_ahead_of_one_not_applied_runs_nothing_anywhere() -> N
         assert [[a.status for a in step] for step in answers] == [["done", "done"]] * 2
         with pytest.raises(RemoteError, match="after must be an int >= 0"):
             await refs[0].endpoint(StageActor.run_step, timeout=10).call({**orders(4)[0].to_wire(), "after": "3"})
+
+
+@pytest.fixture
+async def streamed() -> AsyncIterator[tuple[Runtime, list[StageActor], list[ActorRef]]]:
+    async with open_runtime() as runtime:
+        actors = [StageActor(**stage_config(rank, transport="stream").to_wire()) for rank in range(2)]
+        refs = [await runtime.spawn(actor, f"stage{rank}") for rank, actor in enumerate(actors)]
+        for ref in refs:
+            await ref.endpoint(StageActor.connect, timeout=10).call([r.to_wire() for r in refs])
+        yield runtime, actors, refs
+
+
+async def test_values_on_streams_train_as_actor_messages_do(
+        stages: tuple[Runtime, list[StageActor], list[ActorRef]],
+        streamed: tuple[Runtime, list[StageActor], list[ActorRef]]) -> None:
+    _, actors, refs = streamed
+    for step in range(3):
+        plain, _ = await run(stages[2], step)
+        reports, _ = await run(refs, step)
+        assert [r.losses for r in reports] == [r.losses for r in plain]
+    # Even in one runtime a streamed value crosses a socket: its bytes are counted, and each
+    # stage keeps one session per neighbour it sends to.
+    assert reports[0].bytes_sent["F 0->1"] > 8 * MODEL_KWARGS["dim"] * 4 > 0
+    assert reports[1].bytes_sent["B 1->0"] > 0
+    assert all(a._streams is not None and len(a._streams.server._sessions) == 1 for a in actors)
+    state = await refs[0].endpoint(StageActor.state_dict, timeout=10).call()
+    expected = await stages[2][0].endpoint(StageActor.state_dict, timeout=10).call()
+    assert all(torch.equal(state[k], expected[k]) for k in expected)
+
+
+async def test_connected_again_a_stage_opens_fresh_sessions_and_stopping_closes_them(
+        streamed: tuple[Runtime, list[StageActor], list[ActorRef]]) -> None:
+    runtime, actors, refs = streamed
+    await run(refs, 0)
+    first = actors[0]._streams.links[1]._link  # type: ignore[union-attr]
+    assert first is not None
+    for ref in refs:  # as a recovery connects the stages again
+        await ref.endpoint(StageActor.connect, timeout=10).call([r.to_wire() for r in refs], None, None, 0)
+    reports, _ = await run(refs, 1)
+    assert [r.status for r in reports] == ["done", "done"]
+    assert actors[0]._streams.links[1]._link is not first  # type: ignore[union-attr]
+    assert len(actors[1]._streams.server._sessions) == 1  # type: ignore[union-attr]  # the old one went
+    address = actors[1]._streams.server.address  # type: ignore[union-attr]
+    assert address is not None and address.startswith("ipc://")
+    await runtime.stop_actor(refs[1].name)
+    assert not os.path.exists(address.partition("://")[2])
+
+
+async def test_a_streamed_value_for_no_slot_is_refused_and_counted(
+        streamed: tuple[Runtime, list[StageActor], list[ActorRef]]) -> None:
+    _, actors, refs = streamed
+    refused = actors[1].refused_calls
+    intruder = StreamDeliver(refs[1].endpoint(StageActor.open_stream, timeout=10).call, 0, encrypt=True)
+    await intruder(0, "B", 1, 0, [torch.zeros(1)], 1)
+    await intruder(0, "F", 1, 0, "x", 1)  # type: ignore[arg-type]
+    while actors[1].refused_calls < refused + 2:
+        await asyncio.sleep(0.01)
+    intruder.close()
+    reports, _ = await run(refs, 0)
+    assert [r.status for r in reports] == ["done", "done"]
+
+
+async def test_a_stage_without_streams_opens_none(stages: tuple[Runtime, list[StageActor], list[ActorRef]]) -> None:
+    _, actors, refs = stages
+    with pytest.raises(NotAllowed, match="takes no stream"):
+        await refs[1].endpoint(StageActor.open_stream, timeout=10).call(SessionKey.new().open_message(), 0)
+    assert actors[1]._streams is None

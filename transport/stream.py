@@ -1,0 +1,408 @@
+"""A link the event loop drives itself: sealed messages over a Unix or TCP stream.
+
+An actor message crosses two more threads than the bytes need: libzmq's I/O thread on
+the way out and the receiver's on the way in, each a wake-up that waits for a core on a
+busy machine (``benchmarks.hop``: 134 us a round trip against 37 for a socket each loop
+reads and writes itself; docs/benchmarks.md). A pipeline step crosses each stage
+boundary twice per micro-batch, on its critical path in the fill and the drain, so the
+stages can send their boundary values over a :class:`StreamLink` instead
+(``communication.transport = "stream"``).
+
+Security is the bulk socket's (``transport.sealed``), with the stream's order:
+
+1. The sender draws a :class:`~transport.sealed.SessionKey` and hands its opening to
+   the receiver in an actor call (over CURVE on a secure cluster: only the receiver
+   reads the key; the receiver's gate and the caller's role decide whether it is taken).
+   The receiver answers with its :class:`StreamServer`'s address.
+2. The sender connects and writes messages, each ``[u32 count][u32 size] * count`` (little
+   endian) followed by the ``count`` frames: :meth:`SessionKey.seal`'s frames of the wire
+   message, the head (session id, sequence number, frame count) at the start of the first.
+3. The receiver refuses a count above :data:`MAX_FRAMES` or sizes over its limit before it
+   allocates anything; takes a frame for the first only from a session it opened and not
+   yet bound to another connection, numbered one past the last it took; opens every frame
+   (a bad tag refuses); and decodes the message with the wire's checks
+   (:func:`~transport.wire.decode_message`: nothing is unpickled).
+
+A refusal closes that connection and nothing is ever written back, so a peer without the
+session's key learns nothing. The sender sees a closed connection as
+:class:`StreamBroken` on its next send (the step that sends fails with it); a link is not
+repaired in place: the stage opens a fresh session when it is connected again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import struct
+import tempfile
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from transport._sockets import url_host
+from transport.sealed import HEAD_BYTES, TAG_BYTES, SealRefused, SessionKey, aligned_buffer, byte_view, parse_head
+from transport.wire import DEFAULT_MAX_MESSAGE_BYTES, WireError, decode_message
+
+__all__ = ["MAX_FRAMES", "MAX_SESSIONS", "StreamBroken", "StreamLink", "StreamServer", "stream_bind_address"]
+
+log = logging.getLogger(__name__)
+
+MAX_FRAMES = 4096  # frames of one message (a boundary value has a few per tensor)
+MAX_SESSIONS = 64  # sessions a server keeps; the oldest goes first
+_COUNT = struct.Struct("<I")
+_SCRATCH_BYTES = 1 << 16  # what the loop reads into at once while frames are small
+_DIRECT_BYTES = 1 << 15  # a frame with this much left to come is read straight into its buffer
+_UNIX_PATH_MAX = 107
+
+
+class StreamBroken(ConnectionError):
+    """A stream link's connection closed or could not be opened; the link is done."""
+
+
+def stream_bind_address(runtime_endpoint: str) -> str:
+    """Where a stream server beside a runtime bound at ``runtime_endpoint`` listens: a Unix
+    socket in the same folder for ``ipc://`` (a fresh private folder where that path would
+    be too long), the same host on any port for ``tcp://``."""
+    scheme, _, rest = runtime_endpoint.partition("://")
+    if scheme == "ipc":
+        path = os.path.join(os.path.dirname(rest), f"stream-{os.urandom(4).hex()}")
+        if len(os.fsencode(path)) > _UNIX_PATH_MAX:
+            path = os.path.join(tempfile.mkdtemp(prefix="ap-"), "s")
+        return f"ipc://{path}"
+    host = rest.rpartition(":")[0]
+    return f"tcp://{host}:0"
+
+
+class _Session:
+    __slots__ = ("key", "sender", "last", "bound")
+
+    def __init__(self, key: SessionKey, sender: str) -> None:
+        self.key = key
+        self.sender = sender
+        self.last = 0  # the last sequence number taken
+        self.bound: _Inbound | None = None  # the connection its messages come on, once one has proven it
+
+
+class StreamServer:
+    """Takes sealed messages from the sessions it opened and hands each on, decoded.
+
+    Args:
+        on_message: called with each message's payload, in each session's order; what it
+            raises is logged and counted, the connection goes on.
+        max_bytes: the largest message taken (as the runtime's limit for actor messages).
+        on_refused: told why, each time a connection is refused or a message fails.
+    """
+
+    def __init__(self, on_message: Callable[[Any], None], *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 on_refused: Callable[[str], None] | None = None) -> None:
+        self.on_message = on_message
+        self.max_bytes = max_bytes
+        self.on_refused = on_refused
+        self.address: str | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self._path: str | None = None
+        self._sessions: OrderedDict[bytes, _Session] = OrderedDict()
+        self._connections: set[_Inbound] = set()
+
+    async def start(self, runtime_endpoint: str) -> str:
+        """Listens beside the runtime bound at ``runtime_endpoint`` (see :func:`stream_bind_address`);
+        returns the address senders connect to."""
+        if self.address is not None:
+            return self.address
+        loop = asyncio.get_running_loop()
+        bind = stream_bind_address(runtime_endpoint)
+        scheme, _, rest = bind.partition("://")
+        if scheme == "ipc":
+            self._server = await loop.create_unix_server(lambda: _Inbound(self), rest)
+            self._path = rest
+            self.address = bind
+        else:
+            host = rest.rpartition(":")[0].strip("[]")
+            self._server = await loop.create_server(lambda: _Inbound(self), host, 0)
+            port = self._server.sockets[0].getsockname()[1]
+            self.address = f"tcp://{url_host(host)}:{port}"
+        return self.address
+
+    def open(self, opening: Any, sender: str) -> None:
+        """Opens the session whose opening (:meth:`SessionKey.open_message`) ``sender`` handed over;
+        one session per sender: its earlier one, and that one's connection, go.
+
+        Raises:
+            SealRefused: not an opening this side speaks.
+        """
+        key = SessionKey.from_open_message(opening)
+        for session_id, session in list(self._sessions.items()):
+            if session.sender == sender or session_id == key.session_id:
+                self._drop(session_id)
+        while len(self._sessions) >= MAX_SESSIONS:
+            self._drop(next(iter(self._sessions)))
+        self._sessions[key.session_id] = _Session(key, sender)
+
+    def _drop(self, session_id: bytes) -> None:
+        session = self._sessions.pop(session_id)
+        if session.bound is not None:
+            session.bound.close()
+
+    def claim(self, connection: _Inbound, head: bytes, session_id: bytes, seq: int) -> _Session:
+        """The session a message's head names, if ``connection`` may carry it with number ``seq``.
+
+        Raises:
+            SealRefused: an unknown session, one bound to another connection, or a number
+                other than one past the last taken.
+        """
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise SealRefused("a message of no session this stream server opened")
+        if session.bound is not None and session.bound is not connection:
+            raise SealRefused("a message of a session another connection carries")
+        if seq != session.last + 1:
+            raise SealRefused(f"message {seq} where {session.last + 1} was next")
+        return session
+
+    def refused(self, reason: str) -> None:
+        log.warning("stream server at %s refused a connection: %s", self.address, reason)
+        if self.on_refused is not None:
+            self.on_refused(reason)
+
+    def close(self) -> None:
+        """Stops listening, closes every connection, and removes the socket file."""
+        for connection in list(self._connections):
+            connection.close()
+        self._sessions.clear()
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        if self._path is not None:
+            try:
+                os.unlink(self._path)
+            except FileNotFoundError:
+                pass
+            self._path = None
+        self.address = None
+
+
+class _Inbound(asyncio.BufferedProtocol):
+    """One connection to a :class:`StreamServer`: reads each message's sizes, then its frames,
+    large ones straight into their buffers."""
+
+    def __init__(self, server: StreamServer) -> None:
+        self._server = server
+        self._transport: asyncio.Transport | None = None
+        self._scratch = memoryview(bytearray(_SCRATCH_BYTES))
+        self._prefix = bytearray()
+        self._sizes: tuple[int, ...] | None = None
+        self._frames: list[memoryview] = []
+        self._filled = 0  # bytes of the frame being read
+        self._direct = False  # the last buffer handed out was a frame's own
+        self._session: _Session | None = None  # the session of the message being read
+        self._head = (b"", 0)
+        self._closed = False
+
+    # -- asyncio ----------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]  # uvloop's are not asyncio.Transport's subclasses
+        self._server._connections.add(self)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
+        self._server._connections.discard(self)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._sizes is not None and self._frames:
+            frame = self._frames[-1]
+            if frame.nbytes - self._filled >= _DIRECT_BYTES:
+                self._direct = True
+                return frame[self._filled:]
+        self._direct = False
+        return self._scratch
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._closed:
+            return
+        try:
+            if self._direct:
+                self._filled += nbytes
+                self._frame_filled()
+            else:
+                self._consume(self._scratch[:nbytes])
+        except (SealRefused, WireError) as exc:
+            self._refuse(str(exc))
+
+    def close(self) -> None:
+        if not self._closed and self._transport is not None:
+            self._closed = True
+            self._transport.abort()
+
+    # -- reading a message ------------------------------------------------------------
+
+    def _consume(self, data: memoryview) -> None:
+        at, end = 0, data.nbytes
+        while at < end and not self._closed:
+            if self._sizes is None:
+                at = self._read_prefix(data, at)
+                continue
+            frame = self._frames[-1]
+            take = min(frame.nbytes - self._filled, end - at)
+            frame[self._filled:self._filled + take] = data[at:at + take]
+            self._filled += take
+            at += take
+            self._frame_filled()
+
+    def _read_prefix(self, data: memoryview, at: int) -> int:
+        prefix = self._prefix
+        need = _COUNT.size if len(prefix) < _COUNT.size else _COUNT.size * (1 + _COUNT.unpack_from(prefix)[0])
+        take = min(need - len(prefix), data.nbytes - at)
+        prefix += data[at:at + take]
+        at += take
+        if len(prefix) == _COUNT.size:
+            count = _COUNT.unpack_from(prefix)[0]
+            if not 1 <= count <= MAX_FRAMES:
+                raise SealRefused(f"a message of {count} frames (1 to {MAX_FRAMES} are taken)")
+        elif len(prefix) == need:
+            sizes = struct.unpack_from(f"<{len(prefix) // 4 - 1}I", prefix, _COUNT.size)
+            limit = self._server.max_bytes + HEAD_BYTES + TAG_BYTES * (len(sizes) + 1)
+            if sum(sizes) > limit or sizes[0] < HEAD_BYTES:
+                raise SealRefused(f"a message of {sum(sizes)} bytes in {len(sizes)} frames, over the limit of "
+                                  f"{limit} or with no head")
+            self._sizes = sizes
+            self._prefix = bytearray()
+            self._next_frame()
+            self._frame_filled()
+        return at
+
+    def _next_frame(self) -> None:
+        """Allocates the next frame's buffer: only once the ones before it are in and the first
+        is checked (see :meth:`_frame_filled`)."""
+        assert self._sizes is not None
+        size = self._sizes[len(self._frames)]
+        self._frames.append(aligned_buffer(size) if size >= _DIRECT_BYTES else memoryview(bytearray(size)))
+        self._filled = 0
+
+    def _frame_filled(self) -> None:
+        """Moves on from each frame that is in: checks the first's head, allocates the next, and
+        takes the message once its last is in."""
+        sizes = self._sizes
+        assert sizes is not None
+        while self._filled == self._frames[-1].nbytes:
+            if len(self._frames) == 1:  # the first: its head says whether the rest is worth reading
+                head, session_id, seq, _ = parse_head(self._frames[0])
+                self._session = self._server.claim(self, head, session_id, seq)
+                self._head = (head, seq)
+            if len(self._frames) == len(sizes):
+                frames, self._frames, self._sizes = self._frames, [], None
+                self._take(frames)
+                return
+            self._next_frame()
+
+    def _take(self, frames: list[memoryview]) -> None:
+        session, (head, seq) = self._session, self._head
+        assert session is not None
+        self._session = None
+        opened = session.key.unseal(head, seq, [frames[0][HEAD_BYTES:], *frames[1:]], session.sender)
+        session.bound = self  # the key proved it: this connection carries the session from now on
+        session.last = seq
+        payload = decode_message(opened, max_bytes=self._server.max_bytes)
+        try:
+            self._server.on_message(payload)
+        except Exception as exc:  # the receiver's own refusal of a value: counted there, the link goes on
+            log.debug("stream server at %s: a message was not taken: %s", self._server.address, exc)
+
+    def _refuse(self, reason: str) -> None:
+        self._server.refused(reason)
+        self.close()
+
+
+class _Outbound(asyncio.Protocol):
+    """The sending end's protocol: notices a closed connection and a full socket."""
+
+    def __init__(self) -> None:
+        self.broken: str | None = None
+        self.drained: asyncio.Future[None] | None = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.broken = f"the connection closed ({exc})" if exc is not None else "the receiver closed the connection"
+        self._wake()
+
+    def data_received(self, data: bytes) -> None:
+        pass  # a stream server never writes: whatever comes is not ours to read
+
+    def pause_writing(self) -> None:
+        if self.drained is None:
+            self.drained = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        self._wake()
+
+    def _wake(self) -> None:
+        drained, self.drained = self.drained, None
+        if drained is not None and not drained.done():
+            drained.set_result(None)
+
+
+class StreamLink:
+    """One sender's link to one :class:`StreamServer`: sends messages sealed under ``key``.
+
+    Made by :meth:`connect` once the receiver opened the session (step 1 of the module's
+    protocol). :meth:`send` returns once the kernel holds every byte, so the caller may
+    reuse its buffers.
+    """
+
+    def __init__(self, key: SessionKey, transport: asyncio.Transport, protocol: _Outbound, address: str) -> None:
+        self.key = key
+        self.address = address
+        self._transport = transport
+        self._protocol = protocol
+        self._seq = 0
+        transport.set_write_buffer_limits(high=0)  # told at once whenever the kernel did not take everything
+
+    @classmethod
+    async def connect(cls, address: str, key: SessionKey) -> StreamLink:
+        """Connects to the stream server at ``address``.
+
+        Raises:
+            StreamBroken: it cannot be reached.
+            ValueError: not an ``ipc://`` or ``tcp://`` address.
+        """
+        loop = asyncio.get_running_loop()
+        scheme, _, rest = address.partition("://")
+        try:
+            if scheme == "ipc":
+                transport, protocol = await loop.create_unix_connection(_Outbound, rest)
+            elif scheme == "tcp":
+                host, _, port = rest.rpartition(":")
+                transport, protocol = await loop.create_connection(_Outbound, host.strip("[]"), int(port))
+                transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            else:
+                raise ValueError(f"a stream address is ipc://PATH or tcp://HOST:PORT, not {address[:80]!r}")
+        except OSError as exc:
+            raise StreamBroken(f"cannot reach the stream server at {address}: {exc}") from None
+        return cls(key, transport, protocol, address)
+
+    async def send(self, frames: list[Any]) -> int:
+        """Sends one wire message (:func:`~transport.wire.encode_message`'s frames); returns the bytes
+        written.
+
+        Raises:
+            StreamBroken: the connection is closed (the receiver refused a message, or is gone).
+        """
+        protocol = self._protocol
+        if protocol.broken is not None or self._transport.is_closing():
+            raise StreamBroken(f"the stream link to {self.address} is closed: {protocol.broken or 'closed here'}")
+        self._seq += 1
+        sealed = [byte_view(frame) for frame in self.key.seal(self._seq, frames)]
+        prefix = struct.pack(f"<I{len(sealed)}I", len(sealed), *(view.nbytes for view in sealed))
+        self._transport.writelines([prefix, *sealed])
+        while protocol.drained is not None and protocol.broken is None:
+            await asyncio.shield(protocol.drained)
+        if protocol.broken is not None:
+            raise StreamBroken(f"the stream link to {self.address} closed while sending: {protocol.broken}")
+        return len(prefix) + sum(view.nbytes for view in sealed)
+
+    def close(self) -> None:
+        self._transport.close()
