@@ -125,6 +125,11 @@ class Runtime:
         """The largest message this runtime takes."""
         return self._max_message_bytes
 
+    @property
+    def encrypts(self) -> bool:
+        """Whether what it seals is encrypted: keys, and encryption not turned off (``bulk="authenticate"``)."""
+        return self.keys is not None and self._bulk != "authenticate"
+
     # -- tasks ---------------------------------------------------------------------
 
     def spawn_task(self, coro: Coroutine[Any, Any, Any], *, name: str | None = None,

@@ -73,7 +73,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks._torch_pipelining import TorchPeer, Workload, build_model, reference_batch
-from benchmarks.pipeline import ActorpipePeer, split_steps
+from benchmarks.pipeline import DEFAULT_TRANSPORT, ActorpipePeer, split_steps
 from stages.sections import TRANSPORTS
 from transport.loop import run
 
@@ -234,7 +234,7 @@ def model_compute_s(micro_batches: int, *, repeats: int = 7) -> float:
 
 
 async def measure_stages(num_stages: int, micro_batch_counts: list[int], state_dir: str, *, warmup: int,
-                         steps: int, rounds: int, max_step_s: float, transport: str = "zmq"
+                         steps: int, rounds: int, max_step_s: float, transport: str = DEFAULT_TRANSPORT
                          ) -> tuple[list[ConfigResult], list[str]]:
     """Every micro-batch count at ``num_stages``, on one actorpipe cluster and one torch peer.
 
@@ -365,7 +365,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per peer and configuration")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per peer and configuration first")
     parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds the timed steps are split into")
-    parser.add_argument("--transport", choices=TRANSPORTS, default="zmq",
+    parser.add_argument("--transport", choices=TRANSPORTS, default=DEFAULT_TRANSPORT,
                         help="how actorpipe's stages send their boundary values (communication.transport)")
     parser.add_argument("--max-step-s", type=float, default=2.0,
                         help="skip larger micro-batch counts at a stage count once a step took longer")

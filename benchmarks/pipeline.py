@@ -14,7 +14,8 @@ Peers, all measured in one run on the reference workload (docs/design.md):
   a group, which its peers' jobs share: each job's stages are processes of its own), schedules ``1f1b``, ``gpipe``,
   ``interleaved`` (2 virtual stages), ``zero_bubble``, and the V-shaped ``zbv`` and
   ``dualpipev`` (two model stages per rank, as torch's); at 2 stages also 1F1B over
-  torch.distributed (``dist_vs_zmq``) and 1F1B with plain autograd and glibc's default
+  torch.distributed (``dist_vs_stream``), as ZeroMQ actor messages instead of the default
+  stream (``stream_vs_zmq``), and 1F1B with plain autograd and glibc's default
   allocator (``defaults_vs_plain``: what ``gradient_accumulation_fusion`` and
   ``keep_freed_memory`` buy). Each job's first and last stages read the batch where they
   compute, from a data factory (:func:`reference_data`), as torch's ranks and the
@@ -82,7 +83,10 @@ from benchmarks._torch_pipelining import (
     Workload,
     reference_batch,
 )
+from stages.sections import Communication
 from transport.loop import run
+
+DEFAULT_TRANSPORT: str = Communication().transport  # what a job uses unless told
 
 BATCH_SIZE = BATCH_SHAPE[0]
 ACTORPIPE_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zero_bubble", "zbv", "dualpipev")
@@ -164,7 +168,7 @@ class ActorpipePeer:
         *,
         num_stages: int,
         schedule: str,
-        transport: str = "zmq",
+        transport: str = DEFAULT_TRANSPORT,
         tensor_parallel: int = 1,
         data_parallel: int = 1,
         micro_batches: int = NUM_MICROBATCHES,
@@ -177,7 +181,7 @@ class ActorpipePeer:
         self.data_on_stages = data_on_stages  # the stages read the batch (reference_data), else the driver sends it
         self.options = dict(options or {})  # more cluster.train arguments
         self.tensor_parallel, self.data_parallel, self.micro_batches = tensor_parallel, data_parallel, micro_batches
-        suffix = "" if transport == "zmq" else f"_{transport}"
+        suffix = "" if transport == DEFAULT_TRANSPORT else f"_{transport}"
         self.name = name or f"actorpipe_{schedule}_{num_stages}stages{suffix}"
         self.workload = workload
         self.inputs, self.targets = reference_batch(workload)
@@ -309,8 +313,11 @@ def make_groups(args: argparse.Namespace, state_dir: str) -> list[list[Peer]]:
                                            options={"torch_compile": {"backend": args.compile_backend}},
                                            workload=workload, data_on_stages=True))
         if not args.skip_actorpipe and not args.skip_variants and num_stages == 2:
-            # Stage-to-stage tensors over torch.distributed (gloo) instead of ZeroMQ.
+            # Stage-to-stage tensors over torch.distributed (gloo) instead of the stream...
             peers.append(ActorpipePeer(num_stages=2, schedule="1f1b", transport="dist", workload=workload,
+                                       data_on_stages=True))
+            # ... and as actor messages through ZeroMQ's I/O threads, the default before the stream.
+            peers.append(ActorpipePeer(num_stages=2, schedule="1f1b", transport="zmq", workload=workload,
                                        data_on_stages=True))
             # W batching: each weight's gradient one GEMM over all micro-batches, at the step's tail.
             for schedule in ("1f1b", "zero_bubble"):
@@ -510,8 +517,10 @@ def summarize(results: list[PeerResult], stage_counts: list[int]) -> dict[str, A
         for name, result in best.items():
             summary[f"{name}_best_{num_stages}stages"] = None if result is None else \
                 result.schedule + (" +wbatch" if result.name.endswith("_wbatch") else "")
-    summary["dist_vs_zmq_1f1b_2stages"] = ratio(by_name.get("actorpipe_1f1b_2stages_dist"),
-                                                by_name.get("actorpipe_1f1b_2stages"))
+    summary["dist_vs_stream_1f1b_2stages"] = ratio(by_name.get("actorpipe_1f1b_2stages_dist"),
+                                                   by_name.get("actorpipe_1f1b_2stages"))
+    summary["stream_vs_zmq_1f1b_2stages"] = ratio(by_name.get("actorpipe_1f1b_2stages"),
+                                                  by_name.get("actorpipe_1f1b_2stages_zmq"))
     for name in ("actorpipe", "torch"):
         summary[f"{name}_1f1b_vs_compute_only_2stages"] = ratio(by_name.get(f"{name}_1f1b_2stages"),
                                                                 by_name.get(f"{COMPUTE_ONLY}_2stages"))

@@ -151,9 +151,9 @@ class JobSpec:
                              "or data='pkg.mod:factory'")
         self.edge_codecs("activation_codec")
         self.edge_codecs("gradient_codec")
-        if self.fault_tolerance.max_restarts and (p.tensor_parallel > 1 or c.transport != "zmq"):
+        if self.fault_tolerance.max_restarts and (p.tensor_parallel > 1 or c.transport == "dist"):
             raise ValueError("fault_tolerance.max_restarts recovers pipeline- and data-parallel jobs over "
-                             "transport='zmq'; tensor-parallel layers and transport='dist' hold process groups that "
+                             "transport='stream' or 'zmq'; tensor-parallel layers and transport='dist' hold process groups that "
                              "recovery does not form again yet: leave max_restarts at 0")
         compiled = self.runtime.torch_compile
         if isinstance(compiled, dict) and compiled.get("fullgraph") and p.tensor_parallel > 1:

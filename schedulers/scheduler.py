@@ -66,7 +66,7 @@ log = logging.getLogger(__name__)
 def _needs_communicator(spec: JobSpec) -> bool:
     """Whether the job's ranks form a torch.distributed group (tensor or data parallel, or the dist transport)."""
     p = spec.parallelism
-    return p.tensor_parallel > 1 or p.data_parallel > 1 or spec.communication.transport != "zmq"
+    return p.tensor_parallel > 1 or p.data_parallel > 1 or spec.communication.transport == "dist"
 
 
 async def partition(runtime: Host, spec: JobSpec, node: NodeInfo, limits: Limits,

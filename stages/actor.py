@@ -327,7 +327,7 @@ class StageActor(StateEndpoints, Actor):
         delivers: Sequence[DeliverTell] = [ref.endpoint(StageActor.deliver).tell for ref in self.peers]
         if self.config.communication.transport == "stream":
             delivers = self._stream_ends().connect([ref.endpoint(StageActor.open_stream).call for ref in self.peers],
-                                                   self.config.pipeline_rank, encrypt=self.runtime.keys is not None)
+                                                   self.config.pipeline_rank, encrypt=self.runtime.encrypts)
         self._peer_endpoints[:] = [PeerEndpoints(deliver=deliver, deliver_header=ref.endpoint(StageActor.deliver_header).tell)
                                    for deliver, ref in zip(delivers, self.peers)]
         self._peer_identities = frozenset(i for i in identities or () if i)

@@ -344,8 +344,8 @@ class Communication(_Section):
     """keep each gradient boundary's quantization residual per micro-batch slot and add it to that slot's next gradient"""
     measure_codec_error: bool = True
     """decode what was sent and report its error (costs one decode per lossy send)"""
-    transport: TransportName = "zmq"
-    """stage-to-stage tensors as actor messages over ZeroMQ (`zmq`), as sealed messages on a Unix or TCP stream each stage's event loop reads and writes itself (`stream`: no ZeroMQ I/O thread on the path), or by `torch.distributed` point-to-point (`dist`)"""
+    transport: TransportName = "stream"
+    """stage-to-stage tensors as sealed messages on a Unix or TCP stream that each stage's event loop reads and writes itself (`stream`: no ZeroMQ I/O thread on the path), as actor messages over ZeroMQ (`zmq`), or by `torch.distributed` point-to-point (`dist`)"""
     reduce_codec: CodecName = "none"
     """codec for the data-parallel gradient reduction; `none` is an exact all-reduce"""
     bucket_bytes: int = 25 << 20

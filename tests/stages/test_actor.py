@@ -35,8 +35,8 @@ pytestmark = pytest.mark.timeout(60)
 
 @pytest.fixture
 async def stages() -> AsyncIterator[tuple[Runtime, list[StageActor], list[ActorRef]]]:
-    async with open_runtime() as runtime:
-        actors = [StageActor(**stage_config(rank).to_wire()) for rank in range(2)]
+    async with open_runtime() as runtime:  # values as actor messages; `streamed` below: on streams
+        actors = [StageActor(**stage_config(rank, transport="zmq").to_wire()) for rank in range(2)]
         refs = [await runtime.spawn(actor, f"stage{rank}") for rank, actor in enumerate(actors)]
         for ref in refs:
             await ref.endpoint(StageActor.connect, timeout=10).call([r.to_wire() for r in refs])
