@@ -45,12 +45,13 @@ from transport._sockets import url_host
 from transport.sealed import HEAD_BYTES, TAG_BYTES, SealRefused, SessionKey, aligned_buffer, byte_view, parse_head
 from transport.wire import DEFAULT_MAX_MESSAGE_BYTES, WireError, decode_message
 
-__all__ = ["MAX_FRAMES", "MAX_SESSIONS", "StreamBroken", "StreamLink", "StreamServer", "stream_bind_address"]
+__all__ = ["MAX_FRAMES", "MAX_SESSIONS", "QUEUED_MAX_BYTES", "StreamBroken", "StreamLink", "StreamServer", "stream_bind_address"]
 
 log = logging.getLogger(__name__)
 
 MAX_FRAMES = 4096  # frames of one message (a boundary value has a few per tensor)
 MAX_SESSIONS = 64  # sessions a server keeps; the oldest goes first
+QUEUED_MAX_BYTES = 64 << 20  # sealed bytes a link queues before a send waits for the kernel to take them
 _COUNT = struct.Struct("<I")
 _SCRATCH_BYTES = 1 << 16  # what the loop reads into at once while frames are small
 _DIRECT_BYTES = 1 << 15  # a frame with this much left to come is read straight into its buffer
@@ -349,8 +350,11 @@ class StreamLink:
     """One sender's link to one :class:`StreamServer`: sends messages sealed under ``key``.
 
     Made by :meth:`connect` once the receiver opened the session (step 1 of the module's
-    protocol). :meth:`send` returns once the kernel holds every byte, so the caller may
-    reuse its buffers.
+    protocol). Encrypted, what is written is the sealed copy, so :meth:`send` returns as
+    soon as it is queued (the loop writes the rest while the stage computes, as libzmq's
+    I/O thread would) unless :data:`QUEUED_MAX_BYTES` wait already; authenticated only,
+    the frames are the caller's own buffers, and it returns once the kernel holds every
+    byte, so the caller may reuse them.
     """
 
     def __init__(self, key: SessionKey, transport: asyncio.Transport, protocol: _Outbound, address: str) -> None:
@@ -359,7 +363,8 @@ class StreamLink:
         self._transport = transport
         self._protocol = protocol
         self._seq = 0
-        transport.set_write_buffer_limits(high=0)  # told at once whenever the kernel did not take everything
+        # pause_writing (see _Outbound) comes once more than this waits in the transport
+        transport.set_write_buffer_limits(high=QUEUED_MAX_BYTES if key.encrypt else 0)
 
     @classmethod
     async def connect(cls, address: str, key: SessionKey) -> StreamLink:
@@ -386,7 +391,7 @@ class StreamLink:
 
     async def send(self, frames: list[Any]) -> int:
         """Sends one wire message (:func:`~transport.wire.encode_message`'s frames); returns the bytes
-        written.
+        put on the wire.
 
         Raises:
             StreamBroken: the connection is closed (the receiver refused a message, or is gone).

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import struct
 from collections.abc import AsyncIterator
 from typing import Any
@@ -207,3 +208,29 @@ def test_bind_address_stays_beside_the_runtime() -> None:
     assert len(path) <= 107
     os.unlink(path) if os.path.exists(path) else None
     os.rmdir(os.path.dirname(path))
+
+
+@pytest.mark.parametrize("encrypt", [True, False])
+async def test_an_encrypted_send_is_queued_and_a_clear_one_waits_for_the_kernel(tmp_path: Any, encrypt: bool) -> None:
+    """Encrypted, the bytes written are the seal's own copy: the send returns with them queued and
+    the stage computes on. In the clear they are the caller's tensors: it returns once the kernel
+    took them all, so the caller may reuse them."""
+    path = f"{tmp_path}/held"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # accepts nothing, reads nothing until told
+    listener.bind(path)
+    listener.listen(1)
+    listener.setblocking(False)
+    link = await StreamLink.connect(f"ipc://{path}", SessionKey.new(encrypt=encrypt))
+    value = torch.ones(2 << 20)  # 8 MiB: more than a socket's buffers hold
+    sending = asyncio.ensure_future(link.send(encode_message([value])))
+    await asyncio.sleep(0.05)
+    assert sending.done() is encrypt  # in the clear it can only end once the peer reads
+    loop = asyncio.get_running_loop()
+    peer, _ = await loop.sock_accept(listener)
+    received = 0
+    while not sending.done() or received < 8 << 20:
+        received += len(await loop.sock_recv(peer, 1 << 20))
+    assert await sending > value.numel() * 4
+    link.close()
+    peer.close()
+    listener.close()
