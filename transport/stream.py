@@ -32,6 +32,7 @@ repaired in place: the stage opens a fresh session when it is connected again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -62,18 +63,19 @@ class StreamBroken(ConnectionError):
     """A stream link's connection closed or could not be opened; the link is done."""
 
 
-def stream_bind_address(runtime_endpoint: str) -> str:
-    """Where a stream server beside a runtime bound at ``runtime_endpoint`` listens: a Unix
-    socket in the same folder for ``ipc://`` (a fresh private folder where that path would
-    be too long), the same host on any port for ``tcp://``."""
+def stream_bind_address(runtime_endpoint: str) -> tuple[str, str | None]:
+    """Where a stream server beside a runtime bound at ``runtime_endpoint`` listens, and any
+    folder made for it: a Unix socket in the same folder for ``ipc://`` (in a fresh private
+    folder where that path would be too long), the same host on any port for ``tcp://``."""
     scheme, _, rest = runtime_endpoint.partition("://")
     if scheme == "ipc":
         path = os.path.join(os.path.dirname(rest), f"stream-{os.urandom(4).hex()}")
-        if len(os.fsencode(path)) > _UNIX_PATH_MAX:
-            path = os.path.join(tempfile.mkdtemp(prefix="ap-"), "s")
-        return f"ipc://{path}"
+        if len(os.fsencode(path)) <= _UNIX_PATH_MAX:
+            return f"ipc://{path}", None
+        folder = tempfile.mkdtemp(prefix="ap-")
+        return f"ipc://{os.path.join(folder, 's')}", folder
     host = rest.rpartition(":")[0]
-    return f"tcp://{host}:0"
+    return f"tcp://{host}:0", None
 
 
 class _Session:
@@ -104,6 +106,7 @@ class StreamServer:
         self.address: str | None = None
         self._server: asyncio.AbstractServer | None = None
         self._path: str | None = None
+        self._folder: str | None = None  # made for the socket file (see stream_bind_address)
         self._sessions: OrderedDict[bytes, _Session] = OrderedDict()
         self._connections: set[_Inbound] = set()
 
@@ -113,7 +116,7 @@ class StreamServer:
         if self.address is not None:
             return self.address
         loop = asyncio.get_running_loop()
-        bind = stream_bind_address(runtime_endpoint)
+        bind, self._folder = stream_bind_address(runtime_endpoint)
         scheme, _, rest = bind.partition("://")
         if scheme == "ipc":
             self._server = await loop.create_unix_server(lambda: _Inbound(self), rest)
@@ -176,11 +179,13 @@ class StreamServer:
             self._server.close()
             self._server = None
         if self._path is not None:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._path)
-            except FileNotFoundError:
-                pass
             self._path = None
+        if self._folder is not None:
+            with contextlib.suppress(OSError):
+                os.rmdir(self._folder)
+            self._folder = None
         self.address = None
 
 

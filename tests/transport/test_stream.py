@@ -201,13 +201,19 @@ async def test_close_removes_the_socket_file(tmp_path: Any) -> None:
 
 
 def test_bind_address_stays_beside_the_runtime() -> None:
-    assert stream_bind_address("tcp://127.0.0.1:4000") == "tcp://127.0.0.1:0"
-    assert stream_bind_address("tcp://[::1]:4000") == "tcp://[::1]:0"
-    long = "ipc:///" + "d" * 100 + "/sock"
-    path = stream_bind_address(long).partition("://")[2]
-    assert len(path) <= 107
-    os.unlink(path) if os.path.exists(path) else None
-    os.rmdir(os.path.dirname(path))
+    assert stream_bind_address("tcp://127.0.0.1:4000") == ("tcp://127.0.0.1:0", None)
+    assert stream_bind_address("tcp://[::1]:4000") == ("tcp://[::1]:0", None)
+    address, folder = stream_bind_address("ipc:///run/x/sock")
+    assert address.startswith("ipc:///run/x/stream-") and folder is None
+
+
+async def test_a_path_too_long_binds_in_a_folder_of_its_own_that_close_removes() -> None:
+    server = StreamServer(lambda payload: None)
+    address = await server.start("ipc:///" + "d" * 100 + "/sock")
+    path = address.partition("://")[2]
+    assert len(path) <= 107 and os.path.exists(path)
+    server.close()
+    assert not os.path.exists(os.path.dirname(path))
 
 
 @pytest.mark.parametrize("encrypt", [True, False])
