@@ -39,14 +39,14 @@ from stages.build.reads import DataReads
 from stages.build.stage import BuiltStage, build_stage
 from stages.comm import zero
 from stages.comm.boundary import split_batch
-from stages.comm.delivery import DeliverTell, PeerEndpoints, Receiver, Sender, check_codecs
+from stages.comm.delivery import VALUE, VOTE, DeliverTell, PeerEndpoints, Receiver, Sender, StreamPeer, check_codecs
 from stages.comm.device_io import DeviceIO
 from stages.comm.groups import StageGroups
 from stages.comm.parallel import leave_process_groups
 from stages.comm.rendezvous import ActorStore
 from stages.comm.streams import StageStreams
 from stages.compute.executor import ActionFailed, ended_early, Inbox, StepExecutor, StepTrace
-from stages.compute.agreement import Ballot, run_tail, tail_report
+from stages.compute.agreement import Ballot, SendVote, run_tail, tail_report
 from stages.compute.tail import StepTail
 from stages.devices import pin_device
 from stages.program import Action
@@ -324,17 +324,24 @@ class StageActor(StateEndpoints, Actor):
         self._step = max(self._step, step)
         self.peers = [self.runtime.ref(address, name) for address, name in peers]
         # The hot path's endpoints, made once here, not per micro-batch.
-        delivers: Sequence[DeliverTell] = [ref.endpoint(StageActor.deliver).tell for ref in self.peers]
-        if self.config.communication.transport == "stream":
-            delivers = self._stream_ends().connect([ref.endpoint(StageActor.open_stream).call for ref in self.peers],
-                                                   self.config.pipeline_rank, encrypt=self.runtime.encrypts)
+        streams = self._stream_ends() if self.config.communication.transport == "stream" else None
+        if streams is not None:
+            streams.reset(self.config.global_rank, encrypt=self.runtime.encrypts)
+        delivers: list[DeliverTell] = [ref.endpoint(StageActor.deliver).tell if streams is None
+                                       else self._stream_peer(streams, ref).deliver for ref in self.peers]
         self._peer_endpoints[:] = [PeerEndpoints(deliver=deliver, deliver_header=ref.endpoint(StageActor.deliver_header).tell)
                                    for deliver, ref in zip(delivers, self.peers)]
         self._peer_identities = frozenset(i for i in identities or () if i)
         if members is not None:
             refs = [self.runtime.ref(address, name) for address, name in members]
             tallies = [ref.endpoint(StageActor.tally).tell for ref in refs] if self.ballot.through_root else []
-            self.ballot.connect([ref.endpoint(StageActor.vote).tell for ref in refs], tallies)  # no answers awaited
+            votes: list[SendVote] = [ref.endpoint(StageActor.vote).tell if streams is None
+                                     else self._stream_peer(streams, ref).vote for ref in refs]
+            self.ballot.connect(votes, tallies)  # no answers awaited
+
+    @staticmethod
+    def _stream_peer(streams: StageStreams, ref: ActorRef) -> StreamPeer:
+        return streams.peer((ref.address, ref.name), ref.endpoint(StageActor.open_stream).call)
 
     @endpoint(roles=("head",), taskless_start=True)
     async def run_step(self, order: StepOrder | dict[str, Any]) -> StageReport:
@@ -389,11 +396,14 @@ class StageActor(StateEndpoints, Actor):
         """Stage actor ``rank``'s vote on step ``step``'s decision (see :mod:`stages.compute.agreement`).
         NotAllowed: not a member's key, not this step or the next, a rank outside the mesh, a second vote."""
         with self._refusing():
-            try:
-                checked = vote if isinstance(vote, TailVote) else TailVote.from_wire(vote)
-            except ValueError as exc:
-                raise NotAllowed(f"not a vote: {exc}") from None
-            self.ballot.receive(self._step, step, rank, checked)
+            self._take_vote(step, rank, vote)
+
+    def _take_vote(self, step: int, rank: int, vote: TailVote | dict[str, Any]) -> None:
+        try:
+            checked = vote if isinstance(vote, TailVote) else TailVote.from_wire(vote)
+        except ValueError as exc:
+            raise NotAllowed(f"not a vote: {exc}") from None
+        self.ballot.receive(self._step, step, rank, checked)
 
     @endpoint(concurrent=True, roles=("node",), taskless_start=True)
     async def tally(self, step: int, votes: list[Any]) -> None:
@@ -454,8 +464,8 @@ class StageActor(StateEndpoints, Actor):
 
     @endpoint(concurrent=True, roles=("node",))
     async def open_stream(self, opening: bytes, rank: int) -> str:
-        """Pipeline rank ``rank``'s session for its values over a stream (``transport="stream"``,
-        stages.comm.streams): answers where the stream server listens.
+        """Stage actor ``rank``'s (global rank) session for its values and votes over a stream
+        (``transport="stream"``, stages.comm.streams): answers where the stream server listens.
         NotAllowed: not a stage of this job, or the job sends its values otherwise."""
         with self._refusing():
             if self.config.communication.transport != "stream" or isinstance(rank, bool) or not isinstance(rank, int):
@@ -470,12 +480,18 @@ class StageActor(StateEndpoints, Actor):
         return self._streams
 
     def _take_streamed(self, message: Any) -> None:
-        """A value a neighbour's stream link brought: taken as :meth:`deliver` takes one."""
-        parts = self._parts()
+        """A message another stage's stream link brought: a value, taken as :meth:`deliver` takes one,
+        or a vote, as :meth:`vote` takes one."""
         try:
-            if not isinstance(message, list) or len(message) != 6:
-                raise NotAllowed("a streamed value is [step, kind, stage, micro-batch, leaves, spec]")
-            parts.receiver.deliver(self._step, parts.executor.num_microbatches, *message)
+            kind = message[0] if isinstance(message, list) and message else None
+            if kind == VALUE and len(message) == 7:
+                parts = self._parts()
+                parts.receiver.deliver(self._step, parts.executor.num_microbatches, *message[1:])
+            elif kind == VOTE and len(message) == 4:
+                self._take_vote(*message[1:])
+            else:
+                raise NotAllowed(f"a streamed message is [{VALUE!r}, step, kind, stage, micro-batch, leaves, spec] "
+                                 f"or [{VOTE!r}, step, rank, vote]")
         except NotAllowed:
             self.refused_calls += 1
             raise

@@ -10,7 +10,7 @@ it in the executor's inbox (with the link: posts the matching receive first).
 Neither knows the actor: the neighbours' endpoints come in as typed callables
 (:class:`PeerEndpoints`, made once at connect), and a refusal is a
 :class:`~actors._errors.NotAllowed` the actor counts. With ``transport="stream"`` a
-neighbour's ``deliver`` is a :class:`StreamDeliver`: the same message, written by this
+neighbour's ``deliver`` is a :class:`StreamPeer`'s: the same message, written by this
 loop to a sealed stream the neighbour's loop reads (``transport.stream``), not an actor
 message through ZeroMQ's I/O threads.
 """
@@ -38,16 +38,16 @@ from transport.sealed import SessionKey
 from transport.stream import StreamBroken, StreamLink
 from transport.wire import encode_message
 
-__all__ = ["Compute", "DeliverHeaderTell", "DeliverTell", "PeerEndpoints", "Receiver", "Sender", "StreamDeliver",
-           "check_codecs"]
+__all__ = ["VALUE", "VOTE", "Compute", "DeliverHeaderTell", "DeliverTell", "PeerEndpoints", "Receiver", "Sender",
+           "StreamPeer", "check_codecs"]
 
 Key = tuple[int, str, int, int]  # step, kind ("F" or "B"), stage, micro-batch
 Compute = Callable[..., Awaitable[Any]]  # runs fn(*args) on the stage's compute thread
 # A neighbour's deliver / deliver_header endpoint, sent without waiting; returns the bytes sent.
 DeliverTell = Callable[[int, str, int, int, list[torch.Tensor], Any], Awaitable[int]]
 DeliverHeaderTell = Callable[[int, str, int, int, dict[str, Any]], Awaitable[int]]
-# A neighbour's open_stream endpoint: takes a session's opening and this stage's pipeline rank, answers
-# where its stream server listens.
+# Another stage actor's open_stream endpoint: takes a session's opening and this stage actor's global
+# rank, answers where its stream server listens.
 OpenStream = Callable[[bytes, int], Awaitable[str]]
 
 
@@ -59,17 +59,21 @@ class PeerEndpoints:
     deliver_header: DeliverHeaderTell
 
 
-class StreamDeliver:
-    """A neighbour's ``deliver`` over a :class:`~transport.stream.StreamLink` (``transport="stream"``).
+VALUE, VOTE = "value", "vote"  # what a streamed message is: its first item
 
-    The link opens at the first send: a fresh session key goes to the neighbour in an actor
+
+class StreamPeer:
+    """Another stage actor of the job, reached over a :class:`~transport.stream.StreamLink`
+    (``transport="stream"``): its ``deliver`` for this stage's values, its ``vote`` for the tail's.
+
+    The link opens at the first message: a fresh session key goes to the member in an actor
     call (its ``open_stream``, over CURVE on a secure cluster), which answers where to
     connect. A closed link fails the send with :class:`~transport.stream.StreamBroken`; the
     stage makes new ones when it is connected again.
 
     Args:
-        open_stream: the neighbour's ``open_stream`` endpoint.
-        rank: this (sending) stage's pipeline rank: the neighbour keeps one session per sender.
+        open_stream: the member's ``open_stream`` endpoint.
+        rank: this (sending) stage actor's global rank: a member keeps one session per sender.
         encrypt: seal with AES-GCM (a secure cluster), else only authenticate (GMAC).
     """
 
@@ -81,10 +85,18 @@ class StreamDeliver:
         self._opening = asyncio.Lock()
         self._closed = False
 
-    async def __call__(self, step: int, kind: str, stage: int, microbatch: int, leaves: list[torch.Tensor],
-                       spec: Any) -> int:
+    async def deliver(self, step: int, kind: str, stage: int, microbatch: int, leaves: list[torch.Tensor],
+                      spec: Any) -> int:
+        """A :data:`DeliverTell`: one boundary value for the member's ``stage``."""
+        return await self.send([VALUE, step, kind, stage, microbatch, leaves, spec])
+
+    async def vote(self, step: int, rank: int, vote: Any) -> int:
+        """A :data:`~stages.compute.agreement.SendVote`: stage actor ``rank``'s vote on ``step``."""
+        return await self.send([VOTE, step, rank, vote])
+
+    async def send(self, message: list[Any]) -> int:
         link = self._link if self._link is not None else await self._open()
-        return await link.send(encode_message([step, kind, stage, microbatch, leaves, spec]))
+        return await link.send(encode_message(message))
 
     async def _open(self) -> StreamLink:
         async with self._opening:

@@ -1,18 +1,19 @@
 """A stage's ends of its stream links (``communication.transport = "stream"``).
 
-The server takes the neighbours' values (each neighbour opens its own session through the
-stage's ``open_stream`` endpoint); the links carry this stage's values to theirs, one
-:class:`~stages.comm.delivery.StreamDeliver` per pipeline rank, made afresh each time the
-stage is connected (a recovery's links start from new sessions). Protocol and security:
-``transport.stream``.
+The server takes the other stage actors' messages (each opens its own session through
+the stage's ``open_stream`` endpoint): their values and their votes on the step's tail.
+The links carry this stage's to theirs, one :class:`~stages.comm.delivery.StreamPeer`
+per stage actor it sends to (a pipeline neighbour, a member of the job's ballot, or
+both), made afresh each time the stage is connected (a recovery's links start from new
+sessions). Protocol and security: ``transport.stream``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable
 from typing import Any
 
-from stages.comm.delivery import OpenStream, StreamDeliver
+from stages.comm.delivery import OpenStream, StreamPeer
 from transport.stream import StreamServer
 from transport.wire import DEFAULT_MAX_MESSAGE_BYTES
 
@@ -21,21 +22,29 @@ __all__ = ["StageStreams"]
 
 class StageStreams:
     """Args:
-        take: called with each value message a neighbour's link brings (see
-            :meth:`stages.comm.delivery.Receiver.deliver`); what it raises is counted there.
+        take: called with each message another stage's link brings (a value or a vote: see
+            :class:`~stages.comm.delivery.StreamPeer`); what it raises is counted there.
         max_bytes: the largest message the server takes.
     """
 
     def __init__(self, take: Callable[[Any], None], *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
         self.server = StreamServer(take, max_bytes=max_bytes)
-        self.links: list[StreamDeliver] = []
+        self.links: dict[Hashable, StreamPeer] = {}
+        self._rank = -1
+        self._encrypt = True
 
-    def connect(self, open_streams: Sequence[OpenStream], rank: int, *, encrypt: bool) -> list[StreamDeliver]:
-        """The deliver endpoints of the pipeline ranks whose ``open_stream`` endpoints are
-        ``open_streams`` (by rank), for pipeline rank ``rank``; the links made before are closed."""
+    def reset(self, rank: int, *, encrypt: bool) -> None:
+        """Closes every link: the stage, global rank ``rank``, is connected afresh."""
         self.close_links()
-        self.links = [StreamDeliver(open_stream, rank, encrypt=encrypt) for open_stream in open_streams]
-        return self.links
+        self._rank, self._encrypt = rank, encrypt
+
+    def peer(self, key: Hashable, open_stream: OpenStream) -> StreamPeer:
+        """The stage actor ``key`` names (one link each, whatever it is sent), whose ``open_stream``
+        endpoint is ``open_stream``."""
+        peer = self.links.get(key)
+        if peer is None:
+            peer = self.links[key] = StreamPeer(open_stream, self._rank, encrypt=self._encrypt)
+        return peer
 
     async def open(self, runtime_endpoint: str, opening: Any, sender: str) -> str:
         """Opens ``sender``'s session on the server (started beside ``runtime_endpoint`` at the first);
@@ -45,9 +54,9 @@ class StageStreams:
         return address
 
     def close_links(self) -> None:
-        for link in self.links:
+        for link in self.links.values():
             link.close()
-        self.links = []
+        self.links = {}
 
     def close(self) -> None:
         self.close_links()

@@ -37,7 +37,7 @@ from stages.records import ReduceReport, StageReport, StepOrder, TailVote
 from stages.compute.executor import StepExecutor, ended_early
 from stages.compute.tail import StepDecision, StepTail, decide_step
 
-__all__ = ["ALL_TO_ALL_MAX", "ROOT", "Ballot", "TailFailed", "decide_votes", "run_tail", "tail_report", "vote_of"]
+__all__ = ["ALL_TO_ALL_MAX", "ROOT", "Ballot", "SendVote", "TailFailed", "decide_votes", "run_tail", "tail_report", "vote_of"]
 
 SendVote = Callable[[int, int, TailVote], Awaitable[object]]
 SendTally = Callable[[int, list[TailVote]], Awaitable[object]]

@@ -24,7 +24,7 @@ from actors._ref import ActorRef
 from actors._runtime import Runtime, open_runtime
 from schedulers.schedules import build_schedule
 from stages.actor import StageActor
-from stages.comm.delivery import StreamDeliver
+from stages.comm.delivery import StreamPeer
 from stages.compute.tail import decide_step
 from stages.records import FinishReport, ReduceReport, StageReport, StepOrder
 from tests.stages.stage_parts import MODEL_KWARGS, stage_config
@@ -360,13 +360,14 @@ async def test_connected_again_a_stage_opens_fresh_sessions_and_stopping_closes_
         streamed: tuple[Runtime, list[StageActor], list[ActorRef]]) -> None:
     runtime, actors, refs = streamed
     await run(refs, 0)
-    first = actors[0]._streams.links[1]._link  # type: ignore[union-attr]
+    key = (refs[1].address, refs[1].name)
+    first = actors[0]._streams.links[key]._link  # type: ignore[union-attr]
     assert first is not None
     for ref in refs:  # as a recovery connects the stages again
         await ref.endpoint(StageActor.connect, timeout=10).call([r.to_wire() for r in refs], None, None, 0)
     reports, _ = await run(refs, 1)
     assert [r.status for r in reports] == ["done", "done"]
-    assert actors[0]._streams.links[1]._link is not first  # type: ignore[union-attr]
+    assert actors[0]._streams.links[key]._link is not first  # type: ignore[union-attr]
     assert len(actors[1]._streams.server._sessions) == 1  # type: ignore[union-attr]  # the old one went
     address = actors[1]._streams.server.address  # type: ignore[union-attr]
     assert address is not None and address.startswith("ipc://")
@@ -374,18 +375,45 @@ async def test_connected_again_a_stage_opens_fresh_sessions_and_stopping_closes_
     assert not os.path.exists(address.partition("://")[2])
 
 
-async def test_a_streamed_value_for_no_slot_is_refused_and_counted(
+async def test_a_streamed_value_for_no_slot_or_a_bad_vote_is_refused_and_counted(
         streamed: tuple[Runtime, list[StageActor], list[ActorRef]]) -> None:
     _, actors, refs = streamed
     refused = actors[1].refused_calls
-    intruder = StreamDeliver(refs[1].endpoint(StageActor.open_stream, timeout=10).call, 0, encrypt=True)
-    await intruder(0, "B", 1, 0, [torch.zeros(1)], 1)
-    await intruder(0, "F", 1, 0, "x", 1)  # type: ignore[arg-type]
-    while actors[1].refused_calls < refused + 2:
+    intruder = StreamPeer(refs[1].endpoint(StageActor.open_stream, timeout=10).call, 0, encrypt=True)
+    await intruder.deliver(0, "B", 1, 0, [torch.zeros(1)], 1)
+    await intruder.deliver(0, "F", 1, 0, "x", 1)  # type: ignore[arg-type]
+    await intruder.vote(0, 7, {"nonfinite": []})  # a rank outside the mesh, and not a vote
+    await intruder.send(["call", "stop"])  # neither a value nor a vote
+    while actors[1].refused_calls < refused + 4:
         await asyncio.sleep(0.01)
     intruder.close()
     reports, _ = await run(refs, 0)
     assert [r.status for r in reports] == ["done", "done"]
+
+
+async def test_a_tail_the_stages_run_votes_on_the_streams() -> None:
+    async with open_runtime() as runtime:
+        actors = [StageActor(**stage_config(rank, transport="stream").to_wire()) for rank in range(2)]
+        refs = [await runtime.spawn(actor, f"stage{rank}") for rank, actor in enumerate(actors)]
+        streamed: list[str] = []
+        for actor in actors:
+            def seen(message: Any, take: Any = actor._take_streamed) -> None:
+                streamed.append(message[0])
+                take(message)
+            actor._take_streamed = seen  # type: ignore[method-assign]
+        peers = [r.to_wire() for r in refs]
+        for ref in refs:
+            await ref.endpoint(StageActor.connect, timeout=10).call(peers, None, peers)
+        for step in range(2):
+            orders_ = [dataclasses.replace(order, finish=True) for order in orders(step)]
+            reports = [StageReport.from_wire(r) for r in await asyncio.gather(*(
+                ref.endpoint(StageActor.run_step, timeout=30).call(order.to_wire()) for ref, order in zip(refs, orders_)))]
+            assert [r.status for r in reports] == ["done", "done"] and all(r.finished is not None for r in reports)
+        assert streamed.count("vote") == 4 and streamed.count("value") == 8  # 2 steps x (2 votes, 2 x 2 values)
+        # One link per stage actor it sends to, carrying values and votes alike (none to itself).
+        assert all([p._link is not None for p in a._streams.links.values()].count(True) == 1  # type: ignore[union-attr]
+                   for a in actors)
+        assert all(len(a._streams.server._sessions) == 1 for a in actors)  # type: ignore[union-attr]
 
 
 async def test_a_stage_without_streams_opens_none(stages: tuple[Runtime, list[StageActor], list[ActorRef]]) -> None:
