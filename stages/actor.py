@@ -39,11 +39,12 @@ from stages.build.reads import DataReads
 from stages.build.stage import BuiltStage, build_stage
 from stages.comm import zero
 from stages.comm.boundary import split_batch
-from stages.comm.delivery import VALUE, VOTE, DeliverTell, PeerEndpoints, Receiver, Sender, StreamPeer, check_codecs
+from stages.comm.delivery import DeliverTell, PeerEndpoints, Receiver, Sender, check_codecs
 from stages.comm.device_io import DeviceIO
 from stages.comm.groups import StageGroups
 from stages.comm.parallel import leave_process_groups
 from stages.comm.rendezvous import ActorStore
+from stages.comm.stream_endpoints import StreamEndpoints
 from stages.comm.streams import StageStreams
 from stages.compute.executor import ActionFailed, ended_early, Inbox, StepExecutor, StepTrace
 from stages.compute.agreement import Ballot, SendVote, run_tail, tail_report
@@ -239,7 +240,7 @@ def join_and_build(config: StageConfig, runtime: Host, allow: Sequence[str], dev
 
 
 @register_actor("stage")
-class StageActor(StateEndpoints, Actor):
+class StageActor(StateEndpoints, StreamEndpoints, Actor):
     """One pipeline stage (or several, interleaved) of one job, on one node."""
 
     def __init__(self, **config: Any) -> None:
@@ -282,8 +283,7 @@ class StageActor(StateEndpoints, Actor):
         return self.parts
 
     async def on_stop(self) -> None:
-        if self._streams is not None:
-            self._streams.close()
+        self._close_streams()
         parts, self.parts = self.parts, None
         if parts is not None:
             await close_parts(parts)
@@ -324,9 +324,7 @@ class StageActor(StateEndpoints, Actor):
         self._step = max(self._step, step)
         self.peers = [self.runtime.ref(address, name) for address, name in peers]
         # The hot path's endpoints, made once here, not per micro-batch.
-        streams = self._stream_ends() if self.config.communication.transport == "stream" else None
-        if streams is not None:
-            streams.reset(self.config.global_rank, encrypt=self.runtime.encrypts)
+        streams = self._connect_streams()
         delivers: list[DeliverTell] = [ref.endpoint(StageActor.deliver).tell if streams is None
                                        else self._stream_peer(streams, ref).deliver for ref in self.peers]
         self._peer_endpoints[:] = [PeerEndpoints(deliver=deliver, deliver_header=ref.endpoint(StageActor.deliver_header).tell)
@@ -338,10 +336,6 @@ class StageActor(StateEndpoints, Actor):
             votes: list[SendVote] = [ref.endpoint(StageActor.vote).tell if streams is None
                                      else self._stream_peer(streams, ref).vote for ref in refs]
             self.ballot.connect(votes, tallies)  # no answers awaited
-
-    @staticmethod
-    def _stream_peer(streams: StageStreams, ref: ActorRef) -> StreamPeer:
-        return streams.peer((ref.address, ref.name), ref.endpoint(StageActor.open_stream).call)
 
     @endpoint(roles=("head",), taskless_start=True)
     async def run_step(self, order: StepOrder | dict[str, Any]) -> StageReport:
@@ -461,40 +455,6 @@ class StageActor(StateEndpoints, Actor):
         with self._refusing():
             parts.receiver.deliver(self._step, parts.executor.num_microbatches, step, kind, stage, microbatch,
                                    leaves, spec)
-
-    @endpoint(concurrent=True, roles=("node",))
-    async def open_stream(self, opening: bytes, rank: int) -> str:
-        """Stage actor ``rank``'s (global rank) session for its values and votes over a stream
-        (``transport="stream"``, stages.comm.streams): answers where the stream server listens.
-        NotAllowed: not a stage of this job, or the job sends its values otherwise."""
-        with self._refusing():
-            if self.config.communication.transport != "stream" or isinstance(rank, bool) or not isinstance(rank, int):
-                raise NotAllowed(f"stage {self.config.pipeline_rank} of job {self.config.job} takes no stream "
-                                 f"(transport {self.config.communication.transport!r}) from rank {str(rank)[:12]}")
-            endpoint_address = self.runtime.address.partition("|")[0]
-            return await self._stream_ends().open(endpoint_address, opening, f"{current_caller()}/{rank}")
-
-    def _stream_ends(self) -> StageStreams:
-        if self._streams is None:
-            self._streams = StageStreams(self._take_streamed, max_bytes=self.runtime.max_message_bytes)
-        return self._streams
-
-    def _take_streamed(self, message: Any) -> None:
-        """A message another stage's stream link brought: a value, taken as :meth:`deliver` takes one,
-        or a vote, as :meth:`vote` takes one."""
-        try:
-            kind = message[0] if isinstance(message, list) and message else None
-            if kind == VALUE and len(message) == 7:
-                parts = self._parts()
-                parts.receiver.deliver(self._step, parts.executor.num_microbatches, *message[1:])
-            elif kind == VOTE and len(message) == 4:
-                self._take_vote(*message[1:])
-            else:
-                raise NotAllowed(f"a streamed message is [{VALUE!r}, step, kind, stage, micro-batch, leaves, spec] "
-                                 f"or [{VOTE!r}, step, rank, vote]")
-        except NotAllowed:
-            self.refused_calls += 1
-            raise
 
     @endpoint(concurrent=True, roles=("node",), taskless_start=True)
     async def deliver_header(self, step: int, kind: str, stage: int, microbatch: int, header: dict[str, Any]) -> None:

@@ -1,0 +1,93 @@
+"""A stage actor's side of its streams (``communication.transport = "stream"``).
+
+Mixed into :class:`~stages.actor.StageActor`, which gives it its config, runtime, parts,
+ballot and refusal counting: the ``open_stream`` endpoint another stage actor opens its
+session through, the links made when the stage is connected, and what the stage takes
+from its stream server (values, as ``deliver`` takes them; votes, as ``vote`` does).
+The streams themselves: :mod:`stages.comm.streams` and ``transport.stream``.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any
+
+from actors._actor import Host, current_caller, endpoint
+from actors._errors import NotAllowed
+from actors._ref import ActorRef
+from stages.comm.delivery import VALUE, VOTE, StreamPeer
+from stages.comm.streams import StageStreams
+from stages.records import StageConfig
+
+__all__ = ["StreamEndpoints"]
+
+
+class StreamEndpoints:
+    """``open_stream``, and the stage's stream ends (``_streams``, made at the first need)."""
+
+    config: StageConfig
+    runtime: Host
+    refused_calls: int
+    _step: int
+    _streams: StageStreams | None
+
+    def _parts(self) -> Any:
+        raise NotImplementedError  # StageActor's
+
+    def _refusing(self) -> AbstractContextManager[None]:
+        raise NotImplementedError  # StageActor's
+
+    def _take_vote(self, step: int, rank: int, vote: Any) -> None:
+        raise NotImplementedError  # StageActor's
+
+    @endpoint(concurrent=True, roles=("node",))
+    async def open_stream(self, opening: bytes, rank: int) -> str:
+        """Stage actor ``rank``'s (global rank) session for its values and votes over a stream
+        (``transport="stream"``): answers where the stream server listens.
+        NotAllowed: not a stage of this job, or the job sends its values otherwise."""
+        with self._refusing():
+            if self.config.communication.transport != "stream" or isinstance(rank, bool) or not isinstance(rank, int):
+                raise NotAllowed(f"stage {self.config.pipeline_rank} of job {self.config.job} takes no stream "
+                                 f"(transport {self.config.communication.transport!r}) from rank {str(rank)[:12]}")
+            endpoint_address = self.runtime.address.partition("|")[0]
+            return await self._stream_ends().open(endpoint_address, opening, f"{current_caller()}/{rank}")
+
+    def _connect_streams(self) -> StageStreams | None:
+        """With ``transport="stream"``, the stage's stream ends with every link closed (it is being
+        connected: its links start from new sessions); else None."""
+        if self.config.communication.transport != "stream":
+            return None
+        streams = self._stream_ends()
+        streams.reset(self.config.global_rank, encrypt=self.runtime.encrypts)
+        return streams
+
+    @staticmethod
+    def _stream_peer(streams: StageStreams, ref: ActorRef) -> StreamPeer:
+        """The link to the stage actor ``ref`` names (one per actor, for its values and votes alike)."""
+        return streams.peer((ref.address, ref.name), ref.endpoint(StreamEndpoints.open_stream).call)
+
+    def _stream_ends(self) -> StageStreams:
+        if self._streams is None:
+            self._streams = StageStreams(self._take_streamed, max_bytes=self.runtime.max_message_bytes)
+        return self._streams
+
+    def _close_streams(self) -> None:
+        if self._streams is not None:
+            self._streams.close()
+
+    def _take_streamed(self, message: Any) -> None:
+        """A message another stage's stream link brought: a value, taken as ``deliver`` takes one,
+        or a vote, as ``vote`` takes one; a refusal is counted."""
+        try:
+            kind = message[0] if isinstance(message, list) and message else None
+            if kind == VALUE and len(message) == 7:
+                parts = self._parts()
+                parts.receiver.deliver(self._step, parts.executor.num_microbatches, *message[1:])
+            elif kind == VOTE and len(message) == 4:
+                self._take_vote(*message[1:])
+            else:
+                raise NotAllowed(f"a streamed message is [{VALUE!r}, step, kind, stage, micro-batch, leaves, spec] "
+                                 f"or [{VOTE!r}, step, rank, vote]")
+        except NotAllowed:
+            self.refused_calls += 1
+            raise
