@@ -68,8 +68,9 @@ class StreamPeer:
 
     The link opens at the first message: a fresh session key goes to the member in an actor
     call (its ``open_stream``, over CURVE on a secure cluster), which answers where to
-    connect. A closed link fails the send with :class:`~transport.stream.StreamBroken`; the
-    stage makes new ones when it is connected again.
+    connect. A closed link fails the send that finds it closed with
+    :class:`~transport.stream.StreamBroken` (and that send's step); the next send opens a
+    fresh session, as does every link when the stage is connected again.
 
     Args:
         open_stream: the member's ``open_stream`` endpoint.
@@ -95,8 +96,20 @@ class StreamPeer:
         return await self.send([VOTE, step, rank, vote])
 
     async def send(self, message: list[Any]) -> int:
+        """Sends ``message`` (opening the link first if need be); returns the bytes put on the wire.
+
+        Raises:
+            StreamBroken: the link closed (the member is gone, or refused what came); this
+                send's step fails with it, and the next send opens a fresh session.
+        """
         link = self._link if self._link is not None else await self._open()
-        return await link.send(encode_message(message))
+        try:
+            return await link.send(encode_message(message))
+        except StreamBroken:
+            if self._link is link:
+                self._link = None
+                link.close()
+            raise
 
     async def _open(self) -> StreamLink:
         async with self._opening:

@@ -17,10 +17,11 @@ import torch
 
 from actors._errors import NotAllowed
 from stages.comm.boundary import Payload
-from stages.comm.delivery import Receiver, Sender, check_codecs
+from stages.comm.delivery import Receiver, Sender, StreamPeer, check_codecs
 from stages.comm.device_io import DeviceIO
 from stages.compute.executor import Inbox
 from stages.program import Action, ActionKind
+from transport.stream import StreamBroken, StreamServer
 from transport.wire import keep_lossy_encoded
 from tests.stages.stage_parts import MODEL_KWARGS, InProcessPipeline, stage_config
 
@@ -196,3 +197,32 @@ async def test_lossy_values_kept_encoded_to_the_device_train_to_the_same_bits() 
     losses, state = await quantized_steps(False)
     assert kept_losses == losses
     assert kept_state.keys() == state.keys() and all(torch.equal(kept_state[k], state[k]) for k in state)
+
+
+async def test_a_broken_stream_fails_one_send_and_the_next_opens_a_fresh_session(tmp_path: Any) -> None:
+    taken: list[Any] = []
+    server = StreamServer(taken.append)
+    opened: list[int] = []
+
+    async def open_stream(opening: bytes, rank: int) -> str:  # as the member's endpoint answers
+        opened.append(rank)
+        address = await server.start(f"ipc://{tmp_path}/sock")
+        server.open(opening, f"node:a/{rank}")
+        return address
+
+    peer = StreamPeer(open_stream, 3, encrypt=True)
+    await peer.deliver(0, "F", 1, 0, [torch.ones(2)], 0)
+    while not taken:
+        await asyncio.sleep(0.01)
+    for connection in list(server._connections):  # the member refused what came, or restarted
+        connection.close()
+    with pytest.raises(StreamBroken):
+        for _ in range(1000):  # the close reaches the sender after some sends at most
+            await peer.vote(0, 3, {"x": 1})
+            await asyncio.sleep(0.001)
+    await peer.deliver(1, "F", 1, 0, [torch.full((2,), 2.0)], 0)
+    while len(taken) < 2 or taken[-1][1] != 1:
+        await asyncio.sleep(0.01)
+    assert opened == [3, 3] and taken[0][0] == "value" and torch.equal(taken[-1][5][0], torch.full((2,), 2.0))
+    peer.close()
+    server.close()
