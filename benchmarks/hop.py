@@ -11,11 +11,15 @@ trial), both on uvloop, as a LocalCluster's nodes run:
 - ``unix``: a Unix stream socket that each loop writes and reads itself
   (``loop.sock_sendall`` / ``loop.sock_recv``): one wake-up a hop, the receiver's, as
   gloo's pair (written from the calling thread) has.
+- ``stream``: what stages send their values on (``transport.stream``): the message
+  encoded as a wire message, sealed with AES-GCM, written by the loop to a Unix socket
+  and read, opened and decoded by the other loop; each direction its own session.
 
 The trials alternate (``--trials`` of each), so the machine's load weighs on both
 alike; the medians of each trial's median round trip are compared. ``zmq_vs_unix_rtt``
-is how many times longer ZeroMQ's round trip takes: the floor under every hop actorpipe's
-stages make, which no Python above libzmq can lower. The last line printed is one JSON
+is how many times longer ZeroMQ's round trip takes: the floor under every hop made over
+ZeroMQ, which no Python above libzmq can lower; ``stream_vs_zmq_rtt`` is what the stages'
+sealed stream takes against ZeroMQ (below 1: faster). The last line printed is one JSON
 object.
 """
 
@@ -38,6 +42,9 @@ import zmq
 import zmq.asyncio
 
 from transport.loop import run
+from transport.sealed import SessionKey
+from transport.stream import StreamLink, StreamServer
+from transport.wire import encode_message
 
 MESSAGE = b"x" * 64
 
@@ -63,6 +70,23 @@ def _unix_echo(path: str, count: int) -> None:
             sock.setblocking(False)
             for _ in range(count):
                 await loop.sock_sendall(sock, await _read_exactly(loop, sock, len(MESSAGE)))
+
+    run(main())
+
+
+def _stream_echo(address: str, opening_back: bytes, opening_here: bytes, folder: str, count: int) -> None:
+    async def main() -> None:
+        received: asyncio.Queue[Any] = asyncio.Queue()
+        server = StreamServer(received.put_nowait)
+        here = await server.start(f"ipc://{folder}/echo")
+        server.open(opening_here, "bouncer")
+        back = await StreamLink.connect(address, SessionKey.from_open_message(opening_back))
+        await back.send(encode_message([here]))  # where the bouncer's messages go
+        for _ in range(count):
+            await back.send(encode_message(await received.get()))
+        await received.get()  # the bouncer's last word: it has every answer
+        back.close()
+        server.close()
 
     run(main())
 
@@ -131,16 +155,39 @@ async def _unix_trial(folder: str, count: int) -> list[float]:
                                      lambda: _read_exactly(loop, conn, len(MESSAGE)), count)
 
 
+async def _stream_trial(folder: str, count: int) -> list[float]:
+    received: asyncio.Queue[Any] = asyncio.Queue()
+    server = StreamServer(received.put_nowait)
+    address = await server.start(f"ipc://{folder}/bouncer")
+    back, there = SessionKey.new(), SessionKey.new()  # the echo's session here, and this side's there
+    server.open(back.open_message(), "echo")
+    try:
+        with _echo(_stream_echo, address, back.open_message(), there.open_message(), folder, count):
+            [echo_address] = await asyncio.wait_for(received.get(), timeout=60)
+            link = await StreamLink.connect(echo_address, there)
+            try:
+                times = await _bounce(lambda: link.send(encode_message([MESSAGE])), received.get, count)
+                await link.send(encode_message(["done"]))
+                return times
+            finally:
+                link.close()
+    finally:
+        server.close()
+
+
+TRIALS: dict[str, Callable[[str, int], Awaitable[list[float]]]] = {
+    "zmq": _zmq_trial, "unix": _unix_trial, "stream": _stream_trial}
+
+
 async def measure(trials: int, count: int) -> dict[str, list[float]]:
-    """Each kind's median round trip (seconds) per trial, the kinds alternating."""
-    medians: dict[str, list[float]] = {"zmq": [], "unix": []}
+    """Each kind's median round trip (seconds) per trial, the kinds taking turns to go first."""
+    medians: dict[str, list[float]] = {kind: [] for kind in TRIALS}
+    kinds = list(TRIALS)
     for index in range(trials):
-        order = ("zmq", "unix") if index % 2 == 0 else ("unix", "zmq")
-        for kind in order:
+        for kind in kinds[index % len(kinds):] + kinds[:index % len(kinds)]:
             folder = tempfile.mkdtemp(prefix="actorpipe-hop-")
             try:
-                trial = _zmq_trial if kind == "zmq" else _unix_trial
-                medians[kind].append(statistics.median(await trial(folder, count)))
+                medians[kind].append(statistics.median(await TRIALS[kind](folder, count)))
             finally:
                 shutil.rmtree(folder, ignore_errors=True)
     return medians
@@ -154,11 +201,13 @@ def main() -> None:
     medians = run(measure(args.trials, args.round_trips))
     zmq_us = statistics.median(medians["zmq"]) * 1e6
     unix_us = statistics.median(medians["unix"]) * 1e6
+    stream_us = statistics.median(medians["stream"]) * 1e6
     print("round trip of 64 bytes between two processes, uvloop on both ends (us; median of trial medians)")
     for kind, values in medians.items():
-        print(f"{kind:>5}: {statistics.median(values) * 1e6:7.1f}  (trials {min(values) * 1e6:.1f}-{max(values) * 1e6:.1f})")
+        print(f"{kind:>6}: {statistics.median(values) * 1e6:7.1f}  (trials {min(values) * 1e6:.1f}-{max(values) * 1e6:.1f})")
     summary: dict[str, Any] = {"zmq_rtt_us": round(zmq_us, 1), "unix_rtt_us": round(unix_us, 1),
-                               "zmq_vs_unix_rtt": round(zmq_us / unix_us, 3), "trials": args.trials,
+                               "stream_rtt_us": round(stream_us, 1), "zmq_vs_unix_rtt": round(zmq_us / unix_us, 3),
+                               "stream_vs_zmq_rtt": round(stream_us / zmq_us, 3), "trials": args.trials,
                                "round_trips": args.round_trips}
     print(json.dumps(summary))
 
