@@ -39,6 +39,7 @@ from stages import RendezvousActor, StageActor, StepOrder
 from schedulers.client import CheckpointError
 from schedulers.events import JobClosed, JobEvent, StepFinished
 from schedulers.job_actor import JobActor
+from transport.sealed import SessionKey
 from transport.security import Keypair
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(180),
@@ -504,6 +505,35 @@ async def test_snapshots_and_tied_gradients_come_only_from_the_jobs_own_stages(c
             with pytest.raises(NotAllowed, match="expects no tied gradient"):
                 await theirs.endpoint(StageActor.deliver_tied, timeout=10).call(1, "0.weight", 0, torch.zeros(2))
         stats = await job.step(*batch())  # nothing refused got in: the job still trains
+        assert stats.loss == stats.loss
+    finally:
+        await job.close()
+
+
+async def test_a_stream_opens_only_for_the_jobs_own_stages_and_a_bad_opening_is_refused(cluster: Cluster) -> None:
+    job = await cluster.train(**MODEL)
+    try:
+        await job.step(*batch())
+        (info,) = [d for d in await cluster.jobs() if d.job == job.id]
+        stage = cluster.runtime.ref(*info.stages[1])
+        opening = SessionKey.new().open_message()
+        async with Cluster.connect(cluster.head.address, keys=keys().directory, identity="alice") as alice:
+            with pytest.raises(NotAllowed, match="may not call StageActor.open_stream"):
+                await alice.runtime.ref(stage.address, stage.name).endpoint(
+                    StageActor.open_stream, timeout=10).call(opening, 0)
+        outsider = keys().add("node", "stream_outsider")
+        async with open_runtime("tcp://127.0.0.1:0", keys=outsider, ring=keys().ring) as member:
+            with pytest.raises(NotAllowed, match="holds no key of job"):
+                await member.ref(stage.address, stage.name).endpoint(StageActor.open_stream, timeout=10).call(opening, 0)
+        async with open_runtime("tcp://127.0.0.1:0", keys=keys().identity("node0"), ring=keys().ring) as member:
+            open_stream = member.ref(stage.address, stage.name).endpoint(StageActor.open_stream, timeout=10)
+            # A job node's key, but no opening: refused by its size before anything is kept.
+            for bad in (b"x" * (4 << 20), opening[:-1], b""):
+                with pytest.raises(RemoteError, match="SealRefused: a session opening has"):
+                    await open_stream.call(bad, 0)
+            with pytest.raises(NotAllowed, match="takes no stream"):
+                await open_stream.call(opening, "0")
+        stats = await job.step(*batch())  # the stages' own sessions were untouched: the job still trains
         assert stats.loss == stats.loss
     finally:
         await job.close()
