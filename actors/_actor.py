@@ -152,16 +152,8 @@ class Host(Protocol):
     context: Any  # the zmq context of its sockets
     keys: Any  # its CURVE keypair, or None
     closed: bool  # it is closing: it answers none of the calls it was running (see Mailbox)
-
-    @property
-    def max_message_bytes(self) -> int:
-        """The largest message it takes."""
-        ...
-
-    @property
-    def encrypts(self) -> bool:
-        """Whether what it seals is encrypted (keys, and encryption not turned off)."""
-        ...
+    max_message_bytes: int  # the largest message it takes
+    encrypts: bool  # what it seals is encrypted: keys, and encryption not turned off (bulk="authenticate")
 
     def ref(self, address: str, name: str) -> ActorRef: ...
 

@@ -108,8 +108,9 @@ class Runtime:
         self._gate = gate
         self.context = context  # its sockets' zmq context (its CURVE gate admits the cluster's keys)
         self._hwm = hwm
-        self._max_message_bytes = max_message_bytes
+        self.max_message_bytes = max_message_bytes  # the largest message it takes
         self._bulk: BulkMode = bulk
+        self.encrypts = keys is not None and bulk != "authenticate"  # what it seals is encrypted
         self.address: str = receiver.address
         self._mailboxes: dict[str, Mailbox] = {}
         self._starting: set[str] = set()  # names whose actor is in on_start
@@ -119,16 +120,6 @@ class Runtime:
         self._tasks: set[asyncio.Task[Any]] = set()
         self.closed = False  # aclose has begun: no call leaves any more
         receiver.pump(self._on_frames)
-
-    @property
-    def max_message_bytes(self) -> int:
-        """The largest message this runtime takes."""
-        return self._max_message_bytes
-
-    @property
-    def encrypts(self) -> bool:
-        """Whether what it seals is encrypted: keys, and encryption not turned off (``bulk="authenticate"``)."""
-        return self.keys is not None and self._bulk != "authenticate"
 
     # -- tasks ---------------------------------------------------------------------
 
@@ -216,7 +207,7 @@ class Runtime:
                                                    reply=_resolve_into(future)))
             else:
                 request = encode_message(_request(call_id, ref.name, method, args, kwargs, self.address),
-                                         max_bytes=self._max_message_bytes)
+                                         max_bytes=self.max_message_bytes)
                 if self._senders.send_now(ref.address, request) is None:  # no room now: wait, unless the call fails
                     await self._calls.send_unless_failed(call_id, future, self._senders.send_frames(ref.address,
                                                                                                     request))
@@ -269,7 +260,7 @@ class Runtime:
 
     async def _send(self, address: str, message: dict[str, Any]) -> int:
         """Encodes and sends ``message``: at once when it can leave now, else waiting for room."""
-        frames = encode_message(message, max_bytes=self._max_message_bytes)
+        frames = encode_message(message, max_bytes=self.max_message_bytes)
         sent = self._senders.send_now(address, frames)
         return sent if sent is not None else await self._senders.send_frames(address, frames)
 
@@ -277,7 +268,7 @@ class Runtime:
         return open_sender(
             address,
             hwm=self._hwm,
-            max_message_bytes=self._max_message_bytes,
+            max_message_bytes=self.max_message_bytes,
             linger_ms=500,
             context=self.context,
             curve=self.keys,
@@ -290,7 +281,7 @@ class Runtime:
         """Decodes and dispatches one message, from the receiver's reader callback."""
         bad_records: list[WireError] = []
         try:
-            message = decode_message(frames, max_bytes=self._max_message_bytes, bad_records=bad_records)
+            message = decode_message(frames, max_bytes=self.max_message_bytes, bad_records=bad_records)
         except WireError as exc:
             log.warning("dropped a malformed message: %s", exc)
             return
@@ -371,10 +362,10 @@ class Runtime:
             message = {"t": "rep", "id": call_id, "ok": ok}
             message["v" if ok else "e"] = value if ok else error_to_wire(value)
             try:
-                frames = encode_message(message, max_bytes=self._max_message_bytes)
+                frames = encode_message(message, max_bytes=self.max_message_bytes)
             except (TypeError, ValueError) as exc:  # the result cannot travel
                 err = {"t": "rep", "id": call_id, "ok": False, "e": error_to_wire(exc)}
-                frames = encode_message(err, max_bytes=self._max_message_bytes)
+                frames = encode_message(err, max_bytes=self.max_message_bytes)
             await self._senders.reply(address, frames)
 
         return reply

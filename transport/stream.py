@@ -149,7 +149,7 @@ class StreamServer:
         if session.bound is not None:
             session.bound.close()
 
-    def claim(self, connection: _Inbound, head: bytes, session_id: bytes, seq: int) -> _Session:
+    def claim(self, connection: _Inbound, session_id: bytes, seq: int) -> _Session:
         """The session a message's head names, if ``connection`` may carry it with number ``seq``.
 
         Raises:
@@ -298,7 +298,7 @@ class _Inbound(asyncio.BufferedProtocol):
         while self._filled == self._frames[-1].nbytes:
             if len(self._frames) == 1:  # the first: its head says whether the rest is worth reading
                 head, session_id, seq, _ = parse_head(self._frames[0])
-                self._session = self._server.claim(self, head, session_id, seq)
+                self._session = self._server.claim(self, session_id, seq)
                 self._head = (head, seq)
             if len(self._frames) == len(sizes):
                 frames, self._frames, self._sizes = self._frames, [], None
@@ -406,13 +406,14 @@ class StreamLink:
             raise StreamBroken(f"the stream link to {self.address} is closed: {protocol.broken or 'closed here'}")
         self._seq += 1
         sealed = [byte_view(frame) for frame in self.key.seal(self._seq, frames)]
-        prefix = struct.pack(f"<I{len(sealed)}I", len(sealed), *(view.nbytes for view in sealed))
+        sizes = [view.nbytes for view in sealed]
+        prefix = struct.pack(f"<I{len(sizes)}I", len(sizes), *sizes)
         self._transport.writelines([prefix, *sealed])
         while protocol.drained is not None and protocol.broken is None:
             await asyncio.shield(protocol.drained)
         if protocol.broken is not None:
             raise StreamBroken(f"the stream link to {self.address} closed while sending: {protocol.broken}")
-        return len(prefix) + sum(view.nbytes for view in sealed)
+        return len(prefix) + sum(sizes)
 
     def close(self) -> None:
         self._transport.close()
