@@ -33,15 +33,28 @@ from actors._errors import (
 )
 from actors._calls import PendingCalls
 from actors._ref import ActorRef
-from actors._senders import SenderPool, SenderPoolConfig, _is_numeric_address
-from transport.channel import BulkMode, Receiver, Sender, open_receiver, open_sender
+from actors._senders import PooledSender, SenderPool, SenderPoolConfig, _is_numeric_address
+from actors._streams import OPEN_KIND, StreamingSender, stream_address_of
+from transport.channel import BulkMode, Receiver, open_receiver, open_sender
+from transport.sealed import SealRefused
 from transport.security import Gate, Keypair, shown, split_address
-from transport.wire import DEFAULT_MAX_MESSAGE_BYTES, WireError, decode_message, encode_message, excerpt
+from transport.stream import StreamServer
+from transport.wire import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    MAX_FRAMES_PER_MESSAGE,
+    WireError,
+    decode_message,
+    encode_message,
+    excerpt,
+)
 
 __all__ = ["Runtime", "open_runtime"]
 
 log = logging.getLogger(__name__)
 
+# A stream whose first message came before its session's opening (over ZeroMQ) waits this long
+# for it: the opening is behind whatever the sender queued there before (see actors._streams).
+STREAM_OPENING_WAIT_S = 30.0
 
 
 @asynccontextmanager
@@ -55,6 +68,7 @@ async def open_runtime(
     ring: Callable[[], Mapping[bytes, str]] | None = None,
     sender_pool: SenderPoolConfig = SenderPoolConfig(),
     bulk: BulkMode = "encrypt",
+    streams: bool = True,
 ) -> AsyncIterator[Runtime]:
     """Starts a runtime listening at ``bind`` and closes it, with all its actors, on exit.
 
@@ -71,6 +85,9 @@ async def open_runtime(
             ``transport.channel.open_sender``): sealed with AES-GCM in a session opened
             over CURVE (``"encrypt"``), authenticated but in the clear (``"authenticate"``,
             for a trusted network), or all through CURVE (``"curve"``).
+        streams: with keys, ``bulk="encrypt"`` and an ``ipc://`` address, messages to other
+            such runtimes on this host go over a stream each loop drives itself (see
+            ``actors._streams``), and this runtime takes theirs.
     """
     if (keys is None) != (ring is None):
         raise ValueError("open_runtime takes keys and ring together")
@@ -87,8 +104,9 @@ async def open_runtime(
         context.term()
         raise
     runtime = Runtime(receiver, context=context, hwm=hwm, max_message_bytes=max_message_bytes, keys=keys,
-                      gate=gate, sender_pool=sender_pool, bulk=bulk)
+                      gate=gate, sender_pool=sender_pool, bulk=bulk, streams=streams)
     try:
+        await runtime.start_streams()
         yield runtime
     finally:
         await runtime.aclose()
@@ -100,10 +118,10 @@ class Runtime:
     def __init__(
         self, receiver: Receiver, *, context: zmq.Context[Any], hwm: int, max_message_bytes: int,
         keys: Keypair | None = None, gate: Gate | None = None,
-        sender_pool: SenderPoolConfig = SenderPoolConfig(), bulk: BulkMode = "encrypt",
+        sender_pool: SenderPoolConfig = SenderPoolConfig(), bulk: BulkMode = "encrypt", streams: bool = False,
     ) -> None:
         self._receiver = receiver
-        self._started_round = -1  # the receiver's round whose first request was offered a start at once
+        self._started_round = (-1, -1)  # the reads (ZeroMQ's, the streams') whose first request started at once
         self.keys = keys  # this runtime's CURVE keypair (None: insecure)
         self._gate = gate
         self.context = context  # its sockets' zmq context (its CURVE gate admits the cluster's keys)
@@ -111,6 +129,9 @@ class Runtime:
         self.max_message_bytes = max_message_bytes  # the largest message it takes
         self._bulk: BulkMode = bulk
         self.encrypts = keys is not None and bulk != "authenticate"  # what it seals is encrypted
+        # Messages to runtimes on this host go on streams (see actors._streams): sealed and encrypted only.
+        self.streams = streams and keys is not None and bulk == "encrypt"
+        self._stream_server: StreamServer | None = None
         self.address: str = receiver.address
         self._mailboxes: dict[str, Mailbox] = {}
         self._starting: set[str] = set()  # names whose actor is in on_start
@@ -120,6 +141,23 @@ class Runtime:
         self._tasks: set[asyncio.Task[Any]] = set()
         self.closed = False  # aclose has begun: no call leaves any more
         receiver.pump(self._on_frames)
+
+    async def start_streams(self) -> None:
+        """Takes streamed messages from runtimes on this host (see ``actors._streams``), where this one
+        streams and its address has a stream path beside it."""
+        address = stream_address_of(self.address) if self.streams else None
+        if address is None or self._stream_server is not None:
+            return
+        server = StreamServer(self._on_frames, decode=False, max_bytes=self.max_message_bytes,
+                              max_frames=MAX_FRAMES_PER_MESSAGE, max_sessions=1024, sessions_per_sender=256,
+                              wait_for_open_s=STREAM_OPENING_WAIT_S)
+        try:
+            await server.start(self.address, exactly=address)
+        except OSError as exc:
+            log.warning("runtime at %s takes no streams (%s): its peers use ZeroMQ", shown(self.address), exc)
+            server.close()
+            return
+        self._stream_server = server
 
     # -- tasks ---------------------------------------------------------------------
 
@@ -264,8 +302,8 @@ class Runtime:
         sent = self._senders.send_now(address, frames)
         return sent if sent is not None else await self._senders.send_frames(address, frames)
 
-    def _open_sender(self, address: str) -> Sender:
-        return open_sender(
+    def _open_sender(self, address: str) -> PooledSender:
+        sender = open_sender(
             address,
             hwm=self._hwm,
             max_message_bytes=self.max_message_bytes,
@@ -274,6 +312,8 @@ class Runtime:
             curve=self.keys,
             bulk=self._bulk,
         )
+        stream = stream_address_of(address) if self.streams else None
+        return StreamingSender(sender, stream, spawn_task=self.spawn_task) if stream is not None else sender
 
     # -- the receive side ------------------------------------------------------------
 
@@ -318,8 +358,22 @@ class Runtime:
             self._on_reply(message)
         elif kind == "req":
             self._on_request(message, caller)
+        elif kind == OPEN_KIND:
+            self._open_stream(message.get("o"), caller)
         else:
             log.warning("dropped a message that is neither request nor reply: %s", excerpt(message, 200))
+
+    def _open_stream(self, opening: Any, caller: str) -> None:
+        """Opens a sender's stream session (see ``actors._streams``); its streamed messages carry the
+        name its key has here, as its ZeroMQ ones do."""
+        server = self._stream_server
+        if server is None or caller in (INSECURE, LOCAL):
+            log.warning("dropped a stream opening from %s: this runtime takes no streams", excerpt(caller))
+            return
+        try:
+            server.open(opening, caller)
+        except (SealRefused, TypeError, ValueError) as exc:
+            log.warning("refused a stream opening from %s: %s", excerpt(caller), excerpt(str(exc), 200))
 
     def _on_reply(self, message: dict[str, Any]) -> None:
         future = self._calls.waiting(message.get("id"))
@@ -344,7 +398,9 @@ class Runtime:
                     f"malformed request: needs to, m, a, k, with names of at most {_LONGEST} characters")))
             return
         # Only the first request of a read starts at once: a burst is read whole (see docs/nodes.md).
-        start, self._started_round = self._receiver.rounds != self._started_round, self._receiver.rounds
+        server = self._stream_server
+        rounds = (self._receiver.rounds, server.rounds if server is not None else 0)
+        start, self._started_round = rounds != self._started_round, rounds
         try:
             self._deliver_local(name, Call(method=method, args=args, kwargs=kwargs, reply=reply, caller=caller,
                                            reply_to=route[0] if route is not None else None), start=start)
@@ -380,6 +436,8 @@ class Runtime:
         for name in list(self._mailboxes):
             await self.stop_actor(name)
         await self._receiver.aclose()
+        if self._stream_server is not None:
+            self._stream_server.close()
         self._calls.fail_all(lambda: ActorStopped(f"runtime at {shown(self.address)} closed before the reply"))
         tasks = list(self._tasks)
         for task in tasks:

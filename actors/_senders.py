@@ -30,11 +30,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 
-from transport.channel import ChannelClosed, Sender, WouldBlock
+from transport.channel import ChannelClosed, WouldBlock
 from transport.security import is_numeric_endpoint
 from transport.wire import excerpt
 
@@ -43,6 +43,19 @@ __all__ = ["SenderPool", "SenderPoolConfig", "SenderPoolStatistics"]
 log = logging.getLogger(__name__)
 
 SpawnTask = Callable[..., "asyncio.Task[Any]"]
+
+
+class PooledSender(Protocol):
+    """What the pool needs of a sender: :class:`~transport.channel.Sender`, or a runtime's
+    :class:`~actors._streams.StreamingSender`."""
+
+    address: str
+
+    def send_frames_nowait(self, frames: list[Any]) -> int: ...
+
+    async def send_frames(self, frames: list[Any]) -> int: ...
+
+    async def aclose(self) -> None: ...
 
 _CONNECT_GRACE_S = 1.0
 _MAX_WAITING_REPLIES_PER_PEER = 64
@@ -98,7 +111,7 @@ class _Entry:
     __slots__ = ("address", "sender", "num_users", "num_reply_users", "delivered", "opened_at", "last_used",
                  "detached", "closed")
 
-    def __init__(self, address: str, sender: Sender, now: float) -> None:
+    def __init__(self, address: str, sender: PooledSender, now: float) -> None:
         self.address = address
         self.sender = sender
         self.num_users = 0
@@ -124,7 +137,7 @@ class SenderPool:
 
     def __init__(
         self,
-        open_sender: Callable[[str], Sender],
+        open_sender: Callable[[str], PooledSender],
         config: SenderPoolConfig,
         *,
         spawn_task: SpawnTask,

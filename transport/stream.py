@@ -46,12 +46,15 @@ from transport._sockets import url_host
 from transport.sealed import HEAD_BYTES, TAG_BYTES, SealRefused, SessionKey, aligned_buffer, byte_view, parse_head
 from transport.wire import DEFAULT_MAX_MESSAGE_BYTES, WireError, decode_message
 
-__all__ = ["MAX_FRAMES", "MAX_SESSIONS", "QUEUED_MAX_BYTES", "StreamBroken", "StreamLink", "StreamServer", "stream_bind_address"]
+__all__ = ["MAX_FRAMES", "MAX_PARKED", "MAX_SESSIONS", "QUEUED_MAX_BYTES", "StreamBroken", "StreamLink", "StreamServer",
+           "UnknownSession", "stream_bind_address"]
 
 log = logging.getLogger(__name__)
 
 MAX_FRAMES = 4096  # frames of one message (a boundary value has a few per tensor)
 MAX_SESSIONS = 64  # sessions a server keeps; the oldest goes first
+MAX_PARKED = 64  # new connections waiting at once for their session's opening
+_MAX_BACKLOG_BYTES = 1 << 20  # what a waiting connection may send before it is refused
 QUEUED_MAX_BYTES = 64 << 20  # sealed bytes a link queues before a send waits for the kernel to take them
 _COUNT = struct.Struct("<I")
 _SCRATCH_BYTES = 1 << 16  # what the loop reads into at once while frames are small
@@ -88,35 +91,56 @@ class _Session:
         self.bound: _Inbound | None = None  # the connection its messages come on, once one has proven it
 
 
+class UnknownSession(SealRefused):
+    """A message of a session the server has not opened (or no longer keeps)."""
+
+
 class StreamServer:
     """Takes sealed messages from the sessions it opened and hands each on, decoded.
 
     Args:
         on_message: called with each message's payload, in each session's order; what it
-            raises is logged and counted, the connection goes on.
+            raises is logged and counted, the connection goes on. With ``decode=False``, called
+            with the message's opened frames instead (:class:`~transport.sealed.OpenedFrame`,
+            whose ``get("User-Id")`` names the session's sender), for the caller to decode.
         max_bytes: the largest message taken (as the runtime's limit for actor messages).
         on_refused: told why, each time a connection is refused or a message fails.
+        max_frames: the most frames one message may have.
+        max_sessions: sessions kept at once (the oldest goes first), and
+            ``sessions_per_sender`` of them per sender (its oldest goes first).
+        wait_for_open_s: how long a new connection whose first message names a session not
+            opened yet waits for its opening (which may travel a slower path than the stream,
+            see ``actors._streams``); 0 refuses it at once. At most :data:`MAX_PARKED` wait.
     """
 
     def __init__(self, on_message: Callable[[Any], None], *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 on_refused: Callable[[str], None] | None = None) -> None:
+                 on_refused: Callable[[str], None] | None = None, decode: bool = True,
+                 max_frames: int = MAX_FRAMES, max_sessions: int = MAX_SESSIONS, sessions_per_sender: int = 1,
+                 wait_for_open_s: float = 0.0) -> None:
         self.on_message = on_message
         self.max_bytes = max_bytes
         self.on_refused = on_refused
+        self.decode = decode
+        self.max_frames = max_frames
+        self.max_sessions = max_sessions
+        self.sessions_per_sender = sessions_per_sender
+        self.wait_for_open_s = wait_for_open_s
         self.address: str | None = None
+        self.rounds = 0  # reads so far: the messages one read hands on came together
         self._server: asyncio.AbstractServer | None = None
         self._path: str | None = None
         self._folder: str | None = None  # made for the socket file (see stream_bind_address)
         self._sessions: OrderedDict[bytes, _Session] = OrderedDict()
         self._connections: set[_Inbound] = set()
+        self._parked: dict[bytes, tuple[_Inbound, asyncio.TimerHandle]] = {}  # waiting for their session's opening
 
-    async def start(self, runtime_endpoint: str) -> str:
-        """Listens beside the runtime bound at ``runtime_endpoint`` (see :func:`stream_bind_address`);
-        returns the address senders connect to."""
+    async def start(self, runtime_endpoint: str, *, exactly: str | None = None) -> str:
+        """Listens beside the runtime bound at ``runtime_endpoint`` (see :func:`stream_bind_address`),
+        or at ``exactly``; returns the address senders connect to."""
         if self.address is not None:
             return self.address
         loop = asyncio.get_running_loop()
-        bind, self._folder = stream_bind_address(runtime_endpoint)
+        bind, self._folder = (exactly, None) if exactly is not None else stream_bind_address(runtime_endpoint)
         scheme, _, rest = bind.partition("://")
         if scheme == "ipc":
             self._server = await loop.create_unix_server(lambda: _Inbound(self), rest)
@@ -137,12 +161,35 @@ class StreamServer:
             SealRefused: not an opening this side speaks.
         """
         key = SessionKey.from_open_message(opening)
-        for session_id, session in list(self._sessions.items()):
-            if session.sender == sender or session_id == key.session_id:
-                self._drop(session_id)
-        while len(self._sessions) >= MAX_SESSIONS:
+        if key.session_id in self._sessions:
+            self._drop(key.session_id)
+        own = [session_id for session_id, session in self._sessions.items() if session.sender == sender]
+        for session_id in own[:max(0, len(own) - self.sessions_per_sender + 1)]:
+            self._drop(session_id)
+        while len(self._sessions) >= self.max_sessions:
             self._drop(next(iter(self._sessions)))
         self._sessions[key.session_id] = _Session(key, sender)
+        parked = self._parked.pop(key.session_id, None)
+        if parked is not None:
+            parked[1].cancel()
+            parked[0].resume()
+
+    def park(self, connection: _Inbound, session_id: bytes) -> bool:
+        """Whether ``connection``, whose first message names ``session_id`` (not opened yet), may wait
+        for its opening; if so it waits, at most ``wait_for_open_s``."""
+        if self.wait_for_open_s <= 0 or session_id in self._parked or len(self._parked) >= MAX_PARKED:
+            return False
+        timer = asyncio.get_running_loop().call_later(self.wait_for_open_s, self._unpark, session_id)
+        self._parked[session_id] = (connection, timer)
+        return True
+
+    def _unpark(self, session_id: bytes, *, gone: bool = False) -> None:
+        """A waiting connection's time is up (it is refused), or it went (``gone``)."""
+        parked = self._parked.pop(session_id, None)
+        if parked is not None:
+            parked[1].cancel()
+            if not gone:
+                parked[0].refuse(f"no session was opened for its first message within {self.wait_for_open_s:g}s")
 
     def _drop(self, session_id: bytes) -> None:
         session = self._sessions.pop(session_id)
@@ -158,7 +205,7 @@ class StreamServer:
         """
         session = self._sessions.get(session_id)
         if session is None:
-            raise SealRefused("a message of no session this stream server opened")
+            raise UnknownSession("a message of no session this stream server opened")
         if session.bound is not None and session.bound is not connection:
             raise SealRefused("a message of a session another connection carries")
         if seq != session.last + 1:
@@ -174,6 +221,9 @@ class StreamServer:
         """Stops listening, closes every connection, and removes the socket file."""
         for connection in list(self._connections):
             connection.close()
+        for _, timer in self._parked.values():
+            timer.cancel()
+        self._parked.clear()
         self._sessions.clear()
         if self._server is not None:
             self._server.close()
@@ -205,6 +255,8 @@ class _Inbound(asyncio.BufferedProtocol):
         self._session: _Session | None = None  # the session of the message being read
         self._head = (b"", 0)
         self._closed = False
+        self._bound: bytes | None = None  # the id of the session it carries, once proven
+        self._backlog: bytearray | None = None  # while it waits for its session's opening: what came meanwhile
 
     # -- asyncio ----------------------------------------------------------------------
 
@@ -218,6 +270,11 @@ class _Inbound(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
         self._server._connections.discard(self)
+        session = self._server._sessions.get(self._bound) if self._bound is not None else None
+        if session is not None and session.bound is self:
+            self._server._drop(session.key.session_id)  # a link is not repaired in place: its session goes too
+        if self._backlog is not None:
+            self._server._unpark(self._head[0], gone=True)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._sizes is not None and self._frames:
@@ -231,6 +288,12 @@ class _Inbound(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         if self._closed:
             return
+        self._server.rounds += 1
+        if self._backlog is not None:  # waiting for the session's opening: keep what comes, within bounds
+            self._backlog += self._scratch[:nbytes]
+            if len(self._backlog) > _MAX_BACKLOG_BYTES:
+                self.refuse(f"over {_MAX_BACKLOG_BYTES} bytes came before its session was opened")
+            return
         try:
             if self._direct:
                 self._filled += nbytes
@@ -238,12 +301,25 @@ class _Inbound(asyncio.BufferedProtocol):
             else:
                 self._consume(self._scratch[:nbytes])
         except (SealRefused, WireError) as exc:
-            self._refuse(str(exc))
+            self.refuse(str(exc))
 
     def close(self) -> None:
         if not self._closed and self._transport is not None:
             self._closed = True
             self._transport.abort()
+
+    def resume(self) -> None:
+        """The session its first message named was opened: reads on from there."""
+        backlog, self._backlog = self._backlog, None
+        if backlog is None or self._closed or self._transport is None:
+            return
+        try:
+            self._frame_filled()
+            self._consume(memoryview(backlog))
+        except (SealRefused, WireError) as exc:
+            self.refuse(str(exc))
+            return
+        self._transport.resume_reading()
 
     # -- reading a message ------------------------------------------------------------
 
@@ -252,13 +328,16 @@ class _Inbound(asyncio.BufferedProtocol):
         while at < end and not self._closed:
             if self._sizes is None:
                 at = self._read_prefix(data, at)
-                continue
-            frame = self._frames[-1]
-            take = min(frame.nbytes - self._filled, end - at)
-            frame[self._filled:self._filled + take] = data[at:at + take]
-            self._filled += take
-            at += take
-            self._frame_filled()
+            else:
+                frame = self._frames[-1]
+                take = min(frame.nbytes - self._filled, end - at)
+                frame[self._filled:self._filled + take] = data[at:at + take]
+                self._filled += take
+                at += take
+                self._frame_filled()
+            if self._backlog is not None:  # parked at its first message: the rest waits with it
+                self._backlog += data[at:]
+                return
 
     def _read_prefix(self, data: memoryview, at: int) -> int:
         prefix = self._prefix
@@ -268,8 +347,8 @@ class _Inbound(asyncio.BufferedProtocol):
         at += take
         if len(prefix) == _COUNT.size:
             count = _COUNT.unpack_from(prefix)[0]
-            if not 1 <= count <= MAX_FRAMES:
-                raise SealRefused(f"a message of {count} frames (1 to {MAX_FRAMES} are taken)")
+            if not 1 <= count <= self._server.max_frames:
+                raise SealRefused(f"a message of {count} frames (1 to {self._server.max_frames} are taken)")
         elif len(prefix) == need:
             sizes = struct.unpack_from(f"<{len(prefix) // 4 - 1}I", prefix, _COUNT.size)
             limit = self._server.max_bytes + HEAD_BYTES + TAG_BYTES * (len(sizes) + 1)
@@ -298,7 +377,16 @@ class _Inbound(asyncio.BufferedProtocol):
         while self._filled == self._frames[-1].nbytes:
             if len(self._frames) == 1:  # the first: its head says whether the rest is worth reading
                 head, session_id, seq, _ = parse_head(self._frames[0])
-                self._session = self._server.claim(self, session_id, seq)
+                try:
+                    self._session = self._server.claim(self, session_id, seq)
+                except UnknownSession:
+                    if self._bound is not None or not self._server.park(self, session_id):
+                        raise
+                    self._head = (session_id, seq)  # (what _unpark is told, should the connection go)
+                    self._backlog = bytearray()
+                    if self._transport is not None:
+                        self._transport.pause_reading()
+                    return
                 self._head = (head, seq)
             if len(self._frames) == len(sizes):
                 frames, self._frames, self._sizes = self._frames, [], None
@@ -313,13 +401,14 @@ class _Inbound(asyncio.BufferedProtocol):
         opened = session.key.unseal(head, seq, [frames[0][HEAD_BYTES:], *frames[1:]], session.sender)
         session.bound = self  # the key proved it: this connection carries the session from now on
         session.last = seq
-        payload = decode_message(opened, max_bytes=self._server.max_bytes)
+        self._bound = session.key.session_id
+        payload = decode_message(opened, max_bytes=self._server.max_bytes) if self._server.decode else opened
         try:
             self._server.on_message(payload)
         except Exception as exc:  # the receiver's own refusal of a value: counted there, the link goes on
             log.debug("stream server at %s: a message was not taken: %s", self._server.address, exc)
 
-    def _refuse(self, reason: str) -> None:
+    def refuse(self, reason: str) -> None:
         self._server.refused(reason)
         self.close()
 
@@ -402,17 +491,33 @@ class StreamLink:
             StreamBroken: the connection is closed (the receiver refused a message, or is gone).
         """
         protocol = self._protocol
+        while (sent := self.try_send(frames)) is None:
+            await asyncio.shield(protocol.drained)  # type: ignore[arg-type]  # try_send saw it set
+        while protocol.drained is not None and protocol.broken is None:
+            await asyncio.shield(protocol.drained)
+        if protocol.broken is not None:
+            raise StreamBroken(f"the stream link to {self.address} closed while sending: {protocol.broken}")
+        return sent
+
+    def try_send(self, frames: list[Any]) -> int | None:
+        """Puts one message on the link now, unless what waits to be written is over the link's
+        limit: the bytes it puts on the wire, or None having sent nothing (:meth:`send` waits).
+        Authenticated only, the frames are written as they are: a caller that may change them
+        before the kernel took them (see :meth:`send`) passes copies.
+
+        Raises:
+            StreamBroken: the connection is closed.
+        """
+        protocol = self._protocol
         if protocol.broken is not None or self._transport.is_closing():
             raise StreamBroken(f"the stream link to {self.address} is closed: {protocol.broken or 'closed here'}")
+        if protocol.drained is not None:
+            return None
         self._seq += 1
         sealed = [byte_view(frame) for frame in self.key.seal(self._seq, frames)]
         sizes = [view.nbytes for view in sealed]
         prefix = struct.pack(f"<I{len(sizes)}I", len(sizes), *sizes)
         self._transport.writelines([prefix, *sealed])
-        while protocol.drained is not None and protocol.broken is None:
-            await asyncio.shield(protocol.drained)
-        if protocol.broken is not None:
-            raise StreamBroken(f"the stream link to {self.address} closed while sending: {protocol.broken}")
         return len(prefix) + sum(sizes)
 
     def close(self) -> None:

@@ -1,0 +1,146 @@
+"""Actor messages to a runtime on this host over a stream the event loop drives.
+
+A message between two runtimes over ZeroMQ crosses four threads: the sender's loop,
+libzmq's I/O thread on each side, and the receiver's loop; each hand-off is a wake-up
+that waits for a core on a busy machine. A step's control path (driver, job actor,
+stages and back) is a chain of such messages. Between two secure runtimes on one host
+(``ipc://`` addresses), a runtime's sender moves its messages onto a
+:class:`~transport.stream.StreamLink` instead: one Unix socket the loops read and
+write themselves, every message sealed with AES-GCM under a session key (see
+``docs/security.md``, "Actor messages on this host").
+
+How a sender switches, without a round trip and without reordering anything:
+
+1. It connects to the peer's stream server, at a path derived from the peer's address
+   (:func:`stream_address_of`); no server there (another kind of runtime, or a path too
+   long), and it stays on ZeroMQ.
+2. It draws a session key and sends its opening over ZeroMQ (CURVE, or the sealed bulk
+   socket: only the peer reads the key, and the peer's gate names the sender), as the
+   last message it sends there; every later one goes on the stream.
+3. The peer takes the opening after every earlier ZeroMQ message of the sender (a
+   socket keeps its order), and only then the stream's messages: a stream whose first
+   message names a session not opened yet waits for its opening (``wait_for_open_s``).
+
+A stream that breaks (the peer went, or dropped the session) sends the sender back to
+ZeroMQ for good; a message it held may be lost then, as one queued to a process that
+died is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+from transport.channel import ChannelClosed, Sender, WouldBlock
+from transport.sealed import SessionKey
+from transport.security import split_address
+from transport.stream import StreamBroken, StreamLink
+from transport.wire import encode_message
+
+__all__ = ["OPEN_KIND", "StreamingSender", "stream_address_of"]
+
+log = logging.getLogger(__name__)
+
+OPEN_KIND = "stream"  # the wire message that opens a sender's session: {"t": OPEN_KIND, "o": OPENING}
+STREAM_SUFFIX = ".stream"
+_UNIX_PATH_MAX = 107
+
+SpawnTask = Callable[..., "asyncio.Task[Any]"]
+
+
+def stream_address_of(address: str) -> str | None:
+    """Where the runtime at ``address`` takes streamed messages: a Unix socket beside its
+    ``ipc://`` one; None for a ``tcp://`` runtime, or where that path would be too long."""
+    try:
+        endpoint = split_address(address)[0]
+    except ValueError:
+        return None
+    scheme, _, path = endpoint.partition("://")
+    if scheme != "ipc" or not path:
+        return None
+    path += STREAM_SUFFIX
+    return f"ipc://{path}" if len(os.fsencode(path)) <= _UNIX_PATH_MAX else None
+
+
+class StreamingSender:
+    """A :class:`~transport.channel.Sender` to a runtime on this host that moves onto a stream
+    once it can (see the module docstring); the runtime's sender pool uses it as a sender."""
+
+    def __init__(self, inner: Sender, stream_address: str, *, spawn_task: SpawnTask) -> None:
+        self.inner = inner
+        self.address = inner.address
+        self._link: StreamLink | None = None
+        self._closed = False
+        self._opening: asyncio.Task[None] | None = spawn_task(self._open(stream_address),
+                                                              name=f"stream to {stream_address}")
+
+    @property
+    def streaming(self) -> bool:
+        """Whether its messages go on the stream now."""
+        return self._link is not None
+
+    async def _open(self, stream_address: str) -> None:
+        key = SessionKey.new(encrypt=True)
+        try:
+            link = await StreamLink.connect(stream_address, key)
+        except (StreamBroken, ValueError) as exc:
+            log.debug("no stream to %s, ZeroMQ it is: %s", stream_address, exc)
+            return
+        if self._closed:
+            link.close()
+            return
+        # From here on every message goes on the stream, the opening last over ZeroMQ: a message
+        # that waits in the ZeroMQ sender's queue is ahead of it there.
+        self._link = link
+        try:
+            await self.inner.send_frames(encode_message({"t": OPEN_KIND, "o": key.open_message()}))
+        except ChannelClosed:
+            pass  # closing: the stream's messages wait for an opening that will not come, then go
+        finally:
+            self._opening = None
+
+    def _broken(self, exc: StreamBroken) -> None:
+        log.warning("the stream to %s broke (%s); its messages go over ZeroMQ from now on", self.address, exc)
+        if self._link is not None:
+            self._link.close()
+            self._link = None
+
+    def send_frames_nowait(self, frames: list[Any]) -> int:
+        """Sends encoded frames now or raises :class:`~transport.channel.WouldBlock`."""
+        link = self._link
+        if link is not None:
+            try:
+                sent = link.try_send(frames)
+            except StreamBroken as exc:
+                self._broken(exc)
+            else:
+                if sent is None:
+                    raise WouldBlock(f"the stream to {self.address} has too much queued")
+                return sent
+        return self.inner.send_frames_nowait(frames)
+
+    async def send_frames(self, frames: list[Any]) -> int:
+        """Sends encoded frames, waiting for room."""
+        link = self._link
+        if link is not None:
+            try:
+                return await link.send(frames)
+            except StreamBroken as exc:
+                if self._link is link:
+                    self._broken(exc)
+        return await self.inner.send_frames(frames)
+
+    async def aclose(self) -> None:
+        """Closes the stream (what it queued is still written) and the ZeroMQ sender."""
+        self._closed = True
+        if self._opening is not None:
+            self._opening.cancel()
+            await asyncio.gather(self._opening, return_exceptions=True)
+        if self._link is not None:
+            self._link.close()
+            self._link = None
+        await self.inner.aclose()
+
