@@ -600,9 +600,9 @@ class LocalCluster:
 _TEMPDIR_PREFIX = "actorpipe-cluster-"
 _OWNER_FILE = "owner"  # "PID START_TIME" of the driver that made the folder
 # A Unix socket's path holds at most 107 bytes on Linux and 103 on macOS (sun_path); a node's
-# children bind at PATH.PID and each runtime's bulk socket at its path + ".bulk" (a liveness
-# socket at PATH.liveN).
-_IPC_PATH_MAX = 103 - len(".4194304.bulk")
+# children bind at PATH.PID, and each runtime its bulk socket at its path + ".bulk" and its stream
+# socket at its path + ".stream" (a liveness socket at PATH.liveN).
+_IPC_PATH_MAX = 103 - len(".4194304.stream")
 
 
 def module_names(value: str | Iterable[str], what: str) -> tuple[str, ...]:

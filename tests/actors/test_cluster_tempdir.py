@@ -89,8 +89,8 @@ def test_a_local_cluster_listens_on_unix_sockets_in_its_folder_or_on_loopback_wh
     binds = local_binds("/tmp/actorpipe-cluster-abc", ["head", "driver", "node0"])
     assert binds == {name: f"ipc:///tmp/actorpipe-cluster-abc/{name}" for name in ("head", "driver", "node0")}
     # sun_path holds 103 bytes on macOS (107 on Linux), and a node's child binds at PATH.PID with a
-    # bulk socket at PATH.PID.bulk: the longest path may take 103 - len(".4194304.bulk") = 90 bytes.
-    at_limit = "/" + "d" * (90 - len("/driver") - 1)
+    # stream socket at PATH.PID.stream: the longest path may take 103 - len(".4194304.stream") = 88 bytes.
+    at_limit = "/" + "d" * (88 - len("/driver") - 1)
     assert local_binds(at_limit, ["driver"]) == {"driver": f"ipc://{at_limit}/driver"}
     over = at_limit + "d"
     assert local_binds(over, ["head", "driver"]) == {"head": "tcp://127.0.0.1:0", "driver": "tcp://127.0.0.1:0"}
@@ -117,10 +117,11 @@ async def test_every_socket_of_a_local_cluster_lives_in_its_folder_and_goes_with
             assert wait_gone(node1.pid)
             sockets = sorted(p.name for p in Path(folder).iterdir() if p.is_socket())
             assert os.listdir(short) == [os.path.basename(folder)]  # nothing outside the cluster's folder
-            for expected in ("head", "head.bulk", "head.live0", "driver", "node0", "node0.bulk", "node1"):
+            for expected in ("head", "head.bulk", "head.stream", "head.live0", "driver", "driver.stream", "node0",
+                             "node0.bulk", "node0.stream", "node1"):
                 assert expected in sockets, sockets
             hosted = [name for name in sockets if name.startswith("node0.") and name[len("node0."):].isdigit()]
-            assert len(hosted) == 1 and f"{hosted[0]}.bulk" in sockets  # the echo actor's process
+            assert len(hosted) == 1 and {f"{hosted[0]}.bulk", f"{hosted[0]}.stream"} <= set(sockets)  # the echo actor's
         assert os.listdir(short) == []
     finally:
         shutil.rmtree(short, ignore_errors=True)
