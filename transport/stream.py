@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -43,7 +44,7 @@ from collections.abc import Callable
 from typing import Any
 
 from transport._sockets import url_host
-from transport.sealed import HEAD_BYTES, TAG_BYTES, SealRefused, SessionKey, aligned_buffer, byte_view, parse_head
+from transport.sealed import HEAD_BYTES, TAG_BYTES, SealRefused, SessionKey, aligned_buffer, parse_head
 from transport.wire import DEFAULT_MAX_MESSAGE_BYTES, WireError, decode_message
 
 __all__ = ["MAX_FRAMES", "MAX_PARKED", "MAX_SESSIONS", "QUEUED_MAX_BYTES", "StreamBroken", "StreamLink", "StreamServer",
@@ -57,6 +58,19 @@ MAX_PARKED = 64  # new connections waiting at once for their session's opening
 _MAX_BACKLOG_BYTES = 1 << 20  # what a waiting connection may send before it is refused
 QUEUED_MAX_BYTES = 64 << 20  # sealed bytes a link queues before a send waits for the kernel to take them
 _COUNT = struct.Struct("<I")
+_WHOLE_MAX_FRAMES = 64  # a message of more frames is read piece by piece
+
+
+@functools.lru_cache(maxsize=_WHOLE_MAX_FRAMES)
+def _sizes_struct(count: int) -> struct.Struct:
+    """The frame sizes of a message of ``count`` frames (little-endian u32s)."""
+    return struct.Struct(f"<{count}I")
+
+
+@functools.lru_cache(maxsize=_WHOLE_MAX_FRAMES)
+def _prefix_struct(count: int) -> struct.Struct:
+    """A message's prefix: its frame count, then each frame's size."""
+    return struct.Struct(f"<I{count}I")
 _SCRATCH_BYTES = 1 << 16  # what the loop reads into at once while frames are small
 _DIRECT_BYTES = 1 << 15  # a frame with this much left to come is read straight into its buffer
 _UNIX_PATH_MAX = 107
@@ -327,7 +341,8 @@ class _Inbound(asyncio.BufferedProtocol):
         at, end = 0, data.nbytes
         while at < end and not self._closed:
             if self._sizes is None:
-                at = self._read_prefix(data, at)
+                whole = self._take_whole(data, at, end) if not self._prefix else None
+                at = whole if whole is not None else self._read_prefix(data, at)
             else:
                 frame = self._frames[-1]
                 take = min(frame.nbytes - self._filled, end - at)
@@ -338,6 +353,36 @@ class _Inbound(asyncio.BufferedProtocol):
             if self._backlog is not None:  # parked at its first message: the rest waits with it
                 self._backlog += data[at:]
                 return
+
+    def _take_whole(self, data: memoryview, at: int, end: int) -> int | None:
+        """Takes the message at ``data[at:]`` in one go where all of it is there and its session is
+        open (most small messages): where the next one starts; None to read it piece by piece (a
+        message cut by the read, or one to refuse or to wait for, which that path does)."""
+        if end - at < _COUNT.size:
+            return None
+        count = _COUNT.unpack_from(data, at)[0]
+        start = at + _COUNT.size * (1 + count)
+        if not 1 <= count <= _WHOLE_MAX_FRAMES or start > end:
+            return None
+        sizes = _sizes_struct(count).unpack_from(data, at + _COUNT.size)
+        stop = start + sum(sizes)
+        if stop > end or sizes[0] < HEAD_BYTES or stop - start > self._server.max_bytes:
+            return None
+        head, session_id, seq, _ = parse_head(data[start:start + sizes[0]])
+        try:
+            session = self._server.claim(self, session_id, seq)
+        except SealRefused:
+            return None
+        frames = []
+        for size in sizes:
+            # Opened, an encrypted frame is a copy of its own; a frame only tagged is itself, so
+            # it leaves the read buffer, which the next read fills.
+            frame = data[start:start + size]
+            frames.append(frame if session.key.encrypt else memoryview(bytearray(frame)))
+            start += size
+        self._session, self._head = session, (head, seq)
+        self._take(frames)
+        return stop
 
     def _read_prefix(self, data: memoryview, at: int) -> int:
         prefix = self._prefix
@@ -514,9 +559,10 @@ class StreamLink:
         if protocol.drained is not None:
             return None
         self._seq += 1
-        sealed = [byte_view(frame) for frame in self.key.seal(self._seq, frames)]
-        sizes = [view.nbytes for view in sealed]
-        prefix = struct.pack(f"<I{len(sizes)}I", len(sizes), *sizes)
+        sealed = self.key.seal(self._seq, frames)  # bytes, and flat byte views: len() is their size
+        sizes = [len(frame) for frame in sealed]
+        prefix = (_prefix_struct(len(sizes)).pack(len(sizes), *sizes) if len(sizes) <= _WHOLE_MAX_FRAMES
+                  else struct.pack(f"<I{len(sizes)}I", len(sizes), *sizes))
         self._transport.writelines([prefix, *sealed])
         return len(prefix) + sum(sizes)
 
