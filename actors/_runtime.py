@@ -34,27 +34,14 @@ from actors._errors import (
 from actors._calls import PendingCalls
 from actors._ref import ActorRef
 from actors._senders import PooledSender, SenderPool, SenderPoolConfig, _is_numeric_address
-from actors._streams import OPEN_KIND, StreamingSender, stream_address_of
+from actors._streams import OPEN_KIND, RuntimeStreams
 from transport.channel import BulkMode, Receiver, open_receiver, open_sender
-from transport.sealed import SealRefused
 from transport.security import Gate, Keypair, shown, split_address
-from transport.stream import StreamServer
-from transport.wire import (
-    DEFAULT_MAX_MESSAGE_BYTES,
-    MAX_FRAMES_PER_MESSAGE,
-    WireError,
-    decode_message,
-    encode_message,
-    excerpt,
-)
+from transport.wire import DEFAULT_MAX_MESSAGE_BYTES, WireError, decode_message, encode_message, excerpt
 
 __all__ = ["Runtime", "open_runtime"]
 
 log = logging.getLogger(__name__)
-
-# A stream whose first message came before its session's opening (over ZeroMQ) waits this long
-# for it: the opening is behind whatever the sender queued there before (see actors._streams).
-STREAM_OPENING_WAIT_S = 30.0
 
 
 @asynccontextmanager
@@ -106,7 +93,7 @@ async def open_runtime(
     runtime = Runtime(receiver, context=context, hwm=hwm, max_message_bytes=max_message_bytes, keys=keys,
                       gate=gate, sender_pool=sender_pool, bulk=bulk, streams=streams)
     try:
-        await runtime.start_streams()
+        await runtime.streams.start()
         yield runtime
     finally:
         await runtime.aclose()
@@ -129,10 +116,11 @@ class Runtime:
         self.max_message_bytes = max_message_bytes  # the largest message it takes
         self._bulk: BulkMode = bulk
         self.encrypts = keys is not None and bulk != "authenticate"  # what it seals is encrypted
-        # Messages to runtimes on this host go on streams (see actors._streams): sealed and encrypted only.
-        self.streams = streams and keys is not None and bulk == "encrypt"
-        self._stream_server: StreamServer | None = None
         self.address: str = receiver.address
+        # Messages to and from runtimes on this host go on streams (see actors._streams): encrypted only.
+        self.streams = RuntimeStreams(self.address, self._on_frames, max_bytes=max_message_bytes,
+                                      enabled=streams and keys is not None and bulk == "encrypt",
+                                      spawn_task=self.spawn_task)
         self._mailboxes: dict[str, Mailbox] = {}
         self._starting: set[str] = set()  # names whose actor is in on_start
         self._mailbox_tasks: dict[str, asyncio.Task[None]] = {}
@@ -141,23 +129,6 @@ class Runtime:
         self._tasks: set[asyncio.Task[Any]] = set()
         self.closed = False  # aclose has begun: no call leaves any more
         receiver.pump(self._on_frames)
-
-    async def start_streams(self) -> None:
-        """Takes streamed messages from runtimes on this host (see ``actors._streams``), where this one
-        streams and its address has a stream path beside it."""
-        address = stream_address_of(self.address) if self.streams else None
-        if address is None or self._stream_server is not None:
-            return
-        server = StreamServer(self._on_frames, decode=False, max_bytes=self.max_message_bytes,
-                              max_frames=MAX_FRAMES_PER_MESSAGE, max_sessions=1024, sessions_per_sender=256,
-                              wait_for_open_s=STREAM_OPENING_WAIT_S)
-        try:
-            await server.start(self.address, exactly=address)
-        except OSError as exc:
-            log.warning("runtime at %s takes no streams (%s): its peers use ZeroMQ", shown(self.address), exc)
-            server.close()
-            return
-        self._stream_server = server
 
     # -- tasks ---------------------------------------------------------------------
 
@@ -312,8 +283,7 @@ class Runtime:
             curve=self.keys,
             bulk=self._bulk,
         )
-        stream = stream_address_of(address) if self.streams else None
-        return StreamingSender(sender, stream, spawn_task=self.spawn_task) if stream is not None else sender
+        return self.streams.sender(sender)
 
     # -- the receive side ------------------------------------------------------------
 
@@ -358,22 +328,10 @@ class Runtime:
             self._on_reply(message)
         elif kind == "req":
             self._on_request(message, caller)
-        elif kind == OPEN_KIND:
-            self._open_stream(message.get("o"), caller)
+        elif kind == OPEN_KIND and caller not in (INSECURE, LOCAL):
+            self.streams.open(message.get("o"), caller)
         else:
             log.warning("dropped a message that is neither request nor reply: %s", excerpt(message, 200))
-
-    def _open_stream(self, opening: Any, caller: str) -> None:
-        """Opens a sender's stream session (see ``actors._streams``); its streamed messages carry the
-        name its key has here, as its ZeroMQ ones do."""
-        server = self._stream_server
-        if server is None or caller in (INSECURE, LOCAL):
-            log.warning("dropped a stream opening from %s: this runtime takes no streams", excerpt(caller))
-            return
-        try:
-            server.open(opening, caller)
-        except (SealRefused, TypeError, ValueError) as exc:
-            log.warning("refused a stream opening from %s: %s", excerpt(caller), excerpt(str(exc), 200))
 
     def _on_reply(self, message: dict[str, Any]) -> None:
         future = self._calls.waiting(message.get("id"))
@@ -398,8 +356,7 @@ class Runtime:
                     f"malformed request: needs to, m, a, k, with names of at most {_LONGEST} characters")))
             return
         # Only the first request of a read starts at once: a burst is read whole (see docs/nodes.md).
-        server = self._stream_server
-        rounds = (self._receiver.rounds, server.rounds if server is not None else 0)
+        rounds = (self._receiver.rounds, self.streams.rounds)
         start, self._started_round = rounds != self._started_round, rounds
         try:
             self._deliver_local(name, Call(method=method, args=args, kwargs=kwargs, reply=reply, caller=caller,
@@ -436,8 +393,7 @@ class Runtime:
         for name in list(self._mailboxes):
             await self.stop_actor(name)
         await self._receiver.aclose()
-        if self._stream_server is not None:
-            self._stream_server.close()
+        self.streams.close()
         self._calls.fail_all(lambda: ActorStopped(f"runtime at {shown(self.address)} closed before the reply"))
         tasks = list(self._tasks)
         for task in tasks:

@@ -35,18 +35,21 @@ from collections.abc import Callable
 from typing import Any
 
 from transport.channel import ChannelClosed, Sender, WouldBlock
-from transport.sealed import SessionKey
+from transport.sealed import SealRefused, SessionKey
 from transport.security import split_address
-from transport.stream import StreamBroken, StreamLink
-from transport.wire import encode_message
+from transport.stream import StreamBroken, StreamLink, StreamServer
+from transport.wire import MAX_FRAMES_PER_MESSAGE, encode_message, excerpt
 
-__all__ = ["OPEN_KIND", "StreamingSender", "stream_address_of"]
+__all__ = ["OPEN_KIND", "OPENING_WAIT_S", "RuntimeStreams", "StreamingSender", "stream_address_of"]
 
 log = logging.getLogger(__name__)
 
 OPEN_KIND = "stream"  # the wire message that opens a sender's session: {"t": OPEN_KIND, "o": OPENING}
 STREAM_SUFFIX = ".stream"
 _UNIX_PATH_MAX = 107
+# A stream whose first message came before its session's opening (over ZeroMQ) waits this long
+# for it: the opening is behind whatever the sender queued there before.
+OPENING_WAIT_S = 30.0
 
 SpawnTask = Callable[..., "asyncio.Task[Any]"]
 
@@ -144,3 +147,61 @@ class StreamingSender:
             self._link = None
         await self.inner.aclose()
 
+
+class RuntimeStreams:
+    """A runtime's side of the streams: its stream server (which hands each message's opened frames
+    to ``on_frames``, as the runtime's ZeroMQ receiver hands its frames), the openings it takes, and
+    the senders it makes.
+
+    Args:
+        address: the runtime's own address; with ``enabled`` false (an insecure runtime, or
+            one whose messages are not all encrypted) it neither streams nor takes streams.
+    """
+
+    def __init__(self, address: str, on_frames: Callable[[Any], None], *, max_bytes: int, enabled: bool,
+                 spawn_task: SpawnTask) -> None:
+        self.enabled = enabled
+        self._address = address
+        self._spawn_task = spawn_task
+        self._server = StreamServer(on_frames, decode=False, max_bytes=max_bytes, max_frames=MAX_FRAMES_PER_MESSAGE,
+                                    max_sessions=1024, sessions_per_sender=256, wait_for_open_s=OPENING_WAIT_S)
+        self.listening = False
+
+    @property
+    def rounds(self) -> int:
+        """The stream server's reads so far (see :attr:`transport.stream.StreamServer.rounds`)."""
+        return self._server.rounds
+
+    async def start(self) -> None:
+        """Listens beside the runtime's ``ipc://`` socket, where it streams and the path fits."""
+        bind = stream_address_of(self._address) if self.enabled else None
+        if bind is None:
+            return
+        try:
+            await self._server.start(self._address, exactly=bind)
+        except OSError as exc:
+            log.warning("the runtime at %s takes no streams (%s): its peers use ZeroMQ", self._address, exc)
+            self._server.close()
+            return
+        self.listening = True
+
+    def sender(self, inner: Sender) -> Sender | StreamingSender:
+        """``inner`` (a ZeroMQ sender to a peer), or a sender that moves onto a stream to that peer."""
+        stream = stream_address_of(inner.address) if self.enabled else None
+        return StreamingSender(inner, stream, spawn_task=self._spawn_task) if stream is not None else inner
+
+    def open(self, opening: Any, caller: str) -> None:
+        """Opens the session a sender named ``caller`` (its key's name here, from its ZeroMQ message)
+        handed over; its streamed messages carry that name. A bad opening, or one this runtime does
+        not take, is logged and dropped."""
+        if not self.listening:
+            log.warning("dropped a stream opening from %s: this runtime takes no streams", excerpt(caller))
+            return
+        try:
+            self._server.open(opening, caller)
+        except (SealRefused, TypeError, ValueError) as exc:
+            log.warning("refused a stream opening from %s: %s", excerpt(caller), excerpt(str(exc), 200))
+
+    def close(self) -> None:
+        self._server.close()
+        self.listening = False

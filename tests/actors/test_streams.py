@@ -72,7 +72,7 @@ async def test_a_burst_sent_while_the_stream_opens_arrives_in_order_over_the_str
         assert await ref.ask("notes") == list(range(600))
         sender = sender_to(caller, server.address)
         assert isinstance(sender, StreamingSender) and sender.streaming
-        assert server._stream_server is not None and server._stream_server.rounds > 0
+        assert server.streams._server is not None and server.streams._server.rounds > 0
         # The reply came back on the server's own stream to the caller.
         assert sender_to(server, caller.address).streaming
 
@@ -103,7 +103,7 @@ async def test_a_broken_stream_sends_its_sender_back_to_zeromq() -> None:
         assert await ref.ask("notes") == [0]
         sender = sender_to(caller, server.address)
         assert sender.streaming
-        stream_server = server._stream_server
+        stream_server = server.streams._server
         assert stream_server is not None
         for connection in list(stream_server._connections):
             connection.close()  # as a server that dropped the session does
@@ -128,7 +128,7 @@ async def test_the_stream_socket_refuses_a_stranger_and_the_runtime_serves_on() 
         writer.write(struct.pack(f"<I{len(sealed)}I", len(sealed), *map(len, sealed)) + b"".join(sealed))
         await writer.drain()
         # Its session was never opened: it waits for an opening that does not come, then goes.
-        stream_server = server._stream_server
+        stream_server = server.streams._server
         assert stream_server is not None
         while stranger.session_id not in stream_server._parked:
             await asyncio.sleep(0.01)
