@@ -50,6 +50,9 @@ _UNIX_PATH_MAX = 107
 # A stream whose first message came before its session's opening (over ZeroMQ) waits this long
 # for it: the opening is behind whatever the sender queued there before.
 OPENING_WAIT_S = 30.0
+# What a link to one peer queues before a send waits (a stage stream queues up to 64 MiB of values;
+# a runtime talks to many peers, each of which may stop reading).
+QUEUED_MAX_BYTES = 4 << 20
 
 SpawnTask = Callable[..., "asyncio.Task[Any]"]
 
@@ -88,7 +91,7 @@ class StreamingSender:
     async def _open(self, stream_address: str) -> None:
         key = SessionKey.new(encrypt=True)
         try:
-            link = await StreamLink.connect(stream_address, key)
+            link = await StreamLink.connect(stream_address, key, queued_max_bytes=QUEUED_MAX_BYTES)
         except (StreamBroken, ValueError) as exc:
             log.debug("no stream to %s, ZeroMQ it is: %s", stream_address, exc)
             return

@@ -491,23 +491,25 @@ class StreamLink:
     Made by :meth:`connect` once the receiver opened the session (step 1 of the module's
     protocol). Encrypted, what is written is the sealed copy, so :meth:`send` returns as
     soon as it is queued (the loop writes the rest while the stage computes, as libzmq's
-    I/O thread would) unless :data:`QUEUED_MAX_BYTES` wait already; authenticated only,
-    the frames are the caller's own buffers, and it returns once the kernel holds every
-    byte, so the caller may reuse them.
+    I/O thread would) unless ``queued_max_bytes`` (:data:`QUEUED_MAX_BYTES`) wait already;
+    authenticated only, the frames are the caller's own buffers, and it returns once the
+    kernel holds every byte, so the caller may reuse them.
     """
 
-    def __init__(self, key: SessionKey, transport: asyncio.Transport, protocol: _Outbound, address: str) -> None:
+    def __init__(self, key: SessionKey, transport: asyncio.Transport, protocol: _Outbound, address: str, *,
+                 queued_max_bytes: int = QUEUED_MAX_BYTES) -> None:
         self.key = key
         self.address = address
         self._transport = transport
         self._protocol = protocol
         self._seq = 0
         # pause_writing (see _Outbound) comes once more than this waits in the transport
-        transport.set_write_buffer_limits(high=QUEUED_MAX_BYTES if key.encrypt else 0)
+        transport.set_write_buffer_limits(high=queued_max_bytes if key.encrypt else 0)
 
     @classmethod
-    async def connect(cls, address: str, key: SessionKey) -> StreamLink:
-        """Connects to the stream server at ``address``.
+    async def connect(cls, address: str, key: SessionKey, *, queued_max_bytes: int = QUEUED_MAX_BYTES
+                      ) -> StreamLink:
+        """Connects to the stream server at ``address`` (``queued_max_bytes``: see the class).
 
         Raises:
             StreamBroken: it cannot be reached.
@@ -526,7 +528,7 @@ class StreamLink:
                 raise ValueError(f"a stream address is ipc://PATH or tcp://HOST:PORT, not {address[:80]!r}")
         except OSError as exc:
             raise StreamBroken(f"cannot reach the stream server at {address}: {exc}") from None
-        return cls(key, transport, protocol, address)
+        return cls(key, transport, protocol, address, queued_max_bytes=queued_max_bytes)
 
     async def send(self, frames: list[Any]) -> int:
         """Sends one wire message (:func:`~transport.wire.encode_message`'s frames); returns the bytes

@@ -18,6 +18,7 @@ import pytest
 
 from actors import Actor, Runtime, current_caller, endpoint, open_runtime
 from actors._streams import StreamingSender, stream_address_of
+from transport.channel import WouldBlock
 from transport.sealed import SessionKey
 from transport.security import Keypair
 from transport.stream import StreamLink, StreamServer
@@ -186,3 +187,21 @@ async def test_a_stream_whose_opening_never_comes_is_refused_in_time(tmp_path: A
     assert "no session was opened" in refused[0]
     assert not server._parked
     server.close()
+
+
+async def test_a_link_to_a_peer_that_stops_reading_queues_a_few_mib_then_waits() -> None:
+    async for server, caller, _ in pair():
+        ref = caller.ref(server.address, "notes")
+        await ref.ask("notes")
+        sender = sender_to(caller, server.address)
+        assert sender.streaming
+        for connection in list(server.streams._server._connections):
+            assert connection._transport is not None
+            connection._transport.pause_reading()  # the peer stops reading (stopped, or busy for good)
+        frames = encode_message({"t": "req", "id": None, "to": "notes", "m": "note", "a": [0], "k": {},
+                                 "r": None, "pad": b"x" * (256 << 10)})
+        sent = 0
+        with pytest.raises(WouldBlock):
+            while sent < 64 << 20:
+                sent += sender.send_frames_nowait(frames)
+        assert sent < 16 << 20  # 4 MiB queued, what the kernel holds, and the last message
