@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from contextlib import asynccontextmanager
@@ -33,7 +34,7 @@ from actors._errors import (
 )
 from actors._calls import PendingCalls
 from actors._ref import ActorRef
-from actors._senders import PooledSender, SenderPool, SenderPoolConfig, _is_numeric_address
+from actors._senders import SenderPool, SenderPoolConfig, _is_numeric_address
 from actors._streams import OPEN_KIND, RuntimeStreams
 from transport.channel import BulkMode, Receiver, open_receiver, open_sender
 from transport.security import Gate, Keypair, shown, split_address
@@ -112,9 +113,7 @@ class Runtime:
         self.keys = keys  # this runtime's CURVE keypair (None: insecure)
         self._gate = gate
         self.context = context  # its sockets' zmq context (its CURVE gate admits the cluster's keys)
-        self._hwm = hwm
         self.max_message_bytes = max_message_bytes  # the largest message it takes
-        self._bulk: BulkMode = bulk
         self.encrypts = keys is not None and bulk != "authenticate"  # what it seals is encrypted
         self.address: str = receiver.address
         # Messages to and from runtimes on this host go on streams (see actors._streams): encrypted only.
@@ -124,7 +123,10 @@ class Runtime:
         self._mailboxes: dict[str, Mailbox] = {}
         self._starting: set[str] = set()  # names whose actor is in on_start
         self._mailbox_tasks: dict[str, asyncio.Task[None]] = {}
-        self._senders = SenderPool(self._open_sender, sender_pool, spawn_task=self.spawn_task)
+        open_zmq = functools.partial(open_sender, hwm=hwm, max_message_bytes=max_message_bytes, linger_ms=500,
+                                     context=context, curve=keys, bulk=bulk)
+        self._senders = SenderPool(lambda address: self.streams.sender(open_zmq(address)), sender_pool,
+                                   spawn_task=self.spawn_task)
         self._calls = PendingCalls()
         self._tasks: set[asyncio.Task[Any]] = set()
         self.closed = False  # aclose has begun: no call leaves any more
@@ -272,18 +274,6 @@ class Runtime:
         frames = encode_message(message, max_bytes=self.max_message_bytes)
         sent = self._senders.send_now(address, frames)
         return sent if sent is not None else await self._senders.send_frames(address, frames)
-
-    def _open_sender(self, address: str) -> PooledSender:
-        sender = open_sender(
-            address,
-            hwm=self._hwm,
-            max_message_bytes=self.max_message_bytes,
-            linger_ms=500,
-            context=self.context,
-            curve=self.keys,
-            bulk=self._bulk,
-        )
-        return self.streams.sender(sender)
 
     # -- the receive side ------------------------------------------------------------
 

@@ -37,7 +37,7 @@ from typing import Any
 from transport.channel import ChannelClosed, Sender, WouldBlock
 from transport.sealed import SealRefused, SessionKey
 from transport.security import split_address
-from transport.stream import StreamBroken, StreamLink, StreamServer
+from transport.stream import UNIX_PATH_MAX, StreamBroken, StreamLink, StreamServer
 from transport.wire import MAX_FRAMES_PER_MESSAGE, encode_message, excerpt
 
 __all__ = ["OPEN_KIND", "OPENING_WAIT_S", "RuntimeStreams", "StreamingSender", "stream_address_of"]
@@ -46,7 +46,6 @@ log = logging.getLogger(__name__)
 
 OPEN_KIND = "stream"  # the wire message that opens a sender's session: {"t": OPEN_KIND, "o": OPENING}
 STREAM_SUFFIX = ".stream"
-_UNIX_PATH_MAX = 107
 # A stream whose first message came before its session's opening (over ZeroMQ) waits this long
 # for it: the opening is behind whatever the sender queued there before.
 OPENING_WAIT_S = 30.0
@@ -68,7 +67,7 @@ def stream_address_of(address: str) -> str | None:
     if scheme != "ipc" or not path:
         return None
     path += STREAM_SUFFIX
-    return f"ipc://{path}" if len(os.fsencode(path)) <= _UNIX_PATH_MAX else None
+    return f"ipc://{path}" if len(os.fsencode(path)) <= UNIX_PATH_MAX else None
 
 
 class StreamingSender:

@@ -48,7 +48,7 @@ from transport.sealed import HEAD_BYTES, TAG_BYTES, SealRefused, SessionKey, ali
 from transport.wire import DEFAULT_MAX_MESSAGE_BYTES, WireError, decode_message
 
 __all__ = ["MAX_FRAMES", "MAX_PARKED", "MAX_SESSIONS", "QUEUED_MAX_BYTES", "StreamBroken", "StreamLink", "StreamServer",
-           "UnknownSession", "stream_bind_address"]
+           "UNIX_PATH_MAX", "UnknownSession", "stream_bind_address"]
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ def _prefix_struct(count: int) -> struct.Struct:
     return struct.Struct(f"<I{count}I")
 _SCRATCH_BYTES = 1 << 16  # what the loop reads into at once while frames are small
 _DIRECT_BYTES = 1 << 15  # a frame with this much left to come is read straight into its buffer
-_UNIX_PATH_MAX = 107
+UNIX_PATH_MAX = 107  # bytes of a Unix socket's path on Linux (sun_path)
 
 
 class StreamBroken(ConnectionError):
@@ -87,7 +87,7 @@ def stream_bind_address(runtime_endpoint: str) -> tuple[str, str | None]:
     scheme, _, rest = runtime_endpoint.partition("://")
     if scheme == "ipc":
         path = os.path.join(os.path.dirname(rest), f"stream-{os.urandom(4).hex()}")
-        if len(os.fsencode(path)) <= _UNIX_PATH_MAX:
+        if len(os.fsencode(path)) <= UNIX_PATH_MAX:
             return f"ipc://{path}", None
         folder = tempfile.mkdtemp(prefix="ap-")
         return f"ipc://{os.path.join(folder, 's')}", folder
