@@ -26,7 +26,10 @@ comes from whoever can reach the socket):
 - at most :data:`MAX_FRAMES_PER_MESSAGE` frames and ``max_bytes`` bytes on the wire;
 - the header is decoded with msgpack's length limits sized for a valid header
   (strings of at most 64 characters, at most 8 codec params, one row, shape and
-  params per tensor frame), so a junk header costs at most its own length;
+  params per tensor frame), so a junk header costs at most its own length; a
+  message of one frame under 16 KiB whose header holds no tensors (most actor calls)
+  has its header's fixed bytes read by hand and its body read in one pass with the
+  same limits, and goes the general way the moment anything else is in it;
 - each table row is checked against its codec before any tensor is built: the
   frames' exact sizes, the decoded size (elements times the declared dtype's
   size), which may not exceed what the codec ever expands to (decoded bytes per
@@ -48,6 +51,7 @@ import gc
 import itertools
 import math
 import reprlib
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -208,6 +212,9 @@ def encode_message(
         MessageTooLarge: the encoded message exceeds ``max_bytes`` or
             :data:`MAX_FRAMES_PER_MESSAGE` frames, or its tensors ``max_bytes`` decoded.
     """
+    plain = _encode_plain(payload, max_bytes)
+    if plain is not None:
+        return [plain]
     table: list[list[Any]] = []
     frames: list[Any] = []
     decoded_nbytes = numel_total = padding_total = frame_nbytes = 0
@@ -311,6 +318,10 @@ def decode_message(
     total = sum(buf.nbytes for buf in buffers)
     if total > max_bytes:
         raise MessageTooLarge(f"message is {total} bytes, over the limit of {max_bytes}")
+    if len(buffers) == 1:
+        payload = _decode_plain(buffers[0])
+        if payload is not _NOT_PLAIN:
+            return payload
     version, table, body = _unpack_header(buffers[0], num_tensor_frames=len(buffers) - 1)
     if version != WIRE_VERSION:
         raise WireError(f"wire version {excerpt(version)} is not supported (this side speaks {WIRE_VERSION})")
@@ -329,6 +340,73 @@ def decode_message(
         return tensors[index]
 
     return _unpack_body(body, ext_hook, records)
+
+
+# -- messages of plain msgpack values only (most actor calls and replies): one pass each way.
+# The bytes are the general path's ([version, [], body]); only the work is less: a packer
+# kept per thread, no table, no record hook, and the header's few fixed bytes read by hand.
+# Whatever does not fit (a tensor, a record, a malformed frame) goes the general way.
+
+_PLAIN_MAX = MAX_CONTAINERS  # a frame this short cannot hold more lists and maps than the budget
+_NO_TENSORS: list[Any] = []
+_PLAIN_HEADER = b"\x93" + msgpack.packb(WIRE_VERSION) + b"\x90"  # array of 3: the version, an empty table
+_BIN_LENGTH_BYTES = {0xC4: 1, 0xC5: 2, 0xC6: 4}  # msgpack bin 8, bin 16, bin 32
+_NOT_PLAIN = object()
+_packers = threading.local()
+
+
+class _HasExtension(Exception):
+    """A tensor or record in a body read on the plain path: the general path reads it."""
+
+
+def _encode_plain(payload: Any, max_bytes: int) -> bytes | None:
+    """The header frame of a message with no tensors and no records, or None for any other."""
+    packer = getattr(_packers, "packer", None)
+    if packer is None:
+        packer = _packers.packer = msgpack.Packer(use_bin_type=True)
+    try:
+        body = packer.pack(payload)
+    except TypeError:  # a tensor, a record, or no type a message holds: the general path sorts them out
+        packer.reset()
+        return None
+    if len(body) > _PLAIN_MAX:  # a large body leaves its buffer with the packer: start a fresh one
+        _packers.packer = None
+    header = packer.pack([WIRE_VERSION, _NO_TENSORS, body])
+    if len(header) > max_bytes:
+        raise MessageTooLarge(f"message is {len(header)} bytes, over the limit of {max_bytes}; {RAISE_THE_LIMIT}")
+    return header
+
+
+def _decode_plain(buf: memoryview) -> Any:
+    """The payload of a one-frame message whose header has no tensors and whose body no
+    extension, or ``_NOT_PLAIN`` for any other (the general path then reads it, and
+    names what is wrong with it)."""
+    size = buf.nbytes
+    start = len(_PLAIN_HEADER) + 1  # then the body's bin marker, its length, the body
+    if size > _PLAIN_MAX or size < start or buf[:start - 1] != _PLAIN_HEADER:
+        return _NOT_PLAIN
+    width = _BIN_LENGTH_BYTES.get(buf[start - 1])
+    if width is None or int.from_bytes(buf[start:start + width], "big") != size - start - width:
+        return _NOT_PLAIN
+    body = buf[start + width:]
+    length = body.nbytes
+    # A body shorter than MAX_DEPTH cannot nest deeper: only a longer one has its lists and maps counted.
+    count = _ContainerBudget(MAX_CONTAINERS, "message body") if length > MAX_DEPTH else None
+    try:
+        payload = msgpack.unpackb(
+            body, ext_hook=_refuse_extension, raw=False, strict_map_key=False, timestamp=0,
+            list_hook=count, object_hook=count, max_str_len=length, max_bin_len=length,
+            max_ext_len=MAX_RECORD_NAME, max_array_len=length, max_map_len=length // 2,
+        )
+    except Exception:  # malformed, or a tensor or record in it
+        return _NOT_PLAIN
+    if count is not None and count.used > MAX_DEPTH:
+        _check_depth(payload)
+    return payload
+
+
+def _refuse_extension(code: int, data: bytes) -> Any:
+    raise _HasExtension
 
 
 def excerpt(value: object, limit: int = 80) -> str:

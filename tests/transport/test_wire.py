@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -254,6 +255,30 @@ BAD_MESSAGES = {
 def test_malformed_input_raises_wire_error(frames: list[bytes], match: str) -> None:
     with pytest.raises(WireError, match=match):
         decode_message(frames)
+
+
+PLAIN_PAYLOADS = {
+    "empty map": {},
+    "a call": {"t": "req", "id": 7, "to": "echo", "m": "echo", "a": [1, 2.5, None], "k": {"x": b"y"}, "r": "ipc://x"},
+    "bin 16 body": {"blob": b"\xff" * 300},
+    "a long nested body (counted)": [[[[["leaf" * 20]]]]],
+    "over the one-pass size": ["é" * 20_000, list(range(3000))],
+}
+
+
+@pytest.mark.parametrize("payload", PLAIN_PAYLOADS.values(), ids=PLAIN_PAYLOADS.keys())
+def test_a_message_of_plain_values_is_the_general_form_read_in_one_pass(payload: object) -> None:
+    frames = encode_message(payload)
+    assert frames == [msgpack.packb([1, [], msgpack.packb(payload, use_bin_type=True)], use_bin_type=True)]
+    assert decode_message(as_bytes(frames)) == payload
+    assert decode_message([bytearray(frames[0])]) == payload
+
+
+def test_plain_messages_encode_on_many_threads_at_once() -> None:
+    payloads = [{"n": n, "s": "x" * (n % 50), "big": b"z" * (20_000 if n % 7 == 0 else 1)} for n in range(400)]
+    with ThreadPoolExecutor(4) as pool:
+        decoded = list(pool.map(lambda p: decode_message(as_bytes(encode_message(p))), payloads))
+    assert decoded == payloads
 
 
 @functools.cache
