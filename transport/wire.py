@@ -119,6 +119,7 @@ MAX_EXPANSION: dict[str, int] = {"none": 1, "fp16": 2, "bf16": 2, "int8": 4, "fp
 float32 (the scales make the block codecs' true ratio a little lower). A float64
 declaration on a lossy codec would double it (int4: 16x), so those travel raw."""
 _MAX_HEADER_STR = 64  # codec and dtype names, param names and values
+_SHORT_HEADER = 4096  # bytes
 _MAX_PARAMS = 8
 # The zero padding of the block codecs' last block, computed and thrown away by decode:
 # at most the message's own element count or this many elements, whichever is more,
@@ -212,74 +213,114 @@ def encode_message(
         MessageTooLarge: the encoded message exceeds ``max_bytes`` or
             :data:`MAX_FRAMES_PER_MESSAGE` frames, or its tensors ``max_bytes`` decoded.
     """
-    plain = _encode_plain(payload, max_bytes)
-    if plain is not None:
-        return [plain]
-    table: list[list[Any]] = []
-    frames: list[Any] = []
-    decoded_nbytes = numel_total = padding_total = frame_nbytes = 0
+    encoder = getattr(_encoders, "encoder", None)
+    if encoder is None or encoder.busy:  # busy: a record's fields encoded a message of their own
+        encoder = _Encoder()
+        if getattr(_encoders, "encoder", None) is None:
+            _encoders.encoder = encoder
+    return encoder.encode(payload, codec, max_bytes)
 
-    def add_extension(obj: Any) -> Any:  # a record or a tensor: what msgpack cannot pack itself
-        nonlocal decoded_nbytes, numel_total, padding_total, frame_nbytes
+
+_encoders = threading.local()
+_PACKER_KEEPS = 1 << 16  # bytes of buffer a thread's packer may keep between messages
+_NO_TENSORS: list[Any] = []
+_TENSOR_REFS = [msgpack.ExtType(_TENSOR_EXT, index.to_bytes(4, "little")) for index in range(256)]
+_RECORD_TAGS: dict[str, msgpack.ExtType] = {}
+
+
+class _Encoder:
+    """One thread's msgpack packer (made once: a packer allocates its buffer) and the
+    tensor table of the message it is encoding, set afresh for each message."""
+
+    __slots__ = ("busy", "packer", "codec", "table", "frames", "decoded_nbytes", "numel_total",
+                 "padding_total", "frame_nbytes")
+
+    def __init__(self) -> None:
+        self.busy = False
+        self.packer = msgpack.Packer(default=self.extension, use_bin_type=True)
+        self.table: list[list[Any]] = []
+        self.frames: list[Any] = []
+
+    def encode(self, payload: Any, codec: str, max_bytes: int) -> list[Any]:
+        self.busy, self.codec, self.table, self.frames = True, codec, [], []
+        self.decoded_nbytes = self.numel_total = self.padding_total = self.frame_nbytes = 0
+        try:
+            body = self.packer.pack(payload)
+            if len(body) > _PACKER_KEEPS:  # a large body leaves its buffer with the packer: start a fresh one
+                self.packer = msgpack.Packer(default=self.extension, use_bin_type=True)
+            table, frames = self.table, self.frames
+            header = self.packer.pack([WIRE_VERSION, table or _NO_TENSORS, body])
+        except BaseException:
+            self.packer.reset()
+            raise
+        finally:
+            self.busy, self.table, self.frames = False, [], []  # hold no sender's tensor past the call
+        total = len(header) + self.frame_nbytes
+        if total > max_bytes or self.decoded_nbytes > max_bytes:
+            raise MessageTooLarge(
+                f"message is {total} bytes ({self.decoded_nbytes} bytes of tensors decoded), over the "
+                f"limit of {max_bytes}; {RAISE_THE_LIMIT}"
+            )
+        if len(frames) >= MAX_FRAMES_PER_MESSAGE:
+            raise MessageTooLarge(
+                f"message has {len(frames) + 1} frames, over the limit of {MAX_FRAMES_PER_MESSAGE}; "
+                "send the tensors in several messages"
+            )
+        if self.padding_total > max(self.numel_total, _MAX_PADDING):
+            raise CodecError(_padding_problem(self.numel_total, self.padding_total))
+        return [header, *frames]
+
+    def extension(self, obj: Any) -> Any:
+        """msgpack's ``default``: a record or a tensor, what msgpack cannot pack itself."""
         record = RECORD_NAMES.get(type(obj))
         if record is not None:
-            return [msgpack.ExtType(_RECORD_EXT, record[0].encode()), record[1](obj)]
+            tag = _RECORD_TAGS.get(record[0])
+            if tag is None:
+                tag = _RECORD_TAGS[record[0]] = msgpack.ExtType(_RECORD_EXT, record[0].encode())
+            return [tag, record[1](obj)]
         if isinstance(obj, Encoded):  # encoded already (e.g. on a compute thread)
-            encoded = obj
-        elif isinstance(obj, Coded):
+            return self._add(obj)
+        if isinstance(obj, Coded):
             _check_sendable(obj.tensor)
-            encoded = get_codec(obj.codec).encode(obj.tensor.detach())
-        elif isinstance(obj, torch.Tensor):
-            _check_sendable(obj)
-            chosen = get_codec(codec)
-            # e.g. integer tensors under a lossy default; float64 too (MAX_EXPANSION)
-            if obj.dtype not in chosen.dtypes or (chosen.lossy and obj.dtype.itemsize > 4):
-                chosen = _NONE
-            if chosen is _NONE:
-                buffer = _own_buffer(obj)
-                if buffer is not None:  # the tensor's own bytes: no Encoded, no views (the common case)
-                    numel = obj.numel()
-                    decoded_nbytes += buffer.nbytes
-                    frame_nbytes += buffer.nbytes
-                    numel_total += numel
-                    table.append(["none", _DTYPE_NAMES[obj.dtype], list(obj.shape), {}, 1])
-                    frames.append(buffer)
-                    return msgpack.ExtType(_TENSOR_EXT, (len(table) - 1).to_bytes(4, "little"))
-            encoded = chosen.encode(obj.detach())
-        else:
+            return self._add(get_codec(obj.codec).encode(obj.tensor.detach()))
+        if not isinstance(obj, torch.Tensor):
             raise TypeError(
                 f"cannot send an object of type {type(obj).__qualname__}: messages hold None, bool, "
                 "int, float, str, bytes, lists, dicts, tensors and registered records (register_record)"
             )
+        _check_sendable(obj)
+        chosen = get_codec(self.codec)
+        # e.g. integer tensors under a lossy default; float64 too (MAX_EXPANSION)
+        if obj.dtype not in chosen.dtypes or (chosen.lossy and obj.dtype.itemsize > 4):
+            chosen = _NONE
+        if chosen is _NONE:
+            buffer = _own_buffer(obj)
+            if buffer is not None:  # the tensor's own bytes: no Encoded, no views (the common case)
+                self.decoded_nbytes += buffer.nbytes
+                self.frame_nbytes += buffer.nbytes
+                self.numel_total += obj.numel()
+                self.table.append(["none", _DTYPE_NAMES[obj.dtype], list(obj.shape), {}, 1])
+                self.frames.append(buffer)
+                return _tensor_ref(len(self.table) - 1)
+        return self._add(chosen.encode(obj.detach()))
+
+    def _add(self, encoded: Encoded) -> msgpack.ExtType:
         numel = math.prod(encoded.shape)
         problem = _expansion_problem(encoded.codec, encoded.dtype, numel, encoded.nbytes)
         if problem is not None:
             raise CodecError(f"cannot send {problem}; cast it to float32 first, or send it with codec 'none'")
-        decoded_nbytes += numel * encoded.dtype.itemsize
-        numel_total += numel
-        padding_total += get_codec(encoded.codec).decoded_elements(encoded.shape, encoded.params) - numel
-        table.append(_table_row(encoded))
+        self.decoded_nbytes += numel * encoded.dtype.itemsize
+        self.numel_total += numel
+        self.padding_total += get_codec(encoded.codec).decoded_elements(encoded.shape, encoded.params) - numel
+        self.table.append(_table_row(encoded))
         buffers = [_as_buffer(frame) for frame in encoded.frames]
-        frames.extend(buffers)
-        frame_nbytes += sum(buffer.nbytes for buffer in buffers)
-        return msgpack.ExtType(_TENSOR_EXT, (len(table) - 1).to_bytes(4, "little"))
+        self.frames.extend(buffers)
+        self.frame_nbytes += sum(buffer.nbytes for buffer in buffers)
+        return _tensor_ref(len(self.table) - 1)
 
-    body = msgpack.packb(payload, default=add_extension, use_bin_type=True)
-    header = msgpack.packb([WIRE_VERSION, table, body], use_bin_type=True)
-    total = len(header) + frame_nbytes
-    if total > max_bytes or decoded_nbytes > max_bytes:
-        raise MessageTooLarge(
-            f"message is {total} bytes ({decoded_nbytes} bytes of tensors decoded), over the "
-            f"limit of {max_bytes}; {RAISE_THE_LIMIT}"
-        )
-    if len(frames) >= MAX_FRAMES_PER_MESSAGE:
-        raise MessageTooLarge(
-            f"message has {len(frames) + 1} frames, over the limit of {MAX_FRAMES_PER_MESSAGE}; "
-            "send the tensors in several messages"
-        )
-    if padding_total > max(numel_total, _MAX_PADDING):
-        raise CodecError(_padding_problem(numel_total, padding_total))
-    return [header, *frames]
+
+def _tensor_ref(index: int) -> msgpack.ExtType:
+    return _TENSOR_REFS[index] if index < len(_TENSOR_REFS) else msgpack.ExtType(_TENSOR_EXT, index.to_bytes(4, "little"))
 
 
 def decode_message(
@@ -315,98 +356,36 @@ def decode_message(
     if len(frames) > MAX_FRAMES_PER_MESSAGE:
         raise MessageTooLarge(f"message has {len(frames)} frames, over the limit of {MAX_FRAMES_PER_MESSAGE}")
     buffers = [_buffer_of(frame) for frame in frames]
-    total = sum(buf.nbytes for buf in buffers)
+    total = buffers[0].nbytes if len(buffers) == 1 else sum(buf.nbytes for buf in buffers)
     if total > max_bytes:
         raise MessageTooLarge(f"message is {total} bytes, over the limit of {max_bytes}")
-    if len(buffers) == 1:
-        payload = _decode_plain(buffers[0])
-        if payload is not _NOT_PLAIN:
-            return payload
+    body = _plain_body(buffers[0]) if len(buffers) == 1 else None
+    if body is not None:
+        return _unpack_body(body, _NO_TENSORS, bad_records)
     version, table, body = _unpack_header(buffers[0], num_tensor_frames=len(buffers) - 1)
     if version != WIRE_VERSION:
         raise WireError(f"wire version {excerpt(version)} is not supported (this side speaks {WIRE_VERSION})")
     tensors = _rebuild_tensors(table, buffers[1:], max_bytes=max_bytes)
-
-    records = _RecordBuilder(bad_records)
-
-    def ext_hook(code: int, data: bytes) -> torch.Tensor | Encoded | _RecordTag:
-        if code == _RECORD_EXT:
-            return records.open(data)
-        if code != _TENSOR_EXT or len(data) != 4:
-            raise WireError(f"unknown msgpack extension type {code}")
-        index = int.from_bytes(data, "little")
-        if index >= len(tensors):
-            raise WireError(f"tensor reference {index} but the table has {len(tensors)} rows")
-        return tensors[index]
-
-    return _unpack_body(body, ext_hook, records)
+    return _unpack_body(body, tensors, bad_records)
 
 
-# -- messages of plain msgpack values only (most actor calls and replies): one pass each way.
-# The bytes are the general path's ([version, [], body]); only the work is less: a packer
-# kept per thread, no table, no record hook, and the header's few fixed bytes read by hand.
-# Whatever does not fit (a tensor, a record, a malformed frame) goes the general way.
-
-_PLAIN_MAX = MAX_CONTAINERS  # a frame this short cannot hold more lists and maps than the budget
-_NO_TENSORS: list[Any] = []
+# The header of a message with no tensors (most actor calls and replies) is read by hand: its
+# few fixed bytes, then the body's length. The bytes are the general form ([version, [], body]).
 _PLAIN_HEADER = b"\x93" + msgpack.packb(WIRE_VERSION) + b"\x90"  # array of 3: the version, an empty table
 _BIN_LENGTH_BYTES = {0xC4: 1, 0xC5: 2, 0xC6: 4}  # msgpack bin 8, bin 16, bin 32
-_NOT_PLAIN = object()
-_packers = threading.local()
 
 
-class _HasExtension(Exception):
-    """A tensor or record in a body read on the plain path: the general path reads it."""
-
-
-def _encode_plain(payload: Any, max_bytes: int) -> bytes | None:
-    """The header frame of a message with no tensors and no records, or None for any other."""
-    packer = getattr(_packers, "packer", None)
-    if packer is None:
-        packer = _packers.packer = msgpack.Packer(use_bin_type=True)
-    try:
-        body = packer.pack(payload)
-    except TypeError:  # a tensor, a record, or no type a message holds: the general path sorts them out
-        packer.reset()
-        return None
-    if len(body) > _PLAIN_MAX:  # a large body leaves its buffer with the packer: start a fresh one
-        _packers.packer = None
-    header = packer.pack([WIRE_VERSION, _NO_TENSORS, body])
-    if len(header) > max_bytes:
-        raise MessageTooLarge(f"message is {len(header)} bytes, over the limit of {max_bytes}; {RAISE_THE_LIMIT}")
-    return header
-
-
-def _decode_plain(buf: memoryview) -> Any:
-    """The payload of a one-frame message whose header has no tensors and whose body no
-    extension, or ``_NOT_PLAIN`` for any other (the general path then reads it, and
-    names what is wrong with it)."""
+def _plain_body(buf: memoryview) -> memoryview | None:
+    """The body of a one-frame message whose header is the version and an empty table, or None
+    for any other header (the general path reads it, and names what is wrong with it)."""
     size = buf.nbytes
     start = len(_PLAIN_HEADER) + 1  # then the body's bin marker, its length, the body
-    if size > _PLAIN_MAX or size < start or buf[:start - 1] != _PLAIN_HEADER:
-        return _NOT_PLAIN
+    if size < start or buf[:start - 1] != _PLAIN_HEADER:
+        return None
     width = _BIN_LENGTH_BYTES.get(buf[start - 1])
     if width is None or int.from_bytes(buf[start:start + width], "big") != size - start - width:
-        return _NOT_PLAIN
-    body = buf[start + width:]
-    length = body.nbytes
-    # A body shorter than MAX_DEPTH cannot nest deeper: only a longer one has its lists and maps counted.
-    count = _ContainerBudget(MAX_CONTAINERS, "message body") if length > MAX_DEPTH else None
-    try:
-        payload = msgpack.unpackb(
-            body, ext_hook=_refuse_extension, raw=False, strict_map_key=False, timestamp=0,
-            list_hook=count, object_hook=count, max_str_len=length, max_bin_len=length,
-            max_ext_len=MAX_RECORD_NAME, max_array_len=length, max_map_len=length // 2,
-        )
-    except Exception:  # malformed, or a tensor or record in it
-        return _NOT_PLAIN
-    if count is not None and count.used > MAX_DEPTH:
-        _check_depth(payload)
-    return payload
-
-
-def _refuse_extension(code: int, data: bytes) -> Any:
-    raise _HasExtension
+        return None
+    return buf[start + width:]
 
 
 def excerpt(value: object, limit: int = 80) -> str:
@@ -532,7 +511,8 @@ def _unpack_header(buf: memoryview, *, num_tensor_frames: int) -> tuple[Any, lis
     # num_frames] row per tensor, and every tensor has a frame: so no array is longer
     # than a shape or the frame count, and it holds 2 + 3 * rows lists and maps (the
     # budget has room for a few rows more, which the row checks then name precisely).
-    count = _ContainerBudget(2 + 3 * (num_tensor_frames + 8), "header")
+    # A header of a few KiB costs at most its length whatever it holds: only a longer one is counted.
+    count = _ContainerBudget(2 + 3 * (num_tensor_frames + 8), "header") if buf.nbytes > _SHORT_HEADER else None
     try:
         header = msgpack.unpackb(
             buf, raw=False, strict_map_key=False, timestamp=0, list_hook=count, object_hook=count,
@@ -611,11 +591,46 @@ class _RecordBuilder(_ContainerBudget):
             raise WireError(f"{self.opened - self.built} record tag(s) outside a [name, fields] list")
 
 
-def _unpack_body(body: bytes, ext_hook: Callable[[int, bytes], Any], records: _RecordBuilder) -> Any:
+class _HasRecord(Exception):
+    """A record tag in a body read without the record hook: it is read again with it."""
+
+
+def _unpack_body(body: bytes | memoryview, tensors: list[torch.Tensor | Encoded],
+                 bad_records: list[WireError] | None) -> Any:
+    """The payload of a message body, its tensor references replaced by ``tensors``.
+
+    Read first without the record hook, a Python call per list that only a body holding
+    records needs (most hold none): the first record tag sends it round again with it.
+    """
+    records: _RecordBuilder | None = None
+
+    def ext_hook(code: int, data: bytes) -> torch.Tensor | Encoded | _RecordTag:
+        if code == _RECORD_EXT:
+            if records is None:
+                raise _HasRecord
+            return records.open(data)
+        if code != _TENSOR_EXT or len(data) != 4:
+            raise WireError(f"unknown msgpack extension type {code}")
+        index = int.from_bytes(data, "little")
+        if index >= len(tensors):
+            raise WireError(f"tensor reference {index} but the table has {len(tensors)} rows")
+        return tensors[index]
+
+    try:
+        return _unpack_body_once(body, ext_hook, None)
+    except _HasRecord:
+        records = _RecordBuilder(bad_records)
+        return _unpack_body_once(body, ext_hook, records)
+
+
+def _unpack_body_once(body: bytes | memoryview, ext_hook: Callable[[int, bytes], Any],
+                      records: _RecordBuilder | None) -> Any:
     size = len(body)
-    # Each list or map takes a byte at least, so a short body needs no map counting,
-    # and no body nests deeper than it has containers.
-    count = records if size > MAX_DEPTH else None
+    # Each list or map takes a byte at least, so a short body needs no counting, and no
+    # body nests deeper than it has containers. The record builder counts as it builds.
+    count = records if records is not None else _ContainerBudget(MAX_CONTAINERS, "message body")
+    if size <= MAX_DEPTH:
+        count = None
     # Thousands of new lists and maps trigger the cyclic GC, and a full collection walks
     # every object of the process (torch's included: ~100 ms). Nothing here makes a cycle.
     pause_gc = count is not None and gc.isenabled()
@@ -624,18 +639,19 @@ def _unpack_body(body: bytes, ext_hook: Callable[[int, bytes], Any], records: _R
     try:
         payload = msgpack.unpackb(
             body, ext_hook=ext_hook, raw=False, strict_map_key=False, timestamp=0,
-            list_hook=records.list_hook, object_hook=count,
+            list_hook=records.list_hook if records is not None else count, object_hook=count,
             max_str_len=size, max_bin_len=size, max_ext_len=MAX_RECORD_NAME,  # a name or a tensor reference
             max_array_len=min(size, MAX_ITEMS), max_map_len=min(size // 2, MAX_ITEMS),
         )
-    except WireError:
+    except (WireError, _HasRecord):
         raise
     except Exception as exc:  # msgpack raises many types for corrupt input
         raise WireError(f"malformed message body: {type(exc).__name__}: {_clip(exc)}") from None
     finally:
         if pause_gc:
             gc.enable()
-    records.check_closed()
+    if records is not None:
+        records.check_closed()
     if count is not None and count.used > MAX_DEPTH:
         _check_depth(payload)
     return payload

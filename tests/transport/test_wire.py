@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import warnings
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -279,6 +280,36 @@ def test_plain_messages_encode_on_many_threads_at_once() -> None:
     with ThreadPoolExecutor(4) as pool:
         decoded = list(pool.map(lambda p: decode_message(as_bytes(encode_message(p))), payloads))
     assert decoded == payloads
+
+
+def test_the_encoder_holds_no_frame_once_the_message_is_gone() -> None:
+    frames = encode_message({"x": torch.ones(1000), "p": Point(x=1, weights=torch.zeros(3))})
+    assert decode_message(as_bytes(frames))["x"].sum().item() == 1000
+    gone = [weakref.ref(frame) for frame in frames[1:]]  # views of the sender's tensors
+    del frames
+    assert [ref() for ref in gone] == [None, None]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Sealed:
+    """A record whose fields are a message of their own, encoded while the outer one is."""
+
+    inner: object
+
+    def wire_fields(self) -> dict[str, object]:
+        return {"frames": [bytes(memoryview(f)) for f in encode_message([self.inner, torch.arange(3)])]}
+
+
+register_record(Sealed, "test.Sealed", fields=Sealed.wire_fields)
+
+
+def test_a_message_encoded_while_another_is_encoding_leaves_both_whole() -> None:
+    frames = encode_message([torch.full((2,), 7.0), Sealed(inner={"k": torch.ones(4)})])
+    header = msgpack.unpackb(frames[0])
+    assert len(header[1]) == 1 and len(frames) == 2  # the outer message's one tensor; the inner one's are bytes
+    body = msgpack.unpackb(header[2], ext_hook=lambda code, data: code)
+    inner = decode_message(body[1][1]["frames"])
+    assert torch.equal(inner[0]["k"], torch.ones(4)) and torch.equal(inner[1], torch.arange(3))
 
 
 @functools.cache
