@@ -359,9 +359,9 @@ def decode_message(
     total = buffers[0].nbytes if len(buffers) == 1 else sum(buf.nbytes for buf in buffers)
     if total > max_bytes:
         raise MessageTooLarge(f"message is {total} bytes, over the limit of {max_bytes}")
-    body = _plain_body(buffers[0]) if len(buffers) == 1 else None
-    if body is not None:
-        return _unpack_body(body, _NO_TENSORS, bad_records)
+    plain = _plain_body(buffers[0]) if len(buffers) == 1 else None
+    if plain is not None:
+        return _unpack_body(plain, _NO_TENSORS, bad_records)
     version, table, body = _unpack_header(buffers[0], num_tensor_frames=len(buffers) - 1)
     if version != WIRE_VERSION:
         raise WireError(f"wire version {excerpt(version)} is not supported (this side speaks {WIRE_VERSION})")
@@ -628,9 +628,9 @@ def _unpack_body_once(body: bytes | memoryview, ext_hook: Callable[[int, bytes],
     size = len(body)
     # Each list or map takes a byte at least, so a short body needs no counting, and no
     # body nests deeper than it has containers. The record builder counts as it builds.
-    count = records if records is not None else _ContainerBudget(MAX_CONTAINERS, "message body")
-    if size <= MAX_DEPTH:
-        count = None
+    count: _ContainerBudget | None = None
+    if size > MAX_DEPTH:
+        count = records if records is not None else _ContainerBudget(MAX_CONTAINERS, "message body")
     # Thousands of new lists and maps trigger the cyclic GC, and a full collection walks
     # every object of the process (torch's included: ~100 ms). Nothing here makes a cycle.
     pause_gc = count is not None and gc.isenabled()
