@@ -120,6 +120,7 @@ float32 (the scales make the block codecs' true ratio a little lower). A float64
 declaration on a lossy codec would double it (int4: 16x), so those travel raw."""
 _MAX_HEADER_STR = 64  # codec and dtype names, param names and values
 _SHORT_HEADER = 4096  # bytes
+_SHORT_BODY = 4096  # bytes
 _MAX_PARAMS = 8
 # The zero padding of the block codecs' last block, computed and thrown away by decode:
 # at most the message's own element count or this many elements, whichever is more,
@@ -599,10 +600,11 @@ def _unpack_body(body: bytes | memoryview, tensors: list[torch.Tensor | Encoded]
                  bad_records: list[WireError] | None) -> Any:
     """The payload of a message body, its tensor references replaced by ``tensors``.
 
-    Read first without the record hook, a Python call per list that only a body holding
-    records needs (most hold none): the first record tag sends it round again with it.
+    A short body is read first without the record hook, a Python call per list that only a
+    body holding records needs (most hold none): the first record tag sends it round again
+    with it. A long one is read with it at once, so what a second round costs stays small.
     """
-    records: _RecordBuilder | None = None
+    records = None if len(body) <= _SHORT_BODY else _RecordBuilder(bad_records)
 
     def ext_hook(code: int, data: bytes) -> torch.Tensor | Encoded | _RecordTag:
         if code == _RECORD_EXT:
@@ -616,6 +618,8 @@ def _unpack_body(body: bytes | memoryview, tensors: list[torch.Tensor | Encoded]
             raise WireError(f"tensor reference {index} but the table has {len(tensors)} rows")
         return tensors[index]
 
+    if records is not None:
+        return _unpack_body_once(body, ext_hook, records)
     try:
         return _unpack_body_once(body, ext_hook, None)
     except _HasRecord:
