@@ -26,10 +26,9 @@ comes from whoever can reach the socket):
 - at most :data:`MAX_FRAMES_PER_MESSAGE` frames and ``max_bytes`` bytes on the wire;
 - the header is decoded with msgpack's length limits sized for a valid header
   (strings of at most 64 characters, at most 8 codec params, one row, shape and
-  params per tensor frame), so a junk header costs at most its own length; a
-  message of one frame under 16 KiB whose header holds no tensors (most actor calls)
-  has its header's fixed bytes read by hand and its body read in one pass with the
-  same limits, and goes the general way the moment anything else is in it;
+  params per tensor frame), so a junk header costs at most its own length (one under
+  4 KiB is read without counting its lists: it cannot cost more than its length; one
+  with no tensors, most actor calls', has its few fixed bytes read by hand);
 - each table row is checked against its codec before any tensor is built: the
   frames' exact sizes, the decoded size (elements times the declared dtype's
   size), which may not exceed what the codec ever expands to (decoded bytes per
@@ -37,7 +36,8 @@ comes from whoever can reach the socket):
   float64 travels raw), and a total over all rows of at most ``max_bytes``;
 - the body is decoded with msgpack's length limits (no array or map longer than
   :data:`MAX_ITEMS`), at most :data:`MAX_CONTAINERS` lists and maps in all, and
-  nested at most :data:`MAX_DEPTH` deep.
+  nested at most :data:`MAX_DEPTH` deep (a body under 4 KiB is read in one pass with
+  no Python call per list, and again with the record hook if a record tag is in it).
 
 The sender checks the same frame, expansion, decoded-size and padding limits, so
 its tensors never make ``decode_message`` refuse a message ``encode_message``
@@ -251,8 +251,8 @@ class _Encoder:
                 self.packer = msgpack.Packer(default=self.extension, use_bin_type=True)
             table, frames = self.table, self.frames
             header = self.packer.pack([WIRE_VERSION, table or _NO_TENSORS, body])
-        except BaseException:
-            self.packer.reset()
+        except BaseException:  # the packer may hold what it had packed, however large: start afresh
+            self.packer = msgpack.Packer(default=self.extension, use_bin_type=True)
             raise
         finally:
             self.busy, self.table, self.frames = False, [], []  # hold no sender's tensor past the call
@@ -321,7 +321,9 @@ class _Encoder:
 
 
 def _tensor_ref(index: int) -> msgpack.ExtType:
-    return _TENSOR_REFS[index] if index < len(_TENSOR_REFS) else msgpack.ExtType(_TENSOR_EXT, index.to_bytes(4, "little"))
+    if index < len(_TENSOR_REFS):
+        return _TENSOR_REFS[index]
+    return msgpack.ExtType(_TENSOR_EXT, index.to_bytes(4, "little"))
 
 
 def decode_message(

@@ -290,6 +290,15 @@ def test_the_encoder_holds_no_frame_once_the_message_is_gone() -> None:
     assert [ref() for ref in gone] == [None, None]
 
 
+def test_a_message_that_cannot_be_encoded_leaves_the_next_one_whole() -> None:
+    with pytest.raises(TypeError, match="cannot send an object of type object"):
+        encode_message([torch.ones(3), "x" * 100_000, object()])
+    frames = encode_message([torch.zeros(2), "y"])
+    assert len(frames) == 2
+    out = decode_message(as_bytes(frames))
+    assert torch.equal(out[0], torch.zeros(2)) and out[1] == "y"
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Sealed:
     """A record whose fields are a message of their own, encoded while the outer one is."""
