@@ -247,10 +247,10 @@ class _Encoder:
         self.decoded_nbytes = self.numel_total = self.padding_total = self.frame_nbytes = 0
         try:
             body = self.packer.pack(payload)
-            if len(body) > _PACKER_KEEPS:  # a large body leaves its buffer with the packer: start a fresh one
-                self.packer = msgpack.Packer(default=self.extension, use_bin_type=True)
             table, frames = self.table, self.frames
             header = self.packer.pack([WIRE_VERSION, table or _NO_TENSORS, body])
+            if len(header) > _PACKER_KEEPS:  # a packer keeps the buffer it grew: not one this large
+                self.packer = msgpack.Packer(default=self.extension, use_bin_type=True)
         except BaseException:  # the packer may hold what it had packed, however large: start afresh
             self.packer = msgpack.Packer(default=self.extension, use_bin_type=True)
             raise

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import tracemalloc
 import warnings
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -288,6 +289,24 @@ def test_the_encoder_holds_no_frame_once_the_message_is_gone() -> None:
     gone = [weakref.ref(frame) for frame in frames[1:]]  # views of the sender's tensors
     del frames
     assert [ref() for ref in gone] == [None, None]
+
+
+def test_a_large_message_leaves_its_thread_no_large_buffer() -> None:
+    # Run on a thread of its own: what that thread's encoder keeps is all it allocated.
+    def encode_and_measure() -> tuple[int, int]:
+        tracemalloc.start()
+        try:
+            frames = encode_message({"blob": b"x" * (48 << 20)})
+            size = len(frames[0])
+            del frames
+            return size, tracemalloc.get_traced_memory()[0]
+        finally:
+            tracemalloc.stop()
+
+    with ThreadPoolExecutor(1) as pool:
+        size, kept = pool.submit(encode_and_measure).result()
+    assert size > 48 << 20
+    assert kept < 4 << 20, kept
 
 
 def test_a_message_that_cannot_be_encoded_leaves_the_next_one_whole() -> None:
