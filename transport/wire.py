@@ -248,7 +248,7 @@ class _Encoder:
         try:
             body = self.packer.pack(payload)
             table, frames = self.table, self.frames
-            header = self.packer.pack([WIRE_VERSION, table or _NO_TENSORS, body])
+            header = self.packer.pack([WIRE_VERSION, table, body])
             if len(header) > _PACKER_KEEPS:  # a packer keeps the buffer it grew: not one this large
                 self.packer = msgpack.Packer(default=self.extension, use_bin_type=True)
         except BaseException:  # the packer may hold what it had packed, however large: start afresh
