@@ -7,7 +7,9 @@ header + zero-copy tensor frame, asyncio on uvloop, decoded back into a tensor),
 through the same channel secured as a cluster's channels are by default (a session
 opened over CURVE, every message sealed with AES-GCM: ``transport.sealed``), through
 it with every message in CURVE itself (libsodium, the way before sealing), and through
-raw blocking pyzmq sending the tensor's buffer with ``copy=False`` — alternating
+raw blocking pyzmq sending the tensor's buffer with ``copy=False`` — and a fifth way,
+the one stages send their values by default: a sealed stream each process's loop writes
+and reads itself (``transport.stream``, encrypted; ``stream_vs_plain``) — alternating
 trials so machine noise hits all alike, seven of each by default: on a 2-core machine one
 trial of the same kind can run at 1.7 or 4.5 GB/s (raw pyzmq at 1 MiB, twelve trials in
 a row; at 64 KiB 0.55 or 3.5), by where the scheduler puts the four busy threads, so a
@@ -21,6 +23,7 @@ one JSON object.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import multiprocessing as mp
 import shutil
@@ -35,10 +38,14 @@ import zmq
 from transport.channel import BulkMode, open_receiver, open_sender
 from transport.codecs import CODEC_NAMES, get_codec
 from transport.loop import run
+from transport.sealed import SessionKey
 from transport.security import Gate, Keypair
+from transport.stream import StreamLink, StreamServer
+from transport.wire import encode_message
 
 SIZES = {"64KiB": 64 << 10, "1MiB": 1 << 20, "16MiB": 16 << 20}
 BYTES_PER_TRIAL = 512 << 20
+KINDS = ("raw", "channel", "secure", "curve", "stream")
 
 
 def _count(size: int) -> int:
@@ -85,6 +92,52 @@ def _channel_receive(
         context.term()
 
 
+def _stream_receive(folder: str, plan: list[tuple[int, int]], results: Any, ready: Any, opening: bytes) -> None:
+    """The stage path: a sealed stream this process's loop reads (``transport.stream``)."""
+    torch.set_num_threads(1)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        blocks = iter(plan)
+        state: dict[str, Any] = {"block": next(blocks), "seen": 0, "start": 0.0}
+        done = loop.create_future()
+
+        def on_message(tensor: torch.Tensor) -> None:
+            size, count = state["block"]
+            state["seen"] += 1
+            if state["seen"] == 1:
+                state["start"] = time.perf_counter()
+            elif state["seen"] == count:
+                results.put(((count - 1) * size, time.perf_counter() - state["start"], tensor.numel() * 4))
+                state["block"], state["seen"] = next(blocks, None), 0
+                if state["block"] is None:
+                    done.set_result(None)
+
+        server = StreamServer(on_message)
+        try:
+            ready.put(await server.start("", exactly=f"ipc://{folder}/stream"))
+            server.open(opening, "bench")
+            await done
+        finally:
+            server.close()
+
+    run(main())
+
+
+async def _stream_send(address: str, plan: list[tuple[int, int]], key: SessionKey, results: Any) -> list[Any]:
+    """Sends ``plan`` and returns the receiver's results: the loop must run until what the link
+    queued has left (an ended loop drops it)."""
+    link = await StreamLink.connect(address, key)
+    try:
+        for size, count in plan:
+            tensor = torch.ones(size // 4)
+            for _ in range(count):
+                await link.send(encode_message(tensor))
+        return [await asyncio.to_thread(results.get, timeout=120) for _ in plan]
+    finally:
+        link.close()
+
+
 def _raw_send(address: str, plan: list[tuple[int, int]]) -> None:
     sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.PUSH)
     sock.setsockopt(zmq.SNDHWM, 64)
@@ -106,25 +159,33 @@ async def _channel_send(address: str, plan: list[tuple[int, int]], curve: Keypai
 
 
 def measure_throughput(kind: str, plan: list[tuple[int, int]]) -> list[float]:
-    """One trial: bytes/s per block of ``plan`` for ``kind`` ('channel', 'secure', 'curve' or 'raw')."""
+    """One trial: bytes/s per block of ``plan`` for ``kind`` ('channel', 'secure', 'curve', 'stream' or 'raw')."""
     ctx = mp.get_context("spawn")
     results, ready = ctx.Queue(), ctx.Queue()
-    target = _raw_receive if kind == "raw" else _channel_receive
     tempdir = tempfile.mkdtemp(prefix="actorpipe-bench-")
     server, client = Keypair.generate(), Keypair.generate()
     secure = kind in ("secure", "curve")
-    extra = ((server, client.public),) if secure else ()
-    proc = ctx.Process(target=target, args=(f"ipc://{tempdir}/sock", plan, results, ready, *extra))
+    key = SessionKey.new()
+    if kind == "stream":
+        target, args = _stream_receive, (tempdir, plan, results, ready, key.open_message())
+    else:
+        extra = ((server, client.public),) if secure else ()
+        target = _raw_receive if kind == "raw" else _channel_receive
+        args = (f"ipc://{tempdir}/sock", plan, results, ready, *extra)
+    proc = ctx.Process(target=target, args=args)
     proc.start()
     try:
         address = ready.get(timeout=60)
-        if kind != "raw":
+        received = None
+        if kind == "stream":
+            received = run(_stream_send(address, plan, key, results))
+        elif kind != "raw":
             run(_channel_send(address, plan, client if secure else None, "curve" if kind == "curve" else "encrypt"))
         else:
             _raw_send(address, plan)
         rates = []
-        for size, _ in plan:
-            nbytes, seconds, last = results.get(timeout=120)
+        for i, (size, _) in enumerate(plan):
+            nbytes, seconds, last = received[i] if received is not None else results.get(timeout=120)
             assert last == size, "receiver saw a wrong-sized message"
             rates.append(nbytes / seconds)
         return rates
@@ -174,25 +235,25 @@ def main() -> None:
     torch.set_num_threads(1)
 
     plan = [(size, _count(size)) for size in SIZES.values()]
-    samples: dict[str, list[list[float]]] = {"channel": [], "raw": [], "secure": [], "curve": []}
+    samples: dict[str, list[list[float]]] = {kind: [] for kind in KINDS}
     for _ in range(args.trials):
-        for kind in ("raw", "channel", "secure", "curve"):
+        for kind in KINDS:
             samples[kind].append(measure_throughput(kind, plan))
     medians = {kind: [statistics.median(t[i] for t in trials) / 1e9 for i in range(len(plan))]
                for kind, trials in samples.items()}
 
     print(f"one-way throughput, ipc, PUSH/PULL, median of {args.trials} trials (GB/s)")
     print(f"{'size':>8} {'raw pyzmq':>10} {'channel':>10} {'ratio':>7} {'secure':>8} {'vs plain':>9} "
-          f"{'all CURVE':>10} {'vs plain':>9}")
+          f"{'all CURVE':>10} {'vs plain':>9} {'stream':>8} {'vs plain':>9}")
     for i, label in enumerate(SIZES):
         spread = "  ".join(f"{kind} {min(t[i] for t in trials) / 1e9:.2f}-{max(t[i] for t in trials) / 1e9:.2f}"
                            for kind, trials in samples.items())
         print(f"{label:>8} trials' spread (GB/s): {spread}")
     for i, label in enumerate(SIZES):
         raw, chan = medians["raw"][i], medians["channel"][i]
-        secure, curve = medians["secure"][i], medians["curve"][i]
+        secure, curve, stream = medians["secure"][i], medians["curve"][i], medians["stream"][i]
         print(f"{label:>8} {raw:>10.2f} {chan:>10.2f} {chan / raw:>7.2f} {secure:>8.2f} {secure / chan:>9.2f} "
-              f"{curve:>10.2f} {curve / chan:>9.2f}")
+              f"{curve:>10.2f} {curve / chan:>9.2f} {stream:>8.2f} {stream / chan:>9.2f}")
 
     # The copy before and after the codecs: a ratio to it holds across machines where GB/s do not.
     memcpy = [measure_memcpy()]
@@ -213,6 +274,8 @@ def main() -> None:
         summary[f"secure_vs_plain_{label}"] = round(medians["secure"][i] / medians["channel"][i], 3)
         summary[f"curve_GBps_{label}"] = round(medians["curve"][i], 3)
         summary[f"curve_vs_plain_{label}"] = round(medians["curve"][i] / medians["channel"][i], 3)
+        summary[f"stream_GBps_{label}"] = round(medians["stream"][i], 3)
+        summary[f"stream_vs_plain_{label}"] = round(medians["stream"][i] / medians["channel"][i], 3)
     summary["memcpy_GBps"] = round(copy_gbps, 3)
     for name, (gbps, ratio) in codecs.items():
         summary[f"{name}_GBps"] = round(gbps, 3)

@@ -159,6 +159,12 @@ class SessionKey:
     def new(cls, *, encrypt: bool = True) -> SessionKey:
         return cls(os.urandom(16), AESGCM.generate_key(bit_length=256), encrypt=encrypt)
 
+    def twin(self) -> SessionKey:
+        """The same session's key with an AES-GCM object of its own, for another thread to seal with
+        while this one is in use (``cryptography`` lets go of the GIL as it seals, and does not say
+        that one object may seal on two threads at once)."""
+        return SessionKey(self.session_id, self._key, encrypt=self.encrypt)
+
     @property
     def _flags(self) -> int:
         return FLAG_ENCRYPTED if self.encrypt else 0

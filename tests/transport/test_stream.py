@@ -11,14 +11,17 @@ import asyncio
 import os
 import socket
 import struct
+import threading
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 import torch
 
+import transport.stream as stream_module
 from transport.sealed import SessionKey
-from transport.stream import MAX_FRAMES, StreamBroken, StreamLink, StreamServer, stream_bind_address
+from transport.stream import MAX_FRAMES, SEAL_AWAY_BYTES, StreamBroken, StreamLink, StreamServer, stream_bind_address
 from transport.wire import encode_message
 
 pytestmark = pytest.mark.timeout(60)
@@ -229,8 +232,11 @@ async def test_an_encrypted_send_is_queued_and_a_clear_one_waits_for_the_kernel(
     link = await StreamLink.connect(f"ipc://{path}", SessionKey.new(encrypt=encrypt))
     value = torch.ones(2 << 20)  # 8 MiB: more than a socket's buffers hold
     sending = asyncio.ensure_future(link.send(encode_message([value])))
-    await asyncio.sleep(0.05)
-    assert sending.done() is encrypt  # in the clear it can only end once the peer reads
+    if encrypt:  # queued (perhaps sealed on the worker first): it ends though the peer reads nothing
+        await asyncio.wait_for(asyncio.shield(sending), 30)
+    else:  # in the clear it can only end once the peer reads
+        await asyncio.sleep(0.05)
+        assert not sending.done()
     loop = asyncio.get_running_loop()
     peer, _ = await loop.sock_accept(listener)
     received = 0
@@ -240,3 +246,77 @@ async def test_an_encrypted_send_is_queued_and_a_clear_one_waits_for_the_kernel(
     link.close()
     peer.close()
     listener.close()
+
+
+class SlowSeals:
+    """SessionKey.seal, slowed on the worker thread (so what is sent meanwhile must wait behind it),
+    with the thread each message was sealed on."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, seconds: float = 0.2) -> None:
+        self.threads: dict[int, str] = {}  # message number -> the thread that sealed it
+        seal = SessionKey.seal
+
+        def slow(key: SessionKey, seq: int, frames: list[Any], **kwargs: Any) -> list[Any]:
+            self.threads[seq] = threading.current_thread().name
+            if threading.current_thread() is not threading.main_thread():
+                time.sleep(seconds)
+            return seal(key, seq, frames, **kwargs)
+
+        monkeypatch.setattr(SessionKey, "seal", slow)
+        monkeypatch.setattr(stream_module, "_seal_away_bytes", lambda sock: SEAL_AWAY_BYTES)
+
+
+async def test_a_large_message_sealed_away_keeps_its_place(served: tuple[StreamServer, Taken],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A large encrypted message is sealed on the worker while the loop goes on; what is sent
+    meanwhile (by send or try_send) leaves after it, and a cancelled send's message still leaves."""
+    server, taken = served
+    seals = SlowSeals(monkeypatch)
+    link = await open_link(server)
+    big = torch.randn(SEAL_AWAY_BYTES // 4 + 1)
+    first = asyncio.ensure_future(link.send(encode_message(["first", big])))
+    await asyncio.sleep(0)  # it numbered its message and handed it to the worker
+    assert link.try_send(encode_message(["second"])) is not None  # queued behind it
+    third = asyncio.ensure_future(link.send(encode_message(["third"])))
+    fourth = asyncio.ensure_future(link.send(encode_message(["fourth", big * 2])))
+    await asyncio.sleep(0)
+    fourth.cancel()  # the caller gives up: the message is numbered, so it still leaves, in its place
+    fifth = asyncio.ensure_future(link.send(encode_message(["fifth"])))
+    assert await first > big.numel() * 4 and await third > 0 and await fifth > 0
+    await taken.wait(payloads=5)
+    assert [payload[0] for payload in taken.payloads] == ["first", "second", "third", "fourth", "fifth"]
+    assert torch.equal(taken.payloads[0][1], big) and torch.equal(taken.payloads[3][1], big * 2)
+    assert [seals.threads[seq] for seq in sorted(seals.threads)] == [
+        "stream-seal_0", "MainThread", "MainThread", "stream-seal_0", "MainThread"]
+    assert taken.refusals == []
+    link.close()
+
+
+async def test_closing_a_link_fails_a_send_still_being_sealed(served: tuple[StreamServer, Taken],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    server, taken = served
+    SlowSeals(monkeypatch)
+    link = await open_link(server)
+    sending = asyncio.ensure_future(link.send(encode_message([torch.ones(SEAL_AWAY_BYTES // 4)])))
+    await asyncio.sleep(0)
+    link.close()
+    with pytest.raises(StreamBroken, match="closed here"):
+        await asyncio.wait_for(sending, 30)
+    with pytest.raises(StreamBroken):
+        await link.send(encode_message(["after"]))
+
+
+def test_a_unix_link_seals_away_only_where_the_kernel_keeps_its_buffer_small(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel grants a Unix socket's send buffer up to net.core.wmem_max: granted, the buffer
+    carries the receiver through a seal on the loop; refused, large messages are sealed away."""
+    here, there = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with here, there:
+        monkeypatch.setattr(stream_module, "SEND_BUFFER_BYTES", 64 << 10)  # below any wmem_max
+        assert stream_module._seal_away_bytes(here) is None
+        assert here.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) >= 64 << 10
+        monkeypatch.setattr(stream_module, "SEND_BUFFER_BYTES", 1 << 30)  # above any wmem_max
+        assert stream_module._seal_away_bytes(there) == SEAL_AWAY_BYTES
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as tcp:
+        before = tcp.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+        assert stream_module._seal_away_bytes(tcp) == SEAL_AWAY_BYTES
+        assert tcp.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == before  # TCP sizes its own
