@@ -474,7 +474,8 @@ class _Outbound(asyncio.Protocol):
         self.drained: asyncio.Future[None] | None = None
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.broken = f"the connection closed ({exc})" if exc is not None else "the receiver closed the connection"
+        if self.broken is None:  # else the link closed it, and said why
+            self.broken = f"the connection closed ({exc})" if exc is not None else "the receiver closed the connection"
         self._wake()
 
     def data_received(self, data: bytes) -> None:
@@ -608,7 +609,9 @@ class StreamLink:
 
         def sealed(done: asyncio.Future[list[Any]]) -> None:
             if done.cancelled() or done.exception() is not None:
-                self._fail(f"sealing a message failed: {done.exception()!r}")
+                why = "cancelled" if done.cancelled() else repr(done.exception())
+                self._protocol.broken = self._protocol.broken or f"sealing a message failed: {why}"
+                self._fail(self._protocol.broken)
                 return
             entry[0] = done.result()
             self._flush()
@@ -629,16 +632,15 @@ class StreamLink:
                 waiter.set_result(sent)
 
     def _fail(self, why: str) -> None:
-        """The link cannot go on (a message could not be sealed, or it closed meanwhile): every
-        message still in the outbox fails, and the connection closes."""
+        """The link cannot go on (a message could not be sealed, or it is closed meanwhile): every
+        message still in the outbox fails (the ones before it are written), and the connection
+        closes once what it queued has left."""
         error = StreamBroken(f"the stream link to {self.address} is closed: {why}")
         outbox, self._outbox = self._outbox, deque()
         for _, waiter in outbox:
             if waiter is not None and not waiter.done():
                 waiter.set_exception(error)
-        if self._protocol.broken is None:
-            self._protocol.broken = why
-        self._transport.abort()
+        self._transport.close()
 
     def _write(self, sealed: list[Any]) -> int:
         sizes = [len(frame) for frame in sealed]

@@ -297,6 +297,7 @@ async def test_closing_a_link_fails_a_send_still_being_sealed(served: tuple[Stre
     server, taken = served
     SlowSeals(monkeypatch)
     link = await open_link(server)
+    await link.send(encode_message(["before"]))
     sending = asyncio.ensure_future(link.send(encode_message([torch.ones(SEAL_AWAY_BYTES // 4)])))
     await asyncio.sleep(0)
     link.close()
@@ -304,6 +305,30 @@ async def test_closing_a_link_fails_a_send_still_being_sealed(served: tuple[Stre
         await asyncio.wait_for(sending, 30)
     with pytest.raises(StreamBroken):
         await link.send(encode_message(["after"]))
+    await taken.wait(payloads=1)  # what was written before it still left
+    assert taken.payloads == [["before"]] and taken.refusals == []
+
+
+async def test_a_seal_that_fails_on_the_worker_fails_its_send_and_the_link(served: tuple[StreamServer, Taken],
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    server, taken = served
+    monkeypatch.setattr(stream_module, "_seal_away_bytes", lambda sock: SEAL_AWAY_BYTES)
+    seal = SessionKey.seal
+
+    def failing(key: SessionKey, seq: int, frames: list[Any], **kwargs: Any) -> list[Any]:
+        if threading.current_thread() is not threading.main_thread():
+            raise MemoryError("no room for the sealed copy")
+        return seal(key, seq, frames, **kwargs)
+
+    monkeypatch.setattr(SessionKey, "seal", failing)
+    link = await open_link(server)
+    await link.send(encode_message(["before"]))
+    with pytest.raises(StreamBroken, match="sealing a message failed: MemoryError"):
+        await asyncio.wait_for(link.send(encode_message([torch.ones(SEAL_AWAY_BYTES // 4)])), 30)
+    with pytest.raises(StreamBroken, match="sealing a message failed"):
+        await link.send(encode_message(["after"]))
+    await taken.wait(payloads=1)
+    assert taken.payloads == [["before"]]
 
 
 def test_a_unix_link_seals_away_only_where_the_kernel_keeps_its_buffer_small(monkeypatch: pytest.MonkeyPatch) -> None:
