@@ -656,6 +656,7 @@ class StreamLink:
 
     def close(self) -> None:
         """Closes the link once what it queued is written; a message a worker still seals is dropped."""
+        self._protocol.broken = self._protocol.broken or "closed here"  # not "the receiver closed" once it has
         if self._outbox:
             self._fail("closed here")
         self._transport.close()
