@@ -216,6 +216,10 @@ class LivenessClient:
         if silent_timeout is not None:
             socket.setsockopt(zmq.HEARTBEAT_IVL, 500)
             socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(silent_timeout * 1000)))
+            # Heartbeats start once a handshake is done: a head stopped while one was under way (the
+            # watch's first, or one after a reconnect) answered nothing for libzmq's handshake limit,
+            # 30 s, before the connection dropped. The same silence bounds the handshake.
+            socket.setsockopt(zmq.HANDSHAKE_IVL, max(1, int(silent_timeout * 1000)))
         # A refused connect (CONNECT_RETRIED: nothing listens at the head's port any more) closes
         # as a dropped connection does: a head killed before the watch's first handshake left
         # no connection to drop, and was never lost.
@@ -225,6 +229,7 @@ class LivenessClient:
         socket.connect(endpoint)
         self._name = name.encode() if silent_timeout is None else None  # a driver's watch says nothing
         self._on_head_gone = on_head_gone
+        self.handshaken = threading.Event()  # set at the first handshake done (a connection heartbeats are on)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="liveness", daemon=True)
         self._thread.start()
@@ -261,6 +266,7 @@ class LivenessClient:
                         closed_at = closed_at if closed_at is not None else time.monotonic()
                     else:
                         closed_at = None
+                        self.handshaken.set()
                         if self._name is not None:  # each (re)connection says who
                             self._socket.send(_HELLO + b" " + self._name, zmq.NOBLOCK)
                 if closed_at is not None and self._on_head_gone is not None and \

@@ -77,7 +77,7 @@ class Cluster:
     # A LocalCluster's head process is looked at this often (its exit is known at the next look).
     PROCESS_POLL_S = 0.25
 
-    def watch_head(self, silent_timeout: float = SILENT_TIMEOUT_S) -> None:
+    async def watch_head(self, silent_timeout: float = SILENT_TIMEOUT_S) -> None:
         """Starts watching the head: once it is lost every pending and later call to it
         fails with :class:`~actors.HeadLost` instead of waiting out its timeout.
 
@@ -87,7 +87,8 @@ class Cluster:
         is never lost. A head process that ends closes the connection, known within
         :data:`~actors._liveness.HEAD_GONE_S` (a ``LocalCluster``'s at once, from the process);
         one that is alive but answers no heartbeat (stopped, cut off) is lost after
-        ``silent_timeout`` seconds and that.
+        ``silent_timeout`` seconds and that. Returns once the watch's first handshake is done (heartbeats
+        start there), or ``silent_timeout`` passed without it (the watch then loses the head).
         """
         loop = asyncio.get_running_loop()
 
@@ -100,6 +101,7 @@ class Cluster:
         watch = LivenessClient(self.runtime.context, endpoint, "", self.runtime.keys, server_public, gone,
                                silent_timeout=silent_timeout)
         self._stack.callback(watch.close)
+        await asyncio.to_thread(watch.handshaken.wait, silent_timeout)
 
     def watch_process(self, process: NodeProcess) -> None:
         """A ``LocalCluster``'s head process: its exit loses the head at the next look."""
@@ -342,7 +344,11 @@ class _Connecting(Generic[C]):
             await stack.aclose()
             raise
         cluster = self._cls(runtime, head, stack)
-        cluster.watch_head(self._head_timeout)
+        try:
+            await cluster.watch_head(self._head_timeout)
+        except BaseException:  # cancelled while the watch shook hands
+            await stack.aclose()
+            raise
         return cluster
 
     def __await__(self) -> Generator[Any, None, C]:

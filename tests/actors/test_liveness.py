@@ -132,6 +132,32 @@ def test_a_head_that_ended_before_the_watchs_first_handshake_is_lost_too() -> No
         context.term()
 
 
+def test_a_head_that_stops_during_the_watchs_handshake_is_lost_after_the_silent_timeout() -> None:
+    """Heartbeats start after the handshake, so a head stopped while a driver's watch was shaking hands
+    (its first, or one after a reconnect) was lost only after libzmq's 30 s handshake limit: found as
+    a suite test that stopped the head right after a second driver connected, lost in 30 s instead of 6.
+    A socket that accepts the connection and never speaks stands in for the stopped head."""
+    import socket as sockets
+
+    from actors._liveness import HEAD_GONE_S, LivenessClient
+
+    with sockets.socket() as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen(8)  # the kernel accepts the connection; nobody answers the greeting
+        gone: list[float] = []
+        context: zmq.Context[object] = zmq.Context()
+        started = time.monotonic()
+        client = LivenessClient(context, f"tcp://127.0.0.1:{mute.getsockname()[1]}", "", None, None,
+                                lambda: gone.append(time.monotonic() - started), silent_timeout=1.0)
+        try:
+            # 1 s of silence and HEAD_GONE_S without a new connection; libzmq's own limit alone took 33 s.
+            assert until(lambda: bool(gone), seconds=25), "a head silent through the handshake was not lost"
+            assert gone[0] >= 1.0 + HEAD_GONE_S  # silent that long, not sooner
+        finally:
+            client.close()
+            context.term()
+
+
 def test_a_context_that_ends_before_its_watches_are_closed_ends_them() -> None:
     """Ending the context (``zmq.Context.term``) waits for every socket made in it; a watch's thread
     that kept polling on ETERM kept its sockets open, and the ending waited for ever. Found as a

@@ -187,7 +187,7 @@ async def outside_driver(head_timeout: float) -> AsyncIterator[tuple[Cluster, in
 
 
 async def test_a_connected_driver_keeps_a_paused_head_and_loses_a_stopped_one_after_its_timeout() -> None:
-    async with outside_driver(head_timeout=6.0) as (other, head):
+    async with outside_driver(head_timeout=6.0) as (other, head):  # its watch heartbeats from here on
         # Paused for less than the timeout (a long garbage collection, a saturated machine): still the
         # head. (Pings through the actor runtime lost it after 2.25 s: a benchmark gathering a large
         # state_dict on a loaded machine failed with HeadLost.)
