@@ -127,6 +127,12 @@ class StreamServer:
             whose ``get("User-Id")`` names the session's sender), for the caller to decode.
         max_bytes: the largest message taken (as the runtime's limit for actor messages).
         on_refused: told why, each time a connection is refused or a message fails.
+        on_lost: told a session's sender and why, each time the connection carrying the session
+            ends where a message of it may have been lost on the way: a message of it refused, a
+            connection that broke (an error, not a close), or one that ended in the middle of a
+            message. Not told when the sender closed at a message's end (all it wrote came), nor
+            when this side closed the connection (:meth:`close`, a session replaced by its sender's
+            next one).
         max_frames: the most frames one message may have.
         max_sessions: sessions kept at once (the oldest goes first), and
             ``sessions_per_sender`` of them per sender (its oldest goes first).
@@ -136,12 +142,14 @@ class StreamServer:
     """
 
     def __init__(self, on_message: Callable[[Any], None], *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 on_refused: Callable[[str], None] | None = None, decode: bool = True,
+                 on_refused: Callable[[str], None] | None = None, on_lost: Callable[[str, str], None] | None = None,
+                 decode: bool = True,
                  max_frames: int = MAX_FRAMES, max_sessions: int = MAX_SESSIONS, sessions_per_sender: int = 1,
                  wait_for_open_s: float = 0.0) -> None:
         self.on_message = on_message
         self.max_bytes = max_bytes
         self.on_refused = on_refused
+        self.on_lost = on_lost
         self.decode = decode
         self.max_frames = max_frames
         self.max_sessions = max_sessions
@@ -279,6 +287,7 @@ class _Inbound(asyncio.BufferedProtocol):
         self._closed = False
         self._bound: bytes | None = None  # the id of the session it carries, once proven
         self._backlog: bytearray | None = None  # while it waits for its session's opening: what came meanwhile
+        self._refused: str | None = None  # why this side refused what came (then closed the connection)
 
     # -- asyncio ----------------------------------------------------------------------
 
@@ -290,13 +299,30 @@ class _Inbound(asyncio.BufferedProtocol):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        closed_here = self._closed
         self._closed = True
         self._server._connections.discard(self)
         session = self._server._sessions.get(self._bound) if self._bound is not None else None
         if session is not None and session.bound is self:
             self._server._drop(session.key.session_id)  # a link is not repaired in place: its session goes too
+            why = self._lost(exc, closed_here)
+            if why is not None and self._server.on_lost is not None:
+                self._server.on_lost(session.sender, why)
         if self._backlog is not None:
             self._server._unpark(self._head[0], gone=True)
+
+    def _lost(self, exc: Exception | None, closed_here: bool) -> str | None:
+        """Why a message of the session this connection carried may have been lost, or None (see
+        ``StreamServer``'s ``on_lost``)."""
+        if self._refused is not None:
+            return f"a message was refused ({self._refused})"
+        if closed_here:
+            return None
+        if exc is not None:
+            return f"its connection broke ({exc!r:.120})"
+        if self._sizes is not None or self._prefix:
+            return "its connection ended in the middle of a message"
+        return None
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._sizes is not None and self._frames:
@@ -462,6 +488,7 @@ class _Inbound(asyncio.BufferedProtocol):
             log.debug("stream server at %s: a message was not taken: %s", self._server.address, exc)
 
     def refuse(self, reason: str) -> None:
+        self._refused = reason
         self._server.refused(reason)
         self.close()
 

@@ -31,6 +31,7 @@ class Taken:
     def __init__(self) -> None:
         self.payloads: list[Any] = []
         self.refusals: list[str] = []
+        self.losses: list[tuple[str, str]] = []  # (sender, why): on_lost
         self.arrived = asyncio.Event()
 
     def message(self, payload: Any) -> None:
@@ -41,8 +42,12 @@ class Taken:
         self.refusals.append(reason)
         self.arrived.set()
 
-    async def wait(self, payloads: int = 0, refusals: int = 0) -> None:
-        while len(self.payloads) < payloads or len(self.refusals) < refusals:
+    def lost(self, sender: str, why: str) -> None:
+        self.losses.append((sender, why))
+        self.arrived.set()
+
+    async def wait(self, payloads: int = 0, refusals: int = 0, losses: int = 0) -> None:
+        while len(self.payloads) < payloads or len(self.refusals) < refusals or len(self.losses) < losses:
             self.arrived.clear()
             await asyncio.wait_for(self.arrived.wait(), 30)
 
@@ -50,7 +55,7 @@ class Taken:
 @pytest.fixture(params=["ipc", "tcp"])
 async def served(request: pytest.FixtureRequest, tmp_path: Any) -> AsyncIterator[tuple[StreamServer, Taken]]:
     taken = Taken()
-    server = StreamServer(taken.message, max_bytes=8 << 20, on_refused=taken.refused)
+    server = StreamServer(taken.message, max_bytes=8 << 20, on_refused=taken.refused, on_lost=taken.lost)
     endpoint = f"ipc://{tmp_path}/sock" if request.param == "ipc" else "tcp://127.0.0.1:5555"
     await server.start(endpoint)
     yield server, taken
@@ -144,10 +149,40 @@ async def test_bad_input_closes_that_connection_only(served: tuple[StreamServer,
     await good.send(encode_message(["after"]))
     await closed_without_answer(reader)
     writer.close()
-    await taken.wait(payloads=3, refusals=1)
+    await taken.wait(payloads=3, refusals=1, losses=1)
     assert [p[0] for p in taken.payloads] == ["before", "hello", "after"]
     assert "where 2 was next" in taken.refusals[0]
+    # A message of a proven session was refused: its receiver hears that something of node:b's was
+    # lost. The strangers' refusals above proved no session, and lost nobody's message.
+    assert len(taken.losses) == 1 and taken.losses[0][0] == "node:b" and "where 2 was next" in taken.losses[0][1]
     good.close()
+
+
+async def test_a_session_whose_connection_ends_mid_message_is_reported_lost(served: tuple[StreamServer, Taken]) -> None:
+    """What a sender wrote before a clean close all came; a connection that ends inside a message (its
+    sender died, or the path broke) lost that message, which its receiver would otherwise wait for until
+    a timeout. The receiver is told whose session it was (``on_lost``)."""
+    server, taken = served
+    key = SessionKey.new()
+    server.open(key.open_message(), "node:b")
+    reader, writer = await raw(server)
+    writer.write(framed(key.seal(1, encode_message(["whole"]))))  # proves the session
+    await taken.wait(payloads=1)
+    writer.write(framed(key.seal(2, encode_message(["cut", torch.ones(1000)])))[:-100])
+    await writer.drain()
+    writer.close()
+    await taken.wait(losses=1)
+    assert taken.losses[0][0] == "node:b" and "middle of a message" in taken.losses[0][1]
+    # A link closed by its sender after whole messages lost nothing.
+    link = await open_link(server, "node:c")
+    await link.send(encode_message(["all of it"]))
+    link.close()
+    await taken.wait(payloads=2)
+    for _ in range(3000):
+        if not server._connections:  # the server saw that connection end
+            break
+        await asyncio.sleep(0.01)
+    assert not server._connections and len(taken.losses) == 1
 
 
 async def test_a_bound_session_is_not_taken_by_another_connection(served: tuple[StreamServer, Taken]) -> None:
