@@ -9,6 +9,7 @@ The streams themselves: :mod:`stages.comm.streams` and ``transport.stream``.
 
 from __future__ import annotations
 
+import logging
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -17,9 +18,13 @@ from actors._errors import NotAllowed
 from actors._ref import ActorRef
 from stages.comm.delivery import VALUE, VOTE, StreamPeer
 from stages.comm.streams import StageStreams
+from stages.compute.agreement import Ballot
 from stages.records import StageConfig
+from transport.stream import StreamBroken
 
 __all__ = ["StreamEndpoints"]
+
+log = logging.getLogger(__name__)
 
 
 class StreamEndpoints:
@@ -28,6 +33,8 @@ class StreamEndpoints:
     config: StageConfig
     runtime: Host
     refused_calls: int
+    ballot: Ballot
+    parts: Any
     _step: int
     _streams: StageStreams | None
 
@@ -68,7 +75,8 @@ class StreamEndpoints:
 
     def _stream_ends(self) -> StageStreams:
         if self._streams is None:
-            self._streams = StageStreams(self._take_streamed, max_bytes=self.runtime.max_message_bytes)
+            self._streams = StageStreams(self._take_streamed, max_bytes=self.runtime.max_message_bytes,
+                                         lost=self._stream_lost)
         return self._streams
 
     def _close_streams(self) -> None:
@@ -91,3 +99,16 @@ class StreamEndpoints:
         except NotAllowed:
             self.refused_calls += 1
             raise
+
+    def _stream_lost(self, sender: str, why: str) -> None:
+        """``sender``'s stream may have lost a message on the way (``StreamServer``'s ``on_lost``): a
+        value or a vote of this step or the next (the only ones a stage takes) that will never come.
+        Both steps fail where they wait for one that is not in, at once and saying why, instead of at
+        the step's timeout; the scheduler then aborts the step on every stage, as for any failure."""
+        error = StreamBroken(f"the stream from {sender} may have lost a value or vote of step {self._step} "
+                             f"or {self._step + 1}: {why}")
+        log.warning("%s", error)
+        steps = (self._step, self._step + 1)
+        if self.parts is not None:
+            self.parts.executor.inbox.poison(steps, error)
+        self.ballot.poison(steps, error)

@@ -25,10 +25,13 @@ class StageStreams:
         take: called with each message another stage's link brings (a value or a vote: see
             :class:`~stages.comm.delivery.StreamPeer`); what it raises is counted there.
         max_bytes: the largest message the server takes.
+        lost: called with a sender and why, where its stream may have lost a message on the way
+            (the server's ``on_lost``).
     """
 
-    def __init__(self, take: Callable[[Any], None], *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
-        self.server = StreamServer(take, max_bytes=max_bytes)
+    def __init__(self, take: Callable[[Any], None], *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 lost: Callable[[str, str], None] | None = None) -> None:
+        self.server = StreamServer(take, max_bytes=max_bytes, on_lost=lost)
         self.links: dict[Hashable, StreamPeer] = {}
         self._rank = -1
         self._encrypt = True

@@ -102,6 +102,7 @@ class Ballot:
         self.tally_senders: list[SendTally] = []  # likewise; the root's, through_root
         self._votes: dict[int, dict[int, TailVote]] = {}
         self._complete: dict[int, asyncio.Event] = {}
+        self._poisoned: dict[int, BaseException] = {}  # step -> why a vote of it may never come
 
     def connect(self, senders: Sequence[SendVote], tally_senders: Sequence[SendTally] = ()) -> None:
         """Learns how to reach every member, by global rank: with its vote and, through the root,
@@ -178,16 +179,31 @@ class Ballot:
         return votes
 
     async def _counted(self, step: int) -> list[TailVote]:
-        """Every member's vote on ``step``, by rank, once all are in; forgets them."""
+        """Every member's vote on ``step``, by rank, once all are in; forgets them.
+
+        Raises:
+            What :meth:`poison` was given for ``step``.
+        """
         await self._event(step).wait()
-        box = self._votes[step]
+        poisoned = self._poisoned.get(step)
+        box = self._votes.get(step, {})
         self.forget(step)
+        if poisoned is not None and len(box) < self.mesh.size:
+            raise poisoned
         return [box[rank] for rank in range(self.mesh.size)]
+
+    def poison(self, steps: Iterable[int], error: BaseException) -> None:
+        """A transfer lost a message, maybe a vote on one of ``steps``: a gather of one of them that has
+        not every vote raises ``error``, now or when it comes to wait."""
+        for step in steps:
+            self._poisoned[step] = error
+            self._event(step).set()
 
     def forget(self, step: int) -> None:
         """Drops ``step``'s votes (done, or aborted)."""
         self._votes.pop(step, None)
         self._complete.pop(step, None)
+        self._poisoned.pop(step, None)
 
     def _event(self, step: int) -> asyncio.Event:
         event = self._complete.get(step)

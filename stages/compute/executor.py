@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -52,6 +52,7 @@ class Inbox:
     def __init__(self, limit: int) -> None:
         self._limit = limit
         self._slots: dict[tuple[int, str, int, int], asyncio.Future[Payload]] = {}
+        self._poisoned: dict[int, BaseException] = {}  # step -> why its values not yet in never come
 
     def _slot(self, key: tuple[int, str, int, int]) -> asyncio.Future[Payload]:
         slot = self._slots.get(key)
@@ -59,6 +60,8 @@ class Inbox:
             if len(self._slots) >= self._limit:
                 raise RuntimeError(f"inbox full ({self._limit} values waiting); a peer sends what no program needs")
             slot = self._slots[key] = asyncio.get_running_loop().create_future()
+            if key[0] in self._poisoned:
+                slot.set_exception(self._poisoned[key[0]])
         return slot
 
     def resize(self, limit: int) -> None:
@@ -66,6 +69,8 @@ class Inbox:
         self._limit = limit
 
     def put(self, key: tuple[int, str, int, int], value: Payload) -> None:
+        if key[0] in self._poisoned:
+            return  # its step fails: the value has no taker
         slot = self._slot(key)
         if slot.done():
             raise ValueError(f"value {key} delivered twice")
@@ -90,10 +95,20 @@ class Inbox:
         if not slot.done():
             slot.set_exception(error)
 
+    def poison(self, steps: Iterable[int], error: BaseException) -> None:
+        """Makes every RECV of ``steps`` for a value not yet in raise ``error``, now or when it comes to
+        wait: a transfer lost a value, and nobody can say which."""
+        self._poisoned.update(dict.fromkeys(steps, error))
+        for key, slot in self._slots.items():
+            if key[0] in self._poisoned and not slot.done():
+                slot.set_exception(self._poisoned[key[0]])
+
     def drop_step(self, step: int) -> None:
         """Forgets everything of ``step`` (an aborted step's leftovers)."""
         for key in [k for k in self._slots if k[0] <= step]:
             self._slots.pop(key).cancel()
+        for old in [s for s in self._poisoned if s <= step]:
+            del self._poisoned[old]
 
 
 @dataclass(slots=True)

@@ -391,6 +391,40 @@ async def test_a_streamed_value_for_no_slot_or_a_bad_vote_is_refused_and_counted
     assert [r.status for r in reports] == ["done", "done"]
 
 
+async def test_a_value_its_stream_lost_fails_the_receivers_step_at_once_and_names_the_sender(
+        streamed: tuple[Runtime, list[StageActor], list[ActorRef]]) -> None:
+    """A value refused on the way (here: its seal broken in transit) never comes, and the stage that
+    waits for it waited out the step's timeout (ten minutes by default). Its stream server says whose
+    session lost a message, and the step fails at the wait, naming the stream."""
+    _, actors, refs = streamed
+    await run(refs, 0)  # the links are open and proven
+    link = actors[0]._streams.links[(refs[1].address, refs[1].name)]._link  # type: ignore[union-attr]
+    assert link is not None
+
+    class Tampered:  # the link's key, whose seals lose one bit of their tag on the way
+        def __init__(self, key: SessionKey) -> None:
+            self.key = key
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.key, name)
+
+        def seal(self, seq: int, frames: list[Any], **kwargs: Any) -> list[Any]:
+            sealed = [bytearray(memoryview(f).cast("B")) for f in self.key.seal(seq, frames, **kwargs)]
+            sealed[-1][-1] ^= 1
+            return sealed
+
+    link.key = Tampered(link.key)  # type: ignore[assignment]
+    sender = asyncio.ensure_future(refs[0].endpoint(StageActor.run_step, timeout=30).call(orders(1)[0].to_wire()))
+    report = StageReport.from_wire(await refs[1].endpoint(StageActor.run_step, timeout=30).call(orders(1)[1].to_wire()))
+    assert report.status == "failed" and report.action is not None and "RECV_F" in report.action
+    assert report.error is not None and "StreamBroken" in str(report.error)
+    assert "may have lost a value or vote of step 1" in str(report.error) and "refused" in str(report.error)
+    # The sender fails at its next send (the link was closed), or waits for gradients that will not
+    # come until the scheduler aborts it, as here.
+    await refs[0].endpoint(StageActor.abort_step, timeout=10).call(1)
+    assert StageReport.from_wire(await sender).status in ("failed", "aborted")
+
+
 async def test_a_tail_the_stages_run_votes_on_the_streams() -> None:
     async with open_runtime() as runtime:
         actors = [StageActor(**stage_config(rank, transport="stream").to_wire()) for rank in range(2)]

@@ -180,3 +180,28 @@ def test_votes_are_fenced_to_this_step_or_the_next_to_the_mesh_and_to_one_per_me
             ballot.receive(3, step, rank, _vote(1.0))
     ballot.receive(5, 5, 1, _vote(1.0))
     assert set(ballot._votes) == {5}  # what an older step left is dropped
+
+
+async def test_a_poisoned_step_fails_a_gather_short_of_votes_and_not_one_that_has_them_all() -> None:
+    """A stream that may have lost a vote poisons the steps it could have been for: a gather that
+    still lacks a vote fails at once with the stream's error instead of waiting for ever; one whose
+    votes all came is unharmed, and a later step is not poisoned."""
+    mesh = Mesh(pipeline=2)
+    ballot = Ballot(mesh, 0)
+    sent: list[int] = []
+
+    async def send(step: int, rank: int, vote: TailVote) -> None:
+        sent.append(step)
+
+    ballot.connect([send, send])
+    waiting = asyncio.ensure_future(ballot.gather(4, _vote(1.0)))
+    await asyncio.sleep(0)
+    ballot.receive(4, 5, 1, _vote(2.0))  # the other member is a step ahead already
+    ballot.poison((4, 5), ConnectionError("lost on the way"))
+    with pytest.raises(ConnectionError, match="lost on the way"):
+        await waiting  # rank 1's vote on step 4 never came
+    assert await ballot.gather(5, _vote(1.0)) == [_vote(1.0), _vote(2.0)]  # step 5's had come
+    later = asyncio.ensure_future(ballot.gather(6, _vote(1.0)))
+    ballot.receive(6, 6, 1, _vote(3.0))
+    assert await later == [_vote(1.0), _vote(3.0)]
+    assert not ballot._poisoned

@@ -526,3 +526,24 @@ async def test_spans_carry_the_labels_the_stage_gives_and_its_own_names_otherwis
                 body = before_barrier(programs[rank])
                 names = [f"~{a}" for a in body] if step == 0 else [str(a) for a in body]
                 assert [name for name, _, _ in trace.spans] == names, f"step {step} rank {rank}"
+
+
+async def test_a_poisoned_step_fails_each_wait_for_a_value_not_in_and_drops_what_comes_later() -> None:
+    """A transfer that may have lost a value poisons the steps it could have been for: a RECV waiting
+    now, and one that comes to wait later, raise the transfer's error; a value already in is still
+    taken, one that comes after is dropped (its step fails), and an abort forgets the poison."""
+    inbox = Inbox(16)
+    value = Payload([torch.ones(2)], None)
+    inbox.put((3, "F", 1, 0), value)
+    waiting = asyncio.ensure_future(inbox.take((3, "F", 1, 1)))
+    await asyncio.sleep(0)
+    inbox.poison((3, 4), ConnectionError("lost on the way"))
+    with pytest.raises(ConnectionError, match="lost on the way"):
+        await waiting
+    assert await inbox.take((3, "F", 1, 0)) is value  # in before the loss
+    inbox.put((4, "B", 1, 0), value)  # its step fails: dropped, not "delivered twice"
+    with pytest.raises(ConnectionError, match="lost on the way"):
+        await inbox.take((4, "B", 1, 0))
+    inbox.drop_step(4)  # the scheduler aborted the steps
+    inbox.put((5, "F", 1, 0), value)
+    assert await inbox.take((5, "F", 1, 0)) is value and not inbox._poisoned
