@@ -17,7 +17,9 @@ which hold no Python lock:
 
 A connection counts only once the worker has said, over CURVE, which node it is (its first
 message carries its name; the head checks the key it came with against the node's). Each
-end runs in a daemon thread of its own, polling its one socket.
+end runs in a daemon thread of its own, polling its one socket. A head that closes says so
+on each connection first (:data:`_BYE`), so a node that stops with its head (a launched one)
+stops at once rather than once the connection has stayed closed for :data:`HEAD_GONE_S`.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ log = logging.getLogger(__name__)
 
 _POLL_MS = 100
 _HELLO = b"node"
+_BYE = b"head closes"  # the head's only message on a connection: it is closing (over CURVE: from its key)
+_BYE_LINGER_MS = 500  # how long a closing head's socket keeps trying to hand its bye over
 # A launched worker's head is gone when its liveness connection stays closed this long (libzmq
 # reconnects by itself across a blip; a head that exited or was killed never comes back).
 HEAD_GONE_S = 3.0
@@ -153,8 +157,13 @@ class LivenessServer:
                         log.exception("liveness: node %s", name)
         finally:
             self._take_changes(watched)  # and those made since the last look
-            for _, socket, monitor in watched.values():
-                _close(socket, monitor)
+            for name, (_, socket, monitor) in watched.items():
+                linger = 0
+                if name in self.verified and self._stop.is_set():  # closing: tell each node
+                    with contextlib.suppress(zmq.ZMQError):
+                        socket.send(_BYE, zmq.NOBLOCK)
+                        linger = _BYE_LINGER_MS
+                _close(socket, monitor, linger)
 
     def _take_changes(self, watched: dict[str, tuple[str, zmq.Socket[Any], zmq.Socket[Any]]]) -> None:
         with self._lock:
@@ -175,11 +184,11 @@ class LivenessServer:
             log.warning("liveness: node %s's socket got a hello from another key or name", name[:60])
 
 
-def _close(socket: zmq.Socket[Any], monitor: zmq.Socket[Any]) -> None:
+def _close(socket: zmq.Socket[Any], monitor: zmq.Socket[Any], linger_ms: int = 0) -> None:
     with contextlib.suppress(zmq.ZMQError):  # ETERM: the context is ending, and closing the socket ends its monitor
         socket.disable_monitor()
     monitor.close(linger=0)
-    socket.close(linger=0)
+    socket.close(linger=linger_ms)
 
 
 class LivenessClient:
@@ -275,8 +284,11 @@ class LivenessClient:
                                 time.monotonic() - closed_at)
                     self._on_head_gone()
                     self._on_head_gone = None
-                if self._socket in ready:
-                    self._socket.recv_multipart()  # the head sends nothing; drop what comes
+                if self._socket in ready and self._socket.recv_multipart() == [_BYE] and \
+                        self._on_head_gone is not None:  # the head said it closes: no reconnection to wait for
+                    log.info("the head closes")
+                    self._on_head_gone()
+                    self._on_head_gone = None
             except zmq.ZMQError as exc:
                 if exc.errno == zmq.ETERM:  # the context is ending (its runtime closed before this watch):
                     return                  # it waits for these sockets, which _serve closes

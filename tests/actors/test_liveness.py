@@ -158,6 +158,29 @@ def test_a_head_that_stops_during_the_watchs_handshake_is_lost_after_the_silent_
             context.term()
 
 
+def test_a_head_that_closes_tells_its_nodes_which_stop_without_waiting_for_a_reconnection(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A launched node stops with its head: it waited until the closed connection had stayed closed for
+    HEAD_GONE_S (3 s at the end of every torchrun job), as for a head that died. A head that closes
+    now says so first; here HEAD_GONE_S is longer than the test, so only that word can stop the node.
+    A head that goes without a word (killed) is still known by its connection."""
+    import actors._liveness as liveness
+    from actors._liveness import LivenessClient
+
+    monkeypatch.setattr(liveness, "HEAD_GONE_S", 600.0)
+    context: zmq.Context[object] = zmq.Context()
+    server = LivenessServer(context, "tcp://127.0.0.1", None, lambda name: None, interval=0.1, timeout=600)
+    gone: list[bool] = []
+    client = LivenessClient(context, server.watch("node1", ""), "node1", None, None, lambda: gone.append(True))
+    try:
+        assert until(lambda: "node1" in server.verified)
+        server.close()
+        assert until(lambda: bool(gone)), "the node never heard that its head closes"
+    finally:
+        client.close()
+        context.term()
+
+
 def test_a_context_that_ends_before_its_watches_are_closed_ends_them() -> None:
     """Ending the context (``zmq.Context.term``) waits for every socket made in it; a watch's thread
     that kept polling on ETERM kept its sockets open, and the ending waited for ever. Found as a
