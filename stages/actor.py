@@ -253,6 +253,8 @@ class StageActor(StateEndpoints, StreamEndpoints, Actor):
         self._step = -1
         self._program: list[Action] = []  # the last step's, whose tail reduce_step and finish_step run
         self._running: tuple[int, asyncio.Task[Any]] | None = None
+        self._in_step = False  # inside run_step (its program, or its tail with StepOrder.finish)
+        self._lost_in_step: tuple[str, str] | None = None  # a stream's loss during it: (sender, why)
         self._aborted = -1  # the newest step abort_step named: a part of it not yet begun never runs
         self._applied = -1  # the newest step whose tail stepped the optimizer here (StepOrder.after)
         self.ballot = Ballot(self.config.mesh, self.config.global_rank)  # the tail's votes (stages.compute.agreement)
@@ -348,6 +350,17 @@ class StageActor(StateEndpoints, StreamEndpoints, Actor):
             ValueError, RecordError: not a well-formed order; the stage did not move to its step.
         """
         checked = order if isinstance(order, StepOrder) else StepOrder.from_wire(order)
+        self._in_step = True
+        try:
+            report = await self._run_step(checked)
+        finally:
+            self._in_step = False
+            lost, self._lost_in_step = self._lost_in_step, None
+        if lost is not None and report.status == "done":  # all of this step's came: what was lost is the next's
+            self._poison_lost(self._step + 1, *lost)
+        return report
+
+    async def _run_step(self, checked: StepOrder) -> StageReport:
         parts, step = self._parts(), checked.step
         self._step = step
         if checked.after is not None and checked.after != self._applied:

@@ -36,6 +36,8 @@ class StreamEndpoints:
     ballot: Ballot
     parts: Any
     _step: int
+    _in_step: bool  # inside run_step, for step _step
+    _lost_in_step: tuple[str, str] | None  # a loss during it (sender, why), for run_step to weigh at its end
     _streams: StageStreams | None
 
     def _parts(self) -> Any:
@@ -102,13 +104,21 @@ class StreamEndpoints:
 
     def _stream_lost(self, sender: str, why: str) -> None:
         """``sender``'s stream may have lost a message on the way (``StreamServer``'s ``on_lost``): a
-        value or a vote of this step or the next (the only ones a stage takes) that will never come.
-        Both steps fail where they wait for one that is not in, at once and saying why, instead of at
-        the step's timeout; the scheduler then aborts the step on every stage, as for any failure."""
-        error = StreamBroken(f"the stream from {sender} may have lost a value or vote of step {self._step} "
-                             f"or {self._step + 1}: {why}")
+        value or a vote that will never come, of the step running here, or, between steps, of the
+        next one. That step fails where it waits for one that is not in, at once and saying why,
+        instead of at the step's timeout; the scheduler then aborts it on every stage, as for any
+        failure (a step sent ahead of it goes with it).
+
+        A loss during a step that then ends well was of the next step's (every message of this one
+        came): ``run_step`` poisons the next step then. One that ends badly takes the next step's
+        with it (a step sent ahead of it runs nothing), and the step after is a new one."""
+        if self._in_step:
+            self._lost_in_step = (sender, why)
+        self._poison_lost(self._step if self._in_step else self._step + 1, sender, why)
+
+    def _poison_lost(self, step: int, sender: str, why: str) -> None:
+        error = StreamBroken(f"the stream from {sender} may have lost a value or vote of step {step}: {why}")
         log.warning("%s", error)
-        steps = (self._step, self._step + 1)
         if self.parts is not None:
-            self.parts.executor.inbox.poison(steps, error)
-        self.ballot.poison(steps, error)
+            self.parts.executor.inbox.poison((step,), error)
+        self.ballot.poison((step,), error)

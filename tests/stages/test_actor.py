@@ -418,11 +418,49 @@ async def test_a_value_its_stream_lost_fails_the_receivers_step_at_once_and_name
     report = StageReport.from_wire(await refs[1].endpoint(StageActor.run_step, timeout=30).call(orders(1)[1].to_wire()))
     assert report.status == "failed" and report.action is not None and "RECV_F" in report.action
     assert report.error is not None and "StreamBroken" in str(report.error)
-    assert "may have lost a value or vote of step 1" in str(report.error) and "refused" in str(report.error)
+    assert "may have lost a value or vote of step 1:" in str(report.error) and "refused" in str(report.error)
     # The sender fails at its next send (the link was closed), or waits for gradients that will not
     # come until the scheduler aborts it, as here.
     await refs[0].endpoint(StageActor.abort_step, timeout=10).call(1)
     assert StageReport.from_wire(await sender).status in ("failed", "aborted")
+
+
+async def test_a_loss_between_steps_or_during_one_that_ends_well_fails_the_next_step(
+        streamed: tuple[Runtime, list[StageActor], list[ActorRef]]) -> None:
+    """What a stream lost was of the step running when it was lost, unless that step then got every
+    message it needed: then, as between steps, of the next one. Only that step fails."""
+    _, actors, refs = streamed
+
+    async def step_on_both(step: int) -> list[StageReport]:
+        calls = [asyncio.ensure_future(ref.endpoint(StageActor.run_step, timeout=30).call(order.to_wire()))
+                 for ref, order in zip(refs, orders(step))]
+        receiver = StageReport.from_wire(await calls[1])
+        if receiver.status != "done":  # the sender waits for gradients that will not come: abort it
+            for ref in refs:
+                await ref.endpoint(StageActor.abort_step, timeout=10).call(step)
+        return [StageReport.from_wire(await calls[0]), receiver]
+
+    await run(refs, 0)
+    actors[1]._stream_lost("node:x/0", "a test's loss")  # between steps 0 and 1
+    reports = await step_on_both(1)
+    assert reports[1].status == "failed" and "of step 1: a test's loss" in str(reports[1].error)
+    own = actors[1]._run_step
+
+    async def losing_at_the_end(order: StepOrder) -> StageReport:
+        report = await own(order)
+        actors[1]._stream_lost("node:x/0", "lost late")  # step 2 had every value: step 3's was lost
+        return report
+
+    actors[1]._run_step = losing_at_the_end  # type: ignore[method-assign]
+    assert [r.status for r in await step_on_both(2)] == ["done", "done"]
+    actors[1]._run_step = own  # type: ignore[method-assign]
+    for ref in refs:  # step 2's tail, driven by calls
+        await ref.endpoint(StageActor.reduce_step, timeout=30).call(2)
+        await ref.endpoint(StageActor.finish_step, timeout=30).call(2)
+    reports = await step_on_both(3)
+    assert reports[1].status == "failed" and "of step 3: lost late" in str(reports[1].error)
+    reports = await step_on_both(4)  # a new step: nothing of it was lost
+    assert [r.status for r in reports] == ["done", "done"]
 
 
 async def test_a_tail_the_stages_run_votes_on_the_streams() -> None:
