@@ -552,7 +552,8 @@ class StreamLink:
         self._outbox: deque[list[Any]] = deque()
         # pause_writing (see _Outbound) comes once more than this waits in the transport
         transport.set_write_buffer_limits(high=queued_max_bytes if key.encrypt else 0)
-        self._seal_away_bytes = _seal_away_bytes(transport.get_extra_info("socket"))
+        away = _seal_away_bytes(transport.get_extra_info("socket"))  # sizes the send buffer either way
+        self._seal_away_bytes = away if key.encrypt else None  # only an encrypted message is sealed away
         self._away_key: SessionKey | None = None  # the key's twin the worker seals with
 
     @classmethod
@@ -588,7 +589,7 @@ class StreamLink:
         """
         protocol = self._protocol
         away = self._seal_away_bytes
-        if away is not None and self.key.encrypt and sum(byte_view(frame).nbytes for frame in frames) >= away:
+        if away is not None and sum(byte_view(frame).nbytes for frame in frames) >= away:
             while protocol.drained is not None:  # room first, as try_send
                 self._check_open()
                 await asyncio.shield(protocol.drained)
