@@ -26,6 +26,7 @@ from actors._registry import actor_class, load_object, registered_actors
 from actors._subscribers import EventSink, Subscribers
 from actors.events import Event, NodeJoined, NodeLeft, NodeSilent
 from actors.records import WireRecord
+from transport.addresses import Address
 from transport.security import join_address, split_address
 from transport.wire import excerpt
 
@@ -168,7 +169,8 @@ class HeadActor(Actor):
         self.runtime.spawn_task(self._watch(), name="heartbeat watch")
         loop = asyncio.get_running_loop()
         endpoint = split_address(self.runtime.address)[0]
-        host = endpoint.rpartition(":")[0] if endpoint.startswith("tcp://") else endpoint  # ipc: beside the head's
+        where = Address.parse(endpoint)
+        host = f"tcp://{where.host}" if where.is_tcp else endpoint  # ipc: beside the head's
         self._liveness = LivenessServer(self.runtime.context, host, self.runtime.keys,
                                         lambda name: loop.call_soon_threadsafe(self._connection_closed, name),
                                         interval=self.heartbeat_interval, timeout=self.heartbeat_timeout)

@@ -47,6 +47,7 @@ from actors._errors import ActorLost, UnknownActor, error_from_wire, error_to_wi
 from actors._registry import actor_class, registered_actors
 from actors._runtime import open_runtime
 from actors.plugins import load_plugin
+from transport.addresses import Address
 from transport.loop import run
 from transport.wire import decode_message, encode_message
 
@@ -317,9 +318,9 @@ async def _host(sock: socket.socket, config: HostConfig) -> int:
 def _child_bind(bind: str) -> str:
     """The node's bind address with any fixed port made ephemeral (the node holds that one); a node
     bound at ``ipc://PATH`` puts its children beside it (``PATH.PID``), where its cluster cleans up."""
-    if bind.startswith("tcp://"):
-        host = bind[len("tcp://"):].rsplit(":", 1)[0]
-        return f"tcp://{host}:0"
+    where = Address.parse(bind)
+    if where.is_tcp:
+        return where.on_port(0)
     if bind != "ipc://":
         return f"{bind}.{os.getpid()}"
     return "ipc://"

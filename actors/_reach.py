@@ -15,7 +15,7 @@ import os
 import socket
 
 from actors._errors import ActorTimeout
-from transport.channel import is_local_address, is_own_address, route_source, url_host
+from transport.addresses import Address, is_local_address, is_own_address, route_source, url_host
 from transport.security import split_address
 
 __all__ = ["HeadUnreachable", "SecurityMismatch", "check_can_answer", "check_head_address", "check_security_matches",
@@ -41,17 +41,16 @@ def check_head_address(address: str) -> None:
         ValueError: not ``tcp://HOST:PORT`` (a port of 1-65535) or ``ipc://PATH``; says which part.
     """
     endpoint, _ = split_address(address)
-    scheme, separator, rest = endpoint.partition("://")
-    host, colon, port = rest.rpartition(":")
+    where = Address.parse(endpoint)
     why = None
-    if not separator or scheme not in ("tcp", "ipc"):
+    if not (where.is_tcp or where.is_ipc):
         why = "it is not tcp://HOST:PORT or ipc://PATH"
-    elif scheme == "ipc" and not rest:
+    elif where.is_ipc and not where.path:
         why = "it names no socket file"
-    elif scheme == "tcp" and (not colon or not host):
+    elif where.is_tcp and not where.host:
         why = "it needs a host and a port"
-    elif scheme == "tcp" and not (port.isdigit() and 0 < int(port) < 65536):
-        why = f"{port!r:.20} is not a TCP port (1-65535)"
+    elif where.is_tcp and not 0 < (where.port_number or 0) < 65536:
+        why = f"{where.port!r:.20} is not a TCP port (1-65535)"
     if why is not None:
         raise ValueError(f"the head's address {endpoint!r:.120} cannot be reached: {why}; give the address the "
                          "head printed (actorpipe head listening at ...) or its --address-file")
@@ -70,10 +69,10 @@ def check_can_answer(address: str, own: str, fix: str) -> None:
             machine's address toward the head.
     """
     endpoint, own_endpoint = split_address(address)[0], split_address(own)[0]
-    scheme, _, rest = endpoint.partition("://")
-    if scheme != "tcp" or is_local_address(endpoint) or not is_local_address(own_endpoint):
+    where = Address.parse(endpoint)
+    if not where.is_tcp or is_local_address(endpoint) or not is_local_address(own_endpoint):
         return
-    host = rest.rpartition(":")[0]
+    host = where.host
     if is_own_address(host) is not False:  # this machine's, or not resolved yet: nothing to say now
         return
     toward = route_source(host)
@@ -117,17 +116,17 @@ def why_no_answer(address: str, secure: bool, own: str = "") -> str:
 
 def _listens(endpoint: str) -> str | None:
     """None where something accepts a connection at ``endpoint``, else why nothing does."""
-    scheme, _, rest = endpoint.partition("://")
-    if scheme == "ipc":
-        if not os.path.exists(rest):
-            return f"nothing listens there: there is no socket file at {rest} (is the head running, at this address?)"
+    where = Address.parse(endpoint)
+    if where.is_ipc:
+        if not os.path.exists(where.path):
+            return (f"nothing listens there: there is no socket file at {where.path} (is the head running, at "
+                    "this address?)")
         family: int = socket.AF_UNIX
-        target: str | tuple[str, int] = rest
-    elif scheme == "tcp":
-        host, _, port = rest.rpartition(":")
-        if not port.isdigit():
+        target: str | tuple[str, int] = where.path
+    elif where.is_tcp:
+        if where.port_number is None:
             return None  # a name ZeroMQ resolves its own way: no verdict
-        family, target = (socket.AF_INET6 if ":" in host else socket.AF_INET), (host.strip("[]"), int(port))
+        family, target = where.family, (where.bare_host, where.port_number)
     else:
         return None
     with socket.socket(family, socket.SOCK_STREAM) as probe:

@@ -34,6 +34,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from transport.addresses import Address
 from transport.channel import ChannelClosed, Sender, WouldBlock
 from transport.sealed import SealRefused, SessionKey
 from transport.security import split_address
@@ -63,10 +64,10 @@ def stream_address_of(address: str) -> str | None:
         endpoint = split_address(address)[0]
     except ValueError:
         return None
-    scheme, _, path = endpoint.partition("://")
-    if scheme != "ipc" or not path:
+    where = Address.parse(endpoint)
+    if not where.is_ipc or not where.path:
         return None
-    path += STREAM_SUFFIX
+    path = where.path + STREAM_SUFFIX
     return f"ipc://{path}" if len(os.fsencode(path)) <= UNIX_PATH_MAX else None
 
 

@@ -44,7 +44,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from actors._processes import _die_with_parent
-from transport.channel import is_loopback, route_source, url_host
+from transport.addresses import is_loopback, route_source, url_host
 
 __all__ = ["HeadStartError", "LaunchRole", "first_host", "from_environment", "own_host", "serve_unless_rank_zero"]
 

@@ -23,7 +23,7 @@ from actors.keys import DEFAULT_KEYS, KeyFileError
 from actors._reach import HeadUnreachable, SecurityMismatch
 from actors.plugins import head_modules
 from actors._serve import ENCRYPTION_ENV, HeadConfig, WorkerConfig, serve_head, serve_worker
-from transport.channel import is_loopback
+from transport.addresses import is_loopback
 from transport.loop import run
 from transport.wire import DEFAULT_MAX_MESSAGE_BYTES
 
@@ -115,7 +115,7 @@ def _from_launcher(args: argparse.Namespace) -> None:
         if not args.bind and not role.loopback and is_loopback(host):
             # The head's name is loopback here (/etc/hosts maps this host's name to 127.0.1.1) and the
             # other machines resolve it to this one's network address: listen on both, on every address
-            # (the head names itself by its default route's, transport.channel.advertised).
+            # (the head names itself by its default route's, transport.addresses.advertised).
             host = "[::]" if ":" in host else "0.0.0.0"
         args.bind = args.bind or f"tcp://{host}:{role.port}"
     else:

@@ -56,7 +56,7 @@ from schedulers.partition import partition_by_parameters, partition_uniform
 from schedulers.placement import Placement, choose_nodes, gpu_of
 from schedulers.events import JobClosed, JobCreated
 from schedulers.records import JobDescription, JobInfo
-from transport.channel import is_local_address
+from transport.addresses import is_local_address
 
 __all__ = ["SchedulerActor"]
 

@@ -1,22 +1,18 @@
 """The socket plumbing under :mod:`transport.channel`: readiness on ZMQ_FD, reading a message
-frame by frame within limits, and the addresses a channel binds."""
+frame by frame within limits (the addresses a channel binds: :mod:`transport.addresses`)."""
 
 from __future__ import annotations
 
 import asyncio
-import ipaddress
-import os
-import socket as net
-import tempfile
 from typing import Any
 
 import zmq
 
+from transport.addresses import Address
 from transport.wire import MessageTooLarge
 
-__all__ = ["COPY_THRESHOLD", "ChannelClosed", "Readiness", "bind_address", "bulk_bind_address", "events", "gather",
-           "advertised", "is_local_address", "is_loopback", "is_own_address", "measure", "readable", "reach",
-           "route_source", "send_nowait", "url_host", "writable"]
+__all__ = ["COPY_THRESHOLD", "ChannelClosed", "Readiness", "events", "gather", "measure", "readable", "reach",
+           "send_nowait", "writable"]
 
 
 class ChannelClosed(RuntimeError):
@@ -152,14 +148,6 @@ def gather(socket: zmq.Socket[Any], frame: zmq.Frame, limit: int, max_frames: in
     )
 
 
-def bulk_bind_address(bind_address: str) -> str:
-    """Where a receiver bound at ``bind_address`` binds its bulk socket: the same host, any port."""
-    scheme, _, rest = bind_address.partition("://")
-    if scheme == "ipc":
-        return f"ipc://{rest}.bulk"
-    return f"tcp://{rest.rpartition(':')[0]}:*"
-
-
 # Plain ints: pyzmq's enums cost a call per operation.
 _EVENTS, _POLLIN, _POLLOUT = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT)
 _NOBLOCK, _NOBLOCK_MORE = int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
@@ -207,110 +195,11 @@ def measure(frames: list[Any]) -> tuple[int, bool]:
     return sum(sizes), max(sizes, default=0) >= COPY_THRESHOLD
 
 
-def bind_address(address: str, *, allow_remote: bool) -> tuple[str, str | None]:
-    """Returns the address to bind (ephemeral forms resolved) and any temp folder made."""
-    scheme, sep, rest = address.partition("://")
-    if not sep:
-        raise ValueError(f"address {address!r} must look like tcp://HOST:PORT or ipc://PATH")
-    if scheme == "ipc":
-        if rest:
-            return address, None
-        tempdir = tempfile.mkdtemp(prefix="actorpipe-")
-        return f"ipc://{os.path.join(tempdir, 'sock')}", tempdir
-    if scheme != "tcp":
-        raise ValueError(f"unsupported transport {scheme!r} in {address!r}: use tcp:// or ipc://")
-    host, colon, port = rest.rpartition(":")
-    if not colon or not host:
-        raise ValueError(f"address {address!r} needs a host and a port (port 0 for any free one)")
-    if not allow_remote and not is_loopback(host):
-        raise ValueError(
-            f"refusing to bind {address!r}: it is not a loopback address; pass allow_remote=True "
-            "(a node: --allow-remote; with CURVE keys, the default for a cluster) to listen beyond this machine"
-        )
-    if port == "0":
-        port = "*"
-    return f"tcp://{host}:{port}", None
-
-
-def is_local_address(address: str) -> bool:
-    """Whether a runtime's ``address`` (with or without its key part) is reachable only
-    from this machine: ``ipc://`` or TCP on a loopback address."""
-    endpoint = address.partition("|")[0]
-    scheme, _, rest = endpoint.partition("://")
-    return scheme == "ipc" or (scheme == "tcp" and is_loopback(rest.rpartition(":")[0]))
-
-
-def url_host(host: str) -> str:
-    """``host`` as it goes in a ``tcp://`` address: an IPv6 literal in brackets (``fd00::2`` ->
-    ``[fd00::2]``), a name or an IPv4 address as it is."""
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
-
-
-def advertised(endpoint: str) -> str:
-    """``endpoint`` (a bound socket's ``LAST_ENDPOINT``) as peers are told to reach it.
-
-    A socket bound to every address (``tcp://0.0.0.0:P``, ``tcp://*:P``, ``tcp://[::]:P``) names
-    itself by the wildcard, which no other machine can connect to: a head bound so told its
-    workers to answer it at ``0.0.0.0``. This host's address on its default route stands in (the
-    one other machines most likely reach it by; the socket still listens on every address);
-    with no default route the endpoint stays as it is.
-    """
-    scheme, _, rest = endpoint.partition("://")
-    host, _, port = rest.rpartition(":")
-    if scheme != "tcp" or host not in ("0.0.0.0", "*", "[::]"):
-        return endpoint
-    # Documentation addresses (RFC 3849, RFC 5737): only a default route leads there.
-    for outside in ("2001:db8::1", "192.0.2.1") if host == "[::]" else ("192.0.2.1",):
-        source = route_source(outside)
-        if source is not None:
-            return f"tcp://{url_host(source)}:{port}"
-    return endpoint
-
-
-def route_source(host: str, port: int = 9) -> str | None:
-    """The address this host sends from toward ``host`` (a name, or an address, bracketed or not): the
-    kernel's choice of route, read from a UDP socket "connected" there, which sends nothing. None
-    where ``host`` does not resolve or no route leads to it."""
-    try:
-        family, _, _, _, target = net.getaddrinfo(host.strip("[]"), port, type=net.SOCK_DGRAM)[0]
-        with net.socket(family, net.SOCK_DGRAM) as probe:
-            probe.connect(target)
-            return str(probe.getsockname()[0])
-    except OSError:
-        return None
-
-
-def is_own_address(host: str) -> bool | None:
-    """Whether ``host`` (a name or an address) is an address of this machine: one a socket here can
-    bind. None where it does not resolve."""
-    try:
-        found = net.getaddrinfo(host.strip("[]"), None, type=net.SOCK_DGRAM)
-    except OSError:
-        return None
-    for family, _, _, _, address in found:
-        try:
-            with net.socket(family, net.SOCK_DGRAM) as probe:
-                probe.bind((address[0], 0, *address[2:]))
-            return True
-        except OSError:
-            continue
-    return False
-
-
 def reach(socket: zmq.Socket[Any], address: str) -> None:
     """Lets ``socket`` bind or connect ``address`` over IPv6 when its host is an IPv6 literal
     (``tcp://[::1]:5555``): libzmq refuses one otherwise ("No such device"). Call it before the
     bind or connect; every other address leaves the socket IPv4-only, as libzmq's default is (a
     host whose kernel has no IPv6 could not open the socket at all)."""
-    scheme, _, rest = address.partition("://")
-    if scheme == "tcp" and rest.startswith("["):
+    where = Address.parse(address)
+    if where.is_tcp and where.host.startswith("["):
         socket.setsockopt(zmq.IPV6, 1)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False

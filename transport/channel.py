@@ -29,24 +29,8 @@ from typing import Any, Literal
 
 import zmq
 
-from transport._sockets import (
-    ChannelClosed,
-    advertised,
-    Readiness,
-    bind_address,
-    bulk_bind_address,
-    gather,
-    is_local_address,
-    is_loopback,
-    is_own_address,
-    measure,
-    reach,
-    readable,
-    route_source,
-    send_nowait,
-    url_host,
-    writable,
-)
+from transport._sockets import ChannelClosed, Readiness, gather, measure, reach, readable, send_nowait, writable
+from transport.addresses import advertised, bind_address, bulk_bind_address
 from transport.sealed import (
     CLAIM_RETRY_S,
     TAG_BYTES,
@@ -79,14 +63,9 @@ __all__ = [
     "Receiver",
     "Sender",
     "WouldBlock",
-    "is_local_address",
-    "is_loopback",
-    "is_own_address",
     "open_receiver",
     "open_sender",
     "reach",
-    "route_source",
-    "url_host",
 ]
 
 log = logging.getLogger(__name__)

@@ -59,7 +59,8 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from transport._buffers import aligned_empty, only_held_by
-from transport._sockets import advertised, reach, send_nowait
+from transport._sockets import reach, send_nowait
+from transport.addresses import advertised
 from transport.wire import WireError
 
 __all__ = ["DIRECT_MAX_BYTES", "HEAD_BYTES", "BulkInbox", "BulkLink", "OpenedFrame", "SealRefused", "SessionKey",

@@ -27,6 +27,8 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
+from transport.addresses import Address
+
 __all__ = ["KEY_SEPARATOR", "ZAP_DOMAIN", "Gate", "Keypair", "bulk_endpoint", "is_numeric_endpoint", "join_address", "read_public_key", "shown",
            "split_address", "write_public_key"]
 
@@ -143,14 +145,13 @@ def bulk_endpoint(address: str) -> str | None:
 
 def is_numeric_endpoint(endpoint: str) -> bool:
     """True for ``ipc://PATH`` and ``tcp://IP:PORT`` (no host name: resolving one would block)."""
-    scheme, sep, rest = endpoint.partition("://")
-    if scheme == "ipc" and sep:
-        return bool(rest)
-    host, colon, port = rest.rpartition(":")
-    if scheme != "tcp" or not sep or not colon or not port.isdigit():
+    where = Address.parse(endpoint)
+    if where.is_ipc:
+        return bool(where.path)
+    if not where.is_tcp or where.port_number is None:
         return False
     try:
-        ipaddress.ip_address(host[1:-1] if host.startswith("[") and host.endswith("]") else host)
+        ipaddress.ip_address(where.bare_host)
     except ValueError:
         return False
     return True

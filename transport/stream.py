@@ -44,7 +44,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from transport._sockets import url_host
+from transport.addresses import Address, url_host
 from transport.sealed import HEAD_BYTES, TAG_BYTES, SealRefused, SessionKey, aligned_buffer, byte_view, parse_head
 from transport.wire import DEFAULT_MAX_MESSAGE_BYTES, WireError, decode_message
 
@@ -92,15 +92,14 @@ def stream_bind_address(runtime_endpoint: str) -> tuple[str, str | None]:
     """Where a stream server beside a runtime bound at ``runtime_endpoint`` listens, and any
     folder made for it: a Unix socket in the same folder for ``ipc://`` (in a fresh private
     folder where that path would be too long), the same host on any port for ``tcp://``."""
-    scheme, _, rest = runtime_endpoint.partition("://")
-    if scheme == "ipc":
-        path = os.path.join(os.path.dirname(rest), f"stream-{os.urandom(4).hex()}")
+    where = Address.parse(runtime_endpoint)
+    if where.is_ipc:
+        path = os.path.join(os.path.dirname(where.path), f"stream-{os.urandom(4).hex()}")
         if len(os.fsencode(path)) <= UNIX_PATH_MAX:
             return f"ipc://{path}", None
         folder = tempfile.mkdtemp(prefix="ap-")
         return f"ipc://{os.path.join(folder, 's')}", folder
-    host = rest.rpartition(":")[0]
-    return f"tcp://{host}:0", None
+    return where.on_port(0), None
 
 
 class _Session:
@@ -171,13 +170,13 @@ class StreamServer:
             return self.address
         loop = asyncio.get_running_loop()
         bind, self._folder = (exactly, None) if exactly is not None else stream_bind_address(runtime_endpoint)
-        scheme, _, rest = bind.partition("://")
-        if scheme == "ipc":
-            self._server = await loop.create_unix_server(lambda: _Inbound(self), rest)
-            self._path = rest
+        where = Address.parse(bind)
+        if where.is_ipc:
+            self._server = await loop.create_unix_server(lambda: _Inbound(self), where.path)
+            self._path = where.path
             self.address = bind
         else:
-            host = rest.rpartition(":")[0].strip("[]")
+            host = where.bare_host
             self._server = await loop.create_server(lambda: _Inbound(self), host, 0)
             port = self._server.sockets[0].getsockname()[1]
             self.address = f"tcp://{url_host(host)}:{port}"
@@ -566,13 +565,12 @@ class StreamLink:
             ValueError: not an ``ipc://`` or ``tcp://`` address.
         """
         loop = asyncio.get_running_loop()
-        scheme, _, rest = address.partition("://")
+        where = Address.parse(address)
         try:
-            if scheme == "ipc":
-                transport, protocol = await loop.create_unix_connection(_Outbound, rest)
-            elif scheme == "tcp":
-                host, _, port = rest.rpartition(":")
-                transport, protocol = await loop.create_connection(_Outbound, host.strip("[]"), int(port))
+            if where.is_ipc:
+                transport, protocol = await loop.create_unix_connection(_Outbound, where.path)
+            elif where.is_tcp and where.port_number is not None:
+                transport, protocol = await loop.create_connection(_Outbound, where.bare_host, where.port_number)
                 transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             else:
                 raise ValueError(f"a stream address is ipc://PATH or tcp://HOST:PORT, not {address[:80]!r}")

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from stages.comm.zero import GradientShards
 from stages.mesh import Mesh
 from stages.program import Placement, stage_to_rank
+from transport.addresses import Address
 from transport.codecs import Encoded, ErrorFeedback
 
 __all__ = [
@@ -258,12 +259,11 @@ def _loopback_interface() -> str | None:
 def _interface_holding(address: str) -> str | None:
     """The network interface whose address is the host of ``tcp://HOST:PORT[|KEY]`` (IPv4, or IPv6 in
     brackets), if any."""
-    scheme, _, rest = address.partition("|")[0].partition("://")
-    host = rest.rpartition(":")[0]
-    if scheme != "tcp" or not host:
+    where = Address.parse(address.partition("|")[0])
+    if not where.is_tcp or not where.host:
         return None
     try:
-        wanted = ipaddress.ip_address(host.strip("[]"))
+        wanted = ipaddress.ip_address(where.bare_host)
     except ValueError:
         return None
     if wanted.is_unspecified:

@@ -12,7 +12,7 @@ import pytest
 
 from actors import Cluster, HeadUnreachable, SecurityMismatch
 from actors._reach import check_can_answer, check_head_address, check_security_matches, why_no_answer
-from transport.channel import is_own_address, route_source
+from transport.addresses import is_own_address, route_source
 
 KEY = "ab" * 32  # a public key part of an address: 64 hex digits
 
