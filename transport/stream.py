@@ -156,6 +156,7 @@ class StreamServer:
         self.wait_for_open_s = wait_for_open_s
         self.address: str | None = None
         self.rounds = 0  # reads so far: the messages one read hands on came together
+        self.refusals = 0  # connections refused so far
         self._server: asyncio.AbstractServer | None = None
         self._path: str | None = None
         self._folder: str | None = None  # made for the socket file (see stream_bind_address)
@@ -242,7 +243,10 @@ class StreamServer:
         return session
 
     def refused(self, reason: str) -> None:
-        log.warning("stream server at %s refused a connection: %s", self.address, reason)
+        self.refusals += 1
+        if self.refusals & (self.refusals - 1) == 0:  # the 1st, 2nd, 4th, 8th...: a flood stays quiet
+            log.warning("stream server at %s refused a connection (%d so far): %s", self.address, self.refusals,
+                        reason)
         if self.on_refused is not None:
             self.on_refused(reason)
 

@@ -8,6 +8,7 @@ close that connection, write nothing back, and keep taking a good link's message
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 import struct
@@ -125,6 +126,25 @@ async def attack(server: StreamServer, taken: Taken, data: bytes, reason: str) -
     await taken.wait(refusals=1)
     assert reason in taken.refusals[-1]
     taken.refusals.clear()
+
+
+async def test_a_flood_of_bad_connections_is_counted_and_logged_sparsely(
+    served: tuple[StreamServer, Taken], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A peer that reconnects and sends garbage in a loop filled the log with a warning a connection;
+    now the 1st, 2nd, 4th, 8th... refusal is logged, with the count, and every one is counted."""
+    server, taken = served
+    with caplog.at_level(logging.WARNING, logger="transport.stream"):
+        for _ in range(40):
+            await attack(server, taken, framed([b"not a sealed message head"]), "")
+    warnings = [r.getMessage() for r in caplog.records if "refused a connection" in r.getMessage()]
+    assert server.refusals == 40
+    assert [w.partition("(")[2].partition(" so far")[0] for w in warnings] == ["1", "2", "4", "8", "16", "32"]
+    link = await open_link(server)  # and it goes on serving
+    await link.send(encode_message(["after"]))
+    await taken.wait(payloads=1)
+    assert taken.payloads[-1] == ["after"]
+    link.close()
 
 
 async def test_bad_input_closes_that_connection_only(served: tuple[StreamServer, Taken]) -> None:
