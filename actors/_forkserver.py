@@ -42,6 +42,8 @@ from typing import Any
 
 import msgpack
 
+from actors._forking import ForkLoop
+
 __all__ = ["ForkServer", "ForkedProcess", "fork_server"]
 
 log = logging.getLogger(__name__)
@@ -224,62 +226,24 @@ def _serve(channel: socket.socket) -> None:
     gc.collect()
     threads = _thread_count()  # torch's import starts one native thread of its own, which no fork copies
     gc.freeze()  # never collected in a child: a collection there would copy every page it touches
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_r, False)
-    os.set_blocking(wake_w, False)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.set_wakeup_fd(wake_w)
-    children: dict[int, int] = {}  # pid -> request
+    loop = ForkLoop(channel, _MAX_CONTROL_BYTES)
     try:
-        while True:
-            ready, _, _ = select.select([channel.fileno(), wake_r], [], [])
-            if wake_r in ready:
-                with contextlib.suppress(BlockingIOError):
-                    while os.read(wake_r, 512):
-                        pass
-                _reap(channel, children)
-            if channel.fileno() not in ready:
-                continue
-            data, fds, _, _ = socket.recv_fds(channel, _MAX_CONTROL_BYTES, 1)
-            if not data:  # the driver closed its end or exited
-                return
-            message = msgpack.unpackb(data)
+        for message, fds in loop.requests():  # until the driver closes its end or exits
             if message.get("op") != "start" or len(fds) != 1:
                 for fd in fds:
                     os.close(fd)
                 continue
             if (now := _thread_count()) > threads:  # a fork would copy a lock some thread holds
                 os.close(fds[0])
-                channel.send(msgpack.packb({"op": "failed", "id": message.get("id"),
-                                            "error": f"the fork server runs {now} threads, not {threads}"}))
+                loop.send({"op": "failed", "id": message.get("id"),
+                           "error": f"the fork server runs {now} threads, not {threads}"})
                 continue
-            pid = os.fork()
-            if pid == 0:
-                os.close(wake_r)
-                os.close(wake_w)
-                channel.close()
+            if loop.fork(message) == 0:
                 _node(message, fds[0])  # never returns
             os.close(fds[0])
-            children[pid] = message.get("id")
-            channel.send(msgpack.packb({"op": "pid", "id": message.get("id"), "pid": pid}))
     finally:
-        for pid in children:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
-
-
-def _reap(channel: socket.socket, children: dict[int, int]) -> None:
-    while children:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        children.pop(pid, None)
-        with contextlib.suppress(OSError):
-            channel.send(msgpack.packb({"op": "exited", "pid": pid, "status": status}))
+        loop.stop(signal.SIGTERM)
 
 
 def _node(message: dict[str, Any], stderr: int) -> None:

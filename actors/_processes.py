@@ -30,7 +30,6 @@ import importlib
 import itertools
 import logging
 import os
-import select
 import signal
 import socket
 import struct
@@ -44,6 +43,7 @@ import msgpack
 from actors._actor import endpoint_table
 from actors._context import NodeContext
 from actors._errors import ActorLost, UnknownActor, error_from_wire, error_to_wire
+from actors._forking import ForkLoop
 from actors._registry import actor_class, registered_actors
 from actors._runtime import open_runtime
 from actors.plugins import load_plugin
@@ -169,28 +169,12 @@ def _zygote(channel: socket.socket, config: HostConfig) -> None:
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the node's to handle
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_r, False)
-    os.set_blocking(wake_w, False)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    signal.set_wakeup_fd(wake_w)
+    loop = ForkLoop(channel, _MAX_CONTROL_BYTES)
     preload: Callable[[], None] | None = config.preload  # at the first spawn: a node that hosts nothing never pays
     tables_made = False
-    children: set[int] = set()
     try:
-        while True:
-            ready, _, _ = select.select([channel.fileno(), wake_r], [], [])
-            if wake_r in ready:
-                with contextlib.suppress(BlockingIOError):
-                    while os.read(wake_r, 512):
-                        pass
-                _reap(channel, children)
-            if channel.fileno() not in ready:
-                continue
-            data, fds, _, _ = socket.recv_fds(channel, _MAX_CONTROL_BYTES, 1)
-            if not data:  # the node closed its end: it stops (its actors were stopped first)
-                return
-            message = msgpack.unpackb(data)
+        # Until the node closes its end: it stops (its actors were stopped first).
+        for message, fds in loop.requests():
             if message.get("op") == "spawn" and fds:
                 if preload is not None:
                     run_preload, preload = preload, None
@@ -205,37 +189,17 @@ def _zygote(channel: socket.socket, config: HostConfig) -> None:
                 # What exists now is never collected in a child: a collection there would touch, and so
                 # copy, every page of it (gc.collect() as a stage stops took most of a second).
                 gc.freeze()
-                pid = os.fork()
-                if pid == 0:
-                    os.close(wake_r)
-                    os.close(wake_w)
-                    channel.close()
+                if loop.fork(message) == 0:
                     _hosted_process(fds[0], config)  # never returns
                 os.close(fds[0])
-                children.add(pid)
-                channel.send(msgpack.packb({"op": "pid", "id": message.get("id"), "pid": pid}))
-            elif message.get("op") == "kill" and message.get("pid") in children:
+            elif message.get("op") == "kill" and message.get("pid") in loop.children:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(message["pid"], signal.SIGKILL)
             else:
                 for fd in fds:
                     os.close(fd)
     finally:
-        for pid in children:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-
-
-def _reap(channel: socket.socket, children: set[int]) -> None:
-    while children:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        children.discard(pid)
-        channel.send(msgpack.packb({"op": "exited", "pid": pid, "status": status}))
+        loop.stop(signal.SIGKILL)
 
 
 # -- a hosted actor's process -----------------------------------------------------------------
