@@ -18,6 +18,7 @@ __all__ = [
     "ActorError",
     "ActorStopped",
     "ActorTimeout",
+    "BUILTIN_KINDS",
     "BadArguments",
     "BadRecord",
     "HeadLost",
@@ -27,6 +28,8 @@ __all__ = [
     "NonFiniteError",
     "NotAllowed",
     "RemoteError",
+    "builtin_base",
+    "remote_error_class",
     "StepFailed",
     "TooManySubscribers",
     "UnknownActor",
@@ -69,7 +72,13 @@ class ActorError(Exception):
 
 
 class RemoteError(ActorError):
-    """An endpoint raised; ``remote_type`` names the original exception's type."""
+    """An endpoint raised; ``remote_type`` names the original exception's type.
+
+    Where that type is, or derives from, one of Python's own (:data:`BUILTIN_KINDS`: ``ValueError``,
+    ``TypeError``, ``KeyError``, ``RuntimeError``, ``FileNotFoundError``...), the error is also an
+    instance of that builtin (:func:`remote_error_class`), so ``except ValueError`` catches a
+    remote ``ValueError`` as it would a local one; ``except RemoteError`` still catches it too.
+    """
 
     def __str__(self) -> str:
         head = f"{self.remote_type}: {self.message}"
@@ -265,6 +274,40 @@ ERROR_KINDS: dict[str, type[ActorError]] = {
 }
 
 
+# The builtin exception types a RemoteError may also be (see RemoteError): rebuilt by name, from
+# this table alone; each takes one message argument. Nothing else a peer names is instantiated.
+BUILTIN_KINDS: dict[str, type[Exception]] = {
+    cls.__name__: cls
+    for cls in (
+        ValueError, TypeError, KeyError, IndexError, LookupError, AttributeError, RuntimeError,
+        NotImplementedError, AssertionError, ArithmeticError, ZeroDivisionError, OverflowError,
+        ImportError, ModuleNotFoundError, OSError, FileNotFoundError, FileExistsError,
+        IsADirectoryError, NotADirectoryError, PermissionError, MemoryError,
+    )
+}
+_REMOTE_CLASSES: dict[str, type[RemoteError]] = {}
+
+
+def remote_error_class(builtin: str) -> type[RemoteError]:
+    """The :class:`RemoteError` that is also the builtin exception type named ``builtin``
+    (a name of :data:`BUILTIN_KINDS`), or RemoteError itself for any other name."""
+    base = BUILTIN_KINDS.get(builtin)
+    if base is None:
+        return RemoteError
+    cls = _REMOTE_CLASSES.get(builtin)
+    if cls is None:
+        cls = type(f"Remote{builtin}", (RemoteError, base), {"__module__": __name__, "__doc__": (
+            f"A remote {builtin} (or a subclass of it): a :class:`RemoteError` that ``except {builtin}`` catches.")})
+        _REMOTE_CLASSES[builtin] = cls
+    return cls
+
+
+def builtin_base(exc: BaseException) -> str:
+    """The name of the first of ``exc``'s classes (itself, then its bases) in :data:`BUILTIN_KINDS`;
+    '' where none is."""
+    return next((cls.__name__ for cls in type(exc).__mro__ if BUILTIN_KINDS.get(cls.__name__) is cls), "")
+
+
 def error_to_wire(exc: BaseException) -> dict[str, Any]:
     """Describes ``exc`` as msgpack-able data."""
     if isinstance(exc, ActorError):
@@ -281,7 +324,10 @@ def error_to_wire(exc: BaseException) -> dict[str, Any]:
     if kind not in ERROR_KINDS:
         kind = "RemoteError"
     details = exc.details if isinstance(exc, ActorError) else {}
-    return {"kind": kind, "type": remote_type, "message": message, "traceback": text, "details": details}
+    wire = {"kind": kind, "type": remote_type, "message": message, "traceback": text, "details": details}
+    if kind == "RemoteError" and (builtin := builtin_base(exc)):
+        wire["builtin"] = builtin
+    return wire
 
 
 def error_from_wire(data: Any) -> ActorError:
@@ -293,6 +339,8 @@ def error_from_wire(data: Any) -> ActorError:
     if not isinstance(data, dict):
         return RemoteError(f"malformed error reply: {data!r:.200}")
     cls = ERROR_KINDS.get(str(data.get("kind")), RemoteError)
+    if cls is RemoteError:
+        cls = remote_error_class(str(data.get("builtin", "")))
     details = data.get("details")
     message = str(data.get("message", ""))
     if cls is ActorTimeout and not message.startswith("remote timeout: "):

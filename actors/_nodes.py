@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from actors._actor import Actor, current_caller, endpoint, sees_all
 from actors._context import NodeContext
-from actors._errors import ActorError, ActorLost, NodeLost, NotAllowed, RemoteError, contained
+from actors._errors import (ActorError, ActorLost, NodeLost, NotAllowed, builtin_base, contained,
+                            remote_error_class)
 from actors._liveness import LivenessServer
 from actors._registry import actor_class, load_object, registered_actors
 from actors._subscribers import EventSink, Subscribers
@@ -122,7 +123,7 @@ def _import_failure(node: str, exc: Exception, reveal: bool) -> Exception:
     traceback; anyone else its type and message only (a traceback shows the node's files)."""
     if reveal and isinstance(exc, ModuleNotFoundError):
         return ModuleNotFoundError(f"node {node}: {exc}", name=exc.name)
-    return RemoteError(f"node {node}: {str(exc)[:300]}", remote_type=type(exc).__name__)
+    return remote_error_class(builtin_base(exc))(f"node {node}: {str(exc)[:300]}", remote_type=type(exc).__name__)
 
 
 def node_info(name: str, address: str, device: str) -> NodeInfo:

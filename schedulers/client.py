@@ -83,7 +83,8 @@ class Cluster(actors.Cluster):
             TypeError: an unknown argument (with the nearest known one) or one of the wrong type.
             ValueError: a value out of range, or one that does not fit the others.
             RemoteError: the scheduler refused the job (e.g. too few nodes, or ranks of an
-                NCCL job that would share a GPU), with why.
+                NCCL job that would share a GPU), with why; one that was a ``ValueError`` or
+                ``TypeError`` there is one here too (``except ValueError`` catches it).
             NotAllowed: a factory outside the nodes' allow-list.
 
         Warns:

@@ -308,7 +308,9 @@ def test_a_process_group_that_cannot_connect_fails_the_job_at_once_and_says_why(
             sys.executable, "-c", CREATE, address, keys.directory, f"tcp://{link.addr_b}:0"]),
             cwd=_netns.REPO_ROOT, capture_output=True, text=True, timeout=200)
         assert run.returncode == 0, run.stderr[-3000:]
-        assert run.stdout.startswith("RemoteError stages.comm.parallel.GroupJoinFailed: rank "), run.stdout[-3000:]
+        # A RuntimeError on the node: a RemoteError that is also a RuntimeError at the caller.
+        assert run.stdout.startswith("RemoteRuntimeError stages.comm.parallel.GroupJoinFailed: rank "), \
+            run.stdout[-3000:]
         assert "gloo reached for a loopback address, and the job's members are on several machines: " \
                "GLOO_SOCKET_IFNAME (here lo; a node's own setting wins)" in run.stdout, run.stdout[-3000:]
 

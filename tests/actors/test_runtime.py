@@ -672,3 +672,56 @@ def test_an_error_of_the_jobs_code_says_at_the_caller_which_callable_raised() ->
     assert not hasattr(stopped.value, "__notes__") and error_to_wire(stopped.value)["message"] == "gone"
     # An error without notes crosses as it did.
     assert error_to_wire(ValueError("plain"))["message"] == "plain"
+
+
+class _SpecError(ValueError):
+    """A library's own ValueError (as torch's and this project's errors derive from Python's)."""
+
+
+class _Unrelated(Exception):
+    pass
+
+
+@pytest.mark.parametrize(("raised", "builtin"), [
+    (ValueError("bad value"), ValueError), (TypeError("bad type"), TypeError), (KeyError("k"), KeyError),
+    (FileNotFoundError(2, "no such file"), FileNotFoundError), (_SpecError("a spec's own"), ValueError),
+    (RuntimeError("torch said"), RuntimeError), (ZeroDivisionError("zero"), ZeroDivisionError),
+])
+def test_a_remote_builtin_error_is_caught_by_its_builtin_type_and_stays_a_remote_error(
+    raised: Exception, builtin: type[Exception]
+) -> None:
+    """A scheduler's ValueError ("too few layers", "needs 3 nodes") reached the driver as a bare
+    RemoteError, which ``except ValueError`` let through; now it is both."""
+    from actors._errors import error_from_wire, error_to_wire
+
+    try:
+        raise raised
+    except Exception as exc:  # noqa: BLE001  (the test raises it to give it a traceback)
+        wire = error_to_wire(exc)
+    error = error_from_wire(wire)
+    assert isinstance(error, RemoteError) and isinstance(error, builtin)
+    assert type(error).__name__ == f"Remote{builtin.__name__}"
+    assert error.remote_type.endswith(type(raised).__name__) and error.remote_traceback
+    assert str(error).startswith(f"{error.remote_type}: ")  # RemoteError's text, not the builtin's
+    with pytest.raises(builtin):
+        raise error
+    # Relayed once more (a head passing on a stage's error), it keeps both.
+    again = error_from_wire(error_to_wire(error))
+    assert isinstance(again, RemoteError) and isinstance(again, builtin) and again.remote_type == error.remote_type
+
+
+def test_only_pythons_own_exception_types_are_rebuilt_by_name() -> None:
+    """The builtin a peer names is looked up in a table, never imported or resolved: a name outside it
+    (one that would stop the caller, or a class of the peer's) gives a plain RemoteError."""
+    from actors._errors import error_from_wire, error_to_wire
+
+    assert "builtin" not in error_to_wire(_Unrelated("x"))
+    plain = error_from_wire(error_to_wire(_Unrelated("x")))
+    assert type(plain) is RemoteError
+    for name in ("SystemExit", "KeyboardInterrupt", "GeneratorExit", "BaseException", "Exception",
+                 "UnicodeDecodeError", "os.system", "", 7):
+        forged = error_from_wire({"kind": "RemoteError", "type": "X", "message": "m", "builtin": name})
+        assert type(forged) is RemoteError, name
+    # A kind of the runtime's own keeps its class (BadArguments is a TypeError already).
+    from actors._errors import BadArguments
+    assert type(error_from_wire(error_to_wire(BadArguments("no")))) is BadArguments

@@ -191,8 +191,9 @@ async def test_batch_that_does_not_split_is_a_clear_error(cluster: Cluster) -> N
 )
 async def test_jobs_the_cluster_cannot_hold_are_refused_with_a_clear_error(cluster: Cluster, kwargs: dict, match: str) -> None:
     spec = {"model": "examples.models:residual_mlp", "model_kwargs": SMALL, "pipeline_stages": 1, **kwargs}
-    with pytest.raises(RemoteError, match=match):
+    with pytest.raises(ValueError, match=match) as refused:  # a ValueError at the head: one here too
         await cluster.train(**spec)
+    assert isinstance(refused.value, RemoteError) and refused.value.remote_type == "ValueError"
 
 
 async def test_factory_outside_the_allow_list_is_refused_with_how_to_admit_it(cluster: Cluster) -> None:
