@@ -3,8 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from typing import NoReturn
 
 from stages.sections import SCHEDULE_NAMES
+
+
+def refused(exc: ValueError) -> NoReturn:
+    """Ends a training example whose job the cluster refused (more stages than the model has layers,
+    more than the nodes): one line, ``error: ...``, exit code 2, as argparse does for a bad flag. The
+    refusal's remote traceback would show only the head's insides."""
+    print(f"error: {getattr(exc, 'message', exc)}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def positive_int(text: str) -> int:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from examples import check_training_args, positive_int, training_parser
+from examples import check_training_args, positive_int, refused, training_parser
 from examples.data import char_batches, decode, encode
 from examples.models import generate, gpt, lm_loss
 
@@ -86,18 +86,21 @@ async def _train_pipelined(args: argparse.Namespace) -> dict[str, Any]:
     bubbles: list[float] = []
     async with LocalCluster(nodes=args.stages) as cluster:
         # Factories by themselves (their import paths are derived: nodes import them by path).
-        job = await cluster.train(
-            model=gpt,
-            model_kwargs=model_kwargs(args),
-            loss=lm_loss,
-            optimizer=(torch.optim.AdamW, {"lr": args.lr}),
-            pipeline_stages=args.stages,
-            schedule=args.schedule,
-            micro_batches=args.micro_batches,
-            seed=args.seed,
-            data=char_batches,
-            data_kwargs=data_kwargs(args),
-        )
+        try:
+            job = await cluster.train(
+                model=gpt,
+                model_kwargs=model_kwargs(args),
+                loss=lm_loss,
+                optimizer=(torch.optim.AdamW, {"lr": args.lr}),
+                pipeline_stages=args.stages,
+                schedule=args.schedule,
+                micro_batches=args.micro_batches,
+                seed=args.seed,
+                data=char_batches,
+                data_kwargs=data_kwargs(args),
+            )
+        except ValueError as exc:  # settings the cluster refused (e.g. more stages than layers): as a bad flag
+            refused(exc)
         try:
             with _progress(args) as bar:
                 for step in range(args.steps):

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from examples import check_training_args, training_parser
+from examples import check_training_args, refused, training_parser
 from examples.data import char_batches
 from examples.hf import gpt2
 from examples.models import lm_loss
@@ -51,12 +51,15 @@ async def train(args: argparse.Namespace) -> dict[str, Any]:
     split_points = [f"transformer.h.{step * s}" for s in range(1, args.stages)]
     started = time.perf_counter()
     async with LocalCluster(nodes=args.stages) as cluster:
-        job = await cluster.train(
-            model="examples.hf:gpt2", model_kwargs=model_kwargs, split_points=split_points,
-            loss="examples.models:lm_loss", optimizer=("torch.optim:AdamW", {"lr": args.lr}),
-            pipeline_stages=args.stages, schedule=args.schedule, micro_batches=args.micro_batches,
-            data="examples.data:char_batches", data_kwargs=data_kwargs,
-            dynamic_shapes=False)  # every batch is --context characters long: traced for that one shape, faster
+        try:
+            job = await cluster.train(
+                model="examples.hf:gpt2", model_kwargs=model_kwargs, split_points=split_points,
+                loss="examples.models:lm_loss", optimizer=("torch.optim:AdamW", {"lr": args.lr}),
+                pipeline_stages=args.stages, schedule=args.schedule, micro_batches=args.micro_batches,
+                data="examples.data:char_batches", data_kwargs=data_kwargs,
+                dynamic_shapes=False)  # every batch is --context characters long: traced for that one shape, faster
+        except ValueError as exc:  # settings the cluster refused: as a bad flag
+            refused(exc)
         try:
             losses = []
             for index in range(args.steps):

@@ -69,3 +69,16 @@ async def test_pipelined_training_matches_the_single_process_run() -> None:
     assert pipelined["state"].keys() == single["state"].keys()
     for key, value in single["state"].items():
         torch.testing.assert_close(pipelined["state"][key], value, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.multiprocess
+def test_settings_the_cluster_refuses_end_in_one_error_line_as_a_bad_flag_does() -> None:
+    """More stages than the model has layers passed the flags' checks, and the head's refusal ended
+    the script in a 49-line traceback; now it says ``error: ...`` on one line, exit code 2."""
+    result = subprocess.run([sys.executable, "-m", "examples.train_gpt", *TINY, "--stages", "5"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=100)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: examples.models:gpt has 4 layers, too few for 5 model stages (parallelism.pipeline_stages=5): "
+        "every stage needs a layer; use at most 4 pipeline stages")
