@@ -725,3 +725,12 @@ def test_only_pythons_own_exception_types_are_rebuilt_by_name() -> None:
     # A kind of the runtime's own keeps its class (BadArguments is a TypeError already).
     from actors._errors import BadArguments
     assert type(error_from_wire(error_to_wire(BadArguments("no")))) is BadArguments
+
+
+def test_every_builtin_of_the_table_is_rebuilt_with_its_message_and_details() -> None:
+    from actors._errors import BUILTIN_KINDS, error_from_wire, error_to_wire, remote_error_class
+
+    for name, base in BUILTIN_KINDS.items():
+        error = remote_error_class(name)("msg", remote_type=name, remote_traceback="tb", details={"a": 1})
+        assert isinstance(error, base) and error.message == "msg" and error.details == {"a": 1}, name
+        assert type(error_from_wire(error_to_wire(error))) is type(error), name
