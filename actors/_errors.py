@@ -28,18 +28,18 @@ __all__ = [
     "NonFiniteError",
     "NotAllowed",
     "RemoteError",
-    "builtin_base",
-    "remote_error_class",
     "StepFailed",
     "TooManySubscribers",
     "UnknownActor",
     "UnknownEndpoint",
     "UserCodeExit",
+    "builtin_base",
     "calling",
     "contained",
     "error_from_wire",
     "exit_error",
     "error_to_wire",
+    "remote_error_class",
 ]
 
 
