@@ -302,6 +302,9 @@ class StepExecutor:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                if kind is _K.F and isinstance(exc, (RuntimeError, TypeError)) and action.microbatch is not None:
+                    if (note := passes.batch_dtype_note(action.stage, action.microbatch)) is not None:
+                        exc.add_note(note)
                 raise ActionFailed(action, exc) from exc
             finally:
                 self._action_key = self._action_task = None

@@ -160,6 +160,21 @@ class StagePasses:
             return self._to_device(self._inputs[mb])
         return handed_over(self.values.pop(("F", stage - 1, mb)), as_leaves=True)
 
+    def batch_dtype_note(self, stage: int, mb: int) -> str | None:
+        """Why the first stage's forward on micro-batch ``mb`` may have failed: its batch carries floating
+        tensors of a dtype the stage's parameters are not (float64 inputs to a float32 model: torch says
+        only "mixed dtype" or "expected ... Float but found Double"); None otherwise, or for a later stage."""
+        if stage != 0 or self._inputs is None:
+            return None
+        given = {t.dtype for t in boundary.tree_tensors(self._inputs[mb]) if t.is_floating_point()}
+        held = {p.dtype for m in self.model.modules.values() for p in m.parameters() if p.is_floating_point()}
+        if not given or not held or given <= held:
+            return None
+        wanted = sorted(str(d).removeprefix("torch.") for d in held)
+        return (f"the batch's floating tensors are {' and '.join(sorted(str(d).removeprefix('torch.') for d in given))}"
+                f" and the first stage's parameters {' and '.join(wanted)}: cast the batch "
+                f"(inputs.to(torch.{wanted[0]})) or build the model in that dtype")
+
     def target_of(self, stage: int, mb: int) -> Any:
         if stage != self.model.num_stages - 1:
             return None

@@ -173,6 +173,12 @@ async def test_batch_that_does_not_split_is_a_clear_error(cluster: Cluster) -> N
             await job.step()
         with pytest.raises(RemoteError, match=r"evaluate\(\) needs inputs and targets"):  # it said step()
             await job.evaluate()
+        # A float64 batch for a float32 model: torch says only "mixed dtype"; the step's error says which.
+        with pytest.raises(StepFailed, match=r"stage 0 at 0F0: .*\(the batch's floating tensors are float64 and "
+                                             r"the first stage's parameters float32: cast the batch "
+                                             r"\(inputs\.to\(torch\.float32\)\)"):
+            await job.step(x.double(), y)
+        assert (await job.step(x, y)).loss > 0  # and the job goes on
     finally:
         await job.close()
 
