@@ -170,7 +170,10 @@ def _attribute(owner: Any, name: str) -> Any:
         value = getattr(owner, name) if not isinstance(owner, type) else inspect.getattr_static(owner, name)
     except AttributeError:
         public = [known for known in dir(owner) if not known.startswith("_")]
-        near = difflib.get_close_matches(name, public, n=1)
+        # The shortest name that begins with it (mse -> mse_loss, cross -> cross_entropy), else the
+        # nearest by spelling (Adamm -> Adam).
+        near = sorted((known for known in public if name and known.startswith(name)), key=len)[:1] or \
+            difflib.get_close_matches(name, public, n=1)
         label = getattr(owner, "__name__", type(owner).__name__)
         what = f"module {label!r}" if isinstance(owner, types.ModuleType) else repr(label)
         raise AttributeError(f"{what} has no attribute {name!r}" + (f"; did you mean {near[0]!r}?" if near else ""),

@@ -197,6 +197,10 @@ def test_a_clients_answer_names_the_rule_but_not_the_allow_list_nor_the_folder(
     ("torch.nn.functional:mse_los", "module 'torch.nn.functional' has no attribute 'mse_los'; did you mean 'mse_loss'?"),
     ("torch.optim:Adam.stepp", "'Adam' has no attribute 'stepp'; did you mean 'step'?"),
     ("torch.optim:zzzzqqq", "module 'torch.optim' has no attribute 'zzzzqqq'"),
+    # Too short for a near spelling, but the start of a name (it said nothing).
+    ("torch.nn.functional:mse", "module 'torch.nn.functional' has no attribute 'mse'; did you mean 'mse_loss'?"),
+    ("torch.nn.functional:cross", "module 'torch.nn.functional' has no attribute 'cross'; did you mean "
+                                  "'cross_entropy'?"),
 ])
 def test_a_misspelt_factory_names_the_nearest_public_name(path: str, says: str) -> None:
     """A job's optimizer, loss or model misspelt said only "module 'torch.optim' has no attribute 'Adamm'"."""
