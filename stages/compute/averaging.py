@@ -72,9 +72,14 @@ def shard_replicas(inputs: Any, targets: Any, replicas: int, micro_batches: int
     even split): :func:`shard_batch` but its last cut, which the share's stages make themselves.
 
     Raises:
-        ValueError: fewer samples than ``replicas * micro_batches``.
+        ValueError: fewer samples than ``replicas * micro_batches``, or targets with another number of
+            samples than the inputs.
         TypeError, ValueError: see :func:`~stages.comm.boundary.split_batch`.
     """
+    given = batch_size(inputs), batch_size(targets)
+    if None not in given and given[0] != given[1]:  # each would be cut on its own, out of step with the other
+        raise ValueError(f"inputs hold {given[0]} samples and targets {given[1]}: a batch's targets are cut into "
+                         "micro-batches with its inputs, sample by sample, so their first dims must be equal")
     for what, batch in (("inputs", inputs), ("targets", targets)):
         size = batch_size(batch)
         if size is not None and 0 < size < replicas * micro_batches:

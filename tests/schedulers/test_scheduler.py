@@ -178,6 +178,9 @@ async def test_batch_that_does_not_split_is_a_clear_error(cluster: Cluster) -> N
                                              r"the first stage's parameters float32: cast the batch "
                                              r"\(inputs\.to\(torch\.float32\)\)"):
             await job.step(x.double(), y)
+        # Targets of another length failed at the last micro-batch's loss; now before anything runs.
+        with pytest.raises(ValueError, match="inputs hold 8 samples and targets 7"):
+            await job.step(x, y[:7])
         assert (await job.step(x, y)).loss > 0  # and the job goes on
     finally:
         await job.close()

@@ -29,6 +29,11 @@ def test_a_global_batch_shards_in_order_and_refuses_too_few_samples() -> None:
     assert weights is not None and len(weights[1]) == 2
     with pytest.raises(ValueError, match="a batch of 3 samples cannot give 4 micro-batches"):
         shard_batch(x[:3], y[:3], 2, 2)
+    # 7 inputs and 6 targets were cut apart (4 + 3 against 3 + 3) and failed at a later micro-batch's loss.
+    with pytest.raises(ValueError, match="inputs hold 7 samples and targets 6: .* their first dims must be equal"):
+        shard_batch(x, y[:6], 1, 2)
+    with pytest.raises(ValueError, match="inputs hold 7 samples and targets 8"):
+        shard_replicas(x, {"t": torch.zeros(8, 2)}, 2, 2)
 
 
 @pytest.mark.parametrize(("samples", "replicas", "micro"), [(64, 1, 8), (37, 2, 4), (10, 3, 3), (9, 1, 9), (50, 2, 7)])
