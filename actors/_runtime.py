@@ -135,15 +135,18 @@ class Runtime:
     # -- tasks ---------------------------------------------------------------------
 
     def spawn_task(self, coro: Coroutine[Any, Any, Any], *, name: str | None = None,
-                   context: contextvars.Context | None = None, eager_start: bool = False) -> asyncio.Task[Any]:
+                   context: contextvars.Context | None = None, eager_start: bool = False,
+                   awaited: bool = False) -> asyncio.Task[Any]:
         """Starts a task this runtime owns (in ``context``, else a copy of the current one): cancelled on
-        close, its failure logged. ``eager_start`` (Python 3.12 on): it runs here until it first waits."""
+        close, its failure logged, unless ``awaited``: its caller waits for it and takes its outcome
+        (a step's failure that the step's report carries, not an error of the runtime's).
+        ``eager_start`` (Python 3.12 on): it runs here until it first waits."""
         loop = asyncio.get_running_loop()
         task: asyncio.Task[Any] = (
             asyncio.Task(coro, loop=loop, name=name, context=context, eager_start=True)  # type: ignore[call-arg]
             if eager_start else loop.create_task(coro, name=name, context=context))
         self._tasks.add(task)
-        task.add_done_callback(self._task_done)
+        task.add_done_callback(self._tasks.discard if awaited else self._task_done)
         return task
 
     def _task_done(self, task: asyncio.Task[Any]) -> None:

@@ -387,8 +387,9 @@ class StageActor(StateEndpoints, StreamEndpoints, Actor):
 
     async def _abortable(self, step: int, work: Coroutine[Any, Any, T], name: str) -> asyncio.Task[T]:
         """Runs ``work`` in a task of its own, so that :meth:`abort_step` can cancel it without cancelling
-        this endpoint (and with it the mailbox); returns the task once it has ended."""
-        task = self.runtime.spawn_task(work, name=name)
+        this endpoint (and with it the mailbox); returns the task once it has ended, for the caller to
+        take its outcome (a failed step is reported, and logged once, by :func:`ended_early`)."""
+        task = self.runtime.spawn_task(work, name=name, awaited=True)
         self._running = (step, task)
         if step <= self._aborted:  # abort_step came between the program and the tail, or before both
             task.cancel()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import collections.abc
 import contextlib
 import contextvars
@@ -734,3 +735,23 @@ def test_every_builtin_of_the_table_is_rebuilt_with_its_message_and_details() ->
         error = remote_error_class(name)("msg", remote_type=name, remote_traceback="tb", details={"a": 1})
         assert isinstance(error, base) and error.message == "msg" and error.details == {"a": 1}, name
         assert type(error_from_wire(error_to_wire(error))) is type(error), name
+
+
+async def test_a_task_whose_caller_takes_its_outcome_is_not_logged_as_the_runtimes_failure(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A stage's failed step ran in a runtime task: its report carried the failure, and the runtime logged
+    the same exception as an ERROR with its traceback. An ``awaited`` task's outcome is its caller's."""
+    async def fails() -> None:
+        raise ValueError("the step's own fault")
+
+    async with open_runtime("ipc://") as runtime:
+        with caplog.at_level(logging.WARNING, logger="actors._runtime"):
+            taken = runtime.spawn_task(fails(), name="taken", awaited=True)
+            await asyncio.wait({taken})
+            assert isinstance(taken.exception(), ValueError)
+            assert "task taken failed" not in caplog.text
+            dropped = runtime.spawn_task(fails(), name="dropped")
+            await asyncio.wait({dropped})
+            assert "task dropped failed" in caplog.text  # no one takes it: the runtime says so
+        waits = runtime.spawn_task(asyncio.sleep(60), name="waits", awaited=True)
+    assert waits.cancelled()  # still the runtime's to cancel as it closes

@@ -11,6 +11,7 @@ for a slot no program has is refused and counted; stopping drops every part.
 from __future__ import annotations
 
 import asyncio
+import logging
 import dataclasses
 import os
 from collections.abc import AsyncIterator
@@ -426,10 +427,11 @@ async def test_a_value_its_stream_lost_fails_the_receivers_step_at_once_and_name
 
 
 async def test_a_loss_between_steps_or_during_one_that_ends_well_fails_the_next_step(
-        streamed: tuple[Runtime, list[StageActor], list[ActorRef]]) -> None:
+        streamed: tuple[Runtime, list[StageActor], list[ActorRef]], caplog: pytest.LogCaptureFixture) -> None:
     """What a stream lost was of the step running when it was lost, unless that step then got every
     message it needed: then, as between steps, of the next one. Only that step fails."""
     _, actors, refs = streamed
+    caplog.set_level(logging.WARNING)
 
     async def step_on_both(step: int) -> list[StageReport]:
         calls = [asyncio.ensure_future(ref.endpoint(StageActor.run_step, timeout=30).call(order.to_wire()))
@@ -444,6 +446,10 @@ async def test_a_loss_between_steps_or_during_one_that_ends_well_fails_the_next_
     actors[1]._stream_lost("node:x/0", "a test's loss")  # between steps 0 and 1
     reports = await step_on_both(1)
     assert reports[1].status == "failed" and "of step 1: a test's loss" in str(reports[1].error)
+    # A failed step is reported, and logged once, on one line: the runtime logged its task's failure
+    # too, as an ERROR with an 80-line traceback, for a fault the step's report already carries.
+    assert [r.levelname for r in caplog.records if r.name == "stages.compute.executor"] == ["WARNING"], caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
     own = actors[1]._run_step
 
     async def losing_at_the_end(order: StepOrder) -> StageReport:
