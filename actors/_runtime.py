@@ -100,6 +100,37 @@ async def open_runtime(
         await runtime.aclose()
 
 
+class OwnedTasks:
+    """The tasks a runtime owns: each cancelled when it closes, and its failure logged, unless the task
+    is ``awaited``: its caller waits for it and takes its outcome (a step's failure that the step's
+    report carries is not an error of the runtime's)."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], *, name: str | None, context: contextvars.Context | None,
+              eager_start: bool, awaited: bool) -> asyncio.Task[Any]:
+        loop = asyncio.get_running_loop()
+        task: asyncio.Task[Any] = (
+            asyncio.Task(coro, loop=loop, name=name, context=context, eager_start=True)  # type: ignore[call-arg]
+            if eager_start else loop.create_task(coro, name=name, context=context))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard if awaited else self._done)
+        return task
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("task %s failed", task.get_name(), exc_info=task.exception())
+
+    async def cancel_all(self) -> None:
+        """Cancels every task still running, and waits for them to end."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 class Runtime:
     """Hosts actors, routes calls, and owns the tasks and sockets that do so."""
 
@@ -128,7 +159,7 @@ class Runtime:
         self._senders = SenderPool(lambda address: self.streams.sender(open_zmq(address)), sender_pool,
                                    spawn_task=self.spawn_task)
         self._calls = PendingCalls()
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks = OwnedTasks()
         self.closed = False  # aclose has begun: no call leaves any more
         receiver.pump(self._on_frames)
 
@@ -137,22 +168,9 @@ class Runtime:
     def spawn_task(self, coro: Coroutine[Any, Any, Any], *, name: str | None = None,
                    context: contextvars.Context | None = None, eager_start: bool = False,
                    awaited: bool = False) -> asyncio.Task[Any]:
-        """Starts a task this runtime owns (in ``context``, else a copy of the current one): cancelled on
-        close, its failure logged, unless ``awaited``: its caller waits for it and takes its outcome
-        (a step's failure that the step's report carries, not an error of the runtime's).
-        ``eager_start`` (Python 3.12 on): it runs here until it first waits."""
-        loop = asyncio.get_running_loop()
-        task: asyncio.Task[Any] = (
-            asyncio.Task(coro, loop=loop, name=name, context=context, eager_start=True)  # type: ignore[call-arg]
-            if eager_start else loop.create_task(coro, name=name, context=context))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard if awaited else self._task_done)
-        return task
-
-    def _task_done(self, task: asyncio.Task[Any]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("task %s failed", task.get_name(), exc_info=task.exception())
+        """Starts a task this runtime owns (in ``context``, else a copy of the current one; see
+        :class:`OwnedTasks`). ``eager_start`` (Python 3.12 on): it runs here until it first waits."""
+        return self._tasks.spawn(coro, name=name, context=context, eager_start=eager_start, awaited=awaited)
 
     # -- actors --------------------------------------------------------------------
 
@@ -388,10 +406,7 @@ class Runtime:
         await self._receiver.aclose()
         self.streams.close()
         self._calls.fail_all(lambda: ActorStopped(f"runtime at {shown(self.address)} closed before the reply"))
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._tasks.cancel_all()
         await self._senders.aclose()
         if self._gate is not None:
             self._gate.stop()

@@ -54,6 +54,7 @@ from transport.wire import (
     MessageTooLarge,
     decode_message,
     encode_message,
+    worth_logging,
 )
 
 __all__ = [
@@ -371,7 +372,7 @@ class Receiver:
 
     def _refuse(self, exc: SealRefused) -> None:
         self._stats.refused += 1
-        if self._stats.refused & (self._stats.refused - 1) == 0:  # the 1st, 2nd, 4th, 8th...: a flood stays quiet
+        if worth_logging(self._stats.refused):
             log.warning("refused a sealed message on %s (%d so far): %s", self.address, self._stats.refused, exc)
 
     def pump(self, on_frames: Callable[[list[zmq.Frame]], None], *, batch: int = 64) -> None:

@@ -46,7 +46,7 @@ from typing import Any
 
 from transport.addresses import Address, url_host
 from transport.sealed import HEAD_BYTES, TAG_BYTES, SealRefused, SessionKey, aligned_buffer, byte_view, parse_head
-from transport.wire import DEFAULT_MAX_MESSAGE_BYTES, WireError, decode_message
+from transport.wire import DEFAULT_MAX_MESSAGE_BYTES, WireError, decode_message, worth_logging
 
 __all__ = ["MAX_FRAMES", "MAX_PARKED", "MAX_SESSIONS", "QUEUED_MAX_BYTES", "StreamBroken", "StreamLink", "StreamServer",
            "UNIX_PATH_MAX", "UnknownSession", "stream_bind_address"]
@@ -177,10 +177,8 @@ class StreamServer:
             self._path = where.path
             self.address = bind
         else:
-            host = where.bare_host
-            self._server = await loop.create_server(lambda: _Inbound(self), host, 0)
-            port = self._server.sockets[0].getsockname()[1]
-            self.address = f"tcp://{url_host(host)}:{port}"
+            self._server = await loop.create_server(lambda: _Inbound(self), where.bare_host, 0)
+            self.address = f"tcp://{url_host(where.bare_host)}:{self._server.sockets[0].getsockname()[1]}"
         return self.address
 
     def open(self, opening: Any, sender: str) -> None:
@@ -244,7 +242,7 @@ class StreamServer:
 
     def refused(self, reason: str) -> None:
         self.refusals += 1
-        if self.refusals & (self.refusals - 1) == 0:  # the 1st, 2nd, 4th, 8th...: a flood stays quiet
+        if worth_logging(self.refusals):
             log.warning("stream server at %s refused a connection (%d so far): %s", self.address, self.refusals,
                         reason)
         if self.on_refused is not None:

@@ -79,6 +79,7 @@ __all__ = [
     "decode_message",
     "encode_message",
     "excerpt",
+    "worth_logging",
     "keep_lossy_encoded",
     "record_types",
     "register_record",
@@ -389,6 +390,12 @@ def _plain_body(buf: memoryview) -> memoryview | None:
     if width is None or int.from_bytes(buf[start:start + width], "big") != size - start - width:
         return None
     return buf[start + width:]
+
+
+def worth_logging(count: int) -> bool:
+    """Whether the ``count``-th of a kind of refusal is logged: the 1st, 2nd, 4th, 8th..., so that a
+    flood of bad input stays quiet while the count itself stays whole."""
+    return count & (count - 1) == 0
 
 
 def excerpt(value: object, limit: int = 80) -> str:

@@ -80,8 +80,7 @@ def shard_replicas(inputs: Any, targets: Any, replicas: int, micro_batches: int
     if None not in given and given[0] != given[1]:  # each would be cut on its own, out of step with the other
         raise ValueError(f"inputs hold {given[0]} samples and targets {given[1]}: a batch's targets are cut into "
                          "micro-batches with its inputs, sample by sample, so their first dims must be equal")
-    for what, batch in (("inputs", inputs), ("targets", targets)):
-        size = batch_size(batch)
+    for what, size in zip(("inputs", "targets"), given):
         if size is not None and 0 < size < replicas * micro_batches:
             raise ValueError(f"{what}: a batch of {size} samples cannot give {replicas * micro_batches} micro-batches "
                              f"(data_parallel {replicas} x micro_batches {micro_batches}) one sample each; give at "
