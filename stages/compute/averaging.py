@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from stages.comm.boundary import batch_size, split_batch, tree_tensors
+from transport.wire import excerpt
 
 __all__ = ["check_summable", "count_items", "loss_of", "sample_weights", "shard_batch", "shard_replicas", "split_sizes",
            "step_loss"]
@@ -128,7 +129,14 @@ def check_summable(loss_fn: Callable[..., Any], name: str) -> None:
 
 def loss_of(loss_fn: Callable[..., Any], output: Any, target: Any, tokens: bool) -> torch.Tensor:
     """One micro-batch's loss as the averaging needs it: the mean (``samples``) or the sum (``tokens``)."""
-    loss = loss_fn(output, target, reduction="sum") if tokens else loss_fn(output, target)
+    try:
+        loss = loss_fn(output, target, reduction="sum") if tokens else loss_fn(output, target)
+    except Exception as exc:
+        # torch's own error names neither the function nor what it was given ("'tuple' object
+        # has no attribute 'size'" for a model whose last module returns a tuple)
+        exc.add_note(f"in the loss function {_named(loss_fn)}, called with the model's output "
+                     f"{excerpt(output, 160)} and the targets {excerpt(target, 160)}")
+        raise
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         # Caught here, the error names the loss; left to backward it would say only "grad
         # can be implicitly created only for scalar outputs", to evaluate "a Tensor with

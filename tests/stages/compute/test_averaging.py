@@ -102,3 +102,14 @@ def test_a_loss_that_is_not_one_number_is_named_before_backward(tokens: bool) ->
     # One element passes, whatever its dims, as backward takes it.
     loss = loss_of(lambda o, t: (o - t).pow(2).mean().reshape(1, 1), out, target, False)
     assert loss.dtype == torch.float32 and loss.numel() == 1
+
+
+def test_a_loss_that_fails_on_what_the_model_gave_says_which_loss_and_what_it_was_given() -> None:
+    # A model whose last module returns a tuple: torch's mse_loss says only "'tuple' object has no
+    # attribute 'size'", which names neither the loss nor the output's shape.
+    out, target = (torch.randn(4, 3), torch.randn(4, 3)), torch.randn(4, 3)
+    with pytest.raises(AttributeError) as caught:
+        loss_of(torch.nn.functional.mse_loss, out, target, False)
+    assert caught.value.__notes__ == [
+        "in the loss function torch.nn.functional:mse_loss, called with the model's output "
+        "(tensor(float32, [4, 3]), tensor(float32, [4, 3])) and the targets tensor(float32, [4, 3])"]
