@@ -344,8 +344,10 @@ class Job:
         return await self._call(JobActor.stop).call()
 
     async def set(self, key: str, value: Any) -> SettingChange:
-        """Changes ``micro_batches``, ``schedule``, ``activation_codec`` or ``gradient_codec`` from the next barrier on.
+        """Changes a setting of the running job from the next barrier on.
 
+        ``key`` is one of ``micro_batches``, ``schedule``, ``activation_codec``,
+        ``gradient_codec`` and ``lr`` (not for a job whose rate follows its ``lr_scheduler``).
         Weights and optimizer state are kept. ``schedule="auto"`` measures the stages again
         on the next two steps and then runs the schedule it plans (see :meth:`plan`), as
         does any change to a job with ``schedule="auto"``.

@@ -63,6 +63,7 @@ _EXPORTS = {
     "Manifest": "stages.state.checkpoint",
     "merge_written": "stages.state.checkpoint",
     "BUILTIN_SCHEDULES": "stages.state.lr_scheduler",
+    "parameter_groups": "stages.state.weight_decay",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -130,4 +131,7 @@ if TYPE_CHECKING:  # explicit re-exports, for type checkers (the names resolve l
     )
     from stages.state.lr_scheduler import (
         BUILTIN_SCHEDULES as BUILTIN_SCHEDULES,
+    )
+    from stages.state.weight_decay import (
+        parameter_groups as parameter_groups,
     )

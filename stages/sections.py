@@ -33,6 +33,7 @@ from stages.spec_checks import (
 from stages.mesh import Mesh
 from stages.program import Placement
 from stages.monitor_configs import CSVConfig, TensorBoardConfig, WandbConfig, monitor_config
+from stages.state.weight_decay import check_rule as check_decay_rule
 from stages.state.state_precision import STATE_PRECISIONS, StatePrecision, adam_arguments
 
 __all__ = [
@@ -287,9 +288,12 @@ class Optimization(_Section):
     """ZeRO across data-parallel replicas: each bucket of gradients is reduce-scattered into one run of whole parameters per replica (half the bytes of an all-reduce), each replica steps and keeps optimizer state for its runs only, then the owners broadcast the parameters. 1: gradient buffers stay whole; 2: between steps a replica keeps only its runs' gradients. A lossy `reduce_codec` encodes each replica's range of the reduce-scatter (as ZeRO++); 0 is off, 3 is not built; with `data_parallel=1` nothing changes"""
     optimizer_states: StatePrecision = "fp32"
     """how Adam's two moments are held: `fp32` (torch's own optimizer, exact); `bf16`, `int8` or `int4` keep them in 2, 1 or 1/2 byte per parameter, block-wise with stochastic rounding (`stages.state.quantized_adam`), for `torch.optim:Adam` or `AdamW`; checkpoints store them as float32, readable at any precision"""
+    no_weight_decay: str | tuple[str, ...] = ()
+    """parameters the optimizer's `weight_decay` leaves alone, in a second parameter group with `weight_decay=0`: `"biases_and_norms"` (every parameter of fewer than two dimensions: biases and normalization layers' weights, as Megatron-LM and Hugging Face's Trainer leave them), or names as `model.named_parameters()` gives them, `*` a wildcard (`["*.bias", "*.ln_f.*"]`); `stages.parameter_groups` makes the same groups in one process. Empty (the default): one group, every parameter as the optimizer's own arguments say"""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "optimizer", path_and_kwargs(self.key("optimizer"), self.optimizer))
+        object.__setattr__(self, "no_weight_decay", check_decay_rule(self.key("no_weight_decay"), self.no_weight_decay))
         if self.lr_scheduler is not None:
             object.__setattr__(self, "lr_scheduler", path_and_kwargs(self.key("lr_scheduler"), self.lr_scheduler))
         check_number(self.key("gradient_clipping"), self.gradient_clipping)

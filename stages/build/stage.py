@@ -38,7 +38,7 @@ from stages.compute.executor import StageModel
 from stages.compute.inline import INLINE_MAX_S
 from stages.mesh import Coords
 from stages.records import StageConfig
-from stages.state import chunked_adam, quantized_adam
+from stages.state import chunked_adam, quantized_adam, weight_decay
 from stages.state.lr_scheduler import build_scheduler
 from stages.state.stage_checkpoint import layer_key
 
@@ -194,9 +194,12 @@ def build_stage(config: StageConfig, allow: Sequence[str], device: torch.device,
         # ZeRO: each bucket reduce-scattered into per-replica runs, which are what each replica steps.
         tied_ids = {id(g.param) for g in sync.groups}
         shards = zero.plan_gradient_shards(reduce_params, cfg.communication.bucket_bytes, mesh.data, tied_ids)
+    # Each parameter under every name the model knows it by (a tied one's copies elsewhere too).
+    known = [(name, p) for p in params for name in (param_names[id(p)], *aliases.get(param_names[id(p)], []))]
     with calling(f"in the optimizer {cfg.optimization.optimizer[0]}"
                  + (f" with {cfg.optimization.optimizer[1]!s:.200}" if len(cfg.optimization.optimizer) > 1 else "")):
-        optimizer = _build_optimizer(cfg, allow, params, groups, param_names, shards)
+        optimizer = _build_optimizer(cfg, allow, weight_decay.parameter_groups(known, cfg.optimization.no_weight_decay),
+                                     groups, param_names, shards)
     scheduler = build_scheduler(cfg.optimization.lr_scheduler, optimizer, allow) if cfg.optimization.lr_scheduler is not None else None
     data = None
     if cfg.training.data is not None and (0 in cfg.stages or cfg.num_stages - 1 in cfg.stages):
@@ -253,9 +256,11 @@ def _build_modules(cfg: StageConfig, allow: Sequence[str], device: torch.device,
     return modules, [stage.module for stage in traced], original_key
 
 
-def _build_optimizer(cfg: StageConfig, allow: Sequence[str], params: Sequence[torch.Tensor],
+def _build_optimizer(cfg: StageConfig, allow: Sequence[str], param_groups: list[dict[str, Any]],
                      groups: StageGroups | None, names: Mapping[int, str],
                      shards: zero.GradientShards | None) -> torch.optim.Optimizer:
+    """The stage's optimizer over ``param_groups`` (:func:`~stages.state.weight_decay.parameter_groups`)."""
+    params = [p for group in param_groups for p in group["params"]]
     optimizer_cls = load_object(cfg.optimization.optimizer[0], allow)
     optimizer_kwargs = dict(cfg.optimization.optimizer[1] if len(cfg.optimization.optimizer) > 1 else {})
     if cfg.optimization.optimizer_states != "fp32":  # Adam's moments in fewer bits
@@ -267,11 +272,15 @@ def _build_optimizer(cfg: StageConfig, allow: Sequence[str], params: Sequence[to
     if cfg.optimization.zero_stage in (1, 2) and mesh.data > 1:  # with one replica there is nothing to shard
         assert groups is not None, "ZeRO-1 across replicas needs the job's process groups"
         me = mesh.coords(cfg.global_rank)
-        return zero.ShardedOptimizer(
-            params, optimizer_cls, optimizer_kwargs, shard=me.data, group=groups.data_group,
+        optimizer: torch.optim.Optimizer = zero.ShardedOptimizer(
+            param_groups, optimizer_cls, optimizer_kwargs, shard=me.data, group=groups.data_group,
             ranks=[mesh.rank(Coords(d, me.pipeline, me.tensor)) for d in range(mesh.data)],
             bucket_bytes=cfg.communication.bucket_bytes, owners=shards.owners if shards is not None else None)
-    optimizer: torch.optim.Optimizer = optimizer_cls(params, **optimizer_kwargs)
+    else:
+        optimizer = optimizer_cls(param_groups, **optimizer_kwargs)
+    if cfg.optimization.no_weight_decay and "weight_decay" not in optimizer.defaults:
+        raise ValueError(f"optimization.no_weight_decay: {cfg.optimization.optimizer[0]} takes no weight_decay, "
+                         "so there is no decay to leave parameters out of")
     return optimizer
 
 

@@ -162,16 +162,25 @@ def _layout(params: Sequence[torch.Tensor], bucket_bytes: int, kinds: Sequence[o
     return buckets
 
 
+def _settings(group: Mapping[str, Any]) -> dict[str, Any]:
+    """A parameter group's settings: all but its parameters."""
+    return {k: v for k, v in group.items() if k != "params"}
+
+
 class ShardedOptimizer(torch.optim.Optimizer):
     """An optimizer over every held parameter that keeps state for, and steps, one shard of them.
 
     Its ``param_groups`` hold every parameter (so ``zero_grad``, learning-rate schedules
     and gradient clipping see the whole stage), and its ``state`` is the inner
-    optimizer's: this replica's shard alone. :meth:`step` hands the groups' settings
-    to the inner optimizer, steps it, then broadcasts every shard from its owner.
+    optimizer's: this replica's shard alone. The inner optimizer has a group for each
+    of the outer ones, each with this replica's share of that group's parameters (an
+    empty share too, so the groups stay paired). :meth:`step` hands each group's
+    settings to its inner group, steps it, then broadcasts every shard from its owner.
 
     Args:
-        params: the stage's parameters, each once, in the same order on every replica.
+        params: the stage's parameters, each once, in the same order on every replica; or
+            parameter groups (dicts with ``"params"`` and their own settings), as a torch
+            optimizer takes them.
         optimizer_cls, kwargs: the optimizer each replica runs on its shard.
         shard: this replica's index among ``ranks``.
         ranks: the global ranks of the data-parallel replicas, by shard index (the
@@ -184,11 +193,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(
-        self, params: Iterable[torch.Tensor], optimizer_cls: Callable[..., torch.optim.Optimizer],
+        self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], optimizer_cls: Callable[..., torch.optim.Optimizer],
         kwargs: Mapping[str, Any], *, shard: int, ranks: Sequence[int], group: Callable[[], Any],
         bucket_bytes: int, owners: Mapping[int, int] | None = None,
     ) -> None:
-        params = list(params)
+        given: list[Any] = list(params)
+        group_specs: list[dict[str, Any]] = given if given and isinstance(given[0], dict) else [{"params": given}]
+        params = [p for group in group_specs for p in group["params"]]
         if not 0 <= shard < len(ranks):
             raise ValueError(f"shard {shard} is not one of {len(ranks)} replicas")
         self.shard = shard
@@ -199,11 +210,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         owner_of = [by_id.get(id(p), 0) for p in params]
         self._shards = [[p for p, owner in zip(params, owner_of) if owner == s] for s in range(len(ranks))]
         self._owned = {id(p) for p in self._shards[shard]}
-        # A list of one group, so that a replica whose shard is empty still gets an optimizer.
-        self.inner = optimizer_cls([{"params": self._shards[shard]}], **dict(kwargs))
-        settings = {k: v for k, v in self.inner.param_groups[0].items() if k != "params"}
+        # Groups of dicts, so that a replica whose share of a group (or of all) is empty still gets it.
+        self.inner = optimizer_cls([{**group, "params": [p for p in group["params"] if id(p) in self._owned]}
+                                    for group in group_specs], **dict(kwargs))
         self._building = True
-        super().__init__([{"params": params, **settings}], self.inner.defaults)
+        super().__init__([{**_settings(inner), "params": list(group["params"])}
+                          for inner, group in zip(self.inner.param_groups, group_specs)], self.inner.defaults)
         self._building = False
         self.state = self.inner.state  # type: ignore[assignment]  # one dict: snapshots and checkpoints see the shard
         self._scratch: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}  # one flat bucket's room
@@ -220,8 +232,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Steps this replica's shard, then makes every replica's parameters the owners' (collective)."""
-        settings = {k: v for k, v in self.param_groups[0].items() if k != "params"}
-        self.inner.param_groups[0].update(settings)  # a learning-rate schedule sets the outer groups
+        self._hand_settings_in()  # a learning-rate schedule sets the outer groups
         loss = self.inner.step(closure)  # type: ignore[func-returns-value]
         self._broadcast()
         return loss
@@ -232,7 +243,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         whole, self.state = self.state, self.inner.state  # type: ignore[assignment]
         self.inner.state.clear()
         self.inner.state.update({p: s for p, s in whole.items() if self.owns(p)})
-        self.inner.param_groups[0].update({k: v for k, v in self.param_groups[0].items() if k != "params"})
+        self._hand_settings_in()
+
+    def _hand_settings_in(self) -> None:
+        """Each outer group's settings (learning rate, weight decay...) into its inner group."""
+        for outer, inner in zip(self.param_groups, self.inner.param_groups):
+            inner.update(_settings(outer))
 
     def _broadcast(self) -> None:
         """Every shard's parameters from its owner: large ones in place, small ones packed in flat buckets."""

@@ -16,7 +16,8 @@ import torch
 from actors import Cluster
 from examples.data import char_batches
 from examples.models import gpt, lm_loss, residual_mlp, residual_mlp_layers
-from stages import layered_model, meta_initialized
+from stages import layered_model, meta_initialized, parameter_groups
+from stages.state.weight_decay import check_rule
 from schedulers.schedules import build_schedule
 from schedulers.simulate import simulate
 
@@ -137,11 +138,14 @@ WORKLOADS: dict[str, dict[str, Any]] = {
 }
 
 
-def train_reference(workload: dict[str, Any]) -> tuple[dict[str, torch.Tensor], list[float]]:
+def train_reference(workload: dict[str, Any], no_weight_decay: Any = ()) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """One process on the workload's batches; ``no_weight_decay``: its optimizer over the job's groups."""
     torch.manual_seed(0)
     model = workload["build"](**workload["kwargs"])
     path, kwargs = workload["optimizer"]
-    opt = getattr(torch.optim, path.partition(":")[2])(model.parameters(), **kwargs)
+    params = parameter_groups(model.named_parameters(remove_duplicate=False),
+                              check_rule("no_weight_decay", no_weight_decay)) if no_weight_decay else model.parameters()
+    opt = getattr(torch.optim, path.partition(":")[2])(params, **kwargs)
     losses = []
     for x, y in workload["batches"]():
         loss = workload["loss_fn"](model(x), y)

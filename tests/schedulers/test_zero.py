@@ -101,6 +101,35 @@ async def test_tied_embeddings_stay_tied_and_exact_with_zero1(cluster: Cluster) 
     assert_close(states[1], expected_state, rtol=1e-6)
 
 
+async def test_no_weight_decay_groups_train_as_one_process_sharded_or_not(cluster: Cluster) -> None:
+    kwargs = {**WORKLOADS["gpt"]["kwargs"], "tie_embeddings": True}
+    workload = {**WORKLOADS["gpt"], "kwargs": kwargs,
+                "optimizer": ("torch.optim:SGD", {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.2})}
+    head = kwargs["layers"] + 1
+    # Biases and norms, and the tied projection named as the head names it (stage 1's name for it;
+    # stage 0 and one process know it as the token embedding).
+    rule = ["biases_and_norms", f"{head}.out.*"]
+    runs = {}
+    for stage in (0, 1):
+        async with await start(cluster, workload, schedule="1f1b", zero_stage=stage, no_weight_decay=rule) as job:
+            stats = await train(job, workload["batches"]())
+            runs[stage] = (stats, await job.state_dict())
+    (plain, plain_state), (sharded, sharded_state) = runs[0], runs[1]
+    assert_same(sharded_state, plain_state)
+    assert [s.loss for s in sharded] == [s.loss for s in plain]
+    expected_state, expected_losses = train_reference(workload, rule)
+    assert_close(sharded_state, expected_state, rtol=1e-6)
+    assert [s.loss for s in sharded] == pytest.approx(expected_losses, rel=1e-6)
+    assert plain[-1].lr == [0.1, 0.1]  # two groups on every stage
+    # The rule changed what trained: decaying every parameter ends elsewhere.
+    everything, _ = train_reference(workload)
+    assert not torch.allclose(everything["0.token.weight"], expected_state["0.token.weight"], rtol=1e-4)
+    assert not torch.allclose(everything["1.norm1.weight"], expected_state["1.norm1.weight"], rtol=1e-4)
+    # An optimizer without weight decay has nothing to leave parameters out of: refused when the stages build.
+    with pytest.raises(ValueError, match="no_weight_decay: torch.optim:Rprop takes no weight_decay"):
+        await start(cluster, {**MLP, "optimizer": ("torch.optim:Rprop", {"lr": 0.01})}, no_weight_decay=rule)
+
+
 async def test_a_skipped_step_changes_nothing_on_any_replica(cluster: Cluster) -> None:
     data = MLP["batches"]()
     poisoned = data[1][0].clone()
