@@ -90,3 +90,19 @@ def test_a_sharded_optimizer_keeps_the_groups_paired_with_its_shard_of_each() ->
     sharded.param_groups[0]["lr"], sharded.param_groups[1]["lr"] = 0.2, 0.3
     sharded._hand_settings_in()
     assert [g["lr"] for g in sharded.inner.param_groups] == [0.2, 0.3]
+
+
+@pytest.mark.parametrize("states", ["bf16", "int8"])
+def test_moments_in_fewer_bits_keep_each_groups_weight_decay(states: str) -> None:
+    from stages.state.quantized_adam import QuantizedAdam
+
+    torch.manual_seed(0)
+    model = TiedLM()
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = QuantizedAdam(parameter_groups(model.named_parameters(remove_duplicate=False), (BIASES_AND_NORMS,)),
+                              lr=0.1, weight_decay=0.5, decoupled=True, states=states)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for name, p in model.named_parameters():
+        assert torch.equal(p, start[name] if p.dim() < 2 else start[name] * (1 - 0.1 * 0.5)), name
