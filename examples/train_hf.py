@@ -55,6 +55,7 @@ async def train(args: argparse.Namespace) -> dict[str, Any]:
             job = await cluster.train(
                 model="examples.hf:gpt2", model_kwargs=model_kwargs, split_points=split_points,
                 loss="examples.models:lm_loss", optimizer=("torch.optim:AdamW", {"lr": args.lr}),
+                no_weight_decay="biases_and_norms",  # as Hugging Face's Trainer leaves them
                 pipeline_stages=args.stages, schedule=args.schedule, micro_batches=args.micro_batches,
                 data="examples.data:char_batches", data_kwargs=data_kwargs,
                 dynamic_shapes=False)  # every batch is --context characters long: traced for that one shape, faster
