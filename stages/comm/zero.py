@@ -193,9 +193,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(
-        self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], optimizer_cls: Callable[..., torch.optim.Optimizer],
-        kwargs: Mapping[str, Any], *, shard: int, ranks: Sequence[int], group: Callable[[], Any],
-        bucket_bytes: int, owners: Mapping[int, int] | None = None,
+        self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        optimizer_cls: Callable[..., torch.optim.Optimizer], kwargs: Mapping[str, Any], *,
+        shard: int, ranks: Sequence[int], group: Callable[[], Any], bucket_bytes: int,
+        owners: Mapping[int, int] | None = None,
     ) -> None:
         given: list[Any] = list(params)
         group_specs: list[dict[str, Any]] = given if given and isinstance(given[0], dict) else [{"params": given}]

@@ -19,16 +19,16 @@ import fnmatch
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
+__all__ = ["BIASES_AND_NORMS", "check_rule", "decays", "parameter_groups"]
+
+BIASES_AND_NORMS = "biases_and_norms"
+
 
 class _Parameter(Protocol):
     """What the rule asks of a parameter (a stdlib-only leaf: the job spec checks the rule on the
     head, which imports no torch)."""
 
     def dim(self) -> int: ...
-
-__all__ = ["BIASES_AND_NORMS", "check_rule", "decays", "parameter_groups"]
-
-BIASES_AND_NORMS = "biases_and_norms"
 
 
 def check_rule(key: str, rule: Any) -> tuple[str, ...]:
