@@ -163,7 +163,8 @@ def check_state(scheduler: LRScheduler, state: Any) -> list[str]:
     param_groups = scheduler.optimizer.param_groups
     if not isinstance(groups, list) or len(groups) != len(param_groups):
         problems.append(f"learning-rate schedule: state for {len(groups) if isinstance(groups, list) else '?'} "
-                        f"parameter groups, the optimizer has {len(param_groups)}")
+                        f"parameter groups, the optimizer has {len(param_groups)} (no_weight_decay makes two: "
+                        "resume with the setting the checkpoint was written with, or load its weights only)")
         return problems
     for i, (values, group) in enumerate(zip(groups, param_groups)):
         if not isinstance(values, dict):

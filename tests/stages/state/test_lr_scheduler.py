@@ -122,7 +122,8 @@ def test_state_that_does_not_fit_changes_nothing() -> None:
     bad_states = [
         ({**good, "scheduler": {**good["scheduler"], "optimizer": "x"}}, "'optimizer' is not part of StepLR"),
         ({**good, "scheduler": {**good["scheduler"], "last_epoch": "x"}}, "last_epoch is a str"),
-        ({**good, "groups": []}, "state for 0 parameter groups, the optimizer has 1"),
+        ({**good, "groups": []}, "state for 0 parameter groups, the optimizer has 1 (no_weight_decay makes two: "
+                                 "resume with the setting the checkpoint was written with, or load its weights only)"),
         ({**good, "groups": [{"weight_decay": 1.0}]}, "param group 0 has no 'weight_decay' to set"),
         ({**good, "groups": [{"lr": float("nan")}]}, "param group 0 lr = nan"),
         ({"scheduler": {}}, "not a map of scheduler and groups"),
