@@ -22,6 +22,7 @@ from typing import Any, Protocol
 __all__ = ["BIASES_AND_NORMS", "check_rule", "decays", "parameter_groups"]
 
 BIASES_AND_NORMS = "biases_and_norms"
+MAX_PATTERNS, MAX_PATTERN_CHARS = 256, 512  # what a spec may ask every stage to match every name against
 
 
 class _Parameter(Protocol):
@@ -45,6 +46,8 @@ def check_rule(key: str, rule: Any) -> tuple[str, ...]:
     if not isinstance(rule, (list, tuple)) or not all(isinstance(name, str) and name for name in rule):
         raise ValueError(f"{key} must be {BIASES_AND_NORMS!r} or a list of parameter names (* a wildcard), "
                          f"got {rule!r:.60}")
+    if len(rule) > MAX_PATTERNS or any(len(name) > MAX_PATTERN_CHARS for name in rule):
+        raise ValueError(f"{key}: at most {MAX_PATTERNS} names of at most {MAX_PATTERN_CHARS} characters each")
     return tuple(rule)
 
 
