@@ -195,8 +195,10 @@ def build_stage(config: StageConfig, allow: Sequence[str], device: torch.device,
         tied_ids = {id(g.param) for g in sync.groups}
         shards = zero.plan_gradient_shards(reduce_params, cfg.communication.bucket_bytes, mesh.data, tied_ids)
     # Each parameter under every name the model knows it by (a tied one's copies elsewhere too).
-    known = [(name, p) for p in params
-             for name in (param_names.get(id(p), ""), *aliases.get(param_names.get(id(p), ""), []))]
+    known: list[tuple[str, torch.Tensor]] = []
+    for p in params:
+        first = param_names.get(id(p), "")
+        known += [(name, p) for name in (first, *aliases.get(first, []))]
     with calling(f"in the optimizer {cfg.optimization.optimizer[0]}"
                  + (f" with {cfg.optimization.optimizer[1]!s:.200}" if len(cfg.optimization.optimizer) > 1 else "")):
         optimizer = _build_optimizer(cfg, allow, weight_decay.parameter_groups(known, cfg.optimization.no_weight_decay),

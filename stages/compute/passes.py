@@ -170,10 +170,11 @@ class StagePasses:
         held = {p.dtype for m in self.model.modules.values() for p in m.parameters() if p.is_floating_point()}
         if not given or not held or given <= held:
             return None
-        wanted = sorted(str(d).removeprefix("torch.") for d in held)
-        return (f"the batch's floating tensors are {' and '.join(sorted(str(d).removeprefix('torch.') for d in given))}"
-                f" and the first stage's parameters {' and '.join(wanted)}: cast the batch "
-                f"(inputs.to(torch.{wanted[0]})) or build the model in that dtype")
+        names = {which: sorted(str(d).removeprefix("torch.") for d in dtypes) for which, dtypes in
+                 (("given", given), ("held", held))}
+        return (f"the batch's floating tensors are {' and '.join(names['given'])} and the first stage's parameters "
+                f"{' and '.join(names['held'])}: cast the batch (inputs.to(torch.{names['held'][0]})) or build the "
+                "model in that dtype")
 
     def target_of(self, stage: int, mb: int) -> Any:
         if stage != self.model.num_stages - 1:

@@ -75,6 +75,8 @@ def parameter_groups(named: Iterable[tuple[str, Any]], rule: Sequence[str]) -> l
         params.setdefault(id(param), param)
     if not rule:
         return [{"params": list(params.values())}]
-    decayed = [p for key, p in params.items() if decays(names[key], p, rule)]
-    kept = [p for key, p in params.items() if not decays(names[key], p, rule)]
+    decayed: list[Any] = []
+    kept: list[Any] = []
+    for key, param in params.items():
+        (decayed if decays(names[key], param, rule) else kept).append(param)
     return [{"params": decayed}, {"params": kept, "weight_decay": 0.0}]
