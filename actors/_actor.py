@@ -201,7 +201,8 @@ class Actor:
 
     Hooks, all optional: :meth:`on_start` before the first message, :meth:`on_stop`
     after the last, :meth:`on_failure` when an endpoint raised (the error also goes
-    back to the caller, and the actor keeps serving).
+    back to the caller, and the actor keeps serving), :meth:`on_messages_lost` when
+    a message to this process may have been lost on the way.
     """
 
     mailbox_size: int = DEFAULT_MAILBOX_SIZE
@@ -223,6 +224,13 @@ class Actor:
     async def on_failure(self, method: str, error: BaseException) -> None:
         """Runs when endpoint ``method`` raised ``error``."""
         log.debug("%s.%s raised %r", self.name, method, error)
+
+    def on_messages_lost(self, member: str, why: str) -> None:
+        """Runs, on the loop, when a message that ``member`` (its key's name, ``role:name``) sent to
+        this process may have been lost on the way (a sealed message refused on its session's own
+        connection, or a gap in the session's numbers): an actor that waits for a message from
+        ``member`` that is not a reply (a tell) can fail that wait now instead of at its timeout.
+        The runtime fails the calls waiting on ``member``'s replies itself."""
 
     @classmethod
     def endpoints(cls) -> dict[str, bool]:

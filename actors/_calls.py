@@ -139,6 +139,10 @@ class PendingCalls:
             self._fail(call_id, future, error)
         return len(waiting)
 
+    def waiting_addresses(self) -> set[str]:
+        """The addresses that calls wait on for their replies."""
+        return {target for future, target in self._pending.values() if not future.done()}
+
     def mark_lost(self, address: str, error: ActorError) -> None:
         """The process at ``address`` ended for good: its pending calls fail with ``error``, and so
         does every later call to it."""

@@ -222,6 +222,13 @@ class ActorLost(ActorError):
     node and the actor where known; the message says how the process ended."""
 
 
+class MessageLost(ActorError):
+    """A message from the runtime a call went to may have been lost on the way (a sealed message
+    refused on its session's own connection: tampered with or damaged; or one that never came),
+    so the call's reply may never come: it fails at once, saying why, instead of at its timeout.
+    The call may have run there."""
+
+
 class StageLost(StepFailed):
     """A stage actor's own process ended (``exited with code 3``, ``killed by SIGSEGV``): its
     job's code exited or crashed there. Its node and every other job go on; this job cannot
@@ -267,6 +274,7 @@ ERROR_KINDS: dict[str, type[ActorError]] = {
         StepFailed,
         NodeLost,
         ActorLost,
+        MessageLost,
         StageLost,
         HeadLost,
         NonFiniteError,

@@ -26,6 +26,7 @@ from actors._errors import (
     ActorError,
     ActorStopped,
     BadRecord,
+    MessageLost,
     NotAllowed,
     UnknownActor,
     error_from_wire,
@@ -162,6 +163,7 @@ class Runtime:
         self._tasks = OwnedTasks()
         self.closed = False  # aclose has begun: no call leaves any more
         receiver.pump(self._on_frames)
+        receiver.on_lost(self._messages_lost)
 
     # -- tasks ---------------------------------------------------------------------
 
@@ -315,6 +317,28 @@ class Runtime:
                 self._dispatch(message, caller)
         except Exception:  # a bug here must not stop the runtime from serving
             log.exception("could not dispatch a message")
+
+    def _messages_lost(self, member: str, why: str) -> None:
+        """A message ``member`` sent here over ZeroMQ may have been lost on the way (its sealed session's
+        refusal, or a gap in its numbers: :meth:`Receiver.on_lost`): the calls that wait on its
+        replies fail with :class:`MessageLost` now, and every actor here hears of it
+        (:meth:`Actor.on_messages_lost`), instead of either waiting out a timeout."""
+        log.warning("a message from %s may have been lost on the way: %s", excerpt(member, 80), excerpt(why, 200))
+        gate = self._gate
+        for address in self._calls.waiting_addresses():
+            try:
+                key = split_address(address)[1]
+            except ValueError:
+                continue
+            if gate is not None and key is not None and gate.name_of(key) == member:
+                self._calls.fail_calls_to(address, MessageLost(
+                    f"a message from {shown(address)} ({member}) may have been lost on the way, the call's reply "
+                    f"among them: {why}", details={"member": member}))
+        for name, mailbox in list(self._mailboxes.items()):
+            try:
+                mailbox.actor.on_messages_lost(member, why)
+            except Exception:
+                log.exception("%s.on_messages_lost raised", name)
 
     def _refuse_bad_records(self, message: Any, bad_records: list[WireError]) -> None:
         """Answers a message whose records could not be rebuilt with a typed error, where someone waits."""

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import torch
 
 from actors._actor import Actor, Host, caller_among, current_caller, endpoint
-from actors._errors import ActorError, NotAllowed, contained
+from actors._errors import ActorError, MessageLost, NotAllowed, contained
 from actors._ref import ActorRef
 from actors._registry import DEFAULT_ALLOW, EXAMPLE_FACTORIES, register_actor
 from stages.build import tied, traced
@@ -254,7 +254,7 @@ class StageActor(StateEndpoints, StreamEndpoints, Actor):
         self._program: list[Action] = []  # the last step's, whose tail reduce_step and finish_step run
         self._running: tuple[int, asyncio.Task[Any]] | None = None
         self._in_step = False  # inside run_step (its program, or its tail with StepOrder.finish)
-        self._lost_in_step: tuple[str, str] | None = None  # a stream's loss during it: (sender, why)
+        self._lost_in_step: tuple[str, str, type[Exception]] | None = None  # a loss during it: (source, why, kind)
         self._aborted = -1  # the newest step abort_step named: a part of it not yet begun never runs
         self._applied = -1  # the newest step whose tail stepped the optimizer here (StepOrder.after)
         self.ballot = Ballot(self.config.mesh, self.config.global_rank)  # the tail's votes (stages.compute.agreement)
@@ -306,6 +306,14 @@ class StageActor(StateEndpoints, StreamEndpoints, Actor):
         except NotAllowed:
             self.refused_calls += 1
             raise
+
+    def on_messages_lost(self, member: str, why: str) -> None:
+        """A message from ``member`` may have been lost over ZeroMQ (the runtime's receiver said so):
+        where that is one of this job's nodes and the stage's values or votes travel as actor
+        messages (``transport`` other than ``"stream"``, whose losses its streams tell), it may
+        have been one this step waits for, which fails now, as for a stream's loss."""
+        if self.config.communication.transport != "stream" and member in self._peer_identities:
+            self._values_lost(f"the ZeroMQ session from {member}", why, MessageLost)
 
     # -- set-up and one step ----------------------------------------------------------
 

@@ -320,6 +320,7 @@ class _Session:
     claimant: bytes | None = None  # the routing id whose claim was taken first
     held: dict[int, list[Any]] | None = None  # messages that wait for one over CURVE
     gap_since: float = 0.0  # when the first of them came
+    told_refused: bool = False  # a refused message was told as lost: the gap it leaves is not told again
 
 
 class BulkInbox:
@@ -353,6 +354,10 @@ class BulkInbox:
         # Given the messages held past GAP_WAIT_S, from a timer while a session holds some;
         # without it (no loop) the owner calls overdue() itself.
         self.on_overdue: Callable[[list[list[Any]]], None] | None = None
+        # Told a session's sender (its CURVE name) and why, each time a message of it was lost on the
+        # way: a gap in its numbers passed over, or a message refused that came on the connection that
+        # claimed the session (a stranger's refused message loses nothing, and is not told).
+        self.on_lost: Callable[[str, str], None] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._timer_due = 0.0  # the loop time it is due at
 
@@ -393,10 +398,16 @@ class BulkInbox:
             return None
         head, session_id, seq, rest = parse_head(first)
         session = self._session(session_id, seq)
-        opened = session.key.unseal(head, seq, [rest, *frames[2:]], session.user_id)
+        routing_id = bytes(byte_view(frames[0]))
+        try:
+            opened = session.key.unseal(head, seq, [rest, *frames[2:]], session.user_id)
+        except SealRefused as exc:
+            if routing_id == session.claimant:  # the sender's own connection: what it sent is lost
+                session.told_refused = True
+                self._tell_lost(session, str(exc))
+            raise
         # only once every frame passed its tag (the head's flags with them)
         through = self._in_order(session, seq, opened, after_direct=bool(head[5] & FLAG_AFTER_DIRECT))
-        routing_id = bytes(byte_view(frames[0]))
         if routing_id == session.claimant:  # whoever else sent the sender's bytes gets nothing back
             self._to_tell[session_id] = (routing_id, seq)
         return through
@@ -481,6 +492,7 @@ class BulkInbox:
             if direct:  # whatever is below it came, or will not: the ones held below it go first
                 if held is not None:
                     through += [held.pop(number) for number in sorted(held) if number < seq]
+                self._passed_over(session, seq, len(through))
             elif after_direct or held:  # wait for the one over CURVE (or behind the ones that do)
                 if held is None:
                     held = session.held = {}
@@ -491,6 +503,8 @@ class BulkInbox:
                 # Given up on by time only from the timer (_on_timer), which runs once the loop
                 # has read what came meanwhile: here the one waited for may be next in line.
                 return through if len(held) <= MAX_HELD else through + self._give_up(session)
+            else:
+                self._passed_over(session, seq, 0)
         session.last_seq = seq
         through.append(message)
         while held and session.last_seq + 1 in held:
@@ -509,8 +523,30 @@ class BulkInbox:
         session.held = None
         self._holding.pop(session.key.session_id, None)
         if held:
+            self._passed_over(session, max(held) + 1, len(held))
             session.last_seq = max(held)
         return [held[number] for number in sorted(held)]
+
+    def _passed_over(self, session: _Session, below: int, came: int) -> None:
+        """Tells (``on_lost``) that the session's numbers after its last one and below ``below``, but for
+        the ``came`` among them that were held, are passed over: those messages will not come."""
+        missing = below - 1 - session.last_seq - came
+        if missing <= 0:
+            return
+        if session.told_refused:  # the gap a refused message left, told when it was refused
+            session.told_refused = False
+            if missing == 1:
+                return
+        first, last = session.last_seq + 1, below - 1
+        self._tell_lost(session, f"its message {first} never came" if missing == last - first + 1 == 1 else
+                        f"{missing} of its messages {first} to {last} never came")
+
+    def _tell_lost(self, session: _Session, why: str) -> None:
+        if self.on_lost is not None:
+            try:
+                self.on_lost(session.user_id, why)
+            except Exception:  # the owner's: reading goes on
+                log.exception("on_lost raised")
 
     @property
     def holding(self) -> bool:

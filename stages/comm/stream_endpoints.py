@@ -37,7 +37,7 @@ class StreamEndpoints:
     parts: Any
     _step: int
     _in_step: bool  # inside run_step, for step _step
-    _lost_in_step: tuple[str, str] | None  # a loss during it (sender, why), for run_step to weigh at its end
+    _lost_in_step: tuple[str, str, type[Exception]] | None  # a loss during it (source, why, kind), for run_step
     _streams: StageStreams | None
 
     def _parts(self) -> Any:
@@ -103,8 +103,12 @@ class StreamEndpoints:
             raise
 
     def _stream_lost(self, sender: str, why: str) -> None:
-        """``sender``'s stream may have lost a message on the way (``StreamServer``'s ``on_lost``): a
-        value or a vote that will never come, of the step running here, or, between steps, of the
+        """``sender``'s stream may have lost a message on the way (``StreamServer``'s ``on_lost``)."""
+        self._values_lost(f"the stream from {sender}", why)
+
+    def _values_lost(self, source: str, why: str, kind: type[Exception] = StreamBroken) -> None:
+        """``source`` (a stream, or a node's messages over ZeroMQ) may have lost a message on the way:
+        a value or a vote that will never come, of the step running here, or, between steps, of the
         next one. That step fails where it waits for one that is not in, at once and saying why,
         instead of at the step's timeout; the scheduler then aborts it on every stage, as for any
         failure (a step sent ahead of it goes with it).
@@ -113,11 +117,11 @@ class StreamEndpoints:
         came): ``run_step`` poisons the next step then. One that ends badly takes the next step's
         with it (a step sent ahead of it runs nothing), and the step after is a new one."""
         if self._in_step:
-            self._lost_in_step = (sender, why)
-        self._poison_lost(self._step if self._in_step else self._step + 1, sender, why)
+            self._lost_in_step = (source, why, kind)
+        self._poison_lost(self._step if self._in_step else self._step + 1, source, why, kind)
 
-    def _poison_lost(self, step: int, sender: str, why: str) -> None:
-        error = StreamBroken(f"the stream from {sender} may have lost a value or vote of step {step}: {why}")
+    def _poison_lost(self, step: int, source: str, why: str, kind: type[Exception] = StreamBroken) -> None:
+        error = kind(f"{source} may have lost a value or vote of step {step}: {why}")
         log.warning("%s", error)
         if self.parts is not None:
             self.parts.executor.inbox.poison((step,), error)

@@ -25,6 +25,7 @@ from actors import (
     ActorTimeout,
     BadArguments,
     MailboxFull,
+    MessageLost,
     NodeLost,
     RemoteError,
     Runtime,
@@ -37,6 +38,7 @@ from actors import (
     open_runtime,
 )
 from actors.probe import ProbeActor
+from tests.helpers.tampered import TamperedKey
 from transport.security import Keypair
 
 pytestmark = pytest.mark.timeout(30)
@@ -653,6 +655,27 @@ async def test_secure_runtimes_call_through_every_bulk_mode_and_name_the_caller(
         tensor = torch.randn(300_000)  # past the size a frame is sealed straight into an aligned buffer
         caller, value = await client.ref(server.address, "callee").ask("echo_with_caller", tensor, timeout=30)
     assert caller == "client:alice" and torch.equal(value, tensor)
+
+
+async def test_a_call_whose_reply_was_refused_on_the_way_fails_at_once_saying_so_and_the_next_one_works() -> None:
+    """Between two secure runtimes (as on two hosts), a reply sealed and altered on the way is refused:
+    the caller waited out its timeout for it. The caller's receiver says whose message was lost, and
+    the calls waiting on that runtime's replies fail with MessageLost at once; the session goes on."""
+    server_keys, client_keys = Keypair.generate(), Keypair.generate()
+    ring = {server_keys.public: "node:n0", client_keys.public: "client:alice"}
+    async with open_runtime("tcp://127.0.0.1:0", keys=server_keys, ring=lambda: ring) as server, \
+            open_runtime("tcp://127.0.0.1:0", keys=client_keys, ring=lambda: ring) as client:
+        await server.spawn(_CallerActor(), "callee")
+        callee = client.ref(server.address, "callee")
+        tensor = torch.randn(300_000)  # its reply is sealed, over the bulk socket
+        assert (await callee.ask("echo_with_caller", tensor, timeout=30))[0] == "client:alice"
+        link = server._senders._entries[client.address].sender._link  # type: ignore[union-attr]
+        link.key = TamperedKey(link.key)
+        with pytest.raises(MessageLost, match=r"\(node:n0\) may have been lost on the way.*fails its tag"):
+            await callee.ask("echo_with_caller", tensor, timeout=60)
+        link.key = link.key.key
+        _, value = await callee.ask("echo_with_caller", tensor, timeout=30)
+    assert torch.equal(value, tensor)
 
 
 def test_an_error_of_the_jobs_code_says_at_the_caller_which_callable_raised() -> None:

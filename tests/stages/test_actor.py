@@ -28,8 +28,10 @@ from stages.actor import StageActor
 from stages.comm.delivery import StreamPeer
 from stages.compute.tail import decide_step
 from stages.records import FinishReport, ReduceReport, StageReport, StepOrder
+from tests.helpers.tampered import TamperedKey
 from tests.stages.stage_parts import MODEL_KWARGS, stage_config
 from transport.sealed import SessionKey
+from transport.security import Keypair
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -401,20 +403,7 @@ async def test_a_value_its_stream_lost_fails_the_receivers_step_at_once_and_name
     await run(refs, 0)  # the links are open and proven
     link = actors[0]._streams.links[(refs[1].address, refs[1].name)]._link  # type: ignore[union-attr]
     assert link is not None
-
-    class Tampered:  # the link's key, whose seals lose one bit of their tag on the way
-        def __init__(self, key: SessionKey) -> None:
-            self.key = key
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self.key, name)
-
-        def seal(self, seq: int, frames: list[Any], **kwargs: Any) -> list[Any]:
-            sealed = [bytearray(memoryview(f).cast("B")) for f in self.key.seal(seq, frames, **kwargs)]
-            sealed[-1][-1] ^= 1
-            return sealed
-
-    link.key = Tampered(link.key)  # type: ignore[assignment]
+    link.key = TamperedKey(link.key)  # type: ignore[assignment]
     sender = asyncio.ensure_future(refs[0].endpoint(StageActor.run_step, timeout=30).call(orders(1)[0].to_wire()))
     report = StageReport.from_wire(await refs[1].endpoint(StageActor.run_step, timeout=30).call(orders(1)[1].to_wire()))
     assert report.status == "failed" and report.action is not None and "RECV_F" in report.action
@@ -424,6 +413,49 @@ async def test_a_value_its_stream_lost_fails_the_receivers_step_at_once_and_name
     # come until the scheduler aborts it, as here.
     await refs[0].endpoint(StageActor.abort_step, timeout=10).call(1)
     assert StageReport.from_wire(await sender).status in ("failed", "aborted")
+
+
+async def test_a_value_lost_over_zeromq_fails_the_receivers_step_at_once_and_names_the_node() -> None:
+    """Values as actor messages (``transport="zmq"``) between two secure runtimes, as between two hosts:
+    one refused on the way (its seal broken in transit) never came, and the stage that waited for it
+    waited out the step's timeout (ten minutes by default). The receiver's inbox says whose session
+    lost a message; the stage whose job that node is in fails the step at the wait, naming it. The
+    same loss from a key that is none of the job's nodes' fails nothing."""
+    keys = [Keypair.generate() for _ in range(2)]
+    ring = {keys[0].public: "node:n0", keys[1].public: "node:n1"}
+    kwargs = {"blocks": 2, "dim": 1024, "hidden": 16}  # a micro-batch's value of 16 KiB: sealed, over the bulk socket
+    async with open_runtime("tcp://127.0.0.1:0", keys=keys[0], ring=lambda: ring) as first, \
+            open_runtime("tcp://127.0.0.1:0", keys=keys[1], ring=lambda: ring) as second:
+        runtimes = (first, second)
+        actors = [StageActor(**stage_config(rank, transport="zmq", model_kwargs=kwargs).to_wire()) for rank in range(2)]
+        names = [await runtime.spawn(actor, f"stage{rank}") for rank, (runtime, actor) in enumerate(zip(runtimes, actors))]
+        refs = [runtime.ref(runtime.address, ref.name) for runtime, ref in zip(runtimes, names)]  # each called at home
+        for ref in refs:
+            await ref.endpoint(StageActor.connect, timeout=10).call([r.to_wire() for r in names], ["node:n0", "node:n1"])
+        gen = torch.Generator().manual_seed(0)
+        x, y = (torch.randn(8, 1024, generator=gen) for _ in range(2))
+        programs = build_schedule("1f1b", 2, 2)
+
+        def order(rank: int, step: int) -> dict[str, Any]:
+            data = {"inputs": list(x.chunk(2))} if rank == 0 else {"targets": list(y.chunk(2))}
+            return StepOrder(step=step, program=[str(a) for a in programs[rank]], **data).to_wire()
+
+        reports = await asyncio.gather(*(ref.endpoint(StageActor.run_step, timeout=30).call(order(rank, 0))
+                                         for rank, ref in enumerate(refs)))
+        assert [StageReport.from_wire(r).status for r in reports] == ["done", "done"]
+        await asyncio.gather(*(ref.endpoint(StageActor.abort_step, timeout=10).call(0) for ref in refs))
+        actors[1].on_messages_lost("node:stranger", "not this job's")  # not the job's node: nothing fails
+        link = first._senders._entries[second.address].sender._link  # type: ignore[union-attr]
+        assert link is not None
+        link.key = TamperedKey(link.key)  # the session's seals lose a bit of their tag on the way
+        sender = asyncio.ensure_future(refs[0].endpoint(StageActor.run_step, timeout=30).call(order(0, 1)))
+        report = StageReport.from_wire(await refs[1].endpoint(StageActor.run_step, timeout=30).call(order(1, 1)))
+        assert report.status == "failed" and report.action is not None and "RECV_F" in report.action
+        assert report.error is not None and "MessageLost" in str(report.error)
+        assert "the ZeroMQ session from node:n0 may have lost a value or vote of step 1:" in str(report.error)
+        assert "fails its tag" in str(report.error)
+        await refs[0].endpoint(StageActor.abort_step, timeout=10).call(1)
+        assert StageReport.from_wire(await sender).status in ("failed", "aborted")
 
 
 async def test_a_loss_between_steps_or_during_one_that_ends_well_fails_the_next_step(

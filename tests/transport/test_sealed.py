@@ -416,6 +416,37 @@ def test_held_messages_go_on_once_the_one_they_wait_for_is_given_up(inbox: Any) 
     assert _numbers(through) == list(range(6, 7 + MAX_HELD))
 
 
+def test_what_will_not_come_is_told_once_naming_its_sender_and_a_strangers_noise_tells_nothing(inbox: Any) -> None:
+    """A message known lost is told (``on_lost``) with the session's sender, so that whoever waits for it
+    can stop waiting: a gap passed over (over either socket), messages given up on, and a message
+    refused on the session's own connection (tampered with on the way), whose gap is not told again
+    when the next one comes. A refused message on any other connection, a replay, and numbers in
+    order tell nothing: they lose nothing."""
+    box, key, clock = inbox
+    told: list[tuple[str, str]] = []
+    box.on_lost = lambda member, why: told.append((member, why))
+    assert box.take([b"routing-id", key.token(CLAIM_MAGIC, 0, b"claim")]) is None  # the session's own connection
+    assert _numbers(box.take(_bulk(key, 1, 1))) == [1] and _numbers(box.take_direct(_direct(key, 2, 2))) == [2]
+    assert told == []
+    assert _numbers(box.take(_bulk(key, 4, 4))) == [4]
+    assert told == [("node:n0", "its message 3 never came")]
+    with pytest.raises(SealRefused, match="fails its tag"):
+        box.take([b"routing-id", *_tamper([bytes(memoryview(f)) for f in _bulk(key, 5, 5)[1:]], "tag")])
+    assert told[1:] == [("node:n0", "message 5: frame 0 fails its tag")]
+    assert _numbers(box.take(_bulk(key, 6, 6))) == [6] and len(told) == 2  # 5's gap: told as it was refused
+    elsewhere = [b"another-connection", *_tamper([bytes(memoryview(f)) for f in _bulk(key, 7, 7)[1:]], "tag")]
+    with pytest.raises(SealRefused):
+        box.take(elsewhere)
+    with pytest.raises(SealRefused, match="replayed"):
+        box.take(_bulk(key, 6, 6))
+    assert len(told) == 2
+    assert _numbers(box.take_direct(_direct(key, 9, 9))) == [9]  # 7 and 8 never came on the session's connection
+    assert told[2:] == [("node:n0", "2 of its messages 7 to 8 never came")]
+    assert _numbers(box.take(_bulk(key, 11, 11, after_direct=True))) == []  # waits for 10, over CURVE
+    clock.now += GAP_WAIT_S + 1
+    assert _numbers(box.overdue()) == [11] and told[3:] == [("node:n0", "1 of its messages 10 to 11 never came")]
+
+
 def test_a_message_over_curve_is_a_sessions_only_with_its_whole_prefix_and_version(inbox: Any) -> None:
     """Anything else over CURVE (a wire message, an opening) is left to its own reader; a message
     that says it is a session's but is cut short, or of another version, is refused."""
