@@ -139,9 +139,10 @@ class PendingCalls:
             self._fail(call_id, future, error)
         return len(waiting)
 
-    def waiting_addresses(self) -> set[str]:
-        """The addresses that calls wait on for their replies."""
-        return {target for future, target in self._pending.values() if not future.done()}
+    def fail_calls_where(self, chosen: Callable[[str], bool], error: Callable[[str], ActorError]) -> int:
+        """Fails every pending call to an address ``chosen`` picks, each with ``error(address)``; how many."""
+        waiting = {target for future, target in self._pending.values() if not future.done()}
+        return sum(self.fail_calls_to(address, error(address)) for address in waiting if chosen(address))
 
     def mark_lost(self, address: str, error: ActorError) -> None:
         """The process at ``address`` ended for good: its pending calls fail with ``error``, and so

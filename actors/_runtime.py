@@ -324,16 +324,9 @@ class Runtime:
         replies fail with :class:`MessageLost` now, and every actor here hears of it
         (:meth:`Actor.on_messages_lost`), instead of either waiting out a timeout."""
         log.warning("a message from %s may have been lost on the way: %s", excerpt(member, 80), excerpt(why, 200))
-        gate = self._gate
-        for address in self._calls.waiting_addresses():
-            try:
-                key = split_address(address)[1]
-            except ValueError:
-                continue
-            if gate is not None and key is not None and gate.name_of(key) == member:
-                self._calls.fail_calls_to(address, MessageLost(
-                    f"a message from {shown(address)} ({member}) may have been lost on the way, the call's reply "
-                    f"among them: {why}", details={"member": member}))
+        self._calls.fail_calls_where(lambda address: key_name(address, self._gate) == member, lambda address: MessageLost(
+            f"a message from {shown(address)} ({member}) may have been lost on the way, the call's reply among them: "
+            f"{why}", details={"member": member}))
         for name, mailbox in list(self._mailboxes.items()):
             try:
                 mailbox.actor.on_messages_lost(member, why)
@@ -483,6 +476,15 @@ def _resolve_into(future: asyncio.Future[Any]) -> Any:
 def _as_remote(exc: BaseException) -> ActorError:
     """A local endpoint's exception, shaped like a remote one so callers see one type."""
     return error_from_wire(error_to_wire(exc))
+
+
+def key_name(address: str, gate: Gate | None) -> str | None:
+    """The name ``gate``'s key ring gives the key in ``address`` (None: no keys, or none there)."""
+    try:
+        key = split_address(address)[1]
+    except ValueError:
+        return None
+    return gate.name_of(key) if gate is not None and key is not None else None
 
 
 def own_address(caller: str, address: str | None, gate: Gate | None) -> str:

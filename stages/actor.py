@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import torch
 
 from actors._actor import Actor, Host, caller_among, current_caller, endpoint
-from actors._errors import ActorError, MessageLost, NotAllowed, contained
+from actors._errors import ActorError, NotAllowed, contained
 from actors._ref import ActorRef
 from actors._registry import DEFAULT_ALLOW, EXAMPLE_FACTORIES, register_actor
 from stages.build import tied, traced
@@ -306,14 +306,6 @@ class StageActor(StateEndpoints, StreamEndpoints, Actor):
         except NotAllowed:
             self.refused_calls += 1
             raise
-
-    def on_messages_lost(self, member: str, why: str) -> None:
-        """A message from ``member`` may have been lost over ZeroMQ (the runtime's receiver said so):
-        where that is one of this job's nodes and the stage's values or votes travel as actor
-        messages (``transport`` other than ``"stream"``, whose losses its streams tell), it may
-        have been one this step waits for, which fails now, as for a stream's loss."""
-        if self.config.communication.transport != "stream" and member in self._peer_identities:
-            self._values_lost(f"the ZeroMQ session from {member}", why, MessageLost)
 
     # -- set-up and one step ----------------------------------------------------------
 

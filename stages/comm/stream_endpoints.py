@@ -1,10 +1,12 @@
-"""A stage actor's side of its streams (``communication.transport = "stream"``).
+"""A stage actor's side of its streams (``communication.transport = "stream"``), and of values lost on the way.
 
 Mixed into :class:`~stages.actor.StageActor`, which gives it its config, runtime, parts,
 ballot and refusal counting: the ``open_stream`` endpoint another stage actor opens its
 session through, the links made when the stage is connected, and what the stage takes
 from its stream server (values, as ``deliver`` takes them; votes, as ``vote`` does).
-The streams themselves: :mod:`stages.comm.streams` and ``transport.stream``.
+The streams themselves: :mod:`stages.comm.streams` and ``transport.stream``. A value
+or vote lost on the way, on a stream or over ZeroMQ (``on_messages_lost``), fails the
+step that waits for it at once.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from actors._actor import Host, current_caller, endpoint
-from actors._errors import NotAllowed
+from actors._errors import MessageLost, NotAllowed
 from actors._ref import ActorRef
 from stages.comm.delivery import VALUE, VOTE, StreamPeer
 from stages.comm.streams import StageStreams
@@ -38,6 +40,7 @@ class StreamEndpoints:
     _step: int
     _in_step: bool  # inside run_step, for step _step
     _lost_in_step: tuple[str, str, type[Exception]] | None  # a loss during it (source, why, kind), for run_step
+    _peer_identities: frozenset[str]  # the job's nodes' keys
     _streams: StageStreams | None
 
     def _parts(self) -> Any:
@@ -101,6 +104,14 @@ class StreamEndpoints:
         except NotAllowed:
             self.refused_calls += 1
             raise
+
+    def on_messages_lost(self, member: str, why: str) -> None:
+        """A message from ``member`` may have been lost over ZeroMQ (the runtime's receiver said so):
+        where that is one of this job's nodes and the stage's values or votes travel as actor
+        messages (``transport`` other than ``"stream"``, whose losses its streams tell), it may
+        have been one this step waits for, which fails now, as for a stream's loss."""
+        if self.config.communication.transport != "stream" and member in self._peer_identities:
+            self._values_lost(f"the ZeroMQ session from {member}", why, MessageLost)
 
     def _stream_lost(self, sender: str, why: str) -> None:
         """``sender``'s stream may have lost a message on the way (``StreamServer``'s ``on_lost``)."""
