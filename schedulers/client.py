@@ -85,7 +85,10 @@ class Cluster(actors.Cluster):
             RemoteError: the scheduler refused the job (e.g. too few nodes, or ranks of an
                 NCCL job that would share a GPU), with why; one that was a ``ValueError`` or
                 ``TypeError`` there is one here too (``except ValueError`` catches it).
-            NotAllowed: a factory outside the nodes' allow-list.
+            NotAllowed: a factory outside the nodes' allow-list, or a client's ``checkpoint_dir`` (or
+                monitor ``output_path``) outside its subtree of the checkpoint root.
+            CheckpointError: with ``resume_from_checkpoint``, a checkpoint in ``checkpoint_dir`` that does
+                not load (every problem listed); no job is left.
 
         Warns:
             PlacementWarning: stage actors share a GPU because every GPU is taken, or
@@ -100,11 +103,15 @@ class Cluster(actors.Cluster):
         else:
             spec.check_schedule()  # here, at the call, as from_kwargs does
         await self.admit(spec.factory_modules)
-        # the working directory: where the head takes an admin's relative monitor output_path from
-        relative_to = os.getcwd() if spec.monitoring.enabled else None
+        # the working directory: where the head takes an admin's relative monitor output_path and
+        # checkpoint_dir from
+        relative_to = os.getcwd() if spec.monitoring.enabled or spec.checkpointing.checkpoint_dir is not None else None
         ticket = secrets.token_hex(16)  # what abandon_job names this creation by (schedulers.creations)
         try:
-            info = await self.call(SchedulerActor.create_job, timeout=600).call(spec, relative_to, ticket)
+            # A job that resumes loads its checkpoint as it is made: each stage's share has 900 s on the head.
+            timeout = 1500 if spec.checkpointing.resume_from_checkpoint else 600
+            with _checkpoint_errors():
+                info = await self.call(SchedulerActor.create_job, timeout=timeout).call(spec, relative_to, ticket)
         except (asyncio.CancelledError, ActorTimeout):
             # The caller gave up on the job (Ctrl-C, wait_for, the timeout): no one would hold it, so it ends.
             self.last_word(self._abandon(ticket), name="abandon a job's creation")
@@ -235,6 +242,9 @@ class Job:
         spec: the job's specification as it was started.
         notices: what the scheduler warned about its placement (see :class:`~schedulers.records.JobInfo`).
         creation_s: seconds per phase of the job's creation on the head (``JobInfo.creation_s``).
+        resumed_from: the checkpoint version the job loaded as it started
+            (``checkpointing.resume_from_checkpoint``), or None: it started from its seed.
+        resumed_step: the step that checkpoint was saved at (0 without one).
         ref: the job's actor on the head.
     """
 
@@ -246,6 +256,7 @@ class Job:
         self.spec = spec
         self.notices = list(info.notices)
         self.creation_s = dict(info.creation_s)  # where the job's creation went on the head, per phase
+        self.resumed_from, self.resumed_step = info.resumed_from, info.resumed_step
         address, name = info.actor
         self.ref = cluster.runtime.ref(address, name)
 
@@ -276,12 +287,16 @@ class Job:
             StepFailed: a stage failed, a node was lost or the step timed out; the
                 step was not applied anywhere.
             RemoteError: a batch that does not split into the job's micro-batches.
+            CheckpointError: the save ``checkpointing.checkpoint_every`` makes after this step
+                failed (the step was applied).
         """
         if (inputs is None) != (targets is None):
             raise ValueError("step() takes both inputs and targets, or neither (to read the data factory)")
-        timeout = self.spec.fault_tolerance.step_timeout_s + 60.0
+        # A step after which the job saves itself waits for the save too (each stage's share is bounded on the head).
+        timeout = None if self.spec.checkpointing.checkpoint_every else self.spec.fault_tolerance.step_timeout_s + 60.0
         try:
-            return await self._call(JobActor.step, timeout).call(inputs, targets)
+            with _checkpoint_errors():
+                return await self._call(JobActor.step, timeout).call(inputs, targets)
         except asyncio.CancelledError:
             # The driver gave up on the step: the scheduler and every stage stop it too.
             self.cluster.last_word(self._cancel_step(), name=f"cancel {self.id} step")

@@ -14,6 +14,8 @@ members, position in training, lock) and its parts, one per concern:
 - views (:class:`~schedulers.job_views.JobViews`): where, trace, plan;
 - monitors (:class:`~schedulers.monitors.Monitors`): each step's scalars and each
   evaluation's loss to TensorBoard, W&B and CSV, written on a thread of their own;
+- the job's own saves (:class:`~schedulers.self_saves.SelfSaves`): every ``checkpoint_every``
+  steps, and the resume from the last one as the job starts;
 - recovery (:mod:`schedulers.recovery`) and state and checkpoints (:mod:`schedulers.job_state`),
   functions of the job.
 
@@ -44,6 +46,7 @@ from schedulers.limits import Limits
 from schedulers.monitors import Monitors
 from schedulers.records import EvalResult, JobDescription, Plan, Recovery, RunInfo, SettingChange, StepStats, WhereReport
 from schedulers.runs import Runs, steps_ahead
+from schedulers.self_saves import SelfSaves
 from schedulers.settings import Settings
 from schedulers.step_path import StepPath
 from schedulers.stepping import stage_lost
@@ -61,7 +64,8 @@ class JobController:
     Events go to ``publish`` (records of :mod:`schedulers.events`): ``StepFinished`` (loss,
     time, bubble, run progress), ``JobFailed`` (the step's error), ``RunStarted``,
     ``RunFinished``, ``JobPaused``, ``JobResumed``, ``SettingPending``,
-    ``SettingsApplied``, ``SettingRejected``, ``SchedulePlanned``, ``JobRecovered``, ``MonitorFailed``.
+    ``SettingsApplied``, ``SettingRejected``, ``SchedulePlanned``, ``JobRecovered``, ``MonitorFailed``,
+    ``CheckpointSaved``.
     """
 
     def __init__(
@@ -69,6 +73,7 @@ class JobController:
         bounds: list[list[int]], publish: Callable[[Event], None], alive_nodes: Callable[[], Awaitable[set[str]]],
         rendezvous: str | None = None, owner: str = "", placer: Placer | None = None,
         identities: list[str] | None = None, limits: Limits | None = None, monitors: Monitors | None = None,
+        checkpoints: CheckpointPath | None = None,
     ) -> None:
         self.core = JobCore(runtime=runtime, job_id=job_id, spec=spec, stages=stages, nodes=nodes, bounds=bounds,
                             publish=publish, alive_nodes=alive_nodes, check_members=self._check_members,
@@ -76,8 +81,11 @@ class JobController:
         self.views = JobViews(self.core)
         self.steps = StepPath(self.core, self.views)
         self.settings = Settings(self.core, limits or Limits())
+        self.saves = SelfSaves(self.core, checkpoints)
         self.runs = Runs(self.core, self.step, functools.partial(steps_ahead, self.core, self.steps, self.settings,
-                                                                 self._step_ended, self._recover_to))
+                                                                 self._step_ended, self._recover_to,
+                                                                 self.saves.save_point),
+                         between=self.saves.save_if_due)
         self._recovery: Recovery | None = None  # what the last recovery did, for the next StepStats
         self.monitors = monitors  # the job's TensorBoard, W&B and CSV writers (None: none configured)
 
@@ -92,12 +100,14 @@ class JobController:
 
         With ``max_restarts``, a node lost during the step (or before it) is replaced, and a
         stage whose process ended is built again on its node (see
-        :func:`schedulers.recovery.recover`); the step runs again, and the stats say so.
+        :func:`schedulers.recovery.recover`); the step runs again, and the stats say so. A step
+        after which the job saves itself (``checkpoint_every``) returns once the save is done.
 
         Raises:
             ValueError: a batch that does not split into the job's micro-batches.
             NodeLost: a node of the job was lost, and the job cannot (or may no more) recover.
             StepFailed: a stage failed or the step timed out.
+            CheckpointError: the save after the step failed (the step was applied).
         """
         job = self.core
         async with job.operation(stepping=True):
@@ -111,7 +121,9 @@ class JobController:
                 stats = await self._recover_to(lost, goal)
             job.completed(goal, driver_batch=inputs is not None)
             applied = job.applied  # the monitors' x: the optimizer steps applied, this one included
-        return self._step_ended(stats, applied)
+        stats = self._step_ended(stats, applied)
+        await self.saves.save_if_due()
+        return stats
 
     async def _recover_to(self, lost: NodeLost | StageLost, goal: int) -> StepStats:
         """Recovers from ``lost`` (see :func:`schedulers.recovery.recover`) and replays the steps up to

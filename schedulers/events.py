@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 from actors import Event, WireRecord
 
 __all__ = [
-    "JobClosed", "JobCreated", "JobEvent", "JobFailed", "JobPaused", "JobRecovered", "JobResumed", "MonitorFailed",
+    "CheckpointSaved", "JobClosed", "JobCreated", "JobEvent", "JobFailed", "JobPaused", "JobRecovered", "JobResumed", "MonitorFailed",
     "RunFinished", "RunProgress", "RunStarted", "SchedulePlanned", "SettingPending", "SettingRejected", "SettingsApplied",
     "StepFinished",
 ]
@@ -172,6 +172,15 @@ class JobRecovered(JobEvent):
     from_checkpoint: str | None
     seconds: float
     restarts_left: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointSaved(JobEvent):
+    """The job saved itself (``checkpointing.checkpoint_every``) after applied step ``step``, to ``version``."""
+
+    kind: ClassVar[str] = "checkpoint_saved"
+    step: int
+    version: str
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

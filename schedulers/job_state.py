@@ -28,7 +28,7 @@ from stages import (
     StageActor,
 )
 from stages.state.export import FORMATS, file_name
-from stages.state.manifest import DCP, SAFETENSORS
+from stages.state.manifest import DCP, SAFETENSORS, NoCheckpoint
 from schedulers.checkpoint_paths import CheckpointPath
 from schedulers.job_core import JobCore
 from schedulers.stepping import key_order
@@ -209,6 +209,25 @@ async def load(job: JobCore, path: CheckpointPath, weights_only: bool = False) -
             job.loaded(step)
         job.restarted_history()
     return step
+
+
+async def resume(job: JobCore, path: CheckpointPath) -> tuple[str, int] | None:
+    """Loads the newest checkpoint in ``path.directory`` as :func:`load` does (``checkpointing.
+    resume_from_checkpoint``), where there is one: its version and step; None where the directory
+    holds none (or does not exist yet), and the job starts from its seed.
+
+    Raises:
+        CheckpointError: a checkpoint that is there but does not load (nothing was applied).
+    """
+    directory = check_directory(path.directory)
+    try:
+        found = await job.stages[0].endpoint(StageActor.checkpoint_manifest, timeout=CHECKPOINT_TIMEOUT_S).call(
+            directory, path.within)
+    except ActorError as exc:
+        if exc.remote_type.rpartition(".")[2] == NoCheckpoint.__name__:
+            return None
+        raise CheckpointError(f"{job.id} cannot resume from {directory}", [_reason(exc)]) from None
+    return str(found[0]), await load(job, path)
 
 
 async def apply_checkpoint(job: JobCore, path: CheckpointPath, weights_only: bool = False) -> int:

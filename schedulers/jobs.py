@@ -4,7 +4,8 @@
 section per concern, as torchtitan's config does: :class:`Training` (model, loss, data),
 :class:`Parallelism` (the mesh and the pipeline schedule), :class:`Optimization`,
 :class:`MixedPrecision`, :class:`Communication` (codecs, transport, the data-parallel
-reduction), :class:`Runtime` (exact compute and memory knobs), :class:`FaultTolerance`
+reduction), :class:`Runtime` (exact compute and memory knobs), :class:`FaultTolerance`,
+:class:`Checkpointing` (saves the job makes by itself, and resuming from them)
 and :class:`Monitoring` (what the head writes for TensorBoard, W&B
 and CSV). Every field name is unique across sections, so a flat keyword
 (``cluster.train(model=..., micro_batches=8)``) routes to its section; a section may be
@@ -42,6 +43,7 @@ from stages.sections import (
     SCHEDULE_NAMES,
     SECTIONS,
     TRANSPORTS,
+    Checkpointing,
     CodecName,
     Communication,
     FaultTolerance,
@@ -69,6 +71,7 @@ __all__ = [
     "SECTIONS",
     "TRANSPORTS",
     "CSVConfig",
+    "Checkpointing",
     "CodecName",
     "Communication",
     "FaultTolerance",
@@ -122,6 +125,8 @@ class JobSpec:
     """threads, memory and exact compute knobs of each stage process"""
     fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
     """timeouts, recovery and non-finite values"""
+    checkpointing: Checkpointing = field(default_factory=Checkpointing)
+    """checkpoints the job saves by itself, and resuming from the last one"""
     monitoring: Monitoring = field(default_factory=Monitoring)
     """TensorBoard, W&B and CSV monitors, written by the head"""
 

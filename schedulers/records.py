@@ -174,7 +174,11 @@ class JobInfo(WireRecord):
         creation_s: where the job's creation went on the head, in seconds per phase, in order:
             ``compile`` (the schedule), ``place``, ``partition`` (a model inspector's
             parameter counts or profile), ``rendezvous``, ``spawn`` (every stage built),
-            ``connect`` (stages told their peers) and ``actor`` (the job's own actor).
+            ``connect`` (stages told their peers), ``resume`` (with ``resume_from_checkpoint``)
+            and ``actor`` (the job's own actor).
+        resumed_from: the checkpoint version the job loaded as it started
+            (``checkpointing.resume_from_checkpoint``); None: none was there, or none asked for.
+        resumed_step: that checkpoint's step (the job goes on from it); 0 without one.
     """
 
     job: str
@@ -183,6 +187,8 @@ class JobInfo(WireRecord):
     actor: list[str]
     notices: list[str] = field(default_factory=list)
     creation_s: dict[str, float] = field(default_factory=dict)
+    resumed_from: str | None = None
+    resumed_step: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

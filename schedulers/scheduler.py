@@ -44,6 +44,7 @@ from actors import (
 )
 from stages import backend_for, RendezvousActor, StageActor
 from stages.build.describe import ModelInspector
+from schedulers.checkpoint_paths import CheckpointPath, resolve
 from schedulers.control import JobController
 from schedulers.creations import Creations, checked_ticket
 from schedulers.stage_hosts import StageHosts
@@ -257,9 +258,12 @@ class SchedulerActor(Actor):
         check_spec(job_spec, self.limits)
         self._check_client(job_spec)
         check_libraries(job_spec.monitoring)
+        directory = job_spec.checkpointing.checkpoint_dir
         try:  # where the head will write for this caller: refused before any work, as a checkpoint path is
             monitors = resolve_monitors(job_spec.monitoring, caller=current_caller(), root=self.checkpoint_root,
                                         relative_to=relative_to)
+            checkpoints = None if directory is None else resolve(directory, relative_to, caller=current_caller(),
+                                                                 root=self.checkpoint_root)
         except NotAllowed:
             self.refused_calls += 1
             raise
@@ -275,14 +279,15 @@ class SchedulerActor(Actor):
             self._building[job_id] = (current_caller(), [n.name for n in nodes])
         clock.done("place")
         try:
-            info = await self._build_job(job_id, job_spec, nodes, notices, clock, monitors)
+            info = await self._build_job(job_id, job_spec, nodes, notices, clock, monitors, checkpoints)
         finally:
             del self._building[job_id]
         return dataclasses.replace(info, creation_s=clock.phases)
 
     async def _build_job(self, job_id: str, job_spec: JobSpec, nodes: list[NodeInfo], notices: list[str],
-                         clock: _Phases, monitors: list[MonitorTarget]) -> JobInfo:
-        """Partitions, spawns and connects the stages of a placed job, and starts its job actor."""
+                         clock: _Phases, monitors: list[MonitorTarget], checkpoints: CheckpointPath | None) -> JobInfo:
+        """Partitions, spawns and connects the stages of a placed job, resumes it from its last
+        checkpoint where its spec says so, and starts its job actor."""
         mesh = job_spec.mesh
         bounds = await partition(self.runtime, job_spec, nodes[0], self.limits, self._inspections)
         clock.done("partition")
@@ -309,9 +314,12 @@ class SchedulerActor(Actor):
             controller = JobController(
                 runtime=self.runtime, job_id=job_id, spec=job_spec, stages=stages, nodes=names, bounds=bounds,
                 publish=self._publisher(owner), alive_nodes=self._alive_nodes, rendezvous=rendezvous,
-                owner=owner, identities=identities, limits=self.limits, monitors=writers,
+                owner=owner, identities=identities, limits=self.limits, monitors=writers, checkpoints=checkpoints,
                 placer=Placer(free_nodes=self._free_nodes, spawn=self._respawn,
                               renew_rendezvous=self._renew_rendezvous, stop=self._hosts.stop))
+            resumed = await controller.saves.resume()
+            if job_spec.checkpointing.resume_from_checkpoint:
+                clock.done("resume")
             job = JobActor(controller, stop_stages=self._hosts.stop, closed=self._job_closed,
                            checkpoint_root=self.checkpoint_root)
             await self.runtime.spawn(job, f"{job_id}.control")
@@ -322,7 +330,8 @@ class SchedulerActor(Actor):
         log.info("%s: %s on %s", job_id, job_spec.parallelism.schedule, ", ".join(names))
         self._publisher(owner)(JobCreated(job=job_id, nodes=names))
         clock.done("actor")
-        return self._info(job, notices)
+        info = self._info(job, notices)
+        return info if resumed is None else dataclasses.replace(info, resumed_from=resumed[0], resumed_step=resumed[1])
 
     def _check_client(self, spec: JobSpec) -> None:
         """The operator's limits on what the calling client holds, with ``spec`` (its open jobs and

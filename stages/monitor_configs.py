@@ -16,18 +16,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from stages.spec_checks import nearest, show
+from stages.spec_checks import check_path, nearest, show
 
 __all__ = ["CSVConfig", "MonitorConfig", "TensorBoardConfig", "WandbConfig", "monitor_config"]
 
-_MAX_PATH = 1024
 _MAX_NAME = 128  # W&B's limit on a project's name; more than enough for a directory's
-
-
-def _check_path(name: str, value: Any) -> None:
-    if not isinstance(value, str) or len(value) > _MAX_PATH or "\0" in value:
-        raise TypeError(f"{name} must be a directory path (a string of at most {_MAX_PATH} characters), "
-                        f"got {show(value)}")
 
 
 def _check_name(name: str, value: Any, forbidden: str, *, optional: bool) -> None:
@@ -53,7 +46,7 @@ class TensorBoardConfig:
     """the job's directory inside ``output_path`` (one name, no ``/``); None: the job's id (``job0``)"""
 
     def check(self, name: str) -> None:
-        _check_path(f"{name}.output_path", self.output_path)
+        check_path(f"{name}.output_path", self.output_path)
         _check_name(f"{name}.job_name", self.job_name, "/\\", optional=True)
 
 
@@ -67,7 +60,7 @@ class CSVConfig:
     """the job's directory inside ``output_path``; None: the job's id"""
 
     def check(self, name: str) -> None:
-        _check_path(f"{name}.output_path", self.output_path)
+        check_path(f"{name}.output_path", self.output_path)
         _check_name(f"{name}.job_name", self.job_name, "/\\", optional=True)
 
 
@@ -88,7 +81,7 @@ class WandbConfig:
         _check_name(f"{name}.project", self.project, "/\\#?%:", optional=False)
         _check_name(f"{name}.group", self.group, "", optional=True)
         _check_name(f"{name}.team", self.team, "/\\#?%:", optional=True)
-        _check_path(f"{name}.output_path", self.output_path)
+        check_path(f"{name}.output_path", self.output_path)
 
 
 MonitorConfig = TensorBoardConfig | CSVConfig | WandbConfig

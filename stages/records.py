@@ -25,11 +25,11 @@ class StageConfig(WireRecord):
 
     The sections are the job's own (:mod:`stages.sections`), as the scheduler's
     ``schedulers.jobs.stage_config`` takes them from the spec; the head's own
-    sections (fault tolerance, monitoring) stay behind.
+    sections (fault tolerance, checkpointing, monitoring) stay behind.
     """
 
     nested: ClassVar[dict[str, Any]] = {name: cls for name, cls in SECTIONS.items()
-                                         if name not in ("fault_tolerance", "monitoring")}
+                                         if name not in ("fault_tolerance", "checkpointing", "monitoring")}
 
     job: str
     global_rank: int

@@ -24,6 +24,7 @@ from stages.spec_checks import (
     check_kwargs,
     check_number,
     check_partition_method,
+    check_path,
     check_seconds,
     check_torch_compile,
     factory_path,
@@ -50,6 +51,7 @@ __all__ = [
     "SECTIONS",
     "TRANSPORTS",
     "V_SCHEDULES",
+    "Checkpointing",
     "CodecName",
     "Communication",
     "CompileBackend",
@@ -454,6 +456,32 @@ class FaultTolerance(_Section):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Checkpointing(_Section):
+    """Where the job saves by itself, how often, and whether it goes on from its last save."""
+
+    name: ClassVar[str] = "checkpointing"
+
+    checkpoint_dir: str | None = None
+    """where the job saves by itself (`checkpoint_every`) and what it resumes from (`resume_from_checkpoint`), resolved as `job.save`'s directory is: a client's stays in its subtree of the checkpoint root, an admin's relative path is taken from the driver's working directory"""
+    checkpoint_every: int = 0
+    """save a checkpoint into `checkpoint_dir` after every this many applied optimizer steps, in a run and one step at a time alike, between two steps (as Megatron's `--save-interval` and torchtitan's `checkpoint.interval`); only the newest version is kept. 0: only `job.save` saves"""
+    resume_from_checkpoint: bool = False
+    """as the job starts, load the newest checkpoint in `checkpoint_dir` if there is one (all or nothing, as `job.load`: weights, optimizer state, LR schedule, step count, and with it the data factory's position), so that a job started again after a crash goes on from its last save; none there: it starts from its seed"""
+
+    def __post_init__(self) -> None:
+        if self.checkpoint_dir is not None:
+            check_path(self.key("checkpoint_dir"), self.checkpoint_dir)
+            if not self.checkpoint_dir:
+                raise ValueError(f"{self.key('checkpoint_dir')} must name a directory (None: no directory)")
+        check_int(self.key("checkpoint_every"), self.checkpoint_every, minimum=0)
+        check_bool(self.key("resume_from_checkpoint"), self.resume_from_checkpoint)
+        wanted = [self.key(name) for name in ("checkpoint_every", "resume_from_checkpoint") if getattr(self, name)]
+        if wanted and self.checkpoint_dir is None:
+            raise ValueError(f"{' and '.join(wanted)} need{'s' if len(wanted) == 1 else ''} {self.key('checkpoint_dir')}: the directory to save "
+                             "into and resume from")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Monitoring(_Section):
     """Where the head writes each step's scalars and each evaluation's loss: TensorBoard, W&B (offline), CSV."""
 
@@ -477,7 +505,7 @@ class Monitoring(_Section):
 
 
 _SECTION_CLASSES: tuple[type[Any], ...] = (Training, Parallelism, Optimization, MixedPrecision, Communication,
-                                           Runtime, FaultTolerance, Monitoring)
+                                           Runtime, FaultTolerance, Checkpointing, Monitoring)
 SECTIONS: dict[str, type[Any]] = {cls.name: cls for cls in _SECTION_CLASSES}
 """Each section of a :class:`JobSpec` by its name, in the spec's order."""
 FIELDS: dict[str, str] = {f.name: cls.name for cls in _SECTION_CLASSES for f in fields(cls)}

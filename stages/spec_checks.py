@@ -15,12 +15,14 @@ from collections.abc import Iterable
 from typing import Any
 
 __all__ = [
+    "MAX_PATH",
     "check_bool",
     "check_choice",
     "check_int",
     "check_kwargs",
     "check_number",
     "check_partition_method",
+    "check_path",
     "check_seconds",
     "check_torch_compile",
     "factory_path",
@@ -60,6 +62,16 @@ def check_number(name: str, value: Any) -> None:
     """A finite number >= 0."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise ValueError(f"{name} must be a finite number >= 0, got {show(value)}")
+
+
+MAX_PATH = 1024  # the longest directory path a spec takes
+
+
+def check_path(name: str, value: Any) -> None:
+    """A directory path as a spec takes it (where the head resolves it later): a string, bounded, no NUL."""
+    if not isinstance(value, str) or len(value) > MAX_PATH or "\0" in value:
+        raise TypeError(f"{name} must be a directory path (a string of at most {MAX_PATH} characters), "
+                        f"got {show(value)}")
 
 
 def check_bool(name: str, value: Any) -> None:

@@ -11,8 +11,8 @@ from rich.table import Table
 from actors import Event, NodeInfo, NodeJoined, NodeLeft, NodeSilent
 from stages import Action
 from schedulers.events import (
-    JobClosed, JobCreated, JobFailed, JobPaused, JobRecovered, JobResumed, MonitorFailed, RunFinished, RunStarted,
-    SchedulePlanned, SettingPending, SettingRejected, SettingsApplied, StepFinished,
+    CheckpointSaved, JobClosed, JobCreated, JobFailed, JobPaused, JobRecovered, JobResumed, MonitorFailed, RunFinished,
+    RunStarted, SchedulePlanned, SettingPending, SettingRejected, SettingsApplied, StepFinished,
 )
 from schedulers.grid import format_grid
 from schedulers.records import JobDescription, MeasuredCosts, Plan, StepStats
@@ -279,4 +279,6 @@ def event_line(event: Event) -> str | None:
             return f"! {event.job}: {event.error}"
         case MonitorFailed():
             return f"! {event.job}: monitor {event.monitor} is off ({event.error}); training goes on"
+        case CheckpointSaved():
+            return f"{event.job} saved itself after step {event.step}: {event.version}"
     return None

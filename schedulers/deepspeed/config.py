@@ -300,6 +300,13 @@ def _origin(origins: dict[str, str], dotted: str) -> str:
     return origins.get(dotted, "an earlier source")
 
 
+# Other tools' names that land in a ds_config, each with what it is called here (a nearest name would mislead).
+OTHER_TOOLS = {
+    "gradient_checkpointing": "Hugging Face's name for activation checkpointing: DeepSpeed's activation_checkpointing "
+                              "block, or the job's activation_checkpointing",
+}
+
+
 def _check_top_keys(t: Translation, config: Mapping[str, Any], strict: set[str]) -> None:
     for key in config:
         if key in _KNOWN:
@@ -317,7 +324,7 @@ def _check_top_keys(t: Translation, config: Mapping[str, Any], strict: set[str])
             continue
         # e.g. "cuda_visible_devices" in DeepSpeedExamples' files: DeepSpeed reads only the keys it knows
         near = difflib.get_close_matches(str(key), _KNOWN, n=1)
-        hint = f" (did you mean {near[0]}?)" if near else ""
+        hint = f" ({OTHER_TOOLS[key]})" if key in OTHER_TOOLS else f" (did you mean {near[0]}?)" if near else ""
         t.notice(name, f"not a DeepSpeed or actorpipe key: ignored, as DeepSpeed ignores keys it does not know{hint}")
 
 

@@ -78,6 +78,7 @@ from stages.state.manifest import (
     SAFETENSORS,
     CheckpointError,
     Manifest,
+    NoCheckpoint,
     TensorEntry,
     TensorPart,
     layer_of,
@@ -86,7 +87,7 @@ from stages.state.manifest import (
 )
 
 __all__ = [
-    "FORMAT", "CheckpointError", "Manifest", "TensorEntry", "TensorPart", "begin_version", "check_directory",
+    "FORMAT", "CheckpointError", "Manifest", "NoCheckpoint", "TensorEntry", "TensorPart", "begin_version", "check_directory",
     "check_staging", "check_version", "check_within", "commit_version", "dtype_name", "fsync_directory", "layer_of", "merge_written",
     "read_entry", "read_manifest", "write_tensors",
 ]
@@ -522,8 +523,8 @@ def read_manifest(directory: str, *, within: str | None = None) -> tuple[str, Ma
         within: the subtree ``directory`` must stay in on this node (a client's), or None.
 
     Raises:
-        CheckpointError: outside ``within``; no checkpoint there (one message whatever the
-            directory holds or lacks); a version that cannot be read or a malformed manifest.
+        CheckpointError: outside ``within``; no checkpoint there (:class:`NoCheckpoint`, one message
+            whatever the directory holds or lacks); a version that cannot be read or a malformed manifest.
     """
     directory = check_directory(directory)
     if within is not None:
@@ -537,7 +538,7 @@ def read_manifest(directory: str, *, within: str | None = None) -> tuple[str, Ma
     if name is None and dcp_files.present(directory):  # weights as torch.distributed.checkpoint keeps them
         return directory, dcp_files.manifest(directory)
     if name is None:
-        raise CheckpointError(f"no actorpipe checkpoint at {directory}", [_NO_CHECKPOINT])
+        raise NoCheckpoint(f"no actorpipe checkpoint at {directory}", [_NO_CHECKPOINT])
     version = os.path.join(directory, name)
     path = os.path.join(version, MANIFEST)
     try:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DCP", "DCP_FILE", "FORMAT", "SAFETENSORS", "SAFETENSORS_FILE", "CheckpointError", "Manifest", "TensorEntry", "TensorPart", "layer_of", "merge_written",
+__all__ = ["DCP", "DCP_FILE", "FORMAT", "SAFETENSORS", "SAFETENSORS_FILE", "CheckpointError", "Manifest", "NoCheckpoint", "TensorEntry", "TensorPart", "layer_of", "merge_written",
            "open_inside"]
 
 FORMAT = "actorpipe-checkpoint"
@@ -60,6 +60,11 @@ class CheckpointError(ValueError):
         """Rebuilds one from its message (as it arrives from another process)."""
         summary, *rest = message.split("\n")
         return cls(summary, [line.removeprefix("  - ") for line in rest if line.startswith("  - ")])
+
+
+class NoCheckpoint(CheckpointError):
+    """A directory that holds no checkpoint at all (no ``LATEST``, no weights): what a job that resumes
+    from its own directory (``checkpointing.resume_from_checkpoint``) takes as "start from the seed"."""
 
 
 

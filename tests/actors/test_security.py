@@ -173,6 +173,18 @@ async def test_a_client_saves_under_its_own_subtree_and_another_client_cannot_lo
             await hers.step(*batch())
             assert await hers.load("run") == 2
             assert_same(await hers.state_dict(), saved)
+            # A job's own checkpoint_dir is taken as a save's is: his cannot name hers (refused before any
+            # work), and his relative one lies in his subtree, where resuming finds nothing of hers.
+            for path in (f"{root}/alice/run", "../alice/run"):
+                with pytest.raises(NotAllowed, match=f"is outside {root}/bob"):
+                    await bob.train(**MODEL, checkpoint_dir=path, resume_from_checkpoint=True)
+            resumed = await bob.train(**MODEL, checkpoint_dir="fresh", resume_from_checkpoint=True, checkpoint_every=1)
+            try:
+                assert (resumed.resumed_from, resumed.resumed_step) == (None, 0)
+                await resumed.step(*batch())
+                assert sorted(os.listdir(f"{root}/bob/fresh")) == ["LATEST", "v000001"]
+            finally:
+                await resumed.close()
         finally:
             await hers.close()
             await his.close()

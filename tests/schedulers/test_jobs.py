@@ -23,6 +23,7 @@ from schedulers.jobs import (
     SCHEDULE_NAMES,
     SECTIONS,
     TRANSPORTS,
+    Checkpointing,
     FaultTolerance,
     MixedPrecision,
     Parallelism,
@@ -169,7 +170,7 @@ def test_flat_keywords_route_to_their_sections_and_sections_come_whole_or_as_dic
     assert JobSpec.of(model=MODEL, parallelism=Parallelism(pipeline_stages=2), micro_batches=2).parallelism == \
         Parallelism(pipeline_stages=2, micro_batches=2)
     assert set(FIELDS) == {f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls)}
-    assert len(FIELDS) == 56
+    assert len(FIELDS) == 59
     with pytest.raises(TypeError, match="training must be a Training, got dict"):
         JobSpec(training={"model": MODEL})  # type: ignore[arg-type]
     with pytest.raises(KeyError, match="'micro_batch' is not a JobSpec field; did you mean micro_batches"):
@@ -275,6 +276,27 @@ def test_replace_checks_the_new_value() -> None:
         spec.replace(micro_batch=2)
 
 
+def test_the_checkpointing_section_needs_its_directory_for_what_it_does_and_checks_each_field() -> None:
+    with pytest.raises(ValueError, match="checkpointing.checkpoint_every needs checkpointing.checkpoint_dir"):
+        JobSpec.of(model=MODEL, checkpoint_every=100)
+    with pytest.raises(ValueError, match="checkpoint_every and checkpointing.resume_from_checkpoint need "
+                                         "checkpointing.checkpoint_dir"):
+        JobSpec.of(model=MODEL, checkpoint_every=100, resume_from_checkpoint=True)
+    with pytest.raises(ValueError, match="checkpointing.checkpoint_every must be an int >= 0, got -1"):
+        JobSpec.of(model=MODEL, checkpoint_dir="runs", checkpoint_every=-1)
+    with pytest.raises(TypeError, match="checkpointing.resume_from_checkpoint must be True or False"):
+        JobSpec.of(model=MODEL, checkpoint_dir="runs", resume_from_checkpoint="yes")
+    for bad in (5, "x" * 1025, "a\0b"):
+        with pytest.raises(TypeError, match="checkpointing.checkpoint_dir must be a directory path"):
+            JobSpec.of(model=MODEL, checkpoint_dir=bad)
+    with pytest.raises(ValueError, match="checkpointing.checkpoint_dir must name a directory"):
+        JobSpec.of(model=MODEL, checkpoint_dir="")
+    spec = JobSpec.of(model=MODEL, checkpointing={"checkpoint_dir": "runs/a", "checkpoint_every": 100})
+    assert spec.checkpointing == Checkpointing(checkpoint_dir="runs/a", checkpoint_every=100)
+    assert JobSpec.from_wire(spec.to_wire()) == spec
+    assert JobSpec.of(model=MODEL).checkpointing == Checkpointing()  # off: only job.save saves
+
+
 @pytest.mark.parametrize(("spec", "rank", "expected"), [
     (JobSpec.of(model=MODEL, pipeline_stages=2, micro_batches=4), 1,
      {"pipeline_rank": 1, "pipeline_stages": 2, "micro_batches": 4, "stages": [1], "global_rank": 1}),
@@ -289,10 +311,11 @@ def test_each_stage_config_is_derived_from_the_spec(spec: JobSpec, rank: int, ex
     config = stage_config(spec, job="job0", global_rank=rank, bounds=bounds, dist=None)
     assert {k: getattr(config, k) for k in expected} == expected
     assert StageConfig.from_wire(config.to_wire()) == config
-    # A stage reads the spec's own sections; the head's (fault tolerance, monitoring) stay behind.
-    sections = {name: getattr(spec, name) for name in SECTIONS if name not in ("fault_tolerance", "monitoring")}
+    # A stage reads the spec's own sections; the head's (fault tolerance, checkpointing, monitoring) stay behind.
+    head_only = ("fault_tolerance", "checkpointing", "monitoring")
+    sections = {name: getattr(spec, name) for name in SECTIONS if name not in head_only}
     assert {name: getattr(config, name) for name in sections} == sections
-    assert "fault_tolerance" not in config.to_wire() and "monitoring" not in config.to_wire()
+    assert not set(head_only) & set(config.to_wire())
 
 
 def test_the_reference_table_is_the_specs_fields() -> None:

@@ -14,7 +14,6 @@ Run: .venv/bin/python -m pytest -q -p no:cacheprovider tests/schedulers/test_mon
 
 from __future__ import annotations
 
-import asyncio
 import csv
 import glob
 import json
@@ -29,9 +28,9 @@ import pytest
 import pytest_asyncio
 import torch
 
-from actors import Cluster, Event, EventSink, NotAllowed
+from actors import Cluster, Event, NotAllowed
 from schedulers.deepspeed.config import load_config
-from schedulers.events import JobClosed, JobEvent, MonitorFailed, RunFinished
+from schedulers.events import JobClosed, MonitorFailed, RunFinished
 from schedulers.jobs import CSVConfig, JobSpec, Monitoring, TensorBoardConfig, WandbConfig
 from schedulers.monitors import (
     CsvWriter,
@@ -47,6 +46,7 @@ from schedulers.monitors import (
 from schedulers.records import EvalResult, StepStats
 from stages import CheckpointError
 from tests.helpers.clients import TwoClients
+from tests.helpers.events import feed, heard_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -393,23 +393,6 @@ async def cluster(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Clu
     """Two nodes; the driver holds the admin key, and alice a client key (checkpoints under ROOT/alice)."""
     async with CLIENTS.start(nodes=2, checkpoint_root=tmp_path_factory.mktemp("root")) as cluster:
         yield cluster
-
-
-async def feed(cluster: Cluster, name: str) -> asyncio.Queue[Event]:
-    events: asyncio.Queue[Event] = asyncio.Queue()
-    await cluster.subscribe(await cluster.runtime.spawn(EventSink(events.put_nowait), name))
-    return events
-
-
-async def heard_until(events: asyncio.Queue[Event], last: type[JobEvent], job: str) -> list[Event]:
-    """Every event of ``job`` up to ``last`` (the scheduler tells a subscriber in publishing order)."""
-    heard: list[Event] = []
-    while True:
-        event = await asyncio.wait_for(events.get(), 60)
-        if isinstance(event, JobEvent) and event.job == job:
-            heard.append(event)
-            if isinstance(event, last):
-                return heard
 
 
 def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,7 +23,10 @@ from actors import Cluster
 from examples.data import regression_batches
 from examples.models import residual_mlp
 from schedulers.client import Job
+from schedulers.events import CheckpointSaved, RunFinished
 from schedulers.records import RunInfo
+from stages import CheckpointError
+from tests.helpers.events import feed, heard_until
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(300),
               pytest.mark.asyncio(loop_scope="package")]
@@ -213,3 +217,51 @@ async def test_an_fp16_run_sends_steps_ahead_and_trains_as_its_steps_one_by_one(
     last = description.last_stats
     assert last is not None and (last.loss_scale, last.skipped_steps, last.grad_norm) == (
         stats[-1].loss_scale, stats[-1].skipped_steps, stats[-1].grad_norm)
+
+
+async def test_a_job_saves_itself_every_n_steps_and_one_started_again_goes_on_from_its_last_save(
+        cluster: Cluster, tmp_path: Path) -> None:
+    """``checkpointing``: a run of 5 steps with ``checkpoint_every=2`` saves after steps 2 and 4, between two
+    steps (none is sent ahead across a save) and says so; a job started again on that directory with
+    ``resume_from_checkpoint`` goes on from step 4 (weights, optimizer state, step count and the data
+    factory's position) and trains on as one process, saving after step 6 when stepped one at a time.
+    On a directory with no checkpoint yet, such a job starts from its seed."""
+    states, _ = one_process(list(range(7)))
+    events = await feed(cluster, "checkpoint-events")
+    directory = str(tmp_path / "auto")
+    fresh = await cluster.train(**_train(checkpoint_dir=directory, resume_from_checkpoint=True))
+    try:
+        assert (fresh.resumed_from, fresh.resumed_step) == (None, 0)
+        assert equal(await fresh.state_dict(), states[0])
+    finally:
+        await fresh.close()
+    job = await cluster.train(**_train(checkpoint_dir=directory, checkpoint_every=2))
+    try:
+        await job.run(5)
+        run = await ended(job)
+        heard = await heard_until(events, RunFinished, job.id)
+    finally:
+        await job.close()
+    assert run.error is None and run.done == 5
+    saved = [event for event in heard if isinstance(event, CheckpointSaved)]
+    assert [event.step for event in saved] == [2, 4]
+    assert run.ahead <= 2  # steps 3 and 5 come after a save; only 2 and 4 can go out ahead
+    again = await cluster.train(**_train(checkpoint_dir=directory, checkpoint_every=2, resume_from_checkpoint=True))
+    try:
+        assert (again.resumed_from, again.resumed_step) == (saved[-1].version, 4)
+        assert equal(await again.state_dict(), states[4])
+        await again.step()
+        await again.step()
+        six = (await heard_until(events, CheckpointSaved, again.id))[-1]
+        assert equal(await again.state_dict(), states[6])
+    finally:
+        await again.close()
+    assert isinstance(six, CheckpointSaved) and six.step == 6 and six.version != saved[-1].version
+    # A checkpoint that is there but does not load fails the start, saying why, and leaves no job.
+    shard = Path(six.version) / "p0-t0.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        await cluster.train(**_train(checkpoint_dir=directory, resume_from_checkpoint=True))
+    assert not [d.job for d in await cluster.jobs() if d.spec.checkpointing.checkpoint_dir == directory]

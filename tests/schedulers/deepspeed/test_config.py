@@ -196,6 +196,10 @@ def test_a_job_file_in_the_specs_own_flat_names_trains_what_it_says(tmp_path: Pa
     assert translate({"train_batch_size": 8, "gradient_accumulation_steps": 2}, job=sections) == result.spec
     assert result.spec == JobSpec.of(model="examples.models:residual_mlp", model_kwargs={"blocks": 4, "dim": 8},
                                      pipeline_stages=2, micro_batches=2)
+    # the job's own saves, as torchtitan's [checkpoint] section: a section of the job file
+    saving = {**sections, "checkpointing": {"checkpoint_dir": "runs/gpt", "checkpoint_every": 500}}
+    assert translate({"train_batch_size": 8, "gradient_accumulation_steps": 2}, job=saving).checkpointing == \
+        result.spec.checkpointing.__class__(checkpoint_dir="runs/gpt", checkpoint_every=500)
 
 
 @pytest.mark.parametrize(("job", "key", "message"), [
@@ -632,7 +636,7 @@ def test_a_wrong_monitor_block_is_refused_naming_the_key(blocks: dict[str, Any],
     ({"tensor_parallel": {"autotp_size": 1, "tp_overlap_comm": True}}, "tensor_parallel.tp_overlap_comm", "no effect"),
     ({"cuda_visible_devices": 0}, "cuda_visible_devices", "not a DeepSpeed or actorpipe key: ignored"),
     ({"gradient_checkpointing": True}, "gradient_checkpointing", "ignored, as DeepSpeed ignores keys it does not "
-                                                                 "know (did you mean gradient_clipping?)"),
+                                                                 "know (Hugging Face's name for activation checkpointing"),
 ])
 def test_deepspeed_sub_keys_are_honoured_or_say_what_happens_instead(block: dict[str, Any], key: str,
                                                                       text: str) -> None:

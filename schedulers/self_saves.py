@@ -1,0 +1,59 @@
+"""The checkpoints a job makes by itself and resumes from (the spec's ``checkpointing`` section).
+
+A part of the job's controller (:class:`~schedulers.control.JobController`): after every
+``checkpoint_every`` applied optimizer steps it saves the job into ``checkpoint_dir`` as
+``job.save`` does (:func:`schedulers.job_state.save`), between two steps (a run sends no
+step ahead of a save point: :func:`schedulers.runs.steps_ahead`), and says so
+(``CheckpointSaved``); as the job starts, with ``resume_from_checkpoint``, it loads the
+newest checkpoint there, if there is one. See docs/checkpoints.md, "Saving by itself".
+"""
+
+from __future__ import annotations
+
+from schedulers import job_state
+from schedulers.checkpoint_paths import CheckpointPath
+from schedulers.events import CheckpointSaved
+from schedulers.job_core import JobCore
+
+__all__ = ["SelfSaves"]
+
+
+class SelfSaves:
+    """One job's own saves into ``path`` (``checkpointing.checkpoint_dir``, resolved for its owner; None: none)."""
+
+    def __init__(self, job: JobCore, path: CheckpointPath | None) -> None:
+        self.job = job
+        self.path = path
+        self._saved_at = -1  # the applied steps of the last save made here (or of the resume)
+
+    def save_point(self, applied: int) -> bool:
+        """Whether the job saves itself once ``applied`` optimizer steps are applied."""
+        every = self.job.spec.checkpointing.checkpoint_every
+        return self.path is not None and every > 0 and applied % every == 0 and applied != self._saved_at
+
+    async def save_if_due(self) -> None:
+        """Saves the job where the steps applied so far make a save point, and says so (``CheckpointSaved``).
+
+        Raises:
+            CheckpointError: the save failed (the step before it was applied); a run ends with it.
+        """
+        job, applied = self.job, self.job.applied
+        if self.path is None or not self.save_point(applied):
+            return
+        version = await job_state.save(job, self.path)
+        self._saved_at = applied
+        job.publish(CheckpointSaved(job=job.id, step=applied, version=version))
+
+    async def resume(self) -> tuple[str, int] | None:
+        """Loads the newest checkpoint in ``path`` where there is one, as the job starts
+        (``resume_from_checkpoint``): its version and step, or None (the job starts from its seed).
+
+        Raises:
+            CheckpointError: one that is there but does not load.
+        """
+        if self.path is None or not self.job.spec.checkpointing.resume_from_checkpoint:
+            return None
+        resumed = await job_state.resume(self.job, self.path)
+        if resumed is not None:
+            self._saved_at = self.job.applied
+        return resumed
