@@ -427,7 +427,9 @@ class Job:
         Every stage writes its own file straight into ``directory`` at once (nothing big
         passes through the head or this driver), each tensor with a crc32, everything
         fsynced; ``directory/LATEST`` then switches to the new version atomically, so a
-        crash at any instant leaves the previous checkpoint or the new one, whole.
+        crash at any instant leaves the previous checkpoint or the new one, whole. Older
+        versions go then: all of them, or in the job's ``checkpoint_dir`` all but the newest
+        ``keep_checkpoints``.
 
         Where: a client key's checkpoints stay in its own subtree of the head's
         checkpoint root (``ROOT/alice`` for the key ``alice``; ``--checkpoint-root`` on

@@ -105,9 +105,9 @@ async def _held_keys(job: JobCore, aliases: bool = True) -> list[frozenset[str]]
 # -- checkpoints (the format: stages.state.checkpoint) -------------------------------------------
 
 
-async def save(job: JobCore, path: CheckpointPath) -> str:
+async def save(job: JobCore, path: CheckpointPath, keep: int = 1) -> str:
     """Writes a checkpoint of the weights, optimizer state, learning-rate schedule and step count; returns
-    the new version's path.
+    the new version's path. The newest ``keep`` versions in the directory stay (0: every one).
 
     Data-parallel replica 0 of every (pipeline, tensor) coordinate writes its own file
     straight into ``path.directory``, in parallel; nothing big passes through the head (with
@@ -142,7 +142,7 @@ async def save(job: JobCore, path: CheckpointPath) -> str:
                                  **({"loss_scaler": job.scaler.state_dict()} if job.scaler is not None else {})})
         [version] = await _on_stages(job, coordinator, "save", lambda g: job.stages[g].endpoint(
             StageActor.checkpoint_commit, timeout=CHECKPOINT_TIMEOUT_S).call(directory, staging,
-                                                                              manifest.to_wire()))
+                                                                              manifest.to_wire(), keep))
         job.saved(path, manifest.step)  # what a recovery falls back to
     return str(version)
 

@@ -40,9 +40,14 @@ class SelfSaves:
         job, applied = self.job, self.job.applied
         if self.path is None or not self.save_point(applied):
             return
-        version = await job_state.save(job, self.path)
+        version = await job_state.save(job, self.path, self.keep(self.path))
         self._saved_at = applied
         job.publish(CheckpointSaved(job=job.id, step=applied, version=version))
+
+    def keep(self, path: CheckpointPath) -> int:
+        """The versions a save into ``path`` keeps: ``keep_checkpoints`` in the job's own directory, else 1."""
+        own = self.path is not None and path.directory == self.path.directory
+        return self.job.spec.checkpointing.keep_checkpoints if own else 1
 
     async def resume(self) -> tuple[str, int] | None:
         """Loads the newest checkpoint in ``path`` where there is one, as the job starts

@@ -464,7 +464,9 @@ class Checkpointing(_Section):
     checkpoint_dir: str | None = None
     """where the job saves by itself (`checkpoint_every`) and what it resumes from (`resume_from_checkpoint`), resolved as `job.save`'s directory is: a client's stays in its subtree of the checkpoint root, an admin's relative path is taken from the driver's working directory"""
     checkpoint_every: int = 0
-    """save a checkpoint into `checkpoint_dir` after every this many applied optimizer steps, in a run and one step at a time alike, between two steps (as Megatron's `--save-interval` and torchtitan's `checkpoint.interval`); only the newest version is kept. 0: only `job.save` saves"""
+    """save a checkpoint into `checkpoint_dir` after every this many applied optimizer steps, in a run and one step at a time alike, between two steps (as Megatron's `--save-interval` and torchtitan's `checkpoint.interval`). 0: only `job.save` saves"""
+    keep_checkpoints: int = 1
+    """how many of the newest versions a save into `checkpoint_dir` keeps there, its own and `job.save`'s (torchtitan's `keep_latest_k`, the Trainer's `save_total_limit`); the older ones go once `LATEST` names the new one. 0: every version stays. A save into any other directory keeps only its newest"""
     resume_from_checkpoint: bool = False
     """as the job starts, load the newest checkpoint in `checkpoint_dir` if there is one (all or nothing, as `job.load`: weights, optimizer state, LR schedule, step count, and with it the data factory's position), so that a job started again after a crash goes on from its last save; none there: it starts from its seed"""
 
@@ -474,6 +476,7 @@ class Checkpointing(_Section):
             if not self.checkpoint_dir:
                 raise ValueError(f"{self.key('checkpoint_dir')} must name a directory (None: no directory)")
         check_int(self.key("checkpoint_every"), self.checkpoint_every, minimum=0)
+        check_int(self.key("keep_checkpoints"), self.keep_checkpoints, minimum=0)
         check_bool(self.key("resume_from_checkpoint"), self.resume_from_checkpoint)
         wanted = [self.key(name) for name in ("checkpoint_every", "resume_from_checkpoint") if getattr(self, name)]
         if wanted and self.checkpoint_dir is None:

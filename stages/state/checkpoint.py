@@ -443,9 +443,9 @@ def _pointer(directory: str) -> str | None:
     return name
 
 
-def commit_version(directory: str, staging: str, manifest: Manifest, job: str) -> str:
+def commit_version(directory: str, staging: str, manifest: Manifest, job: str, keep: int = 1) -> str:
     """Completes job ``job``'s save: manifest, fsync, rename to the next version, the pointer; removes
-    older versions.
+    older versions, all but the newest ``keep`` (the new one among them; 0: none is removed).
 
     The rename, the pointer and the removal hold the directory's lock, so a concurrent
     save of another job never loses its version, and the pointer only moves forward.
@@ -479,10 +479,11 @@ def commit_version(directory: str, staging: str, manifest: Manifest, job: str) -
             _reached("renamed")
             name = os.path.basename(version)
             _point(directory, name)
-            for old in _versions(directory):
-                if old < name:  # newer ones (only without a lock: another save's) stay
-                    shutil.rmtree(os.path.join(directory, old), ignore_errors=True)
-                    _reached("old_removed")
+            # Newer ones (only without a lock: another save's) stay, and the newest keep - 1 older ones.
+            older = [old for old in _versions(directory) if old < name]
+            for old in older[: max(0, len(older) - keep + 1)] if keep else ():
+                shutil.rmtree(os.path.join(directory, old), ignore_errors=True)
+                _reached("old_removed")
     except OSError as exc:
         raise CheckpointError(f"cannot complete the save to {directory}", [str(exc)]) from exc
     return version

@@ -59,9 +59,12 @@ class StateEndpoints:
         return await self._parts().state.write(staging, file, bool(weights_only))
 
     @endpoint(roles=("head",))
-    async def checkpoint_commit(self, directory: str, staging: str, manifest: dict[str, Any]) -> str:
-        """As the coordinator: completes the save (manifest, fsyncs, rename, pointer); returns the version."""
-        return await self._parts().state.commit(directory, staging, manifest)
+    async def checkpoint_commit(self, directory: str, staging: str, manifest: dict[str, Any], keep: int = 1) -> str:
+        """As the coordinator: completes the save (manifest, fsyncs, rename, pointer), keeping the newest
+        ``keep`` versions (0: every one); returns the version."""
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
+            raise ValueError(f"keep must be an int >= 0, got {str(keep)[:20]!r}")
+        return await self._parts().state.commit(directory, staging, manifest, keep)
 
     @endpoint(roles=("head",))
     async def checkpoint_manifest(self, directory: str, within: str | None = None) -> list[Any]:

@@ -157,10 +157,10 @@ class StageState:
         return await self._compute(write, staging, file, built.held, model.optimizer, built.shard_spec_map(),
                                    built.tensor_rank)
 
-    async def commit(self, directory: str, staging: str, manifest: dict[str, Any]) -> str:
-        """As the coordinator: completes the save; returns the version."""
+    async def commit(self, directory: str, staging: str, manifest: dict[str, Any], keep: int = 1) -> str:
+        """As the coordinator: completes the save, keeping the newest ``keep`` versions (0: all); returns the version."""
         return await self._compute(checkpoint.commit_version, directory, staging,
-                                   checkpoint.Manifest.from_wire(manifest), self.job)
+                                   checkpoint.Manifest.from_wire(manifest), self.job, keep)
 
     # -- exports (the format: stages.state.export) -------------------------------------
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import os
 from pathlib import Path
 from typing import Any
 
@@ -222,10 +223,11 @@ async def test_an_fp16_run_sends_steps_ahead_and_trains_as_its_steps_one_by_one(
 async def test_a_job_saves_itself_every_n_steps_and_one_started_again_goes_on_from_its_last_save(
         cluster: Cluster, tmp_path: Path) -> None:
     """``checkpointing``: a run of 5 steps with ``checkpoint_every=2`` saves after steps 2 and 4, between two
-    steps (none is sent ahead across a save) and says so; a job started again on that directory with
-    ``resume_from_checkpoint`` goes on from step 4 (weights, optimizer state, step count and the data
-    factory's position) and trains on as one process, saving after step 6 when stepped one at a time.
-    On a directory with no checkpoint yet, such a job starts from its seed."""
+    steps (none is sent ahead across a save) and says so, keeping the newest ``keep_checkpoints``; a job
+    started again on that directory with ``resume_from_checkpoint`` goes on from step 4 (weights,
+    optimizer state, step count and the data factory's position) and trains on as one process, saving
+    after step 6 when stepped one at a time. On a directory with no checkpoint yet, such a job starts
+    from its seed; on one whose checkpoint does not load, it does not start."""
     states, _ = one_process(list(range(7)))
     events = await feed(cluster, "checkpoint-events")
     directory = str(tmp_path / "auto")
@@ -235,7 +237,7 @@ async def test_a_job_saves_itself_every_n_steps_and_one_started_again_goes_on_fr
         assert equal(await fresh.state_dict(), states[0])
     finally:
         await fresh.close()
-    job = await cluster.train(**_train(checkpoint_dir=directory, checkpoint_every=2))
+    job = await cluster.train(**_train(checkpoint_dir=directory, checkpoint_every=2, keep_checkpoints=2))
     try:
         await job.run(5)
         run = await ended(job)
@@ -246,7 +248,9 @@ async def test_a_job_saves_itself_every_n_steps_and_one_started_again_goes_on_fr
     saved = [event for event in heard if isinstance(event, CheckpointSaved)]
     assert [event.step for event in saved] == [2, 4]
     assert run.ahead <= 2  # steps 3 and 5 come after a save; only 2 and 4 can go out ahead
-    again = await cluster.train(**_train(checkpoint_dir=directory, checkpoint_every=2, resume_from_checkpoint=True))
+    assert sorted(os.listdir(directory)) == ["LATEST", "v000001", "v000002"]  # keep_checkpoints=2
+    again = await cluster.train(**_train(checkpoint_dir=directory, checkpoint_every=2, keep_checkpoints=2,
+                                         resume_from_checkpoint=True))
     try:
         assert (again.resumed_from, again.resumed_step) == (saved[-1].version, 4)
         assert equal(await again.state_dict(), states[4])
@@ -257,6 +261,7 @@ async def test_a_job_saves_itself_every_n_steps_and_one_started_again_goes_on_fr
     finally:
         await again.close()
     assert isinstance(six, CheckpointSaved) and six.step == 6 and six.version != saved[-1].version
+    assert sorted(os.listdir(directory)) == ["LATEST", "v000002", "v000003"]
     # A checkpoint that is there but does not load fails the start, saying why, and leaves no job.
     shard = Path(six.version) / "p0-t0.safetensors"
     data = bytearray(shard.read_bytes())

@@ -267,6 +267,9 @@ def test_what_is_not_a_checkpoint_is_refused_without_telling_what_the_directory_
         assert not any(word in str(info.value) for word in ("id_ed25519", "notes.txt", "payroll", "hunter2")), name
         assert "model.pt" in str(info.value)  # the hint is always there: it tells nothing about the directory
     assert summaries == {f"no actorpipe checkpoint at {tmp_path}/DIR"}
+    for name in ("missing", "empty", "files", "old", "pointer"):  # what a job that resumes takes as "from the seed"
+        with pytest.raises(ck.NoCheckpoint):
+            ck.read_manifest(str(tmp_path / name))
     with pytest.raises(ck.CheckpointError, match="is not an actorpipe checkpoint directory") as info:
         ck.begin_version(str(tmp_path / "files"), "job0")
     assert not any(word in str(info.value) for word in ("id_ed25519", "notes.txt", "payroll"))
@@ -285,6 +288,25 @@ def test_a_save_removes_only_its_own_jobs_staging_directories(tmp_path: Path) ->
     ck.commit_version(directory, other, write(other, 2), "job1")
     assert load(directory) == 2
     assert sorted(os.listdir(directory)) == ["LATEST", "v000002"]
+
+
+def test_a_save_keeps_the_newest_versions_it_is_told_to_and_zero_keeps_every_one(tmp_path: Path) -> None:
+    """``keep``: the newest versions a commit leaves (its own among them), as torchtitan's keep_latest_k."""
+    directory = str(tmp_path / "ckpt")
+
+    def commit(value: int, keep: int) -> list[str]:
+        staging = ck.begin_version(directory, "job0")
+        ck.commit_version(directory, staging, write(staging, value), "job0", keep)
+        return sorted(os.listdir(directory))
+
+    assert commit(1, 3) == ["LATEST", "v000001"]
+    assert commit(2, 3) == ["LATEST", "v000001", "v000002"]
+    assert commit(3, 3) == ["LATEST", "v000001", "v000002", "v000003"]
+    assert commit(4, 3) == ["LATEST", "v000002", "v000003", "v000004"]
+    assert commit(5, 0) == ["LATEST", "v000002", "v000003", "v000004", "v000005"]
+    assert commit(6, 2) == ["LATEST", "v000005", "v000006"]
+    assert load(directory) == 6 and load(f"{directory}/v000005") == 5  # a kept version loads by its path
+    assert commit(7, 1) == ["LATEST", "v000007"]
 
 
 def test_two_jobs_saving_to_one_directory_at_once_both_complete_and_the_later_commit_is_latest(
