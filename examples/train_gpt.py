@@ -1,5 +1,6 @@
 # Run: python -m examples.train_gpt   (2 pipeline stages, 1F1B, 4 micro-batches; about 1.5 min on 2 CPU cores)
 #      python -m examples.train_gpt --single-process   (the same training in this process, no cluster)
+#      python -m examples.train_gpt --checkpoint-every 100 --resume   (saves itself; stopped, it goes on from there)
 """Trains a small character-level GPT on the Python standard library's sources, pipelined.
 
 Starts a LocalCluster (a head and one worker node per pipeline stage, on this machine),
@@ -38,8 +39,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sample-tokens", type=int, default=300, help="characters to generate at the end")
     parser.add_argument("--out", default="out/gpt", help="folder for loss.png")
     parser.add_argument("--single-process", action="store_true", help="train in this process with plain PyTorch")
+    parser.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                        help="the job saves itself into OUT/checkpoints every N steps (0: never)")
+    parser.add_argument("--resume", action="store_true",
+                        help="go on from the last checkpoint in OUT/checkpoints, if there is one")
     args = parser.parse_args(argv)
     check_training_args(parser, args, heads=args.heads)
+    if args.checkpoint_every < 0:
+        parser.error(f"--checkpoint-every must be 0 or more, got {args.checkpoint_every}")
+    if args.single_process and (args.checkpoint_every or args.resume):
+        parser.error("--checkpoint-every and --resume are the pipelined job's: leave out --single-process")
     return args
 
 
@@ -98,12 +107,17 @@ async def _train_pipelined(args: argparse.Namespace) -> dict[str, Any]:
                 seed=args.seed,
                 data=char_batches,
                 data_kwargs=data_kwargs(args),
+                **_checkpointing(args),
             )
         except ValueError as exc:  # settings the cluster refused (e.g. more stages than layers): as a bad flag
             refused(exc)
+        first = min(job.resumed_step, args.steps)
+        if job.resumed_from is not None:
+            print(f"resumed from {job.resumed_from} at step {job.resumed_step}")
         try:
             with _progress(args) as bar:
-                for step in range(args.steps):
+                bar.update(first)
+                for step in range(first, args.steps):
                     stats = await job.step()
                     losses.append(stats.loss)
                     step_times.append(stats.step_time_s)
@@ -112,7 +126,16 @@ async def _train_pipelined(args: argparse.Namespace) -> dict[str, Any]:
             state = await job.state_dict()
         finally:
             await job.close()
-    return {"losses": losses, "step_times_s": step_times, "bubble_fractions": bubbles, "state": state}
+    return {"losses": losses, "step_times_s": step_times, "bubble_fractions": bubbles, "state": state,
+            "first_step": first}
+
+
+def _checkpointing(args: argparse.Namespace) -> dict[str, Any]:
+    """The job's own saves and resume (its ``checkpointing`` section), in ``OUT/checkpoints``."""
+    if not args.checkpoint_every and not args.resume:
+        return {}
+    return {"checkpoint_dir": os.path.join(args.out, "checkpoints"), "checkpoint_every": args.checkpoint_every,
+            "resume_from_checkpoint": args.resume}
 
 
 def _train_single_process(args: argparse.Namespace) -> dict[str, Any]:
@@ -147,15 +170,15 @@ def evaluate(model: torch.nn.Module, args: argparse.Namespace) -> float:
     return sum(losses) / len(losses)
 
 
-def plot_losses(losses: list[float], val_loss: float, path: str) -> None:
-    """Saves the training loss per step, and the final validation loss, as a PNG."""
+def plot_losses(losses: list[float], val_loss: float, path: str, first_step: int = 0) -> None:
+    """Saves the training loss per step (from ``first_step``), and the final validation loss, as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(range(len(losses)), losses, lw=1, label="train (global batch)")
+    ax.plot(range(first_step, first_step + len(losses)), losses, lw=1, label="train (global batch)")
     ax.axhline(val_loss, color="tab:orange", ls="--", lw=1, label=f"validation at the end: {val_loss:.3f}")
     ax.axhline(math.log(128), color="gray", ls=":", lw=1, label="uniform guess: ln 128")
     ax.set_xlabel("step")
@@ -180,8 +203,9 @@ def main(argv: list[str] | None = None) -> None:
     model = gpt(**model_kwargs(args))
     model.load_state_dict(history["state"])
     val_loss = evaluate(model, args)
-    print(f"train loss {losses[0]:.3f} -> {losses[-1]:.3f}, validation loss {val_loss:.3f}, {history['wall_s']:.0f} s")
-    if "bubble_fractions" in history:
+    trained = f"train loss {losses[0]:.3f} -> {losses[-1]:.3f}" if losses else "no step left to train"
+    print(f"{trained}, validation loss {val_loss:.3f}, {history['wall_s']:.0f} s")
+    if history.get("bubble_fractions"):
         step_times, bubbles = history["step_times_s"], history["bubble_fractions"]
         print(f"mean step {sum(step_times) / len(step_times):.3f} s, mean bubble {sum(bubbles) / len(bubbles):.0%}")
 
@@ -190,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
 
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "loss.png")
-    plot_losses(losses, val_loss, path)
+    plot_losses(losses, val_loss, path, history.get("first_step", 0))
     print(f"loss curve: {path}")
 
 

@@ -40,8 +40,12 @@ class SelfSaves:
         job, applied = self.job, self.job.applied
         if self.path is None or not self.save_point(applied):
             return
-        version = await job_state.save(job, self.path, self.keep(self.path))
-        self._saved_at = applied
+        before, self._saved_at = self._saved_at, applied  # taken now: a step and a run that both ask save once
+        try:
+            version = await job_state.save(job, self.path, self.keep(self.path))
+        except BaseException:
+            self._saved_at = before
+            raise
         job.publish(CheckpointSaved(job=job.id, step=applied, version=version))
 
     def keep(self, path: CheckpointPath) -> int:

@@ -71,6 +71,24 @@ async def test_pipelined_training_matches_the_single_process_run() -> None:
         torch.testing.assert_close(pipelined["state"][key], value, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
+async def test_a_run_stopped_after_its_save_goes_on_from_it_as_the_single_process_run(tmp_path: Path) -> None:
+    """--checkpoint-every and --resume: the job saves itself after step 2 of a run of 3 (the run then
+    "stops"), and the same command with --resume and 5 steps trains steps 3 and 4 only, each as one
+    process trains it (the data position came back with the checkpoint)."""
+    single = await train(parse_args(["--single-process", *TINY, "--steps", "5"]))
+    flags = [*TINY, "--out", str(tmp_path), "--checkpoint-every", "2"]
+    first = await train(parse_args([*flags, "--steps", "3"]))
+    again = await train(parse_args([*flags, "--steps", "5", "--resume"]))
+    assert len(first["losses"]) == 3 and again["first_step"] == 2 and len(again["losses"]) == 3
+    assert again["losses"] == pytest.approx(single["losses"][2:], rel=1e-5)
+    for key, value in single["state"].items():
+        torch.testing.assert_close(again["state"][key], value, rtol=1e-4, atol=1e-5)
+    with pytest.raises(SystemExit):
+        parse_args(["--single-process", "--resume"])
+
+
 @pytest.mark.multiprocess
 def test_settings_the_cluster_refuses_end_in_one_error_line_as_a_bad_flag_does() -> None:
     """More stages than the model has layers passed the flags' checks, and the head's refusal ended
