@@ -122,6 +122,10 @@ def job_detail(info: JobDescription) -> list[str]:
     if run is not None:
         outcome = "running" if run.active else ("failed: " + run.error if run.error else "finished")
         lines.append(f"run: {progress_bar(run.done, run.target)} {outcome}")
+    saving = spec.checkpointing
+    if saving.checkpoint_every:
+        kept = f"the newest {saving.keep_checkpoints}" if saving.keep_checkpoints else "every version"
+        lines.append(f"saves itself every {saving.checkpoint_every} steps into {saving.checkpoint_dir}, keeping {kept}")
     if info.pending:
         lines.append("pending until the next barrier: "
                      + ", ".join(f"{k}={v}" for k, v in sorted(info.pending.items())))

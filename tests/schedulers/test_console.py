@@ -8,6 +8,7 @@ starts ``python -m schedulers.console --connect ADDRESS`` in a pty (pexpect) or,
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import json
 import os
@@ -30,12 +31,14 @@ from rich.console import Console
 
 from actors import Event, LocalCluster, NodeInfo, NodeJoined, NodeSilent
 from schedulers.deepspeed.config import load_config
-from schedulers.events import JobFailed, JobRecovered, RunFinished, RunProgress, SettingsApplied, StepFinished
+from schedulers.events import (
+    CheckpointSaved, JobFailed, JobRecovered, RunFinished, RunProgress, SettingsApplied, StepFinished,
+)
 from schedulers.console.commands import execute, split_commands
 from schedulers.console.render import event_line, job_detail, schedule_grid
 from schedulers.console.repl import ConsoleCompleter
 from schedulers.console.session import CommandError, Session
-from schedulers.jobs import JobSpec
+from schedulers.jobs import Checkpointing, JobSpec
 from schedulers.records import JobDescription, StepStats
 from schedulers.schedules import build_schedule
 from transport.loop import run
@@ -573,6 +576,8 @@ STEP = {"job": "job0", "step": 4, "loss": 1.5, "step_time_s": 0.0421, "bubble_fr
     (JobRecovered(job="job0", lost=["node1"], moved={"node1": "spare0"}, from_step=3, replayed=1, from_checkpoint=None,
                   seconds=1.04, restarts_left=0),
      "* job0 recovered: node1 -> spare0; rolled back to step 3, replaying 1 in 1.0 s (0 restarts left)"),
+    (CheckpointSaved(job="job0", step=500, version="/runs/gpt/v000002"),
+     "job0 saved itself after step 500: /runs/gpt/v000002"),
     (Event(), None),  # a kind this console does not know
 ])
 def test_events_print_as_one_line(event: Event, line: str | None) -> None:
@@ -590,7 +595,11 @@ def test_a_jobs_detail_reads_its_settings_from_the_specs_sections() -> None:
     assert first.startswith("job0: examples.models:residual_mlp | schedule gpipe, 4 micro-batches | 2 stages")
     assert "codecs int8/none" in first
     assert any("precision bf16" in line for line in rest)
+    assert not any("saves itself" in line for line in rest)
     assert schedule_grid(info).startswith("job0: gpipe, 2 stages, 4 micro-batches")
+    saving = dataclasses.replace(info, spec=dataclasses.replace(spec, checkpointing=Checkpointing(
+        checkpoint_dir="runs/gpt", checkpoint_every=500, keep_checkpoints=3)))
+    assert "saves itself every 500 steps into runs/gpt, keeping the newest 3" in job_detail(saving)
 
 
 def test_the_toolbar_names_the_heads_endpoint_without_its_key_and_shows_each_run() -> None:
