@@ -324,9 +324,11 @@ class Runtime:
         replies fail with :class:`MessageLost` now, and every actor here hears of it
         (:meth:`Actor.on_messages_lost`), instead of either waiting out a timeout."""
         log.warning("a message from %s may have been lost on the way: %s", excerpt(member, 80), excerpt(why, 200))
-        self._calls.fail_calls_where(lambda address: key_name(address, self._gate) == member, lambda address: MessageLost(
-            f"a message from {shown(address)} ({member}) may have been lost on the way, the call's reply among them: "
-            f"{why}", details={"member": member}))
+        def lost(address: str) -> MessageLost:
+            return MessageLost(f"a message from {shown(address)} ({member}) may have been lost on the way, the "
+                               f"call's reply among them: {why}", details={"member": member})
+
+        self._calls.fail_calls_where(lambda address: key_name(address, self._gate) == member, lost)
         for name, mailbox in list(self._mailboxes.items()):
             try:
                 mailbox.actor.on_messages_lost(member, why)

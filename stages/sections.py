@@ -480,7 +480,8 @@ class Checkpointing(_Section):
         check_bool(self.key("resume_from_checkpoint"), self.resume_from_checkpoint)
         wanted = [self.key(name) for name in ("checkpoint_every", "resume_from_checkpoint") if getattr(self, name)]
         if wanted and self.checkpoint_dir is None:
-            raise ValueError(f"{' and '.join(wanted)} need{'s' if len(wanted) == 1 else ''} {self.key('checkpoint_dir')}: the directory to save "
+            verb = "needs" if len(wanted) == 1 else "need"
+            raise ValueError(f"{' and '.join(wanted)} {verb} {self.key('checkpoint_dir')}: the directory to save "
                              "into and resume from")
 
 

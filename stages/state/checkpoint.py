@@ -87,8 +87,9 @@ from stages.state.manifest import (
 )
 
 __all__ = [
-    "FORMAT", "CheckpointError", "Manifest", "NoCheckpoint", "TensorEntry", "TensorPart", "begin_version", "check_directory",
-    "check_staging", "check_version", "check_within", "commit_version", "dtype_name", "fsync_directory", "layer_of", "merge_written",
+    "FORMAT", "CheckpointError", "Manifest", "NoCheckpoint", "TensorEntry", "TensorPart", "begin_version",
+    "check_directory", "check_staging", "check_version", "check_within", "commit_version", "dtype_name",
+    "fsync_directory", "layer_of", "merge_written",
     "read_entry", "read_manifest", "write_tensors",
 ]
 

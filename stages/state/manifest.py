@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["DCP", "DCP_FILE", "FORMAT", "SAFETENSORS", "SAFETENSORS_FILE", "CheckpointError", "Manifest", "NoCheckpoint", "TensorEntry", "TensorPart", "layer_of", "merge_written",
-           "open_inside"]
+__all__ = ["DCP", "DCP_FILE", "FORMAT", "SAFETENSORS", "SAFETENSORS_FILE", "CheckpointError", "Manifest",
+           "NoCheckpoint", "TensorEntry", "TensorPart", "layer_of", "merge_written", "open_inside"]
 
 FORMAT = "actorpipe-checkpoint"
 FORMAT_VERSION = 1

@@ -158,7 +158,8 @@ class StageState:
                                    built.tensor_rank)
 
     async def commit(self, directory: str, staging: str, manifest: dict[str, Any], keep: int = 1) -> str:
-        """As the coordinator: completes the save, keeping the newest ``keep`` versions (0: all); returns the version."""
+        """As the coordinator: completes the save, keeping the newest ``keep`` versions (0: all); returns the
+        version."""
         return await self._compute(checkpoint.commit_version, directory, staging,
                                    checkpoint.Manifest.from_wire(manifest), self.job, keep)
 

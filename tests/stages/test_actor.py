@@ -428,10 +428,12 @@ async def test_a_value_lost_over_zeromq_fails_the_receivers_step_at_once_and_nam
             open_runtime("tcp://127.0.0.1:0", keys=keys[1], ring=lambda: ring) as second:
         runtimes = (first, second)
         actors = [StageActor(**stage_config(rank, transport="zmq", model_kwargs=kwargs).to_wire()) for rank in range(2)]
-        names = [await runtime.spawn(actor, f"stage{rank}") for rank, (runtime, actor) in enumerate(zip(runtimes, actors))]
+        names = [await runtime.spawn(actor, f"stage{rank}")
+                 for rank, (runtime, actor) in enumerate(zip(runtimes, actors))]
         refs = [runtime.ref(runtime.address, ref.name) for runtime, ref in zip(runtimes, names)]  # each called at home
         for ref in refs:
-            await ref.endpoint(StageActor.connect, timeout=10).call([r.to_wire() for r in names], ["node:n0", "node:n1"])
+            await ref.endpoint(StageActor.connect, timeout=10).call([r.to_wire() for r in names],
+                                                                   ["node:n0", "node:n1"])
         gen = torch.Generator().manual_seed(0)
         x, y = (torch.randn(8, 1024, generator=gen) for _ in range(2))
         programs = build_schedule("1f1b", 2, 2)

@@ -635,8 +635,8 @@ def test_a_wrong_monitor_block_is_refused_naming_the_key(blocks: dict[str, Any],
     ({"pipeline": {"pipe_partitioned": True, "grad_partitioned": True}}, "pipeline.grad_partitioned", "no effect"),
     ({"tensor_parallel": {"autotp_size": 1, "tp_overlap_comm": True}}, "tensor_parallel.tp_overlap_comm", "no effect"),
     ({"cuda_visible_devices": 0}, "cuda_visible_devices", "not a DeepSpeed or actorpipe key: ignored"),
-    ({"gradient_checkpointing": True}, "gradient_checkpointing", "ignored, as DeepSpeed ignores keys it does not "
-                                                                 "know (Hugging Face's name for activation checkpointing"),
+    ({"gradient_checkpointing": True}, "gradient_checkpointing",
+     "ignored, as DeepSpeed ignores keys it does not know (Hugging Face's name for activation checkpointing"),
 ])
 def test_deepspeed_sub_keys_are_honoured_or_say_what_happens_instead(block: dict[str, Any], key: str,
                                                                       text: str) -> None:
