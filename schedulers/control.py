@@ -83,9 +83,7 @@ class JobController:
         self.settings = Settings(self.core, limits or Limits())
         self.saves = SelfSaves(self.core, checkpoints)
         self.runs = Runs(self.core, self.step, functools.partial(steps_ahead, self.core, self.steps, self.settings,
-                                                                 self._step_ended, self._recover_to,
-                                                                 self.saves.save_point),
-                         between=self.saves.save_if_due)
+                                                                 self._step_ended, self._recover_to, self.saves))
         self._recovery: Recovery | None = None  # what the last recovery did, for the next StepStats
         self.monitors = monitors  # the job's TensorBoard, W&B and CSV writers (None: none configured)
 
@@ -120,9 +118,8 @@ class JobController:
                     raise
                 stats = await self._recover_to(lost, goal)
             job.completed(goal, driver_batch=inputs is not None)
-            applied = job.applied  # the monitors' x: the optimizer steps applied, this one included
-        stats = self._step_ended(stats, applied)
-        await self.saves.save_if_due()
+            stats = self._step_ended(stats, job.applied)  # the monitors' x: the steps applied, this one too
+            await self.saves.save_if_due()  # in the step's hold: nothing comes between the step and its save
         return stats
 
     async def _recover_to(self, lost: NodeLost | StageLost, goal: int) -> StepStats:

@@ -121,29 +121,34 @@ async def save(job: JobCore, path: CheckpointPath, keep: int = 1) -> str:
         CheckpointError: a relative path, a directory that holds something else or leads
             out of the client's subtree, or a node that cannot write there (named, with why).
     """
+    async with job.operation():
+        return await write_checkpoint(job, path, keep)
+
+
+async def write_checkpoint(job: JobCore, path: CheckpointPath, keep: int = 1) -> str:
+    """:func:`save`, for a caller that holds the job (a step or a run that saves itself after a step)."""
     directory = check_directory(path.directory)
     mesh = job.mesh
-    async with job.operation():
-        coordinator = [0]
-        [staging] = await _on_stages(job, coordinator, "save", lambda g: job.stages[g].endpoint(
-            StageActor.checkpoint_begin, timeout=CHECKPOINT_TIMEOUT_S).call(directory, path.within))
-        writers = [g for g in range(mesh.size) if mesh.coords(g).data == 0 or job.spec.optimization.zero_stage == 1]
-        written = await _on_stages(job, writers, "save", lambda g: job.stages[g].endpoint(
-            StageActor.checkpoint_write, timeout=CHECKPOINT_TIMEOUT_S).call(staging, _shard_file(mesh, g)))
-        files, model, state = merge_written(written)
-        # Every stage steps the same schedule: the first writer's state speaks for all.
-        schedule = written[0].get("lr_scheduler")
-        manifest = Manifest(step=job.applied, optimizer=job.spec.optimization.optimizer[0], files=files, model=model,
-                            optimizer_state=state,
-                            lr_scheduler=None if schedule is None or job.spec.optimization.lr_scheduler is None else
-                            {"path": job.spec.optimization.lr_scheduler[0], "state": schedule},
-                            job={"id": job.id, "spec": _described(job.spec.to_wire()), "bounds": job.bounds,
-                                 "mesh": [mesh.pipeline, mesh.tensor, mesh.data],
-                                 **({"loss_scaler": job.scaler.state_dict()} if job.scaler is not None else {})})
-        [version] = await _on_stages(job, coordinator, "save", lambda g: job.stages[g].endpoint(
-            StageActor.checkpoint_commit, timeout=CHECKPOINT_TIMEOUT_S).call(directory, staging,
-                                                                              manifest.to_wire(), keep))
-        job.saved(path, manifest.step)  # what a recovery falls back to
+    coordinator = [0]
+    [staging] = await _on_stages(job, coordinator, "save", lambda g: job.stages[g].endpoint(
+        StageActor.checkpoint_begin, timeout=CHECKPOINT_TIMEOUT_S).call(directory, path.within))
+    writers = [g for g in range(mesh.size) if mesh.coords(g).data == 0 or job.spec.optimization.zero_stage == 1]
+    written = await _on_stages(job, writers, "save", lambda g: job.stages[g].endpoint(
+        StageActor.checkpoint_write, timeout=CHECKPOINT_TIMEOUT_S).call(staging, _shard_file(mesh, g)))
+    files, model, state = merge_written(written)
+    # Every stage steps the same schedule: the first writer's state speaks for all.
+    schedule = written[0].get("lr_scheduler")
+    manifest = Manifest(step=job.applied, optimizer=job.spec.optimization.optimizer[0], files=files, model=model,
+                        optimizer_state=state,
+                        lr_scheduler=None if schedule is None or job.spec.optimization.lr_scheduler is None else
+                        {"path": job.spec.optimization.lr_scheduler[0], "state": schedule},
+                        job={"id": job.id, "spec": _described(job.spec.to_wire()), "bounds": job.bounds,
+                             "mesh": [mesh.pipeline, mesh.tensor, mesh.data],
+                             **({"loss_scaler": job.scaler.state_dict()} if job.scaler is not None else {})})
+    [version] = await _on_stages(job, coordinator, "save", lambda g: job.stages[g].endpoint(
+        StageActor.checkpoint_commit, timeout=CHECKPOINT_TIMEOUT_S).call(directory, staging,
+                                                                          manifest.to_wire(), keep))
+    job.saved(path, manifest.step)  # what a recovery falls back to
     return str(version)
 
 

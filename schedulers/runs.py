@@ -21,6 +21,7 @@ from schedulers.events import JobPaused, JobResumed, RunFinished, RunProgress, R
 from schedulers.job_core import JobCore
 from schedulers.recovery import may_recover
 from schedulers.records import RunInfo, StepStats
+from schedulers.self_saves import SelfSaves
 from schedulers.settings import Settings
 from schedulers.step_path import Dispatched, StepPath
 
@@ -61,17 +62,14 @@ class Runs:
         steps_ahead: steps while ``more(in_flight)``, each sent while the one before finishes, calling
             ``done(ahead)`` after each (``ahead``: it went out while the one before was in flight); False
             where the job cannot (:func:`steps_ahead`, bound to the job's parts by its controller).
-        between: what comes between two steps of the run, outside the job's hold (the saves of
-            ``checkpointing.checkpoint_every``: the controller's ``save_if_due``).
     """
 
     def __init__(self, job: JobCore, step: Callable[[], Awaitable[Any]],
-                 steps_ahead: Callable[[Callable[[int], bool], Callable[[bool], None]], Awaitable[bool]] | None = None,
-                 *, between: Callable[[], Awaitable[None]] | None = None) -> None:
+                 steps_ahead: Callable[[Callable[[int], bool], Callable[[bool], None]], Awaitable[bool]] | None = None
+                 ) -> None:
         self.job = job
         self._step = step
         self._steps_ahead = steps_ahead
-        self._between = between
         self.paused = False
         self.state: RunState | None = None
 
@@ -131,8 +129,6 @@ class Runs:
                 if self._steps_ahead is None or not await self._steps_ahead(more, done):
                     await self._step()
                     done()
-                if self._between is not None:
-                    await self._between()
             reason = "done" if state.done == state.target else "stopped"
         except Exception as exc:  # noqa: BLE001 - a run reports whatever ended it
             state.error = str(exc) if isinstance(exc, ActorError) else f"{type(exc).__name__}: {exc}"
@@ -179,9 +175,8 @@ class Runs:
 
 
 async def steps_ahead(job: JobCore, path: StepPath, settings: Settings, finished: Callable[[StepStats, int], Any],
-                      recover: Callable[[NodeLost | StageLost, int], Awaitable[StepStats]],
-                      save_point: Callable[[int], bool], more: Callable[[int], bool], done: Callable[[bool], None]
-                      ) -> bool:
+                      recover: Callable[[NodeLost | StageLost, int], Awaitable[StepStats]], saves: SelfSaves,
+                      more: Callable[[int], bool], done: Callable[[bool], None]) -> bool:
     """A run's steps from the data factory, each step's orders sent while the step before it finishes
     (:meth:`~schedulers.step_path.StepPath.dispatch` with ``after``), under one hold of the job, as
     long as ``more(n)`` (another step is wanted with ``n`` in flight) and nothing else waits for the
@@ -189,8 +184,8 @@ async def steps_ahead(job: JobCore, path: StepPath, settings: Settings, finished
     first, ``finished(stats, applied)`` and ``done(ahead)`` follow each step (``ahead``: it went out
     while the one before was in flight). False, having run nothing, where the job cannot step ahead
     (:meth:`~schedulers.step_path.StepPath.may_step_ahead`): the run takes its steps one by one.
-    No step goes out ahead of one after which the job saves itself (``save_point(applied)``): the
-    steps end there, and the save comes between the two, outside this hold.
+    No step goes out ahead of one after which the job saves itself (``saves``): the save comes
+    right after that step, in this hold, and the next step goes out after the save.
 
     A step that was not applied (skipped for a non-finite value, or failed) leaves the step sent
     after it refused by every stage (:attr:`~stages.StepOrder.after`): it is dropped, and the data
@@ -213,7 +208,7 @@ async def steps_ahead(job: JobCore, path: StepPath, settings: Settings, finished
         ended, sent_ahead = None, False
         while current is not None:
             ahead = None
-            if more(1) and not job.waiting and settings.pending_spec is None and not save_point(job.applied + 1) \
+            if more(1) and not job.waiting and settings.pending_spec is None and not saves.save_point(job.applied + 1) \
                     and path.may_step_ahead():
                 ahead = path.dispatch(None, None, after=current)
             try:
@@ -229,6 +224,7 @@ async def steps_ahead(job: JobCore, path: StepPath, settings: Settings, finished
             job.completed(goal, driver_batch=False)
             finished(stats, job.applied)
             done(sent_ahead)
+            await saves.save_if_due()
             current, sent_ahead = ahead, ahead is not None
             if ahead is not None and stats.skipped:  # every stage refuses it: drop it, send it afresh
                 await path.drop(ahead)

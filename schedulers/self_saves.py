@@ -2,7 +2,8 @@
 
 A part of the job's controller (:class:`~schedulers.control.JobController`): after every
 ``checkpoint_every`` applied optimizer steps it saves the job into ``checkpoint_dir`` as
-``job.save`` does (:func:`schedulers.job_state.save`), between two steps (a run sends no
+``job.save`` does (:func:`schedulers.job_state.write_checkpoint`), within the hold of the
+job that took the step, so nothing comes between the step and its save (a run sends no
 step ahead of a save point: :func:`schedulers.runs.steps_ahead`), and says so
 (``CheckpointSaved``); as the job starts, with ``resume_from_checkpoint``, it loads the
 newest checkpoint there, if there is one. See docs/checkpoints.md, "Saving by itself".
@@ -32,7 +33,8 @@ class SelfSaves:
         return self.path is not None and every > 0 and applied % every == 0 and applied != self._saved_at
 
     async def save_if_due(self) -> None:
-        """Saves the job where the steps applied so far make a save point, and says so (``CheckpointSaved``).
+        """Saves the job where the steps applied so far make a save point, and says so (``CheckpointSaved``);
+        the caller holds the job (``JobCore.operation``), the one it took its step in.
 
         Raises:
             CheckpointError: the save failed (the step before it was applied); a run ends with it.
@@ -42,7 +44,7 @@ class SelfSaves:
             return
         before, self._saved_at = self._saved_at, applied  # taken now: a step and a run that both ask save once
         try:
-            version = await job_state.save(job, self.path, self.keep(self.path))
+            version = await job_state.write_checkpoint(job, self.path, self.keep(self.path))
         except BaseException:
             self._saved_at = before
             raise

@@ -1,6 +1,6 @@
 # .venv/bin/python -m pytest -q -p no:cacheprovider tests/schedulers/test_self_saves.py
 """A job's own saves (schedulers.self_saves), on a stand-in for the job: when they come, once each,
-how many versions they keep, and what a failed one leaves. The saves themselves (job_state.save) are
+how many versions they keep, and what a failed one leaves. The saves themselves (job_state) are
 tests/schedulers/test_runs.py's, on nodes."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class Job:
 
 @pytest.fixture
 def saved(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, str, int]]:
-    """Every save job_state.save was asked for: (applied, directory, keep); one whose directory is
+    """Every save job_state.write_checkpoint was asked for: (applied, directory, keep); one whose directory is
     ``/full`` fails as a full disk would."""
     calls: list[tuple[int, str, int]] = []
 
@@ -47,7 +47,7 @@ def saved(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, str, int]]:
         calls.append((job.applied, path.directory, keep))
         return f"{path.directory}/v{len(calls):06d}"
 
-    monkeypatch.setattr(job_state, "save", save)
+    monkeypatch.setattr(job_state, "write_checkpoint", save)
     return calls
 
 
