@@ -25,8 +25,12 @@ from tqdm import tqdm
 from examples import check_training_args, positive_int, refused, training_parser
 from examples.data import char_batches, decode, encode
 from examples.models import generate, gpt, lm_loss
+from stages import parameter_groups
 
 PROMPT = "def "
+# AdamW's weight decay on the weight matrices and embeddings only, as GPT training (and Megatron,
+# Hugging Face's Trainer) does: biases and the layer norms' weights stay undecayed.
+NO_WEIGHT_DECAY = ("biases_and_norms",)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -101,6 +105,7 @@ async def _train_pipelined(args: argparse.Namespace) -> dict[str, Any]:
                 model_kwargs=model_kwargs(args),
                 loss=lm_loss,
                 optimizer=(torch.optim.AdamW, {"lr": args.lr}),
+                no_weight_decay=NO_WEIGHT_DECAY,
                 pipeline_stages=args.stages,
                 schedule=args.schedule,
                 micro_batches=args.micro_batches,
@@ -143,7 +148,8 @@ def _train_single_process(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
     model = gpt(**model_kwargs(args))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    optimizer = torch.optim.AdamW(parameter_groups(model.named_parameters(remove_duplicate=False), NO_WEIGHT_DECAY),
+                                  lr=args.lr)
     batch = char_batches(**data_kwargs(args))
     losses: list[float] = []
     step_times: list[float] = []
