@@ -41,7 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="model initialisation and data seed")
     parser.add_argument("--eval-batches", type=int, default=8, help="validation batches at the end")
     parser.add_argument("--sample-tokens", type=int, default=300, help="characters to generate at the end")
-    parser.add_argument("--out", default="out/gpt", help="folder for loss.png")
+    parser.add_argument("--out", default="out/gpt", help="folder for loss.png (and checkpoints/)")
     parser.add_argument("--single-process", action="store_true", help="train in this process with plain PyTorch")
     parser.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
                         help="the job saves itself into OUT/checkpoints every N steps (0: never)")
