@@ -16,8 +16,11 @@ a row; at 64 KiB 0.55 or 3.5), by where the scheduler puts the four busy threads
 median of three decided little. Each kind's spread (its slowest and fastest trial) is
 printed beside its median. The channels get the tensor as raw pyzmq does,
 to read while they send (``handed_over=True``: the sender never modifies it). The
-receiver times each block from its first message to its last. The last line printed is
-one JSON object.
+receiver times each block from its first message to its last. Every process, the peers'
+alike, sets glibc's malloc as a stage process does (``runtime.keep_freed_memory``, on by
+default), so a received tensor's buffer is reused memory, not pages faulted in afresh
+(``--default-malloc``: glibc's own settings, as the head or a driver runs; the JSON's
+``malloc`` says which). The last line printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import os
 import shutil
 import statistics
 import tempfile
@@ -35,6 +39,7 @@ from typing import Any
 import torch
 import zmq
 
+from stages.compute.allocator import keep_freed_memory
 from transport.channel import BulkMode, open_receiver, open_sender
 from transport.codecs import CODEC_NAMES, get_codec
 from transport.loop import run
@@ -44,6 +49,7 @@ from transport.stream import StreamLink, StreamServer
 from transport.wire import encode_message
 
 SIZES = {"64KiB": 64 << 10, "1MiB": 1 << 20, "16MiB": 16 << 20}
+_DEFAULT_MALLOC = "ACTORPIPE_BENCH_DEFAULT_MALLOC"
 BYTES_PER_TRIAL = 512 << 20
 KINDS = ("raw", "channel", "secure", "curve", "stream")
 
@@ -52,8 +58,20 @@ def _count(size: int) -> int:
     return max(32, BYTES_PER_TRIAL // size)
 
 
-def _raw_receive(address: str, plan: list[tuple[int, int]], results: Any, ready: Any) -> None:
+def _as_a_stage_process() -> None:
+    """One thread, and glibc's malloc set as every stage process sets it (``runtime.keep_freed_memory``,
+    on by default: freed blocks under 32 MiB stay for reuse), so the channel is measured as stages run
+    it, both peers alike. With glibc's own settings a channel receiver of 1 MiB messages took 5,600-9,400
+    page faults and four times the system time over 512 messages, at half the throughput (the decoded
+    frames' buffers fetched afresh from the kernel); ``--default-malloc`` measures that way (a process
+    that is not a stage: the head, a driver)."""
     torch.set_num_threads(1)
+    if not os.environ.get(_DEFAULT_MALLOC):
+        keep_freed_memory()
+
+
+def _raw_receive(address: str, plan: list[tuple[int, int]], results: Any, ready: Any) -> None:
+    _as_a_stage_process()
     sock: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.PULL)
     sock.setsockopt(zmq.RCVHWM, 64)
     sock.bind(address)
@@ -70,7 +88,7 @@ def _raw_receive(address: str, plan: list[tuple[int, int]], results: Any, ready:
 def _channel_receive(
     address: str, plan: list[tuple[int, int]], results: Any, ready: Any, curve: tuple[Keypair, bytes] | None = None
 ) -> None:
-    torch.set_num_threads(1)
+    _as_a_stage_process()
     context: zmq.Context[Any] = zmq.Context()
     gate = Gate(context, lambda: {curve[1]: "node:bench"}) if curve is not None else None
 
@@ -94,7 +112,7 @@ def _channel_receive(
 
 def _stream_receive(folder: str, plan: list[tuple[int, int]], results: Any, ready: Any, opening: bytes) -> None:
     """The stage path: a sealed stream this process's loop reads (``transport.stream``)."""
-    torch.set_num_threads(1)
+    _as_a_stage_process()
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -231,8 +249,12 @@ def measure_codecs(numel: int = 4 << 20, repeats: int = 5) -> dict[str, tuple[fl
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=7, help="alternating trials per transport")
+    parser.add_argument("--default-malloc", action="store_true",
+                        help="glibc's own malloc settings, not a stage process's (runtime.keep_freed_memory)")
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    if args.default_malloc:
+        os.environ[_DEFAULT_MALLOC] = "1"  # the receivers, spawned, read it
+    _as_a_stage_process()
 
     plan = [(size, _count(size)) for size in SIZES.values()]
     samples: dict[str, list[list[float]]] = {kind: [] for kind in KINDS}
@@ -265,7 +287,7 @@ def main() -> None:
     for name, (gbps, ratio) in codecs.items():
         print(f"{name:>6} {gbps:>8.2f} {gbps / copy_gbps:>10.3f} {ratio:>11.4f}")
 
-    summary: dict[str, float] = {}
+    summary: dict[str, Any] = {"malloc": "default" if args.default_malloc else "stage"}
     for i, label in enumerate(SIZES):
         summary[f"channel_GBps_{label}"] = round(medians["channel"][i], 3)
         summary[f"raw_GBps_{label}"] = round(medians["raw"][i], 3)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+import benchmarks.transport as bench
 from benchmarks.transport import measure_codecs, measure_memcpy, measure_throughput
 from transport.codecs import CODEC_NAMES
 
@@ -22,3 +23,15 @@ def test_every_codec_is_measured_with_its_size_ratio_and_a_memory_copy_beside_it
 def test_a_secure_channel_is_measured_end_to_end(kind: str) -> None:
     rates = measure_throughput(kind, [(64 << 10, 4), (1 << 20, 4)])  # a spawned receiver, a session, two sizes
     assert len(rates) == 2 and all(rate > 0 for rate in rates)
+
+
+def test_each_process_sets_malloc_as_a_stage_does_unless_told_not_to(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The channel is measured as stages run it (runtime.keep_freed_memory), both peers alike;
+    --default-malloc (the environment the spawned receivers read) leaves glibc's settings."""
+    calls: list[bool] = []
+    monkeypatch.setattr(bench, "keep_freed_memory", lambda: calls.append(True) or True)
+    monkeypatch.delenv(bench._DEFAULT_MALLOC, raising=False)
+    bench._as_a_stage_process()
+    monkeypatch.setenv(bench._DEFAULT_MALLOC, "1")
+    bench._as_a_stage_process()
+    assert calls == [True]
