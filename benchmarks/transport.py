@@ -62,9 +62,9 @@ def _as_a_stage_process() -> None:
     """One thread, and glibc's malloc set as every stage process sets it (``runtime.keep_freed_memory``,
     on by default: freed blocks under 32 MiB stay for reuse), so the channel is measured as stages run
     it, both peers alike. With glibc's own settings a channel receiver of 1 MiB messages took 5,600-9,400
-    page faults and four times the system time over 512 messages, at half the throughput (the decoded
-    frames' buffers fetched afresh from the kernel); ``--default-malloc`` measures that way (a process
-    that is not a stage: the head, a driver)."""
+    page faults and four times the system time over 512 messages, at half the throughput (each decoded
+    message's buffers handed back to the kernel and taken again); ``--default-malloc`` measures that
+    way (a process that is not a stage: the head, a driver)."""
     torch.set_num_threads(1)
     if not os.environ.get(_DEFAULT_MALLOC):
         keep_freed_memory()
