@@ -319,16 +319,11 @@ class Runtime:
             log.exception("could not dispatch a message")
 
     def _messages_lost(self, member: str, why: str) -> None:
-        """A message ``member`` sent here over ZeroMQ may have been lost on the way (its sealed session's
-        refusal, or a gap in its numbers: :meth:`Receiver.on_lost`): the calls that wait on its
-        replies fail with :class:`MessageLost` now, and every actor here hears of it
-        (:meth:`Actor.on_messages_lost`), instead of either waiting out a timeout."""
+        """A message ``member`` sent here over ZeroMQ may have been lost (:meth:`Receiver.on_lost`): the calls
+        waiting on its replies fail with :class:`MessageLost` now, and every actor here hears of it."""
         log.warning("a message from %s may have been lost on the way: %s", excerpt(member, 80), excerpt(why, 200))
-        def lost(address: str) -> MessageLost:
-            return MessageLost(f"a message from {shown(address)} ({member}) may have been lost on the way, the "
-                               f"call's reply among them: {why}", details={"member": member})
-
-        self._calls.fail_calls_where(lambda address: key_name(address, self._gate) == member, lost)
+        self._calls.fail_calls_where(lambda address: key_name(address, self._gate) == member,
+                                     functools.partial(_reply_lost, member, why))
         for name, mailbox in list(self._mailboxes.items()):
             try:
                 mailbox.actor.on_messages_lost(member, why)
@@ -480,6 +475,12 @@ def _as_remote(exc: BaseException) -> ActorError:
     return error_from_wire(error_to_wire(exc))
 
 
+def _reply_lost(member: str, why: str, address: str) -> MessageLost:
+    """The error of a call to ``address`` whose reply may have been lost on the way from ``member``."""
+    return MessageLost(f"a message from {shown(address)} ({member}) may have been lost on the way, the call's "
+                       f"reply among them: {why}", details={"member": member})
+
+
 def key_name(address: str, gate: Gate | None) -> str | None:
     """The name ``gate``'s key ring gives the key in ``address`` (None: no keys, or none there)."""
     try:
@@ -503,11 +504,7 @@ def own_address(caller: str, address: str | None, gate: Gate | None) -> str:
     if address is None:
         raise NotAllowed(f"{caller[:60]!r} sent no reply address (a tell): call it, from the runtime that "
                          "is to be reached")
-    try:
-        key = split_address(address)[1]
-    except ValueError:
-        key = None
-    if not _is_numeric_address(address) or (gate is not None and (key is None or gate.name_of(key) != caller)):
+    if not _is_numeric_address(address) or (gate is not None and key_name(address, gate) != caller):
         raise NotAllowed(f"{caller[:60]!r} called from {excerpt(address, 120)}, which is not its own address: "
                          "a subscriber is reached only at the address of the runtime that called, and that "
                          "address must carry the caller's own key")

@@ -376,10 +376,7 @@ class Receiver:
             log.warning("refused a sealed message on %s (%d so far): %s", self.address, self._stats.refused, exc)
 
     def on_lost(self, callback: Callable[[str, str], None]) -> None:
-        """Tells ``callback`` (the sender's CURVE name, why) each time a sealed message may have been
-        lost on the way: one refused that came on its session's own connection (tampered with), or a
-        gap in a session's numbers passed over (a message that will not come). A stranger's refused
-        message is not told: it lost nothing. Without sealed sessions nothing is told."""
+        """Tells ``callback(sender's CURVE name, why)`` of each sealed message lost (``BulkInbox.on_lost``)."""
         if self._bulk is not None:
             self._bulk.on_lost = callback
 
