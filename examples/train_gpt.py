@@ -39,7 +39,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              lr=1e-3, layers_help="transformer blocks")
     parser.add_argument("--heads", type=positive_int, default=4, help="attention heads")
     parser.add_argument("--seed", type=int, default=0, help="model initialisation and data seed")
-    parser.add_argument("--eval-batches", type=int, default=8, help="validation batches at the end")
+    parser.add_argument("--eval-batches", type=positive_int, default=8,
+                        help="validation batches at the end (and at each --eval-every)")
+    parser.add_argument("--eval-every", type=int, default=100, metavar="N",
+                        help="evaluate on the validation batches every N steps (pipelined: the job does, "
+                             "evaluation.eval_every; 0: only at the end)")
     parser.add_argument("--sample-tokens", type=int, default=300, help="characters to generate at the end")
     parser.add_argument("--out", default="out/gpt", help="folder for loss.png (and checkpoints/)")
     parser.add_argument("--single-process", action="store_true", help="train in this process with plain PyTorch")
@@ -49,8 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="go on from the last checkpoint in OUT/checkpoints, if there is one")
     args = parser.parse_args(argv)
     check_training_args(parser, args, heads=args.heads)
-    if args.checkpoint_every < 0:
-        parser.error(f"--checkpoint-every must be 0 or more, got {args.checkpoint_every}")
+    for flag in ("checkpoint_every", "eval_every"):
+        if getattr(args, flag) < 0:
+            parser.error(f"--{flag.replace('_', '-')} must be 0 or more, got {getattr(args, flag)}")
     if args.single_process and (args.checkpoint_every or args.resume):
         parser.error("--checkpoint-every and --resume are the pipelined job's: leave out --single-process")
     return args
@@ -83,11 +88,13 @@ def _progress(args: argparse.Namespace) -> tqdm:
     return tqdm(total=args.steps, desc="train", unit="step", dynamic_ncols=True)
 
 
-def _log(bar: tqdm, step: int, loss: float, steps: int) -> None:
+def _log(bar: tqdm, step: int, loss: float, steps: int, eval_loss: float | None = None) -> None:
     bar.set_postfix(loss=f"{loss:.3f}")
     bar.update(1)
-    # A line every tenth of the run keeps the descent readable once the bar is gone.
-    if step % max(1, steps // 10) == 0 or step == steps - 1:
+    # A line every tenth of the run keeps the descent readable once the bar is gone; each evaluation has its own.
+    if eval_loss is not None:
+        bar.write(f"step {step:4d}  loss {loss:.4f}  validation {eval_loss:.4f}")
+    elif step % max(1, steps // 10) == 0 or step == steps - 1:
         bar.write(f"step {step:4d}  loss {loss:.4f}")
 
 
@@ -97,6 +104,7 @@ async def _train_pipelined(args: argparse.Namespace) -> dict[str, Any]:
     losses: list[float] = []
     step_times: list[float] = []
     bubbles: list[float] = []
+    evaluated: list[tuple[int, float]] = []  # (steps applied, validation loss), as the job evaluated itself
     async with LocalCluster(nodes=args.stages) as cluster:
         # Factories by themselves (their import paths are derived: nodes import them by path).
         try:
@@ -113,6 +121,7 @@ async def _train_pipelined(args: argparse.Namespace) -> dict[str, Any]:
                 data=char_batches,
                 data_kwargs=data_kwargs(args),
                 **_checkpointing(args),
+                **_evaluation(args),
             )
         except ValueError as exc:  # settings the cluster refused (e.g. more stages than layers): as a bad flag
             refused(exc)
@@ -127,12 +136,14 @@ async def _train_pipelined(args: argparse.Namespace) -> dict[str, Any]:
                     losses.append(stats.loss)
                     step_times.append(stats.step_time_s)
                     bubbles.append(stats.bubble_fraction)
-                    _log(bar, step, stats.loss, args.steps)
+                    _log(bar, step, stats.loss, args.steps, stats.eval_loss)
+                    if stats.eval_loss is not None:
+                        evaluated.append((step + 1, stats.eval_loss))
             state = await job.state_dict()
         finally:
             await job.close()
     return {"losses": losses, "step_times_s": step_times, "bubble_fractions": bubbles, "state": state,
-            "first_step": first}
+            "first_step": first, "evaluated": evaluated}
 
 
 def _checkpointing(args: argparse.Namespace) -> dict[str, Any]:
@@ -141,6 +152,14 @@ def _checkpointing(args: argparse.Namespace) -> dict[str, Any]:
         return {}
     return {"checkpoint_dir": os.path.join(args.out, "checkpoints"), "checkpoint_every": args.checkpoint_every,
             "resume_from_checkpoint": args.resume}
+
+
+def _evaluation(args: argparse.Namespace) -> dict[str, Any]:
+    """The job's own evaluations (its ``evaluation`` section) on the validation split, every ``--eval-every`` steps."""
+    if not args.eval_every:
+        return {}
+    return {"eval_data": char_batches, "eval_data_kwargs": data_kwargs(args, split="val"),
+            "eval_every": args.eval_every, "eval_batches": args.eval_batches}
 
 
 def _train_single_process(args: argparse.Namespace) -> dict[str, Any]:
@@ -153,6 +172,7 @@ def _train_single_process(args: argparse.Namespace) -> dict[str, Any]:
     batch = char_batches(**data_kwargs(args))
     losses: list[float] = []
     step_times: list[float] = []
+    evaluated: list[tuple[int, float]] = []
     with _progress(args) as bar:
         for step in range(args.steps):
             began = time.perf_counter()
@@ -163,8 +183,13 @@ def _train_single_process(args: argparse.Namespace) -> dict[str, Any]:
             optimizer.step()
             step_times.append(time.perf_counter() - began)
             losses.append(loss.item())
-            _log(bar, step, losses[-1], args.steps)
-    return {"losses": losses, "step_times_s": step_times, "state": model.state_dict()}
+            eval_loss = None
+            if args.eval_every and (step + 1) % args.eval_every == 0:
+                eval_loss = evaluate(model, args)
+                evaluated.append((step + 1, eval_loss))
+                model.train()
+            _log(bar, step, losses[-1], args.steps, eval_loss)
+    return {"losses": losses, "step_times_s": step_times, "state": model.state_dict(), "evaluated": evaluated}
 
 
 @torch.no_grad()
@@ -176,8 +201,10 @@ def evaluate(model: torch.nn.Module, args: argparse.Namespace) -> float:
     return sum(losses) / len(losses)
 
 
-def plot_losses(losses: list[float], val_loss: float, path: str, first_step: int = 0) -> None:
-    """Saves the training loss per step (from ``first_step``), and the final validation loss, as a PNG."""
+def plot_losses(losses: list[float], val_loss: float, path: str, first_step: int = 0,
+                evaluated: list[tuple[int, float]] | None = None) -> None:
+    """Saves the training loss per step (from ``first_step``), the validation loss at each evaluation
+    (``evaluated``: steps applied, loss) and at the end, as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed
@@ -185,6 +212,8 @@ def plot_losses(losses: list[float], val_loss: float, path: str, first_step: int
 
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(range(first_step, first_step + len(losses)), losses, lw=1, label="train (global batch)")
+    if evaluated:
+        ax.plot(*zip(*evaluated), "o-", color="tab:orange", ms=3, lw=1, label="validation (every --eval-every)")
     ax.axhline(val_loss, color="tab:orange", ls="--", lw=1, label=f"validation at the end: {val_loss:.3f}")
     ax.axhline(math.log(128), color="gray", ls=":", lw=1, label="uniform guess: ln 128")
     ax.set_xlabel("step")
@@ -220,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
 
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "loss.png")
-    plot_losses(losses, val_loss, path, history.get("first_step", 0))
+    plot_losses(losses, val_loss, path, history.get("first_step", 0), history.get("evaluated"))
     print(f"loss curve: {path}")
 
 

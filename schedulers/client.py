@@ -309,8 +309,10 @@ class Job:
         The batch splits as :meth:`step` splits it, over the job's micro-batches and replicas,
         and runs through every stage under ``torch.no_grad`` with the modules in eval mode
         (dropout off); nothing is stashed, no gradient or optimizer state changes, and the data
-        position stays, so it fits between any two steps. Without a batch, the data factory's
-        batch ``data_step`` (by default the next step's, which the next step still trains on).
+        position stays, so it fits between any two steps. Without a batch: the job's validation
+        data where it has one (``evaluation.eval_data``, its ``eval_batches`` batches, the loss
+        over them all), else the data factory's next batch (the one the next step still trains
+        on); with ``data_step``, the data factory's batch ``data_step``.
 
         Args:
             outputs: also return the last stage's outputs for the whole batch (on the CPU).

@@ -14,6 +14,8 @@ members, position in training, lock) and its parts, one per concern:
 - views (:class:`~schedulers.job_views.JobViews`): where, trace, plan;
 - monitors (:class:`~schedulers.monitors.Monitors`): each step's scalars and each
   evaluation's loss to TensorBoard, W&B and CSV, written on a thread of their own;
+- evaluations (:class:`~schedulers.self_evaluations.SelfEvaluations`): ``job.evaluate``'s and the
+  job's own every ``eval_every`` steps, recorded and told;
 - the job's own saves (:class:`~schedulers.self_saves.SelfSaves`): every ``checkpoint_every``
   steps, and the resume from the last one as the job starts;
 - recovery (:mod:`schedulers.recovery`) and state and checkpoints (:mod:`schedulers.job_state`),
@@ -36,7 +38,7 @@ import torch
 
 from actors import ActorError, ActorRef, Event, Host, NodeLost, StageLost, StepFailed
 from stages import StageActor
-from schedulers import evaluation, job_state, recovery
+from schedulers import job_state, recovery
 from schedulers.checkpoint_paths import CheckpointPath
 from schedulers.events import StepFinished
 from schedulers.job_core import JobCore, Placer
@@ -46,6 +48,7 @@ from schedulers.limits import Limits
 from schedulers.monitors import Monitors
 from schedulers.records import EvalResult, JobDescription, Plan, Recovery, RunInfo, SettingChange, StepStats, WhereReport
 from schedulers.runs import Runs, steps_ahead
+from schedulers.self_evaluations import BetweenSteps, SelfEvaluations
 from schedulers.self_saves import SelfSaves
 from schedulers.settings import Settings
 from schedulers.step_path import StepPath
@@ -65,7 +68,7 @@ class JobController:
     time, bubble, run progress), ``JobFailed`` (the step's error), ``RunStarted``,
     ``RunFinished``, ``JobPaused``, ``JobResumed``, ``SettingPending``,
     ``SettingsApplied``, ``SettingRejected``, ``SchedulePlanned``, ``JobRecovered``, ``MonitorFailed``,
-    ``CheckpointSaved``.
+    ``CheckpointSaved``, ``Evaluated``.
     """
 
     def __init__(
@@ -82,8 +85,10 @@ class JobController:
         self.steps = StepPath(self.core, self.views)
         self.settings = Settings(self.core, limits or Limits())
         self.saves = SelfSaves(self.core, checkpoints)
+        self.evals = SelfEvaluations(self.core, self.steps, monitors)
+        self.between = BetweenSteps(self.evals, self.saves)
         self.runs = Runs(self.core, self.step, functools.partial(steps_ahead, self.core, self.steps, self.settings,
-                                                                 self._step_ended, self._recover_to, self.saves))
+                                                                 self._step_ended, self._recover_to, self.between))
         self._recovery: Recovery | None = None  # what the last recovery did, for the next StepStats
         self.monitors = monitors  # the job's TensorBoard, W&B and CSV writers (None: none configured)
 
@@ -99,13 +104,15 @@ class JobController:
         With ``max_restarts``, a node lost during the step (or before it) is replaced, and a
         stage whose process ended is built again on its node (see
         :func:`schedulers.recovery.recover`); the step runs again, and the stats say so. A step
-        after which the job saves itself (``checkpoint_every``) returns once the save is done.
+        after which the job evaluates or saves itself (``eval_every``, ``checkpoint_every``) returns once
+        that is done.
 
         Raises:
             ValueError: a batch that does not split into the job's micro-batches.
             NodeLost: a node of the job was lost, and the job cannot (or may no more) recover.
             StepFailed: a stage failed or the step timed out.
             CheckpointError: the save after the step failed (the step was applied).
+            StepFailed: the evaluation after the step failed (the step was applied).
         """
         job = self.core
         async with job.operation(stepping=True):
@@ -118,8 +125,11 @@ class JobController:
                     raise
                 stats = await self._recover_to(lost, goal)
             job.completed(goal, driver_batch=inputs is not None)
-            stats = self._step_ended(stats, job.applied)  # the monitors' x: the steps applied, this one too
-            await self.saves.save_if_due()  # in the step's hold: nothing comes between the step and its save
+            # In the step's hold, nothing coming between: the evaluation due (its loss joins the step's
+            # statistics), the step's end (the monitors' x: the steps applied, this one too), the save due.
+            evaluated = await self.between.evaluate()
+            stats = self._step_ended(stats, job.applied, evaluated)
+            await self.between.save()
         return stats
 
     async def _recover_to(self, lost: NodeLost | StageLost, goal: int) -> StepStats:
@@ -140,12 +150,15 @@ class JobController:
                     raise
                 lost = again
 
-    def _step_ended(self, stats: StepStats, applied: int) -> StepStats:
-        """A step ended (one by one or in a run): what a recovery did joins its statistics, which
-        become the job's last (the views' describe, trace and plan), and its event goes out."""
+    def _step_ended(self, stats: StepStats, applied: int, evaluated: EvalResult | None = None) -> StepStats:
+        """A step ended (one by one or in a run): what a recovery did and the loss of the evaluation made
+        after it join its statistics, which become the job's last (the views' describe, trace and plan),
+        and its event goes out."""
         if self._recovery is not None:
             stats = dataclasses.replace(stats, recovery=self._recovery)
             self._recovery = None
+        if evaluated is not None:
+            stats = dataclasses.replace(stats, eval_loss=evaluated.loss)
         self.core.last_stats = stats
         self._step_finished(stats, applied)
         return stats
@@ -160,13 +173,8 @@ class JobController:
             NodeLost: a node of the job is lost (an evaluation recovers nothing: the next step does).
             StepFailed: a stage failed or it timed out.
         """
-        job = self.core
-        async with job.operation(stepping=True):  # a driver that gives up on it cancels it, as a step
-            result = await evaluation.evaluate(job, self.steps, inputs, targets, outputs=bool(outputs),
-                                               data_step=data_step)
-            if self.monitors is not None:  # at the steps applied before it (see schedulers.monitors)
-                self.monitors.record_evaluation(result, job.applied)
-        return result
+        async with self.core.operation(stepping=True):  # a driver that gives up on it cancels it, as a step
+            return await self.evals.evaluate(inputs, targets, bool(outputs), data_step)
 
     async def _catch_up(self, goal: int) -> StepStats:
         """Applies steps until ``goal`` are applied (more than one only when replaying after a recovery)."""
@@ -228,7 +236,7 @@ class JobController:
                                  bubble_fraction=stats.bubble_fraction, samples_per_s=stats.samples_per_s,
                                  schedule=stats.schedule, run=self.runs.progress(), skipped=stats.skipped,
                                  lr=stats.lr, predicted_step_s=stats.predicted_step_s,
-                                 prediction_error=stats.prediction_error))
+                                 prediction_error=stats.prediction_error, eval_loss=stats.eval_loss))
         if self.monitors is not None:
             self.monitors.record_step(stats, applied)
 

@@ -6,7 +6,9 @@ modules in eval mode meanwhile, with the job's transport and codecs; no stash, n
 gradient, no tail, and neither the training state nor the data position moves, so an
 evaluation fits between any two steps. The loss averages as the job's
 ``loss_averaging`` says (:func:`~stages.compute.averaging.step_loss`); the last stage's
-outputs come back on request, joined in the batch's order.
+outputs come back on request, joined in the batch's order. A job with validation data
+(the spec's ``evaluation`` section) evaluates on it when no batch is named, and by itself
+every ``eval_every`` steps (:mod:`schedulers.self_evaluations`).
 """
 
 from __future__ import annotations
@@ -21,17 +23,20 @@ from actors import StepFailed
 from stages.comm.boundary import Payload, pack, unpack
 from stages.compute.averaging import step_loss
 from schedulers.job_core import JobCore, evaluation_programs
+from schedulers.jobs import JobSpec
 from schedulers.records import EvalResult
 from schedulers.step_path import StepPath
 from schedulers.stepping import step_calls
 
-__all__ = ["evaluate", "evaluation_failed", "join_outputs"]
+__all__ = ["evaluate", "evaluation_failed", "join_outputs", "validation_calls"]
 
 
 async def evaluate(job: JobCore, path: StepPath, inputs: Any, targets: Any, *, outputs: bool = False,
                    data_step: int | None = None) -> EvalResult:
-    """Evaluates the job's model on a batch (or the data factory's batch ``data_step``, by default the
-    next step's), with the job's micro-batches and mesh. Call under the job's operation lock.
+    """Evaluates the job's model on a batch, with the job's micro-batches and mesh: the one given; else,
+    without ``data_step``, the validation set where the job has one (``evaluation.eval_data``'s batches 0 to
+    ``eval_batches - 1``, their loss as one batch of them all would average it); else the data factory's
+    batch ``data_step`` (by default the next step's). Call under the job's operation lock.
 
     Raises:
         ValueError: a batch the job cannot split (as for a step), or a ``data_step`` below 0.
@@ -40,24 +45,41 @@ async def evaluate(job: JobCore, path: StepPath, inputs: Any, targets: Any, *, o
     spec = job.spec
     if data_step is not None and (isinstance(data_step, bool) or not isinstance(data_step, int) or data_step < 0):
         raise ValueError(f"data_step must be an int >= 0, got {data_step!r:.40}")
-    calls = step_calls(spec, job.applied if data_step is None else data_step, inputs, targets, operation="evaluate")
-    for call in calls.values():
-        call.pop("loss_weights", None)  # the loss is averaged here, from every micro-batch's
-        call.update(evaluate=True, keep_outputs=outputs)
-        if spec.parallelism.micro_batches != job.stage_micro_batches:
-            call["micro_batches"] = spec.parallelism.micro_batches
+    if inputs is None and targets is None and data_step is None and spec.evaluation.eval_data is not None:
+        batches = [validation_calls(spec, k) for k in range(spec.evaluation.eval_batches)]
+    else:
+        step = job.applied if data_step is None else data_step
+        batches = [step_calls(spec, step, inputs, targets, operation="evaluate")]
+    losses: list[float] = []
+    items: list[float] = []
+    parts: list[Any] = []
+    sent = 0
     started = time.perf_counter()
-    try:
-        reports = await path.calls.run_programs(job.attempted(), calls, evaluation_programs(spec))
-    except StepFailed as failure:
-        raise evaluation_failed(failure) from None
-    elapsed = time.perf_counter() - started
-    last = [r for rank, r in enumerate(reports) if job.mesh.coords(rank).tensor == 0 and r.losses]
-    losses = [loss for r in last for loss in r.losses]
-    items = [n for r in last for n in r.items]
+    for calls in batches:
+        for call in calls.values():
+            call.pop("loss_weights", None)  # the loss is averaged here, from every micro-batch's
+            call.update(evaluate=True, keep_outputs=outputs)
+            if spec.parallelism.micro_batches != job.stage_micro_batches:
+                call["micro_batches"] = spec.parallelism.micro_batches
+        try:
+            reports = await path.calls.run_programs(job.attempted(), calls, evaluation_programs(spec))
+        except StepFailed as failure:
+            raise evaluation_failed(failure) from None
+        last = [r for rank, r in enumerate(reports) if job.mesh.coords(rank).tensor == 0 and r.losses]
+        losses += [loss for r in last for loss in r.losses]
+        items += [n for r in last for n in r.items]
+        parts += [out for r in last for out in r.outputs or ()]
+        sent += sum(n for r in reports for n in r.bytes_sent.values())
     return EvalResult(loss=step_loss(losses, items, spec.training.loss_averaging == "tokens"), items=float(sum(items)),
-                      outputs=join_outputs([out for r in last for out in r.outputs or ()]) if outputs else None,
-                      eval_time_s=elapsed, bytes_sent=sum(n for r in reports for n in r.bytes_sent.values()))
+                      outputs=join_outputs(parts) if outputs else None, eval_time_s=time.perf_counter() - started,
+                      bytes_sent=sent)
+
+
+def validation_calls(spec: JobSpec, batch: int) -> dict[int, dict[str, Any]]:
+    """Each stage actor's order to read batch ``batch`` of the job's validation data (its replica's share)."""
+    mesh = spec.mesh
+    return {rank: {"data_step": batch, "data_shard": [mesh.coords(rank).data, mesh.data], "eval_data": True}
+            for rank in range(mesh.size)}
 
 
 def evaluation_failed(failure: StepFailed) -> StepFailed:

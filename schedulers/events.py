@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 from actors import Event, WireRecord
 
 __all__ = [
-    "CheckpointSaved", "JobClosed", "JobCreated", "JobEvent", "JobFailed", "JobPaused", "JobRecovered", "JobResumed",
+    "CheckpointSaved", "Evaluated", "JobClosed", "JobCreated", "JobEvent", "JobFailed", "JobPaused", "JobRecovered", "JobResumed",
     "MonitorFailed",
     "RunFinished", "RunProgress", "RunStarted", "SchedulePlanned", "SettingPending", "SettingRejected", "SettingsApplied",
     "StepFinished",
@@ -91,6 +91,7 @@ class StepFinished(JobEvent):
     lr: list[float] = field(default_factory=list)
     predicted_step_s: float | None = None
     prediction_error: float | None = None
+    eval_loss: float | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -182,6 +183,22 @@ class CheckpointSaved(JobEvent):
     kind: ClassVar[str] = "checkpoint_saved"
     step: int
     version: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Evaluated(JobEvent):
+    """The job evaluated after ``step`` applied steps: ``loss`` over ``items`` samples (or counted tokens) in
+    ``batches`` batches, in ``eval_time_s``; ``periodic``: by itself (``evaluation.eval_every``), else
+    ``job.evaluate``; ``validation``: on the job's validation data (``evaluation.eval_data``)."""
+
+    kind: ClassVar[str] = "evaluated"
+    step: int
+    loss: float
+    items: float
+    batches: int
+    eval_time_s: float
+    periodic: bool = False
+    validation: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -5,6 +5,7 @@ section per concern, as torchtitan's config does: :class:`Training` (model, loss
 :class:`Parallelism` (the mesh and the pipeline schedule), :class:`Optimization`,
 :class:`MixedPrecision`, :class:`Communication` (codecs, transport, the data-parallel
 reduction), :class:`Runtime` (exact compute and memory knobs), :class:`FaultTolerance`,
+:class:`Evaluation` (validation data, and evaluating on it every N steps),
 :class:`Checkpointing` (saves the job makes by itself, and resuming from them)
 and :class:`Monitoring` (what the head writes for TensorBoard, W&B
 and CSV). Every field name is unique across sections, so a flat keyword
@@ -46,6 +47,7 @@ from stages.sections import (
     Checkpointing,
     CodecName,
     Communication,
+    Evaluation,
     FaultTolerance,
     MixedPrecision,
     Monitoring,
@@ -74,6 +76,7 @@ __all__ = [
     "Checkpointing",
     "CodecName",
     "Communication",
+    "Evaluation",
     "FaultTolerance",
     "JobSpec",
     "MixedPrecision",
@@ -125,6 +128,8 @@ class JobSpec:
     """threads, memory and exact compute knobs of each stage process"""
     fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
     """timeouts, recovery and non-finite values"""
+    evaluation: Evaluation = field(default_factory=Evaluation)
+    """validation data, and evaluating on it every N steps"""
     checkpointing: Checkpointing = field(default_factory=Checkpointing)
     """checkpoints the job saves by itself, and resuming from the last one"""
     monitoring: Monitoring = field(default_factory=Monitoring)
@@ -344,7 +349,8 @@ def stage_config(
     return StageConfig(job=job, global_rank=global_rank, bounds=[list(b) for b in bounds],
                        dist=dict(dist) if dist is not None else None, training=spec.training,
                        parallelism=spec.parallelism, optimization=spec.optimization,
-                       mixed_precision=spec.mixed_precision, communication=spec.communication, runtime=spec.runtime)
+                       mixed_precision=spec.mixed_precision, communication=spec.communication, runtime=spec.runtime,
+                       evaluation=spec.evaluation)
 
 
 # -- the reference table (docs/jobspec.md) --------------------------------------------

@@ -102,6 +102,8 @@ class StepStats(WireRecord):
         predicted_step_s: with ``schedule="auto"``, the step time the plan predicted for
             the schedule this step ran (None while the job measures its stages).
         prediction_error: ``(step_time_s - predicted_step_s) / predicted_step_s``.
+        eval_loss: the loss on the validation data of the evaluation the job made by itself right
+            after this step (``evaluation.eval_every``); None after the other steps.
     """
 
     nested: ClassVar[dict[str, Any]] = {"recovery": Recovery}
@@ -138,6 +140,7 @@ class StepStats(WireRecord):
     lr: list[float] = field(default_factory=list)
     predicted_step_s: float | None = None
     prediction_error: float | None = None
+    eval_loss: float | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

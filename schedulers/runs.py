@@ -20,8 +20,8 @@ from actors import ActorError, NodeLost, StageLost
 from schedulers.events import JobPaused, JobResumed, RunFinished, RunProgress, RunStarted
 from schedulers.job_core import JobCore
 from schedulers.recovery import may_recover
-from schedulers.records import RunInfo, StepStats
-from schedulers.self_saves import SelfSaves
+from schedulers.records import EvalResult, RunInfo, StepStats
+from schedulers.self_evaluations import BetweenSteps
 from schedulers.settings import Settings
 from schedulers.step_path import Dispatched, StepPath
 
@@ -174,8 +174,9 @@ class Runs:
             self.state.task.cancel()
 
 
-async def steps_ahead(job: JobCore, path: StepPath, settings: Settings, finished: Callable[[StepStats, int], Any],
-                      recover: Callable[[NodeLost | StageLost, int], Awaitable[StepStats]], saves: SelfSaves,
+async def steps_ahead(job: JobCore, path: StepPath, settings: Settings,
+                      finished: Callable[[StepStats, int, EvalResult | None], Any],
+                      recover: Callable[[NodeLost | StageLost, int], Awaitable[StepStats]], between: BetweenSteps,
                       more: Callable[[int], bool], done: Callable[[bool], None]) -> bool:
     """A run's steps from the data factory, each step's orders sent while the step before it finishes
     (:meth:`~schedulers.step_path.StepPath.dispatch` with ``after``), under one hold of the job, as
@@ -184,8 +185,8 @@ async def steps_ahead(job: JobCore, path: StepPath, settings: Settings, finished
     first, ``finished(stats, applied)`` and ``done(ahead)`` follow each step (``ahead``: it went out
     while the one before was in flight). False, having run nothing, where the job cannot step ahead
     (:meth:`~schedulers.step_path.StepPath.may_step_ahead`): the run takes its steps one by one.
-    No step goes out ahead of one after which the job saves itself (``saves``): the save comes
-    right after that step, in this hold, and the next step goes out after the save.
+    No step goes out ahead of one after which the job evaluates or saves itself (``between``): that
+    comes right after the step, in this hold, and the next step goes out after it.
 
     A step that was not applied (skipped for a non-finite value, or failed) leaves the step sent
     after it refused by every stage (:attr:`~stages.StepOrder.after`): it is dropped, and the data
@@ -208,7 +209,7 @@ async def steps_ahead(job: JobCore, path: StepPath, settings: Settings, finished
         ended, sent_ahead = None, False
         while current is not None:
             ahead = None
-            if more(1) and not job.waiting and settings.pending_spec is None and not saves.save_point(job.applied + 1) \
+            if more(1) and not job.waiting and settings.pending_spec is None and not between.due(job.applied + 1) \
                     and path.may_step_ahead():
                 ahead = path.dispatch(None, None, after=current)
             try:
@@ -222,9 +223,9 @@ async def steps_ahead(job: JobCore, path: StepPath, settings: Settings, finished
                 stats = await recover(exc, goal)
             ended = time.perf_counter()
             job.completed(goal, driver_batch=False)
-            finished(stats, job.applied)
+            finished(stats, job.applied, await between.evaluate())
             done(sent_ahead)
-            await saves.save_if_due()
+            await between.save()
             current, sent_ahead = ahead, ahead is not None
             if ahead is not None and stats.skipped:  # every stage refuses it: drop it, send it afresh
                 await path.drop(ahead)

@@ -75,6 +75,8 @@ class StageParts:
     tail: StepTail
     state: StageState
     data: DataReads
+    eval_data: DataReads
+    """Reads of the job's validation data (``evaluation.eval_data``)."""
 
 
 def assemble(config: StageConfig, built: BuiltStage, groups: StageGroups | None, thread: ThreadPoolExecutor,
@@ -99,7 +101,7 @@ def assemble(config: StageConfig, built: BuiltStage, groups: StageGroups | None,
         tail=StepTail(config, built, executor, groups, send_tied, on_drop=sender.forget_feedback),
         state=StageState(built, executor, pipeline_rank=config.pipeline_rank, pipeline_stages=config.pipeline_stages,
                          job=config.job),
-        data=DataReads(built.data, config))
+        data=DataReads(built.data, config), eval_data=DataReads(built.eval_data, config, what="eval_data"))
 
 
 async def close_parts(parts: StageParts) -> None:
@@ -114,8 +116,9 @@ async def close_parts(parts: StageParts) -> None:
         parts.groups.close()  # a gloo group's threads and sockets live as long as its Python object
     if parts.built.overlap is not None:
         parts.built.overlap.close()
-    if parts.built.data is not None:
-        parts.built.data.close()
+    for source in (parts.built.data, parts.built.eval_data):
+        if source is not None:
+            source.close()
 
 
 def open_store(runtime: Any, dist: dict[str, Any], loop: asyncio.AbstractEventLoop) -> ActorStore:
@@ -187,8 +190,9 @@ async def begin_step(config: StageConfig, parts: StageParts, order: StepOrder) -
         batch = StepBatch(actions, inputs, targets, order.loss_weights)
     else:
         # On a thread unless known short (stages.build.reads).
-        inputs, targets, weights = await parts.data.read(order.data_step, order.data_shard or [0, 1],
-                                                         executor.num_microbatches)
+        reads = parts.eval_data if order.eval_data else parts.data
+        inputs, targets, weights = await reads.read(order.data_step, order.data_shard or [0, 1],
+                                                    executor.num_microbatches)
         batch = StepBatch(actions, inputs, targets, weights)
     if batch.inputs is not None and 0 in executor.model.modules:  # a shape the traced graph cannot run: refused now
         traced.check_batch(executor.model.modules[0], batch.inputs)

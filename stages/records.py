@@ -13,7 +13,8 @@ from actors.records import RecordError, WireRecord
 from transport.records import register_record
 from stages.mesh import Mesh
 from stages.program import stage_to_rank
-from stages.sections import SECTIONS, Communication, MixedPrecision, Optimization, Parallelism, Runtime, Training
+from stages.sections import (SECTIONS, Communication, Evaluation, MixedPrecision, Optimization, Parallelism, Runtime,
+                             Training)
 
 __all__ = ["FinishReport", "ProgressReport", "RecordError", "ReduceReport", "StageConfig", "StageReport", "StepOrder",
            "TailVote", "WireRecord"]
@@ -45,6 +46,8 @@ class StageConfig(WireRecord):
     mixed_precision: MixedPrecision = field(default_factory=MixedPrecision)
     communication: Communication = field(default_factory=Communication)
     runtime: Runtime = field(default_factory=Runtime)
+    evaluation: Evaluation = field(default_factory=Evaluation)
+    """Its validation data (``eval_data``), which a first or last stage reads."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.global_rank < self.mesh.size:
@@ -149,6 +152,8 @@ class StepOrder(WireRecord):
     """Forward only (``job.evaluate``): no stash, no gradient, no tail; the program holds F and transfers."""
     keep_outputs: bool = False
     """With ``evaluate``: the last stage returns its outputs (:attr:`StageReport.outputs`)."""
+    eval_data: bool = False
+    """With ``evaluate`` and ``data_step``: read that batch of the job's validation data (``eval_data``)."""
     after: int | None = None
     """Sent ahead, before step ``after``'s answers were in: begin only if step ``after`` was applied
     here (its tail stepped the optimizer), else answer aborted without running anything. Then no stage
@@ -161,7 +166,7 @@ class StepOrder(WireRecord):
             raise ValueError(f"program must be a list of actions as text, got {self.program!r:.40}")
         if self.w_batching is not None and not isinstance(self.w_batching, bool):
             raise ValueError(f"w_batching must be a bool, got {self.w_batching!r:.40}")
-        for flag in ("finish", "fp16", "scale_at_floor", "per_item", "evaluate", "keep_outputs", "whole"):
+        for flag in ("finish", "fp16", "scale_at_floor", "per_item", "evaluate", "keep_outputs", "whole", "eval_data"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r:.40}")
         norm = self.max_norm

@@ -55,6 +55,7 @@ __all__ = [
     "CodecName",
     "Communication",
     "CompileBackend",
+    "Evaluation",
     "CompileMode",
     "FaultTolerance",
     "LossAveraging",
@@ -456,6 +457,32 @@ class FaultTolerance(_Section):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Evaluation(_Section):
+    """The job's validation data, and how often the job evaluates itself on it."""
+
+    name: ClassVar[str] = "evaluation"
+
+    eval_data: str | None = None
+    """the validation data: a factory by import path or itself, made and read as `data` is (`eval_factory(**eval_data_kwargs)` gives `batch(k) -> (inputs, targets)`, or a DataLoader or dataset read one micro-batch of `micro_batch_size` at a time); its batches 0 to `eval_batches - 1` are the validation set, the same ones at every evaluation, so that evaluations compare (the Trainer's `eval_dataset`, Megatron's validation split). `job.evaluate()` without a batch evaluates on it"""
+    eval_data_kwargs: dict[str, Any] = field(default_factory=dict)
+    """keyword arguments of the validation data factory"""
+    eval_every: int = 0
+    """evaluate on `eval_data` after every this many applied optimizer steps, in a run and one step at a time alike, between two steps (Megatron's `--eval-interval`, the Trainer's `eval_steps`); the loss goes to the monitors as `Eval/loss` and out as an `Evaluated` event. 0: only when `job.evaluate` is called"""
+    eval_batches: int = 1
+    """batches of `eval_data` each evaluation averages over (Megatron's `--eval-iters`), each split as a step's global batch is, over the job's micro-batches and replicas"""
+
+    def __post_init__(self) -> None:
+        if self.eval_data is not None:
+            object.__setattr__(self, "eval_data", factory_path(self.key("eval_data"), self.eval_data))
+        check_kwargs(self.key("eval_data_kwargs"), self.eval_data_kwargs)
+        check_int(self.key("eval_every"), self.eval_every, minimum=0)
+        check_int(self.key("eval_batches"), self.eval_batches, minimum=1)
+        if self.eval_every and self.eval_data is None:
+            raise ValueError(f"{self.key('eval_every')} needs {self.key('eval_data')}: the validation data to "
+                             "evaluate on")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Checkpointing(_Section):
     """Where the job saves by itself, how often, and whether it goes on from its last save."""
 
@@ -509,7 +536,7 @@ class Monitoring(_Section):
 
 
 _SECTION_CLASSES: tuple[type[Any], ...] = (Training, Parallelism, Optimization, MixedPrecision, Communication,
-                                           Runtime, FaultTolerance, Checkpointing, Monitoring)
+                                           Runtime, FaultTolerance, Evaluation, Checkpointing, Monitoring)
 SECTIONS: dict[str, type[Any]] = {cls.name: cls for cls in _SECTION_CLASSES}
 """Each section of a :class:`JobSpec` by its name, in the spec's order."""
 FIELDS: dict[str, str] = {f.name: cls.name for cls in _SECTION_CLASSES for f in fields(cls)}

@@ -261,9 +261,10 @@ async def _run(session: Session, args: list[str]) -> None:
     await _wait_for_run(session, job_id)
 
 
-@command("eval JOB [STEP]", "the model's loss on a batch of the job's data factory, forward only",
+@command("eval JOB [STEP]", "the model's loss on the job's validation data, or a batch of its data factory, forward only",
          "Every stage runs forward under no_grad with its modules in eval mode; nothing trains and the run's "
-         "data position stays. STEP names the data factory's batch (default: the next step's).",
+         "data position stays. Without STEP: the job's validation data (eval_data) where it has one, else the data "
+         "factory's next batch; STEP names the data factory's batch.",
          args=("job", "int"), min_args=1)
 async def _eval(session: Session, args: list[str]) -> None:
     job = await session.job(args[0])

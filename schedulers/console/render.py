@@ -11,8 +11,8 @@ from rich.table import Table
 from actors import Event, NodeInfo, NodeJoined, NodeLeft, NodeSilent
 from stages import Action
 from schedulers.events import (
-    CheckpointSaved, JobClosed, JobCreated, JobFailed, JobPaused, JobRecovered, JobResumed, MonitorFailed, RunFinished,
-    RunStarted, SchedulePlanned, SettingPending, SettingRejected, SettingsApplied, StepFinished,
+    CheckpointSaved, Evaluated, JobClosed, JobCreated, JobFailed, JobPaused, JobRecovered, JobResumed, MonitorFailed,
+    RunFinished, RunStarted, SchedulePlanned, SettingPending, SettingRejected, SettingsApplied, StepFinished,
 )
 from schedulers.grid import format_grid
 from schedulers.records import JobDescription, MeasuredCosts, Plan, StepStats
@@ -126,6 +126,10 @@ def job_detail(info: JobDescription) -> list[str]:
     if saving.checkpoint_every:
         kept = f"the newest {saving.keep_checkpoints}" if saving.keep_checkpoints else "every version"
         lines.append(f"saves itself every {saving.checkpoint_every} steps into {saving.checkpoint_dir}, keeping {kept}")
+    checking = spec.evaluation
+    if checking.eval_every:
+        lines.append(f"evaluates itself every {checking.eval_every} steps on {checking.eval_batches} batches of "
+                     f"{checking.eval_data}")
     if info.pending:
         lines.append("pending until the next barrier: "
                      + ", ".join(f"{k}={v}" for k, v in sorted(info.pending.items())))
@@ -285,4 +289,9 @@ def event_line(event: Event) -> str | None:
             return f"! {event.job}: monitor {event.monitor} is off ({event.error}); training goes on"
         case CheckpointSaved():
             return f"{event.job} saved itself after step {event.step}: {event.version}"
+        case Evaluated():
+            on = f"validation ({event.batches} batch{'es' if event.batches != 1 else ''})" if event.validation \
+                else "a batch"
+            return (f"{event.job} evaluated on {on} after step {event.step}: loss {event.loss:.4f} "
+                    f"({event.eval_time_s:.2f} s)")
     return None

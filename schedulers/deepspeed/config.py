@@ -243,9 +243,10 @@ def _translate(t: Translation, sources: list[tuple[str, Any]], where: str) -> Tr
     if "scheduler" in config:
         params = blocks["optimizer"].get("params")
         translate_scheduler(t, blocks["scheduler"], lr=params.get("lr") if isinstance(params, Mapping) else None)
-    if "data" in t.fields and sizes is not None:
-        with t.collecting():
-            _pass_batch_size(t, config, sizes.train_batch_size)
+    for factory in ("data", "eval_data"):
+        if factory in t.fields and sizes is not None:
+            with t.collecting():
+                _pass_batch_size(t, config, sizes.train_batch_size, f"{factory}_kwargs")
     if t.problems:
         raise ConfigError.of(t.problems, where=where)
     return TranslatedConfig(spec=_spec(t), notices=tuple(t.notices))
@@ -451,18 +452,20 @@ def _pipeline_stages(t: Translation, pipeline: Mapping[str, Any]) -> None:
     t.set("pipeline_stages", positive_int(pipeline, "stages", "pipeline."), "pipeline.stages")
 
 
-def _pass_batch_size(t: Translation, config: Mapping[str, Any], train_batch_size: int) -> None:
-    """``train_batch_size`` as the data factory's ``batch_size`` (or the keyword ``batch_size_arg`` names)."""
+def _pass_batch_size(t: Translation, config: Mapping[str, Any], train_batch_size: int, field: str) -> None:
+    """``train_batch_size`` as a data factory's ``batch_size`` (or the keyword ``batch_size_arg`` names), in
+    its keyword arguments ``field`` (``data_kwargs``, or the validation data's ``eval_data_kwargs``)."""
     arg = config.get("batch_size_arg", "batch_size")
     if arg is None:
         return
     if not isinstance(arg, str):
         raise ConfigError("batch_size_arg", f"expected a keyword name or null, got {show(arg)}")
-    kwargs = dict(t.fields.get("data_kwargs", {}))
+    kwargs = dict(t.fields.get(field, {}))
     given = kwargs.setdefault(arg, train_batch_size)
+    where = f"{FIELDS[field]}.{field}"
     if given != train_batch_size:
-        raise ConfigError(f"{t.origins.get('data_kwargs', 'training.data_kwargs')}.{arg}", (
+        raise ConfigError(f"{t.origins.get(field, where)}.{arg}", (
             f"expected {train_batch_size} (train_batch_size: one global batch per step), got {show(given)}; "
             "leave it out and it is filled in"))
-    t.fields["data_kwargs"] = kwargs
-    t.origins.setdefault("data_kwargs", "training.data_kwargs")
+    t.fields[field] = kwargs
+    t.origins.setdefault(field, where)

@@ -60,6 +60,7 @@ def _optional(check: Check) -> Check:
 # spec checks the others (and what must fit across fields) when it is built.
 _FIELD_CHECKS: dict[str, Check] = {
     "model": path, "model_kwargs": mapping, "loss": path, "data": _optional(path), "data_kwargs": mapping,
+    "eval_data": _optional(path), "eval_data_kwargs": mapping,
     "seed": any_int,
     **dict.fromkeys(("pipeline_stages", "tensor_parallel", "data_parallel", "micro_batches", "bucket_bytes",
                      "snapshot_every"), positive_int),
@@ -113,7 +114,7 @@ def translate_spec_keys(t: Translation, config: Mapping[str, Any]) -> None:
                 near = nearest(str(key), known)
                 t.problem(dotted, f"unknown key; did you mean {name}.{near}?" if near else
                           f"unknown key; known keys: {', '.join(known)}")
-            elif key in ("model", "data") and isinstance(section[key], Mapping):
+            elif key in ("model", "data", "eval_data") and isinstance(section[key], Mapping):
                 t.problem(dotted, "expected an import path 'package.module:name'; its keyword arguments go beside "
                                   f"it, as {key}_kwargs")
             else:

@@ -35,12 +35,14 @@ class DataReads:
             :func:`~stages.build.stage.read_data` says).
         config: the stage's config.
         clock: seconds, for timing each read.
+        what: which of the job's data ``data`` is, as an error names it.
     """
 
     def __init__(self, data: BatchFunction | DatasetReader | None, config: StageConfig,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, what: str = "data factory") -> None:
         self.data = data
         self.config = config
+        self.what = what
         self.clock = clock
         self.inline = self.threaded = 0  # reads on the loop's thread, and on a thread
         self._next: int | None = None  # the step that follows the last one read
@@ -64,5 +66,5 @@ class DataReads:
     def _timed(self, step: int, shard: Sequence[int], micro_batches: int) -> tuple[Read, float]:
         """A read and its own time (not a thread hop's, wherever it ran)."""
         started = self.clock()
-        found = read_data(self.data, self.config, step, shard, micro_batches)
+        found = read_data(self.data, self.config, step, shard, micro_batches, self.what)
         return found, self.clock() - started

@@ -85,6 +85,8 @@ class BuiltStage:
     """ZeRO's reduce-scatter plan: whose run of each bucket this replica keeps and steps (None: all-reduce)."""
     data: BatchFunction | DatasetReader | None
     """The data factory's source, on a first or last stage of a job that has one; else None."""
+    eval_data: BatchFunction | DatasetReader | None
+    """The validation data's source (``evaluation.eval_data``), likewise."""
     tensor_rank: int
     """This stage's rank among its tensor-parallel shards."""
     data_rank: int
@@ -99,8 +101,20 @@ class BuiltStage:
         return tied_names(names, self.key)
 
 
+def _data_source(cfg: StageConfig, path: str | None, kwargs: dict[str, Any],
+                 allow: Sequence[str]) -> BatchFunction | DatasetReader | None:
+    """The source a data factory ``path`` makes (:mod:`stages.build.data_source`), on a first or last
+    stage; None on the others, or without one."""
+    if path is None or not (0 in cfg.stages or cfg.num_stages - 1 in cfg.stages):
+        return None
+    with calling(data_factory(path)):
+        made = load_object(path, allow)(**kwargs)
+    return data_source(made, cfg.training.micro_batch_size, cfg.training.seed)
+
+
 def read_data(data: BatchFunction | DatasetReader | None, config: StageConfig, data_step: int, shard: Sequence[int],
-              num_microbatches: int) -> tuple[list[Any] | None, list[Any] | None, list[float] | None]:
+              num_microbatches: int, what: str = "data factory",
+              ) -> tuple[list[Any] | None, list[Any] | None, list[float] | None]:
     """Step ``data_step``'s micro-batches of inputs (on a first stage) and targets (on a last), read from the
     data source ``data`` (:mod:`stages.build.data_source`): this replica's share (``shard``: ``[replica,
     replicas]``), and (on a last stage) their loss weights (None: an even split; see
@@ -110,13 +124,13 @@ def read_data(data: BatchFunction | DatasetReader | None, config: StageConfig, d
     nothing: its values come from its neighbours.
 
     Raises:
-        ValueError: the job has no data factory, or a batch of fewer samples than its parts.
+        ValueError: the job has no data factory (``what``: which one), or a batch of fewer samples than its parts.
     """
     first, last = 0 in config.stages, config.num_stages - 1 in config.stages
     if not (first or last):
         return None, None, None
     if data is None:
-        raise ValueError(f"job {config.job} has no data factory")
+        raise ValueError(f"job {config.job} has no {what}")
     index, count = shard
     inputs, targets, weights = data.read(data_step, index, count, num_microbatches)
     return inputs if first else None, targets if last else None, weights if last else None
@@ -204,11 +218,8 @@ def build_stage(config: StageConfig, allow: Sequence[str], device: torch.device,
         optimizer = _build_optimizer(cfg, allow, weight_decay.parameter_groups(known, cfg.optimization.no_weight_decay),
                                      groups, param_names, shards)
     scheduler = build_scheduler(cfg.optimization.lr_scheduler, optimizer, allow) if cfg.optimization.lr_scheduler is not None else None
-    data = None
-    if cfg.training.data is not None and (0 in cfg.stages or cfg.num_stages - 1 in cfg.stages):
-        with calling(data_factory(cfg.training.data)):
-            made = load_object(cfg.training.data, allow)(**cfg.training.data_kwargs)
-        data = data_source(made, cfg.training.micro_batch_size, cfg.training.seed)
+    data = _data_source(cfg, cfg.training.data, cfg.training.data_kwargs, allow)
+    eval_data = _data_source(cfg, cfg.evaluation.eval_data, cfg.evaluation.eval_data_kwargs, allow)
     log.info("stage %s/%d of job %s: model stages %s, %d parameters", cfg.pipeline_rank, cfg.pipeline_stages,
              cfg.job, cfg.stages, sum(p.numel() for p in params))
     overlap = None
@@ -234,7 +245,7 @@ def build_stage(config: StageConfig, allow: Sequence[str], device: torch.device,
     return BuiltStage(model=model, held=held, key=key, named_parameters=named, aliases=aliases, tied_primary=primary,
                       specs=specs,
                       tied=sync, reduce_params=reduce_params, norm_params=norm_params, overlap=overlap,
-                      gradient_shards=shards, data=data,
+                      gradient_shards=shards, data=data, eval_data=eval_data,
                       tensor_rank=me.tensor, data_rank=me.data)
 
 

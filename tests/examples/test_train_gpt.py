@@ -62,10 +62,16 @@ async def test_single_process_training_lowers_the_loss() -> None:
 @pytest.mark.multiprocess
 async def test_pipelined_training_matches_the_single_process_run() -> None:
     # The design's exactness rule, through the example's own code: 2 stages, 1F1B and
-    # micro-batches give one process's losses and parameters (float32 tolerance).
-    single = await train(parse_args(["--single-process", *TINY]))
-    pipelined = await train(parse_args(TINY))
+    # micro-batches give one process's losses and parameters (float32 tolerance), and the
+    # job's own evaluations (--eval-every) one process's validation losses at the same steps.
+    single = await train(parse_args(["--single-process", *TINY, "--eval-every", "2", "--eval-batches", "2"]))
+    pipelined = await train(parse_args([*TINY, "--eval-every", "2", "--eval-batches", "2"]))
     assert pipelined["losses"] == pytest.approx(single["losses"], rel=1e-5)
+    steps = len(single["losses"])
+    assert [at for at, _ in pipelined["evaluated"]] == [at for at, _ in single["evaluated"]] == list(
+        range(2, steps + 1, 2)) and steps >= 2
+    assert [loss for _, loss in pipelined["evaluated"]] == pytest.approx([loss for _, loss in single["evaluated"]],
+                                                                         rel=1e-5)
     assert pipelined["state"].keys() == single["state"].keys()
     for key, value in single["state"].items():
         torch.testing.assert_close(pipelined["state"][key], value, rtol=1e-4, atol=1e-5)

@@ -32,13 +32,13 @@ from rich.console import Console
 from actors import Event, LocalCluster, NodeInfo, NodeJoined, NodeSilent
 from schedulers.deepspeed.config import load_config
 from schedulers.events import (
-    CheckpointSaved, JobFailed, JobRecovered, RunFinished, RunProgress, SettingsApplied, StepFinished,
+    CheckpointSaved, Evaluated, JobFailed, JobRecovered, RunFinished, RunProgress, SettingsApplied, StepFinished,
 )
 from schedulers.console.commands import execute, split_commands
 from schedulers.console.render import event_line, job_detail, schedule_grid
 from schedulers.console.repl import ConsoleCompleter
 from schedulers.console.session import CommandError, Session
-from schedulers.jobs import Checkpointing, JobSpec
+from schedulers.jobs import Checkpointing, Evaluation, JobSpec
 from schedulers.records import JobDescription, StepStats
 from schedulers.schedules import build_schedule
 from transport.loop import run
@@ -578,6 +578,11 @@ STEP = {"job": "job0", "step": 4, "loss": 1.5, "step_time_s": 0.0421, "bubble_fr
      "* job0 recovered: node1 -> spare0; rolled back to step 3, replaying 1 in 1.0 s (0 restarts left)"),
     (CheckpointSaved(job="job0", step=500, version="/runs/gpt/v000002"),
      "job0 saved itself after step 500: /runs/gpt/v000002"),
+    (Evaluated(job="job0", step=500, loss=1.23456, items=256.0, batches=8, eval_time_s=0.412, periodic=True,
+               validation=True),
+     "job0 evaluated on validation (8 batches) after step 500: loss 1.2346 (0.41 s)"),
+    (Evaluated(job="job0", step=3, loss=2.0, items=8.0, batches=1, eval_time_s=0.05),
+     "job0 evaluated on a batch after step 3: loss 2.0000 (0.05 s)"),
     (Event(), None),  # a kind this console does not know
 ])
 def test_events_print_as_one_line(event: Event, line: str | None) -> None:
@@ -600,6 +605,10 @@ def test_a_jobs_detail_reads_its_settings_from_the_specs_sections() -> None:
     saving = dataclasses.replace(info, spec=dataclasses.replace(spec, checkpointing=Checkpointing(
         checkpoint_dir="runs/gpt", checkpoint_every=500, keep_checkpoints=3)))
     assert "saves itself every 500 steps into runs/gpt, keeping the newest 3" in job_detail(saving)
+    assert not any("evaluates itself" in line for line in rest)
+    checking = dataclasses.replace(info, spec=dataclasses.replace(spec, evaluation=Evaluation(
+        eval_data="examples.data:char_batches", eval_every=100, eval_batches=8)))
+    assert "evaluates itself every 100 steps on 8 batches of examples.data:char_batches" in job_detail(checking)
 
 
 def test_the_toolbar_names_the_heads_endpoint_without_its_key_and_shows_each_run() -> None:

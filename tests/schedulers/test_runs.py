@@ -24,7 +24,7 @@ from actors import Cluster
 from examples.data import regression_batches
 from examples.models import residual_mlp
 from schedulers.client import Job
-from schedulers.events import CheckpointSaved, RunFinished
+from schedulers.events import CheckpointSaved, Evaluated, RunFinished, StepFinished
 from schedulers.records import RunInfo
 from stages import CheckpointError
 from tests.helpers.events import feed, heard_until
@@ -34,6 +34,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(30
 
 MODEL = {"blocks": 4, "dim": 8, "hidden": 16}
 DATA = {"batch_size": 8, "seq": 2, "dim": 8, "seed": 5}
+VALIDATION = DATA | {"seed": 99}  # the validation data: other batches of the same kind
 SGD = ("torch.optim:SGD", {"lr": 0.1, "momentum": 0.9})
 
 
@@ -270,3 +271,51 @@ async def test_a_job_saves_itself_every_n_steps_and_one_started_again_goes_on_fr
     with pytest.raises(CheckpointError, match="checksum mismatch"):
         await cluster.train(**_train(checkpoint_dir=directory, resume_from_checkpoint=True))
     assert not [d.job for d in await cluster.jobs() if d.spec.checkpointing.checkpoint_dir == directory]
+
+
+def validation_loss(state: dict[str, torch.Tensor], batches: int) -> float:
+    """One process's loss at ``state`` over the validation data's first ``batches`` batches (as one batch of them all)."""
+    model = residual_mlp(**MODEL)
+    model.load_state_dict(state)
+    read = regression_batches(**VALIDATION)
+    with torch.no_grad():
+        return sum(F.mse_loss(model(x), y).item() for x, y in map(read, range(batches))) / batches
+
+
+async def test_a_job_evaluates_itself_every_n_steps_before_it_saves_in_a_run_and_step_by_step(
+        cluster: Cluster, tmp_path: Path) -> None:
+    """``evaluation``: with ``eval_every=2`` a run of 4 steps evaluates on the validation data after steps 2
+    and 4 (each the loss of one process at those weights over ``eval_batches`` batches, read per replica),
+    the one after step 4 before the save due then, with no step sent ahead across either; stepped one at a time it
+    evaluates after step 6 too; ``job.evaluate()`` without a batch evaluates on the validation data; and
+    none of it changes training, which ends where one process does."""
+    states, _ = one_process(list(range(6)))
+    events = await feed(cluster, "evaluation-events")
+    job = await cluster.train(**_train(eval_data="examples.data:regression_batches", eval_data_kwargs=VALIDATION,
+                                       eval_every=2, eval_batches=3, checkpoint_dir=str(tmp_path), checkpoint_every=4))
+    try:
+        await job.run(4)
+        run = await ended(job)
+        heard = await heard_until(events, RunFinished, job.id)
+        asked = await job.evaluate()
+        later = await heard_until(events, Evaluated, job.id)
+        five = await job.step()
+        six = await job.step()
+        later += await heard_until(events, Evaluated, job.id)
+        state = await job.state_dict()
+    finally:
+        await job.close()
+    assert run.error is None and run.done == 4 and run.ahead <= 2  # steps 3 and 1 cannot go out ahead
+    evaluated = [e for e in heard + later if isinstance(e, Evaluated)]
+    assert [(e.step, e.periodic, e.validation, e.batches) for e in evaluated] == [
+        (2, True, True, 3), (4, True, True, 3), (4, False, True, 3), (6, True, True, 3)]
+    for event in evaluated:
+        assert event.loss == pytest.approx(validation_loss(states[event.step], 3), rel=1e-5), event
+    assert asked.loss == evaluated[2].loss and asked.items == 3 * DATA["batch_size"]
+    # The evaluation's loss joins its step's statistics and event; the save comes after both.
+    kinds = [type(e).__name__ for e in heard if isinstance(e, (Evaluated, CheckpointSaved, StepFinished))]
+    assert kinds == ["StepFinished", "Evaluated", "StepFinished"] * 2 + ["CheckpointSaved"]
+    finished = [e for e in heard if isinstance(e, StepFinished)]
+    assert [e.eval_loss for e in finished] == [None, evaluated[0].loss, None, evaluated[1].loss]
+    assert five.eval_loss is None and six.eval_loss == evaluated[3].loss
+    assert equal(state, states[6])

@@ -29,6 +29,7 @@ def test_a_step_order_round_trips_the_wire() -> None:
     ({"program": [1]}, "program must be a list of actions as text"),
     ({"w_batching": "yes"}, "w_batching must be a bool, got 'yes'"),
     ({"whole": 1}, "whole must be a bool, got 1"),
+    ({"eval_data": "yes"}, "eval_data must be a bool, got 'yes'"),
     ({"micro_batches": 0}, "micro_batches must be an int >= 1, got 0"),
     ({"micro_batches": 2.0}, "micro_batches must be an int >= 1"),
     ({"snapshot": -1}, "snapshot must be an int >= 0"),

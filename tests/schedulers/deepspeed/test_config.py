@@ -166,6 +166,8 @@ def test_everything_a_config_can_say_reaches_train() -> None:
         "runtime": {"threads_per_stage": 2, "keep_freed_memory": False},
         "fault_tolerance": {"step_timeout_s": 30, "on_nonfinite": "skip"},
         "mixed_precision": {"precision": "bf16"},
+        "evaluation": {"eval_data": "examples.data:regression_batches", "eval_data_kwargs": {"seed": 9},
+                       "eval_every": 50, "eval_batches": 4},
         "w_batching": True,  # flat, beside the sections
     }
     spec = translate(config)
@@ -178,6 +180,9 @@ def test_everything_a_config_can_say_reaches_train() -> None:
     assert (spec.training.seed, spec.runtime.threads_per_stage, spec.fault_tolerance.step_timeout_s) == (3, 2, 30.0)
     assert (spec.runtime.keep_freed_memory, spec.fault_tolerance.on_nonfinite) == (False, "skip")
     assert spec.mixed_precision.precision == "bf16"
+    # The validation data's batches are global batches too: train_batch_size is filled in for its factory.
+    assert spec.evaluation.eval_data_kwargs == {"seed": 9, "batch_size": 16}
+    assert (spec.evaluation.eval_every, spec.evaluation.eval_batches) == (50, 4)
     assert JobSpec.from_wire(spec.to_wire()) == spec
 
 
@@ -212,6 +217,10 @@ def test_a_job_file_in_the_specs_own_flat_names_trains_what_it_says(tmp_path: Pa
      "not a key of DeepSpeed's pipeline block; actorpipe's is parallelism.schedule"),
     ({"model": {"factory": "examples.models:gpt"}}, "training.model", "its keyword arguments go beside it"),
     ({"data": {"factory": "examples.data:char_batches"}}, "training.data", "go beside it, as data_kwargs"),
+    ({"eval_data": {"factory": "examples.data:char_batches"}}, "evaluation.eval_data",
+     "go beside it, as eval_data_kwargs"),
+    ({"evaluation": {"eval_data": "examples.data:char_batches", "eval_data_kwargs": {"batch_size": 3}}},
+     "evaluation.eval_data_kwargs.batch_size", "expected 8 (train_batch_size"),
     ({"codecs": {"activation": "int8"}}, "codecs", "not a key any more: its keys are now "
                                                    "communication.activation_codec"),
     ({"seed": 1, "training": {"seed": 2}}, "seed", "given twice, flat and as training.seed; give it once"),

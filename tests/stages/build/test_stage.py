@@ -73,6 +73,8 @@ def test_read_data_splits_this_replicas_share_into_micro_batches(rank: int, num_
 def test_read_data_without_a_factory_says_so() -> None:
     with pytest.raises(ValueError, match="job test has no data factory"):
         read_data(None, stage_config(0), 0, [0, 1], 2)
+    with pytest.raises(ValueError, match="job test has no eval_data"):  # an order to read validation data it lacks
+        read_data(None, stage_config(0), 0, [0, 1], 2, "eval_data")
 
 
 @pytest.mark.parametrize(("overrides", "match"), [

@@ -1,0 +1,108 @@
+"""A job's evaluations, and the ones it makes by itself (the spec's ``evaluation`` section).
+
+A part of the job's controller (:class:`~schedulers.control.JobController`). Every
+evaluation (:func:`schedulers.evaluation.evaluate`: ``job.evaluate``, or one the job
+makes by itself) goes to the monitors as ``Eval/loss`` at the steps applied before it and
+out as an :class:`~schedulers.events.Evaluated` event. After every ``eval_every`` applied
+optimizer steps the job evaluates on its validation data (``eval_data``, the same
+``eval_batches`` batches each time) within the hold of the job that took the step, so
+nothing comes between the step and its evaluation; a run sends no step ahead of it
+(:func:`schedulers.runs.steps_ahead`). A save due after the same step comes after the
+evaluation (:class:`BetweenSteps`), as the Trainer evaluates before it saves.
+
+A periodic evaluation that loses a node of a job that may recover (``max_restarts``) is
+passed over with a warning: the next step recovers, as it would have without it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from actors import NodeLost, StageLost
+from schedulers import evaluation
+from schedulers.events import Evaluated
+from schedulers.job_core import JobCore
+from schedulers.monitors import Monitors
+from schedulers.records import EvalResult
+from schedulers.recovery import may_recover
+from schedulers.self_saves import SelfSaves
+from schedulers.step_path import StepPath
+
+__all__ = ["BetweenSteps", "SelfEvaluations"]
+
+log = logging.getLogger(__name__)
+
+
+class SelfEvaluations:
+    """One job's evaluations, recorded by its ``monitors`` (None: none), and its own every ``eval_every`` steps."""
+
+    def __init__(self, job: JobCore, path: StepPath, monitors: Monitors | None) -> None:
+        self.job = job
+        self.path = path
+        self.monitors = monitors
+        self._evaluated_at = 0  # the applied steps of the last periodic evaluation (none before the first step)
+
+    def eval_point(self, applied: int) -> bool:
+        """Whether the job evaluates itself once ``applied`` optimizer steps are applied."""
+        every = self.job.spec.evaluation.eval_every
+        return every > 0 and applied % every == 0 and applied != self._evaluated_at
+
+    async def evaluate(self, inputs: Any = None, targets: Any = None, outputs: bool = False,
+                       data_step: int | None = None, *, periodic: bool = False) -> EvalResult:
+        """:func:`schedulers.evaluation.evaluate`, recorded and told; the caller holds the job.
+
+        Raises:
+            as :func:`schedulers.evaluation.evaluate`.
+        """
+        job = self.job
+        validation = inputs is None and data_step is None and job.spec.evaluation.eval_data is not None
+        result = await evaluation.evaluate(job, self.path, inputs, targets, outputs=outputs, data_step=data_step)
+        if self.monitors is not None:  # at the steps applied before it (see schedulers.monitors)
+            self.monitors.record_evaluation(result, job.applied)
+        job.publish(Evaluated(job=job.id, step=job.applied, loss=result.loss, items=result.items,
+                              batches=job.spec.evaluation.eval_batches if validation else 1,
+                              eval_time_s=result.eval_time_s, periodic=periodic, validation=validation))
+        return result
+
+    async def evaluate_if_due(self) -> EvalResult | None:
+        """Evaluates on the validation data where the steps applied so far make an evaluation point; the
+        caller holds the job (``JobCore.operation``), the one it took its step in. Its result, or None:
+        none was due, or it was passed over.
+
+        Raises:
+            StepFailed, NodeLost: the evaluation failed (the step before it was applied); a run ends with it.
+        """
+        job, applied = self.job, self.job.applied
+        if not self.eval_point(applied):
+            return None
+        self._evaluated_at = applied  # once per point, whoever asks (a step and a run that both ask)
+        try:
+            return await self.evaluate(periodic=True)
+        except (NodeLost, StageLost) as lost:
+            if not may_recover(job):
+                raise
+            log.warning("%s: the evaluation after step %d lost a stage (%s); the next step recovers", job.id, applied,
+                        lost)
+            return None
+
+
+class BetweenSteps:
+    """What a job does by itself between two steps, where due: its evaluation as the step ends (its loss
+    joins the step's statistics), then its save."""
+
+    def __init__(self, evals: SelfEvaluations, saves: SelfSaves) -> None:
+        self.evals = evals
+        self.saves = saves
+
+    def due(self, applied: int) -> bool:
+        """Whether anything is due once ``applied`` optimizer steps are applied (a run sends no step ahead)."""
+        return self.evals.eval_point(applied) or self.saves.save_point(applied)
+
+    async def evaluate(self) -> EvalResult | None:
+        """:meth:`SelfEvaluations.evaluate_if_due`; the caller holds the job."""
+        return await self.evals.evaluate_if_due()
+
+    async def save(self) -> None:
+        """:meth:`~schedulers.self_saves.SelfSaves.save_if_due`, after the evaluation; the caller holds the job."""
+        await self.saves.save_if_due()

@@ -1,0 +1,134 @@
+# .venv/bin/python -m pytest -q -p no:cacheprovider tests/schedulers/test_self_evaluations.py
+"""A job's own evaluations (schedulers.self_evaluations), on a stand-in for the job: when they come, once
+each, before a save due at the same step, what they record, and what a lost node does to one. The
+evaluations themselves, against one process, are tests/schedulers/test_runs.py's, on nodes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from actors import NodeLost, StepFailed
+from schedulers import evaluation, job_state
+from schedulers.checkpoint_paths import CheckpointPath
+from schedulers.events import CheckpointSaved, Evaluated
+from schedulers.jobs import JobSpec
+from schedulers.records import EvalResult
+from schedulers.self_evaluations import BetweenSteps, SelfEvaluations
+from schedulers.self_saves import SelfSaves
+
+MODEL = "examples.models:residual_mlp"
+VALIDATION = dict(model=MODEL, eval_data="examples.data:regression_batches", eval_batches=4)
+
+
+@dataclass
+class Job:
+    """What SelfEvaluations reads of a job: its spec, id, applied steps, recovery budget, and its events."""
+
+    spec: JobSpec
+    id: str = "job0"
+    applied: int = 0
+    placer: Any = None
+    restarts: int = 0
+    events: list[Any] = field(default_factory=list)
+
+    def publish(self, event: Any) -> None:
+        self.events.append(event)
+
+
+class Monitors:
+    def __init__(self) -> None:
+        self.recorded: list[tuple[float, int]] = []
+
+    def record_evaluation(self, result: EvalResult, step: int) -> None:
+        self.recorded.append((result.loss, step))
+
+
+@pytest.fixture
+def asked(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, Any]]:
+    """Every evaluation schedulers.evaluation.evaluate was asked for: (applied, data_step); its loss is the
+    applied step count. A job whose ``fail`` attribute is set fails with that instead."""
+    calls: list[tuple[int, Any]] = []
+
+    async def evaluate(job: Job, path: Any, inputs: Any, targets: Any, *, outputs: bool = False,
+                       data_step: int | None = None) -> EvalResult:
+        if getattr(job, "fail", None) is not None:
+            raise job.fail  # type: ignore[attr-defined]
+        calls.append((job.applied, data_step))
+        return EvalResult(loss=float(job.applied), items=32.0, eval_time_s=0.5)
+
+    monkeypatch.setattr(evaluation, "evaluate", evaluate)
+    return calls
+
+
+async def test_a_job_evaluates_after_every_nth_applied_step_once_and_records_each_evaluation(
+        asked: list[Any]) -> None:
+    job, monitors = Job(JobSpec.of(**VALIDATION, eval_every=3)), Monitors()
+    evals = SelfEvaluations(job, None, monitors)  # type: ignore[arg-type]
+    assert not evals.eval_point(0)  # none before the first step
+    for applied in range(1, 8):
+        job.applied = applied
+        assert evals.eval_point(applied) == (applied % 3 == 0)
+        await evals.evaluate_if_due()
+    await evals.evaluate_if_due()  # the same point asked again (a step and a run): once
+    result = await evals.evaluate(data_step=2)  # job.evaluate on the data factory's batch 2
+    assert asked == [(3, None), (6, None), (7, 2)] and result.loss == 7.0
+    assert monitors.recorded == [(3.0, 3), (6.0, 6), (7.0, 7)]
+    assert [(e.step, e.loss, e.periodic, e.validation, e.batches) for e in job.events] == [
+        (3, 3.0, True, True, 4), (6, 6.0, True, True, 4), (7, 7.0, False, False, 1)]
+    assert SelfEvaluations(Job(JobSpec.of(model=MODEL), applied=3), None, None).eval_point(3) is False  # type: ignore[arg-type]
+
+
+async def test_the_evaluation_due_comes_before_the_save_due_after_the_same_step(
+        asked: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    async def save(job: Job, path: CheckpointPath, keep: int = 1) -> str:
+        job.publish(("saving", job.applied))
+        return "/ckpt/v000001"
+
+    monkeypatch.setattr(job_state, "write_checkpoint", save)
+    job = Job(JobSpec.of(**VALIDATION, eval_every=2, checkpoint_dir="run", checkpoint_every=4))
+    between = BetweenSteps(SelfEvaluations(job, None, None),  # type: ignore[arg-type]
+                           SelfSaves(job, CheckpointPath(directory="/ckpt", within=None)))  # type: ignore[arg-type]
+    assert [between.due(n) for n in range(1, 6)] == [False, True, False, True, False]
+    results = []
+    for applied in range(1, 5):
+        job.applied = applied
+        results.append(await between.evaluate())
+        await between.save()
+    assert [None if r is None else r.loss for r in results] == [None, 2.0, None, 4.0]  # what joins the step's stats
+    assert [type(e).__name__ if not isinstance(e, tuple) else e for e in job.events] == [
+        "Evaluated", "Evaluated", ("saving", 4), "CheckpointSaved"]
+    assert isinstance(job.events[1], Evaluated) and isinstance(job.events[3], CheckpointSaved)
+
+
+async def test_a_periodic_evaluation_that_loses_a_node_is_passed_over_only_where_the_job_recovers(
+        asked: list[Any]) -> None:
+    lost = NodeLost("node n1 was lost", details={"node": "n1"})
+    recovering = Job(JobSpec.of(**VALIDATION, eval_every=1, max_restarts=1), applied=1, placer=object())
+    recovering.fail = lost  # type: ignore[attr-defined]
+    assert await SelfEvaluations(recovering, None, None).evaluate_if_due() is None  # type: ignore[arg-type]
+    assert recovering.events == []  # passed over: the next step recovers
+    stuck = Job(JobSpec.of(**VALIDATION, eval_every=1), applied=1)
+    stuck.fail = lost  # type: ignore[attr-defined]
+    with pytest.raises(NodeLost):
+        await SelfEvaluations(stuck, None, None).evaluate_if_due()  # type: ignore[arg-type]
+    failing = Job(JobSpec.of(**VALIDATION, eval_every=1, max_restarts=1), applied=1, placer=object())
+    failing.fail = StepFailed("evaluation failed at stage 0")  # type: ignore[attr-defined]
+    with pytest.raises(StepFailed):  # a failure of its own (the validation data's) ends a run as a step's would
+        await SelfEvaluations(failing, None, None).evaluate_if_due()  # type: ignore[arg-type]
+
+
+def test_the_evaluation_section_wants_its_data_for_eval_every_and_a_batch_at_least() -> None:
+    from examples.data import regression_batches
+
+    spec = JobSpec.of(model=MODEL, eval_data=regression_batches, eval_data_kwargs={"seed": 9}, eval_every=5)
+    assert spec.evaluation.eval_data == "examples.data:regression_batches"  # a factory by itself: its path
+    assert spec.evaluation.eval_batches == 1 and spec.evaluation.eval_data_kwargs == {"seed": 9}
+    with pytest.raises(ValueError, match=r"evaluation.eval_every needs evaluation.eval_data"):
+        JobSpec.of(model=MODEL, eval_every=5)
+    with pytest.raises(ValueError, match=r"evaluation.eval_batches"):
+        JobSpec.of(**VALIDATION | {"eval_batches": 0})
+    with pytest.raises(TypeError, match=r"evaluation.eval_data_kwargs"):
+        JobSpec.of(**VALIDATION, eval_data_kwargs=[1])
