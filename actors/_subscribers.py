@@ -140,7 +140,8 @@ class Subscribers:
         Returns:
             How many subscribers it was sent to.
         """
-        event = dataclasses.replace(event, time=time.time())
+        if not event.time:  # stamped now, unless the publisher kept it stamped (as it also shows it elsewhere)
+            event = dataclasses.replace(event, time=time.time())
         told = 0
         for subscriber in list(self._subscribers.values()):
             if owner is None or may_see(subscriber.caller, owner):

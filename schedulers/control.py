@@ -292,7 +292,7 @@ class JobController:
             programs=[job.programs[rank] for rank in sorted(job.programs)], stepping=job.lock.locked(),
             traced=bool(job.last_reports), paused=self.runs.paused, pending=dict(self.settings.pending),
             run=run.info() if run else None, last_stats=job.last_stats,
-            running=job.auto.running(job.spec),
+            running=job.auto.running(job.spec), last_eval=self.evals.last,
         )
 
     async def where(self) -> WhereReport:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from actors import WireRecord
+from schedulers.events import Evaluated
 from schedulers.jobs import JobSpec
 from transport.records import register_record
 
@@ -226,9 +227,11 @@ class JobDescription(WireRecord):
         pending: settings that apply before the next step.
         run: the current or last run.
         last_stats: the last step's statistics.
+        last_eval: the last evaluation (``job.evaluate``'s or the job's own), as its event told it.
     """
 
-    nested: ClassVar[dict[str, Any]] = {"spec": JobSpec, "run": RunInfo, "last_stats": StepStats}
+    nested: ClassVar[dict[str, Any]] = {"spec": JobSpec, "run": RunInfo, "last_stats": StepStats,
+                                        "last_eval": Evaluated}
 
     job: str
     spec: JobSpec
@@ -245,6 +248,7 @@ class JobDescription(WireRecord):
     run: RunInfo | None = None
     last_stats: StepStats | None = None
     running: str = ""
+    last_eval: Evaluated | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

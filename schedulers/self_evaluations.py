@@ -17,6 +17,7 @@ passed over with a warning: the next step recovers, as it would have without it.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from actors import NodeLost, StageLost
@@ -42,6 +43,7 @@ class SelfEvaluations:
         self.path = path
         self.monitors = monitors
         self._evaluated_at = 0  # the applied steps of the last periodic evaluation (none before the first step)
+        self.last: Evaluated | None = None  # the last evaluation, as told (the job's description shows it)
 
     def eval_point(self, applied: int) -> bool:
         """Whether the job evaluates itself once ``applied`` optimizer steps are applied."""
@@ -60,9 +62,10 @@ class SelfEvaluations:
         result = await evaluation.evaluate(job, self.path, inputs, targets, outputs=outputs, data_step=data_step)
         if self.monitors is not None:  # at the steps applied before it (see schedulers.monitors)
             self.monitors.record_evaluation(result, job.applied)
-        job.publish(Evaluated(job=job.id, step=job.applied, loss=result.loss, items=result.items,
+        self.last = Evaluated(time=time.time(), job=job.id, step=job.applied, loss=result.loss, items=result.items,
                               batches=job.spec.evaluation.eval_batches if validation else 1,
-                              eval_time_s=result.eval_time_s, periodic=periodic, validation=validation))
+                              eval_time_s=result.eval_time_s, periodic=periodic, validation=validation)
+        job.publish(self.last)
         return result
 
     async def evaluate_if_due(self) -> EvalResult | None:

@@ -130,6 +130,8 @@ def job_detail(info: JobDescription) -> list[str]:
     if checking.eval_every:
         lines.append(f"evaluates itself every {checking.eval_every} steps on {checking.eval_batches} batches of "
                      f"{checking.eval_data}")
+    if info.last_eval is not None:
+        lines.append("last " + (event_line(info.last_eval) or "").removeprefix(f"{info.job} "))
     if info.pending:
         lines.append("pending until the next barrier: "
                      + ", ".join(f"{k}={v}" for k, v in sorted(info.pending.items())))

@@ -609,6 +609,9 @@ def test_a_jobs_detail_reads_its_settings_from_the_specs_sections() -> None:
     checking = dataclasses.replace(info, spec=dataclasses.replace(spec, evaluation=Evaluation(
         eval_data="examples.data:char_batches", eval_every=100, eval_batches=8)))
     assert "evaluates itself every 100 steps on 8 batches of examples.data:char_batches" in job_detail(checking)
+    evaluated = dataclasses.replace(checking, last_eval=Evaluated(job="job0", step=300, loss=1.5, items=64.0, batches=8,
+                                                                  eval_time_s=0.25, periodic=True, validation=True))
+    assert job_detail(evaluated)[-1] == "last evaluated on validation (8 batches) after step 300: loss 1.5000 (0.25 s)"
 
 
 def test_the_toolbar_names_the_heads_endpoint_without_its_key_and_shows_each_run() -> None:

@@ -298,6 +298,7 @@ async def test_a_job_evaluates_itself_every_n_steps_before_it_saves_in_a_run_and
         run = await ended(job)
         heard = await heard_until(events, RunFinished, job.id)
         asked = await job.evaluate()
+        described = (await job.describe()).last_eval
         later = await heard_until(events, Evaluated, job.id)
         five = await job.step()
         six = await job.step()
@@ -312,6 +313,7 @@ async def test_a_job_evaluates_itself_every_n_steps_before_it_saves_in_a_run_and
     for event in evaluated:
         assert event.loss == pytest.approx(validation_loss(states[event.step], 3), rel=1e-5), event
     assert asked.loss == evaluated[2].loss and asked.items == 3 * DATA["batch_size"]
+    assert described == evaluated[2]  # the job's description shows its last evaluation
     # The evaluation's loss joins its step's statistics and event; the save comes after both.
     kinds = [type(e).__name__ for e in heard if isinstance(e, (Evaluated, CheckpointSaved, StepFinished))]
     assert kinds == ["StepFinished", "Evaluated", "StepFinished"] * 2 + ["CheckpointSaved"]

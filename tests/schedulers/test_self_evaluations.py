@@ -78,6 +78,7 @@ async def test_a_job_evaluates_after_every_nth_applied_step_once_and_records_eac
     assert monitors.recorded == [(3.0, 3), (6.0, 6), (7.0, 7)]
     assert [(e.step, e.loss, e.periodic, e.validation, e.batches) for e in job.events] == [
         (3, 3.0, True, True, 4), (6, 6.0, True, True, 4), (7, 7.0, False, False, 1)]
+    assert evals.last is job.events[-1]  # what the job's description shows
     assert SelfEvaluations(Job(JobSpec.of(model=MODEL), applied=3), None, None).eval_point(3) is False  # type: ignore[arg-type]
 
 
