@@ -12,8 +12,9 @@ head notes ``t_send``, the stage answers its ``clock``, the head notes ``t_recv`
 round trip is the one to trust (its error is at most half that round trip).
 
 The trace has one track per stage actor, a span per action (with its stage and
-micro-batch), and a flow arrow per transfer from the ``SEND`` that posted the value
-to the ``RECV`` that took it. Open it at https://ui.perfetto.dev or chrome://tracing.
+micro-batch), the step's tail after them (``REDUCE``, ``BARRIER``: the wait for every
+stage's vote, ``STEP``; category ``tail``), and a flow arrow per transfer from the
+``SEND`` that posted the value to the ``RECV`` that took it. Open it at https://ui.perfetto.dev or chrome://tracing.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ _CATEGORY = {
 }
 _COLOURS = {"F": "tab:blue", "B": "tab:orange", "I": "tab:red", "W": "tab:green"}
 _IDLE = "#e8e8e8"
+_TAIL = "tab:purple"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -163,8 +165,9 @@ def plot_trace(trace: Mapping[str, Any], path: str | os.PathLike[str], *, title:
     """Draws a trace from :func:`to_chrome_trace` as a PNG: stages as rows, time across.
 
     Forward, backward, input- and weight-gradient spans have their own colours;
-    sends and receives are thin grey ticks; the rest of each row is shaded idle, so
-    the bubble is what you see.
+    sends and receives are thin grey ticks, the step's tail (reduce, the stages' vote,
+    optimizer step) a thin purple one; the rest of each row is shaded idle, so the
+    bubble is what you see.
 
     Raises:
         ImportError: matplotlib is not installed (``pip install matplotlib``).
@@ -196,6 +199,9 @@ def plot_trace(trace: Mapping[str, Any], path: str | os.PathLike[str], *, title:
             elif e.get("cat") in ("send", "recv"):
                 kinds_seen.add("comm")
                 ax.broken_barh([(start, max(width, end_ms * 1e-3))], (y + 0.28, 0.12), facecolors="tab:gray")
+            elif e.get("cat") == "tail":
+                kinds_seen.add("tail")
+                ax.broken_barh([(start, max(width, end_ms * 1e-3))], (y - 0.4, 0.12), facecolors=_TAIL)
     ax.set_yticks(range(len(rows)), [names.get(t, f"member {t}") for t in rows])
     ax.invert_yaxis()
     ax.set_xlim(0, end_ms * 1.01 if end_ms else 1.0)
@@ -207,6 +213,8 @@ def plot_trace(trace: Mapping[str, Any], path: str | os.PathLike[str], *, title:
     legend = [Patch(color=_COLOURS[k], label=label) for k, label in labels.items() if k in kinds_seen]
     if "comm" in kinds_seen:
         legend.append(Patch(color="tab:gray", label="send / recv wait"))
+    if "tail" in kinds_seen:
+        legend.append(Patch(color=_TAIL, label="reduce, vote, optimizer step"))
     legend.append(Patch(color=_IDLE, label="idle"))
     fig.legend(handles=legend, loc="lower center", ncol=len(legend), fontsize="small", frameon=False)
     fig.tight_layout(rect=(0, 0.1, 1, 1))

@@ -358,8 +358,8 @@ async def _close(session: Session, args: list[str]) -> None:
 
 
 @command("trace JOB FILE", "write the last step's measured timeline as Chrome/Perfetto trace JSON",
-         "One track per stage actor, a span per action, transfers as flow arrows; every node's clock is "
-         "aligned to the head's. Open it at https://ui.perfetto.dev.", args=("job", "path"), min_args=2)
+         "One track per stage actor, a span per action, transfers as flow arrows, then each stage's tail "
+         "(REDUCE, BARRIER: the wait for every stage's vote, STEP); every node's clock is aligned to the head's. Open it at https://ui.perfetto.dev.", args=("job", "path"), min_args=2)
 async def _trace(session: Session, args: list[str]) -> None:
     job = await session.job(args[0])
     with session.reporting():

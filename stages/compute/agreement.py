@@ -15,6 +15,11 @@ The votes of a step are fenced like deliveries: only for the stage's current ste
 the next, at most one per member, so a stale or repeated vote is refused and what a
 peer can make a stage hold is bounded by the mesh's size.
 
+The tail shows in the step's trace, after the program's actions, as three spans named
+by the program's own tail actions: ``REDUCE`` (the reduction, or what of it backward did
+not hide), ``BARRIER`` (waiting for every stage's vote: where the stages meet) and
+``STEP`` (the optimizer step, or the drop).
+
 Up to :data:`ALL_TO_ALL_MAX` members each sends its vote to every other: one hop,
 ``n (n - 1)`` messages. Past it the messages would grow with the square of the mesh
 (56 a step for 8 stage actors, 4,032 for 64), so every member sends its vote to the
@@ -28,11 +33,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 from actors._errors import NotAllowed
 from stages.mesh import Mesh
-from stages.program import Action
+from stages.program import Action, ActionKind
 from stages.records import ReduceReport, StageReport, StepOrder, TailVote
 from stages.compute.executor import StepExecutor, ended_early
 from stages.compute.tail import StepDecision, StepTail, decide_step
@@ -233,16 +239,21 @@ async def _send_all(sends: Iterable[Awaitable[object]]) -> None:
 async def run_tail(tail: StepTail, ballot: Ballot, step: int, actions: Sequence[Action], order: StepOrder,
                    report: StageReport) -> StageReport:
     """Runs step ``step``'s tail after the barrier (see the module docstring); returns ``report`` with the
-    tail's :class:`~stages.records.ReduceReport` and :class:`~stages.records.FinishReport`.
+    tail's :class:`~stages.records.ReduceReport` and :class:`~stages.records.FinishReport`, and its
+    spans after the actions'.
 
     Raises:
         TailFailed: the reduction (``REDUCE``) or the optimizer step (``STEP``) failed.
     """
+    started = tail.executor.step_started
+    times = [time.perf_counter() - started]  # on the spans' clock: seconds from the step's start
     try:
         reduced = await tail.reduce(step, actions)
     except Exception as exc:
         raise TailFailed("REDUCE", exc) from exc
+    times.append(time.perf_counter() - started)
     votes = await ballot.gather(step, vote_of(report, reduced))
+    times.append(time.perf_counter() - started)
     decision = decide_votes(ballot.mesh, votes, loss_scale=order.loss_scale if order.loss_scale is not None else 1.0,
                             fp16=order.fp16, scale_at_floor=order.scale_at_floor, max_norm=order.max_norm,
                             per_item=order.per_item)
@@ -250,7 +261,14 @@ async def run_tail(tail: StepTail, ballot: Ballot, step: int, actions: Sequence[
         finished = await tail.finish(actions, apply=decision.apply, unscale=decision.unscale, clip=decision.clip)
     except Exception as exc:
         raise TailFailed("STEP", exc) from exc
-    return dataclasses.replace(report, reduced=reduced, finished=finished)
+    times.append(time.perf_counter() - started)
+    named = {a.kind: str(a) for a in actions if a.kind in _TAIL_SPANS}
+    spans = [[named[kind], start, end] for kind, start, end in zip(_TAIL_SPANS, times, times[1:]) if kind in named]
+    return dataclasses.replace(report, reduced=reduced, finished=finished, spans=[*report.spans, *spans])
+
+
+# The tail's spans, in the order they run: the reduction, the wait for every vote, the optimizer step.
+_TAIL_SPANS = (ActionKind.REDUCE, ActionKind.BARRIER, ActionKind.STEP)
 
 
 async def tail_report(executor: StepExecutor, ballot: Ballot, step: int, task: asyncio.Task[StageReport]

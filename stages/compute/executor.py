@@ -158,6 +158,7 @@ class StepExecutor:
         self._thread = thread  # one worker: compute runs in program order
         self.current: Action | None = None
         self.done_actions: int = 0
+        self.step_started = 0.0  # time.perf_counter() at the last step's start: its spans' clock is from there
         # The passes and everything a micro-batch holds between them (stash, values, pending Ws).
         passes = self._passes = StagePasses(model, self.io, overlap)
         # Bound once, so that the per-action path makes no bound method (values is never rebound).
@@ -279,7 +280,7 @@ class StepExecutor:
     async def _run(self, step: int, program: Sequence[Action], inputs: Sequence[Any] | None,
                    targets: Sequence[Any] | None, labels: Sequence[str] | None, **options: Any) -> StepTrace:
         trace = StepTrace(started_at=time.time())
-        start = time.perf_counter()
+        start = self.step_started = time.perf_counter()
         self.inbox.drop_step(step - 1)  # late arrivals of an aborted earlier step
         passes = self._passes
         passes.start_step(inputs, targets, loss_scale=self.loss_scale, num_microbatches=self.num_microbatches,

@@ -241,8 +241,8 @@ def test_a_session_at_the_prompt(head_address: str, tmp_path: Path) -> None:
         assert activation_bytes < 0.5 * gradient_bytes, edges.group(0)
 
         trace_path, png_path = tmp_path / "step.json", tmp_path / "step.png"
-        # 36 spans: stage 1 splits each B into I and W.
-        term.command(f"trace {job} {trace_path}", r"wrote .*: step \d+, 2 tracks, 36 spans, 8 transfers")
+        # 42 spans: stage 1 splits each B into I and W; each stage's tail is three.
+        term.command(f"trace {job} {trace_path}", r"wrote .*: step \d+, 2 tracks, 42 spans, 8 transfers")
         term.command(f"plot {job} {png_path}", rf"wrote {re.escape(str(png_path))}")
         # The console holds the client key: its checkpoints go to its own subtree of the head's root.
         [written] = term.command(f"checkpoint {job} ckpt",
@@ -265,7 +265,7 @@ def test_a_session_at_the_prompt(head_address: str, tmp_path: Path) -> None:
 
 
 def _check_trace(trace: dict[str, Any], *, schedule: str) -> None:
-    """One track per stage, exactly the program's actions as spans, a flow per transfer."""
+    """One track per stage, exactly the program's actions as spans then its tail, a flow per transfer."""
     events = trace["traceEvents"]
     tracks = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
     assert sorted(tracks.values()) == ["stage 0 (node0)", "stage 1 (node1)"] or \
@@ -275,8 +275,10 @@ def _check_trace(trace: dict[str, Any], *, schedule: str) -> None:
         rank = int(name.split()[1])
         expected = [str(a) for a in programs[rank] if a.kind.value not in ("BARRIER", "REDUCE", "STEP")]
         spans = sorted((e for e in events if e.get("ph") == "X" and e["tid"] == tid), key=lambda e: e["ts"])
-        assert [e["name"] for e in spans] == expected  # in program order on the head's clock
-        assert all(e["dur"] >= 0 and e["args"]["microbatch"] is not None for e in spans)
+        # in program order on the head's clock; then the tail as it ran: reduce, every stage's vote, step
+        assert [e["name"] for e in spans] == expected + [f"{rank}REDUCE", f"{rank}BARRIER", f"{rank}STEP"]
+        assert all(e["dur"] >= 0 and e["args"]["microbatch"] is not None for e in spans[:-3])
+        assert {e["cat"] for e in spans[-3:]} == {"tail"} and spans[-3]["ts"] >= spans[-4]["ts"] + spans[-4]["dur"]
     flows = [e for e in events if e.get("ph") == "s"]
     assert len(flows) == 8 and {e["ph"] for e in events if e.get("cat") == "transfer"} == {"s", "f"}
     assert trace["otherData"]["schedule"] == schedule and set(trace["otherData"]["clock_offsets_s"]) == \

@@ -115,3 +115,22 @@ def test_plot_draws_a_png_with_a_row_per_stage(tmp_path: Path) -> None:
     assert width == 1000 and 200 <= height <= 600
     colours = Image.open(path).convert("RGB").getcolors(1 << 20) or []
     assert len(colours) > 8  # bars of several kinds, not a blank canvas
+
+
+def test_the_steps_tail_shows_after_the_actions_as_its_own_spans(tmp_path: Path) -> None:
+    """A stage's tail (the reduction, the wait for every stage's vote, the optimizer step) comes as spans named
+    by the program's tail actions: category ``tail`` in the trace, a purple bar in the picture."""
+    from PIL import Image
+
+    tail = [["0REDUCE", 0.30, 0.32], ["0BARRIER", 0.32, 0.36], ["0STEP", 0.36, 0.40]]
+    record = StageRecord(member=0, name="stage 0", pipeline_rank=0, started_at=5.0,
+                         spans=[["0F0", 0.0, 0.1], ["0B0", 0.1, 0.3], *tail])
+    trace = to_chrome_trace([record], num_ranks=1)
+    spans = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    assert [(e["name"], e["cat"], e["args"]["kind"]) for e in spans[2:]] == [
+        ("0REDUCE", "tail", "REDUCE"), ("0BARRIER", "tail", "BARRIER"), ("0STEP", "tail", "STEP")]
+    assert spans[3]["ts"] == pytest.approx(0.32e6) and spans[3]["dur"] == pytest.approx(0.04e6)
+    path = tmp_path / "tail.png"
+    plot_trace(trace, path)
+    colours = {rgb for _, rgb in Image.open(path).convert("RGB").getcolors(1 << 20) or []}
+    assert (0x94, 0x67, 0xBD) in colours  # tab:purple
