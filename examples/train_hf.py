@@ -8,9 +8,11 @@ with torch's pipelining front end on the data factory's first micro-batch and ke
 half (for that micro-batch's shape alone, ``dynamic_shapes=False``: every batch here has
 the same length, and such a trace costs each stage about half the time). The tied
 embedding lives on both stages and stays one tensor in effect: the stages sum its
-gradients before every step. At the end the state is gathered under
-GPT-2's own names and loaded into a fresh ``GPT2LMHeadModel`` with ``strict=True``, which
-then measures the validation loss by itself. The last line is JSON.
+gradients before every step. The job evaluates itself on the validation split every
+``--eval-every`` steps (the Trainer's ``eval_steps``) and once more at the end. Then the
+state is gathered under GPT-2's own names and loaded into a fresh ``GPT2LMHeadModel``
+with ``strict=True``, which measures the validation loss by itself on the same batches:
+the two agree. The last line is JSON.
 """
 
 from __future__ import annotations
@@ -30,13 +32,18 @@ from examples.models import lm_loss
 
 
 HEADS = 4  # GPT-2's attention heads here: --dim must be a multiple
+VAL_BATCHES = 4  # the validation set: the validation split's first batches
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = training_parser("python -m examples.train_hf", __doc__.splitlines()[0], steps=150, batch_size=16,
                              lr=2e-3, layers_help="GPT-2 blocks (at least one a stage)")
+    parser.add_argument("--eval-every", type=int, default=50, metavar="N",
+                        help="the job evaluates on the validation split every N steps (0: only at the end)")
     args = parser.parse_args(argv)
     check_training_args(parser, args, heads=HEADS)
+    if args.eval_every < 0:
+        parser.error(f"--eval-every must be 0 or more, got {args.eval_every}")
     if args.layers < args.stages:
         parser.error(f"--layers ({args.layers}) must be at least --stages ({args.stages}): each stage begins at a block")
     return args
@@ -58,6 +65,8 @@ async def train(args: argparse.Namespace) -> dict[str, Any]:
                 no_weight_decay="biases_and_norms",  # as Hugging Face's Trainer leaves them
                 pipeline_stages=args.stages, schedule=args.schedule, micro_batches=args.micro_batches,
                 data="examples.data:char_batches", data_kwargs=data_kwargs,
+                eval_data="examples.data:char_batches", eval_data_kwargs={**data_kwargs, "split": "val"},
+                eval_every=args.eval_every, eval_batches=VAL_BATCHES,
                 dynamic_shapes=False)  # every batch is --context characters long: traced for that one shape, faster
         except ValueError as exc:  # settings the cluster refused: as a bad flag
             refused(exc)
@@ -66,8 +75,11 @@ async def train(args: argparse.Namespace) -> dict[str, Any]:
             for index in range(args.steps):
                 stats = await job.step()
                 losses.append(stats.loss)
-                if index % 25 == 0 or index == args.steps - 1:
+                if stats.eval_loss is not None:
+                    print(f"step {index:4d}  loss {stats.loss:.3f}  validation {stats.eval_loss:.3f}", flush=True)
+                elif index % 25 == 0 or index == args.steps - 1:
                     print(f"step {index:4d}  loss {stats.loss:.3f}  tied {stats.tied}", flush=True)
+            evaluated = await job.evaluate()  # the validation split, as the job evaluates itself
             state = await job.state_dict()
         finally:
             await job.close()
@@ -76,8 +88,8 @@ async def train(args: argparse.Namespace) -> dict[str, Any]:
     model.eval()
     val = char_batches(**data_kwargs, split="val")
     with torch.no_grad():
-        val_loss = sum(float(lm_loss(model(val(i)[0]).logits, val(i)[1])) for i in range(4)) / 4
-    return {"first_loss": losses[0], "final_loss": losses[-1], "val_loss": val_loss,
+        val_loss = sum(float(lm_loss(model(val(i)[0]).logits, val(i)[1])) for i in range(VAL_BATCHES)) / VAL_BATCHES
+    return {"first_loss": losses[0], "final_loss": losses[-1], "val_loss": val_loss, "job_val_loss": evaluated.loss,
             "tied": stats.tied, "keys": len(state), "wall_s": time.perf_counter() - started}
 
 
