@@ -15,7 +15,7 @@ from torch import nn
 
 from stages.build.layer_specs import LayerSpec
 
-__all__ = ["residual_mlp", "residual_mlp_layers", "linear_stack", "gpt", "lm_loss", "generate"]
+__all__ = ["residual_mlp", "residual_mlp_layers", "linear_stack", "gpt", "lm_loss", "token_accuracy", "generate"]
 
 
 # --- the reference workload ---------------------------------------------------------
@@ -190,6 +190,11 @@ def gpt(
         assert isinstance(head, Head) and isinstance(embedding, Embedding)
         head.out.weight = embedding.token.weight
     return model
+
+
+def token_accuracy(logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The share of next tokens the model ranks first (an evaluation metric: ``eval_metrics``)."""
+    return {"accuracy": (logits.argmax(-1) == targets).float().mean()}
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean",

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from examples import check_training_args, positive_int, refused, training_parser
 from examples.data import char_batches, decode, encode
-from examples.models import generate, gpt, lm_loss
+from examples.models import generate, gpt, lm_loss, token_accuracy
 from stages import parameter_groups
 
 PROMPT = "def "
@@ -88,12 +88,12 @@ def _progress(args: argparse.Namespace) -> tqdm:
     return tqdm(total=args.steps, desc="train", unit="step", dynamic_ncols=True)
 
 
-def _log(bar: tqdm, step: int, loss: float, steps: int, eval_loss: float | None = None) -> None:
+def _log(bar: tqdm, step: int, loss: float, steps: int, validation: tuple[float, float] | None = None) -> None:
     bar.set_postfix(loss=f"{loss:.3f}")
     bar.update(1)
     # A line every tenth of the run keeps the descent readable once the bar is gone; each evaluation has its own.
-    if eval_loss is not None:
-        bar.write(f"step {step:4d}  loss {loss:.4f}  validation {eval_loss:.4f}")
+    if validation is not None:
+        bar.write(f"step {step:4d}  loss {loss:.4f}  validation {validation[0]:.4f}, accuracy {validation[1]:.1%}")
     elif step % max(1, steps // 10) == 0 or step == steps - 1:
         bar.write(f"step {step:4d}  loss {loss:.4f}")
 
@@ -104,7 +104,7 @@ async def _train_pipelined(args: argparse.Namespace) -> dict[str, Any]:
     losses: list[float] = []
     step_times: list[float] = []
     bubbles: list[float] = []
-    evaluated: list[tuple[int, float]] = []  # (steps applied, validation loss), as the job evaluated itself
+    evaluated: list[tuple[int, float, float]] = []  # (steps applied, validation loss, accuracy): the job's own
     async with LocalCluster(nodes=args.stages) as cluster:
         # Factories by themselves (their import paths are derived: nodes import them by path).
         try:
@@ -136,9 +136,9 @@ async def _train_pipelined(args: argparse.Namespace) -> dict[str, Any]:
                     losses.append(stats.loss)
                     step_times.append(stats.step_time_s)
                     bubbles.append(stats.bubble_fraction)
-                    _log(bar, step, stats.loss, args.steps, stats.eval_loss)
                     if stats.eval_loss is not None:
-                        evaluated.append((step + 1, stats.eval_loss))
+                        evaluated.append((step + 1, stats.eval_loss, stats.eval_metrics["accuracy"]))
+                    _log(bar, step, stats.loss, args.steps, evaluated[-1][1:] if stats.eval_loss is not None else None)
             state = await job.state_dict()
         finally:
             await job.close()
@@ -159,7 +159,7 @@ def _evaluation(args: argparse.Namespace) -> dict[str, Any]:
     if not args.eval_every:
         return {}
     return {"eval_data": char_batches, "eval_data_kwargs": data_kwargs(args, split="val"),
-            "eval_every": args.eval_every, "eval_batches": args.eval_batches}
+            "eval_every": args.eval_every, "eval_batches": args.eval_batches, "eval_metrics": token_accuracy}
 
 
 def _train_single_process(args: argparse.Namespace) -> dict[str, Any]:
@@ -172,7 +172,7 @@ def _train_single_process(args: argparse.Namespace) -> dict[str, Any]:
     batch = char_batches(**data_kwargs(args))
     losses: list[float] = []
     step_times: list[float] = []
-    evaluated: list[tuple[int, float]] = []
+    evaluated: list[tuple[int, float, float]] = []
     with _progress(args) as bar:
         for step in range(args.steps):
             began = time.perf_counter()
@@ -183,28 +183,30 @@ def _train_single_process(args: argparse.Namespace) -> dict[str, Any]:
             optimizer.step()
             step_times.append(time.perf_counter() - began)
             losses.append(loss.item())
-            eval_loss = None
+            validation = None
             if args.eval_every and (step + 1) % args.eval_every == 0:
-                eval_loss = evaluate(model, args)
-                evaluated.append((step + 1, eval_loss))
+                validation = evaluate(model, args)
+                evaluated.append((step + 1, *validation))
                 model.train()
-            _log(bar, step, losses[-1], args.steps, eval_loss)
+            _log(bar, step, losses[-1], args.steps, validation)
     return {"losses": losses, "step_times_s": step_times, "state": model.state_dict(), "evaluated": evaluated}
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, args: argparse.Namespace) -> float:
-    """Mean loss over ``args.eval_batches`` batches of the validation split."""
+def evaluate(model: torch.nn.Module, args: argparse.Namespace) -> tuple[float, float]:
+    """Mean loss and next-character accuracy over ``args.eval_batches`` batches of the validation split."""
     batch = char_batches(**data_kwargs(args, split="val"))
     model.eval()
-    losses = [lm_loss(model(inputs), targets).item() for inputs, targets in map(batch, range(args.eval_batches))]
-    return sum(losses) / len(losses)
+    logits = [(model(inputs), targets) for inputs, targets in map(batch, range(args.eval_batches))]
+    losses = [lm_loss(out, targets).item() for out, targets in logits]
+    right = [token_accuracy(out, targets)["accuracy"].item() for out, targets in logits]
+    return sum(losses) / len(losses), sum(right) / len(right)
 
 
 def plot_losses(losses: list[float], val_loss: float, path: str, first_step: int = 0,
-                evaluated: list[tuple[int, float]] | None = None) -> None:
+                evaluated: list[tuple[int, float, float]] | None = None) -> None:
     """Saves the training loss per step (from ``first_step``), the validation loss at each evaluation
-    (``evaluated``: steps applied, loss) and at the end, as a PNG."""
+    (``evaluated``: steps applied, loss, accuracy) and at the end, as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed
@@ -213,7 +215,8 @@ def plot_losses(losses: list[float], val_loss: float, path: str, first_step: int
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(range(first_step, first_step + len(losses)), losses, lw=1, label="train (global batch)")
     if evaluated:
-        ax.plot(*zip(*evaluated), "o-", color="tab:orange", ms=3, lw=1, label="validation (every --eval-every)")
+        ax.plot([at for at, *_ in evaluated], [loss for _, loss, _ in evaluated], "o-", color="tab:orange", ms=3, lw=1,
+                label="validation (every --eval-every)")
     ax.axhline(val_loss, color="tab:orange", ls="--", lw=1, label=f"validation at the end: {val_loss:.3f}")
     ax.axhline(math.log(128), color="gray", ls=":", lw=1, label="uniform guess: ln 128")
     ax.set_xlabel("step")
@@ -237,9 +240,9 @@ def main(argv: list[str] | None = None) -> None:
 
     model = gpt(**model_kwargs(args))
     model.load_state_dict(history["state"])
-    val_loss = evaluate(model, args)
+    val_loss, val_accuracy = evaluate(model, args)
     trained = f"train loss {losses[0]:.3f} -> {losses[-1]:.3f}" if losses else "no step left to train"
-    print(f"{trained}, validation loss {val_loss:.3f}, {history['wall_s']:.0f} s")
+    print(f"{trained}, validation loss {val_loss:.3f} (accuracy {val_accuracy:.1%}), {history['wall_s']:.0f} s")
     if history.get("bubble_fractions"):
         step_times, bubbles = history["step_times_s"], history["bubble_fractions"]
         print(f"mean step {sum(step_times) / len(step_times):.3f} s, mean bubble {sum(bubbles) / len(bubbles):.0%}")

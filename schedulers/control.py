@@ -158,7 +158,7 @@ class JobController:
             stats = dataclasses.replace(stats, recovery=self._recovery)
             self._recovery = None
         if evaluated is not None:
-            stats = dataclasses.replace(stats, eval_loss=evaluated.loss)
+            stats = dataclasses.replace(stats, eval_loss=evaluated.loss, eval_metrics=evaluated.metrics)
         self.core.last_stats = stats
         self._step_finished(stats, applied)
         return stats

@@ -22,6 +22,7 @@ import torch
 from actors import StepFailed
 from stages.comm.boundary import Payload, pack, unpack
 from stages.compute.averaging import step_loss
+from stages.compute.metrics import mean_metrics
 from schedulers.job_core import JobCore, evaluation_programs
 from schedulers.jobs import JobSpec
 from schedulers.records import EvalResult
@@ -52,6 +53,7 @@ async def evaluate(job: JobCore, path: StepPath, inputs: Any, targets: Any, *, o
         batches = [step_calls(spec, step, inputs, targets, operation="evaluate")]
     losses: list[float] = []
     items: list[float] = []
+    metrics: list[dict[str, float]] = []
     parts: list[Any] = []
     sent = 0
     started = time.perf_counter()
@@ -68,11 +70,12 @@ async def evaluate(job: JobCore, path: StepPath, inputs: Any, targets: Any, *, o
         last = [r for rank, r in enumerate(reports) if job.mesh.coords(rank).tensor == 0 and r.losses]
         losses += [loss for r in last for loss in r.losses]
         items += [n for r in last for n in r.items]
+        metrics += [named for r in last for named in r.metrics]
         parts += [out for r in last for out in r.outputs or ()]
         sent += sum(n for r in reports for n in r.bytes_sent.values())
     return EvalResult(loss=step_loss(losses, items, spec.training.loss_averaging == "tokens"), items=float(sum(items)),
                       outputs=join_outputs(parts) if outputs else None, eval_time_s=time.perf_counter() - started,
-                      bytes_sent=sent)
+                      bytes_sent=sent, metrics=mean_metrics(metrics, items if len(metrics) == len(items) else []))
 
 
 def validation_calls(spec: JobSpec, batch: int) -> dict[int, dict[str, Any]]:

@@ -189,7 +189,8 @@ class CheckpointSaved(JobEvent):
 class Evaluated(JobEvent):
     """The job evaluated after ``step`` applied steps: ``loss`` over ``items`` samples (or counted tokens) in
     ``batches`` batches, in ``eval_time_s``; ``periodic``: by itself (``evaluation.eval_every``), else
-    ``job.evaluate``; ``validation``: on the job's validation data (``evaluation.eval_data``)."""
+    ``job.evaluate``; ``validation``: on the job's validation data (``evaluation.eval_data``);
+    ``metrics``: the job's ``eval_metrics`` by name."""
 
     kind: ClassVar[str] = "evaluated"
     step: int
@@ -199,6 +200,7 @@ class Evaluated(JobEvent):
     eval_time_s: float
     periodic: bool = False
     validation: bool = False
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -19,6 +19,7 @@ written, as DeepSpeed's monitors write it but named for what actorpipe measures:
 ``Train/peak_rss_bytes/rank_N``        each stage actor's peak resident memory (global rank N)
 ``Train/peak_stash_bytes/rank_N``      each stage actor's peak bytes held for backward
 ``Eval/loss``                          an evaluation's loss
+``Eval/NAME``                          each of its ``eval_metrics``
 =====================================  =====================================================
 
 The step axis is the number of optimizer steps the job has applied, this one included
@@ -119,8 +120,10 @@ def step_scalars(stats: StepStats) -> dict[str, float]:
 
 
 def evaluation_scalars(result: EvalResult) -> dict[str, float]:
-    """The scalars one evaluation writes."""
-    return {"Eval/loss": float(result.loss)}
+    """The scalars one evaluation writes: its loss, and each of the job's ``eval_metrics``."""
+    scalars = {"Eval/loss": float(result.loss)}
+    scalars.update((f"Eval/{name}", float(value)) for name, value in result.metrics.items())
+    return scalars
 
 
 def csv_file_name(tag: str) -> str:

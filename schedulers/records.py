@@ -105,6 +105,7 @@ class StepStats(WireRecord):
         prediction_error: ``(step_time_s - predicted_step_s) / predicted_step_s``.
         eval_loss: the loss on the validation data of the evaluation the job made by itself right
             after this step (``evaluation.eval_every``); None after the other steps.
+        eval_metrics: that evaluation's ``eval_metrics`` by name (empty without them).
     """
 
     nested: ClassVar[dict[str, Any]] = {"recovery": Recovery}
@@ -142,6 +143,7 @@ class StepStats(WireRecord):
     predicted_step_s: float | None = None
     prediction_error: float | None = None
     eval_loss: float | None = None
+    eval_metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -156,6 +158,8 @@ class EvalResult(WireRecord):
             order (every replica's micro-batches joined along the first dim), on the CPU.
         eval_time_s: seconds from the scheduler's orders to the last stage's answer.
         bytes_sent: bytes the stages put on the wire, every edge.
+        metrics: the job's ``eval_metrics`` by name, each averaged over the micro-batches as the
+            loss is (weighted by their samples or counted tokens); empty without them.
     """
 
     loss: float
@@ -163,6 +167,7 @@ class EvalResult(WireRecord):
     outputs: Any = None
     eval_time_s: float = 0.0
     bytes_sent: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -64,7 +64,8 @@ class SelfEvaluations:
             self.monitors.record_evaluation(result, job.applied)
         self.last = Evaluated(time=time.time(), job=job.id, step=job.applied, loss=result.loss, items=result.items,
                               batches=job.spec.evaluation.eval_batches if validation else 1,
-                              eval_time_s=result.eval_time_s, periodic=periodic, validation=validation)
+                              eval_time_s=result.eval_time_s, periodic=periodic, validation=validation,
+                              metrics=result.metrics)
         job.publish(self.last)
         return result
 

@@ -217,6 +217,7 @@ def stage_report(trace: StepTrace, parts: StageParts) -> StageReport:
         status="done", losses=[trace.losses[m] for m in sorted(trace.losses)],
         items=[trace.items[m] for m in sorted(trace.items)],
         outputs=None if trace.outputs is None else [trace.outputs[m] for m in sorted(trace.outputs)], busy_s=trace.busy_s,
+        metrics=[trace.metrics[m] for m in sorted(trace.metrics)],
         elapsed_s=trace.elapsed_s, peak_stash=trace.peak_stash, peak_stash_bytes=trace.peak_stash_bytes,
         bytes_sent=trace.bytes_sent, spans=[list(span) for span in trace.spans], started_at=trace.started_at,
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,

@@ -242,6 +242,7 @@ class StageReport(WireRecord):
         items: the last stage's count per micro-batch: its samples, or with
             ``loss_averaging="tokens"`` its counted target elements.
         outputs: with :attr:`StepOrder.keep_outputs`, the last stage's output per micro-batch.
+        metrics: an evaluation's ``eval_metrics`` on the last stage, per micro-batch (empty: none).
         busy_s, elapsed_s: seconds computing, and from the program's start to its barrier.
         peak_stash: the most micro-batch activations held at once.
         peak_stash_bytes: the most bytes of activations held at once for backward: the
@@ -273,6 +274,7 @@ class StageReport(WireRecord):
     losses: list[float] = field(default_factory=list)
     items: list[float] = field(default_factory=list)
     outputs: list[Any] | None = None
+    metrics: list[dict[str, float]] = field(default_factory=list)
     busy_s: float = 0.0
     elapsed_s: float = 0.0
     peak_stash: int = 0

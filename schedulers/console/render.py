@@ -294,6 +294,7 @@ def event_line(event: Event) -> str | None:
         case Evaluated():
             on = f"validation ({event.batches} batch{'es' if event.batches != 1 else ''})" if event.validation \
                 else "a batch"
-            return (f"{event.job} evaluated on {on} after step {event.step}: loss {event.loss:.4f} "
+            metrics = "".join(f", {name} {value:.4g}" for name, value in event.metrics.items())
+            return (f"{event.job} evaluated on {on} after step {event.step}: loss {event.loss:.4f}{metrics} "
                     f"({event.eval_time_s:.2f} s)")
     return None

@@ -60,7 +60,7 @@ def _optional(check: Check) -> Check:
 # spec checks the others (and what must fit across fields) when it is built.
 _FIELD_CHECKS: dict[str, Check] = {
     "model": path, "model_kwargs": mapping, "loss": path, "data": _optional(path), "data_kwargs": mapping,
-    "eval_data": _optional(path), "eval_data_kwargs": mapping,
+    "eval_data": _optional(path), "eval_data_kwargs": mapping, "eval_metrics": _optional(path),
     "seed": any_int,
     **dict.fromkeys(("pipeline_stages", "tensor_parallel", "data_parallel", "micro_batches", "bucket_bytes",
                      "snapshot_every"), positive_int),

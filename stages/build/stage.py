@@ -112,6 +112,14 @@ def _data_source(cfg: StageConfig, path: str | None, kwargs: dict[str, Any],
     return data_source(made, cfg.training.micro_batch_size, cfg.training.seed)
 
 
+def _metrics_fn(cfg: StageConfig, allow: Sequence[str]) -> Callable[[Any, Any], Any] | None:
+    """The job's metrics function (``evaluation.eval_metrics``), on a last stage; None elsewhere, or without one."""
+    path = cfg.evaluation.eval_metrics
+    if path is None or cfg.num_stages - 1 not in cfg.stages:
+        return None
+    return load_object(path, allow)  # type: ignore[no-any-return]
+
+
 def read_data(data: BatchFunction | DatasetReader | None, config: StageConfig, data_step: int, shard: Sequence[int],
               num_microbatches: int, what: str = "data factory",
               ) -> tuple[list[Any] | None, list[Any] | None, list[float] | None]:
@@ -239,6 +247,7 @@ def build_stage(config: StageConfig, allow: Sequence[str], device: torch.device,
                        compute_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.mixed_precision.precision),
                        lr_scheduler=scheduler, stash_codec=cfg.runtime.stash_codec,
                        token_ignore_index=cfg.training.ignore_index if tokens else None,
+                       metrics_fn=_metrics_fn(cfg, allow),
                        # Tensor-parallel layers wait for their peers inside an action, and a compiled layer
                        # may compile again (a new shape, evaluation's no_grad): on the thread, never the loop's.
                        inline_max_s=0.0 if mesh.tensor > 1 or compiled else INLINE_MAX_S)

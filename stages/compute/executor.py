@@ -119,6 +119,7 @@ class StepTrace:
     losses: dict[int, float] = field(default_factory=dict)
     items: dict[int, float] = field(default_factory=dict)  # samples, or counted tokens, per micro-batch
     outputs: dict[int, Any] | None = None  # an evaluation's last-stage outputs, when asked for
+    metrics: dict[int, dict[str, float]] = field(default_factory=dict)  # an evaluation's eval_metrics, per micro-batch
     bytes_sent: dict[str, int] = field(default_factory=dict)  # "F 0->1" / "B 1->0" -> bytes
     peak_stash: int = 0
     peak_stash_bytes: int = 0  # activations held for backward, between actions (see _activations)
@@ -326,6 +327,7 @@ class StepExecutor:
         trace.losses = await self.compute(_as_floats, self._losses) if self.io.staged else _as_floats(self._losses)
         trace.items = {m: float(n) for m, n in sorted(passes.items.items())}
         trace.outputs = passes.outputs
+        trace.metrics = passes.metrics
         leftover = passes.leftover()
         if leftover:
             raise ActionFailed(Action(stage=program[0].stage, kind=_K.BARRIER),

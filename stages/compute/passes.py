@@ -27,6 +27,7 @@ from stages.compute import activations as _activations
 from stages.compute import averaging as _averaging
 from stages.compute import inline as _inline
 from stages.compute import wgrad as _wgrad
+from stages.compute.metrics import metric_values
 from stages.program import Action, ActionKind
 
 __all__ = ["StageModel", "StagePasses", "check_target_shape"]
@@ -66,6 +67,8 @@ class StageModel:
     # loss_averaging="tokens": each loss is a sum over its targets' elements other than ignore_index,
     # which the stages count (stages.compute.averaging); None: "samples", each a mean.
     token_ignore_index: int | None = None
+    # evaluation.eval_metrics, on the last stage: (outputs, targets) -> a number or a dict of them, per micro-batch.
+    metrics_fn: Callable[[Any, Any], Any] | None = None
 
     def autocast(self) -> Any:
         """The context a forward (and a recompute) runs in."""
@@ -110,6 +113,7 @@ class StagePasses:
         # Forward only (job.evaluate): no stash, no graph; the outputs, per micro-batch, when asked for.
         self.evaluating = False
         self.outputs: dict[int, Any] | None = None
+        self.metrics: dict[int, dict[str, float]] = {}  # an evaluation's metrics per micro-batch (eval_metrics)
 
     @property
     def w_batching(self) -> bool:
@@ -128,6 +132,7 @@ class StagePasses:
             raise ValueError(f"{len(loss_weights)} loss weights for {num_microbatches} micro-batches")
         self._loss_weights = loss_weights
         self.items = {}
+        self.metrics = {}
         self.evaluating, self.outputs = evaluating, {} if keep_outputs else None
         modules = self.model.modules.values()
         self._resident = _activations.storages([*boundary.tree_tensors(inputs), *boundary.tree_tensors(targets),
@@ -235,6 +240,8 @@ class StagePasses:
                 self.values[("F", stage, mb)] = boundary.pack(out)
                 return None
             loss = self._loss(mb, out, target)
+            if self.model.metrics_fn is not None:
+                self.metrics[mb] = metric_values(self.model.metrics_fn, out, target)
         if self.outputs is not None:
             self.outputs[mb] = boundary.unpack(boundary.pack(out), torch.device("cpu"))
         return loss

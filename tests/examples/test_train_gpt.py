@@ -68,10 +68,11 @@ async def test_pipelined_training_matches_the_single_process_run() -> None:
     pipelined = await train(parse_args([*TINY, "--eval-every", "2", "--eval-batches", "2"]))
     assert pipelined["losses"] == pytest.approx(single["losses"], rel=1e-5)
     steps = len(single["losses"])
-    assert [at for at, _ in pipelined["evaluated"]] == [at for at, _ in single["evaluated"]] == list(
+    assert [at for at, *_ in pipelined["evaluated"]] == [at for at, *_ in single["evaluated"]] == list(
         range(2, steps + 1, 2)) and steps >= 2
-    assert [loss for _, loss in pipelined["evaluated"]] == pytest.approx([loss for _, loss in single["evaluated"]],
-                                                                         rel=1e-5)
+    # each (steps, loss, accuracy): the accuracy is the job's eval_metrics (a near tie of two logits may flip a character)
+    for (_, loss, accuracy), (_, expected_loss, expected_accuracy) in zip(pipelined["evaluated"], single["evaluated"]):
+        assert loss == pytest.approx(expected_loss, rel=1e-5) and accuracy == pytest.approx(expected_accuracy, abs=0.01)
     assert pipelined["state"].keys() == single["state"].keys()
     for key, value in single["state"].items():
         torch.testing.assert_close(pipelined["state"][key], value, rtol=1e-4, atol=1e-5)

@@ -581,8 +581,8 @@ STEP = {"job": "job0", "step": 4, "loss": 1.5, "step_time_s": 0.0421, "bubble_fr
     (CheckpointSaved(job="job0", step=500, version="/runs/gpt/v000002"),
      "job0 saved itself after step 500: /runs/gpt/v000002"),
     (Evaluated(job="job0", step=500, loss=1.23456, items=256.0, batches=8, eval_time_s=0.412, periodic=True,
-               validation=True),
-     "job0 evaluated on validation (8 batches) after step 500: loss 1.2346 (0.41 s)"),
+               validation=True, metrics={"accuracy": 0.53125}),
+     "job0 evaluated on validation (8 batches) after step 500: loss 1.2346, accuracy 0.5312 (0.41 s)"),
     (Evaluated(job="job0", step=3, loss=2.0, items=8.0, batches=1, eval_time_s=0.05),
      "job0 evaluated on a batch after step 3: loss 2.0000 (0.05 s)"),
     (Event(), None),  # a kind this console does not know

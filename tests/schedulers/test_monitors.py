@@ -207,13 +207,13 @@ async def test_monitors_write_every_step_and_evaluation_then_flush_when_closed(t
     losses = [3.0, 2.0, 1.0]
     for step, loss in enumerate(losses, start=1):
         monitors.record_step(stats(step - 1, loss, lr=[0.1]), step)
-    monitors.record_evaluation(EvalResult(loss=0.75), 3)
+    monitors.record_evaluation(EvalResult(loss=0.75, metrics={"accuracy": 0.5}), 3)
     await monitors.aclose()
     await monitors.aclose()  # twice is fine
     monitors.record_step(stats(4, 0.1), 5)  # after close: dropped, not raised
     scalars = tensorboard_scalars(tmp_path / "tb" / "job7")  # job_name: the job's id by default
     assert scalars["Train/loss"] == [(s, float32(loss)) for s, loss in enumerate(losses, start=1)]
-    assert scalars["Eval/loss"] == [(3, 0.75)]
+    assert scalars["Eval/loss"] == [(3, 0.75)] and scalars["Eval/accuracy"] == [(3, 0.5)]  # eval_metrics too
     assert csv_rows(tmp_path / "csv" / "run" / "Train_loss.csv") == [["step", "loss"], ["1", "3.0"], ["2", "2.0"],
                                                                    ["3", "1.0"]]
     assert csv_rows(tmp_path / "csv" / "run" / "Eval_loss.csv") == [["step", "loss"], ["3", "0.75"]]

@@ -273,13 +273,14 @@ async def test_a_job_saves_itself_every_n_steps_and_one_started_again_goes_on_fr
     assert not [d.job for d in await cluster.jobs() if d.spec.checkpointing.checkpoint_dir == directory]
 
 
-def validation_loss(state: dict[str, torch.Tensor], batches: int) -> float:
-    """One process's loss at ``state`` over the validation data's first ``batches`` batches (as one batch of them all)."""
+def validation_loss(state: dict[str, torch.Tensor], batches: int, loss: Any = F.mse_loss) -> float:
+    """One process's ``loss`` at ``state`` over the validation data's first ``batches`` batches (as one batch of
+    them all)."""
     model = residual_mlp(**MODEL)
     model.load_state_dict(state)
     read = regression_batches(**VALIDATION)
     with torch.no_grad():
-        return sum(F.mse_loss(model(x), y).item() for x, y in map(read, range(batches))) / batches
+        return sum(loss(model(x), y).item() for x, y in map(read, range(batches))) / batches
 
 
 async def test_a_job_evaluates_itself_every_n_steps_before_it_saves_in_a_run_and_step_by_step(
@@ -292,7 +293,8 @@ async def test_a_job_evaluates_itself_every_n_steps_before_it_saves_in_a_run_and
     states, _ = one_process(list(range(6)))
     events = await feed(cluster, "evaluation-events")
     job = await cluster.train(**_train(eval_data="examples.data:regression_batches", eval_data_kwargs=VALIDATION,
-                                       eval_every=2, eval_batches=3, checkpoint_dir=str(tmp_path), checkpoint_every=4))
+                                       eval_every=2, eval_batches=3, checkpoint_dir=str(tmp_path), checkpoint_every=4,
+                                       eval_metrics="torch.nn.functional:l1_loss"))
     try:
         await job.run(4)
         run = await ended(job)
@@ -312,6 +314,8 @@ async def test_a_job_evaluates_itself_every_n_steps_before_it_saves_in_a_run_and
         (2, True, True, 3), (4, True, True, 3), (4, False, True, 3), (6, True, True, 3)]
     for event in evaluated:
         assert event.loss == pytest.approx(validation_loss(states[event.step], 3), rel=1e-5), event
+        # eval_metrics: the mean absolute error, over every micro-batch of both replicas as over the whole set
+        assert event.metrics == pytest.approx({"l1_loss": validation_loss(states[event.step], 3, F.l1_loss)}, rel=1e-5)
     assert asked.loss == evaluated[2].loss and asked.items == 3 * DATA["batch_size"]
     assert described == evaluated[2]  # the job's description shows its last evaluation
     # The evaluation's loss joins its step's statistics and event; the save comes after both.

@@ -124,8 +124,12 @@ async def test_a_periodic_evaluation_that_loses_a_node_is_passed_over_only_where
 def test_the_evaluation_section_wants_its_data_for_eval_every_and_a_batch_at_least() -> None:
     from examples.data import regression_batches
 
-    spec = JobSpec.of(model=MODEL, eval_data=regression_batches, eval_data_kwargs={"seed": 9}, eval_every=5)
+    from torch.nn.functional import l1_loss
+
+    spec = JobSpec.of(model=MODEL, eval_data=regression_batches, eval_data_kwargs={"seed": 9}, eval_every=5,
+                      eval_metrics=l1_loss)
     assert spec.evaluation.eval_data == "examples.data:regression_batches"  # a factory by itself: its path
+    assert spec.evaluation.eval_metrics == "torch.nn.functional:l1_loss"
     assert spec.evaluation.eval_batches == 1 and spec.evaluation.eval_data_kwargs == {"seed": 9}
     with pytest.raises(ValueError, match=r"evaluation.eval_every needs evaluation.eval_data"):
         JobSpec.of(model=MODEL, eval_every=5)
