@@ -110,9 +110,9 @@ class JobController:
         Raises:
             ValueError: a batch that does not split into the job's micro-batches.
             NodeLost: a node of the job was lost, and the job cannot (or may no more) recover.
-            StepFailed: a stage failed or the step timed out.
+            StepFailed: a stage failed or the step timed out; or the evaluation after the step
+                failed (the step was applied).
             CheckpointError: the save after the step failed (the step was applied).
-            StepFailed: the evaluation after the step failed (the step was applied).
         """
         job = self.core
         async with job.operation(stepping=True):
@@ -151,9 +151,9 @@ class JobController:
                 lost = again
 
     def _step_ended(self, stats: StepStats, applied: int, evaluated: EvalResult | None = None) -> StepStats:
-        """A step ended (one by one or in a run): what a recovery did and the loss of the evaluation made
-        after it join its statistics, which become the job's last (the views' describe, trace and plan),
-        and its event goes out."""
+        """A step ended (one by one or in a run): what a recovery did and the evaluation made after it (its
+        loss and metrics) join its statistics, which become the job's last (the views' describe, trace and
+        plan), and its event goes out."""
         if self._recovery is not None:
             stats = dataclasses.replace(stats, recovery=self._recovery)
             self._recovery = None

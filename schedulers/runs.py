@@ -182,7 +182,8 @@ async def steps_ahead(job: JobCore, path: StepPath, settings: Settings,
     (:meth:`~schedulers.step_path.StepPath.dispatch` with ``after``), under one hold of the job, as
     long as ``more(n)`` (another step is wanted with ``n`` in flight) and nothing else waits for the
     job (a state read, a save: they come in between two steps); ``settings`` pending are applied
-    first, ``finished(stats, applied)`` and ``done(ahead)`` follow each step (``ahead``: it went out
+    first, ``finished(stats, applied, evaluated)`` and ``done(ahead)`` follow each step (``evaluated``: the
+    evaluation due after it, or None; ``ahead``: it went out
     while the one before was in flight). False, having run nothing, where the job cannot step ahead
     (:meth:`~schedulers.step_path.StepPath.may_step_ahead`): the run takes its steps one by one.
     No step goes out ahead of one after which the job evaluates or saves itself (``between``): that

@@ -55,8 +55,8 @@ __all__ = [
     "CodecName",
     "Communication",
     "CompileBackend",
-    "Evaluation",
     "CompileMode",
+    "Evaluation",
     "FaultTolerance",
     "LossAveraging",
     "MixedPrecision",
@@ -467,7 +467,7 @@ class Evaluation(_Section):
     eval_data_kwargs: dict[str, Any] = field(default_factory=dict)
     """keyword arguments of the validation data factory"""
     eval_every: int = 0
-    """evaluate on `eval_data` after every this many applied optimizer steps, in a run and one step at a time alike, between two steps (Megatron's `--eval-interval`, the Trainer's `eval_steps`); the loss goes to the monitors as `Eval/loss` and out as an `Evaluated` event. 0: only when `job.evaluate` is called"""
+    """evaluate on `eval_data` after every this many applied optimizer steps, in a run and one step at a time alike, between two steps (Megatron's `--eval-interval`, the Trainer's `eval_steps`); the loss (and `eval_metrics`) joins that step's `StepStats.eval_loss`, goes to the monitors as `Eval/loss` and out as an `Evaluated` event. 0: only when `job.evaluate` is called"""
     eval_batches: int = 1
     """batches of `eval_data` each evaluation averages over (Megatron's `--eval-iters`), each split as a step's global batch is, over the job's micro-batches and replicas"""
     eval_metrics: str | None = None
