@@ -89,6 +89,7 @@ class JobController:
         self.between = BetweenSteps(self.evals, self.saves)
         self.runs = Runs(self.core, self.step, functools.partial(steps_ahead, self.core, self.steps, self.settings,
                                                                  self._step_ended, self._recover_to, self.between))
+        self.evals.on_early_stop = self.runs.stop_early
         self._recovery: Recovery | None = None  # what the last recovery did, for the next StepStats
         self.monitors = monitors  # the job's TensorBoard, W&B and CSV writers (None: none configured)
 
@@ -158,7 +159,8 @@ class JobController:
             stats = dataclasses.replace(stats, recovery=self._recovery)
             self._recovery = None
         if evaluated is not None:
-            stats = dataclasses.replace(stats, eval_loss=evaluated.loss, eval_metrics=evaluated.metrics)
+            stats = dataclasses.replace(stats, eval_loss=evaluated.loss, eval_metrics=evaluated.metrics,
+                                        stop_early=self.evals.stop_early)
         self.core.last_stats = stats
         self._step_finished(stats, applied)
         return stats
@@ -292,7 +294,7 @@ class JobController:
             programs=[job.programs[rank] for rank in sorted(job.programs)], stepping=job.lock.locked(),
             traced=bool(job.last_reports), paused=self.runs.paused, pending=dict(self.settings.pending),
             run=run.info() if run else None, last_stats=job.last_stats,
-            running=job.auto.running(job.spec), last_eval=self.evals.last,
+            running=job.auto.running(job.spec), last_eval=self.evals.last, best_eval=self.evals.best,
         )
 
     async def where(self) -> WhereReport:

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 from actors import Event, WireRecord
 
 __all__ = [
-    "CheckpointSaved", "Evaluated", "JobClosed", "JobCreated", "JobEvent", "JobFailed", "JobPaused", "JobRecovered", "JobResumed",
+    "CheckpointSaved", "EarlyStopped", "Evaluated", "JobClosed", "JobCreated", "JobEvent", "JobFailed", "JobPaused", "JobRecovered", "JobResumed",
     "MonitorFailed",
     "RunFinished", "RunProgress", "RunStarted", "SchedulePlanned", "SettingPending", "SettingRejected", "SettingsApplied",
     "StepFinished",
@@ -201,6 +201,20 @@ class Evaluated(JobEvent):
     periodic: bool = False
     validation: bool = False
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EarlyStopped(JobEvent):
+    """The job's own evaluation after ``step`` was the ``patience``-th in a row that did not improve
+    ``metric`` on ``best`` (reached after ``best_step``): a run stops after this step
+    (``evaluation.early_stopping_patience``)."""
+
+    kind: ClassVar[str] = "early_stopped"
+    step: int
+    metric: str
+    best: float
+    best_step: int
+    patience: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -106,6 +106,8 @@ class StepStats(WireRecord):
         eval_loss: the loss on the validation data of the evaluation the job made by itself right
             after this step (``evaluation.eval_every``); None after the other steps.
         eval_metrics: that evaluation's ``eval_metrics`` by name (empty without them).
+        stop_early: that evaluation was the last that early stopping waits for
+            (``evaluation.early_stopping_patience``): a driver's loop stops here, as a run does.
     """
 
     nested: ClassVar[dict[str, Any]] = {"recovery": Recovery}
@@ -144,6 +146,7 @@ class StepStats(WireRecord):
     prediction_error: float | None = None
     eval_loss: float | None = None
     eval_metrics: dict[str, float] = field(default_factory=dict)
+    stop_early: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -204,7 +207,8 @@ class JobInfo(WireRecord):
 class RunInfo(WireRecord):
     """A run of ``target`` steps from the job's data factory (``Job.run``); ``ahead``: how many of the
     ``done`` steps went out while the step before them was still in flight (see :mod:`schedulers.runs`);
-    ``elapsed_s``: seconds from its start to its end (so far, while active), on the head's clock."""
+    ``elapsed_s``: seconds from its start to its end (so far, while active), on the head's clock;
+    ``stopped_early``: the job's evaluations stopped improving (``evaluation.early_stopping_patience``)."""
 
     target: int
     first_step: int
@@ -214,6 +218,7 @@ class RunInfo(WireRecord):
     error: str | None = None
     ahead: int = 0
     elapsed_s: float = 0.0
+    stopped_early: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -233,10 +238,11 @@ class JobDescription(WireRecord):
         run: the current or last run.
         last_stats: the last step's statistics.
         last_eval: the last evaluation (``job.evaluate``'s or the job's own), as its event told it.
+        best_eval: the best of the job's own evaluations by ``evaluation.metric_for_best``.
     """
 
     nested: ClassVar[dict[str, Any]] = {"spec": JobSpec, "run": RunInfo, "last_stats": StepStats,
-                                        "last_eval": Evaluated}
+                                        "last_eval": Evaluated, "best_eval": Evaluated}
 
     job: str
     spec: JobSpec
@@ -254,6 +260,7 @@ class JobDescription(WireRecord):
     last_stats: StepStats | None = None
     running: str = ""
     last_eval: Evaluated | None = None
+    best_eval: Evaluated | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

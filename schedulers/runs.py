@@ -37,6 +37,7 @@ class RunState:
     done: int = 0
     ahead: int = 0  # of done, the steps sent while the one before was in flight
     stop: bool = False
+    early: bool = False  # stopped by early stopping (evaluation.early_stopping_patience)
     error: str | None = None
     task: asyncio.Task[Any] | None = None
     started: float = field(default_factory=time.perf_counter)
@@ -50,7 +51,7 @@ class RunState:
 
     def info(self) -> RunInfo:
         return RunInfo(target=self.target, first_step=self.first_step, done=self.done, active=not self.finished,
-                       stopping=self.stop, error=self.error, ahead=self.ahead,
+                       stopping=self.stop, error=self.error, ahead=self.ahead, stopped_early=self.early,
                        elapsed_s=(self.ended if self.ended is not None else time.perf_counter()) - self.started)
 
 
@@ -167,6 +168,13 @@ class Runs:
         if self.state is not None:
             self.state.stop = True
             self.state.wake.set()
+
+    def stop_early(self) -> None:
+        """Ends the run going on after this step: the job's evaluations stopped improving."""
+        if self.running:
+            assert self.state is not None
+            self.state.early = True
+            self.stop()
 
     def cancel(self) -> None:
         """Cancels the run's task (the job is closing)."""

@@ -12,17 +12,24 @@ evaluation (:class:`BetweenSteps`), as the Trainer evaluates before it saves.
 
 A periodic evaluation that loses a node of a job that may recover (``max_restarts``) is
 passed over with a warning: the next step recovers, as it would have without it.
+
+The job's own evaluations are judged by ``metric_for_best`` (the loss, or one of its
+``eval_metrics``); the best so far is kept (``best_eval`` in the job's description), and
+after ``early_stopping_patience`` of them in a row that did not beat it by more than
+``early_stopping_threshold`` the job stops early (the Trainer's ``EarlyStoppingCallback``):
+it says so (``EarlyStopped``) and asks its run to stop after this step (``on_early_stop``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from actors import NodeLost, StageLost
 from schedulers import evaluation
-from schedulers.events import Evaluated
+from schedulers.events import EarlyStopped, Evaluated
 from schedulers.job_core import JobCore
 from schedulers.monitors import Monitors
 from schedulers.records import EvalResult
@@ -44,6 +51,10 @@ class SelfEvaluations:
         self.monitors = monitors
         self._evaluated_at = 0  # the applied steps of the last periodic evaluation (none before the first step)
         self.last: Evaluated | None = None  # the last evaluation, as told (the job's description shows it)
+        self.best: Evaluated | None = None  # the best of the job's own evaluations by metric_for_best
+        self.stale = 0  # the job's own evaluations since the best, none of them better
+        self.stop_early = False  # the last of the job's own evaluations asked to stop (early stopping)
+        self.on_early_stop: Callable[[], None] = lambda: None  # the controller's: the run stops after this step
 
     def eval_point(self, applied: int) -> bool:
         """Whether the job evaluates itself once ``applied`` optimizer steps are applied."""
@@ -82,13 +93,53 @@ class SelfEvaluations:
             return None
         self._evaluated_at = applied  # once per point, whoever asks (a step and a run that both ask)
         try:
-            return await self.evaluate(periodic=True)
+            result = await self.evaluate(periodic=True)
         except (NodeLost, StageLost) as lost:
             if not may_recover(job):
                 raise
             log.warning("%s: the evaluation after step %d lost a stage (%s); the next step recovers", job.id, applied,
                         lost)
             return None
+        self._judge()
+        return result
+
+    def _judge(self) -> None:
+        """Weighs the last evaluation (the job's own) against the best so far, and stops early where due.
+
+        Raises:
+            ValueError: ``metric_for_best`` is neither the loss nor one of the evaluation's metrics.
+        """
+        rules, last = self.job.spec.evaluation, self.last
+        assert last is not None
+        value = _judged(last, rules.metric_for_best)
+        best = None if self.best is None else _judged(self.best, rules.metric_for_best)
+        margin = rules.early_stopping_threshold
+        if best is None or (value > best + margin if rules.greater_is_better else value < best - margin):
+            self.best, self.stale = last, 0
+        else:
+            self.stale += 1
+        patience = rules.early_stopping_patience
+        self.stop_early = bool(patience) and self.stale >= patience
+        if self.stop_early and self.best is not None:
+            self.job.publish(EarlyStopped(job=self.job.id, step=last.step, metric=rules.metric_for_best,
+                                          best=_judged(self.best, rules.metric_for_best), best_step=self.best.step,
+                                          patience=patience))
+            self.on_early_stop()
+
+
+def _judged(evaluated: Evaluated, metric: str) -> float:
+    """``evaluated``'s loss, or its metric ``metric``.
+
+    Raises:
+        ValueError: it has no such metric.
+    """
+    if metric == "loss":
+        return evaluated.loss
+    if metric not in evaluated.metrics:
+        known = ", ".join(["loss", *evaluated.metrics])
+        raise ValueError(f"evaluation.metric_for_best {metric!r} is not among the evaluation's figures ({known}); "
+                         "name the loss or a metric eval_metrics returns")
+    return evaluated.metrics[metric]
 
 
 class BetweenSteps:

@@ -473,6 +473,15 @@ class Evaluation(_Section):
     eval_metrics: str | None = None
     """a metrics function by import path or itself (the Trainer's `compute_metrics`): `metrics(outputs, targets)` on the last stage, with each micro-batch's outputs and targets as the loss takes them, returns a number (named after the function) or a dict of named numbers, each a mean over the micro-batch (an accuracy, a mean error); every evaluation averages them over its micro-batches weighted by their samples (or counted tokens), as one process would over the whole batch, into `EvalResult.metrics`, the `Evaluated` event and the monitors (`Eval/NAME`)"""
 
+    metric_for_best: str = "loss"
+    """what the job's own evaluations are judged by: `loss`, or a name `eval_metrics` returns (the Trainer's `metric_for_best_model`); the best so far is in `job.describe().best_eval`"""
+    greater_is_better: bool = False
+    """whether a larger `metric_for_best` is better (an accuracy) rather than a smaller one (a loss, an error)"""
+    early_stopping_patience: int = 0
+    """stop a run (`job.run`) once this many of the job's own evaluations in a row did not improve on the best by more than `early_stopping_threshold` (the Trainer's `EarlyStoppingCallback`): the run ends after that step, says so (`EarlyStopped`, `RunInfo.stopped_early`), and a driven step's `StepStats.stop_early` is set. 0: never"""
+    early_stopping_threshold: float = 0.0
+    """by how much `metric_for_best` must beat the best so far to count as an improvement"""
+
     def __post_init__(self) -> None:
         if self.eval_data is not None:
             object.__setattr__(self, "eval_data", factory_path(self.key("eval_data"), self.eval_data))
@@ -484,6 +493,18 @@ class Evaluation(_Section):
         if self.eval_every and self.eval_data is None:
             raise ValueError(f"{self.key('eval_every')} needs {self.key('eval_data')}: the validation data to "
                              "evaluate on")
+        if not isinstance(self.metric_for_best, str) or not self.metric_for_best:
+            raise TypeError(f"{self.key('metric_for_best')} must be 'loss' or a name eval_metrics returns, got "
+                            f"{show(self.metric_for_best)}")
+        if self.metric_for_best != "loss" and self.eval_metrics is None:
+            raise ValueError(f"{self.key('metric_for_best')}={self.metric_for_best!r} needs {self.key('eval_metrics')}"
+                             ": the function that returns it")
+        check_bool(self.key("greater_is_better"), self.greater_is_better)
+        check_int(self.key("early_stopping_patience"), self.early_stopping_patience, minimum=0)
+        check_number(self.key("early_stopping_threshold"), self.early_stopping_threshold)
+        if self.early_stopping_patience and not self.eval_every:
+            raise ValueError(f"{self.key('early_stopping_patience')} needs {self.key('eval_every')}: early stopping "
+                             "counts the job's own evaluations")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

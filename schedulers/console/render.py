@@ -11,7 +11,7 @@ from rich.table import Table
 from actors import Event, NodeInfo, NodeJoined, NodeLeft, NodeSilent
 from stages import Action
 from schedulers.events import (
-    CheckpointSaved, Evaluated, JobClosed, JobCreated, JobFailed, JobPaused, JobRecovered, JobResumed, MonitorFailed,
+    CheckpointSaved, EarlyStopped, Evaluated, JobClosed, JobCreated, JobFailed, JobPaused, JobRecovered, JobResumed, MonitorFailed,
     RunFinished, RunStarted, SchedulePlanned, SettingPending, SettingRejected, SettingsApplied, StepFinished,
 )
 from schedulers.grid import format_grid
@@ -130,8 +130,9 @@ def job_detail(info: JobDescription) -> list[str]:
     if checking.eval_every:
         lines.append(f"evaluates itself every {checking.eval_every} steps on {checking.eval_batches} batches of "
                      f"{checking.eval_data}")
-    if info.last_eval is not None:
-        lines.append("last " + (event_line(info.last_eval) or "").removeprefix(f"{info.job} "))
+    for said, evaluated in (("last", info.last_eval), ("best", info.best_eval)):
+        if evaluated is not None and (said == "last" or evaluated != info.last_eval):
+            lines.append(f"{said} " + (event_line(evaluated) or "").removeprefix(f"{info.job} "))
     if info.pending:
         lines.append("pending until the next barrier: "
                      + ", ".join(f"{k}={v}" for k, v in sorted(info.pending.items())))
@@ -291,6 +292,10 @@ def event_line(event: Event) -> str | None:
             return f"! {event.job}: monitor {event.monitor} is off ({event.error}); training goes on"
         case CheckpointSaved():
             return f"{event.job} saved itself after step {event.step}: {event.version}"
+        case EarlyStopped():
+            return (f"{event.job} stops early after step {event.step}: {event.metric} did not improve for "
+                    f"{event.patience} evaluation{'s' if event.patience != 1 else ''} (best {event.best:.4g} after "
+                    f"step {event.best_step})")
         case Evaluated():
             on = f"validation ({event.batches} batch{'es' if event.batches != 1 else ''})" if event.validation \
                 else "a batch"

@@ -32,7 +32,7 @@ from rich.console import Console
 from actors import Event, LocalCluster, NodeInfo, NodeJoined, NodeSilent
 from schedulers.deepspeed.config import load_config
 from schedulers.events import (
-    CheckpointSaved, Evaluated, JobFailed, JobRecovered, RunFinished, RunProgress, SettingsApplied, StepFinished,
+    CheckpointSaved, EarlyStopped, Evaluated, JobFailed, JobRecovered, RunFinished, RunProgress, SettingsApplied, StepFinished,
 )
 from schedulers.console.commands import execute, split_commands
 from schedulers.console.render import event_line, job_detail, schedule_grid
@@ -585,6 +585,8 @@ STEP = {"job": "job0", "step": 4, "loss": 1.5, "step_time_s": 0.0421, "bubble_fr
      "job0 evaluated on validation (8 batches) after step 500: loss 1.2346, accuracy 0.5312 (0.41 s)"),
     (Evaluated(job="job0", step=3, loss=2.0, items=8.0, batches=1, eval_time_s=0.05),
      "job0 evaluated on a batch after step 3: loss 2.0000 (0.05 s)"),
+    (EarlyStopped(job="job0", step=900, metric="loss", best=1.25, best_step=600, patience=3),
+     "job0 stops early after step 900: loss did not improve for 3 evaluations (best 1.25 after step 600)"),
     (Event(), None),  # a kind this console does not know
 ])
 def test_events_print_as_one_line(event: Event, line: str | None) -> None:

@@ -24,7 +24,7 @@ from actors import Cluster
 from examples.data import regression_batches
 from examples.models import residual_mlp
 from schedulers.client import Job
-from schedulers.events import CheckpointSaved, Evaluated, RunFinished, StepFinished
+from schedulers.events import CheckpointSaved, EarlyStopped, Evaluated, RunFinished, StepFinished
 from schedulers.records import RunInfo
 from stages import CheckpointError
 from tests.helpers.events import feed, heard_until
@@ -325,3 +325,25 @@ async def test_a_job_evaluates_itself_every_n_steps_before_it_saves_in_a_run_and
     assert [e.eval_loss for e in finished] == [None, evaluated[0].loss, None, evaluated[1].loss]
     assert five.eval_loss is None and six.eval_loss == evaluated[3].loss
     assert equal(state, states[6])
+
+
+async def test_a_run_whose_evaluations_stop_improving_stops_early_and_says_which_was_best(cluster: Cluster) -> None:
+    """``early_stopping_patience=1`` with a learning rate of 0: the validation loss after step 2 equals the one
+    after step 1, not an improvement, so a run of 20 ends after step 2 (no step went out ahead across an
+    evaluation), told as stopped early with step 1's evaluation the best."""
+    events = await feed(cluster, "early-stopping-events")
+    job = await cluster.train(**_train(optimizer=("torch.optim:SGD", {"lr": 0.0}), eval_every=1,
+                                       eval_data="examples.data:regression_batches", eval_data_kwargs=VALIDATION,
+                                       early_stopping_patience=1))
+    try:
+        await job.run(20)
+        run = await ended(job)
+        heard = await heard_until(events, RunFinished, job.id)
+        described = await job.describe()
+    finally:
+        await job.close()
+    assert (run.done, run.stopped_early, run.error, run.ahead) == (2, True, None, 0)
+    [early] = [e for e in heard if isinstance(e, EarlyStopped)]
+    assert (early.step, early.metric, early.best_step, early.patience) == (2, "loss", 1, 1)
+    assert described.best_eval is not None and described.best_eval.step == 1 and described.best_eval.loss == early.best
+    assert described.last_stats is not None and described.last_stats.stop_early

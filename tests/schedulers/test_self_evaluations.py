@@ -13,7 +13,7 @@ import pytest
 from actors import NodeLost, StepFailed
 from schedulers import evaluation, job_state
 from schedulers.checkpoint_paths import CheckpointPath
-from schedulers.events import CheckpointSaved, Evaluated
+from schedulers.events import CheckpointSaved, EarlyStopped, Evaluated
 from schedulers.jobs import JobSpec
 from schedulers.records import EvalResult
 from schedulers.self_evaluations import BetweenSteps, SelfEvaluations
@@ -137,3 +137,63 @@ def test_the_evaluation_section_wants_its_data_for_eval_every_and_a_batch_at_lea
         JobSpec.of(**VALIDATION | {"eval_batches": 0})
     with pytest.raises(TypeError, match=r"evaluation.eval_data_kwargs"):
         JobSpec.of(**VALIDATION, eval_data_kwargs=[1])
+
+
+async def test_evaluations_that_stop_improving_stop_the_job_early_naming_the_best(
+        asked: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``early_stopping_patience``: the job's own evaluations are judged by ``metric_for_best``; after that many in
+    a row not better than the best by more than the threshold, it says so and asks its run to stop."""
+    losses = iter([3.0, 2.0, 1.95, 2.5, 1.0, 1.2, 1.1])
+
+    async def evaluate(job: Job, path: Any, inputs: Any, targets: Any, *, outputs: bool = False,
+                       data_step: int | None = None) -> EvalResult:
+        return EvalResult(loss=next(losses), items=8.0, metrics={"accuracy": 0.5})
+
+    monkeypatch.setattr(evaluation, "evaluate", evaluate)
+    job = Job(JobSpec.of(**VALIDATION, eval_every=1, early_stopping_patience=2, early_stopping_threshold=0.1,
+                         eval_metrics="examples.models:token_accuracy"))
+    evals, stops = SelfEvaluations(job, None, None), []  # type: ignore[arg-type]
+    evals.on_early_stop = lambda: stops.append(job.applied)
+    flags = []
+    for applied in range(1, 8):
+        job.applied = applied
+        await evals.evaluate_if_due()
+        flags.append(evals.stop_early)
+    # 2.0 beats 3.0; 1.95 is within the threshold and 2.5 worse: the second such stops; 1.0 is a new best.
+    assert flags == [False, False, False, True, False, False, True] and stops == [4, 7]
+    early = [(e.step, e.metric, e.best, e.best_step, e.patience) for e in job.events if isinstance(e, EarlyStopped)]
+    assert early == [(4, "loss", 2.0, 2, 2), (7, "loss", 1.0, 5, 2)]
+    assert evals.best is not None and (evals.best.step, evals.best.loss) == (5, 1.0)
+
+
+async def test_a_greater_metric_can_be_the_judge_and_an_unknown_one_fails_the_evaluation_by_name(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    accuracies = iter([0.5, 0.4, 0.6])
+
+    async def evaluate(job: Job, path: Any, inputs: Any, targets: Any, *, outputs: bool = False,
+                       data_step: int | None = None) -> EvalResult:
+        return EvalResult(loss=1.0, items=8.0, metrics={"accuracy": next(accuracies, 0.5)})
+
+    monkeypatch.setattr(evaluation, "evaluate", evaluate)
+    rules = dict(VALIDATION, eval_every=1, eval_metrics="examples.models:token_accuracy")
+    job = Job(JobSpec.of(**rules, metric_for_best="accuracy", greater_is_better=True, early_stopping_patience=3))
+    evals = SelfEvaluations(job, None, None)  # type: ignore[arg-type]
+    for applied in range(1, 4):
+        job.applied = applied
+        await evals.evaluate_if_due()
+    assert evals.best is not None and evals.best.step == 3 and evals.stale == 0 and not evals.stop_early
+    wrong = Job(JobSpec.of(**rules, metric_for_best="f1"), applied=1)
+    with pytest.raises(ValueError, match=r"metric_for_best 'f1' is not among the evaluation's figures \(loss, "
+                                         r"accuracy\)"):
+        await SelfEvaluations(wrong, None, None).evaluate_if_due()  # type: ignore[arg-type]
+
+
+def test_early_stopping_needs_the_jobs_own_evaluations_and_a_metric_it_is_given() -> None:
+    with pytest.raises(ValueError, match="early_stopping_patience needs evaluation.eval_every"):
+        JobSpec.of(**VALIDATION, early_stopping_patience=3)
+    with pytest.raises(ValueError, match="metric_for_best='accuracy' needs evaluation.eval_metrics"):
+        JobSpec.of(**VALIDATION, metric_for_best="accuracy")
+    with pytest.raises(ValueError, match="early_stopping_threshold must be a finite number >= 0"):
+        JobSpec.of(**VALIDATION, eval_every=1, early_stopping_threshold=-1)
+    with pytest.raises(TypeError, match="greater_is_better"):
+        JobSpec.of(**VALIDATION, greater_is_better="yes")
