@@ -271,7 +271,8 @@ async def _eval(session: Session, args: list[str]) -> None:
     data_step = _int_arg(args[1], "STEP") if len(args) > 1 else None
     with session.reporting():
         result = await job.evaluate(data_step=data_step)
-    _print(session, f"{args[0]}: eval loss {result.loss:.6g} over {result.items:g} "
+    metrics = "".join(f", {name} {value:.6g}" for name, value in result.metrics.items())
+    _print(session, f"{args[0]}: eval loss {result.loss:.6g}{metrics} over {result.items:g} "
                     f"{'tokens' if job.spec.training.loss_averaging == 'tokens' else 'samples'} "
                     f"in {result.eval_time_s:.3f}s")
 

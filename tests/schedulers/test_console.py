@@ -299,11 +299,14 @@ def _check_png(path: Path) -> None:
 def test_exec_runs_a_script_of_commands_and_the_example_config(head_address: str, tmp_path: Path) -> None:
     trace_path = tmp_path / "gpt.json"
     done = exec_console(head_address, f"submit examples/gpt_config.json; run last 2; status last; "
-                                      f"trace last {trace_path}; close last")
+                                      f"trace last {trace_path}; eval last; close last")
     assert done.returncode == 0, done.stdout + done.stderr
     assert re.search(r"submitted job\d+: 1f1b, 4 micro-batches", done.stdout)
     assert re.search(r"job\d+: ran 2/2 steps \(now at step 2\), loss \d", done.stdout)
     assert "examples.models:gpt | schedule 1f1b, 4 micro-batches" in done.stdout
+    # the example's validation split (its evaluation section: 4 batches of 32), with its eval_metrics
+    assert re.search(r"job\d+: eval loss [\d.]+, accuracy 0?\.\d+ over 128 samples in", done.stdout), done.stdout
+    assert "evaluates itself every 100 steps on 4 batches of examples.data:char_batches" in done.stdout
     _check_trace(json.loads(trace_path.read_text()), schedule="1f1b")
 
 

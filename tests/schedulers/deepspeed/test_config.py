@@ -143,6 +143,9 @@ def test_the_example_gpt_config_translates_to_a_valid_job() -> None:
     assert spec.training.data == "examples.data:char_batches"
     assert spec.training.data_kwargs["batch_size"] == 32  # train_batch_size, filled in for the factory
     assert spec.parallelism.partition_method == "parameters"
+    # The validation split every 100 steps, its batches global batches too, with the next-character accuracy.
+    assert spec.evaluation.eval_data_kwargs == {"context": 64, "split": "val", "seed": 0, "batch_size": 32}
+    assert (spec.evaluation.eval_every, spec.evaluation.eval_metrics) == (100, "examples.models:token_accuracy")
 
 
 def test_keys_the_file_leaves_out_take_the_specs_defaults() -> None:
