@@ -29,7 +29,7 @@ from schedulers.records import EvalResult
 from schedulers.step_path import StepPath
 from schedulers.stepping import step_calls
 
-__all__ = ["evaluate", "evaluation_failed", "join_outputs", "validation_calls"]
+__all__ = ["evaluate", "evaluation_failed", "join_outputs", "on_validation", "validation_calls"]
 
 
 async def evaluate(job: JobCore, path: StepPath, inputs: Any, targets: Any, *, outputs: bool = False,
@@ -46,7 +46,7 @@ async def evaluate(job: JobCore, path: StepPath, inputs: Any, targets: Any, *, o
     spec = job.spec
     if data_step is not None and (isinstance(data_step, bool) or not isinstance(data_step, int) or data_step < 0):
         raise ValueError(f"data_step must be an int >= 0, got {data_step!r:.40}")
-    if inputs is None and targets is None and data_step is None and spec.evaluation.eval_data is not None:
+    if on_validation(spec, inputs, targets, data_step):
         batches = [validation_calls(spec, k) for k in range(spec.evaluation.eval_batches)]
     else:
         step = job.applied if data_step is None else data_step
@@ -75,7 +75,12 @@ async def evaluate(job: JobCore, path: StepPath, inputs: Any, targets: Any, *, o
         sent += sum(n for r in reports for n in r.bytes_sent.values())
     return EvalResult(loss=step_loss(losses, items, spec.training.loss_averaging == "tokens"), items=float(sum(items)),
                       outputs=join_outputs(parts) if outputs else None, eval_time_s=time.perf_counter() - started,
-                      bytes_sent=sent, metrics=mean_metrics(metrics, items if len(metrics) == len(items) else []))
+                      bytes_sent=sent, metrics=mean_metrics(metrics, items))
+
+
+def on_validation(spec: JobSpec, inputs: Any, targets: Any, data_step: int | None) -> bool:
+    """Whether an evaluation so asked is of the job's validation data: no batch, no ``data_step``, and the job has one."""
+    return inputs is None and targets is None and data_step is None and spec.evaluation.eval_data is not None
 
 
 def validation_calls(spec: JobSpec, batch: int) -> dict[int, dict[str, Any]]:

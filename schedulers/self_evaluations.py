@@ -53,13 +53,18 @@ class SelfEvaluations:
         self.last: Evaluated | None = None  # the last evaluation, as told (the job's description shows it)
         self.best: Evaluated | None = None  # the best of the job's own evaluations by metric_for_best
         self.stale = 0  # the job's own evaluations since the best, none of them better
-        self.stop_early = False  # the last of the job's own evaluations asked to stop (early stopping)
         self.on_early_stop: Callable[[], None] = lambda: None  # the controller's: the run stops after this step
 
     def eval_point(self, applied: int) -> bool:
         """Whether the job evaluates itself once ``applied`` optimizer steps are applied."""
         every = self.job.spec.evaluation.eval_every
         return every > 0 and applied % every == 0 and applied != self._evaluated_at
+
+    @property
+    def stop_early(self) -> bool:
+        """Whether the job's own evaluations have gone ``early_stopping_patience`` in a row without beating the best."""
+        patience = self.job.spec.evaluation.early_stopping_patience
+        return bool(patience) and self.stale >= patience
 
     async def evaluate(self, inputs: Any = None, targets: Any = None, outputs: bool = False,
                        data_step: int | None = None, *, periodic: bool = False) -> EvalResult:
@@ -69,7 +74,7 @@ class SelfEvaluations:
             as :func:`schedulers.evaluation.evaluate`.
         """
         job = self.job
-        validation = inputs is None and data_step is None and job.spec.evaluation.eval_data is not None
+        validation = evaluation.on_validation(job.spec, inputs, targets, data_step)
         result = await evaluation.evaluate(job, self.path, inputs, targets, outputs=outputs, data_step=data_step)
         if self.monitors is not None:  # at the steps applied before it (see schedulers.monitors)
             self.monitors.record_evaluation(result, job.applied)
@@ -119,7 +124,6 @@ class SelfEvaluations:
         else:
             self.stale += 1
         patience = rules.early_stopping_patience
-        self.stop_early = bool(patience) and self.stale >= patience
         if self.stop_early and self.best is not None:
             self.job.publish(EarlyStopped(job=self.job.id, step=last.step, metric=rules.metric_for_best,
                                           best=_judged(self.best, rules.metric_for_best), best_step=self.best.step,
