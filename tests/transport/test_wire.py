@@ -30,7 +30,9 @@ from transport.wire import (
     keep_lossy_encoded,
 )
 
-FUZZ_EXAMPLES = 10_000 if os.environ.get("CI") else 1_000
+# CI runs a fixed (derandomized) set of 4,000 and every other run a fresh 1,000: over the days, the
+# dev runs reach more inputs than a larger fixed set would, and CI keeps to its ten minutes.
+FUZZ_EXAMPLES = 4_000 if os.environ.get("CI") else 1_000
 
 
 def as_bytes(frames: list[object]) -> list[bytes]:
