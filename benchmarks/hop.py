@@ -193,11 +193,11 @@ async def measure(trials: int, count: int) -> dict[str, list[float]]:
     return medians
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=5, help="alternating trials of each kind")
     parser.add_argument("--round-trips", type=int, default=4000, help="round trips per trial")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     medians = run(measure(args.trials, args.round_trips))
     zmq_us = statistics.median(medians["zmq"]) * 1e6
     unix_us = statistics.median(medians["unix"]) * 1e6

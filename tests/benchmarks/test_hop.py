@@ -3,33 +3,39 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
+from collections.abc import Awaitable, Callable
 
 import pytest
 
-from benchmarks.hop import measure
+from benchmarks import hop
 from transport.loop import run
 
-ROOT = Path(__file__).resolve().parents[2]
+
+def test_each_kind_gets_one_median_per_trial_the_kinds_taking_turns_to_go_first(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    order: list[str] = []
+
+    def trial(kind: str, seconds: float) -> Callable[[str, int], Awaitable[list[float]]]:
+        async def measured(folder: str, count: int) -> list[float]:
+            order.append(kind)
+            return [seconds] * count
+        return measured
+
+    monkeypatch.setattr(hop, "TRIALS", {"zmq": trial("zmq", 1.0), "unix": trial("unix", 2.0),
+                                        "stream": trial("stream", 3.0)})
+    medians = run(hop.measure(trials=3, count=5))
+    assert medians == {"zmq": [1.0] * 3, "unix": [2.0] * 3, "stream": [3.0] * 3}
+    assert order == ["zmq", "unix", "stream", "unix", "stream", "zmq", "stream", "zmq", "unix"]
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
-def test_each_kind_gets_one_median_per_trial_and_the_echoes_end() -> None:
-    medians = run(measure(trials=2, count=20))
-    assert {kind: len(values) for kind, values in medians.items()} == {"zmq": 2, "unix": 2, "stream": 2}
-    assert all(value > 0 for values in medians.values() for value in values)
-
-
-@pytest.mark.multiprocess
-@pytest.mark.timeout(120)
-def test_a_tiny_run_prints_every_key_last() -> None:
-    command = [sys.executable, "-m", "benchmarks.hop", "--trials", "1", "--round-trips", "20"]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=100)
-    assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
+def test_a_tiny_run_of_every_kind_prints_every_key_last_and_the_echoes_end(capsys: pytest.CaptureFixture[str]) -> None:
+    hop.main(["--trials", "1", "--round-trips", "20"])  # each trial spawns its echo and joins it
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line.split(":")[0].strip() for line in lines[1:4]] == ["zmq", "unix", "stream"]
+    summary = json.loads(lines[-1])
     assert summary["zmq_rtt_us"] > 0 and summary["unix_rtt_us"] > 0 and summary["stream_rtt_us"] > 0
     assert summary["zmq_vs_unix_rtt"] == pytest.approx(summary["zmq_rtt_us"] / summary["unix_rtt_us"], rel=0.01)
     assert summary["stream_vs_zmq_rtt"] == pytest.approx(summary["stream_rtt_us"] / summary["zmq_rtt_us"], rel=0.01)
+    assert (summary["trials"], summary["round_trips"]) == (1, 20)
