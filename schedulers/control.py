@@ -293,8 +293,8 @@ class JobController:
             stages=[ref.to_wire() for ref in job.stages], steps=job.steps_done,
             programs=[job.programs[rank] for rank in sorted(job.programs)], stepping=job.lock.locked(),
             traced=bool(job.last_reports), paused=self.runs.paused, pending=dict(self.settings.pending),
-            run=run.info() if run else None, last_stats=job.last_stats,
-            running=job.auto.running(job.spec), last_eval=self.evals.last, best_eval=self.evals.best,
+            run=run.info() if run else None, last_stats=job.last_stats, running=job.auto.running(job.spec),
+            last_eval=self.evals.last, best_eval=self.evals.best, best_checkpoint=self.saves.best_version,
         )
 
     async def where(self) -> WhereReport:
@@ -325,7 +325,7 @@ class JobController:
 
     async def save(self, path: CheckpointPath) -> str:
         """Checkpoints the job into ``path`` (see :func:`schedulers.job_state.save`)."""
-        return await job_state.save(self.core, path, self.saves.keep(path))
+        return await job_state.save(self.core, path, *self.saves.rotation(path))
 
     async def export(self, path: CheckpointPath, format: str = "safetensors") -> str:
         """Writes the weights as a model directory (see :func:`schedulers.job_state.export`)."""

@@ -178,11 +178,13 @@ class JobRecovered(JobEvent):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CheckpointSaved(JobEvent):
-    """The job saved itself (``checkpointing.checkpoint_every``) after applied step ``step``, to ``version``."""
+    """The job saved itself (``checkpointing.checkpoint_every``) after applied step ``step``, to ``version``;
+    ``best``: at the job's best evaluation so far, kept out of the rotation (``checkpointing.keep_best``)."""
 
     kind: ClassVar[str] = "checkpoint_saved"
     step: int
     version: str
+    best: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -105,9 +105,10 @@ async def _held_keys(job: JobCore, aliases: bool = True) -> list[frozenset[str]]
 # -- checkpoints (the format: stages.state.checkpoint) -------------------------------------------
 
 
-async def save(job: JobCore, path: CheckpointPath, keep: int = 1) -> str:
+async def save(job: JobCore, path: CheckpointPath, keep: int = 1, spare: str | None = None) -> str:
     """Writes a checkpoint of the weights, optimizer state, learning-rate schedule and step count; returns
-    the new version's path. The newest ``keep`` versions in the directory stay (0: every one).
+    the new version's path. The newest ``keep`` versions in the directory stay (0: every one), and the
+    version named ``spare`` (the job's best: ``checkpointing.keep_best``).
 
     Data-parallel replica 0 of every (pipeline, tensor) coordinate writes its own file
     straight into ``path.directory``, in parallel; nothing big passes through the head (with
@@ -122,11 +123,12 @@ async def save(job: JobCore, path: CheckpointPath, keep: int = 1) -> str:
             out of the client's subtree, or a node that cannot write there (named, with why).
     """
     async with job.operation():
-        return await write_checkpoint(job, path, keep)
+        return await write_checkpoint(job, path, keep, spare)
 
 
-async def write_checkpoint(job: JobCore, path: CheckpointPath, keep: int = 1) -> str:
-    """:func:`save`, for a caller that holds the job (a step or a run that saves itself after a step)."""
+async def write_checkpoint(job: JobCore, path: CheckpointPath, keep: int = 1, spare: str | None = None) -> str:
+    """:func:`save`, for a caller that holds the job (a step or a run that saves itself after a step);
+    ``spare``: a version the rotation keeps whatever ``keep`` says (see ``checkpointing.keep_best``)."""
     directory = check_directory(path.directory)
     mesh = job.mesh
     coordinator = [0]
@@ -147,7 +149,7 @@ async def write_checkpoint(job: JobCore, path: CheckpointPath, keep: int = 1) ->
                              **({"loss_scaler": job.scaler.state_dict()} if job.scaler is not None else {})})
     [version] = await _on_stages(job, coordinator, "save", lambda g: job.stages[g].endpoint(
         StageActor.checkpoint_commit, timeout=CHECKPOINT_TIMEOUT_S).call(directory, staging,
-                                                                          manifest.to_wire(), keep))
+                                                                          manifest.to_wire(), keep, spare))
     job.saved(path, manifest.step)  # what a recovery falls back to
     return str(version)
 

@@ -173,6 +173,13 @@ class JobSpec:
         if p.w_batching and not self.runtime.gradient_accumulation_fusion:
             raise ValueError("parallelism.w_batching runs the fused weight-gradient GEMMs together; it needs "
                              "gradient_accumulation_fusion=True")
+        saves, evals = self.checkpointing, self.evaluation
+        if saves.keep_best and not (saves.checkpoint_every and evals.eval_every
+                                    and saves.checkpoint_every % evals.eval_every == 0):
+            raise ValueError(f"checkpointing.keep_best keeps the version saved at the best evaluation: it needs "
+                             f"checkpoint_every (now {saves.checkpoint_every}) a multiple of evaluation.eval_every "
+                             f"(now {evals.eval_every}), both above 0, so that every save has its own step's "
+                             "evaluation")
         zero = self.optimization.zero_stage
         if zero >= 3:
             raise ValueError(f"optimization.zero_stage={zero} is not built: a pipeline stage holds its parameters "

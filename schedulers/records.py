@@ -239,6 +239,8 @@ class JobDescription(WireRecord):
         last_stats: the last step's statistics.
         last_eval: the last evaluation (``job.evaluate``'s or the job's own), as its event told it.
         best_eval: the best of the job's own evaluations by ``evaluation.metric_for_best``.
+        best_checkpoint: the version the job saved at its best evaluation (``checkpointing.keep_best``), kept
+            out of the rotation; ``job.load`` takes its path.
     """
 
     nested: ClassVar[dict[str, Any]] = {"spec": JobSpec, "run": RunInfo, "last_stats": StepStats,
@@ -261,6 +263,7 @@ class JobDescription(WireRecord):
     running: str = ""
     last_eval: Evaluated | None = None
     best_eval: Evaluated | None = None
+    best_checkpoint: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -163,5 +163,7 @@ class BetweenSteps:
         return await self.evals.evaluate_if_due()
 
     async def save(self) -> None:
-        """:meth:`~schedulers.self_saves.SelfSaves.save_if_due`, after the evaluation; the caller holds the job."""
-        await self.saves.save_if_due()
+        """:meth:`~schedulers.self_saves.SelfSaves.save_if_due`, after the evaluation (its save is the best where
+        the evaluation was); the caller holds the job."""
+        best = self.evals.best
+        await self.saves.save_if_due(best.step if best is not None else None)

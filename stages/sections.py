@@ -519,6 +519,8 @@ class Checkpointing(_Section):
     """save a checkpoint into `checkpoint_dir` after every this many applied optimizer steps, in a run and one step at a time alike, between two steps (as Megatron's `--save-interval` and torchtitan's `checkpoint.interval`). 0: only `job.save` saves"""
     keep_checkpoints: int = 1
     """how many of the newest versions a save into `checkpoint_dir` keeps there, its own and `job.save`'s (torchtitan's `keep_latest_k`, the Trainer's `save_total_limit`); the older ones go once `LATEST` names the new one. 0: every version stays. A save into any other directory keeps only its newest"""
+    keep_best: bool = False
+    """keep the version saved at the job's best evaluation so far (by `evaluation.metric_for_best`) out of the rotation of `keep_checkpoints`, as the Trainer keeps its best checkpoint under `save_total_limit` (`load_best_model_at_end`); `job.describe().best_checkpoint` names it, for `job.load`. Needs `checkpoint_every` a multiple of `evaluation.eval_every`, so that every save has the evaluation of its own step"""
     resume_from_checkpoint: bool = False
     """as the job starts, load the newest checkpoint in `checkpoint_dir` if there is one (all or nothing, as `job.load`: weights, optimizer state, LR schedule, step count, and with it the data factory's position), so that a job started again after a crash goes on from its last save; none there: it starts from its seed"""
 
@@ -530,6 +532,7 @@ class Checkpointing(_Section):
         check_int(self.key("checkpoint_every"), self.checkpoint_every, minimum=0)
         check_int(self.key("keep_checkpoints"), self.keep_checkpoints, minimum=0)
         check_bool(self.key("resume_from_checkpoint"), self.resume_from_checkpoint)
+        check_bool(self.key("keep_best"), self.keep_best)
         wanted = [self.key(name) for name in ("checkpoint_every", "resume_from_checkpoint") if getattr(self, name)]
         if wanted and self.checkpoint_dir is None:
             verb = "needs" if len(wanted) == 1 else "need"

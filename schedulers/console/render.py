@@ -125,7 +125,10 @@ def job_detail(info: JobDescription) -> list[str]:
     saving = spec.checkpointing
     if saving.checkpoint_every:
         kept = f"the newest {saving.keep_checkpoints}" if saving.keep_checkpoints else "every version"
+        kept += " and the best" if saving.keep_best and saving.keep_checkpoints else ""
         lines.append(f"saves itself every {saving.checkpoint_every} steps into {saving.checkpoint_dir}, keeping {kept}")
+        if info.best_checkpoint is not None:
+            lines.append(f"best checkpoint: {info.best_checkpoint}")
     checking = spec.evaluation
     if checking.eval_every:
         lines.append(f"evaluates itself every {checking.eval_every} steps on {checking.eval_batches} batches of "
@@ -291,7 +294,8 @@ def event_line(event: Event) -> str | None:
         case MonitorFailed():
             return f"! {event.job}: monitor {event.monitor} is off ({event.error}); training goes on"
         case CheckpointSaved():
-            return f"{event.job} saved itself after step {event.step}: {event.version}"
+            return f"{event.job} saved itself after step {event.step}: {event.version}" + (
+                " (its best evaluation so far: kept)" if event.best else "")
         case EarlyStopped():
             return (f"{event.job} stops early after step {event.step}: {event.metric} did not improve for "
                     f"{event.patience} evaluation{'s' if event.patience != 1 else ''} (best {event.best:.4g} after "

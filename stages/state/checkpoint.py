@@ -444,9 +444,12 @@ def _pointer(directory: str) -> str | None:
     return name
 
 
-def commit_version(directory: str, staging: str, manifest: Manifest, job: str, keep: int = 1) -> str:
+def commit_version(directory: str, staging: str, manifest: Manifest, job: str, keep: int = 1,
+                   spare: str | None = None) -> str:
     """Completes job ``job``'s save: manifest, fsync, rename to the next version, the pointer; removes
-    older versions, all but the newest ``keep`` (the new one among them; 0: none is removed).
+    older versions, all but the newest ``keep`` (the new one among them; 0: none is removed) and
+    ``spare`` (a version's name, e.g. ``v000004``: the one saved at the job's best evaluation, which the
+    rotation passes over, as the Trainer keeps its best checkpoint under ``save_total_limit``).
 
     The rename, the pointer and the removal hold the directory's lock, so a concurrent
     save of another job never loses its version, and the pointer only moves forward.
@@ -457,7 +460,10 @@ def commit_version(directory: str, staging: str, manifest: Manifest, job: str, k
     Raises:
         CheckpointError: not ``job``'s staging directory in ``directory``, a shard file missing or not the
             size its writer reported, or the filesystem refused.
+        ValueError: ``spare`` does not name a version.
     """
+    if spare is not None and (not isinstance(spare, str) or _VERSION.fullmatch(spare) is None):
+        raise ValueError(f"spare must name a version such as 'v000004', got {str(spare)[:40]!r}")
     directory = check_directory(directory)
     check_staging(staging, job=job)
     if os.path.dirname(staging) != directory:
@@ -480,8 +486,8 @@ def commit_version(directory: str, staging: str, manifest: Manifest, job: str, k
             _reached("renamed")
             name = os.path.basename(version)
             _point(directory, name)
-            # Newer ones (only without a lock: another save's) stay, and the newest keep - 1 older ones.
-            older = [old for old in _versions(directory) if old < name]
+            # Newer ones (only without a lock: another save's) stay, the spare, and the newest keep - 1 older ones.
+            older = [old for old in _versions(directory) if old < name and old != spare]
             for old in older[: max(0, len(older) - keep + 1)] if keep else ():
                 shutil.rmtree(os.path.join(directory, old), ignore_errors=True)
                 _reached("old_removed")

@@ -59,12 +59,13 @@ class StateEndpoints:
         return await self._parts().state.write(staging, file, bool(weights_only))
 
     @endpoint(roles=("head",))
-    async def checkpoint_commit(self, directory: str, staging: str, manifest: dict[str, Any], keep: int = 1) -> str:
+    async def checkpoint_commit(self, directory: str, staging: str, manifest: dict[str, Any], keep: int = 1,
+                                spare: str | None = None) -> str:
         """As the coordinator: completes the save (manifest, fsyncs, rename, pointer), keeping the newest
-        ``keep`` versions (0: every one); returns the version."""
+        ``keep`` versions (0: every one) and the version named ``spare``; returns the version."""
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
             raise ValueError(f"keep must be an int >= 0, got {str(keep)[:20]!r}")
-        return await self._parts().state.commit(directory, staging, manifest, keep)
+        return await self._parts().state.commit(directory, staging, manifest, keep, spare)
 
     @endpoint(roles=("head",))
     async def checkpoint_manifest(self, directory: str, within: str | None = None) -> list[Any]:

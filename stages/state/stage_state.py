@@ -157,11 +157,12 @@ class StageState:
         return await self._compute(write, staging, file, built.held, model.optimizer, built.shard_spec_map(),
                                    built.tensor_rank)
 
-    async def commit(self, directory: str, staging: str, manifest: dict[str, Any], keep: int = 1) -> str:
-        """As the coordinator: completes the save, keeping the newest ``keep`` versions (0: all); returns the
-        version."""
+    async def commit(self, directory: str, staging: str, manifest: dict[str, Any], keep: int = 1,
+                     spare: str | None = None) -> str:
+        """As the coordinator: completes the save, keeping the newest ``keep`` versions (0: all) and
+        ``spare``; returns the version."""
         return await self._compute(checkpoint.commit_version, directory, staging,
-                                   checkpoint.Manifest.from_wire(manifest), self.job, keep)
+                                   checkpoint.Manifest.from_wire(manifest), self.job, keep, spare)
 
     # -- exports (the format: stages.state.export) -------------------------------------
 

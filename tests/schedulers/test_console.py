@@ -583,6 +583,8 @@ STEP = {"job": "job0", "step": 4, "loss": 1.5, "step_time_s": 0.0421, "bubble_fr
      "* job0 recovered: node1 -> spare0; rolled back to step 3, replaying 1 in 1.0 s (0 restarts left)"),
     (CheckpointSaved(job="job0", step=500, version="/runs/gpt/v000002"),
      "job0 saved itself after step 500: /runs/gpt/v000002"),
+    (CheckpointSaved(job="job0", step=600, version="/runs/gpt/v000003", best=True),
+     "job0 saved itself after step 600: /runs/gpt/v000003 (its best evaluation so far: kept)"),
     (Evaluated(job="job0", step=500, loss=1.23456, items=256.0, batches=8, eval_time_s=0.412, periodic=True,
                validation=True, metrics={"accuracy": 0.53125}),
      "job0 evaluated on validation (8 batches) after step 500: loss 1.2346, accuracy 0.5312 (0.41 s)"),
@@ -612,6 +614,13 @@ def test_a_jobs_detail_reads_its_settings_from_the_specs_sections() -> None:
     saving = dataclasses.replace(info, spec=dataclasses.replace(spec, checkpointing=Checkpointing(
         checkpoint_dir="runs/gpt", checkpoint_every=500, keep_checkpoints=3)))
     assert "saves itself every 500 steps into runs/gpt, keeping the newest 3" in job_detail(saving)
+    best = dataclasses.replace(info, spec=dataclasses.replace(
+        spec, checkpointing=Checkpointing(checkpoint_dir="runs/gpt", checkpoint_every=500, keep_checkpoints=3,
+                                          keep_best=True),
+        evaluation=Evaluation(eval_data="examples.data:char_batches", eval_every=100)),
+        best_checkpoint="/runs/gpt/v000002")
+    assert job_detail(best)[-3:-1] == ["saves itself every 500 steps into runs/gpt, keeping the newest 3 and the best",
+                                       "best checkpoint: /runs/gpt/v000002"]
     assert not any("evaluates itself" in line for line in rest)
     checking = dataclasses.replace(info, spec=dataclasses.replace(spec, evaluation=Evaluation(
         eval_data="examples.data:char_batches", eval_every=100, eval_batches=8)))

@@ -170,7 +170,7 @@ def test_flat_keywords_route_to_their_sections_and_sections_come_whole_or_as_dic
     assert JobSpec.of(model=MODEL, parallelism=Parallelism(pipeline_stages=2), micro_batches=2).parallelism == \
         Parallelism(pipeline_stages=2, micro_batches=2)
     assert set(FIELDS) == {f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls)}
-    assert len(FIELDS) == 69
+    assert len(FIELDS) == 70
     with pytest.raises(TypeError, match="training must be a Training, got dict"):
         JobSpec(training={"model": MODEL})  # type: ignore[arg-type]
     with pytest.raises(KeyError, match="'micro_batch' is not a JobSpec field; did you mean micro_batches"):

@@ -327,6 +327,34 @@ async def test_a_job_evaluates_itself_every_n_steps_before_it_saves_in_a_run_and
     assert equal(state, states[6])
 
 
+async def test_keep_best_keeps_the_best_evaluations_version_beside_the_newest_and_it_loads(
+        cluster: Cluster, tmp_path: Path) -> None:
+    """``keep_best`` with ``keep_checkpoints=1``, an evaluation and a save after each of 4 steps, judged on the
+    loss with greater_is_better (so that the best is not the newest): the directory keeps the newest version
+    and the one saved at the best evaluation, which the description names and which loads as it was saved."""
+    states, _ = one_process(list(range(4)))
+    losses = {step: validation_loss(states[step], 2) for step in range(1, 5)}
+    best = max(losses, key=losses.__getitem__)
+    assert best < 4  # else the newest and the best would be one version
+    job = await cluster.train(**_train(eval_data="examples.data:regression_batches", eval_data_kwargs=VALIDATION,
+                                       eval_every=1, eval_batches=2, greater_is_better=True,
+                                       checkpoint_dir=str(tmp_path), checkpoint_every=1, keep_checkpoints=1,
+                                       keep_best=True))
+    try:
+        await job.run(4)
+        assert (await ended(job)).error is None
+        described = await job.describe()
+        assert described.best_eval is not None and described.best_eval.step == best
+        assert described.best_checkpoint == str(tmp_path / f"v{best:06d}")
+        assert sorted(n for n in os.listdir(tmp_path) if n.startswith("v")) == [f"v{best:06d}", "v000004"]
+        assert await job.load(described.best_checkpoint) == best
+        state = await job.state_dict()
+    finally:
+        await job.close()
+    for key, value in states[best].items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
 async def test_a_run_whose_evaluations_stop_improving_stops_early_and_says_which_was_best(cluster: Cluster) -> None:
     """``early_stopping_patience=1`` with a learning rate of 0: the validation loss after step 2 equals the one
     after step 1, not an improvement, so a run of 20 ends after step 2 (no step went out ahead across an

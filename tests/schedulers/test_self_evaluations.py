@@ -84,7 +84,7 @@ async def test_a_job_evaluates_after_every_nth_applied_step_once_and_records_eac
 
 async def test_the_evaluation_due_comes_before_the_save_due_after_the_same_step(
         asked: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    async def save(job: Job, path: CheckpointPath, keep: int = 1) -> str:
+    async def save(job: Job, path: CheckpointPath, keep: int = 1, spare: str | None = None) -> str:
         job.publish(("saving", job.applied))
         return "/ckpt/v000001"
 
@@ -102,6 +102,50 @@ async def test_the_evaluation_due_comes_before_the_save_due_after_the_same_step(
     assert [type(e).__name__ if not isinstance(e, tuple) else e for e in job.events] == [
         "Evaluated", "Evaluated", ("saving", 4), "CheckpointSaved"]
     assert isinstance(job.events[1], Evaluated) and isinstance(job.events[3], CheckpointSaved)
+
+
+async def test_keep_best_spares_the_version_saved_at_the_best_evaluation_from_every_rotation(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Losses 3, 2, 2.5, 1, 4 at steps 1..5, a save after each: the best evaluation's version is the spare of
+    every later save into the job's directory (``job.save``'s too), and the description's best checkpoint."""
+    losses = {1: 3.0, 2: 2.0, 3: 2.5, 4: 1.0, 5: 4.0}
+    spares: list[tuple[int, str | None]] = []
+
+    async def evaluate(job: Job, path: Any, inputs: Any, targets: Any, *, outputs: bool = False,
+                       data_step: int | None = None) -> EvalResult:
+        return EvalResult(loss=losses[job.applied], items=8.0, eval_time_s=0.1)
+
+    async def save(job: Job, path: CheckpointPath, keep: int = 1, spare: str | None = None) -> str:
+        spares.append((job.applied, spare))
+        return f"{path.directory}/v{len(spares):06d}"
+
+    monkeypatch.setattr(evaluation, "evaluate", evaluate)
+    monkeypatch.setattr(job_state, "write_checkpoint", save)
+    job = Job(JobSpec.of(**VALIDATION, eval_every=1, checkpoint_dir="run", checkpoint_every=1, keep_best=True))
+    own = CheckpointPath(directory="/ckpt", within=None)
+    evals, saves = SelfEvaluations(job, None, None), SelfSaves(job, own)  # type: ignore[arg-type]
+    between = BetweenSteps(evals, saves)
+    for applied in range(1, 6):
+        job.applied = applied
+        await between.evaluate()
+        await between.save()
+    assert spares == [(1, None), (2, "v000001"), (3, "v000002"), (4, "v000002"), (5, "v000004")]
+    assert [(e.step, e.best) for e in job.events if isinstance(e, CheckpointSaved)] == [
+        (1, True), (2, True), (3, False), (4, True), (5, False)]
+    assert saves.best_version == "/ckpt/v000004" and evals.best is not None and evals.best.step == 4
+    assert saves.rotation(own) == (1, "v000004")  # job.save into the job's directory spares it too
+    assert saves.rotation(CheckpointPath(directory="/elsewhere", within=None)) == (1, None)
+
+
+def test_keep_best_needs_every_save_at_an_evaluation_point() -> None:
+    for wrong in ({}, {"eval_every": 2, "checkpoint_every": 3}, {"eval_every": 3}):
+        options = {"checkpoint_dir": "run", "checkpoint_every": 4, **wrong}
+        with pytest.raises(ValueError, match="keep_best .* needs checkpoint_every .* multiple of evaluation.eval_every"):
+            JobSpec.of(**VALIDATION, keep_best=True, **options)
+    assert JobSpec.of(**VALIDATION, keep_best=True, checkpoint_dir="run", eval_every=2,
+                      checkpoint_every=4).checkpointing.keep_best
+    with pytest.raises(TypeError, match="keep_best"):
+        JobSpec.of(model=MODEL, keep_best="yes")
 
 
 async def test_a_periodic_evaluation_that_loses_a_node_is_passed_over_only_where_the_job_recovers(

@@ -40,7 +40,7 @@ def saved(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, str, int]]:
     ``/full`` fails as a full disk would."""
     calls: list[tuple[int, str, int]] = []
 
-    async def save(job: Job, path: CheckpointPath, keep: int = 1) -> str:
+    async def save(job: Job, path: CheckpointPath, keep: int = 1, spare: str | None = None) -> str:
         await asyncio.sleep(0)  # a save takes its time: another may ask meanwhile
         if path.directory == "/full":
             raise OSError(28, "No space left on device")
@@ -66,7 +66,8 @@ async def test_a_job_saves_after_every_nth_applied_step_once_however_many_ask(sa
     assert [(e.step, e.version) for e in job.events if isinstance(e, CheckpointSaved)] == [
         (2, "/ckpt/run/v000001"), (4, "/ckpt/run/v000002"), (6, "/ckpt/run/v000003")]
     # keep_checkpoints holds in the job's own directory, a save elsewhere keeps its newest only
-    assert saves.keep(OWN) == 3 and saves.keep(CheckpointPath(directory="/elsewhere", within=None)) == 1
+    assert saves.rotation(OWN) == (3, None)
+    assert saves.rotation(CheckpointPath(directory="/elsewhere", within=None)) == (1, None)
 
 
 async def test_a_failed_save_raises_and_is_not_taken_as_done_and_no_directory_saves_nothing(

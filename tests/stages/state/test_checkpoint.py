@@ -309,6 +309,29 @@ def test_a_save_keeps_the_newest_versions_it_is_told_to_and_zero_keeps_every_one
     assert commit(7, 1) == ["LATEST", "v000007"]
 
 
+def test_the_spare_version_outlives_the_rotation_and_a_spare_that_is_no_version_is_refused(tmp_path: Path) -> None:
+    """``spare``: the version saved at the job's best evaluation (``keep_best``) stays whatever ``keep`` says,
+    without counting among the newest it keeps; once another is the spare, the rotation takes it."""
+    directory = str(tmp_path / "ckpt")
+
+    def commit(value: int, spare: str | None) -> list[str]:
+        staging = ck.begin_version(directory, "job0")
+        ck.commit_version(directory, staging, write(staging, value), "job0", 1, spare)
+        return sorted(os.listdir(directory))
+
+    assert commit(1, None) == ["LATEST", "v000001"]
+    assert commit(2, "v000001") == ["LATEST", "v000001", "v000002"]
+    assert commit(3, "v000001") == ["LATEST", "v000001", "v000003"]
+    assert load(f"{directory}/v000001") == 1 and load(directory) == 3
+    assert commit(4, "v000003") == ["LATEST", "v000003", "v000004"]
+    staging = ck.begin_version(directory, "job0")
+    manifest = write(staging, 5)
+    for wrong in ("../v000001", "LATEST", 3):
+        with pytest.raises(ValueError, match="spare must name a version"):
+            ck.commit_version(directory, staging, manifest, "job0", 1, wrong)  # type: ignore[arg-type]
+    assert [n for n in sorted(os.listdir(directory)) if not n.startswith(".")] == ["LATEST", "v000003", "v000004"]
+
+
 def test_two_jobs_saving_to_one_directory_at_once_both_complete_and_the_later_commit_is_latest(
     tmp_path: Path
 ) -> None:
