@@ -325,7 +325,7 @@ class JobController:
 
     async def save(self, path: CheckpointPath) -> str:
         """Checkpoints the job into ``path`` (see :func:`schedulers.job_state.save`)."""
-        return await job_state.save(self.core, path, *self.saves.rotation(path))
+        return await job_state.save(self.core, path, *self.saves.save_args(path))
 
     async def export(self, path: CheckpointPath, format: str = "safetensors") -> str:
         """Writes the weights as a model directory (see :func:`schedulers.job_state.export`)."""

@@ -105,7 +105,8 @@ async def _held_keys(job: JobCore, aliases: bool = True) -> list[frozenset[str]]
 # -- checkpoints (the format: stages.state.checkpoint) -------------------------------------------
 
 
-async def save(job: JobCore, path: CheckpointPath, keep: int = 1, spare: str | None = None) -> str:
+async def save(job: JobCore, path: CheckpointPath, keep: int = 1, spare: str | None = None,
+               evaluations: dict[str, Any] | None = None) -> str:
     """Writes a checkpoint of the weights, optimizer state, learning-rate schedule and step count; returns
     the new version's path. The newest ``keep`` versions in the directory stay (0: every one), and the
     version named ``spare`` (the job's best: ``checkpointing.keep_best``).
@@ -123,12 +124,14 @@ async def save(job: JobCore, path: CheckpointPath, keep: int = 1, spare: str | N
             out of the client's subtree, or a node that cannot write there (named, with why).
     """
     async with job.operation():
-        return await write_checkpoint(job, path, keep, spare)
+        return await write_checkpoint(job, path, keep, spare, evaluations)
 
 
-async def write_checkpoint(job: JobCore, path: CheckpointPath, keep: int = 1, spare: str | None = None) -> str:
+async def write_checkpoint(job: JobCore, path: CheckpointPath, keep: int = 1, spare: str | None = None,
+                           evaluations: dict[str, Any] | None = None) -> str:
     """:func:`save`, for a caller that holds the job (a step or a run that saves itself after a step);
-    ``spare``: a version the rotation keeps whatever ``keep`` says (see ``checkpointing.keep_best``)."""
+    ``spare``: a version the rotation keeps whatever ``keep`` says (see ``checkpointing.keep_best``);
+    ``evaluations``: how the job's own evaluations stand, for a resume (the manifest's ``job.evaluations``)."""
     directory = check_directory(path.directory)
     mesh = job.mesh
     coordinator = [0]
@@ -146,7 +149,8 @@ async def write_checkpoint(job: JobCore, path: CheckpointPath, keep: int = 1, sp
                         {"path": job.spec.optimization.lr_scheduler[0], "state": schedule},
                         job={"id": job.id, "spec": _described(job.spec.to_wire()), "bounds": job.bounds,
                              "mesh": [mesh.pipeline, mesh.tensor, mesh.data],
-                             **({"loss_scaler": job.scaler.state_dict()} if job.scaler is not None else {})})
+                             **({"loss_scaler": job.scaler.state_dict()} if job.scaler is not None else {}),
+                             **({"evaluations": evaluations} if evaluations else {})})
     [version] = await _on_stages(job, coordinator, "save", lambda g: job.stages[g].endpoint(
         StageActor.checkpoint_commit, timeout=CHECKPOINT_TIMEOUT_S).call(directory, staging,
                                                                           manifest.to_wire(), keep, spare))
@@ -218,10 +222,11 @@ async def load(job: JobCore, path: CheckpointPath, weights_only: bool = False) -
     return step
 
 
-async def resume(job: JobCore, path: CheckpointPath) -> tuple[str, int] | None:
+async def resume(job: JobCore, path: CheckpointPath) -> tuple[str, int, dict[str, Any]] | None:
     """Loads the newest checkpoint in ``path.directory`` as :func:`load` does (``checkpointing.
-    resume_from_checkpoint``), where there is one: its version and step; None where the directory
-    holds none (or does not exist yet), and the job starts from its seed.
+    resume_from_checkpoint``), where there is one: its version, step and the manifest's record of the
+    job that wrote it (``job``); None where the directory holds none (or does not exist yet), and the
+    job starts from its seed.
 
     Raises:
         CheckpointError: a checkpoint that is there but does not load (nothing was applied).
@@ -234,7 +239,8 @@ async def resume(job: JobCore, path: CheckpointPath) -> tuple[str, int] | None:
         if exc.remote_type.rpartition(".")[2] == NoCheckpoint.__name__:
             return None
         raise CheckpointError(f"{job.id} cannot resume from {directory}", [_reason(exc)]) from None
-    return str(found[0]), await load(job, path)
+    written = Manifest.from_wire(found[1]).job
+    return str(found[0]), await load(job, path), written if isinstance(written, dict) else {}
 
 
 async def apply_checkpoint(job: JobCore, path: CheckpointPath, weights_only: bool = False) -> int:

@@ -153,6 +153,7 @@ class BetweenSteps:
     def __init__(self, evals: SelfEvaluations, saves: SelfSaves) -> None:
         self.evals = evals
         self.saves = saves
+        saves.evaluations = evals  # which save is the best, and the standing a save records and a resume takes up
 
     def due(self, applied: int) -> bool:
         """Whether anything is due once ``applied`` optimizer steps are applied (a run sends no step ahead)."""
@@ -165,5 +166,4 @@ class BetweenSteps:
     async def save(self) -> None:
         """:meth:`~schedulers.self_saves.SelfSaves.save_if_due`, after the evaluation (its save is the best where
         the evaluation was); the caller holds the job."""
-        best = self.evals.best
-        await self.saves.save_if_due(best.step if best is not None else None)
+        await self.saves.save_if_due()

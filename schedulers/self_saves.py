@@ -10,17 +10,27 @@ newest checkpoint there, if there is one. With ``keep_best``, the version saved 
 best evaluation so far (a save point is an evaluation point then, and the evaluation comes
 first) stays out of the rotation of ``keep_checkpoints``, its own saves' and ``job.save``'s
 alike, as the Trainer keeps its best checkpoint under ``save_total_limit``; the job's
-description names it (``best_checkpoint``). See docs/checkpoints.md, "Saving by itself".
+description names it (``best_checkpoint``). Each save into the job's directory records how
+its own evaluations stand (the best, the evaluations since, the best's version), and a
+resume takes them up again, as the Trainer's state does: early stopping counts on and the
+best version stays spared. See docs/checkpoints.md, "Saving by itself".
 """
 
 from __future__ import annotations
 
+import logging
 import os
+from typing import TYPE_CHECKING, Any
 
 from schedulers import job_state
 from schedulers.checkpoint_paths import CheckpointPath
-from schedulers.events import CheckpointSaved
+from schedulers.events import CheckpointSaved, Evaluated
 from schedulers.job_core import JobCore
+
+if TYPE_CHECKING:
+    from schedulers.self_evaluations import SelfEvaluations
+
+log = logging.getLogger(__name__)
 
 __all__ = ["SelfSaves"]
 
@@ -33,16 +43,17 @@ class SelfSaves:
         self.path = path
         self._saved_at = -1  # the applied steps of the last save made here (or of the resume)
         self.best_version: str | None = None  # the version saved at the best evaluation (keep_best), its path
+        self.evaluations: SelfEvaluations | None = None  # the job's own evaluations (set by BetweenSteps)
 
     def save_point(self, applied: int) -> bool:
         """Whether the job saves itself once ``applied`` optimizer steps are applied."""
         every = self.job.spec.checkpointing.checkpoint_every
         return self.path is not None and every > 0 and applied % every == 0 and applied != self._saved_at
 
-    async def save_if_due(self, best_step: int | None = None) -> None:
+    async def save_if_due(self) -> None:
         """Saves the job where the steps applied so far make a save point, and says so (``CheckpointSaved``);
-        the caller holds the job (``JobCore.operation``), the one it took its step in. ``best_step``: the
-        applied steps of the job's best evaluation so far (with ``keep_best``, a save at that step is the best).
+        the caller holds the job (``JobCore.operation``), the one it took its step in (and made its evaluation
+        due at the same step in: with ``keep_best``, the save after the best evaluation is the best).
 
         Raises:
             CheckpointError: the save failed (the step before it was applied); a run ends with it.
@@ -52,22 +63,27 @@ class SelfSaves:
             return
         before, self._saved_at = self._saved_at, applied  # taken now: a step and a run that both ask save once
         try:
-            version = await job_state.write_checkpoint(job, self.path, *self.rotation(self.path))
+            version = await job_state.write_checkpoint(job, self.path, *self.save_args(self.path))
         except BaseException:
             self._saved_at = before
             raise
-        best = job.spec.checkpointing.keep_best and best_step == applied
+        judged = self.evaluations.best if self.evaluations is not None else None
+        best = job.spec.checkpointing.keep_best and judged is not None and judged.step == applied
         if best:
             self.best_version = version
         job.publish(CheckpointSaved(job=job.id, step=applied, version=version, best=best))
 
-    def rotation(self, path: CheckpointPath) -> tuple[int, str | None]:
-        """What a save into ``path`` keeps: in the job's own directory ``keep_checkpoints`` of the newest versions
-        and the best one (``keep_best``); elsewhere its newest alone."""
+    def save_args(self, path: CheckpointPath) -> tuple[int, str | None, dict[str, Any] | None]:
+        """How a save into ``path`` goes: in the job's own directory it keeps ``keep_checkpoints`` of the newest
+        versions and the best one (``keep_best``), and records how the job's own evaluations stand; elsewhere
+        it keeps its newest alone."""
         if self.path is None or path.directory != self.path.directory:
-            return 1, None
-        best = self.best_version
-        return self.job.spec.checkpointing.keep_checkpoints, os.path.basename(best) if best is not None else None
+            return 1, None, None
+        spare = os.path.basename(self.best_version) if self.best_version is not None else None
+        judge = self.evaluations
+        standing = None if judge is None or judge.best is None else {
+            "best": judge.best.to_wire(), "stale": judge.stale, "spare": spare}
+        return self.job.spec.checkpointing.keep_checkpoints, spare, standing
 
     async def resume(self) -> tuple[str, int] | None:
         """Loads the newest checkpoint in ``path`` where there is one, as the job starts
@@ -79,6 +95,33 @@ class SelfSaves:
         if self.path is None or not self.job.spec.checkpointing.resume_from_checkpoint:
             return None
         resumed = await job_state.resume(self.job, self.path)
-        if resumed is not None:
-            self._saved_at = self.job.applied
-        return resumed
+        if resumed is None:
+            return None
+        version, step, written = resumed
+        self._saved_at = self.job.applied
+        if self.evaluations is not None and written.get("evaluations") is not None:
+            self._take_up(version, step, written["evaluations"])
+        return version, step
+
+    def _take_up(self, version: str, step: int, standing: Any) -> None:
+        """The evaluations' standing a save recorded (:meth:`save_args`), taken up again by the resumed job."""
+        judge = self.evaluations
+        assert judge is not None
+        try:
+            best = Evaluated.from_wire(standing["best"])
+            stale, spare = standing["stale"], standing["spare"]
+            if isinstance(stale, bool) or not isinstance(stale, int) or stale < 0:
+                raise ValueError(f"stale {stale!r:.20}")
+            if spare is not None and (not isinstance(spare, str) or os.path.basename(spare) != spare):
+                raise ValueError(f"spare {spare!r:.40}")
+        except (KeyError, TypeError, ValueError) as exc:  # another hand's manifest: the job judges afresh
+            log.warning("%s: %s records its evaluations unreadably (%s); the job judges afresh", self.job.id,
+                        version, exc)
+            return
+        judge.best, judge.stale = best, stale
+        if not self.job.spec.checkpointing.keep_best:
+            return
+        if best.step == step:  # the best evaluation's save is the one resumed from
+            self.best_version = version
+        elif spare is not None:
+            self.best_version = os.path.join(os.path.dirname(version), spare)

@@ -355,6 +355,34 @@ async def test_keep_best_keeps_the_best_evaluations_version_beside_the_newest_an
         torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
+async def test_a_resumed_job_counts_its_patience_on_and_keeps_sparing_its_best_version(
+        cluster: Cluster, tmp_path: Path) -> None:
+    """With a learning rate of 0 every evaluation equals the first: a job that saved after steps 1 and 2 (one
+    evaluation without improvement since the best) and is started again with ``resume_from_checkpoint`` takes
+    up its best (step 1's, its version spared) and its patience of 3 from there: its run stops after step 4,
+    as one uninterrupted run would, and the directory keeps step 1's version beside the newest."""
+    options = _train(optimizer=("torch.optim:SGD", {"lr": 0.0}), eval_every=1, eval_data_kwargs=VALIDATION,
+                     eval_data="examples.data:regression_batches", early_stopping_patience=3,
+                     checkpoint_dir=str(tmp_path), checkpoint_every=1, keep_checkpoints=1, keep_best=True)
+    async with await cluster.train(**options) as first:
+        await first.run(2)
+        assert (await ended(first)).done == 2
+    job = await cluster.train(**options, resume_from_checkpoint=True)
+    try:
+        assert job.resumed_step == 2
+        described = await job.describe()
+        assert described.best_eval is not None and described.best_eval.step == 1
+        assert described.best_checkpoint == str(tmp_path / "v000001")
+        await job.run(20)
+        run = await ended(job)
+        described = await job.describe()
+    finally:
+        await job.close()
+    assert (run.done, run.stopped_early, run.error) == (2, True, None)  # steps 3 and 4: stale 2, then 3
+    assert described.best_checkpoint == str(tmp_path / "v000001")
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("v")) == ["v000001", "v000004"]
+
+
 async def test_a_run_whose_evaluations_stop_improving_stops_early_and_says_which_was_best(cluster: Cluster) -> None:
     """``early_stopping_patience=1`` with a learning rate of 0: the validation loss after step 2 equals the one
     after step 1, not an improvement, so a run of 20 ends after step 2 (no step went out ahead across an

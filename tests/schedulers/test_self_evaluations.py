@@ -84,7 +84,8 @@ async def test_a_job_evaluates_after_every_nth_applied_step_once_and_records_eac
 
 async def test_the_evaluation_due_comes_before_the_save_due_after_the_same_step(
         asked: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    async def save(job: Job, path: CheckpointPath, keep: int = 1, spare: str | None = None) -> str:
+    async def save(job: Job, path: CheckpointPath, keep: int = 1, spare: str | None = None,
+                   evaluations: dict[str, Any] | None = None) -> str:
         job.publish(("saving", job.applied))
         return "/ckpt/v000001"
 
@@ -110,13 +111,16 @@ async def test_keep_best_spares_the_version_saved_at_the_best_evaluation_from_ev
     every later save into the job's directory (``job.save``'s too), and the description's best checkpoint."""
     losses = {1: 3.0, 2: 2.0, 3: 2.5, 4: 1.0, 5: 4.0}
     spares: list[tuple[int, str | None]] = []
+    standings: list[dict[str, Any] | None] = []
 
     async def evaluate(job: Job, path: Any, inputs: Any, targets: Any, *, outputs: bool = False,
                        data_step: int | None = None) -> EvalResult:
         return EvalResult(loss=losses[job.applied], items=8.0, eval_time_s=0.1)
 
-    async def save(job: Job, path: CheckpointPath, keep: int = 1, spare: str | None = None) -> str:
+    async def save(job: Job, path: CheckpointPath, keep: int = 1, spare: str | None = None,
+                   evaluations: dict[str, Any] | None = None) -> str:
         spares.append((job.applied, spare))
+        standings.append(evaluations)
         return f"{path.directory}/v{len(spares):06d}"
 
     monkeypatch.setattr(evaluation, "evaluate", evaluate)
@@ -133,8 +137,42 @@ async def test_keep_best_spares_the_version_saved_at_the_best_evaluation_from_ev
     assert [(e.step, e.best) for e in job.events if isinstance(e, CheckpointSaved)] == [
         (1, True), (2, True), (3, False), (4, True), (5, False)]
     assert saves.best_version == "/ckpt/v000004" and evals.best is not None and evals.best.step == 4
-    assert saves.rotation(own) == (1, "v000004")  # job.save into the job's directory spares it too
-    assert saves.rotation(CheckpointPath(directory="/elsewhere", within=None)) == (1, None)
+    assert saves.save_args(own)[:2] == (1, "v000004")  # job.save into the job's directory spares it too
+    assert saves.save_args(CheckpointPath(directory="/elsewhere", within=None)) == (1, None, None)
+    # Each save records how the evaluations stood as it was written: the best, those since, the best's version.
+    assert [(s["best"]["step"], s["stale"], s["spare"]) for s in standings if s is not None] == [
+        (1, 0, None), (2, 0, "v000001"), (2, 1, "v000002"), (4, 0, "v000002"), (4, 1, "v000004")]
+
+
+@pytest.mark.parametrize(("resumed", "best_version"), [("/ckpt/v000005", "/ckpt/v000004"),
+                                                       ("/ckpt/v000004", "/ckpt/v000004")])
+async def test_a_resumed_job_takes_up_its_best_evaluation_its_patience_and_its_best_version(
+        monkeypatch: pytest.MonkeyPatch, resumed: str, best_version: str) -> None:
+    """What a save recorded (the best after step 4, one evaluation since, v000004 its version) comes back
+    with the checkpoint it was saved in: from step 5's, the spare; from step 4's, the version itself."""
+    best = Evaluated(job="job0", step=4, loss=1.0, items=8.0, batches=4, eval_time_s=0.1, periodic=True,
+                     validation=True)
+    step = int(resumed[-1])
+    standing = {"best": best.to_wire(), "stale": 5 - step, "spare": None if step == 4 else "v000004"}
+
+    async def resume(job: Job, path: CheckpointPath) -> tuple[str, int, dict[str, Any]]:
+        job.applied = step
+        return resumed, step, {"id": "job0", "evaluations": standing}
+
+    monkeypatch.setattr(job_state, "resume", resume)
+    job = Job(JobSpec.of(**VALIDATION, eval_every=1, checkpoint_dir="run", checkpoint_every=1, keep_best=True,
+                         resume_from_checkpoint=True, early_stopping_patience=3))
+    own = CheckpointPath(directory="/ckpt", within=None)
+    evals, saves = SelfEvaluations(job, None, None), SelfSaves(job, own)  # type: ignore[arg-type]
+    BetweenSteps(evals, saves)
+    assert await saves.resume() == (resumed, step)
+    assert evals.best == best and evals.stale == 5 - step and saves.best_version == best_version
+    # A record another hand spoiled is passed over: the job judges afresh.
+    standing["stale"] = -1
+    again = SelfEvaluations(job, None, None)
+    BetweenSteps(again, spoiled := SelfSaves(job, own))  # type: ignore[arg-type]
+    assert await spoiled.resume() == (resumed, step)
+    assert again.best is None and again.stale == 0 and spoiled.best_version is None
 
 
 def test_keep_best_needs_every_save_at_an_evaluation_point() -> None:

@@ -40,7 +40,8 @@ def saved(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, str, int]]:
     ``/full`` fails as a full disk would."""
     calls: list[tuple[int, str, int]] = []
 
-    async def save(job: Job, path: CheckpointPath, keep: int = 1, spare: str | None = None) -> str:
+    async def save(job: Job, path: CheckpointPath, keep: int = 1, spare: str | None = None,
+                   evaluations: dict[str, Any] | None = None) -> str:
         await asyncio.sleep(0)  # a save takes its time: another may ask meanwhile
         if path.directory == "/full":
             raise OSError(28, "No space left on device")
@@ -66,8 +67,8 @@ async def test_a_job_saves_after_every_nth_applied_step_once_however_many_ask(sa
     assert [(e.step, e.version) for e in job.events if isinstance(e, CheckpointSaved)] == [
         (2, "/ckpt/run/v000001"), (4, "/ckpt/run/v000002"), (6, "/ckpt/run/v000003")]
     # keep_checkpoints holds in the job's own directory, a save elsewhere keeps its newest only
-    assert saves.rotation(OWN) == (3, None)
-    assert saves.rotation(CheckpointPath(directory="/elsewhere", within=None)) == (1, None)
+    assert saves.save_args(OWN) == (3, None, None)  # no evaluations to record
+    assert saves.save_args(CheckpointPath(directory="/elsewhere", within=None)) == (1, None, None)
 
 
 async def test_a_failed_save_raises_and_is_not_taken_as_done_and_no_directory_saves_nothing(
