@@ -20,19 +20,23 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from schedulers import job_state
 from schedulers.checkpoint_paths import CheckpointPath
 from schedulers.events import CheckpointSaved, Evaluated
 from schedulers.job_core import JobCore
 
-if TYPE_CHECKING:
-    from schedulers.self_evaluations import SelfEvaluations
-
 log = logging.getLogger(__name__)
 
-__all__ = ["SelfSaves"]
+
+class Judged(Protocol):
+    """How the job's own evaluations stand (:class:`~schedulers.self_evaluations.SelfEvaluations`)."""
+
+    best: Evaluated | None  # the best so far by metric_for_best
+    stale: int  # the evaluations since it, none better
+
+__all__ = ["Judged", "SelfSaves"]
 
 
 class SelfSaves:
@@ -43,7 +47,7 @@ class SelfSaves:
         self.path = path
         self._saved_at = -1  # the applied steps of the last save made here (or of the resume)
         self.best_version: str | None = None  # the version saved at the best evaluation (keep_best), its path
-        self.evaluations: SelfEvaluations | None = None  # the job's own evaluations (set by BetweenSteps)
+        self.evaluations: Judged | None = None  # the job's own evaluations (set by BetweenSteps)
 
     def save_point(self, applied: int) -> bool:
         """Whether the job saves itself once ``applied`` optimizer steps are applied."""
