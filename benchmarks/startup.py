@@ -20,7 +20,8 @@ Peers, measured in the same run on this machine:
 ``cluster_ready_vs_parallel_imports`` is the first cluster's time over its floor (target <=
 1.2), ``cluster_again_vs_exec`` a later cluster's over one whose processes import on their
 own, and ``job_created_vs_torch_import`` the job's creation over one ``import torch`` (target
-<= 0.4). The last line printed is one JSON object.
+<= 0.4). ``--nodes N`` measures an N-node cluster (N + 1 imports at once its floor, N stages
+its job) in place of four. The last line printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from schedulers import LocalCluster
 from transport.loop import run
 
 JOB = {"model": "examples.models:residual_mlp", "model_kwargs": {"blocks": 8, "dim": 64, "hidden": 128},
-       "pipeline_stages": 4, "micro_batches": 4}
+       "micro_batches": 4}  # on as many stages as the cluster has nodes
 
 
 def imports(count: int) -> float:
@@ -53,32 +54,34 @@ def imports(count: int) -> float:
     return time.perf_counter() - started
 
 
-async def cluster_ready(fork_nodes: bool = True) -> float:
+async def cluster_ready(nodes: int, fork_nodes: bool = True) -> float:
     started = time.perf_counter()
-    async with LocalCluster(nodes=4, fork_nodes=fork_nodes):
+    async with LocalCluster(nodes=nodes, fork_nodes=fork_nodes):
         return time.perf_counter() - started
 
 
 # A fresh driver's first cluster, timed from LocalCluster's start (the driver's own imports are done).
 FIRST_CLUSTER = """
+import sys
 from benchmarks.startup import cluster_ready
 from transport.loop import run
-print(run(cluster_ready()))
+print(run(cluster_ready(int(sys.argv[1]))))
 """
 
 
-def first_cluster_ready() -> float:
-    """Seconds to a fresh driver's first ``LocalCluster(nodes=4)``: its fork server's imports included."""
-    done = subprocess.run([sys.executable, "-c", FIRST_CLUSTER], capture_output=True, text=True, check=True)
+def first_cluster_ready(nodes: int) -> float:
+    """Seconds to a fresh driver's first ``LocalCluster(nodes=nodes)``: its fork server's imports included."""
+    done = subprocess.run([sys.executable, "-c", FIRST_CLUSTER, str(nodes)], capture_output=True, text=True,
+                          check=True)
     return float(done.stdout.split()[-1])
 
 
-async def jobs(count: int) -> list[dict[str, Any]]:
+async def jobs(count: int, nodes: int) -> list[dict[str, Any]]:
     out = []
-    async with LocalCluster(nodes=4) as cluster:
+    async with LocalCluster(nodes=nodes) as cluster:
         for _ in range(count):
             started = time.perf_counter()
-            job = await cluster.train(**JOB)
+            job = await cluster.train(**JOB, pipeline_stages=nodes)
             created = time.perf_counter() - started
             try:
                 started = time.perf_counter()
@@ -90,14 +93,14 @@ async def jobs(count: int) -> list[dict[str, Any]]:
     return out
 
 
-def measure(rounds: int, num_jobs: int) -> dict[str, Any]:
+def measure(rounds: int, num_jobs: int, nodes: int = 4) -> dict[str, Any]:
     torch_import = min(imports(1) for _ in range(rounds))
-    parallel = min(imports(5) for _ in range(rounds))
-    ready = min(first_cluster_ready() for _ in range(rounds))
-    run(cluster_ready())  # this driver's fork server is warm from here on
-    again = min(run(cluster_ready()) for _ in range(rounds))
-    spawned = min(run(cluster_ready(fork_nodes=False)) for _ in range(rounds))
-    made = run(jobs(num_jobs))
+    parallel = min(imports(nodes + 1) for _ in range(rounds))
+    ready = min(first_cluster_ready(nodes) for _ in range(rounds))
+    run(cluster_ready(nodes))  # this driver's fork server is warm from here on
+    again = min(run(cluster_ready(nodes)) for _ in range(rounds))
+    spawned = min(run(cluster_ready(nodes, fork_nodes=False)) for _ in range(rounds))
+    made = run(jobs(num_jobs, nodes))
     made.sort(key=lambda j: j["job_created_s"])
     median = made[len(made) // 2]
     created = statistics.median(j["job_created_s"] for j in made)
@@ -120,9 +123,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3, help="imports and fresh clusters timed (the least counts)")
     parser.add_argument("--jobs", type=int, default=5, help="jobs created on one cluster (the median counts)")
+    parser.add_argument("--nodes", type=int, default=4, help="the cluster's nodes, and its job's stages")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    result = measure(args.rounds, args.jobs)
+    result = measure(args.rounds, args.jobs, args.nodes)
     for key, value in result.items():
         print(f"{key:>36}: {value}")
     print(json.dumps(result))

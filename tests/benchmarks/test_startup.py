@@ -10,7 +10,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(30
 
 
 def test_the_startup_benchmark_reports_both_ratios_and_where_a_jobs_creation_went() -> None:
-    result = measure(rounds=1, num_jobs=1)
+    result = measure(rounds=1, num_jobs=1, nodes=2)  # 2 nodes: four fewer processes import torch than at 4
     assert result["cluster_ready_vs_parallel_imports"] > 0 and result["job_created_vs_torch_import"] > 0
     assert result["cluster_again_vs_exec"] > 0 and min(result["cluster_again_s"], result["cluster_exec_s"]) > 0
     assert list(result["creation_breakdown_s"]) == ["compile", "place", "partition", "rendezvous", "spawn",
