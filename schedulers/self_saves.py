@@ -18,14 +18,18 @@ best version stays spared. See docs/checkpoints.md, "Saving by itself".
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Any, Protocol
 
+from stages import is_version
 from schedulers import job_state
 from schedulers.checkpoint_paths import CheckpointPath
 from schedulers.events import CheckpointSaved, Evaluated
 from schedulers.job_core import JobCore
+
+__all__ = ["Judged", "SelfSaves"]
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +39,6 @@ class Judged(Protocol):
 
     best: Evaluated | None  # the best so far by metric_for_best
     stale: int  # the evaluations since it, none better
-
-__all__ = ["Judged", "SelfSaves"]
 
 
 class SelfSaves:
@@ -112,11 +114,11 @@ class SelfSaves:
         judge = self.evaluations
         assert judge is not None
         try:
-            best = Evaluated.from_wire(standing["best"])
+            best = dataclasses.replace(Evaluated.from_wire(standing["best"]), job=self.job.id)  # now this job's
             stale, spare = standing["stale"], standing["spare"]
             if isinstance(stale, bool) or not isinstance(stale, int) or stale < 0:
                 raise ValueError(f"stale {stale!r:.20}")
-            if spare is not None and (not isinstance(spare, str) or os.path.basename(spare) != spare):
+            if spare is not None and not is_version(spare):
                 raise ValueError(f"spare {spare!r:.40}")
         except (KeyError, TypeError, ValueError) as exc:  # another hand's manifest: the job judges afresh
             log.warning("%s: %s records its evaluations unreadably (%s); the job judges afresh", self.job.id,

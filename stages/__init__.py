@@ -59,6 +59,7 @@ _EXPORTS = {
     "StepOrder": "stages.records",
     "check_directory": "stages.state.checkpoint",
     "CheckpointError": "stages.state.checkpoint",
+    "is_version": "stages.state.checkpoint",
     "layer_of": "stages.state.checkpoint",
     "Manifest": "stages.state.checkpoint",
     "merge_written": "stages.state.checkpoint",
@@ -125,6 +126,7 @@ if TYPE_CHECKING:  # explicit re-exports, for type checkers (the names resolve l
     from stages.state.checkpoint import (
         check_directory as check_directory,
         CheckpointError as CheckpointError,
+        is_version as is_version,
         layer_of as layer_of,
         Manifest as Manifest,
         merge_written as merge_written,

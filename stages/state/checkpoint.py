@@ -89,7 +89,7 @@ from stages.state.manifest import (
 __all__ = [
     "FORMAT", "CheckpointError", "Manifest", "NoCheckpoint", "TensorEntry", "TensorPart", "begin_version",
     "check_directory", "check_staging", "check_version", "check_within", "commit_version", "dtype_name",
-    "fsync_directory", "layer_of", "merge_written",
+    "fsync_directory", "is_version", "layer_of", "merge_written",
     "read_entry", "read_manifest", "write_tensors",
 ]
 
@@ -374,6 +374,11 @@ def check_staging(staging: Any, name: str = "p0-t0.safetensors", *, job: str | N
     return os.path.join(staging, name)
 
 
+def is_version(name: Any) -> bool:
+    """Whether ``name`` is a version directory's own name (``v000007``), as a save makes them."""
+    return isinstance(name, str) and _VERSION.fullmatch(name) is not None
+
+
 def check_version(version: Any, source: str = FORMAT) -> str:
     """``version`` if it names a version directory (``/abs/DIR/v000007``), or with the ``safetensors``
     source a directory of safetensors weights; it comes over the wire.
@@ -462,7 +467,7 @@ def commit_version(directory: str, staging: str, manifest: Manifest, job: str, k
             size its writer reported, or the filesystem refused.
         ValueError: ``spare`` does not name a version.
     """
-    if spare is not None and (not isinstance(spare, str) or _VERSION.fullmatch(spare) is None):
+    if spare is not None and not is_version(spare):
         raise ValueError(f"spare must name a version such as 'v000004', got {str(spare)[:40]!r}")
     directory = check_directory(directory)
     check_staging(staging, job=job)

@@ -168,11 +168,12 @@ async def test_a_resumed_job_takes_up_its_best_evaluation_its_patience_and_its_b
     assert await saves.resume() == (resumed, step)
     assert evals.best == best and evals.stale == 5 - step and saves.best_version == best_version
     # A record another hand spoiled is passed over: the job judges afresh.
-    standing["stale"] = -1
-    again = SelfEvaluations(job, None, None)
-    BetweenSteps(again, spoiled := SelfSaves(job, own))  # type: ignore[arg-type]
-    assert await spoiled.resume() == (resumed, step)
-    assert again.best is None and again.stale == 0 and spoiled.best_version is None
+    for key, wrong in (("stale", -1), ("spare", ".."), ("best", {"step": 4})):
+        standing = {"best": best.to_wire(), "stale": 1, "spare": "v000004", key: wrong}
+        again = SelfEvaluations(job, None, None)
+        BetweenSteps(again, spoiled := SelfSaves(job, own))  # type: ignore[arg-type]
+        assert await spoiled.resume() == (resumed, step)
+        assert again.best is None and again.stale == 0 and spoiled.best_version is None
 
 
 def test_keep_best_needs_every_save_at_an_evaluation_point() -> None:
