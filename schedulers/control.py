@@ -40,7 +40,6 @@ from actors import ActorError, ActorRef, Event, Host, NodeLost, StageLost, StepF
 from stages import StageActor
 from schedulers import job_state, recovery
 from schedulers.checkpoint_paths import CheckpointPath
-from schedulers.events import StepFinished
 from schedulers.job_core import JobCore, Placer
 from schedulers.job_views import JobViews
 from schedulers.jobs import JobSpec
@@ -234,11 +233,7 @@ class JobController:
 
     def _step_finished(self, stats: StepStats, applied: int) -> None:
         job = self.core
-        job.publish(StepFinished(job=job.id, step=stats.step, loss=stats.loss, step_time_s=stats.step_time_s,
-                                 bubble_fraction=stats.bubble_fraction, samples_per_s=stats.samples_per_s,
-                                 schedule=stats.schedule, run=self.runs.progress(), skipped=stats.skipped,
-                                 lr=stats.lr, predicted_step_s=stats.predicted_step_s,
-                                 prediction_error=stats.prediction_error, eval_loss=stats.eval_loss))
+        job.publish(stats.finished(job.id, self.runs.progress()))
         if self.monitors is not None:
             self.monitors.record_step(stats, applied)
 

@@ -75,7 +75,8 @@ class RunProgress(WireRecord):
 class StepFinished(JobEvent):
     """Step ``step`` is applied (the :class:`~schedulers.records.StepStats` figures a console shows).
 
-    ``run`` is the run's progress when a run (``Job.run``) took the step.
+    ``run`` is the run's progress when a run (``Job.run``) took the step; ``eval_loss`` and
+    ``eval_metrics``, the job's own evaluation after it where one was due.
     """
 
     kind: ClassVar[str] = "step_finished"
@@ -92,6 +93,7 @@ class StepFinished(JobEvent):
     predicted_step_s: float | None = None
     prediction_error: float | None = None
     eval_loss: float | None = None
+    eval_metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from actors import WireRecord
-from schedulers.events import Evaluated
+from schedulers.events import Evaluated, RunProgress, StepFinished
 from schedulers.jobs import JobSpec
 from transport.records import register_record
 
@@ -147,6 +147,15 @@ class StepStats(WireRecord):
     eval_loss: float | None = None
     eval_metrics: dict[str, float] = field(default_factory=dict)
     stop_early: bool = False
+
+    def finished(self, job: str, run: RunProgress | None) -> StepFinished:
+        """This step's :class:`~schedulers.events.StepFinished` event, of job ``job`` (``run``: the run's progress
+        when a run took it)."""
+        return StepFinished(job=job, step=self.step, loss=self.loss, step_time_s=self.step_time_s,
+                            bubble_fraction=self.bubble_fraction, samples_per_s=self.samples_per_s,
+                            schedule=self.schedule, run=run, skipped=self.skipped, lr=list(self.lr),
+                            predicted_step_s=self.predicted_step_s, prediction_error=self.prediction_error,
+                            eval_loss=self.eval_loss, eval_metrics=dict(self.eval_metrics))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

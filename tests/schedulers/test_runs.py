@@ -323,6 +323,7 @@ async def test_a_job_evaluates_itself_every_n_steps_before_it_saves_in_a_run_and
     assert kinds == ["StepFinished", "Evaluated", "StepFinished"] * 2 + ["CheckpointSaved"]
     finished = [e for e in heard if isinstance(e, StepFinished)]
     assert [e.eval_loss for e in finished] == [None, evaluated[0].loss, None, evaluated[1].loss]
+    assert [e.eval_metrics for e in finished] == [{}, evaluated[0].metrics, {}, evaluated[1].metrics]
     assert five.eval_loss is None and six.eval_loss == evaluated[3].loss
     assert equal(state, states[6])
 
