@@ -8,6 +8,7 @@ checkpoint format is :mod:`stages.state.checkpoint` and :mod:`stages.state.manif
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -239,8 +240,11 @@ async def resume(job: JobCore, path: CheckpointPath) -> tuple[str, int, dict[str
         if exc.remote_type.rpartition(".")[2] == NoCheckpoint.__name__:
             return None
         raise CheckpointError(f"{job.id} cannot resume from {directory}", [_reason(exc)]) from None
-    written = Manifest.from_wire(found[1]).job
-    return str(found[0]), await load(job, path), written if isinstance(written, dict) else {}
+    # That version, not the directory's newest again: a save that moved LATEST meanwhile would otherwise
+    # give the job another version's weights than the record of its evaluations read here.
+    version, written = str(found[0]), Manifest.from_wire(found[1]).job
+    step = await load(job, dataclasses.replace(path, directory=version))
+    return version, step, written if isinstance(written, dict) else {}
 
 
 async def apply_checkpoint(job: JobCore, path: CheckpointPath, weights_only: bool = False) -> int:
