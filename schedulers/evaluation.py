@@ -79,7 +79,8 @@ async def evaluate(job: JobCore, path: StepPath, inputs: Any, targets: Any, *, o
 
 
 def on_validation(spec: JobSpec, inputs: Any, targets: Any, data_step: int | None) -> bool:
-    """Whether an evaluation so asked is of the job's validation data: no batch, no ``data_step``, and the job has one."""
+    """Whether an evaluation so asked is of the job's validation data: no batch, no ``data_step``, and the job
+    has one."""
     return inputs is None and targets is None and data_step is None and spec.evaluation.eval_data is not None
 
 

@@ -14,8 +14,8 @@ from typing import Any, ClassVar
 from actors import Event, WireRecord
 
 __all__ = [
-    "CheckpointSaved", "EarlyStopped", "Evaluated", "JobClosed", "JobCreated", "JobEvent", "JobFailed", "JobPaused", "JobRecovered", "JobResumed",
-    "MonitorFailed",
+    "CheckpointSaved", "EarlyStopped", "Evaluated", "JobClosed", "JobCreated", "JobEvent", "JobFailed", "JobPaused",
+    "JobRecovered", "JobResumed", "MonitorFailed",
     "RunFinished", "RunProgress", "RunStarted", "SchedulePlanned", "SettingPending", "SettingRejected", "SettingsApplied",
     "StepFinished",
 ]

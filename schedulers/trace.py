@@ -14,7 +14,8 @@ round trip is the one to trust (its error is at most half that round trip).
 The trace has one track per stage actor, a span per action (with its stage and
 micro-batch), the step's tail after them (``REDUCE``, ``BARRIER``: the wait for every
 stage's vote, ``STEP``; category ``tail``), and a flow arrow per transfer from the
-``SEND`` that posted the value to the ``RECV`` that took it. Open it at https://ui.perfetto.dev or chrome://tracing.
+``SEND`` that posted the value to the ``RECV`` that took it. Open it at
+https://ui.perfetto.dev or chrome://tracing.
 """
 
 from __future__ import annotations

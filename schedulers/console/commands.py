@@ -261,7 +261,8 @@ async def _run(session: Session, args: list[str]) -> None:
     await _wait_for_run(session, job_id)
 
 
-@command("eval JOB [STEP]", "the model's loss on the job's validation data, or a batch of its data factory, forward only",
+@command("eval JOB [STEP]",
+         "the model's loss on the job's validation data, or a batch of its data factory, forward only",
          "Every stage runs forward under no_grad with its modules in eval mode; nothing trains and the run's "
          "data position stays. Without STEP: the job's validation data (eval_data) where it has one, else the data "
          "factory's next batch; STEP names the data factory's batch.",
@@ -360,7 +361,8 @@ async def _close(session: Session, args: list[str]) -> None:
 
 @command("trace JOB FILE", "write the last step's measured timeline as Chrome/Perfetto trace JSON",
          "One track per stage actor, a span per action, transfers as flow arrows, then each stage's tail "
-         "(REDUCE, BARRIER: the wait for every stage's vote, STEP); every node's clock is aligned to the head's. Open it at https://ui.perfetto.dev.", args=("job", "path"), min_args=2)
+         "(REDUCE, BARRIER: the wait for every stage's vote, STEP); every node's clock is aligned to the head's. "
+         "Open it at https://ui.perfetto.dev.", args=("job", "path"), min_args=2)
 async def _trace(session: Session, args: list[str]) -> None:
     job = await session.job(args[0])
     with session.reporting():

@@ -11,7 +11,8 @@ from rich.table import Table
 from actors import Event, NodeInfo, NodeJoined, NodeLeft, NodeSilent
 from stages import Action
 from schedulers.events import (
-    CheckpointSaved, EarlyStopped, Evaluated, JobClosed, JobCreated, JobFailed, JobPaused, JobRecovered, JobResumed, MonitorFailed,
+    CheckpointSaved, EarlyStopped, Evaluated, JobClosed, JobCreated,
+    JobFailed, JobPaused, JobRecovered, JobResumed, MonitorFailed,
     RunFinished, RunStarted, SchedulePlanned, SettingPending, SettingRejected, SettingsApplied, StepFinished,
 )
 from schedulers.grid import format_grid
