@@ -53,7 +53,7 @@ from stages.devices import pin_device
 from stages.program import Action
 from stages.records import (FinishReport, ReduceReport, StageConfig, ProgressReport, StageReport, StepOrder,
                             TailVote)
-from stages.state.endpoints import StateEndpoints
+from stages.state.endpoints import SnapshotEndpoints, StateEndpoints
 from stages.state.stage_state import StageState
 from transport.codecs import get_codec
 
@@ -245,7 +245,7 @@ def join_and_build(config: StageConfig, runtime: Host, allow: Sequence[str], dev
 
 
 @register_actor("stage")
-class StageActor(StateEndpoints, StreamEndpoints, Actor):
+class StageActor(StateEndpoints, SnapshotEndpoints, StreamEndpoints, Actor):
     """One pipeline stage (or several, interleaved) of one job, on one node."""
 
     def __init__(self, **config: Any) -> None:
@@ -511,7 +511,7 @@ class StageActor(StateEndpoints, StreamEndpoints, Actor):
         """What the stage is doing now (answered even mid-step)."""
         return progress_of(self.config, self._step, self.parts.executor if self.parts is not None else None)
 
-    # -- snapshots and recovery (stages.state.stage_state) ----------------------------------
+    # -- snapshots and recovery (stages.state.stage_state; the endpoints: SnapshotEndpoints) -------------
 
     async def _snapshot(self, index: int) -> None:
         state = await self._parts().state.take_snapshot(index)
@@ -524,33 +524,6 @@ class StageActor(StateEndpoints, StreamEndpoints, Actor):
             await buddy.endpoint(StageActor.keep_snapshot, timeout=60).call(self.config.pipeline_rank, index, state)
         except ActorError as exc:
             log.warning("could not send snapshot %d to %s: %s", index, buddy.name, exc)
-
-    @endpoint(concurrent=True, roles=("node",))
-    async def keep_snapshot(self, owner: int, index: int, state: dict[str, torch.Tensor]) -> None:
-        """Keeps pipeline rank ``owner``'s snapshot after ``index`` applied steps, to restore it elsewhere."""
-        with self._refusing():
-            self._parts().state.keep(owner, index, state)
-
-    @endpoint(concurrent=True, roles=("head",))
-    async def snapshots(self) -> dict[str, Any]:
-        """The snapshot step counts this stage has: ``{"own": [...], "held": {"RANK": [...]}}``."""
-        return self._parts().state.indices()
-
-    @endpoint(roles=("head",))
-    async def held_snapshot(self, owner: int, index: int) -> dict[str, torch.Tensor]:
-        """Pipeline rank ``owner``'s snapshot after ``index`` applied steps (for its replacement)."""
-        return self._parts().state.held_snapshot(owner, index)
-
-    @endpoint(roles=("head",))
-    async def own_snapshot(self, index: int) -> dict[str, torch.Tensor]:
-        """This stage's own snapshot after ``index`` applied steps (a lost replica's replacement restores it)."""
-        return self._parts().state.own_snapshot(index)
-
-    @endpoint(roles=("head",))
-    async def restore_snapshot(self, index: int, state: dict[str, torch.Tensor] | None = None) -> None:
-        """Rolls back to the snapshot after ``index`` applied steps (or to ``state``, a lost predecessor's):
-        parameters and optimizer state exactly, nothing of any step in flight."""
-        await self._parts().state.restore(index, state, self._step)
 
     @endpoint(roles=("head",))
     async def rejoin(self, dist: dict[str, Any]) -> None:

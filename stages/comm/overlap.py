@@ -165,6 +165,24 @@ class LateGradientWrite(RuntimeError):
     """A gradient changed after its bucket's all-reduce had started."""
 
 
+def _flat_buckets(params: Sequence[torch.Tensor], layout: Sequence[Sequence[int]]
+                 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
+    """Zeroed flat buckets for ``layout`` (each a list of indices into ``params``), each parameter's
+    view of its bucket, shaped as the parameter, and each parameter's bucket."""
+    flats = [torch.zeros(sum(params[i].numel() for i in members), dtype=params[members[0]].dtype,
+                         device=params[members[0]].device) for members in layout]
+    views: list[torch.Tensor] = [torch.empty(0)] * len(params)
+    bucket = [0] * len(params)
+    for b, members in enumerate(layout):
+        offset = 0
+        for i in members:
+            n = params[i].numel()
+            views[i] = flats[b][offset:offset + n].view_as(params[i])
+            bucket[i] = b
+            offset += n
+    return flats, views, bucket
+
+
 class OverlappedReduction:
     """One stage actor's gradients in flat buckets, each all-reduced as soon as it is final.
 
@@ -209,17 +227,7 @@ class OverlappedReduction:
         self._shards, self._scatter, self._release = shards, scatter, release and shards is not None
         self._replica = replica
         self.layout = bucket_layout(self.params, bucket_bytes) if shards is None else shards.layout
-        self.flats = [torch.zeros(sum(self.params[i].numel() for i in members), dtype=self.params[members[0]].dtype,
-                                  device=self.params[members[0]].device) for members in self.layout]
-        self._bucket = [0] * len(self.params)
-        self._views: list[torch.Tensor] = [torch.empty(0)] * len(self.params)
-        for b, members in enumerate(self.layout):
-            offset = 0
-            for i in members:
-                n = self.params[i].numel()
-                self._views[i] = self.flats[b][offset:offset + n].view_as(self.params[i])
-                self._bucket[i] = b
-                offset += n
+        self.flats, self._views, self._bucket = _flat_buckets(self.params, self.layout)
         index = {id(p): i for i, p in enumerate(self.params)}
         self._index = index
         self._sources = _sources(self.params, modules, index, fused=weight_grads)

@@ -1,19 +1,21 @@
-"""A stage actor's endpoints for its state: state dicts, checkpoints and exports.
+"""A stage actor's endpoints for its state: state dicts, checkpoints and exports, and snapshots.
 
 Mixed into :class:`~stages.actor.StageActor`, which gives them its parts (``_parts()``); the
-work is :class:`~stages.state.stage_state.StageState`'s. Only the head calls them: it
+work is :class:`~stages.state.stage_state.StageState`'s. Only the head calls them, except a
+neighbour stage keeping its snapshot (:meth:`SnapshotEndpoints.keep_snapshot`); the head
 resolves every path for the job's owner first (see docs/security.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 
 from actors._actor import endpoint
 
-__all__ = ["StateEndpoints"]
+__all__ = ["SnapshotEndpoints", "StateEndpoints"]
 
 
 class StateEndpoints:
@@ -104,3 +106,43 @@ class StateEndpoints:
     async def checkpoint_discard(self) -> None:
         """Load, abandoned (another stage found problems): forgets what :meth:`checkpoint_check` read."""
         self._parts().state.discard()
+
+
+class SnapshotEndpoints:
+    """In-memory snapshots for recovery: a stage's own, and the one its neighbour sends it to keep
+    (the stage takes and sends them: ``StepOrder.snapshot``)."""
+
+    _step: int  # the step the stage is in (StageActor's)
+
+    def _parts(self) -> Any:
+        raise NotImplementedError  # StageActor's
+
+    def _refusing(self) -> contextlib.AbstractContextManager[None]:
+        raise NotImplementedError  # StageActor's: refuses a caller that is not one of the job's nodes
+
+    @endpoint(concurrent=True, roles=("node",))
+    async def keep_snapshot(self, owner: int, index: int, state: dict[str, torch.Tensor]) -> None:
+        """Keeps pipeline rank ``owner``'s snapshot after ``index`` applied steps, to restore it elsewhere."""
+        with self._refusing():
+            self._parts().state.keep(owner, index, state)
+
+    @endpoint(concurrent=True, roles=("head",))
+    async def snapshots(self) -> dict[str, Any]:
+        """The snapshot step counts this stage has: ``{"own": [...], "held": {"RANK": [...]}}``."""
+        return self._parts().state.indices()
+
+    @endpoint(roles=("head",))
+    async def held_snapshot(self, owner: int, index: int) -> dict[str, torch.Tensor]:
+        """Pipeline rank ``owner``'s snapshot after ``index`` applied steps (for its replacement)."""
+        return self._parts().state.held_snapshot(owner, index)
+
+    @endpoint(roles=("head",))
+    async def own_snapshot(self, index: int) -> dict[str, torch.Tensor]:
+        """This stage's own snapshot after ``index`` applied steps (a lost replica's replacement restores it)."""
+        return self._parts().state.own_snapshot(index)
+
+    @endpoint(roles=("head",))
+    async def restore_snapshot(self, index: int, state: dict[str, torch.Tensor] | None = None) -> None:
+        """Rolls back to the snapshot after ``index`` applied steps (or to ``state``, a lost predecessor's):
+        parameters and optimizer state exactly, nothing of any step in flight."""
+        await self._parts().state.restore(index, state, self._step)
