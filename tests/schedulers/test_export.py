@@ -158,6 +158,7 @@ def dcp_save_sharded(state: dict[str, torch.Tensor], directory: Path) -> None:
     assert chunked, "the save was not sharded"
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # DCP called in one process on purpose
 @pytest.mark.asyncio(loop_scope="package")
 async def test_a_dcp_export_loads_with_dcp_and_a_sharded_dcp_checkpoint_loads_into_any_layout(
     cluster: Cluster, tmp_path: Path

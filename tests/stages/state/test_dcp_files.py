@@ -34,6 +34,7 @@ def test_metadata_that_is_not_a_pickle_or_not_metadata_is_named(tmp_path: Path) 
         dcp_files.manifest(str(tmp_path))
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # DCP called in one process on purpose
 def test_a_dcp_save_reads_back_exactly_and_a_damaged_chunk_is_named(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 4), nn.LayerNorm(4)).to(torch.bfloat16)
@@ -54,6 +55,7 @@ def test_a_dcp_save_reads_back_exactly_and_a_damaged_chunk_is_named(tmp_path: Pa
         ck.read_entry(version, again.model["0.weight"], again.files, "0.weight", DCP)
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # DCP called in one process on purpose
 def test_chunks_that_leave_part_of_a_tensor_uncovered_are_refused(tmp_path: Path) -> None:
     dcp.save({"w": torch.ones(4, 2)}, checkpoint_id=str(tmp_path), no_dist=True)
     _, manifest = ck.read_manifest(str(tmp_path))
