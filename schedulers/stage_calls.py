@@ -20,13 +20,15 @@ from stages import StageActor, StageReport, StepOrder
 from schedulers.job_core import JobCore
 from schedulers.job_views import JobViews
 from schedulers.stepping import stage_lost, step_failed
+from transport.stream import StreamBroken
 
 __all__ = ["LOSS_GRACE_S", "StageCalls"]
 
 log = logging.getLogger(__name__)
 
-# How long a step whose reduction failed waits for the failure detector to name a lost node
-# (the head's heartbeat timeout, 2 s by default, and a margin): see StageCalls._lost_instead.
+# How long a step whose reduction failed, or whose stage's link to a neighbour closed, waits for the failure
+# detector to name a lost node (the head's heartbeat timeout, 2 s by default, and a margin): see
+# StageCalls._lost_instead.
 LOSS_GRACE_S = 5.0
 
 
@@ -75,7 +77,7 @@ class StageCalls:
                 done, pending = await asyncio.wait(pending, timeout=max(0.0, deadline - loop.time()),
                                                    return_when=asyncio.FIRST_COMPLETED)
                 failure = self._first_failure(tasks) if done else await self._timeout_failure()
-            if failure is not None and failure.action == "REDUCE" and not isinstance(failure, NodeLost):
+            if failure is not None and not isinstance(failure, NodeLost) and _may_be_a_loss(failure):
                 failure = await self._lost_instead(tasks, failure, deadline)
             reports = [] if failure else [tasks[rank].result() for rank in sorted(tasks)]
             if failure is None and not all(r.status == "done" for r in reports):
@@ -96,9 +98,11 @@ class StageCalls:
                             deadline: float) -> StepFailed:
         """A stage whose reduction failed, in the tail it runs itself, most often lost a replica: the
         collective breaks the moment a peer process dies, before the head's failure detector has
-        marked its node lost. Waits for that (at most :data:`LOSS_GRACE_S`) so that the step fails
-        with ``NodeLost``, which a job with ``max_restarts`` recovers from, as it did when the
-        reduction came after every stage's barrier; else the reduction's own failure.
+        marked its node lost. A stage whose link to a neighbour closed under its send (``StreamBroken``)
+        most often lost that neighbour, and its report can reach the head before the lost node's news
+        does. Waits for that (at most :data:`LOSS_GRACE_S`) so that the step fails with ``NodeLost``,
+        which a job with ``max_restarts`` recovers from, as it did when the reduction came after every
+        stage's barrier; else the stage's own failure.
 
         The wait ends at the first call that fails with ``NodeLost``: the lost stage's pipeline
         neighbours wait for tensors that never come, so waiting for every call took the whole
@@ -192,6 +196,13 @@ class StageCalls:
             if isinstance(result, BaseException):
                 raise step_failed(job.mesh, rank, action, f"{type(result).__name__}: {result}")
         return results
+
+
+def _may_be_a_loss(failure: StepFailed) -> bool:
+    """Whether ``failure`` is what a lost peer causes before the failure detector names it (see
+    :meth:`StageCalls._lost_instead`): a reduction's collective broken, or a link to a neighbour closed."""
+    kind = str(failure.details.get("cause", "")).split(":", 1)[0]  # the remote error's type, e.g. "pkg.mod.Name"
+    return failure.action == "REDUCE" or kind.rsplit(".", 1)[-1] == StreamBroken.__name__
 
 
 def _lost_calls(tasks: Mapping[int, asyncio.Future[Any]]) -> dict[int, asyncio.Future[Any]]:
