@@ -201,8 +201,8 @@ class StageCalls:
 def _may_be_a_loss(failure: StepFailed) -> bool:
     """Whether ``failure`` is what a lost peer causes before the failure detector names it (see
     :meth:`StageCalls._lost_instead`): a reduction's collective broken, or a link to a neighbour closed."""
-    kind = str(failure.details.get("cause", "")).split(":", 1)[0]  # the remote error's type, e.g. "pkg.mod.Name"
-    return failure.action == "REDUCE" or kind.rsplit(".", 1)[-1] == StreamBroken.__name__
+    remote_type = str(failure.details.get("cause", "")).partition(":")[0]  # e.g. "transport.stream.StreamBroken"
+    return failure.action == "REDUCE" or remote_type.rpartition(".")[2] == StreamBroken.__name__
 
 
 def _lost_calls(tasks: Mapping[int, asyncio.Future[Any]]) -> dict[int, asyncio.Future[Any]]:
