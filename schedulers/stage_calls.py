@@ -20,6 +20,7 @@ from stages import StageActor, StageReport, StepOrder
 from schedulers.job_core import JobCore
 from schedulers.job_views import JobViews
 from schedulers.stepping import stage_lost, step_failed
+from stages.comm.p2p import PeerClosed
 from transport.stream import StreamBroken
 
 __all__ = ["LOSS_GRACE_S", "StageCalls"]
@@ -98,9 +99,9 @@ class StageCalls:
                             deadline: float) -> StepFailed:
         """A stage whose reduction failed, in the tail it runs itself, most often lost a replica: the
         collective breaks the moment a peer process dies, before the head's failure detector has
-        marked its node lost. A stage whose link to a neighbour closed under its send (``StreamBroken``)
-        most often lost that neighbour, and its report can reach the head before the lost node's news
-        does. Waits for that (at most :data:`LOSS_GRACE_S`) so that the step fails with ``NodeLost``,
+        marked its node lost. A stage whose link to a neighbour closed under its send (``StreamBroken``,
+        or gloo's ``PeerClosed`` on ``transport="dist"``) most often lost that neighbour, and its report
+        can reach the head before the lost node's news does. Waits for that (at most :data:`LOSS_GRACE_S`) so that the step fails with ``NodeLost``,
         which a job with ``max_restarts`` recovers from, as it did when the reduction came after every
         stage's barrier; else the stage's own failure.
 
@@ -202,7 +203,11 @@ def _may_be_a_loss(failure: StepFailed) -> bool:
     """Whether ``failure`` is what a lost peer causes before the failure detector names it (see
     :meth:`StageCalls._lost_instead`): a reduction's collective broken, or a link to a neighbour closed."""
     remote_type = str(failure.details.get("cause", "")).partition(":")[0]  # e.g. "transport.stream.StreamBroken"
-    return failure.action == "REDUCE" or remote_type.rpartition(".")[2] == StreamBroken.__name__
+    return failure.action == "REDUCE" or remote_type.rpartition(".")[2] in _LINK_CLOSED
+
+
+# The types of a stage's failure whose link to a neighbour closed: a sealed stream's, gloo's.
+_LINK_CLOSED = frozenset({StreamBroken.__name__, PeerClosed.__name__})
 
 
 def _lost_calls(tasks: Mapping[int, asyncio.Future[Any]]) -> dict[int, asyncio.Future[Any]]:

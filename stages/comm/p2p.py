@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
@@ -39,8 +39,8 @@ import torch.distributed as dist
 from transport.codecs import Encoded, get_codec
 from transport.wire import DTYPES
 
-__all__ = ["DistLink", "InOrder", "LinkBroken", "StreamWaiter", "ThreadWaiter", "Waiter", "open_link",
-           "transfer_tag"]
+__all__ = ["DistLink", "InOrder", "LinkBroken", "PeerClosed", "StreamWaiter", "ThreadWaiter", "Waiter",
+           "naming_a_closed_peer", "open_link", "transfer_tag"]
 
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 _MAX_AHEAD = 1 << 16  # values a route's header may run ahead of the next receive to post
@@ -78,6 +78,31 @@ class Waiter(Protocol):
     def close(self) -> None: ...
 
 
+class PeerClosed(RuntimeError):
+    """gloo found its connection to the other rank closed: most often, that rank's process ended.
+
+    gloo says so only in its error's text (a ``RuntimeError`` reading "Connection closed by
+    peer"); this type lets the head tell a lost neighbour from a stage's own failure, as it
+    does for a sealed stream's :class:`~transport.stream.StreamBroken`.
+    """
+
+
+# How gloo's TCP pair words a connection the other side closed or reset.
+_GLOO_CLOSED = ("Connection closed by peer", "Connection reset by peer")
+
+
+@contextlib.contextmanager
+def naming_a_closed_peer() -> Iterator[None]:
+    """Raises gloo's error for a connection the other rank closed as :class:`PeerClosed`; gloo raises it
+    when a transfer is posted to a rank already gone, or waited on while it goes."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if isinstance(exc, PeerClosed) or not any(words in str(exc) for words in _GLOO_CLOSED):
+            raise
+        raise PeerClosed(f"the other rank's connection closed (its process ended?): {exc}") from exc
+
+
 class ThreadWaiter:
     """gloo's: a work completes on the host, so a communication thread blocks on each."""
 
@@ -90,7 +115,8 @@ class ThreadWaiter:
     async def wait(self, works: Sequence[Work]) -> None:
         loop = asyncio.get_running_loop()
         for work in works:
-            await loop.run_in_executor(self._thread, work.wait)
+            with naming_a_closed_peer():
+                await loop.run_in_executor(self._thread, work.wait)
 
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)
@@ -226,7 +252,8 @@ class DistLink:
             ops = [dist.P2POp(dist.isend, piece, dst, group=group,
                               tag=transfer_tag(step, kind, stage, microbatch, index))
                    for index, piece in enumerate(pieces)]
-            works = dist.batch_isend_irecv(ops) if ops else []
+            with naming_a_closed_peer():
+                works = dist.batch_isend_irecv(ops) if ops else []
         self._sends.append((works, pieces))
         seq = self._sent.get(dst, 0)
         self._sent[dst] = seq + 1
@@ -262,7 +289,8 @@ class DistLink:
                         frame += 1
                     posted.append(Encoded(codec=leaf["codec"], dtype=DTYPES[leaf["dtype"]], shape=tuple(leaf["shape"]),
                                           params=leaf["params"], frames=buffers))
-                works = dist.batch_isend_irecv(ops) if ops else []
+                with naming_a_closed_peer():
+                    works = dist.batch_isend_irecv(ops) if ops else []
         except BaseException as exc:
             if gate is not None:  # posted or not, no later receive can be sure to pair with its own send
                 gate.fail(f"posting the receive of value {seq} from rank {src} failed ({exc!r:.200})")

@@ -13,6 +13,7 @@ from actors._errors import error_to_wire
 from schedulers import stage_calls
 from schedulers.stage_calls import StageCalls
 from stages import StageReport
+from stages.comm.p2p import PeerClosed
 from stages.mesh import Mesh
 from transport.stream import StreamBroken
 
@@ -40,19 +41,28 @@ def calls_for(job: TwoStageJob) -> StageCalls:
     return calls
 
 
-def broken_send() -> StageReport:
+# What a stage's send raises when its neighbour's process died: on a sealed stream, and over gloo
+# (transport="dist"; gloo's own words as torch 2.13 raises them, inside PeerClosed).
+CLOSED_LINKS = {
+    "stream": StreamBroken("the stream link to ipc:///tmp/x/stream closed while sending: the receiver closed"),
+    "dist": PeerClosed("the other rank's connection closed (its process ended?): [third_party/gloo/gloo/transport/"
+                       "tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:64204"),
+}
+
+
+def broken_send(transport: str = "stream") -> StageReport:
     """Stage 0's report when its send to stage 1 found the link closed (stage 1's node died)."""
-    closed = StreamBroken("the stream link to ipc:///tmp/x/stream closed while sending: the receiver closed")
-    return StageReport(status="failed", action="0SEND_F3", error=error_to_wire(closed))
+    return StageReport(status="failed", action="0SEND_F3", error=error_to_wire(CLOSED_LINKS[transport]))
 
 
-async def test_a_broken_link_to_a_neighbour_fails_the_step_as_the_lost_node_that_broke_it() -> None:
+@pytest.mark.parametrize("transport", sorted(CLOSED_LINKS))
+async def test_a_broken_link_to_a_neighbour_fails_the_step_as_the_lost_node_that_broke_it(transport: str) -> None:
     # Stage 0's failed send reaches the head first; the news that stage 1's node is lost comes after
     # it. The step must fail with NodeLost, naming stage 1: that is what a job with max_restarts
     # recovers from, and what happened. (It failed with stage 0's broken link before.)
     loop = asyncio.get_running_loop()
     stage0, stage1 = loop.create_future(), loop.create_future()
-    stage0.set_result(broken_send())
+    stage0.set_result(broken_send(transport))
     loop.call_later(0.05, stage1.set_exception, NodeLost("node node1 was lost", details={"node": "node1"}))
     with pytest.raises(NodeLost) as info:
         await calls_for(TwoStageJob()).reports(3, {0: stage0, 1: stage1})

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
+import sys
+import textwrap
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -22,7 +25,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from stages.comm.p2p import DistLink, InOrder, LinkBroken, StreamWaiter, ThreadWaiter, open_link, transfer_tag
+from stages.comm.p2p import (DistLink, InOrder, LinkBroken, PeerClosed, StreamWaiter, ThreadWaiter, naming_a_closed_peer,
+                              open_link, transfer_tag)
 from transport.codecs import Encoded, get_codec
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.asyncio]
@@ -287,6 +291,58 @@ async def test_gloo_waits_block_a_communication_thread_not_the_loop() -> None:
     await waiter.wait(works)
     assert all(w.waited_by and w.waited_by[0].startswith("stage-p2p") for w in works)
     waiter.close()
+
+
+class FailedWork:
+    """A transfer whose wait raises ``error``, as gloo's does."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def wait(self) -> bool:
+        raise self.error
+
+
+GLOO_CLOSED = ("[third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:64204. "
+               "This is typically caused by a remote worker crashing.")
+
+
+async def test_a_gloo_connection_the_other_rank_closed_is_named_peer_closed() -> None:
+    # gloo says so only in a RuntimeError's text; the head waits for the lost node behind a PeerClosed.
+    waiter = ThreadWaiter()
+    with pytest.raises(PeerClosed, match="other rank's connection closed.*Connection closed by peer") as info:
+        await waiter.wait([Work(), FailedWork(RuntimeError(GLOO_CLOSED))])
+    assert isinstance(info.value.__cause__, RuntimeError)
+    with pytest.raises(RuntimeError, match="^no route to rank 3$") as other:  # any other failure is its own
+        await waiter.wait([FailedWork(RuntimeError("no route to rank 3"))])
+    assert not isinstance(other.value, PeerClosed)
+    waiter.close()
+
+
+# Rank 1 of a gloo pair: takes one value, then its process ends.
+_GLOO_RANK_1 = textwrap.dedent("""
+    import sys, torch, torch.distributed as dist
+    group = dist.ProcessGroupGloo(dist.FileStore(sys.argv[1], 2), 1, 2)
+    group.recv([torch.zeros(4)], 0, 0).wait()
+""")
+
+
+@pytest.mark.multiprocess
+async def test_a_send_to_a_gloo_rank_whose_process_ended_raises_peer_closed(tmp_path: Any) -> None:
+    store = str(tmp_path / "store")
+    child = subprocess.Popen([sys.executable, "-c", _GLOO_RANK_1, store])
+    waiter = ThreadWaiter()
+    try:
+        group = await asyncio.to_thread(dist.ProcessGroupGloo, dist.FileStore(store, 2), 0, 2)
+        await waiter.wait([group.send([torch.ones(4)], 1, 0)])
+        assert await asyncio.to_thread(child.wait, 60) == 0
+        with pytest.raises(PeerClosed, match="Connection closed by peer"):
+            with naming_a_closed_peer():  # gloo raises when posting to a rank already gone, or while waiting
+                await waiter.wait([group.send([torch.ones(1 << 20)], 1, 0)])
+    finally:
+        waiter.close()
+        child.kill()
+        child.wait()
 
 
 async def test_flush_waits_for_every_send_once(monkeypatch: pytest.MonkeyPatch) -> None:
