@@ -38,6 +38,7 @@ __all__ = [
     "contained",
     "error_from_wire",
     "exit_error",
+    "names_type",
     "error_to_wire",
     "remote_error_class",
 ]
@@ -69,6 +70,18 @@ class ActorError(Exception):
         if not self.remote_traceback:
             return self.message
         return f"{self.message}\n--- remote traceback ---\n{self.remote_traceback.rstrip()}"
+
+    def raised(self, *types: type[BaseException]) -> bool:
+        """Whether the remote side raised one of ``types``: :func:`names_type` on :attr:`remote_type`."""
+        return names_type(self.remote_type, *types)
+
+
+def names_type(qualified: str, *types: type[BaseException]) -> bool:
+    """Whether ``qualified`` (an error's type as it travels: ``"transport.stream.StreamBroken"``, or the
+    head of a failure's ``cause``, ``"StreamBroken: ..."``) names one of ``types``, by class name: the
+    remote side's module path need not be this process's."""
+    name = qualified.partition(":")[0].rpartition(".")[2]
+    return any(name == cls.__name__ for cls in types)
 
 
 class RemoteError(ActorError):

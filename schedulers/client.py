@@ -177,7 +177,7 @@ def _checkpoint_errors() -> Iterator[None]:
     try:
         yield
     except ActorError as exc:
-        if exc.remote_type.rpartition(".")[2] != CheckpointError.__name__:
+        if not exc.raised(CheckpointError):
             raise
         raise CheckpointError.from_message(exc.message) from exc
 

@@ -237,7 +237,7 @@ async def resume(job: JobCore, path: CheckpointPath) -> tuple[str, int, dict[str
         found = await job.stages[0].endpoint(StageActor.checkpoint_manifest, timeout=CHECKPOINT_TIMEOUT_S).call(
             directory, path.within)
     except ActorError as exc:
-        if exc.remote_type.rpartition(".")[2] == NoCheckpoint.__name__:
+        if exc.raised(NoCheckpoint):
             return None
         raise CheckpointError(f"{job.id} cannot resume from {directory}", [_reason(exc)]) from None
     # That version, not the directory's newest again: a save that moved LATEST meanwhile would otherwise

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from actors import ActorError, ActorLost, NodeLost, StepFailed, error_from_wire
+from actors._errors import names_type
 from stages import StageActor, StageReport, StepOrder
 from schedulers.job_core import JobCore
 from schedulers.job_views import JobViews
@@ -202,12 +203,8 @@ class StageCalls:
 def _may_be_a_loss(failure: StepFailed) -> bool:
     """Whether ``failure`` is what a lost peer causes before the failure detector names it (see
     :meth:`StageCalls._lost_instead`): a reduction's collective broken, or a link to a neighbour closed."""
-    remote_type = str(failure.details.get("cause", "")).partition(":")[0]  # e.g. "transport.stream.StreamBroken"
-    return failure.action == "REDUCE" or remote_type.rpartition(".")[2] in _LINK_CLOSED
-
-
-# The types of a stage's failure whose link to a neighbour closed: a sealed stream's, gloo's.
-_LINK_CLOSED = frozenset({StreamBroken.__name__, PeerClosed.__name__})
+    # The cause reads e.g. "transport.stream.StreamBroken: the stream link to ... closed while sending"
+    return failure.action == "REDUCE" or names_type(str(failure.details.get("cause", "")), StreamBroken, PeerClosed)
 
 
 def _lost_calls(tasks: Mapping[int, asyncio.Future[Any]]) -> dict[int, asyncio.Future[Any]]:

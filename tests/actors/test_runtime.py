@@ -698,6 +698,19 @@ def test_an_error_of_the_jobs_code_says_at_the_caller_which_callable_raised() ->
     assert error_to_wire(ValueError("plain"))["message"] == "plain"
 
 
+def test_an_error_that_crossed_the_wire_says_which_type_the_remote_side_raised() -> None:
+    from actors._errors import error_from_wire, error_to_wire, names_type
+
+    error = error_from_wire(error_to_wire(_SpecError("too few layers")))
+    assert error.remote_type.endswith("test_runtime._SpecError")  # qualified by the raising side's module
+    assert error.raised(_SpecError) and error.raised(KeyError, _SpecError)
+    assert not error.raised(ValueError)  # its name, not its bases: a type the caller may not import
+    assert names_type("elsewhere.module._SpecError: the link closed while sending", KeyError, _SpecError)
+    assert names_type("_SpecError", _SpecError)
+    assert not names_type("elsewhere.Not_SpecError: x", _SpecError)
+    assert not names_type("RuntimeError: _SpecError happened", _SpecError)  # the type, not the message
+
+
 class _SpecError(ValueError):
     """A library's own ValueError (as torch's and this project's errors derive from Python's)."""
 
