@@ -4,6 +4,7 @@ GPUs hidden from the suite."""
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import os
 
 # The suite is the CPU's: its clusters expect CPU nodes (on a GPU machine devices="auto" put
@@ -25,6 +26,22 @@ settings.register_profile(
     "ci", deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
 )
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own faulthandler plugin, which points it at stderr
+def pytest_configure(config: pytest.Config) -> None:
+    """Where ``ACTORPIPE_FAULT_DIR`` is set (.ci/run sets it), a fatal signal in this pytest process (a
+    segfault, an abort) writes every thread's stack to ``<dir>/<worker>.log``: an xdist worker that
+    dies that way is otherwise reported only as "node down: Not properly terminated"."""
+    folder = os.environ.get("ACTORPIPE_FAULT_DIR")
+    if folder:
+        log = open(os.path.join(folder, f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.log"), "w")
+        config.stash[_FAULT_LOG] = log  # open for as long as the process runs
+        faulthandler.enable(file=log, all_threads=True)
+        os.register_at_fork(after_in_child=faulthandler.disable)  # a test's forked child is not this worker
+
+
+_FAULT_LOG = pytest.StashKey[object]()
 
 
 def pytest_asyncio_loop_factories(config: object, item: object) -> dict[str, object]:
