@@ -747,6 +747,11 @@ def test_everything_wrong_in_a_file_is_reported_at_once(tmp_path: Path) -> None:
     text = str(info.value)
     assert text.startswith(f"4 problems in {path}:\n  bf16.enabled: fp16.enabled is true too")
     assert "\n  train_batch_size: expected 32" in text and "\n  optimizer.type: Lamb is not available" in text
+    # docs/deepspeed.md shows this very report: it must be what the reader says (it once showed ZeRO-2
+    # refused with pipeline stages after ZeRO-2 was built).
+    docs = (EXAMPLE.parents[1] / "docs" / "deepspeed.md").read_text()
+    shown = docs.split("4 problems in ds_config.json:\n", 1)[1].split("```", 1)[0]
+    assert shown.splitlines() == text.splitlines()[1:]
 
 
 def test_a_missing_model_is_named() -> None:
