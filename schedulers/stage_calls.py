@@ -102,9 +102,9 @@ class StageCalls:
         collective breaks the moment a peer process dies, before the head's failure detector has
         marked its node lost. A stage whose link to a neighbour closed under its send (``StreamBroken``,
         or gloo's ``PeerClosed`` on ``transport="dist"``) most often lost that neighbour, and its report
-        can reach the head before the lost node's news does. Waits for that (at most :data:`LOSS_GRACE_S`) so that the step fails with ``NodeLost``,
-        which a job with ``max_restarts`` recovers from, as it did when the reduction came after every
-        stage's barrier; else the stage's own failure.
+        can reach the head before the lost node's news does. Waits for that (at most :data:`LOSS_GRACE_S`)
+        so that the step fails with ``NodeLost``, which a job with ``max_restarts`` recovers from, as it did
+        when the reduction came after every stage's barrier; else the stage's own failure.
 
         The wait ends at the first call that fails with ``NodeLost``: the lost stage's pipeline
         neighbours wait for tensors that never come, so waiting for every call took the whole

@@ -169,9 +169,9 @@ async def _status(session: Session, args: list[str]) -> None:
 
 
 @command("schedule [JOB]", "the candidate schedules with predicted step time and stash, then the compiled grid",
-         "The candidates (GPipe, 1F1B, zero-bubble; interleaved as a re-partition to consider) simulated with "
-         "the costs measured on the job's stages, fastest first, '*' marking the one schedule=auto runs (or "
-         "would run); then the last step's time against the prediction, and the programs' stage-by-time grid. "
+         "The candidates (GPipe, 1F1B, zero-bubble; interleaved, ZB-V and DualPipeV as re-partitions to consider) "
+         "simulated with the costs measured on the job's stages, fastest first, '*' marking the one schedule=auto "
+         "runs (or would run); then the last step's time against the prediction, and the programs' stage-by-time grid. "
          "'set JOB schedule auto' lets the job choose.", args=("job",))
 async def _schedule(session: Session, args: list[str]) -> None:
     job = await session.job(session.job_arg(args, "schedule JOB"))

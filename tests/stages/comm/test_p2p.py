@@ -25,8 +25,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from stages.comm.p2p import (DistLink, InOrder, LinkBroken, PeerClosed, StreamWaiter, ThreadWaiter, naming_a_closed_peer,
-                              open_link, transfer_tag)
+from stages.comm.p2p import (DistLink, InOrder, LinkBroken, PeerClosed, StreamWaiter, ThreadWaiter,
+                              naming_a_closed_peer, open_link, transfer_tag)
 from transport.codecs import Encoded, get_codec
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.asyncio]
