@@ -41,6 +41,24 @@ def test_the_readme_is_a_short_front_page() -> None:
         "and link to it from the README's feature table")
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_the_readmes_example_runs_as_written(tmp_path: Path) -> None:
+    """The front page's one example, copied as a reader would and run from another directory: it trains a
+    step on a local cluster, prints the step's statistics and saves a checkpoint where it says."""
+    [example] = re.findall(r"## One example\n\n```python\n(.*?)```", README.read_text(), re.S)
+    (tmp_path / "example.py").write_text(example)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=200)
+    assert result.returncode == 0, result.stdout + result.stderr
+    loss, step_time, samples_per_s, bubble, stash = result.stdout.strip().splitlines()[-1].split(maxsplit=4)
+    assert float(loss) > 0 and float(step_time) > 0 and float(samples_per_s) > 0 and 0 <= float(bubble) < 1
+    assert stash.startswith("[") and stash.endswith("]")  # the peak stash of each stage
+    assert [version.name for version in (tmp_path / "checkpoints" / "run1").glob("v*")] == ["v000001"]
+
+
 def _relative_links(text: str) -> list[str]:
     """Every link target in Markdown ``text`` that is a path in this repository, anchors dropped."""
     targets = []
