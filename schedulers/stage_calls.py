@@ -15,8 +15,7 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-from actors import ActorError, ActorLost, NodeLost, StepFailed, error_from_wire
-from actors._errors import names_type
+from actors import ActorError, ActorLost, NodeLost, StepFailed, error_from_wire, names_type
 from stages import StageActor, StageReport, StepOrder
 from schedulers.job_core import JobCore
 from schedulers.job_views import JobViews
