@@ -210,7 +210,8 @@ def plan_lines(plan: Plan) -> list[str]:
                 f"(max_stash_bytes {format_bytes(limit) if limit else 'none'})")
     else:
         head = f"{job}: schedule {schedule}; from step {step}'s costs, auto would run {plan.chosen}"
-    lines = [head, f"  {'schedule':<20} {'predicted':>10} {'bubble':>7}  peak stash per stage"]
+    width = max([len("schedule"), *(len(c.label) for c in plan.candidates)])  # "interleaved x4 +wbatch": 22
+    lines = [head, f"  {'schedule':<{width}} {'predicted':>10} {'bubble':>7}  peak stash per stage"]
     for c in plan.candidates:
         stash = " ".join(str(n) for n in c.stash)
         sizes = ", ".join(format_bytes(n) for n in c.stash_bytes)
@@ -222,7 +223,7 @@ def plan_lines(plan: Plan) -> list[str]:
             notes.append("over max_stash_bytes")
         if c.schedule == plan.running and state == "advice" and c.runnable:
             notes.append("running")
-        lines.append(f"{'*' if c.chosen else ' '} {c.label:<20} {_number(c.predicted_step_s, '.3f'):>8} s "
+        lines.append(f"{'*' if c.chosen else ' '} {c.label:<{width}} {_number(c.predicted_step_s, '.3f'):>8} s "
                      f"{_number(c.bubble_fraction, '.1%'):>7}  {stash} ({sizes})"
                      + (f"  [{'; '.join(notes)}]" if notes else ""))
     if costs is not None:

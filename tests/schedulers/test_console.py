@@ -35,11 +35,11 @@ from schedulers.events import (
     CheckpointSaved, EarlyStopped, Evaluated, JobFailed, JobRecovered, RunFinished, RunProgress, SettingsApplied, StepFinished,
 )
 from schedulers.console.commands import execute, split_commands
-from schedulers.console.render import event_line, job_detail, schedule_grid
+from schedulers.console.render import event_line, job_detail, plan_lines, schedule_grid
 from schedulers.console.repl import ConsoleCompleter
 from schedulers.console.session import CommandError, Session
 from schedulers.jobs import Checkpointing, Evaluation, JobSpec
-from schedulers.records import JobDescription, StepStats
+from schedulers.records import Candidate, JobDescription, Plan, StepStats
 from schedulers.schedules import build_schedule
 from transport.loop import run
 
@@ -596,6 +596,23 @@ STEP = {"job": "job0", "step": 4, "loss": 1.5, "step_time_s": 0.0421, "bubble_fr
 ])
 def test_events_print_as_one_line(event: Event, line: str | None) -> None:
     assert event_line(event) == line
+
+
+def test_a_plans_candidates_line_up_in_columns_whatever_their_labels() -> None:
+    # W batching's labels ("interleaved x4 +wbatch") are longer than the plain ones: the columns once
+    # shifted by two characters on their rows.
+    candidates = [Candidate(schedule="zero_bubble", predicted_step_s=1.753, bubble_fraction=0.099, stash=[2, 2],
+                            stash_bytes=[40 << 20, 40 << 20], chosen=True),
+                  Candidate(schedule="interleaved", virtual_stages=4, w_batching=True, predicted_step_s=1.86,
+                            bubble_fraction=0.06, stash=[32, 32], stash_bytes=[160 << 20, 160 << 20], runnable=False),
+                  Candidate(schedule="1f1b", predicted_step_s=12.5, bubble_fraction=0.125, stash=[2, 1],
+                            stash_bytes=[40 << 20, 20 << 20])]
+    lines = plan_lines(Plan(job="job0", schedule="auto", running="zero_bubble", state="planned",
+                            candidates=candidates, chosen="zero_bubble"))
+    header, rows = lines[1], lines[2:5]
+    assert [row.split()[1 if row.startswith("*") else 0] for row in rows] == ["zero_bubble", "interleaved", "1f1b"]
+    assert {row.index(" s ") + len(" s") for row in rows} == {header.index("predicted") + len("predicted")}
+    assert {row.index("%") for row in rows} == {header.index("bubble") + len("bubble") - 1}
 
 
 def test_a_jobs_detail_reads_its_settings_from_the_specs_sections() -> None:
