@@ -120,6 +120,9 @@ class JobCore:
         self.next_step = 0  # the next step number: one per attempt, never reused (it fences stale messages)
         self.applied = 0  # steps the stages' state holds (rolled back by a recovery)
         self.steps_done = 0  # steps the job has completed (what a recovery replays up to)
+        # Whole checkpoints loaded so far: a step count reached again after one (job.load of an older
+        # version) is a new save and evaluation point, where a recovery's replay of the same steps is not.
+        self.loads = 0
         # Each step's batch since the snapshot a recovery would roll back to ((None, None): the data factory).
         self.history: dict[int, tuple[Any, Any]] = {}  # applied-step index -> (inputs, targets)
         self.restarts = 0
@@ -305,6 +308,7 @@ class JobCore:
     def loaded(self, step: int) -> None:
         """A whole checkpoint of step ``step`` was loaded: the data factory goes on from there."""
         self.applied = self.steps_done = step
+        self.loads += 1
 
     def saved(self, path: CheckpointPath, step: int) -> None:
         """A checkpoint of step ``step`` is in ``path``: what a recovery falls back to."""

@@ -49,7 +49,7 @@ class SelfEvaluations:
         self.job = job
         self.path = path
         self.monitors = monitors
-        self._evaluated_at = 0  # the applied steps of the last periodic evaluation (none before the first step)
+        self._evaluated_at = (0, 0)  # (loads, applied steps) of the last periodic evaluation (none before a step)
         self.last: Evaluated | None = None  # the last evaluation, as told (the job's description shows it)
         self.best: Evaluated | None = None  # the best of the job's own evaluations by metric_for_best
         self.stale = 0  # the job's own evaluations since the best, none of them better
@@ -58,7 +58,7 @@ class SelfEvaluations:
     def eval_point(self, applied: int) -> bool:
         """Whether the job evaluates itself once ``applied`` optimizer steps are applied."""
         every = self.job.spec.evaluation.eval_every
-        return every > 0 and applied % every == 0 and applied != self._evaluated_at
+        return every > 0 and applied % every == 0 and (self.job.loads, applied) != self._evaluated_at
 
     @property
     def stop_early(self) -> bool:
@@ -96,7 +96,7 @@ class SelfEvaluations:
         job, applied = self.job, self.job.applied
         if not self.eval_point(applied):
             return None
-        self._evaluated_at = applied  # once per point, whoever asks (a step and a run that both ask)
+        self._evaluated_at = (job.loads, applied)  # once per point, whoever asks (a step and a run that both ask)
         try:
             result = await self.evaluate(periodic=True)
         except (NodeLost, StageLost) as lost:

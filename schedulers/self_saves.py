@@ -47,14 +47,15 @@ class SelfSaves:
     def __init__(self, job: JobCore, path: CheckpointPath | None) -> None:
         self.job = job
         self.path = path
-        self._saved_at = -1  # the applied steps of the last save made here (or of the resume)
+        self._saved_at = (0, -1)  # (loads, applied steps) of the last save made here (or of the resume)
         self.best_version: str | None = None  # the version saved at the best evaluation (keep_best), its path
         self.evaluations: Judged | None = None  # the job's own evaluations (set by BetweenSteps)
 
     def save_point(self, applied: int) -> bool:
         """Whether the job saves itself once ``applied`` optimizer steps are applied."""
         every = self.job.spec.checkpointing.checkpoint_every
-        return self.path is not None and every > 0 and applied % every == 0 and applied != self._saved_at
+        return (self.path is not None and every > 0 and applied % every == 0
+                and (self.job.loads, applied) != self._saved_at)
 
     async def save_if_due(self) -> None:
         """Saves the job where the steps applied so far make a save point, and says so (``CheckpointSaved``);
@@ -67,7 +68,7 @@ class SelfSaves:
         job, applied = self.job, self.job.applied
         if self.path is None or not self.save_point(applied):
             return
-        before, self._saved_at = self._saved_at, applied  # taken now: a step and a run that both ask save once
+        before, self._saved_at = self._saved_at, (job.loads, applied)  # a step and a run that both ask save once
         try:
             version = await job_state.write_checkpoint(job, self.path, *self.save_args(self.path))
         except BaseException:
@@ -104,7 +105,7 @@ class SelfSaves:
         if resumed is None:
             return None
         version, step, written = resumed
-        self._saved_at = self.job.applied
+        self._saved_at = (self.job.loads, self.job.applied)
         if self.evaluations is not None and written.get("evaluations") is not None:
             self._take_up(version, step, written["evaluations"])
         return version, step

@@ -32,6 +32,7 @@ class Job:
     applied: int = 0
     placer: Any = None
     restarts: int = 0
+    loads: int = 0  # whole checkpoints loaded (JobCore.loaded)
     events: list[Any] = field(default_factory=list)
 
     def publish(self, event: Any) -> None:
@@ -80,6 +81,37 @@ async def test_a_job_evaluates_after_every_nth_applied_step_once_and_records_eac
         (3, 3.0, True, True, 4), (6, 6.0, True, True, 4), (7, 7.0, False, False, 1)]
     assert evals.last is job.events[-1]  # what the job's description shows
     assert SelfEvaluations(Job(JobSpec.of(model=MODEL), applied=3), None, None).eval_point(3) is False  # type: ignore[arg-type]
+
+
+async def test_after_loading_an_older_checkpoint_the_evaluation_and_save_points_come_again(
+        asked: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    # Steps 1-4 evaluate and save at 2 and 4; job.load of the step-2 version, then steps 3-4 again: the
+    # points at 4 come again (they were skipped: already taken at that step count). A recovery's replay,
+    # which loads nothing, still takes each point once.
+    saves: list[int] = []
+
+    async def save(job: Job, path: CheckpointPath, keep: int = 1, spare: str | None = None,
+                   evaluations: dict[str, Any] | None = None) -> str:
+        saves.append(job.applied)
+        return f"/ckpt/v{len(saves):06d}"
+
+    monkeypatch.setattr(job_state, "write_checkpoint", save)
+    job = Job(JobSpec.of(**VALIDATION, eval_every=2, checkpoint_dir="run", checkpoint_every=2))
+    between = BetweenSteps(SelfEvaluations(job, None, None),  # type: ignore[arg-type]
+                           SelfSaves(job, CheckpointPath(directory="/ckpt", within=None)))  # type: ignore[arg-type]
+
+    async def steps(applied: range) -> None:
+        for job.applied in applied:
+            await between.evaluate()
+            await between.save()
+
+    await steps(range(1, 5))
+    job.applied, job.loads = 2, 1  # JobCore.loaded(2): job.load of the version saved at step 2
+    await steps(range(3, 5))
+    job.applied = 2  # JobCore.rolled_back(2): a recovery replays steps 3 and 4, loading no checkpoint
+    await steps(range(3, 5))
+    assert [applied for applied, _ in asked] == [2, 4, 4]
+    assert saves == [2, 4, 4]
 
 
 async def test_the_evaluation_due_comes_before_the_save_due_after_the_same_step(

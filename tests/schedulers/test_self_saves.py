@@ -28,6 +28,7 @@ class Job:
     spec: JobSpec
     id: str = "job0"
     applied: int = 0
+    loads: int = 0  # whole checkpoints loaded (JobCore.loaded)
     events: list[Any] = field(default_factory=list)
 
     def publish(self, event: Any) -> None:
