@@ -29,6 +29,7 @@ worker, as torch's DataLoader reads it.
 
 from __future__ import annotations
 
+import copy
 import itertools
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -92,7 +93,7 @@ class DatasetReader:
         self.dataset = dataset
         self.size = micro_batch_size
         self.seed = seed
-        self.indexed = hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")
+        self.indexed = _map_style(dataset)
         # How an epoch orders the indices: in order, shuffled (a plain shuffle=True), or as the loader's own
         # sampler draws them (a WeightedRandomSampler, a SubsetRandomSampler, one of the user's).
         self._sampler: Any = None  # a Sampler, with its len()
@@ -203,20 +204,18 @@ class DatasetReader:
     def _drawn(self, epoch: int) -> torch.Tensor:
         """The loader's sampler's indices for ``epoch``: drawn with a generator seeded ``seed + epoch``
         where the sampler takes one (torch's do), so every replica, every step read again (a rollback,
-        a load) and every stage draws the same; a sampler with ``set_epoch`` is told the epoch first."""
-        sampler = self._sampler
-        assert sampler is not None
+        a load) and every stage draws the same; a sampler with ``set_epoch`` is told the epoch first.
+
+        A copy of the sampler draws them: the user's own is never changed. It was lent the generator
+        and given its own back, and a reader closed while its read-ahead still drew could leave the
+        lent one in place for the next reader of the same loader to take as the user's."""
+        assert self._sampler is not None
+        sampler = copy.copy(self._sampler)
         if callable(getattr(sampler, "set_epoch", None)):
             sampler.set_epoch(epoch)  # type: ignore[attr-defined]
-        seeded = hasattr(sampler, "generator")
-        kept = getattr(sampler, "generator", None)
-        if seeded:
+        if hasattr(sampler, "generator"):
             sampler.generator = torch.Generator().manual_seed(self.seed + epoch)  # type: ignore[attr-defined]
-        try:
-            order = torch.tensor([int(i) for i in sampler], dtype=torch.int64)
-        finally:
-            if seeded:
-                sampler.generator = kept  # type: ignore[attr-defined]
+        order = torch.tensor([int(i) for i in sampler], dtype=torch.int64)
         if len(order) != self._length:
             raise ValueError(f"the DataLoader's sampler drew {len(order)} indices for epoch {epoch}, and says "
                              f"len() == {self._length}: a sampler's epoch must be as long as it says")
@@ -302,6 +301,14 @@ def split_pair(batch: Any) -> tuple[Any, Any]:
                     f"{type(batch).__name__}{' with keys ' + str(sorted(batch)) if isinstance(batch, Mapping) else ''}")
 
 
+def _map_style(dataset: Any) -> bool:
+    """Whether ``dataset`` is read by index: ``__getitem__`` and ``__len__``, and no ``IterableDataset`` (torch's
+    ``Dataset`` base gives every dataset a ``__getitem__`` that raises, and an iterable one may have a length,
+    as WebDataset's ``with_length`` gives it)."""
+    return not isinstance(dataset, torch.utils.data.IterableDataset) and hasattr(dataset, "__getitem__") \
+        and hasattr(dataset, "__len__")
+
+
 def data_source(made: Any, micro_batch_size: int | None, seed: int, *,
                 workers: bool = True) -> BatchFunction | DatasetReader:
     """What the data factory made, as a source a stage reads micro-batches from (see the module docstring);
@@ -310,8 +317,7 @@ def data_source(made: Any, micro_batch_size: int | None, seed: int, *,
     Raises:
         TypeError: neither a batch function nor a dataset or DataLoader.
     """
-    if isinstance(made, (DataLoader, torch.utils.data.IterableDataset)) \
-            or (hasattr(made, "__getitem__") and hasattr(made, "__len__")):
+    if isinstance(made, (DataLoader, torch.utils.data.IterableDataset)) or _map_style(made):
         return DatasetReader(made, micro_batch_size, seed, workers=workers)
     if callable(made):
         return BatchFunction(made)

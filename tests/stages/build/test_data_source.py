@@ -81,6 +81,27 @@ def test_an_iterable_dataset_is_dealt_round_robin_and_goes_back_when_asked() -> 
     assert one == [[1, 3], [5, 1]] and two == [[3, 5], [1, 3]] and back == one
 
 
+class _CountingWithLength(_Counting):
+    """An iterable dataset that says its length (torch allows it; WebDataset's with_length gives one)."""
+
+    def __len__(self) -> int:
+        return self.n
+
+
+@pytest.mark.parametrize("as_loader", [False, True], ids=["dataset", "loader"])
+def test_an_iterable_dataset_with_a_length_is_still_iterated(as_loader: bool) -> None:
+    # torch's Dataset base gives it a __getitem__ that raises: with __len__ too it was read by index and
+    # failed ("Subclasses of Dataset should implement __getitem__"; as a loader, "_InfiniteConstantSampler
+    # has no len()"), where torch's own DataLoader iterates it.
+    made = DataLoader(_CountingWithLength(7), batch_size=2) if as_loader else _CountingWithLength(7)
+    reader = data_source(made, None if as_loader else 2, seed=0)
+    assert isinstance(reader, DatasetReader) and not reader.indexed
+    try:
+        assert _ids(reader.read(0, 1, 2, 2)) == [[1, 3], [5, 1]]  # as the one without a length
+    finally:
+        reader.close()
+
+
 def test_a_collate_fn_pads_each_micro_batch_to_its_own_length() -> None:
     lengths = [3, 5, 2, 6]
     sequences = [(torch.arange(n), torch.arange(n) + 1) for n in lengths]
@@ -178,7 +199,7 @@ def test_a_loaders_own_sampler_draws_each_epoch_the_same_on_every_replica_and_re
     assert [halves[r][k] for k in range(6) for r in range(2)] == drawn[:12]
     picked = stream(subset, 0, 1, 3)  # 12 samples: four epochs of the subset, each a permutation of it
     assert all(sorted(picked[e * 3:(e + 1) * 3]) == [2, 5, 7] for e in range(4)), picked
-    assert subset.sampler.generator is None  # the job's seeded generator was lent, and given back
+    assert subset.sampler.generator is None  # a copy of the user's sampler draws: it is never changed
 
 
 def test_a_sampler_longer_or_shorter_than_it_says_is_refused() -> None:
