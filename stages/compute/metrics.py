@@ -48,14 +48,17 @@ def metric_values(fn: Callable[[Any, Any], Any], outputs: Any, targets: Any) -> 
 
 def mean_metrics(values: Sequence[Mapping[str, float]], items: Sequence[float]) -> dict[str, float]:
     """Each metric averaged over the micro-batches that gave it, weighted by their ``items`` (one per
-    micro-batch, in the same order; the plain mean where the counts are unknown or all zero)."""
+    micro-batch, in the same order; the plain mean where the counts are unknown or all zero). A
+    micro-batch that counts nothing (every target masked, with ``loss_averaging="tokens"``) weighs
+    nothing, even where its metric is 0/0: one process over the whole batch never sees it."""
     totals: dict[str, list[float]] = {}
     for index, named in enumerate(values):
         weight = items[index] if len(items) == len(values) else 1.0
         for name, number in named.items():
             total = totals.setdefault(name, [0.0, 0.0, 0.0, 0.0])  # weighted sum, weights, plain sum, count
-            total[0] += number * weight
-            total[1] += weight
+            if weight:  # 0 * nan would be nan
+                total[0] += number * weight
+                total[1] += weight
             total[2] += number
             total[3] += 1
     return {name: (s / w if w > 0 and math.isfinite(w) else plain / n) for name, (s, w, plain, n) in totals.items()}

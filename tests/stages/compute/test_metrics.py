@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -42,3 +44,18 @@ def test_micro_batches_average_weighted_by_their_items_as_one_process_over_the_w
     assert mean_metrics(values, []) == {"accuracy": 0.5, "error": 0.0}  # counts unknown: the plain mean
     assert mean_metrics([{"a": 2.0}, {"a": 4.0}], [0.0, 0.0]) == {"a": 3.0}  # nothing counted: the plain mean
     assert mean_metrics([], []) == {}
+
+
+def test_a_micro_batch_that_counts_nothing_weighs_nothing_even_where_its_metric_is_nan() -> None:
+    # loss_averaging="tokens", one micro-batch all padding: its masked accuracy is 0/0. One process over
+    # the whole batch gets 3 right of 4; weighting it as 0 * nan made the whole metric nan.
+    def accuracy(logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+        mask = targets != -100
+        return {"accuracy": ((logits.argmax(-1) == targets) & mask).sum() / mask.sum()}
+
+    logits = torch.tensor([[[0.0, 1.0], [1.0, 0.0]], [[0.0, 1.0], [0.0, 1.0]]])
+    counted, padding = torch.tensor([[1, 0], [1, 0]]), torch.full((2, 2), -100)
+    values = [metric_values(accuracy, logits, counted), metric_values(accuracy, logits, padding)]
+    assert math.isnan(values[1]["accuracy"])
+    whole = accuracy(torch.cat([logits, logits]), torch.cat([counted, padding]))["accuracy"].item()
+    assert mean_metrics(values, [4.0, 0.0]) == {"accuracy": whole} == {"accuracy": 0.75}
