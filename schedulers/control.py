@@ -319,8 +319,8 @@ class JobController:
         await job_state.load_state_dict(self.core, state)
 
     async def save(self, path: CheckpointPath) -> str:
-        """Checkpoints the job into ``path`` (see :func:`schedulers.job_state.save`)."""
-        return await job_state.save(self.core, path, *self.saves.save_args(path))
+        """Checkpoints the job into ``path`` (see :meth:`schedulers.self_saves.SelfSaves.save`)."""
+        return await self.saves.save(path)
 
     async def export(self, path: CheckpointPath, format: str = "safetensors") -> str:
         """Writes the weights as a model directory (see :func:`schedulers.job_state.export`)."""

@@ -188,7 +188,7 @@ class JobActor(Actor):
         A client's ``directory`` is taken under its own subtree of the checkpoint root
         (relative) or must lie inside it (absolute); the admin's is any absolute path, or
         a relative one under ``relative_to`` (the driver's working directory). The
-        stages write, the head only coordinates (see :func:`schedulers.job_state.save`).
+        stages write, the head only coordinates (see :func:`schedulers.job_state.write_checkpoint`).
 
         Raises:
             NotAllowed: another client's job, or a client's path outside its subtree.

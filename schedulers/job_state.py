@@ -35,7 +35,7 @@ from schedulers.job_core import JobCore
 from schedulers.stepping import key_order
 
 
-__all__ = ["apply_checkpoint", "export", "load", "load_state_dict", "save", "state_dict"]
+__all__ = ["apply_checkpoint", "export", "load", "load_state_dict", "state_dict", "write_checkpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -106,11 +106,13 @@ async def _held_keys(job: JobCore, aliases: bool = True) -> list[frozenset[str]]
 # -- checkpoints (the format: stages.state.checkpoint) -------------------------------------------
 
 
-async def save(job: JobCore, path: CheckpointPath, keep: int = 1, spare: str | None = None,
-               evaluations: dict[str, Any] | None = None) -> str:
+async def write_checkpoint(job: JobCore, path: CheckpointPath, keep: int = 1, spare: str | None = None,
+                           evaluations: dict[str, Any] | None = None) -> str:
     """Writes a checkpoint of the weights, optimizer state, learning-rate schedule and step count; returns
-    the new version's path. The newest ``keep`` versions in the directory stay (0: every one), and the
-    version named ``spare`` (the job's best: ``checkpointing.keep_best``).
+    the new version's path. The caller holds the job (:meth:`JobCore.operation`: ``job.save``, or a step
+    or a run that saves itself after a step). The newest ``keep`` versions in the directory stay (0:
+    every one), and the version named ``spare`` (the job's best: ``checkpointing.keep_best``);
+    ``evaluations``: how the job's own evaluations stand, for a resume (the manifest's ``job.evaluations``).
 
     Data-parallel replica 0 of every (pipeline, tensor) coordinate writes its own file
     straight into ``path.directory``, in parallel; nothing big passes through the head (with
@@ -124,15 +126,6 @@ async def save(job: JobCore, path: CheckpointPath, keep: int = 1, spare: str | N
         CheckpointError: a relative path, a directory that holds something else or leads
             out of the client's subtree, or a node that cannot write there (named, with why).
     """
-    async with job.operation():
-        return await write_checkpoint(job, path, keep, spare, evaluations)
-
-
-async def write_checkpoint(job: JobCore, path: CheckpointPath, keep: int = 1, spare: str | None = None,
-                           evaluations: dict[str, Any] | None = None) -> str:
-    """:func:`save`, for a caller that holds the job (a step or a run that saves itself after a step);
-    ``spare``: a version the rotation keeps whatever ``keep`` says (see ``checkpointing.keep_best``);
-    ``evaluations``: how the job's own evaluations stand, for a resume (the manifest's ``job.evaluations``)."""
     directory = check_directory(path.directory)
     mesh = job.mesh
     coordinator = [0]

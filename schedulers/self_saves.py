@@ -74,11 +74,26 @@ class SelfSaves:
         except BaseException:
             self._saved_at = before
             raise
+        job.publish(CheckpointSaved(job=job.id, step=applied, version=version, best=self._kept_as_best(version)))
+
+    async def save(self, path: CheckpointPath) -> str:
+        """``job.save(path)``: :func:`schedulers.job_state.write_checkpoint` as :meth:`save_args` says; a save into the
+        job's own directory right after its best evaluation is its best version (``keep_best``), as its own
+        save there would be, and as a resume from it takes it."""
+        async with self.job.operation():
+            version = await job_state.write_checkpoint(self.job, path, *self.save_args(path))
+            if self.path is not None and path.directory == self.path.directory:
+                self._kept_as_best(version)
+            return version
+
+    def _kept_as_best(self, version: str) -> bool:
+        """Whether ``version``, just saved in the job's own directory, is its best (``keep_best``: saved
+        right after the best evaluation so far); if so it is the version every rotation spares."""
         judged = self.evaluations.best if self.evaluations is not None else None
-        best = job.spec.checkpointing.keep_best and judged is not None and judged.step == applied
+        best = self.job.spec.checkpointing.keep_best and judged is not None and judged.step == self.job.applied
         if best:
             self.best_version = version
-        job.publish(CheckpointSaved(job=job.id, step=applied, version=version, best=best))
+        return best
 
     def save_args(self, path: CheckpointPath) -> tuple[int, str | None, dict[str, Any] | None]:
         """How a save into ``path`` goes: in the job's own directory it keeps ``keep_checkpoints`` of the newest

@@ -5,6 +5,8 @@ evaluations themselves, against one process, are tests/schedulers/test_runs.py's
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +39,10 @@ class Job:
 
     def publish(self, event: Any) -> None:
         self.events.append(event)
+
+    @contextlib.asynccontextmanager
+    async def operation(self) -> AsyncIterator[None]:  # job.save holds the job as JobCore's does
+        yield
 
 
 class Monitors:
@@ -174,6 +180,40 @@ async def test_keep_best_spares_the_version_saved_at_the_best_evaluation_from_ev
     # Each save records how the evaluations stood as it was written: the best, those since, the best's version.
     assert [(s["best"]["step"], s["stale"], s["spare"]) for s in standings if s is not None] == [
         (1, 0, None), (2, 0, "v000001"), (2, 1, "v000002"), (4, 0, "v000002"), (4, 1, "v000004")]
+
+
+async def test_a_job_save_into_its_own_directory_at_the_best_evaluation_is_its_best_version(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The manifest of such a save records the best at its own step, which a resume takes as the best
+    # version; the running job did not, and its next own save's rotation (keep 1) removed it.
+    spares: list[str | None] = []
+
+    async def evaluate(job: Job, path: Any, inputs: Any, targets: Any, *, outputs: bool = False,
+                       data_step: int | None = None) -> EvalResult:
+        return EvalResult(loss={1: 1.0, 2: 2.0}[job.applied], items=8.0, eval_time_s=0.1)
+
+    async def save(job: Job, path: CheckpointPath, keep: int = 1, spare: str | None = None,
+                   evaluations: dict[str, Any] | None = None) -> str:
+        spares.append(spare)
+        return f"{path.directory}/v{len(spares):06d}"
+
+    monkeypatch.setattr(evaluation, "evaluate", evaluate)
+    monkeypatch.setattr(job_state, "write_checkpoint", save)
+    job = Job(JobSpec.of(**VALIDATION, eval_every=1, checkpoint_dir="run", checkpoint_every=2, keep_checkpoints=1,
+                         keep_best=True))
+    own = CheckpointPath(directory="/ckpt", within=None)
+    evals, saves = SelfEvaluations(job, None, None), SelfSaves(job, own)  # type: ignore[arg-type]
+    between = BetweenSteps(evals, saves)
+    job.applied = 1
+    await between.evaluate()  # the best so far
+    assert await saves.save(CheckpointPath(directory="/elsewhere", within=None)) == "/elsewhere/v000001"
+    assert saves.best_version is None  # not the job's directory: not in its rotation
+    assert await saves.save(own) == "/ckpt/v000002"  # job.save into the job's own directory
+    assert saves.best_version == "/ckpt/v000002"
+    job.applied = 2
+    await between.evaluate()  # worse
+    await between.save()  # the job's own save: its rotation spares the best
+    assert spares == [None, None, "v000002"] and saves.best_version == "/ckpt/v000002"
 
 
 @pytest.mark.parametrize(("resumed", "best_version"), [("/ckpt/v000005", "/ckpt/v000004"),
