@@ -61,8 +61,7 @@ async def evaluate(job: JobCore, path: StepPath, inputs: Any, targets: Any, *, o
         for call in calls.values():
             call.pop("loss_weights", None)  # the loss is averaged here, from every micro-batch's
             call.update(evaluate=True, keep_outputs=outputs)
-            if spec.parallelism.micro_batches != job.stage_micro_batches:
-                call["micro_batches"] = spec.parallelism.micro_batches
+            call["micro_batches"] = spec.parallelism.micro_batches  # the count the stage keeps (see step_path)
         try:
             reports = await path.calls.run_programs(job.attempted(), calls, evaluation_programs(spec))
         except StepFailed as failure:

@@ -142,7 +142,6 @@ class JobCore:
         self.last_checkpoint: tuple[CheckpointPath, int] | None = None  # (where, step) of this job's newest save
         self.driver_batches = False  # a step took the driver's batch (so the data factory cannot replay it)
         self.snapshot_due = False  # take one at the next step whatever snapshot_every says (after a load)
-        self.stage_micro_batches = spec.parallelism.micro_batches  # what the stage actors were built with
         self.last_reports: list[StageReport] = []
         self.last_stats: StepStats | None = None
         self._publish = publish

@@ -93,8 +93,9 @@ class StepPath:
         for call in calls.values():
             if after is not None:
                 call["after"] = after.step
-            if job.spec.parallelism.micro_batches != job.stage_micro_batches:
-                call["micro_batches"] = job.spec.parallelism.micro_batches
+            # Every order says it: a stage keeps the count it was told last, so one sent only when it
+            # differed from the count the stages were built with never took a job set back to that count.
+            call["micro_batches"] = job.spec.parallelism.micro_batches
             faults = job.spec.fault_tolerance
             if faults.max_restarts and (job.snapshot_due or position % faults.snapshot_every == 0):
                 call["snapshot"] = position

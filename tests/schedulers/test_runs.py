@@ -174,6 +174,26 @@ async def test_a_learning_rate_set_on_the_running_job_takes_effect_at_its_next_s
     assert described.spec.optimization.optimizer == ("torch.optim:SGD", {"lr": 0.02, "momentum": 0.9})
 
 
+async def test_micro_batches_set_back_to_the_jobs_first_count_reach_the_stages(cluster: Cluster) -> None:
+    # 2 -> 4 -> 2: an order carried the count only where it differed from the one the stages were built
+    # with, and a stage keeps the count it was told last, so the last two steps read and averaged their
+    # batches as 4 micro-batches while running a program of 2 (their losses and the weights drifted).
+    states, losses = one_process([0, 1, 2, 3])
+    job = await cluster.train(**_train(data_parallel=1))
+    try:
+        stats = [await job.step()]
+        await job.set("micro_batches", 4)
+        stats.append(await job.step())
+        await job.set("micro_batches", 2)
+        stats += [await job.step(), await job.step()]
+        state = await job.state_dict()
+    finally:
+        await job.close()
+    assert [s.micro_batches for s in stats] == [2, 4, 2, 2]
+    assert [s.loss for s in stats] == pytest.approx(losses, rel=1e-5)
+    assert equal(state, states[-1])
+
+
 async def test_a_step_skipped_for_a_nan_drops_the_step_sent_after_it_and_sends_it_again(cluster: Cluster) -> None:
     # Step 1's batch holds a NaN: every stage drops it, so every stage refuses step 2, sent ahead of
     # it; the run drops that one and sends it again, reading the data position it would have read.
