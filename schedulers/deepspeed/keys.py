@@ -359,8 +359,9 @@ def _pipeline(t: Translation, pipeline: Mapping[str, Any]) -> None:
     if "seed_layers" in pipeline:
         with t.collecting():
             boolean(pipeline, "seed_layers", "pipeline.")
-            t.notice("pipeline.seed_layers", "every stage builds the whole model from one seed and keeps its slice, "
-                                             "so each layer starts as it would in one process; no per-layer seeds")
+            t.notice("pipeline.seed_layers", "a model returned whole is built by every stage from one seed, each "
+                                             "keeping its slice, so each layer starts as in one process; layer specs "
+                                             "are built each under a seed of its own (docs/models.md), either way")
     for key, why in (("pipe_partitioned", "activations between stages are sent whole by each tensor-parallel rank"),
                      ("grad_partitioned", "gradients between stages are sent whole by each tensor-parallel rank"),
                      ("use_reentrant", "how DeepSpeed's checkpointing calls torch.utils.checkpoint")):
@@ -373,7 +374,7 @@ def _pipeline(t: Translation, pipeline: Mapping[str, Any]) -> None:
 def _communication(t: Translation, config: Mapping[str, Any]) -> None:
     dtype = config.get("communication_data_type")
     if dtype is not None:
-        codec = _REDUCE_CODECS.get(_DTYPES.get(dtype, "")) if isinstance(dtype, str) else None
+        codec = _REDUCE_CODECS.get(_DTYPES.get(dtype.lower(), "")) if isinstance(dtype, str) else None  # as DeepSpeed
         if codec is None:
             t.problem("communication_data_type", f"expected fp32, fp16 or bf16, got {show(dtype)}")
         else:

@@ -175,6 +175,9 @@ def _adam(t: Translation, name: str, params: dict[str, Any]) -> str | None:
     if given.get("fp32_optimizer_states") is False:  # DeepSpeed's CPU Adam then keeps the moments as the weights
         t.set("optimizer_states", "bf16", "optimizer.params.fp32_optimizer_states")
     # torch_adam: DeepSpeed's switch from its fused kernel to torch's, which is what runs here either way.
+    # Its fused (and CPU) Adam decays nothing unless asked; torch's AdamW decays by 0.01 unless told.
+    if not given.get("torch_adam"):
+        params.setdefault("weight_decay", 0.0)
     if name == "adam" and given.get("adam_w_mode") is False:
         return "torch.optim:Adam"  # L2 weight decay added to the gradient, as DeepSpeed's adam_w_mode=false
     return "torch.optim:AdamW"

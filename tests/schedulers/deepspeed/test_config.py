@@ -137,7 +137,7 @@ def test_the_example_gpt_config_translates_to_a_valid_job() -> None:
     spec = config.spec
     assert isinstance(spec, JobSpec) and config.notices == ()
     assert spec.training.model == "examples.models:gpt" and spec.training.loss == "examples.models:lm_loss"
-    assert spec.optimization.optimizer == ("torch.optim:AdamW", {"lr": 0.001})
+    assert spec.optimization.optimizer == ("torch.optim:AdamW", {"lr": 0.001, "weight_decay": 0.0})  # as FusedAdam
     assert spec.parallelism.pipeline_stages == 2 and spec.parallelism.schedule == "1f1b"
     assert spec.parallelism.micro_batches == 4  # gradient_accumulation_steps: the micro-batches of one step
     assert spec.training.data == "examples.data:char_batches"
@@ -409,9 +409,11 @@ def test_deepspeed_examples_style_configs_run_without_edits(ds: str) -> None:
 @pytest.mark.parametrize(("optimizer", "expected"), [
     ({"type": "Adam", "params": {"lr": 1e-3, "weight_decay": 0.1}}, ("torch.optim:AdamW", {"lr": 1e-3, "weight_decay": 0.1})),
     ({"type": "Adam", "params": {"adam_w_mode": False, "weight_decay": 0.1}}, ("torch.optim:Adam", {"weight_decay": 0.1})),
+    # DeepSpeed's fused (and CPU) Adam decays nothing unless asked; its torch_adam path is torch's AdamW, 0.01
     ({"type": "Adam", "params": {"torch_adam": True, "bias_correction": True}}, ("torch.optim:AdamW", {})),
-    ({"type": "AdamW", "params": {"adam_w_mode": False}}, ("torch.optim:AdamW", {})),  # the name decides, as in DeepSpeed
-    ({"type": "AdamW"}, ("torch.optim:AdamW", {})),
+    ({"type": "AdamW", "params": {"adam_w_mode": False}}, ("torch.optim:AdamW", {"weight_decay": 0.0})),  # the name decides
+    ({"type": "AdamW"}, ("torch.optim:AdamW", {"weight_decay": 0.0})),
+    ({"type": "Adam", "params": {"adam_w_mode": False}}, ("torch.optim:Adam", {"weight_decay": 0.0})),
     ({"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}, ("torch.optim:SGD", {"lr": 0.1, "momentum": 0.9})),
     ({"type": "Adagrad", "params": {"lr": 0.01}}, ("torch.optim:Adagrad", {"lr": 0.01})),
     ({"type": "RMSprop", "params": {"alpha": 0.9}}, ("torch.optim:RMSprop", {"alpha": 0.9})),
@@ -463,7 +465,7 @@ def test_deepspeed_optimizers_without_a_torch_equivalent_are_refused_with_why(ki
 @pytest.mark.parametrize(("params", "key", "message"), [
     ({"momentum": 0.9}, "optimizer.params.momentum", "not a parameter of torch.optim:AdamW; it takes lr, betas"),
     ({"weight_decy": 0.1}, "optimizer.params.weight_decy", "did you mean optimizer.params.weight_decay?"),
-    ({"betas": [1.5, 0.9]}, "optimizer.params", "torch.optim:AdamW refuses {'betas': [1.5, 0.9]}: Invalid beta"),
+    ({"betas": [1.5, 0.9]}, "optimizer.params", "torch.optim:AdamW refuses {'betas': [1.5, 0.9], 'weight_decay': 0.0}: Invalid beta"),
     ({"lr": -1}, "optimizer.params", "Invalid learning rate"),
     ({"max_grad_norm": 1.0}, "optimizer.params.max_grad_norm", "clip with the top-level \"gradient_clipping\""),
     ({"bias_correction": False}, "optimizer.params.bias_correction", "always correct the moments' bias"),
@@ -642,7 +644,7 @@ def test_a_wrong_monitor_block_is_refused_naming_the_key(blocks: dict[str, Any],
      "here every stage checkpoints each layer"),
     ({"activation_checkpointing": {"cpu_checkpointing": True}}, "activation_checkpointing.cpu_checkpointing",
      "no effect here"),
-    ({"pipeline": {"seed_layers": True}}, "pipeline.seed_layers", "every stage builds the whole model from one seed"),
+    ({"pipeline": {"seed_layers": True}}, "pipeline.seed_layers", "a model returned whole is built by every stage from one"),
     ({"pipeline": {"partition": "best"}}, "pipeline.partition", "partitioned by parameters"),
     ({"pipeline": {"pipe_partitioned": True, "grad_partitioned": True}}, "pipeline.grad_partitioned", "no effect"),
     ({"tensor_parallel": {"autotp_size": 1, "tp_overlap_comm": True}}, "tensor_parallel.tp_overlap_comm", "no effect"),
@@ -752,6 +754,12 @@ def test_everything_wrong_in_a_file_is_reported_at_once(tmp_path: Path) -> None:
     docs = (EXAMPLE.parents[1] / "docs" / "deepspeed.md").read_text()
     shown = docs.split("4 problems in ds_config.json:\n", 1)[1].split("```", 1)[0]
     assert shown.splitlines() == text.splitlines()[1:]
+
+
+@pytest.mark.parametrize(("dtype", "codec"), [("BF16", "bf16"), ("Fp16", "fp16"), ("FP32", "none")])
+def test_communication_data_type_is_read_in_any_case_as_deepspeed_reads_it(dtype: str, codec: str) -> None:
+    spec = translate_config({**MINIMAL, "communication_data_type": dtype}).spec
+    assert fields_of(spec, "reduce_codec") == (codec,)
 
 
 def test_a_missing_model_is_named() -> None:
