@@ -213,7 +213,9 @@ class QuantizedAdam(torch.optim.Optimizer):
         count = float(step)
         lr, weight_decay, eps = group["lr"], group["weight_decay"], group["eps"]
         step_size, correction2 = lr / (1 - beta1 ** count), math.sqrt(1 - beta2 ** count)
-        flat = p.detach().reshape(-1)  # a view: parameters are contiguous
+        # A view of the parameter; a copy of one that is not contiguous (a channels_last weight), copied back
+        # below (its update went into a temporary before, and the weight never moved).
+        flat = p.detach().reshape(-1) if p.is_contiguous() else p.detach().contiguous().view(-1)
         grads = p.grad.detach().reshape(-1)  # type: ignore[union-attr]
         generators = [torch.Generator(device=p.device).manual_seed(((int(count) * 1_000_003 + seed) * 2 + which)
                                                                     % (1 << 63)) for which in (0, 1)]
@@ -235,6 +237,8 @@ class QuantizedAdam(torch.optim.Optimizer):
             if p.dtype != torch.float32:
                 flat[start:end].copy_(work)
             self._chunk_store(p, state, m, v, start, end, generators)
+        if not p.is_contiguous():
+            p.detach().copy_(flat.view(p.shape))
 
     def _chunk(self, numel: int) -> int:
         """Elements a step works on at once: :data:`CHUNK`, a whole number of blocks."""
@@ -273,10 +277,19 @@ class QuantizedAdam(torch.optim.Optimizer):
             end = min(start + chunk, numel)
             codes, blocks = self._slices(numel, start, end)
             for name, value in zip(_MOMENTS, values(start, end)):
+                value = self._in_blocks(numel, value)
                 # On a level already (zeros, or decoded values): an even chance keeps each on its own level.
                 even = torch.full(noise_shape(value, self.block), 0.5, device=p.device)
                 state[f"{name}_codes"][codes], state[f"{name}_max"][blocks] = encode(value, self.bits, name,
                                                                                      self.block, even)
+
+    def _in_blocks(self, numel: int, value: torch.Tensor) -> torch.Tensor:
+        """A chunk of a parameter of ``numel`` elements, zero-padded to one block of the parameter's width
+        where it is shorter (a large parameter's last chunk): :func:`encode` takes a tensor's block width
+        from its size, and a short last chunk would get a narrower one than its codes' slice holds (as
+        the whole parameter, its last block is zero-padded alike)."""
+        width = _width(numel, self.block)
+        return value if value.numel() >= width else torch.nn.functional.pad(value, (0, width - value.numel()))
 
     def _slices(self, numel: int, start: int, end: int) -> tuple[slice, slice]:
         """The codes and the maxima of elements ``[start, end)`` (``start`` on a block boundary)."""
@@ -302,6 +315,7 @@ class QuantizedAdam(torch.optim.Optimizer):
             if self.bits is None:
                 state[name].reshape(-1)[start:end] = _round_bf16(value, generator)
                 continue
+            value = self._in_blocks(p.numel(), value)
             noise = torch.rand(noise_shape(value, self.block), generator=generator, device=p.device)
             codes, blocks = self._slices(p.numel(), start, end)
             state[f"{name}_codes"][codes], state[f"{name}_max"][blocks] = encode(value, self.bits, name, self.block,

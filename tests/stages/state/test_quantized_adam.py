@@ -186,15 +186,18 @@ def test_only_adam_and_adamw_take_quantized_moments() -> None:
 
 
 @pytest.mark.parametrize("states", ["bf16", "int8", "int4"])
-def test_a_parameter_larger_than_a_chunk_is_stepped_a_chunk_at_a_time(states: str,
+@pytest.mark.parametrize("shape", [(37, 300), (41, 250)], ids=["last-chunk-of-blocks", "last-chunk-shorter-than-a-block"])
+def test_a_parameter_larger_than_a_chunk_is_stepped_a_chunk_at_a_time(states: str, shape: tuple[int, int],
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """The step holds a few chunks in float32, never the parameter: cut small, the first update (which no
-    rounding of the moments reaches) is the same bits, and each chunk's moments decode to torch's."""
+    rounding of the moments reaches) is the same bits, and each chunk's moments decode to torch's.
+    11,100 elements end in a chunk of 860, 10,250 in one of 10: shorter than a block, whose codes once
+    got a block as narrow as itself (int8 and int4 failed at the first step)."""
     from stages.state import quantized_adam
 
     gen = torch.Generator().manual_seed(4)
-    weight = torch.randn(37, 300, generator=gen)  # 11100 elements, not a whole number of blocks
-    grad = torch.randn(37, 300, generator=gen)
+    weight = torch.randn(*shape, generator=gen)
+    grad = torch.randn(*shape, generator=gen)
     results = {}
     for chunk in (1 << 18, 1024):
         monkeypatch.setattr(quantized_adam, "CHUNK", chunk)
@@ -203,6 +206,8 @@ def test_a_parameter_larger_than_a_chunk_is_stepped_a_chunk_at_a_time(states: st
         optimizer = QuantizedAdam([p], lr=0.01, weight_decay=0.1, decoupled=True, states=states)
         optimizer.step()
         results[chunk] = (p.detach().clone(), checkpoint_state(optimizer, p))
+        optimizer.step()  # the moments decoded a chunk at a time, the last one too
+        assert torch.isfinite(p).all()
     assert torch.equal(results[1024][0], results[1 << 18][0])
     reference = torch.nn.Parameter(weight.clone())
     reference.grad = grad.clone()
@@ -213,6 +218,21 @@ def test_a_parameter_larger_than_a_chunk_is_stepped_a_chunk_at_a_time(states: st
         expected = adam.state[reference][name]
         got = results[1024][1][name]
         assert (got - expected).norm() <= 0.2 * expected.norm()  # int4's steps are coarse; int8's and bf16's fine
+
+
+@pytest.mark.parametrize("states", ["bf16", "int8", "int4"])
+def test_a_parameter_that_is_not_contiguous_is_updated_in_place(states: str) -> None:
+    # A channels_last convolution weight: the update went into a copy, and the weight never moved.
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(8, 3, 3, 3, generator=gen).to(memory_format=torch.channels_last)
+    grad = torch.randn(8, 3, 3, 3, generator=gen)
+    p, reference = torch.nn.Parameter(weight.clone()), torch.nn.Parameter(weight.clone())
+    p.grad, reference.grad = grad.clone(), grad.clone()
+    assert not p.is_contiguous()
+    QuantizedAdam([p], lr=0.01, states=states).step()
+    torch.optim.Adam([reference], lr=0.01).step()
+    assert not p.is_contiguous()  # still the same tensor, in its own layout
+    torch.testing.assert_close(p.detach(), reference.detach(), rtol=0, atol=1e-6)  # the first step: lr * sign(g)
 
 
 def test_a_recovery_snapshot_keeps_the_codes_and_a_replayed_step_rounds_the_same() -> None:
