@@ -86,8 +86,9 @@ class JobController:
         self.saves = SelfSaves(self.core, checkpoints)
         self.evals = SelfEvaluations(self.core, self.steps, monitors)
         self.between = BetweenSteps(self.evals, self.saves)
-        self.runs = Runs(self.core, self.step, functools.partial(steps_ahead, self.core, self.steps, self.settings,
-                                                                 self._step_ended, self._recover_to, self.between))
+        self.runs = Runs(self.core, functools.partial(self.step, by_driver=False),
+                         functools.partial(steps_ahead, self.core, self.steps, self.settings, self._step_ended,
+                                           self._recover_to, self.between))
         self.evals.on_early_stop = self.runs.stop_early
         self._recovery: Recovery | None = None  # what the last recovery did, for the next StepStats
         self.monitors = monitors  # the job's TensorBoard, W&B and CSV writers (None: none configured)
@@ -98,7 +99,7 @@ class JobController:
 
     # -- steps ---------------------------------------------------------------------------
 
-    async def step(self, inputs: Any = None, targets: Any = None) -> StepStats:
+    async def step(self, inputs: Any = None, targets: Any = None, *, by_driver: bool = True) -> StepStats:
         """Runs one optimizer step on a global batch (or the job's data factory).
 
         With ``max_restarts``, a node lost during the step (or before it) is replaced, and a
@@ -113,9 +114,11 @@ class JobController:
             StepFailed: a stage failed or the step timed out; or the evaluation after the step
                 failed (the step was applied).
             CheckpointError: the save after the step failed (the step was applied).
+
+        ``by_driver``: a driver's call, which ``cancel_step`` cancels (a run's steps are not).
         """
         job = self.core
-        async with job.operation(stepping=True):
+        async with job.operation(stepping=by_driver):
             await self.settings.apply_pending()  # settings changed with set take effect here, between steps
             goal = job.keep_batch(inputs, targets)
             try:
@@ -224,12 +227,13 @@ class JobController:
                              details={"stage": None, "action": None, "cause": "diverged"})
 
     def cancel_step(self) -> bool:
-        """Cancels the step (or evaluation) in progress (its stages abort it); False when none runs."""
-        job = self.core
-        if job.operation_task is None or not job.stepping:
-            return False
-        job.operation_task.cancel()
-        return True
+        """Cancels a driver's step (or evaluation), running (its stages abort it) or waiting for the job;
+        False when there is none. A run's steps are not a driver's: they go on (``stop`` ends a run), where
+        this once cancelled whichever step held the job, and with it the run."""
+        calls = list(self.core.driver_calls)
+        for task in calls:
+            task.cancel()
+        return bool(calls)
 
     def _step_finished(self, stats: StepStats, applied: int) -> None:
         job = self.core

@@ -113,7 +113,9 @@ class JobCore:
         self.lock = asyncio.Lock()
         self.waiting = 0  # operations waiting for the lock (a run that steps ahead lets them in: see StepPath.dispatch)
         self.operation_task: asyncio.Task[Any] | None = None  # the call holding the lock (close cancels it)
-        self.stepping = False  # the operation is a step or an evaluation (a driver may cancel it)
+        # A driver's steps and evaluations, holding the job or waiting for it: what a driver that gave up
+        # on its call cancels (cancel_step), never a run's steps.
+        self.driver_calls: set[asyncio.Task[Any]] = set()
         # Ranks whose node was lost during a step they were not told to abort: aborted when it comes back.
         self.fenced: dict[int, int] = {}
         self.broken: str | None = None  # set when stages may disagree (a release failed): only load or close help
@@ -165,27 +167,34 @@ class JobCore:
         """Holds the job for one operation (a step, a state read or load) that ``close`` may cancel.
 
         Args:
-            stepping: the operation is a step or an evaluation (``cancel_step`` may cancel it).
+            stepping: the operation is a driver's step or evaluation (``cancel_step`` may cancel it, held
+                or waiting for the job).
             repairs: the operation may run on stages that disagree (a load).
 
         Raises:
             NodeLost: a node of the job is lost (at once: nothing is sent to the others).
             StepFailed: the stages may disagree after a failed release (load a checkpoint).
         """
-        self.waiting += 1
+        task = asyncio.current_task()
+        if stepping and task is not None:
+            self.driver_calls.add(task)
         try:
-            await self.lock.acquire()
-        finally:
-            self.waiting -= 1
-        try:
-            await self._check_members(repairs)
-            self.operation_task, self.stepping = asyncio.current_task(), stepping
+            self.waiting += 1
             try:
-                yield
+                await self.lock.acquire()
             finally:
-                self.operation_task, self.stepping = None, False
+                self.waiting -= 1
+            try:
+                await self._check_members(repairs)
+                self.operation_task = task
+                try:
+                    yield
+                finally:
+                    self.operation_task = None
+            finally:
+                self.lock.release()
         finally:
-            self.lock.release()
+            self.driver_calls.discard(task)  # type: ignore[arg-type]
 
     def respecified(self, spec: JobSpec) -> None:
         """The job runs ``spec`` from its next step on (settings changed at the barrier)."""

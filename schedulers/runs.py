@@ -209,7 +209,7 @@ async def steps_ahead(job: JobCore, path: StepPath, settings: Settings,
     """
     if not path.may_step_ahead():
         return False
-    async with job.operation(stepping=True):
+    async with job.operation():  # not a driver's call: cancel_step leaves it alone, stop ends it
         await settings.apply_pending()
         if not path.may_step_ahead():
             return False

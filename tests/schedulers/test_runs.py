@@ -174,6 +174,37 @@ async def test_a_learning_rate_set_on_the_running_job_takes_effect_at_its_next_s
     assert described.spec.optimization.optimizer == ("torch.optim:SGD", {"lr": 0.02, "momentum": 0.9})
 
 
+async def test_a_driver_that_gives_up_on_its_step_during_a_run_cancels_its_step_not_the_run(
+        cluster: Cluster) -> None:
+    # The driver's step waits for the run's step in progress (each forward stalls 0.2 s); it gives up,
+    # and its cancel_step reached whichever step held the job: the run's, which ended the run.
+    job = await cluster.train(**_train(model="tests.helpers.models:stalling", model_kwargs={"seconds": 0.2},
+                                       data_parallel=1))
+
+    async def done() -> int:
+        run = (await job.describe()).run
+        assert run is not None and run.active, run
+        return run.done
+
+    try:
+        await job.run(100_000)
+        while await done() < 1:
+            await asyncio.sleep(0.1)
+        step = asyncio.ensure_future(job.step())
+        await asyncio.sleep(0.05)
+        step.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await step
+        before = await done()
+        while await done() < before + 2:  # the run goes on (it ended at once)
+            await asyncio.sleep(0.1)
+        await job.stop()
+        run = await ended(job)
+    finally:
+        await job.close()
+    assert run.error is None and before + 2 <= run.done < 100_000
+
+
 async def test_micro_batches_set_back_to_the_jobs_first_count_reach_the_stages(cluster: Cluster) -> None:
     # 2 -> 4 -> 2: an order carried the count only where it differed from the one the stages were built
     # with, and a stage keeps the count it was told last, so the last two steps read and averaged their
