@@ -8,6 +8,7 @@ and keep their weights and optimizer state.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 from actors import ActorError
@@ -21,6 +22,8 @@ from schedulers.jobs import JobSpec
 from schedulers.records import SettingChange
 
 __all__ = ["SETTABLE", "Settings", "plan_setting"]
+
+log = logging.getLogger(__name__)
 
 # What `set JOB KEY VALUE` may change on a running job.
 SETTABLE = ("micro_batches", "schedule", "activation_codec", "gradient_codec", "lr")
@@ -140,6 +143,11 @@ class Settings:
         return SettingChange(job=job.id, key=key, value=value, stepping=job.lock.locked(),
                              next_step=job.next_step)
 
+    async def _set_codecs(self, spec: JobSpec) -> None:
+        """Every stage actor encodes with ``spec``'s codecs from the next step on."""
+        await asyncio.gather(*(ref.endpoint(StageActor.set_codecs, timeout=30).call(
+            spec.edge_codecs("activation_codec"), spec.edge_codecs("gradient_codec")) for ref in self.job.stages))
+
     async def apply_pending(self) -> None:
         """Before a step, under the job's lock: the pending settings take effect."""
         job, new = self.job, self.pending_spec
@@ -150,12 +158,21 @@ class Settings:
         self.pending_spec = None
         if "activation_codec" in changes or "gradient_codec" in changes:
             try:
-                await asyncio.gather(*(ref.endpoint(StageActor.set_codecs, timeout=30).call(
-                    new.edge_codecs("activation_codec"), new.edge_codecs("gradient_codec")) for ref in job.stages))
+                await self._set_codecs(new)
             except ActorError as exc:
                 job.publish(SettingRejected(job=job.id, key="codecs",
                                             error=f"the stages refused the new codecs: {exc}"))
-                return
+                # The rest still applies (it was dropped with them); stages that took the new codecs go back.
+                new = new.replace(activation_codec=job.spec.get("activation_codec"),
+                                  gradient_codec=job.spec.get("gradient_codec"))
+                changes = {key: value for key, value in changes.items() if not key.endswith("_codec")}
+                try:
+                    await self._set_codecs(new)
+                except ActorError as again:
+                    log.warning("%s: the stages refused their codecs back too (%s); they may now encode with "
+                                "different codecs until a set of the codecs takes", job.id, again)
+                if not changes:
+                    return
         if "lr" in changes:
             if not job.learning_rates and job.last_stats is not None and job.last_stats.lr:
                 job.learning_rates[0] = job.last_stats.lr[0]  # the rate before it, for a replay of the steps before

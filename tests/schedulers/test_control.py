@@ -100,3 +100,53 @@ def test_each_step_takes_the_learning_rate_set_last_at_or_before_it() -> None:
     assert job.learning_rate(5) is None  # never set: the optimizer's own
     job.learning_rates = {0: 0.1, 3: 0.02, 7: 0.5}
     assert [job.learning_rate(p) for p in (0, 2, 3, 6, 7, 100)] == [0.1, 0.1, 0.02, 0.02, 0.5, 0.5]
+
+
+class CodecStage:
+    """A stage actor's ref as Settings calls it: set_codecs refused ``refusals`` times, then taken."""
+
+    def __init__(self, refusals: int) -> None:
+        self.refusals = refusals
+        self.codecs: list[Any] = []
+
+    def endpoint(self, method: Any, timeout: float | None = None) -> "CodecStage":
+        return self
+
+    async def call(self, activation: Any, gradient: Any) -> None:
+        from actors import ActorError
+
+        if self.refusals:
+            self.refusals -= 1
+            raise ActorError("set_codecs timed out")
+        self.codecs.append((activation, gradient))
+
+
+async def test_codecs_the_stages_refuse_leave_the_other_settings_to_apply() -> None:
+    # The codecs' refusal returned before anything else applied: an lr and a micro-batch count set
+    # alongside were dropped, silently, and a stage that took the new codecs kept them.
+    from schedulers.job_core import JobCore
+    from schedulers.limits import Limits
+    from schedulers.settings import Settings
+
+    events: list[Any] = []
+    stages = [CodecStage(refusals=0), CodecStage(refusals=1)]
+
+    async def nobody() -> set[str]:
+        return set()
+
+    async def members(repairs: bool) -> None:
+        pass
+
+    job = JobCore(runtime=None, job_id="job0", spec=spec(optimizer=("torch.optim:SGD", {"lr": 0.1})),
+                  stages=stages, nodes=["a", "b"], bounds=[[0, 2], [2, 4]], publish=events.append,
+                  alive_nodes=nobody, check_members=members)  # type: ignore[arg-type]
+    settings = Settings(job, Limits())
+    for key, value in (("lr", "0.02"), ("micro_batches", "8"), ("activation_codec", "int8")):
+        await settings.set(key, value)
+    async with job.operation(stepping=True):
+        await settings.apply_pending()
+    assert [type(e).__name__ for e in events][-2:] == ["SettingRejected", "SettingsApplied"]
+    assert events[-1].changes == {"lr": 0.02, "micro_batches": 8}
+    assert job.spec.optimization.optimizer[1]["lr"] == 0.02 and job.spec.parallelism.micro_batches == 8
+    assert job.spec.get("activation_codec") == "none" and job.learning_rate(job.applied) == 0.02
+    assert stages[0].codecs[-1] == stages[1].codecs[-1] == (["none"], ["none"])  # the one that took int8 went back
