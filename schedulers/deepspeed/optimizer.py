@@ -73,13 +73,13 @@ _TRAINER_DEFAULTS = {"betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
 
 # DeepSpeed's schedules: DeepSpeed's type -> (stages.state.lr class, {param: kind}, required params),
 # the parameters as deepspeed.runtime.lr_schedules names them.
-_WARMUP = {"warmup_min_lr": "number", "warmup_max_lr": "number", "warmup_num_steps": "steps",
+_WARMUP = {"warmup_min_lr": "number", "warmup_max_lr": "number", "warmup_num_steps": "warmup",
            "warmup_type": "warmup_type", "last_batch_iteration": "int"}
 DEEPSPEED_SCHEDULERS: dict[str, tuple[str, dict[str, str], tuple[str, ...]]] = {
     "WarmupLR": ("stages.state.lr:WarmupLR", _WARMUP, ()),
     "WarmupDecayLR": ("stages.state.lr:WarmupDecayLR", {"total_num_steps": "steps", **_WARMUP}, ("total_num_steps",)),
     "WarmupCosineLR": ("stages.state.lr:WarmupCosineLR", {
-        "total_num_steps": "steps", "warmup_min_ratio": "number", "warmup_num_steps": "steps",
+        "total_num_steps": "steps", "warmup_min_ratio": "number", "warmup_num_steps": "warmup",
         "cos_min_ratio": "number", "warmup_type": "warmup_type", "last_batch_iteration": "int"},
         ("total_num_steps",)),
     "OneCycle": ("stages.state.lr:OneCycle", {
@@ -291,13 +291,15 @@ def _check_schedule_value(t: Translation, kind: str, key: str, expected: str, pa
         ok = isinstance(value, bool)
     elif expected == "number":
         ok = numeric and value >= 0
+    elif expected == "warmup":  # DeepSpeed takes max(2, it): 0 is the Hugging Face integration's "no warm-up"
+        ok = numeric and isinstance(value, int) and value >= 0
     elif expected in ("int", "int_or_null"):
         ok = (value is None and expected == "int_or_null") or (numeric and isinstance(value, int))
     else:  # steps, steps_or_null: DeepSpeed needs a positive integer
         ok = (value is None and expected == "steps_or_null") or (numeric and isinstance(value, int) and value >= 1)
     if not ok:
         wanted = {"bool": "true or false", "number": "a number >= 0", "int": "an integer",
-                  "int_or_null": "an integer or null", "steps": "an integer >= 1",
+                  "int_or_null": "an integer or null", "steps": "an integer >= 1", "warmup": "an integer >= 0",
                   "steps_or_null": "an integer >= 1 or null"}[expected]
         t.problem(where, f"expected {wanted} for DeepSpeed's {kind}, got {show(value)}")
     return ok

@@ -50,9 +50,9 @@ def _per_group(optimizer: Optimizer, value: Any, name: str) -> list[float]:
 
 
 def _warmup_steps(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"warmup_num_steps must be a positive integer, got {value!r:.40}")
-    return max(2, value)  # DeepSpeed's floor: log(1) would divide by zero
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"warmup_num_steps must be an integer >= 0, got {value!r:.40}")
+    return max(2, value)  # DeepSpeed's floor (0, the Hugging Face integration's "no warm-up", too): log(1) is 0
 
 
 def _warmup_type(value: Any) -> str:

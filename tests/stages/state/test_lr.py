@@ -99,6 +99,14 @@ def test_one_cycle_cycles_adams_first_beta_inversely_to_the_rate() -> None:
     assert not OneCycle(opt, 0.01, 0.1).cycle_momentum and "betas" not in opt.param_groups[0]
 
 
+@pytest.mark.parametrize("scheduler_cls", [WarmupLR, WarmupDecayLR, WarmupCosineLR])
+def test_no_warm_up_is_deepspeeds_shortest_one(scheduler_cls: type) -> None:
+    # warmup_num_steps=0 is how Hugging Face's integration says "no warm-up"; DeepSpeed takes max(2, it).
+    extra = {} if scheduler_cls is WarmupLR else {"total_num_steps": 10}
+    none, shortest = ({"warmup_num_steps": steps, "warmup_type": "linear", **extra} for steps in (0, 2))
+    assert rates(scheduler_cls, none, 6) == rates(scheduler_cls, shortest, 6)
+
+
 def test_one_value_per_parameter_group() -> None:
     opt = optimizer(groups=2)
     scheduler = WarmupLR(opt, warmup_min_lr=[0.0, 0.01], warmup_max_lr=[0.1, 0.2], warmup_num_steps=2,
@@ -110,8 +118,8 @@ def test_one_value_per_parameter_group() -> None:
 
 
 @pytest.mark.parametrize(("scheduler_cls", "kwargs", "match"), [
-    (WarmupLR, {"warmup_num_steps": 0}, "warmup_num_steps must be a positive integer"),
-    (WarmupLR, {"warmup_num_steps": 2.5}, "warmup_num_steps must be a positive integer"),
+    (WarmupLR, {"warmup_num_steps": -1}, "warmup_num_steps must be an integer >= 0"),
+    (WarmupLR, {"warmup_num_steps": 2.5}, "warmup_num_steps must be an integer >= 0"),
     (WarmupLR, {"warmup_type": "cosine"}, "warmup_type must be 'log' or 'linear'"),
     (WarmupLR, {"warmup_max_lr": "high"}, "warmup_max_lr must be a finite number"),
     (WarmupLR, {"warmup_min_lr": [0.0, 0.1]}, r"warmup_min_lr: expected one value per parameter group \(1\)"),
