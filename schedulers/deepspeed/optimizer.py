@@ -251,6 +251,15 @@ def _deepspeed_schedule(t: Translation, kind: str, params: dict[str, Any], lr: A
         if key not in params:
             t.problem(prefix + key, f"missing: DeepSpeed's {kind} needs it")
             ok = False
+    for key in ("cycle_first_stair_count", "cycle_second_stair_count"):
+        if params.get(key):  # DeepSpeed (0.16.5) stores them and never reads them: its rates move every step
+            t.notice(prefix + key, f"dropped, so that the rates are DeepSpeed's: its {kind} takes the stair counts "
+                                   "and moves the rate every step whatever they say")
+            params.pop(key)
+    if kind == "WarmupLR" and "warmup_max_lr" not in params:
+        t.notice(prefix + "warmup_max_lr", "not given: the rate warms up to the optimizer's lr here; DeepSpeed's "
+                                           "default is 0.001 whatever that lr (deepspeedai/DeepSpeed#7303): give "
+                                           "warmup_max_lr to say which")
     if ok:
         t.set("lr_scheduler", (path, params), "scheduler")
 

@@ -411,7 +411,8 @@ def test_deepspeed_examples_style_configs_run_without_edits(ds: str) -> None:
     ({"type": "Adam", "params": {"adam_w_mode": False, "weight_decay": 0.1}}, ("torch.optim:Adam", {"weight_decay": 0.1})),
     # DeepSpeed's fused (and CPU) Adam decays nothing unless asked; its torch_adam path is torch's AdamW, 0.01
     ({"type": "Adam", "params": {"torch_adam": True, "bias_correction": True}}, ("torch.optim:AdamW", {})),
-    ({"type": "AdamW", "params": {"adam_w_mode": False}}, ("torch.optim:AdamW", {"weight_decay": 0.0})),  # the name decides
+    # the name decides, as in DeepSpeed
+    ({"type": "AdamW", "params": {"adam_w_mode": False}}, ("torch.optim:AdamW", {"weight_decay": 0.0})),
     ({"type": "AdamW"}, ("torch.optim:AdamW", {"weight_decay": 0.0})),
     ({"type": "Adam", "params": {"adam_w_mode": False}}, ("torch.optim:Adam", {"weight_decay": 0.0})),
     ({"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}, ("torch.optim:SGD", {"lr": 0.1, "momentum": 0.9})),
@@ -465,7 +466,8 @@ def test_deepspeed_optimizers_without_a_torch_equivalent_are_refused_with_why(ki
 @pytest.mark.parametrize(("params", "key", "message"), [
     ({"momentum": 0.9}, "optimizer.params.momentum", "not a parameter of torch.optim:AdamW; it takes lr, betas"),
     ({"weight_decy": 0.1}, "optimizer.params.weight_decy", "did you mean optimizer.params.weight_decay?"),
-    ({"betas": [1.5, 0.9]}, "optimizer.params", "torch.optim:AdamW refuses {'betas': [1.5, 0.9], 'weight_decay': 0.0}: Invalid beta"),
+    ({"betas": [1.5, 0.9]}, "optimizer.params",
+     "torch.optim:AdamW refuses {'betas': [1.5, 0.9], 'weight_decay': 0.0}: Invalid beta"),
     ({"lr": -1}, "optimizer.params", "Invalid learning rate"),
     ({"max_grad_norm": 1.0}, "optimizer.params.max_grad_norm", "clip with the top-level \"gradient_clipping\""),
     ({"bias_correction": False}, "optimizer.params.bias_correction", "always correct the moments' bias"),
@@ -644,7 +646,8 @@ def test_a_wrong_monitor_block_is_refused_naming_the_key(blocks: dict[str, Any],
      "here every stage checkpoints each layer"),
     ({"activation_checkpointing": {"cpu_checkpointing": True}}, "activation_checkpointing.cpu_checkpointing",
      "no effect here"),
-    ({"pipeline": {"seed_layers": True}}, "pipeline.seed_layers", "a model returned whole is built by every stage from one"),
+    ({"pipeline": {"seed_layers": True}}, "pipeline.seed_layers",
+     "a model returned whole is built by every stage from one"),
     ({"pipeline": {"partition": "best"}}, "pipeline.partition", "partitioned by parameters"),
     ({"pipeline": {"pipe_partitioned": True, "grad_partitioned": True}}, "pipeline.grad_partitioned", "no effect"),
     ({"tensor_parallel": {"autotp_size": 1, "tp_overlap_comm": True}}, "tensor_parallel.tp_overlap_comm", "no effect"),
@@ -760,6 +763,24 @@ def test_everything_wrong_in_a_file_is_reported_at_once(tmp_path: Path) -> None:
 def test_communication_data_type_is_read_in_any_case_as_deepspeed_reads_it(dtype: str, codec: str) -> None:
     spec = translate_config({**MINIMAL, "communication_data_type": dtype}).spec
     assert fields_of(spec, "reduce_codec") == (codec,)
+
+
+def test_deepspeeds_own_rates_come_with_a_one_cycle_whose_stair_counts_it_ignores() -> None:
+    # DeepSpeed's OneCycle stores cycle_*_stair_count and never reads it; stages.state.lr's builds stairs.
+    result = translate_config({**MINIMAL, "scheduler": {"type": "OneCycle", "params": {
+        "cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_first_stair_count": 2, "cycle_second_stair_count": 3}}})
+    assert result.spec.optimization.lr_scheduler == ("stages.state.lr:OneCycle",
+                                                      {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1})
+    assert sum("stair_count: dropped, so that the rates are DeepSpeed's" in n for n in result.notices) == 2
+
+
+def test_a_warmup_without_its_top_rate_says_where_it_warms_up_to() -> None:
+    warmup = {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}
+    notices = translate_config({**MINIMAL, "scheduler": warmup}).notices
+    assert any(n.startswith("scheduler.params.warmup_max_lr: not given: the rate warms up to the optimizer's lr")
+               for n in notices)
+    given = {"warmup_num_steps": 10, "warmup_max_lr": 0.01}
+    assert not translate_config({**MINIMAL, "scheduler": {"type": "WarmupLR", "params": given}}).notices
 
 
 def test_a_missing_model_is_named() -> None:

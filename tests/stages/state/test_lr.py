@@ -45,7 +45,7 @@ CASES = [
                   5: 0.1, 6: 0.1, 9: 0.1}, id="warmup-log"),
     pytest.param(WarmupLR, {"warmup_max_lr": 0.1, "warmup_num_steps": 4, "warmup_type": "linear"},
                  {0: 0.0, 1: 0.0, 2: 0.025, 3: 0.05, 4: 0.075, 5: 0.1, 8: 0.1}, id="warmup-linear"),
-    # No warmup_max_lr: the optimizer's own lr (0.1), as DeepSpeed does since 0.16.
+    # No warmup_max_lr: the optimizer's own lr (0.1); DeepSpeed's is 0.001 whatever that lr (its issue #7303).
     pytest.param(WarmupLR, {"warmup_num_steps": 4, "warmup_type": "linear"}, {3: 0.05, 5: 0.1},
                  id="warmup-max-is-optimizer-lr"),
     # warmup_num_steps below 2 becomes 2.
