@@ -184,6 +184,20 @@ class QuantizedAdam(torch.optim.Optimizer):
         places = (p for group in self.param_groups for p in group["params"])
         return {id(p): self._seeds.get(id(p), i) for i, p in enumerate(places)}
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's, with the codes kept as codes: torch casts every state tensor but ``step`` to its
+        parameter's dtype, and float32 codes took four times the memory (int8) or failed the next step
+        (int4). They are whole numbers (and bf16 moments bfloat16 values), so they cast back exactly."""
+        super().load_state_dict(state_dict)
+        for state in self.state.values():
+            for name in _MOMENTS:
+                if self.bits is None and name in state:
+                    state[name] = state[name].to(torch.bfloat16)  # bf16 moments: bfloat16 values, exactly
+                if f"{name}_codes" in state:
+                    dtype = torch.int8 if self.bits == 8 and name == "exp_avg" else torch.uint8
+                    state[f"{name}_codes"] = state[f"{name}_codes"].to(dtype)
+                    state[f"{name}_max"] = state[f"{name}_max"].float()
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         loss = None

@@ -6,6 +6,8 @@ Run: .venv/bin/python -m pytest tests/stages/state/test_quantized_adam.py -q
 
 from __future__ import annotations
 
+import copy
+
 from typing import Any
 
 import pytest
@@ -233,6 +235,25 @@ def test_a_parameter_that_is_not_contiguous_is_updated_in_place(states: str) -> 
     torch.optim.Adam([reference], lr=0.01).step()
     assert not p.is_contiguous()  # still the same tensor, in its own layout
     torch.testing.assert_close(p.detach(), reference.detach(), rtol=0, atol=1e-6)  # the first step: lr * sign(g)
+
+
+@pytest.mark.parametrize("states", ["bf16", "int8", "int4"])
+def test_torchs_load_state_dict_keeps_the_codes_and_the_next_step_is_the_same(states: str) -> None:
+    # torch's Optimizer.load_state_dict casts every state tensor to the parameter's dtype: the codes came
+    # back float32 (int8: four times the bytes; int4: the next step failed in bitwise_and).
+    gen = torch.Generator().manual_seed(6)
+    weight, grads = torch.randn(300, generator=gen), [torch.randn(300, generator=gen) for _ in range(2)]
+    p, q = torch.nn.Parameter(weight.clone()), torch.nn.Parameter(weight.clone())
+    first, second = QuantizedAdam([p], lr=0.01, states=states), QuantizedAdam([q], lr=0.01, states=states)
+    p.grad = grads[0]
+    first.step()
+    q.data.copy_(p.data)
+    second.load_state_dict(copy.deepcopy(first.state_dict()))  # as from a file: torch's shares what it can
+    assert {k: v.dtype for k, v in second.state[q].items()} == {k: v.dtype for k, v in first.state[p].items()}
+    p.grad, q.grad = grads[1].clone(), grads[1].clone()
+    first.step()
+    second.step()
+    assert torch.equal(p.detach(), q.detach())
 
 
 def test_a_recovery_snapshot_keeps_the_codes_and_a_replayed_step_rounds_the_same() -> None:
