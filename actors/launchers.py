@@ -13,8 +13,9 @@ launcher       rank, world                                  the head
 torchrun       ``RANK``, ``WORLD_SIZE`` (Kubeflow: as is,   ``MASTER_ADDR``, port ``MASTER_PORT``
                or ``PET_NODE_RANK``, ``PET_NNODES``)        + 1 (torchrun's own store holds
                                                             ``MASTER_PORT``)
-Slurm          ``SLURM_PROCID``, ``SLURM_NTASKS``           the first host of
-                                                            ``SLURM_JOB_NODELIST``, port 20000 +
+Slurm          ``SLURM_PROCID``, ``SLURM_NTASKS``           the first host of the step's
+                                                            ``SLURM_STEP_NODELIST`` (else
+                                                            ``SLURM_JOB_NODELIST``), port 20000 +
                                                             ``SLURM_JOB_ID`` mod 20000
 Kubernetes     ``JOB_COMPLETION_INDEX``,                    ``ACTORPIPE_HEAD_HOST`` (index 0's
                ``ACTORPIPE_WORLD_SIZE``                     stable name behind a headless
@@ -98,7 +99,9 @@ def from_environment(env: Mapping[str, str] | None = None) -> LaunchRole | None:
         return _role("torchrun", env["PET_NODE_RANK"], env["PET_NNODES"], env["PET_MASTER_ADDR"],
                      port or _next_port(env.get("PET_MASTER_PORT", "29500"), "PET_MASTER_PORT"))
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        # Task 0 runs on the first host of its step, which need not be the allocation's first (srun -N2
+        # --relative=1, -w, --exclude, a second step beside the first): the step's own list where srun gives it.
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
         if not nodelist:
             raise ValueError("Slurm set SLURM_PROCID but no SLURM_JOB_NODELIST: run under srun or sbatch")
         job = env.get("SLURM_JOB_ID", "0")
@@ -110,6 +113,10 @@ def from_environment(env: Mapping[str, str] | None = None) -> LaunchRole | None:
         if not host or not world:
             raise ValueError("a Kubernetes Indexed Job needs ACTORPIPE_HEAD_HOST (index 0's stable host name, e.g. "
                              "train-0.train) and ACTORPIPE_WORLD_SIZE (its completions) in the pod's environment")
+        if env.get("JOB_INDEX", "0") != "0":  # a JobSet's job index: its Jobs each number their pods from 0
+            raise ValueError(f"JOB_INDEX={env['JOB_INDEX']!r:.20}: a JobSet of several replicated Jobs numbers each "
+                             "Job's pods from 0 (JOB_COMPLETION_INDEX), so each Job would start a head; run one "
+                             "Indexed Job (replicas: 1) of ACTORPIPE_WORLD_SIZE completions")
         return _role("kubernetes", env["JOB_COMPLETION_INDEX"], world, host, port or str(_KUBERNETES_PORT))
     return None
 

@@ -95,6 +95,15 @@ def test_slurm_names_the_first_host_of_the_job_and_a_port_of_the_job() -> None:
         from_environment({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"})
 
 
+
+def test_slurm_names_the_first_host_of_the_step_where_task_zero_runs() -> None:
+    # srun -N2 --relative=1 inside an allocation of n[1-3]: task 0 runs on n2, the step's first host (the head
+    # was looked for on n1, where nothing listens, and every worker waited out its head timeout).
+    env = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n[1-3]", "SLURM_STEP_NODELIST": "n[2-3]",
+           "SLURM_NODELIST": "n[1-3]", "SLURM_JOB_ID": "4242"}
+    assert from_environment(env) == LaunchRole("slurm", 1, 2, "n2", 24242)
+
+
 def test_a_kubernetes_indexed_job_needs_the_heads_stable_name() -> None:
     env = {"JOB_COMPLETION_INDEX": "1", "ACTORPIPE_WORLD_SIZE": "3", "ACTORPIPE_HEAD_HOST": "train-0.train"}
     assert from_environment(env) == LaunchRole("kubernetes", 1, 3, "train-0.train", 29400)
@@ -103,6 +112,10 @@ def test_a_kubernetes_indexed_job_needs_the_heads_stable_name() -> None:
     with pytest.raises(ValueError, match="rank 5 is outside a world of 3"):
         from_environment({**env, "JOB_COMPLETION_INDEX": "5"})
     assert from_environment({}) is None
+    # A JobSet of two replicated Jobs numbers each Job's pods from 0: two heads, before it was refused.
+    assert from_environment({**env, "JOB_INDEX": "0"}) == LaunchRole("kubernetes", 1, 3, "train-0.train", 29400)
+    with pytest.raises(ValueError, match=r"JOB_INDEX='1': a JobSet of several replicated Jobs .*\(replicas: 1\)"):
+        from_environment({**env, "JOB_INDEX": "1"})
 
 
 @pytest.mark.multiprocess
