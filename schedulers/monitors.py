@@ -120,9 +120,10 @@ def step_scalars(stats: StepStats) -> dict[str, float]:
 
 
 def evaluation_scalars(result: EvalResult) -> dict[str, float]:
-    """The scalars one evaluation writes: its loss, and each of the job's ``eval_metrics``."""
-    scalars = {"Eval/loss": float(result.loss)}
-    scalars.update((f"Eval/{name}", float(value)) for name, value in result.metrics.items())
+    """The scalars one evaluation writes: each of the job's ``eval_metrics``, and its loss (a metric the
+    job's function names ``loss`` does not take its place, as in Hugging Face's Trainer)."""
+    scalars = {f"Eval/{name}": float(value) for name, value in result.metrics.items()}
+    scalars["Eval/loss"] = float(result.loss)
     return scalars
 
 

@@ -39,6 +39,7 @@ from schedulers.monitors import (
     TensorBoardWriter,
     check_libraries,
     csv_file_name,
+    evaluation_scalars,
     open_writer,
     resolve_monitors,
     step_scalars,
@@ -171,6 +172,12 @@ def test_a_step_writes_the_scalars_people_chart_by_name() -> None:
 ])
 def test_a_csv_file_is_named_as_deepspeeds_csv_monitor_names_it(tag: str, name: str) -> None:
     assert csv_file_name(tag) == name
+
+
+def test_an_evaluations_loss_is_its_loss_whatever_its_metrics_are_named() -> None:
+    # A metrics function that returns {"loss": ...} replaced the evaluation's loss in every monitor.
+    result = EvalResult(loss=2.5, items=8.0, eval_time_s=0.1, metrics={"loss": 0.1, "accuracy": 0.9})
+    assert evaluation_scalars(result) == {"Eval/loss": 2.5, "Eval/accuracy": 0.9}
 
 
 def test_tensorboard_events_read_back_with_tensorboards_own_reader(tmp_path: Path) -> None:
