@@ -25,6 +25,7 @@ from stages.state import lr_scheduler as _lr_scheduler
 from stages.comm.device_io import DeviceIO, copy_to_cpu
 from stages.state.quantized_adam import checkpoint_state, encode_loaded
 from stages.state.checkpoint import CheckpointError, Manifest, TensorEntry, check_staging, dtype_name, read_entry, write_tensors
+from stages.state.manifest import DTYPES, FORMAT
 from stages.build.tensor_parallel import ShardSpec, shard_tensor
 
 __all__ = ["PreparedLoad", "apply_load", "prepare_load", "write_stage"]
@@ -112,10 +113,18 @@ def _local(
     version: str, plan: Manifest, label: str, entry: TensorEntry, shape: list[int], dtype: str | None,
     spec: ShardSpec | None, tp_rank: int, problems: list[str],
 ) -> torch.Tensor | None:
-    """This rank's slice of one checked entry, or None after adding what is wrong to ``problems``."""
+    """This rank's slice of one checked entry, or None after adding what is wrong to ``problems``.
+
+    Weights as another tool keeps them (safetensors, DCP) in another floating dtype than the model's are
+    cast to the model's, as ``from_pretrained(..., dtype=...)`` casts them (a bf16 Llama into a float32
+    model); this project's own checkpoints hold what the job held, and another dtype there is refused."""
     wrong = []
+    cast = None
     if dtype is not None and entry.dtype != dtype:
-        wrong.append(f"{label}: dtype {entry.dtype} in the checkpoint, {dtype} in this model")
+        if plan.source != FORMAT and DTYPES[entry.dtype].is_floating_point and DTYPES[dtype].is_floating_point:
+            cast = DTYPES[dtype]
+        else:
+            wrong.append(f"{label}: dtype {entry.dtype} in the checkpoint, {dtype} in this model")
     if entry.shape != shape:
         wrong.append(f"{label}: shape {entry.shape} in the checkpoint, {shape} in this model")
     if wrong:  # not read at all: its bytes would not fit
@@ -126,6 +135,8 @@ def _local(
     except CheckpointError as exc:
         problems.extend(exc.problems or [str(exc)])
         return None
+    if cast is not None:
+        whole = whole.to(cast)
     return shard_tensor(whole, tp_rank, spec) if spec is not None else whole
 
 
