@@ -197,6 +197,29 @@ def test_sigkill_at_random_instants_never_leaves_a_missing_or_mixed_checkpoint(t
     assert last > 1000  # some save completed between kills
 
 
+def test_foreign_weights_in_another_float_dtype_are_cast_and_our_own_are_refused(tmp_path: Path) -> None:
+    # A bf16 save_pretrained directory (most hub checkpoints) into a float32 model: every tensor was refused
+    # ("dtype bfloat16 in the checkpoint, float32 in this model") where from_pretrained(dtype=...) casts.
+    from safetensors.torch import save_file
+
+    layers = stages(0.0)
+    weights = {f"{i}.{k}": torch.randn(v.shape).to(torch.bfloat16) for i, layer in layers.items()
+               for k, v in layer.state_dict().items()}
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    version, manifest = ck.read_manifest(str(tmp_path))
+    prepared, problems = prepare_load(version, manifest.restrict(held_keys(layers), weights_only=True), layers, {}, 0)
+    assert problems == []
+    for i, held in prepared.model.items():
+        for k, value in held.items():
+            assert value.dtype == torch.float32 and torch.equal(value, weights[f"{i}.{k}"].float())
+    # This project's own checkpoint holds what the job held: another dtype there is a problem.
+    ours = save(str(tmp_path / "ckpt"), 1)
+    _, manifest = ck.read_manifest(str(tmp_path / "ckpt"))
+    halves = {i: layer.to(torch.bfloat16) for i, layer in stages(0.0).items()}
+    _, problems = prepare_load(ours, manifest.restrict(held_keys(halves), weights_only=True), halves, {}, 0)
+    assert problems and all("dtype float32 in the checkpoint, bfloat16 in this model" in p for p in problems)
+
+
 def test_a_flipped_byte_names_the_file_and_the_key(tmp_path: Path) -> None:
     directory = str(tmp_path / "ckpt")
     version = save(directory, 1)
