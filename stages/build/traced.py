@@ -226,6 +226,7 @@ def trace_stages(model: nn.Module, split_points: Sequence[str], example: Any, pa
             f"{len(split_points) + 1}: each split point must be a module the forward calls exactly once, "
             "in the order given")
     modules = [pipe.get_stage_module(i) for i in range(pipe.num_stages)]
+    _refuse_called_across_stages(path, modules)
     _retie(model, modules)
     _keep_out_of_state(model, modules)
     stages = _route(pipe.split_gm.graph, modules, inspect.signature(model.forward))
@@ -376,6 +377,20 @@ def _leaf_names(structure: Any) -> list[str]:
     if isinstance(structure, list):
         return [n for s in structure for n in _leaf_names(s)]
     return []
+
+
+def _refuse_called_across_stages(path: str, modules: list[nn.Module]) -> None:
+    """Refuses a module the forward calls in two stages: torch's pipelining gives the later stage a copy of
+    its parameters (``a@1.weight``), which nothing would keep equal to the first (the two stages trained
+    two copies of one weight, silently, and the state had keys the model lacks)."""
+    for index, module in enumerate(modules):
+        copies = sorted({name.split("@")[0] for name, _ in module.named_parameters(remove_duplicate=False)
+                         if "@" in name})
+        if copies:
+            raise TracingError(
+                f"{path}: stage {index} calls {', '.join(repr(c) for c in copies)} again after an earlier stage "
+                "called it, and each stage would train its own copy of its weights; choose split points that "
+                "keep every call of a shared module in one stage")
 
 
 def _retie(model: nn.Module, modules: list[nn.Module]) -> None:

@@ -78,6 +78,24 @@ def test_split_points_that_do_not_fit_are_refused_with_what_would() -> None:
         trace_stages(model, ["transformer.h.1", "transformer.h.1"], ids, "m")
 
 
+class _CalledTwice(torch.nn.Module):
+    """A block the forward calls before and after the split point (a shared, reused layer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(self.c(self.b(self.a(x))))
+
+
+def test_a_module_called_in_two_stages_is_refused_not_trained_as_two_copies() -> None:
+    # Split at c, stage 1 got torch's copy of a's parameters (a@1.weight): the two stages trained two
+    # copies of one weight, and the gathered state had keys the model lacks.
+    with pytest.raises(TracingError, match="stage 1 calls 'a' again after an earlier stage called it"):
+        trace_stages(_CalledTwice(), ["c"], torch.randn(2, 4), "reuse")
+
+
 def test_an_untraceable_model_names_the_module_and_what_to_do() -> None:
     with pytest.raises(TracingError) as caught:
         trace_stages(untraceable(), ["branchy"], torch.randn(2, 8), "tests.helpers.models:untraceable")
