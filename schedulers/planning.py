@@ -222,6 +222,7 @@ def simulation_costs(costs: MeasuredCosts, virtual_stages: int = 1, *, batched_w
 def rank_candidates(
     costs: MeasuredCosts, *, num_microbatches: int, virtual_stages: int = 1, split: bool = True,
     batch_w: bool = False, max_stash_bytes: int | None = None, placement: Placement = "loop",
+    own: tuple[str, int | None] | None = None,
 ) -> list[Candidate]:
     """Every candidate schedule simulated with ``costs``, fastest first, the chosen one marked.
 
@@ -238,6 +239,9 @@ def rank_candidates(
             measured batched W (``costs.weight_grad_batched``). With both, every
             schedule is a candidate with and without it.
         max_stash_bytes: the most bytes of activations one rank may hold (None: no limit).
+        own: the job's own schedule and virtual stages (a fixed schedule's advice): a candidate
+            too, where :data:`CANDIDATES` has it not (interleaved x5 and more) or leaves it out
+            (several chunks on one rank), so the job's partition always runs one.
 
     Raises:
         NoScheduleFits: no runnable candidate fits ``max_stash_bytes`` (the message names
@@ -246,8 +250,8 @@ def rank_candidates(
     num_stages = len(costs.forward)
     options = (False, True) if split and costs.weight_grad_batched is not None else (batch_w,)
     ranked: list[Candidate] = []
-    for name, virtual in CANDIDATES:
-        if virtual is not None and num_stages == 1:
+    for name, virtual in (*CANDIDATES, *([own] if own is not None and own not in CANDIDATES else [])):
+        if virtual is not None and num_stages == 1 and (name, virtual) != own:
             continue  # every chunk on the one rank: nothing to interleave
         for batched in options:
             try:
@@ -415,7 +419,8 @@ def advise(job: str, spec: JobSpec, reports: Sequence[StageReport], mesh: Mesh, 
     costs = measure_costs(reports, mesh, offsets=offsets, step_time_s=step_time_s, step=step, placement=p.placement)
     ranked = rank_candidates(costs, num_microbatches=p.micro_batches, virtual_stages=spec.num_virtual_stages,
                              split=spec.runtime.gradient_accumulation_fusion, batch_w=p.w_batching,
-                             placement=p.placement)
+                             placement=p.placement,
+                             own=(p.schedule, spec.num_virtual_stages if spec.num_virtual_stages > 1 else None))
     chosen = next(c for c in ranked if c.chosen)
     return Plan(job=job, schedule=p.schedule, running=p.schedule, state="advice", candidates=ranked,
                 chosen=chosen.label, costs=costs, last_step_s=step_time_s)

@@ -401,3 +401,20 @@ async def test_set_schedule_auto_from_the_console_plans_a_running_job(cluster: C
     assert f"* {plan.chosen}" in plan_text
     assert f"{job.id}: auto ({running}), 2 stages" in plan_text  # the grid is what runs
     assert "against the prediction" in plan_text and "(predicted " in plan_text
+
+
+
+@pytest.mark.parametrize(("stages", "schedule", "virtual"), [(1, "zbv", 2), (1, "dualpipev", 2), (1, "interleaved", 2),
+                                                            (2, "interleaved", 5)])
+def test_a_fixed_schedule_is_always_a_candidate_of_its_own_advice(stages: int, schedule: str, virtual: int) -> None:
+    # job.plan() of such a job failed with NoScheduleFits: no candidate ran its partition (one rank
+    # skipped every schedule of several chunks; interleaved stops at x4), where the job runs one.
+    costs = MeasuredCosts(forward=[1.0] * stages, backward=[2.0] * stages, input_grad=[1.0] * stages,
+                          weight_grad=[1.0] * stages, stash_bytes=[1 << 20] * stages)
+    placement = "v" if schedule in ("zbv", "dualpipev") else "loop"
+    with pytest.raises(NoScheduleFits):
+        rank_candidates(costs, num_microbatches=4, virtual_stages=virtual, placement=placement)
+    ranked = rank_candidates(costs, num_microbatches=4, virtual_stages=virtual, placement=placement,
+                             own=(schedule, virtual))
+    chosen = [c for c in ranked if c.chosen]
+    assert [(c.schedule, c.virtual_stages, c.runnable) for c in chosen] == [(schedule, virtual, True)]
