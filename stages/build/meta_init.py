@@ -156,8 +156,13 @@ def _reset(module: nn.Module, module_name: str, attributes: Collection[str], res
 
 
 def meta_initialized(factory: Callable[..., nn.Module], kwargs: dict[str, Any], seed: int) -> nn.Module:
-    """The model ``factory(**kwargs)`` with the weights a ``meta_init`` job starts from, in one process."""
-    with parameters_on_meta():
+    """The model ``factory(**kwargs)`` with the weights a ``meta_init`` job starts from, in one process.
+
+    The factory is called after ``torch.manual_seed(seed)``, as each stage calls it, so what it draws
+    for real (a random buffer: only parameters go to the meta device) is the stages' too; the
+    caller's random state is left as it was."""
+    with torch.random.fork_rng(), parameters_on_meta():
+        torch.manual_seed(seed)
         model = factory(**kwargs)
     if isinstance(model, (list, tuple)):  # a list of layers, as a stage takes it
         model = nn.Sequential(*model)

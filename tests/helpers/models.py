@@ -330,3 +330,20 @@ def slow_data(seconds: float = 2.0, dim: int = 8) -> object:
     time.sleep(seconds)
     x, y = torch.zeros(8, 2, dim), torch.zeros(8, 2, dim)
     return lambda step: (x, y)
+
+
+class RandomFeatures(nn.Module):
+    """A fixed random projection (a buffer the constructor draws) before a trainable Linear."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.register_buffer("proj", torch.randn(dim, dim))
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x @ self.proj)
+
+
+def random_features(dim: int = 4, layers: int = 2) -> nn.Sequential:
+    """Layers whose constructors draw a buffer: with meta_init it is made for real, from the random state."""
+    return nn.Sequential(*[RandomFeatures(dim) for _ in range(layers)])

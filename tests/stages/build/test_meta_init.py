@@ -102,3 +102,25 @@ def test_a_module_nothing_can_initialize_is_named() -> None:
         partial = nn.Sequential(Partial())
     with pytest.raises(MetaInitError, match=r"initializing module 0 \(Partial\) left \['scale'\] unset"):
         meta_values(partial, 0)
+
+
+
+def test_what_the_factory_draws_for_real_is_the_stages_whatever_the_callers_random_state() -> None:
+    # Only parameters go to the meta device: a buffer the constructor draws is made as usual, from the
+    # random state. Each stage seeds it before calling the factory; meta_initialized did not, so its
+    # buffers followed whatever the caller had drawn before.
+    from actors._registry import DEFAULT_ALLOW
+    from stages.build.layers import build_layers
+    from tests.helpers.models import random_features
+    from tests.stages.stage_parts import stage_config
+
+    torch.manual_seed(1234)
+    reference = meta_initialized(random_features, {"dim": 4}, seed=3)
+    after = torch.rand(1)
+    torch.manual_seed(1234)
+    assert torch.equal(torch.rand(1), after)  # the caller's random state is left as it was
+    for rank in (0, 1):
+        config = stage_config(rank, model="tests.helpers.models:random_features", model_kwargs={"dim": 4}, seed=3,
+                              meta_init=True, bounds=[[0, 1], [1, 2]])
+        layer = build_layers(config, DEFAULT_ALLOW + ("tests.helpers",))[rank]
+        assert torch.equal(layer.proj, reference[rank].proj) and torch.equal(layer.fc.weight, reference[rank].fc.weight)
