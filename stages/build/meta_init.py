@@ -164,8 +164,8 @@ def meta_initialized(factory: Callable[..., nn.Module], kwargs: dict[str, Any], 
     with torch.random.fork_rng(), parameters_on_meta():
         torch.manual_seed(seed)
         model = factory(**kwargs)
-    if isinstance(model, (list, tuple)):  # a list of layers, as a stage takes it
-        model = nn.Sequential(*model)
+    if isinstance(model, (list, tuple, nn.Sequential)):  # layers by position, as a stage takes them (a
+        model = nn.Sequential(*model)                      # Sequential's named children too: seeds, keys)
     materialize(model, meta_values(model, seed))
     return model
 

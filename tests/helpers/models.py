@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -347,3 +348,8 @@ class RandomFeatures(nn.Module):
 def random_features(dim: int = 4, layers: int = 2) -> nn.Sequential:
     """Layers whose constructors draw a buffer: with meta_init it is made for real, from the random state."""
     return nn.Sequential(*[RandomFeatures(dim) for _ in range(layers)])
+
+
+def named_mlp(dim: int = 8) -> nn.Sequential:
+    """An nn.Sequential with named children, as people often write one."""
+    return nn.Sequential(OrderedDict(fc1=nn.Linear(dim, dim), act=nn.ReLU(), fc2=nn.Linear(dim, dim)))

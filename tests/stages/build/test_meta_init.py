@@ -124,3 +124,23 @@ def test_what_the_factory_draws_for_real_is_the_stages_whatever_the_callers_rand
                               meta_init=True, bounds=[[0, 1], [1, 2]])
         layer = build_layers(config, DEFAULT_ALLOW + ("tests.helpers",))[rank]
         assert torch.equal(layer.proj, reference[rank].proj) and torch.equal(layer.fc.weight, reference[rank].fc.weight)
+
+
+
+def test_a_sequential_with_named_children_is_made_as_its_stages_make_it() -> None:
+    # A stage takes a Sequential's children by position ("0", "2": its seeds and its keys); the reference
+    # kept the names ("fc1", "fc2"), so every weight differed from the job's and its keys did too.
+    from actors._registry import DEFAULT_ALLOW
+    from stages.build.layers import build_layers
+    from tests.helpers.models import named_mlp
+    from tests.stages.stage_parts import stage_config
+
+    reference = meta_initialized(named_mlp, {"dim": 8}, seed=3)
+    assert list(reference.state_dict()) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    for rank, held in ((0, [0, 1]), (1, [2])):
+        config = stage_config(rank, model="tests.helpers.models:named_mlp", model_kwargs={"dim": 8}, seed=3,
+                              meta_init=True, bounds=[[0, 2], [2, 3]])
+        layers = build_layers(config, DEFAULT_ALLOW + ("tests.helpers",))
+        for i in held:
+            for key, value in layers[i].state_dict().items():
+                assert torch.equal(value, reference.state_dict()[f"{i}.{key}"]), f"{i}.{key}"
