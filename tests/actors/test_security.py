@@ -135,6 +135,7 @@ async def test_a_client_cannot_act_on_another_clients_job(cluster: Cluster) -> N
                             forged.endpoint(JobActor.evaluate).call(*batch(), True),
                             forged.endpoint(JobActor.save).call("run"), forged.endpoint(JobActor.load).call("run"),
                             forged.endpoint(JobActor.export).call("model"), forged.endpoint(JobActor.wait).call(),
+                            forged.endpoint(JobActor.cancel_step).call(),  # would cancel alice's steps
                             forged.ask("describe", timeout=10), forged.ask("stop", timeout=10)):  # by name too
                 with pytest.raises(NotAllowed, match=f"{job.id} belongs to client:alice; only its owner or the admin"):
                     await attempt
