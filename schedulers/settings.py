@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 # What `set JOB KEY VALUE` may change on a running job.
 SETTABLE = ("micro_batches", "schedule", "activation_codec", "gradient_codec", "lr")
+_CODECS = ("activation_codec", "gradient_codec")  # the settings the stages are told themselves (set_codecs)
 
 
 def plan_setting(spec: JobSpec, key: str, value: Any) -> JobSpec:
@@ -156,16 +157,15 @@ class Settings:
         changes = dict(self.pending)
         self.pending.clear()
         self.pending_spec = None
-        if "activation_codec" in changes or "gradient_codec" in changes:
+        if any(key in changes for key in _CODECS):
             try:
                 await self._set_codecs(new)
             except ActorError as exc:
                 job.publish(SettingRejected(job=job.id, key="codecs",
                                             error=f"the stages refused the new codecs: {exc}"))
                 # The rest still applies (it was dropped with them); stages that took the new codecs go back.
-                new = new.replace(activation_codec=job.spec.get("activation_codec"),
-                                  gradient_codec=job.spec.get("gradient_codec"))
-                changes = {key: value for key, value in changes.items() if not key.endswith("_codec")}
+                new = new.replace(**{key: job.spec.get(key) for key in _CODECS})
+                changes = {key: value for key, value in changes.items() if key not in _CODECS}
                 try:
                     await self._set_codecs(new)
                 except ActorError as again:

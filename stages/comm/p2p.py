@@ -114,8 +114,8 @@ class ThreadWaiter:
 
     async def wait(self, works: Sequence[Work]) -> None:
         loop = asyncio.get_running_loop()
-        for work in works:
-            with naming_a_closed_peer():
+        with naming_a_closed_peer():
+            for work in works:
                 await loop.run_in_executor(self._thread, work.wait)
 
     def close(self) -> None:

@@ -229,7 +229,8 @@ class QuantizedAdam(torch.optim.Optimizer):
         step_size, correction2 = lr / (1 - beta1 ** count), math.sqrt(1 - beta2 ** count)
         # A view of the parameter; a copy of one that is not contiguous (a channels_last weight), copied back
         # below (its update went into a temporary before, and the weight never moved).
-        flat = p.detach().reshape(-1) if p.is_contiguous() else p.detach().contiguous().view(-1)
+        contiguous = p.is_contiguous()
+        flat = p.detach().reshape(-1) if contiguous else p.detach().contiguous().view(-1)
         grads = p.grad.detach().reshape(-1)  # type: ignore[union-attr]
         generators = [torch.Generator(device=p.device).manual_seed(((int(count) * 1_000_003 + seed) * 2 + which)
                                                                     % (1 << 63)) for which in (0, 1)]
@@ -251,7 +252,7 @@ class QuantizedAdam(torch.optim.Optimizer):
             if p.dtype != torch.float32:
                 flat[start:end].copy_(work)
             self._chunk_store(p, state, m, v, start, end, generators)
-        if not p.is_contiguous():
+        if not contiguous:
             p.detach().copy_(flat.view(p.shape))
 
     def _chunk(self, numel: int) -> int:
