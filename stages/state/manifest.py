@@ -9,6 +9,7 @@ so :meth:`Manifest.from_wire` checks every field. The directory and the bytes ar
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import re
@@ -216,6 +217,38 @@ class Manifest:
         for key, state in self.optimizer_state.items():
             for name, entry in state.items():
                 yield f"{key} (optimizer {name})", entry
+
+    def under_base_prefix(self, held: frozenset[str]) -> tuple[Manifest, str]:
+        """The weights under the names the model holds them by, where they differ by the one prefix that
+        sets a Hugging Face model with a head apart from its base model (``base_model_prefix``), as
+        ``from_pretrained`` reads them: a base model's files (``h.0.attn.c_attn.weight``, as the Hub
+        holds ``gpt2``) into the model with a head (``transformer.h.0.attn.c_attn.weight``), or a
+        model with a head's files into its base. Only the keys no stage holds are renamed, and only
+        where one prefix places every one of them and no renamed key collides with another.
+
+        Returns:
+            the manifest (``self`` where nothing was renamed) and how the keys moved (``""`` if not):
+            ``"+transformer."`` or ``"-transformer."``.
+        """
+        unplaced = [k for k in self.model if k not in held]
+        if not unplaced:
+            return self, ""
+        found: list[tuple[str, dict[str, str]]] = []
+        for prefix in sorted({k.partition(".")[0] for k in held if "." in k}):
+            renamed = {k: f"{prefix}.{k}" for k in unplaced}
+            if all(v in held for v in renamed.values()):
+                found.append((f"+{prefix}.", renamed))
+        for prefix in sorted({k.partition(".")[0] for k in unplaced if "." in k}):
+            renamed = {k: k.partition(".")[2] for k in unplaced}
+            if all(k.startswith(prefix + ".") for k in unplaced) and all(v in held for v in renamed.values()):
+                found.append((f"-{prefix}.", renamed))
+        if len(found) != 1:
+            return self, ""
+        how, renamed = found[0]
+        model = {renamed.get(k, k): e for k, e in self.model.items()}
+        if len(model) != len(self.model):  # a renamed key is also one the files hold as it is
+            return self, ""
+        return dataclasses.replace(self, model=model), how
 
     def restrict(self, keys: frozenset[str], *, weights_only: bool) -> Manifest:
         """The part of the checkpoint the holder of ``keys`` (its state's, and its parameters') reads."""

@@ -274,17 +274,23 @@ async def test_meta_init_traces_on_the_meta_device_and_each_stage_makes_only_its
 
 
 @pytest.mark.asyncio(loop_scope="package")
+@pytest.mark.parametrize("saved_by", ["the_model_with_its_head", "the_base_model"])
 async def test_a_meta_init_job_loads_hugging_face_safetensors_with_the_tied_head_under_the_embeddings_name(
-    cluster: Cluster, tmp_path: Any
+    cluster: Cluster, tmp_path: Any, saved_by: str
 ) -> None:
     """As people have a pretrained model: safetensors shards and their index, the tied head stored once
-    under the embedding's name. No process builds the whole model; each stage reads its own tensors."""
+    under the embedding's name. No process builds the whole model; each stage reads its own tensors.
+    The base model's files (``wte.weight``, as the Hub holds ``gpt2``) load into the model with a head
+    (``transformer.wte.weight``) as ``from_pretrained`` loads them."""
     from safetensors.torch import save_file
     import json
     kwargs = {**SMALL, "layers": 4, "tie": True}
     torch.manual_seed(123)
     pretrained = hf.gpt2(**kwargs)
-    weights = {k: v.contiguous() for k, v in pretrained.state_dict().items() if k != "lm_head.weight"}
+    if saved_by == "the_base_model":
+        weights = {k: v.contiguous() for k, v in pretrained.transformer.state_dict().items()}
+    else:
+        weights = {k: v.contiguous() for k, v in pretrained.state_dict().items() if k != "lm_head.weight"}
     keys = sorted(weights)
     index = {}
     for n, part in enumerate((keys[::2], keys[1::2])):

@@ -555,3 +555,27 @@ def test_a_version_directory_loads_as_itself_not_as_a_directory_of_safetensors_w
     found, manifest = ck.read_manifest(version)
     assert found == version and manifest.source == ck.FORMAT and manifest.optimizer_state
     assert load(version) == 7
+
+
+def test_base_model_keys_move_under_the_one_prefix_that_places_them_all_and_nothing_else_moves() -> None:
+    entry = ck.TensorEntry(shape=[2], dtype="float32", shard=None,
+                           parts=[ck.TensorPart(file="model.safetensors", offset=0, nbytes=8, shape=[2], crc32=None)])
+
+    def files(*keys: str) -> ck.Manifest:
+        return ck.Manifest(step=0, optimizer="", files={"model.safetensors": 8}, model=dict.fromkeys(keys, entry),
+                           optimizer_state={}, source=ck.SAFETENSORS)
+
+    head = frozenset({"transformer.wte.weight", "transformer.h.0.w", "lm_head.weight"})
+    moved, how = files("wte.weight", "h.0.w").under_base_prefix(head)
+    assert how == "+transformer." and set(moved.model) == {"transformer.wte.weight", "transformer.h.0.w"}
+    moved, how = files("transformer.wte.weight", "transformer.h.0.w").under_base_prefix(frozenset({"wte.weight",
+                                                                                                    "h.0.w"}))
+    assert how == "-transformer." and set(moved.model) == {"wte.weight", "h.0.w"}
+    placed = files("transformer.wte.weight")
+    assert placed.under_base_prefix(head) == (placed, "")  # nothing to move
+    partly = files("wte.weight", "other.w")  # one prefix must place every key
+    assert partly.under_base_prefix(head) == (partly, "")
+    both = frozenset({"a.x", "b.x"})  # two prefixes would: which is meant is not known
+    assert files("x").under_base_prefix(both) == (files("x"), "")
+    collide = files("wte.weight", "transformer.wte.weight", "h.0.w")  # a renamed key the files hold as it is
+    assert collide.under_base_prefix(head | {"h.0.w"}) == (collide, "")
