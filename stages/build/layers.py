@@ -23,7 +23,8 @@ from actors._registry import load_object
 from stages.build.data_source import first_inputs
 from stages.records import StageConfig
 from stages.build.layer_specs import build_specs, is_layer_specs, layer_seed
-from stages.build.meta_init import materialize, meta_values, on_meta, parameters_on_meta, retarget
+from stages.build.meta_init import (
+    buffers_on_meta, materialize, meta_values, on_meta, parameters_on_meta, restore_buffers, retarget)
 from stages.build.traced import TracedStage, trace_stages
 
 __all__ = ["Chain", "build_layers", "layer_parameter_counts", "layer_times", "model_layers"]
@@ -111,8 +112,11 @@ def _traced_layers(built: Any, config: StageConfig, allow: Sequence[str]) -> lis
         example = first_inputs(made, config.training.micro_batch_size, config.training.seed, config.mesh.data,
                                config.micro_batches)
     meta = config.training.meta_init
-    stages = trace_stages(built, config.parallelism.split_points, on_meta(example) if meta else example,
-                          config.training.model, dynamic=config.parallelism.dynamic_shapes)
+    buffers: contextlib.AbstractContextManager[dict[int, tuple[torch.Tensor, torch.Tensor]]] = (
+        buffers_on_meta(built) if meta else contextlib.nullcontext({}))
+    with buffers as real_buffers:
+        stages = trace_stages(built, config.parallelism.split_points, on_meta(example) if meta else example,
+                              config.training.model, dynamic=config.parallelism.dynamic_shapes)
     if len(stages) != config.bounds[-1][1]:
         raise ValueError(f"the job has {config.bounds[-1][1]} model stages but {len(stages)} came of the split")
     described = getattr(getattr(built, "config", None), "to_json_string", None)  # a transformers model's config
@@ -128,6 +132,7 @@ def _traced_layers(built: Any, config: StageConfig, allow: Sequence[str]) -> lis
             names = [name for name, _ in stages[s].module.named_parameters(remove_duplicate=False)]
             materialize(stages[s].module, meta_values(built, config.training.seed, names),
                         also=[stage.module for stage in stages])
+            restore_buffers(stages[s].module, real_buffers)
             retarget(stages[s], torch.device("cpu"))
     return stages
 

@@ -5,8 +5,9 @@ before keeping its stage: a model of N bytes needs N bytes in every stage proces
 ``meta_init=True`` the factory runs with every parameter made on the meta device (a
 shape, no memory: as ``accelerate``'s ``init_empty_weights`` does; buffers are made as
 usual, they are what a forward computes with besides the weights and are small),
-torch's pipelining front end traces the model on a meta copy of the example micro-batch,
-and a stage makes real only the parameters its own model stages hold.
+torch's pipelining front end traces the model on a meta copy of the example micro-batch
+(and of its buffers), and a stage makes real only the parameters its own model stages
+hold, and takes back the buffers they hold.
 
 **Initialization**, defined for any layout: each module that owns parameters resets them
 with its own ``reset_parameters()`` right after ``torch.manual_seed(module_seed(seed,
@@ -31,8 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["MetaInitError", "materialize", "meta_initialized", "meta_values", "module_seed", "on_meta",
-           "parameters_on_meta", "retarget"]
+__all__ = ["MetaInitError", "buffers_on_meta", "materialize", "meta_initialized", "meta_values", "module_seed",
+           "on_meta", "parameters_on_meta", "restore_buffers", "retarget"]
 
 
 class MetaInitError(ValueError):
@@ -184,6 +185,51 @@ def materialize(module: nn.Module, values: dict[str, torch.Tensor], also: Collec
             if id(param) in made:
                 owner_name, _, attribute = name.rpartition(".")
                 holder.get_submodule(owner_name)._parameters[attribute] = made[id(param)]
+
+
+@contextlib.contextmanager
+def buffers_on_meta(model: nn.Module) -> Iterator[dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+    """Inside: every buffer of ``model`` is a meta copy, so a trace on the meta device does not meet a
+    real one (a causal mask the forward multiplies by, BatchNorm's running statistics); yields each
+    copy's real buffer (``id(copy) -> (copy, real)``), which :func:`restore_buffers` puts back into
+    the traced stages. On leaving, the model holds its own again."""
+    swapped: list[tuple[nn.Module, str, torch.Tensor]] = []
+    for module in model.modules():
+        for attribute, buffer in list(module._buffers.items()):
+            if buffer is not None and buffer.device.type != "meta":
+                swapped.append((module, attribute, buffer))
+    copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for module, attribute, buffer in swapped:  # a buffer shared under several names: one copy, still shared
+        copy = copies.setdefault(id(buffer), (buffer.to("meta"), buffer))[0]
+        module._buffers[attribute] = copy
+    try:
+        yield {id(copy): (copy, real) for copy, real in copies.values()}
+    finally:
+        for module, attribute, buffer in swapped:
+            module._buffers[attribute] = buffer
+
+
+def restore_buffers(module: nn.Module, real: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Puts the real buffers :func:`buffers_on_meta` yielded back wherever a stage traced on the meta
+    device holds their copies (as buffers, or as the plain attributes a trace makes of a buffer
+    that several modules share).
+
+    Raises:
+        MetaInitError: a buffer of the stage that is no copy of the model's (a constant the trace
+            made on the meta device), named.
+    """
+    for name, sub in module.named_modules(remove_duplicate=False):
+        for attribute, value in [*sub._buffers.items(), *vars(sub).items()]:
+            if isinstance(value, torch.Tensor) and value.device.type == "meta" and id(value) in real:
+                made = real[id(value)][1]
+                if attribute in sub._buffers:
+                    sub._buffers[attribute] = made
+                else:
+                    setattr(sub, attribute, made)
+            elif attribute in sub._buffers and isinstance(value, torch.Tensor) and value.device.type == "meta":
+                raise MetaInitError(f"{name + '.' if name else ''}{attribute}: the trace on the meta device made "
+                                    "this tensor and it has no value; register it as a buffer of its module, "
+                                    "or train without meta_init")
 
 
 def retarget(module: nn.Module, device: torch.device) -> int:

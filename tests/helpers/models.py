@@ -216,6 +216,39 @@ def flatten_cnn(channels: int = 8, size: int = 8, classes: int = 4) -> FlattenCN
     return FlattenCNN(channels, size, classes)
 
 
+class CausalMix(nn.Module):
+    """Mixes each position with the ones before it through a causal mask kept as a buffer, as
+    nanoGPT's attention keeps its ``bias``: the forward computes with a buffer."""
+
+    def __init__(self, dim: int, positions: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+        steps = torch.arange(1, positions + 1, dtype=torch.float32)
+        self.register_buffer("mask", torch.tril(torch.ones(positions, positions)) / steps[:, None])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        length = x.shape[1]
+        return x + self.fc(self.mask[:length, :length] @ x)
+
+
+class CausalMixer(nn.Module):
+    def __init__(self, dim: int, positions: int, blocks: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(CausalMix(dim, positions) for _ in range(blocks))
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x)
+
+
+def causal_mixer(dim: int = 8, positions: int = 8, blocks: int = 4) -> CausalMixer:
+    """Blocks that each apply a causal-mask buffer, to cut at ``blocks.N`` (a model traced on the meta
+    device computes with its real buffers)."""
+    return CausalMixer(dim, positions, blocks)
+
+
 class Untraceable(nn.Module):
     """Branches in Python on a tensor's value inside a named submodule: torch.export refuses it."""
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from actors import Cluster, RemoteError, StepFailed
-from stages import split_batch
+from stages import meta_initialized, split_batch
 from stages.build.layers import Chain
 from examples import hf
 from examples.models import lm_loss
@@ -264,7 +264,6 @@ async def test_meta_init_traces_on_the_meta_device_and_each_stage_makes_only_its
 ) -> None:
     """meta_init: the model's parameters on the meta device, traced there; each stage initializes
     its own with the model's _init_weights under seeds of the modules' names, as one process does."""
-    from stages import meta_initialized
     kwargs = {**SMALL, "layers": 4, "tie": True, **({"kv_heads": 1} if family == "llama" else {})}
     factory = getattr(hf, family)
     stats = await train_as_one_process(cluster, family, kwargs, lm_batches(), meta_init=True,
@@ -400,6 +399,26 @@ async def test_a_cnn_that_flattens_in_forward_trains_split_at_its_blocks(cluster
     assert [s.loss for s in stats] == pytest.approx(losses, rel=1e-5)
     assert_close_state(state, reference)
     helpers.flatten_cnn().load_state_dict(state, strict=True)
+
+
+@pytest.mark.asyncio(loop_scope="package")
+async def test_a_meta_init_model_whose_forward_applies_a_buffer_traces_on_meta_and_trains_with_the_real_one(
+    cluster: Cluster
+) -> None:
+    """A causal mask kept as a buffer (nanoGPT's attention): the trace on the meta device met a real
+    tensor and failed; each stage now computes with its blocks' real masks."""
+    generator = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(BATCH, SEQ, 8, generator=generator), torch.randn(BATCH, SEQ, 8, generator=generator))
+               for _ in range(2)]
+    reference, losses = one_process(lambda: meta_initialized(helpers.causal_mixer, {}, seed=0), {}, batches,
+                                    torch.nn.functional.mse_loss, lambda model, inputs: model(inputs))
+    job = await cluster.train(model="tests.helpers.models:causal_mixer", optimizer=("torch.optim:SGD", {"lr": LR}),
+                              pipeline_stages=2, micro_batches=MICRO, split_points=["blocks.2"], meta_init=True,
+                              example_inputs=batches[0][0][:2], dynamic_shapes=False)
+    stats, state = await train_steps(job, batches)
+    assert [s.loss for s in stats] == pytest.approx(losses, rel=1e-5)
+    assert_close_state(state, reference)  # the masks among it: the real ones, on both stages
+    assert torch.equal(state["blocks.3.mask"], helpers.causal_mixer().blocks[3].mask)
 
 
 @pytest.mark.asyncio(loop_scope="package")

@@ -13,12 +13,14 @@ from torch import nn
 from examples.models import gpt
 from stages.build.meta_init import (
     MetaInitError,
+    buffers_on_meta,
     materialize,
     meta_initialized,
     meta_values,
     module_seed,
     on_meta,
     parameters_on_meta,
+    restore_buffers,
     retarget,
 )
 from stages.build.traced import trace_stages
@@ -84,6 +86,33 @@ def test_a_model_traced_on_the_meta_device_computes_as_one_process_once_made_rea
         materialize(stage.module, meta_values(model, 0, names), also=[s.module for s in stages])
         retarget(stage, torch.device("cpu"))  # the trace made its position ids on the meta device
     assert torch.equal(stages[1](stages[0](tokens)), meta_initialized(gpt, KWARGS, seed=0)(tokens))
+
+
+def test_a_model_that_computes_with_buffers_traces_on_meta_and_each_stage_takes_back_the_real_ones() -> None:
+    from tests.helpers.models import causal_mixer
+    with parameters_on_meta():
+        model = causal_mixer()
+    model.blocks[3].mask = model.blocks[1].mask  # one buffer under two names, in two stages
+    masks = [block.mask for block in model.blocks]
+    x = torch.randn(2, 8, 8, generator=torch.Generator().manual_seed(1))
+    with buffers_on_meta(model) as real:
+        assert all(block.mask.is_meta for block in model.blocks) and model.blocks[3].mask is model.blocks[1].mask
+        stages = trace_stages(model, ["blocks.2"], on_meta(x), "causal_mixer", dynamic=False)
+    assert [block.mask for block in model.blocks] == masks  # the model holds its own again
+    for stage in stages:
+        names = [name for name, _ in stage.module.named_parameters(remove_duplicate=False)]
+        materialize(stage.module, meta_values(model, 0, names), also=[s.module for s in stages])
+        restore_buffers(stage.module, real)
+    held = [dict(stage.module.named_buffers(remove_duplicate=False)) for stage in stages]
+    assert held[0]["blocks.0.mask"] is masks[0] and held[1]["blocks.2.mask"] is masks[2]
+    assert held[0]["blocks.3.mask"] is masks[1] is held[1]["blocks.3.mask"]  # the trace names a shared one once
+    reference = meta_initialized(causal_mixer, {}, seed=0)
+    reference.blocks[3].mask = reference.blocks[1].mask
+    assert torch.equal(stages[1](stages[0](x)), reference(x))
+    stray = nn.Module()
+    stray.register_buffer("made", torch.empty(2, device="meta"))  # a constant the trace made on meta
+    with pytest.raises(MetaInitError, match=r"made: the trace on the meta device made this tensor"):
+        restore_buffers(stray, real)
 
 
 def test_a_module_nothing_can_initialize_is_named() -> None:
