@@ -87,10 +87,13 @@ async def partition(runtime: Host, spec: JobSpec, node: NodeInfo, limits: Limits
         return [[i, i + 1] for i in range(spec.num_model_stages)]
     method = spec.parallelism.partition_method
     pattern = method.removeprefix("type:") if method.startswith("type:") else None
-    counts = await inspect_model(runtime, spec, node, pattern, f"inspect-{next(names)}")
+    # Balanced by the parameters that train (DeepSpeed's "parameters"): a frozen embedding weighs nothing.
+    counts = await inspect_model(runtime, spec, node, pattern, f"inspect-{next(names)}",
+                                 trainable=method == "parameters")
     if limits.parameters is not None:
-        # The model's size as the worker counts it on the meta device, before any stage builds it.
-        sizes = counts if method in ("parameters", "uniform") else \
+        # The model's size as the worker counts it on the meta device, before any stage builds it: every
+        # parameter, frozen ones too.
+        sizes = counts if method == "uniform" else \
             await inspect_model(runtime, spec, node, None, f"inspect-{next(names)}", profile=False)
         if sum(sizes) > limits.parameters:
             raise limits.exceeded("parameters", sum(sizes), limits.parameters, f"the parameters of {spec.training.model}")
@@ -116,9 +119,10 @@ async def partition(runtime: Host, spec: JobSpec, node: NodeInfo, limits: Limits
 
 
 async def inspect_model(runtime: Host, spec: JobSpec, node: NodeInfo, pattern: str | None, name: str, *,
-                        profile: bool | None = None, whole: bool = False) -> list[int]:
-    """Each layer's parameter count (or time, to partition by profile), measured by a
-    model inspector spawned as ``name`` on ``node`` for this question and stopped after it."""
+                        profile: bool | None = None, whole: bool = False, trainable: bool = False) -> list[int]:
+    """Each layer's parameter count (``trainable``: of the parameters that require gradients; or
+    time, to partition by profile), measured by a model inspector spawned as ``name`` on ``node``
+    for this question and stopped after it."""
     agent = runtime.ref(node.address, NODE)
     address, _ = await agent.endpoint(NodeActor.spawn, timeout=60).call("model_inspector", name, {})
     inspector = runtime.ref(address, name)
@@ -129,7 +133,7 @@ async def inspect_model(runtime: Host, spec: JobSpec, node: NodeInfo, pattern: s
                 t.model, dict(t.model_kwargs), t.data, dict(t.data_kwargs),
                 p.micro_batches * p.data_parallel, t.seed, p.example_inputs, t.micro_batch_size)
         return await inspector.endpoint(ModelInspector.describe_model, timeout=300).call(
-            t.model, dict(t.model_kwargs), pattern, whole)
+            t.model, dict(t.model_kwargs), pattern, whole, trainable)
     finally:
         try:
             await agent.endpoint(NodeActor.stop_actor, timeout=10).call(name)

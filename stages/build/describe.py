@@ -40,10 +40,11 @@ class ModelInspector(Actor):
 
     @endpoint(roles=("head",))
     async def describe_model(self, path: str, kwargs: dict[str, Any], type_pattern: str | None = None,
-                             whole: bool = False) -> list[int]:
+                             whole: bool = False, trainable: bool = False) -> list[int]:
         """The parameter count of each layer of the model ``path`` builds from ``kwargs``
         (with ``type_pattern``: 1 for each layer whose class name matches it, else 0; ``whole``:
-        one count, the whole model's, of any module).
+        one count, the whole model's, of any module; ``trainable``: of the parameters that
+        require gradients alone).
 
         The model is built on the meta device (no memory for its parameters) in a
         thread; ``kwargs`` is as large as a message allows.
@@ -57,7 +58,8 @@ class ModelInspector(Actor):
             raise TypeError(f"model kwargs must be a map, got {type(kwargs).__name__}")
         try:
             return await asyncio.to_thread(contained, functools.partial(
-                layer_parameter_counts, path, kwargs, self._allow, type_pattern, whole=bool(whole)))
+                layer_parameter_counts, path, kwargs, self._allow, type_pattern, whole=bool(whole),
+                trainable=bool(trainable)))
         except NotAllowed as exc:
             raise NotAllowed(f"{self._where()} refused the model: {exc.message}") from None
         except ModuleNotFoundError as exc:

@@ -138,9 +138,12 @@ def _traced_layers(built: Any, config: StageConfig, allow: Sequence[str]) -> lis
 
 
 def layer_parameter_counts(model: str, model_kwargs: dict[str, Any], allow: Sequence[str],
-                           type_pattern: str | None = None, *, whole: bool = False) -> list[int]:
+                           type_pattern: str | None = None, *, whole: bool = False,
+                           trainable: bool = False) -> list[int]:
     """The parameter count of each layer the factory ``model`` builds, for partitioning; with
-    ``type_pattern``, 1 for each layer whose class name matches it (case-insensitive), else 0.
+    ``type_pattern``, 1 for each layer whose class name matches it (case-insensitive), else 0;
+    ``trainable``: only the parameters that require gradients (a frozen embedding counts nothing),
+    as DeepSpeed's ``partition_method="parameters"`` counts them.
 
     The model is built on the meta device, so its parameters take no memory; torch's
     device context is per thread, so stages computing in other threads are unaffected.
@@ -153,14 +156,18 @@ def layer_parameter_counts(model: str, model_kwargs: dict[str, Any], allow: Sequ
     factory = load_object(model, allow)
     with torch.device("meta"), calling(model_factory(model)):
         built = factory(**model_kwargs)
+
+    def count(module: nn.Module) -> int:
+        return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable)
+
     if whole and isinstance(built, nn.Module):
-        return [sum(p.numel() for p in built.parameters())]
+        return [count(built)]
     layers = model_layers(built, model)
     if whole:
-        return [sum(p.numel() for layer in layers for p in layer.parameters())]
+        return [sum(count(layer) for layer in layers)]
     if type_pattern is not None:
         return match_layer_types(type_pattern, [type(layer).__name__ for layer in layers])
-    return [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    return [count(layer) for layer in layers]
 
 
 def model_factory(path: Any) -> str:

@@ -216,6 +216,13 @@ def flatten_cnn(channels: int = 8, size: int = 8, classes: int = 4) -> FlattenCN
     return FlattenCNN(channels, size, classes)
 
 
+def frozen_embedding_chain(vocab: int = 1000, dim: int = 16, layers: int = 4) -> nn.Sequential:
+    """A large frozen embedding (pretrained, kept as it is) before small trainable Linears."""
+    embedding = nn.Embedding(vocab, dim)
+    embedding.weight.requires_grad_(False)
+    return nn.Sequential(embedding, *(nn.Linear(dim, dim) for _ in range(layers)))
+
+
 class CausalMix(nn.Module):
     """Mixes each position with the ones before it through a causal mask kept as a buffer, as
     nanoGPT's attention keeps its ``bias``: the forward computes with a buffer."""

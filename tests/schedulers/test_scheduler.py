@@ -289,6 +289,17 @@ async def test_type_partitioning_balances_the_layers_of_a_class(cluster: Cluster
         await cluster.train(**gpt, partition_method="type:(")
 
 
+async def test_parameter_partitioning_counts_the_parameters_that_train_as_deepspeed_does(cluster: Cluster) -> None:
+    # A 16,000-parameter frozen embedding, then four 272-parameter Linears: counted whole, the embedding
+    # alone made a stage; it trains nothing, so it weighs nothing.
+    job = await cluster.train(model="tests.helpers.models:frozen_embedding_chain", pipeline_stages=2,
+                              micro_batches=2, partition_method="parameters")
+    try:
+        assert job.bounds == [[0, 3], [3, 5]]
+    finally:
+        await job.close()
+
+
 async def test_profile_partitioning_balances_compute_where_parameter_counts_do_not(cluster: Cluster) -> None:
     spin = {"model": "tests.helpers.models:spin_chain", "data": "examples.data:regression_batches",
             "data_kwargs": {"batch_size": 8, "seq": 2, "dim": 8}, "pipeline_stages": 2, "micro_batches": 2}

@@ -57,6 +57,9 @@ def test_the_inspector_counts_layer_specs_on_the_meta_device() -> None:
     block = sum(p.numel() for p in ResidualMLPBlock(8, 16).parameters())
     assert counts == [block] * 4
     assert layer_parameter_counts("examples.models:residual_mlp_layers", dict(KWARGS), ALLOW, whole=True) == [4 * block]
+    frozen = "tests.helpers.models:frozen_embedding_chain"
+    assert layer_parameter_counts(frozen, {}, ALLOW + ("tests.helpers.models",)) == [16_000, *[272] * 4]
+    assert layer_parameter_counts(frozen, {}, ALLOW + ("tests.helpers.models",), trainable=True) == [0, *[272] * 4]
 
 
 def test_a_spec_that_does_not_build_a_module_is_refused() -> None:
