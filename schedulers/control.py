@@ -40,6 +40,7 @@ from actors import ActorError, ActorRef, Event, Host, NodeLost, StageLost, StepF
 from stages import StageActor
 from schedulers import job_state, recovery
 from schedulers.checkpoint_paths import CheckpointPath
+from schedulers.events import RunProgress
 from schedulers.job_core import JobCore, Placer
 from schedulers.job_views import JobViews
 from schedulers.jobs import JobSpec
@@ -87,7 +88,8 @@ class JobController:
         self.evals = SelfEvaluations(self.core, self.steps, monitors)
         self.between = BetweenSteps(self.evals, self.saves)
         self.runs = Runs(self.core, functools.partial(self.step, by_driver=False),
-                         functools.partial(steps_ahead, self.core, self.steps, self.settings, self._step_ended,
+                         functools.partial(steps_ahead, self.core, self.steps, self.settings,
+                                           functools.partial(self._step_ended, by_run=True),
                                            self._recover_to, self.between))
         self.evals.on_early_stop = self.runs.stop_early
         self._recovery: Recovery | None = None  # what the last recovery did, for the next StepStats
@@ -131,7 +133,7 @@ class JobController:
             # In the step's hold, nothing coming between: the evaluation due (its loss joins the step's
             # statistics), the step's end (the monitors' x: the steps applied, this one too), the save due.
             evaluated = await self.between.evaluate()
-            stats = self._step_ended(stats, job.applied, evaluated)
+            stats = self._step_ended(stats, job.applied, evaluated, by_run=not by_driver)
             await self.between.save()
         return stats
 
@@ -153,10 +155,11 @@ class JobController:
                     raise
                 lost = again
 
-    def _step_ended(self, stats: StepStats, applied: int, evaluated: EvalResult | None = None) -> StepStats:
-        """A step ended (one by one or in a run): what a recovery did and the evaluation made after it (its
-        loss and metrics) join its statistics, which become the job's last (the views' describe, trace and
-        plan), and its event goes out."""
+    def _step_ended(self, stats: StepStats, applied: int, evaluated: EvalResult | None = None, *,
+                    by_run: bool = False) -> StepStats:
+        """A step ended (one by one or in a run: ``by_run``): what a recovery did and the evaluation made
+        after it (its loss and metrics) join its statistics, which become the job's last (the views'
+        describe, trace and plan), and its event goes out (with the run's progress, for a run's step)."""
         if self._recovery is not None:
             stats = dataclasses.replace(stats, recovery=self._recovery)
             self._recovery = None
@@ -164,7 +167,7 @@ class JobController:
             stats = dataclasses.replace(stats, eval_loss=evaluated.loss, eval_metrics=evaluated.metrics,
                                         stop_early=self.evals.stop_early)
         self.core.last_stats = stats
-        self._step_finished(stats, applied)
+        self._step_finished(stats, applied, self.runs.progress() if by_run else None)
         return stats
 
     async def evaluate(self, inputs: Any = None, targets: Any = None, outputs: bool = False,
@@ -235,9 +238,9 @@ class JobController:
             task.cancel()
         return bool(calls)
 
-    def _step_finished(self, stats: StepStats, applied: int) -> None:
+    def _step_finished(self, stats: StepStats, applied: int, run: RunProgress | None) -> None:
         job = self.core
-        job.publish(stats.finished(job.id, self.runs.progress()))
+        job.publish(stats.finished(job.id, run))
         if self.monitors is not None:
             self.monitors.record_step(stats, applied)
 

@@ -79,10 +79,11 @@ class Runs:
         return self.state is not None and not self.state.finished
 
     def progress(self) -> RunProgress | None:
-        """How far the run is, for a step's event (None: no run, or before its first step)."""
+        """How far the run is with the step of its own that just ended, for that step's event (None: no run).
+        A driver's step while the run is paused is no step of the run's (its event has none)."""
         run = self.state
-        if run is not None and not run.finished and self.job.steps_done > run.first_step:
-            return RunProgress(done=self.job.steps_done - run.first_step, target=run.target)
+        if run is not None and not run.finished:
+            return RunProgress(done=run.done + 1, target=run.target)
         return None
 
     def start(self, num_steps: int) -> RunInfo:

@@ -125,6 +125,7 @@ async def test_steps_while_a_run_is_paused_step_the_job_one_at_a_time_and_the_ru
         cluster: Cluster) -> None:
     steps, between = 30, 2  # the pause all but surely lands inside the run; the checks hold wherever it lands
     states, losses = one_process(list(range(steps + between)))
+    events = await feed(cluster, "paused-run-events")
     job = await cluster.train(**_train())
     try:
         await job.run(steps)
@@ -134,8 +135,15 @@ async def test_steps_while_a_run_is_paused_step_the_job_one_at_a_time_and_the_ru
         await job.resume()
         run = await ended(job)
         state = await job.state_dict()
+        heard = await heard_until(events, RunFinished, job.id)
     finally:
         await job.close()
+    # Each step's event: the run's own say how far the run is, counting its own steps alone; the
+    # driver's say nothing of the run (they counted as the run's before).
+    progress = {e.step: e.run for e in heard if isinstance(e, StepFinished)}
+    assert len(progress) == steps + between
+    assert [progress[s.step] for s in stepped] == [None] * between
+    assert [(p.done, p.target) for p in progress.values() if p is not None] == [(k, steps) for k in range(1, steps + 1)]
     assert paused is not None and paused.done <= steps
     # The data position is the step count: each step read the batch after the one before, whoever sent it.
     assert [s.step for s in stepped] == [paused.done + k for k in range(between)]
