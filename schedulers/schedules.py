@@ -464,7 +464,7 @@ def build_schedule(
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
     if name == "interleaved":
-        compute = interleaved_1f1b(num_stages, num_microbatches, num_virtual_stages or 2)
+        compute = interleaved_1f1b(num_stages, num_microbatches, 2 if num_virtual_stages is None else num_virtual_stages)
     else:
         if num_virtual_stages not in (None, 2 if name in V_SCHEDULES else 1):
             raise ValueError(

@@ -146,6 +146,7 @@ def test_interleaving_by_one_is_1f1b() -> None:
         (lambda: interleaved_1f1b(4, 6), r"multiple of num_stages \(4\); got 6, try 4 or 8"),
         (lambda: interleaved_1f1b(4, 2), r"multiple of num_stages \(4\); got 2, try 4 or 8"),
         (lambda: interleaved_1f1b(4, 8, num_virtual_stages=0), "num_virtual_stages >= 1"),
+        (lambda: build_schedule("interleaved", 4, 8, num_virtual_stages=0), "num_virtual_stages >= 1, got 0"),
         (lambda: build_schedule("pipedream", 4, 8), "unknown schedule 'pipedream'; choose one of"),
         (lambda: build_schedule("1f1b", 4, 8, num_virtual_stages=2), "use 'interleaved'"),
         (lambda: dualpipe_v(3, 5), r"at least as many micro-batches as model stages \(6 for 3 ranks\), got 5"),
