@@ -27,7 +27,7 @@ from stages.build.meta_init import (
     buffers_on_meta, materialize, meta_values, on_meta, parameters_on_meta, restore_buffers, retarget)
 from stages.build.traced import TracedStage, trace_stages
 
-__all__ = ["Chain", "build_layers", "layer_parameter_counts", "layer_times", "model_layers"]
+__all__ = ["TRACED_ON", "Chain", "build_layers", "layer_parameter_counts", "layer_times", "model_layers"]
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,11 @@ def build_layers(
     return layers
 
 
+# Where a model cut at split_points is traced (one traced on the meta device is pointed back here): a stage
+# on another device points what the trace recorded at its own (stages.build.stage).
+TRACED_ON = torch.device("cpu")
+
+
 def _traced_layers(built: Any, config: StageConfig, allow: Sequence[str]) -> list[TracedStage]:
     """The model stages of any nn.Module, traced on the job's example micro-batch (see :mod:`stages.build.traced`)."""
     if not isinstance(built, nn.Module):
@@ -133,7 +138,7 @@ def _traced_layers(built: Any, config: StageConfig, allow: Sequence[str]) -> lis
             materialize(stages[s].module, meta_values(built, config.training.seed, names),
                         also=[stage.module for stage in stages])
             restore_buffers(stages[s].module, real_buffers)
-            retarget(stages[s], torch.device("cpu"))
+            retarget(stages[s], TRACED_ON)
     return stages
 
 

@@ -232,10 +232,12 @@ def restore_buffers(module: nn.Module, real: dict[int, tuple[torch.Tensor, torch
                                     "or train without meta_init")
 
 
-def retarget(module: nn.Module, device: torch.device) -> int:
-    """Points the ops a trace on the meta device recorded as making tensors there (``arange(...,
-    device=meta)``) at ``device``, in every graph of ``module``; returns how many it changed."""
-    meta = torch.device("meta")
+def retarget(module: nn.Module, device: torch.device, source: torch.device = torch.device("meta")) -> int:
+    """Points the ops a trace on the ``source`` device recorded as making or moving tensors there
+    (``arange(..., device=meta)``, ``to(..., device=cpu)``) at ``device``, in every graph of ``module``
+    (a trace on the meta device, or a stage traced on the CPU that computes on a GPU); returns how
+    many graphs it changed."""
+    meta = torch.device(source)
     changed = 0
     for sub in module.modules():
         graph = getattr(sub, "graph", None)
@@ -243,15 +245,24 @@ def retarget(module: nn.Module, device: torch.device) -> int:
             continue
         touched = False
         for node in graph.nodes:
-            if node.kwargs.get("device") in (meta, "meta"):
+            if _on(node.kwargs.get("device"), meta):
                 node.kwargs = {**node.kwargs, "device": device}
                 touched = True
-            if any(arg in (meta, "meta") for arg in node.args if isinstance(arg, (torch.device, str))):
-                node.args = tuple(device if isinstance(a, (torch.device, str)) and a in (meta, "meta") else a
-                                  for a in node.args)
+            if any(_on(arg, meta) for arg in node.args):
+                node.args = tuple(device if _on(a, meta) else a for a in node.args)
                 touched = True
         if touched:
             changed += 1
             if isinstance(sub, torch.fx.GraphModule):
                 sub.recompile()
     return changed
+
+
+def _on(value: Any, device: torch.device) -> bool:
+    """Whether ``value`` (a graph node's argument) names ``device`` (a device, or its name)."""
+    if isinstance(value, str):
+        try:
+            value = torch.device(value)
+        except RuntimeError:
+            return False
+    return isinstance(value, torch.device) and value == device

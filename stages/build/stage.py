@@ -22,7 +22,8 @@ from actors._errors import calling
 from actors._registry import load_object
 from stages.build import tied
 from stages.build.compiled import compile_stage
-from stages.build.layers import Chain, build_layers, data_factory
+from stages.build.layers import TRACED_ON, Chain, build_layers, data_factory
+from stages.build.meta_init import retarget
 from stages.build.tensor_parallel import ShardSpec, shard_for_tensor_parallel, tp_shard_specs
 from stages.build.traced import TracedStage
 from stages.comm import overlap as _overlap
@@ -275,6 +276,8 @@ def _build_modules(cfg: StageConfig, allow: Sequence[str], device: torch.device,
     traced = [stage for stage in built if isinstance(stage, TracedStage)]
     for s in cfg.stages:
         modules[s] = traced[s].to(device)
+        if device != TRACED_ON:  # the ops the trace recorded as making tensors on the CPU make them on the GPU
+            retarget(modules[s], device, source=TRACED_ON)
         traced[s].checkpoint_activations = bool(every)  # the whole stage is one segment
     return modules, [stage.module for stage in traced], original_key
 

@@ -85,3 +85,17 @@ def test_read_data_without_a_factory_says_so() -> None:
 def test_a_factory_outside_the_allow_list_is_refused(overrides: dict[str, Any], match: str) -> None:
     with pytest.raises(NotAllowed, match=match):
         build(**overrides)
+
+
+def test_a_traced_stage_on_another_device_makes_what_the_trace_made_on_the_cpu_there() -> None:
+    """The trace records the device of the tensors it saw made (GPT-2's position ids: ``arange(...,
+    device=cpu)``, ``to(..., device=cpu)``); a stage on a GPU moved its weights but still made those
+    on the CPU and failed at its first forward. The meta device stands in for a GPU here."""
+    pytest.importorskip("transformers")
+    tokens = torch.randint(0, 64, (2, 8))
+    config = stage_config(0, 2, model="examples.hf:gpt2", bounds=[[0, 1], [1, 2]], loss="examples.models:lm_loss",
+                          model_kwargs={"dim": 32, "heads": 2, "vocab": 64, "positions": 16, "layers": 4},
+                          split_points=["transformer.h.2"], example_inputs=tokens, dynamic_shapes=False)
+    built = build_stage(config, DEFAULT_ALLOW + EXAMPLE_FACTORIES, torch.device("meta"))
+    out = built.model.modules[0](tokens.to("meta"))
+    assert [value.device.type for value in out] == ["meta"] * len(out) and out[0].shape == (2, 8, 32)
