@@ -102,11 +102,12 @@ class PendingCalls:
     def close(self, call_id: int) -> None:
         self._pending.pop(call_id, None)
 
-    def waiting(self, call_id: Any) -> asyncio.Future[Any] | None:
-        """The future of call ``call_id`` while it still waits for its reply; None for an unknown id
-        (one that is not an int included: the id comes off the wire) or an answered call."""
+    def waiting(self, call_id: Any) -> tuple[asyncio.Future[Any], str] | None:
+        """The future of call ``call_id`` and the address it went to, while it still waits for its reply;
+        None for an unknown id (one that is not an int included: the id comes off the wire) or an answered
+        call."""
         entry = self._pending.get(call_id) if type(call_id) is int else None
-        return None if entry is None or entry[0].done() else entry[0]
+        return None if entry is None or entry[0].done() else entry
 
     async def send_unless_failed(self, call_id: int, future: asyncio.Future[Any], send: Awaitable[Any]) -> None:
         """Awaits ``send`` (a request's send), unless its call fails first.

@@ -312,7 +312,7 @@ class Runtime:
         caller = str(frames[0].get("User-Id")) if self.keys is not None else INSECURE
         try:
             if bad_records:
-                self._refuse_bad_records(message, bad_records)
+                self._refuse_bad_records(message, bad_records, caller)
             else:
                 self._dispatch(message, caller)
         except Exception:  # a bug here must not stop the runtime from serving
@@ -330,17 +330,17 @@ class Runtime:
             except Exception:
                 log.exception("%s.on_messages_lost raised", name)
 
-    def _refuse_bad_records(self, message: Any, bad_records: list[WireError]) -> None:
+    def _refuse_bad_records(self, message: Any, bad_records: list[WireError], caller: str) -> None:
         """Answers a message whose records could not be rebuilt with a typed error, where someone waits."""
         reasons = "; ".join(excerpt(str(exc), 300) for exc in bad_records[:3])
         error = BadRecord(f"{len(bad_records)} record(s) could not be rebuilt at {shown(self.address)}: {reasons}")
         kind = message.get("t") if isinstance(message, dict) else None
         if kind == "rep":
-            future = self._calls.waiting(message.get("id"))
+            future = self._answered(message, caller)
             if future is not None:
                 future.set_exception(BadRecord(f"the reply's {error.message}"))
                 return
-        elif kind == "req" and (route := _reply_route(message)) is not None:
+        elif kind == "req" and (route := self._reply_route(message, caller)) is not None:
             log.warning("refused a request to %s.%s: %s", excerpt(message.get("to")), excerpt(message.get("m")),
                         excerpt(error.message, 300))
             self.spawn_task(self._remote_replier(*route)(False, error))
@@ -350,7 +350,7 @@ class Runtime:
     def _dispatch(self, message: Any, caller: str = INSECURE) -> None:
         kind = message.get("t") if isinstance(message, dict) else None
         if kind == "rep":
-            self._on_reply(message)
+            self._on_reply(message, caller)
         elif kind == "req":
             self._on_request(message, caller)
         elif kind == OPEN_KIND and caller not in (INSECURE, LOCAL):
@@ -358,10 +358,32 @@ class Runtime:
         else:
             log.warning("dropped a message that is neither request nor reply: %s", excerpt(message, 200))
 
-    def _on_reply(self, message: dict[str, Any]) -> None:
-        future = self._calls.waiting(message.get("id"))
-        if future is None:
+    def _answered(self, message: dict[str, Any], sender: str) -> asyncio.Future[Any] | None:
+        """The call a reply from ``sender`` answers, where one waits and ``sender`` is who it went to: with
+        keys, a reply from any other key (a guessed call id, or a request that named this runtime's
+        address for its reply) is dropped, never taken for the answer."""
+        waiting = self._calls.waiting(message.get("id"))
+        if waiting is None:
             log.debug("reply %s came after its caller stopped waiting", excerpt(message.get("id")))
+            return None
+        future, address = waiting
+        if self._gate is not None and key_name(address, self._gate) != sender:
+            log.warning("dropped a reply from %s to call %s, which went to %s", excerpt(sender, 80),
+                        excerpt(message.get("id")), shown(address))
+            return None
+        return future
+
+    def _reply_route(self, message: dict[str, Any], caller: str) -> tuple[str, int] | None:
+        """Where a request's answer goes (its reply address and call id), where it says so in a form to
+        trust: with keys, only to the caller's own address (one that carries its key)."""
+        route = _reply_route(message)
+        if route is not None and self._gate is not None and key_name(route[0], self._gate) != caller:
+            return None
+        return route
+
+    def _on_reply(self, message: dict[str, Any], caller: str) -> None:
+        future = self._answered(message, caller)
+        if future is None:
             return
         if message.get("ok") is True:
             future.set_result(message.get("v"))
@@ -369,7 +391,11 @@ class Runtime:
             future.set_exception(error_from_wire(message.get("e")))
 
     def _on_request(self, message: dict[str, Any], caller: str = INSECURE) -> None:
-        route = _reply_route(message)
+        route = self._reply_route(message, caller)
+        if route is None and message.get("r") is not None:
+            log.warning("dropped a request from %s to %s.%s: its reply address %s is not its own", excerpt(caller, 80),
+                        excerpt(message.get("to")), excerpt(message.get("m")), excerpt(message.get("r"), 120))
+            return
         reply = self._remote_replier(*route) if route is not None else None
         name: Any = message.get("to")
         method: Any = message.get("m")

@@ -18,7 +18,7 @@ async def test_a_reply_finds_its_call_by_id_and_an_answered_or_unknown_id_finds_
     calls = PendingCalls()
     first, future = calls.open("ipc://a")
     second, _ = calls.open("ipc://a")
-    assert first != second and calls.waiting(first) is future
+    assert first != second and calls.waiting(first) == (future, "ipc://a")  # and where it went
     future.set_result(1)
     assert calls.waiting(first) is None  # answered
     for bad in (999, "1", None, 1.0, True):

@@ -678,6 +678,42 @@ async def test_a_call_whose_reply_was_refused_on_the_way_fails_at_once_saying_so
     assert torch.equal(value, tensor)
 
 
+class _SlowHeadOnly(Actor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.started = asyncio.Event()
+
+    @endpoint(roles=("head",))
+    async def work(self) -> str:
+        self.started.set()
+        await asyncio.sleep(0.5)
+        return "the node's own answer"
+
+
+async def test_only_the_runtime_a_call_went_to_answers_it_directly_or_through_another() -> None:
+    """A client key answered the head's call to a node (call ids count from 1: easy to guess), or named
+    the head's address for the reply to a request of its own, so the node's refusal failed the head's
+    call. Only a reply from the key the call went to is taken; a reply goes only to the caller's own address."""
+    head_keys, node_keys, client_keys = Keypair.generate(), Keypair.generate(), Keypair.generate()
+    ring = {head_keys.public: "head:head", node_keys.public: "node:n0", client_keys.public: "client:mallory"}
+    async with open_runtime("tcp://127.0.0.1:0", keys=head_keys, ring=lambda: ring) as head, \
+            open_runtime("tcp://127.0.0.1:0", keys=node_keys, ring=lambda: ring) as node, \
+            open_runtime("tcp://127.0.0.1:0", keys=client_keys, ring=lambda: ring) as client:
+        slow = _SlowHeadOnly()
+        await node.spawn(slow, "stage")
+        for forge in ("reply", "reflected request"):
+            slow.started.clear()
+            call = asyncio.create_task(head.ref(node.address, "stage").endpoint(_SlowHeadOnly.work, timeout=30).call())
+            await slow.started.wait()
+            for call_id in range(1, 4):
+                if forge == "reply":
+                    await client._send(head.address, {"t": "rep", "id": call_id, "ok": True, "v": "forged"})
+                else:
+                    await client._send(node.address, {"t": "req", "id": call_id, "to": "stage", "m": "work",
+                                                      "a": [], "k": {}, "r": head.address})
+            assert await call == "the node's own answer", forge
+
+
 def test_an_error_of_the_jobs_code_says_at_the_caller_which_callable_raised() -> None:
     from actors._errors import calling, error_from_wire, error_to_wire
 
