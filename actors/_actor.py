@@ -183,6 +183,11 @@ class Host(Protocol):
         """
         ...
 
+    def callers_own(self, address: str) -> bool:
+        """Whether ``address`` carries the key of the caller being served (always, without keys, or for
+        a call from this process)."""
+        ...
+
 
 @dataclass(slots=True, kw_only=True)
 class Call:

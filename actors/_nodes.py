@@ -196,7 +196,12 @@ class HeadActor(Actor):
             raise ValueError("register: name, address, device and host are at most 256 characters")
         # The head decides the state and the identity (the key the worker holds), never the worker.
         node = replace(info, state="alive", last_heartbeat_age_s=0.0, identity=current_caller())
+        if not self.runtime.callers_own(node.address):
+            raise NotAllowed(f"register: {excerpt(node.address, 120)} does not carry this node's own key; a node "
+                             "registers the address it listens at")
         previous = self._nodes.get(node.name)
+        if previous is not None and previous.state == "alive" and previous.identity != node.identity:
+            raise NotAllowed(f"a live node is already named {node.name!r}, under another key; pick another --name")
         if previous is not None and previous.state == "alive" and previous.pid != node.pid:
             raise ValueError(f"a live node is already named {node.name!r} (pid {previous.pid}); pick another --name")
         self._nodes[node.name] = node
@@ -213,17 +218,29 @@ class HeadActor(Actor):
 
     @endpoint(roles=("node",), taskless_start=True)
     async def heartbeat(self, name: str) -> bool:
-        """Returns False when the head does not know ``name`` (it must register again)."""
+        """Returns False when the head does not know ``name`` (it must register again).
+
+        Raises:
+            NotAllowed: ``name`` is another key's node (no node keeps another alive).
+        """
         node = self._nodes.get(name)
         if node is None or node.state != "alive":
             return False
+        if node.identity != current_caller():
+            raise NotAllowed(f"no live node {excerpt(name)} registered with this key")
         self._last_seen[name] = time.monotonic()
         return True
 
     @endpoint(roles=("node",))
     async def deregister(self, name: str) -> None:
+        """Node ``name`` leaves.
+
+        Raises:
+            NotAllowed: ``name`` is another key's node.
+        """
         node = self._nodes.get(name)
         if node is not None and node.state == "alive":
+            self._member(name)
             self._nodes[name] = replace(node, state="left")
             if self._liveness is not None:
                 self._liveness.forget(name)
@@ -243,6 +260,10 @@ class HeadActor(Actor):
         if (not isinstance(addresses, list) or len(addresses) > MAX_HOSTED
                 or any(not isinstance(a, str) or len(a) > 256 for a in addresses)):
             raise ValueError(f"hosting takes a list of at most {MAX_HOSTED} addresses of at most 256 characters")
+        foreign = [a for a in addresses if not self.runtime.callers_own(a)]
+        if foreign:  # another runtime's: its calls would fail as the node's own processes' do when it says so
+            raise NotAllowed(f"hosting: {excerpt(foreign[0], 120)} does not carry this node's own key; a node hosts "
+                             "actors only in processes of its own")
         self._hosted[name] = list(addresses)
 
     @endpoint(roles=("node",))

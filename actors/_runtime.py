@@ -283,6 +283,13 @@ class Runtime:
         caller = current_caller()
         return self.address if caller == LOCAL else own_address(caller, current_reply_address(), self._gate)
 
+    def callers_own(self, address: str) -> bool:
+        """Whether ``address`` carries the key of the caller being served (always, without keys, or for
+        a call from this process): what only the caller may name (where it is reached, the processes
+        it hosts) must be at its own addresses."""
+        caller = current_caller()
+        return caller == LOCAL or self._gate is None or key_name(address, self._gate) == caller
+
     def _deliver_local(self, name: str, call: Call, *, start: bool = True) -> None:
         mailbox = self._mailboxes.get(name)
         if mailbox is None:

@@ -144,3 +144,42 @@ async def test_a_node_reports_the_actor_processes_it_hosts_and_the_head_fails_ca
         assert isinstance(gone, ActorLost) and gone.message == "job0.rank1 on node node0: its process killed by SIGSEGV"
         with pytest.raises(ActorLost):  # the head's own calls to it fail at once from now on
             await server.ref(stage, "job0.rank1").ask("anything", timeout=60)
+
+
+async def test_a_node_key_cannot_take_over_keep_alive_remove_or_cut_off_another_nodes() -> None:
+    """Found by review: node:n1 registered as n0 (the refusal told it the pid to give), kept n0 alive with
+    heartbeats, deregistered it, and said it hosted n0's own address, then that it was lost: the head's
+    calls to n0 failed. A node names only itself and addresses that carry its own key."""
+    from dataclasses import replace
+
+    from actors import NODE, NodeActor
+    from actors._nodes import node_info
+    from transport.security import Keypair
+
+    head_keys, keys0, keys1 = Keypair.generate(), Keypair.generate(), Keypair.generate()
+    ring = {head_keys.public: "head:head", keys0.public: "node:n0", keys1.public: "node:n1"}
+    async with open_runtime("tcp://127.0.0.1:0", keys=head_keys, ring=lambda: ring) as server, \
+            open_runtime("tcp://127.0.0.1:0", keys=keys0, ring=lambda: ring) as n0, \
+            open_runtime("tcp://127.0.0.1:0", keys=keys1, ring=lambda: ring) as n1:
+        await server.spawn(HeadActor(heartbeat_interval=5, heartbeat_timeout=60), HEAD)
+        await n0.spawn(NodeActor(node_info("n0", n0.address, "cpu"), (), asyncio.Event()), NODE)
+        as0, as1 = n0.ref(server.address, HEAD), n1.ref(server.address, HEAD)
+        info0 = node_info("n0", n0.address, "cpu")
+        await as0.endpoint(HeadActor.register, timeout=5).call(info0)
+        await as1.endpoint(HeadActor.register, timeout=5).call(node_info("n1", n1.address, "cpu"))
+        with pytest.raises(NotAllowed, match="already named 'n0', under another key") as taken:
+            await as1.endpoint(HeadActor.register, timeout=5).call(replace(info0, address=n1.address))
+        assert str(info0.pid) not in taken.value.message
+        with pytest.raises(NotAllowed, match="does not carry this node's own key"):  # n0's address, as n2
+            await as1.endpoint(HeadActor.register, timeout=5).call(replace(info0, name="n2"))
+        for call in (as1.endpoint(HeadActor.heartbeat, timeout=5).call("n0"),
+                     as1.endpoint(HeadActor.deregister, timeout=5).call("n0")):
+            with pytest.raises(NotAllowed, match="no live node 'n0' registered with this key"):
+                await call
+        with pytest.raises(NotAllowed, match="hosts actors only in processes of its own"):
+            await as1.endpoint(HeadActor.hosting, timeout=5).call("n1", [n0.address])
+        nodes = {node.name: node for node in await server.ref(server.address, HEAD).endpoint(
+            HeadActor.nodes, timeout=5).call()}
+        assert (nodes["n0"].state, nodes["n0"].identity, nodes["n0"].address) == ("alive", "node:n0", n0.address)
+        assert (await server.ref(n0.address, NODE).endpoint(NodeActor.describe, timeout=5).call()).name == "n0"
+        assert await as0.endpoint(HeadActor.heartbeat, timeout=5).call("n0") is True
