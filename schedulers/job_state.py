@@ -131,7 +131,7 @@ async def write_checkpoint(job: JobCore, path: CheckpointPath, keep: int = 1, sp
     coordinator = [0]
     [staging] = await _on_stages(job, coordinator, "save", lambda g: job.stages[g].endpoint(
         StageActor.checkpoint_begin, timeout=CHECKPOINT_TIMEOUT_S).call(directory, path.within))
-    writers = [g for g in range(mesh.size) if mesh.coords(g).data == 0 or job.spec.optimization.zero_stage == 1]
+    writers = [g for g in range(mesh.size) if mesh.coords(g).data == 0 or job.spec.optimization.zero_stage in (1, 2)]
     written = await _on_stages(job, writers, "save", lambda g: job.stages[g].endpoint(
         StageActor.checkpoint_write, timeout=CHECKPOINT_TIMEOUT_S).call(staging, _shard_file(mesh, g)))
     files, model, state = merge_written(written)

@@ -81,8 +81,8 @@ async def recover(job: JobCore, cause: NodeLost | StageLost) -> Recovery:
     usable = {i for i in common if _replayable(job, i)}
     checkpoint = job.last_checkpoint if not usable else None
     if not usable and (checkpoint is None or not _replayable(job, checkpoint[1])):
-        zero = (" (with zero_stage=1 a replica's optimizer state is its own shard: another replica's snapshot "
-                "cannot stand in for it)") if job.spec.optimization.zero_stage == 1 and job.mesh.data > 1 else ""
+        zero = (f" (with zero_stage={job.spec.optimization.zero_stage} a replica's optimizer state is its own "
+                "shard: another replica's snapshot cannot stand in for it)") if job.spec.optimization.zero_stage in (1, 2) and job.mesh.data > 1 else ""
         raise unrecoverable("no snapshot that every stage has, and no checkpoint of this job to go back to, "
                             f"with the batches since kept{zero}" if checkpoint is None else
                             f"no snapshot that every stage has, and the batches since its checkpoint "

@@ -147,16 +147,19 @@ async def test_a_skipped_step_changes_nothing_on_any_replica(cluster: Cluster) -
     assert_same(runs[1], runs[0])
 
 
-@pytest.mark.parametrize("loading", [
-    pytest.param({"zero_stage": 1}, id="zero1"),
-    pytest.param({"zero_stage": 0}, id="zero0"),
-    pytest.param({"zero_stage": 1, "data_parallel": 1}, id="zero1-dp1"),
+@pytest.mark.parametrize(("saving", "loading"), [
+    pytest.param(1, {"zero_stage": 1}, id="zero1"),
+    pytest.param(1, {"zero_stage": 0}, id="zero1-to-zero0"),
+    pytest.param(1, {"zero_stage": 1, "data_parallel": 1}, id="zero1-dp1"),
+    # ZeRO-2's replicas hold their shards' moments as ZeRO-1's do: its checkpoints held replica 0's alone.
+    pytest.param(2, {"zero_stage": 2}, id="zero2"),
+    pytest.param(2, {"zero_stage": 0}, id="zero2-to-zero0"),
 ])
-async def test_a_zero1_checkpoint_resumes_exactly_in_any_layout(cluster: Cluster, tmp_path: Path,
-                                                                 loading: dict[str, Any]) -> None:
+async def test_a_sharded_checkpoint_resumes_exactly_in_any_layout(cluster: Cluster, tmp_path: Path, saving: int,
+                                                                  loading: dict[str, Any]) -> None:
     first, then = MLP["batches"](), MLP["batches"]()[:2]
     directory = tmp_path / "ckpt"
-    async with await start(cluster, MLP, zero_stage=1) as job:
+    async with await start(cluster, MLP, zero_stage=saving) as job:
         await train(job, first)
         version = Path(await job.save(directory))
         await train(job, then)
