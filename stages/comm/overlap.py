@@ -65,13 +65,14 @@ Scatter = Callable[[torch.Tensor, Sequence[tuple[int, int]]], Work]
 
 
 def backward_order(modules: Mapping[int, nn.Module]) -> list[torch.Tensor]:
-    """The held parameters, each once, in the order backward finishes them: the last model
-    stage first, and each stage's parameters last layer first (DDP's reverse of forward order).
+    """The held parameters that train, each once, in the order backward finishes them: the last
+    model stage first, and each stage's parameters last layer first (DDP's reverse of forward order).
 
     A parameter two held stages share comes where the earlier stage's backward, the last
-    to touch it, puts it.
+    to touch it, puts it. A frozen one (``requires_grad=False``) is no part of any reduction,
+    as in DDP: its gradient stays None, so the optimizer leaves it (weight decay included).
     """
-    forward = {id(p): p for s in sorted(modules) for p in modules[s].parameters()}
+    forward = {id(p): p for s in sorted(modules) for p in modules[s].parameters() if p.requires_grad}
     return list(reversed(forward.values()))
 
 

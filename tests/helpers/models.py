@@ -216,6 +216,16 @@ def flatten_cnn(channels: int = 8, size: int = 8, classes: int = 4) -> FlattenCN
     return FlattenCNN(channels, size, classes)
 
 
+def partly_frozen_mlp(blocks: int = 8, dim: int = 16, hidden: int = 32, frozen: int = 1) -> nn.Sequential:
+    """The reference workload with its first ``frozen`` blocks frozen (``requires_grad=False``), as a
+    fine-tune keeps pretrained layers."""
+    from examples.models import residual_mlp
+    model = residual_mlp(blocks, dim, hidden)
+    for block in model[:frozen]:
+        block.requires_grad_(False)
+    return model
+
+
 def frozen_embedding_chain(vocab: int = 1000, dim: int = 16, layers: int = 4) -> nn.Sequential:
     """A large frozen embedding (pretrained, kept as it is) before small trainable Linears."""
     embedding = nn.Embedding(vocab, dim)

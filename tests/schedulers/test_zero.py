@@ -130,6 +130,25 @@ async def test_no_weight_decay_groups_train_as_one_process_sharded_or_not(cluste
         await start(cluster, {**MLP, "optimizer": ("torch.optim:Rprop", {"lr": 0.01})}, no_weight_decay=rule)
 
 
+@pytest.mark.parametrize("zero_stage", [0, 2])
+async def test_frozen_parameters_stay_as_they_are_across_replicas_as_in_one_process(cluster: Cluster,
+                                                                                     zero_stage: int) -> None:
+    """Found by review: with data_parallel > 1 every held parameter took part in the reduction, so a
+    frozen one got a zero gradient where one process has None, and AdamW's weight decay moved it."""
+    from tests.helpers.models import partly_frozen_mlp
+    workload = {**MLP, "model": "tests.helpers.models:partly_frozen_mlp", "build": partly_frozen_mlp,
+                "optimizer": ("torch.optim:AdamW", {"lr": 0.01, "weight_decay": 0.1})}
+    async with await start(cluster, workload, zero_stage=zero_stage) as job:
+        stats = await train(job, workload["batches"]())
+        state = await job.state_dict()
+    torch.manual_seed(0)
+    initial = partly_frozen_mlp(**workload["kwargs"]).state_dict()
+    assert all(torch.equal(state[key], initial[key]) for key in initial if key.startswith("0."))
+    expected_state, expected_losses = train_reference(workload)
+    assert_close(state, expected_state, rtol=1e-5)
+    assert [s.loss for s in stats] == pytest.approx(expected_losses, rel=1e-5)
+
+
 async def test_a_skipped_step_changes_nothing_on_any_replica(cluster: Cluster) -> None:
     data = MLP["batches"]()
     poisoned = data[1][0].clone()
