@@ -264,6 +264,8 @@ def _build_modules(cfg: StageConfig, allow: Sequence[str], device: torch.device,
                    ) -> tuple[dict[int, nn.Module], list[nn.Module], Key]:
     """The held model stages' modules on ``device``, every layer of the model, and how held tensors are named."""
     built = build_layers(cfg, allow, shard)
+    if cfg.mixed_precision.precision in ("bf16", "fp16"):
+        _float32_masters(built, cfg)
     every = checkpoint_interval(cfg.runtime.activation_checkpointing)  # layers per activation checkpoint; 0: off
     modules: dict[int, nn.Module] = {}
     if cfg.parallelism.split_points is None:
@@ -280,6 +282,23 @@ def _build_modules(cfg: StageConfig, allow: Sequence[str], device: torch.device,
             retarget(modules[s], device, source=TRACED_ON)
         traced[s].checkpoint_activations = bool(every)  # the whole stage is one segment
     return modules, [stage.module for stage in traced], original_key
+
+
+def _float32_masters(layers: Sequence[nn.Module], cfg: StageConfig) -> None:
+    """Mixed precision keeps float32 master weights, whatever dtype the factory built them in (a model loaded
+    with ``torch_dtype=torch.bfloat16``): its half-precision parameters become float32, as DeepSpeed's bf16
+    and fp16 modes keep float32 masters of them; autocast computes in the half dtype all the same. Left
+    in 16 bits, a small update rounds away (an lr of 1e-4 changed no weight at all)."""
+    low = {torch.bfloat16, torch.float16}
+    for layer in layers:
+        halves = [name for name, p in layer.named_parameters() if p.dtype in low]
+        if halves:
+            log.info("%s: precision=%s keeps float32 master weights; %d parameter(s) built in %s (%s...) become "
+                     "float32", cfg.job, cfg.mixed_precision.precision, len(halves),
+                     str(layer.get_parameter(halves[0]).dtype).removeprefix("torch."), halves[0])
+            for p in layer.parameters():
+                if p.dtype in low:
+                    p.data = p.data.float()
 
 
 def _build_optimizer(cfg: StageConfig, allow: Sequence[str], param_groups: list[dict[str, Any]],

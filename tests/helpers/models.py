@@ -216,6 +216,11 @@ def flatten_cnn(channels: int = 8, size: int = 8, classes: int = 4) -> FlattenCN
     return FlattenCNN(channels, size, classes)
 
 
+def bf16_mlp(dim: int = 8, layers: int = 4) -> nn.Sequential:
+    """Linears built in bfloat16, as a model loaded with ``torch_dtype=torch.bfloat16`` is."""
+    return nn.Sequential(*(nn.Linear(dim, dim) for _ in range(layers))).to(torch.bfloat16)
+
+
 def partly_frozen_mlp(blocks: int = 8, dim: int = 16, hidden: int = 32, frozen: int = 1) -> nn.Sequential:
     """The reference workload with its first ``frozen`` blocks frozen (``requires_grad=False``), as a
     fine-tune keeps pretrained layers."""

@@ -99,3 +99,16 @@ def test_a_traced_stage_on_another_device_makes_what_the_trace_made_on_the_cpu_t
     built = build_stage(config, DEFAULT_ALLOW + EXAMPLE_FACTORIES, torch.device("meta"))
     out = built.model.modules[0](tokens.to("meta"))
     assert [value.device.type for value in out] == ["meta"] * len(out) and out[0].shape == (2, 8, 32)
+
+
+@pytest.mark.parametrize(("precision", "dtype"), [("bf16", torch.float32), ("fp16", torch.float32),
+                                                  ("fp32", torch.bfloat16)])
+def test_mixed_precision_keeps_float32_masters_of_a_model_built_in_bf16(precision: str, dtype: torch.dtype) -> None:
+    """Found by review: a model built in bf16 trained its bf16 weights themselves under precision='bf16', and
+    an SGD step at lr 1e-4 changed none of them. Mixed precision keeps float32 masters (autocast computes in
+    the half dtype); precision='fp32' trains what it is given."""
+    config = stage_config(0, 2, model="tests.helpers.models:bf16_mlp", model_kwargs={"dim": 8, "layers": 4},
+                          precision=precision, bounds=[[0, 2], [2, 4]])
+    built = build_stage(config, DEFAULT_ALLOW + EXAMPLE_FACTORIES + ("tests.helpers.models",), CPU)
+    assert {p.dtype for _, p in built.named_parameters} == {dtype}
+    assert all(p.dtype == dtype for group in built.model.optimizer.param_groups for p in group["params"])
