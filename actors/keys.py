@@ -107,7 +107,9 @@ class ClusterKeys:
         0600), to be handed to its owner.
 
         Raises:
-            KeyFileError: an unknown role or a bad name, or the directory is unsafe
+            KeyFileError: an unknown role or a bad name, a name whose key the directory holds
+                already (the head's, the admin's or anyone's: its secret would be lost, and
+                its files would then hold a key of another role), or the directory is unsafe
                 (see :meth:`check_private`).
         """
         if role not in ROLES:
@@ -115,6 +117,9 @@ class ClusterKeys:
         if not name or not all(c.isalnum() or c in "_.@" for c in name):
             raise KeyFileError(f"a key name is letters, digits, '_', '.' or '@'; got {name[:40]!r}")
         self.check_private()
+        if os.path.exists(self._secret_path(name)):
+            raise KeyFileError(f"{self.directory} holds a key named {name!r} already; pick another name (to replace "
+                               "a key, add the new one under a new name and revoke the old)")
         keypair = keypair or Keypair.generate()
         keypair.save(self.directory, name)
         write_public_key(os.path.join(self._authorized, f"{role}-{name}.key"), keypair.public)

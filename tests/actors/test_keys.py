@@ -172,3 +172,20 @@ def test_a_ring_whose_directory_has_been_still_is_not_read_again(keys: ClusterKe
     first = head.ring()
     assert head.ring() == first and head.ring() is first
     assert listed == [authorized]  # read once, then kept
+
+
+def test_adding_a_key_under_a_name_the_directory_holds_is_refused_and_the_old_key_stays(
+    keys: ClusterKeys, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by review: ``add DIR client head`` overwrote the head's secret with a client key (the head then
+    started as a client), and ``add DIR node admin`` lost the admin key."""
+    head = keys.identity("head").public
+    for role, name in (("client", "head"), ("node", "admin"), ("node", "client")):
+        assert keys_main(["add", keys.directory, role, name]) == 2
+        assert f"holds a key named {name!r} already" in capsys.readouterr().err
+    assert keys.identity("head").public == head
+    assert not os.path.exists(os.path.join(keys.directory, "authorized", "client-head.key"))
+    alice = keys.identity("alice").public  # the fixture's client
+    with pytest.raises(KeyFileError, match="holds a key named 'alice' already"):
+        keys.add("node", "alice")
+    assert keys.identity("alice").public == alice
