@@ -358,7 +358,7 @@ def error_from_wire(data: Any) -> ActorError:
     ``remote timeout:``, so a caller never mistakes it for its own call timing out.
     """
     if not isinstance(data, dict):
-        return RemoteError(f"malformed error reply: {data!r:.200}")
+        return RemoteError(f"malformed error reply: {_excerpt(data)}")
     cls = ERROR_KINDS.get(str(data.get("kind")), RemoteError)
     if cls is RemoteError:
         cls = remote_error_class(str(data.get("builtin", "")))
@@ -372,3 +372,9 @@ def error_from_wire(data: Any) -> ActorError:
         remote_traceback=str(data.get("traceback", "")),
         details=details if isinstance(details, dict) else None,
     )
+
+
+def _excerpt(value: object) -> str:
+    """At most 200 characters of an untrusted value, cut before it is escaped (see ``transport.wire.excerpt``)."""
+    from transport.wire import excerpt  # here: the errors module is imported before the wire's codecs
+    return excerpt(value, 200)

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 from actors._actor import Actor
 from actors._errors import NotAllowed
+from transport.wire import excerpt
 
 __all__ = ["DEFAULT_ALLOW", "EXAMPLE_FACTORIES", "actor_class", "load_object", "register_actor", "registered_actors"]
 
@@ -153,9 +154,10 @@ def _allow_list(allow: tuple[str, ...], reveal: bool) -> str:
 
 
 def _excerpt(value: object) -> str:
-    """A short, escaped excerpt of an untrusted value, for messages."""
-    text = repr(value)
-    return text if len(text) <= 120 else text[:117] + "..."
+    """A short, escaped excerpt of an untrusted value, for messages: cut before it is escaped, so a
+    value of a gigabyte costs what one of a hundred bytes does (a whole ``repr`` of it took four times
+    its size)."""
+    return excerpt(value, 120)
 
 
 def _attribute(owner: Any, name: str) -> Any:

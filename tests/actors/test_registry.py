@@ -221,3 +221,23 @@ def test_a_local_clusters_allow_takes_one_prefix_as_a_string_and_refuses_what_is
         LocalCluster(nodes=1, allow=["mypkg", 3])  # type: ignore[list-item]
     with pytest.raises(TypeError, match="preload takes module names .* got ''"):
         LocalCluster(nodes=1, preload=[""])
+
+
+def test_a_huge_untrusted_path_is_quoted_without_copying_it() -> None:
+    """Found by review: a client's 1 GiB check_import argument was repr'd whole (four bytes a byte) before
+    the message cut it, so a client key could push a node towards the memory killer."""
+    import tracemalloc
+
+    from actors._errors import error_from_wire
+
+    huge = b"\xff" * (16 << 20)
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match=r"is not an import path") as refused:
+            load_object(huge, ())
+        malformed = error_from_wire([huge])  # a malformed error reply quotes what it got
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(str(refused.value)) < 300 and len(malformed.message) < 300
+    assert peak < len(huge) // 4  # a whole repr alone takes four times the bytes
