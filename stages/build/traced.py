@@ -128,7 +128,7 @@ class TracedStage(nn.Module):
                 raise TypeError(f"traced stage {self.index} takes {len(self._received)} values, got {got}")
             env = dict(zip(self._received, values))
         module_args = [env[a] if isinstance(a, str) else a[1] for a in self._args]
-        out = checkpointed(self.module, *module_args) if self.checkpoint_activations else self.module(*module_args)
+        out = checkpointed(self.module, *module_args, modules=[self.module]) if self.checkpoint_activations else self.module(*module_args)
         for name, index in self._produced:
             env[name] = out if index is None else out[index]
         if self._output is not None:

@@ -48,13 +48,15 @@ autograd's graph and stay as they are.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Container, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 import torch
+from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
@@ -79,12 +81,15 @@ def checkpoint_interval(setting: bool | int) -> int:
     return int(setting)
 
 
-def checkpointed(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+def checkpointed(fn: Callable[..., Any], /, *args: Any, modules: Sequence[nn.Module] = (), **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)``, keeping only the arguments for backward and recomputing the rest there.
 
     The arguments are flattened first, so that every tensor in them, however deep in
     tuples and dicts (a stage boundary's tree), is one that torch's checkpoint saves,
-    and that its RNG state is taken for the device the tensors are on.
+    and that its RNG state is taken for the device the tensors are on. ``modules``: what
+    ``fn`` runs; the running statistics of their normalizations (BatchNorm's) are left as the
+    forward left them by the recompute, which would otherwise count each batch twice
+    (torch's own checkpoint does).
     """
     leaves, spec = pytree.tree_flatten((args, kwargs))
 
@@ -92,7 +97,29 @@ def checkpointed(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         call_args, call_kwargs = pytree.tree_unflatten(list(flat), spec)
         return fn(*call_args, **call_kwargs)
 
-    return checkpoint(run, *leaves, use_reentrant=False, preserve_rng_state=True)
+    statistics = list({id(b): b for module in modules for m in module.modules()
+                       for name, b in m._buffers.items() if name in _RUNNING and b is not None}.values())
+    if not statistics:
+        return checkpoint(run, *leaves, use_reentrant=False, preserve_rng_state=True)
+    return checkpoint(run, *leaves, use_reentrant=False, preserve_rng_state=True,
+                      context_fn=lambda: (contextlib.nullcontext(), _statistics_kept(statistics)))
+
+
+# A normalization's running statistics (BatchNorm's and InstanceNorm's buffers, under these names in a traced
+# stage too, where the norm is a graph module of its own).
+_RUNNING = frozenset({"running_mean", "running_var", "num_batches_tracked"})
+
+
+@contextlib.contextmanager
+def _statistics_kept(statistics: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Inside (a recompute): whatever the running statistics become, they are put back."""
+    kept = [(buffer, buffer.clone()) for buffer in statistics]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in kept:
+                buffer.copy_(value)
 
 
 def run_layers(layers: Iterable[Callable[..., Any]], /, *args: Any, **kwargs: Any) -> Any:
@@ -109,8 +136,11 @@ def run_segments(layers: Sequence[Callable[..., Any]], every: int, /, *args: Any
     ``activation_checkpoint_interval``): what is kept is each segment's input."""
     value: Any = None
     for start in range(0, len(layers), every):
-        segment = functools.partial(run_layers, layers[start:start + every])
-        value = checkpointed(segment, *args, **kwargs) if start == 0 else checkpointed(segment, value)
+        held = layers[start:start + every]
+        segment = functools.partial(run_layers, held)
+        modules = [layer for layer in held if isinstance(layer, nn.Module)]
+        value = checkpointed(segment, *args, modules=modules, **kwargs) if start == 0 else \
+            checkpointed(segment, value, modules=modules)
     return value
 
 

@@ -80,6 +80,42 @@ def test_checkpointed_tree_arguments_give_the_same_values_and_gradients_and_keep
     assert kept > kept_ck  # without: also fc's output, the product and the dropout mask
 
 
+@pytest.mark.parametrize("traced", [False, True])
+def test_a_recompute_leaves_batchnorms_running_statistics_as_the_forward_left_them(traced: bool) -> None:
+    """Found by review: checkpointing ran the forward again in backward, in training mode, so BatchNorm
+    counted every batch twice (num_batches_tracked 8 for 4 forwards, other running means and variances).
+    Two micro-batches' forwards, then their backwards (as 1F1B interleaves them), against no recompute;
+    a model cut at split_points keeps its norms as graph modules of their own."""
+    from stages.build.traced import trace_stages
+
+    def model() -> nn.Module:
+        torch.manual_seed(3)
+        return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8), nn.BatchNorm1d(8))
+
+    inputs = [torch.randn(6, 4, generator=torch.Generator().manual_seed(k)) for k in range(2)]
+    states = []
+    for every in (0, 1):
+        if traced:
+            stage = trace_stages(model(), ["3"], inputs[0], "bn", dynamic=False)[1]
+            first = model()[:3]  # the first three layers, eager, before the traced stage
+            segments = [lambda x, f=first: f(x), (lambda x: _activations.checkpointed(stage.module, x,
+                                                                                    modules=[stage.module]))
+                        if every else stage.module]
+            run = lambda x: segments[1](segments[0](x))  # noqa: E731
+            held: nn.Module = nn.ModuleList([first, stage.module])
+        else:
+            chain = Chain(*model(), checkpoint_every=every * 2)
+            run, held = chain, chain
+        outs = [run(x) for x in inputs]
+        for out in outs:
+            (out[0] if isinstance(out, tuple) else out).square().sum().backward()
+        states.append({k: v.clone() for k, v in held.state_dict().items()})
+    plain, recomputed = states
+    assert any(k.endswith("num_batches_tracked") for k in plain)
+    for key, value in plain.items():
+        assert torch.equal(recomputed[key], value), key
+
+
 def test_saved_activations_count_a_storage_once_and_leave_out_the_resident() -> None:
     weight = torch.randn(8, 8, requires_grad=True)
     x = torch.randn(4, 8, requires_grad=True)
