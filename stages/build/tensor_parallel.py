@@ -15,6 +15,7 @@ and ``shard_state`` translate between per-rank state dicts and the whole model's
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -24,12 +25,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from transport.wire import excerpt
+
 __all__ = [
     "ColumnParallelLinear", "ParallelCausalSelfAttention", "ParallelLMLoss", "RowParallelLinear", "ShardSpec",
     "VocabParallelEmbedding", "copy_to_tensor_parallel_region", "gather_from_tensor_parallel_region",
     "gather_tensor", "gather_tensor_parallel_state", "reduce_from_tensor_parallel_region",
     "shard_for_tensor_parallel", "shard_state", "shard_tensor", "tp_shard_specs", "vocab_parallel_cross_entropy",
 ]
+
+log = logging.getLogger(__name__)
 
 Group = dist.ProcessGroup | None  # None: the default group, as in torch.distributed
 
@@ -419,11 +424,45 @@ _ELEMENTWISE = (nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Mish, nn.Leak
 def _is_causal_attention(m: nn.Module) -> bool:
     # By field names (examples.models.CausalSelfAttention's layout) and, since the
     # replacement is causal, a class name that says so: a bidirectional attention with
-    # the same fields stays replicated rather than silently changing the math.
+    # the same fields stays replicated rather than silently changing the math. And by what
+    # it computes: the replacement's math, unsharded, must give the module's own output.
     qkv, proj = getattr(m, "qkv", None), getattr(m, "proj", None)
-    return ("causal" in type(m).__name__.lower() and isinstance(getattr(m, "heads", None), int)
+    heads = getattr(m, "heads", None)
+    return ("causal" in type(m).__name__.lower() and isinstance(heads, int) and heads > 0
             and isinstance(qkv, nn.Linear) and isinstance(proj, nn.Linear)
-            and qkv.out_features == 3 * qkv.in_features and proj.in_features == proj.out_features == qkv.in_features)
+            and qkv.out_features == 3 * qkv.in_features and proj.in_features == proj.out_features == qkv.in_features
+            and qkv.in_features % heads == 0 and _computes_as_parallel_attention(m, qkv, proj, heads))
+
+
+def _computes_as_parallel_attention(m: nn.Module, qkv: nn.Linear, proj: nn.Linear, heads: int) -> bool:
+    """Whether ``m`` computes what :class:`ParallelCausalSelfAttention` does (``qkv``'s output as
+    ``[q | k | v]`` blocks, each split by heads, causal SDPA at its default scale, then ``proj``),
+    tried on a small input in eval mode (no dropout). Another layout of the fused projection (per head,
+    as GPT-NeoX keeps it), another scale, rotary positions or a mask of its own: it stays replicated
+    (with a notice), where replacing it would silently compute something else."""
+    if any(p.is_meta for p in m.parameters()):
+        return True  # nothing to try it on: the fields and the name decide
+    dim = qkv.in_features
+    x = torch.randn(2, 5, dim, generator=torch.Generator().manual_seed(0)).to(qkv.weight)
+    was_training = m.training
+    try:
+        m.eval()
+        with torch.no_grad():
+            own = m(x)
+            q, k, v = (t.view(2, 5, heads, -1).transpose(1, 2) for t in F.linear(x, qkv.weight, qkv.bias).split(dim, -1))
+            expected = proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(2, 5, dim))
+        same = isinstance(own, torch.Tensor) and own.shape == expected.shape and torch.allclose(
+            own, expected, rtol=1e-3, atol=1e-4)
+    except Exception as exc:  # noqa: BLE001 - a forward that wants more than x is no plain self-attention
+        log.info("tensor parallelism leaves %s replicated: its forward did not run on one input (%s)",
+                 type(m).__name__, excerpt(str(exc), 120))
+        return False
+    finally:
+        m.train(was_training)
+    if not same:
+        log.info("tensor parallelism leaves %s replicated: it computes other than a causal attention over "
+                 "[q | k | v] blocks of qkv (another layout, scale or positions)", type(m).__name__)
+    return same
 
 
 def _is_mlp_sequential(m: nn.Module) -> bool:

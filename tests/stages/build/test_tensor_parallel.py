@@ -21,6 +21,7 @@ from torch import nn
 
 from stages.build.tensor_parallel import (
     ColumnParallelLinear,
+    ParallelCausalSelfAttention,
     ParallelLMLoss,
     RowParallelLinear,
     ShardSpec,
@@ -274,3 +275,41 @@ def test_unknown_modules_stay_replicated() -> None:
     shard_for_tensor_parallel(model, 0, WORLD, None)
     assert [type(m) for m in model.modules()] == kinds
     assert tp_shard_specs(model) == {}
+
+
+class _PerHeadCausalSelfAttention(nn.Module):
+    """The example's fields, but its fused qkv laid out per head ([head, (q, k, v), head_dim]), as GPT-NeoX keeps it."""
+
+    def __init__(self, dim: int, heads: int, scale: float | None = None) -> None:
+        super().__init__()
+        self.heads, self.scale = heads, scale
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        if self.scale is not None:  # the [q | k | v] layout, at a scale of its own
+            q, k, v = (y.view(b, t, self.heads, -1).transpose(1, 2) for y in self.qkv(x).split(d, -1))
+        else:
+            qkv = self.qkv(x).view(b, t, self.heads, 3, d // self.heads)
+            q, k, v = (qkv[:, :, :, i].transpose(1, 2) for i in range(3))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("scale", [None, 0.25])  # the default: 1 / sqrt(head_dim) = 0.5
+def test_an_attention_that_computes_otherwise_than_the_parallel_one_stays_replicated(scale: float | None) -> None:
+    """Found by review: a causal attention with the example's field names but another qkv layout (or scale)
+    was replaced by the parallel one, whose math assumes [q | k | v] blocks: the first loss was 2.3449
+    where one process has 2.4304, silently. Now what it computes decides; the example's is still split."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), _PerHeadCausalSelfAttention(8, 2, scale))
+    before = copy.deepcopy(model)
+    shard_for_tensor_parallel(model, 0, WORLD, None)
+    assert tp_shard_specs(model) == {}
+    assert isinstance(model[1], _PerHeadCausalSelfAttention)
+    x = torch.randn(2, 5, 8)
+    assert torch.equal(model[1](x), before[1](x))
+    example = gpt(vocab_size=VOCAB, dim=16, layers=1, heads=2, context=8)
+    shard_for_tensor_parallel(example, 0, WORLD, None)
+    assert isinstance(example.get_submodule("1.attn"), ParallelCausalSelfAttention)
