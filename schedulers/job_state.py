@@ -72,27 +72,37 @@ async def state_dict(job: JobCore) -> dict[str, torch.Tensor]:
 
 
 async def load_state_dict(job: JobCore, state: dict[str, torch.Tensor]) -> None:
-    """Loads a whole-model state into every member; every key must be taken.
+    """Loads a whole-model state into every member; every key must be taken. All or nothing, as a
+    checkpoint's load: every stage checks its part first, and none applies it unless all found it good.
 
     Raises:
-        KeyError: keys no stage holds.
+        KeyError: keys no stage holds, or a key a held layer needs that ``state`` lacks.
+        ValueError: a tensor of another shape than the model's (named with the whole model's shapes).
     """
     mesh = job.mesh
     async with job.operation(repairs=True):
         specs = await _shard_specs(job)
         held = await _held_keys(job)
+        missing = set(state) - frozenset().union(*held)
+        if missing:
+            raise KeyError(f"keys no stage holds: {sorted(missing)[:10]}")
 
         def part(rank: int) -> dict[str, torch.Tensor]:
             c = mesh.coords(rank)
             mine = {k: v for k, v in state.items() if k in held[c.pipeline]}
             return shard_state(mine, c.tensor, mesh.tensor, specs) if mesh.tensor > 1 else mine
 
-        taken = await asyncio.gather(*(ref.endpoint(StageActor.load_state_dict, timeout=300).call(part(g))
-                                       for g, ref in enumerate(job.stages)))
+        parts = {g: part(g) for g in range(mesh.size)}  # a tensor that does not split: refused before any call
+        checked = await asyncio.gather(*(
+            ref.endpoint(StageActor.load_state_dict, timeout=300).call(parts[g], True)
+            for g, ref in enumerate(job.stages)), return_exceptions=True)
+        refused = next((r for r in checked if isinstance(r, BaseException)), None)
+        if refused is not None:
+            await _discard_loads(job)
+            raise refused
+        await asyncio.gather(*(ref.endpoint(StageActor.checkpoint_apply, timeout=300).call(True)
+                               for ref in job.stages))
         job.restarted_history()  # every stage holds the same state again, from elsewhere
-    missing = set(state) - {k for keys in taken for k in keys}
-    if missing:
-        raise KeyError(f"keys no stage holds: {sorted(missing)[:10]}")
 
 
 async def _held_keys(job: JobCore, aliases: bool = True) -> list[frozenset[str]]:

@@ -613,4 +613,10 @@ def shard_state(
     for key, spec in specs.items():
         if spec.world != world:
             raise ValueError(f"{key} is split over {spec.world} ranks, not {world}")
-    return {key: shard_tensor(value, rank, specs[key]) if key in specs else value for key, value in full_state.items()}
+    shards: dict[str, torch.Tensor] = {}
+    for key, value in full_state.items():
+        try:
+            shards[key] = shard_tensor(value, rank, specs[key]) if key in specs else value
+        except ValueError as exc:  # a whole tensor of another shape: say which
+            raise ValueError(f"{key}: {exc}") from None
+    return shards

@@ -35,9 +35,10 @@ class StateEndpoints:
         return dict(self._parts().built.specs)
 
     @endpoint(roles=("head",))
-    async def load_state_dict(self, state: dict[str, torch.Tensor]) -> list[str]:
-        """Loads the entries this stage holds; returns the keys it took (snapshots before it are dropped)."""
-        return await self._parts().state.load_state_dict(state)
+    async def load_state_dict(self, state: dict[str, torch.Tensor], prepare: bool = False) -> list[str]:
+        """Loads the entries this stage holds; returns the keys it took (snapshots before it are dropped).
+        ``prepare``: checks them and keeps them for :meth:`checkpoint_apply` (``weights_only``) instead."""
+        return await self._parts().state.load_state_dict(state, bool(prepare))
 
     @endpoint(roles=("head",))
     async def state_keys(self, aliases: bool = True) -> list[str]:

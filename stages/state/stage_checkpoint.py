@@ -28,7 +28,7 @@ from stages.state.checkpoint import CheckpointError, Manifest, TensorEntry, chec
 from stages.state.manifest import DTYPES, FORMAT
 from stages.build.tensor_parallel import ShardSpec, shard_tensor
 
-__all__ = ["PreparedLoad", "apply_load", "prepare_load", "write_stage"]
+__all__ = ["PreparedLoad", "apply_load", "prepare_load", "whole_shape", "write_stage"]
 
 
 Key = Callable[[int, str], str]  # (held layer, its own name) -> the name in the whole model
@@ -43,7 +43,7 @@ def _named_parameters(held: Mapping[int, nn.Module], key: Key) -> dict[str, nn.P
     return {key(i, name): p for i, layer in held.items() for name, p in layer.named_parameters()}
 
 
-def _whole_shape(local: torch.Size | list[int], spec: ShardSpec | None) -> list[int]:
+def whole_shape(local: torch.Size | list[int], spec: ShardSpec | None) -> list[int]:
     """The unpartitioned shape of a tensor-parallel slice (each rank holds 1/world along ``dim``)."""
     shape = list(local)
     if spec is not None:
@@ -91,7 +91,7 @@ def write_stage(
     host = copy_to_cpu([value for _, _, value, _ in mine], io)
     names = [key if name is None else f"{key}/{name}" for key, name, _, _ in mine]  # exp_avg: 3.fc1.weight/exp_avg
     size, parts = write_tensors(path, dict(zip(names, host)))
-    tensors = [{"key": key, "state": name, "shape": _whole_shape(value.shape, spec), "dtype": dtype_name(value.dtype),
+    tensors = [{"key": key, "state": name, "shape": whole_shape(value.shape, spec), "dtype": dtype_name(value.dtype),
                 "shard": list(spec) if spec is not None else None, "rank": tp_rank,
                 "part": parts[stored].to_wire()}
                for stored, (key, name, value, spec) in zip(names, mine)]
@@ -177,7 +177,7 @@ def prepare_load(
     model: dict[int, dict[str, torch.Tensor]] = {}
     for name in sorted(own.keys() & plan.model.keys()):
         spec = specs.get(name)
-        local = _local(version, plan, name, plan.model[name], _whole_shape(own[name].shape, spec),
+        local = _local(version, plan, name, plan.model[name], whole_shape(own[name].shape, spec),
                        dtype_name(own[name].dtype), spec, tp_rank, problems)
         if local is not None:
             layer, own_name = where[name]
@@ -191,7 +191,7 @@ def prepare_load(
             continue
         if owns is not None and not owns(param):
             continue
-        whole = _whole_shape(param.shape, specs.get(name))
+        whole = whole_shape(param.shape, specs.get(name))
         for state_name, entry in saved.items():
             label = f"{name} (optimizer {state_name})"
             if entry.shape not in (whole, []):

@@ -18,14 +18,15 @@ from torch import nn
 
 from actors._errors import NotAllowed
 from stages.build.stage import BuiltStage, Key
+from stages.build.tensor_parallel import ShardSpec
 from stages.comm import zero
 from stages.comm.device_io import DeviceIO
 from stages.compute.executor import StepExecutor
 from stages.state import checkpoint, export, snapshots
 from stages.state.snapshots import SnapshotShelf
-from stages.state.stage_checkpoint import PreparedLoad, apply_load, prepare_load, write_stage
+from stages.state.stage_checkpoint import PreparedLoad, apply_load, prepare_load, whole_shape, write_stage
 
-__all__ = ["StageState", "held_keys", "load_held", "state_of"]
+__all__ = ["StageState", "checked_held", "held_keys", "load_held", "state_of"]
 
 T = TypeVar("T")
 
@@ -47,7 +48,24 @@ def state_of(held: Mapping[int, nn.Module], key: Key, io: DeviceIO | None = None
 
 def load_held(held: Mapping[int, nn.Module], state: Mapping[str, torch.Tensor], key: Key,
               aliases: Mapping[str, list[str]], io: DeviceIO | None = None) -> list[str]:
-    """Checks every held layer's entries of ``state`` first, then loads them; returns the keys taken.
+    """Checks every held layer's entries of ``state`` first (:func:`checked_held`), then loads them;
+    returns the keys taken."""
+    parts, taken = checked_held(held, state, key, aliases)
+    if io is not None and io.staged:  # to the device at once, not one by one
+        flat = [(i, k, v) for i, mine in parts.items() for k, v in mine.items()]
+        for (i, k, _), moved in zip(flat, io.copy_to_device([v for _, _, v in flat])):
+            parts[i][k] = moved
+    for i, mine in parts.items():
+        held[i].load_state_dict(mine, strict=True)
+    return taken
+
+
+def checked_held(held: Mapping[int, nn.Module], state: Mapping[str, torch.Tensor], key: Key,
+                 aliases: Mapping[str, list[str]], specs: Mapping[str, ShardSpec] | None = None
+                 ) -> tuple[dict[int, dict[str, torch.Tensor]], list[str]]:
+    """Every held layer's entries of ``state``, checked, by layer under the layer's own keys; and the keys
+    of ``state`` taken. Nothing is loaded. ``specs``: how tensor-parallel slices split, so that a shape
+    is named as the whole model has it, not as this rank's slice.
 
     A key the state lacks is filled from another name of the same tensor (tied weights
     saved once, as ``save_pretrained`` does) when the state has that one. Errors name
@@ -76,8 +94,10 @@ def load_held(held: Mapping[int, nn.Module], state: Mapping[str, torch.Tensor], 
                 missing.append(name)
                 continue
             if not isinstance(given, torch.Tensor) or given.shape != v.shape:
-                shape = tuple(given.shape) if isinstance(given, torch.Tensor) else type(given).__name__
-                raise ValueError(f"{name}: expected shape {tuple(v.shape)}, got {shape}")
+                spec = (specs or {}).get(name)
+                shape = tuple(whole_shape(given.shape, spec)) if isinstance(given, torch.Tensor) else \
+                    type(given).__name__
+                raise ValueError(f"{name}: expected shape {tuple(whole_shape(v.shape, spec))}, got {shape}")
             mine[k] = given
         if missing:
             raise KeyError(f"layer {i}: missing {missing[:10]}")
@@ -85,13 +105,7 @@ def load_held(held: Mapping[int, nn.Module], state: Mapping[str, torch.Tensor], 
     unknown = [k for k in state if k not in known]
     if unknown:
         raise KeyError(f"keys this stage does not hold: {unknown[:10]}")
-    if io is not None and io.staged:  # to the device at once, not one by one
-        flat = [(i, k, v) for i, mine in parts.items() for k, v in mine.items()]
-        for (i, k, _), moved in zip(flat, io.copy_to_device([v for _, _, v in flat])):
-            parts[i][k] = moved
-    for i, mine in parts.items():
-        held[i].load_state_dict(mine, strict=True)
-    return [k for k in state if k in known]
+    return parts, [k for k in state if k in known]
 
 
 class StageState:
@@ -124,9 +138,17 @@ class StageState:
         """This stage's share of the model's state, under the unpartitioned model's keys, on the CPU."""
         return await self._compute(state_of, self.built.held, self.built.key, self.executor.io)
 
-    async def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> list[str]:
-        """Loads the entries this stage holds (see :func:`load_held`); snapshots before it are dropped."""
+    async def load_state_dict(self, state: Mapping[str, torch.Tensor], prepare: bool = False) -> list[str]:
+        """Loads the entries this stage holds (see :func:`load_held`); snapshots before it are dropped.
+        ``prepare``: checks them and keeps them for :meth:`apply` (``weights_only``) instead, as a
+        checkpoint's load does, so a job applies a state dict only once every stage has found it good."""
         built = self.built
+        if prepare:
+            self._prepared = None
+            parts, taken = await self._compute(checked_held, built.held, state, built.key, built.aliases,
+                                               built.shard_spec_map())
+            self._prepared = PreparedLoad(model=parts, optimizer_state={})
+            return taken
         taken = await self._compute(load_held, built.held, state, built.key, built.aliases, self.executor.io)
         self.forget_snapshots()
         return taken

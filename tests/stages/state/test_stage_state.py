@@ -16,8 +16,10 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 from actors._errors import NotAllowed
+from stages.build.stage import layer_key
 from stages.state.checkpoint import CheckpointError, Manifest, merge_written
 from stages.state.stage_state import held_keys, load_held, state_of
 from tests.stages.stage_parts import MODEL_KWARGS, InProcessPipeline, stage_config
@@ -188,3 +190,19 @@ async def test_snapshot_refuses_a_bad_index_and_loading_forgets_every_snapshot(p
     state.keep(1, 0, {"x": torch.zeros(1)})
     await state.load_state_dict(await state.state_dict())
     assert state.indices() == {"own": [], "held": {}}
+
+
+def test_a_tensor_parallel_slice_of_the_wrong_shape_is_named_with_the_whole_models_shapes() -> None:
+    """Found by review: with tensor_parallel=2, an (18, 8) tensor given for a (16, 8) weight was refused
+    as 'expected shape (8, 8), got (9, 8)', the rank's slices; a state that does not split named no key."""
+    from stages.build.tensor_parallel import ShardSpec, shard_state
+    from stages.state.stage_state import checked_held
+
+    layer = nn.Sequential(nn.Linear(8, 8))
+    layer[0].weight = nn.Parameter(torch.zeros(8, 8))  # rank 0's half of a (16, 8) weight, split along dim 0
+    specs = {"0.0.weight": ShardSpec(0, 2)}
+    given = shard_state({"0.0.weight": torch.zeros(18, 8), "0.0.bias": torch.zeros(8)}, 0, 2, specs)
+    with pytest.raises(ValueError, match=r"^0.0.weight: expected shape \(16, 8\), got \(18, 8\)$"):
+        checked_held({0: layer}, given, layer_key, {}, specs)
+    with pytest.raises(ValueError, match=r"^0.0.weight: cannot split"):
+        shard_state({"0.0.weight": torch.zeros(15, 8)}, 0, 2, specs)
