@@ -80,7 +80,6 @@ class StepPath:
                 that did not apply ``after`` does not begin it (:attr:`~stages.StepOrder.after`).
         """
         job = self.job
-        step = job.attempted()
         position = job.applied + 1 if after is not None else job.applied
         calls = step_calls(job.spec, position, inputs, targets)
         scaler = job.scaler
@@ -108,9 +107,14 @@ class StepPath:
             # The stages run the tail themselves (one answer per step), except on the step that
             # schedule="auto" plans from: there nothing applies before the plan fits max_stash_bytes.
             call.update(self.tail_order(scaler) if not job.auto.timed else {})
+        # The number last, once the orders are made: a batch refused above (it does not split, a list where a
+        # tensor goes) used one up that the stages never heard of, and a stage takes deliveries for its current
+        # step or the next alone, so the next step's first activation could be refused and wait out the timeout.
+        programs = job.programs
+        step = job.attempted()
         return Dispatched(step=step, inputs=inputs, started=time.perf_counter(),
                           used_scale=scaler.scale if scaler is not None else 1.0,
-                          ran=job.auto.running(job.spec), tasks=self.calls.start_programs(step, calls, job.programs))
+                          ran=job.auto.running(job.spec), tasks=self.calls.start_programs(step, calls, programs))
 
     def may_step_ahead(self) -> bool:
         """Whether the next step's orders may go out before this one's answers are in: nothing in them
