@@ -60,6 +60,10 @@ NodeProcess = subprocess.Popen[bytes] | ForkedProcess  # a LocalCluster's head o
 C = TypeVar("C", bound="Cluster")
 
 
+# What Cluster.events() is woken with when no event will come any more.
+_NO_MORE_EVENTS: Event = Event()
+
+
 class Cluster:
     """A driver's connection to a head node; close it with ``close()`` or ``async with``."""
 
@@ -120,6 +124,14 @@ class Cluster:
         self.head_lost = HeadLost(f"lost the head at {shown(self.head.address)}: {why}")
         log.warning("%s", self.head_lost)
         self.runtime.fail_calls_to(self.head.address, self.head_lost)
+        self._end_events()
+
+    def _end_events(self) -> None:
+        """Wakes :meth:`events` for good: the head is lost (it raises that) or this connection closed (it ends)."""
+        if self._events is not None:
+            if self._events.full():
+                self._events.get_nowait()
+            self._events.put_nowait(_NO_MORE_EVENTS)
 
     def check_head(self) -> None:
         """Raises at once what a call to the head would meet: :class:`~actors.HeadLost` when the head is
@@ -207,7 +219,13 @@ class Cluster:
                            head_timeout)
 
     async def nodes(self) -> list[NodeInfo]:
-        """Every node the head knows: name, address, device, pid, host, memory, state."""
+        """Every node the head knows: name, address, device, pid, host, memory, state.
+
+        Raises:
+            HeadLost: the head is known to be gone (at once, as every call to it: it waited out 10 s).
+            ActorStopped: this connection is closed.
+        """
+        self.check_head()
         return await self.head.endpoint(HeadActor.nodes, timeout=10.0).call()
 
     async def wait_for_nodes(self, count: int, *, timeout: float = 60.0) -> list[NodeInfo]:
@@ -235,7 +253,14 @@ class Cluster:
         return self.runtime.ref(address, name)
 
     async def events(self) -> AsyncIterator[Event]:
-        """Yields the head's events (:class:`~actors.NodeJoined`, ``NodeLeft``, ``NodeSilent``) from now on."""
+        """Yields the head's events (:class:`~actors.NodeJoined`, ``NodeLeft``, ``NodeSilent``) from now on;
+        ends when this connection closes.
+
+        Raises:
+            HeadLost: the head was lost (a loop over the events waited for ever).
+            ActorStopped: the connection was closed before.
+        """
+        self.check_head()
         if self._events is None:
             queue: asyncio.Queue[Event] = asyncio.Queue(1024)
 
@@ -248,7 +273,13 @@ class Cluster:
             sink = await self.runtime.spawn(EventSink(keep), "events")
             await Cluster.subscribe(self, sink)  # the head's node events only, whatever a subclass adds
         while True:
-            yield await self._events.get()
+            event = await self._events.get()
+            if event is _NO_MORE_EVENTS:
+                self._end_events()  # for any other reader of the same events
+                if self.head_lost is not None:
+                    raise HeadLost(self.head_lost.message)
+                return
+            yield event
 
     async def subscribe(self, sink: ActorRef) -> None:
         """Sends the head's node events to ``sink``, an :class:`~actors.EventSink` in this connection's
@@ -260,6 +291,7 @@ class Cluster:
             ValueError: ``sink`` lives in another runtime.
             TooManySubscribers: this key holds as many subscriptions as the head takes from one key.
         """
+        self.check_head()
         if sink.address != self.runtime.address:
             raise ValueError(f"subscribe takes an EventSink of this connection's runtime ({self.runtime.address}), "
                              f"not one at {sink.address}: the head sends events only to the runtime that subscribed")
@@ -288,6 +320,7 @@ class Cluster:
             for sink in list(self._sinks.values()):
                 with contextlib.suppress(ActorError):
                     await self.unsubscribe(sink)
+        self._end_events()
         await self._stack.aclose()
 
     async def __aenter__(self) -> Cluster:

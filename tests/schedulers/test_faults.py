@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import pytest
 import torch
 
-from actors import HeadLost, NodeLost
+from actors import ActorStopped, HeadLost, NodeLost
 from schedulers import Cluster, Job, LocalCluster
 from tests.helpers.models import stalled
 
@@ -151,17 +151,46 @@ async def test_cancelling_an_evaluation_on_the_driver_frees_the_job_while_its_st
             assert not isinstance(outcome, BaseException), outcome
 
 
+async def read_events(cluster: Cluster) -> BaseException | None:
+    """Reads ``cluster.events()`` until it ends: what it raised, or None."""
+    try:
+        async for _ in cluster.events():
+            pass
+    except BaseException as exc:  # noqa: BLE001 - what the loop ended with is the answer
+        return exc
+    return None
+
+
 async def test_the_driver_learns_of_a_killed_head_within_three_seconds() -> None:
     local = LocalCluster(nodes=2)
     async with local as cluster:
         job = await cluster.train(**STALLING)
         step = await start_step(job)
+        events = asyncio.create_task(read_events(cluster))
+        await asyncio.sleep(0)
         os.kill(local.processes["head"].pid, signal.SIGKILL)
         failure, seconds = await timed(step, 3)
         assert isinstance(failure, HeadLost), failure
         assert seconds < 3
         later, seconds = await timed(job.step(*batch()), 1)
         assert isinstance(later, HeadLost) and seconds < 1
+        # Found by review: these waited out their 10 s timeout (ActorTimeout), and a loop over the events
+        # never ended. Every call to the head fails at once, and the loop raises it.
+        for call in (cluster.nodes(), cluster.train(**STALLING), cluster.spawn("node0", "probe", "p")):
+            later, seconds = await timed(call, 1)
+            assert isinstance(later, HeadLost), later
+        ended, _ = await timed(events, 1)
+        assert isinstance(ended, HeadLost), ended
+
+
+async def test_a_loop_over_the_clusters_events_ends_when_the_cluster_closes() -> None:
+    async with LocalCluster(nodes=1) as cluster:
+        events = asyncio.create_task(read_events(cluster))
+        await asyncio.sleep(0.1)
+    ended, _ = await timed(events, 5)
+    assert ended is None  # it ended, as a loop does (it waited for ever)
+    after, _ = await timed(read_events(cluster), 1)
+    assert isinstance(after, ActorStopped), after
 
 
 async def head_lost(cluster: Cluster) -> tuple[str, float]:
