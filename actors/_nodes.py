@@ -154,6 +154,8 @@ class HeadActor(Actor):
     """
 
     def __init__(self, *, heartbeat_interval: float = 0.5, heartbeat_timeout: float = SILENT_TIMEOUT_S) -> None:
+        if not heartbeat_interval > 0:  # 0 made the watch below spin on a whole core
+            raise ValueError(f"heartbeat interval must be > 0 seconds, got {heartbeat_interval!r}")
         if heartbeat_timeout <= heartbeat_interval:
             raise ValueError(
                 f"heartbeat timeout ({heartbeat_timeout}s) must exceed the interval ({heartbeat_interval}s)"

@@ -68,11 +68,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="worker: import MODULE once, before the first job's stage starts, so that every stage "
                         "process starts with it imported (repeatable; e.g. transformers.modeling_utils saves each "
                         "Hugging Face stage about a second); a module whose import starts a thread is warned of")
-    parser.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds between heartbeats (head)")
-    parser.add_argument("--heartbeat-timeout", type=float, default=10.0,
+    parser.add_argument("--heartbeat-interval", type=_positive_seconds, default=0.5,
+                        help="seconds between heartbeats (head)")
+    parser.add_argument("--heartbeat-timeout", type=_positive_seconds, default=10.0,
                         help="seconds a node that is alive but answers nothing (stopped, frozen, cut off) stays a "
                              "member; a node whose process ends is lost at once, its connection closed (head)")
-    parser.add_argument("--head-timeout", type=float, default=30.0,
+    parser.add_argument("--head-timeout", type=_positive_seconds, default=30.0,
                         help="seconds a worker keeps trying an unreachable head before it stops")
     parser.add_argument("--address-file", help="head: write the bound address to this file once listening")
     parser.add_argument("--plugin", action="append", default=None, metavar="MODULE",
@@ -87,7 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--limit", action="append", default=[], metavar="NAME=VALUE",
                         help="head: a limit on what a job or a client may ask (repeatable; e.g. micro_batches=1024, "
                         "jobs_per_client=2, parameters=1e9; 'none' lifts one); see docs/security.md")
-    parser.add_argument("--log-level", default=os.environ.get("ACTORPIPE_LOG", "INFO"), help="logging level")
+    parser.add_argument("--log-level", type=_log_level, default=os.environ.get("ACTORPIPE_LOG", "INFO"),
+                        help="logging level: DEBUG, INFO, WARNING, ERROR or CRITICAL ($ACTORPIPE_LOG)")
     return parser.parse_args(argv)
 
 
@@ -125,6 +127,19 @@ def _from_launcher(args: argparse.Namespace) -> None:
         args.exit_with_head = True  # the launcher's job ends when rank 0's script (and the head) does
 
 
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):  # 0 made the head's watch spin on a whole core
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return value
+
+
+def _log_level(text: str) -> str:
+    if not isinstance(logging.getLevelName(text.upper()), int):
+        raise argparse.ArgumentTypeError(f"not a logging level: {text!r}; use DEBUG, INFO, WARNING, ERROR or CRITICAL")
+    return text
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -137,14 +152,20 @@ def main(argv: list[str] | None = None) -> int:
     # processes (actors._processes) after --device is checked, and CUDA does not survive a fork.
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     args = parse_args(argv)
+    launched = not (args.head or args.join or args.join_file)
     try:
         _from_launcher(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.head and args.preload:
-        print("error: --preload is for workers: the head never imports user code", file=sys.stderr)
-        return 2
+        if not launched:
+            print("error: --preload is for workers: the head never imports user code", file=sys.stderr)
+            return 2
+        # A launcher gives every rank the same arguments: rank 0's head leaves the workers' --preload to them.
+        print(f"note: rank 0 is the head, which never imports user code: --preload {' '.join(args.preload)} is for "
+              "the other ranks", file=sys.stderr)
+        args.preload = []
     if args.no_encryption:
         os.environ[ENCRYPTION_ENV] = "off"
     name = "head" if args.head else (args.name or f"{os.uname().nodename}-{os.getpid()}")

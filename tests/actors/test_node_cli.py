@@ -54,6 +54,44 @@ def test_the_node_command_line_takes_the_message_limit() -> None:
         parse_args(["--head", "--max-message-bytes", "0"])
 
 
+@pytest.mark.parametrize("args", [["--heartbeat-interval", "0"], ["--heartbeat-interval", "-1"],
+                                  ["--heartbeat-timeout", "nan"], ["--head-timeout", "0"], ["--log-level", "FOO"]])
+def test_a_setting_that_cannot_work_is_refused_by_the_command_line(args: list[str],
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by review: --heartbeat-interval 0 was taken and the head's watch spun on a whole core, and
+    --log-level FOO ended in a traceback."""
+    from actors import HeadActor
+    from actors.node import parse_args
+
+    with pytest.raises(SystemExit) as refused:
+        parse_args(["--head", *args])
+    assert refused.value.code == 2 and f"argument {args[0]}" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="heartbeat interval must be > 0 seconds"):
+        HeadActor(heartbeat_interval=0)
+
+
+def test_rank_zero_of_a_launcher_leaves_preload_to_the_workers(monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by review: a launcher gives every rank the same arguments, and rank 0 (the head) refused the
+    workers' --preload, so the documented flag could not be used with torchrun or srun."""
+    import actors.node as node
+
+    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29611"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    served = []
+    monkeypatch.setattr(node, "serve_head", lambda config: served.append(config) or _done())
+    monkeypatch.setattr(node, "run", lambda coroutine: coroutine.close() or 0, raising=False)
+    code = node.main(["--insecure", "--preload", "json"])
+    assert "--preload json is for the other ranks" in capsys.readouterr().err
+    assert code != 2 and served
+    assert node.main(["--head", "--insecure", "--preload", "json"]) == 2  # asked for by hand: still refused
+
+
+async def _done() -> int:
+    return 0
+
+
 def test_the_heads_checkpoint_root_defaults_to_checkpoints_in_its_working_directory() -> None:
     from actors.node import parse_args
 
