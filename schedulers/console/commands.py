@@ -104,7 +104,8 @@ async def execute(session: Session, words: list[str]) -> bool:
         raise CommandError(f"unknown command {name!r}; try 'help' (commands: {', '.join(sorted(COMMANDS))})")
     if not cmd.min_args <= len(args) <= cmd.max_args:
         raise CommandError(f"usage: {cmd.usage}")
-    args = [session.resolve_job(a) if kind == "job" else a for a, kind in zip(args, cmd.args)] + args[len(cmd.args):]
+    args = [session.resolve_job(a) if kind == "job" and a not in cmd.flags else a
+            for a, kind in zip(args, cmd.args)] + args[len(cmd.args):]
     return bool(await cmd.handler(session, args))
 
 
@@ -150,7 +151,7 @@ async def _jobs(session: Session, args: list[str]) -> None:
          args=("job", "flag"), max_args=2, flags=("--actions",))
 async def _status(session: Session, args: list[str]) -> None:
     actions = "--actions" in args
-    args = [a for a in args if a != "--actions"]
+    args = [session.resolve_job(a) for a in args if a != "--actions"]  # the flag first: the job came second
     if not args and not actions:
         infos = await session.refresh()
         if not infos:
@@ -269,7 +270,7 @@ async def _run(session: Session, args: list[str]) -> None:
          args=("job", "int"), min_args=1)
 async def _eval(session: Session, args: list[str]) -> None:
     job = await session.job(args[0])
-    data_step = _int_arg(args[1], "STEP") if len(args) > 1 else None
+    data_step = _int_arg(args[1], "STEP", least=0) if len(args) > 1 else None  # the factory's batch 0 is a batch
     with session.reporting():
         result = await job.evaluate(data_step=data_step)
     metrics = "".join(f", {name} {value:.6g}" for name, value in result.metrics.items())
@@ -403,13 +404,13 @@ COMMANDS["exit"] = COMMANDS["quit"]
 # -- helpers ---------------------------------------------------------------------------------
 
 
-def _int_arg(text: str, name: str) -> int:
+def _int_arg(text: str, name: str, least: int = 1) -> int:
     try:
         value = int(text)
     except ValueError:
         raise CommandError(f"{name} must be a whole number, got {text!r}") from None
-    if value < 1:
-        raise CommandError(f"{name} must be >= 1, got {value}")
+    if value < least:
+        raise CommandError(f"{name} must be >= {least}, got {value}")
     return value
 
 

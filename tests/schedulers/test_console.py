@@ -225,6 +225,10 @@ def test_a_session_at_the_prompt(head_address: str, tmp_path: Path) -> None:
         term.expect(rf"{job} run stopped after \d+/2000 steps")
         # Forward only, on the data factory's next batch: the step's trace and the run's position stay.
         term.command(f"eval {job}", rf"{job}: eval loss \d[\d.e+-]* over \d+ samples in [\d.]+s")
+        # The data factory's batch 0 is a batch (it was refused: STEP must be >= 1); a flag before ``last``
+        # (it was taken for the job: no job 'last').
+        term.command(f"eval {job} 0", rf"{job}: eval loss \d[\d.e+-]* over \d+ samples")
+        term.command("status --actions last", rf"{job}: examples.models:residual_mlp \| schedule")
 
         gpipe_row = r"0: 0F0 +0SEND_F0 +0F1 +0SEND_F1 +0F2"  # every forward first: not 1F1B's order
         term.command(f"schedule {job}", rf"{job}: gpipe, 2 stages", gpipe_row)
