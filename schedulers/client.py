@@ -26,7 +26,7 @@ import logging
 import os
 import secrets
 import warnings
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import torch
@@ -420,7 +420,21 @@ class Job:
         return await self._call(JobActor.state_dict, 600).call()
 
     async def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Loads a whole-model state (as :meth:`state_dict` returns) into the stages."""
+        """Loads a whole-model state (as :meth:`state_dict` returns) into the stages, all or nothing.
+
+        Raises:
+            TypeError: ``state`` is not a map of names to tensors (checked here, before anything is sent).
+            KeyError, ValueError: a key no stage holds, one a held layer needs that is missing, or a shape
+                that is not the model's (nothing changed).
+        """
+        if not isinstance(state, Mapping):
+            raise TypeError(f"load_state_dict takes a map of names to tensors (a state_dict), not a "
+                            f"{type(state).__name__}")
+        wrong = next(((k, v) for k, v in state.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)),
+                     None)
+        if wrong is not None:
+            raise TypeError(f"load_state_dict takes names (str) to tensors; {str(wrong[0])[:60]!r} is a "
+                            f"{type(wrong[0]).__name__} to a {type(wrong[1]).__name__}")
         await self._call(JobActor.load_state_dict, 600).call({k: v.detach().cpu() for k, v in state.items()})
 
     async def save(self, directory: str | os.PathLike[str]) -> str:

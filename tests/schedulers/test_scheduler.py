@@ -147,6 +147,11 @@ async def test_load_state_dict_save_and_load(cluster: Cluster, tmp_path: object)
         assert all(torch.equal(restored[k], trained[k]) for k in trained)
         with pytest.raises(RemoteError, match="keys no stage holds"):
             await job.load_state_dict({**other, "99.weight": torch.zeros(1)})
+        # Found by review: AttributeError ('str' object has no attribute 'detach'), from inside the client.
+        with pytest.raises(TypeError, match="takes a map of names to tensors"):
+            await job.load_state_dict(None)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="'0.norm.weight' is a str to a str"):
+            await job.load_state_dict({**other, "0.norm.weight": "b"})  # type: ignore[dict-item]
         # Load errors name keys as the whole model has them: layer index first.
         restored = await job.state_dict()
         wrong = next(k for k in other if k.startswith("3.") and k.endswith("weight") and other[k].dim() == 2)
