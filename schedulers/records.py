@@ -51,7 +51,9 @@ class StepStats(WireRecord):
     Attributes:
         step: the step's number within the job (from 0). Every attempt takes the next number, a
             failed or aborted one too, and no number is used twice (it fences a late message of an
-            aborted step): after a failed step the next completed one skips a number.
+            aborted step): after a failed step, or an evaluation (it runs programs under a number of
+            its own), the next completed one skips a number; ``JobDescription.steps`` counts the steps
+            applied.
         loss: the global batch's mean loss, as one process would compute it.
         step_time_s: wall time from sending the programs to the optimizer step done.
         bubble_fraction: the share of stage time spent idle, from the stages' own timings.
