@@ -15,8 +15,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 from typing import Any
+
+import torch
 
 from actors import StepFailed
 from stages import batch_size, FinishReport, ReduceReport, StageActor, StageReport
@@ -43,6 +46,7 @@ class Dispatched:
     inputs: Any
     started: float  # perf_counter when its orders went out
     used_scale: float
+    prescale: float  # what the order's loss scale was divided by beyond the fp16 scale (see StepPath.token_prescale)
     ran: str
     tasks: dict[int, asyncio.Future[StageReport]]
 
@@ -56,6 +60,13 @@ class StepPath:
         self.calls = StageCalls(job, views)  # the orders out and the answers in
         self.tied: list[tuple[str, ...]] = []  # parameters shared across pipeline ranks, as the stages report
         self.grad_norm: float | None = None  # the last step's
+        # fp16 with loss_averaging="tokens": a loss is a sum over a micro-batch's tokens, divided by the step's
+        # count only after backward, so its gradients were the count times one process's and the dynamic
+        # scale overflowed until it had fallen that far (five steps skipped at the start, a floor reached).
+        # The order's scale is divided by this power of two near the last step's count per replica, and the
+        # decision divides by that scale: exact, as scaling by a power of two is.
+        self.token_prescale = 1.0
+        self._prescale_counted = False  # whether token_prescale comes of a step's count (else: of targets' size)
         self.reduce_wait_s: list[float] = []  # the last release's, per stage actor
 
     async def attempt(self, inputs: Any, targets: Any) -> StepStats:
@@ -83,6 +94,12 @@ class StepPath:
         position = job.applied + 1 if after is not None else job.applied
         calls = step_calls(job.spec, position, inputs, targets)
         scaler = job.scaler
+        prescale = 1.0
+        if scaler is not None and job.spec.training.loss_averaging == "tokens":
+            if not self._prescale_counted and isinstance(targets, torch.Tensor) and targets.numel():
+                # The first step, from a driver's batch: its targets' size per replica bounds the count.
+                self.token_prescale = 2.0 ** round(math.log2(max(1.0, targets.numel() / job.mesh.data)))
+            prescale = self.token_prescale
         if scaler is not None and after is not None:
             # A step sent ahead runs only once the step before is applied (StepOrder.after), which moves
             # the fp16 scale as every applied step does; one that overflowed is skipped, and the run
@@ -99,7 +116,7 @@ class StepPath:
             if faults.max_restarts and (job.snapshot_due or position % faults.snapshot_every == 0):
                 call["snapshot"] = position
             if scaler is not None:
-                call["loss_scale"] = scaler.scale
+                call["loss_scale"] = scaler.scale / prescale
             if (lr := job.learning_rate(position)) is not None:
                 call["lr"] = lr
             if job.spec.parallelism.schedule == "auto":  # the plan turns W batching on or off per step
@@ -113,7 +130,7 @@ class StepPath:
         programs = job.programs
         step = job.attempted()
         return Dispatched(step=step, inputs=inputs, started=time.perf_counter(),
-                          used_scale=scaler.scale if scaler is not None else 1.0,
+                          used_scale=scaler.scale if scaler is not None else 1.0, prescale=prescale,
                           ran=job.auto.running(job.spec), tasks=self.calls.start_programs(step, calls, programs))
 
     def may_step_ahead(self) -> bool:
@@ -150,7 +167,8 @@ class StepPath:
                     planning_s = time.perf_counter()
                     ranked = await self._rank_candidates(step, reports)
                     planning_s = time.perf_counter() - planning_s
-                reduce_bytes, nonfinite, finished = await self._release(step, reports)
+                reduce_bytes, nonfinite, finished = await self._release(step, reports,
+                                                                        dispatched.used_scale / dispatched.prescale)
             except StepFailed as failure:
                 if failure.action == "STEP":  # some stages may have stepped their optimizer and others not
                     job.diverged(f"step {step} failed while the stages applied it ({failure.message})")
@@ -213,8 +231,10 @@ class StepPath:
                 "per_item": job.spec.training.loss_averaging == "tokens",
                 "fp16": scaler is not None, "scale_at_floor": scaler is not None and scaler.dynamic and scaler.at_minimum}
 
-    async def _release(self, step: int, reports: list[StageReport]) -> tuple[int, list[str], list[FinishReport]]:
-        """The step's tail: every stage reduces and checks, then all step or none does.
+    async def _release(self, step: int, reports: list[StageReport], ordered_scale: float = 1.0
+                       ) -> tuple[int, list[str], list[FinishReport]]:
+        """The step's tail: every stage reduces and checks, then all step or none does (``ordered_scale``:
+        the loss scale the step's orders gave, by which the stages' gradients are unscaled).
 
         The stages ran it themselves when their reports carry it (``StepOrder.finish``); this
         makes the same decision from the same numbers, for the statistics and the loss scale.
@@ -240,10 +260,13 @@ class StepPath:
         scaler = job.scaler
         order = self.tail_order(scaler)
         decision = decide_votes(job.mesh, [vote_of(s, r) for s, r in zip(reports, reduced)],
-                                loss_scale=scaler.scale if scaler is not None else 1.0, fp16=order["fp16"],
+                                loss_scale=ordered_scale if scaler is not None else 1.0, fp16=order["fp16"],
                                 scale_at_floor=order["scale_at_floor"], max_norm=order["max_norm"],
                                 per_item=order["per_item"])
         self.grad_norm = decision.grad_norm
+        if scaler is not None and order["per_item"]:  # the next step's prescale: near this one's count per replica
+            self.token_prescale = 2.0 ** round(math.log2(decision.unscale / ordered_scale))
+            self._prescale_counted = True
         finished: list[FinishReport] = [r.finished for r in reports if r.finished is not None] if ran_tail else \
             await self.calls.on_every_stage(StageActor.finish_step, "STEP", step, decision.apply, decision.unscale,
                                        decision.clip)

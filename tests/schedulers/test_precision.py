@@ -159,6 +159,27 @@ async def test_an_fp16_overflow_on_one_stage_skips_the_step_on_every_stage(clust
 
 
 @pytest.mark.asyncio(loop_scope="package")
+async def test_fp16_token_averaging_scales_as_sample_averaging_does(cluster: Cluster) -> None:
+    """Found by review: with loss_averaging="tokens" a micro-batch's loss was a sum, divided by the count only
+    after backward, so its fp16 gradients were the count times one process's: the first five steps overflowed
+    and were skipped (and with min_loss_scale 8192 the job failed) where the same batches averaged by samples
+    applied every step. The order's scale is now divided by a power of two near the count (exactly undone)."""
+    runs = {}
+    for averaging in ("samples", "tokens"):
+        job = await cluster.train(model=GPT["model"], model_kwargs=GPT["kwargs"], loss=GPT["loss"],
+                                  optimizer=GPT["optimizer"], pipeline_stages=2, micro_batches=2, precision="fp16",
+                                  loss_averaging=averaging, min_loss_scale=8192)
+        try:
+            runs[averaging] = [await job.step(x, y) for x, y in GPT["batches"]()]
+        finally:
+            await job.close()
+    for averaging, stats in runs.items():
+        assert [s.skipped for s in stats] == [False] * len(stats), averaging
+        assert [s.loss_scale for s in stats] == [2.0 ** 16] * len(stats), averaging
+    # No padding: the same mean loss either way, up to fp16's rounding of the two ways to it.
+    assert [s.loss for s in runs["tokens"]] == pytest.approx([s.loss for s in runs["samples"]], rel=1e-3)
+
+
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 async def test_clipping_equals_clip_grad_norm_on_one_process(cluster: Cluster, precision: str) -> None:
     state, stats, bounds = await train(cluster, GPT, pipeline_stages=2, data_parallel=2, gradient_clipping=0.5,
