@@ -187,7 +187,7 @@ class Parallelism(_Section):
     w_batching: bool = False
     """W batching: every weight-gradient GEMM waits for the end of the step and runs as one GEMM per weight over all micro-batches (a larger K, as one process's whole batch); needs `gradient_accumulation_fusion`. Costs memory: each `nn.Linear`'s inputs and output gradients stay held for every micro-batch until then. With `schedule='auto'` the plan turns it on or off"""
     partition_method: PartitionMethod | str = "parameters"
-    """`parameters` (balance parameter counts, exactly), `uniform` (balance layer counts), `profile` (balance each layer's measured forward and backward time on a sample micro-batch from `data` or `example_inputs`; `split_points` override every method) or `type:REGEX` (balance the layers whose class name matches, case-insensitive, as DeepSpeed's `type:transformer`)"""
+    """`parameters` (balance the counts of parameters that train, exactly; frozen ones weigh nothing, as in DeepSpeed), `uniform` (balance layer counts), `profile` (balance each layer's measured forward and backward time on a sample micro-batch from `data` or `example_inputs`; `split_points` override every method) or `type:REGEX` (balance the layers whose class name matches, case-insensitive, as DeepSpeed's `type:transformer`)"""
     split_points: list[str] | None = None
     """split any `nn.Module`: the names (as `named_modules()` gives them) of the modules each new stage begins at, `pipeline_stages * virtual stages - 1` of them; the model is traced with torch's pipelining front end on one micro-batch (`example_inputs`, else the data factory's first), and `state_dict`/checkpoints keep its own names"""
     example_inputs: Any = None
