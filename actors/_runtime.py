@@ -144,6 +144,7 @@ class Runtime:
         self._started_round = (-1, -1)  # the reads (ZeroMQ's, the streams') whose first request started at once
         self.keys = keys  # this runtime's CURVE keypair (None: insecure)
         self._gate = gate
+        self._key_names: dict[str, str | None] = {}  # address -> the ring's name for its key (see _holds_key)
         self.context = context  # its sockets' zmq context (its CURVE gate admits the cluster's keys)
         self.max_message_bytes = max_message_bytes  # the largest message it takes
         self.encrypts = keys is not None and bulk != "authenticate"  # what it seals is encrypted
@@ -288,7 +289,21 @@ class Runtime:
         a call from this process): what only the caller may name (where it is reached, the processes
         it hosts) must be at its own addresses."""
         caller = current_caller()
-        return caller == LOCAL or self._gate is None or key_name(address, self._gate) == caller
+        return caller == LOCAL or self._holds_key(address, caller)
+
+    def _holds_key(self, address: str, name: str) -> bool:
+        """Whether the key in ``address`` is the one the ring names ``name`` (always, without keys). Every
+        reply and request asks it: an address's name is kept (a split address and a ring read cost micro-
+        seconds), and looked up again before it says no, so a key named anew is not refused on an old name."""
+        if self._gate is None:
+            return True
+        if self._key_names.get(address) == name:
+            return True
+        found = key_name(address, self._gate)
+        if len(self._key_names) >= _MAX_KEY_NAMES:
+            self._key_names.clear()
+        self._key_names[address] = found
+        return found == name
 
     def _deliver_local(self, name: str, call: Call, *, start: bool = True) -> None:
         mailbox = self._mailboxes.get(name)
@@ -374,7 +389,7 @@ class Runtime:
             log.debug("reply %s came after its caller stopped waiting", excerpt(message.get("id")))
             return None
         future, address = waiting
-        if self._gate is not None and key_name(address, self._gate) != sender:
+        if not self._holds_key(address, sender):
             log.warning("dropped a reply from %s to call %s, which went to %s", excerpt(sender, 80),
                         excerpt(message.get("id")), shown(address))
             return None
@@ -384,7 +399,7 @@ class Runtime:
         """Where a request's answer goes (its reply address and call id), where it says so in a form to
         trust: with keys, only to the caller's own address (one that carries its key)."""
         route = _reply_route(message)
-        if route is not None and self._gate is not None and key_name(route[0], self._gate) != caller:
+        if route is not None and not self._holds_key(route[0], caller):
             return None
         return route
 
@@ -465,6 +480,9 @@ class Runtime:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
+
+# The most addresses whose key's name a runtime keeps (beyond it, it starts again).
+_MAX_KEY_NAMES = 4096
 
 # Names, methods, keyword names and addresses are short: a longer one is refused before it is
 # quoted anywhere (error messages repr the name and method).
