@@ -44,6 +44,67 @@ class TracingError(ValueError):
     """The model could not be split at the given split points; the message says what to do."""
 
 
+# Ops whose training behaviour the trace records as an argument: (op, the argument's index, its value in eval).
+_MODE_ARGS: dict[Any, tuple[int, str, Any]] = {
+    torch.ops.aten.dropout.default: (2, "train", False),
+    torch.ops.aten.feature_dropout.default: (2, "train", False),
+    torch.ops.aten.alpha_dropout.default: (2, "train", False),
+    torch.ops.aten.feature_alpha_dropout.default: (2, "train", False),
+    torch.ops.aten.native_dropout.default: (2, "train", False),
+    torch.ops.aten.scaled_dot_product_attention.default: (4, "dropout_p", 0.0),
+    torch.ops.aten.batch_norm.default: (5, "training", False),
+}
+_TRAINED_AS = "actorpipe_training_value"  # node.meta: the argument's value as traced (the training one)
+
+
+def graph_training(module: nn.Module, mode: bool) -> int:
+    """Sets the training flag the trace recorded in ``module``'s graphs (dropout's ``train``, attention's
+    ``dropout_p``, batch norm's ``training`` and the 1 it adds to its count of batches) to the traced value
+    (``mode`` True) or the evaluation one; returns how many graphs changed (each is recompiled)."""
+    changed = 0
+    for sub in module.modules():
+        graph = getattr(sub, "graph", None)
+        if not isinstance(graph, fx.Graph):
+            continue
+        touched = False
+        for node in graph.nodes:
+            found = _MODE_ARGS.get(node.target) if node.op == "call_function" else None
+            if found is None and _counts_batches(node):
+                found = (1, "other", 0)  # batch norm's count of batches, moved in training only
+            if found is None:
+                continue
+            index, keyword, off = found
+            in_args = len(node.args) > index
+            current = node.args[index] if in_args else node.kwargs.get(keyword, _ABSENT)
+            if current is _ABSENT:
+                continue
+            traced = node.meta.setdefault(_TRAINED_AS, current)
+            wanted = traced if mode else off
+            if current == wanted:
+                continue
+            if in_args:
+                node.args = (*node.args[:index], wanted, *node.args[index + 1:])
+            else:
+                node.kwargs = {**node.kwargs, keyword: wanted}
+            touched = True
+        if touched:
+            changed += 1
+            if isinstance(sub, fx.GraphModule):
+                sub.recompile()
+    return changed
+
+
+_ABSENT = object()
+
+
+def _counts_batches(node: fx.Node) -> bool:
+    """Whether ``node`` is batch norm's ``num_batches_tracked.add_(1)``, which the trace recorded as the
+    training forward runs it."""
+    target = node.args[0] if node.op == "call_function" and node.target is torch.ops.aten.add_.Tensor else None
+    return (isinstance(target, fx.Node) and target.op == "get_attr"
+            and str(target.target).rpartition(".")[2] == "num_batches_tracked")
+
+
 class TracedStage(nn.Module):
     """One model stage of a traced model: its graph module, and which values it takes and passes on.
 
@@ -84,6 +145,16 @@ class TracedStage(nn.Module):
                     dims = [(d, int(size)) for d, size in enumerate(value.shape) if is_concrete_int(size)]
                     if dims:
                         self.fixed[arg] = dims
+
+    def train(self, mode: bool = True) -> TracedStage:
+        """Training or evaluation mode, as ``nn.Module.train``; and, since the trace wrote the training
+        flag of dropout, attention dropout and batch norm into the graph as constants (a module's own
+        ``training`` no longer reaches them), those ops are switched too (:func:`graph_training`): an
+        evaluation of a model cut at ``split_points`` drops nothing and normalizes with the running
+        statistics, which it leaves as they are, as ``model.eval()`` does."""
+        super().train(mode)
+        graph_training(self.module, mode)
+        return self
 
     def check_inputs(self, inputs: Any) -> None:
         """Refuses a micro-batch (as the first stage takes it) whose shape the trace cannot run: a
