@@ -70,7 +70,15 @@ _SENT_BY = {ActionKind.SEND_F: (_F,), ActionKind.SEND_B: (_B, _I)}  # a send's e
 
 def probe_steps(spec: JobSpec) -> int:
     """How many steps a job with ``schedule="auto"`` runs the probe schedule before it plans."""
-    return PROBE_STEPS + spec.runtime.gradient_accumulation_fusion
+    return PROBE_STEPS + batched_probe(spec)
+
+
+def batched_probe(spec: JobSpec) -> bool:
+    """Whether ``schedule="auto"`` probes W batching too (a step that times the batched Ws, and its warm-up):
+    with fused weight gradients, unless ``max_stash_bytes`` is set: a W-batched step holds every micro-batch
+    until its tail, which the limit may not admit (it held three times the limit before any plan existed),
+    and a plan under a limit then weighs W batching only where the job asks for it."""
+    return spec.runtime.gradient_accumulation_fusion and spec.parallelism.max_stash_bytes is None
 
 
 class NoScheduleFits(ValueError):
@@ -315,7 +323,7 @@ class AutoSchedule:
     def reset(self, spec: JobSpec) -> None:
         """Starts over (a new job, or settings changed at the barrier): measure again if auto."""
         # With fused weight gradients, a probe step with W batching between the warm-up and the timed one.
-        self.batched_probe = spec.runtime.gradient_accumulation_fusion
+        self.batched_probe = batched_probe(spec)
         self.probe_steps_left = probe_steps(spec) if spec.parallelism.schedule == "auto" else 0
         self.weight_grad_batched: list[float] | None = None  # per rank, from the batched probe step
         self.candidates: list[Candidate] = []

@@ -257,6 +257,21 @@ def test_auto_probes_w_batching_between_the_warm_up_and_the_timed_step() -> None
     assert auto.running_w_batching(spec) == auto.chosen.w_batching  # type: ignore[union-attr]
 
 
+def test_under_a_stash_limit_auto_probes_no_w_batching_which_would_hold_every_micro_batch() -> None:
+    """Found by review: with max_stash_bytes the probe steps still batched their Ws, holding all 8 micro-batches
+    (three times the limit) before any plan existed, on a schedule the plan then marked as not fitting."""
+    spec = JobSpec.of(model=MODEL, pipeline_stages=2, micro_batches=8, schedule="auto", max_stash_bytes=1 << 40)
+    auto = AutoSchedule(spec)
+    assert probe_steps(spec) == PROBE_STEPS
+    ran = []
+    while not auto.timed:
+        ran.append(auto.running_w_batching(spec))
+        auto.warmed_up()
+    assert ran == [False] * (PROBE_STEPS - 1) and not auto.running_w_batching(spec)
+    reports, _ = simulated_reports(AUTO_PROBE, TRUTH)
+    assert not any(c.w_batching for c in auto.rank(spec, reports, Mesh(pipeline=2), step=PROBE_STEPS - 1))
+
+
 def test_auto_measures_on_the_probe_schedule_then_runs_its_choice() -> None:
     spec = JobSpec.of(model=MODEL, pipeline_stages=2, micro_batches=4, schedule="auto",
                       gradient_accumulation_fusion=False)
@@ -356,7 +371,7 @@ async def test_a_stash_limit_nothing_fits_fails_the_planning_step_with_nothing_a
                               schedule="auto", max_stash_bytes=1)
     try:
         assert (await job.plan()).state == "measuring"
-        probes = probe_steps(JobSpec.of(model=MODEL, schedule="auto"))
+        probes = probe_steps(JobSpec.of(model=MODEL, schedule="auto", max_stash_bytes=1))
         for _ in range(probes - 1):
             await job.step(x, y)  # the probe steps before the timed one are ordinary steps
         before = await job.state_dict()
