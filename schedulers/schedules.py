@@ -524,7 +524,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--lowered", action="store_true", help="print sends, receives and the step tail"
     )
-    parser.add_argument("--width", type=int, default=72, help="ASCII chart width")
+    parser.add_argument("--width", type=_columns, default=72, help="ASCII chart width (columns, >= 1)")
     parser.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace JSON")
     args, unknown = parser.parse_known_args(argv)
     if unknown:
@@ -549,6 +549,13 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     except ValueError as exc:
         parser.error(str(exc))
     return args
+
+
+def _columns(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -279,6 +279,9 @@ def test_main_rejects_impossible_arguments(capsys: pytest.CaptureFixture[str]) -
         main(["--schedule", "interleaved", "--stages", "4", "--micro-batches", "6"])
     assert info.value.code == 2
     assert "try 4 or 8" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:  # it ended in a traceback (found by review)
+        main(["--width", "0"])
+    assert info.value.code == 2 and "argument --width: must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_main_splits_backward_on_request(capsys: pytest.CaptureFixture[str]) -> None:
