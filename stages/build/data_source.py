@@ -241,17 +241,25 @@ class DatasetReader:
         for epoch in itertools.count():
             if hasattr(self.dataset, "set_epoch"):  # a Hugging Face IterableDataset's shuffle follows the epoch
                 self.dataset.set_epoch(epoch)
-            seen = False
+            count, first = 0, []  # the epoch's first items: what pads its last round (below)
             items = self._epoch(generator)
             try:
                 for index, item in enumerate(items):
-                    seen = True
+                    count = index + 1
+                    if index < replicas:
+                        first.append(item)
                     if index % replicas == replica:
                         yield item
             finally:  # the stream ended or was let go: the epoch's worker processes end with it
                 _shut_down(items)
-            if not seen:
+            if not count:
                 raise ValueError("the iterable dataset yielded nothing")
+            # Every replica takes as many items an epoch, as DistributedSampler pads its shards: the last
+            # round's missing places take the epoch's first items again. Without it a replica with one item
+            # fewer began its next epoch a step ahead of the others, and their epochs drifted apart.
+            for extra in range(count, count + (-count) % replicas):
+                if extra % replicas == replica:
+                    yield first[(extra - count) % len(first)]
 
     def _epoch(self, generator: torch.Generator) -> Iterator[Any]:
         """One pass over an iterable dataset: here, or in the loader's worker processes, one item from
