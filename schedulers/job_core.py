@@ -162,6 +162,16 @@ class JobCore:
         """The names of the cluster's alive nodes (the head's view)."""
         return await self._alive_nodes()
 
+    async def lost_member(self) -> str | None:
+        """The node of a member this job has lost (its stage process ended, or the head lost the node);
+        None while every member is there. A call to a lost member that was not already waiting when it was
+        lost waits out its timeout: ask this first where nothing else has (a save in a step's hold)."""
+        for rank, ref in enumerate(self.stages):
+            if self.runtime.lost(ref.address) is not None:
+                return self.nodes[rank]
+        alive = await self.alive_nodes()
+        return next((node for node in self.nodes if node not in alive), None)
+
     @contextlib.asynccontextmanager
     async def operation(self, *, stepping: bool = False, repairs: bool = False) -> AsyncIterator[None]:
         """Holds the job for one operation (a step, a state read or load) that ``close`` may cancel.

@@ -23,11 +23,13 @@ import logging
 import os
 from typing import Any, Protocol
 
+from actors import NodeLost
 from stages import is_version
 from schedulers import job_state
 from schedulers.checkpoint_paths import CheckpointPath
 from schedulers.events import CheckpointSaved, Evaluated
 from schedulers.job_core import JobCore
+from schedulers.recovery import may_recover
 
 __all__ = ["Judged", "SelfSaves"]
 
@@ -67,6 +69,17 @@ class SelfSaves:
         """
         job, applied = self.job, self.job.applied
         if self.path is None or not self.save_point(applied):
+            return
+        # A member lost in this hold (in the evaluation before: it skips itself): the save's calls to it would
+        # each wait out the checkpoint timeout, fifteen minutes. The next step recovers, or fails naming it.
+        if (lost := await job.lost_member()) is not None:
+            if not may_recover(job):
+                raise NodeLost(f"{job.id} lost node {lost} before its save after step {applied}; close the job, or "
+                               "start it with max_restarts and a spare node to recover",
+                               details={"node": lost, "job": job.id, "stage": None, "action": None,
+                                        "cause": "node lost"})
+            log.warning("%s: the save after step %d is skipped: node %s was lost; the next step recovers", job.id,
+                        applied, lost)
             return
         before, self._saved_at = self._saved_at, (job.loads, applied)  # a step and a run that both ask save once
         try:

@@ -129,6 +129,42 @@ async def test_a_stage_killed_while_a_run_sends_steps_ahead_is_replaced_and_the_
 
 
 @pytest.mark.multiprocess
+async def test_a_node_lost_in_the_jobs_own_evaluation_skips_the_save_after_it_and_the_next_step_recovers(
+        tmp_path: Path) -> None:
+    """Found by review: the evaluation skipped itself at once, but the save due after it (checkpoint_every a
+    multiple of eval_every, as keep_best asks) then called the lost node's stage, and waited out the
+    checkpoint timeout: the step returned after fifteen minutes. The save is skipped too."""
+    gate = tmp_path / "stall"
+    evaluating = {"eval_data": "examples.data:regression_batches", "eval_every": 2, "checkpoint_every": 2,
+                  "eval_data_kwargs": {**DATA, "seed": 7}}
+    local = LocalCluster(nodes=2, spares=1)
+    async with local as cluster:
+        want = await cluster.train(**spec(seconds=0.0, checkpoint_dir=str(tmp_path / "want"), **evaluating))
+        try:
+            await run(want, range(6), False)
+            want_state = await want.state_dict()
+        finally:
+            await want.close()
+        job = await cluster.train(**spec(gate=gate, max_restarts=1, checkpoint_dir=str(tmp_path / "got"),
+                                         **evaluating))
+        try:
+            await run(job, range(3), False)
+            with stalled(gate):  # the evaluation after step 3 (the 4th applied) stalls: the kill lands in it
+                stepping = asyncio.ensure_future(job.step())
+                while (await job.describe()).steps < 4:
+                    await asyncio.sleep(0.02)
+                await asyncio.sleep(0.3)
+                os.kill(local.processes[job.nodes[1]].pid, signal.SIGKILL)
+                stats = await asyncio.wait_for(stepping, 300)  # it waited out 900 s
+            assert stats.eval_loss is None  # the evaluation, then the save, skipped
+            later = await run(job, range(4, 6), False)
+            assert len(later) == 2
+            assert_same_state(await job.state_dict(), want_state)
+        finally:
+            await job.close()
+
+
+@pytest.mark.multiprocess
 async def test_an_fp16_job_recovers_its_loss_scale_with_its_stages(tmp_path: Path) -> None:
     # The head keeps the dynamic fp16 scale. A recovery rolls the stages back to a snapshot and
     # replays the steps since: the scale goes back with them, or each replayed step would move
