@@ -124,7 +124,7 @@ class JobController:
             await self.settings.apply_pending()  # settings changed with set take effect here, between steps
             goal = job.keep_batch(inputs, targets)
             try:
-                stats = await self._catch_up(goal)
+                stats = await self._step_to(goal)
             except (NodeLost, StageLost) as lost:
                 if not recovery.may_recover(job):
                     raise
@@ -149,7 +149,7 @@ class JobController:
         while True:
             self._recovery = await recovery.recover(job, lost)
             try:
-                return await self._catch_up(goal)
+                return await self._step_to(goal)
             except (NodeLost, StageLost) as again:
                 if not recovery.may_recover(job):
                     raise
@@ -183,14 +183,23 @@ class JobController:
         async with self.core.operation(stepping=True):  # a driver that gives up on it cancels it, as a step
             return await self.evals.evaluate(inputs, targets, bool(outputs), data_step)
 
-    async def _catch_up(self, goal: int) -> StepStats:
-        """Applies steps until ``goal`` are applied (more than one only when replaying after a recovery)."""
+    async def _catch_up(self, goal: int) -> StepStats | None:
+        """Applies steps until ``goal`` are applied (more than one only when replaying after a recovery);
+        the last one's statistics, or None where none was left to apply (a recovery to where the job stood:
+        a checkpoint it loaded just before; an assertion here failed every step after such a recovery)."""
         job = self.core
         stats: StepStats | None = None
         while job.applied < goal:
             inputs, targets = job.history[job.applied]
             stats = await self.steps.attempt(inputs, targets)
-        assert stats is not None
+        return stats
+
+    async def _step_to(self, goal: int) -> StepStats:
+        """:meth:`_catch_up` to a goal past the steps applied: the goal's statistics."""
+        stats = await self._catch_up(goal)
+        if stats is None:
+            raise StepFailed(f"{self.core.id}: step {goal - 1} was applied already, so none ran",
+                             details={"stage": None, "action": None, "cause": "nothing to apply"})
         return stats
 
     async def _check_members(self, diverged_ok: bool) -> None:

@@ -309,8 +309,11 @@ class JobCore:
 
     def restarted_history(self) -> None:
         """After a load the stages hold another history: no batch kept and no snapshot from
-        before counts; the next step takes a snapshot whatever ``snapshot_every`` says."""
+        before counts, nor the job's last save (a recovery went back to it and dropped what was
+        loaded, or replayed a range it no longer had: an assertion failed on every later step); the
+        next step takes a snapshot whatever ``snapshot_every`` says."""
         self.broken = None
+        self.last_checkpoint = None
         self.history.clear()
         self.scales.clear()
         self._keep_scale()

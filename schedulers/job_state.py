@@ -219,10 +219,12 @@ async def load(job: JobCore, path: CheckpointPath, weights_only: bool = False) -
     """
     check_directory(path.directory)
     async with job.operation(repairs=True):
-        step, whole = await _apply(job, path, weights_only)
+        version, step, whole = await _apply(job, path, weights_only)
         if whole:  # the data factory goes on from the checkpoint's step
             job.loaded(step)
         job.restarted_history()
+        if whole:  # what a recovery goes back to now: this version, not an older save of the job's own
+            job.saved(dataclasses.replace(path, directory=version), step)
     return step
 
 
@@ -256,13 +258,13 @@ async def apply_checkpoint(job: JobCore, path: CheckpointPath, weights_only: boo
     Every stage drops its snapshots and takes one at the next step; the job's data
     position and kept batches are the caller's to set.
     """
-    step, _ = await _apply(job, path, weights_only)
+    _, step, _ = await _apply(job, path, weights_only)
     return step
 
 
-async def _apply(job: JobCore, path: CheckpointPath, weights_only: bool) -> tuple[int, bool]:
-    """:func:`apply_checkpoint`; also whether more than the weights were loaded (a directory of
-    safetensors files holds the weights alone: the job's optimizer, schedule and step stay)."""
+async def _apply(job: JobCore, path: CheckpointPath, weights_only: bool) -> tuple[str, int, bool]:
+    """:func:`apply_checkpoint`: the version loaded, its step, and whether more than the weights were loaded
+    (a directory of safetensors files holds the weights alone: the job's optimizer, schedule and step stay)."""
     directory = path.directory
     [found] = await _on_stages(job, [0], "load", lambda g: job.stages[g].endpoint(
         StageActor.checkpoint_manifest, timeout=CHECKPOINT_TIMEOUT_S).call(directory, path.within))
@@ -294,7 +296,7 @@ async def _apply(job: JobCore, path: CheckpointPath, weights_only: bool) -> tupl
             job.scaler.load_state_dict(saved_scale)
         except (KeyError, TypeError, ValueError) as exc:
             log.warning("%s: the checkpoint's loss scale is unreadable (%s); keeping the current one", job.id, exc)
-    return manifest.step, not weights_only
+    return version, manifest.step, not weights_only
 
 
 def _described(spec: dict[str, Any]) -> dict[str, Any]:

@@ -165,6 +165,47 @@ async def test_a_node_lost_in_the_jobs_own_evaluation_skips_the_save_after_it_an
 
 
 @pytest.mark.multiprocess
+async def test_a_node_lost_right_after_a_load_goes_back_to_what_was_loaded_not_to_an_older_save(
+        tmp_path: Path) -> None:
+    """Found by review: a load drops the stages' snapshots, and the recovery went back to the job's own last
+    save: another run's checkpoint loaded was silently thrown away (the weights its one step ends at differed
+    by 0.68), an older version of its own failed every later step (an assertion), and load_state_dict's
+    weights were replaced by the save's. Now it goes back to the checkpoint loaded, or says that it cannot."""
+    local = LocalCluster(nodes=2, spares=2)  # a spare for each job's lost node
+    async with local as cluster:
+        other = await cluster.train(**spec(seconds=0.0, seed=5))
+        try:
+            await run(other, range(6), False)
+            await other.save(tmp_path / "other")
+            other_weights = await other.state_dict()
+            await run(other, range(6, 7), False)
+            want = await other.state_dict()
+        finally:
+            await other.close()
+        for loading in ("checkpoint", "state_dict"):
+            job = await cluster.train(**spec(seconds=0.0, max_restarts=1))
+            try:
+                await run(job, range(2), False)
+                await job.save(tmp_path / f"own-{loading}")
+                await run(job, range(2, 4), False)
+                if loading == "checkpoint":
+                    assert await job.load(tmp_path / "other") == 6
+                else:
+                    await job.load_state_dict(other_weights)
+                os.kill(local.processes[job.nodes[1]].pid, signal.SIGKILL)
+                await wait_for_state(cluster, job.nodes[1], "lost")
+                if loading == "checkpoint":
+                    stats = await asyncio.wait_for(job.step(), 120)
+                    assert stats.recovery is not None and stats.recovery.from_step == 6
+                    assert_same_state(await job.state_dict(), want)
+                else:  # nothing holds the weights loaded: a named error, not the old save's weights
+                    with pytest.raises(NodeLost, match="no checkpoint of this job to go back to"):
+                        await asyncio.wait_for(job.step(), 120)
+            finally:
+                await job.close()
+
+
+@pytest.mark.multiprocess
 async def test_an_fp16_job_recovers_its_loss_scale_with_its_stages(tmp_path: Path) -> None:
     # The head keeps the dynamic fp16 scale. A recovery rolls the stages back to a snapshot and
     # replays the steps since: the scale goes back with them, or each replayed step would move
