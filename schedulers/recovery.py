@@ -44,7 +44,6 @@ async def recover(job: JobCore, cause: NodeLost | StageLost) -> Recovery:
             one keeping its snapshot were both lost); the job stays failed.
     """
     started = time.perf_counter()
-    job.restarting()
     alive = await job.alive_nodes()
     size = job.mesh.size
     # A stage whose process ended (its node said so) on a node still alive is built again there.
@@ -82,7 +81,8 @@ async def recover(job: JobCore, cause: NodeLost | StageLost) -> Recovery:
     checkpoint = job.last_checkpoint if not usable else None
     if not usable and (checkpoint is None or not _replayable(job, checkpoint[1])):
         zero = (f" (with zero_stage={job.spec.optimization.zero_stage} a replica's optimizer state is its own "
-                "shard: another replica's snapshot cannot stand in for it)") if job.spec.optimization.zero_stage in (1, 2) and job.mesh.data > 1 else ""
+                "shard: another replica's snapshot cannot stand in for it)"
+                ) if job.spec.optimization.zero_stage in (1, 2) and job.mesh.data > 1 else ""
         raise unrecoverable("no snapshot that every stage has, and no checkpoint of this job to go back to, "
                             f"with the batches since kept{zero}" if checkpoint is None else
                             f"no snapshot that every stage has, and the batches since its checkpoint "
@@ -95,6 +95,9 @@ async def recover(job: JobCore, cause: NodeLost | StageLost) -> Recovery:
     except ValueError as exc:
         raise unrecoverable(str(exc)) from None
     chosen = [(job.nodes[rank], "") if rank in ended else next(free) for rank in lost]
+    # A restart counts from here, where the job changes: a try that found no free node, or nothing to go
+    # back to, changed nothing and used none up (with max_restarts=1 a spare started after it never helped).
+    job.restarting()
     moved = {job.nodes[rank]: node for rank, (node, _) in zip(lost, chosen)}
     for rank, (node, identity) in zip(lost, chosen):
         job.moved(rank, node, identity)

@@ -206,6 +206,28 @@ async def test_a_node_lost_right_after_a_load_goes_back_to_what_was_loaded_not_t
 
 
 @pytest.mark.multiprocess
+async def test_a_recovery_that_found_no_free_node_uses_up_no_restart() -> None:
+    """Found by review: with max_restarts=1 a recovery that found no free node counted as the restart, so the
+    spare its error asks for, once there, never helped ('close the job, or start it with max_restarts')."""
+    local = LocalCluster(nodes=3)
+    async with local as cluster:
+        job = await cluster.train(**spec(seconds=0.0, max_restarts=1))
+        holder = await cluster.train(**spec(seconds=0.0, pipeline_stages=1))  # the third node, for now
+        try:
+            await job.step()
+            os.kill(local.processes[job.nodes[1]].pid, signal.SIGKILL)
+            await wait_for_state(cluster, job.nodes[1], "lost")
+            with pytest.raises(NodeLost, match="no alive node is free"):
+                await job.step()
+            await holder.close()  # a node is free now
+            stats = await job.step()
+            assert stats.recovery is not None and stats.recovery.restarts_left == 0
+        finally:
+            await job.close()
+            await holder.close()
+
+
+@pytest.mark.multiprocess
 async def test_an_fp16_job_recovers_its_loss_scale_with_its_stages(tmp_path: Path) -> None:
     # The head keeps the dynamic fp16 scale. A recovery rolls the stages back to a snapshot and
     # replays the steps since: the scale goes back with them, or each replayed step would move
