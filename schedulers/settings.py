@@ -178,4 +178,9 @@ class Settings:
                 job.learning_rates[0] = job.last_stats.lr[0]  # the rate before it, for a replay of the steps before
             job.learning_rates[job.applied] = float(changes["lr"])
         job.respecified(new)
+        if set(changes) - {"lr"}:
+            # A recovery replays the steps since a snapshot with the job's settings as they are now (only the
+            # rate is kept per step): a snapshot at the next step keeps such a replay after the change (a
+            # micro-batch count or a codec set before it moved the replayed weights off the uninterrupted run's).
+            job.snapshot_due = True
         job.publish(SettingsApplied(job=job.id, step=job.next_step, changes=changes))

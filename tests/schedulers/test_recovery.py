@@ -228,6 +228,39 @@ async def test_a_recovery_that_found_no_free_node_uses_up_no_restart() -> None:
 
 
 @pytest.mark.multiprocess
+async def test_a_recovery_after_a_setting_changed_replays_no_step_from_before_the_change() -> None:
+    """Found by review: a replay ran every step since the snapshot with the settings as they are now (only the
+    rate is kept per step), so a micro-batch count (or a codec) set between the snapshot and the loss moved the
+    replayed weights off the uninterrupted run's. A change of anything but the rate takes a snapshot."""
+    async def script(job: Job, kill: Any = None) -> dict[str, torch.Tensor]:
+        for step in range(5):
+            if step == 2:
+                await job.set("micro_batches", 2)
+            if step == 4 and kill is not None:
+                await kill()
+            await job.step()
+        return await job.state_dict()
+
+    local = LocalCluster(nodes=2, spares=1)
+    async with local as cluster:
+        want = await cluster.train(**spec(seconds=0.0))
+        try:
+            want_state = await script(want)
+        finally:
+            await want.close()
+        job = await cluster.train(**spec(seconds=0.0, max_restarts=1, snapshot_every=4))
+
+        async def kill() -> None:
+            os.kill(local.processes[job.nodes[1]].pid, signal.SIGKILL)
+            await wait_for_state(cluster, job.nodes[1], "lost")
+
+        try:
+            assert_same_state(await script(job, kill), want_state)
+        finally:
+            await job.close()
+
+
+@pytest.mark.multiprocess
 async def test_an_fp16_job_recovers_its_loss_scale_with_its_stages(tmp_path: Path) -> None:
     # The head keeps the dynamic fp16 scale. A recovery rolls the stages back to a snapshot and
     # replays the steps since: the scale goes back with them, or each replayed step would move
