@@ -3,8 +3,10 @@
 A snapshot is a flat map of tensors (nothing else travels): ``model/3.fc1.weight`` for
 each held layer's state, ``optim/I/NAME`` for the optimizer's per-parameter state (I
 counts the optimizer's parameters in group order), ``optimpy/I/NAME`` for state
-kept as a Python number, and ``lr_scheduler/state`` for the learning-rate schedule's
-position and the groups' current rates (JSON bytes, see :mod:`stages.state.lr_scheduler`).
+kept as a Python number, ``lr_scheduler/state`` for the learning-rate schedule's
+position and the groups' current rates (JSON bytes, see :mod:`stages.state.lr_scheduler`),
+and ``rng/cpu`` (``rng/cuda``) for the random state dropout draws from, so that a replay
+draws the masks the first run drew.
 It restores into a stage built from the same configuration: the one that took it,
 rolled back, or its replacement on another node.
 """
@@ -28,6 +30,12 @@ def _parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 _SCHEDULE = "lr_scheduler/state"
+_RNG_CPU, _RNG_CUDA = "rng/cpu", "rng/cuda"
+
+
+def _cuda_device(held: Mapping[int, nn.Module]) -> torch.device | None:
+    device = next((p.device for layer in held.values() for p in layer.parameters()), None)
+    return device if device is not None and device.type == "cuda" else None
 
 
 def capture(held: Mapping[int, nn.Module], optimizer: torch.optim.Optimizer,
@@ -44,6 +52,11 @@ def capture(held: Mapping[int, nn.Module], optimizer: torch.optim.Optimizer,
                 snapshot[f"optimpy/{index}/{name}"] = torch.tensor(value, dtype=dtype)
     if scheduler is not None:
         snapshot[_SCHEDULE] = _lr_scheduler.encode_state(_lr_scheduler.scheduler_state(scheduler))
+    # Dropout's masks come from the process's generator: without it a replayed step drew other masks than the
+    # step it replays (a replacement starts from the seed, the survivors from where they had got to).
+    snapshot[_RNG_CPU] = torch.get_rng_state()
+    if (device := _cuda_device(held)) is not None:
+        snapshot[_RNG_CUDA] = torch.cuda.get_rng_state(device)
     return snapshot
 
 
@@ -90,6 +103,10 @@ def restore(held: Mapping[int, nn.Module], optimizer: torch.optim.Optimizer,
         param.grad = None
     if scheduler is not None:  # after the optimizer: the schedule sets its groups' rates
         _lr_scheduler.load_state(scheduler, schedule)
+    if _RNG_CPU in snapshot:  # a snapshot taken before the random state was kept has none
+        torch.set_rng_state(snapshot[_RNG_CPU])
+    if _RNG_CUDA in snapshot and (device := _cuda_device(held)) is not None:
+        torch.cuda.set_rng_state(snapshot[_RNG_CUDA], device)
 
 
 class SnapshotShelf:
