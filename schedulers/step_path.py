@@ -19,8 +19,6 @@ import math
 import time
 from typing import Any
 
-import torch
-
 from actors import StepFailed
 from stages import batch_size, FinishReport, ReduceReport, StageActor, StageReport
 from stages.compute.agreement import decide_votes, vote_of
@@ -96,9 +94,10 @@ class StepPath:
         scaler = job.scaler
         prescale = 1.0
         if scaler is not None and job.spec.training.loss_averaging == "tokens":
-            if not self._prescale_counted and isinstance(targets, torch.Tensor) and targets.numel():
+            size = getattr(targets, "numel", None)  # a tensor's (torch is not imported here: see job_core)
+            if not self._prescale_counted and callable(size) and size():
                 # The first step, from a driver's batch: its targets' size per replica bounds the count.
-                self.token_prescale = 2.0 ** round(math.log2(max(1.0, targets.numel() / job.mesh.data)))
+                self.token_prescale = 2.0 ** round(math.log2(max(1.0, size() / job.mesh.data)))
             prescale = self.token_prescale
         if scaler is not None and after is not None:
             # A step sent ahead runs only once the step before is applied (StepOrder.after), which moves

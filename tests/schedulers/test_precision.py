@@ -180,6 +180,7 @@ async def test_fp16_token_averaging_scales_as_sample_averaging_does(cluster: Clu
     assert [s.loss for s in runs["tokens"]] == pytest.approx([s.loss for s in runs["samples"]], rel=1e-3)
 
 
+@pytest.mark.asyncio(loop_scope="package")
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
 async def test_clipping_equals_clip_grad_norm_on_one_process(cluster: Cluster, precision: str) -> None:
     state, stats, bounds = await train(cluster, GPT, pipeline_stages=2, data_parallel=2, gradient_clipping=0.5,

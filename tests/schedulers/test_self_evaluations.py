@@ -40,6 +40,9 @@ class Job:
     def publish(self, event: Any) -> None:
         self.events.append(event)
 
+    async def lost_member(self) -> str | None:  # every member is there (a lost one: tests/schedulers/test_recovery.py)
+        return None
+
     @contextlib.asynccontextmanager
     async def operation(self) -> AsyncIterator[None]:  # job.save holds the job as JobCore's does
         yield

@@ -34,6 +34,9 @@ class Job:
     def publish(self, event: Any) -> None:
         self.events.append(event)
 
+    async def lost_member(self) -> str | None:  # every member is there (a lost one: tests/schedulers/test_recovery.py)
+        return None
+
 
 @pytest.fixture
 def saved(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, str, int]]:
