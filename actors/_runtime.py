@@ -36,9 +36,10 @@ from actors._errors import (
 from actors._calls import PendingCalls
 from actors._ref import ActorRef
 from actors._senders import SenderPool, SenderPoolConfig, _is_numeric_address
+from actors._key_names import LONGEST, KeyNames, key_name
 from actors._streams import OPEN_KIND, RuntimeStreams
 from transport.channel import BulkMode, Receiver, open_receiver, open_sender
-from transport.security import Gate, Keypair, shown, split_address
+from transport.security import Gate, Keypair, shown
 from transport.wire import DEFAULT_MAX_MESSAGE_BYTES, WireError, decode_message, encode_message, excerpt
 
 __all__ = ["Runtime", "open_runtime"]
@@ -144,7 +145,7 @@ class Runtime:
         self._started_round = (-1, -1)  # the reads (ZeroMQ's, the streams') whose first request started at once
         self.keys = keys  # this runtime's CURVE keypair (None: insecure)
         self._gate = gate
-        self._key_names: dict[str, str | None] = {}  # address -> the ring's name for its key (see _holds_key)
+        self._key_names = KeyNames(gate)  # whose key each address carries: who may answer a call, or be answered
         self.context = context  # its sockets' zmq context (its CURVE gate admits the cluster's keys)
         self.max_message_bytes = max_message_bytes  # the largest message it takes
         self.encrypts = keys is not None and bulk != "authenticate"  # what it seals is encrypted
@@ -286,24 +287,9 @@ class Runtime:
 
     def callers_own(self, address: str) -> bool:
         """Whether ``address`` carries the key of the caller being served (always, without keys, or for
-        a call from this process): what only the caller may name (where it is reached, the processes
-        it hosts) must be at its own addresses."""
+        a call from this process)."""
         caller = current_caller()
-        return caller == LOCAL or self._holds_key(address, caller)
-
-    def _holds_key(self, address: str, name: str) -> bool:
-        """Whether the key in ``address`` is the one the ring names ``name`` (always, without keys). Every
-        reply and request asks it: an address's name is kept (a split address and a ring read cost micro-
-        seconds), and looked up again before it says no, so a key named anew is not refused on an old name."""
-        if self._gate is None:
-            return True
-        if self._key_names.get(address) == name:
-            return True
-        found = key_name(address, self._gate)
-        if len(self._key_names) >= _MAX_KEY_NAMES:
-            self._key_names.clear()
-        self._key_names[address] = found
-        return found == name
+        return caller == LOCAL or self._key_names.holds(address, caller)
 
     def _deliver_local(self, name: str, call: Call, *, start: bool = True) -> None:
         mailbox = self._mailboxes.get(name)
@@ -358,14 +344,14 @@ class Runtime:
         error = BadRecord(f"{len(bad_records)} record(s) could not be rebuilt at {shown(self.address)}: {reasons}")
         kind = message.get("t") if isinstance(message, dict) else None
         if kind == "rep":
-            future = self._answered(message, caller)
+            future = self._key_names.answered(self._calls, message, caller)
             if future is not None:
                 future.set_exception(BadRecord(f"the reply's {error.message}"))
                 return
-        elif kind == "req" and (route := self._reply_route(message, caller)) is not None:
+        elif kind == "req" and (route := self._key_names.route(message, caller)) is not None:
             log.warning("refused a request to %s.%s: %s", excerpt(message.get("to")), excerpt(message.get("m")),
                         excerpt(error.message, 300))
-            self.spawn_task(self._remote_replier(*route)(False, error))
+            self.spawn_task(_remote_replier(self._senders, self.max_message_bytes, *route)(False, error))
             return
         log.warning("dropped a message: %s", excerpt(error.message, 300))
 
@@ -380,32 +366,8 @@ class Runtime:
         else:
             log.warning("dropped a message that is neither request nor reply: %s", excerpt(message, 200))
 
-    def _answered(self, message: dict[str, Any], sender: str) -> asyncio.Future[Any] | None:
-        """The call a reply from ``sender`` answers, where one waits and ``sender`` is who it went to: with
-        keys, a reply from any other key (a guessed call id, or a request that named this runtime's
-        address for its reply) is dropped, never taken for the answer."""
-        waiting = self._calls.waiting(message.get("id"))
-        if waiting is None:
-            log.debug("reply %s came after its caller stopped waiting", excerpt(message.get("id")))
-            return None
-        future, address = waiting
-        if not self._holds_key(address, sender):
-            log.warning("dropped a reply from %s to call %s, which went to %s", excerpt(sender, 80),
-                        excerpt(message.get("id")), shown(address))
-            return None
-        return future
-
-    def _reply_route(self, message: dict[str, Any], caller: str) -> tuple[str, int] | None:
-        """Where a request's answer goes (its reply address and call id), where it says so in a form to
-        trust: with keys, only to the caller's own address (one that carries its key)."""
-        route = _reply_route(message)
-        if route is not None and not self._holds_key(route[0], caller):
-            return None
-        return route
-
     def _on_reply(self, message: dict[str, Any], caller: str) -> None:
-        future = self._answered(message, caller)
-        if future is None:
+        if (future := self._key_names.answered(self._calls, message, caller)) is None:
             return
         if message.get("ok") is True:
             future.set_result(message.get("v"))
@@ -413,12 +375,10 @@ class Runtime:
             future.set_exception(error_from_wire(message.get("e")))
 
     def _on_request(self, message: dict[str, Any], caller: str = INSECURE) -> None:
-        route = self._reply_route(message, caller)
+        route = self._key_names.route(message, caller)
         if route is None and message.get("r") is not None:
-            log.warning("dropped a request from %s to %s.%s: its reply address %s is not its own", excerpt(caller, 80),
-                        excerpt(message.get("to")), excerpt(message.get("m")), excerpt(message.get("r"), 120))
-            return
-        reply = self._remote_replier(*route) if route is not None else None
+            return  # a reply address that is not the caller's, or no well-formed one: nobody to answer
+        reply = _remote_replier(self._senders, self.max_message_bytes, *route) if route is not None else None
         name: Any = message.get("to")
         method: Any = message.get("m")
         args, kwargs = message.get("a", []), message.get("k", {})
@@ -426,7 +386,7 @@ class Runtime:
             log.warning("dropped a malformed request: %s", excerpt(message, 200))
             if reply is not None:
                 self.spawn_task(reply(False, ActorError(
-                    f"malformed request: needs to, m, a, k, with names of at most {_LONGEST} characters")))
+                    f"malformed request: needs to, m, a, k, with names of at most {LONGEST} characters")))
             return
         # Only the first request of a read starts at once: a burst is read whole (see docs/nodes.md).
         rounds = (self._receiver.rounds, self.streams.rounds)
@@ -439,22 +399,6 @@ class Runtime:
                         excerpt(exc.message, 200))
             if reply is not None:
                 self.spawn_task(reply(False, exc))
-
-    def _remote_replier(self, address: str, call_id: int) -> Any:
-        # The actor does not wait for its caller: a reply that cannot leave at once goes
-        # from a task, and is dropped if the caller does not take it within the pool's
-        # reply timeout (the caller may be gone, or never was: the address is untrusted).
-        async def reply(ok: bool, value: Any) -> None:
-            message = {"t": "rep", "id": call_id, "ok": ok}
-            message["v" if ok else "e"] = value if ok else error_to_wire(value)
-            try:
-                frames = encode_message(message, max_bytes=self.max_message_bytes)
-            except (TypeError, ValueError) as exc:  # the result cannot travel
-                err = {"t": "rep", "id": call_id, "ok": False, "e": error_to_wire(exc)}
-                frames = encode_message(err, max_bytes=self.max_message_bytes)
-            await self._senders.reply(address, frames)
-
-        return reply
 
     # -- shutdown ------------------------------------------------------------------
 
@@ -481,26 +425,31 @@ class Runtime:
         await self.aclose()
 
 
-# The most addresses whose key's name a runtime keeps (beyond it, it starts again).
-_MAX_KEY_NAMES = 4096
+def _remote_replier(senders: SenderPool, max_bytes: int, address: str, call_id: int) -> Any:
+    """How a request's answer goes back to ``address`` (its caller's, checked) under ``call_id``.
 
-# Names, methods, keyword names and addresses are short: a longer one is refused before it is
-# quoted anywhere (error messages repr the name and method).
-_LONGEST = 1024
+    The actor does not wait for its caller: a reply that cannot leave at once goes from a
+    task, and is dropped if the caller does not take it within the pool's reply timeout (the
+    caller may be gone, or never was).
+    """
+    async def reply(ok: bool, value: Any) -> None:
+        message = {"t": "rep", "id": call_id, "ok": ok}
+        message["v" if ok else "e"] = value if ok else error_to_wire(value)
+        try:
+            frames = encode_message(message, max_bytes=max_bytes)
+        except (TypeError, ValueError) as exc:  # the result cannot travel
+            err = {"t": "rep", "id": call_id, "ok": False, "e": error_to_wire(exc)}
+            frames = encode_message(err, max_bytes=max_bytes)
+        await senders.reply(address, frames)
 
-
-def _reply_route(message: dict[str, Any]) -> tuple[str, int] | None:
-    """Where a request's answer goes (its reply address and call id), where it says so in a form to trust."""
-    call_id, reply_to = message.get("id"), message.get("r")
-    return (reply_to, call_id) if isinstance(reply_to, str) and len(reply_to) <= _LONGEST and isinstance(
-        call_id, int) else None
+    return reply
 
 
 def _well_formed(name: Any, method: Any, args: Any, kwargs: Any) -> bool:
     """Whether a request names an actor and a method, short enough, with a list and a map of arguments."""
-    return (isinstance(name, str) and len(name) <= _LONGEST and isinstance(method, str) and len(method) <= _LONGEST
+    return (isinstance(name, str) and len(name) <= LONGEST and isinstance(method, str) and len(method) <= LONGEST
             and isinstance(args, list) and isinstance(kwargs, dict)
-            and all(isinstance(k, str) and len(k) <= _LONGEST for k in kwargs))
+            and all(isinstance(k, str) and len(k) <= LONGEST for k in kwargs))
 
 
 def _request(
@@ -530,15 +479,6 @@ def _reply_lost(member: str, why: str, address: str) -> MessageLost:
     """The error of a call to ``address`` whose reply may have been lost on the way from ``member``."""
     return MessageLost(f"a message from {shown(address)} ({member}) may have been lost on the way, the call's "
                        f"reply among them: {why}", details={"member": member})
-
-
-def key_name(address: str, gate: Gate | None) -> str | None:
-    """The name ``gate``'s key ring gives the key in ``address`` (None: no keys, or none there)."""
-    try:
-        key = split_address(address)[1]
-    except ValueError:
-        return None
-    return gate.name_of(key) if gate is not None and key is not None else None
 
 
 def own_address(caller: str, address: str | None, gate: Gate | None) -> str:

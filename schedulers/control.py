@@ -40,7 +40,6 @@ from actors import ActorError, ActorRef, Event, Host, NodeLost, StageLost, StepF
 from stages import StageActor
 from schedulers import job_state, recovery
 from schedulers.checkpoint_paths import CheckpointPath
-from schedulers.events import RunProgress
 from schedulers.job_core import JobCore, Placer
 from schedulers.job_views import JobViews
 from schedulers.jobs import JobSpec
@@ -52,7 +51,7 @@ from schedulers.self_evaluations import BetweenSteps, SelfEvaluations
 from schedulers.self_saves import SelfSaves
 from schedulers.settings import Settings
 from schedulers.step_path import StepPath
-from schedulers.stepping import stage_lost
+from schedulers.stepping import nodes_lost, stage_lost
 
 __all__ = ["JobController"]
 
@@ -124,7 +123,7 @@ class JobController:
             await self.settings.apply_pending()  # settings changed with set take effect here, between steps
             goal = job.keep_batch(inputs, targets)
             try:
-                stats = await self._step_to(goal)
+                stats = await self._catch_up(goal)
             except (NodeLost, StageLost) as lost:
                 if not recovery.may_recover(job):
                     raise
@@ -149,7 +148,7 @@ class JobController:
         while True:
             self._recovery = await recovery.recover(job, lost)
             try:
-                return await self._step_to(goal)
+                return await self._catch_up(goal)
             except (NodeLost, StageLost) as again:
                 if not recovery.may_recover(job):
                     raise
@@ -166,8 +165,11 @@ class JobController:
         if evaluated is not None:
             stats = dataclasses.replace(stats, eval_loss=evaluated.loss, eval_metrics=evaluated.metrics,
                                         stop_early=self.evals.stop_early)
-        self.core.last_stats = stats
-        self._step_finished(stats, applied, self.runs.progress() if by_run else None)
+        job = self.core
+        job.last_stats = stats
+        job.publish(stats.finished(job.id, self.runs.progress() if by_run else None))
+        if self.monitors is not None:
+            self.monitors.record_step(stats, applied)
         return stats
 
     async def evaluate(self, inputs: Any = None, targets: Any = None, outputs: bool = False,
@@ -183,23 +185,14 @@ class JobController:
         async with self.core.operation(stepping=True):  # a driver that gives up on it cancels it, as a step
             return await self.evals.evaluate(inputs, targets, bool(outputs), data_step)
 
-    async def _catch_up(self, goal: int) -> StepStats | None:
-        """Applies steps until ``goal`` are applied (more than one only when replaying after a recovery);
-        the last one's statistics, or None where none was left to apply (a recovery to where the job stood:
-        a checkpoint it loaded just before; an assertion here failed every step after such a recovery)."""
+    async def _catch_up(self, goal: int) -> StepStats:
+        """Applies steps until ``goal`` are applied (more than one only when replaying after a recovery)."""
         job = self.core
         stats: StepStats | None = None
         while job.applied < goal:
             inputs, targets = job.history[job.applied]
             stats = await self.steps.attempt(inputs, targets)
-        return stats
-
-    async def _step_to(self, goal: int) -> StepStats:
-        """:meth:`_catch_up` to a goal past the steps applied: the goal's statistics."""
-        stats = await self._catch_up(goal)
-        if stats is None:
-            raise StepFailed(f"{self.core.id}: step {goal - 1} was applied already, so none ran",
-                             details={"stage": None, "action": None, "cause": "nothing to apply"})
+        assert stats is not None
         return stats
 
     async def _check_members(self, diverged_ok: bool) -> None:
@@ -211,7 +204,8 @@ class JobController:
                 if not recovery.may_recover(job):
                     raise stage_lost(job.mesh, rank, gone, job.id)
                 self._recovery = await recovery.recover(job, stage_lost(job.mesh, rank, gone))
-                await self._catch_up(job.steps_done)
+                if job.applied < job.steps_done:  # none to replay after a recovery to the checkpoint loaded last
+                    await self._catch_up(job.steps_done)
                 return
         alive = await job.alive_nodes()
         recovery.stop_retired(job, alive)
@@ -219,14 +213,11 @@ class JobController:
         if lost and recovery.may_recover(job):
             cause = NodeLost(f"node {lost[0]} was lost", details={"node": lost[0]})
             self._recovery = await recovery.recover(job, cause)
-            await self._catch_up(job.steps_done)
+            if job.applied < job.steps_done:
+                await self._catch_up(job.steps_done)
             return
         if lost:
-            raise NodeLost(f"{job.id} lost node {lost[0]}"
-                           + (f" (and {len(lost) - 1} more)" if len(lost) > 1 else "")
-                           + "; close the job, or start it with max_restarts and a spare node to recover",
-                           details={"node": lost[0], "job": job.id, "stage": None, "action": None,
-                                    "cause": "node lost"})
+            raise nodes_lost(job.id, lost)
         for rank, step in sorted(job.fenced.items()):
             try:  # a member that was presumed lost and came back: stop whatever it still runs
                 await job.stages[rank].endpoint(StageActor.abort_step, timeout=3).call(step)
@@ -246,12 +237,6 @@ class JobController:
         for task in calls:
             task.cancel()
         return bool(calls)
-
-    def _step_finished(self, stats: StepStats, applied: int, run: RunProgress | None) -> None:
-        job = self.core
-        job.publish(stats.finished(job.id, run))
-        if self.monitors is not None:
-            self.monitors.record_step(stats, applied)
 
     # -- runs, pause and resume (schedulers.runs) ---------------------------------------------
 

@@ -23,13 +23,13 @@ import logging
 import os
 from typing import Any, Protocol
 
-from actors import NodeLost
 from stages import is_version
 from schedulers import job_state
 from schedulers.checkpoint_paths import CheckpointPath
 from schedulers.events import CheckpointSaved, Evaluated
 from schedulers.job_core import JobCore
 from schedulers.recovery import may_recover
+from schedulers.stepping import nodes_lost
 
 __all__ = ["Judged", "SelfSaves"]
 
@@ -74,10 +74,7 @@ class SelfSaves:
         # each wait out the checkpoint timeout, fifteen minutes. The next step recovers, or fails naming it.
         if (lost := await job.lost_member()) is not None:
             if not may_recover(job):
-                raise NodeLost(f"{job.id} lost node {lost} before its save after step {applied}; close the job, or "
-                               "start it with max_restarts and a spare node to recover",
-                               details={"node": lost, "job": job.id, "stage": None, "action": None,
-                                        "cause": "node lost"})
+                raise nodes_lost(job.id, [lost], f" before its save after step {applied}")
             log.warning("%s: the save after step %d is skipped: node %s was lost; the next step recovers", job.id,
                         applied, lost)
             return

@@ -97,7 +97,7 @@ class StepPath:
             size = getattr(targets, "numel", None)  # a tensor's (torch is not imported here: see job_core)
             if not self._prescale_counted and callable(size) and size():
                 # The first step, from a driver's batch: its targets' size per replica bounds the count.
-                self.token_prescale = 2.0 ** round(math.log2(max(1.0, size() / job.mesh.data)))
+                self.token_prescale = _power_of_two(size() / job.mesh.data)
             prescale = self.token_prescale
         if scaler is not None and after is not None:
             # A step sent ahead runs only once the step before is applied (StepOrder.after), which moves
@@ -264,7 +264,7 @@ class StepPath:
                                 per_item=order["per_item"])
         self.grad_norm = decision.grad_norm
         if scaler is not None and order["per_item"]:  # the next step's prescale: near this one's count per replica
-            self.token_prescale = 2.0 ** round(math.log2(decision.unscale / ordered_scale))
+            self.token_prescale = _power_of_two(decision.unscale / ordered_scale)
             self._prescale_counted = True
         finished: list[FinishReport] = [r.finished for r in reports if r.finished is not None] if ran_tail else \
             await self.calls.on_every_stage(StageActor.finish_step, "STEP", step, decision.apply, decision.unscale,
@@ -280,3 +280,6 @@ class StepPath:
         return sum(r.reduced_bytes for r in reduced), describe_findings(job.mesh, found), finished
 
 
+def _power_of_two(count: float) -> float:
+    """The power of two nearest ``count`` (at least 1): a scale whose division is exact."""
+    return 2.0 ** round(math.log2(max(1.0, count)))

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from actors import ActorError, NonFiniteError, StageLost, StepFailed
+from actors import ActorError, NodeLost, NonFiniteError, StageLost, StepFailed
 from stages import FinishReport, Mesh, ReduceReport, stage_to_rank, StageReport
 from stages.compute.averaging import shard_replicas, step_loss
 from schedulers.jobs import JobSpec
@@ -78,6 +78,15 @@ def stage_lost(mesh: Mesh, rank: int, lost: ActorError, job: str = "") -> StageL
                      "create it again, from a checkpoint (with max_restarts a job rebuilds such a stage itself)",
                      details={"stage": coords.pipeline, "member": rank, "tensor": coords.tensor, "data": coords.data,
                               "action": None, "cause": f"process {how}", "node": lost.details.get("node", "")})
+
+
+def nodes_lost(job: str, lost: Sequence[str], when: str = "") -> NodeLost:
+    """The error a job that may not recover fails with once it has lost ``lost`` (its nodes' names; ``when``:
+    what it was doing, as `` before its save after step 4``)."""
+    more = f" (and {len(lost) - 1} more)" if len(lost) > 1 else ""
+    return NodeLost(f"{job} lost node {lost[0]}{more}{when}; close the job, or start it with max_restarts and a "
+                    "spare node to recover",
+                    details={"node": lost[0], "job": job, "stage": None, "action": None, "cause": "node lost"})
 
 
 def nonfinite_findings(

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Callable, Container, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -97,8 +98,7 @@ def checkpointed(fn: Callable[..., Any], /, *args: Any, modules: Sequence[nn.Mod
         call_args, call_kwargs = pytree.tree_unflatten(list(flat), spec)
         return fn(*call_args, **call_kwargs)
 
-    statistics = list({id(b): b for module in modules for m in module.modules()
-                       for name, b in m._buffers.items() if name in _RUNNING and b is not None}.values())
+    statistics = [b for module in modules for b in _running_statistics(module)]
     if not statistics:
         return checkpoint(run, *leaves, use_reentrant=False, preserve_rng_state=True)
     return checkpoint(run, *leaves, use_reentrant=False, preserve_rng_state=True,
@@ -108,6 +108,19 @@ def checkpointed(fn: Callable[..., Any], /, *args: Any, modules: Sequence[nn.Mod
 # A normalization's running statistics (BatchNorm's and InstanceNorm's buffers, under these names in a traced
 # stage too, where the norm is a graph module of its own).
 _RUNNING = frozenset({"running_mean", "running_var", "num_batches_tracked"})
+
+
+_STATISTICS: weakref.WeakKeyDictionary[nn.Module, list[torch.Tensor]] = weakref.WeakKeyDictionary()
+
+
+def _running_statistics(module: nn.Module) -> list[torch.Tensor]:
+    """``module``'s running-statistics buffers, each once; found once a module (every micro-batch's
+    forward asks, and a walk of a stage's modules is not free)."""
+    found = _STATISTICS.get(module)
+    if found is None:
+        found = _STATISTICS[module] = list({id(b): b for m in module.modules() for name, b in m._buffers.items()
+                                            if name in _RUNNING and b is not None}.values())
+    return found
 
 
 @contextlib.contextmanager
