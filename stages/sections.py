@@ -23,6 +23,7 @@ from stages.spec_checks import (
     check_int,
     check_kwargs,
     check_number,
+    check_optimizer_steps,
     check_partition_method,
     check_path,
     check_seconds,
@@ -296,6 +297,7 @@ class Optimization(_Section):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "optimizer", path_and_kwargs(self.key("optimizer"), self.optimizer))
+        check_optimizer_steps(self.key("optimizer"), self.optimizer[0])
         object.__setattr__(self, "no_weight_decay", check_decay_rule(self.key("no_weight_decay"), self.no_weight_decay))
         if self.lr_scheduler is not None:
             object.__setattr__(self, "lr_scheduler", path_and_kwargs(self.key("lr_scheduler"), self.lr_scheduler))

@@ -21,10 +21,12 @@ __all__ = [
     "check_int",
     "check_kwargs",
     "check_number",
+    "check_optimizer_steps",
     "check_partition_method",
     "check_path",
     "check_seconds",
     "check_torch_compile",
+    "closure_refusal",
     "factory_path",
     "nearest",
     "path_and_kwargs",
@@ -146,6 +148,20 @@ def check_torch_compile(name: str, value: Any, backends: tuple[str, ...], modes:
         if value.get("mode") is not None:
             raise ValueError(f"{name}: give mode or options, not both (torch.compile takes one of them; a mode is a "
                              "set of options)")
+
+
+def closure_refusal(path: str) -> str:
+    """Why the optimizer at ``path`` (torch's L-BFGS, or a subclass of it) cannot train a job."""
+    return (f"{path} re-evaluates the loss in a closure at every step (L-BFGS's line search), which a "
+            "pipeline step cannot do: each micro-batch's forward and backward ran once, on other stages; "
+            "use AdamW or SGD")
+
+
+def check_optimizer_steps(name: str, path: str) -> None:
+    """Refuses torch's L-BFGS by its path (a subclass of it is refused where the stage builds it)."""
+    module, _, cls = path.partition(":")
+    if cls == "LBFGS" and (module == "torch.optim" or module.startswith("torch.optim.")):
+        raise ValueError(f"{name}: {closure_refusal(path)}")
 
 
 def check_kwargs(name: str, value: Any) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from schedulers.deepspeed.checks import AUTO, ConfigError, Translation, mapping, show
+from stages.spec_checks import closure_refusal
 
 __all__ = ["DEEPSPEED_SCHEDULERS", "OPTIMIZERS", "translate_optimizer", "translate_scheduler"]
 
@@ -60,8 +61,7 @@ _REFUSED_OPTIMIZERS = {
     "muon": ("DeepSpeed's Muon is MuonWithAuxAdam: Muon for the parameters the model marks use_muon, Adam for the "
              "rest, and a job here has one optimizer for every parameter; use \"type\": \"AdamW\" (or "
              "\"torch.optim:Muon\" if every parameter is a matrix)"),
-    "lbfgs": ("L-BFGS re-evaluates the loss in a closure at every step, which a pipeline step cannot do; "
-              "use AdamW or SGD"),
+    "lbfgs": closure_refusal("torch.optim:LBFGS"),
 }
 # Adam with 8- or 4-bit moments as bitsandbytes and torchao name it: (DeepSpeed's type, optimizer_states).
 _LOW_BIT = {"adam8bit": ("adam", "int8"), "adamw8bit": ("adamw", "int8"),

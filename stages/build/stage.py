@@ -39,6 +39,7 @@ from stages.compute.executor import StageModel
 from stages.compute.inline import INLINE_MAX_S
 from stages.mesh import Coords
 from stages.records import StageConfig
+from stages.spec_checks import closure_refusal
 from stages.state import chunked_adam, quantized_adam, weight_decay
 from stages.state.lr_scheduler import build_scheduler
 from stages.state.stage_checkpoint import layer_key
@@ -307,6 +308,8 @@ def _build_optimizer(cfg: StageConfig, allow: Sequence[str], param_groups: list[
     """The stage's optimizer over ``param_groups`` (:func:`~stages.state.weight_decay.parameter_groups`)."""
     params = [p for group in param_groups for p in group["params"]]
     optimizer_cls = load_object(cfg.optimization.optimizer[0], allow)
+    if isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.LBFGS):
+        raise ValueError(closure_refusal(cfg.optimization.optimizer[0]))
     optimizer_kwargs = dict(cfg.optimization.optimizer[1] if len(cfg.optimization.optimizer) > 1 else {})
     if cfg.optimization.optimizer_states != "fp32":  # Adam's moments in fewer bits
         optimizer_cls, optimizer_kwargs = quantized_adam.replacing(

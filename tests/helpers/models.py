@@ -408,3 +408,7 @@ def random_features(dim: int = 4, layers: int = 2) -> nn.Sequential:
 def named_mlp(dim: int = 8) -> nn.Sequential:
     """An nn.Sequential with named children, as people often write one."""
     return nn.Sequential(OrderedDict(fc1=nn.Linear(dim, dim), act=nn.ReLU(), fc2=nn.Linear(dim, dim)))
+
+
+class LineSearch(torch.optim.LBFGS):
+    """A user's own L-BFGS: its step, too, needs a closure."""

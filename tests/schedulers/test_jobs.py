@@ -67,6 +67,9 @@ MODEL = "examples.models:residual_mlp"
     ({"optimizer": 42}, TypeError, "optimizer must be 'package.module:Class' or \\(path, kwargs\\), got 42"),
     ({"optimizer": ("torch.optim:SGD", [0.1])}, TypeError, "optimizer kwargs must be a dict"),
     ({"optimizer": "SGD"}, ValueError, "optimizer: 'SGD' is not an import path"),
+    # Found by review: L-BFGS failed every step at STEP ("'NoneType' object is not callable").
+    ({"optimizer": ("torch.optim:LBFGS", {"lr": 1})}, ValueError, "optimizer: torch.optim:LBFGS re-evaluates the loss"),
+    ({"optimizer": torch.optim.LBFGS}, ValueError, "optimizer: torch.optim.lbfgs:LBFGS re-evaluates the loss in a clos"),
     ({"model": 7}, TypeError, "model must be an import path"),
     ({"model": "examples.models"}, ValueError, "model: 'examples.models' is not an import path"),
     ({"model_kwargs": [1]}, TypeError, "model_kwargs must be a dict"),

@@ -112,3 +112,12 @@ def test_mixed_precision_keeps_float32_masters_of_a_model_built_in_bf16(precisio
     built = build_stage(config, DEFAULT_ALLOW + EXAMPLE_FACTORIES + ("tests.helpers.models",), CPU)
     assert {p.dtype for _, p in built.named_parameters} == {dtype}
     assert all(p.dtype == dtype for group in built.model.optimizer.param_groups for p in group["params"])
+
+
+def test_an_optimizer_that_steps_with_a_closure_is_refused_where_the_stage_builds_it() -> None:
+    """Found by review: torch's L-BFGS (and a subclass of it) failed every step at STEP with "'NoneType' object
+    is not callable", with or without ZeRO: its step re-evaluates the loss in a closure, which a pipeline step
+    cannot give. The spec refuses torch's by name; a subclass, only known once imported, is refused here."""
+    config = stage_config(0, 2, optimizer=("tests.helpers.models:LineSearch", {"lr": 0.1}))
+    with pytest.raises(ValueError, match="closure.*use AdamW or SGD"):
+        build_stage(config, DEFAULT_ALLOW + EXAMPLE_FACTORIES + ("tests.helpers.models",), CPU)
