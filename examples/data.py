@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader
 
 __all__ = ["Batch", "char_corpus", "char_batches", "regression_batches", "encode", "decode", "pad_collate",
-           "token_sequences", "VOCAB_SIZE"]
+           "regression_samples", "token_sequences", "VOCAB_SIZE"]
 
 Batch = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 
@@ -180,6 +180,16 @@ def regression_batches(
         return inputs, targets
 
     return batch
+
+
+def regression_samples(count: int = 100, seq: int = 32, dim: int = 512, batch_size: int = 8,
+                       seed: int = 0) -> DataLoader:
+    """A DataLoader over a fixed set of ``count`` random ``(inputs, targets)`` samples of ``[seq, dim]``,
+    ``batch_size`` a micro-batch: :func:`regression_batches`' kind of data as a finite set (validation
+    data whose size need not divide a global batch, read once through with ``eval_batches=0``)."""
+    gen = torch.Generator().manual_seed(seed)
+    inputs, targets = torch.randn(count, seq, dim, generator=gen), torch.randn(count, seq, dim, generator=gen)
+    return DataLoader(torch.utils.data.TensorDataset(inputs, targets), batch_size=batch_size)
 
 
 def pad_collate(batch: list[tuple[torch.Tensor, torch.Tensor]], pad_id: int = 0,

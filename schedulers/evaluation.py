@@ -36,8 +36,9 @@ async def evaluate(job: JobCore, path: StepPath, inputs: Any, targets: Any, *, o
                    data_step: int | None = None) -> EvalResult:
     """Evaluates the job's model on a batch, with the job's micro-batches and mesh: the one given; else,
     without ``data_step``, the validation set where the job has one (``evaluation.eval_data``'s batches 0 to
-    ``eval_batches - 1``, their loss as one batch of them all would average it); else the data factory's
-    batch ``data_step`` (by default the next step's). Call under the job's operation lock.
+    ``eval_batches - 1``, or with ``eval_batches=0`` one pass over it, every sample once; their loss as one
+    batch of them all would average it); else the data factory's batch ``data_step`` (by default the next
+    step's). Call under the job's operation lock.
 
     Raises:
         ValueError: a batch the job cannot split (as for a step), or a ``data_step`` below 0.
@@ -46,18 +47,21 @@ async def evaluate(job: JobCore, path: StepPath, inputs: Any, targets: Any, *, o
     spec = job.spec
     if data_step is not None and (isinstance(data_step, bool) or not isinstance(data_step, int) or data_step < 0):
         raise ValueError(f"data_step must be an int >= 0, got {data_step!r:.40}")
-    if on_validation(spec, inputs, targets, data_step):
-        batches = [validation_calls(spec, k) for k in range(spec.evaluation.eval_batches)]
-    else:
-        step = job.applied if data_step is None else data_step
-        batches = [step_calls(spec, step, inputs, targets, operation="evaluate")]
+    validation = on_validation(spec, inputs, targets, data_step)
+    count = spec.evaluation.eval_batches if validation else 1  # 0: one pass, its length as the stages find it
     losses: list[float] = []
     items: list[float] = []
     metrics: list[dict[str, float]] = []
     parts: list[Any] = []
     sent = 0
     started = time.perf_counter()
-    for calls in batches:
+    batch = 0
+    while batch < count or not count:
+        if validation:
+            calls = validation_calls(spec, batch)
+        else:
+            calls = step_calls(spec, job.applied if data_step is None else data_step, inputs, targets,
+                               operation="evaluate")
         for call in calls.values():
             call.pop("loss_weights", None)  # the loss is averaged here, from every micro-batch's
             call.update(evaluate=True, keep_outputs=outputs)
@@ -72,6 +76,11 @@ async def evaluate(job: JobCore, path: StepPath, inputs: Any, targets: Any, *, o
         metrics += [named for r in last for named in r.metrics]
         parts += [out for r in last for out in r.outputs or ()]
         sent += sum(n for r in reports for n in r.bytes_sent.values())
+        batch += 1
+        if not count:
+            count = max((r.pass_batches or 0 for r in reports), default=0)
+            if not count:
+                raise StepFailed("evaluation failed: no stage said how long a pass over the validation set is")
     return EvalResult(loss=step_loss(losses, items, spec.training.loss_averaging == "tokens"), items=float(sum(items)),
                       outputs=join_outputs(parts) if outputs else None, eval_time_s=time.perf_counter() - started,
                       bytes_sent=sent, metrics=mean_metrics(metrics, items))

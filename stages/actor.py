@@ -101,7 +101,8 @@ def assemble(config: StageConfig, built: BuiltStage, groups: StageGroups | None,
         tail=StepTail(config, built, executor, groups, send_tied, on_drop=sender.forget_feedback),
         state=StageState(built, executor, pipeline_rank=config.pipeline_rank, pipeline_stages=config.pipeline_stages,
                          job=config.job),
-        data=DataReads(built.data, config), eval_data=DataReads(built.eval_data, config, what="eval_data"))
+        data=DataReads(built.data, config), eval_data=DataReads(built.eval_data, config, what="eval_data",
+                                                          once=config.evaluation.eval_batches == 0))
 
 
 async def close_parts(parts: StageParts) -> None:
@@ -223,7 +224,7 @@ def stage_report(trace: StepTrace, parts: StageParts) -> StageReport:
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         codec_stats=parts.sender.edge_stats, optimizer_state_bytes=zero.state_bytes(model.optimizer),
         gradient_bytes=parts.tail.gradient_bytes, parameter_bytes=zero.parameter_bytes(model.optimizer),
-        device=str(model.device))
+        device=str(model.device), pass_batches=parts.eval_data.pass_batches)
 
 
 def join_and_build(config: StageConfig, runtime: Host, allow: Sequence[str], device: torch.device,

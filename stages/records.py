@@ -261,6 +261,8 @@ class StageReport(WireRecord):
         parameter_bytes: the bytes of this stage's parameters (each once).
         device: the device the stage computes on (``cpu``, ``cuda:1``); "" from a
             stage that predates the field.
+        pass_batches: from a stage that read a batch of one pass over the validation set
+            (``evaluation.eval_batches=0``), how many batches the pass takes.
         reduced, finished: with :attr:`StepOrder.finish`, the step's tail as the stage ran it
             after its barrier (see :class:`ReduceReport`, :class:`FinishReport`); None when
             the scheduler drives the tail by calls of its own.
@@ -288,6 +290,7 @@ class StageReport(WireRecord):
     gradient_bytes: int = 0
     parameter_bytes: int = 0
     device: str = ""
+    pass_batches: int | None = None
     reduced: ReduceReport | None = None
     finished: FinishReport | None = None
 

@@ -471,7 +471,7 @@ class Evaluation(_Section):
     eval_every: int = 0
     """evaluate on `eval_data` after every this many applied optimizer steps, in a run and one step at a time alike, between two steps (Megatron's `--eval-interval`, the Trainer's `eval_steps`); the loss (and `eval_metrics`) joins that step's `StepStats.eval_loss`, goes to the monitors as `Eval/loss` and out as an `Evaluated` event. 0: only when `job.evaluate` is called"""
     eval_batches: int = 1
-    """batches of `eval_data` each evaluation averages over (Megatron's `--eval-iters`), each split as a step's global batch is, over the job's micro-batches and replicas"""
+    """batches of `eval_data` each evaluation averages over (Megatron's `--eval-iters`), each split as a step's global batch is, over the job's micro-batches and replicas; a dataset is read on as one stream, so batches past its end take its first samples again. 0: one pass over a dataset with a length (a map-style dataset or a DataLoader over one), every sample once, as the Trainer evaluates its `eval_dataset`: the last batch is short, cut as evenly as it goes"""
     eval_metrics: str | None = None
     """a metrics function by import path or itself (the Trainer's `compute_metrics`): `metrics(outputs, targets)` on the last stage, with each micro-batch's outputs and targets as the loss takes them, returns a number (named after the function) or a dict of named numbers, each a mean over the micro-batch (an accuracy, a mean error); every evaluation averages them over its micro-batches weighted by their samples (or counted tokens), as one process would over the whole batch, into `EvalResult.metrics`, the `Evaluated` event and the monitors (`Eval/NAME`)"""
 
@@ -489,7 +489,7 @@ class Evaluation(_Section):
             object.__setattr__(self, "eval_data", factory_path(self.key("eval_data"), self.eval_data))
         check_kwargs(self.key("eval_data_kwargs"), self.eval_data_kwargs)
         check_int(self.key("eval_every"), self.eval_every, minimum=0)
-        check_int(self.key("eval_batches"), self.eval_batches, minimum=1)
+        check_int(self.key("eval_batches"), self.eval_batches, minimum=0)
         if self.eval_metrics is not None:
             object.__setattr__(self, "eval_metrics", factory_path(self.key("eval_metrics"), self.eval_metrics))
         if self.eval_every and self.eval_data is None:

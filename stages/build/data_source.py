@@ -148,6 +148,41 @@ class DatasetReader:
         pairs = [split_pair(batch) for batch in batches]
         return [p[0] for p in pairs], [p[1] for p in pairs], None
 
+    def pass_batches(self, replicas: int, micro_batches: int) -> int:
+        """How many global batches one pass over the dataset takes (:meth:`read_once`), the last one short.
+
+        Raises:
+            ValueError: an iterable dataset, which has no length to read once through.
+        """
+        if not self.indexed:
+            raise ValueError("evaluation.eval_batches=0 reads the validation set once through, which needs a "
+                             "dataset with a length (a map-style dataset, or a DataLoader over one); this one is "
+                             "iterable: give eval_batches the number of batches to average over")
+        return -(-self._length // (replicas * micro_batches * self.size))
+
+    def read_once(self, batch: int, replica: int, replicas: int, micro_batches: int) -> Read:
+        """Batch ``batch`` of one pass over the dataset (its first epoch's order), this replica's share: every
+        sample once in the pass, as the Trainer's evaluation reads its ``eval_dataset``. The batch's samples
+        are cut into the replicas' micro-batches in order, as evenly as they go; where there are fewer samples
+        than micro-batches (the last batch), a micro-batch with none holds the batch's first sample again,
+        with weight 0 (the weights: 1 for a micro-batch of the pass, 0 for such a stand-in)."""
+        size = replicas * micro_batches * self.size
+        positions = range(batch * size, min(self._length, (batch + 1) * size))
+        order = self._order(0)
+        indices = [p if order is None else int(order[p]) for p in positions]
+        if not indices:
+            raise ValueError(f"batch {batch} is past the end of one pass over the dataset "
+                             f"({self.pass_batches(replicas, micro_batches)} batches)")
+        parts = replicas * micro_batches
+        cuts = [-(-c * len(indices) // parts) for c in range(parts + 1)]  # the empty ones (if any) last
+        batches, weights = [], []
+        for c in range(replica * micro_batches, (replica + 1) * micro_batches):
+            chosen = indices[cuts[c]:cuts[c + 1]]
+            batches.append(self.collate([self.dataset[i] for i in chosen or indices[:1]]))
+            weights.append(1.0 if chosen else 0.0)
+        pairs = [split_pair(b) for b in batches]
+        return [p[0] for p in pairs], [p[1] for p in pairs], weights
+
     def _samples(self, first: int, count: int, replica: int, replicas: int) -> list[Any]:
         """Samples ``first`` to ``first + count`` of this replica's stream."""
         if not self.indexed:

@@ -36,14 +36,19 @@ class DataReads:
         config: the stage's config.
         clock: seconds, for timing each read.
         what: which of the job's data ``data`` is, as an error names it.
+        once: each read is a batch of one pass over the dataset (the validation set with
+            ``evaluation.eval_batches=0``); :attr:`pass_batches` is then the pass's length.
     """
 
     def __init__(self, data: BatchFunction | DatasetReader | None, config: StageConfig,
-                 clock: Callable[[], float] = time.perf_counter, what: str = "data factory") -> None:
+                 clock: Callable[[], float] = time.perf_counter, what: str = "data factory",
+                 once: bool = False) -> None:
         self.data = data
         self.config = config
         self.what = what
         self.clock = clock
+        self.once = once
+        self.pass_batches: int | None = None  # with once, as the last read found it (the replicas may change)
         self.inline = self.threaded = 0  # reads on the loop's thread, and on a thread
         self._next: int | None = None  # the step that follows the last one read
         self._last_s = float("inf")
@@ -66,5 +71,7 @@ class DataReads:
     def _timed(self, step: int, shard: Sequence[int], micro_batches: int) -> tuple[Read, float]:
         """A read and its own time (not a thread hop's, wherever it ran)."""
         started = self.clock()
-        found = read_data(self.data, self.config, step, shard, micro_batches, self.what)
+        found = read_data(self.data, self.config, step, shard, micro_batches, self.what, self.once)
+        if self.once and isinstance(self.data, DatasetReader):
+            self.pass_batches = self.data.pass_batches(shard[1], micro_batches)
         return found, self.clock() - started

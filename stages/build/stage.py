@@ -122,8 +122,21 @@ def _metrics_fn(cfg: StageConfig, allow: Sequence[str]) -> Callable[[Any, Any], 
     return load_object(path, allow)  # type: ignore[no-any-return]
 
 
+def whole_pass_source(source: BatchFunction | DatasetReader) -> None:
+    """Checks that ``source`` can be read once through (``evaluation.eval_batches=0``): a dataset with a length.
+
+    Raises:
+        ValueError: a batch function (it has no end) or an iterable dataset (no length).
+    """
+    if isinstance(source, BatchFunction):
+        raise ValueError("evaluation.eval_batches=0 reads the validation set once through, which needs a dataset "
+                         "with a length (a map-style dataset, or a DataLoader over one); eval_data made a batch "
+                         "function, which has no end: give eval_batches the number of batches to average over")
+    source.pass_batches(1, 1)
+
+
 def read_data(data: BatchFunction | DatasetReader | None, config: StageConfig, data_step: int, shard: Sequence[int],
-              num_microbatches: int, what: str = "data factory",
+              num_microbatches: int, what: str = "data factory", once: bool = False,
               ) -> tuple[list[Any] | None, list[Any] | None, list[float] | None]:
     """Step ``data_step``'s micro-batches of inputs (on a first stage) and targets (on a last), read from the
     data source ``data`` (:mod:`stages.build.data_source`): this replica's share (``shard``: ``[replica,
@@ -132,6 +145,9 @@ def read_data(data: BatchFunction | DatasetReader | None, config: StageConfig, d
 
     A stage actor that holds neither (the middle of three, or both inner stages of a V) reads
     nothing: its values come from its neighbours.
+
+    ``once``: batch ``data_step`` of one pass over a dataset (:meth:`DatasetReader.read_once`), the
+    validation set's when ``evaluation.eval_batches`` is 0; its weights mark the stand-ins (0).
 
     Raises:
         ValueError: the job has no data factory (``what``: which one), or a batch of fewer samples than its parts.
@@ -142,7 +158,11 @@ def read_data(data: BatchFunction | DatasetReader | None, config: StageConfig, d
     if data is None:
         raise ValueError(f"job {config.job} has no {what}")
     index, count = shard
-    inputs, targets, weights = data.read(data_step, index, count, num_microbatches)
+    if once:
+        assert isinstance(data, DatasetReader), "checked as the stage was built (whole_pass_source)"
+        inputs, targets, weights = data.read_once(data_step, index, count, num_microbatches)
+    else:
+        inputs, targets, weights = data.read(data_step, index, count, num_microbatches)
     return inputs if first else None, targets if last else None, weights if last else None
 
 
@@ -230,6 +250,8 @@ def build_stage(config: StageConfig, allow: Sequence[str], device: torch.device,
     scheduler = build_scheduler(cfg.optimization.lr_scheduler, optimizer, allow) if cfg.optimization.lr_scheduler is not None else None
     data = _data_source(cfg, cfg.training.data, cfg.training.data_kwargs, allow)
     eval_data = _data_source(cfg, cfg.evaluation.eval_data, cfg.evaluation.eval_data_kwargs, allow)
+    if eval_data is not None and cfg.evaluation.eval_batches == 0:
+        whole_pass_source(eval_data)
     log.info("stage %s/%d of job %s: model stages %s, %d parameters", cfg.pipeline_rank, cfg.pipeline_stages,
              cfg.job, cfg.stages, sum(p.numel() for p in params))
     overlap = None

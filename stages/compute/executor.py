@@ -271,8 +271,10 @@ class StepExecutor:
         for module in modules:
             module.eval()  # dropout off, batch norm on its running statistics, as DeepSpeed's eval_batch
         try:
+            # An evaluation's weights only mark the stand-ins of a pass over the validation set (0); its
+            # loss is averaged by the scheduler, from every micro-batch's count.
             return await self._run(step, program, inputs, targets, labels, evaluating=True,
-                                   keep_outputs=keep_outputs)
+                                   keep_outputs=keep_outputs, loss_weights=loss_weights)
         finally:
             for module, mode in zip(modules, modes):
                 module.train(mode)

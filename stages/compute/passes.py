@@ -239,6 +239,10 @@ class StagePasses:
                     out = boundary.cast_floating(out, self.model.compute_dtype)
                 self.values[("F", stage, mb)] = boundary.pack(out)
                 return None
+            if self._loss_weights is not None and not self._loss_weights[mb]:
+                # A stand-in in the last batch of a pass over the validation set (data_source.read_once):
+                # no sample's, so no loss, count, metric or output of it is reported.
+                return None
             loss = self._loss(mb, out, target)
             if self.model.metrics_fn is not None:
                 self.metrics[mb] = metric_values(self.model.metrics_fn, out, target)

@@ -412,3 +412,4 @@ def named_mlp(dim: int = 8) -> nn.Sequential:
 
 class LineSearch(torch.optim.LBFGS):
     """A user's own L-BFGS: its step, too, needs a closure."""
+

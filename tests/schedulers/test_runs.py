@@ -387,6 +387,37 @@ async def test_a_job_evaluates_itself_every_n_steps_before_it_saves_in_a_run_and
     assert equal(state, states[6])
 
 
+async def test_eval_batches_0_evaluates_every_sample_of_the_validation_set_once(cluster: Cluster) -> None:
+    """Found and left by review, built now: a validation set whose size does not divide the global batch was
+    read on as a stream, so its first samples counted twice. With ``eval_batches=0`` the job reads it once
+    through: 11 samples at 2 replicas x 2 micro-batches x 2 are 2 batches, the second cut 1, 1, 1 and a
+    stand-in that counts nothing; the loss is one process's over the 11 samples and the outputs are the
+    model's for them, in order. Training is left alone."""
+    from examples.data import regression_samples
+
+    shape = {"count": 11, "seq": 2, "dim": 8, "batch_size": 2}
+    states, _ = one_process([0])
+    job = await cluster.train(**_train(eval_data="examples.data:regression_samples", eval_data_kwargs=shape,
+                                       eval_batches=0, eval_metrics="torch.nn.functional:l1_loss"))
+    try:
+        await job.step()
+        result = await job.evaluate(outputs=True)
+        again = await job.evaluate()
+        state = await job.state_dict()
+    finally:
+        await job.close()
+    assert equal(state, states[1])
+    model = residual_mlp(**MODEL)
+    model.load_state_dict(states[1])
+    inputs, targets = regression_samples(**shape).dataset.tensors
+    with torch.no_grad():
+        outputs = model(inputs)
+    assert result.items == 11 and result.loss == pytest.approx(F.mse_loss(outputs, targets).item(), rel=1e-5)
+    assert result.metrics == pytest.approx({"l1_loss": F.l1_loss(outputs, targets).item()}, rel=1e-5)
+    torch.testing.assert_close(result.outputs, outputs, rtol=1e-5, atol=1e-6)
+    assert again.loss == result.loss
+
+
 async def test_keep_best_keeps_the_best_evaluations_version_beside_the_newest_and_it_loads(
         cluster: Cluster, tmp_path: Path) -> None:
     """``keep_best`` with ``keep_checkpoints=1``, an evaluation and a save after each of 4 steps, judged on the

@@ -292,7 +292,7 @@ def test_the_evaluation_section_wants_its_data_for_eval_every_and_a_batch_at_lea
     with pytest.raises(ValueError, match=r"evaluation.eval_every needs evaluation.eval_data"):
         JobSpec.of(model=MODEL, eval_every=5)
     with pytest.raises(ValueError, match=r"evaluation.eval_batches"):
-        JobSpec.of(**VALIDATION | {"eval_batches": 0})
+        JobSpec.of(**VALIDATION | {"eval_batches": -1})
     with pytest.raises(TypeError, match=r"evaluation.eval_data_kwargs"):
         JobSpec.of(**VALIDATION, eval_data_kwargs=[1])
 

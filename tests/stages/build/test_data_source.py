@@ -303,3 +303,42 @@ def test_a_loaders_worker_processes_load_the_same_micro_batches_and_end_with_the
             pooled.close()
         pooled._thread.shutdown(wait=True)
         assert not multiprocessing.active_children()
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_one_pass_reads_every_sample_once_its_last_batch_short_and_stand_ins_weighing_nothing(shuffle: bool) -> None:
+    """Found and left by review, built now: a validation set of 11 samples read in batches of 2 replicas x 2
+    micro-batches x 2 took 16 samples, 5 of them twice. With eval_batches=0 it is read once through: 2 batches,
+    the second of 3 samples cut over 4 micro-batches, the empty one a stand-in (the batch's first sample) of
+    weight 0; every sample once, in the epoch's order, and the same at every pass."""
+    loader = DataLoader(_dataset(11), batch_size=2, shuffle=shuffle)
+    reader = data_source(loader, None, seed=3)
+    assert isinstance(reader, DatasetReader)
+    try:
+        assert reader.pass_batches(2, 2) == 2 and reader.pass_batches(1, 1) == 6
+        reads = [reader.read_once(batch, replica, 2, 2) for batch in range(2) for replica in range(2)]
+        again = reader.read_once(1, 1, 2, 2)
+        with pytest.raises(ValueError, match="past the end of one pass"):
+            reader.read_once(2, 0, 2, 2)
+    finally:
+        reader.close()
+    taken = [i for read in reads for mb, w in zip(_ids(read), read[2]) if w for i in mb]
+    order = list(range(11)) if not shuffle else torch.randperm(11, generator=torch.Generator().manual_seed(3)).tolist()
+    assert taken == order
+    assert [read[2] for read in reads] == [[1.0, 1.0], [1.0, 1.0], [1.0, 1.0], [1.0, 0.0]]
+    assert [len(mb) for read in reads[2:] for mb in _ids(read)] == [1, 1, 1, 1]
+    assert _ids(reads[3])[1] == [order[8]]  # the stand-in: the last batch's first sample
+    assert _ids(again) == _ids(reads[3]) and all(torch.equal(a, b) for a, b in zip(again[1], reads[3][1]))
+
+
+def test_a_source_without_an_end_cannot_be_read_once_through() -> None:
+    from stages.build.stage import whole_pass_source
+
+    with pytest.raises(ValueError, match="eval_batches=0.*batch function, which has no end"):
+        whole_pass_source(BatchFunction(lambda step: (torch.zeros(2, 1), torch.zeros(2, 1))))
+    reader = DatasetReader(_Counting(4), micro_batch_size=2, seed=0)
+    try:
+        with pytest.raises(ValueError, match="eval_batches=0.*this one is iterable"):
+            whole_pass_source(reader)
+    finally:
+        reader.close()

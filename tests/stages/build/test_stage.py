@@ -121,3 +121,8 @@ def test_an_optimizer_that_steps_with_a_closure_is_refused_where_the_stage_build
     config = stage_config(0, 2, optimizer=("tests.helpers.models:LineSearch", {"lr": 0.1}))
     with pytest.raises(ValueError, match="closure.*use AdamW or SGD"):
         build_stage(config, DEFAULT_ALLOW + EXAMPLE_FACTORIES + ("tests.helpers.models",), CPU)
+
+
+def test_a_validation_set_read_once_through_must_have_an_end() -> None:
+    with pytest.raises(ValueError, match="eval_batches=0 reads the validation set once through.*batch function"):
+        build(1, eval_data="examples.data:regression_batches", eval_batches=0)
