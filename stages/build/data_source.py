@@ -15,10 +15,14 @@ A dataset is read as one endless stream per replica: epoch after epoch, each shu
 with ``seed + epoch`` when the DataLoader shuffles, and step ``k``'s micro-batches are
 that stream's ``k * micro_batches``-th onwards. The position is therefore the step count
 itself: a checkpoint (which keeps the step) resumes the data where it stood, and a
-recovery that rolls back to a snapshot reads the same batches again. The next step's
-micro-batches are read ahead on a thread of the reader's own; with a DataLoader's
-``num_workers``, a map-style dataset's samples are loaded and collated in its worker
-processes, in the same order. An iterable dataset's items then come from the worker
+recovery that rolls back to a snapshot reads the same batches again. A micro-batch of a
+map-style dataset is read and collated under random number generators seeded by its
+place in the stream (:class:`_SeededReads`), so a dataset or collator that draws (a random
+window, masked tokens) gives a replica's first and last stage the same samples, and a
+read again the same. With a DataLoader's ``num_workers``, a map-style dataset's samples
+are loaded and collated so in its worker processes, in the same order, and the next
+step's micro-batches are read ahead on a thread of the reader's own; without, each is
+read when asked. An iterable dataset's items then come from the worker
 processes as torch's DataLoader yields them: each worker iterates its own copy, and the
 loader takes one item from each in turn. A dataset that shards itself per worker
 (``torch.utils.data.get_worker_info``; Hugging Face's and WebDataset's iterable datasets
@@ -29,8 +33,11 @@ worker, as torch's DataLoader reads it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
+import random
+import sys
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -121,8 +128,14 @@ class DatasetReader:
         self._ahead: tuple[tuple[int, int, int, int], Future[Read]] | None = None
 
     def read(self, step: int, replica: int, replicas: int, micro_batches: int) -> Read:
-        """This replica's micro-batches of step ``step`` (prefetched when it is the one after the last),
-        then the next step's read ahead."""
+        """This replica's micro-batches of step ``step``; with worker processes (prefetched when it is the
+        one after the last) the next step's then read ahead.
+
+        Without them the read is here and now: it seeds the process's generators for its while
+        (:class:`_SeededReads`), and read ahead it would do so while the stage computes, whose dropout
+        would then draw from the read's seed and be put back with it."""
+        if self._workers is None:
+            return self._read(step, replica, replicas, micro_batches)
         key = (step, replica, replicas, micro_batches)
         ahead, self._ahead = self._ahead, None
         future = ahead[1] if ahead is not None and ahead[0] == key else self._thread.submit(self._read, *key)
@@ -142,9 +155,15 @@ class DatasetReader:
         first = step * micro_batches * self.size
         if self._workers is not None and self.indexed:
             batches = self._from_workers(first, micro_batches, replica, replicas)
-        else:
-            samples = self._samples(first, micro_batches * self.size, replica, replicas)
-            batches = [self.collate(samples[m * self.size:(m + 1) * self.size]) for m in range(micro_batches)]
+        elif self.indexed:
+            reads = _SeededReads(self.dataset, self.collate, self.seed)
+            batches = [reads.__getitems__([(replica, replicas, p, self.index(p, replica, replicas))
+                                           for p in range(at, at + self.size)])
+                       for at in range(first, first + micro_batches * self.size, self.size)]
+        else:  # what the iterator draws here (not in worker processes): the same on every stage
+            with _seeded(self.seed, replica, replicas, first) if self._workers is None else contextlib.nullcontext():
+                samples = self._iterated(first, micro_batches * self.size, replica, replicas)
+                batches = [self.collate(samples[m * self.size:(m + 1) * self.size]) for m in range(micro_batches)]
         pairs = [split_pair(batch) for batch in batches]
         return [p[0] for p in pairs], [p[1] for p in pairs], None
 
@@ -176,18 +195,13 @@ class DatasetReader:
         parts = replicas * micro_batches
         cuts = [-(-c * len(indices) // parts) for c in range(parts + 1)]  # the empty ones (if any) last
         batches, weights = [], []
+        reads = _SeededReads(self.dataset, self.collate, self.seed)
         for c in range(replica * micro_batches, (replica + 1) * micro_batches):
-            chosen = indices[cuts[c]:cuts[c + 1]]
-            batches.append(self.collate([self.dataset[i] for i in chosen or indices[:1]]))
-            weights.append(1.0 if chosen else 0.0)
+            start, end = (cuts[c], cuts[c + 1]) if cuts[c] < cuts[c + 1] else (0, 1)  # else a stand-in
+            batches.append(reads.__getitems__([(-1, batch, p, indices[p]) for p in range(start, end)]))
+            weights.append(1.0 if cuts[c] < cuts[c + 1] else 0.0)
         pairs = [split_pair(b) for b in batches]
         return [p[0] for p in pairs], [p[1] for p in pairs], weights
-
-    def _samples(self, first: int, count: int, replica: int, replicas: int) -> list[Any]:
-        """Samples ``first`` to ``first + count`` of this replica's stream."""
-        if not self.indexed:
-            return self._iterated(first, count, replica, replicas)
-        return [self.dataset[self.index(position, replica, replicas)] for position in range(first, first + count)]
 
     def index(self, position: int, replica: int, replicas: int) -> int:
         """The dataset index at ``position`` of replica ``replica``'s stream (a map-style dataset's)."""
@@ -204,9 +218,9 @@ class DatasetReader:
         if self._feed is None or self._feed[0] != (replica, replicas, first):
             self._end_feed()
             assert self._workers is not None
-            loader = DataLoader(self.dataset, batch_size=self.size, sampler=_Positions(self, first, replica, replicas),
-                                collate_fn=self.collate, generator=torch.Generator().manual_seed(self.seed),
-                                **self._workers)
+            loader = DataLoader(_SeededReads(self.dataset, self.collate, self.seed), batch_size=self.size,
+                                sampler=_Positions(self, first, replica, replicas), collate_fn=_as_yielded,
+                                generator=torch.Generator().manual_seed(self.seed), **self._workers)
             self._feed = ((replica, replicas, first), iter(loader))
         batches = [next(self._feed[1]) for _ in range(micro_batches)]
         self._feed = ((replica, replicas, first + micro_batches * self.size), self._feed[1])
@@ -317,16 +331,65 @@ def _shut_down(iterator: Iterator[Any]) -> None:
         shutdown()
 
 
-class _Positions(Sampler[int]):
-    """A replica's stream as dataset indices, from one position on, endlessly: what a loader's
-    worker processes load (see :meth:`DatasetReader._from_workers`)."""
+class _Positions(Sampler[tuple[int, int, int, int]]):
+    """A replica's stream as the keys of :class:`_SeededReads` (``replica, replicas, position, dataset
+    index``), from one position on, endlessly: what a loader's worker processes load (see
+    :meth:`DatasetReader._from_workers`)."""
 
     def __init__(self, reader: DatasetReader, first: int, replica: int, replicas: int) -> None:
         self.reader, self.first, self.replica, self.replicas = reader, first, replica, replicas
 
-    def __iter__(self) -> Iterator[int]:
+    def __iter__(self) -> Iterator[tuple[int, int, int, int]]:
         for position in itertools.count(self.first):
-            yield self.reader.index(position, self.replica, self.replicas)
+            yield self.replica, self.replicas, position, self.reader.index(position, self.replica, self.replicas)
+
+
+class _SeededReads:
+    """A dataset's micro-batches, each read and collated under random number generators seeded from the job's
+    seed and the micro-batch's place in its replica's stream (its first key).
+
+    A dataset that draws as it reads (a random crop or window in ``__getitem__``, a collator that masks
+    tokens at random, as Hugging Face's for masked language modelling does) drew from each process's own
+    generators, which the stages had used differently (dropout, reading ahead), so a replica's first stage
+    and its last read different samples for one micro-batch: the inputs of one and the targets of another,
+    and nothing said so. Seeded by place, every stage, a read again (a rollback, a load, an evaluation in
+    between) and a loader's worker process draw the same; torch's, Python's and numpy's generators are put
+    back as they were after each. A module's class: a spawned worker unpickles it."""
+
+    def __init__(self, dataset: Any, collate: Callable[[list[Any]], Any], seed: int) -> None:
+        self.dataset, self.collate, self.seed = dataset, collate, seed
+
+    def __getitems__(self, keys: Sequence[tuple[int, int, int, int]]) -> Any:
+        """The micro-batch of ``keys`` (each ``replica, replicas, position, index``), collated."""
+        replica, replicas, position, _ = keys[0]
+        with _seeded(self.seed, replica, replicas, position):
+            return self.collate([self.dataset[index] for *_, index in keys])
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+
+@contextlib.contextmanager
+def _seeded(seed: int, *place: int) -> Iterator[None]:
+    """Torch's CPU generator, Python's and (where imported) numpy's global one seeded from ``seed`` and
+    ``place``, and put back as they were afterwards."""
+    mixed = seed % 2**32
+    for part in place:
+        mixed = (mixed * 1_000_003 + part) % 2**61
+    python = random.getstate()
+    numpy = sys.modules.get("numpy")
+    kept = numpy.random.get_state() if numpy is not None else None
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(mixed)
+        random.seed(mixed)
+        if numpy is not None:
+            numpy.random.seed(mixed % 2**32)
+        try:
+            yield
+        finally:
+            random.setstate(python)
+            if numpy is not None:
+                numpy.random.set_state(kept)
 
 
 def split_pair(batch: Any) -> tuple[Any, Any]:
