@@ -218,9 +218,10 @@ class DatasetReader:
         if self._feed is None or self._feed[0] != (replica, replicas, first):
             self._end_feed()
             assert self._workers is not None
-            loader = DataLoader(_SeededReads(self.dataset, self.collate, self.seed), batch_size=self.size,
-                                sampler=_Positions(self, first, replica, replicas), collate_fn=_as_yielded,
-                                generator=torch.Generator().manual_seed(self.seed), **self._workers)
+            loader: DataLoader[Any] = DataLoader(
+                _SeededReads(self.dataset, self.collate, self.seed), batch_size=self.size, collate_fn=_as_yielded,
+                sampler=_Positions(self, first, replica, replicas), generator=torch.Generator().manual_seed(self.seed),
+                **self._workers)
             self._feed = ((replica, replicas, first), iter(loader))
         batches = [next(self._feed[1]) for _ in range(micro_batches)]
         self._feed = ((replica, replicas, first + micro_batches * self.size), self._feed[1])
@@ -344,7 +345,7 @@ class _Positions(Sampler[tuple[int, int, int, int]]):
             yield self.replica, self.replicas, position, self.reader.index(position, self.replica, self.replicas)
 
 
-class _SeededReads:
+class _SeededReads(torch.utils.data.Dataset[Any]):
     """A dataset's micro-batches, each read and collated under random number generators seeded from the job's
     seed and the micro-batch's place in its replica's stream (its first key).
 
@@ -364,6 +365,10 @@ class _SeededReads:
         replica, replicas, position, _ = keys[0]
         with _seeded(self.seed, replica, replicas, position):
             return self.collate([self.dataset[index] for *_, index in keys])
+
+    def __getitem__(self, key: tuple[int, int, int, int]) -> Any:
+        """A micro-batch of one sample (a loader reads a batch through :meth:`__getitems__`)."""
+        return self.__getitems__([key])
 
     def __len__(self) -> int:
         return len(self.dataset)
