@@ -102,7 +102,7 @@ def checkpointed(fn: Callable[..., Any], /, *args: Any, modules: Sequence[nn.Mod
     if not statistics:
         return checkpoint(run, *leaves, use_reentrant=False, preserve_rng_state=True)
     return checkpoint(run, *leaves, use_reentrant=False, preserve_rng_state=True,
-                      context_fn=lambda: (contextlib.nullcontext(), _statistics_kept(statistics)))
+                      context_fn=lambda: (contextlib.nullcontext(), _StatisticsKept(statistics)))
 
 
 # A normalization's running statistics (BatchNorm's and InstanceNorm's buffers, under these names in a traced
@@ -123,13 +123,22 @@ def _running_statistics(module: nn.Module) -> list[torch.Tensor]:
     return found
 
 
-@contextlib.contextmanager
-def _statistics_kept(statistics: Sequence[torch.Tensor]) -> Iterator[None]:
-    """Inside (a recompute): whatever the running statistics become, they are put back."""
-    kept = [(buffer, buffer.clone()) for buffer in statistics]
-    try:
-        yield
-    finally:
+class _StatisticsKept:
+    """Inside (a recompute): whatever the running statistics become, they are put back.
+
+    Entered at every recompute of one forward: torch's checkpoint makes the context once a
+    forward, and a split backward under plain autograd (zero-bubble's I, then W) recomputes
+    twice; a generator's context could be entered only once, and the second recompute failed."""
+
+    def __init__(self, statistics: Sequence[torch.Tensor]) -> None:
+        self.statistics = statistics
+        self.kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __enter__(self) -> None:
+        self.kept = [(buffer, buffer.clone()) for buffer in self.statistics]
+
+    def __exit__(self, *exc_info: object) -> None:
+        kept, self.kept = self.kept, []
         with torch.no_grad():
             for buffer, value in kept:
                 buffer.copy_(value)

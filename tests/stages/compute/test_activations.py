@@ -116,6 +116,30 @@ def test_a_recompute_leaves_batchnorms_running_statistics_as_the_forward_left_th
         assert torch.equal(recomputed[key], value), key
 
 
+def test_a_split_backward_recomputes_a_batchnorm_segment_twice_and_keeps_its_statistics() -> None:
+    """Found by review: zero-bubble without fused linears walks a checkpointed segment's graph twice (I: the
+    input's gradient, then W: the weights'), and the context that keeps BatchNorm's running statistics could
+    be entered once, so every such step failed at W ('_GeneratorContextManager' object has no attribute
+    'args'). Both walks give one backward's gradients, and the statistics stay as the forward left them."""
+    def model() -> nn.Module:
+        torch.manual_seed(5)
+        return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.GELU())
+
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
+    plain = model()
+    plain(x).square().sum().backward()
+    split = model()
+    inputs = x.clone().requires_grad_()
+    out = _activations.checkpointed(split, inputs, modules=[split])
+    grad = 2 * out.detach()
+    torch.autograd.grad(out, inputs, grad, retain_graph=True)  # I
+    torch.autograd.backward(out, grad, inputs=list(split.parameters()))  # W: the second recompute
+    for (name, p), q in zip(plain.named_parameters(), split.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, msg=name)
+    for key, value in plain.state_dict().items():
+        assert torch.equal(split.state_dict()[key], value), key
+
+
 def test_saved_activations_count_a_storage_once_and_leave_out_the_resident() -> None:
     weight = torch.randn(8, 8, requires_grad=True)
     x = torch.randn(4, 8, requires_grad=True)
