@@ -93,12 +93,18 @@ class StepPath:
         calls = step_calls(job.spec, position, inputs, targets)
         scaler = job.scaler
         prescale = 1.0
+        if scaler is not None:
+            # A replica's loss is the mean over its own share, so its fp16 gradients were the replicas' count
+            # times one process's on the whole batch, and overflowed at a scale that many times lower: which
+            # steps were skipped depended on the mesh. Divided by a power of two near the count, they meet fp16
+            # at one process's size (exactly so for a power of two), and the decision divides by that scale.
+            prescale = _power_of_two(job.mesh.data)
         if scaler is not None and job.spec.training.loss_averaging == "tokens":
             size = getattr(targets, "numel", None)  # a tensor's (torch is not imported here: see job_core)
             if not self._prescale_counted and callable(size) and size():
                 # The first step, from a driver's batch: its targets' size per replica bounds the count.
                 self.token_prescale = _power_of_two(size() / job.mesh.data)
-            prescale = self.token_prescale
+            prescale *= self.token_prescale
         if scaler is not None and after is not None:
             # A step sent ahead runs only once the step before is applied (StepOrder.after), which moves
             # the fp16 scale as every applied step does; one that overflowed is skipped, and the run

@@ -159,6 +159,35 @@ async def test_an_fp16_overflow_on_one_stage_skips_the_step_on_every_stage(clust
 
 
 @pytest.mark.asyncio(loop_scope="package")
+async def test_fp16_skips_the_same_steps_at_any_data_parallel_width(cluster: Cluster) -> None:
+    """Found by review: a replica's loss is the mean over its own share, so at data_parallel=2 its fp16
+    gradients were twice one process's and overflowed at half the scale, and which steps were skipped
+    depended on the mesh. The order's scale is now divided by the replicas (a power of two: exactly undone).
+    The same micro-batches (2 samples each: 8 at one replica, 4 at each of two) now skip the same steps at
+    the same scales and train to the same parameters, up to the replicas' order of summing."""
+    mlp = WORKLOADS["mlp"]
+    generator = torch.Generator().manual_seed(4321)
+    dim = mlp["kwargs"]["dim"]
+    batches = [(torch.randn(16, 4, dim, generator=generator) * 3, torch.randn(16, 4, dim, generator=generator) * 3)
+               for _ in range(6)]
+    runs = {}
+    for replicas in (1, 2):
+        job = await cluster.train(model=mlp["model"], model_kwargs=mlp["kwargs"], loss=mlp["loss"],
+                                  optimizer=mlp["optimizer"], pipeline_stages=2, data_parallel=replicas,
+                                  micro_batches=8 // replicas, precision="fp16", initial_scale_power=20,
+                                  loss_scale_window=2, hysteresis=1, gradient_clipping=0.5)
+        try:
+            runs[replicas] = [await job.step(x, y) for x, y in batches], await job.state_dict()
+        finally:
+            await job.close()
+    (stats_one, one), (stats_two, two) = runs[1], runs[2]
+    assert [s.skipped for s in stats_two] == [s.skipped for s in stats_one] and any(s.skipped for s in stats_one)
+    assert [s.loss_scale for s in stats_two] == [s.loss_scale for s in stats_one]
+    for key, value in one.items():
+        torch.testing.assert_close(two[key], value, rtol=1e-4, atol=1e-5, msg=key)
+
+
+@pytest.mark.asyncio(loop_scope="package")
 async def test_fp16_token_averaging_scales_as_sample_averaging_does(cluster: Cluster) -> None:
     """Found by review: with loss_averaging="tokens" a micro-batch's loss was a sum, divided by the count only
     after backward, so its fp16 gradients were the count times one process's: the first five steps overflowed
