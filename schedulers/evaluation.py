@@ -83,7 +83,7 @@ async def evaluate(job: JobCore, path: StepPath, inputs: Any, targets: Any, *, o
                 raise StepFailed("evaluation failed: no stage said how long a pass over the validation set is")
     return EvalResult(loss=step_loss(losses, items, spec.training.loss_averaging == "tokens"), items=float(sum(items)),
                       outputs=join_outputs(parts) if outputs else None, eval_time_s=time.perf_counter() - started,
-                      bytes_sent=sent, metrics=mean_metrics(metrics, items))
+                      bytes_sent=sent, metrics=mean_metrics(metrics, items), batches=batch)
 
 
 def on_validation(spec: JobSpec, inputs: Any, targets: Any, data_step: int | None) -> bool:

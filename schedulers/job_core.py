@@ -120,6 +120,7 @@ class JobCore:
         self.fenced: dict[int, int] = {}
         self.broken: str | None = None  # set when stages may disagree (a release failed): only load or close help
         self.next_step = 0  # the next step number: one per attempt, never reused (it fences stale messages)
+        self.collecting: int | None = None  # the step whose answers are awaited (a run may send the next ahead)
         self.applied = 0  # steps the stages' state holds (rolled back by a recovery)
         self.steps_done = 0  # steps the job has completed (what a recovery replays up to)
         # Whole checkpoints loaded so far: a step count reached again after one (job.load of an older

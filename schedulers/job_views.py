@@ -64,13 +64,21 @@ class JobViews:
 
         answers = await asyncio.gather(*(progress(ref) for ref in job.stages))
         running = job.lock.locked()
-        step = job.next_step - 1 if running else None
+        # The step whose answers are awaited: a run sends the next step's orders while its stages finish the
+        # one before. The newest step sent, taken for it, marked every stage still on the one before as not
+        # started (and dropped the marks); a stage already on the next has finished it: at its barrier.
+        step = (job.next_step - 1 if job.collecting is None else job.collecting) if running else None
         replicas: dict[tuple[int, int], dict[int, StageProgress | str]] = {}
         for member, answer in enumerate(answers):
             c = job.mesh.coords(member)
-            replicas.setdefault((c.data, c.tensor), {})[c.pipeline] = answer if isinstance(answer, str) else \
-                StageProgress(rank=c.pipeline, current=answer.current, done=answer.done,
-                              stale=step is not None and answer.step != step)
+            if isinstance(answer, str):
+                replicas.setdefault((c.data, c.tensor), {})[c.pipeline] = answer
+                continue
+            past = step is not None and answer.step > step  # it finished that step: at its barrier
+            replicas.setdefault((c.data, c.tensor), {})[c.pipeline] = StageProgress(
+                rank=c.pipeline, current=None if past else answer.current,
+                done=_at_barrier(job.programs[c.pipeline]) if past else answer.done,
+                stale=step is not None and answer.step < step)
         lines: list[str] = []
         grids: list[tuple[bool, str]] = []
         for (data, tensor), found in sorted(replicas.items()):
@@ -128,3 +136,8 @@ class JobViews:
                                            step_time_s=stats.step_time_s, step=stats.step)
             self._advice = ((stats.step, spec), plan)  # asked again before the next step: the same answer
         return self._advice[1]
+
+
+def _at_barrier(program: list[str]) -> int:
+    """How many of ``program``'s actions a stage at its barrier has done."""
+    return next((i for i, text in enumerate(program) if text.endswith("BARRIER")), len(program))

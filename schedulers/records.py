@@ -174,6 +174,8 @@ class EvalResult(WireRecord):
         bytes_sent: bytes the stages put on the wire, every edge.
         metrics: the job's ``eval_metrics`` by name, each averaged over the micro-batches as the
             loss is (weighted by their samples or counted tokens); empty without them.
+        batches: the global batches evaluated (the validation set's ``eval_batches``, or the
+            length of one pass over it).
     """
 
     loss: float
@@ -182,6 +184,7 @@ class EvalResult(WireRecord):
     eval_time_s: float = 0.0
     bytes_sent: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    batches: int = 1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

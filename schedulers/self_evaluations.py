@@ -79,7 +79,7 @@ class SelfEvaluations:
         if self.monitors is not None:  # at the steps applied before it (see schedulers.monitors)
             self.monitors.record_evaluation(result, job.applied)
         self.last = Evaluated(time=time.time(), job=job.id, step=job.applied, loss=result.loss, items=result.items,
-                              batches=job.spec.evaluation.eval_batches if validation else 1,
+                              batches=result.batches,
                               eval_time_s=result.eval_time_s, periodic=periodic, validation=validation,
                               metrics=result.metrics)
         job.publish(self.last)

@@ -163,6 +163,15 @@ class StepPath:
         """
         job = self.job
         step, inputs = dispatched.step, dispatched.inputs
+        job.collecting = step
+        try:
+            return await self._collected(dispatched, since)
+        finally:
+            job.collecting = None
+
+    async def _collected(self, dispatched: Dispatched, since: float | None) -> StepStats:
+        job = self.job
+        step, inputs = dispatched.step, dispatched.inputs
         started = dispatched.started if since is None else max(dispatched.started, since)
         used_scale, ran, ranked, planning_s = dispatched.used_scale, dispatched.ran, None, 0.0
         try:

@@ -78,8 +78,9 @@ def split_commands(line: str) -> list[list[str]]:
     Raises:
         CommandError: unbalanced quotes.
     """
-    lexer = shlex.shlex(line, posix=True, punctuation_chars=";")
+    lexer = shlex.shlex(_uncommented(line), posix=True, punctuation_chars=";")
     lexer.whitespace_split = True
+    lexer.commenters = ""  # shlex's own cut at any '#', inside a word too: 'trace job0 /tmp/a#b.json' wrote /tmp/a
     commands: list[list[str]] = [[]]
     try:
         for token in lexer:
@@ -90,6 +91,24 @@ def split_commands(line: str) -> list[list[str]]:
     except ValueError as exc:
         raise CommandError(f"cannot split {line!r}: {exc}") from None
     return [c for c in commands if c]
+
+
+def _uncommented(line: str) -> str:
+    """``line`` up to a ``#`` that starts a word outside quotes, as a shell reads a comment (``run#1`` is one word)."""
+    quote, escaped, start = "", False, True
+    for at, char in enumerate(line):
+        if escaped:
+            escaped = False
+        elif char == "\\" and quote != "'":
+            escaped = True
+        elif quote:
+            quote = "" if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char == "#" and start:
+            return line[:at]
+        start = not quote and (char.isspace() or char == ";")
+    return line
 
 
 async def execute(session: Session, words: list[str]) -> bool:
@@ -244,7 +263,7 @@ def _submit_args(args: list[str]) -> tuple[str, str | None]:
             words.append(word)
     if len(words) != 1:
         raise CommandError(usage)
-    return words[0], job
+    return os.path.expanduser(words[0]), os.path.expanduser(job) if job is not None else None
 
 
 @command("run JOB N", "take N steps from the job's data factory, with a progress bar",
@@ -368,29 +387,33 @@ async def _trace(session: Session, args: list[str]) -> None:
     job = await session.job(args[0])
     with session.reporting():
         trace = await job.trace()
-    _write_json(args[1], trace)
+    path = os.path.expanduser(args[1])
+    _write_json(path, trace)
     events = trace["traceEvents"]
     tracks = sum(1 for e in events if e.get("name") == "thread_name")
     spans = sum(1 for e in events if e.get("ph") == "X")
     flows = sum(1 for e in events if e.get("ph") == "s")
     offsets = ", ".join(f"{name} {1e3 * off:+.2f} ms" for name, off in trace["otherData"]["clock_offsets_s"].items())
-    _print(session, f"{args[0]}: wrote {args[1]}: step {trace['otherData'].get('step')}, {tracks} tracks, "
+    _print(session, f"{args[0]}: wrote {path}: step {trace['otherData'].get('step')}, {tracks} tracks, "
                     f"{spans} spans, {flows} transfers (clock offsets: {offsets})")
 
 
 @command("plot JOB FILE.png", "draw the last step's timeline as a PNG: stages as rows, idle time visible",
          args=("job", "path"), min_args=2)
 async def _plot(session: Session, args: list[str]) -> None:
+    path = os.path.expanduser(args[1])
+    if not os.path.splitext(path)[1]:
+        path += ".png"  # what matplotlib writes for a name without one
     job = await session.job(args[0])
     with session.reporting():
         trace = await job.trace()
     try:
-        await asyncio.to_thread(plot_trace, trace, args[1])
+        await asyncio.to_thread(plot_trace, trace, path)
     except ImportError:
         raise CommandError("plot needs matplotlib: pip install matplotlib") from None
-    except OSError as exc:
-        raise CommandError(f"cannot write {args[1]}: {exc}") from None
-    _print(session, f"{args[0]}: wrote {args[1]} ({os.path.getsize(args[1])} bytes)")
+    except (OSError, ValueError) as exc:  # ValueError: an extension matplotlib does not write
+        raise CommandError(f"cannot write {path}: {exc}") from None
+    _print(session, f"{args[0]}: wrote {path} ({os.path.getsize(path)} bytes)")
 
 
 @command("quit", "leave the console, also 'exit' or Ctrl-D (jobs keep running)")
@@ -404,17 +427,23 @@ COMMANDS["exit"] = COMMANDS["quit"]
 # -- helpers ---------------------------------------------------------------------------------
 
 
+_MOST = 10**15  # beyond any step count, and within what the wire carries (an int of 64 bits)
+
+
 def _int_arg(text: str, name: str, least: int = 1) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise CommandError(f"{name} must be a whole number, got {text!r}") from None
+        raise CommandError(f"{name} must be a whole number, got {text[:40]!r}") from None
     if value < least:
         raise CommandError(f"{name} must be >= {least}, got {value}")
+    if value > _MOST:
+        raise CommandError(f"{name} must be <= {_MOST}, got {text[:40]}{'...' if len(text) > 40 else ''}")
     return value
 
 
 def _write_json(path: str, data: Any) -> None:
+    path = os.path.expanduser(path)
     try:
         directory = os.path.dirname(os.path.abspath(path))
         os.makedirs(directory, exist_ok=True)

@@ -36,7 +36,9 @@ def format_bytes(n: float | None) -> str:
 
 
 def _number(value: Any, spec: str = ".4f", missing: str = "-") -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
+    """``value`` formatted; ``missing`` where there is none. A NaN is shown as one (a loss that diverged
+    is what a person most needs to see, and ``-`` said "no value")."""
+    if value is None:
         return missing
     return format(value, spec)
 
@@ -121,7 +123,9 @@ def job_detail(info: JobDescription) -> list[str]:
         lines.append(f"no step finished yet ({info.steps} started)")
     run = info.run
     if run is not None:
-        outcome = "running" if run.active else ("failed: " + run.error if run.error else "finished")
+        outcome = ("stopping" if run.stopping else "running") if run.active else \
+            "failed: " + run.error if run.error else "finished" if run.done >= run.target else \
+            "stopped early (the evaluations stopped improving)" if run.stopped_early else "stopped"
         lines.append(f"run: {progress_bar(run.done, run.target)} {outcome}")
     saving = spec.checkpointing
     if saving.checkpoint_every:
@@ -132,8 +136,8 @@ def job_detail(info: JobDescription) -> list[str]:
             lines.append(f"best checkpoint: {info.best_checkpoint}")
     checking = spec.evaluation
     if checking.eval_every:
-        lines.append(f"evaluates itself every {checking.eval_every} steps on {checking.eval_batches} batches of "
-                     f"{checking.eval_data}")
+        on = f"{checking.eval_batches} batches of" if checking.eval_batches else "one pass over"
+        lines.append(f"evaluates itself every {checking.eval_every} steps on {on} {checking.eval_data}")
     for said, evaluated in (("last", info.last_eval), ("best", info.best_eval)):
         if evaluated is not None and (said == "last" or evaluated != info.last_eval):
             lines.append(f"{said} " + (event_line(evaluated) or "").removeprefix(f"{info.job} "))

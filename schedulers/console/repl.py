@@ -36,6 +36,8 @@ from transport.codecs import CODEC_NAMES
 
 __all__ = ["ConsoleCompleter", "console_main", "interact", "run_script"]
 
+log = logging.getLogger(__name__)
+
 PROMPT = "actorpipe> "
 _VALUES = {"schedule": (*SCHEDULES, "auto"), "activation_codec": tuple(CODEC_NAMES),
            "gradient_codec": tuple(CODEC_NAMES), "micro_batches": ("1", "2", "4", "8", "16")}
@@ -102,8 +104,13 @@ async def run_line(session: Session, line: str) -> bool:
         try:
             if await execute(session, words):
                 return True
+        except CommandError:
+            raise
         except ActorError as exc:  # a call the session did not wrap, e.g. to the head
             raise CommandError(exc.message) from None
+        except Exception as exc:  # a command's own defect or an input it did not foresee: said, and the console serves on
+            log.debug("%s failed", words[0], exc_info=True)
+            raise CommandError(f"{words[0]} failed: {type(exc).__name__}: {exc}") from None
     return False
 
 

@@ -206,6 +206,8 @@ def read_config_file(path: str | os.PathLike[str]) -> Any:
         raise ConfigError(name, f"not valid JSON or hjson: {exc}") from None
     except RecursionError:
         raise ConfigError(name, "nested too deeply to be a config") from None
+    except (OverflowError, ValueError) as exc:  # hjson's own number conversions: 1e999 as an int
+        raise ConfigError(name, f"not valid JSON or hjson: a number it cannot hold ({exc})") from None
 
 
 class _DuplicateKey(ValueError):

@@ -516,6 +516,13 @@ def test_a_file_that_does_not_parse_is_named_once(tmp_path: Path) -> None:
     ("run job0 5; status job0 --actions", [["run", "job0", "5"], ["status", "job0", "--actions"]]),
     ("trace job0 'my trace.json';;quit;", [["trace", "job0", "my trace.json"], ["quit"]]),
     ("  ", []),
+    # Found by review: shlex cut at any '#', so 'trace job0 /tmp/a#b.json' wrote /tmp/a. As in a shell, a '#'
+    # starts a comment only at the start of a word, outside quotes.
+    ("checkpoint job0 run#1; trace job0 /tmp/a#b.json", [["checkpoint", "job0", "run#1"],
+                                                         ["trace", "job0", "/tmp/a#b.json"]]),
+    ("jobs  # what runs;status", [["jobs"]]),
+    ("trace job0 '# x.json' # the trace", [["trace", "job0", "# x.json"]]),
+    ("status;#jobs", [["status"]]),
 ])
 def test_lines_split_into_commands_like_a_shell(line: str, expected: list[list[str]]) -> None:
     assert split_commands(line) == expected
@@ -531,6 +538,54 @@ def test_lines_split_into_commands_like_a_shell(line: str, expected: list[list[s
 def test_wrong_commands_are_refused_before_anything_is_asked(words: list[str], message: str) -> None:
     with pytest.raises(CommandError, match=message):
         asyncio.run(execute(_Offline([]), words))  # type: ignore[arg-type]
+
+
+def test_a_command_that_fails_unforeseen_is_an_error_line_and_the_console_serves_on(tmp_path: Path) -> None:
+    """Found by review: a number past what the wire carries ('run job0 99999999999999999999999') and a plot to a
+    file matplotlib cannot write raised past the console's handlers: a traceback, and the interactive console
+    ended. Numbers are bounded now, and any other failure of a command is an error line."""
+    from schedulers.console import commands
+    from schedulers.console.repl import run_line
+
+    with pytest.raises(CommandError, match=r"N must be <= 1000000000000000, got 99999999999999999999999"):
+        asyncio.run(execute(_Offline(["job0"]), ["run", "job0", "99999999999999999999999"]))  # type: ignore[arg-type]
+
+    async def broken(session: Any, args: list[str]) -> None:
+        raise ValueError("Format 'xyz' is not supported")
+
+    saved = commands.COMMANDS["jobs"]
+    commands.COMMANDS["jobs"] = dataclasses.replace(saved, handler=broken)
+    try:
+        with pytest.raises(CommandError, match="jobs failed: ValueError: Format 'xyz' is not supported"):
+            asyncio.run(run_line(_Offline([]), "jobs; quit"))  # type: ignore[arg-type]
+    finally:
+        commands.COMMANDS["jobs"] = saved
+
+
+def test_a_config_with_a_number_no_int_holds_is_a_config_error(tmp_path: Path) -> None:
+    from schedulers.deepspeed.config import ConfigError
+
+    config = tmp_path / "ds.json"
+    config.write_text('{"train_batch_size": 1e999}')
+    with pytest.raises(ConfigError, match="a number it cannot hold"):
+        load_config(str(config))
+
+
+def test_a_nan_loss_shows_as_nan_and_a_stopped_run_as_stopped() -> None:
+    """Found by review: a NaN loss showed as '-', as no value does, and a run stopped after 390 of 3000 steps
+    as 'finished'."""
+    from schedulers.records import RunInfo
+
+    spec = JobSpec.of(model="examples.models:residual_mlp", pipeline_stages=2, micro_batches=4)
+    stats = StepStats(step=3, loss=float("nan"), step_time_s=0.1, bubble_fraction=0.0, bytes_sent=0)
+    info = JobDescription(job="job0", spec=spec, bounds=[[0, 2], [2, 4]], mesh=[2, 1, 1], nodes=["node0", "node1"],
+                          stages=[], steps=4, programs=[["0F0"], ["1F0"]], stepping=False, traced=True,
+                          last_stats=stats, run=RunInfo(target=3000, first_step=0, done=390, active=False))
+    lines = job_detail(info)
+    assert any(line.startswith("step 3: loss nan,") for line in lines)
+    assert any(line.startswith("run: ") and line.endswith("390/3000 stopped") for line in lines)
+    finished = dataclasses.replace(info, run=RunInfo(target=3000, first_step=0, done=3000, active=False))
+    assert any(line.endswith("3000/3000 finished") for line in job_detail(finished))
 
 
 def test_an_unclosed_quote_is_refused() -> None:

@@ -79,3 +79,51 @@ def test_interleaved_waits_look_up_the_virtual_stages_rank() -> None:
     # Model stage 2 lives on rank 0 and waits for stage 1 (rank 1).
     report = diagnose(p, {0: at(0, "2RECV_F0", p[0]), 1: at(1, "1F0", p[1])})
     assert report.lines[0] == "stage 0 waits at 2RECV_F0: stage 1 never reached 1SEND_F0 (stuck at 1F0)"
+
+
+def test_during_a_run_the_report_is_of_the_step_being_collected_not_the_one_sent_ahead() -> None:
+    """Found by review: a run sends step N+1's orders while its stages finish step N, and the report took the
+    newest step sent for the one in progress, so every stage still on N was 'has not started this step' and the
+    grid lost its marks (a step timeout's report too). It is now of the step whose answers are awaited; a stage
+    already on the next one finished it, at its barrier."""
+    import asyncio
+
+    from schedulers.job_views import JobViews
+    from stages.mesh import Mesh
+    from stages.records import ProgressReport
+
+    p = programs()
+
+    class Ref:
+        def __init__(self, report: ProgressReport) -> None:
+            self.report, self.name = report, f"rank{report.rank}"
+
+        def endpoint(self, method: object, timeout: float) -> Ref:
+            return self
+
+        async def call(self) -> ProgressReport:
+            return self.report
+
+    class Job:
+        mesh, programs, next_step, collecting = Mesh(pipeline=2), p, 8, 7
+        lock = asyncio.Lock()
+        stages: list[Ref] = []
+
+    async def report(*answers: ProgressReport) -> tuple[str, list[str], list[int]]:
+        Job.stages = [Ref(answer) for answer in answers]
+        async with Job.lock:
+            return await JobViews(Job()).hang_report()  # type: ignore[arg-type]
+
+    # Both stages on step 7, step 8 sent ahead.
+    text, lines, silent = asyncio.run(report(ProgressReport(rank=0, step=7, current="0F3", done=p[0].index("0F3")),
+                                             ProgressReport(rank=1, step=7, current="1RECV_F3",
+                                                            done=p[1].index("1RECV_F3"))))
+    assert silent == [] and "has not started" not in text
+    assert lines[0] == "stage 1 waits at 1RECV_F3: stage 0 never reached 0SEND_F3 (stuck at 0F3)"
+    assert ">0F3<" in text and ">1RECV_F3<" in text
+    # Stage 1 in step 7's tail, stage 0 already on step 8: step 7 is done on both.
+    text, lines, _ = asyncio.run(report(ProgressReport(rank=0, step=8, current="0F0", done=0),
+                                        ProgressReport(rank=1, step=7, current=None, done=p[1].index("1BARRIER"))))
+    assert lines == ["stage 0 reached the barrier (16 of 16 actions done)",
+                     "stage 1 reached the barrier (16 of 16 actions done)"]
+    assert ">0BARRIER<" in text and ">1BARRIER<" in text

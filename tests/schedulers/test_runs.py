@@ -412,7 +412,8 @@ async def test_eval_batches_0_evaluates_every_sample_of_the_validation_set_once(
     inputs, targets = regression_samples(**shape).dataset.tensors
     with torch.no_grad():
         outputs = model(inputs)
-    assert result.items == 11 and result.loss == pytest.approx(F.mse_loss(outputs, targets).item(), rel=1e-5)
+    assert result.items == 11 and result.batches == 2
+    assert result.loss == pytest.approx(F.mse_loss(outputs, targets).item(), rel=1e-5)
     assert result.metrics == pytest.approx({"l1_loss": F.l1_loss(outputs, targets).item()}, rel=1e-5)
     torch.testing.assert_close(result.outputs, outputs, rtol=1e-5, atol=1e-6)
     assert again.loss == result.loss

@@ -67,7 +67,9 @@ def asked(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, Any]]:
         if getattr(job, "fail", None) is not None:
             raise job.fail  # type: ignore[attr-defined]
         calls.append((job.applied, data_step))
-        return EvalResult(loss=float(job.applied), items=32.0, eval_time_s=0.5)
+        validation = evaluation.on_validation(job.spec, inputs, targets, data_step)
+        return EvalResult(loss=float(job.applied), items=32.0, eval_time_s=0.5,
+                          batches=job.spec.evaluation.eval_batches if validation else 1)
 
     monkeypatch.setattr(evaluation, "evaluate", evaluate)
     return calls
