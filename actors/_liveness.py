@@ -38,7 +38,7 @@ from zmq.utils.monitor import recv_monitor_message
 from transport.channel import reach
 from transport.security import Keypair, configure_client, configure_server
 
-__all__ = ["HEAD_GONE_S", "LivenessClient", "LivenessServer"]
+__all__ = ["HEAD_GONE_S", "MAX_SILENCE_S", "LivenessClient", "LivenessServer", "check_silence"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,21 @@ _BYE_LINGER_MS = 500  # how long a closing head's socket keeps trying to hand it
 # A launched worker's head is gone when its liveness connection stays closed this long (libzmq
 # reconnects by itself across a blip; a head that exited or was killed never comes back).
 HEAD_GONE_S = 3.0
+# The longest silence a liveness connection can wait out: libzmq keeps a heartbeat's time to live in
+# tenths of a second in 16 bits (6553.5 s), and refused a longer one only as a node registered.
+MAX_SILENCE_S = 6553.0
+
+
+def check_silence(name: str, seconds: float) -> None:
+    """Refuses a silence no heartbeat can wait out (:data:`MAX_SILENCE_S`), or one that is not a finite
+    number of seconds above 0.
+
+    Raises:
+        ValueError: naming ``name`` and what would work.
+    """
+    if not 0 < seconds <= MAX_SILENCE_S:
+        raise ValueError(f"{name} must be seconds > 0 and <= {MAX_SILENCE_S:g} (libzmq's heartbeats wait at most "
+                         f"that long), got {seconds!r}")
 # How long closing a liveness end waits for its thread (which closes its sockets as it ends).
 JOIN_S = 5.0
 
@@ -94,13 +109,17 @@ class LivenessServer:
         """A socket for node ``name`` (holding key ``identity``; "" on an insecure cluster), replacing
         any it had; returns the endpoint the node connects to."""
         socket: zmq.Socket[Any] = self._context.socket(zmq.PAIR)
-        if self._keys is not None:
-            configure_server(socket, self._keys)
-        socket.setsockopt(zmq.HEARTBEAT_IVL, self._interval_ms)
-        socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, self._timeout_ms)
-        socket.setsockopt(zmq.HEARTBEAT_TTL, self._timeout_ms)
-        socket.setsockopt(zmq.MAXMSGSIZE, 1024)
-        socket.setsockopt(zmq.LINGER, 0)
+        try:
+            if self._keys is not None:
+                configure_server(socket, self._keys)
+            socket.setsockopt(zmq.HEARTBEAT_IVL, self._interval_ms)
+            socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, self._timeout_ms)
+            socket.setsockopt(zmq.HEARTBEAT_TTL, self._timeout_ms)
+            socket.setsockopt(zmq.MAXMSGSIZE, 1024)
+            socket.setsockopt(zmq.LINGER, 0)
+        except BaseException:
+            socket.close(linger=0)  # else the context's end waits for it forever
+            raise
         address = f"{self._host}.live{next(self._count)}" if self._host.startswith("ipc://") else f"{self._host}:0"
         reach(socket, address)
         socket.bind(address)
@@ -217,6 +236,8 @@ class LivenessClient:
     def __init__(self, context: zmq.Context[Any], endpoint: str, name: str, keys: Keypair | None,
                  server_public: bytes | None, on_head_gone: Callable[[], None] | None = None, *,
                  silent_timeout: float | None = None) -> None:
+        if silent_timeout is not None:
+            check_silence("head_timeout", silent_timeout)
         self._socket: zmq.Socket[Any] = context.socket(zmq.PAIR if silent_timeout is None else zmq.PUSH)
         socket = self._socket
         if keys is not None and server_public is not None:

@@ -22,7 +22,7 @@ from actors._actor import Actor, current_caller, endpoint, sees_all
 from actors._context import NodeContext
 from actors._errors import (ActorError, ActorLost, NodeLost, NotAllowed, builtin_base, contained,
                             remote_error_class)
-from actors._liveness import LivenessServer
+from actors._liveness import LivenessServer, check_silence
 from actors._registry import actor_class, load_object, registered_actors
 from actors._subscribers import EventSink, Subscribers
 from actors.events import Event, NodeJoined, NodeLeft, NodeSilent
@@ -156,6 +156,7 @@ class HeadActor(Actor):
     def __init__(self, *, heartbeat_interval: float = 0.5, heartbeat_timeout: float = SILENT_TIMEOUT_S) -> None:
         if not heartbeat_interval > 0:  # 0 made the watch below spin on a whole core
             raise ValueError(f"heartbeat interval must be > 0 seconds, got {heartbeat_interval!r}")
+        check_silence("heartbeat timeout", heartbeat_timeout)
         if heartbeat_timeout <= heartbeat_interval:
             raise ValueError(
                 f"heartbeat timeout ({heartbeat_timeout}s) must exceed the interval ({heartbeat_interval}s)"
@@ -206,16 +207,16 @@ class HeadActor(Actor):
             raise NotAllowed(f"a live node is already named {node.name!r}, under another key; pick another --name")
         if previous is not None and previous.state == "alive" and previous.pid != node.pid:
             raise ValueError(f"a live node is already named {node.name!r} (pid {previous.pid}); pick another --name")
+        keys = self.runtime.keys
+        liveness = ""
+        if self._liveness is not None:  # first: a node whose watch cannot be made has not joined
+            endpoint = self._liveness.watch(node.name, node.identity if keys is not None else "")
+            liveness = join_address(endpoint, keys.public) if keys is not None else endpoint
         self._nodes[node.name] = node
         self._last_seen[node.name] = time.monotonic()
         log.info("node %s joined from %s (%s, pid %d)", excerpt(node.name), excerpt(node.host),
                  excerpt(node.device), node.pid)
         self._publish(NodeJoined(node=node.name))
-        keys = self.runtime.keys
-        liveness = ""
-        if self._liveness is not None:
-            endpoint = self._liveness.watch(node.name, node.identity if keys is not None else "")
-            liveness = join_address(endpoint, keys.public) if keys is not None else endpoint
         return HeartbeatSettings(interval=self.heartbeat_interval, timeout=self.heartbeat_timeout, liveness=liveness)
 
     @endpoint(roles=("node",), taskless_start=True)

@@ -33,7 +33,7 @@ from typing import Any, Generic, TypeVar
 from actors import launchers
 from actors._forkserver import ForkedProcess, fork_server
 from actors._errors import ActorError, ActorStopped, ActorTimeout, HeadLost, NotAllowed
-from actors._liveness import HEAD_GONE_S, LivenessClient
+from actors._liveness import HEAD_GONE_S, LivenessClient, check_silence
 from actors._reach import HeadUnreachable, check_can_answer, check_head_address, check_security_matches, why_no_answer
 from actors._nodes import HEAD, NODE, SILENT_TIMEOUT_S, HeadActor, NodeActor, NodeInfo
 from actors._subscribers import EventSink
@@ -213,8 +213,7 @@ class Cluster:
                                  "(torchrun, srun, a Kubernetes Indexed Job)")
             address = role.head_address
         directory = None if insecure else os.fspath(keys or os.environ.get("ACTORPIPE_KEYS", DEFAULT_KEYS))
-        if not head_timeout > 0:
-            raise ValueError(f"head_timeout must be > 0 seconds, got {head_timeout!r}")
+        check_silence("head_timeout", head_timeout)  # inf hung: the watch's socket refused it, and was left open
         return _Connecting(target, address, bind, timeout, allow_remote, directory, identity, max_message_bytes,
                            head_timeout)
 
@@ -501,6 +500,7 @@ class LocalCluster:
                         "node per GPU, or devices='cpu'", self.num_nodes, num_gpus, ", ".join(placed), num_gpus)
         self.allow = (*EXAMPLE_FACTORIES, *module_names(allow, "allow")) if examples else module_names(allow, "allow")
         self.limits = {name: "none" if value is None else value for name, value in (limits or {}).items()}
+        check_silence("heartbeat_timeout", heartbeat_timeout)
         self.heartbeat_timeout = heartbeat_timeout
         self.startup_timeout = startup_timeout
         self.log_level = log_level

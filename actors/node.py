@@ -17,6 +17,7 @@ import sys
 import zmq
 
 from actors import launchers
+from actors._liveness import check_silence
 from actors._registry import DEFAULT_ALLOW
 from actors.devices import device_argument
 from actors.keys import DEFAULT_KEYS, KeyFileError
@@ -70,7 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "Hugging Face stage about a second); a module whose import starts a thread is warned of")
     parser.add_argument("--heartbeat-interval", type=_positive_seconds, default=0.5,
                         help="seconds between heartbeats (head)")
-    parser.add_argument("--heartbeat-timeout", type=_positive_seconds, default=10.0,
+    parser.add_argument("--heartbeat-timeout", type=_silence, default=10.0,
                         help="seconds a node that is alive but answers nothing (stopped, frozen, cut off) stays a "
                              "member; a node whose process ends is lost at once, its connection closed (head)")
     parser.add_argument("--head-timeout", type=_positive_seconds, default=30.0,
@@ -131,6 +132,15 @@ def _positive_seconds(text: str) -> float:
     value = float(text)
     if not value > 0 or value == float("inf"):  # 0 made the head's watch spin on a whole core
         raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return value
+
+
+def _silence(text: str) -> float:
+    value = _positive_seconds(text)
+    try:
+        check_silence("the heartbeat timeout", value)  # a longer one let no node join
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return value
 
 

@@ -55,7 +55,8 @@ def test_the_node_command_line_takes_the_message_limit() -> None:
 
 
 @pytest.mark.parametrize("args", [["--heartbeat-interval", "0"], ["--heartbeat-interval", "-1"],
-                                  ["--heartbeat-timeout", "nan"], ["--head-timeout", "0"], ["--log-level", "FOO"]])
+                                  ["--heartbeat-timeout", "nan"], ["--heartbeat-timeout", "7000"],
+                                  ["--head-timeout", "0"], ["--log-level", "FOO"]])
 def test_a_setting_that_cannot_work_is_refused_by_the_command_line(args: list[str],
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     """Found by review: --heartbeat-interval 0 was taken and the head's watch spun on a whole core, and
@@ -68,6 +69,22 @@ def test_a_setting_that_cannot_work_is_refused_by_the_command_line(args: list[st
     assert refused.value.code == 2 and f"argument {args[0]}" in capsys.readouterr().err
     with pytest.raises(ValueError, match="heartbeat interval must be > 0 seconds"):
         HeadActor(heartbeat_interval=0)
+
+
+def test_a_silence_no_heartbeat_can_wait_out_is_refused_where_it_is_given() -> None:
+    """Found by review: --heartbeat-timeout 7000 (under two hours) started a head at which no node could join
+    (libzmq refused the watch's time to live as each registered, and the head listed it alive forever), and
+    Cluster.connect(head_timeout=inf) hung in the end of its context, the refused socket left open."""
+    from actors import Cluster, HeadActor, LocalCluster
+
+    with pytest.raises(ValueError, match=r"heartbeat timeout must be seconds > 0 and <= 6553"):
+        HeadActor(heartbeat_timeout=7000)
+    with pytest.raises(ValueError, match=r"heartbeat_timeout must be seconds > 0 and <= 6553"):
+        LocalCluster(nodes=1, heartbeat_timeout=7000)
+    for bad in (float("inf"), 3e6, 0):
+        with pytest.raises(ValueError, match=r"head_timeout must be seconds > 0 and <= 6553"):
+            Cluster.connect("tcp://127.0.0.1:1", head_timeout=bad)
+    HeadActor(heartbeat_timeout=6553)
 
 
 def test_rank_zero_of_a_launcher_leaves_preload_to_the_workers(monkeypatch: pytest.MonkeyPatch,
