@@ -91,13 +91,17 @@ def from_environment(env: Mapping[str, str] | None = None) -> LaunchRole | None:
         ValueError: a launcher's variables that do not make sense (named in the message).
     """
     env = os.environ if env is None else env
-    port = env.get("ACTORPIPE_PORT")
-    if "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env:
-        return _role("torchrun", env["RANK"], env["WORLD_SIZE"], env["MASTER_ADDR"],
-                     port or _next_port(env.get("MASTER_PORT", "29500"), "MASTER_PORT"))
-    if "PET_NODE_RANK" in env and "PET_NNODES" in env and "PET_MASTER_ADDR" in env:
-        return _role("torchrun", env["PET_NODE_RANK"], env["PET_NNODES"], env["PET_MASTER_ADDR"],
-                     port or _next_port(env.get("PET_MASTER_PORT", "29500"), "PET_MASTER_PORT"))
+    port = ("ACTORPIPE_PORT", env["ACTORPIPE_PORT"]) if env.get("ACTORPIPE_PORT") else None
+    for rank_name, world_name, master, master_port in (("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"),
+                                             ("PET_NODE_RANK", "PET_NNODES", "PET_MASTER_ADDR", "PET_MASTER_PORT")):
+        if rank_name in env and world_name in env:
+            if not env.get(master, "").strip():  # else each rank ran the script alone, or bound every address
+                raise ValueError(f"torchrun's {rank_name} and {world_name} are set but {master} is "
+                                 f"{'empty' if master in env else 'not'}: it names the host of rank 0, where the "
+                                 "head listens")
+            base = env.get(master_port, "29500")
+            return _role("torchrun", env, rank_name, world_name, env[master].strip(),
+                         port or (f"{master_port}+1", str(_integer(base, master_port) + 1)))
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         # Task 0 runs on the first host of its step, which need not be the allocation's first (srun -N2
         # --relative=1, -w, --exclude, a second step beside the first): the step's own list where srun gives it.
@@ -105,19 +109,20 @@ def from_environment(env: Mapping[str, str] | None = None) -> LaunchRole | None:
         if not nodelist:
             raise ValueError("Slurm set SLURM_PROCID but no SLURM_JOB_NODELIST: run under srun or sbatch")
         job = env.get("SLURM_JOB_ID", "0")
-        return _role("slurm", env["SLURM_PROCID"], env["SLURM_NTASKS"], first_host(nodelist),
-                     port or str(20000 + _integer(job, "SLURM_JOB_ID") % 20000))
+        return _role("slurm", env, "SLURM_PROCID", "SLURM_NTASKS", first_host(nodelist),
+                     port or ("20000 + SLURM_JOB_ID mod 20000",
+                              str(20000 + _integer(job, "SLURM_JOB_ID") % 20000)))
     if "JOB_COMPLETION_INDEX" in env:
         host = env.get("ACTORPIPE_HEAD_HOST")
-        world = env.get("ACTORPIPE_WORLD_SIZE")
-        if not host or not world:
+        if not host or not env.get("ACTORPIPE_WORLD_SIZE"):
             raise ValueError("a Kubernetes Indexed Job needs ACTORPIPE_HEAD_HOST (index 0's stable host name, e.g. "
                              "train-0.train) and ACTORPIPE_WORLD_SIZE (its completions) in the pod's environment")
         if env.get("JOB_INDEX", "0") != "0":  # a JobSet's job index: its Jobs each number their pods from 0
             raise ValueError(f"JOB_INDEX={env['JOB_INDEX']!r:.20}: a JobSet of several replicated Jobs numbers each "
                              "Job's pods from 0 (JOB_COMPLETION_INDEX), so each Job would start a head; run one "
                              "Indexed Job (replicas: 1) of ACTORPIPE_WORLD_SIZE completions")
-        return _role("kubernetes", env["JOB_COMPLETION_INDEX"], world, host, port or str(_KUBERNETES_PORT))
+        return _role("kubernetes", env, "JOB_COMPLETION_INDEX", "ACTORPIPE_WORLD_SIZE", host,
+                     port or ("the Kubernetes default", str(_KUBERNETES_PORT)))
     return None
 
 
@@ -241,28 +246,29 @@ def own_host(head_host: str, head_port: int = 1) -> str:
     if "ACTORPIPE_HOST" in os.environ:
         return url_host(os.environ["ACTORPIPE_HOST"])
     bare = head_host.strip("[]")
-    if is_loopback(bare):
-        return "[::1]" if ":" in bare else "127.0.0.1"
+    if is_loopback(bare):  # the loopback address given (127.0.1.1 is one): where the others look for the head
+        return url_host(bare) if bare != "localhost" else "127.0.0.1"
     source = route_source(bare, head_port)
     return url_host(source) if source is not None else socket.gethostbyname(socket.gethostname())
 
 
-def _role(launcher: str, rank: str, world: str, host: str, port: str) -> LaunchRole:
-    role = LaunchRole(launcher, _integer(rank, "rank"), _integer(world, "world size"), host, _integer(port, "port"))
+def _role(launcher: str, env: Mapping[str, str], rank: str, world: str, host: str,
+          port: tuple[str, str]) -> LaunchRole:
+    """The role from the variables named ``rank`` and ``world`` in ``env``; ``port``: ``(where it came from,
+    its text)``."""
+    role = LaunchRole(launcher, _integer(env[rank], rank), _integer(env[world], world), host,
+                      _integer(port[1], port[0]))
     if not 0 <= role.rank < role.world_size:
-        raise ValueError(f"{launcher}: rank {role.rank} is outside a world of {role.world_size}")
+        raise ValueError(f"{launcher}: {rank}={role.rank} is outside a world of {world}={role.world_size}")
     if not 0 < role.port < 65536:
-        raise ValueError(f"{launcher}: port {role.port} is not a TCP port (set ACTORPIPE_PORT)")
+        raise ValueError(f"{launcher}: the head's port {role.port} (from {port[0]}) is not a TCP port; set "
+                         "ACTORPIPE_PORT to one")
     return role
 
 
-def _next_port(text: str, name: str) -> str:
-    return str(_integer(text, name) + 1)
-
-
 def _integer(text: str, name: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"the launcher's {name} is not a number: {text[:40]!r}") from None
+    """``text`` as an int, digits only (``int`` takes ``12_3`` and spaces)."""
+    if not re.fullmatch(r"-?[0-9]+", text.strip()):
+        raise ValueError(f"{name} is not a whole number: {text[:40]!r}")
+    return int(text)
 

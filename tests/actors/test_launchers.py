@@ -109,7 +109,7 @@ def test_a_kubernetes_indexed_job_needs_the_heads_stable_name() -> None:
     assert from_environment(env) == LaunchRole("kubernetes", 1, 3, "train-0.train", 29400)
     with pytest.raises(ValueError, match="ACTORPIPE_HEAD_HOST"):
         from_environment({"JOB_COMPLETION_INDEX": "0"})
-    with pytest.raises(ValueError, match="rank 5 is outside a world of 3"):
+    with pytest.raises(ValueError, match="JOB_COMPLETION_INDEX=5 is outside a world of ACTORPIPE_WORLD_SIZE=3"):
         from_environment({**env, "JOB_COMPLETION_INDEX": "5"})
     assert from_environment({}) is None
     # A JobSet of two replicated Jobs numbers each Job's pods from 0: two heads, before it was refused.
@@ -248,3 +248,34 @@ def test_one_script_on_every_torchrun_rank_drives_on_rank_zero_and_serves_elsewh
     # Ranks 1 and 2 stopped because the head's connection closed, not after --head-timeout of silence.
     assert stderr.count("a launched node stops with its head") == 2, stderr[-3000:]
     assert "head unreachable" not in stderr
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    # Found by review: torchrun's rank and world without MASTER_ADDR were no launcher at all (each rank ran the
+    # script alone), and an empty one made a head that listened beyond loopback and workers told "it needs a host".
+    ({"RANK": "1", "WORLD_SIZE": "3"}, "torchrun's RANK and WORLD_SIZE are set but MASTER_ADDR is not"),
+    ({"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": " "}, "MASTER_ADDR is empty"),
+    ({"PET_NODE_RANK": "0", "PET_NNODES": "2"}, "PET_MASTER_ADDR is not"),
+    # Each bad variable by its name, not "the launcher's rank".
+    ({"RANK": "x", "WORLD_SIZE": "3", "MASTER_ADDR": "h"}, "RANK is not a whole number: 'x'"),
+    ({"RANK": "0", "WORLD_SIZE": "", "MASTER_ADDR": "h"}, "WORLD_SIZE is not a whole number: ''"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "-1"},
+     r"the head's port 0 \(from MASTER_PORT\+1\) is not a TCP port"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "ACTORPIPE_PORT": "abc"}, "ACTORPIPE_PORT is not a whole"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "ACTORPIPE_PORT": "70000"},
+     r"port 70000 \(from ACTORPIPE_PORT\) is not a TCP port"),
+    # int() takes "12_3" as 123.
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n1", "SLURM_JOB_ID": "12_3"},
+     "SLURM_JOB_ID is not a whole number: '12_3'"),
+])
+def test_launcher_variables_that_cannot_work_are_named(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        from_environment(env)
+
+
+def test_a_head_on_another_loopback_address_listens_where_the_others_look() -> None:
+    """Found by review: MASTER_ADDR=127.0.1.1 (what `hostname -i` gives on Debian) made the head listen at
+    127.0.0.1 while every rank looked for it at 127.0.1.1, which that socket refuses: nothing connected."""
+    role = from_environment({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.1.1"})
+    assert role is not None and role.loopback and role.head_address == "tcp://127.0.1.1:29501"
+    assert own_host("127.0.1.1") == "127.0.1.1"
