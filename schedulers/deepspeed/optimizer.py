@@ -73,21 +73,22 @@ _TRAINER_DEFAULTS = {"betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
 
 # DeepSpeed's schedules: DeepSpeed's type -> (stages.state.lr class, {param: kind}, required params),
 # the parameters as deepspeed.runtime.lr_schedules names them.
-_WARMUP = {"warmup_min_lr": "number", "warmup_max_lr": "number", "warmup_num_steps": "warmup",
-           "warmup_type": "warmup_type", "last_batch_iteration": "int"}
+# WarmupLR's (and WarmupDecayLR's) rates may be one per parameter group, as DeepSpeed's _format_param takes them.
+_WARMUP = {"warmup_min_lr": "numbers", "warmup_max_lr": "numbers", "warmup_num_steps": "warmup",
+           "warmup_type": "warmup_type", "last_batch_iteration": "start"}
 DEEPSPEED_SCHEDULERS: dict[str, tuple[str, dict[str, str], tuple[str, ...]]] = {
     "WarmupLR": ("stages.state.lr:WarmupLR", _WARMUP, ()),
     "WarmupDecayLR": ("stages.state.lr:WarmupDecayLR", {"total_num_steps": "steps", **_WARMUP}, ("total_num_steps",)),
     "WarmupCosineLR": ("stages.state.lr:WarmupCosineLR", {
         "total_num_steps": "steps", "warmup_min_ratio": "number", "warmup_num_steps": "warmup",
-        "cos_min_ratio": "number", "warmup_type": "warmup_type", "last_batch_iteration": "int"},
+        "cos_min_ratio": "number", "warmup_type": "warmup_type", "last_batch_iteration": "start"},
         ("total_num_steps",)),
     "OneCycle": ("stages.state.lr:OneCycle", {
         "cycle_min_lr": "number", "cycle_max_lr": "number", "decay_lr_rate": "number",
         "cycle_first_step_size": "steps", "cycle_second_step_size": "steps_or_null",
         "cycle_first_stair_count": "int", "cycle_second_stair_count": "int_or_null", "decay_step_size": "int",
         "cycle_momentum": "bool", "cycle_min_mom": "number", "cycle_max_mom": "number", "decay_mom_rate": "number",
-        "last_batch_iteration": "int"}, ("cycle_min_lr", "cycle_max_lr")),
+        "last_batch_iteration": "start"}, ("cycle_min_lr", "cycle_max_lr")),
 }
 _REFUSED_SCHEDULERS = {
     "LRRangeTest": ("a learning-rate range test is a tuning run that raises the rate until training diverges, and "
@@ -296,10 +297,20 @@ def _check_schedule_value(t: Translation, kind: str, key: str, expected: str, pa
             t.notice(where, f"{show(value)} is not log or linear: DeepSpeed falls back to log, and so does this")
             params[key] = "log"
         return True
+    if expected == "start":  # DeepSpeed resumes a schedule from it; here a checkpoint's load does
+        if value != -1 or isinstance(value, bool):
+            t.problem(where, f"{show(value)}: a schedule here starts at -1 (the default), and a resumed job takes "
+                      "its schedule's position from the checkpoint it loads (resume_from_checkpoint, or job.load); "
+                      "leave last_batch_iteration out")
+            return False
+        return True
     if expected == "bool":
         ok = isinstance(value, bool)
     elif expected == "number":
         ok = numeric and value >= 0
+    elif expected == "numbers":  # one, or one per parameter group
+        values = value if isinstance(value, list) and value else [value]
+        ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in values)
     elif expected == "warmup":  # DeepSpeed takes max(2, it): 0 is the Hugging Face integration's "no warm-up"
         ok = numeric and isinstance(value, int) and value >= 0
     elif expected in ("int", "int_or_null"):
@@ -307,7 +318,8 @@ def _check_schedule_value(t: Translation, kind: str, key: str, expected: str, pa
     else:  # steps, steps_or_null: DeepSpeed needs a positive integer
         ok = (value is None and expected == "steps_or_null") or (numeric and isinstance(value, int) and value >= 1)
     if not ok:
-        wanted = {"bool": "true or false", "number": "a number >= 0", "int": "an integer",
+        wanted = {"bool": "true or false", "number": "a number >= 0",
+                  "numbers": "a number >= 0, or a list of one per parameter group", "int": "an integer",
                   "int_or_null": "an integer or null", "steps": "an integer >= 1", "warmup": "an integer >= 0",
                   "steps_or_null": "an integer >= 1 or null"}[expected]
         t.problem(where, f"expected {wanted} for DeepSpeed's {kind}, got {show(value)}")

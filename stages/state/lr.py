@@ -75,7 +75,21 @@ def _warmup_fraction(iteration: int, num_steps: int, kind: str) -> float:
     return iteration / num_steps
 
 
-class WarmupLR(LRScheduler):
+# What a schedule's state holds of its position (torch's LRScheduler's own counters): all a load restores.
+_POSITION = frozenset({"last_epoch", "_step_count", "_last_lr", "_get_lr_called_within_step", "_is_initial"})
+
+
+class _ResumesPosition(LRScheduler):
+    """A schedule that takes only its position from a saved state, as DeepSpeed's take only
+    ``last_batch_iteration``: its settings are the ones it was made with, so a job resumed with a
+    longer ``total_num_steps`` (or another peak) follows the new schedule from where the old one stood.
+    Torch's ``load_state_dict`` restored every attribute, and the saved settings won over the new ones."""
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict({key: value for key, value in state_dict.items() if key in _POSITION})
+
+
+class WarmupLR(_ResumesPosition):
     """Rises from ``warmup_min_lr`` to ``warmup_max_lr`` over ``warmup_num_steps`` steps, then stays there.
 
     Args:
@@ -146,7 +160,7 @@ class WarmupDecayLR(WarmupLR):
         return max(0.0, (self.total_num_steps - iteration) / max(1.0, self.total_num_steps - self.warmup_num_steps))
 
 
-class WarmupCosineLR(LRScheduler):
+class WarmupCosineLR(_ResumesPosition):
     """Warms up to the optimizer's own ``lr``, then follows a cosine down to ``cos_min_ratio`` of it.
 
     Every rate is a ratio of each group's ``lr``: at DeepSpeed iteration ``i`` below
@@ -193,7 +207,7 @@ class WarmupCosineLR(LRScheduler):
         return max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * cosine)
 
 
-class OneCycle(LRScheduler):
+class OneCycle(_ResumesPosition):
     """DeepSpeed's 1Cycle: one cycle up from ``cycle_min_lr`` to ``cycle_max_lr`` and back, then decay.
 
     The cycle rises over ``cycle_first_step_size`` steps and falls over

@@ -504,6 +504,11 @@ def test_auto_optimizer_params_other_than_the_learning_rate_are_the_trainers_def
                              "cycle_second_step_size": None, "decay_lr_rate": 0.1, "cycle_momentum": False})),
     ({"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto"}},
      ("stages.state.lr:WarmupLR", {"warmup_min_lr": 0.0, "warmup_max_lr": 0.05})),  # the optimizer's lr, as HF fills it
+    # Found by review: rates per parameter group, which DeepSpeed's WarmupLR takes (and so do ours), were refused.
+    ({"type": "WarmupDecayLR", "params": {"total_num_steps": 10, "warmup_min_lr": [0.0, 0.0],
+                                          "warmup_max_lr": [0.01, 0.02]}},
+     ("stages.state.lr:WarmupDecayLR", {"total_num_steps": 10, "warmup_min_lr": [0.0, 0.0],
+                                        "warmup_max_lr": [0.01, 0.02]})),
     ({"type": "StepLR", "params": {"step_size": 10, "gamma": 0.5}},
      ("torch.optim.lr_scheduler:StepLR", {"step_size": 10, "gamma": 0.5})),
     ({"type": "torch.optim.lr_scheduler:CosineAnnealingLR", "params": {"T_max": 100}},
@@ -529,6 +534,12 @@ def test_scheduler_types_take_deepspeeds_params_unchanged(scheduler: dict[str, A
      "give the number of optimizer steps the run will take as scheduler.params.total_num_steps in the job file"),
     ({"type": "CosineAnnealingLR"}, "scheduler.params", "torch.optim.lr_scheduler:CosineAnnealingLR refuses {}"),
     ({"type": "StepLR", "params": {"step": 3}}, "scheduler.params.step", "did you mean scheduler.params.step_size?"),
+    # Found by review: passed here, then every stage refused it as the job started.
+    ({"type": "WarmupLR", "params": {"last_batch_iteration": 4}}, "scheduler.params.last_batch_iteration",
+     "4: a schedule here starts at -1 (the default), and a resumed job takes its schedule's position from the "
+     "checkpoint"),
+    ({"type": "WarmupLR", "params": {"warmup_max_lr": [0.1, "x"]}}, "scheduler.params.warmup_max_lr",
+     "expected a number >= 0, or a list of one per parameter group"),
 ])
 def test_a_wrong_schedule_is_refused_naming_the_key(scheduler: dict[str, Any], key: str, message: str) -> None:
     found = problems_of({**MINIMAL, "scheduler": scheduler})

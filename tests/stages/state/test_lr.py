@@ -151,3 +151,28 @@ def test_state_dict_resumes_the_schedule_exactly() -> None:
             opt.step()
             scheduler.step()
         assert resumed.get_last_lr() == running.get_last_lr()
+
+
+def test_a_resumed_schedule_takes_its_position_and_keeps_its_new_settings() -> None:
+    """Found by review: a WarmupDecayLR of 20 steps saved after 10 and loaded into one of 40 (a run extended, as
+    DeepSpeed users do) took the saved total back: the rate after step 11 was 0.006667 where DeepSpeed's is
+    0.008571. DeepSpeed's schedules restore only last_batch_iteration, and so do these now."""
+    first = optimizer()
+    running = WarmupDecayLR(first, total_num_steps=20, warmup_num_steps=5, warmup_max_lr=0.01)
+    for _ in range(10):
+        first.step()
+        running.step()
+    resumed_opt, fresh_opt = optimizer(), optimizer()
+    resumed = WarmupDecayLR(resumed_opt, total_num_steps=40, warmup_num_steps=5, warmup_max_lr=0.01)
+    resumed.load_state_dict(running.state_dict())
+    longer = WarmupDecayLR(fresh_opt, total_num_steps=40, warmup_num_steps=5, warmup_max_lr=0.01)
+    for _ in range(10):
+        fresh_opt.step()
+        longer.step()
+    assert resumed.total_num_steps == 40 and resumed.last_epoch == running.last_epoch
+    for _ in range(5):
+        for opt, scheduler in ((resumed_opt, resumed), (fresh_opt, longer)):
+            opt.step()
+            scheduler.step()
+        assert resumed.get_last_lr() == longer.get_last_lr()
+    assert resumed.get_last_lr()[0] == pytest.approx(0.01 * (40 - 14) / (40 - 5))  # DeepSpeed: iteration 14 of 40
