@@ -273,10 +273,18 @@ async def _apply(job: JobCore, path: CheckpointPath, weights_only: bool) -> tupl
     # Another tool's files may keep a tied tensor under one of its names: each holder gets it by any.
     held = await _held_keys(job, aliases=manifest.source in (SAFETENSORS, DCP))
     if manifest.source == SAFETENSORS:  # a base model's files into the model with a head, or back
-        manifest, moved = manifest.under_base_prefix(frozenset().union(*held))
+        every = frozenset().union(*held)
+        left = sorted(manifest.left_unplaced(every))
+        passed = frozenset(await job.stages[0].endpoint(StageActor.passed_over, timeout=60).call(left)) if left \
+            else frozenset()
+        before = len(manifest.model)
+        manifest, moved = manifest.under_base_prefix(every, passed)
         if moved:
             log.info("%s: %s's keys read with %s prefix %r, as from_pretrained does", job.id, directory,
                      "the" if moved[0] == "+" else "without the", moved[1:])
+        if len(manifest.model) < before:
+            log.info("%s: %d of %s's keys passed over, as the model's from_pretrained passes them over (%s)",
+                     job.id, before - len(manifest.model), directory, ", ".join(sorted(passed)[:4]))
     problems = _unplaced(job, manifest, weights_only, held)
     plans = {g: manifest.restrict(held[job.mesh.coords(g).pipeline], weights_only=weights_only).to_wire()
              for g in range(job.mesh.size)}

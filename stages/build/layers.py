@@ -58,7 +58,7 @@ class Chain(nn.Sequential):
 
 def build_layers(
     config: StageConfig, allow: Sequence[str], shard: Callable[[nn.Sequential], nn.Sequential] | None = None
-) -> list[nn.Module]:
+) -> Layers:
     """Builds the model from its factory with the job's seed and returns its layers.
 
     A factory that returns the model (an ``nn.Sequential``) is called whole on every
@@ -73,6 +73,23 @@ def build_layers(
     meta = config.training.meta_init
     with parameters_on_meta() if meta else contextlib.nullcontext(), calling(model_factory(config.training.model)):
         built = factory(**config.training.model_kwargs)
+    layers = Layers(_layers(built, config, allow, shard, meta))
+    # What a Hugging Face model's from_pretrained passes over in its files (the causal masks the Hub's gpt2 keeps).
+    passed = getattr(built, "_keys_to_ignore_on_load_unexpected", None)
+    if isinstance(passed, (list, tuple, set, frozenset)):  # a set in transformers 5, a list before
+        layers.passed_over = tuple(sorted(p for p in passed if isinstance(p, str)))
+    return layers
+
+
+class Layers(list[nn.Module]):
+    """A model's layers (:func:`build_layers`), and the patterns of the keys its ``from_pretrained`` passes over
+    in a file (Hugging Face's ``_keys_to_ignore_on_load_unexpected``; regular expressions it searches for)."""
+
+    passed_over: tuple[str, ...] = ()
+
+
+def _layers(built: Any, config: StageConfig, allow: Sequence[str],
+            shard: Callable[[nn.Sequential], nn.Sequential] | None, meta: bool) -> list[nn.Module]:
     held = {i for s in config.stages for i in range(*config.bounds[s])}
     if config.parallelism.split_points is not None:
         return list(_traced_layers(built, config, allow))

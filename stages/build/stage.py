@@ -22,7 +22,7 @@ from actors._errors import calling
 from actors._registry import load_object
 from stages.build import tied
 from stages.build.compiled import compile_stage
-from stages.build.layers import TRACED_ON, Chain, build_layers, data_factory
+from stages.build.layers import TRACED_ON, Chain, Layers, build_layers, data_factory
 from stages.build.meta_init import retarget
 from stages.build.tensor_parallel import ShardSpec, shard_for_tensor_parallel, tp_shard_specs
 from stages.build.traced import TracedStage
@@ -93,6 +93,9 @@ class BuiltStage:
     """This stage's rank among its tensor-parallel shards."""
     data_rank: int
     """This stage's rank among its data-parallel replicas."""
+    passed_over: tuple[str, ...] = ()
+    """Patterns of the keys in another tool's files the model's ``from_pretrained`` passes over
+    (:class:`~stages.build.layers.Layers`)."""
 
     def shard_spec_map(self) -> dict[str, ShardSpec]:
         """:attr:`specs` as :class:`~stages.build.tensor_parallel.ShardSpec` s."""
@@ -279,12 +282,12 @@ def build_stage(config: StageConfig, allow: Sequence[str], device: torch.device,
                       specs=specs,
                       tied=sync, reduce_params=reduce_params, norm_params=norm_params, overlap=overlap,
                       gradient_shards=shards, data=data, eval_data=eval_data,
-                      tensor_rank=me.tensor, data_rank=me.data)
+                      tensor_rank=me.tensor, data_rank=me.data, passed_over=layers.passed_over)
 
 
 def _build_modules(cfg: StageConfig, allow: Sequence[str], device: torch.device,
                    shard: Callable[[nn.Sequential], nn.Sequential] | None
-                   ) -> tuple[dict[int, nn.Module], list[nn.Module], Key]:
+                   ) -> tuple[dict[int, nn.Module], Layers, Key]:
     """The held model stages' modules on ``device``, every layer of the model, and how held tensors are named."""
     built = build_layers(cfg, allow, shard)
     if cfg.mixed_precision.precision in ("bf16", "fp16"):
@@ -304,7 +307,9 @@ def _build_modules(cfg: StageConfig, allow: Sequence[str], device: torch.device,
         if device != TRACED_ON:  # the ops the trace recorded as making tensors on the CPU make them on the GPU
             retarget(modules[s], device, source=TRACED_ON)
         traced[s].checkpoint_activations = bool(every)  # the whole stage is one segment
-    return modules, [stage.module for stage in traced], original_key
+    layers = Layers(stage.module for stage in traced)
+    layers.passed_over = built.passed_over
+    return modules, layers, original_key
 
 
 def _float32_masters(layers: Sequence[nn.Module], cfg: StageConfig) -> None:

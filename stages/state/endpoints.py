@@ -43,7 +43,15 @@ class StateEndpoints:
     @endpoint(roles=("head",))
     async def state_keys(self, aliases: bool = True) -> list[str]:
         """The whole model's keys this stage holds and (``aliases``) its tied tensors' other names."""
-        return self._parts().state.state_keys(aliases)
+        return self._parts().state.state_keys(bool(aliases))
+
+    @endpoint(roles=("head",))
+    async def passed_over(self, keys: list[str]) -> list[str]:
+        """Of ``keys`` (a weights file's that no stage holds), those the model's ``from_pretrained`` passes
+        over (Hugging Face's ``_keys_to_ignore_on_load_unexpected``)."""
+        if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+            raise TypeError("keys must be a list of str")
+        return self._parts().state.passed_over(keys)
 
     @endpoint(roles=("head",))
     async def checkpoint_begin(self, directory: str, within: str | None = None) -> str:

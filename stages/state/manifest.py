@@ -218,36 +218,49 @@ class Manifest:
             for name, entry in state.items():
                 yield f"{key} (optimizer {name})", entry
 
-    def under_base_prefix(self, held: frozenset[str]) -> tuple[Manifest, str]:
+    def _readings(self, held: frozenset[str]) -> Iterator[tuple[str, dict[str, str]]]:
+        """Each way to read the keys no stage holds: as they are (``""``), or with one base-model prefix added
+        (``"+transformer."``) or taken off (``"-transformer."``); as ``(how, {key: its name})``."""
+        unplaced = [k for k in self.model if k not in held]
+        yield "", {k: k for k in unplaced}
+        for prefix in sorted({k.partition(".")[0] for k in held if "." in k}):
+            yield f"+{prefix}.", {k: f"{prefix}.{k}" for k in unplaced}
+        for prefix in sorted({k.partition(".")[0] for k in unplaced if "." in k}):
+            if all(k.startswith(prefix + ".") for k in unplaced):
+                yield f"-{prefix}.", {k: k.partition(".")[2] for k in unplaced}
+
+    def left_unplaced(self, held: frozenset[str]) -> set[str]:
+        """The keys some reading of :meth:`under_base_prefix` leaves where no stage holds them: what a
+        model may pass over (``passed_over`` there)."""
+        return {k for _, renamed in self._readings(held) for k, v in renamed.items() if v not in held}
+
+    def under_base_prefix(self, held: frozenset[str],
+                          passed_over: frozenset[str] = frozenset()) -> tuple[Manifest, str]:
         """The weights under the names the model holds them by, where they differ by the one prefix that
         sets a Hugging Face model with a head apart from its base model (``base_model_prefix``), as
         ``from_pretrained`` reads them: a base model's files (``h.0.attn.c_attn.weight``, as the Hub
         holds ``gpt2``) into the model with a head (``transformer.h.0.attn.c_attn.weight``), or a
         model with a head's files into its base. Only the keys no stage holds are renamed, and only
-        where one prefix places every one of them and no renamed key collides with another.
+        where one prefix places every one of them (but those in ``passed_over``, which are left out,
+        as ``from_pretrained`` leaves out the keys a model names in ``_keys_to_ignore_on_load_unexpected``:
+        the causal masks the Hub's ``gpt2`` keeps) and no renamed key collides with another.
 
         Returns:
-            the manifest (``self`` where nothing was renamed) and how the keys moved (``""`` if not):
+            the manifest (``self`` where nothing changed) and how the keys moved (``""`` if not):
             ``"+transformer."`` or ``"-transformer."``.
         """
-        unplaced = [k for k in self.model if k not in held]
-        if not unplaced:
+        if all(k in held for k in self.model):
             return self, ""
-        found: list[tuple[str, dict[str, str]]] = []
-        for prefix in sorted({k.partition(".")[0] for k in held if "." in k}):
-            renamed = {k: f"{prefix}.{k}" for k in unplaced}
-            if all(v in held for v in renamed.values()):
-                found.append((f"+{prefix}.", renamed))
-        for prefix in sorted({k.partition(".")[0] for k in unplaced if "." in k}):
-            renamed = {k: k.partition(".")[2] for k in unplaced}
-            if all(k.startswith(prefix + ".") for k in unplaced) and all(v in held for v in renamed.values()):
-                found.append((f"-{prefix}.", renamed))
+        found = [(how, renamed) for how, renamed in self._readings(held)
+                 if all(v in held or k in passed_over for k, v in renamed.items())]
+        if found and found[0][0] == "":  # nothing to rename: only keys to pass over
+            found = found[:1]
         if len(found) != 1:
             return self, ""
         how, renamed = found[0]
-        model = {renamed.get(k, k): e for k, e in self.model.items()}
-        if len(model) != len(self.model):  # a renamed key is also one the files hold as it is
-            return self, ""
+        model = {renamed.get(k, k): e for k, e in self.model.items() if renamed.get(k, k) in held}
+        if len(model) + sum(1 for k, v in renamed.items() if v not in held) != len(self.model):
+            return self, ""  # a renamed key is also one the files hold as it is
         return dataclasses.replace(self, model=model), how
 
     def restrict(self, keys: frozenset[str], *, weights_only: bool) -> Manifest:

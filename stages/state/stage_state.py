@@ -9,8 +9,10 @@ The formats live beside it: :mod:`stages.state.checkpoint` (versions and manifes
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Mapping
+import re
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -156,6 +158,15 @@ class StageState:
     def state_keys(self, aliases: bool = True) -> list[str]:
         """The whole model's keys this stage holds (and, with ``aliases``, its tied tensors' other names)."""
         return held_keys(self.built.held, self.built.key, self.built.aliases if aliases else None)
+
+    def passed_over(self, keys: Sequence[str]) -> list[str]:
+        """Of ``keys`` (another tool's file's, that no stage holds), those the model's ``from_pretrained``
+        passes over: any its ``_keys_to_ignore_on_load_unexpected`` patterns are found in."""
+        patterns = []
+        for pattern in self.built.passed_over:
+            with contextlib.suppress(re.error):
+                patterns.append(re.compile(pattern))
+        return [key for key in keys if any(p.search(key) for p in patterns)]
 
     # -- checkpoints (the format: stages.state.checkpoint) ------------------------------
 

@@ -455,6 +455,10 @@ async def test_only_the_head_turns_w_batching_on_for_a_step_and_a_bad_value_chan
             with pytest.raises(NotAllowed, match="may not call StageActor.export_begin"):
                 await alice.runtime.ref(stage.address, stage.name).endpoint(StageActor.export_begin, timeout=10).call(
                     "/tmp/anywhere")
+            # Nor ask which keys of a file the model passes over: the head asks, as it loads one.
+            with pytest.raises(NotAllowed, match="may not call StageActor.passed_over"):
+                await alice.runtime.ref(stage.address, stage.name).endpoint(StageActor.passed_over, timeout=10).call(
+                    ["h.0.attn.bias"])
         async with open_runtime("tcp://127.0.0.1:0", keys=keys().identity("node0"), ring=keys().ring) as member:
             with pytest.raises(NotAllowed, match="may not call StageActor.run_step"):
                 await member.ref(stage.address, stage.name).endpoint(StageActor.run_step, timeout=10).call(*call)
@@ -463,6 +467,10 @@ async def test_only_the_head_turns_w_batching_on_for_a_step_and_a_bad_value_chan
             run_step = head.ref(stage.address, stage.name).endpoint(StageActor.run_step, timeout=10)
             with pytest.raises(RemoteError, match="ValueError: w_batching must be a bool, got 'yes'"):
                 await run_step.call({**call[0], "w_batching": "yes"})
+            passed_over = head.ref(stage.address, stage.name).endpoint(StageActor.passed_over, timeout=10)
+            with pytest.raises(RemoteError, match="TypeError: keys must be a list of str"):
+                await passed_over.call("h.0.attn.bias")
+            assert await passed_over.call(["h.0.attn.bias"]) == []  # a model without patterns passes nothing over
         stats = await job.step(*batch())  # the refused call left the stage where it was
         assert stats.loss == stats.loss
     finally:

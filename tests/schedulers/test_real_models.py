@@ -280,7 +280,9 @@ async def test_a_meta_init_job_loads_hugging_face_safetensors_with_the_tied_head
     """As people have a pretrained model: safetensors shards and their index, the tied head stored once
     under the embedding's name. No process builds the whole model; each stage reads its own tensors.
     The base model's files (``wte.weight``, as the Hub holds ``gpt2``) load into the model with a head
-    (``transformer.wte.weight``) as ``from_pretrained`` loads them."""
+    (``transformer.wte.weight``) as ``from_pretrained`` loads them, and, found by review, with each block's
+    causal mask (``h.N.attn.bias``), which the Hub's file keeps and from_pretrained passes over (the model's
+    ``_keys_to_ignore_on_load_unexpected``): one such key had every key refused."""
     from safetensors.torch import save_file
     import json
     kwargs = {**SMALL, "layers": 4, "tie": True}
@@ -288,6 +290,8 @@ async def test_a_meta_init_job_loads_hugging_face_safetensors_with_the_tied_head
     pretrained = hf.gpt2(**kwargs)
     if saved_by == "the_base_model":
         weights = {k: v.contiguous() for k, v in pretrained.transformer.state_dict().items()}
+        mask = torch.tril(torch.ones(SMALL["positions"], SMALL["positions"])).view(1, 1, *[SMALL["positions"]] * 2)
+        weights.update({f"h.{i}.attn.bias": mask.clone() for i in range(kwargs["layers"])})
     else:
         weights = {k: v.contiguous() for k, v in pretrained.state_dict().items() if k != "lm_head.weight"}
     keys = sorted(weights)

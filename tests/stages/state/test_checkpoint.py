@@ -579,3 +579,13 @@ def test_base_model_keys_move_under_the_one_prefix_that_places_them_all_and_noth
     assert files("x").under_base_prefix(both) == (files("x"), "")
     collide = files("wte.weight", "transformer.wte.weight", "h.0.w")  # a renamed key the files hold as it is
     assert collide.under_base_prefix(head | {"h.0.w"}) == (collide, "")
+    # Keys the model's from_pretrained passes over (the Hub's gpt2 keeps h.N.attn.bias) are left out, and only
+    # where no prefix places them: h.0.attn.c_attn.bias matches the pattern 'attn.bias' too, and is placed.
+    hub = files("wte.weight", "h.0.attn.bias", "h.0.attn.c_attn.bias")
+    model = frozenset({"transformer.wte.weight", "transformer.h.0.attn.c_attn.bias", "lm_head.weight"})
+    assert hub.left_unplaced(model) == {"wte.weight", "h.0.attn.bias", "h.0.attn.c_attn.bias"}
+    assert hub.under_base_prefix(model) == (hub, "")
+    moved, how = hub.under_base_prefix(model, frozenset({"h.0.attn.bias", "h.0.attn.c_attn.bias"}))
+    assert how == "+transformer." and set(moved.model) == {"transformer.wte.weight", "transformer.h.0.attn.c_attn.bias"}
+    extra = files("transformer.wte.weight", "h.0.attn.bias")  # as it is, but for a key passed over
+    assert extra.under_base_prefix(model, frozenset({"h.0.attn.bias"}))[0].model.keys() == {"transformer.wte.weight"}
