@@ -269,6 +269,8 @@ async def _apply(job: JobCore, path: CheckpointPath, weights_only: bool) -> tupl
     [found] = await _on_stages(job, [0], "load", lambda g: job.stages[g].endpoint(
         StageActor.checkpoint_manifest, timeout=CHECKPOINT_TIMEOUT_S).call(directory, path.within))
     version, manifest = str(found[0]), Manifest.from_wire(found[1])
+    # A weights directory's links are read through for the admin alone, as the head decides (not the node).
+    manifest = dataclasses.replace(manifest, links=manifest.source == SAFETENSORS and path.within is None)
     weights_only = weights_only or manifest.source in (SAFETENSORS, DCP)
     # Another tool's files may keep a tied tensor under one of its names: each holder gets it by any.
     held = await _held_keys(job, aliases=manifest.source in (SAFETENSORS, DCP))

@@ -167,21 +167,22 @@ def write_tensors(
     return offset, parts
 
 
-def _mapped(path: str, expected: int) -> mmap.mmap | None:
+def _mapped(path: str, expected: int, follow_links: bool = False) -> mmap.mmap | None:
     """``path`` memory-mapped copy-on-write (None when empty), once its size is the manifest's.
 
     Raises:
         CheckpointError: another size (a truncated or replaced file).
         OSError: it cannot be opened or mapped.
     """
-    with open_inside(path) as f:
+    with open_inside(path, follow_links) as f:
         size = os.fstat(f.fileno()).st_size
         if size != expected:
             raise CheckpointError("bad checkpoint", [f"{path}: {size} bytes, the manifest says {expected} (truncated?)"])
         return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
 
 
-def _read_part(version: str, part: TensorPart, dtype: torch.dtype, files: Mapping[str, int], label: str) -> torch.Tensor:
+def _read_part(version: str, part: TensorPart, dtype: torch.dtype, files: Mapping[str, int], label: str,
+               follow_links: bool = False) -> torch.Tensor:
     """One part's tensor, backed by the file's copy-on-write mapping when its offset is aligned for
     ``dtype`` (a copy otherwise: an old shard's back-to-back bytes need not be)."""
     path = os.path.join(version, part.file)
@@ -193,7 +194,7 @@ def _read_part(version: str, part: TensorPart, dtype: torch.dtype, files: Mappin
         raise CheckpointError("bad checkpoint", [f"{where}: only {max(files[part.file] - part.offset, 0)} of "
                                                  f"{part.nbytes} bytes there"])
     try:
-        mapped = _mapped(path, files[part.file])
+        mapped = _mapped(path, files[part.file], follow_links)
     except OSError as exc:
         raise CheckpointError("bad checkpoint", [f"{where}: {exc}"]) from exc
     if mapped is None or numel == 0:
@@ -214,7 +215,7 @@ def _read_part(version: str, part: TensorPart, dtype: torch.dtype, files: Mappin
 
 
 def read_entry(version: str, entry: TensorEntry, files: Mapping[str, int], label: str,
-               source: str = FORMAT) -> torch.Tensor:
+               source: str = FORMAT, follow_links: bool = False) -> torch.Tensor:
     """The whole tensor ``entry`` describes, every part's checksum verified (a DCP checkpoint's: its chunks
     put together, :func:`stages.state.dcp_files.read_chunks`).
 
@@ -225,7 +226,7 @@ def read_entry(version: str, entry: TensorEntry, files: Mapping[str, int], label
     if source == DCP:
         return dcp_files.read_chunks(version, entry, files, label)
     dtype = DTYPES[entry.dtype]
-    parts = [_read_part(version, part, dtype, files, label) for part in entry.parts]
+    parts = [_read_part(version, part, dtype, files, label, follow_links) for part in entry.parts]
     whole = gather_tensor(parts, ShardSpec(*entry.shard)) if entry.shard is not None else parts[0]
     if list(whole.shape) != entry.shape:
         raise CheckpointError("bad checkpoint", [f"{label}: parts make {list(whole.shape)}, not {entry.shape}"])
@@ -547,7 +548,7 @@ def read_manifest(directory: str, *, within: str | None = None) -> tuple[str, Ma
             os.path.join(directory, MANIFEST)):  # a version itself, as job.save returns it
         directory, name = os.path.dirname(directory), os.path.basename(directory)
     if name is None and safetensors_files.present(directory):  # weights as Hugging Face keeps them
-        return directory, safetensors_files.manifest(directory)
+        return directory, safetensors_files.manifest(directory, follow_links=within is None)
     if name is None and dcp_files.present(directory):  # weights as torch.distributed.checkpoint keeps them
         return directory, dcp_files.manifest(directory)
     if name is None:

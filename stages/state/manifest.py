@@ -10,6 +10,7 @@ so :meth:`Manifest.from_wire` checks every field. The directory and the bytes ar
 from __future__ import annotations
 
 import dataclasses
+import errno
 import io
 import os
 import re
@@ -69,15 +70,25 @@ class NoCheckpoint(CheckpointError):
 
 
 
-def open_inside(path: str) -> io.BufferedReader:
+def open_inside(path: str, follow_links: bool = False) -> io.BufferedReader:
     """A checkpoint's or a weights directory's file opened to read, refused when it is a symbolic
     link: the directory was checked to lie where its reader may read
     (:func:`stages.state.checkpoint.check_within`), and a link in it could lead anywhere.
+    ``follow_links``: the admin's load, which may read anywhere (the Hugging Face cache keeps a
+    snapshot's files as links into its blobs).
 
     Raises:
-        OSError: a link (ELOOP), or what opening it raised.
+        OSError: a link (its message says so), or what opening it raised.
     """
-    return os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb")
+    try:
+        return os.fdopen(os.open(path, os.O_RDONLY | os.O_CLOEXEC | (0 if follow_links else os.O_NOFOLLOW)), "rb")
+    except OSError as exc:
+        if exc.errno == errno.ELOOP and not follow_links and os.path.islink(path):
+            raise OSError(errno.ELOOP, "a symbolic link, which a client's load does not follow (it could lead out of "
+                          "the client's directory); give the files themselves (the Hugging Face cache keeps "
+                          "links: snapshot_download(..., local_dir=DIR) copies them out), or load with the "
+                          "admin's key", path) from None
+        raise
 
 
 def _expect(condition: bool, problem: str) -> None:
@@ -142,7 +153,8 @@ class TensorEntry:
     def from_wire(cls, data: Any, what: str, source: str = FORMAT) -> TensorEntry:
         _expect(isinstance(data, dict) and set(data) == {"shape", "dtype", "shard", "parts"},
                 f"{what}: an entry needs exactly shape, dtype, shard, parts")
-        _expect(data["dtype"] in DTYPES, f"{what}: unknown dtype {str(data['dtype'])[:30]!r}")
+        _expect(isinstance(data["dtype"], str) and data["dtype"] in DTYPES,
+                f"{what}: unknown dtype {str(data['dtype'])[:30]!r}")
         shard = None if data["shard"] is None else _int_list(data["shard"], f"{what} shard")
         _expect(shard is None or (len(shard) == 3 and shard[1] >= 1 and shard[2] >= 1),
                 f"{what}: shard must be [dim, world, num_fused]")
@@ -172,13 +184,14 @@ class Manifest:
     job: dict[str, Any] = field(default_factory=dict)  # who wrote it, for people: job id, spec, layout
     lr_scheduler: dict[str, Any] | None = None
     source: str = FORMAT  # or SAFETENSORS: weights alone, read from the files' own headers
+    links: bool = False  # SAFETENSORS: its files may be links, read through (an admin's load: open_inside)
 
     def to_wire(self) -> dict[str, Any]:
         return {"format": self.source, "version": FORMAT_VERSION, "step": self.step, "optimizer": self.optimizer,
                 "files": self.files, "model": {k: e.to_wire() for k, e in self.model.items()},
                 "optimizer_state": {k: {n: e.to_wire() for n, e in s.items()}
                                     for k, s in self.optimizer_state.items()},
-                "job": self.job, "lr_scheduler": self.lr_scheduler}
+                "job": self.job, "lr_scheduler": self.lr_scheduler, **({"links": True} if self.links else {})}
 
     @classmethod
     def from_wire(cls, data: Any) -> Manifest:
@@ -209,7 +222,8 @@ class Manifest:
             model={str(k): TensorEntry.from_wire(e, str(k)[:80], source) for k, e in model.items()},
             optimizer_state={str(k): {str(n): TensorEntry.from_wire(e, f"{str(k)[:80]} {str(n)[:20]}")
                                       for n, e in s.items()} for k, s in state.items()},
-            job=data.get("job") if isinstance(data.get("job"), dict) else {}, lr_scheduler=schedule, source=source)
+            job=data.get("job") if isinstance(data.get("job"), dict) else {}, lr_scheduler=schedule, source=source,
+            links=source == SAFETENSORS and data.get("links") is True)
 
     def entries(self) -> Iterator[tuple[str, TensorEntry]]:
         """Every tensor with a label for messages: ``3.fc1.weight``, ``3.fc1.weight (optimizer exp_avg)``."""
@@ -271,7 +285,8 @@ class Manifest:
         state = {} if weights_only else {k: s for k, s in self.optimizer_state.items() if mine(k)}
         return Manifest(step=self.step, optimizer=self.optimizer, files=self.files,
                         model={k: e for k, e in self.model.items() if mine(k)}, optimizer_state=state,
-                        lr_scheduler=None if weights_only else self.lr_scheduler, source=self.source)
+                        lr_scheduler=None if weights_only else self.lr_scheduler, source=self.source,
+                        links=self.links)
 
 
 def layer_of(key: str) -> int | None:

@@ -90,13 +90,13 @@ def _bad(path: str, problem: str) -> CheckpointError:
     return CheckpointError(f"{path} cannot be read as safetensors weights", [problem])
 
 
-def _files(directory: str) -> list[str]:
+def _files(directory: str, follow_links: bool) -> list[str]:
     """The safetensors files of ``directory``: the index's, in order of first mention, or the one file."""
     index = os.path.join(directory, INDEX)
     if not os.path.isfile(index):
         return [SINGLE]
     try:
-        with open_inside(index) as f:
+        with open_inside(index, follow_links) as f:
             text = f.read(_MAX_INDEX_BYTES + 1)
         data = json.loads(text) if len(text) <= _MAX_INDEX_BYTES else None
     except (OSError, ValueError) as exc:
@@ -104,17 +104,16 @@ def _files(directory: str) -> list[str]:
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise _bad(index, "expected a JSON object with a non-empty weight_map of tensor name to file")
-    files = list(dict.fromkeys(weight_map.values()))
-    for name in files:
+    for key, name in weight_map.items():  # checked before dict.fromkeys: a list there was "unhashable type"
         if not isinstance(name, str) or SAFETENSORS_FILE.fullmatch(name) is None:
-            raise _bad(index, f"{str(name)[:80]!r} is not a safetensors file name in this directory")
-    return files
+            raise _bad(index, f"{str(key)[:80]}: {str(name)[:80]!r} is not a safetensors file name in this directory")
+    return list(dict.fromkeys(weight_map.values()))
 
 
-def _header(path: str) -> tuple[dict[str, Any], int, int]:
+def _header(path: str, follow_links: bool) -> tuple[dict[str, Any], int, int]:
     """A file's header, where its data begins, and its size."""
     try:
-        with open_inside(path) as f:
+        with open_inside(path, follow_links) as f:
             size = os.fstat(f.fileno()).st_size
             prefix = f.read(8)
             if len(prefix) != 8:
@@ -133,7 +132,7 @@ def _header(path: str) -> tuple[dict[str, Any], int, int]:
 
 
 def _entry(path: str, name: str, info: Any, start: int, size: int) -> TensorEntry:
-    if not isinstance(info, dict) or info.get("dtype") not in _DTYPES:
+    if not isinstance(info, dict) or not isinstance(info.get("dtype"), str) or info["dtype"] not in _DTYPES:
         raise _bad(path, f"{name[:80]}: an unknown dtype {str(info.get('dtype') if isinstance(info, dict) else info)[:20]!r}")
     shape, offsets = info.get("shape"), info.get("data_offsets")
     if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
@@ -149,17 +148,19 @@ def _entry(path: str, name: str, info: Any, start: int, size: int) -> TensorEntr
     return TensorEntry(shape=list(shape), dtype=dtype, shard=None, parts=[part])
 
 
-def manifest(directory: str) -> Manifest:
-    """The weights in ``directory``'s safetensors files, as a manifest of the ``safetensors`` source.
+def manifest(directory: str, *, follow_links: bool = False) -> Manifest:
+    """The weights in ``directory``'s safetensors files, as a manifest of the ``safetensors`` source;
+    ``follow_links``: files that are symbolic links are read through (an admin's load; see
+    :func:`~stages.state.manifest.open_inside`), here and where the stages read them.
 
     Raises:
         CheckpointError: no such files, or a file or index that is not what it claims (named).
     """
     model: dict[str, TensorEntry] = {}
     sizes: dict[str, int] = {}
-    for name in _files(directory):
+    for name in _files(directory, follow_links):
         path = os.path.join(directory, name)
-        header, start, size = _header(path)
+        header, start, size = _header(path, follow_links)
         sizes[name] = size
         for key, info in header.items():
             if key == "__metadata__":
@@ -168,4 +169,4 @@ def manifest(directory: str) -> Manifest:
                 raise _bad(path, f"{key[:80]} is in two files")
             model[key] = _entry(path, key, info, start, size)
     return Manifest(step=0, optimizer="", files=sizes, model=model, optimizer_state={},
-                    job={"source": SAFETENSORS}, source=SAFETENSORS)
+                    job={"source": SAFETENSORS}, source=SAFETENSORS, links=follow_links)

@@ -131,7 +131,7 @@ def _local(
         problems.extend(wrong)
         return None
     try:
-        whole = read_entry(version, entry, plan.files, label, plan.source)
+        whole = read_entry(version, entry, plan.files, label, plan.source, plan.links)
     except CheckpointError as exc:
         problems.extend(exc.problems or [str(exc)])
         return None
