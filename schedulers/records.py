@@ -82,8 +82,8 @@ class StepStats(WireRecord):
         reduce_wait_s: per stage actor, seconds the data-parallel reduction took after
             the barrier: what backward did not hide with ``overlap_reduce`` (the
             reduction started during backward), all of it without.
-        samples: the global batch size, when known (a batch given, or the data
-            factory's ``batch_size``).
+        samples: the global batch size, when known (a batch given, or the samples the
+            data's batch held, as the last stages read it).
         samples_per_s: ``samples / step_time_s``, when ``samples`` is known.
         schedule, micro_batches: the schedule and micro-batch count this step ran with.
         recovery: set when the job recovered from a lost node before this step

@@ -49,13 +49,9 @@ def plan_setting(spec: JobSpec, key: str, value: Any) -> JobSpec:
                          f"settable: {', '.join(SETTABLE)}")
     changes: dict[str, Any] = {}
     if key == "micro_batches":
+        # Any count: a batch that does not divide is cut as tensor_split cuts it, and a DataLoader's batch_size
+        # is one micro-batch's. (The factory's batch_size, read as the global batch, refused these.)
         value = _parse_int(key, value)
-        batch = spec.training.data_kwargs.get("batch_size")
-        if isinstance(batch, int) and batch % (value * spec.parallelism.data_parallel):
-            raise ValueError(
-                f"micro_batches={value}: the data factory's batch_size {batch} does not split into "
-                f"{value} micro-batches x data_parallel {spec.parallelism.data_parallel}; pick a divisor of "
-                f"{batch // spec.parallelism.data_parallel}")
     elif key == "schedule":
         value = str(value)
         if _stage_layout(value) != _stage_layout(spec.parallelism.schedule):

@@ -192,7 +192,9 @@ class StepPath:
             raise
         elapsed = time.perf_counter() - started
         job.applied_one(reports)
-        samples = batch_size(inputs) if inputs is not None else job.spec.training.data_kwargs.get("batch_size")
+        # The data factory's batch: as its last stages read it (a DataLoader's batch_size is one micro-batch's).
+        samples = batch_size(inputs) if inputs is not None else sum(
+            r.samples for rank, r in enumerate(reports) if job.mesh.coords(rank).tensor == 0) or None
         stats = step_stats(job.spec, step, reports, elapsed, reduce_bytes,
                            samples if isinstance(samples, int) else None, nonfinite, finished)
         scaler = job.scaler

@@ -224,7 +224,7 @@ def stage_report(trace: StepTrace, parts: StageParts) -> StageReport:
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         codec_stats=parts.sender.edge_stats, optimizer_state_bytes=zero.state_bytes(model.optimizer),
         gradient_bytes=parts.tail.gradient_bytes, parameter_bytes=zero.parameter_bytes(model.optimizer),
-        device=str(model.device), pass_batches=parts.eval_data.pass_batches)
+        device=str(model.device), samples=parts.data.samples, pass_batches=parts.eval_data.pass_batches)
 
 
 def join_and_build(config: StageConfig, runtime: Host, allow: Sequence[str], device: torch.device,

@@ -261,6 +261,8 @@ class StageReport(WireRecord):
         parameter_bytes: the bytes of this stage's parameters (each once).
         device: the device the stage computes on (``cpu``, ``cuda:1``); "" from a
             stage that predates the field.
+        samples: from a last stage that read its step's batch from the job's data, the samples its
+            micro-batches held (its replica's share of the global batch); 0 otherwise.
         pass_batches: from a stage that read a batch of one pass over the validation set
             (``evaluation.eval_batches=0``), how many batches the pass takes.
         reduced, finished: with :attr:`StepOrder.finish`, the step's tail as the stage ran it
@@ -290,6 +292,7 @@ class StageReport(WireRecord):
     gradient_bytes: int = 0
     parameter_bytes: int = 0
     device: str = ""
+    samples: int = 0
     pass_batches: int | None = None
     reduced: ReduceReport | None = None
     finished: FinishReport | None = None

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from stages.build.data_source import BatchFunction, DatasetReader
+from stages.comm.boundary import batch_size
 from stages.build.stage import read_data
 from stages.compute.inline import INLINE_MAX_S
 from stages.records import StageConfig
@@ -49,6 +50,7 @@ class DataReads:
         self.clock = clock
         self.once = once
         self.pass_batches: int | None = None  # with once, as the last read found it (the replicas may change)
+        self.samples = 0  # on a last stage: the samples the last read's micro-batches held (its replica's share)
         self.inline = self.threaded = 0  # reads on the loop's thread, and on a thread
         self._next: int | None = None  # the step that follows the last one read
         self._last_s = float("inf")
@@ -72,6 +74,7 @@ class DataReads:
         """A read and its own time (not a thread hop's, wherever it ran)."""
         started = self.clock()
         found = read_data(self.data, self.config, step, shard, micro_batches, self.what, self.once)
+        self.samples = sum(batch_size(t) or 0 for t in found[1] or ())
         if self.once and isinstance(self.data, DatasetReader):
             self.pass_batches = self.data.pass_batches(shard[1], micro_batches)
         return found, self.clock() - started

@@ -68,6 +68,8 @@ async def assert_trains_as(cluster: Cluster, trained: torch.nn.Module, losses: l
     finally:
         await job.close()
     assert [s.loss for s in stats] == pytest.approx(losses, rel=1e-5)
+    # Found by review: samples was the factory's batch_size (a DataLoader's: one micro-batch's), 4x too few here.
+    assert {s.samples for s in stats} == {REPLICAS * MICRO * DATA["batch_size"]}
     for key, value in trained.state_dict().items():
         torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
 
