@@ -34,6 +34,7 @@ import torch
 import actors
 from actors import ActorError, ActorRef, ActorTimeout, Endpoint, UnknownActor
 from stages import CheckpointError
+from stages.state.export import FORMATS as EXPORT_FORMATS
 from schedulers.jobs import SECTIONS, JobSpec
 from schedulers.placement import PlacementWarning
 from schedulers.records import EvalResult, JobDescription, JobInfo, Plan, RunInfo, SettingChange, StepStats, WhereReport
@@ -487,7 +488,10 @@ class Job:
         Raises:
             NotAllowed: a client's ``directory`` outside its own subtree.
             CheckpointError: ``directory`` is not empty, or a node cannot write there.
+            ValueError: another ``format``, before anything is sent.
         """
+        if not isinstance(format, str) or format not in EXPORT_FORMATS:  # checked here, before anything is sent
+            raise ValueError(f"export writes {' or '.join(EXPORT_FORMATS)}, not {str(format)[:40]!r}")
         with _checkpoint_errors():
             return await self._call(JobActor.export, None).call(*_as_sent(directory), format)
 

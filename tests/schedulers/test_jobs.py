@@ -372,6 +372,22 @@ async def test_a_bad_train_argument_raises_at_the_call_without_contacting_the_he
     assert runtime.sent == []
 
 
+async def test_an_export_format_it_does_not_write_is_refused_at_the_call_without_contacting_the_head() -> None:
+    """Found by review: job.export(format="bin") went to the head and came back as a remote error with its
+    traceback; every argument is checked at the call, before anything is sent."""
+    from schedulers.client import Job
+    from schedulers.records import JobInfo
+
+    runtime = _CountingRuntime()
+    cluster = Cluster(runtime, runtime.ref("tcp://127.0.0.1:1", "head"), contextlib.AsyncExitStack())  # type: ignore[arg-type]
+    job = Job(cluster, JobInfo(job="job0", bounds=[[0, 4]], nodes=["n0"], actor=["tcp://127.0.0.1:1", "job0"]),
+              JobSpec.of(model=MODEL))
+    for bad in ("bin", None, ["dcp"]):
+        with pytest.raises(ValueError, match="export writes safetensors or dcp, not"):
+            await job.export("/tmp/out", format=bad)  # type: ignore[arg-type]
+    assert runtime.sent == []
+
+
 def test_step_stats_carry_samples_per_s_and_refuse_unknown_keys() -> None:
     stats = StepStats(step=0, loss=1.0, step_time_s=0.5, bubble_fraction=0.1, bytes_sent=10, samples=8,
                       samples_per_s=16.0)
