@@ -60,8 +60,8 @@ async def evaluate(job: JobCore, path: StepPath, inputs: Any, targets: Any, *, o
         if validation:
             calls = validation_calls(spec, batch)
         else:
-            calls = step_calls(spec, job.applied if data_step is None else data_step, inputs, targets,
-                               operation="evaluate")
+            step = job.applied if data_step is None else data_step
+            calls = step_calls(spec, step, inputs, targets, operation="evaluate", data_position=job.data.at(step))
         for call in calls.values():
             call.pop("loss_weights", None)  # the loss is averaged here, from every micro-batch's
             call.update(evaluate=True, keep_outputs=outputs)

@@ -19,6 +19,7 @@ from typing import Any
 from actors import ActorRef, Event, Host
 from stages import Mesh, StageReport
 from schedulers.checkpoint_paths import CheckpointPath
+from schedulers.data_positions import DataPositions
 from schedulers.jobs import AUTO_PROBE, JobSpec
 from schedulers.planning import AutoSchedule
 from schedulers.records import StepStats
@@ -142,6 +143,7 @@ class JobCore:
         # step's order carries its own (StepOrder.lr), so that a replay after a recovery steps as the
         # first time did, on either side of a change.
         self.learning_rates: dict[int, float] = {}
+        self.data = DataPositions(self.mesh.data * spec.parallelism.micro_batches)  # where each step's batch begins
         self.last_checkpoint: tuple[CheckpointPath, int] | None = None  # (where, step) of this job's newest save
         self.driver_batches = False  # a step took the driver's batch (so the data factory cannot replay it)
         self.snapshot_due = False  # take one at the next step whatever snapshot_every says (after a load)

@@ -153,6 +153,7 @@ async def write_checkpoint(job: JobCore, path: CheckpointPath, keep: int = 1, sp
                         {"path": job.spec.optimization.lr_scheduler[0], "state": schedule},
                         job={"id": job.id, "spec": _described(job.spec.to_wire()), "bounds": job.bounds,
                              "mesh": [mesh.pipeline, mesh.tensor, mesh.data],
+                             "data_position": job.data.at(job.applied),
                              **({"loss_scaler": job.scaler.state_dict()} if job.scaler is not None else {}),
                              **({"evaluations": evaluations} if evaluations else {})})
     [version] = await _on_stages(job, coordinator, "save", lambda g: job.stages[g].endpoint(
@@ -306,6 +307,11 @@ async def _apply(job: JobCore, path: CheckpointPath, weights_only: bool) -> tupl
             job.scaler.load_state_dict(saved_scale)
         except (KeyError, TypeError, ValueError) as exc:
             log.warning("%s: the checkpoint's loss scale is unreadable (%s); keeping the current one", job.id, exc)
+    if not weights_only:  # a dataset goes on where the saved job's stream stood, whatever its layout was
+        saved_position = manifest.job.get("data_position")
+        per_step = job.mesh.data * job.spec.parallelism.micro_batches
+        job.data.restart(manifest.step, saved_position if type(saved_position) is int and saved_position >= 0
+                         else manifest.step * per_step, per_step)  # a checkpoint from before positions were kept
     return version, manifest.step, not weights_only
 
 

@@ -173,6 +173,8 @@ class Settings:
             if not job.learning_rates and job.last_stats is not None and job.last_stats.lr:
                 job.learning_rates[0] = job.last_stats.lr[0]  # the rate before it, for a replay of the steps before
             job.learning_rates[job.applied] = float(changes["lr"])
+        if "micro_batches" in changes:  # a dataset's steps take another count of micro-batches from here on
+            job.data.change(job.applied, new.mesh.data * new.parallelism.micro_batches)
         job.respecified(new)
         if set(changes) - {"lr"}:
             # A recovery replays the steps since a snapshot with the job's settings as they are now (only the

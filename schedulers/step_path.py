@@ -90,7 +90,7 @@ class StepPath:
         """
         job = self.job
         position = job.applied + 1 if after is not None else job.applied
-        calls = step_calls(job.spec, position, inputs, targets)
+        calls = step_calls(job.spec, position, inputs, targets, data_position=job.data.at(position))
         scaler = job.scaler
         prescale = 1.0
         if scaler is not None:

@@ -20,10 +20,11 @@ __all__ = ["describe_findings", "key_order", "nonfinite_failed", "nonfinite_find
 
 
 def step_calls(
-    spec: JobSpec, step: int, inputs: Any, targets: Any, *, operation: str = "step"
+    spec: JobSpec, step: int, inputs: Any, targets: Any, *, operation: str = "step", data_position: int | None = None
 ) -> dict[int, dict[str, Any]]:
     """Each stage actor's ``run_step`` keyword arguments beyond the program: its micro-batches, or the data step
-    (``operation``: what the messages call the caller, ``step`` or ``evaluate``).
+    (``operation``: what the messages call the caller, ``step`` or ``evaluate``; ``data_position``: where a
+    dataset's batch of that step begins, :class:`~schedulers.data_positions.DataPositions`).
 
     Raises:
         ValueError: only one of inputs and targets, neither without a data factory, or a
@@ -38,6 +39,8 @@ def step_calls(
         for rank, call in calls.items():
             call["data_step"] = step
             call["data_shard"] = [mesh.coords(rank).data, mesh.data]
+            if data_position is not None:
+                call["data_position"] = data_position
         return calls
     if inputs is None or targets is None:
         raise ValueError(f"{operation}() takes both inputs and targets, or neither (to read the data factory)")

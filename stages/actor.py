@@ -193,7 +193,7 @@ async def begin_step(config: StageConfig, parts: StageParts, order: StepOrder) -
         # On a thread unless known short (stages.build.reads).
         reads = parts.eval_data if order.eval_data else parts.data
         inputs, targets, weights = await reads.read(order.data_step, order.data_shard or [0, 1],
-                                                    executor.num_microbatches)
+                                                    executor.num_microbatches, order.data_position)
         batch = StepBatch(actions, inputs, targets, weights)
     if batch.inputs is not None and 0 in executor.model.modules:  # a shape the traced graph cannot run: refused now
         traced.check_batch(executor.model.modules[0], batch.inputs)

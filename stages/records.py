@@ -122,6 +122,10 @@ class StepOrder(WireRecord):
     """Read this step's batch from the job's data factory instead."""
     data_shard: list[int] | None = None
     """With ``data_step``: ``[replica, replicas]``, this replica's share of the global batch."""
+    data_position: int | None = None
+    """With ``data_step`` and a dataset: where the step's batch begins in its stream, in global micro-batches
+    (every replica's) read before it. None: ``data_step * micro_batches * replicas``, as when the layout never
+    changed; after a change of ``micro_batches`` or a load into another layout the scheduler says."""
     micro_batches: int | None = None
     """A count other than the one the stage was built with (changed at the barrier)."""
     snapshot: int | None = None
@@ -172,7 +176,7 @@ class StepOrder(WireRecord):
         norm = self.max_norm
         if isinstance(norm, bool) or not isinstance(norm, (int, float)) or not 0 <= norm < float("inf"):
             raise ValueError(f"max_norm must be a finite number >= 0, got {norm!r:.40}")
-        for name in ("micro_batches", "data_step", "snapshot", "after"):
+        for name in ("micro_batches", "data_step", "data_position", "snapshot", "after"):
             value, least = getattr(self, name), 1 if name == "micro_batches" else 0
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
                 raise ValueError(f"{name} must be an int >= {least}, got {value!r:.40}")

@@ -11,11 +11,14 @@ first or last stage reads a step's micro-batches:
   ``micro_batch_size`` samples (a DataLoader's own ``batch_size``) at a time, collated by
   the loader's ``collate_fn`` (so dynamic padding gives each micro-batch its own length).
 
-A dataset is read as one endless stream per replica: epoch after epoch, each shuffled
-with ``seed + epoch`` when the DataLoader shuffles, and step ``k``'s micro-batches are
-that stream's ``k * micro_batches``-th onwards. The position is therefore the step count
-itself: a checkpoint (which keeps the step) resumes the data where it stood, and a
-recovery that rolls back to a snapshot reads the same batches again. A micro-batch of a
+A dataset is read as one endless stream: epoch after epoch, each shuffled with
+``seed + epoch`` when the DataLoader shuffles, dealt to the replicas as
+``DistributedSampler`` deals an epoch. A step's batch is the stream's next
+``replicas * micro_batches`` micro-batches, from where the scheduler says it stands
+(``StepOrder.data_position``: :mod:`schedulers.data_positions`; by default step ``k``'s
+begins ``k * micro_batches * replicas`` in), so a checkpoint resumes the data where it
+stood, in any layout, and a recovery that rolls back to a snapshot reads the same
+batches again. A micro-batch of a
 map-style dataset is read and collated under random number generators seeded by its
 place in the stream (:class:`_SeededReads`), so a dataset or collator that draws (a random
 window, masked tokens) gives a replica's first and last stage the same samples, and a
@@ -58,8 +61,9 @@ class BatchFunction:
     def __init__(self, batch: Callable[[int], Any]) -> None:
         self.batch = batch
 
-    def read(self, step: int, replica: int, replicas: int, micro_batches: int) -> Read:
-        """This replica's micro-batches of step ``step``, and their loss weights (None: an even split)."""
+    def read(self, step: int, replica: int, replicas: int, micro_batches: int, position: int | None = None) -> Read:
+        """This replica's micro-batches of step ``step``, and their loss weights (None: an even split);
+        ``position`` is a dataset's (the batch is the step's whatever came before)."""
         inputs, targets = self.batch(step)
         input_shards, target_shards, weights = shard_batch(inputs, targets, replicas, micro_batches)
         return input_shards[replica], target_shards[replica], weights[replica] if weights is not None else None
@@ -127,20 +131,23 @@ class DatasetReader:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="data")
         self._ahead: tuple[tuple[int, int, int, int], Future[Read]] | None = None
 
-    def read(self, step: int, replica: int, replicas: int, micro_batches: int) -> Read:
-        """This replica's micro-batches of step ``step``; with worker processes (prefetched when it is the
-        one after the last) the next step's then read ahead.
+    def read(self, step: int, replica: int, replicas: int, micro_batches: int, position: int | None = None) -> Read:
+        """This replica's micro-batches of step ``step``: the batch that begins ``position`` global
+        micro-batches (every replica's) into the stream, by default ``step * micro_batches * replicas``
+        (the layout was never changed; after a change the scheduler says where the data stands). With
+        worker processes (prefetched when it is the one after the last) the next step's is then read ahead.
 
         Without them the read is here and now: it seeds the process's generators for its while
         (:class:`_SeededReads`), and read ahead it would do so while the stage computes, whose dropout
         would then draw from the read's seed and be put back with it."""
+        at = step * micro_batches * replicas if position is None else position
         if self._workers is None:
-            return self._read(step, replica, replicas, micro_batches)
-        key = (step, replica, replicas, micro_batches)
+            return self._read(at, replica, replicas, micro_batches)
+        key = (at, replica, replicas, micro_batches)
         ahead, self._ahead = self._ahead, None
         future = ahead[1] if ahead is not None and ahead[0] == key else self._thread.submit(self._read, *key)
         result = future.result()
-        following = (step + 1, replica, replicas, micro_batches)
+        following = (at + micro_batches * replicas, replica, replicas, micro_batches)
         self._ahead = (following, self._thread.submit(self._read, *following))
         return result
 
@@ -151,17 +158,21 @@ class DatasetReader:
         self._thread.submit(self._end_feed)  # on the thread that reads from it
         self._thread.shutdown(wait=False)
 
-    def _read(self, step: int, replica: int, replicas: int, micro_batches: int) -> Read:
-        first = step * micro_batches * self.size
+    def _read(self, at: int, replica: int, replicas: int, micro_batches: int) -> Read:
+        """The micro-batches of replica ``replica`` of the batch beginning ``at`` global micro-batches in: as
+        ``DistributedSampler`` deals an epoch, the replica takes every ``replicas``-th sample of the stream
+        from the batch's first sample (``at * size``) on, from its ``replica``-th."""
+        base = at * self.size  # the batch's first sample in the stream (every replica's)
         if self._workers is not None and self.indexed:
-            batches = self._from_workers(first, micro_batches, replica, replicas)
+            batches = self._from_workers(base, micro_batches, replica, replicas)
         elif self.indexed:
             reads = _SeededReads(self.dataset, self.collate, self.seed)
-            batches = [reads.__getitems__([(replica, replicas, p, self.index(p, replica, replicas))
-                                           for p in range(at, at + self.size)])
-                       for at in range(first, first + micro_batches * self.size, self.size)]
+            batches = [reads.__getitems__([(g, self.index(g, replicas)) for g in range(
+                           base + m * self.size * replicas + replica, base + (m + 1) * self.size * replicas, replicas)])
+                       for m in range(micro_batches)]
         else:  # what the iterator draws here (not in worker processes): the same on every stage
-            with _seeded(self.seed, replica, replicas, first) if self._workers is None else contextlib.nullcontext():
+            first = base // replicas  # this replica's items before the batch (a whole round, unless replicas changed)
+            with _seeded(self.seed, replicas, base + replica) if self._workers is None else contextlib.nullcontext():
                 samples = self._iterated(first, micro_batches * self.size, replica, replicas)
                 batches = [self.collate(samples[m * self.size:(m + 1) * self.size]) for m in range(micro_batches)]
         pairs = [split_pair(batch) for batch in batches]
@@ -198,33 +209,35 @@ class DatasetReader:
         reads = _SeededReads(self.dataset, self.collate, self.seed)
         for c in range(replica * micro_batches, (replica + 1) * micro_batches):
             start, end = (cuts[c], cuts[c + 1]) if cuts[c] < cuts[c + 1] else (0, 1)  # else a stand-in
-            batches.append(reads.__getitems__([(-1, batch, p, indices[p]) for p in range(start, end)]))
+            batches.append(reads.__getitems__([(-1 - batch * size - p, indices[p]) for p in range(start, end)]))
             weights.append(1.0 if cuts[c] < cuts[c + 1] else 0.0)
         pairs = [split_pair(b) for b in batches]
         return [p[0] for p in pairs], [p[1] for p in pairs], weights
 
-    def index(self, position: int, replica: int, replicas: int) -> int:
-        """The dataset index at ``position`` of replica ``replica``'s stream (a map-style dataset's)."""
+    def index(self, position: int, replicas: int) -> int:
+        """The dataset index at ``position`` of the stream (a map-style dataset's; every replica's samples,
+        replica ``position % replicas`` taking this one): each epoch padded, as ``DistributedSampler`` pads
+        it, to a multiple of ``replicas`` with its first samples."""
         n = self._length
-        epoch, offset = divmod(position, -(-n // replicas))  # DistributedSampler's: the shard padded from the epoch's start
+        epoch, within = divmod(position, -(-n // replicas) * replicas)
         order = self._order(epoch)
-        at = (offset * replicas + replica) % n
+        at = within % n
         return at if order is None else int(order[at])
 
-    def _from_workers(self, first: int, micro_batches: int, replica: int, replicas: int) -> list[Any]:
-        """Micro-batches from stream position ``first`` on, loaded and collated by the loader's worker
-        processes: one DataLoader over this replica's positions, kept while the steps read on, made again
-        only to go elsewhere (a rollback, a load). Its workers are seeded from the job's seed."""
-        if self._feed is None or self._feed[0] != (replica, replicas, first):
+    def _from_workers(self, base: int, micro_batches: int, replica: int, replicas: int) -> list[Any]:
+        """This replica's micro-batches of the batch from stream sample ``base`` on, loaded and collated by the
+        loader's worker processes: one DataLoader over this replica's positions, kept while the steps read
+        on, made again only to go elsewhere (a rollback, a load). Its workers are seeded from the job's seed."""
+        if self._feed is None or self._feed[0] != (replica, replicas, base):
             self._end_feed()
             assert self._workers is not None
             loader: DataLoader[Any] = DataLoader(
                 _SeededReads(self.dataset, self.collate, self.seed), batch_size=self.size, collate_fn=_as_yielded,
-                sampler=_Positions(self, first, replica, replicas), generator=torch.Generator().manual_seed(self.seed),
+                sampler=_Positions(self, base + replica, replicas), generator=torch.Generator().manual_seed(self.seed),
                 **self._workers)
-            self._feed = ((replica, replicas, first), iter(loader))
+            self._feed = ((replica, replicas, base), iter(loader))
         batches = [next(self._feed[1]) for _ in range(micro_batches)]
-        self._feed = ((replica, replicas, first + micro_batches * self.size), self._feed[1])
+        self._feed = ((replica, replicas, base + micro_batches * self.size * replicas), self._feed[1])
         return batches
 
     def _end_feed(self) -> None:
@@ -332,17 +345,17 @@ def _shut_down(iterator: Iterator[Any]) -> None:
         shutdown()
 
 
-class _Positions(Sampler[tuple[int, int, int, int]]):
-    """A replica's stream as the keys of :class:`_SeededReads` (``replica, replicas, position, dataset
-    index``), from one position on, endlessly: what a loader's worker processes load (see
+class _Positions(Sampler[tuple[int, int]]):
+    """A replica's stream as the keys of :class:`_SeededReads` (``position, dataset index``), every
+    ``replicas``-th position from ``first`` on, endlessly: what a loader's worker processes load (see
     :meth:`DatasetReader._from_workers`)."""
 
-    def __init__(self, reader: DatasetReader, first: int, replica: int, replicas: int) -> None:
-        self.reader, self.first, self.replica, self.replicas = reader, first, replica, replicas
+    def __init__(self, reader: DatasetReader, first: int, replicas: int) -> None:
+        self.reader, self.first, self.replicas = reader, first, replicas
 
-    def __iter__(self) -> Iterator[tuple[int, int, int, int]]:
-        for position in itertools.count(self.first):
-            yield self.replica, self.replicas, position, self.reader.index(position, self.replica, self.replicas)
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        for position in itertools.count(self.first, self.replicas):
+            yield position, self.reader.index(position, self.replicas)
 
 
 class _SeededReads(torch.utils.data.Dataset[Any]):
@@ -360,13 +373,13 @@ class _SeededReads(torch.utils.data.Dataset[Any]):
     def __init__(self, dataset: Any, collate: Callable[[list[Any]], Any], seed: int) -> None:
         self.dataset, self.collate, self.seed = dataset, collate, seed
 
-    def __getitems__(self, keys: Sequence[tuple[int, int, int, int]]) -> Any:
-        """The micro-batch of ``keys`` (each ``replica, replicas, position, index``), collated."""
-        replica, replicas, position, _ = keys[0]
-        with _seeded(self.seed, replica, replicas, position):
-            return self.collate([self.dataset[index] for *_, index in keys])
+    def __getitems__(self, keys: Sequence[tuple[int, int]]) -> Any:
+        """The micro-batch of ``keys`` (each ``position, index``: its first sample's place in the stream seeds
+        it), collated."""
+        with _seeded(self.seed, keys[0][0]):
+            return self.collate([self.dataset[index] for _, index in keys])
 
-    def __getitem__(self, key: tuple[int, int, int, int]) -> Any:
+    def __getitem__(self, key: tuple[int, int]) -> Any:
         """A micro-batch of one sample (a loader reads a batch through :meth:`__getitems__`)."""
         return self.__getitems__([key])
 

@@ -55,25 +55,27 @@ class DataReads:
         self._next: int | None = None  # the step that follows the last one read
         self._last_s = float("inf")
 
-    async def read(self, step: int, shard: Sequence[int], micro_batches: int) -> Read:
-        """Step ``step``'s batch for replica ``shard`` (``[replica, replicas]``) in ``micro_batches`` parts.
+    async def read(self, step: int, shard: Sequence[int], micro_batches: int, position: int | None = None) -> Read:
+        """Step ``step``'s batch for replica ``shard`` (``[replica, replicas]``) in ``micro_batches`` parts
+        (``position``: where a dataset's begins, :meth:`~stages.build.data_source.DatasetReader.read`).
 
         Raises:
             ValueError: as :func:`~stages.build.stage.read_data`.
         """
         if step == self._next and self._last_s <= INLINE_MAX_S:
             self.inline += 1
-            found, seconds = self._timed(step, shard, micro_batches)
+            found, seconds = self._timed(step, shard, micro_batches, position)
         else:
             self.threaded += 1
-            found, seconds = await asyncio.to_thread(self._timed, step, shard, micro_batches)
+            found, seconds = await asyncio.to_thread(self._timed, step, shard, micro_batches, position)
         self._last_s, self._next = seconds, step + 1
         return found
 
-    def _timed(self, step: int, shard: Sequence[int], micro_batches: int) -> tuple[Read, float]:
+    def _timed(self, step: int, shard: Sequence[int], micro_batches: int,
+               position: int | None = None) -> tuple[Read, float]:
         """A read and its own time (not a thread hop's, wherever it ran)."""
         started = self.clock()
-        found = read_data(self.data, self.config, step, shard, micro_batches, self.what, self.once)
+        found = read_data(self.data, self.config, step, shard, micro_batches, self.what, self.once, position)
         self.samples = sum(batch_size(t) or 0 for t in found[1] or ())
         if self.once and isinstance(self.data, DatasetReader):
             self.pass_batches = self.data.pass_batches(shard[1], micro_batches)

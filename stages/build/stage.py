@@ -139,7 +139,7 @@ def whole_pass_source(source: BatchFunction | DatasetReader) -> None:
 
 
 def read_data(data: BatchFunction | DatasetReader | None, config: StageConfig, data_step: int, shard: Sequence[int],
-              num_microbatches: int, what: str = "data factory", once: bool = False,
+              num_microbatches: int, what: str = "data factory", once: bool = False, position: int | None = None,
               ) -> tuple[list[Any] | None, list[Any] | None, list[float] | None]:
     """Step ``data_step``'s micro-batches of inputs (on a first stage) and targets (on a last), read from the
     data source ``data`` (:mod:`stages.build.data_source`): this replica's share (``shard``: ``[replica,
@@ -149,7 +149,8 @@ def read_data(data: BatchFunction | DatasetReader | None, config: StageConfig, d
     A stage actor that holds neither (the middle of three, or both inner stages of a V) reads
     nothing: its values come from its neighbours.
 
-    ``once``: batch ``data_step`` of one pass over a dataset (:meth:`DatasetReader.read_once`), the
+    ``position``: where a dataset's batch begins (:meth:`DatasetReader.read`). ``once``: batch ``data_step`` of
+    one pass over a dataset (:meth:`DatasetReader.read_once`), the
     validation set's when ``evaluation.eval_batches`` is 0; its weights mark the stand-ins (0).
 
     Raises:
@@ -165,7 +166,7 @@ def read_data(data: BatchFunction | DatasetReader | None, config: StageConfig, d
         assert isinstance(data, DatasetReader), "checked as the stage was built (whole_pass_source)"
         inputs, targets, weights = data.read_once(data_step, index, count, num_microbatches)
     else:
-        inputs, targets, weights = data.read(data_step, index, count, num_microbatches)
+        inputs, targets, weights = data.read(data_step, index, count, num_microbatches, position)
     return inputs if first else None, targets if last else None, weights if last else None
 
 

@@ -69,7 +69,8 @@ async def assert_trains_as(cluster: Cluster, trained: torch.nn.Module, losses: l
         await job.close()
     assert [s.loss for s in stats] == pytest.approx(losses, rel=1e-5)
     # Found by review: samples was the factory's batch_size (a DataLoader's: one micro-batch's), 4x too few here.
-    assert {s.samples for s in stats} == {REPLICAS * MICRO * DATA["batch_size"]}
+    spec = _train(**overrides)
+    assert {s.samples for s in stats} == {spec["data_parallel"] * spec["micro_batches"] * DATA["batch_size"]}
     for key, value in trained.state_dict().items():
         torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
 
@@ -139,3 +140,39 @@ async def test_a_checkpoint_resumes_the_data_where_it_stood(cluster: Cluster, tm
     finally:
         await resumed.close()
     assert losses == expected
+
+
+@pytest.mark.parametrize("layout", ["more_micro_batches", "one_replica"])
+async def test_a_checkpoint_loaded_into_another_layout_reads_on_where_the_saved_job_stood(
+        cluster: Cluster, tmp_path: Path, layout: str) -> None:
+    """Found by review: the stream's position was worked out from the step count and the loading job's own
+    layout, so a job saved after 2 steps of 2 replicas x 2 micro-batches (16 global micro-batches... of which
+    8 read) and loaded with 4 micro-batches began at 16, skipping 8 micro-batches of the epoch; with one
+    replica, at 4, reading 4 again. The checkpoint keeps the position; the loaded job's first step reads the
+    8th global micro-batch on, as one process given that stream would (the loss of its first step, taken
+    before the optimizer's state, which one process here does not have, moves anything)."""
+    job = await cluster.train(**_train())
+    try:
+        for _ in range(2):
+            await job.step()
+        await job.save(str(tmp_path / "ckpt"))
+        saved = await job.state_dict()
+    finally:
+        await job.close()
+    replicas, micro = (REPLICAS, 4) if layout == "more_micro_batches" else (1, MICRO)
+    resumed = await cluster.train(**_train(data_parallel=replicas, micro_batches=micro))
+    try:
+        assert await resumed.load(str(tmp_path / "ckpt")) == 2
+        first = (await resumed.step()).loss
+        described = await resumed.describe()
+    finally:
+        await resumed.close()
+    reader = DatasetReader(token_sequences(**DATA), None, seed=0)
+    try:
+        step = [pair for r in range(replicas) for pair in zip(*reader.read(0, r, replicas, micro, 8)[:2])]
+    finally:
+        reader.close()
+    model = gpt(**GPT)
+    model.load_state_dict(saved)
+    assert first == pytest.approx(train_one_process(model, lambda out: out, [step])[0], rel=1e-5)
+    assert described.steps == 3

@@ -184,7 +184,7 @@ def test_a_shuffled_epoch_is_ordered_once_not_once_a_sample(monkeypatch: pytest.
     try:
         reader._read(0, 0, 1, 2)  # samples 0-3 of epoch 0
         assert made == [10]
-        reader._read(2, 0, 1, 2)  # samples 8-11: the rest of epoch 0, then epoch 1's first two
+        reader._read(4, 0, 1, 2)  # global micro-batch 4 on: samples 8-11, the rest of epoch 0 and epoch 1's first two
         assert made == [10, 10]
     finally:
         reader.close()

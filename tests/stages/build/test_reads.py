@@ -33,7 +33,7 @@ class Source:
     def clock(self) -> float:
         return self.now
 
-    def read(self, step: int, replica: int, replicas: int, micro_batches: int) -> Any:
+    def read(self, step: int, replica: int, replicas: int, micro_batches: int, position: int | None = None) -> Any:
         self.threads.append((step, threading.current_thread() is threading.main_thread()))
         if step in self.slow_at:
             self.now += 10 * INLINE_MAX_S
