@@ -36,6 +36,7 @@ from stages.compute import wgrad as _wgrad
 from stages.compute.activations import checkpoint_interval
 from stages.compute.allocator import keep_freed_memory
 from stages.compute.executor import StageModel
+from stages.compute.passes import broadcasting_loss
 from stages.compute.inline import INLINE_MAX_S
 from stages.mesh import Coords
 from stages.records import StageConfig
@@ -275,7 +276,7 @@ def build_stage(config: StageConfig, allow: Sequence[str], device: torch.device,
                        compute_dtype={"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.mixed_precision.precision),
                        lr_scheduler=scheduler, stash_codec=cfg.runtime.stash_codec,
                        token_ignore_index=cfg.training.ignore_index if tokens else None,
-                       metrics_fn=_metrics_fn(cfg, allow),
+                       metrics_fn=_metrics_fn(cfg, allow), checks_target_shape=broadcasting_loss(loss_fn),
                        # Tensor-parallel layers wait for their peers inside an action, and a compiled layer
                        # may compile again (a new shape, evaluation's no_grad): on the thread, never the loop's.
                        inline_max_s=0.0 if mesh.tensor > 1 or compiled else INLINE_MAX_S)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
@@ -30,7 +31,7 @@ from stages.compute import wgrad as _wgrad
 from stages.compute.metrics import metric_values
 from stages.program import Action, ActionKind
 
-__all__ = ["StageModel", "StagePasses", "check_target_shape"]
+__all__ = ["StageModel", "StagePasses", "broadcasting_loss", "check_target_shape"]
 
 T = TypeVar("T")
 _K = ActionKind
@@ -69,6 +70,9 @@ class StageModel:
     token_ignore_index: int | None = None
     # evaluation.eval_metrics, on the last stage: (outputs, targets) -> a number or a dict of them, per micro-batch.
     metrics_fn: Callable[[Any, Any], Any] | None = None
+    # Whether targets must fit the output (check_target_shape): for torch's losses that broadcast the two without a
+    # word (mse_loss); a loss of the user's own takes what it is given (a [B] target for a [B, 2] mean and variance).
+    checks_target_shape: bool = True
 
     def autocast(self) -> Any:
         """The context a forward (and a recompute) runs in."""
@@ -221,7 +225,8 @@ class StagePasses:
 
     def _loss(self, mb: int, out: Any, target: Any) -> torch.Tensor:
         """Micro-batch ``mb``'s loss (a mean, or a sum under ``tokens``), its count noted in :attr:`items`."""
-        check_target_shape(out, target)
+        if self.model.checks_target_shape:
+            check_target_shape(out, target)
         ignore = self.model.token_ignore_index
         if ignore is not None:
             self.items[mb] = _averaging.count_items(target, ignore)
@@ -398,6 +403,15 @@ def _run_backward(outs: list[torch.Tensor], grads: Sequence[torch.Tensor | None]
     pairs = _with_grads(outs, grads)
     if pairs:
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])  # type: ignore[arg-type]
+
+
+def broadcasting_loss(loss_fn: Any) -> bool:
+    """Whether ``loss_fn`` is one of torch's element-wise losses, which broadcast a target of another shape
+    against the output (with a warning at most): the losses :func:`check_target_shape` guards."""
+    functional = (F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss)
+    modules = (nn.MSELoss, nn.L1Loss, nn.SmoothL1Loss, nn.HuberLoss)
+    return any(loss_fn is f for f in functional) or isinstance(loss_fn, modules) or \
+        (isinstance(loss_fn, type) and issubclass(loss_fn, modules))
 
 
 def check_target_shape(output: torch.Tensor, target: torch.Tensor) -> None:

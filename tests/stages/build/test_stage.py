@@ -126,3 +126,11 @@ def test_an_optimizer_that_steps_with_a_closure_is_refused_where_the_stage_build
 def test_a_validation_set_read_once_through_must_have_an_end() -> None:
     with pytest.raises(ValueError, match="eval_batches=0 reads the validation set once through.*batch function"):
         build(1, eval_data="examples.data:regression_batches", eval_batches=0)
+
+
+@pytest.mark.parametrize(("loss", "checked"), [("torch.nn.functional:mse_loss", True),
+                                               ("tests.helpers.models:per_sample_loss", False)])
+def test_a_stage_checks_targets_for_torchs_broadcasting_losses_alone(loss: str, checked: bool) -> None:
+    config = stage_config(1, 2, loss=loss)
+    built = build_stage(config, DEFAULT_ALLOW + EXAMPLE_FACTORIES + ("tests.helpers.models",), CPU)
+    assert built.model.checks_target_shape is checked

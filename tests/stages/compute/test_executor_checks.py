@@ -58,3 +58,16 @@ def test_each_kind_of_non_finite_value_is_named(bad: float) -> None:
     poisoned[3] = bad
     named = named_with_grads(torch.randn(2), poisoned, None, torch.randn(4))
     assert nonfinite_gradients(named) == ["1.weight"]
+
+
+def test_only_torchs_broadcasting_losses_have_their_targets_checked() -> None:
+    """Found by review: a loss of the user's own that takes a [B] target for a [B, 2] output (a mean and a log
+    variance) was refused at every step, though one process trains it: the check guards torch's element-wise
+    losses, which broadcast the two without a word, and leaves a user's loss the shapes it is given."""
+    import torch.nn.functional as F
+
+    from stages.compute.passes import broadcasting_loss
+
+    assert all(broadcasting_loss(f) for f in (F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss,
+                                                  torch.nn.MSELoss(), torch.nn.L1Loss))
+    assert not any(broadcasting_loss(f) for f in (F.cross_entropy, F.nll_loss, lambda out, y: out.sum(), None))
