@@ -9,7 +9,7 @@ import asyncio
 import time
 from typing import Any
 
-from actors import ActorError, ActorRef
+from actors import ActorError, ActorRef, NodeLost
 from stages import ProgressReport, StageActor
 from schedulers.hang import StageProgress, diagnose
 from schedulers.job_core import JobCore
@@ -95,11 +95,16 @@ class JobViews:
 
         Raises:
             ValueError: the job has not finished a step yet.
+            NodeLost: a node of the job is lost.
         """
         job = self.job
         reports, stats = job.last_reports, job.last_stats
         if not reports or stats is None:
             raise ValueError(f"{job.id} has not finished a step yet; run one ('run {job.id} 1'), then trace it")
+        lost = await job.lost_member()  # at once, not each stage's clock call timed out
+        if lost is not None:
+            raise NodeLost(f"node {lost} of {job.id} was lost: its stages' clocks cannot be read for the trace",
+                           details={"node": lost})
         clocks = await asyncio.gather(*(clock_offset(ref) for ref in job.stages))
         mesh = job.mesh
         records = [

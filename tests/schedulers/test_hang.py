@@ -127,3 +127,21 @@ def test_during_a_run_the_report_is_of_the_step_being_collected_not_the_one_sent
     assert lines == ["stage 0 reached the barrier (16 of 16 actions done)",
                      "stage 1 reached the barrier (16 of 16 actions done)"]
     assert ">0BARRIER<" in text and ">1BARRIER<" in text
+
+
+def test_a_trace_of_a_job_that_lost_a_node_says_so_at_once() -> None:
+    """Found by review: 'trace JOB' after a node was lost waited 5 s per stage and said 'remote timeout: no reply
+    from job0.rank0.clock'; it is a NodeLost naming the node now, before any stage is asked."""
+    import asyncio
+
+    from actors import NodeLost
+    from schedulers.job_views import JobViews
+
+    class Job:
+        id, last_reports, last_stats, stages = "job0", [object()], object(), [object()]
+
+        async def lost_member(self) -> str | None:
+            return "node1"
+
+    with pytest.raises(NodeLost, match="node node1 of job0 was lost"):
+        asyncio.run(JobViews(Job()).trace())  # type: ignore[arg-type]
