@@ -324,8 +324,14 @@ async def _resume(session: Session, args: list[str]) -> None:
 async def _stop(session: Session, args: list[str]) -> None:
     job = await session.job(args[0])
     with session.reporting():
-        await job.stop()
-    _print(session, f"{args[0]}: stopping after the step in progress")
+        described = await job.stop()
+    run = described.run
+    if run is None or not run.active:  # nothing to stop: the run ended (or never began)
+        how = "" if run is None else "failed" if run.error else "finished" if run.done >= run.target else "stopped"
+        ended = "no run" if run is None else f"its run already {how} after {run.done}/{run.target} steps"
+        _print(session, f"{args[0]}: {ended}; nothing to stop")
+    else:
+        _print(session, f"{args[0]}: stopping after the step in progress")
 
 
 @command("set JOB KEY VALUE", f"change {', '.join(SETTABLE)} at the next barrier",

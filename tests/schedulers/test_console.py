@@ -588,6 +588,33 @@ def test_a_nan_loss_shows_as_nan_and_a_stopped_run_as_stopped() -> None:
     assert any(line.endswith("3000/3000 finished") for line in job_detail(finished))
 
 
+def test_stop_says_when_there_is_no_run_to_stop() -> None:
+    """Found by review: 'stop JOB' on a run that had already failed said 'stopping after the step in progress'."""
+    from schedulers.records import RunInfo
+
+    spec = JobSpec.of(model="examples.models:residual_mlp", pipeline_stages=2, micro_batches=4)
+    runs = {"job0": RunInfo(target=3000, first_step=0, done=12, active=False, error="step 12 failed"),
+            "job1": RunInfo(target=3000, first_step=0, done=390, active=True, stopping=True), "job2": None}
+
+    class Stoppable(_Submitting):
+        async def job(self, job_id: str) -> Any:
+            async def stop() -> JobDescription:
+                return JobDescription(job=job_id, spec=spec, bounds=[[0, 2], [2, 4]], mesh=[2, 1, 1], nodes=["n0"],
+                                      stages=[], steps=12, programs=[], stepping=False, traced=True,
+                                      run=runs[job_id])
+            return types.SimpleNamespace(stop=stop)
+
+        reporting = Session.reporting
+
+    session = Stoppable()
+    session.job_ids = list(runs)
+    for job_id in runs:
+        asyncio.run(execute(session, ["stop", job_id]))  # type: ignore[arg-type]
+    assert session.text.getvalue().splitlines() == [
+        "job0: its run already failed after 12/3000 steps; nothing to stop",
+        "job1: stopping after the step in progress", "job2: no run; nothing to stop"]
+
+
 def test_an_unclosed_quote_is_refused() -> None:
     with pytest.raises(CommandError, match="No closing quotation"):
         split_commands("trace job0 'unclosed")
