@@ -8,6 +8,7 @@ never as pickled objects. The caller rebuilds only the classes named in
 from __future__ import annotations
 
 import contextlib
+import functools
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -309,17 +310,27 @@ BUILTIN_KINDS: dict[str, type[Exception]] = {
 _REMOTE_CLASSES: dict[str, type[RemoteError]] = {}
 
 
-def remote_error_class(builtin: str) -> type[RemoteError]:
-    """The :class:`RemoteError` that is also the builtin exception type named ``builtin``
-    (a name of :data:`BUILTIN_KINDS`), or RemoteError itself for any other name."""
-    base = BUILTIN_KINDS.get(builtin)
+@functools.cache
+def _wire_kinds() -> dict[str, type[Exception]]:
+    """The wire's own errors a RemoteError may also be, by the remote type's name (``except MessageTooLarge``
+    catches a reply too large for the limit, as the docs promise, wherever it was refused)."""
+    from transport.wire import MessageTooLarge, WireError  # here: this module is imported before the wire's
+    return {f"{cls.__module__}.{cls.__qualname__}": cls for cls in (MessageTooLarge, WireError)}
+
+
+def remote_error_class(builtin: str, remote_type: str = "") -> type[RemoteError]:
+    """The :class:`RemoteError` that is also the wire's error named ``remote_type`` (:func:`_wire_kinds`), or
+    else the builtin exception type named ``builtin`` (a name of :data:`BUILTIN_KINDS`); RemoteError itself
+    for any other name. Only these tables' classes are made: nothing else a peer names is instantiated."""
+    base = _wire_kinds().get(remote_type) or BUILTIN_KINDS.get(builtin)
     if base is None:
         return RemoteError
-    cls = _REMOTE_CLASSES.get(builtin)
+    name = base.__name__
+    cls = _REMOTE_CLASSES.get(name)
     if cls is None:
-        cls = type(f"Remote{builtin}", (RemoteError, base), {"__module__": __name__, "__doc__": (
-            f"A remote {builtin} (or a subclass of it): a :class:`RemoteError` that ``except {builtin}`` catches.")})
-        _REMOTE_CLASSES[builtin] = cls
+        cls = type(f"Remote{name}", (RemoteError, base), {"__module__": __name__, "__doc__": (
+            f"A remote {name} (or a subclass of it): a :class:`RemoteError` that ``except {name}`` catches.")})
+        _REMOTE_CLASSES[name] = cls
     return cls
 
 
@@ -361,7 +372,7 @@ def error_from_wire(data: Any) -> ActorError:
         return RemoteError(f"malformed error reply: {_excerpt(data)}")
     cls = ERROR_KINDS.get(str(data.get("kind")), RemoteError)
     if cls is RemoteError:
-        cls = remote_error_class(str(data.get("builtin", "")))
+        cls = remote_error_class(str(data.get("builtin", "")), str(data.get("type", "")))
     details = data.get("details")
     message = str(data.get("message", ""))
     if cls is ActorTimeout and not message.startswith("remote timeout: "):

@@ -809,6 +809,21 @@ def test_every_builtin_of_the_table_is_rebuilt_with_its_message_and_details() ->
         assert type(error_from_wire(error_to_wire(error))) is type(error), name
 
 
+def test_the_wires_own_errors_are_rebuilt_as_what_the_docs_say_to_catch() -> None:
+    """Found by review: job.state_dict() past the message limit raised a RemoteValueError that `except
+    MessageTooLarge` (as the docs' errors table says) did not catch. The wire's errors are rebuilt by their
+    type's name from a table of two; any other name a peer gives still makes no class of its own."""
+    from actors._errors import error_from_wire, error_to_wire
+    from transport.wire import MessageTooLarge, WireError
+
+    rebuilt = error_from_wire(error_to_wire(MessageTooLarge("the reply is 9 MiB, past the limit")))
+    assert isinstance(rebuilt, MessageTooLarge) and isinstance(rebuilt, WireError) and isinstance(rebuilt, ValueError)
+    assert isinstance(rebuilt, RemoteError) and rebuilt.message == "the reply is 9 MiB, past the limit"
+    assert isinstance(error_from_wire(error_to_wire(WireError("bad"))), WireError)
+    forged = error_from_wire({"kind": "RemoteError", "type": "transport.wire.Other", "message": "m"})
+    assert type(forged) is RemoteError
+
+
 async def test_a_task_whose_caller_takes_its_outcome_is_not_logged_as_the_runtimes_failure(
         caplog: pytest.LogCaptureFixture) -> None:
     """A stage's failed step ran in a runtime task: its report carried the failure, and the runtime logged
