@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -188,7 +189,14 @@ def calling(what: str) -> Iterator[None]:
 
 
 def exit_error(exc: SystemExit | KeyboardInterrupt, where: str) -> UserCodeExit:
-    """The :class:`UserCodeExit` for ``exc``, raised by a job's code in ``where``."""
+    """The :class:`UserCodeExit` for ``exc``, raised by a job's code in ``where``: the function that raised it,
+    named from its traceback (``where``, the call that ran the job's code, names a wrapper: ``partial``)."""
+    last = exc.__traceback__
+    while last is not None and last.tb_next is not None:
+        last = last.tb_next
+    if last is not None:
+        code = last.tb_frame.f_code
+        where = f"{getattr(code, 'co_qualname', code.co_name)} ({os.path.basename(code.co_filename)}:{last.tb_lineno})"
     if isinstance(exc, SystemExit):
         return UserCodeExit(f"the job's code called sys.exit({exc.code!r}) in {where}; a factory, data source or "
                             "loss must return or raise an exception, never exit the process")
