@@ -92,6 +92,9 @@ def bind_address(address: str, *, allow_remote: bool) -> tuple[str, str | None]:
         raise ValueError(f"unsupported transport {where.scheme!r} in {address!r}: use tcp:// or ipc://")
     if not where.host:
         raise ValueError(f"address {address!r} needs a host and a port (port 0 for any free one)")
+    if where.port != "*" and (where.port_number is None or not 0 <= where.port_number < 65536):  # 70000: 4464
+        raise ValueError(f"address {address!r}: {where.port!r:.20} is not a TCP port (0 for any free one, "
+                         "or 1-65535)")
     if not allow_remote and not is_loopback(where.host):
         raise ValueError(
             f"refusing to bind {address!r}: it is not a loopback address; pass allow_remote=True "

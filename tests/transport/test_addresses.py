@@ -56,6 +56,11 @@ def test_a_bind_address_resolves_its_ephemeral_forms_and_keeps_the_loopback_rule
         bind_address("localhost:5", allow_remote=False)
     with pytest.raises(ValueError, match="unsupported transport 'udp'"):
         bind_address("udp://127.0.0.1:5", allow_remote=False)
+    # Found by review: --bind tcp://127.0.0.1:70000 listened at port 4464 (70000 - 65536) without a word.
+    for port in ("70000", "65536", "x1"):
+        with pytest.raises(ValueError, match=f"'{port}' is not a TCP port"):
+            bind_address(f"tcp://127.0.0.1:{port}", allow_remote=False)
+    assert bind_address("tcp://127.0.0.1:65535", allow_remote=False) == ("tcp://127.0.0.1:65535", None)
     assert bind_address("ipc:///tmp/a", allow_remote=False) == ("ipc:///tmp/a", None)
     assert bulk_bind_address("tcp://[::1]:*") == "tcp://[::1]:*"
     assert bulk_bind_address("ipc:///tmp/a") == "ipc:///tmp/a.bulk"
