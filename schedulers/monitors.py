@@ -111,6 +111,8 @@ def step_scalars(stats: StepStats) -> dict[str, float]:
         scalars[f"Train/bytes/{_label(edge)}"] = sent
     for edge, codec in sorted(stats.codec_stats.items()):
         error = codec.get("rel_error")
+        if codec.get("codec") == "none":  # a lossless edge has no codec error to chart
+            continue
         if isinstance(error, (int, float)) and not isinstance(error, bool):
             scalars[f"Train/rel_error/{_label(edge)}"] = error
     for name in ("peak_rss_bytes", "peak_stash_bytes"):
