@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from actors import ActorError, ActorRef, NodeLost
-from stages import ProgressReport, StageActor
+from stages import Action, ActionKind, ProgressReport, StageActor
 from schedulers.hang import StageProgress, diagnose
 from schedulers.job_core import JobCore
 from schedulers.jobs import JobSpec
@@ -23,6 +23,8 @@ __all__ = ["CLOCK_PROBES", "JobViews"]
 CLOCK_PROBES = 5  # round trips per stage when estimating its clock offset
 PROGRESS_TIMEOUT_S = 2.0  # a stage that holds its interpreter never answers: the report names it, and is not late
 
+
+_COMPUTE_KINDS = (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W)
 
 async def clock_offset(ref: ActorRef) -> tuple[float, float]:
     """A stage's clock offset from the head's, and the round trip it was measured with."""
@@ -48,12 +50,14 @@ class JobViews:
 
     async def where(self) -> WhereReport:
         """Hang forensics: each stage's current action, what it waits for, and the marked grid."""
-        text, lines, _ = await self.hang_report()
+        text, lines, _, _ = await self.hang_report()
         return WhereReport(job=self.job.id, stepping=self.job.lock.locked(), report=text, lines=lines)
 
-    async def hang_report(self) -> tuple[str, list[str], list[int]]:
-        """Asks every stage where it is; returns the full report, its per-stage lines, and the global
-        ranks of the stages that did not answer (within :data:`PROGRESS_TIMEOUT_S`)."""
+    async def hang_report(self) -> tuple[str, list[str], list[int], list[int]]:
+        """Asks every stage where it is; returns the full report, its per-stage lines, the global ranks of
+        the stages that did not answer (within :data:`PROGRESS_TIMEOUT_S`), and those of the stages
+        computing an action of the step (forward, backward or a weight gradient: on their compute thread,
+        which no abort stops)."""
         job = self.job
 
         async def progress(ref: ActorRef) -> ProgressReport | str:
@@ -88,7 +92,10 @@ class JobViews:
             grids.append((report.settled, f"{prefix}programs, each stage's place marked >like this<:\n{report.grid}"))
         grid = next((g for settled, g in grids if not settled), grids[0][1] if grids else "")
         silent = [member for member, answer in enumerate(answers) if isinstance(answer, str)]
-        return "\n".join([*lines, grid]), lines, silent
+        busy = [member for member, answer in enumerate(answers) if not isinstance(answer, str)
+                and answer.step == step and answer.current is not None
+                and Action.parse(answer.current).kind in _COMPUTE_KINDS]
+        return "\n".join([*lines, grid]), lines, silent, busy
 
     async def trace(self) -> dict[str, Any]:
         """The last step's measured timeline as Chrome/Perfetto trace JSON, on the head's clock.

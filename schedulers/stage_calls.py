@@ -85,7 +85,7 @@ class StageCalls:
                 failure = StepFailed("step aborted on request", details={"stage": None, "action": None,
                                                                           "cause": "aborted"})
             if failure is not None:
-                await self.abort(step, tasks, failure.details.get("silent", ()))
+                await self.abort(step, tasks, failure.details.get("silent", ()), failure.details.get("busy", ()))
                 raise failure
             return reports
         except asyncio.CancelledError:  # the driver cancelled the step, or the job is closing
@@ -146,18 +146,22 @@ class StageCalls:
     async def _timeout_failure(self) -> StepFailed:
         job = self.job
         # Hang forensics: where each stage is, which send or receive never matched, the marked grid.
-        report, lines, silent = await self.views.hang_report()
+        report, lines, silent, busy = await self.views.hang_report()
         return StepFailed(
             f"step timed out after {job.spec.fault_tolerance.step_timeout_s}s:\n{report}",
-            details={"stage": None, "action": None, "cause": "timeout", "where": lines, "silent": silent},
+            details={"stage": None, "action": None, "cause": "timeout", "where": lines, "silent": silent,
+                     "busy": busy},
         )
 
-    async def abort(self, step: int, tasks: Mapping[int, asyncio.Future[Any]], silent: Sequence[int] = ()) -> None:
+    async def abort(self, step: int, tasks: Mapping[int, asyncio.Future[Any]], silent: Sequence[int] = (),
+                    busy: Sequence[int] = ()) -> None:
         """Tells every stage to abort step ``step`` and waits (a while) for the calls in ``tasks`` to end.
 
         A stage in ``silent`` (global ranks) did not answer the hang report's question: it holds its
         interpreter, so it is told without waiting for a reply that would come only after the wait
-        (which held a timed-out step's error back by 5 s).
+        (which held a timed-out step's error back by 5 s). A stage in ``busy`` computed one action for
+        the whole timeout: it takes the abort, but ends its step only once the action does, so its call
+        is not waited for either.
         """
         job = self.job
         async def abort(rank: int) -> bool:
@@ -179,8 +183,9 @@ class StageCalls:
                 job.fence(rank, step)
         told = await asyncio.gather(*(abort(rank) for rank in reachable))
         # A stage that did not take the abort (its process ended, or it holds its interpreter) will not
-        # end its step either: waiting for it only delays the error.
-        waiting = [tasks[rank] for rank, ok in zip(reachable, told) if ok and rank in tasks]
+        # end its step either: waiting for it only delays the error; nor will one that has computed one action
+        # for the whole step timeout (``busy``: its thread ends the action first; the error came 5 s late).
+        waiting = [tasks[rank] for rank, ok in zip(reachable, told) if ok and rank in tasks and rank not in busy]
         if waiting:
             await asyncio.wait(waiting, timeout=5)
 

@@ -109,24 +109,25 @@ def test_during_a_run_the_report_is_of_the_step_being_collected_not_the_one_sent
         lock = asyncio.Lock()
         stages: list[Ref] = []
 
-    async def report(*answers: ProgressReport) -> tuple[str, list[str], list[int]]:
+    async def report(*answers: ProgressReport) -> tuple[str, list[str], list[int], list[int]]:
         Job.stages = [Ref(answer) for answer in answers]
         async with Job.lock:
             return await JobViews(Job()).hang_report()  # type: ignore[arg-type]
 
     # Both stages on step 7, step 8 sent ahead.
-    text, lines, silent = asyncio.run(report(ProgressReport(rank=0, step=7, current="0F3", done=p[0].index("0F3")),
+    text, lines, silent, busy = asyncio.run(report(ProgressReport(rank=0, step=7, current="0F3",
+                                                                  done=p[0].index("0F3")),
                                              ProgressReport(rank=1, step=7, current="1RECV_F3",
                                                             done=p[1].index("1RECV_F3"))))
-    assert silent == [] and "has not started" not in text
+    assert silent == [] and busy == [0] and "has not started" not in text  # stage 0 computes; 1 waits
     assert lines[0] == "stage 1 waits at 1RECV_F3: stage 0 never reached 0SEND_F3 (stuck at 0F3)"
     assert ">0F3<" in text and ">1RECV_F3<" in text
     # Stage 1 in step 7's tail, stage 0 already on step 8: step 7 is done on both.
-    text, lines, _ = asyncio.run(report(ProgressReport(rank=0, step=8, current="0F0", done=0),
+    text, lines, _, busy = asyncio.run(report(ProgressReport(rank=0, step=8, current="0F0", done=0),
                                         ProgressReport(rank=1, step=7, current=None, done=p[1].index("1BARRIER"))))
     assert lines == ["stage 0 reached the barrier (16 of 16 actions done)",
                      "stage 1 reached the barrier (16 of 16 actions done)"]
-    assert ">0BARRIER<" in text and ">1BARRIER<" in text
+    assert ">0BARRIER<" in text and ">1BARRIER<" in text and busy == []  # stage 0 computes the next step
 
 
 def test_a_trace_of_a_job_that_lost_a_node_says_so_at_once() -> None:

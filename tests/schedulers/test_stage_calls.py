@@ -34,7 +34,8 @@ class TwoStageJob:
 def calls_for(job: TwoStageJob) -> StageCalls:
     calls = StageCalls(job, views=None)  # type: ignore[arg-type]  # the views serve a timeout's report only
 
-    async def abort(step: int, tasks: Mapping[int, asyncio.Future[Any]], silent: Sequence[int] = ()) -> None:
+    async def abort(step: int, tasks: Mapping[int, asyncio.Future[Any]], silent: Sequence[int] = (),
+                    busy: Sequence[int] = ()) -> None:
         pass  # no stage actors here to tell
 
     calls.abort = abort  # type: ignore[method-assign]
@@ -91,3 +92,39 @@ async def test_a_broken_link_whose_node_the_detector_already_dropped_is_that_nod
     with pytest.raises(NodeLost) as info:
         await calls_for(TwoStageJob(alive=["node0"])).reports(3, {0: stage0, 1: stage1})
     assert info.value.details["node"] == "node1"
+
+
+async def test_an_abort_waits_for_no_stage_that_computed_one_action_for_the_whole_timeout(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review: a stage whose compute thread ran one action past step_timeout_s took the abort, and the
+    head then waited up to 5 s for its call, which ends only with the action: the timed-out step's error came
+    5 s late. A stage the hang report found computing (``busy``) is told, and not waited for."""
+    aborted: list[int] = []
+
+    class Ref:
+        def __init__(self, rank: int) -> None:
+            self.rank, self.name = rank, f"rank{rank}"
+
+        def endpoint(self, method: Any, timeout: float | None = None) -> Ref:
+            return self
+
+        async def call(self, step: int) -> None:
+            aborted.append(self.rank)
+
+        tell = call
+
+    job = TwoStageJob()
+    job.stages = [Ref(0), Ref(1)]  # type: ignore[attr-defined]
+    waited: list[list[Any]] = []
+
+    async def wait(futures: Any, timeout: float | None = None) -> Any:
+        waited.append(list(futures))
+        return set(), set(futures)
+
+    monkeypatch.setattr(stage_calls.asyncio, "wait", wait)
+    loop = asyncio.get_running_loop()
+    tasks = {0: loop.create_future(), 1: loop.create_future()}  # neither call ends: stage 0 computes on
+    await StageCalls(job, views=None).abort(7, tasks, busy=[0])  # type: ignore[arg-type]
+    assert sorted(aborted) == [0, 1] and waited == [[tasks[1]]]
+    await StageCalls(job, views=None).abort(7, tasks, busy=[0, 1])  # type: ignore[arg-type]
+    assert waited == [[tasks[1]]]  # no wait at all
