@@ -209,10 +209,12 @@ class JobCore:
         finally:
             self.driver_calls.discard(task)  # type: ignore[arg-type]
 
-    def respecified(self, spec: JobSpec) -> None:
-        """The job runs ``spec`` from its next step on (settings changed at the barrier)."""
+    def respecified(self, spec: JobSpec, *, costs_moved: bool = True) -> None:
+        """The job runs ``spec`` from its next step on (settings changed at the barrier); ``costs_moved``:
+        what changed moves the step's costs (a learning rate does not), and ``auto`` measures again."""
         self.spec = spec
-        self.auto.reset(spec)  # auto measures again: the costs it planned with may have changed
+        if costs_moved:
+            self.auto.reset(spec)  # the costs it planned with may have changed
         self.programs = self.compile(spec)
 
     # -- what a step did -------------------------------------------------------------------

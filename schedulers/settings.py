@@ -175,7 +175,7 @@ class Settings:
             job.learning_rates[job.applied] = float(changes["lr"])
         if "micro_batches" in changes:  # a dataset's steps take another count of micro-batches from here on
             job.data.change(job.applied, new.mesh.data * new.parallelism.micro_batches)
-        job.respecified(new)
+        job.respecified(new, costs_moved=bool(set(changes) - {"lr"}))
         if set(changes) - {"lr"}:
             # A recovery replays the steps since a snapshot with the job's settings as they are now (only the
             # rate is kept per step): a snapshot at the next step keeps such a replay after the change (a

@@ -158,3 +158,34 @@ async def test_codecs_the_stages_refuse_leave_the_other_settings_to_apply() -> N
     assert job.spec.optimization.optimizer[1]["lr"] == 0.02 and job.spec.parallelism.micro_batches == 8
     assert job.spec.get("activation_codec") == "none" and job.learning_rate(job.applied) == 0.02
     assert stages[0].codecs[-1] == stages[1].codecs[-1] == (["none"], ["none"])  # the one that took int8 went back
+
+
+async def test_a_new_learning_rate_leaves_an_auto_jobs_plan_and_a_new_micro_batch_count_moves_its_data_on() -> None:
+    """Found by review: set lr on an auto job threw its plan away and probed again (zero-bubble and W-batched
+    probe steps), though a rate moves no cost. A micro-batch count does, and the data reads on from where it
+    stood (schedulers.data_positions) rather than from the step count in the new layout."""
+    from schedulers.job_core import JobCore
+    from schedulers.limits import Limits
+    from schedulers.settings import Settings
+
+    async def nobody() -> set[str]:
+        return set()
+
+    async def members(repairs: bool) -> None:
+        pass
+
+    job = JobCore(runtime=None, job_id="job0", spec=spec(schedule="auto"), stages=[], nodes=["a", "b"],
+                  bounds=[[0, 2], [2, 4]], publish=lambda event: None, alive_nodes=nobody,
+                  check_members=members)  # type: ignore[arg-type]
+    job.auto.probe_steps_left = 0  # planned
+    job.applied = 3
+    settings = Settings(job, Limits())
+    await settings.set("lr", "0.02")
+    async with job.operation(stepping=True):
+        await settings.apply_pending()
+    assert job.auto.probe_steps_left == 0 and job.spec.optimization.optimizer[1]["lr"] == 0.02
+    await settings.set("micro_batches", "8")
+    async with job.operation(stepping=True):
+        await settings.apply_pending()
+    assert job.auto.probe_steps_left > 0
+    assert [job.data.at(step) for step in (2, 3, 4)] == [8, 12, 20]  # 1 replica: 4 micro-batches a step, then 8
