@@ -4,13 +4,18 @@
 Three measurements in one run, on this machine's loopback:
 - actorpipe: a probe actor in node0 asks a probe actor in node1 (``ping``), one call
   at a time, then with 64 calls in flight, secure (the default: CURVE admits the keys
-  and opens a session per pair of runtimes, and every message is sealed with AES-GCM,
-  ``transport.sealed``) and again with ``--insecure`` (plaintext), so the cost of
-  security shows as its own ratio (``curve_vs_insecure_rtt``);
+  and opens a session per pair of runtimes, and the calls between the nodes travel on
+  the sealed streams the event loops drive, every message sealed with AES-GCM,
+  ``transport.sealed``, ``transport.stream``) and again with ``--insecure`` (plaintext,
+  and the calls on ZeroMQ: a runtime without keys opens no streams). The two defaults
+  differ in transport as well as in security: ``curve_vs_insecure_rtt`` is the secure
+  default over the insecure one, what turning security off changes, not CURVE's cost
+  on one socket;
 - raw: two processes ping-pong a 64-byte message over a pair of PUSH/PULL sockets
-  with ``zmq.asyncio`` on the same event loop (uvloop) and the same transport as a
-  LocalCluster (Unix sockets, ``ipc://``, in a temporary folder): the socket type actorpipe
-  uses.
+  with ``zmq.asyncio`` on the same event loop (uvloop), over Unix sockets (``ipc://``,
+  in a temporary folder): raw ZeroMQ, the peer issue 30's ``rtt_ratio_vs_raw_zmq`` names
+  (the secure calls no longer use ZeroMQ between nodes; ``benchmarks.hop`` sets the
+  transports themselves side by side).
 The calls are made in rounds (``--rounds``), and each round also times as many raw round
 trips, the order alternating from round to round, so that a change in the machine's load
 during the run weighs on both sides of each ratio alike (measured one after the other, a

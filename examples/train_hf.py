@@ -44,9 +44,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     check_training_args(parser, args, heads=HEADS)
     if args.eval_every < 0:
         parser.error(f"--eval-every must be 0 or more, got {args.eval_every}")
-    if args.layers < args.stages:
-        parser.error(f"--layers ({args.layers}) must be at least --stages ({args.stages}): each stage begins at a block")
+    stages = model_stages(args)
+    if args.layers < stages:
+        how = f"--stages {args.stages}" + (f" x 2 with --schedule {args.schedule}" if stages > args.stages else "")
+        parser.error(f"--layers ({args.layers}) must be at least the model stages ({stages}: {how}): each stage "
+                     "begins at a block")
     return args
+
+
+def model_stages(args: argparse.Namespace) -> int:
+    """How many model stages the job cuts GPT-2 into: two per rank with an interleaved or V-shaped schedule."""
+    return args.stages * (2 if args.schedule in ("interleaved", "zbv", "dualpipev") else 1)
 
 
 async def train(args: argparse.Namespace) -> dict[str, Any]:
@@ -54,8 +62,8 @@ async def train(args: argparse.Namespace) -> dict[str, Any]:
 
     model_kwargs = {"layers": args.layers, "dim": args.dim, "heads": HEADS, "vocab": 128, "positions": args.context}
     data_kwargs = {"batch_size": args.batch_size, "context": args.context}
-    step = args.layers // args.stages
-    split_points = [f"transformer.h.{step * s}" for s in range(1, args.stages)]
+    stages = model_stages(args)  # each begins at a block (interleaved, zbv and dualpipev: two a rank)
+    split_points = [f"transformer.h.{args.layers * s // stages}" for s in range(1, stages)]
     started = time.perf_counter()
     async with LocalCluster(nodes=args.stages) as cluster:
         try:

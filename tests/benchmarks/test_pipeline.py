@@ -100,3 +100,15 @@ def test_a_tiny_run_prints_the_best_schedules_ratio_last() -> None:
     # The compiled 1F1B peers (each block through torch.compile), each against its eager peer.
     compiled = summary["compiled_vs_eager_2stages"]
     assert set(compiled) == {"actorpipe", "torch"} and all(ratio > 0 for ratio in compiled.values()), compiled
+
+
+def test_the_compute_only_ceiling_is_set_against_eager_layouts_alone() -> None:
+    """Found by review: the fastest actorpipe peer at 2 stages could be the torch.compile'd one, set against an
+    eager compute-only ceiling it can beat, which no pipeline can."""
+    from benchmarks.pipeline import COMPUTE_ONLY, summarize
+
+    results = [result("actorpipe_1f1b_2stages", "1f1b", 1.0), result("actorpipe_1f1b_2stages_compiled", "1f1b", 0.5),
+               result(f"{COMPUTE_ONLY}_2stages", "1f1b", 0.9)]
+    summary = summarize(results, [2])
+    assert summary["best_actorpipe_layout_2stages"] == "actorpipe_1f1b_2stages"
+    assert summary["vs_compute_only_2stages"] == pytest.approx(0.9, abs=1e-3)

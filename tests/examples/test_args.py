@@ -40,8 +40,13 @@ def test_train_gpt_checks_the_width_against_its_own_heads(capsys: pytest.Capture
 
 
 def test_train_hf_needs_a_block_for_every_stage(capsys: pytest.CaptureFixture[str]) -> None:
-    assert "--layers (2) must be at least --stages (3)" in refused(
+    assert "--layers (2) must be at least the model stages (3: --stages 3)" in refused(
         train_hf.parse_args, ["--layers", "2", "--stages", "3"], capsys)
+    # Found by review: an interleaved or V-shaped schedule cuts two model stages a rank, and the split points
+    # were made for one: every such job was refused once its cluster had started.
+    assert "--layers (3) must be at least the model stages (4: --stages 2 x 2 with --schedule zbv)" in refused(
+        train_hf.parse_args, ["--layers", "3", "--stages", "2", "--schedule", "zbv"], capsys)
+    assert train_hf.model_stages(train_hf.parse_args(["--layers", "4", "--schedule", "dualpipev"])) == 4
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
