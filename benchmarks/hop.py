@@ -41,6 +41,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from benchmarks import count
 from transport.loop import run
 from transport.sealed import SessionKey
 from transport.stream import StreamLink, StreamServer
@@ -195,8 +196,8 @@ async def measure(trials: int, count: int) -> dict[str, list[float]]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trials", type=int, default=5, help="alternating trials of each kind")
-    parser.add_argument("--round-trips", type=int, default=4000, help="round trips per trial")
+    parser.add_argument("--trials", type=count, default=5, help="alternating trials of each kind")
+    parser.add_argument("--round-trips", type=count, default=4000, help="round trips per trial")
     args = parser.parse_args(argv)
     medians = run(measure(args.trials, args.round_trips))
     zmq_us = statistics.median(medians["zmq"]) * 1e6

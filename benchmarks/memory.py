@@ -63,7 +63,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import _memory_states
+from benchmarks import _memory_states, count
 from benchmarks._torch_pipelining import BATCH_SHAPE, NUM_BLOCKS, NUM_MICROBATCHES, reference_batch
 from transport.loop import run
 
@@ -248,11 +248,11 @@ def print_table(results: dict[str, Result]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=3, help="steps per setting (the first one's time is not counted)")
+    parser.add_argument("--steps", type=count, default=3, help="steps per setting (the first one's time is not counted)")
     parser.add_argument("--interval2", action="store_true", help="also activation_checkpointing=2, fused")
     parser.add_argument("--only", choices=("slices", "checkpointing", "states", "deepspeed"),
                         help="run one part only (deepspeed: its pipeline engine's slices alone, where it is installed)")
-    parser.add_argument("--loss-steps", type=int, default=300, help="GPT steps per setting in the states part")
+    parser.add_argument("--loss-steps", type=count, default=300, help="GPT steps per setting in the states part")
     args = parser.parse_args()
     if args.steps < 1:
         parser.error("--steps must be >= 1")

@@ -154,6 +154,7 @@ async def _measure(peers: list[Peer], *, warmup: int, steps: int, rounds: int) -
                 results.append(PeerResult(name=peer.name, shape=shape, skipped=skipped[peer.name]))
                 continue
             bubbles = getattr(peer, "bubble_fractions", None)
+            bubbles = bubbles[warmup:] if bubbles else bubbles  # the timed steps', as the times and waits
             waits = getattr(peer, "reduce_waits", [])[warmup:]
             results.append(PeerResult(
                 name=peer.name, shape=shape, step_times_s=times[peer.name], peak_rss_bytes=rss[peer.name],

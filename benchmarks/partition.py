@@ -19,6 +19,7 @@ import json
 import statistics
 from typing import Any
 
+from benchmarks import count
 from schedulers import Job, LocalCluster
 from transport.loop import run
 
@@ -53,7 +54,7 @@ async def measure(steps: int, warmup: int) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=count, default=12)
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
     result = run(measure(args.steps, args.warmup))

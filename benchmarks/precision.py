@@ -3,7 +3,7 @@
 
 The reference workload (docs/design.md: 8 residual MLP blocks, 512 wide, a [64, 32, 512]
 batch in 8 micro-batches, SGD) over 2 pipeline stages with 1F1B, in one
-``LocalCluster``, as three jobs whose steps alternate in rotated order (noise hits each
+``LocalCluster``, as two jobs whose steps alternate in rotated order (noise hits each
 alike): ``fp32`` and ``bf16``. Reported per precision:
 the bytes that crossed between the stages per step, the median step time and the last
 loss; ``bf16_bytes_ratio`` is bf16's wire bytes over fp32's (the boundary tensors
@@ -22,6 +22,7 @@ import json
 import statistics
 from typing import Any
 
+from benchmarks import count
 from schedulers import Job, LocalCluster
 from transport.loop import run
 
@@ -57,7 +58,7 @@ async def measure(steps: int, warmup: int) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=count, default=8)
     parser.add_argument("--warmup", type=int, default=1)
     args = parser.parse_args()
     result = run(measure(args.steps, args.warmup))

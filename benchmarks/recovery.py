@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from benchmarks import count
 from schedulers import Job, LocalCluster
 from transport.loop import run
 
@@ -99,7 +100,7 @@ async def _same_parameters(a: Job, b: Job) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=20, help="timed steps of each job")
+    parser.add_argument("--steps", type=count, default=20, help="timed steps of each job")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--heartbeat-timeout", type=float, default=10.0,
                         help="the head's silence timeout (a killed node is known by its connection closing)")

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from benchmarks import count
 from schedulers import LocalCluster
 from transport.loop import run
 
@@ -121,9 +122,9 @@ def measure(rounds: int, num_jobs: int, nodes: int = 4) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3, help="imports and fresh clusters timed (the least counts)")
-    parser.add_argument("--jobs", type=int, default=5, help="jobs created on one cluster (the median counts)")
-    parser.add_argument("--nodes", type=int, default=4, help="the cluster's nodes, and its job's stages")
+    parser.add_argument("--rounds", type=count, default=3, help="imports and fresh clusters timed (the least counts)")
+    parser.add_argument("--jobs", type=count, default=5, help="jobs created on one cluster (the median counts)")
+    parser.add_argument("--nodes", type=count, default=4, help="the cluster's nodes, and its job's stages")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     result = measure(args.rounds, args.jobs, args.nodes)

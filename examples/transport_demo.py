@@ -1,8 +1,8 @@
-# Run: python -m examples.transport_demo   (or: make demo)
+# Run: python -m examples.transport_demo
 """A first look at actorpipe: a local cluster, actors in two node processes, tensors between them.
 
 Starts a head and two worker nodes on this machine, places a probe actor on each,
-measures a round trip between them, and sends a 4 MiB activation-sized tensor
+measures a round trip between them, and sends a 512 KiB activation-sized tensor (8 x 32 x 512)
 through every codec, printing what each costs on the wire and what it loses.
 """
 
