@@ -119,6 +119,7 @@ class TracedStage(nn.Module):
         super().__init__()
         self.module = module
         self.index = index
+        self._compiled_for_training: Any = None  # a compiled module's compiled call, while it evaluates (see train)
         self._args = args  # per argument of the graph module: a value name, or ("const", value)
         self._received = received
         self._produced = produced  # value name, index into the module's output (None: the output itself)
@@ -154,6 +155,15 @@ class TracedStage(nn.Module):
         statistics, which it leaves as they are, as ``model.eval()`` does."""
         super().train(mode)
         graph_training(self.module, mode)
+        # A compiled graph (torch_compile) keeps the graph it compiled, in training mode: the rewrite above never
+        # reaches it (an evaluation ran with dropout on and moved batch norm's statistics). Evaluation runs the
+        # graph module as it now is, eagerly; training takes its compiled graph back.
+        module = self.module
+        if not mode and module._compiled_call_impl is not None:
+            self._compiled_for_training = module._compiled_call_impl
+            module._compiled_call_impl = None
+        elif mode and self._compiled_for_training is not None:
+            module._compiled_call_impl, self._compiled_for_training = self._compiled_for_training, None
         return self
 
     def check_inputs(self, inputs: Any) -> None:

@@ -93,3 +93,50 @@ async def test_compiled_stages_train_as_one_eager_process(schedule: str, fields:
     assert state.keys() == expected_state.keys()
     for key, value in expected_state.items():
         torch.testing.assert_close(state[key], value, msg=key)
+
+
+class _ModeDependent(nn.Module):
+    """Dropout, attention dropout and batch norm: what a traced graph holds as training-mode constants."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.3))
+        self.qkv = nn.Linear(8, 24)
+        self.b = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.view(2, 5, 2, 4).transpose(1, 2) for t in self.qkv(self.a(x)).split(8, -1))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.2 if self.training else 0.0,
+                                                             is_causal=True)
+        return self.b(y.transpose(1, 2).reshape(2, 5, 8))
+
+
+def test_a_compiled_traced_stage_evaluates_in_evaluation_mode_and_trains_compiled_again() -> None:
+    """Found by review: a compiled model cut at split_points kept the graph it compiled in training mode, which
+    the switch to eval() rewrote but never reached: an evaluation dropped activations (two evaluations of one
+    batch differed) and moved batch norm's running statistics. It now evaluates as eager does, statistics kept,
+    and trains compiled again after."""
+    from stages.build.traced import trace_stages
+
+    x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(1))
+    outs, kept = [], []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        stages = trace_stages(_ModeDependent(), ["qkv"], x, "mode_dependent", dynamic=False)
+        if compiled:
+            assert compile_stage(dict(enumerate(stages)), {"backend": "aot_eager"}, fused_linears=None) == 2
+        torch.manual_seed(3)
+        stages[1](stages[0](x)).sum().backward()  # a training step's forward and backward
+        before = {k: v.clone() for k, v in stages[1].state_dict().items() if "running" in k or "batches" in k}
+        for stage in stages:
+            stage.eval()
+        with torch.no_grad():
+            first, second = (stages[1](stages[0](x)) for _ in range(2))
+        assert torch.equal(first, second)
+        kept.append(all(torch.equal(stages[1].state_dict()[k], v) for k, v in before.items()))
+        for stage in stages:
+            stage.train()
+        assert (stages[1].module._compiled_call_impl is not None) is compiled  # trains compiled again
+        outs.append(first)
+    assert kept == [True, True]
+    torch.testing.assert_close(outs[1], outs[0])
