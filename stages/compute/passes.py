@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._functorch import config as _functorch_config
 from torch.optim.lr_scheduler import LRScheduler
 
 from stages.comm import boundary
@@ -324,8 +325,9 @@ class StagePasses:
         pairs = _with_grads(outs, grads)
         if not inputs or not pairs:
             return [None] * len(inputs)
-        return list(torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs],
-                                        retain_graph=True, allow_unused=True))
+        with _keeping_saved_tensors():
+            return list(torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs],
+                                            retain_graph=True, allow_unused=True))
 
     def weight_backward(self, stage: int, mb: int) -> None:
         key = (stage, mb)
@@ -351,7 +353,8 @@ class StagePasses:
         params = [p for p in self.model.modules[stage].parameters() if p.requires_grad]
         pairs = _with_grads(outs, grads)
         if params and pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=params)
+            with _keeping_saved_tensors():
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=params)
 
     def _w_batch_continues(self) -> bool:
         """Whether the W batch takes in the next action too (a W whose weight GEMMs wait)."""
@@ -397,6 +400,14 @@ def _with_grads(outs: list[torch.Tensor], grads: Sequence[torch.Tensor | None] |
     if len(grads) != len(outs):
         raise ValueError(f"{len(grads)} gradients came back for the {len(outs)} outputs that need one")
     return [(out, grad) for out, grad in zip(outs, grads) if grad is not None]
+
+
+def _keeping_saved_tensors() -> Any:
+    """The context of a backward that walks a graph twice (plain autograd's I, then W): a compiled layer's
+    backward is compiled without donated buffers (stages.build.compiled), and where shapes are compiled
+    symbolically (``dynamic``, or a batch of another size) it is compiled at its first call, here, whose check
+    reads this setting; with its default it refused the walk that keeps the graph."""
+    return _functorch_config.patch(donated_buffer=False)
 
 
 def _run_backward(outs: list[torch.Tensor], grads: Sequence[torch.Tensor | None] | None) -> None:
