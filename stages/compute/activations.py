@@ -207,7 +207,9 @@ class SavedActivations:
         self.storages: Storages = {}
         # What this forward encoded, by what it was encoded from (see _source): a tensor saved twice is encoded once.
         self._encoded: dict[Hashable, Encoded] = {}
-        self._hooks = saved_tensors_hooks(self.hold, restore)
+        # Kept out of torch.compile: dynamo traced these into compiled layers and recompiled them whenever a storage
+        # key it had guarded on moved (27 recompiles over 12 batch shapes), up to its recompile limit.
+        self._hooks = saved_tensors_hooks(torch.compiler.disable(self.hold), torch.compiler.disable(restore))
 
     def add(self, tensors: Iterable[torch.Tensor]) -> None:
         """Notes tensors held for backward other than through autograd (a stash's own references)."""

@@ -557,3 +557,11 @@ async def test_a_job_with_an_int8_stash_codec_trains_through_the_stages_it_build
 def test_an_unknown_stash_codec_is_refused_by_name() -> None:
     with pytest.raises(CodecError, match="unknown codec 'int9'; known codecs: none, fp16, bf16, int8, fp8, int4"):
         _activations.SavedActivations({}, "int9")
+
+
+def test_the_saved_tensor_hooks_stay_out_of_torch_compile() -> None:
+    """Found by review: dynamo traced the stage's saved-tensor hooks into every compiled layer and recompiled
+    them as the storages they had guarded on moved: 27 recompiles over 12 batch shapes, twice up to the recompile
+    limit. The hooks are eager code of the stage's bookkeeping, kept out of compiled graphs."""
+    saved = _activations.SavedActivations(set())
+    assert saved._hooks.pack_hook._torchdynamo_disable and saved._hooks.unpack_hook._torchdynamo_disable
