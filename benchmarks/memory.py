@@ -248,7 +248,8 @@ def print_table(results: dict[str, Result]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=count, default=3, help="steps per setting (the first one's time is not counted)")
+    parser.add_argument("--steps", type=count, default=3,
+                        help="steps per setting (the first one's time is not counted)")
     parser.add_argument("--interval2", action="store_true", help="also activation_checkpointing=2, fused")
     parser.add_argument("--only", choices=("slices", "checkpointing", "states", "deepspeed"),
                         help="run one part only (deepspeed: its pipeline engine's slices alone, where it is installed)")

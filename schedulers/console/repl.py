@@ -108,7 +108,7 @@ async def run_line(session: Session, line: str) -> bool:
             raise
         except ActorError as exc:  # a call the session did not wrap, e.g. to the head
             raise CommandError(exc.message) from None
-        except Exception as exc:  # a command's own defect or an input it did not foresee: said, and the console serves on
+        except Exception as exc:  # a command's defect or an input it did not foresee: said, and the console serves on
             log.debug("%s failed", words[0], exc_info=True)
             raise CommandError(f"{words[0]} failed: {type(exc).__name__}: {exc}") from None
     return False

@@ -69,7 +69,7 @@ MODEL = "examples.models:residual_mlp"
     ({"optimizer": "SGD"}, ValueError, "optimizer: 'SGD' is not an import path"),
     # Found by review: L-BFGS failed every step at STEP ("'NoneType' object is not callable").
     ({"optimizer": ("torch.optim:LBFGS", {"lr": 1})}, ValueError, "optimizer: torch.optim:LBFGS re-evaluates the loss"),
-    ({"optimizer": torch.optim.LBFGS}, ValueError, "optimizer: torch.optim.lbfgs:LBFGS re-evaluates the loss in a clos"),
+    ({"optimizer": torch.optim.LBFGS}, ValueError, "optimizer: torch.optim.lbfgs:LBFGS re-evaluates the loss"),
     ({"model": 7}, TypeError, "model must be an import path"),
     ({"model": "examples.models"}, ValueError, "model: 'examples.models' is not an import path"),
     ({"model_kwargs": [1]}, TypeError, "model_kwargs must be a dict"),
@@ -379,7 +379,8 @@ async def test_an_export_format_it_does_not_write_is_refused_at_the_call_without
     from schedulers.records import JobInfo
 
     runtime = _CountingRuntime()
-    cluster = Cluster(runtime, runtime.ref("tcp://127.0.0.1:1", "head"), contextlib.AsyncExitStack())  # type: ignore[arg-type]
+    head = runtime.ref("tcp://127.0.0.1:1", "head")
+    cluster = Cluster(runtime, head, contextlib.AsyncExitStack())  # type: ignore[arg-type]
     job = Job(cluster, JobInfo(job="job0", bounds=[[0, 4]], nodes=["n0"], actor=["tcp://127.0.0.1:1", "job0"]),
               JobSpec.of(model=MODEL))
     for bad in ("bin", None, ["dcp"]):
