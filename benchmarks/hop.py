@@ -41,7 +41,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from benchmarks import count
+from examples import positive_int as count
 from transport.loop import run
 from transport.sealed import SessionKey
 from transport.stream import StreamLink, StreamServer

@@ -63,7 +63,8 @@ from typing import Any
 
 import torch
 
-from benchmarks import _memory_states, count
+from benchmarks import _memory_states
+from examples import positive_int as count
 from benchmarks._torch_pipelining import BATCH_SHAPE, NUM_BLOCKS, NUM_MICROBATCHES, reference_batch
 from transport.loop import run
 

@@ -19,7 +19,7 @@ import json
 import statistics
 from typing import Any
 
-from benchmarks import count
+from examples import positive_int as count
 from schedulers import Job, LocalCluster
 from transport.loop import run
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import count
+from examples import positive_int as count
 from schedulers import Job, LocalCluster
 from transport.loop import run
 

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import count
+from examples import positive_int as count
 from schedulers import LocalCluster
 from transport.loop import run
 

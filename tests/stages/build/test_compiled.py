@@ -98,28 +98,13 @@ async def test_compiled_stages_train_as_one_eager_process(schedule: str, fields:
         torch.testing.assert_close(state[key], value, msg=key)
 
 
-class _ModeDependent(nn.Module):
-    """Dropout, attention dropout and batch norm: what a traced graph holds as training-mode constants."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.3))
-        self.qkv = nn.Linear(8, 24)
-        self.b = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(5))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = (t.view(2, 5, 2, 4).transpose(1, 2) for t in self.qkv(self.a(x)).split(8, -1))
-        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.2 if self.training else 0.0,
-                                                             is_causal=True)
-        return self.b(y.transpose(1, 2).reshape(2, 5, 8))
-
-
 def test_a_compiled_traced_stage_evaluates_in_evaluation_mode_and_trains_compiled_again() -> None:
     """Found by review: a compiled model cut at split_points kept the graph it compiled in training mode, which
     the switch to eval() rewrote but never reached: an evaluation dropped activations (two evaluations of one
     batch differed) and moved batch norm's running statistics. It now evaluates as eager does, statistics kept,
     and trains compiled again after."""
     from stages.build.traced import trace_stages
+    from tests.stages.build.test_traced import _ModeDependent
 
     x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(1))
     outs, kept = [], []
