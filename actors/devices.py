@@ -71,6 +71,15 @@ def check_device(device: str, num_gpus: int) -> str:
     return device
 
 
+def rank_device(local_rank: int | None, num_gpus: int) -> str:
+    """``--device auto``: the GPU of this rank on its machine (``cuda:LOCAL_RANK`` of a launcher that starts
+    one process per GPU, modulo the GPUs this process sees; cuda:0 for a process alone on its machine, as a
+    Kubernetes pod is), or the CPU where no GPU is visible."""
+    if not num_gpus:
+        return "cpu"
+    return f"cuda:{(local_rank or 0) % num_gpus}"
+
+
 def node_devices(devices: DeviceSpec, nodes: int | None, spares: int, num_gpus: int) -> list[str]:
     """Each node's device, nodes first then spares, by the rules in this module's docstring.
 
@@ -110,13 +119,16 @@ def node_devices(devices: DeviceSpec, nodes: int | None, spares: int, num_gpus: 
 
 def device_argument(text: str) -> str:
     """``--device`` of ``python -m actors.node``: a GPU this machine lacks fails at parse time, before
-    anything starts, with the GPUs it has.
+    anything starts, with the GPUs it has; ``auto`` is resolved once the node knows its rank
+    (:func:`rank_device`).
 
     Raises:
         argparse.ArgumentTypeError: as :func:`check_device`'s ValueError.
     """
     import argparse
 
+    if text == "auto":
+        return text
     try:
         return check_device(text, visible_gpu_count() if text != "cpu" else 0)
     except ValueError as exc:

@@ -126,6 +126,23 @@ def from_environment(env: Mapping[str, str] | None = None) -> LaunchRole | None:
     return None
 
 
+def local_rank(env: Mapping[str, str] | None = None) -> int | None:
+    """This process's rank on its machine, as the launcher says it (torchrun's ``LOCAL_RANK``, srun's
+    ``SLURM_LOCALID``); None where none does (a Kubernetes pod is alone on its machine's GPUs).
+
+    Raises:
+        ValueError: a variable that is not a whole number >= 0, named.
+    """
+    env = os.environ if env is None else env
+    for name in ("LOCAL_RANK", "SLURM_LOCALID"):
+        if name in env:
+            value = _integer(env[name], name)
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+            return value
+    return None
+
+
 def serve_unless_rank_zero(node_args: Sequence[str] = (), *,
                            start_timeout: float = HEAD_START_TIMEOUT_S) -> LaunchRole | None:
     """The one call at the top of a training script that a launcher starts on every rank.

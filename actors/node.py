@@ -19,7 +19,7 @@ import zmq
 from actors import launchers
 from actors._liveness import check_silence
 from actors._registry import DEFAULT_ALLOW
-from actors.devices import device_argument
+from actors.devices import device_argument, rank_device, visible_gpu_count
 from actors.keys import DEFAULT_KEYS, KeyFileError
 from actors._reach import HeadUnreachable, SecurityMismatch
 from actors.plugins import head_modules
@@ -43,7 +43,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "worker default tcp://127.0.0.1:0, i.e. any free port)")
     parser.add_argument("--name", help="worker name (default: HOSTNAME-PID)")
     parser.add_argument("--device", default="cpu", type=device_argument, help="torch device this worker computes on: "
-                        "cpu or cuda:K (a GPU this process sees; the worker pins itself to it)")
+                        "cpu or cuda:K (a GPU this process sees; the worker pins itself to it), or auto: this rank's "
+                        "GPU under a launcher (cuda:LOCAL_RANK under torchrun, cuda:SLURM_LOCALID under srun), cuda:0 "
+                        "alone on a machine, cpu where no GPU is visible")
     parser.add_argument("--allow", action="append", default=[], metavar="PREFIX",
                         help="admit factories under this module prefix (repeatable); "
                         f"always admitted: {', '.join(DEFAULT_ALLOW)} (a LocalCluster also admits the examples' factories)")
@@ -128,6 +130,16 @@ def _from_launcher(args: argparse.Namespace) -> None:
         args.exit_with_head = True  # the launcher's job ends when rank 0's script (and the head) does
 
 
+def _resolve_device(args: argparse.Namespace) -> None:
+    """``--device auto`` as this rank's device on its machine (:func:`actors.devices.rank_device`).
+
+    Raises:
+        ValueError: a launcher's local rank that is not a whole number >= 0.
+    """
+    if args.device == "auto":
+        args.device = rank_device(launchers.local_rank(), visible_gpu_count())
+
+
 def _positive_seconds(text: str) -> float:
     value = float(text)
     if not value > 0 or value == float("inf"):  # 0 made the head's watch spin on a whole core
@@ -165,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     launched = not (args.head or args.join or args.join_file)
     try:
         _from_launcher(args)
+        _resolve_device(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

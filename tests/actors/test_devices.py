@@ -215,3 +215,43 @@ def test_local_cluster_starts_one_node_per_gpu_each_on_its_device(monkeypatch: p
     LocalCluster(nodes=3)  # more nodes than GPUs: they share, and the driver hears it
     assert "LocalCluster(nodes=3) on 2 GPU(s): nodes share GPUs in turn (cuda:0, cuda:1, cuda:0)" in caplog.text
 
+
+
+@pytest.mark.parametrize(("env", "gpus", "device"), [
+    ({"LOCAL_RANK": "3", "RANK": "11", "WORLD_SIZE": "16", "MASTER_ADDR": "h"}, 8, "cuda:3"),  # torchrun, 8 a host
+    ({"SLURM_LOCALID": "1", "SLURM_PROCID": "5"}, 4, "cuda:1"),  # srun, one task per GPU
+    ({"LOCAL_RANK": "9"}, 8, "cuda:1"),  # more ranks on the host than GPUs it sees: they share in turn
+    ({"JOB_COMPLETION_INDEX": "2"}, 1, "cuda:0"),  # a Kubernetes pod: alone with its GPUs
+    ({"LOCAL_RANK": "3"}, 0, "cpu"),  # no GPU visible
+])
+def test_device_auto_takes_this_ranks_gpu_on_its_machine(env: dict[str, str], gpus: int, device: str) -> None:
+    """Noticed in review: nothing read LOCAL_RANK, so under torchrun --nproc-per-node 8 every node given
+    --device cuda:0 computed on GPU 0. --device auto takes the rank's own (resolved as the node starts)."""
+    from actors.launchers import local_rank
+    from actors.devices import rank_device
+
+    assert device_argument("auto") == "auto"
+    assert rank_device(local_rank(env), gpus) == device
+
+
+def test_a_local_rank_that_is_not_one_is_named() -> None:
+    from actors.launchers import local_rank
+
+    with pytest.raises(ValueError, match="LOCAL_RANK is not a whole number: 'x'"):
+        local_rank({"LOCAL_RANK": "x"})
+    with pytest.raises(ValueError, match="SLURM_LOCALID must be >= 0, got -1"):
+        local_rank({"SLURM_LOCALID": "-1"})
+
+
+def test_the_node_resolves_device_auto_as_it_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    from actors import node
+
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(node, "visible_gpu_count", lambda: 2)
+    args = node.parse_args(["--join", "tcp://127.0.0.1:1", "--device", "auto"])
+    node._resolve_device(args)
+    assert args.device == "cuda:1"
+    monkeypatch.setattr(node, "visible_gpu_count", lambda: 0)
+    args = node.parse_args(["--join", "tcp://127.0.0.1:1", "--device", "auto"])
+    node._resolve_device(args)
+    assert args.device == "cpu"
