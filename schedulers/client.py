@@ -490,8 +490,7 @@ class Job:
             CheckpointError: ``directory`` is not empty, or a node cannot write there.
             ValueError: another ``format``, before anything is sent.
         """
-        if not isinstance(format, str) or format not in EXPORT_FORMATS:  # checked here, before anything is sent
-            raise ValueError(f"export writes {' or '.join(EXPORT_FORMATS)}, not {str(format)[:40]!r}")
+        format = _export_format(format)  # before anything is sent
         with _checkpoint_errors():
             return await self._call(JobActor.export, None).call(*_as_sent(directory), format)
 
@@ -534,3 +533,14 @@ class Job:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
+
+
+def _export_format(format: Any) -> str:
+    """``Job.export``'s format, checked at the call, before anything is sent.
+
+    Raises:
+        ValueError: not one the stages write.
+    """
+    if not isinstance(format, str) or format not in EXPORT_FORMATS:
+        raise ValueError(f"export writes {' or '.join(EXPORT_FORMATS)}, not {str(format)[:40]!r}")
+    return format
